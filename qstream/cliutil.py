@@ -1,0 +1,76 @@
+"""Small click helpers shared by the commands: both option spellings, greedy multi-value
+options, and the ``--json PATH|-`` convention.  No command logic lives here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from qstream.errors import QStreamError
+
+
+def spellings(name: str) -> list[str]:
+    """``model_dir`` -> ``["--model-dir", "--model_dir"]`` (DESIGN.md section 2: both are accepted)."""
+    dashed, underscored = "--" + name.replace("_", "-"), "--" + name
+    return [dashed] if dashed == underscored else [dashed, underscored]
+
+
+def option(name: str, **kwargs: Any):
+    """A click option reachable as ``--a-b`` and ``--a_b``, stored under ``a_b``."""
+    return click.option(*spellings(name), name, **kwargs)
+
+
+class GreedyOption(click.Option):
+    """An option that takes every following value up to the next option, as argparse's
+    ``nargs="+"`` does: ``--include_layers mlp.gate_proj mlp.up_proj``.  Repeating the
+    flag appends.  Published quantization recipes are written this way."""
+
+    def add_to_parser(self, parser, ctx):  # noqa: D401 - click hook
+        super().add_to_parser(parser, ctx)
+        for opt_name in self.opts:
+            parser_opt = parser._long_opt.get(opt_name) or parser._short_opt.get(opt_name)
+            if parser_opt is None:
+                continue
+            original = parser_opt.process
+
+            def process(value, state, _original=original):
+                values = [value]
+                while state.rargs and not state.rargs[0].startswith("-"):
+                    values.append(state.rargs.pop(0))
+                for v in values:
+                    _original(v, state)
+
+            parser_opt.process = process
+
+
+def greedy_option(name: str, **kwargs: Any):
+    return click.option(*spellings(name), name, cls=GreedyOption, multiple=True, **kwargs)
+
+
+def json_option():
+    return click.option(
+        "--json", "json_path", default=None, metavar="PATH",
+        help="Also write the results as JSON to PATH ('-' for standard output).",
+    )
+
+
+def write_json(data: Any, path: str | None) -> None:
+    """Write ``data`` to ``path`` ('-' = stdout).  A file is written whole or not at all."""
+    if path is None:
+        return
+    text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise QStreamError(f"cannot write {path}: {exc.strerror}") from exc

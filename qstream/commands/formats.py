@@ -1,0 +1,56 @@
+"""``qstream formats``: the three formats side by side, with their weight SNR on a seeded
+Gaussian test tensor."""
+
+from __future__ import annotations
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from qstream.cliutil import json_option, option, write_json
+from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
+
+
+def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]:
+    """One record per format: layout facts plus the SNR on a bf16 N(0, 0.02²) tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16)
+    records = []
+    for spec in FORMATS.values():
+        w_hat = dequantize(spec.name, quantize(spec.name, w))
+        records.append({
+            "format": spec.name,
+            "bits_per_weight": spec.bits_per_weight if spec.block_size else 8 + 16 / cols,
+            "block_size": spec.block_size or "per channel",
+            "scale_type": spec.scale_type,
+            "vllm_layout": spec.layout,
+            "weight_snr_db": round(weight_snr_db(w, w_hat), 3),
+        })
+    return records
+
+
+@click.command()
+@option("seed", type=int, default=0, show_default=True, help="Seed of the Gaussian test tensor.")
+@json_option()
+def formats(seed: int, json_path: str | None) -> None:
+    """Show the weight formats qstream writes and their weight SNR.
+
+    Bits per weight include the scales (FP8's per-channel scale is amortised over the
+    4096-wide test row).  Example: qstream formats --json -
+    """
+    records = format_table(seed=seed)
+    if json_path == "-":
+        write_json({"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed,
+                    "formats": records}, "-")
+        return
+    table = Table(title="qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed "
+                  f"{seed})")
+    for col in ("format", "bits/weight", "block", "scale", "vLLM layout", "weight SNR (dB)"):
+        table.add_column(col, justify="right" if col in ("bits/weight", "weight SNR (dB)") else "left")
+    for r in records:
+        table.add_row(r["format"], f"{r['bits_per_weight']:.3f}", str(r["block_size"]),
+                      r["scale_type"], r["vllm_layout"], f"{r['weight_snr_db']:.2f}")
+    Console().print(table)
+    write_json({"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed,
+                "formats": records}, json_path)

@@ -1,0 +1,9 @@
+"""The one exception type for user mistakes.
+
+Library code raises :class:`QStreamError` with a message that names the file, tensor or value
+at fault; the CLI turns it into ``Error: <message>`` and exit status 1 (see ``qstream/cli.py``).
+"""
+
+
+class QStreamError(Exception):
+    """A problem with the user's input: bad file, bad tensor, bad option value."""

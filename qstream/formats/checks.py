@@ -1,0 +1,39 @@
+"""Input checks shared by the three formats, and cache-sized row chunking."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from qstream.errors import QStreamError
+from qstream.formats.spec import SUPPORTED_DTYPES
+
+# Rows are processed in chunks of about this many elements (1 MiB of float32), so that the
+# several elementwise passes over a chunk hit the CPU cache instead of memory.
+CHUNK_ELEMENTS = 1 << 18
+
+
+def check_weight(w: torch.Tensor, name: str, block: int = 1) -> None:
+    """A 2-D ``[N_out, K_in]`` float weight whose K splits into blocks along the row."""
+    if w.dtype not in SUPPORTED_DTYPES:
+        raise QStreamError(f"{name}: dtype {w.dtype} is not bf16, fp16 or fp32")
+    if w.ndim != 2:
+        raise QStreamError(f"{name}: expected a 2-D [out, in] weight, got shape {tuple(w.shape)}")
+    if w.shape[1] % block:
+        raise QStreamError(
+            f"{name}: shape {tuple(w.shape)} has K={w.shape[1]}, "
+            f"not a multiple of the block size {block}"
+        )
+
+
+def check_finite(amax: torch.Tensor, name: str) -> None:
+    """``amax`` reductions propagate NaN and Inf, so checking them checks every element."""
+    if not torch.isfinite(amax).all():
+        raise QStreamError(f"{name}: weight contains NaN or Inf")
+
+
+def row_chunks(n_rows: int, row_elements: int) -> Iterator[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(1, row_elements))
+    for start in range(0, n_rows, step):
+        yield slice(start, min(start + step, n_rows))

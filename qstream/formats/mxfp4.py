@@ -1,0 +1,84 @@
+"""MXFP4: E2M1 elements in blocks of 32 along K with a shared E8M0 (power-of-two) scale
+(OCP MX v1.0 element and scale types; DESIGN.md section 3; compressed-tensors'
+``mxfp4-pack-quantized``).
+
+Scale rule ("even" rounding of the block amax, as vLLM's MXFP4 checkpoints use): round the amax
+to one mantissa bit (so ``amax >= 1.75 * 2**e`` moves up to ``2**(e+1)``), then
+``e8m0 = 127 + floor(log2(that)) - 2`` clamped to 0..255; a zero block gets 0."""
+
+from __future__ import annotations
+
+import torch
+
+from qstream.formats import e2m1
+from qstream.formats.checks import check_finite, check_weight, row_chunks
+from qstream.formats.spec import FP4_MAX, MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
+
+_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def _round_mantissa_to_one_bit(amax: torch.Tensor) -> torch.Tensor:
+    """Round a non-negative float to a power of two, up when its mantissa is >= 0.75 of the
+    binade (i.e. to E2M1's mantissa width, then drop the mantissa), with integer bit operations."""
+    mantissa_bits = _MANTISSA_BITS[amax.dtype]
+    bits = amax.view(_INT_VIEW[amax.dtype]).to(torch.int32)
+    bits = (bits + (1 << (mantissa_bits - 2))) & ~((1 << mantissa_bits) - 1)
+    return bits.to(_INT_VIEW[amax.dtype]).view(amax.dtype)
+
+
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """``floor(log2(x))`` of a positive power of two, exactly, from float64 bits (every float32
+    power of two, subnormal 2**-127 included, is normal in float64).  Zero gives -1023."""
+    return (x.double().view(torch.int64) >> 52) - 1023
+
+
+def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2**exponent`` built from float64 bits (exact), then rounded to ``dtype``."""
+    return ((exponent.long() + 1023) << 52).view(torch.float64).to(dtype)
+
+
+def block_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Block amax (weight dtype) -> the float scale ``2**(e8m0 - 127)`` in that dtype.
+
+    A scale that underflows the dtype (possible for fp16) becomes 1.0, as in compressed-tensors.
+    """
+    e8m0 = (MXFP4_E8M0_BIAS - MXFP4_ELEM_EMAX + _exponent(_round_mantissa_to_one_bit(amax)))
+    scale = _power_of_two(e8m0.clamp_(0, 255) - MXFP4_E8M0_BIAS, amax.dtype)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def encode_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Float power-of-two scale -> stored E8M0 byte."""
+    return (MXFP4_E8M0_BIAS + _exponent(scale)).to(torch.uint8)
+
+
+def decode_scale(e8m0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _power_of_two(e8m0.long() - MXFP4_E8M0_BIAS, dtype)
+
+
+def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``."""
+    check_weight(w, name, MXFP4_BLOCK)
+    n, k = w.shape
+    packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((n, k // MXFP4_BLOCK), dtype=torch.uint8, device=w.device)
+    for rows in row_chunks(n, k):
+        blocks = w[rows].view(-1, k // MXFP4_BLOCK, MXFP4_BLOCK)  # [r, G, 32]
+        amax = blocks.abs().amax(dim=-1)  # [r, G]
+        check_finite(amax, name)
+        scale = block_scale(amax)
+        # Division by a power of two is exact, so x * (1/scale) in float32 classifies every
+        # element exactly as compressed-tensors' division in the weight dtype does.
+        y = blocks.float() * torch.reciprocal(scale.float()).unsqueeze(-1)
+        packed[rows] = e2m1.pack(e2m1.round_to_codes(y.clamp_(-FP4_MAX, FP4_MAX)).view(-1, k))
+        scales[rows] = encode_scale(scale)
+    return packed, scales
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+    """``E2M1 * 2**(e8m0 - 127)`` in ``dtype`` (bf16 by default, as compressed-tensors returns)."""
+    values = e2m1.decode(e2m1.unpack(packed), dtype)  # [N, K]
+    n, k = values.shape
+    blocks = values.view(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
+    return (blocks * decode_scale(scale, dtype).unsqueeze(-1)).view(n, k)

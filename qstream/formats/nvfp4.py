@@ -1,0 +1,81 @@
+"""NVFP4: E2M1 elements in blocks of 16 along K, an FP8 E4M3 scale per block and one FP32
+global scale per tensor, or per fused group (DESIGN.md section 3; compressed-tensors'
+``nvfp4-pack-quantized``, ``strategy: tensor_group``).
+
+``gs = 448 * 6 / amax(|W|)`` in the weight dtype (as ``(1/amax) * 2688``, see global_scale), stored float32 (1.0 when that is not finite,
+e.g. for an all-zero tensor); ``s = fp8(clamp(gs * (amax_block / 6), +-448))`` with
+``amax_block / 6`` in the weight dtype, a zero ``s`` becoming 0.125; elements ``w / (s / gs)``
+in float32 rounded to E2M1."""
+
+from __future__ import annotations
+
+import torch
+
+from qstream.formats import e2m1
+from qstream.formats.checks import check_finite, check_weight, row_chunks
+from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
+
+
+def tensor_amax(w: torch.Tensor) -> torch.Tensor:
+    """``amax(|w|)`` in ``w.dtype``: the input of :func:`global_scale`.  For a fused group, pass
+    the max over the members' amaxes (the group then shares one global scale)."""
+    return w.abs().amax()
+
+
+def global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``[1]`` float32 global scale from a tensor (or group) amax given in the weight dtype."""
+    amax = amax.clamp(min=torch.finfo(amax.dtype).tiny)
+    # compressed-tensors writes ``448 * 6 / amax``, which torch evaluates as
+    # ``amax.reciprocal() * 2688`` (Tensor.__rtruediv__): two roundings in the weight dtype.
+    scale = amax.reciprocal() * (FP8_MAX * FP4_MAX)
+    return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).float().reshape(1)
+
+
+def block_scale(block_amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    """Block amax (weight dtype) and global scale -> float8_e4m3fn block scale."""
+    local = block_amax / torch.tensor(FP4_MAX, dtype=block_amax.dtype)
+    scale = (gs * local).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    scale = torch.where(scale == 0, NVFP4_ZERO_BLOCK_SCALE, scale)
+    return scale.to(torch.float8_e4m3fn)
+
+
+def quantize(
+    w: torch.Tensor, name: str = "weight", global_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16],
+    weight_global_scale float32 [1])``.
+
+    ``global_amax`` (weight dtype) overrides the tensor's own amax so that the members of a fused
+    group share one global scale; it must be at least the tensor's own amax.
+    """
+    check_weight(w, name, NVFP4_BLOCK)
+    n, k = w.shape
+    groups = k // NVFP4_BLOCK
+    amax = tensor_amax(w) if global_amax is None else torch.as_tensor(global_amax, dtype=w.dtype)
+    check_finite(amax, name)
+    gs = global_scale(amax)
+    packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((n, groups), dtype=torch.float8_e4m3fn, device=w.device)
+    for rows in row_chunks(n, k):
+        blocks = w[rows].view(-1, groups, NVFP4_BLOCK)  # [r, G, 16]
+        block_amax = blocks.abs().amax(dim=-1)  # [r, G]
+        check_finite(block_amax, name)
+        s = block_scale(block_amax, gs)
+        divisor = s.float() / gs  # [r, G], rounded to float32 as compressed-tensors does
+        y = (blocks.float() / divisor.unsqueeze(-1)).clamp_(-FP4_MAX, FP4_MAX)
+        packed[rows] = e2m1.pack(e2m1.round_to_codes(y).view(-1, k))
+        scales[rows] = s
+    return packed, scales, gs
+
+
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``E2M1 * (weight_scale / weight_global_scale)`` in float32, rounded to ``dtype`` (bf16 by
+    default), as compressed-tensors decompresses."""
+    values = e2m1.decode(e2m1.unpack(packed), torch.float32)  # [N, K]
+    n, k = values.shape
+    step = scale.to(dtype).float() / global_scale.float()  # [N, G]
+    blocks = values.view(n, k // NVFP4_BLOCK, NVFP4_BLOCK) * step.unsqueeze(-1)
+    return blocks.view(n, k).to(dtype)
