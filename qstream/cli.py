@@ -1,8 +1,9 @@
 """The ``qstream`` command line: a thin click layer over the library.
 
-Every command lives in ``qstream/commands/<name>.py`` and is registered below.  This is the one
-place where a :class:`~qstream.errors.QStreamError` becomes ``Error: <message>`` on stderr and
-exit status 1 (DESIGN.md section 2): commands never print tracebacks for user mistakes.
+Every command lives in ``qstream/commands/<name>.py`` and is registered below.  Commands use
+``cliutil.Command``, whose ``invoke`` is the one place where a
+:class:`~qstream.errors.QStreamError` becomes ``Error: <message>`` on stderr and exit status 1
+(DESIGN.md section 2): commands never print tracebacks for user mistakes.
 """
 
 from __future__ import annotations
@@ -10,26 +11,7 @@ from __future__ import annotations
 import click
 
 from qstream import __version__
-from qstream.errors import QStreamError
-
-
-class _UserErrorsExit:
-    """Mixin for click commands: turn QStreamError into one line and exit status 1."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except QStreamError as exc:
-            click.echo(f"Error: {exc}", err=True)
-            ctx.exit(1)
-
-
-class Command(_UserErrorsExit, click.Command):
-    pass
-
-
-class Group(_UserErrorsExit, click.Group):
-    command_class = Command
+from qstream.cliutil import Group
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -13,6 +13,26 @@ import click
 from qstream.errors import QStreamError
 
 
+class _UserErrorsExit:
+    """Mixin for click commands: turn QStreamError into one line on stderr and exit status 1.
+    This is the only place that happens (DESIGN.md section 2)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except QStreamError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            ctx.exit(1)
+
+
+class Command(_UserErrorsExit, click.Command):
+    pass
+
+
+class Group(_UserErrorsExit, click.Group):
+    command_class = Command
+
+
 def spellings(name: str) -> list[str]:
     """``model_dir`` -> ``["--model-dir", "--model_dir"]`` (DESIGN.md section 2: both are accepted)."""
     dashed, underscored = "--" + name.replace("_", "-"), "--" + name

@@ -8,7 +8,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from qstream.cliutil import json_option, option, write_json
+from qstream.cliutil import Command, json_option, option, write_json
 from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
 
 
@@ -30,7 +30,7 @@ def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]
     return records
 
 
-@click.command()
+@click.command(cls=Command)
 @option("seed", type=int, default=0, show_default=True, help="Seed of the Gaussian test tensor.")
 @json_option()
 def formats(seed: int, json_path: str | None) -> None:

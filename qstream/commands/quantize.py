@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import click
 
-from qstream.cliutil import greedy_option, option
+from qstream.cliutil import Command, greedy_option, option
 from qstream.errors import QStreamError
 
 
-def _command_class():
-    from qstream.cli import Command
-
-    return Command
-
-
-@click.command(cls=_command_class())
+@click.command(cls=Command)
 @option("model_dir", required=True, type=click.Path(file_okay=False), help="Input checkpoint.")
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @option("quant_format", required=True, type=click.Choice(["fp8", "mxfp4", "nvfp4"]))
