@@ -1,0 +1,136 @@
+"""A Hugging Face style checkpoint directory: ``config.json``, its safetensors shards (through
+``model.safetensors.index.json`` when there is one), and every other file.  Opening one reads
+and validates all headers and the index; no tensor data is touched."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from qstream.checkpoint.safetensors_io import ShardHeader, TensorInfo, read_header
+from qstream.errors import QStreamError
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    directory: Path
+    config: dict
+    shards: dict[str, ShardHeader]  # file name -> header, in shard order
+    tensor_shard: dict[str, str]  # tensor name -> file name
+    has_index: bool
+
+    def info(self, name: str) -> TensorInfo:
+        return self.shards[self.tensor_shard[name]].tensors[name]
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return {name: self.info(name) for name in self.tensor_shard}
+
+    @property
+    def weight_files(self) -> set[str]:
+        return set(self.shards) | ({INDEX_NAME} if self.has_index else set())
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(h.file_size for h in self.shards.values())
+
+
+def read_json(path: Path, what: str, object_pairs_hook=None):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=object_pairs_hook)
+    except FileNotFoundError:
+        raise QStreamError(f"{path}: missing {what}") from None
+    except OSError as exc:
+        raise QStreamError(f"{path}: cannot read {what}: {exc.strerror}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QStreamError(f"{path}: {what} is not valid JSON ({exc})") from exc
+
+
+def _no_duplicate_keys(path: Path):
+    """A JSON object hook that refuses a key given twice (json keeps the last silently)."""
+    def hook(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise QStreamError(f"{path}: {key!r} appears twice (mapped to {seen[key]!r} "
+                                   f"and {value!r})")
+            seen[key] = value
+        return seen
+    return hook
+
+
+def read_config(directory: Path) -> dict:
+    config = read_json(directory / CONFIG_NAME, "config.json")
+    if not isinstance(config, dict):
+        raise QStreamError(f"{directory / CONFIG_NAME}: not a JSON object")
+    return config
+
+
+def open_checkpoint(directory: str | Path) -> Checkpoint:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise QStreamError(f"{directory}: not a directory")
+    config = read_config(directory)
+    index_path = directory / INDEX_NAME
+    if index_path.exists():
+        weight_map = _read_index(index_path)
+        names = list(dict.fromkeys(weight_map.values()))
+    else:
+        weight_map = None
+        names = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
+        if not names:
+            raise QStreamError(f"{directory}: no *.safetensors files and no {INDEX_NAME}")
+    shards = {}
+    for name in names:
+        if not (directory / name).is_file():
+            raise QStreamError(f"{index_path}: names shard {name!r}, which does not exist")
+        shards[name] = read_header(directory / name)
+    tensor_shard = _locate_tensors(shards)
+    if weight_map is not None:
+        _check_index(index_path, weight_map, tensor_shard)
+        tensor_shard = {t: tensor_shard[t] for t in weight_map}
+    return Checkpoint(directory, config, shards, tensor_shard, weight_map is not None)
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    index = read_json(path, "safetensors index", _no_duplicate_keys(path))
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(v, str) for v in weight_map.values()
+    ):
+        raise QStreamError(f"{path}: no weight_map of tensor name -> shard file")
+    for tensor, shard in weight_map.items():
+        if Path(shard).name != shard:
+            raise QStreamError(f"{path}: tensor {tensor!r} names shard {shard!r} outside the "
+                               "checkpoint directory")
+    return weight_map
+
+
+def _locate_tensors(shards: dict[str, ShardHeader]) -> dict[str, str]:
+    located: dict[str, str] = {}
+    for shard, header in shards.items():
+        for tensor in header.tensors:
+            if tensor in located:
+                raise QStreamError(f"tensor {tensor!r} is in two shards: {located[tensor]} "
+                                   f"and {shard}")
+            located[tensor] = shard
+    return located
+
+
+def _check_index(path: Path, weight_map: dict[str, str], located: dict[str, str]) -> None:
+    for tensor, shard in weight_map.items():
+        actual = located.get(tensor)
+        if actual is None:
+            raise QStreamError(f"{path}: tensor {tensor!r} is mapped to {shard}, which does not "
+                               "contain it")
+        if actual != shard:
+            raise QStreamError(f"{path}: tensor {tensor!r} is mapped to {shard} but is in "
+                               f"{actual}")
+    extra = [t for t in located if t not in weight_map]
+    if extra:
+        raise QStreamError(f"{path}: tensor {extra[0]!r} (in {located[extra[0]]}) is missing "
+                           "from the index")

@@ -1,0 +1,75 @@
+"""What a quantized checkpoint contains besides the codes: the ``quantization_config`` block
+(DESIGN.md section 4) and the stored tensors of each quantized module.
+
+``targets`` is ``["Linear"]`` and ``ignore`` names every other weight-holding module explicitly,
+so the quantized set is exactly "Linear modules minus ignore".  A class target rather than a
+list of module names, because vLLM's fused-MoE loader only recognises a group whose targets
+contain ``"Linear"``; it is also what llm-compressor's ``model_free_ptq`` writes.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import torch
+
+from qstream.checkpoint.safetensors_io import DTYPE_NAMES, PlannedTensor, TensorInfo
+from qstream.formats import FORMATS, get_format, quantize
+
+# The compressed-tensors release qstream's formats are tested against; written as the config's
+# "version" when compressed-tensors itself is not installed.
+TESTED_COMPRESSED_TENSORS = "0.20.1"
+TARGETS = ["Linear"]
+
+
+def compressed_tensors_version() -> str:
+    try:
+        return metadata.version("compressed-tensors")
+    except metadata.PackageNotFoundError:
+        return TESTED_COMPRESSED_TENSORS
+
+
+def quantization_config(fmt: str, ignore: list[str]) -> dict:
+    """The ``quantization_config`` block for a weight-only ``fmt`` checkpoint."""
+    spec = get_format(fmt)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": spec.layout,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": list(TARGETS),
+            "weights": dict(spec.weights_args),
+            "input_activations": None,
+            "output_activations": None,
+            "format": spec.layout,
+        }},
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "version": compressed_tensors_version(),
+    }
+
+
+def format_of_layout(layout: str) -> str | None:
+    """compressed-tensors format string -> qstream format name (None if not one of ours)."""
+    return next((f for f, spec in FORMATS.items() if spec.layout == layout), None)
+
+
+_STORED_CACHE: dict[tuple[str, int, str], list[tuple[str, str, int | None]]] = {}
+
+
+def stored_tensors(fmt: str, module: str, weight: TensorInfo) -> list[PlannedTensor]:
+    """Names, dtypes and shapes of what ``module`` stores once quantized, as the format functions
+    produce them (found by quantizing a two-row zero weight of the same K and dtype)."""
+    n, k = weight.shape
+    key = (fmt, k, weight.dtype)
+    if key not in _STORED_CACHE:
+        probe = quantize(fmt, torch.zeros((2, k), dtype=weight.torch_dtype))
+        _STORED_CACHE[key] = [
+            # row-wise tensors have 2 rows here; a per-tensor one (NVFP4's global scale) has 1
+            (suffix, DTYPE_NAMES[t.dtype], t.shape[1] if t.ndim == 2 and t.shape[0] == 2 else None)
+            for suffix, t in probe.items()
+        ]
+    return [PlannedTensor(f"{module}.{suffix}", dtype, (n, width) if width is not None else (1,))
+            for suffix, dtype, width in _STORED_CACHE[key]]
