@@ -220,3 +220,30 @@ def test_weight_snr_matches_its_definition():
 def test_exactly_representable_weights_round_trip_unchanged(fmt, row):
     w = torch.tensor([row * 8], dtype=torch.bfloat16)
     assert torch.equal(dequantize(fmt, quantize(fmt, w)), w)
+
+
+def _threshold_codes(y: torch.Tensor) -> torch.Tensor:
+    """DESIGN.md's definition, written independently: count the decision points |y| passes."""
+    from qstream.formats.spec import E2M1_STEPS
+
+    a = y.abs()
+    index = torch.zeros(a.shape, dtype=torch.uint8)
+    for threshold, inclusive in E2M1_STEPS:
+        index += (a >= threshold) if inclusive else (a > threshold)
+    return index | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def test_bit_trick_rounding_equals_the_threshold_definition_near_every_tie():
+    # every float32 within 3000 ulps of each tie and grid point, both signs, plus subnormals,
+    # huge values and a dense random sweep of [-8, 8]
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
+                           0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 1e-40, 1e-30, 7.0])
+    offsets = torch.arange(-3000, 3001, dtype=torch.int32)
+    near = (points.view(torch.int32)[:, None] + offsets).view(torch.float32).flatten()
+    gen = torch.Generator().manual_seed(0)
+    y = torch.cat([near, -near, torch.rand(1_000_000, generator=gen) * 16 - 8,
+                   torch.tensor([0.0, -0.0, 1e30, -1e30, float("inf"), -float("inf")])])
+    y = y[~torch.isnan(y)]
+    assert torch.equal(e2m1.round_to_codes(y), _threshold_codes(y))
+    assert torch.equal(e2m1.encode_packed(y[: y.numel() // 2 * 2].reshape(2, -1)),
+                       e2m1.pack(_threshold_codes(y[: y.numel() // 2 * 2]).reshape(2, -1)))

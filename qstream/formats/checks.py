@@ -33,6 +33,30 @@ def check_finite(amax: torch.Tensor, name: str) -> None:
         raise QStreamError(f"{name}: weight contains NaN or Inf")
 
 
+_MAGNITUDE = {  # integer view and the mask that clears the sign bit
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
+
+
+def block_abs_max(w: torch.Tensor, block: int) -> torch.Tensor:
+    """``amax(|w|)`` over consecutive blocks of ``block`` elements along the last dim, in
+    ``w.dtype`` (exact).  Computed on the integer view with the sign bit cleared, where the
+    order of magnitudes is the order of integers: one cheap pass, no float temporary.
+    NaN sorts above Inf, so a NaN anywhere in a block makes that block's result NaN."""
+    int_dtype, mask = _MAGNITUDE[w.dtype]
+    magnitude = w.contiguous().view(int_dtype) & mask
+    blocks = magnitude.view(*w.shape[:-1], w.shape[-1] // block, block)
+    return blocks.amax(dim=-1).view(w.dtype)
+
+
+def abs_max(w: torch.Tensor) -> torch.Tensor:
+    """``amax(|w|)`` of a whole 2-D tensor, in ``w.dtype``, in cache-sized row chunks."""
+    chunk_max = [block_abs_max(w[rows], w.shape[1]).amax() for rows in row_chunks(*w.shape)]
+    return torch.stack(chunk_max).amax() if chunk_max else torch.zeros((), dtype=w.dtype)
+
+
 def row_chunks(n_rows: int, row_elements: int) -> Iterator[slice]:
     step = max(1, CHUNK_ELEMENTS // max(1, row_elements))
     for start in range(0, n_rows, step):

@@ -1,40 +1,76 @@
 """The E2M1 (FP4) core shared by MXFP4 and NVFP4: rounding to 4-bit codes, nibble packing,
 and decoding.  A code is ``sign << 3 | index`` with ``index`` into ``E2M1_GRID``; element 2j
-of a row goes in the low nibble of byte j, element 2j+1 in the high nibble."""
+of a row goes in the low nibble of byte j, element 2j+1 in the high nibble.
+
+Rounding is done with float32 bit arithmetic rather than by bucketing (see :func:`_codes32`);
+``tests/test_formats_spec.py`` checks it against the threshold definition of DESIGN.md around
+every tie, and ``tests/test_formats_vs_compressed_tensors.py`` against compressed-tensors.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from qstream.formats.spec import E2M1_GRID, E2M1_STEPS
+from qstream.formats.spec import E2M1_GRID, FP4_MAX
 
 # code -> value, including -0.0 for code 8 so that decoding keeps the sign bit
 _DECODE = torch.tensor([*E2M1_GRID, *(-v for v in E2M1_GRID)], dtype=torch.float32)
 _DECODE[8] = -0.0
 
+_EXPONENT_MASK = 0x7F800000
+_ONE_BITS = 0x3F800000  # float32 1.0: E2M1's smallest normal binade
+_MAGIC_SHIFT = 22 << 23  # 2**22 times the binade: its ulp is the E2M1 step of that binade
+
+
+def _codes32(magnitude: torch.Tensor, sign_source: torch.Tensor) -> torch.Tensor:
+    """int32 codes from float32 ``|y|`` (consumed in place) and a float32 tensor with y's signs.
+
+    1. Saturate at 6.
+    2. Round half to even onto the E2M1 grid with one float addition: ``(a + M) - M`` where
+       ``M = 2**(22 + e)`` and ``e = max(floor(log2 a), 0)``; the ulp of M is exactly the grid
+       step of a's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so the hardware's
+       round-to-nearest-even performs the rounding, once, with no double rounding.
+    3. Scale the (exact) grid value by 2**-126: float32's own encoding of it then *is* the E2M1
+       encoding (0.5 becomes the subnormal 2**-127 = 0b01 << 22, 6 becomes 0b111 << 22).
+    4. The sign bit comes from ``signbit`` of the input, so -0 and small negatives keep it.
+    """
+    a = magnitude.clamp_(max=FP4_MAX)
+    binade = (a.view(torch.int32) & _EXPONENT_MASK).clamp_(min=_ONE_BITS).add_(_MAGIC_SHIFT)
+    magic = binade.view(torch.float32)
+    grid = (a + magic).sub_(magic).mul_(2.0 ** -126)
+    return (grid.view(torch.int32) >> 22) | ((sign_source.view(torch.int32) >> 28) & 8)
+
+
+def _pack32(codes: torch.Tensor) -> torch.Tensor:
+    """int32 codes ``[..., K]`` -> bytes ``[..., K/2]``: one int64 word holds a pair."""
+    words = codes.contiguous().view(torch.int64)  # little endian: element 2j is the low half
+    return ((words & 0x0F) | ((words >> 28) & 0xF0)).to(torch.uint8)
+
+
+def encode_packed(y: torch.Tensor) -> torch.Tensor:
+    """Already-scaled float values ``[..., K]`` -> packed E2M1 bytes ``[..., K/2]``."""
+    y = y.float()
+    return _pack32(_codes32(y.abs(), y))
+
+
+def encode_scaled_magnitude(magnitude: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Packed bytes from float32 ``|y|`` (a fresh tensor, consumed) and the float32 tensor whose
+    signs y has -- the quantizers pass the weight itself, since their scales are positive."""
+    return _pack32(_codes32(magnitude, signs))
+
 
 def round_to_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round already-scaled values to E2M1 codes (uint8, same shape).
-
-    Round-half-to-even with saturation at +-6: the index is the number of decision points that
-    ``|y|`` passes, counted with integer adds on byte masks (no bucketing, no float rounding).
-    The sign bit is ``signbit(y)``, so ``-0`` and small negatives that round to zero keep it, as
-    compressed-tensors' packer does.  NaN is the caller's job to reject beforehand.
-    """
-    a = y.abs()
-    index = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
-    for threshold, inclusive in E2M1_STEPS:
-        index += (a >= threshold) if inclusive else (a > threshold)
-    return index | (torch.signbit(y).to(torch.uint8) << 3)
+    """Round already-scaled values to E2M1 codes (uint8, same shape): round half to even,
+    saturating at +-6, sign bit from ``signbit(y)``.  NaN must be rejected beforehand."""
+    y = y.float()
+    return _codes32(y.abs(), y).to(torch.uint8)
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """``[..., K]`` codes -> ``[..., K/2]`` bytes, element 2j in the low nibble."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd number of 4-bit codes: shape {tuple(codes.shape)}")
-    # Little-endian int16 view: byte 2j is the low byte, 2j+1 the high byte of one word.
-    words = codes.contiguous().view(torch.int16)
-    return ((words & 0x0F) | ((words >> 4) & 0xF0)).to(torch.uint8)
+    return _pack32(codes.to(torch.int32))
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

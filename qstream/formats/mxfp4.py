@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from qstream.formats import e2m1
-from qstream.formats.checks import check_finite, check_weight, row_chunks
-from qstream.formats.spec import FP4_MAX, MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
+from qstream.formats.checks import block_abs_max, check_finite, check_weight, row_chunks
+from qstream.formats.spec import MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
@@ -64,14 +64,16 @@ def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
     scales = torch.empty((n, k // MXFP4_BLOCK), dtype=torch.uint8, device=w.device)
     for rows in row_chunks(n, k):
-        blocks = w[rows].view(-1, k // MXFP4_BLOCK, MXFP4_BLOCK)  # [r, G, 32]
-        amax = blocks.abs().amax(dim=-1)  # [r, G]
+        chunk = w[rows]
+        amax = block_abs_max(chunk, MXFP4_BLOCK)  # [r, G]
         check_finite(amax, name)
         scale = block_scale(amax)
         # Division by a power of two is exact, so x * (1/scale) in float32 classifies every
         # element exactly as compressed-tensors' division in the weight dtype does.
-        y = blocks.float() * torch.reciprocal(scale.float()).unsqueeze(-1)
-        packed[rows] = e2m1.pack(e2m1.round_to_codes(y.clamp_(-FP4_MAX, FP4_MAX)).view(-1, k))
+        inverse = torch.reciprocal(scale.float()).unsqueeze(-1)  # [r, G, 1]
+        x = chunk.float()  # may alias the input (fp32): only read from here on
+        magnitude = x.abs().view(-1, k // MXFP4_BLOCK, MXFP4_BLOCK).mul_(inverse)
+        packed[rows] = e2m1.encode_scaled_magnitude(magnitude.view(-1, k), x)
         scales[rows] = encode_scale(scale)
     return packed, scales
 

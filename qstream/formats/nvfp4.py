@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from qstream.formats import e2m1
-from qstream.formats.checks import check_finite, check_weight, row_chunks
+from qstream.formats.checks import abs_max, block_abs_max, check_finite, check_weight, row_chunks
 from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
 
 
 def tensor_amax(w: torch.Tensor) -> torch.Tensor:
     """``amax(|w|)`` in ``w.dtype``: the input of :func:`global_scale`.  For a fused group, pass
     the max over the members' amaxes (the group then shares one global scale)."""
-    return w.abs().amax()
+    return abs_max(w)
 
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -57,13 +57,14 @@ def quantize(
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
     scales = torch.empty((n, groups), dtype=torch.float8_e4m3fn, device=w.device)
     for rows in row_chunks(n, k):
-        blocks = w[rows].view(-1, groups, NVFP4_BLOCK)  # [r, G, 16]
-        block_amax = blocks.abs().amax(dim=-1)  # [r, G]
+        chunk = w[rows]
+        block_amax = block_abs_max(chunk, NVFP4_BLOCK)  # [r, G]
         check_finite(block_amax, name)
         s = block_scale(block_amax, gs)
-        divisor = s.float() / gs  # [r, G], rounded to float32 as compressed-tensors does
-        y = (blocks.float() / divisor.unsqueeze(-1)).clamp_(-FP4_MAX, FP4_MAX)
-        packed[rows] = e2m1.pack(e2m1.round_to_codes(y).view(-1, k))
+        divisor = (s.float() / gs).unsqueeze(-1)  # [r, G, 1], float32 as compressed-tensors
+        x = chunk.float()  # may alias the input (fp32): only read from here on
+        magnitude = x.abs().view(-1, groups, NVFP4_BLOCK).div_(divisor)  # |x / d|: d > 0
+        packed[rows] = e2m1.encode_scaled_magnitude(magnitude.view(-1, k), x)
         scales[rows] = s
     return packed, scales, gs
 
