@@ -80,8 +80,9 @@ def weight_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
 
 
 def fused_groups(modules: Iterable[str]) -> list[FusedGroup]:
+    modules = list(modules)
     present = set(modules)
-    parents = dict.fromkeys(m.rsplit(".", 1)[0] for m in present if "." in m)
+    parents = dict.fromkeys(m.rsplit(".", 1)[0] for m in modules if "." in m)
     groups = []
     for parent in parents:
         for leaves in FUSED_MEMBERS:

@@ -1,21 +1,126 @@
-"""``qstream quantize`` / ``qstream-quantize`` (being built: see the quantize issue)."""
+"""``qstream quantize`` / ``qstream-quantize``: the click layer over
+:func:`qstream.checkpoint.quantize_checkpoint`."""
 
 from __future__ import annotations
 
-import click
+import sys
+from collections import Counter
 
-from qstream.cliutil import Command, greedy_option, option
-from qstream.errors import QStreamError
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from qstream.checkpoint import QuantizeSummary, quantize_checkpoint
+from qstream.checkpoint.inspect import module_kind
+from qstream.cliutil import Command, greedy_option, json_option, option, write_json
+
+GIB = 1 << 30
 
 
 @click.command(cls=Command)
-@option("model_dir", required=True, type=click.Path(file_okay=False), help="Input checkpoint.")
-@option("output_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@option("quant_format", required=True, type=click.Choice(["fp8", "mxfp4", "nvfp4"]))
-@greedy_option("include_layers", help="Modules to quantize (patterns).")
-@greedy_option("ignore_layers", help="Modules never to quantize (patterns).")
-@option("device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@option("workers", type=int, default=1, show_default=True)
-def quantize(**kwargs) -> None:
-    """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout."""
-    raise QStreamError("quantize is not yet available in this version")
+@option("model_dir", required=True, metavar="DIR", help="Input checkpoint directory.")
+@option("output_dir", required=True, metavar="DIR", help="Output directory (must not exist).")
+@option("quant_format", required=True, metavar="{fp8,mxfp4,nvfp4}", help="Weight format.")
+@greedy_option("include_layers", metavar="PAT...",
+               help="Modules to quantize (default: every 2-D Linear weight except embeddings, "
+                    "lm_head and MoE routers).")
+@greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
+@option("device", default="cpu", show_default=True, metavar="{cpu,cuda}")
+@option("workers", type=int, default=1, show_default=True, help="Tensors quantized in parallel.")
+@option("dry_run", is_flag=True, help="Print the plan and sizes; write nothing.")
+@option("overwrite", is_flag=True, help="Replace an existing output directory.")
+@option("skip_incompatible", is_flag=True,
+        help="Leave weights whose K is not a multiple of the block size unquantized.")
+@json_option()
+def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers, device,
+             workers, dry_run, overwrite, skip_incompatible, json_path) -> None:
+    """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
+
+    Patterns match a module name (a tensor name without .weight) when equal, as a dotted
+    suffix, as a glob, or with re: as a Python regex.  Example:
+
+    \b
+    qstream-quantize --model_dir draft --output_dir draft-fp8 --quant_format fp8 \\
+      --include_layers mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.o_proj
+    """
+    with _progress_bar() as bar:
+        summary = quantize_checkpoint(
+            model_dir, output_dir, quant_format, include=list(include_layers) or None,
+            ignore=list(ignore_layers) or None, device=device, workers=workers,
+            dry_run=dry_run, overwrite=overwrite, skip_incompatible=skip_incompatible,
+            progress=bar,
+        )
+    if json_path != "-":
+        console = Console()
+        if dry_run:
+            console.print(plan_table(summary))
+        console.print(summary_table(summary))
+    write_json(summary.to_json(), json_path)
+
+
+class _progress_bar:
+    """A rich progress bar (bytes and tensors) on a terminal; nothing otherwise."""
+
+    def __enter__(self):
+        if not sys.stderr.isatty():
+            return None
+        self._progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+            transient=True,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("quantizing", total=None)
+        return self.update
+
+    def update(self, done_bytes: int, total_bytes: int, done_tensors: int, total_tensors: int):
+        self._progress.update(self._task, completed=done_bytes, total=total_bytes,
+                              description=f"tensors {done_tensors}/{total_tensors}")
+
+    def __exit__(self, *exc):
+        if hasattr(self, "_progress"):
+            self._progress.stop()
+        return False
+
+
+def plan_table(summary: QuantizeSummary) -> Table:
+    """The dry run's plan: quantized modules by kind, and any skipped ones."""
+    table = Table(title=f"plan: {summary.quant_format} for {summary.model_dir}")
+    table.add_column("quantized module kind")
+    table.add_column("count", justify="right")
+    for kind, count in Counter(module_kind(m) for m in summary.modules_quantized).items():
+        table.add_row(kind, str(count))
+    for module, reason in summary.modules_skipped.items():
+        table.add_row(f"[skipped] {module}: {reason}", "")
+    return table
+
+
+def summary_table(summary: QuantizeSummary) -> Table:
+    s = summary.to_json()
+    table = Table(title="qstream quantize" + (" (dry run: nothing written)" if summary.dry_run
+                                              else f": {summary.output_dir}"))
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_row("format", summary.quant_format)
+    table.add_row("parameters quantized", f"{summary.params_quantized:,} / "
+                  f"{summary.params_total:,} ({s['params_quantized_pct']:.1f}%)")
+    table.add_row("modules quantized / ignored", f"{len(summary.modules_quantized)} / "
+                  f"{len(summary.modules_ignored)}")
+    if summary.modules_skipped:
+        table.add_row("skipped (incompatible shape)", str(len(summary.modules_skipped)))
+    table.add_row("size", f"{summary.bytes_before / GIB:.3f} GiB -> "
+                  f"{summary.bytes_after / GIB:.3f} GiB ({s['size_ratio_pct']:.1f}%)")
+    if summary.weight_snr_db:
+        worst = s["worst_snr_db"]
+        table.add_row("weight SNR mean", f"{s['mean_snr_db']:.2f} dB")
+        table.add_row("weight SNR worst", f"{worst['db']:.2f} dB ({worst['module']})")
+        table.add_row("time", f"{summary.seconds:.1f} s")
+    return table
