@@ -27,9 +27,11 @@ def cli() -> None:
 
 def _register() -> None:
     from qstream.commands.formats import formats
+    from qstream.commands.inspect import inspect
     from qstream.commands.quantize import quantize
+    from qstream.commands.verify import verify
 
-    for command in (formats, quantize):
+    for command in (formats, quantize, inspect, verify):
         cli.add_command(command)
 
 
