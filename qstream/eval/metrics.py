@@ -1,0 +1,420 @@
+"""Drift metrics (DESIGN.md section 6): pure functions over one batch of drafted blocks, and an
+accumulator that the evaluator feeds batch by batch.
+
+Inputs, for ``n`` blocks of ``B`` drafted positions over a vocabulary of ``V``:
+
+- the teacher-forced logits of the reference and of the variant, ``[n, B, V]``, both computed on
+  the reference's prefix (log-probabilities work too: ``log_softmax`` leaves them unchanged);
+- the confidences of the same teacher-forced pass, ``[n, B]``;
+- per rollout mode (greedy; sampled on common random numbers), the tokens of the two free-running
+  rollouts, ``[n, B]``, each side having fed its own tokens.
+
+Example::
+
+    acc = DriftAccumulator(block_size=7)
+    for batch in batches:
+        acc.add_teacher_forced(ref.logits, var.logits)          # [n, B, V] each
+        acc.add_confidence(ref.confidence, var.confidence)      # [n, B] each
+        acc.add_rollout("greedy", ref.greedy_tokens, var.greedy_tokens)
+        acc.add_rollout("sampled", ref.sampled_tokens, var.sampled_tokens)
+    metrics = acc.result()                                      # DriftMetrics
+    metrics.rollouts["greedy"].ceiling                          # Estimate(value, lo, hi, n)
+    json.dumps(metrics.to_json())
+
+Only compact per-token results are kept between batches (float64 ``[n, B]``, about 56 KiB per
+quantity for 1024 blocks of 7); the ``[n, B, V]`` work is done in float64 chunks of blocks.
+
+Definitions where DESIGN.md leaves a choice:
+
+- **seq agree[k]** = P(token k of the two rollouts is equal); **prefix agree[k]** = P(tokens 0..k all
+  equal), the share of blocks whose matched prefix is longer than k.  The acceptance ceiling (mean
+  matched prefix, 0..B) is exactly the sum of prefix agree over k, so DESIGN listing it separately
+  from seq agree makes seq agree the per-position equality; it also shows whether rollouts
+  re-converge after a divergence.  Position 0 sees the same input on both sides, so seq agree[0] =
+  prefix agree[0] = greedy agree[0] for greedy rollouts.
+- **1−TV, KL and reverse KL** use the full temperature-1 softmax of the teacher-forced logits, in
+  float64: top-p truncation would give the two sides different supports and an infinite KL.  1−TV
+  is computed as 1 − ½·Σ|p − q|, equal to Σ min(p, q) for normalised p and q, so that it is exactly 1
+  for identical inputs.  KL is clamped at 0 (Gibbs' inequality) because rounding can leave −1e-17.
+  Tokens with zero probability on the weighting side add nothing (0·log 0 = 0), so logits masked to
+  −inf on both sides are fine.
+- **Percentiles** follow llama.cpp's ``perplexity --kl-divergence`` report: linear interpolation
+  between the sorted values at fraction·(N − 1) (numpy's default ``linear``); max is the largest.
+- **sched flip**: threshold = median of the reference's B confidences in the block (mean of the two
+  middle values when B is even); a position flips when ``(ref_c > thr) != (var_c > thr)``.
+- **95% intervals**:
+  * per-position proportions (greedy / seq / prefix agree[k]): Wilson score interval over blocks,
+    which are independent.  Wilson rather than Wald because Wald collapses to zero width at 0 and 1
+    — where bf16's agreement sits — and under-covers near them (Brown, Cai & DasGupta, Statistical
+    Science 16(2), 2001); Wilson stays inside [0, 1] with near-nominal coverage.
+  * pooled proportions (flip rate, agreement over all positions): positions of one block share a
+    context and the flip threshold, so they are not independent trials.  Wilson on Kish's effective
+    sample size N / deff, deff = (variance of the mean from per-block proportions) / (binomial
+    variance), never below 1.
+  * means (1−TV[k], ceiling, KL): Student-t interval over blocks; for means pooled over positions,
+    over per-block means (same clustering argument).  Clipped to the quantity's range.
+  * Pearson r: Fisher z, tanh(atanh r ± z/√(N − 3)) over the N tokens (an iid approximation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+from scipy import stats
+
+# Two-sided 95% standard-normal quantile: scipy.stats.norm.ppf(0.975).
+Z95 = 1.959963984540054
+
+# The percentiles llama.cpp's perplexity --kl-divergence report gives (besides the mean).
+KL_PERCENTILES = {"median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99, "p99_9": 0.999, "max": 1.0}
+
+# float64 elements per [c, B, V] temporary in token_divergences (32 MiB); about five are alive at
+# once, so a chunk costs ~160 MiB whatever V and the batch size are.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _json_number(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A point estimate with its 95% interval; ``n`` counts the observations it averages."""
+
+    value: float
+    lo: float
+    hi: float
+    n: int
+
+    def to_json(self) -> dict:
+        """Plain dict; non-finite numbers (an undefined r, an interval from one block) become None."""
+        return {"value": _json_number(self.value), "lo": _json_number(self.lo),
+                "hi": _json_number(self.hi), "n": self.n}
+
+
+# ---------------------------------------------------------------------------------------------
+# Intervals and summaries
+
+
+def wilson_interval(p_hat: float, n: float, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for a proportion ``p_hat`` observed over ``n`` trials.
+
+    ``n`` may be an effective (non-integer) sample size.  The bounds at ``p_hat`` 0 and 1 are set
+    exactly (0 and 1) rather than left to rounding.
+    """
+    if not n > 0:
+        raise ValueError(f"a proportion needs n > 0 trials, got n={n}")
+    z2n = z * z / n
+    centre = (p_hat + z2n / 2) / (1 + z2n)
+    half = z * math.sqrt(p_hat * (1 - p_hat) / n + z2n / (4 * n)) / (1 + z2n)
+    lo = 0.0 if p_hat == 0 else max(0.0, centre - half)
+    hi = 1.0 if p_hat == 1 else min(1.0, centre + half)
+    return lo, hi
+
+
+def proportion(hits: torch.Tensor) -> Estimate:
+    """Share of True among independent trials, with its Wilson interval."""
+    n = hits.numel()
+    p = hits.sum().item() / n if n else math.nan
+    return Estimate(p, *wilson_interval(p, n), n)
+
+
+def pooled_proportion(hits: torch.Tensor) -> Estimate:
+    """Share of True over all of ``[n, B]`` hits whose rows (blocks) are independent but whose
+    positions within a row need not be: Wilson interval on Kish's effective sample size."""
+    n_blocks, width = hits.shape
+    total = n_blocks * width
+    if total == 0:
+        raise ValueError("a proportion needs at least one block")
+    p = hits.sum().item() / total
+    binomial_var = p * (1 - p) / total
+    deff = 1.0
+    if binomial_var > 0 and n_blocks > 1:
+        clustered_var = hits.double().mean(dim=1).var().item() / n_blocks
+        deff = max(1.0, clustered_var / binomial_var)
+    return Estimate(p, *wilson_interval(p, total / deff), total)
+
+
+def mean_estimate(values: torch.Tensor, bounds: tuple[float, float] = (-math.inf, math.inf),
+                  n_obs: int | None = None) -> Estimate:
+    """Mean of independent ``values`` with a Student-t 95% interval, clipped to ``bounds``.
+
+    One value gives no interval (NaN bounds).  ``n_obs`` overrides the reported count.
+    """
+    x = values.double().flatten()
+    n = x.numel()
+    if n == 0:
+        raise ValueError("a mean needs at least one value")
+    mean = x.mean().item()
+    lo = hi = math.nan
+    if n > 1:
+        half = float(stats.t.ppf(0.975, n - 1)) * x.std().item() / math.sqrt(n)
+        lo, hi = max(bounds[0], mean - half), min(bounds[1], mean + half)
+    return Estimate(mean, lo, hi, n if n_obs is None else n_obs)
+
+
+def pooled_mean(values: torch.Tensor, bounds: tuple[float, float] = (-math.inf, math.inf)) -> Estimate:
+    """Mean over all of ``[n, B]`` values, the interval taken over per-block means (blocks are the
+    independent units; with equal block sizes the grand mean is the mean of block means)."""
+    return mean_estimate(values.double().mean(dim=1), bounds, n_obs=values.numel())
+
+
+def percentiles(values: torch.Tensor, fractions: dict[str, float]) -> dict[str, float]:
+    """llama.cpp's percentile: linear interpolation between sorted values at fraction·(N − 1)."""
+    x = values.double().flatten().sort().values
+    if x.numel() == 0:
+        raise ValueError("percentiles need at least one value")
+    out = {}
+    for name, fraction in fractions.items():
+        pos = fraction * (x.numel() - 1)
+        i = math.floor(pos)
+        frac = pos - i
+        j = min(i + 1, x.numel() - 1)
+        out[name] = ((1 - frac) * x[i] + frac * x[j]).item()
+    return out
+
+
+def pearson_r(x: torch.Tensor, y: torch.Tensor) -> Estimate:
+    """Pearson correlation of paired values with a Fisher-z 95% interval.
+
+    NaN when either side is constant.  Written so that identical inputs give exactly 1:
+    sxy == sxx and sqrt(sxx·sxx) == sxx in IEEE arithmetic.
+    """
+    dx = x.double().flatten() - x.double().mean()
+    dy = y.double().flatten() - y.double().mean()
+    n = dx.numel()
+    r = ((dx * dy).sum() / torch.sqrt((dx * dx).sum() * (dy * dy).sum())).clamp(-1, 1).item()
+    lo = hi = math.nan
+    if abs(r) == 1:
+        lo = hi = r
+    elif math.isfinite(r) and n > 3:
+        z, half = math.atanh(r), Z95 / math.sqrt(n - 3)
+        lo, hi = math.tanh(z - half), math.tanh(z + half)
+    return Estimate(r, lo, hi, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token quantities of one batch
+
+
+class TokenDivergence(NamedTuple):
+    """Per-position comparison of two teacher-forced distributions, each ``[n, B]``."""
+
+    top1_match: torch.Tensor  # bool: argmax equal (greedy agree)
+    one_minus_tv: torch.Tensor  # float64: 1 − TV = Σ min(p, q)
+    kl: torch.Tensor  # float64: KL(ref ‖ var)
+    reverse_kl: torch.Tensor  # float64: KL(var ‖ ref)
+
+
+def _check_pair(name: str, ref: torch.Tensor, var: torch.Tensor, ndim: int) -> None:
+    if ref.ndim != ndim or ref.shape != var.shape:
+        raise ValueError(f"{name}: reference {tuple(ref.shape)} and variant {tuple(var.shape)} "
+                         f"must have the same {ndim}-D shape")
+
+
+def _kl(p: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Σ_v p (log p − log q), with 0·log 0 = 0 so that tokens impossible under p add nothing."""
+    terms = torch.where(p > 0, p * (log_p - log_q), 0.0)
+    return terms.sum(dim=-1).clamp_min(0.0)
+
+
+def _divergence_chunk(ref_logits: torch.Tensor, var_logits: torch.Tensor):
+    log_p = torch.log_softmax(ref_logits.double(), dim=-1)  # [c, B, V]
+    log_q = torch.log_softmax(var_logits.double(), dim=-1)
+    p, q = log_p.exp(), log_q.exp()
+    one_minus_tv = (1 - 0.5 * (p - q).abs().sum(dim=-1)).clamp(0.0, 1.0)
+    return one_minus_tv, _kl(p, log_p, log_q), _kl(q, log_q, log_p)
+
+
+@torch.no_grad()
+def token_divergences(ref_logits: torch.Tensor, var_logits: torch.Tensor) -> TokenDivergence:
+    """Greedy match, 1−TV, KL and reverse KL per position of ``[n, B, V]`` teacher-forced logits.
+
+    The argmax is taken on the logits as given (the variant's own greedy choice in its own dtype);
+    the distributions in float64, a chunk of blocks at a time (``_CHUNK_ELEMENTS``).
+    """
+    _check_pair("logits", ref_logits, var_logits, ndim=3)
+    n, width, vocab = ref_logits.shape
+    if n == 0:
+        raise ValueError("logits: a batch needs at least one block")
+    step = max(1, _CHUNK_ELEMENTS // (width * vocab))
+    chunks = [_divergence_chunk(ref_logits[i:i + step], var_logits[i:i + step])
+              for i in range(0, n, step)]
+    one_minus_tv, kl, reverse_kl = (torch.cat(parts) for parts in zip(*chunks))
+    top1_match = ref_logits.argmax(dim=-1) == var_logits.argmax(dim=-1)
+    return TokenDivergence(top1_match, one_minus_tv, kl, reverse_kl)
+
+
+def prefix_matches(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> torch.Tensor:
+    """``[n, B]`` bool: tokens 0..k of the two rollouts all equal (no mismatch at or before k)."""
+    _check_pair("tokens", ref_tokens, var_tokens, ndim=2)
+    return (ref_tokens != var_tokens).cumsum(dim=1) == 0
+
+
+def matched_prefix_length(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> torch.Tensor:
+    """``[n]`` int64: length of the matched prefix of each block's rollouts, 0..B."""
+    return prefix_matches(ref_tokens, var_tokens).sum(dim=1)
+
+
+def sched_flips(ref_conf: torch.Tensor, var_conf: torch.Tensor) -> torch.Tensor:
+    """``[n, B]`` bool: the above/below decision against the reference's per-block median
+    confidence differs between reference and variant."""
+    _check_pair("confidence", ref_conf, var_conf, ndim=2)
+    ref, var = ref_conf.double(), var_conf.double()
+    ordered = ref.sort(dim=1).values
+    width = ref.shape[1]
+    threshold = (ordered[:, (width - 1) // 2] + ordered[:, width // 2]).unsqueeze(1) / 2  # [n, 1]
+    return (ref > threshold) != (var > threshold)
+
+
+# ---------------------------------------------------------------------------------------------
+# Summaries
+
+
+def _per_position(hits: torch.Tensor) -> tuple[Estimate, ...]:
+    return tuple(proportion(hits[:, k]) for k in range(hits.shape[1]))
+
+
+@dataclass(frozen=True)
+class KLSummary:
+    """Mean (with interval) and llama.cpp's percentiles of per-token KL values."""
+
+    mean: Estimate
+    median: float
+    p90: float
+    p95: float
+    p99: float
+    p99_9: float
+    max: float
+
+    def to_json(self) -> dict:
+        out = {"mean": self.mean.to_json()}
+        out.update({name: _json_number(getattr(self, name)) for name in KL_PERCENTILES})
+        return out
+
+
+def kl_summary(values: torch.Tensor) -> KLSummary:
+    """Summarise ``[n, B]`` per-token KL values (mean interval over per-block means)."""
+    return KLSummary(pooled_mean(values, bounds=(0.0, math.inf)), **percentiles(values, KL_PERCENTILES))
+
+
+@dataclass(frozen=True)
+class RolloutMetrics:
+    """Agreement of two free-running rollouts of ``B`` tokens per block."""
+
+    seq_agree: tuple[Estimate, ...]  # per k: P(token k equal)
+    prefix_agree: tuple[Estimate, ...]  # per k: P(tokens 0..k all equal)
+    ceiling: Estimate  # mean matched prefix length, 0..B
+
+    def to_json(self) -> dict:
+        return {"seq_agree": [e.to_json() for e in self.seq_agree],
+                "prefix_agree": [e.to_json() for e in self.prefix_agree],
+                "ceiling": self.ceiling.to_json()}
+
+
+def rollout_metrics(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> RolloutMetrics:
+    """seq agree[k], prefix agree[k] and the acceptance ceiling of ``[n, B]`` rollout tokens."""
+    prefix = prefix_matches(ref_tokens, var_tokens)
+    return RolloutMetrics(
+        seq_agree=_per_position(ref_tokens == var_tokens),
+        prefix_agree=_per_position(prefix),
+        ceiling=mean_estimate(prefix.sum(dim=1), bounds=(0.0, float(prefix.shape[1]))),
+    )
+
+
+@dataclass(frozen=True)
+class DriftMetrics:
+    """Every drift metric of one variant against the reference (DESIGN.md section 6)."""
+
+    n_blocks: int
+    block_size: int
+    greedy_agree: tuple[Estimate, ...]  # per k, teacher-forced top-1 match
+    greedy_agree_overall: Estimate  # over all positions
+    one_minus_tv: tuple[Estimate, ...]  # per k
+    one_minus_tv_overall: Estimate
+    kl: KLSummary  # KL(ref ‖ var) per token
+    reverse_kl: KLSummary  # KL(var ‖ ref) per token
+    confidence_r: Estimate
+    sched_flip_rate: Estimate
+    rollouts: dict[str, RolloutMetrics]  # by rollout mode, e.g. "greedy", "sampled"
+
+    def to_json(self) -> dict:
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, tuple):
+                v = [e.to_json() for e in v]
+            elif isinstance(v, dict):
+                v = {mode: m.to_json() for mode, m in v.items()}
+            elif hasattr(v, "to_json"):
+                v = v.to_json()
+            out[f.name] = v
+        return out
+
+
+class DriftAccumulator:
+    """Collects one variant's per-token results batch by batch; :meth:`result` summarises them.
+
+    Each ``add_*`` takes a batch of whole blocks; the three streams must end up covering the same
+    blocks in the same order (checked by :meth:`result`).
+    """
+
+    def __init__(self, block_size: int):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._divergence: list[TokenDivergence] = []
+        self._confidence: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._rollouts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _check_width(self, name: str, t: torch.Tensor) -> None:
+        if t.ndim < 2 or t.shape[1] != self.block_size:
+            raise ValueError(f"{name}: expected [n, {self.block_size}, ...], got {tuple(t.shape)}")
+
+    def add_teacher_forced(self, ref_logits: torch.Tensor, var_logits: torch.Tensor) -> None:
+        """``[n, B, V]`` teacher-forced logits (or log-probs) of reference and variant."""
+        self._check_width("logits", ref_logits)
+        self._divergence.append(TokenDivergence(*(t.cpu() for t in token_divergences(ref_logits, var_logits))))
+
+    def add_confidence(self, ref_conf: torch.Tensor, var_conf: torch.Tensor) -> None:
+        """``[n, B]`` confidences of the teacher-forced pass."""
+        self._check_width("confidence", ref_conf)
+        _check_pair("confidence", ref_conf, var_conf, ndim=2)
+        self._confidence.append((ref_conf.detach().double().cpu(), var_conf.detach().double().cpu()))
+
+    def add_rollout(self, mode: str, ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> None:
+        """``[n, B]`` tokens of the two free-running rollouts in ``mode`` (e.g. "greedy")."""
+        self._check_width(f"{mode} tokens", ref_tokens)
+        _check_pair(f"{mode} tokens", ref_tokens, var_tokens, ndim=2)
+        self._rollouts.setdefault(mode, []).append((ref_tokens.cpu(), var_tokens.cpu()))
+
+    def result(self) -> DriftMetrics:
+        if not self._divergence:
+            raise ValueError("no teacher-forced blocks were added")
+        tf = TokenDivergence(*(torch.cat(parts) for parts in zip(*self._divergence)))
+        ref_conf, var_conf = (torch.cat(parts) for parts in zip(*self._confidence)) if self._confidence \
+            else (torch.empty(0, self.block_size),) * 2
+        rollouts = {mode: tuple(torch.cat(parts) for parts in zip(*pairs))
+                    for mode, pairs in self._rollouts.items()}
+        n = tf.kl.shape[0]
+        counts = {"confidence": ref_conf.shape[0], **{f"{m} rollout": r[0].shape[0] for m, r in rollouts.items()}}
+        for name, count in counts.items():
+            if count != n:
+                raise ValueError(f"{name} covers {count} blocks but the teacher-forced pass {n}")
+        return DriftMetrics(
+            n_blocks=n,
+            block_size=self.block_size,
+            greedy_agree=_per_position(tf.top1_match),
+            greedy_agree_overall=pooled_proportion(tf.top1_match),
+            one_minus_tv=tuple(mean_estimate(tf.one_minus_tv[:, k], bounds=(0.0, 1.0))
+                               for k in range(self.block_size)),
+            one_minus_tv_overall=pooled_mean(tf.one_minus_tv, bounds=(0.0, 1.0)),
+            kl=kl_summary(tf.kl),
+            reverse_kl=kl_summary(tf.reverse_kl),
+            confidence_r=pearson_r(ref_conf, var_conf),
+            sched_flip_rate=pooled_proportion(sched_flips(ref_conf, var_conf)),
+            rollouts={mode: rollout_metrics(*pair) for mode, pair in rollouts.items()},
+        )
