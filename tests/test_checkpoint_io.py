@@ -1,0 +1,187 @@
+"""safetensors headers, memory-mapped reads, the in-place shard writer, and checkpoint
+directories (config + index): good files round-trip bit-exactly with the safetensors package,
+bad ones raise one QStreamError naming the file and tensor."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoints import as_bytes, llama_tensors, write_checkpoint
+from qstream.checkpoint.files import open_checkpoint
+from qstream.checkpoint.safetensors_io import (
+    DTYPE_NAMES,
+    PlannedTensor,
+    ShardReader,
+    ShardWriter,
+    planned_file_size,
+    read_header,
+)
+from qstream.errors import QStreamError
+
+
+def _mixed_tensors():
+    gen = torch.Generator().manual_seed(1)
+    return {
+        "a.weight": torch.randn(7, 5, generator=gen).bfloat16(),
+        "b.weight": torch.randn(3, 4, generator=gen),
+        "c.scale": torch.randn(3, 1, generator=gen).to(torch.float8_e4m3fn),
+        "d.packed": torch.randint(0, 255, (4, 6), generator=gen, dtype=torch.uint8),
+        "e.scalar": torch.tensor(2.5, dtype=torch.float16),
+        "f.empty": torch.zeros(0, 3),
+    }
+
+
+def test_header_and_reads_match_the_safetensors_package(tmp_path):
+    path = tmp_path / "x.safetensors"
+    tensors = _mixed_tensors()
+    save_file(tensors, path, metadata={"format": "pt"})
+    header = read_header(path)
+    assert header.metadata == {"format": "pt"}
+    assert set(header.tensors) == set(tensors)
+    reader = ShardReader(header)
+    for name, t in tensors.items():
+        assert header.tensors[name].shape == tuple(t.shape)
+        got = reader.tensor(name)
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert as_bytes(got) == as_bytes(t), name
+    # row ranges, and reads after the pages were released
+    assert as_bytes(reader.tensor("a.weight", slice(2, 5))) == as_bytes(tensors["a.weight"][2:5])
+    reader.release("a.weight")
+    assert as_bytes(reader.tensor("a.weight")) == as_bytes(tensors["a.weight"])
+
+
+def test_writer_in_row_pieces_out_of_order_is_read_back_by_safetensors(tmp_path):
+    tensors = _mixed_tensors()
+    planned = [PlannedTensor(n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
+    path = tmp_path / "out.safetensors"
+    writer = ShardWriter(path, planned, {"format": "pt"})
+    writer.write("a.weight", tensors["a.weight"][4:], row_start=4)
+    for name, t in reversed(list(tensors.items())):
+        if name != "a.weight":
+            writer.write(name, t)
+    writer.write("a.weight", tensors["a.weight"][:4], row_start=0)
+    writer.close()
+    assert path.stat().st_size == planned_file_size(planned, {"format": "pt"})
+    back = load_file(path)
+    for name, t in tensors.items():
+        assert as_bytes(back[name]) == as_bytes(t), name
+    (length,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert length % 8 == 0
+
+
+def test_writer_refuses_to_close_an_incomplete_file(tmp_path):
+    writer = ShardWriter(tmp_path / "o.safetensors", [PlannedTensor("x", "F32", (4, 2))])
+    writer.write("x", torch.zeros(2, 2), row_start=0)
+    with pytest.raises(RuntimeError, match="not completely written"):
+        writer.close()
+
+
+def _raw_file(path, header: dict, data: bytes):
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header, data, message", [
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "run past the end"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlaps"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "unaccounted"),
+    ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", "unknown dtype 'Q4'"),
+    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12"),
+    ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}, b"\0" * 8, "bad shape"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "bad data_offsets"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 9, "after the last"),
+    ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "exactly dtype, shape and data_offsets"),
+])
+def test_bad_headers_name_the_file_and_tensor(tmp_path, header, data, message):
+    path = _raw_file(tmp_path / "bad.safetensors", header, data)
+    with pytest.raises(QStreamError, match=message) as exc:
+        read_header(path)
+    assert str(path) in str(exc.value)
+    if message not in ("after the last",):
+        assert "'w'" in str(exc.value) or "'v'" in str(exc.value)
+
+
+def test_truncated_corrupt_and_oversized_headers(tmp_path):
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"\x01\x02")
+    with pytest.raises(QStreamError, match="truncated"):
+        read_header(short)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(struct.pack("<Q", 500) + b"{}")
+    with pytest.raises(QStreamError, match="truncated"):
+        read_header(cut)
+    huge = tmp_path / "huge.safetensors"
+    huge.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(QStreamError, match="over the"):
+        read_header(huge)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(struct.pack("<Q", 4) + b"{{{{")
+    with pytest.raises(QStreamError, match="corrupt safetensors header"):
+        read_header(garbage)
+
+
+def test_truncated_real_file_is_refused(tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file(llama_tensors(layers=1), path)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(QStreamError, match="truncated"):
+        read_header(path)
+
+
+def test_checkpoint_with_index(tmp_path):
+    tensors = llama_tensors(layers=2)
+    names = list(tensors)
+    write_checkpoint(tmp_path, tensors, shards=[names[:9], names[9:]])
+    ckpt = open_checkpoint(tmp_path)
+    assert ckpt.has_index and len(ckpt.shards) == 2
+    assert list(ckpt.tensor_shard) == list(json.loads(
+        (tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    tensors = llama_tensors(layers=1)
+    names = list(tensors)
+    write_checkpoint(tmp_path, tensors, shards=[names[:5], names[5:]])
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(QStreamError, match="names shard 'model-00002-of-00002.safetensors'"):
+        open_checkpoint(tmp_path)
+
+
+def test_tensor_in_two_shards(tmp_path):
+    tensors = llama_tensors(layers=1)
+    names = list(tensors)
+    write_checkpoint(tmp_path, tensors, shards=[names[:5], names[4:]])
+    with pytest.raises(QStreamError, match=f"{names[4]!r} is in two shards"):
+        open_checkpoint(tmp_path)
+
+
+def test_index_with_a_tensor_listed_twice_or_misplaced(tmp_path):
+    tensors = llama_tensors(layers=1)
+    names = list(tensors)
+    write_checkpoint(tmp_path, tensors, shards=[names[:5], names[5:]])
+    index_path = tmp_path / "model.safetensors.index.json"
+    text = index_path.read_text()
+    index_path.write_text(text.replace('"weight_map": {', '"weight_map": {"%s": '
+                                       '"model-00002-of-00002.safetensors", ' % names[0]))
+    with pytest.raises(QStreamError, match="appears twice"):
+        open_checkpoint(tmp_path)
+    index = json.loads(text)
+    index["weight_map"][names[0]] = "model-00002-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(QStreamError, match="is mapped to model-00002-of-00002.safetensors but"):
+        open_checkpoint(tmp_path)
+
+
+def test_missing_or_bad_config(tmp_path):
+    write_checkpoint(tmp_path, llama_tensors(layers=1))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(QStreamError, match="config.json is not valid JSON"):
+        open_checkpoint(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(QStreamError, match="missing config.json"):
+        open_checkpoint(tmp_path)
