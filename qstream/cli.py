@@ -29,9 +29,10 @@ def _register() -> None:
     from qstream.commands.formats import formats
     from qstream.commands.inspect import inspect
     from qstream.commands.quantize import quantize
+    from qstream.commands.synth import synth
     from qstream.commands.verify import verify
 
-    for command in (formats, quantize, inspect, verify):
+    for command in (formats, quantize, inspect, verify, synth):
         cli.add_command(command)
 
 

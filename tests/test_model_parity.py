@@ -53,8 +53,8 @@ def test_yarn_inv_freq_matches_transformers():
 
 def test_softmax_scale_matches_transformers_and_design():
     cfg = PRESETS["k3"]
-    attn = ds.DeepseekV3Attention(_hf_config(cfg), layer_idx=0)
-    assert abs(cfg.softmax_scale - attn.scaling) < 1e-12
+    hf_scale = ds.yarn_apply_mscale(_hf_config(cfg).rope_parameters, cfg.qk_head_dim ** -0.5)
+    assert abs(cfg.softmax_scale - hf_scale) < 1e-12
     assert round(cfg.softmax_scale, 6) == 0.130861  # DESIGN.md section 5
 
 

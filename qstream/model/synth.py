@@ -1,0 +1,437 @@
+"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of DESIGN.md section 5 with
+a real BPE tokenizer, realistic weight statistics and calibrated, predictable outputs.
+
+>>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
+>>> model = load_model("out/tiny")       # reads out/tiny/target_head/ for lm_head
+
+Layout written (deterministic, byte-identical for a given preset, seed and corpus)::
+
+    config.json                         DSparkConfig.to_json()
+    model.safetensors                   the draft's tensors, bf16 (or model-0000k-of-0000n
+    model.safetensors.index.json          shards plus this index when over SHARD_BYTES)
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+    target_head/config.json             the stand-in target: lm_head.weight [V, H] in
+    target_head/model.safetensors.index.json   bf16, read through its index like a real
+    target_head/model-00001-of-00001.safetensors   target's (load.TARGET_HEAD_DIR)
+
+How the numbers are made (see docs/model.md):
+
+* Linear weights: a Gaussian scale mixture (``z * exp(s g - s^2)``, kurtosis ~5, as trained
+  LLM weights are heavy-tailed), times lognormal per-output-row and per-input-column scales
+  (channel spread), with a few input-channel outliers (x8..x16) in ``context_proj`` and
+  ``down_proj``; RMSNorm gains lognormal around 1 with a few large channels.
+* Predictability: the Markov head is a low-rank factorisation of the corpus' bigram
+  log-probabilities (plus a unigram/bias column that also rules out the padding ids of a
+  padded vocabulary), so ``markov_w2 . markov_w1[prev]`` tracks the text; its scale is set by
+  bisection so that the mean top-1 probability on the corpus is ``TARGET_TOP1``.
+* The network path ``U = hf @ lm_head^T`` has a per-vocab spread of ``U_STD`` nats, so numerics
+  that move hf move the drafted tokens (an all-Markov draft would make drift trivially zero).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from qstream.checkpoint.files import INDEX_NAME
+from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
+from qstream.errors import QStreamError
+from qstream.model.config import PRESETS, DSparkConfig, with_tokenizer
+from qstream.model.dspark import LM_HEAD, tensor_shapes
+from qstream.model.load import TARGET_HEAD_DIR
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>")  # ids 0, 1, 2
+TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096}  # BPE sizes (tiny: = vocab_size)
+SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
+CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
+
+TARGET_TOP1 = 0.55  # the real U is not iid: measured top-1 on GSM8K lands ~0.07 above this
+U_STD = 1.5  # nats: per-vocab spread of the network logits U (analytic, see _head_std)
+TAIL_S = 0.35  # lognormal scale-mixture width: weight kurtosis 3*exp(4 s^2) = 4.9
+ROW_SPREAD, COL_SPREAD = 0.25, 0.2  # log-std of per-output-row / per-input-column scales
+OUTLIER_FRACTION, OUTLIER_GAIN = 0.004, (8.0, 16.0)  # input-channel outliers (>= 2 per tensor)
+OUTLIER_MODULES = ("context_proj", "mlp.down_proj")
+RESIDUAL_GAIN = 0.5  # o_proj / down_proj: residual updates smaller than the stream
+CALIBRATION_SAMPLES = 4096  # corpus transitions used to set the Markov scale (+-0.01 top-1)
+BIGRAM_FLOOR = 0.03  # best rank-16 top-1 accuracy on GSM8K among 1e-4 .. 0.1 (12.8%)
+
+
+@dataclass(frozen=True)
+class SynthSummary:
+    output_dir: str
+    preset: str
+    seed: int
+    corpus: str  # the path, or "built-in"
+    tensors: int
+    parameters: int  # including the embedding
+    bytes: int  # safetensors files of the draft
+    markov_scale: float
+    predicted_top1: float  # calibration estimate on the corpus (teacher-forced)
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus and tokenizer
+
+
+def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    """Generated GSM8K-style arithmetic word problems (question, worked answer, ``#### N``):
+    the fallback corpus, clearly synthetic."""
+    rng = random.Random(seed)
+    names = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack",
+             "Kira", "Liam", "Maya", "Noah", "Olivia", "Priya", "Quinn", "Ravi", "Sara", "Tom"]
+    things = ["apples", "books", "pencils", "cookies", "marbles", "stickers", "cupcakes",
+              "shells", "cards", "flowers", "eggs", "coins", "toy cars", "bottles"]
+    docs = []
+    for _ in range(n):
+        who, other = rng.sample(names, 2)
+        what = rng.choice(things)
+        a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
+        kind = rng.randrange(4)
+        if kind == 0:
+            q = (f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
+                 f"does {who} have now?")
+            ans = f"{who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\n#### {a + b}"
+        elif kind == 1:
+            q = (f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
+                 f"does {who} buy in total?")
+            ans = f"{who} buys {c} x {b} = <<{c}*{b}={c * b}>>{c * b} {what}.\n#### {c * b}"
+        elif kind == 2:
+            total = a + b
+            q = (f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} "
+                 f"are left?")
+            ans = f"{who} has {total} - {b} = <<{total}-{b}={a}>>{a} {what} left.\n#### {a}"
+        else:
+            each = a
+            q = (f"{who} shares {each * c} {what} equally among {c} friends. How many {what} "
+                 f"does each friend get?")
+            ans = (f"Each friend gets {each * c} / {c} = <<{each * c}/{c}={each}>>{each} "
+                   f"{what}.\n#### {each}")
+        docs.append(f"{q}\n{ans}")
+    return docs
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """GSM8K-style JSONL (``question`` + newline + ``answer``) or plain text (documents
+    separated by blank lines)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QStreamError(f"cannot read corpus {path}: {exc}") from None
+    if path.suffix != ".jsonl":
+        docs = [d.strip() for d in text.split("\n\n") if d.strip()]
+    else:
+        docs = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                docs.append(f"{row['question']}\n{row['answer']}")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise QStreamError(f"{path}:{number}: expected a JSON object with 'question' "
+                                   "and 'answer'") from None
+    if not docs:
+        raise QStreamError(f"corpus {path} holds no documents")
+    return docs
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2 style) trained deterministically on ``texts``; ids
+    0..2 are ``SPECIAL_TOKENS``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def _write_tokenizer(tok: Tokenizer, directory: Path) -> None:
+    (directory / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    eos, pad, mask = SPECIAL_TOKENS
+    special = {"eos_token": eos, "pad_token": pad, "mask_token": mask}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+              "clean_up_tokenization_spaces": False, **special}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# Corpus statistics -> Markov head
+
+
+def bigram_logprobs(streams: list[list[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log P(next | prev)`` [vocab, vocab] (add-one-unigram smoothed, floored at
+    BIGRAM_FLOOR so the low-rank fit spends its rank on likely continuations) and the count of
+    each prev token [vocab]."""
+    seqs = [torch.tensor(ids, dtype=torch.int64) for ids in streams]
+    pairs = torch.cat([t[:-1] * vocab + t[1:] for t in seqs if t.numel() > 1])
+    counts = torch.bincount(pairs, minlength=vocab * vocab).view(vocab, vocab).double()
+    unigram = torch.bincount(torch.cat(seqs), minlength=vocab).double()
+    p_uni = (unigram + 0.5) / (unigram.sum() + 0.5 * vocab)
+    p = (counts + p_uni) / (counts.sum(1, keepdim=True) + 1.0)
+    return p.clamp(min=BIGRAM_FLOOR).log().float(), counts.sum(1).float()
+
+
+def markov_tables(logp: torch.Tensor, prev_counts: torch.Tensor, vocab: int, rank: int,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """markov_w1, markov_w2 [vocab, rank] with ``w2 @ w1[a]`` ~ row-centred ``logp[a]``.
+    Column rank-1 is a bias column (w1 = 1; w2 = the count-weighted mean next-token
+    log-probability, and a large negative value for padding ids beyond the tokenizer); the
+    other rank-1 columns are an SVD of the rest weighted by how often each prev token occurs
+    (frequent contexts get the rank: +50% top-1 accuracy at rank 16 on GSM8K)."""
+    vt = logp.shape[0]
+    weight = (prev_counts + 1.0)[:, None]  # [vt, 1]
+    centred = logp - logp.mean(1, keepdim=True)
+    col_mean = (centred * weight).sum(0) / weight.sum()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        u, s, v = torch.svd_lowrank((centred - col_mean) * weight.sqrt(),
+                                    q=min(rank - 1 + 16, vt), niter=6)
+    root = s[: rank - 1].sqrt()
+    gen = torch.Generator().manual_seed(seed + 17)
+    w1 = torch.randn(vocab, rank, generator=gen) * 0.1
+    w2 = torch.randn(vocab, rank, generator=gen) * 0.1
+    w1[:vt, : rank - 1] = u[:, : rank - 1] * root / weight.sqrt()
+    w2[:vt, : rank - 1] = v[:, : rank - 1] * root
+    w1[:, rank - 1] = 1.0
+    w2[:vt, rank - 1] = col_mean
+    w2[vt:, rank - 1] = -30.0  # padding ids are never predicted
+    return w1, w2
+
+
+def calibrate_markov_scale(w1: torch.Tensor, w2: torch.Tensor, streams: list[list[int]],
+                           seed: int, target: float = TARGET_TOP1) -> tuple[float, float]:
+    """Scale ``alpha`` of the Markov tables such that the mean top-1 probability of
+    ``alpha * w2 . w1[prev] + U`` over corpus transitions is ``target``, with U modelled as
+    iid N(0, U_STD^2) per vocab entry.  Returns (alpha, the achieved mean top-1)."""
+    gen = torch.Generator().manual_seed(seed + 29)
+    prev = torch.tensor([t for ids in streams for t in ids[:-1]], dtype=torch.int64)
+    pick = torch.randint(0, prev.numel(), (min(CALIBRATION_SAMPLES, prev.numel()),),
+                         generator=gen)
+    bias = w1[prev[pick]] @ w2.T  # [n, V]
+    noise = torch.randn(bias.shape, generator=gen) * U_STD
+
+    def top1(alpha: float) -> float:
+        return float(torch.softmax(alpha * bias + noise, -1).amax(-1).mean())
+
+    lo, hi = 0.01, 50.0
+    for _ in range(24):  # log-bisection to a ratio of 1.0004; top-1 grows with alpha
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if top1(mid) < target else (lo, mid)
+    alpha = math.sqrt(lo * hi)
+    return alpha, top1(alpha)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def _heavy(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Unit-variance Gaussian scale mixture ``z * exp(s g - s^2)`` (heavy-tailed)."""
+    z = torch.randn(shape, generator=gen)
+    g = torch.randn(shape, generator=gen)
+    return z.mul_(g.mul_(TAIL_S).sub_(TAIL_S * TAIL_S).exp_())
+
+
+def _gains(n: int, gen: torch.Generator) -> torch.Tensor:
+    """RMSNorm gains: lognormal around 1 with ~1% of channels x2..x4."""
+    gain = (torch.randn(n, generator=gen) * 0.15).exp()
+    big = torch.rand(n, generator=gen) < 0.01
+    return torch.where(big, gain * (2 + 2 * torch.rand(n, generator=gen)), gain)
+
+
+class _LinearSource:
+    """Rows of one synthetic Linear weight [out, in], produced in order."""
+
+    def __init__(self, name: str, shape: tuple[int, int], seed: int, std: float):
+        self.gen = _generator(seed, name)
+        n_out, n_in = shape
+        self.n_in, self.std = n_in, std
+        col = (torch.randn(n_in, generator=self.gen) * COL_SPREAD).exp()
+        if any(name.startswith(m) or f".{m}." in name for m in OUTLIER_MODULES):
+            k = max(2, round(OUTLIER_FRACTION * n_in))
+            idx = torch.randperm(n_in, generator=self.gen)[:k]
+            lo, hi = OUTLIER_GAIN
+            col[idx] *= lo + (hi - lo) * torch.rand(k, generator=self.gen)
+        self.col = col / col.pow(2).mean().sqrt()  # keep the overall variance at std^2
+
+    def rows(self, count: int) -> torch.Tensor:
+        row = (torch.randn(count, 1, generator=self.gen) * ROW_SPREAD).exp()
+        return _heavy((count, self.n_in), self.gen).mul_(row * self.col * self.std)
+
+
+def _linear_std(name: str, n_in: int) -> float:
+    gain = RESIDUAL_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+    return gain / math.sqrt(n_in)
+
+
+@dataclass
+class _Plan:
+    """Everything computed before any tensor is written."""
+
+    config: DSparkConfig
+    small: dict[str, torch.Tensor]  # tensors built whole (norms, Markov, confidence)
+    head_std: float
+    seed: int
+
+
+def _head_std(config: DSparkConfig, final_gain: torch.Tensor) -> float:
+    """lm_head entry std giving ``U_STD`` per-vocab spread: var(U_v) = sum_h g_h^2 w_vh^2
+    for hf_h = g_h * (unit-RMS state)."""
+    return U_STD / math.sqrt(config.hidden_size * float(final_gain.pow(2).mean()))
+
+
+def _small_tensors(config: DSparkConfig, seed: int, w1: torch.Tensor, w2: torch.Tensor
+                   ) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, shape in tensor_shapes(config).items():
+        if len(shape) == 1 and name.endswith("norm.weight"):
+            out[name] = _gains(shape[0], _generator(seed, name))
+    out["markov_head.markov_w1.weight"] = w1
+    out["markov_head.markov_w2.weight"] = w2
+    if config.enable_confidence_head:
+        gen = _generator(seed, "confidence_head")
+        H, r = config.hidden_size, config.markov_rank
+        w = torch.cat((torch.randn(H, generator=gen) / math.sqrt(H),
+                       torch.randn(r, generator=gen) / (math.sqrt(r) * float(w1.std()))))
+        out["confidence_head.proj.weight"] = (2.0 * w)[None]
+        out["confidence_head.proj.bias"] = torch.zeros(1)
+    return out
+
+
+def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.Tensor]:
+    """The tensor's rows in chunks of about CHUNK_ELEMENTS, fp32."""
+    if name in plan.small:
+        yield plan.small[name]
+        return
+    n_out, n_in = shape
+    if name == "embed_tokens.weight":
+        source = _LinearSource(name, shape, plan.seed, 1.0)  # unit-RMS rows, like the stream
+    elif name == LM_HEAD:
+        source = _LinearSource(name, shape, plan.seed, plan.head_std)
+    else:
+        source = _LinearSource(name, shape, plan.seed, _linear_std(name, n_in))
+    step = max(1, CHUNK_ELEMENTS // n_in)
+    for r0 in range(0, n_out, step):
+        yield source.rows(min(step, n_out - r0))
+
+
+def _shard_names(sizes: list[int]) -> list[int]:
+    """Shard number of each tensor: in order, a new shard when the cap would be passed."""
+    shard, used, out = 0, 0, []
+    for size in sizes:
+        if used and used + size > SHARD_BYTES:
+            shard, used = shard + 1, 0
+        out.append(shard)
+        used += size
+    return out
+
+
+def _write_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], plan: _Plan,
+                   progress: Callable[[int, int], None] | None, force_index: bool) -> int:
+    """Stream every tensor into bf16 safetensors shards; returns bytes written."""
+    sizes = [2 * math.prod(s) for s in shapes.values()]
+    shard_of = _shard_names(sizes)
+    n = shard_of[-1] + 1
+    files = ["model.safetensors"] if n == 1 and not force_index else \
+        [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = list(shapes)
+    total, done = sum(sizes), 0
+    for i, file in enumerate(files):
+        mine = [k for k, s in zip(names, shard_of) if s == i]
+        writer = ShardWriter(directory / file, [PlannedTensor(k, "BF16", shapes[k]) for k in mine],
+                             {"format": "pt"})
+        try:
+            for name in mine:
+                row = 0
+                for chunk in _rows_of(name, shapes[name], plan):
+                    writer.write(name, chunk.to(torch.bfloat16), row)
+                    row += chunk.shape[0] if chunk.dim() > 1 else 0
+                    done += 2 * chunk.numel()
+                    if progress is not None:
+                        progress(done, total)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
+    if len(files) > 1 or force_index:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: files[s] for k, s in zip(names, shard_of)}}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole checkpoint
+
+
+def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
+                     corpus: str | Path | None = None, overwrite: bool = False,
+                     progress: Callable[[int, int], None] | None = None) -> SynthSummary:
+    """Write a synthetic draft checkpoint of ``preset`` ("tiny", "small", "k3") to
+    ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
+    end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
+    default: :func:`builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
+    tensors are written."""
+    if preset not in PRESETS:
+        raise QStreamError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    output = Path(output_dir).resolve()
+    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
+        raise QStreamError(f"{output} already exists and is not empty (use --overwrite)")
+    texts = read_corpus(corpus) if corpus is not None else builtin_corpus(seed=seed)
+    tok = train_tokenizer(texts, TOKENIZER_VOCAB[preset])
+    base = PRESETS[preset]
+    vocab = tok.get_vocab_size() if preset == "tiny" else base.vocab_size
+    config = with_tokenizer(base, vocab, tok.token_to_id("<|mask|>"), None,
+                            tok.token_to_id("<|endoftext|>"))
+    streams = [e.ids for e in tok.encode_batch(texts)]
+    logp, prev_counts = bigram_logprobs(streams, tok.get_vocab_size())
+    w1, w2 = markov_tables(logp, prev_counts, vocab, config.markov_rank, seed)
+    alpha, top1 = calibrate_markov_scale(w1, w2, streams, seed)
+    w1, w2 = w1 * math.sqrt(alpha), w2 * math.sqrt(alpha)
+    small = _small_tensors(config, seed, w1, w2)
+    plan = _Plan(config, small, _head_std(config, small["final_norm.weight"]), seed)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.parent / f".{output.name}.qstream-partial-{os.getpid()}"
+    shapes = tensor_shapes(config)
+    try:
+        tmp.mkdir()
+        (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+        _write_tokenizer(tok, tmp)
+        size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
+        head = tmp / TARGET_HEAD_DIR
+        head.mkdir()
+        head_config = {"architectures": ["SyntheticTargetHead"], "model_type": "qstream_target",
+                       "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                       "note": "stand-in target for a qstream synth draft: lm_head only"}
+        (head / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
+        _write_tensors(head, {LM_HEAD: (config.vocab_size, config.hidden_size)}, plan, None,
+                       force_index=True)
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.rename(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return SynthSummary(str(output), preset, seed, str(corpus) if corpus else "built-in",
+                        len(shapes), sum(math.prod(s) for s in shapes.values()), size,
+                        alpha, top1)
