@@ -26,13 +26,14 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from qstream.commands.eval_drift import eval_drift
     from qstream.commands.formats import formats
     from qstream.commands.inspect import inspect
     from qstream.commands.quantize import quantize
     from qstream.commands.synth import synth
     from qstream.commands.verify import verify
 
-    for command in (formats, quantize, inspect, verify, synth):
+    for command in (formats, quantize, inspect, verify, synth, eval_drift):
         cli.add_command(command)
 
 

@@ -1,0 +1,39 @@
+"""The built-in default of ``qstream eval-drift``: a synthetic tiny draft, built once into a
+cache directory, and a held-out built-in corpus, so that a new user sees a full report with no
+files of their own and nothing downloaded."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rich.console import Console
+
+import qstream
+from qstream.model.synth import builtin_corpus, synth_checkpoint
+
+BUILTIN_PRESET, BUILTIN_SEED = "tiny", 0
+EVAL_CORPUS_SEED = 1  # the draft's tokenizer and Markov statistics saw seed 0's problems
+
+
+def cache_root() -> Path:
+    """``$QSTREAM_CACHE``, else ``$XDG_CACHE_HOME/qstream``, else ``~/.cache/qstream``."""
+    if os.environ.get("QSTREAM_CACHE"):
+        return Path(os.environ["QSTREAM_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "qstream"
+
+
+def builtin_model_dir(console: Console | None = None) -> Path:
+    """The built-in draft's directory, synthesized (deterministically) on first use."""
+    directory = cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}"
+    if not (directory / "config.json").is_file():
+        if console is not None:
+            console.print(f"Building the built-in synthetic draft into {directory} (first use) ...")
+        synth_checkpoint(BUILTIN_PRESET, directory, seed=BUILTIN_SEED, overwrite=True)
+    return directory
+
+
+def builtin_corpus_docs() -> list[str]:
+    """Held-out generated arithmetic word problems (a different seed from the draft's own)."""
+    return builtin_corpus(seed=EVAL_CORPUS_SEED)

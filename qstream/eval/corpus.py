@@ -1,0 +1,118 @@
+"""Token streams for drift evaluation: a corpus file (GSM8K JSONL or plain text) tokenized with
+the draft's own tokenizer, and the anchors (block start positions) sampled across the streams.
+
+>>> corpus = load_corpus("gsm8k/test.jsonl", "DRAFT_DIR/tokenizer.json")
+>>> plan = sample_anchors(corpus, n_blocks=1024, block_size=7, seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from qstream.errors import QStreamError
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Tokenized streams plus what identifies them in a results file."""
+
+    name: str  # the path given, or "built-in"
+    sha256: str  # of the corpus text as read
+    streams: tuple[torch.Tensor, ...]  # int64 token ids, one tensor per document
+
+    @property
+    def token_count(self) -> int:
+        return sum(int(s.numel()) for s in self.streams)
+
+    def identity(self) -> dict:
+        return {"corpus": self.name, "sha256": self.sha256, "streams": len(self.streams),
+                "tokens": self.token_count}
+
+
+def read_documents(path: str | Path) -> list[str]:
+    """GSM8K-style JSONL (``question`` and ``answer`` per line, joined by a newline) or plain text
+    (documents separated by blank lines)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QStreamError(f"cannot read corpus {path}: {exc}") from None
+    if path.suffix == ".jsonl":
+        docs = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                docs.append(f"{row['question']}\n{row['answer']}")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise QStreamError(f"{path}:{number}: expected a JSON object with 'question' "
+                                   "and 'answer'") from None
+        return docs
+    return [d.strip() for d in text.split("\n\n") if d.strip()]
+
+
+def tokenize(docs: list[str], tokenizer_path: str | Path, vocab_size: int | None = None,
+             name: str = "built-in") -> Corpus:
+    """Encode every document with the ``tokenizers`` file of the draft (no special tokens).
+    ``vocab_size``: the model's; an id outside it is an error naming the tokenizer."""
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise QStreamError(f"cannot load tokenizer {tokenizer_path}: {exc}") from None
+    if vocab_size is not None and tokenizer.get_vocab_size() > vocab_size:
+        raise QStreamError(f"tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} tokens "
+                           f"but the model's vocab_size is {vocab_size}")
+    encodings = tokenizer.encode_batch(docs, add_special_tokens=False)
+    streams = tuple(torch.tensor(e.ids, dtype=torch.int64) for e in encodings)
+    digest = hashlib.sha256("\n\n".join(docs).encode()).hexdigest()
+    return Corpus(name, digest, streams)
+
+
+def load_corpus(path: str | Path, tokenizer_path: str | Path,
+                vocab_size: int | None = None) -> Corpus:
+    return tokenize(read_documents(path), tokenizer_path, vocab_size, name=str(path))
+
+
+@dataclass(frozen=True)
+class AnchorPlan:
+    """Blocks to evaluate: block i drafts on ``streams[stream[i]]`` at anchor ``anchor[i]``
+    (context: positions < anchor; first token: ids[anchor])."""
+
+    stream: torch.Tensor  # [N] index into Corpus.streams
+    anchor: torch.Tensor  # [N] anchor position p = context length of the block
+
+    def to_json(self) -> dict:
+        ctx = self.anchor.double()
+        return {"blocks": int(self.anchor.numel()), "context_length_mean": float(ctx.mean()),
+                "context_length_min": int(self.anchor.min()),
+                "context_length_max": int(self.anchor.max())}
+
+
+def sample_anchors(corpus: Corpus, n_blocks: int, block_size: int, seed: int,
+                   min_context: int = 1, max_context: int | None = None) -> AnchorPlan:
+    """Sample ``n_blocks`` distinct (stream, anchor) pairs uniformly over every valid position of
+    every stream: anchor p needs ``min_context <= p`` (a context to attend to) and
+    ``p + block_size < len`` (the block's tokens exist in the stream)."""
+    lengths = torch.tensor([int(s.numel()) for s in corpus.streams], dtype=torch.int64)
+    hi = lengths - block_size - 1  # largest valid anchor per stream
+    if max_context is not None:
+        hi = hi.clamp(max=max_context)
+    counts = (hi - min_context + 1).clamp(min=0)
+    total = int(counts.sum())
+    if total < n_blocks:
+        raise QStreamError(
+            f"corpus {corpus.name} has {total} valid block positions (blocks of {block_size} "
+            f"after at least {min_context} context tokens), fewer than the {n_blocks} asked for")
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(total, generator=gen)[:n_blocks].sort().values  # global position ids
+    offsets = torch.cumsum(counts, 0) - counts
+    stream = torch.searchsorted(torch.cumsum(counts, 0), pick, right=True)
+    anchor = pick - offsets[stream] + min_context
+    return AnchorPlan(stream, anchor)

@@ -1,0 +1,63 @@
+"""The aux regimes of DESIGN.md section 6: what stands in for the target's hidden states.
+
+The aux states are the only input shared between the reference and a variant; everything after
+them (context projection, context K/V) each model computes itself.
+
+- ``gauss``: iid N(0, 1).
+- ``heavy``: N(0, 1) times a fixed per-channel lognormal scale, exp(N(0, HEAVY_SIGMA^2)): a few
+  channels come out tens to hundreds of times larger than the median, as the massive activations
+  of real LLMs do (Sun et al., "Massive Activations in Large Language Models", 2024).
+- ``boot``: the draft's own layers run causally over the real token stream (the reference model,
+  fp32); each layer's output stands in for one target layer, so the aux states carry the real
+  token correlation of the corpus.
+
+Every regime is deterministic for a seed: gauss/heavy draw each stream's noise from a generator
+seeded by (seed, regime, stream index), so any subset of streams can be regenerated alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qstream.errors import QStreamError
+from qstream.model.config import DSparkConfig
+
+REGIMES = ("gauss", "heavy", "boot")
+HEAVY_SIGMA = 1.5  # log-scale spread of per-channel magnitudes in the heavy regime
+_REGIME_SALT = {"gauss": 101, "heavy": 202, "boot": 303}
+
+
+def _generator(seed: int, regime: str, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + _REGIME_SALT[regime]) * 65_537 + stream)
+
+
+def channel_scales(config: DSparkConfig, seed: int) -> torch.Tensor:
+    """[A] per-channel scales of the heavy regime (fixed for a seed, shared by all streams)."""
+    gen = _generator(seed, "heavy", -1)
+    return torch.exp(torch.randn(config.aux_size, generator=gen) * HEAVY_SIGMA)
+
+
+def check_boot_compatible(config: DSparkConfig) -> None:
+    if (config.num_target_layers != config.num_hidden_layers
+            or config.target_hidden_size != config.hidden_size):
+        raise QStreamError(
+            f"the boot regime stands the draft's {config.num_hidden_layers} layers of width "
+            f"{config.hidden_size} in for {config.num_target_layers} target layers of width "
+            f"{config.target_hidden_size}; this config does not match, use gauss or heavy")
+
+
+def synthetic_aux(regime: str, config: DSparkConfig, stream_ids: list[int],
+                  stream_lengths: list[int], pad_to: int, seed: int) -> torch.Tensor:
+    """gauss / heavy aux states [S, pad_to, A] float32 for the given corpus streams.  Each
+    stream's states are drawn at its full length (so they never depend on how streams are
+    batched), cut to ``pad_to`` positions and zero-padded."""
+    if regime not in ("gauss", "heavy"):
+        raise ValueError(f"synthetic_aux handles gauss and heavy, not {regime!r}")
+    aux = torch.zeros(len(stream_ids), pad_to, config.aux_size)
+    for row, (stream, length) in enumerate(zip(stream_ids, stream_lengths)):
+        states = torch.randn(length, config.aux_size, generator=_generator(seed, regime, stream))
+        keep = min(length, pad_to)
+        aux[row, :keep] = states[:keep]
+    if regime == "heavy":
+        aux *= channel_scales(config, seed)
+    return aux

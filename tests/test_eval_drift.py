@@ -1,0 +1,159 @@
+"""eval-drift end to end on a synthesized tiny draft: exactness of the self-comparison, the
+physical ordering of the formats, on-disk variants equal to simulated ones, bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from qstream.cli import cli
+from qstream.errors import QStreamError
+from qstream.eval.builtin import builtin_corpus_docs
+from qstream.eval.corpus import sample_anchors, tokenize
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.model.synth import synth_checkpoint
+
+BLOCKS = 128
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny", seed=0).output_dir
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny):
+    return tokenize(builtin_corpus_docs(), f"{tiny}/tokenizer.json")
+
+
+def _metrics(results, regime, variant):
+    return results["regimes"][regime]["variants"][variant]["metrics"]
+
+
+def test_reference_against_itself_is_exact(tiny, corpus):
+    settings = DriftSettings(regimes=("gauss",), formats=("fp32",), n_blocks=BLOCKS)
+    m = _metrics(evaluate_drift(tiny, settings, corpus), "gauss", "fp32")
+    assert all(e["value"] == 1.0 for e in m["greedy_agree"])
+    assert m["one_minus_tv_overall"]["value"] == 1.0
+    assert m["kl"]["max"] == 0.0 and m["reverse_kl"]["max"] == 0.0
+    for mode in ("greedy", "sampled"):  # identical models on common random numbers
+        ceiling = m["rollouts"][mode]["ceiling"]
+        assert ceiling["value"] == ceiling["lo"] == ceiling["hi"] == 7.0
+    assert m["sched_flip_rate"]["value"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def all_regimes(tiny, corpus):
+    settings = DriftSettings(regimes=("gauss", "heavy", "boot"), n_blocks=256, seed=3)
+    return evaluate_drift(tiny, settings, corpus)
+
+
+@pytest.mark.parametrize("regime", ["gauss", "heavy", "boot"])
+def test_drift_orders_as_precision_says(all_regimes, regime):
+    kl = {v: _metrics(all_regimes, regime, v)["kl"]["mean"]["value"]
+          for v in ("bf16", "fp8", "mxfp4", "nvfp4")}
+    ceiling = {v: _metrics(all_regimes, regime, v)["rollouts"]["greedy"]["ceiling"]["value"]
+               for v in kl}
+    agree = {v: _metrics(all_regimes, regime, v)["greedy_agree_overall"]["value"] for v in kl}
+    assert kl["bf16"] < kl["fp8"] < min(kl["mxfp4"], kl["nvfp4"]), kl
+    assert ceiling["bf16"] > ceiling["fp8"] > max(ceiling["mxfp4"], ceiling["nvfp4"]), ceiling
+    assert agree["bf16"] > agree["fp8"] > max(agree["mxfp4"], agree["nvfp4"]), agree
+
+
+def test_results_carry_what_reproduces_them(all_regimes):
+    r = all_regimes
+    assert r["schema"] == "qstream.eval-drift/1"
+    assert r["seed"] == 3 and r["blocks"] == 256 and r["block_size"] == 7
+    assert len(r["model"]["config_sha256"]) == 64 and r["corpus"]["tokens"] > 0
+    assert r["sampling"]["temperature"] == 1.0 and r["sampling"]["top_p"] == 0.95
+    assert r["torch_version"] and r["qstream_version"]
+
+
+def test_a_perturbed_variant_is_detected(tiny, corpus, tmp_path):
+    bad = tmp_path / "perturbed"
+    shutil.copytree(tiny, bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = "layers.2.mlp.down_proj.weight"
+    w = tensors[name].float()
+    tensors[name] = (w + 0.5 * w.std() * torch.randn_like(w)).to(torch.bfloat16)
+    save_file(tensors, bad / "model.safetensors")
+    settings = DriftSettings(regimes=("gauss",), formats=("bf16",), n_blocks=BLOCKS,
+                             variant_dirs=(("perturbed", str(bad)),))
+    r = evaluate_drift(tiny, settings, corpus)
+    floor = _metrics(r, "gauss", "bf16")
+    hit = _metrics(r, "gauss", "perturbed")
+    assert hit["kl"]["mean"]["value"] > 10 * floor["kl"]["mean"]["value"]
+    assert hit["rollouts"]["greedy"]["ceiling"]["hi"] < floor["rollouts"]["greedy"]["ceiling"]["lo"]
+    assert r["regimes"]["gauss"]["variants"]["perturbed"]["quantized_tensors"] == [name]
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, fmt):
+    from qstream.model.load import QUANTIZE_INCLUDE
+
+    out = tmp_path / fmt
+    runner = CliRunner()
+    result = runner.invoke(cli, ["quantize", "--model_dir", tiny, "--output_dir", str(out),
+                                 "--quant_format", fmt, "--include_layers", *QUANTIZE_INCLUDE])
+    assert result.exit_code == 0, result.output
+    settings = DriftSettings(regimes=("heavy",), formats=(fmt,), n_blocks=BLOCKS,
+                             variant_dirs=(("disk", str(out)),))
+    r = evaluate_drift(tiny, settings, corpus)
+    simulated, disk = (r["regimes"]["heavy"]["variants"][v] for v in (fmt, "disk"))
+    assert disk["metrics"] == simulated["metrics"]
+    assert disk["quantized_tensors"] == simulated["quantized_tensors"]
+
+
+def test_same_seed_same_json(tiny, tmp_path):
+    runner = CliRunner()
+    args = ["eval-drift", "--model", tiny, "--regime", "gauss", "--blocks", "64",
+            "--formats", "bf16,fp8", "--seed", "5", "--json"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert runner.invoke(cli, [*args, str(a)]).exit_code == 0
+    assert runner.invoke(cli, [*args, str(b)]).exit_code == 0
+    assert a.read_bytes() == b.read_bytes()
+    assert json.loads(a.read_text())["regimes"]["gauss"]["variants"]["fp8"]
+
+
+def test_cli_bad_inputs_are_one_line_errors(tiny, tmp_path):
+    runner = CliRunner()
+    short = tmp_path / "short.txt"
+    short.write_text("two plus two\n")
+    cases = {
+        "valid block positions": ["--corpus", str(short)],
+        "unknown format": ["--formats", "bf16,int3"],
+        "NAME=DIR": ["--variant", "nodir"],
+    }
+    for expected, extra in cases.items():
+        result = runner.invoke(cli, ["eval-drift", "--model", tiny, "--blocks", "8", *extra])
+        assert result.exit_code == 1, (extra, result.output)
+        assert expected in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_variant_of_another_architecture_is_refused(tiny, corpus, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (other / "config.json").write_text(json.dumps(cfg))
+    settings = DriftSettings(regimes=("gauss",), formats=(), n_blocks=8,
+                             variant_dirs=(("other", str(other)),))
+    with pytest.raises(QStreamError, match="different architecture"):
+        evaluate_drift(tiny, settings, corpus)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tiny):
+    with pytest.raises(QStreamError, match="vocab_size is 10"):
+        tokenize(["a b c"], f"{tiny}/tokenizer.json", vocab_size=10)
+
+
+def test_anchor_sampling_is_uniform_over_valid_positions(corpus):
+    plan = sample_anchors(corpus, 500, 7, seed=0)
+    lengths = torch.tensor([int(corpus.streams[s].numel()) for s in plan.stream.tolist()])
+    assert bool((plan.anchor >= 1).all()) and bool((plan.anchor + 7 < lengths).all())
+    pairs = set(zip(plan.stream.tolist(), plan.anchor.tolist()))
+    assert len(pairs) == 500  # distinct blocks
+    assert torch.equal(sample_anchors(corpus, 500, 7, seed=0).anchor, plan.anchor)
