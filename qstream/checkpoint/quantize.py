@@ -118,8 +118,10 @@ def quantize_checkpoint(
     ``include`` / ``ignore`` are DESIGN.md section 2 patterns (``ignore`` wins; default: every
     2-D Linear weight except embeddings, lm_head and MoE routers).  ``skip_incompatible`` leaves
     weights whose K is not a multiple of the block size unquantized instead of failing.
-    ``device`` "cuda" quantizes on the GPU (same bytes).  Raises QStreamError, having written
-    nothing, for any problem with the input or the options.
+    ``device`` "cuda" quantizes on the GPU (same bytes).  Parallelism comes from ``workers``
+    threads with one torch intra-op thread each (torch's setting is restored on return): on a
+    busy machine, intra-op thread barriers cost far more than they gain on small pieces.
+    Raises QStreamError, having written nothing, for any problem with the input or options.
     """
     started = time.perf_counter()
     get_format(fmt)
@@ -142,9 +144,12 @@ def quantize_checkpoint(
     if dry_run:
         return summary
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    amaxes = _global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" else {}
     tmp = output_path.parent / f".{output_path.name}.qstream-partial-{os.getpid()}"
+    intra_op_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
+        amaxes = _global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" \
+            else {}
         tmp.mkdir()
         snr = _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, tmp,
                                 torch_device, workers, progress)
@@ -152,6 +157,8 @@ def quantize_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        torch.set_num_threads(intra_op_threads)
     return QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr,
                               "seconds": time.perf_counter() - started})
 

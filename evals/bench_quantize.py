@@ -1,0 +1,138 @@
+"""Time and peak RSS of ``qstream-quantize`` against llm-compressor's ``model_free_ptq`` on the
+same randomly initialised ~0.5B-parameter Llama checkpoint, same machine, same run, for each
+format.  Each run is a fresh child process; its peak RSS comes from ``os.wait4``.
+
+    /work/venv/bin/python evals/bench_quantize.py --llmc-python /work/venv-llmc/bin/python
+
+Targets (issue 3, two cores): >= 4x faster for the 4-bit formats, >= 3x for FP8, peak RSS at
+most a quarter of model_free_ptq's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LLMC_SCRIPT = r"""
+import sys
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from llmcompressor import model_free_ptq
+
+src, out, fmt = sys.argv[1:4]
+if fmt == "fp8":
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False))
+else:
+    scheme = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}[fmt]
+model_free_ptq(src, out, scheme=scheme, ignore=["lm_head", "model.embed_tokens"],
+               max_workers=1, device="cpu")
+"""
+
+# ~0.5B parameters: 28 layers of hidden 1024, intermediate 4096, 8 KV heads of 64, vocab 32000.
+HIDDEN, INTER, LAYERS, KV, VOCAB = 1024, 4096, 28, 512, 32000
+
+
+def write_random_llama(directory: Path, shards: int = 2) -> int:
+    """Write the checkpoint shard by shard (bf16 N(0, 0.02^2)); returns the parameter count."""
+    directory.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    names = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        names.update({p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+                      p + "self_attn.k_proj.weight": (KV, HIDDEN),
+                      p + "self_attn.v_proj.weight": (KV, HIDDEN),
+                      p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+                      p + "mlp.gate_proj.weight": (INTER, HIDDEN),
+                      p + "mlp.up_proj.weight": (INTER, HIDDEN),
+                      p + "mlp.down_proj.weight": (HIDDEN, INTER),
+                      p + "input_layernorm.weight": (HIDDEN,),
+                      p + "post_attention_layernorm.weight": (HIDDEN,)})
+    names.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
+    order = list(names)
+    per_shard = -(-len(order) // shards)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: (torch.randn(*names[n], generator=gen) * 0.02).bfloat16()
+                for n in order[s * per_shard:(s + 1) * per_shard]}
+        save_file(part, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+        del part
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": 16,
+        "num_key_value_heads": KV // 64, "vocab_size": VOCAB, "torch_dtype": "bfloat16"}))
+    return sum(torch.Size(s).numel() for s in names.values())
+
+
+def run(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-2000:]}")
+    return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llmc-python", default="/work/venv-llmc/bin/python")
+    parser.add_argument("--qstream", default=str(Path(sys.executable).parent / "qstream-quantize"))
+    parser.add_argument("--formats", default="fp8,mxfp4,nvfp4")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workdir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="qstream-bench-"))
+    src = work / "llama-0.5b"
+    if not src.exists():
+        params = write_random_llama(src)
+        print(f"wrote {params / 1e9:.3f}B-parameter checkpoint to {src}")
+    for shard in src.glob("*.safetensors"):  # both tools then read from the page cache
+        with open(shard, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    results = []
+    try:
+        for fmt in args.formats.split(","):
+            q_out, l_out = work / f"qstream-{fmt}", work / f"llmc-{fmt}"
+            shutil.rmtree(q_out, ignore_errors=True)
+            shutil.rmtree(l_out, ignore_errors=True)
+            q = run([args.qstream, "--model_dir", str(src), "--output_dir", str(q_out),
+                     "--quant_format", fmt, "--ignore_layers", "lm_head",
+                     "--workers", str(args.workers)])
+            lc = run([args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(l_out), fmt])
+            r = {"format": fmt, "qstream_s": q[0], "qstream_rss_gib": q[1] / 2**30,
+                 "llmc_s": lc[0], "llmc_rss_gib": lc[1] / 2**30,
+                 "speedup": lc[0] / q[0], "rss_ratio": q[1] / lc[1]}
+            results.append(r)
+            print(f"{fmt:6s} qstream {q[0]:6.1f} s {q[1] / 2**30:5.2f} GiB | model_free_ptq "
+                  f"{lc[0]:6.1f} s {lc[1] / 2**30:5.2f} GiB | {r['speedup']:.2f}x faster, "
+                  f"RSS {r['rss_ratio']:.3f} of model_free_ptq's", flush=True)
+            shutil.rmtree(q_out, ignore_errors=True)
+            shutil.rmtree(l_out, ignore_errors=True)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpus": os.cpu_count(), "results": results},
+                                              indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
