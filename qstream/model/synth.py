@@ -214,15 +214,17 @@ def markov_tables(logp: torch.Tensor, prev_counts: torch.Tensor, vocab: int, ran
 
 
 def calibrate_markov_scale(w1: torch.Tensor, w2: torch.Tensor, streams: list[list[int]],
-                           seed: int, target: float = TARGET_TOP1) -> tuple[float, float]:
+                           seed: int, tokenizer_vocab: int, target: float = TARGET_TOP1
+                           ) -> tuple[float, float]:
     """Scale ``alpha`` of the Markov tables such that the mean top-1 probability of
     ``alpha * w2 . w1[prev] + U`` over corpus transitions is ``target``, with U modelled as
-    iid N(0, U_STD^2) per vocab entry.  Returns (alpha, the achieved mean top-1)."""
+    iid N(0, U_STD^2) per vocab entry.  Padding ids (>= tokenizer_vocab) are left out: their
+    bias column rules them out.  Returns (alpha, the achieved mean top-1)."""
     gen = torch.Generator().manual_seed(seed + 29)
     prev = torch.tensor([t for ids in streams for t in ids[:-1]], dtype=torch.int64)
     pick = torch.randint(0, prev.numel(), (min(CALIBRATION_SAMPLES, prev.numel()),),
                          generator=gen)
-    bias = w1[prev[pick]] @ w2.T  # [n, V]
+    bias = w1[prev[pick]] @ w2[:tokenizer_vocab].T  # [n, V_tokenizer]
     noise = torch.randn(bias.shape, generator=gen) * U_STD
 
     def top1(alpha: float) -> float:
@@ -405,7 +407,7 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
     streams = [e.ids for e in tok.encode_batch(texts)]
     logp, prev_counts = bigram_logprobs(streams, tok.get_vocab_size())
     w1, w2 = markov_tables(logp, prev_counts, vocab, config.markov_rank, seed)
-    alpha, top1 = calibrate_markov_scale(w1, w2, streams, seed)
+    alpha, top1 = calibrate_markov_scale(w1, w2, streams, seed, tok.get_vocab_size())
     w1, w2 = w1 * math.sqrt(alpha), w2 * math.sqrt(alpha)
     small = _small_tensors(config, seed, w1, w2)
     plan = _Plan(config, small, _head_std(config, small["final_norm.weight"]), seed)

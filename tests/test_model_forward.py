@@ -1,0 +1,201 @@
+"""Structural tests of the DSpark forward (DESIGN.md section 5): each would catch one classic
+mistake, plus batching and precision agreement."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from qstream.errors import QStreamError
+from qstream.model.config import PRESETS, DSparkConfig
+from qstream.model.dspark import (
+    DSpark, apply_rope, markov_logits, rollout, sample, sampling_probs, teacher_forced,
+)
+
+from model_helpers import random_model_weights
+
+CFG = PRESETS["tiny"]
+S, T = 3, 40
+# Two fp32 forwards over differently batched matmuls (one block vs 24 packed in rows) differ by
+# summation order only: measured <= 9e-6 on |U| <= 5.3 (tiny preset); 5e-5 leaves ~5x margin.
+BATCH_ATOL = 5e-5
+# bf16 activations vs fp32 on the same (bf16-rounded) weights: relative Frobenius error of U.
+# bf16's unit roundoff is 2^-8; measured 5.4-6.6 x 2^-8 on three random-weight tiny models
+# (2.4 x 2^-8 on a synth checkpoint), 256 blocks each.  Bound: 8 x 2^-8.
+BF16_REL_ERR = 8 * 2.0 ** -8
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_model_weights(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model(weights):
+    return DSpark(CFG, weights)
+
+
+def _aux(seed=1):
+    return torch.randn(S, T, CFG.aux_size, generator=torch.Generator().manual_seed(seed))
+
+
+def _blocks(model, aux, stream, anchor, first=None):
+    stream, anchor = torch.tensor(stream), torch.tensor(anchor)
+    first = torch.full_like(stream, 7) if first is None else torch.tensor(first)
+    return model.draft(model.context(aux), stream, anchor, first)
+
+
+def test_rope_rotates_interleaved_pairs_not_halves():
+    # one pair (x0, x1) = (1, 0) rotated by pi/2 must become (0, 1): interleaved layout
+    x = torch.zeros(1, 8)
+    x[0, 0] = 1.0
+    inv_freq = torch.tensor([torch.pi / 2, 0.0, 0.0, 0.0])
+    out = apply_rope(x, torch.tensor([1]), inv_freq)
+    torch.testing.assert_close(out[0, :2], torch.tensor([0.0, 1.0]), atol=1e-6, rtol=0)
+    assert out[0, 4].abs() < 1e-6  # half-split would have moved it to index d/2 = 4
+
+
+def test_softmax_scale_carries_mscale_squared(model):
+    c = CFG
+    plain = (c.qk_nope_head_dim + c.qk_rope_head_dim) ** -0.5
+    m = 0.1 * c.rope_parameters.mscale_all_dim * torch.log(torch.tensor(32.0)).item() + 1
+    assert abs(model.scale - plain * m * m) < 1e-9
+    assert abs(PRESETS["k3"].softmax_scale - 0.130861) < 5e-7
+
+
+def test_block_cannot_see_context_at_or_after_its_anchor(model):
+    p = 17
+    aux = _aux()
+    before = _blocks(model, aux, [1], [p]).logits_base
+    changed = aux.clone()
+    changed[1, p:] = torch.randn(T - p, CFG.aux_size) * 10  # positions >= p of its own stream
+    changed[0] = torch.randn(T, CFG.aux_size)  # another stream entirely
+    after = _blocks(model, changed, [1], [p]).logits_base
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    changed[1, p - 1] += 5.0  # ... while position p-1 is visible
+    assert not torch.allclose(_blocks(model, changed, [1], [p]).logits_base, before)
+
+
+def test_no_causal_mask_inside_the_block(model, weights):
+    # A later block position must influence an earlier one: change the mask token's embedding,
+    # which only positions 1..B-1 use, and look at position 0 (which embeds first_token).
+    w = dict(weights)
+    w["embed_tokens.weight"] = weights["embed_tokens.weight"].clone()
+    w["embed_tokens.weight"][CFG.mask_token_id] += 1.0
+    other = DSpark(CFG, w)
+    aux = _aux()
+    a = _blocks(model, aux, [0], [10]).logits_base[0, 0]
+    b = _blocks(other, aux, [0], [10]).logits_base[0, 0]
+    assert (a - b).abs().max() > 1e-3, "position 0 ignores the later (mask) positions"
+
+
+def test_markov_bias_uses_the_previous_token(model, weights):
+    U = torch.zeros(1, 1, CFG.vocab_size)
+    prev = torch.tensor([[5]])
+    w1, w2 = weights["markov_head.markov_w1.weight"], weights["markov_head.markov_w2.weight"]
+    # markov_w1 is an embedding [V, r] indexed by prev; markov_w2 a Linear r -> V, i.e. [V, r]
+    torch.testing.assert_close(markov_logits(model, U, prev)[0, 0], w2 @ w1[5])
+    # rollout feeds prev_0 = ids[p], then each drafted token
+    aux = _aux()
+    blocks = _blocks(model, aux, [0, 2], [5, 30], [11, 12])
+    greedy = rollout(model, blocks)
+    assert greedy.prev[:, 0].tolist() == [11, 12]
+    assert torch.equal(greedy.prev[:, 1:], greedy.tokens[:, :-1])
+    expect = blocks.logits_base + (w1[greedy.prev] @ w2.T)
+    torch.testing.assert_close(greedy.logits, expect, atol=1e-5, rtol=0)
+    assert torch.equal(greedy.tokens, greedy.logits.argmax(-1))
+
+
+def test_transposed_markov_table_is_refused(weights):
+    w = dict(weights)
+    w["markov_head.markov_w1.weight"] = weights["markov_head.markov_w1.weight"].T.contiguous()
+    with pytest.raises(QStreamError, match=r"markov_w1.weight.*\[16, \d+\].*expected \[\d+, 16\]"):
+        DSpark(CFG, w)
+
+
+def test_batched_equals_one_block_at_a_time(model):
+    aux = _aux()
+    gen = torch.Generator().manual_seed(9)
+    stream = torch.randint(0, S, (24,), generator=gen)
+    stream[:10] = 1  # a busy stream: spans several rows
+    anchor = torch.randint(0, T, (24,), generator=gen)
+    first = torch.randint(0, CFG.vocab_size, (24,), generator=gen)
+    ctx = model.context(aux)
+    batched = model.draft(ctx, stream, anchor, first)
+    for n in range(24):
+        one = model.draft(ctx, stream[n:n + 1], anchor[n:n + 1], first[n:n + 1])
+        err = (one.logits_base[0] - batched.logits_base[n]).abs().max().item()
+        assert err <= BATCH_ATOL, f"block {n}: |diff| {err:.3g} > {BATCH_ATOL}"
+        torch.testing.assert_close(one.hidden[0], batched.hidden[n], atol=BATCH_ATOL, rtol=0)
+
+
+def test_per_stream_context_lengths(model):
+    aux = _aux()
+    lengths = torch.tensor([T, 12, 25])
+    ctx = model.context(aux, lengths)
+    with pytest.raises(ValueError, match="anchor"):
+        model.draft(ctx, [1], [13], [3])
+    short = model.draft(ctx, [1], [12], [3]).logits_base
+    alone = model.draft(model.context(aux[1:2, :12]), [0], [12], [3]).logits_base
+    torch.testing.assert_close(short, alone, atol=BATCH_ATOL, rtol=0)
+
+
+def test_bf16_path_tracks_fp32(weights):
+    rounded = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    gen = torch.Generator().manual_seed(2)
+    stream, anchor = torch.randint(0, S, (64,), generator=gen), torch.randint(1, T, (64,), generator=gen)
+    first = torch.randint(0, CFG.vocab_size, (64,), generator=gen)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = DSpark(CFG, rounded, dtype)
+        out[dtype] = model.draft(model.context(_aux()), stream, anchor, first).logits_base
+    ref, low = out[torch.float32], out[torch.bfloat16]
+    rel = ((low - ref).norm() / ref.norm()).item()
+    assert 0 < rel <= BF16_REL_ERR, f"relative error {rel:.4f} not in (0, {BF16_REL_ERR:.4f}]"
+
+
+def test_sampled_rollout_uses_common_random_numbers(model):
+    aux = _aux()
+    blocks = _blocks(model, aux, [0, 1, 2, 0], [3, 9, 20, 33])
+    noise = torch.rand(4, CFG.block_size, generator=torch.Generator().manual_seed(4))
+    a = rollout(model, blocks, noise, temperature=1.0, top_p=0.95)
+    b = rollout(model, blocks, noise, temperature=1.0, top_p=0.95)
+    assert torch.equal(a.tokens, b.tokens)
+    tf = teacher_forced(model, blocks, a.tokens)
+    torch.testing.assert_close(tf.logits, a.logits, rtol=0, atol=0)
+    torch.testing.assert_close(tf.confidence, a.confidence, rtol=0, atol=0)
+    assert ((a.confidence > 0) & (a.confidence < 1)).all()
+
+
+def test_inverse_cdf_sampling_respects_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = sampling_probs(logits, 1.0, 0.8)  # nucleus {0, 1}: 0.5 + 0.3 >= 0.8
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    picks = [sample(probs, torch.tensor([u])).item() for u in (0.0, 0.62, 0.63, 0.999)]
+    assert picks == [0, 0, 1, 1]
+
+
+def test_causal_mode_is_causal(model):
+    ids = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    out = model.causal_hidden(ids)
+    assert out.shape == (2, 20, CFG.num_hidden_layers, CFG.hidden_size)
+    changed = ids.clone()
+    changed[:, 12:] = (ids[:, 12:] + 1) % CFG.vocab_size
+    again = model.causal_hidden(changed)
+    torch.testing.assert_close(again[:, :12], out[:, :12], rtol=0, atol=0)
+    assert not torch.allclose(again[:, 12], out[:, 12])
+
+
+def test_config_errors_name_key_and_value():
+    data = CFG.to_json()
+    assert DSparkConfig.from_json(data) == CFG
+    bad = {**data, "num_target_layers": 4}
+    with pytest.raises(ValueError, match=r"num_target_layers = 4"):
+        DSparkConfig.from_json(bad)
+    missing = {k: v for k, v in data.items() if k != "kv_lora_rank"}
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        DSparkConfig.from_json(missing)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        dataclasses.replace(CFG, max_position_embeddings=1000)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        dataclasses.replace(CFG, mask_token_id=CFG.vocab_size)
