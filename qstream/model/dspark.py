@@ -300,8 +300,9 @@ class DSpark:
             U.append(u)
             hf.append(h)
         U_rows, hf_rows = torch.cat(U), torch.cat(hf)  # [R*M, B, V], [R*M, B, H]
-        return Blocks(U_rows[packing.slot_of_block].float(),
-                      hf_rows[packing.slot_of_block].float(), first_token)
+        if not packing.in_order:  # [N, B, V] gathers are costly at V = 32k: skip when possible
+            U_rows, hf_rows = U_rows[packing.slot_of_block], hf_rows[packing.slot_of_block]
+        return Blocks(U_rows.float(), hf_rows.float(), first_token)
 
     def _draft_rows(self, ctx: ContextCache, pk: "_Packing", rows: slice,
                     first_token: torch.Tensor):
@@ -320,8 +321,8 @@ class DSpark:
             h = rms_norm(x, lw["input_layernorm.weight"], c.rms_norm_eps)
             q = self._query(lw, h, pos).permute(0, 3, 1, 2, 4)  # [R, n, M, B, dk]
             k_blk, v_blk = self._expand(lw, *self._latent(lw, h, pos))  # [R, M, n, B, d]
-            k_ctx, v_ctx = self._expand(lw, ctx.latent[i][row_stream, :T],
-                                        ctx.rope_key[i][row_stream, :T])  # [R, n, T, d]
+            k_ctx, v_ctx = self._expand(lw, _rows(ctx.latent[i], row_stream, T),
+                                        _rows(ctx.rope_key[i], row_stream, T))  # [R, n, T, d]
             s_ctx = self._scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))  # [R, n, M, B, T]
             s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))
             s_blk = self._scores(q, k_blk.transpose(1, 2))  # [R, n, M, B, B]: no causal mask
@@ -334,6 +335,14 @@ class DSpark:
             x = x + self._mlp(lw, x)
         hf = rms_norm(x, self.w["final_norm.weight"], c.rms_norm_eps).flatten(0, 1)  # [R*M, B, H]
         return F.linear(hf, self.w[LM_HEAD]), hf
+
+
+def _rows(cache: torch.Tensor, row_stream: torch.Tensor, T: int) -> torch.Tensor:
+    """cache [S, T_all, d] -> [R, T, d] for the rows' streams (a view when rows are streams)."""
+    if row_stream.numel() == cache.shape[0] and bool(
+            (row_stream == torch.arange(cache.shape[0])).all()):
+        return cache[:, :T]
+    return cache[row_stream, :T]
 
 
 @dataclass(frozen=True)
@@ -349,6 +358,12 @@ class _Packing:
     @property
     def R(self) -> int:
         return self.row_stream.numel()
+
+    @property
+    def in_order(self) -> bool:
+        """Slot i holds block i (no padding, blocks given stream by stream)."""
+        return self.slot_of_block.numel() == self.block_of_slot.numel() and bool(
+            (self.slot_of_block == torch.arange(self.slot_of_block.numel())).all())
 
     def first_token_slots(self, first_token: torch.Tensor) -> torch.Tensor:
         """[N] per block -> [R, M] per slot (padding slots get the first block's token)."""

@@ -246,10 +246,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
-def _heavy(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Unit-variance Gaussian scale mixture ``z * exp(s g - s^2)`` (heavy-tailed)."""
-    z = torch.randn(shape, generator=gen)
-    g = torch.randn(shape, generator=gen)
+def _heavy(z: torch.Tensor, g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fill z with a unit-variance Gaussian scale mixture ``z * exp(s g - s^2)`` (heavy-tailed),
+    using g as scratch; reusing the two buffers keeps a k3 run free of page-fault churn."""
+    torch.randn(z.shape, generator=gen, out=z)
+    torch.randn(g.shape, generator=gen, out=g)
     return z.mul_(g.mul_(TAIL_S).sub_(TAIL_S * TAIL_S).exp_())
 
 
@@ -274,10 +275,16 @@ class _LinearSource:
             lo, hi = OUTLIER_GAIN
             col[idx] *= lo + (hi - lo) * torch.rand(k, generator=self.gen)
         self.col = col / col.pow(2).mean().sqrt()  # keep the overall variance at std^2
+        self._z: torch.Tensor | None = None
+        self._g: torch.Tensor | None = None
 
     def rows(self, count: int) -> torch.Tensor:
+        """The next ``count`` rows (a view of a buffer reused by the next call)."""
+        if self._z is None or self._z.shape[0] < count:
+            self._z, self._g = torch.empty(count, self.n_in), torch.empty(count, self.n_in)
         row = (torch.randn(count, 1, generator=self.gen) * ROW_SPREAD).exp()
-        return _heavy((count, self.n_in), self.gen).mul_(row * self.col * self.std)
+        z = _heavy(self._z[:count], self._g[:count], self.gen)
+        return z.mul_(row * self.std).mul_(self.col)
 
 
 def _linear_std(name: str, n_in: int) -> float:
