@@ -59,17 +59,23 @@ def write_random_llama(directory: Path, shards: int = 2) -> int:
                       p + "input_layernorm.weight": (HIDDEN,),
                       p + "post_attention_layernorm.weight": (HIDDEN,)})
     names.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
-    order = list(names)
-    per_shard = -(-len(order) // shards)
+    # Shards split at layer boundaries: model_free_ptq (llm-compressor 0.14) fails on NVFP4 when
+    # a q/k/v group straddles two shards ("Matched ... k_proj twice before completing set").
+    per_shard = -(-LAYERS // shards)
+    shard_of = {n: min(int(n.split(".")[2]) // per_shard, shards - 1) if ".layers." in n
+                else (0 if "embed" in n else shards - 1) for n in names}
     weight_map = {}
     for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 \
+            else "model.safetensors"
         part = {n: (torch.randn(*names[n], generator=gen) * 0.02).bfloat16()
-                for n in order[s * per_shard:(s + 1) * per_shard]}
+                for n in names if shard_of[n] == s}
         save_file(part, directory / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, file))
         del part
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if shards > 1:
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": weight_map}))
     (directory / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
         "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": 16,
@@ -94,13 +100,15 @@ def main() -> int:
     parser.add_argument("--qstream", default=str(Path(sys.executable).parent / "qstream-quantize"))
     parser.add_argument("--formats", default="fp8,mxfp4,nvfp4")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=1,
+                        help="input shards (0.5B models ship as one model.safetensors)")
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="qstream-bench-"))
     src = work / "llama-0.5b"
     if not src.exists():
-        params = write_random_llama(src)
+        params = write_random_llama(src, args.shards)
         print(f"wrote {params / 1e9:.3f}B-parameter checkpoint to {src}")
     for shard in src.glob("*.safetensors"):  # both tools then read from the page cache
         with open(shard, "rb") as f:

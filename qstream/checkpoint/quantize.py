@@ -39,11 +39,12 @@ from qstream.errors import QStreamError
 from qstream.formats import dequantize, get_format, quantize
 from qstream.formats.nvfp4 import tensor_amax
 
-# Largest piece of work: 2M elements is 4 MiB of bf16 input; with the float64 SNR temporaries a
-# piece costs ~60 MB, so memory stays near workers x 60 MB whatever the tensor sizes.
-PIECE_ELEMENTS = 1 << 21
-# Byte copies of untouched tensors go in pieces of this size.
-COPY_BYTES = 64 << 20
+# Largest piece of work: 512K elements is 1 MiB of bf16 input; with the float64 SNR temporaries
+# a piece costs ~15 MB, so memory stays near workers x 15 MB whatever the tensor sizes.
+PIECE_ELEMENTS = 1 << 19
+# Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
+# until released).
+COPY_BYTES = 8 << 20
 
 Progress = Callable[[int, int, int, int], None]  # bytes done, bytes total, tensors done, total
 
