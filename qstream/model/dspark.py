@@ -290,6 +290,9 @@ class DSpark:
             raise ValueError("stream, anchor and first_token must be 1-D of equal length")
         if stream.numel() and bool((anchor > ctx.lengths[stream]).any() or (anchor < 0).any()):
             raise ValueError("every anchor p must satisfy 0 <= p <= its stream's context length")
+        if first_token.numel() and not (0 <= int(first_token.min()) and
+                                        int(first_token.max()) < self.config.vocab_size):
+            raise ValueError(f"first_token ids must lie in [0, {self.config.vocab_size})")
         packing = _pack(stream, anchor)
         T_max = int(anchor.max()) if anchor.numel() else 0
         B, n = self.config.block_size, self.config.num_attention_heads
