@@ -63,3 +63,10 @@ def test_close_models_differ_only_between_their_cdfs():
     differ = (sample(p.expand(n, -1), u) != sample(q.expand(n, -1), u)).sum().item()
     bound = n * (p.double().cumsum(-1) - q.double().cumsum(-1)).abs().sum().item() + 200
     assert differ <= bound, (differ, bound)
+
+
+def test_a_uniform_just_below_one_never_draws_outside_the_nucleus():
+    probs = sampling_probs(torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log(), top_p=0.65)
+    assert probs[0, 2:].tolist() == [0.0, 0.0]
+    u = torch.tensor([0.99999999], dtype=torch.float64)  # rounds to 1.0 in float32
+    assert sample(probs, u).tolist() == [1]

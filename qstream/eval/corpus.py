@@ -8,7 +8,6 @@ the draft's own tokenizer, and the anchors (block start positions) sampled acros
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from qstream.errors import QStreamError
+from qstream.model.synth import read_corpus  # GSM8K JSONL or blank-line separated text
 
 
 @dataclass(frozen=True)
@@ -33,29 +33,6 @@ class Corpus:
     def identity(self) -> dict:
         return {"corpus": self.name, "sha256": self.sha256, "streams": len(self.streams),
                 "tokens": self.token_count}
-
-
-def read_documents(path: str | Path) -> list[str]:
-    """GSM8K-style JSONL (``question`` and ``answer`` per line, joined by a newline) or plain text
-    (documents separated by blank lines)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QStreamError(f"cannot read corpus {path}: {exc}") from None
-    if path.suffix == ".jsonl":
-        docs = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                docs.append(f"{row['question']}\n{row['answer']}")
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise QStreamError(f"{path}:{number}: expected a JSON object with 'question' "
-                                   "and 'answer'") from None
-        return docs
-    return [d.strip() for d in text.split("\n\n") if d.strip()]
 
 
 def tokenize(docs: list[str], tokenizer_path: str | Path, vocab_size: int | None = None,
@@ -77,7 +54,7 @@ def tokenize(docs: list[str], tokenizer_path: str | Path, vocab_size: int | None
 
 def load_corpus(path: str | Path, tokenizer_path: str | Path,
                 vocab_size: int | None = None) -> Corpus:
-    return tokenize(read_documents(path), tokenizer_path, vocab_size, name=str(path))
+    return tokenize(read_corpus(path), tokenizer_path, vocab_size, name=str(path))
 
 
 @dataclass(frozen=True)

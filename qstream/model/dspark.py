@@ -445,8 +445,12 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     With the same u, two close distributions pick the same token with high probability,
     which is the common-random-numbers coupling the drift metrics rely on."""
     cdf = probs.cumsum(-1)  # [N, V]
-    target = (u.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # [N, 1]
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+    total = cdf[..., -1:]  # [N, 1]
+    # u close to 1 can round u * total up to total; keep the target strictly below it, so that
+    # the draw never falls past the last token of positive probability.
+    target = torch.minimum(u.to(cdf.dtype).unsqueeze(-1) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
 def rollout(model: DSpark, blocks: Blocks, noise: torch.Tensor | None = None,

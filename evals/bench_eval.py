@@ -1,0 +1,102 @@
+"""Achieved FLOP rate of eval-drift's reference (fp32) and bf16 passes on the `small` preset, as
+a ratio to this machine's matmul rate for the same dtype, measured in the same run.
+
+    python evals/bench_eval.py [--model DIR] [--blocks 256] [--corpus ../shared/data/gsm8k/test.jsonl]
+
+The FLOPs are counted analytically (multiply-adds x 2) for the work the draft must do: the
+context projection and per-layer context latents once per stream position, per-layer K/V
+expansion of the context once per stream, the block pass (projections, attention over context
+plus block, SwiGLU), lm_head and the Markov head for every drafted position.  Padding, masking,
+softmax and norms are not counted, so the ratio is a lower bound on hardware utilisation.
+Target (issue eval-drift): at least 50% of the matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from qstream.eval.builtin import builtin_corpus_docs
+from qstream.eval.corpus import load_corpus, sample_anchors, tokenize
+from qstream.eval.drift import _draft, make_batches
+from qstream.model.dspark import DSpark, rollout
+from qstream.model.load import load_config, load_weights
+from qstream.model.synth import synth_checkpoint
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 1024, n: int = 3072) -> float:
+    """Best-of-5 FLOP/s of one [m, k] @ [k, n] matmul, the shape class of the draft's layers."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    best = float("inf")
+    for _ in range(6):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best
+
+
+def useful_flops(config, plan, batches) -> float:
+    c = config
+    H, I, n, V, r = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size, c.markov_rank
+    dk, dv, kv, rope, B = c.qk_head_dim, c.v_head_dim, c.kv_lora_rank, c.qk_rope_head_dim, c.block_size
+    per_position_layer = (H * c.q_lora_rank + c.q_lora_rank * n * dk + H * (kv + rope)
+                          + kv * n * (c.qk_nope_head_dim + dv) + n * dv * H + 3 * H * I)
+    positions = plan.anchor.numel() * B
+    attended = float((plan.anchor.double() + B).sum()) * B  # keys seen per drafted position
+    block = positions * (c.num_hidden_layers * per_position_layer + H * V + r * V)
+    attention = attended * c.num_hidden_layers * n * (dk + dv)
+    ctx_positions = sum(len(b.streams) * b.context_length for b in batches)
+    context = ctx_positions * (c.aux_size * H + c.num_hidden_layers * (
+        H * (kv + rope) + kv * n * (c.qk_nope_head_dim + dv)))
+    return 2.0 * (block + attention + context)
+
+
+def run_pass(model: DSpark, batches, corpus, config, seed: int) -> float:
+    from qstream.eval.drift import _aux_for
+
+    start = time.perf_counter()
+    for batch in batches:
+        aux = _aux_for("gauss", batch, corpus, config, seed, None, {})
+        rollout(model, _draft(model, aux, batch))
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a `small` draft directory (default: synthesize one)")
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--corpus", default=str(GSM8K) if GSM8K.exists() else None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or synth_checkpoint("small", Path(tmp) / "small", seed=0).output_dir
+        config = load_config(model_dir)
+        tok = Path(model_dir) / "tokenizer.json"
+        corpus = (load_corpus(args.corpus, tok, config.vocab_size) if args.corpus
+                  else tokenize(builtin_corpus_docs(), tok, config.vocab_size))
+        plan = sample_anchors(corpus, args.blocks, config.block_size, seed=0)
+        batches = make_batches(plan, corpus, config)
+        weights = load_weights(model_dir, None, config)
+        flops = useful_flops(config, plan, batches)
+        print(f"small preset: H={config.hidden_size} V={config.vocab_size}, {args.blocks} blocks "
+              f"(mean context {plan.anchor.double().mean():.0f}), {len(batches)} batches, "
+              f"{flops / 1e9:.1f} GFLOP per pass; torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads")
+        for name, dtype in (("reference fp32", torch.float32), ("variant bf16", torch.bfloat16)):
+            peak = matmul_rate(dtype)
+            model = DSpark(config, weights, dtype)
+            run_pass(model, batches[:1], corpus, config, 0)  # warm-up
+            seconds = min(run_pass(model, batches, corpus, config, 0) for _ in range(2))
+            achieved = flops / seconds
+            print(f"{name:>15}: {seconds:6.2f} s  {achieved / 1e9:6.1f} GFLOP/s  matmul peak "
+                  f"{peak / 1e9:6.1f} GFLOP/s  ->  {achieved / peak:5.1%} of matmul rate")
+            del model
+
+
+if __name__ == "__main__":
+    main()

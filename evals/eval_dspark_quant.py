@@ -1,0 +1,60 @@
+"""The full model-card evaluation of a DSpark draft: every format against the FP32 reference in
+every aux regime, one results JSON per regime (the layout the published card's harness writes),
+ready for `qstream card`.
+
+    python evals/eval_dspark_quant.py --model DRAFT_DIR [--target TARGET_DIR] \
+        [--corpus ../shared/data/gsm8k/test.jsonl] [--variant shipped=FP8_DIR] \
+        [--blocks 1024] [--seed 0] --out results/
+
+writes results/drift_gauss.json, results/drift_heavy.json, results/drift_boot.json.  Without
+--model it evaluates the built-in synthetic tiny draft on the built-in corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from qstream.cliutil import write_json
+from qstream.eval.builtin import builtin_corpus_docs, builtin_model_dir
+from qstream.eval.corpus import load_corpus, tokenize
+from qstream.eval.drift import VARIANT_FORMATS, DriftSettings, evaluate_drift
+from qstream.eval.regimes import REGIMES
+from qstream.model.load import load_config
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model")
+    parser.add_argument("--target")
+    parser.add_argument("--corpus", default=str(GSM8K) if GSM8K.exists() else None)
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=DIR")
+    parser.add_argument("--blocks", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+
+    model = args.model or str(builtin_model_dir())
+    config = load_config(model)
+    tok = Path(model) / "tokenizer.json"
+    corpus = (load_corpus(args.corpus, tok, config.vocab_size) if args.corpus
+              else tokenize(builtin_corpus_docs(), tok, config.vocab_size))
+    variants = tuple(tuple(v.split("=", 1)) for v in args.variant)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for regime in REGIMES:
+        settings = DriftSettings(regimes=(regime,), formats=VARIANT_FORMATS,
+                                 variant_dirs=variants, n_blocks=args.blocks, seed=args.seed)
+        results = evaluate_drift(model, settings, corpus, args.target)
+        path = out / f"drift_{regime}.json"
+        write_json(results, str(path))
+        ceilings = {name: v["metrics"]["rollouts"]["greedy"]["ceiling"]["value"]
+                    for name, v in results["regimes"][regime]["variants"].items()}
+        print(f"{regime:>5}: wrote {path}; greedy ceiling "
+              + ", ".join(f"{k} {v:.2f}" for k, v in ceilings.items()))
+
+
+if __name__ == "__main__":
+    main()
