@@ -26,6 +26,7 @@ def cli() -> None:
 
 
 def _register() -> None:
+    from qstream.commands.card import card
     from qstream.commands.eval_drift import eval_drift
     from qstream.commands.formats import formats
     from qstream.commands.inspect import inspect
@@ -33,7 +34,7 @@ def _register() -> None:
     from qstream.commands.synth import synth
     from qstream.commands.verify import verify
 
-    for command in (formats, quantize, inspect, verify, synth, eval_drift):
+    for command in (formats, quantize, inspect, verify, synth, eval_drift, card):
         cli.add_command(command)
 
 

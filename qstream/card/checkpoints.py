@@ -1,0 +1,218 @@
+"""What the shipped checkpoints are: their size against the base, what is quantized to what,
+why the rest stays in the base dtype, and the ``qstream-quantize`` command that produced them.
+
+Everything comes from the directories themselves: safetensors headers and file sizes,
+``config.json``'s ``quantization_config``, and the provenance file ``qstream_quantize.json`` that
+quantize writes beside its output (``{"command", "summary", "qstream_version"}``).  A checkpoint
+without that file gets an equivalent command reconstructed from its config, and the card says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qstream.card.document import Cell, Code, Part, Table
+from qstream.checkpoint.files import open_checkpoint
+from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
+from qstream.checkpoint.layout import format_of_layout
+from qstream.checkpoint.selection import (
+    HEAD_NAMES,
+    fused_groups,
+    is_embedding,
+    select_modules,
+    weight_modules,
+)
+from qstream.errors import QStreamError
+from qstream.formats import get_format
+
+PROVENANCE = "qstream_quantize.json"
+GIB = 1 << 30
+PACKED = "weight_packed"  # two 4-bit weights per stored byte
+
+
+@dataclass
+class CheckpointFacts:
+    path: Path
+    fmt: str | None  # None for the unquantized base
+    size_bytes: int
+    params_total: int  # logical parameters (inspect's count: packed bytes count twice)
+    params_quantized: int
+    quantized: list[str] = field(default_factory=list)  # module names
+    kept: dict[str, tuple[tuple[int, ...], int, str]] = field(default_factory=dict)
+    # module -> (weight shape, parameters, why it is not quantized)
+    command: str | None = None
+    command_origin: str = ""  # a sentence: recorded, or how it was reconstructed
+
+
+def read_base(directory: str | Path) -> CheckpointFacts:
+    info = inspect_checkpoint(directory)
+    if info["quantization_config"] is not None:
+        raise QStreamError(f"--base {directory}: already quantized (config.json has a "
+                           "quantization_config); give the checkpoint it was made from")
+    return CheckpointFacts(Path(directory), None, info["bytes"], info["params"], 0)
+
+
+def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> CheckpointFacts:
+    """Size, selection, reasons and command of one quantized checkpoint."""
+    directory = Path(directory)
+    checkpoint = open_checkpoint(directory)
+    qconfig = checkpoint.config.get("quantization_config")
+    fmt = format_of_layout(qconfig.get("format", "")) if isinstance(qconfig, dict) else None
+    if fmt is None:
+        raise QStreamError(f"--checkpoint {directory}: not a qstream/compressed-tensors "
+                           "weight-only checkpoint (config.json has no quantization_config "
+                           "of fp8, mxfp4 or nvfp4 format)")
+    tensors = checkpoint.tensors
+    quantized = [name[: -len(".weight_scale")] for name in tensors
+                 if name.endswith(".weight_scale")]
+    params_quantized = sum(2 * tensors[f"{m}.{PACKED}"].numel if f"{m}.{PACKED}" in tensors
+                           else tensors[f"{m}.weight"].numel for m in quantized)
+    provenance = _read_provenance(directory)
+    skipped = (provenance or {}).get("summary", {}).get("modules_skipped") or {}
+    facts = CheckpointFacts(directory, fmt, checkpoint.size_bytes,
+                            inspect_checkpoint(directory)["params"], params_quantized, quantized)
+    modules = weight_modules(tensors)
+    # the group's label with layer indices as "*", so that a kind's rows share one reason
+    fused = {m: module_kind(g.label) for g in fused_groups(modules) for m in g.members}
+    for module in qconfig.get("ignore", []):
+        info = modules.get(module)
+        shape = tuple(info.shape) if info is not None else ()
+        facts.kept[module] = (shape, info.numel if info is not None else 0,
+                              _why_kept(module, shape, fmt, skipped, fused))
+    if provenance is not None:
+        facts.command = provenance["command"]
+        facts.command_origin = (f"Recorded in `{PROVENANCE}` by qstream "
+                                f"{provenance.get('qstream_version', '(version not recorded)')}.")
+    else:
+        facts.command, facts.command_origin = _reconstruct_command(directory, fmt, quantized, base)
+    return facts
+
+
+def _read_provenance(directory: Path) -> dict | None:
+    path = directory / PROVENANCE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QStreamError(f"{path}: unreadable provenance file ({exc})") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("command"), str):
+        raise QStreamError(f"{path}: provenance file without a \"command\" string")
+    return data
+
+
+def _why_kept(module: str, shape: tuple[int, ...], fmt: str, skipped: dict[str, str],
+              fused: dict[str, str]) -> str:
+    """Why an ignored module keeps its dtype: quantize's own reason when recorded, else the rule
+    (DESIGN.md sections 2-4) that its name and shape fall under."""
+    if module in skipped:
+        return f"skipped at quantize time: {skipped[module]}"
+    if len(shape) != 2:
+        return f"{len(shape)}-D weight (norm scale or bias), not a Linear layer"
+    if is_embedding(module):
+        return "embedding table, not a Linear layer"
+    if module.rsplit(".", 1)[-1] in HEAD_NAMES:
+        return "output head"
+    block = get_format(fmt).block_size
+    if block and shape[1] % block:
+        return f"shape rule: K={shape[1]} is not a multiple of the {fmt} block size {block}"
+    if module in fused:
+        return f"not selected; fused group {fused[module]} stays whole (vLLM needs all or none)"
+    return "not selected (in the config's ignore list)"
+
+
+def _include_patterns(quantized: list[str]) -> list[str]:
+    """``layers.3.mlp.gate_proj`` -> ``mlp.gate_proj`` (the part after the last index)."""
+    patterns = []
+    for module in quantized:
+        parts = module.split(".")
+        numeric = [i for i, p in enumerate(parts) if p.isdigit()]
+        pattern = ".".join(parts[numeric[-1] + 1:]) if numeric else module
+        if pattern not in patterns:
+            patterns.append(pattern)
+    return patterns
+
+
+def _reconstruct_command(directory: Path, fmt: str, quantized: list[str],
+                         base: CheckpointFacts | None) -> tuple[str, str]:
+    """An equivalent ``qstream-quantize`` command, checked against the base when there is one:
+    the selection rules applied to the base's tensors must give exactly the quantized set."""
+    patterns = _include_patterns(quantized)
+    base_dir = str(base.path) if base is not None else "BASE_DIR"
+    args = ["qstream-quantize", "--model_dir", base_dir, "--output_dir", str(directory),
+            "--quant_format", fmt, "--include_layers", *patterns]
+    if base is None:
+        return (shlex.join(args), f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
+                "checkpoint) and not checked: no `--base` was given.")
+    base_tensors = open_checkpoint(base.path).tensors
+    for skip in (False, True):
+        try:
+            selection = select_modules(base_tensors, fmt, include=patterns, skip_incompatible=skip)
+        except QStreamError:
+            continue
+        if sorted(selection.quantized) == sorted(quantized):
+            return (shlex.join(args + (["--skip-incompatible"] if skip else [])),
+                    f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint): an "
+                    "equivalent command, checked to select exactly the quantized modules from "
+                    "the base; not necessarily the command that was typed.")
+    args = args[: args.index("--include_layers") + 1] + quantized
+    return (shlex.join(args), f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
+            "checkpoint) as the explicit list of quantized modules.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def _pct(part: int, whole: int) -> Cell:
+    value = 100.0 * part / whole
+    return Cell(f"{value:.1f}%", value)
+
+
+def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts]) -> Table:
+    rows = []
+    for facts in ([base] if base else []) + checkpoints:
+        rows.append([Cell(facts.path.name), Cell(facts.fmt or "base (unquantized)"),
+                     Cell(f"{facts.size_bytes:,}", facts.size_bytes),
+                     Cell(f"{facts.size_bytes / GIB:.3f}", facts.size_bytes / GIB),
+                     _pct(facts.size_bytes, base.size_bytes) if base else Cell("n/a (no --base)")])
+    return Table("Size on disk: the safetensors files of each checkpoint directory",
+                 ["checkpoint", "format", "bytes", "GiB", "% of base"], rows, key="size",
+                 align="llrrr")
+
+
+def quantization_parts(facts: CheckpointFacts) -> list[Part]:
+    """What is quantized to what in one checkpoint, why the rest is kept, and the command."""
+    kinds = Counter(module_kind(m) for m in facts.quantized)
+    summary = Table(
+        f"{facts.path.name}: {facts.fmt} weights",
+        ["", "value"],
+        [[Cell("parameters quantized / total"),
+          Cell(f"{facts.params_quantized:,} / {facts.params_total:,} "
+               f"({100.0 * facts.params_quantized / facts.params_total:.1f}%)",
+               {"quantized": facts.params_quantized, "total": facts.params_total})],
+         [Cell("modules quantized"), Cell(str(len(facts.quantized)), len(facts.quantized))],
+         [Cell(f"module kinds quantized to {facts.fmt}"),
+          Cell(", ".join(f"{k} ×{n}" for k, n in kinds.items()))],
+         [Cell("modules kept unquantized"), Cell(str(len(facts.kept)), len(facts.kept))]],
+        key=f"quantized_{facts.path.name}", align="ll")
+    grouped: dict[tuple[str, str], list] = {}
+    for module, (shape, params, why) in facts.kept.items():
+        entry = grouped.setdefault((module_kind(module), why), [0, shape, 0])
+        entry[0] += 1
+        entry[2] += params
+        if entry[1] != shape:
+            entry[1] = None
+    kept = Table(f"{facts.path.name}: modules kept unquantized, and why",
+                 ["module kind", "count", "weight shape", "parameters", "why"],
+                 [[Cell(kind), Cell(str(n), n),
+                   Cell("various" if shape is None else "×".join(map(str, shape))),
+                   Cell(f"{params:,}", params), Cell(why)]
+                  for (kind, why), (n, shape, params) in grouped.items()],
+                 key=f"kept_{facts.path.name}", align="lrrrl")
+    return [summary, kept, f"The command that produced `{facts.path.name}`. "
+            f"{facts.command_origin}", Code(facts.command)]

@@ -1,0 +1,198 @@
+"""The card's figures (PNG, matplotlib's Agg backend), drawn only from numbers of the results JSON.
+
+Readable on light and dark pages: every figure has an opaque white background of its own, dark
+text, and the Okabe–Ito colour-blind-safe palette (Okabe & Ito, "Color Universal Design", 2008)
+without its yellow, which vanishes on white; each variant also has its own line style and marker,
+so the figures survive greyscale printing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qstream.card.results import ResultsSet
+from qstream.card.tables import FLOOR, ROLLOUTS, metrics, regime_order, variant_order
+
+DPI = 150
+BACKGROUND = "white"
+# Okabe–Ito: black, blue, vermillion, bluish green, reddish purple, orange, sky blue.
+PALETTE = ("#000000", "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9")
+LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 2)))
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+# KL percentiles of the results (llama.cpp's report), drawn as a ladder on a log axis.
+KL_LADDER = (("median", "median", "o"), ("p90", "p90", "s"), ("p95", "p95", "^"),
+             ("p99", "p99", "D"), ("p99_9", "p99.9", "v"), ("max", "max", "x"))
+LADDER_STEP = 0.07  # x offset between consecutive percentiles of one variant
+
+
+def _style(index: int) -> dict:
+    return {"color": PALETTE[index % len(PALETTE)],
+            "linestyle": LINESTYLES[index % len(LINESTYLES)],
+            "marker": MARKERS[index % len(MARKERS)]}
+
+
+def _new_figure(n_rows: int, n_cols: int, panel: tuple[float, float], sharey=False):
+    """Panels on an opaque white figure; ``sharey`` ("row" or True) puts regimes side by side
+    on one scale so that panels compare at a glance."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(panel[0] * n_cols, panel[1] * n_rows + 0.9), dpi=DPI,
+                 facecolor=BACKGROUND, layout="constrained")
+    axes = fig.subplots(n_rows, n_cols, squeeze=False, sharey=sharey)
+    for ax in axes.flat:
+        ax.set_facecolor(BACKGROUND)
+        ax.grid(True, color="#d9d9d9", linewidth=0.6)
+        ax.set_axisbelow(True)
+    return fig, axes
+
+
+def _save(fig, path: Path, handles, labels) -> None:
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8),
+               frameon=False)
+    fig.savefig(path, facecolor=BACKGROUND, transparent=False)
+
+
+def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
+    """seq agree[k] of each variant with its 95% band: a panel per regime, a row per rollout."""
+    regimes, variants = regime_order(rs), variant_order(rs)
+    modes = [m for m in ROLLOUTS if any(m in (metrics(rs, r, v) or {}).get("rollouts", {})
+                                         for r in regimes for v in variants)]
+    fig, axes = _new_figure(len(modes), len(regimes), (4.2, 3.2), sharey="row")
+    positions = list(range(1, rs.block_size + 1))
+    handles = {}
+    for row, mode in enumerate(modes):
+        lowest = 1.0  # the row shares one y scale, so it must span every panel's bands
+        for col, regime in enumerate(regimes):
+            ax = axes[row][col]
+            for i, variant in enumerate(variants):
+                m = metrics(rs, regime, variant)
+                if m is None or mode not in m["rollouts"]:
+                    continue
+                seq = m["rollouts"][mode]["seq_agree"]
+                style = _style(i)
+                (line,) = ax.plot(positions, [e["value"] for e in seq], label=variant,
+                                  markersize=4, linewidth=1.5, **style)
+                lo = [e["lo"] if e["lo"] is not None else e["value"] for e in seq]
+                hi = [e["hi"] if e["hi"] is not None else e["value"] for e in seq]
+                ax.fill_between(positions, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+                handles.setdefault(variant, line)
+                lowest = min(lowest, *lo)
+            ax.set_title(f"{regime} — {ROLLOUTS[mode]}", fontsize=9)
+            ax.set_xlabel("drafted position k")
+            if col == 0:  # the row shares its y axis
+                ax.set_ylabel("seq agree (share of blocks)")
+            ax.set_xticks(positions)
+        axes[row][0].set_ylim(max(0.0, lowest - 0.03), 1.01)
+    fig.suptitle("Free-running rollout agreement with the FP32 reference by position "
+                 "(bands: 95% CI)", fontsize=11)
+    _save(fig, path, list(handles.values()), list(handles))
+
+
+def ceiling_figure(rs: ResultsSet, path: Path) -> None:
+    """Acceptance ceiling by regime (groups) and variant (bars), 95% CI error bars."""
+    from matplotlib.patheffects import withStroke
+
+    regimes, variants = regime_order(rs), variant_order(rs)
+    fig, axes = _new_figure(1, len(ROLLOUTS), (max(4.2, 1.3 * len(regimes) + 1.5), 3.6))
+    width = 0.8 / max(len(variants), 1)
+    handles = {}
+    for col, mode in enumerate(ROLLOUTS):
+        ax = axes[0][col]
+        for i, variant in enumerate(variants):
+            xs, values, errs = [], [], [[], []]
+            for g, regime in enumerate(regimes):
+                m = metrics(rs, regime, variant)
+                if m is None or mode not in m["rollouts"]:
+                    continue
+                e = m["rollouts"][mode]["ceiling"]
+                xs.append(g - 0.4 + width * (i + 0.5))
+                values.append(e["value"])
+                errs[0].append(e["value"] - e["lo"] if e["lo"] is not None else 0.0)
+                errs[1].append(e["hi"] - e["value"] if e["hi"] is not None else 0.0)
+            style = _style(i)
+            bars = ax.bar(xs, values, width * 0.92, yerr=errs, capsize=2,
+                          color=style["color"], edgecolor="black", linewidth=0.5,
+                          hatch=None if variant == FLOOR else ("", "//", "..", "xx", "\\\\")[i % 5],
+                          error_kw={"ecolor": "black", "elinewidth": 1.2}, label=variant)
+            # a white halo keeps the error bar visible over a dark (e.g. black bf16) bar
+            for line in bars.errorbar.lines[1] + bars.errorbar.lines[2]:
+                line.set_path_effects([withStroke(linewidth=3, foreground="white")])
+            handles.setdefault(variant, bars)
+        ax.set_xticks(range(len(regimes)), regimes)
+        ax.set_xlabel("aux regime")
+        ax.set_ylabel(f"mean matched prefix (tokens, 0..{rs.block_size})")
+        ax.set_ylim(0, rs.block_size)
+        ax.set_title(ROLLOUTS[mode], fontsize=9)
+    fig.suptitle("Drift-limited acceptance ceiling (error bars: 95% CI)", fontsize=11)
+    _save(fig, path, list(handles.values()), list(handles))
+
+
+def kl_figure(rs: ResultsSet, path: Path) -> None:
+    """KL(ref‖var) per drafted token as a percentile ladder on a log axis, a panel per regime.
+    The results hold percentiles, not samples: each marker is one reported percentile, the star
+    the mean with its 95% CI.  Zero values (the reference against itself) cannot sit on a log
+    axis and are labelled instead."""
+    from matplotlib.lines import Line2D
+
+    regimes, variants = regime_order(rs), variant_order(rs)
+    fig, axes = _new_figure(1, len(regimes), (max(3.6, 0.7 * len(variants) + 1.0), 3.8),
+                            sharey=True)
+    for col, regime in enumerate(regimes):
+        ax = axes[0][col]
+        ax.set_yscale("log")
+        for i, variant in enumerate(variants):
+            m = metrics(rs, regime, variant)
+            if m is None:
+                continue
+            _kl_ladder(ax, i, m["kl"], _style(i)["color"])
+        ax.set_xticks(range(len(variants)), variants, rotation=30 if len(variants) > 4 else 0)
+        ax.set_xlim(-0.6, len(variants) - 0.4)
+        ax.set_xlabel("variant")
+        if col == 0:  # panels share the y axis
+            ax.set_ylabel("KL(ref‖var) per token (nats, log scale)")
+        ax.set_title(regime, fontsize=9)
+    grey = "#555555"
+    handles = [Line2D([], [], color=grey, marker=mk, linestyle="none", label=name)
+               for _, name, mk in KL_LADDER]
+    handles.append(Line2D([], [], color=grey, marker="*", markersize=9, linestyle="-",
+                          label="mean ± 95% CI"))
+    fig.suptitle("KL divergence per drafted token: reported percentiles (not a density)",
+                 fontsize=11)
+    _save(fig, path, handles, [h.get_label() for h in handles])
+
+
+def _kl_ladder(ax, x: int, kl: dict, color: str) -> None:
+    points = [(kl[key], mk) for key, _, mk in KL_LADDER if kl.get(key) is not None and kl[key] > 0]
+    if not points:
+        ax.annotate("KL = 0", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
+                    fontsize=8, color=color)
+        return
+    # a staircase: each percentile a step to the right of the previous one, so that close
+    # percentiles do not hide each other's markers on the log axis
+    xs = [x - 0.1 + LADDER_STEP * j for j in range(len(points))]
+    ax.plot(xs, [y for y, _ in points], color=color, linewidth=1.0)
+    for xj, (y, mk) in zip(xs, points):
+        ax.plot([xj], [y], marker=mk, color=color, linestyle="none", markersize=5)
+    mean = kl["mean"]
+    if mean.get("value") is not None and mean["value"] > 0:
+        lo, hi = mean.get("lo"), mean.get("hi")
+        yerr = None if lo is None or hi is None or lo <= 0 else \
+            [[mean["value"] - lo], [hi - mean["value"]]]
+        ax.errorbar([x - 0.25], [mean["value"]], yerr=yerr, color=color, marker="*",
+                    markersize=8, capsize=2, linestyle="none")
+
+
+FIGURES = {
+    "seq_agree.png": seq_agree_figure,
+    "ceiling.png": ceiling_figure,
+    "kl.png": kl_figure,
+}
+
+
+def write_figures(rs: ResultsSet, directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, draw in FIGURES.items():
+        draw(rs, directory / name)
+        written.append(directory / name)
+    return written

@@ -1,0 +1,108 @@
+"""Read eval-drift results files and merge them into one results set.
+
+A card is usually built from several files: ``evals/eval_dspark_quant.py`` writes one JSON per
+regime, ``qstream eval-drift --regime all`` one with every regime.  Merging keeps each regime's
+numbers exactly as measured and refuses what cannot be merged honestly: results of different
+models (``model.config_sha256`` differs), or the same regime and variant measured twice with
+different numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qstream.errors import QStreamError
+
+SCHEMA = "qstream.eval-drift/1"  # the results schema this card reads (qstream/eval/drift.py)
+
+# Top-level fields describing how a file's regimes were evaluated (reported per regime when the
+# merged files disagree).
+RUN_FIELDS = ("qstream_version", "torch_version", "model", "target", "corpus", "seed", "blocks",
+              "block_size", "anchors", "sampling", "reference", "variant_compute", "aux_dtype",
+              "selection")
+
+
+@dataclass
+class ResultsSet:
+    """Regimes from one or more files of the same model, each with the run that produced it."""
+
+    model: dict  # the results' "model" block (of the first file)
+    regimes: dict[str, dict] = field(default_factory=dict)  # regime -> {variant: result}
+    runs: dict[str, dict] = field(default_factory=dict)  # regime -> RUN_FIELDS of its file
+    variants: dict[str, dict] = field(default_factory=dict)  # variant -> {"kind", "source"}
+    sources: dict[str, list[str]] = field(default_factory=dict)  # regime -> files it came from
+
+    @property
+    def block_size(self) -> int:
+        sizes = {run["block_size"] for run in self.runs.values()}
+        if len(sizes) != 1:
+            raise QStreamError(f"results disagree on block_size: {sorted(sizes)}")
+        return sizes.pop()
+
+
+def read_results(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise QStreamError(f"{path}: no such results file") from None
+    except OSError as exc:
+        raise QStreamError(f"{path}: cannot read: {exc.strerror}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QStreamError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise QStreamError(f"{path}: not eval-drift results (schema {found!r}, expected "
+                           f"{SCHEMA!r})")
+    for key in ("model", "regimes", "variants", "block_size"):
+        if key not in data:
+            raise QStreamError(f"{path}: results lack the {key!r} field")
+    if not data["regimes"]:
+        raise QStreamError(f"{path}: results hold no regime")
+    return data
+
+
+def merge_results(paths: list[str | Path]) -> ResultsSet:
+    """One results set from ``paths``; a duplicate regime/variant must carry identical numbers."""
+    if not paths:
+        raise QStreamError("no results file given")
+    merged: ResultsSet | None = None
+    for path in paths:
+        data = read_results(path)
+        if merged is None:
+            merged = ResultsSet(model=data["model"])
+        _check_same_model(merged, data, path)
+        for regime, block in data["regimes"].items():
+            _merge_regime(merged, regime, block, data, str(path))
+        for name, info in data["variants"].items():
+            merged.variants.setdefault(name, info)
+    return merged
+
+
+def _check_same_model(merged: ResultsSet, data: dict, path) -> None:
+    ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
+    if ours != theirs:
+        raise QStreamError(f"{path}: results of a different model (config_sha256 {theirs} of "
+                           f"{data['model'].get('path')}, not {ours} of "
+                           f"{merged.model.get('path')}); a card describes one model")
+
+
+def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path: str) -> None:
+    run = {key: data.get(key) for key in RUN_FIELDS}
+    variants = merged.regimes.setdefault(regime, {})
+    merged.runs.setdefault(regime, run)
+    merged.sources.setdefault(regime, [])
+    for name, result in block["variants"].items():
+        if name in variants and variants[name] != result:
+            raise QStreamError(f"{path}: regime {regime!r}, variant {name!r} conflicts with "
+                               f"{merged.sources[regime][0]} (same regime and variant, different "
+                               "numbers); pass only one of them")
+        if name not in variants and merged.runs[regime] != run:
+            raise QStreamError(f"{path}: regime {regime!r} was evaluated differently from "
+                               f"{merged.sources[regime][0]} (seed, blocks, corpus or versions "
+                               "differ); its variants cannot share one table")
+        variants[name] = result
+    if path not in merged.sources[regime]:
+        merged.sources[regime].append(path)

@@ -1,0 +1,248 @@
+"""The card's tables built from a merged results set.
+
+Every number shown is a number of the results JSON, printed with a fixed number of decimals
+(``DIGITS``); the one exception is the gap to the bf16 floor, a difference of two values shown in
+the same table, and its column header says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qstream.card.document import Cell, Table
+from qstream.card.results import ResultsSet
+from qstream.eval.regimes import REGIMES
+
+# Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
+# 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B).
+DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "snr": 1}
+FLOOR = "bf16"  # the numerical floor every format is compared with (DESIGN.md section 6)
+ROLLOUTS = {"greedy": "greedy rollout", "sampled": "sampled rollout (T=1.0, top-p 0.95)"}
+
+# What each aux regime stands for (DESIGN.md section 6, qstream/eval/regimes.py).
+REGIME_DESCRIPTIONS = {
+    "gauss": "iid normal aux states",
+    "heavy": "normal aux states times per-channel lognormal scales (a few massive channels)",
+    "boot": "the draft's own layers run causally over the real token stream",
+}
+
+
+def fixed(x: float | None, digits: int) -> Cell:
+    return Cell("n/a" if x is None else f"{x:.{digits}f}", x)
+
+
+def sci(x: float | None) -> Cell:
+    return Cell("n/a" if x is None else f"{x:.2e}", x)
+
+
+def estimate(e: dict | None, digits: int) -> Cell:
+    """``value [lo, hi]`` of an eval-drift Estimate; a missing bound (one block) shows the value."""
+    if e is None or e.get("value") is None:
+        return Cell("n/a", e)
+    if e.get("lo") is None or e.get("hi") is None:
+        return Cell(f"{e['value']:.{digits}f}", e)
+    return Cell(f"{e['value']:.{digits}f} [{e['lo']:.{digits}f}, {e['hi']:.{digits}f}]", e)
+
+
+def label(text: str) -> Cell:
+    return Cell(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Order
+
+
+def regime_order(rs: ResultsSet) -> list[str]:
+    """Regimes present, in DESIGN.md's order (gauss, heavy, boot), any other after."""
+    return [r for r in REGIMES if r in rs.regimes] + [r for r in rs.regimes if r not in REGIMES]
+
+
+def variant_order(rs: ResultsSet) -> list[str]:
+    """Variants present in some regime, the bf16 floor first, then as the results list them."""
+    present = [v for v in rs.variants if any(v in block for block in rs.regimes.values())]
+    return sorted(present, key=lambda v: v != FLOOR)
+
+
+def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
+    result = rs.regimes.get(regime, {}).get(variant)
+    return None if result is None else result["metrics"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Result tables
+
+
+def agreement_table(rs: ResultsSet, regime: str) -> Table:
+    """Per-position agreement, k = 1..B: teacher-forced greedy agree and the rollouts' seq agree."""
+    B = rs.block_size
+    d = DIGITS["proportion"]
+    rows = []
+    for variant in variant_order(rs):
+        m = metrics(rs, regime, variant)
+        if m is None:
+            continue
+        measures = [("greedy agree (teacher-forced)", m["greedy_agree"])]
+        measures += [(f"seq agree, {ROLLOUTS[mode]}", m["rollouts"][mode]["seq_agree"])
+                     for mode in ROLLOUTS if mode in m["rollouts"]]
+        for name, per_k in measures:
+            rows.append([label(variant), label(name), *(fixed(e["value"], d) for e in per_k)])
+    return Table(f"Regime {regime}: agreement with the FP32 reference by drafted position k "
+                 "(share of blocks; 95% intervals in the figure)",
+                 ["variant", "measure", *(str(k) for k in range(1, B + 1))], rows,
+                 key=f"agreement_{regime}", align="ll" + "r" * B)
+
+
+def _gap(value: float | None, floor: float | None, digits: int) -> Cell:
+    if value is None or floor is None:
+        return Cell("n/a")
+    gap = value - floor
+    return Cell(f"{gap:+.{digits}f}", gap)
+
+
+def ceiling_table(rs: ResultsSet, mode: str) -> Table:
+    """Acceptance ceiling, variants × regimes, with the 95% CI and the gap to the bf16 floor."""
+    d = DIGITS["ceiling"]
+    regimes = regime_order(rs)
+    columns = ["variant"]
+    for regime in regimes:
+        columns += [f"{regime} [95% CI]", f"{regime} gap to bf16"]
+    rows = []
+    for variant in variant_order(rs):
+        row = [label(variant)]
+        for regime in regimes:
+            m, floor = metrics(rs, regime, variant), metrics(rs, regime, FLOOR)
+            if m is None or mode not in m["rollouts"]:
+                row += [Cell("not evaluated"), Cell("n/a")]
+                continue
+            ceiling = m["rollouts"][mode]["ceiling"]
+            row.append(estimate(ceiling, d))
+            if variant == FLOOR:
+                row.append(Cell("(floor)"))
+            else:
+                floor_value = floor["rollouts"][mode]["ceiling"]["value"] \
+                    if floor is not None and mode in floor["rollouts"] else None
+                row.append(_gap(ceiling["value"], floor_value, d))
+        rows.append(row)
+    return Table(f"Drift-limited acceptance ceiling, {ROLLOUTS[mode]}: mean matched prefix of the "
+                 f"{rs.block_size} drafted tokens (0..{rs.block_size}). The gap to bf16 is the "
+                 "variant's value minus bf16's in the same regime, a difference computed for this "
+                 "card", columns, rows, key=f"ceiling_{mode}")
+
+
+def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
+    """Every headline metric of one regime, one column per variant."""
+    variants = [v for v in variant_order(rs) if metrics(rs, regime, v) is not None]
+    p, tv, c = DIGITS["proportion"], DIGITS["one_minus_tv"], DIGITS["ceiling"]
+    B = rs.block_size
+    rows: list[list[Cell]] = []
+
+    def add(name, cell_of):
+        rows.append([label(name), *(cell_of(rs.regimes[regime][v]) for v in variants)])
+
+    add("greedy agree, all positions [95% CI]",
+        lambda r: estimate(r["metrics"]["greedy_agree_overall"], p))
+    add("1−TV, all positions [95% CI]",
+        lambda r: estimate(r["metrics"]["one_minus_tv_overall"], tv))
+    for mode, name in ROLLOUTS.items():
+        add(f"ceiling, {name} [95% CI]", lambda r, mode=mode: _rollout(r, mode, "ceiling", c))
+        add(f"whole block of {B} matched, {name} [95% CI]",
+            lambda r, mode=mode: _rollout(r, mode, "prefix_agree", p))
+    add("KL(ref‖var) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["kl"]))
+    add("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"]))
+    add("reverse KL(var‖ref) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["reverse_kl"]))
+    add("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"]))
+    add("confidence r [95% CI]", lambda r: estimate(r["metrics"]["confidence_r"], p))
+    add("sched flip rate [95% CI]", lambda r: estimate(r["metrics"]["sched_flip_rate"], p))
+    add("weight SNR, overall (dB)", lambda r: fixed(r["weight_snr"]["overall_db"], DIGITS["snr"]))
+    add("weight SNR, worst tensor (dB)",
+        lambda r: fixed(r["weight_snr"]["worst_db"], DIGITS["snr"]))
+    add("weight SNR over (tensors)", lambda r: Cell(str(r["weight_snr"]["tensors"]),
+                                                    r["weight_snr"]["tensors"]))
+    return Table(f"Regime {regime}: every metric against the FP32 reference "
+                 "(n/a: undefined for that variant, e.g. no weight error in bf16)",
+                 ["metric", *variants], rows, key=f"metrics_{regime}")
+
+
+def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
+    rollout = result["metrics"]["rollouts"].get(mode)
+    if rollout is None:
+        return Cell("n/a")
+    return estimate(rollout[what] if what == "ceiling" else rollout[what][-1], digits)
+
+
+def _kl_mean(kl: dict) -> Cell:
+    e = kl["mean"]
+    if e.get("value") is None:
+        return Cell("n/a", e)
+    if e.get("lo") is None or e.get("hi") is None:
+        return Cell(f"{e['value']:.2e}", e)
+    return Cell(f"{e['value']:.2e} [{e['lo']:.2e}, {e['hi']:.2e}]", e)
+
+
+# ---------------------------------------------------------------------------------------------
+# How it was evaluated
+
+
+def _per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
+    """One value when every regime's run agrees, else ``regime: value`` for each."""
+    values = {regime: describe(rs.runs[regime]) for regime in regimes}
+    distinct = list(dict.fromkeys(values.values()))
+    if len(distinct) == 1:
+        return distinct[0]
+    return "; ".join(f"{regime}: {value}" for regime, value in values.items())
+
+
+def evaluation_table(rs: ResultsSet) -> Table:
+    """Reference, regimes, corpus, blocks, intervals, seed, versions: all from the results."""
+    regimes = regime_order(rs)
+    model = rs.model
+
+    def corpus(run):
+        c = run["corpus"] or {}
+        return (f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
+                f"{c.get('tokens')} tokens)")
+
+    def anchors(run):
+        a = run["anchors"] or {}
+        return (f"context length mean {a.get('context_length_mean'):.1f}, min "
+                f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens")
+
+    def sampling(run):
+        s = run["sampling"] or {}
+        return f"temperature {s.get('temperature')}, top-p {s.get('top_p')}; {s.get('noise')}"
+
+    def selection(run):
+        s = run["selection"] or {}
+        return (f"include {' '.join(s.get('include') or []) or '(default)'}; "
+                f"ignore {' '.join(s.get('ignore') or []) or '(none)'}")
+
+    rows = [
+        ("model", f"{model.get('path')} ({model.get('architecture')}, {model.get('parameters')} "
+                  f"parameters, config.json sha256 {model.get('config_sha256')})"),
+        ("target head from", _per_regime(rs, regimes, lambda r: r["target"] or "not given")),
+        ("reference", _per_regime(rs, regimes, lambda r: r["reference"])),
+        ("variants", "; ".join(f"{name}: {info.get('kind')} ({info.get('source')})"
+                               for name, info in rs.variants.items())),
+        ("variant compute", _per_regime(rs, regimes, lambda r: r["variant_compute"])),
+        ("aux states", _per_regime(rs, regimes, lambda r: f"shared by reference and variants, "
+                                                          f"{r['aux_dtype']}")),
+        ("regimes", "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}"
+                              for r in regimes)),
+        ("corpus", _per_regime(rs, regimes, corpus)),
+        ("tokenizer", "not recorded in the results"),
+        ("blocks per regime", _per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of "
+                                                                 f"{r['block_size']} tokens")),
+        ("anchors", _per_regime(rs, regimes, anchors)),
+        ("sampled rollouts", _per_regime(rs, regimes, sampling)),
+        ("modules the simulated formats quantize", _per_regime(rs, regimes, selection)),
+        ("seed", _per_regime(rs, regimes, lambda r: str(r["seed"]))),
+        ("intervals", "95%, two-sided: Wilson score for per-position proportions, Wilson on "
+                      "Kish's effective sample size for pooled proportions, Student-t over "
+                      "blocks for means, Fisher z for r"),
+        ("versions", _per_regime(rs, regimes, lambda r: f"qstream {r['qstream_version']}, "
+                                                        f"torch {r['torch_version']}")),
+        ("results files", "; ".join(f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}"
+                                    for r in regimes)),
+    ]
+    return Table("How the numbers were measured (from the results JSON)", ["", "value"],
+                 [[label(k), Cell(v)] for k, v in rows], key="evaluation", align="ll")

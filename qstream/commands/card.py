@@ -1,0 +1,41 @@
+"""``qstream card``: the click layer over :func:`qstream.card.write_card`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from qstream.card.build import FORMATS, write_card
+from qstream.cliutil import Command, option
+from qstream.eval.regimes import REGIMES
+
+
+@click.command("card", cls=Command)
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@option("checkpoint", multiple=True, metavar="DIR",
+        help="A quantized checkpoint the card describes; repeatable (one per format).")
+@option("base", metavar="DIR", help="The unquantized checkpoint the others were made from.")
+@option("output", required=True, metavar="PATH",
+        help="Card file; figures go to <PATH stem>_files/ beside it.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True)
+@option("regime", type=click.Choice(REGIMES), default=None,
+        help="Regime of the full metric table (default: heavy, the pessimistic one).")
+@option("no_figures", is_flag=True, help="Tables only: draw and reference no figures.")
+def card(results, checkpoint, base, output, fmt, regime, no_figures) -> None:
+    """Write model-card tables and figures from eval-drift results.
+
+    RESULTS are eval-drift --json files (one per regime, or one with several); they are merged,
+    and results of different models or conflicting duplicates are refused.  What the results
+    lack is listed in the card and on stderr.
+
+    \b
+    qstream card results/*.json --checkpoint draft-fp8 --base draft --output CARD.md
+    qstream card all.json --output card.html --format html --regime boot
+    """
+    card_doc, written = write_card(results, Path(output), checkpoints=checkpoint, base=base,
+                                   regime=regime, fmt=fmt, figures=not no_figures)
+    for line in card_doc.missing:
+        click.echo(f"missing: {line}", err=True)
+    figures = f" and {len(written) - 1} figures in {written[1].parent}" if len(written) > 1 else ""
+    click.echo(f"wrote {written[0]}{figures}")
