@@ -157,7 +157,8 @@ def test_bf16_path_tracks_fp32(weights):
 def test_sampled_rollout_uses_common_random_numbers(model):
     aux = _aux()
     blocks = _blocks(model, aux, [0, 1, 2, 0], [3, 9, 20, 33])
-    noise = torch.rand(4, CFG.block_size, generator=torch.Generator().manual_seed(4))
+    noise = torch.empty(4, CFG.block_size, CFG.vocab_size).exponential_(
+        generator=torch.Generator().manual_seed(4))
     a = rollout(model, blocks, noise, temperature=1.0, top_p=0.95)
     b = rollout(model, blocks, noise, temperature=1.0, top_p=0.95)
     assert torch.equal(a.tokens, b.tokens)
@@ -167,12 +168,14 @@ def test_sampled_rollout_uses_common_random_numbers(model):
     assert ((a.confidence > 0) & (a.confidence < 1)).all()
 
 
-def test_inverse_cdf_sampling_respects_top_p():
+def test_race_sampling_respects_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     probs = sampling_probs(logits, 1.0, 0.8)  # nucleus {0, 1}: 0.5 + 0.3 >= 0.8
     torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
-    picks = [sample(probs, torch.tensor([u])).item() for u in (0.0, 0.62, 0.63, 0.999)]
-    assert picks == [0, 0, 1, 1]
+    # the race picks the largest p / E: a tiny E makes a kept token win, never a dropped one
+    race = torch.tensor([[1.0, 1e-6, 1e-9, 1e-9]])
+    assert sample(probs, race).item() == 1
+    assert sample(probs, torch.tensor([[1e-6, 1.0, 1e-9, 1e-9]])).item() == 0
 
 
 def test_causal_mode_is_causal(model):

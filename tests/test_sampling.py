@@ -1,9 +1,11 @@
 """Common random numbers for sampled rollouts (DESIGN.md section 6), on the model's own sampler
-(``qstream.model.dspark.sampling_probs`` and ``sample``): exact draws at chosen uniforms, the
-nucleus, the sampled distribution on a uniform grid, identical draws for identical models, and
-close models differing only where u falls between their CDFs."""
+(``qstream.model.dspark.sampling_probs`` and ``sample``): the nucleus, the exponential race
+drawing exactly from the distribution, identical draws for identical models, and close models
+differing no more often than the race coupling's bound."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -14,10 +16,8 @@ def _logits(probs) -> torch.Tensor:
     return torch.tensor(probs, dtype=torch.float32).log()
 
 
-def test_draws_at_chosen_uniforms():
-    # CDF in id order: 0.1, 0.3, 0.6, 1.0; uniforms away from the edges
-    probs = sampling_probs(_logits([0.1, 0.2, 0.3, 0.4]).expand(4, 4), top_p=1.0)
-    assert sample(probs, torch.tensor([0.05, 0.15, 0.35, 0.95])).tolist() == [0, 1, 2, 3]
+def _race(n: int, v: int, seed: int) -> torch.Tensor:
+    return torch.empty(n, v).exponential_(generator=torch.Generator().manual_seed(seed))
 
 
 def test_nucleus_is_the_smallest_prefix_reaching_top_p():
@@ -29,44 +29,38 @@ def test_nucleus_is_the_smallest_prefix_reaching_top_p():
     assert kept(1e-9) == [False, False, False, True]  # the top token always survives
 
 
-def test_grid_of_uniforms_reproduces_the_truncated_distribution():
-    # n evenly spaced uniforms: each token's count is within one point of n times its renormalised
-    # nucleus probability (an interval of length L holds n·L ± 1 grid points); float32 CDF rounding
-    # (~1e-7 relative) moves an edge by ~0.002 points at this n
+def test_the_race_draws_from_the_truncated_distribution():
+    # n independent draws: every token's count within 5 binomial standard deviations of n·p
+    # (a false alarm has probability ~1e-6 per token), and nothing outside the nucleus
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(40, generator=gen) * 2
-    n = 20000
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    probs = sampling_probs(logits, temperature=0.7, top_p=0.9)
-    tokens = sample(probs.expand(n, -1), u)
-    counts = torch.bincount(tokens, minlength=40).double()
-    assert (counts - n * probs.double()).abs().max().item() <= 1.0
+    probs = sampling_probs(torch.randn(40, generator=gen) * 2, temperature=0.7, top_p=0.9)
+    n = 200_000
+    counts = torch.bincount(sample(probs.expand(n, -1), _race(n, 40, 1)), minlength=40).double()
+    p = probs.double()
+    sigma = (n * p * (1 - p)).sqrt()
+    assert ((counts - n * p).abs() <= 5 * sigma + 1e-9).all(), (counts, n * p)
     assert counts[probs == 0].sum().item() == 0
 
 
 def test_identical_models_on_common_random_numbers_draw_identical_tokens():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(64, 7, 1000, generator=gen)
-    u = torch.rand(64, 7, generator=gen)
-    assert torch.equal(sample(sampling_probs(logits), u), sample(sampling_probs(logits.clone()), u))
+    race = torch.empty(64, 7, 1000).exponential_(generator=gen)
+    assert torch.equal(sample(sampling_probs(logits), race),
+                       sample(sampling_probs(logits.clone()), race))
 
 
-def test_close_models_differ_only_between_their_cdfs():
-    # on common u the draws differ only where u falls between the two id-order CDFs, so the number
-    # of differing draws on a grid is at most n·Σ_i |F_p(i) − F_q(i)| plus one point per CDF edge
+def test_close_models_disagree_within_the_coupling_bound():
+    # the exponential race couples p and q with P(draws differ) <= 2·TV/(1+TV); on n shared
+    # races the mismatch count stays below n times that plus 5 binomial standard deviations
     gen = torch.Generator().manual_seed(2)
     ref = torch.randn(200, generator=gen) * 3
-    var = ref + 1e-3 * torch.randn(200, generator=gen)
-    n = 20000
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    p, q = sampling_probs(ref), sampling_probs(var)
-    differ = (sample(p.expand(n, -1), u) != sample(q.expand(n, -1), u)).sum().item()
-    bound = n * (p.double().cumsum(-1) - q.double().cumsum(-1)).abs().sum().item() + 200
-    assert differ <= bound, (differ, bound)
-
-
-def test_a_uniform_just_below_one_never_draws_outside_the_nucleus():
-    probs = sampling_probs(torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log(), top_p=0.65)
-    assert probs[0, 2:].tolist() == [0.0, 0.0]
-    u = torch.tensor([0.99999999], dtype=torch.float64)  # rounds to 1.0 in float32
-    assert sample(probs, u).tolist() == [1]
+    var = ref + 0.05 * torch.randn(200, generator=gen)
+    p, q = sampling_probs(ref, top_p=1.0), sampling_probs(var, top_p=1.0)
+    tv = 0.5 * (p.double() - q.double()).abs().sum().item()
+    n = 100_000
+    race = _race(n, 200, 3)
+    differ = (sample(p.expand(n, -1), race) != sample(q.expand(n, -1), race)).sum().item()
+    bound = 2 * tv / (1 + tv)
+    assert tv > 0.005 and differ > 0  # the models do differ
+    assert differ <= n * bound + 5 * math.sqrt(n * bound), (differ, n * bound)

@@ -229,7 +229,8 @@ def evaluation_table(rs: ResultsSet) -> Table:
         ("regimes", "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}"
                               for r in regimes)),
         ("corpus", _per_regime(rs, regimes, corpus)),
-        ("tokenizer", "not recorded in the results"),
+        ("tokenizer", _per_regime(rs, regimes, lambda r: (r.get("corpus") or {}).get(
+            "tokenizer") or "not recorded in the results")),
         ("blocks per regime", _per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of "
                                                                  f"{r['block_size']} tokens")),
         ("anchors", _per_regime(rs, regimes, anchors)),

@@ -45,11 +45,13 @@ def _progress(total: int, console: Console):
 
 
 def _ci(e: dict, digits: int = 3) -> str:
+    """``value ±h`` with h the larger side of the 95% interval (the JSON has both sides)."""
     if e["value"] is None:
         return "n/a"
     if e["lo"] is None:
         return f"{e['value']:.{digits}f}"
-    return f"{e['value']:.{digits}f} [{e['lo']:.{digits}f}, {e['hi']:.{digits}f}]"
+    half = max(e["value"] - e["lo"], e["hi"] - e["value"])
+    return f"{e['value']:.{digits}f}±{half:.{digits}f}"
 
 
 def _sci(x) -> str:
@@ -57,9 +59,10 @@ def _sci(x) -> str:
 
 
 def _print_regime(console: Console, regime: str, data: dict, block_size: int) -> None:
-    table = Table(title=f"regime {regime}: drift against the FP32 reference (95% CI)")
-    for col in ("variant", "greedy agree", "1−TV", "KL mean", "KL p99", "rev KL p99",
-                "conf r", "sched flip", "ceiling greedy", "ceiling sampled", "SNR dB"):
+    table = Table(title=f"regime {regime}: drift against the FP32 reference "
+                  "(± = 95% CI, larger side)")
+    for col in ("variant", "greedy agree", "1−TV", "KL mean", "KL p99", "rKL p99",
+                "conf r", "flip", "ceil greedy", "ceil sampled", "SNR dB"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for name, v in data["variants"].items():
         m = v["metrics"]
@@ -69,7 +72,7 @@ def _print_regime(console: Console, regime: str, data: dict, block_size: int) ->
             _sci(m["kl"]["mean"]["value"]), _sci(m["kl"]["p99"]), _sci(m["reverse_kl"]["p99"]),
             _ci(m["confidence_r"]), _ci(m["sched_flip_rate"]),
             _ci(m["rollouts"]["greedy"]["ceiling"], 2), _ci(m["rollouts"]["sampled"]["ceiling"], 2),
-            "n/a" if snr is None else f"{snr:.1f}")
+            "exact" if snr is None else f"{snr:.1f}")
     console.print(table)
     per_pos = Table(title=f"regime {regime}: per position k (greedy agree / seq agree, greedy rollout)")
     per_pos.add_column("variant")
@@ -78,7 +81,7 @@ def _print_regime(console: Console, regime: str, data: dict, block_size: int) ->
     for name, v in data["variants"].items():
         m = v["metrics"]
         seq = m["rollouts"]["greedy"]["seq_agree"]
-        per_pos.add_row(name, *(f"{g['value']:.3f}/{s['value']:.3f}"
+        per_pos.add_row(name, *(f"{g['value']:.2f}/{s['value']:.2f}"
                                 for g, s in zip(m["greedy_agree"], seq)))
     console.print(per_pos)
 

@@ -25,14 +25,15 @@ class Corpus:
     name: str  # the path given, or "built-in"
     sha256: str  # of the corpus text as read
     streams: tuple[torch.Tensor, ...]  # int64 token ids, one tensor per document
+    tokenizer: str = ""  # the tokenizer.json the streams were encoded with
 
     @property
     def token_count(self) -> int:
         return sum(int(s.numel()) for s in self.streams)
 
     def identity(self) -> dict:
-        return {"corpus": self.name, "sha256": self.sha256, "streams": len(self.streams),
-                "tokens": self.token_count}
+        return {"corpus": self.name, "sha256": self.sha256, "tokenizer": self.tokenizer,
+                "streams": len(self.streams), "tokens": self.token_count}
 
 
 def tokenize(docs: list[str], tokenizer_path: str | Path, vocab_size: int | None = None,
@@ -49,7 +50,7 @@ def tokenize(docs: list[str], tokenizer_path: str | Path, vocab_size: int | None
     encodings = tokenizer.encode_batch(docs, add_special_tokens=False)
     streams = tuple(torch.tensor(e.ids, dtype=torch.int64) for e in encodings)
     digest = hashlib.sha256("\n\n".join(docs).encode()).hexdigest()
-    return Corpus(name, digest, streams)
+    return Corpus(name, digest, streams, str(tokenizer_path))
 
 
 def load_corpus(path: str | Path, tokenizer_path: str | Path,

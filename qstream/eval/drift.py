@@ -163,10 +163,13 @@ def _draft(model: DSpark, aux: torch.Tensor, batch: Batch):
     return model.draft(ctx, batch.local_stream, batch.anchor, batch.first_token)
 
 
-def noise_for(plan: AnchorPlan, block_size: int, seed: int) -> torch.Tensor:
-    """Uniforms [N, B] shared by the reference and every variant (common random numbers)."""
-    gen = torch.Generator().manual_seed(seed * 7919 + 17)
-    return torch.rand(plan.anchor.numel(), block_size, generator=gen, dtype=torch.float64)
+def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:
+    """Exp(1) variates [n, B, V] for the sampled rollouts of one batch, shared by the reference
+    and every variant (common random numbers): the same generator seed for the same batch, as
+    one vLLM request seed gives the same draws."""
+    gen = torch.Generator().manual_seed((seed * 7919 + 17) * 1_000_003 + batch_index)
+    shape = (n_blocks, config.block_size, config.vocab_size)
+    return torch.empty(shape).exponential_(generator=gen)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,7 +239,6 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     plan = sample_anchors(corpus, settings.n_blocks, config.block_size, settings.seed,
                           max_context=config.max_position_embeddings - config.block_size)
     batches = make_batches(plan, corpus, config)
-    noise = noise_for(plan, config.block_size, settings.seed)
     variants = [Variant(f, f if f in ("fp32", "bf16") else "simulated", f)
                 for f in settings.formats]
     variants += [Variant(name, "checkpoint", path) for name, path in settings.variant_dirs]
@@ -256,7 +258,8 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
         "block_size": config.block_size,
         "anchors": plan.to_json(),
         "sampling": {"temperature": settings.temperature, "top_p": settings.top_p,
-                     "noise": "common random numbers: one uniform per drafted position"},
+                     "noise": "common random numbers: exponential race (Gumbel-max), the same "
+                              "Exp(1) variate per block, position and token for every model"},
         "reference": "fp32 weights, fp32 compute",
         "variant_compute": "bf16 weights and activations; fp32 matmul accumulation, norms, softmax",
         "aux_dtype": "bf16",
@@ -266,16 +269,15 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     }
     for regime in settings.regimes:
         results["regimes"][regime] = _evaluate_regime(
-            regime, config, weights, corpus, plan, batches, noise, variants, settings, target, tick)
+            regime, config, weights, corpus, plan, batches, variants, settings, target, tick)
     return results
 
 
-def _evaluate_regime(regime, config, weights, corpus, plan, batches, noise, variants, settings,
+def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, settings,
                      target, tick) -> dict:
     boot_cache: dict[int, torch.Tensor] = {}
     reference = DSpark(config, weights, torch.float32)
-    ref = _reference_pass(regime, reference, corpus, plan, batches, noise, settings, boot_cache,
-                          tick)
+    ref = _reference_pass(regime, reference, corpus, plan, batches, settings, boot_cache, tick)
     del reference
     out = {"variants": {}}
     for variant in variants:
@@ -283,12 +285,13 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, noise, vari
         model = DSpark(config, var_weights,
                        torch.float32 if variant.kind == "fp32" else torch.bfloat16)
         acc = DriftAccumulator(config.block_size)
-        for batch in batches:
+        for number, batch in enumerate(batches):
             aux = _aux_for(regime, batch, corpus, config, settings.seed, None, boot_cache)
             blocks = _draft(model, aux, batch)
             idx = batch.blocks
             greedy = rollout(model, blocks)
-            sampled = rollout(model, blocks, noise[idx], settings.temperature, settings.top_p)
+            noise = race_noise(number, len(idx), config, settings.seed)
+            sampled = rollout(model, blocks, noise, settings.temperature, settings.top_p)
             forced = teacher_forced(model, blocks, ref.greedy_tokens[idx])
             acc.add_teacher_forced(ref.logits[idx], forced.logits)
             if forced.confidence is not None:
@@ -305,18 +308,19 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, noise, vari
     return out
 
 
-def _reference_pass(regime, reference, corpus, plan, batches, noise, settings, boot_cache,
+def _reference_pass(regime, reference, corpus, plan, batches, settings, boot_cache,
                     tick) -> ReferenceOutputs:
     c = reference.config
     N, B, V = plan.anchor.numel(), c.block_size, c.vocab_size
     ref = ReferenceOutputs(torch.empty(N, B, V), torch.empty(N, B, dtype=torch.int64),
                            torch.empty(N, B, dtype=torch.int64), torch.zeros(N, B))
-    for batch in batches:
+    for number, batch in enumerate(batches):
         aux = _aux_for(regime, batch, corpus, c, settings.seed, reference, boot_cache)
         blocks = _draft(reference, aux, batch)
         idx = batch.blocks
         greedy = rollout(reference, blocks)
-        sampled = rollout(reference, blocks, noise[idx], settings.temperature, settings.top_p)
+        noise = race_noise(number, len(idx), c, settings.seed)
+        sampled = rollout(reference, blocks, noise, settings.temperature, settings.top_p)
         ref.logits[idx] = greedy.logits
         ref.greedy_tokens[idx] = greedy.tokens
         ref.sampled_tokens[idx] = sampled.tokens

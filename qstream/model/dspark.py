@@ -440,28 +440,24 @@ def sampling_probs(logits: torch.Tensor, temperature: float = 1.0,
     return kept / kept.sum(-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw in vocabulary order: the token whose CDF interval holds u (u in [0,1)).
-    With the same u, two close distributions pick the same token with high probability,
-    which is the common-random-numbers coupling the drift metrics rely on."""
-    cdf = probs.cumsum(-1)  # [N, V]
-    total = cdf[..., -1:]  # [N, 1]
-    # u close to 1 can round u * total up to total; keep the target strictly below it, so that
-    # the draw never falls past the last token of positive probability.
-    target = torch.minimum(u.to(cdf.dtype).unsqueeze(-1) * total,
-                           torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+def sample(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """Exponential-race draw: ``argmax(probs / race)`` with ``race`` iid Exp(1) per token, which
+    draws exactly from ``probs`` (the Gumbel-max trick; vLLM's sampler draws this way).  Two
+    models given the same ``race`` draw the same token unless their distributions differ, and
+    then with probability at most 2·TV/(1+TV): a near-maximal coupling that does not depend on
+    the order of the vocabulary.  Tokens of zero probability are never drawn."""
+    return (probs / race).argmax(-1)
 
 
 def rollout(model: DSpark, blocks: Blocks, noise: torch.Tensor | None = None,
             temperature: float = 1.0, top_p: float = 0.95) -> Rollout:
     """Free-running Markov rollout: prev_0 = ids[p]; at step k draw d_k from
     ``U_k + markov_w2 . markov_w1[prev_k]`` and feed it as prev_{k+1}.  ``noise=None`` is
-    greedy (argmax); otherwise noise [N, B] holds uniforms in [0, 1) and d_k is drawn by
+    greedy (argmax); otherwise noise [N, B, V] holds iid Exp(1) variates and d_k is drawn by
     :func:`sample` from :func:`sampling_probs` (temperature, top-p)."""
-    N, B, _ = blocks.logits_base.shape
-    if noise is not None and tuple(noise.shape) != (N, B):
-        raise ValueError(f"noise must be [{N}, {B}], got {list(noise.shape)}")
+    N, B, V = blocks.logits_base.shape
+    if noise is not None and tuple(noise.shape) != (N, B, V):
+        raise ValueError(f"noise must be [{N}, {B}, {V}], got {list(noise.shape)}")
     prev = torch.empty(N, B, dtype=torch.int64)
     tokens = torch.empty(N, B, dtype=torch.int64)
     logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32)
