@@ -83,15 +83,29 @@ def write_random_llama(directory: Path, shards: int = 2) -> int:
     return sum(torch.Size(s).numel() for s in names.values())
 
 
+# Linux carries the high-water RSS of the image a child was forked from across exec into its
+# ru_maxrss, so a child of this (torch-importing, checkpoint-writing) process would report at
+# least our own peak.  Each tool is therefore started by this small torch-free launcher, which
+# reports the tool's own wall time and peak RSS from os.wait4.
+LAUNCHER = r"""
+import os, subprocess, sys, time
+start = time.perf_counter()
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+_, status, usage = os.wait4(proc.pid, 0)
+err = proc.stderr.read().decode()[-2000:]
+print(time.perf_counter() - start, usage.ru_maxrss * 1024, status)
+sys.stderr.write(err)
+"""
+
+
 def run(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stderr.read().decode()[-2000:]}")
-    return seconds, usage.ru_maxrss * 1024  # Linux reports KiB
+    """Wall seconds and peak RSS (bytes) of one tool run."""
+    out = subprocess.run([sys.executable, "-S", "-c", LAUNCHER, *cmd], capture_output=True,
+                         text=True, check=True)
+    seconds, rss, status = out.stdout.split()
+    if int(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stderr}")
+    return float(seconds), int(rss)
 
 
 def main() -> int:
@@ -104,12 +118,17 @@ def main() -> int:
                         help="input shards (0.5B models ship as one model.safetensors)")
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--write-only", default=None, metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.write_only:
+        params = write_random_llama(Path(args.write_only), args.shards)
+        print(f"wrote {params / 1e9:.3f}B-parameter checkpoint to {args.write_only}")
+        return 0
     work = Path(args.workdir or tempfile.mkdtemp(prefix="qstream-bench-"))
     src = work / "llama-0.5b"
-    if not src.exists():
-        params = write_random_llama(src, args.shards)
-        print(f"wrote {params / 1e9:.3f}B-parameter checkpoint to {src}")
+    if not src.exists():  # in a child, so that this process stays small (see LAUNCHER)
+        subprocess.run([sys.executable, __file__, "--write-only", str(src),
+                        "--shards", str(args.shards)], check=True)
     for shard in src.glob("*.safetensors"):  # both tools then read from the page cache
         with open(shard, "rb") as f:
             while f.read(64 << 20):
@@ -137,7 +156,8 @@ def main() -> int:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpus": os.cpu_count(), "results": results},
+        Path(args.json).write_text(json.dumps({"cpus": os.cpu_count(), "shards": args.shards,
+                                               "workers": args.workers, "results": results},
                                               indent=2))
     return 0
 
