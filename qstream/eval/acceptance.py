@@ -1,0 +1,239 @@
+"""Speculative-decoding verification of drafted blocks: token-wise rejection sampling and block
+verification, as samplers and as exact per-block expectations (docs/acceptance.md).
+
+For ``n`` blocks of ``B`` drafted tokens ``x_1..x_B`` over a vocabulary of ``V``:
+
+- ``q[:, k]`` is the drafter's sampling distribution at position k (conditioned on ``x_{<k}``),
+- ``p[:, k]`` the verifier's sampling distribution at position k, conditioned on the *drafted*
+  prefix ``x_{<k}``; ``p[:, B]`` (the bonus position) is needed by the samplers only.
+
+Rules (k counts from 1 in the formulas, from 0 in the tensors; ``r_k = p_k(x_k) / q_k(x_k)``):
+
+- **token-wise** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+  Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"): accept
+  ``x_k`` with probability ``min(1, r_k)``, stop at the first rejection and resample that position
+  from ``norm(max(0, p_k − q_k))``; when all B are accepted, draw a bonus token from ``p_{B+1}``.
+- **block** (Sun et al. 2024, "Block Verification Accelerates Speculative Decoding", Algorithm 2;
+  vLLM's ``rejection_sample_method: "block"``): ``P_0 = 1``, ``P_k = min(1, P_{k-1} r_k)``; the
+  residual after accepting k tokens is ``max(0, P_k p_{k+1} − q_{k+1})`` with mass ``Z_{k+1}``;
+  ``h_k = Z_{k+1} / (Z_{k+1} + 1 − P_k)`` for k < B and ``h_B = P_B``; with independent uniforms
+  ``η_k``, the accepted length is ``τ = max{k : η_k ≤ h_k}`` (0 if none), followed by one token
+  from the residual of ``τ`` (``τ < B``) or from ``p_{B+1}`` (``τ = B``).
+
+Both emit ``τ + 1`` tokens per block (at most B+1) whose distribution is the verifier's.
+
+**Expectations.** Given the drafted prefix ``x_{≤k}``, the probability that the verifier accepts
+at least k tokens is, marginalising over its own uniforms and over the later drafted tokens,
+``Π_{j≤k} min(1, r_j)`` (token-wise) and ``P_k`` (block: the choice of ``h`` makes
+``P(τ ≥ k | x_{≤k}) = P_k``; Sun et al., proof of Theorem 1).  So ``1 + Σ_k P(τ ≥ k | x_{≤k})`` is
+an unbiased, lower-variance (Rao–Blackwellised) estimate of the expected number of tokens emitted
+per block, from a single drafted block and no verifier randomness.  Per draft the block value is
+never below the token-wise one, since ``min(1, P_{k-1} r_k) ≥ P_{k-1} min(1, r_k)``.
+
+**Verifying on a stream the verifier sampled itself.** When the only prefixes whose verifier
+distribution is known are those of a token stream ``s`` drawn from the verifier (captured target
+states), the same expectation is ``E_{s~p}[Σ_k w_k(s)]`` with the importance weight
+``w_k = P(τ ≥ k | s_{≤k}) · q(s_{≤k}) / p(s_{≤k})``: token-wise ``Π_{j≤k} min(1, q_j/p_j)``, block
+``min(1, min_{i≤k} Π_{j≤i} q_j/p_j)`` (the running minimum of the cumulative likelihood ratio).
+Both weights lie in [0, 1], and they are unbiased because a prefix the verifier cannot produce
+(``p = 0`` somewhere) is never accepted by either rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qstream.eval.metrics import Estimate, mean_estimate
+
+RULES = ("token_wise", "block")
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact per-block expectations
+
+
+def _check(p_tok: torch.Tensor, q_tok: torch.Tensor) -> None:
+    if p_tok.ndim != 2 or p_tok.shape != q_tok.shape:
+        raise ValueError(f"token probabilities must be two equal [n, B] tensors, got "
+                         f"{tuple(p_tok.shape)} and {tuple(q_tok.shape)}")
+
+
+def _guarded_product(ratio: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Running ``L_k = L_{k-1} · ratio_k`` (optionally capped: ``min(cap, ·)``) over [n, B], with
+    0 absorbing: a zero factor zeroes the rest even after an infinite one (no 0·inf = NaN)."""
+    out = torch.empty_like(ratio)
+    running = torch.ones(ratio.shape[0], dtype=ratio.dtype)
+    for k in range(ratio.shape[1]):
+        dead = (running == 0) | (ratio[:, k] == 0)
+        running = torch.where(dead, 0.0, running * ratio[:, k])
+        if cap is not None:
+            running = running.clamp(max=cap)
+        out[:, k] = running
+    return out
+
+
+def accept_probabilities(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
+    """``[n, B]`` float64: P(τ ≥ k | drafted prefix x_{≤k}) for k = 1..B, from the verifier's
+    and the drafter's probabilities of the drafted tokens (``p_tok[:, k] = p_k(x_k)``)."""
+    _check(p_tok, q_tok)
+    p, q = p_tok.double(), q_tok.double()
+    ratio = torch.where(q > 0, p / q, torch.where(p > 0, torch.inf, 0.0))
+    if rule == "token_wise":
+        return ratio.clamp(max=1.0).cumprod(dim=1)
+    if rule == "block":
+        return _guarded_product(ratio, cap=1.0)
+    raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+
+
+def stream_weights(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
+    """``[n, B]`` float64 importance weights ``w_k`` for blocks read off a stream sampled from the
+    verifier (module docstring): ``E_{s~p}[w_k] = P(τ ≥ k)`` under drafting from q.  A stream
+    token the verifier cannot produce (``p = 0``) breaks that premise; it is given ratio +inf,
+    so it neither adds nor removes acceptance on its own (see ``outside_verifier_support``)."""
+    _check(p_tok, q_tok)
+    p, q = p_tok.double(), q_tok.double()
+    ratio = torch.where(p > 0, q / p, torch.where(q > 0, torch.inf, 1.0))
+    if rule == "token_wise":
+        return ratio.clamp(max=1.0).cumprod(dim=1)
+    if rule == "block":
+        return torch.cummin(_guarded_product(ratio, cap=None).clamp(max=1.0), dim=1).values
+    raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+
+
+def greedy_accepts(draft_tokens: torch.Tensor, verifier_top1: torch.Tensor) -> torch.Tensor:
+    """``[n, B]`` float64 0/1: greedy drafting against a greedy verifier accepts token k iff every
+    drafted token up to k equals the verifier's argmax on that (drafted) prefix."""
+    if draft_tokens.shape != verifier_top1.shape or draft_tokens.ndim != 2:
+        raise ValueError("draft tokens and verifier argmax must be equal [n, B] tensors")
+    return ((draft_tokens != verifier_top1).cumsum(dim=1) == 0).double()
+
+
+def token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``probs[..., tokens]``: [n, B, V], [n, B] -> [n, B]."""
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Samplers (the rules as a verifier runs them; used to check the expectations and the output law)
+
+
+@dataclass(frozen=True)
+class Verified:
+    accepted: torch.Tensor  # [n] τ, 0..B
+    tokens: torch.Tensor  # [n, B+1] emitted tokens x_1..x_τ, y; -1 after position τ
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` [n, V] (rows need not be normalised)."""
+    return torch.multinomial(probs.double(), 1, generator=generator).squeeze(1)
+
+
+def _emit(draft: torch.Tensor, accepted: torch.Tensor, last: torch.Tensor) -> Verified:
+    n, B = draft.shape
+    keep = torch.arange(B + 1) < accepted[:, None]
+    tokens = torch.where(keep, torch.cat((draft, draft[:, :1]), dim=1), -1)
+    tokens[torch.arange(n), accepted] = last
+    return Verified(accepted, tokens)
+
+
+def _residual(p_next: torch.Tensor, q_next: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``max(0, scale·p − q)`` [n, V]; where it has no mass the verifier's own p (that row's
+    residual is never drawn from: its rule cannot stop there)."""
+    res = (scale[:, None] * p_next - q_next).clamp(min=0.0)
+    return torch.where(res.sum(-1, keepdim=True) > 0, res, p_next)
+
+
+def _finish(draft, p, q, accepted, scale_at, generator) -> Verified:
+    n, B = draft.shape
+    rows = torch.arange(n)
+    at = accepted.clamp(max=B - 1)
+    residual = _residual(p[rows, at].double(), q[rows, at].double(), scale_at)
+    bonus = p[:, B].double()
+    last = torch.where(accepted == B, _draw(bonus, generator), _draw(residual, generator))
+    return _emit(draft, accepted, last)
+
+
+def verify_token_wise(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                      generator: torch.Generator) -> Verified:
+    """Token-wise rejection sampling of drafts [n, B] with p [n, B+1, V] and q [n, B, V]."""
+    n, B = draft.shape
+    ratio = token_probs(p[:, :B].double(), draft) / token_probs(q.double(), draft)
+    u = torch.rand(n, B, dtype=torch.float64, generator=generator)
+    accepted = (u < ratio).long().cumprod(dim=1).sum(dim=1)
+    return _finish(draft, p, q, accepted, torch.ones(n, dtype=torch.float64), generator)
+
+
+def verify_block(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                 generator: torch.Generator) -> Verified:
+    """Block verification (Sun et al. 2024, Algorithm 2) of drafts [n, B] with p [n, B+1, V] and
+    q [n, B, V]."""
+    n, B = draft.shape
+    P = accept_probabilities(token_probs(p[:, :B], draft), token_probs(q, draft), "block")
+    h = torch.empty(n, B, dtype=torch.float64)
+    for k in range(B - 1):  # h_k for k = 1..B-1 (tensor column k-1): residual at position k+1
+        mass = (P[:, k, None] * p[:, k + 1].double() - q[:, k + 1].double()).clamp(min=0).sum(-1)
+        denom = mass + 1 - P[:, k]
+        h[:, k] = torch.where(denom > 0, mass / denom.clamp(min=torch.finfo(denom.dtype).tiny), 1.0)
+    h[:, B - 1] = P[:, B - 1]
+    eta = torch.rand(n, B, dtype=torch.float64, generator=generator)
+    passed = torch.where(eta <= h, torch.arange(1, B + 1), 0)
+    accepted = passed.max(dim=1).values
+    P_with_0 = torch.cat((torch.ones(n, 1, dtype=torch.float64), P), dim=1)
+    return _finish(draft, p, q, accepted, P_with_0[torch.arange(n), accepted], generator)
+
+
+# ---------------------------------------------------------------------------------------------
+# Accumulation over batches
+
+
+@dataclass(frozen=True)
+class AcceptanceSummary:
+    """Expected tokens emitted per block (accepted + one resampled or bonus token, 1..B+1) and
+    P(τ ≥ k) per position, each a mean over blocks with its 95% interval."""
+
+    emitted: Estimate
+    prefix_accept: tuple[Estimate, ...]
+
+    def to_json(self) -> dict:
+        return {"emitted": self.emitted.to_json(),
+                "prefix_accept": [e.to_json() for e in self.prefix_accept]}
+
+
+def summarise(accept: torch.Tensor) -> AcceptanceSummary:
+    """``[n, B]`` per-block P(τ ≥ k) (or 0/1 outcomes) -> :class:`AcceptanceSummary`."""
+    B = accept.shape[1]
+    return AcceptanceSummary(
+        emitted=mean_estimate(1 + accept.sum(dim=1), bounds=(1.0, B + 1.0)),
+        prefix_accept=tuple(mean_estimate(accept[:, k], bounds=(0.0, 1.0)) for k in range(B)))
+
+
+MODES = ("sampled_token_wise", "sampled_block", "greedy")
+
+
+class AcceptanceAccumulator:
+    """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
+    (:data:`MODES`); :meth:`emitted` gives the per-block values for paired comparisons."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[torch.Tensor]] = {mode: [] for mode in MODES}
+
+    def add(self, mode: str, accept: torch.Tensor) -> None:
+        self._parts[mode].append(accept.double().cpu())
+
+    def accept(self, mode: str) -> torch.Tensor:
+        return torch.cat(self._parts[mode])
+
+    def emitted(self, mode: str) -> torch.Tensor:
+        """``[n]`` expected tokens emitted per block, in the order the batches were added."""
+        return 1 + self.accept(mode).sum(dim=1)
+
+    def to_json(self) -> dict:
+        return {mode: summarise(self.accept(mode)).to_json() for mode in MODES}
+
+
+def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:
+    """Mean per-block loss ``floor − other`` of emitted tokens (same blocks, same noise), with a
+    Student-t 95% interval over blocks: the loss against bf16."""
+    return mean_estimate(floor - other, bounds=(-block_size, block_size)).to_json()
