@@ -8,37 +8,49 @@ Every command lives in ``qstream/commands/<name>.py`` and is registered below.  
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 from qstream import __version__
 from qstream.cliutil import Group
 
 
-@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+# name -> "module:attribute"; a command's module is imported only when that command runs, so
+# `qstream-quantize` and `qstream formats` start without loading the evaluator or the card.
+COMMANDS = {
+    "formats": "qstream.commands.formats:formats",
+    "quantize": "qstream.commands.quantize:quantize",
+    "inspect": "qstream.commands.inspect:inspect",
+    "verify": "qstream.commands.verify:verify",
+    "synth": "qstream.commands.synth:synth",
+    "eval-drift": "qstream.commands.eval_drift:eval_drift",
+    "card": "qstream.commands.card:card",
+}
+
+
+class LazyGroup(Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module, attribute = target.split(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="qstream")
 def cli() -> None:
     """Quantize speculative-decoding draft models and measure, honestly, what it costs them.
 
     \b
-    qstream formats                      the number formats and their weight SNR
     qstream quantize --model_dir IN --output_dir OUT --quant_format fp8
+    qstream eval-drift --regime heavy          drift of each format, built-in demo draft
+    qstream card results.json --output CARD.md
     """
-
-
-def _register() -> None:
-    from qstream.commands.card import card
-    from qstream.commands.eval_drift import eval_drift
-    from qstream.commands.formats import formats
-    from qstream.commands.inspect import inspect
-    from qstream.commands.quantize import quantize
-    from qstream.commands.synth import synth
-    from qstream.commands.verify import verify
-
-    for command in (formats, quantize, inspect, verify, synth, eval_drift, card):
-        cli.add_command(command)
-
-
-_register()
 
 
 def main() -> None:

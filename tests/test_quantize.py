@@ -3,6 +3,7 @@ functions and compressed-tensors, untouched tensors identical, config and index 
 every bad input refused with one line, exit 1, the input untouched and no output left."""
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -136,6 +137,11 @@ def test_dspark_recipe_fp8_via_the_issue_command_line(tmp_path):
     qconfig = _check_output(src, out, "fp8", set(summary["modules_quantized"]))
     assert "markov_head.markov_w1" in qconfig["ignore"]
     assert "confidence_head.proj" in qconfig["ignore"]
+    provenance = json.loads((out / "qstream_quantize.json").read_text())
+    assert provenance["command"] == shlex.join([
+        "qstream-quantize", "--model_dir", str(src), "--output_dir", str(out),
+        "--quant_format", "fp8", "--include_layers", *DSPARK_RECIPE])
+    assert provenance["summary"]["modules_quantized"] == summary["modules_quantized"]
 
 
 def test_sharded_nvfp4_fused_group_across_shards_shares_one_global_scale(tmp_path):

@@ -174,3 +174,19 @@ def test_inspect_of_a_missing_directory_is_one_line(tmp_path):
     assert "not a directory" in result.output
     write_checkpoint(tmp_path / "ok", llama_tensors(layers=1))
     assert CliRunner().invoke(cli, ["inspect", str(tmp_path / "ok")]).exit_code == 0
+
+
+def test_inspect_reports_weight_statistics(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, generator=gen)
+    w[:, 3] *= 40.0  # one outlier input channel
+    src = tmp_path / "m"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"proj.weight": w.to(torch.bfloat16), "norm.weight": torch.ones(32)},
+          str(src / "model.safetensors"))
+    result = CliRunner().invoke(cli, ["inspect", str(src), "--json", "-"])
+    assert result.exit_code == 0, result.output
+    stats = {r["name"]: r for r in json.loads(result.output)["weight_stats"]}
+    assert stats["proj.weight"]["col_spread"] > 10  # the outlier column shows
+    assert stats["norm.weight"]["std"] == 0.0

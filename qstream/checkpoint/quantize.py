@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import time
 from collections import deque
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import qstream
 from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint, open_checkpoint
 from qstream.checkpoint.layout import quantization_config, stored_tensors
 from qstream.checkpoint.safetensors_io import (
@@ -39,6 +41,9 @@ from qstream.errors import QStreamError
 from qstream.formats import dequantize, get_format, quantize
 from qstream.formats.nvfp4 import tensor_amax
 
+# Written beside config.json: the command and summary that produced the checkpoint, which
+# `qstream card` quotes (the card never has to reconstruct the command).
+PROVENANCE_NAME = "qstream_quantize.json"
 # Largest piece of work: 512K elements is 1 MiB of bf16 input; with the float64 SNR temporaries
 # a piece costs ~15 MB, so memory stays near workers x 15 MB whatever the tensor sizes.
 PIECE_ELEMENTS = 1 << 19
@@ -154,6 +159,13 @@ def quantize_checkpoint(
         tmp.mkdir()
         snr = _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, tmp,
                                 torch_device, workers, progress)
+        command = _equivalent_command(model_dir, output_dir, fmt, include, ignore,
+                                      skip_incompatible)
+        _write_text(tmp / PROVENANCE_NAME, _json({
+            "qstream_version": qstream.__version__, "command": command,
+            "summary": {k: v for k, v in QuantizeSummary(**{**asdict(summary),
+                                                             "weight_snr_db": snr}).to_json().items()
+                        if k != "seconds"}}))
         _move_into_place(tmp, output_path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -162,6 +174,20 @@ def quantize_checkpoint(
         torch.set_num_threads(intra_op_threads)
     return QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr,
                               "seconds": time.perf_counter() - started})
+
+
+def _equivalent_command(model_dir, output_dir, fmt: str, include, ignore,
+                        skip_incompatible: bool) -> str:
+    """The qstream-quantize command line that makes this output (recorded for model cards)."""
+    args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir),
+            "--quant_format", fmt]
+    if include:
+        args += ["--include_layers", *include]
+    if ignore:
+        args += ["--ignore_layers", *ignore]
+    if skip_incompatible:
+        args.append("--skip-incompatible")
+    return shlex.join(args)
 
 
 def _check_paths(model_dir, output_dir, overwrite: bool) -> tuple[Path, Path]:

@@ -6,20 +6,27 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from qstream.checkpoint.inspect import inspect_checkpoint
+from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.cliutil import Command, json_option, write_json
+from qstream.model.stats import checkpoint_stats
 
 GIB = 1 << 30
 
 
 @click.command(cls=Command)
 @click.argument("directory", metavar="DIR")
+@click.option("--stats/--no-stats", default=True, show_default=True,
+        help="Weight statistics (kurtosis, outliers, channel spread) per module kind.")
 @json_option()
-def inspect(directory: str, json_path: str | None) -> None:
+def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     """Show a checkpoint's tensors by module kind: count, parameters, dtype, size on disk,
-    and its quantization config if it has one.  Example: qstream inspect draft-fp8
+    weight statistics, and its quantization config if it has one.
+
+    Example: qstream inspect draft-fp8
     """
     data = inspect_checkpoint(directory)
+    if stats:
+        data["weight_stats"] = checkpoint_stats(directory)
     if json_path != "-":
         console = Console()
         table = Table(title=f"{data['directory']}: {data['tensors']} tensors in "
@@ -32,6 +39,8 @@ def inspect(directory: str, json_path: str | None) -> None:
                           ",".join(row["dtypes"]), str(row["shape"] or "varies"),
                           f"{row['bytes'] / (1 << 20):.2f}")
         console.print(table)
+        if stats:
+            console.print(_stats_table(data["weight_stats"]))
         qconfig = data["quantization_config"]
         if isinstance(qconfig, dict):
             groups = qconfig.get("config_groups") or {}
@@ -43,3 +52,23 @@ def inspect(directory: str, json_path: str | None) -> None:
         else:
             console.print("not quantized (no quantization_config)")
     write_json(data, json_path)
+
+
+def _stats_table(rows: list[dict]) -> Table:
+    """Per module kind, the median over its tensors of each statistic (the JSON has every
+    tensor).  Kurtosis 3 is Gaussian; spreads are p99/p50 of per-channel RMS (1 = uniform)."""
+    by_kind: dict[str, list[dict]] = {}
+    for row in rows:
+        kind = module_kind(row["name"]).removesuffix(".weight").removeprefix("layers.*.")
+        by_kind.setdefault(kind, []).append(row)
+    table = Table(title="weight statistics (median over the tensors of a kind)")
+    for col in ("module kind", "std", "kurtosis", "max/std", "row spread", "col spread"):
+        table.add_column(col, justify="left" if col == "module kind" else "right")
+    keys = ("std", "kurtosis", "max_over_std", "row_spread", "col_spread")
+    for kind, members in by_kind.items():
+        cells = []
+        for key in keys:
+            values = sorted(m[key] for m in members if key in m and m[key] == m[key])
+            cells.append(f"{values[len(values) // 2]:.3g}" if values else "-")
+        table.add_row(kind, *cells)
+    return table
