@@ -29,6 +29,8 @@ from qstream.card.results import ResultsSet, merge_results
 from qstream.card.tables import (
     FLOOR,
     ROLLOUTS,
+    acceptance_table,
+    acceptance_verifiers,
     agreement_table,
     ceiling_table,
     evaluation_table,
@@ -107,6 +109,10 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
         *(ceiling_table(rs, mode) for mode in ROLLOUTS),
         *figure("ceiling.png", "acceptance ceiling by format and regime",
                 "Acceptance ceiling by format (bars) and regime (groups), 95% CI error bars.")]))
+    verifiers = acceptance_verifiers(rs)
+    if verifiers:
+        sections.append(Section("Acceptance under vLLM's verification rules",
+                                [acceptance_table(rs, v) for v in verifiers]))
     sections.append(Section("Agreement by drafted position", [
         *(agreement_table(rs, r) for r in regimes),
         *figure("seq_agree.png", "seq agree by position, per regime",

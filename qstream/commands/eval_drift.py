@@ -86,6 +86,35 @@ def _print_regime(console: Console, regime: str, data: dict, block_size: int) ->
     console.print(per_pos)
 
 
+def _regimes(regime: str | None, states: str | None) -> tuple[str, ...]:
+    if regime is None:
+        return () if states else ("heavy",)
+    return tuple(REGIMES) if regime == "all" else (regime,)
+
+
+def _print_acceptance(console: Console, regime: str, data: dict, block_size: int) -> None:
+    """Expected tokens per block (≤ B+1) by verifier, per variant; the loss against bf16."""
+    verifiers = [v for v in ("reference", "target")
+                 if any(v in e.get("acceptance", {}) for e in data["variants"].values())]
+    for verifier in verifiers:
+        table = Table(title=f"regime {regime}: tokens per block verified by the "
+                      f"{'FP32 reference' if verifier == 'reference' else 'target'} "
+                      f"(≤ {block_size + 1}; loss = bf16 − variant)")
+        for col in ("draft", "token-wise", "block", "greedy", "loss tw", "loss block",
+                    "loss greedy"):
+            table.add_column(col, justify="left" if col == "draft" else "right")
+        rows = [(name, e["acceptance"][verifier]) for name, e in data["variants"].items()]
+        if verifier == "target" and "reference_draft" in data:
+            rows.insert(0, ("reference (fp32)", data["reference_draft"]["acceptance"]["target"]))
+        for name, a in rows:
+            loss = a.get("loss_vs_bf16") or {}
+            table.add_row(name, *(_ci(a[m]["emitted"], 2) for m in
+                                  ("sampled_token_wise", "sampled_block", "greedy")),
+                          *(_ci(loss[m], 2) if m in loss else "" for m in
+                            ("sampled_token_wise", "sampled_block", "greedy")))
+        console.print(table)
+
+
 @click.command("eval-drift", cls=Command)
 @option("model", type=click.Path(file_okay=False),
         help="Draft checkpoint directory. Default: the built-in synthetic tiny draft.")
@@ -99,7 +128,8 @@ def _print_regime(console: Console, regime: str, data: dict, block_size: int) ->
         help="Comma-separated simulated variants.")
 @option("variant", multiple=True, metavar="NAME=DIR",
         help="A quantized checkpoint to read back from disk; repeatable.")
-@option("regime", type=click.Choice([*REGIMES, "all"]), default="heavy", show_default=True)
+@option("regime", type=click.Choice([*REGIMES, "all"]), default=None,
+        help="Aux regime. Default: heavy, or none when --states is given.")
 @option("blocks", type=int, default=1024, show_default=True, help="Blocks per regime.")
 @option("seed", type=int, default=0, show_default=True)
 @greedy_option("include_layers", help="Modules the simulated formats quantize "
@@ -107,24 +137,34 @@ def _print_regime(console: Console, regime: str, data: dict, block_size: int) ->
 @greedy_option("ignore_layers", help="Modules never quantized.")
 @option("temperature", type=float, default=1.0, show_default=True)
 @option("top_p", type=float, default=0.95, show_default=True)
+@option("acceptance", is_flag=True,
+        help="Also verify each variant's drafts with the FP32 reference: expected tokens per "
+             "block under token-wise and block verification, and greedy (docs/acceptance.md).")
+@option("states", type=click.Path(dir_okay=False),
+        help="Captured target states (safetensors, docs/states.md): adds the 'states' regime "
+             "and the acceptance of every draft against the target itself.")
 @json_option()
 def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, blocks, seed,
-               include_layers, ignore_layers, temperature, top_p, json_path) -> None:
+               include_layers, ignore_layers, temperature, top_p, acceptance, states,
+               json_path) -> None:
     """Measure how far each format moves the drafted block from an FP32 reference.
 
     \b
     qstream eval-drift --regime heavy
+    qstream eval-drift --regime heavy --acceptance --blocks 256
+    qstream eval-drift --model DRAFT --states captured.safetensors --acceptance
     qstream eval-drift --model DRAFT --target TARGET --corpus gsm8k/test.jsonl \\
         --formats bf16,fp8,mxfp4,nvfp4 --variant shipped=FP8_DIR --regime all \\
         --blocks 1024 --seed 0 --json results.json
     """
     console = Console(stderr=json_path == "-")
     settings = DriftSettings(
-        regimes=tuple(REGIMES) if regime == "all" else (regime,),
+        regimes=_regimes(regime, states),
         formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
         variant_dirs=_parse_variants(variant),
         include=tuple(include_layers) or QUANTIZE_INCLUDE, ignore=tuple(ignore_layers),
-        n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p)
+        n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p,
+        acceptance=acceptance, states=states)
     if model is None:
         from qstream.eval.builtin import builtin_model_dir
 
@@ -140,9 +180,10 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
     else:
         text = load_corpus(corpus, tok, config.vocab_size)
     n_variants = len(settings.formats) + len(settings.variant_dirs)
-    total = blocks * (1 + n_variants) * len(settings.regimes)
+    total = blocks * (1 + n_variants) * (len(settings.regimes) + (states is not None))
     with _progress(total, console) as tick:
         results = evaluate_drift(model, settings, text, target, progress=tick)
     for name, data in results["regimes"].items():
         _print_regime(console, name, data, results["block_size"])
+        _print_acceptance(console, name, data, results["block_size"])
     write_json(results, json_path)

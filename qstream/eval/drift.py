@@ -21,9 +21,11 @@ import torch
 
 import qstream
 from qstream.errors import QStreamError
+from qstream.eval.acceptance import ACCEPTANCE_DEFINITIONS, RegimeAcceptance
 from qstream.eval.corpus import AnchorPlan, Corpus, load_corpus, sample_anchors
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.regimes import REGIMES, check_boot_compatible, synthetic_aux
+from qstream.eval.states import read_states
 from qstream.formats import FORMATS, weight_snr_db
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import LM_HEAD, DSpark, rollout, teacher_forced
@@ -56,6 +58,10 @@ class DriftSettings:
     seed: int = 0
     temperature: float = 1.0
     top_p: float = 0.95
+    # Simulated acceptance (qstream/eval/acceptance.py): the FP32 reference verifies each
+    # variant's drafts, token-wise and by block verification
+    acceptance: bool = False
+    states: str | None = None  # captured target states (qstream/eval/states.py): the "states" regime
 
     def __post_init__(self) -> None:
         for regime in self.regimes:
@@ -71,6 +77,8 @@ class DriftSettings:
             raise QStreamError(f"variant names must be unique, got {', '.join(names)}")
         if self.n_blocks < 1:
             raise QStreamError(f"--blocks must be at least 1, got {self.n_blocks}")
+        if not self.regimes and self.states is None:
+            raise QStreamError("nothing to evaluate: no regime and no --states file")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +151,8 @@ def _aux_for(regime: str, batch: Batch, corpus: Corpus, config: DSparkConfig, se
     """Aux states [S, T, A] (AUX_DTYPE) of one batch.  boot needs the reference model the first
     time and is cached (the states are the reference's own causal layer outputs)."""
     T = max(batch.context_length, 1)
+    if regime == "states":  # captured: the file's own aux states (qstream/eval/states.py)
+        return corpus.aux(batch.streams, T).to(AUX_DTYPE)
     if regime != "boot":
         lengths = [int(corpus.streams[s].numel()) for s in batch.streams]
         return synthetic_aux(regime, config, batch.streams, lengths, T, seed).to(AUX_DTYPE)
@@ -236,6 +246,7 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     if "boot" in settings.regimes:
         check_boot_compatible(config)
     weights = load_weights(model_dir, target, config)
+    states = read_states(settings.states, config) if settings.states is not None else None
     plan = sample_anchors(corpus, settings.n_blocks, config.block_size, settings.seed,
                           max_context=config.max_position_embeddings - config.block_size)
     batches = make_batches(plan, corpus, config)
@@ -270,14 +281,27 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     for regime in settings.regimes:
         results["regimes"][regime] = _evaluate_regime(
             regime, config, weights, corpus, plan, batches, variants, settings, target, tick)
+    if states is not None:
+        states_plan = sample_anchors(states, settings.n_blocks, config.block_size, settings.seed,
+                                     max_context=config.max_position_embeddings - config.block_size)
+        results["states"] = {**states.identity(), "anchors": states_plan.to_json()}
+        results["regimes"]["states"] = _evaluate_regime(
+            "states", config, weights, states, states_plan,
+            make_batches(states_plan, states, config), variants, settings, target, tick)
+    if settings.acceptance or states is not None:
+        results["acceptance"] = ACCEPTANCE_DEFINITIONS
     return results
 
 
 def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, settings,
                      target, tick) -> dict:
     boot_cache: dict[int, torch.Tensor] = {}
+    probe = RegimeAcceptance(weights, plan, corpus, against_reference=settings.acceptance,
+                             temperature=settings.temperature, top_p=settings.top_p,
+                             block_size=config.block_size)
     reference = DSpark(config, weights, torch.float32)
-    ref = _reference_pass(regime, reference, corpus, plan, batches, settings, boot_cache, tick)
+    ref = _reference_pass(regime, reference, corpus, plan, batches, settings, boot_cache, tick,
+                          probe)
     del reference
     out = {"variants": {}}
     for variant in variants:
@@ -285,6 +309,7 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
         model = DSpark(config, var_weights,
                        torch.float32 if variant.kind == "fp32" else torch.bfloat16)
         acc = DriftAccumulator(config.block_size)
+        accepted = probe.variant(variant.name)
         for number, batch in enumerate(batches):
             aux = _aux_for(regime, batch, corpus, config, settings.seed, None, boot_cache)
             blocks = _draft(model, aux, batch)
@@ -298,6 +323,7 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
                 acc.add_confidence(ref.confidence[idx], forced.confidence)
             acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
             acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
+            probe.add_variant(accepted, batch, model, blocks, greedy, sampled)
             tick(f"{regime}: {variant.name}", len(idx))
         out["variants"][variant.name] = {
             "kind": variant.kind, "quantized_tensors": changed,
@@ -305,11 +331,12 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
             "metrics": acc.result().to_json(),
         }
         del model, var_weights
+    probe.finish(out)
     return out
 
 
 def _reference_pass(regime, reference, corpus, plan, batches, settings, boot_cache,
-                    tick) -> ReferenceOutputs:
+                    tick, probe: RegimeAcceptance) -> ReferenceOutputs:
     c = reference.config
     N, B, V = plan.anchor.numel(), c.block_size, c.vocab_size
     ref = ReferenceOutputs(torch.empty(N, B, V), torch.empty(N, B, dtype=torch.int64),
@@ -324,6 +351,7 @@ def _reference_pass(regime, reference, corpus, plan, batches, settings, boot_cac
         ref.logits[idx] = greedy.logits
         ref.greedy_tokens[idx] = greedy.tokens
         ref.sampled_tokens[idx] = sampled.tokens
+        probe.add_reference(batch, reference, blocks)
         if greedy.confidence is not None:
             ref.confidence[idx] = greedy.confidence
         tick(f"{regime}: reference", len(idx))

@@ -1,0 +1,152 @@
+"""Captured states (--states) and simulated acceptance (--acceptance) end to end on a synthesized
+tiny draft: the file format is validated with one-line errors naming the tensor; the states
+regime reads its aux states from the file and reports acceptance against the target; the
+reference verifying itself accepts every token; greedy acceptance is the matched prefix + 1."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from qstream.cli import cli
+from qstream.errors import QStreamError
+from qstream.eval.builtin import builtin_corpus_docs
+from qstream.eval.corpus import tokenize
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.states import read_states
+from qstream.model.load import load_config
+from qstream.model.synth import synth_checkpoint
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "capture_states.py"
+BLOCKS = 48
+MODES = ("sampled_token_wise", "sampled_block", "greedy")
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("capture_states", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny", seed=0).output_dir
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny):
+    return tokenize(builtin_corpus_docs()[:200], f"{tiny}/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def states_file(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("states") / "captured.safetensors"
+    _example().capture_states(str(tiny), str(path), n_streams=4, length=40, seed=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(tiny, corpus, states_file):
+    settings = DriftSettings(regimes=("gauss",), formats=("fp32", "bf16", "nvfp4"),
+                             n_blocks=BLOCKS, acceptance=True, states=str(states_file))
+    return evaluate_drift(tiny, settings, corpus)
+
+
+def test_reference_verifying_itself_accepts_every_token(results):
+    for regime in ("gauss", "states"):
+        acc = results["regimes"][regime]["variants"]["fp32"]["acceptance"]["reference"]
+        for mode in MODES:
+            e = acc[mode]["emitted"]
+            assert e["value"] == e["lo"] == e["hi"] == 8.0, (regime, mode, e)
+
+
+def test_greedy_acceptance_is_the_matched_prefix_plus_one(results):
+    for name, entry in results["regimes"]["gauss"]["variants"].items():
+        ceiling = entry["metrics"]["rollouts"]["greedy"]["ceiling"]["value"]
+        emitted = entry["acceptance"]["reference"]["greedy"]["emitted"]["value"]
+        assert emitted == pytest.approx(ceiling + 1, abs=1e-12), name
+
+
+def test_acceptance_orders_as_precision_and_block_beats_token_wise(results):
+    for regime in ("gauss", "states"):
+        variants = results["regimes"][regime]["variants"]
+        for verifier in ("reference", "target") if regime == "states" else ("reference",):
+            emitted = {v: {m: variants[v]["acceptance"][verifier][m]["emitted"]["value"]
+                           for m in MODES} for v in variants}
+            for v, e in emitted.items():
+                assert 1.0 <= min(e.values()) and max(e.values()) <= 8.0, (regime, v, e)
+                # per block the block rule's value is never below the token-wise one
+                assert e["sampled_block"] >= e["sampled_token_wise"], (regime, verifier, v, e)
+            if verifier == "reference":
+                assert emitted["bf16"]["sampled_block"] > emitted["nvfp4"]["sampled_block"]
+                loss = variants["nvfp4"]["acceptance"]["reference"]["loss_vs_bf16"]
+                assert loss["sampled_block"]["lo"] > 0, loss
+                assert variants["bf16"]["acceptance"]["reference"]["loss_vs_bf16"] is None
+
+
+def test_states_regime_reports_the_reference_draft_against_the_target(results, states_file):
+    r = results
+    assert r["states"]["corpus"] == str(states_file) and r["states"]["streams"] == 4
+    assert r["states"]["anchors"]["blocks"] == BLOCKS
+    ref = r["regimes"]["states"]["reference_draft"]
+    for mode in MODES:
+        assert 1.0 <= ref["acceptance"]["target"][mode]["emitted"]["value"] <= 8.0
+    # the streams were sampled from the stand-in target at top-p 0.95: none outside its nucleus
+    assert ref["stream"]["stream_outside_target_nucleus"]["value"] == 0.0
+    assert "acceptance" in r and "block" in r["acceptance"]["rules"]
+
+
+def test_states_aux_come_from_the_file(tiny, states_file):
+    states = read_states(states_file, load_config(tiny))
+    raw = load_file(states_file)
+    aux = states.aux([2, 0], pad_to=50)
+    assert torch.equal(aux[0, :40], raw["stream.2.aux_hidden_states"].float())
+    assert torch.equal(aux[1, :40], raw["stream.0.aux_hidden_states"].float())
+    assert bool((aux[:, 40:] == 0).all())
+    assert torch.equal(states.streams[1], raw["stream.1.input_ids"])
+
+
+def _broken(states_file, tmp_path, edit) -> Path:
+    tensors = load_file(states_file)
+    edit(tensors)
+    path = tmp_path / "broken.safetensors"
+    save_file(tensors, path)
+    return path
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update({"stream.1.aux_hidden_states": t["stream.1.aux_hidden_states"][:, :300].contiguous()}),
+     "'stream.1.aux_hidden_states' has shape [40, 300], expected [40, 320]"),
+    (lambda t: t.update({"stream.0.input_ids": t["stream.0.input_ids"].float()}),
+     "'stream.0.input_ids' must be 1-D int32/int64"),
+    (lambda t: t.pop("stream.2.target_hidden_states"), "missing tensor 'stream.2.target_hidden_states'"),
+    (lambda t: t.update({"stream.0.extra": torch.zeros(2)}), "unexpected tensor 'stream.0.extra'"),
+    (lambda t: t["stream.3.input_ids"].__setitem__(5, 10**6), "'stream.3.input_ids' holds ids outside"),
+    (lambda t: t.update({"stream.1.target_hidden_states":
+                         t["stream.1.target_hidden_states"].to(torch.int32)}),
+     "'stream.1.target_hidden_states' has dtype I32"),
+])
+def test_bad_states_files_are_refused_naming_the_tensor(tiny, states_file, tmp_path, edit, message):
+    path = _broken(states_file, tmp_path, edit)
+    with pytest.raises(QStreamError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        read_states(path, load_config(tiny))
+
+
+def test_cli_states_and_acceptance(tiny, states_file, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "r.json"
+    result = runner.invoke(cli, ["eval-drift", "--model", str(tiny), "--states", str(states_file),
+                                 "--formats", "bf16", "--blocks", "16", "--acceptance",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert list(data["regimes"]) == ["states"]  # --states alone runs only the captured regime
+    assert set(data["regimes"]["states"]["variants"]["bf16"]["acceptance"]) == {"reference", "target"}
+    bad = runner.invoke(cli, ["eval-drift", "--model", str(tiny), "--states", str(tmp_path / "no"),
+                              "--blocks", "8"])
+    assert bad.exit_code == 1 and "no such file" in bad.stderr and bad.stderr.count("\n") == 1
