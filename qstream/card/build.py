@@ -18,13 +18,14 @@ from qstream.card import checkpoints as ckpt
 from qstream.card.document import (
     Bullets,
     Card,
+    Code,
     Figure,
     Section,
     card_json,
     render_html,
     render_markdown,
 )
-from qstream.card.figures import write_figures
+from qstream.card.figures import sweep_regimes, write_figures
 from qstream.card.results import ResultsSet, merge_results
 from qstream.card.tables import (
     FLOOR,
@@ -33,9 +34,11 @@ from qstream.card.tables import (
     acceptance_verifiers,
     agreement_table,
     ceiling_table,
+    context_sweep_table,
     evaluation_table,
     full_metrics_table,
     regime_order,
+    sensitivity_table,
     variant_order,
 )
 from qstream.errors import QStreamError
@@ -125,9 +128,37 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
                 "KL(ref‖var) per drafted token on a log axis: each marker is a percentile from "
                 "the results (median, p90, p95, p99, p99.9, max), the star the mean with its "
                 "95% CI. Percentiles, not raw samples.")]))
+    sections += _issue7_sections(rs, figure)
     sections.append(Section("How it was evaluated", [evaluation_table(rs)]))
     title = f"{Path(str(rs.model.get('path'))).name}: quantized formats and their drift"
     return Card(title, sections, missing)
+
+
+def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
+    """Per-module sensitivity and the long-context sweep, for the regimes that measured them."""
+    sections = []
+    sens = [r for r in regime_order(rs) if "sensitivity" in rs.sections.get(r, {})]
+    if sens:
+        parts = []
+        for r in sens:
+            best = rs.sections[r]["sensitivity"]["suggested"]
+            parts.append(sensitivity_table(rs, r))
+            parts.append(Code(f"qstream quantize --quant_format "
+                              f"{rs.sections[r]['sensitivity']['format']} {best['command']}")
+                         if best["command"] else
+                         f"Regime {r}: no module kind stays within the tolerance.")
+        sections.append(Section("Which modules may be quantized", [
+            "Each row adds one module kind to the quantized set (fused partners together); the "
+            "last row within the tolerance gives the include list below.", *parts]))
+    sweep = sweep_regimes(rs)
+    if sweep:
+        sections.append(Section("Acceptance ceiling by context length", [
+            *(context_sweep_table(rs, r) for r in sweep),
+            *figure("context.png", "acceptance ceiling against context length",
+                    "Greedy acceptance ceiling per context-length bucket (x: the bucket's mean "
+                    "context), one line per format, 95% bands; the dotted line is the YaRN "
+                    "boundary.")]))
+    return sections
 
 
 def _checkpoint_sections(checkpoints: Sequence[str | Path],

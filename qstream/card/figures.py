@@ -182,10 +182,51 @@ def _kl_ladder(ax, x: int, kl: dict, color: str) -> None:
                     markersize=8, capsize=2, linestyle="none")
 
 
+def sweep_regimes(rs: ResultsSet) -> list[str]:
+    """Regimes whose results hold a long-context sweep."""
+    return [r for r in regime_order(rs) if "context_sweep" in rs.sections.get(r, {})]
+
+
+def context_figure(rs: ResultsSet, path: Path) -> None:
+    """Greedy ceiling against context length (log axis; each bucket at its mean context) with
+    95% bands, a panel per regime; the dotted line is the YaRN boundary."""
+    regimes = sweep_regimes(rs)
+    fig, axes = _new_figure(1, len(regimes), (5.2, 3.6), sharey=True)
+    handles = {}
+    for col, regime in enumerate(regimes):
+        ax, sweep = axes[0][col], rs.sections[regime]["context_sweep"]
+        xs = [b["anchors"]["context_length_mean"] for b in sweep["buckets"]]
+        for i, variant in enumerate(variant_order(rs)):
+            if variant not in sweep["buckets"][0]["variants"]:
+                continue
+            est = [b["variants"][variant]["metrics"]["rollouts"]["greedy"]["ceiling"]
+                   for b in sweep["buckets"]]
+            style = _style(i)
+            (line,) = ax.plot(xs, [e["value"] for e in est], label=variant, markersize=4,
+                              linewidth=1.5, **style)
+            ax.fill_between(xs, [e["lo"] if e["lo"] is not None else e["value"] for e in est],
+                            [e["hi"] if e["hi"] is not None else e["value"] for e in est],
+                            color=style["color"], alpha=0.15, linewidth=0)
+            handles.setdefault(variant, line)
+        ax.axvline(sweep["yarn_boundary"], color="#555555", linestyle=":", linewidth=1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length of the block (tokens, log scale)")
+        if col == 0:
+            ax.set_ylabel(f"ceiling, greedy (tokens, 0..{rs.block_size})")
+        ax.set_ylim(0, rs.block_size)
+        ax.set_title(f"{regime} (dotted: YaRN boundary {sweep['yarn_boundary']})", fontsize=9)
+    fig.suptitle("Acceptance ceiling by context length (bands: 95% CI)", fontsize=11)
+    _save(fig, path, list(handles.values()), list(handles))
+
+
 FIGURES = {
     "seq_agree.png": seq_agree_figure,
     "ceiling.png": ceiling_figure,
     "kl.png": kl_figure,
+}
+# Drawn only when the results hold the data: name -> (figure, regimes that have it)
+OPTIONAL_FIGURES = {
+    "context.png": (context_figure, sweep_regimes),
 }
 
 
@@ -195,4 +236,8 @@ def write_figures(rs: ResultsSet, directory: Path) -> list[Path]:
     for name, draw in FIGURES.items():
         draw(rs, directory / name)
         written.append(directory / name)
+    for name, (draw, present) in OPTIONAL_FIGURES.items():
+        if present(rs):
+            draw(rs, directory / name)
+            written.append(directory / name)
     return written

@@ -22,6 +22,8 @@ SCHEMA = "qstream.eval-drift/1"  # the results schema this card reads (qstream/e
 RUN_FIELDS = ("qstream_version", "torch_version", "model", "target", "corpus", "seed", "blocks",
               "block_size", "anchors", "sampling", "reference", "variant_compute", "aux_dtype",
               "selection")
+# Per-regime sections besides the variants, carried as measured (issue 7).
+REGIME_SECTIONS = ("sensitivity", "context_sweep")
 
 
 @dataclass
@@ -33,6 +35,7 @@ class ResultsSet:
     runs: dict[str, dict] = field(default_factory=dict)  # regime -> RUN_FIELDS of its file
     variants: dict[str, dict] = field(default_factory=dict)  # variant -> {"kind", "source"}
     sources: dict[str, list[str]] = field(default_factory=dict)  # regime -> files it came from
+    sections: dict[str, dict] = field(default_factory=dict)  # regime -> {REGIME_SECTIONS key: data}
 
     @property
     def block_size(self) -> int:
@@ -106,3 +109,6 @@ def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path
         variants[name] = result
     if path not in merged.sources[regime]:
         merged.sources[regime].append(path)
+    for key in REGIME_SECTIONS:
+        if key in block:
+            merged.sections.setdefault(regime, {})[key] = block[key]

@@ -250,6 +250,53 @@ def evaluation_table(rs: ResultsSet) -> Table:
 
 
 # ---------------------------------------------------------------------------------------------
+# Issue 7 sections: per-module sensitivity and the long-context sweep (present when measured)
+
+
+def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
+    """The cumulative steps (least harmful kind first) with each kind's cost alone beside."""
+    sens = rs.sections[regime]["sensitivity"]
+    d = DIGITS["ceiling"]
+    alone = {e["kind"]: e for e in sens["single"]}
+    rows = [[label("(nothing: bf16 floor)"), Cell(""), estimate(sens["floor"]["ceiling"], d),
+             Cell("(floor)"), sci(sens["floor"]["kl_p99"]), Cell(""), Cell("")]]
+    for e in sens["cumulative"]:
+        single = alone[e["add"]]
+        rows.append([label(e["add"]), Cell(f"{single['ceiling_gap']:+.{d}f}",
+                                           single["ceiling_gap"]),
+                     estimate(e["ceiling"], d), Cell(f"{e['ceiling_gap']:+.{d}f}", e["ceiling_gap"]),
+                     sci(e["kl_p99"]), Cell(str(len(e["quantized_tensors"])),
+                                            len(e["quantized_tensors"])),
+                     Cell("yes" if e["within_tolerance"] else "no")])
+    return Table(f"Regime {regime}: {sens['format']} quantized one module kind more per row, least "
+                 f"harmful first (harm: {sens['harm']}). 'alone' is the kind's gap when quantized "
+                 f"by itself; 'within' compares the cumulative gap with the tolerance of "
+                 f"{sens['tolerance']} tokens",
+                 ["+ module kind", "gap alone", "ceiling, greedy [95% CI]", "gap to bf16",
+                  "KL p99", "tensors", "within"], rows, key=f"sensitivity_{regime}",
+                 align="lrrrrrl")
+
+
+def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
+    """Greedy ceiling per context-length bucket (rows) and variant (columns)."""
+    sweep = rs.sections[regime]["context_sweep"]
+    names = [v for v in variant_order(rs) if v in sweep["buckets"][0]["variants"]]
+    rows = []
+    for b in sweep["buckets"]:
+        rows.append([label(f"[{b['lo']}, {b['hi']})"), label(b["side"]),
+                     Cell(f"{b['anchors']['context_length_mean']:.1f}",
+                          b["anchors"]["context_length_mean"]),
+                     *(estimate(b["variants"][v]["metrics"]["rollouts"]["greedy"]["ceiling"],
+                                DIGITS["ceiling"]) for v in names)])
+    return Table(f"Regime {regime}: acceptance ceiling (greedy rollout, 95% CI) by context length "
+                 f"of the block; YaRN boundary (original_max_position_embeddings) "
+                 f"{sweep['yarn_boundary']}, max_position_embeddings "
+                 f"{sweep['max_position_embeddings']}",
+                 ["context length", "vs boundary", "mean context", *names], rows,
+                 key=f"context_sweep_{regime}", align="llr" + "r" * len(names))
+
+
+# ---------------------------------------------------------------------------------------------
 # Acceptance (eval-drift --acceptance, --states; docs/acceptance.md)
 
 ACCEPTANCE_MODES = {"sampled_token_wise": "token-wise", "sampled_block": "block",

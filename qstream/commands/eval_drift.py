@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -13,9 +14,11 @@ from rich.table import Table
 
 from qstream.cliutil import Command, greedy_option, json_option, option, write_json
 from qstream.errors import QStreamError
+from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import load_corpus, tokenize
 from qstream.eval.drift import VARIANT_FORMATS, DriftSettings, evaluate_drift
 from qstream.eval.regimes import REGIMES
+from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE, load_config
 
 
@@ -115,6 +118,54 @@ def _print_acceptance(console: Console, regime: str, data: dict, block_size: int
         console.print(table)
 
 
+def _print_sensitivity(console: Console, regime: str, data: dict) -> None:
+    """One module kind at a time, then cumulatively (least harmful first), and the suggestion."""
+    sens = data.get("sensitivity")
+    if sens is None:
+        return
+    floor = sens["floor"]
+    for title, entries, key in (("each kind alone", sens["single"], "kind"),
+                                ("cumulative, least harmful first", sens["cumulative"], "add")):
+        table = Table(title=f"regime {regime}: {sens['format']} sensitivity, {title} (bf16 floor: "
+                      f"ceiling {_ci(floor['ceiling'], 2)}, KL p99 {_sci(floor['kl_p99'])})")
+        for col in ("kind" if key == "kind" else "+ kind", "tensors", "ceil greedy",
+                    "gap to bf16", "KL p99", "within tol"):
+            table.add_column(col, justify="left" if col in ("kind", "+ kind") else "right")
+        for e in entries:
+            ok = e.get("within_tolerance")
+            table.add_row(e[key], str(len(e["quantized_tensors"])), _ci(e["ceiling"], 2),
+                          f"{e['ceiling_gap']:+.2f}", _sci(e["kl_p99"]),
+                          "" if ok is None else ("yes" if ok else "no"))
+        console.print(table)
+    best = sens["suggested"]
+    if best["command"] is None:
+        console.print(f"No module kind keeps the greedy ceiling within {sens['tolerance']} tokens "
+                      f"of bf16 under {sens['format']}.")
+    else:
+        console.print(f"Largest include list within {sens['tolerance']} tokens of bf16 "
+                      f"(ceiling {_ci(best['ceiling'], 2)}, gap {best['ceiling_gap']:+.2f}):\n"
+                      f"  --quant_format {sens['format']} {best['command']}")
+
+
+def _print_context_sweep(console: Console, regime: str, data: dict) -> None:
+    """Greedy ceiling and KL p99 per context-length bucket, one column pair per variant."""
+    sweep = data.get("context_sweep")
+    if sweep is None:
+        return
+    names = list(sweep["buckets"][0]["variants"])
+    table = Table(title=f"regime {regime}: by context length (YaRN boundary "
+                  f"{sweep['yarn_boundary']}; ceiling greedy ± 95% CI / KL p99)")
+    table.add_column("context")
+    table.add_column("side")
+    for name in names:
+        table.add_column(name, justify="right")
+    for b in sweep["buckets"]:
+        table.add_row(f"[{b['lo']}, {b['hi']})", b["side"], *(
+            f"{_ci(b['variants'][n]['metrics']['rollouts']['greedy']['ceiling'], 2)} / "
+            f"{_sci(b['variants'][n]['metrics']['kl']['p99'])}" for n in names))
+    console.print(table)
+
+
 @click.command("eval-drift", cls=Command)
 @option("model", type=click.Path(file_okay=False),
         help="Draft checkpoint directory. Default: the built-in synthetic tiny draft.")
@@ -143,9 +194,23 @@ def _print_acceptance(console: Console, regime: str, data: dict, block_size: int
 @option("states", type=click.Path(dir_okay=False),
         help="Captured target states (safetensors, docs/states.md): adds the 'states' regime "
              "and the acceptance of every draft against the target itself.")
+@option("sensitivity", is_flag=True,
+        help="Quantize one module kind at a time, then cumulatively (least harmful first), and "
+             "suggest the largest --include_layers list within --tolerance (docs/sensitivity.md).")
+@option("sensitivity_format", type=click.Choice(list(FORMATS)), default=None,
+        help="Format of --sensitivity. Default: nvfp4, or the first 4-bit format of --formats.")
+@option("tolerance", type=float, default=0.1, show_default=True,
+        help="Greedy ceiling (tokens) the suggested include list may lose against bf16.")
+@option("context_lengths", is_flag=False, flag_value="default", default=None,
+        metavar="EDGES",
+        help="Also sweep context length: comma-separated bucket edges in tokens; bare: "
+             "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).")
+@option("context_blocks", type=int, default=256, show_default=True,
+        help="Blocks per context-length bucket.")
 @json_option()
 def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, blocks, seed,
                include_layers, ignore_layers, temperature, top_p, acceptance, states,
+               sensitivity, sensitivity_format, tolerance, context_lengths, context_blocks,
                json_path) -> None:
     """Measure how far each format moves the drafted block from an FP32 reference.
 
@@ -153,6 +218,8 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
     qstream eval-drift --regime heavy
     qstream eval-drift --regime heavy --acceptance --blocks 256
     qstream eval-drift --model DRAFT --states captured.safetensors --acceptance
+    qstream eval-drift --regime heavy --formats bf16 --sensitivity --tolerance 0.1
+    qstream eval-drift --regime heavy --formats bf16,nvfp4 --context-lengths
     qstream eval-drift --model DRAFT --target TARGET --corpus gsm8k/test.jsonl \\
         --formats bf16,fp8,mxfp4,nvfp4 --variant shipped=FP8_DIR --regime all \\
         --blocks 1024 --seed 0 --json results.json
@@ -164,7 +231,9 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
         variant_dirs=_parse_variants(variant),
         include=tuple(include_layers) or QUANTIZE_INCLUDE, ignore=tuple(ignore_layers),
         n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p,
-        acceptance=acceptance, states=states)
+        acceptance=acceptance, states=states, sensitivity=sensitivity,
+        sensitivity_format=sensitivity_format, tolerance=tolerance,
+        context_blocks=context_blocks)
     if model is None:
         from qstream.eval.builtin import builtin_model_dir
 
@@ -172,6 +241,10 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
         console.print(f"No --model given: evaluating the built-in synthetic tiny draft ({model}) "
                       "on the built-in corpus of generated arithmetic word problems.")
     config = load_config(model)
+    if context_lengths is not None:
+        edges = default_edges(config) if context_lengths == "default" \
+            else parse_edges(context_lengths)
+        settings = replace(settings, context_lengths=edges)
     tok = Path(tokenizer) if tokenizer else Path(model) / "tokenizer.json"
     if corpus is None:
         from qstream.eval.builtin import builtin_corpus_docs
@@ -186,4 +259,6 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
     for name, data in results["regimes"].items():
         _print_regime(console, name, data, results["block_size"])
         _print_acceptance(console, name, data, results["block_size"])
+        _print_sensitivity(console, name, data)
+        _print_context_sweep(console, name, data)
     write_json(results, json_path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,9 +22,11 @@ import torch
 import qstream
 from qstream.errors import QStreamError
 from qstream.eval.acceptance import ACCEPTANCE_DEFINITIONS, RegimeAcceptance
+from qstream.eval.context_sweep import context_sweep
 from qstream.eval.corpus import AnchorPlan, Corpus, load_corpus, sample_anchors
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.regimes import REGIMES, check_boot_compatible, synthetic_aux
+from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
 from qstream.eval.states import read_states
 from qstream.formats import FORMATS, weight_snr_db
 from qstream.model.config import DSparkConfig
@@ -62,6 +64,14 @@ class DriftSettings:
     # variant's drafts, token-wise and by block verification
     acceptance: bool = False
     states: str | None = None  # captured target states (qstream/eval/states.py): the "states" regime
+    # Per-module sensitivity (qstream/eval/sensitivity.py): one format, one module kind at a
+    # time, then cumulatively; None picks nvfp4 or the first 4-bit format of ``formats``.
+    sensitivity: bool = False
+    sensitivity_format: str | None = None
+    tolerance: float = 0.1  # tokens of greedy ceiling below the bf16 floor the include list may lose
+    # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens; () = no sweep
+    context_lengths: tuple[int, ...] = ()
+    context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
 
     def __post_init__(self) -> None:
         for regime in self.regimes:
@@ -79,6 +89,18 @@ class DriftSettings:
             raise QStreamError(f"--blocks must be at least 1, got {self.n_blocks}")
         if not self.regimes and self.states is None:
             raise QStreamError("nothing to evaluate: no regime and no --states file")
+        if self.sensitivity_format is not None and self.sensitivity_format not in FORMATS:
+            raise QStreamError(f"--sensitivity-format {self.sensitivity_format!r}: choose from "
+                               f"{', '.join(FORMATS)}")
+        if not self.tolerance >= 0:
+            raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
+        edges = self.context_lengths
+        if edges and (len(edges) < 2 or edges[0] < 1
+                      or any(a >= b for a, b in zip(edges, edges[1:]))):
+            raise QStreamError("--context-lengths needs at least two increasing bucket edges "
+                               f">= 1, got {','.join(map(str, edges))}")
+        if self.context_blocks < 1:
+            raise QStreamError(f"--context-blocks must be at least 1, got {self.context_blocks}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +213,8 @@ class Variant:
     name: str
     kind: str  # "fp32", "bf16", "simulated" or "checkpoint"
     source: str  # the format, or the checkpoint directory
+    include: tuple[str, ...] | None = None  # simulated: own patterns (sensitivity steps);
+    # None: the settings' include list
 
 
 def variant_weights(variant: Variant, reference_weights: dict[str, torch.Tensor],
@@ -201,7 +225,8 @@ def variant_weights(variant: Variant, reference_weights: dict[str, torch.Tensor]
     if variant.kind == "simulated":
         # Shapes a block format cannot hold stay bf16, as --skip-incompatible writes them; the
         # results list which tensors were quantized (quantized_tensors, weight_snr.tensors).
-        weights = simulate_format(reference_weights, variant.source, include=settings.include,
+        include = settings.include if variant.include is None else variant.include
+        weights = simulate_format(reference_weights, variant.source, include=include,
                                   ignore=settings.ignore, skip_incompatible=True)
     else:
         other = load_config(variant.source)
@@ -281,6 +306,15 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     for regime in settings.regimes:
         results["regimes"][regime] = _evaluate_regime(
             regime, config, weights, corpus, plan, batches, variants, settings, target, tick)
+        if settings.context_lengths:
+            plain = replace(settings, sensitivity=False, context_lengths=())
+
+            def at_lengths(streams: Corpus, bucket_plan: AnchorPlan, regime=regime) -> dict:
+                return _evaluate_regime(regime, config, weights, streams, bucket_plan,
+                                        make_batches(bucket_plan, streams, config), variants,
+                                        plain, target, tick)
+            results["regimes"][regime]["context_sweep"] = context_sweep(
+                config, corpus, settings, at_lengths)
     if states is not None:
         states_plan = sample_anchors(states, settings.n_blocks, config.block_size, settings.seed,
                                      max_context=config.max_position_embeddings - config.block_size)
@@ -304,7 +338,9 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
                           probe)
     del reference
     out = {"variants": {}}
-    for variant in variants:
+
+    def measure(variant: Variant) -> dict:
+        """One variant against this regime's reference: its results entry."""
         var_weights, changed = variant_weights(variant, weights, config, settings, target)
         model = DSpark(config, var_weights,
                        torch.float32 if variant.kind == "fp32" else torch.bfloat16)
@@ -325,13 +361,24 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
             acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
             probe.add_variant(accepted, batch, model, blocks, greedy, sampled)
             tick(f"{regime}: {variant.name}", len(idx))
-        out["variants"][variant.name] = {
+        result = {
             "kind": variant.kind, "quantized_tensors": changed,
             "weight_snr": _snr(var_weights, weights, changed),
             "metrics": acc.result().to_json(),
         }
         del model, var_weights
+        return result
+
+    for variant in variants:
+        out["variants"][variant.name] = measure(variant)
     probe.finish(out)
+    if settings.sensitivity:
+        fmt = sensitivity_format(settings)
+
+        def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
+            return measure(Variant(name, "simulated", fmt, include) if include
+                           else Variant(name, "bf16", "bf16"))
+        out["sensitivity"] = evaluate_sensitivity(weights, fmt, settings, step)
     return out
 
 

@@ -29,8 +29,11 @@ from qstream.errors import QStreamError
 from qstream.model.config import DSparkConfig
 
 LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
-# Row-chunk budget of draft(): elements of one layer's [rows, n, M*B, T] score tensor.
+# Budget of one score tensor (float32 elements): draft()'s [rows, n, M*B, keys] and causal
+# mode's [S, n, queries, T].  Contexts longer than the budget allows for one row are attended
+# in key chunks with an online softmax (draft) or in query chunks (causal mode).
 _SCORE_BUDGET = 1 << 25
+_MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
 
 
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
@@ -230,31 +233,40 @@ class DSpark:
         """fp32 ``q . k * scale`` (q [..., Tq, dk], k [..., Tk, dk]) -> [..., Tq, Tk]."""
         return (q.float() @ k.float().transpose(-1, -2)) * self.scale
 
-    def attention_causal(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def attention_causal(self, i: int, h: torch.Tensor, pos: torch.Tensor,
+                         query_chunk: int | None = None) -> torch.Tensor:
         """Layer i's MLA attention as an ordinary causal decoder: h [S, T, H] (already
-        input-normed) at positions pos [T] -> o_proj output [S, T, H]."""
+        input-normed) at positions pos [T] -> o_proj output [S, T, H].  Queries are taken
+        ``query_chunk`` at a time (default: as many as keep the [S, n, chunk, T] scores
+        within the budget); a chunk attends only to the keys up to its last query."""
         lw = self._layer(i)
         q = self._query(lw, h, pos).transpose(1, 2)  # [S, n, T, dk]
         k, v = self._expand(lw, *self._latent(lw, h, pos))  # [S, n, T, dk], [S, n, T, dv]
-        T = h.shape[1]
-        future = torch.ones(T, T, dtype=torch.bool).triu(1)
-        scores = self._scores(q, k).masked_fill(future, float("-inf"))
-        out = self._attend(scores, v).transpose(1, 2).flatten(2)  # [S, T, n*dv]
+        S, n, T, _ = q.shape
+        chunk = query_chunk or max(1, _SCORE_BUDGET // max(1, S * n * T))
+        outs = []
+        for q0 in range(0, T, chunk):
+            q1 = min(T, q0 + chunk)
+            future = torch.ones(q1 - q0, q1, dtype=torch.bool).triu(q0 + 1)  # key j > query
+            scores = self._scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
+            outs.append(self._attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
+        out = torch.cat(outs, dim=2).transpose(1, 2).flatten(2)  # [S, T, n*dv]
         return F.linear(out, lw["self_attn.o_proj.weight"])
 
     # -- causal mode ---------------------------------------------------------------------------
 
-    def causal_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+    def causal_hidden(self, ids: torch.Tensor, query_chunk: int | None = None) -> torch.Tensor:
         """Run the draft's layers as a causal decoder over token streams ids [S, T] (positions
         0..T-1; right padding is harmless since nothing attends forward).  Returns every
         layer's output [S, T, L, H] in fp32; ``.flatten(2)`` is an AUX tensor [S, T, L*H] when
-        L * H == A (the "boot" aux regime of DESIGN.md section 6)."""
+        L * H == A (the "boot" aux regime of DESIGN.md section 6).  ``query_chunk``: see
+        :meth:`attention_causal`."""
         eps, pos = self.config.rms_norm_eps, torch.arange(ids.shape[1])
         x = F.embedding(ids, self.w["embed_tokens.weight"])  # [S, T, H]
         outs = []
         for i in range(self.config.num_hidden_layers):
             h = rms_norm(x, self.w[f"layers.{i}.input_layernorm.weight"], eps)
-            x = x + self.attention_causal(i, h, pos)
+            x = x + self.attention_causal(i, h, pos, query_chunk)
             x = x + self._mlp(self._layer(i), x)
             outs.append(x.float())
         return torch.stack(outs, dim=2)
@@ -279,11 +291,13 @@ class DSpark:
                             lengths.to(torch.int64))
 
     def draft(self, ctx: ContextCache, stream: torch.Tensor, anchor: torch.Tensor,
-              first_token: torch.Tensor) -> Blocks:
+              first_token: torch.Tensor, key_chunk: int | None = None) -> Blocks:
         """Draft N blocks at once.  Block n sits on stream ``stream[n]`` at anchor position
         ``anchor[n]`` = p (context j < p is visible) and starts from token ``first_token[n]`` =
         ids[p].  Blocks are packed into rows of one stream each, so that all blocks of a stream
-        share its context keys; no Python loop runs over blocks."""
+        share its context keys; no Python loop runs over blocks.  A context longer than
+        ``key_chunk`` keys (default: what one row's scores may span within the budget) is
+        attended chunk by chunk with an online softmax, so no temporary spans the context."""
         stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
         first_token = torch.as_tensor(first_token).long()
         if not (stream.shape == anchor.shape == first_token.shape) or stream.dim() != 1:
@@ -296,10 +310,13 @@ class DSpark:
         packing = _pack(stream, anchor)
         T_max = int(anchor.max()) if anchor.numel() else 0
         B, n = self.config.block_size, self.config.num_attention_heads
-        rows_per_chunk = max(1, _SCORE_BUDGET // max(1, n * packing.M * B * max(T_max, 1)))
+        key_chunk = key_chunk or max(_MIN_KEY_CHUNK, _SCORE_BUDGET // (n * packing.M * B))
+        keys = min(max(T_max, 1), key_chunk)
+        rows_per_chunk = max(1, _SCORE_BUDGET // max(1, n * packing.M * B * keys))
         U, hf = [], []
         for r0 in range(0, packing.R, rows_per_chunk):
-            u, h = self._draft_rows(ctx, packing, slice(r0, r0 + rows_per_chunk), first_token)
+            u, h = self._draft_rows(ctx, packing, slice(r0, r0 + rows_per_chunk), first_token,
+                                    key_chunk)
             U.append(u)
             hf.append(h)
         U_rows, hf_rows = torch.cat(U), torch.cat(hf)  # [R*M, B, V], [R*M, B, H]
@@ -308,7 +325,7 @@ class DSpark:
         return Blocks(U_rows.float(), hf_rows.float(), first_token)
 
     def _draft_rows(self, ctx: ContextCache, pk: "_Packing", rows: slice,
-                    first_token: torch.Tensor):
+                    first_token: torch.Tensor, key_chunk: int):
         c, B = self.config, self.config.block_size
         row_stream, row_anchor = pk.row_stream[rows], pk.anchor[rows]  # [R], [R, M]
         R, M = row_anchor.shape
@@ -324,20 +341,58 @@ class DSpark:
             h = rms_norm(x, lw["input_layernorm.weight"], c.rms_norm_eps)
             q = self._query(lw, h, pos).permute(0, 3, 1, 2, 4)  # [R, n, M, B, dk]
             k_blk, v_blk = self._expand(lw, *self._latent(lw, h, pos))  # [R, M, n, B, d]
-            k_ctx, v_ctx = self._expand(lw, _rows(ctx.latent[i], row_stream, T),
-                                        _rows(ctx.rope_key[i], row_stream, T))  # [R, n, T, d]
-            s_ctx = self._scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))  # [R, n, M, B, T]
-            s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))
             s_blk = self._scores(q, k_blk.transpose(1, 2))  # [R, n, M, B, B]: no causal mask
-            p = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(self.dtype)
-            p_ctx, p_blk = p.split([T, B], dim=-1)
-            out = (p_ctx.flatten(2, 3) @ v_ctx).unflatten(2, (M, B))  # [R, n, M, B, dv]
-            out = out + p_blk @ v_blk.transpose(1, 2)
+            latent, rope_key = (_rows(c[i], row_stream, T) for c in (ctx.latent, ctx.rope_key))
+            if T <= key_chunk:
+                out = self._attend_block(lw, q, s_blk, v_blk, latent, rope_key, hidden)
+            else:
+                out = self._attend_block_chunked(lw, q, s_blk, v_blk, latent, rope_key, hidden,
+                                                 key_chunk)
             out = out.permute(0, 2, 3, 1, 4).flatten(3)  # [R, M, B, n*dv]
             x = x + F.linear(out, lw["self_attn.o_proj.weight"])
             x = x + self._mlp(lw, x)
         hf = rms_norm(x, self.w["final_norm.weight"], c.rms_norm_eps).flatten(0, 1)  # [R*M, B, H]
         return F.linear(hf, self.w[LM_HEAD]), hf
+
+
+    def _attend_block(self, lw, q, s_blk, v_blk, latent, rope_key, hidden) -> torch.Tensor:
+        """One softmax over the whole context plus the block: -> [R, n, M, B, dv]."""
+        R, n, M, B, _ = q.shape
+        T = latent.shape[1]
+        k_ctx, v_ctx = self._expand(lw, latent, rope_key)  # [R, n, T, d]
+        s_ctx = self._scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))  # [R, n, M, B, T]
+        s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))
+        p = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(self.dtype)
+        p_ctx, p_blk = p.split([T, B], dim=-1)
+        out = (p_ctx.flatten(2, 3) @ v_ctx).unflatten(2, (M, B))  # [R, n, M, B, dv]
+        return out + p_blk @ v_blk.transpose(1, 2)
+
+    def _attend_block_chunked(self, lw, q, s_blk, v_blk, latent, rope_key, hidden,
+                              key_chunk: int) -> torch.Tensor:
+        """The same attention with the context keys taken ``key_chunk`` at a time: an online
+        softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022) keeping the running
+        max ``m``, sum ``l`` and output in fp32; each chunk's probabilities are rounded to the
+        model's dtype for the P·V product, as FlashAttention does.  The block's own keys come
+        first, so ``m`` is finite from the start (they are never masked)."""
+        R, n, M, B, _ = q.shape
+        m = s_blk.amax(-1, keepdim=True)  # [R, n, M, B, 1]
+        e = torch.exp(s_blk - m)
+        l = e.sum(-1, keepdim=True)
+        acc = (e.to(self.dtype) @ v_blk.transpose(1, 2)).float()  # [R, n, M, B, dv]
+        q_flat = q.flatten(2, 3)  # [R, n, M*B, dk]
+        for t0 in range(0, latent.shape[1], key_chunk):
+            t1 = min(latent.shape[1], t0 + key_chunk)
+            k_ctx, v_ctx = self._expand(lw, latent[:, t0:t1], rope_key[:, t0:t1])  # [R, n, c, d]
+            s = self._scores(q_flat, k_ctx).unflatten(2, (M, B))  # [R, n, M, B, c]
+            s = s.masked_fill(hidden[:, None, ..., t0:t1], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            rescale = torch.exp(m - m_new)
+            e = torch.exp(s - m_new)
+            l = l * rescale + e.sum(-1, keepdim=True)
+            pv = (e.to(self.dtype).flatten(2, 3) @ v_ctx).unflatten(2, (M, B))
+            acc = acc * rescale + pv.float()
+            m = m_new
+        return (acc / l).to(self.dtype)
 
 
 def _rows(cache: torch.Tensor, row_stream: torch.Tensor, T: int) -> torch.Tensor:

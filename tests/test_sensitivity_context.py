@@ -1,0 +1,194 @@
+"""Per-module sensitivity and the long-context sweep (issue 7, parts 2 and 3) on a synthesized
+tiny draft, and the chunked attention that keeps long contexts in bounded memory."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from model_helpers import random_model_weights
+from qstream.card.build import write_card
+from qstream.card.document import tables
+from qstream.cli import cli
+from qstream.eval.builtin import builtin_corpus_docs
+from qstream.eval.context_sweep import default_edges, long_streams
+from qstream.eval.corpus import tokenize
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.sensitivity import module_kinds
+from qstream.model.config import PRESETS
+from qstream.model.dspark import DSpark
+from qstream.model.load import load_config, load_weights
+from qstream.model.synth import synth_checkpoint
+
+BLOCKS = 64
+# Chunked (online-softmax) against one-pass attention, fp32: the two sum the same exp terms in a
+# different order and grouping.  Higham's bound for reordering a sum of n fp32 terms is
+# (n - 1)·u relative, u = 2^-24: 9e-5 for the 1500 keys here, before the five layers; measured
+# max |dU| / max |U| = 1.2e-6 (torch 2.13, CPU).  The bound is Higham's, not the measurement.
+ONLINE_SOFTMAX_RTOL = 1500 * 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny", seed=0).output_dir
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny):
+    return tokenize(builtin_corpus_docs(), f"{tiny}/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def sensitivity(tiny, corpus):
+    settings = DriftSettings(regimes=("heavy",), formats=("bf16",), n_blocks=BLOCKS,
+                             sensitivity=True, tolerance=1.0)
+    return evaluate_drift(tiny, settings, corpus)
+
+
+def _ceiling(variant_result):
+    return variant_result["metrics"]["rollouts"]["greedy"]["ceiling"]
+
+
+def test_each_single_step_quantizes_exactly_its_kind(tiny, sensitivity):
+    sens = sensitivity["regimes"]["heavy"]["sensitivity"]
+    kinds = module_kinds(load_weights(tiny), "nvfp4")
+    assert sens["format"] == "nvfp4"
+    assert [e["kind"] for e in sens["single"]] == [k.name for k in kinds]
+    for entry, kind in zip(sens["single"], kinds):
+        assert entry["quantized_tensors"] == [f"{m}.weight" for m in kind.modules], kind.name
+    names = {k.name for k in kinds}
+    assert "mlp.gate_proj + mlp.up_proj" in names  # fused partners never split
+    assert "self_attn.q_a_proj + self_attn.kv_a_proj_with_mqa" in names
+    every = [m for k in kinds for m in k.modules]
+    assert len(every) == len(set(every)) and "markov_head.markov_w1" not in every  # embedding
+
+
+def test_cumulative_order_is_by_measured_harm(sensitivity):
+    sens = sensitivity["regimes"]["heavy"]["sensitivity"]
+    single = sens["single"]
+    harm = sorted(single, key=lambda e: (-e["ceiling_gap"], e["kl_mean"]))
+    assert [e["add"] for e in sens["cumulative"]] == [e["kind"] for e in harm]
+    sizes = [len(e["quantized_tensors"]) for e in sens["cumulative"]]
+    assert sizes == sorted(sizes) and sizes[-1] == sum(len(e["modules"]) for e in single)
+
+
+def test_quantizing_nothing_equals_the_bf16_floor(sensitivity):
+    regime = sensitivity["regimes"]["heavy"]
+    floor, bf16 = regime["sensitivity"]["floor"], regime["variants"]["bf16"]["metrics"]
+    assert floor["ceiling"] == bf16["rollouts"]["greedy"]["ceiling"]
+    assert floor["kl_p99"] == bf16["kl"]["p99"] and floor["quantized_tensors"] == []
+
+
+def test_suggested_include_list_satisfies_the_tolerance(tiny, corpus, sensitivity):
+    sens = sensitivity["regimes"]["heavy"]["sensitivity"]
+    best = sens["suggested"]
+    within = [i for i, e in enumerate(sens["cumulative"]) if e["ceiling_gap"] >= -1.0]
+    assert best["steps"] == within[-1] + 1 and len(best["include"]) > 1
+    assert best["command"] == "--include_layers " + " ".join(best["include"])
+    # measured again as an ordinary variant with that include list: same ceiling, within tolerance
+    settings = DriftSettings(regimes=("heavy",), formats=("nvfp4",), n_blocks=BLOCKS,
+                             include=tuple(best["include"]))
+    again = _ceiling(evaluate_drift(tiny, settings, corpus)["regimes"]["heavy"]["variants"]["nvfp4"])
+    assert again == best["ceiling"]
+    assert again["value"] >= sens["floor"]["ceiling"]["value"] - sens["tolerance"]
+
+
+def test_default_buckets_straddle_the_yarn_boundary():
+    config = PRESETS["tiny"]
+    edges = default_edges(config)
+    boundary = config.rope_parameters.original_max_position_embeddings
+    assert edges == (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    assert edges[0] < boundary < edges[-1] == config.max_position_embeddings
+    assert boundary in edges  # no bucket mixes both sides
+
+
+def test_long_streams_concatenate_documents_with_eos(corpus):
+    streams = long_streams(corpus, eos_token_id=0, length=300)
+    joined = torch.cat([t for s in corpus.streams for t in (s, torch.tensor([0]))])
+    assert all(s.numel() == 300 for s in streams.streams)
+    assert torch.equal(torch.cat(streams.streams), joined[: 300 * len(streams.streams)])
+    assert len(streams.streams) == joined.numel() // 300
+
+
+def test_context_sweep_reports_every_bucket(tiny, corpus):
+    settings = DriftSettings(regimes=("heavy",), formats=("bf16",), n_blocks=16,
+                             context_lengths=(32, 128, 600), context_blocks=16)
+    sweep = evaluate_drift(tiny, settings, corpus)["regimes"]["heavy"]["context_sweep"]
+    assert [(b["lo"], b["hi"], b["side"]) for b in sweep["buckets"]] == [
+        (32, 128, "below"), (128, 600, "above")]
+    for b in sweep["buckets"]:
+        assert b["lo"] <= b["anchors"]["context_length_min"] <= b["anchors"]["context_length_max"] < b["hi"]
+        assert b["variants"]["bf16"]["metrics"]["n_blocks"] == 16
+
+
+class _RecordingDSpark(DSpark):
+    """Records the key extent of every score tensor (the largest temporaries of attention)."""
+
+    def _scores(self, q, k):
+        self.widest = max(getattr(self, "widest", 0), k.shape[-2])
+        return super()._scores(q, k)
+
+
+def _long_context_model(dtype=torch.float32):
+    config = replace(PRESETS["tiny"], vocab_size=300)
+    return _RecordingDSpark(config, random_model_weights(config, 0), dtype), config
+
+
+def test_chunked_attention_equals_one_pass_attention_on_a_long_context():
+    model, config = _long_context_model()
+    gen = torch.Generator().manual_seed(1)
+    ctx = model.context(torch.randn(2, 1500, config.aux_size, generator=gen))
+    stream, anchor = torch.tensor([0, 0, 1, 1]), torch.tensor([1499, 700, 1499, 90])
+    first = torch.tensor([5, 6, 7, 8])
+    whole = model.draft(ctx, stream, anchor, first)
+    assert model.widest == 1499  # one pass: the scores span the whole context
+    model.widest = 0
+    chunked = model.draft(ctx, stream, anchor, first, key_chunk=128)
+    assert model.widest == 128  # bounded by the chunk, not by the context
+    scale = whole.logits_base.abs().max()
+    err = (chunked.logits_base - whole.logits_base).abs().max() / scale
+    assert err <= ONLINE_SOFTMAX_RTOL, f"relative error {err:.3g} > {ONLINE_SOFTMAX_RTOL:.3g}"
+    assert torch.equal(chunked.logits_base.argmax(-1), whole.logits_base.argmax(-1))
+
+
+def test_chunked_causal_queries_match_and_stay_bounded():
+    model, config = _long_context_model()
+    ids = torch.randint(0, config.vocab_size, (2, 600), generator=torch.Generator().manual_seed(2))
+    whole = model.causal_hidden(ids)
+    model.widest = 0
+    chunked = model.causal_hidden(ids, query_chunk=64)
+    scale = whole.abs().max()
+    err = (chunked - whole).abs().max() / scale
+    assert err <= 600 * 2.0 ** -24, f"relative error {err:.3g}"  # as ONLINE_SOFTMAX_RTOL, 600 keys
+    # the first query chunk sees 64 keys; the widest the full prefix, never a [T, T] square
+    assert torch.equal(chunked[:, :64], model.causal_hidden(ids[:, :64], query_chunk=64)[:, :64])
+
+
+def test_cli_sensitivity_and_sweep_json_and_card(tiny, tmp_path):
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(cli, [
+        "eval-drift", "--model", tiny, "--regime", "gauss", "--formats", "bf16", "--blocks", "16",
+        "--sensitivity", "--sensitivity-format", "mxfp4", "--tolerance", "7",
+        "--context-lengths", "32,128,300",
+        "--context-blocks", "16", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())["regimes"]["gauss"]
+    assert data["sensitivity"]["format"] == "mxfp4"
+    assert "--include_layers" in result.output
+    assert [b["hi"] for b in data["context_sweep"]["buckets"]] == [128, 300]
+    card, written = write_card([out], tmp_path / "CARD.md")
+    keys = tables(card)
+    assert "sensitivity_gauss" in keys and "context_sweep_gauss" in keys
+    assert any(p.name == "context.png" for p in written)
+
+
+def test_cli_bare_context_lengths_and_bad_edges(tiny):
+    runner = CliRunner()
+    bad = runner.invoke(cli, ["eval-drift", "--model", tiny, "--blocks", "8",
+                              "--context-lengths", "64,32"])
+    assert bad.exit_code == 1 and "increasing" in bad.stderr and bad.stderr.count("\n") == 1
+    over = runner.invoke(cli, ["eval-drift", "--model", tiny, "--blocks", "8", "--formats", "bf16",
+                               "--context-lengths", "32,9000", "--context-blocks", "8"])
+    assert over.exit_code == 1 and "max_position_embeddings" in over.stderr
