@@ -57,6 +57,21 @@ def abs_max(w: torch.Tensor) -> torch.Tensor:
     return torch.stack(chunk_max).amax() if chunk_max else torch.zeros((), dtype=w.dtype)
 
 
+def all_block_abs_max(w: torch.Tensor, block: int, name: str) -> torch.Tensor:
+    """:func:`block_abs_max` of a whole 2-D weight ``[N, K/block]``, filled chunk by chunk,
+    after checking that no element is NaN or Inf (the error names the tensor)."""
+    out = torch.empty((w.shape[0], w.shape[1] // block), dtype=w.dtype, device=w.device)
+    for rows in row_chunks(*w.shape):
+        out[rows] = block_abs_max(w[rows], block)
+    check_finite(out, name)
+    return out
+
+
+def chunk_rows(n_rows: int, row_elements: int) -> int:
+    """Rows per chunk of :func:`row_chunks` (for sizing reusable buffers)."""
+    return max(1, min(n_rows, CHUNK_ELEMENTS // max(1, row_elements)))
+
+
 def row_chunks(n_rows: int, row_elements: int) -> Iterator[slice]:
     step = max(1, CHUNK_ELEMENTS // max(1, row_elements))
     for start in range(0, n_rows, step):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from qstream.formats import e2m1
-from qstream.formats.checks import block_abs_max, check_finite, check_weight, row_chunks
+from qstream.formats.checks import (
+    all_block_abs_max, check_weight, chunk_rows, row_chunks,
+)
 from qstream.formats.spec import MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -57,24 +59,36 @@ def decode_scale(e8m0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _power_of_two(e8m0.long() - MXFP4_E8M0_BIAS, dtype)
 
 
+class _Workspace:
+    """float32 copy, magnitude and int32 scratch buffers for one chunk, reused across chunks
+    (shared with nvfp4)."""
+
+    def __init__(self, rows: int, k: int, device: torch.device):
+        self.x = torch.empty((rows, k), dtype=torch.float32, device=device)
+        self.magnitude = torch.empty_like(self.x)
+        self.scratch = torch.empty((rows, k), dtype=torch.int32, device=device)
+
+    def take(self, rows: slice):
+        r = rows.stop - rows.start
+        return self.x[:r], self.magnitude[:r], self.scratch[:r]
+
+
 def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``."""
     check_weight(w, name, MXFP4_BLOCK)
     n, k = w.shape
+    scale = block_scale(all_block_abs_max(w, MXFP4_BLOCK, name))  # [N, G] in w.dtype
+    # Division by a power of two is exact, so x * (1/scale) in float32 classifies every
+    # element exactly as compressed-tensors' division in the weight dtype does.
+    inverse = torch.reciprocal(scale.float()).unsqueeze(-1)  # [N, G, 1]
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    scales = torch.empty((n, k // MXFP4_BLOCK), dtype=torch.uint8, device=w.device)
+    work = _Workspace(chunk_rows(n, k), k, w.device)
     for rows in row_chunks(n, k):
-        chunk = w[rows]
-        amax = block_abs_max(chunk, MXFP4_BLOCK)  # [r, G]
-        check_finite(amax, name)
-        scale = block_scale(amax)
-        # Division by a power of two is exact, so x * (1/scale) in float32 classifies every
-        # element exactly as compressed-tensors' division in the weight dtype does.
-        inverse = torch.reciprocal(scale.float()).unsqueeze(-1)  # [r, G, 1]
-        x = chunk.float()  # may alias the input (fp32): only read from here on
-        magnitude = x.abs().view(-1, k // MXFP4_BLOCK, MXFP4_BLOCK).mul_(inverse)
-        packed[rows] = e2m1.encode_scaled_magnitude(magnitude.view(-1, k), x)
-        scales[rows] = encode_scale(scale)
+        x, magnitude, scratch = work.take(rows)
+        x.copy_(w[rows])
+        torch.abs(x, out=magnitude).view(-1, k // MXFP4_BLOCK, MXFP4_BLOCK).mul_(inverse[rows])
+        e2m1.encode_scaled_magnitude(magnitude, x, out=packed[rows], scratch=scratch)
+    scales = encode_scale(scale)
     return packed, scales
 
 

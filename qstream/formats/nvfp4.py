@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 
 from qstream.formats import e2m1
-from qstream.formats.checks import abs_max, block_abs_max, check_finite, check_weight, row_chunks
+from qstream.formats.checks import (
+    abs_max, all_block_abs_max, check_finite, check_weight, chunk_rows, row_chunks,
+)
+from qstream.formats.mxfp4 import _Workspace
 from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
 
 
@@ -51,21 +54,22 @@ def quantize(
     check_weight(w, name, NVFP4_BLOCK)
     n, k = w.shape
     groups = k // NVFP4_BLOCK
-    amax = tensor_amax(w) if global_amax is None else torch.as_tensor(global_amax, dtype=w.dtype)
+    block_amax = all_block_abs_max(w, NVFP4_BLOCK, name)  # [N, G]
+    if global_amax is None:
+        amax = block_amax.amax() if block_amax.numel() else torch.zeros((), dtype=w.dtype)
+    else:
+        amax = torch.as_tensor(global_amax, dtype=w.dtype)
     check_finite(amax, name)
     gs = global_scale(amax)
+    scales = block_scale(block_amax, gs)  # [N, G] float8_e4m3fn
+    divisor = (scales.float() / gs).unsqueeze(-1)  # [N, G, 1], float32 as compressed-tensors
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    scales = torch.empty((n, groups), dtype=torch.float8_e4m3fn, device=w.device)
+    work = _Workspace(chunk_rows(n, k), k, w.device)
     for rows in row_chunks(n, k):
-        chunk = w[rows]
-        block_amax = block_abs_max(chunk, NVFP4_BLOCK)  # [r, G]
-        check_finite(block_amax, name)
-        s = block_scale(block_amax, gs)
-        divisor = (s.float() / gs).unsqueeze(-1)  # [r, G, 1], float32 as compressed-tensors
-        x = chunk.float()  # may alias the input (fp32): only read from here on
-        magnitude = x.abs().view(-1, groups, NVFP4_BLOCK).div_(divisor)  # |x / d|: d > 0
-        packed[rows] = e2m1.encode_scaled_magnitude(magnitude.view(-1, k), x)
-        scales[rows] = s
+        x, magnitude, scratch = work.take(rows)
+        x.copy_(w[rows])
+        torch.abs(x, out=magnitude).view(-1, groups, NVFP4_BLOCK).div_(divisor[rows])  # |x/d|
+        e2m1.encode_scaled_magnitude(magnitude, x, out=packed[rows], scratch=scratch)
     return packed, scales, gs
 
 
