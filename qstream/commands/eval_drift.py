@@ -35,7 +35,7 @@ def _parse_variants(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 
 @contextmanager
-def _progress(total: int, console: Console):
+def _progress(total: int | None, console: Console):
     """A rich bar on a terminal; silence otherwise."""
     if not console.is_terminal:
         yield lambda what, n: None
@@ -254,6 +254,8 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
         text = load_corpus(corpus, tok, config.vocab_size)
     n_variants = len(settings.formats) + len(settings.variant_dirs)
     total = blocks * (1 + n_variants) * (len(settings.regimes) + (states is not None))
+    if settings.sensitivity or settings.context_lengths:
+        total = None  # their step and bucket counts are known only once they run: no percentage
     with _progress(total, console) as tick:
         results = evaluate_drift(model, settings, text, target, progress=tick)
     for name, data in results["regimes"].items():

@@ -339,13 +339,14 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
     del reference
     out = {"variants": {}}
 
-    def measure(variant: Variant) -> dict:
-        """One variant against this regime's reference: its results entry."""
+    def measure(variant: Variant, acceptance: bool = True) -> dict:
+        """One variant against this regime's reference: its results entry.  ``acceptance``
+        False skips the acceptance probe (sensitivity steps report drift only)."""
         var_weights, changed = variant_weights(variant, weights, config, settings, target)
         model = DSpark(config, var_weights,
                        torch.float32 if variant.kind == "fp32" else torch.bfloat16)
         acc = DriftAccumulator(config.block_size)
-        accepted = probe.variant(variant.name)
+        accepted = probe.variant(variant.name) if acceptance else None
         for number, batch in enumerate(batches):
             aux = _aux_for(regime, batch, corpus, config, settings.seed, None, boot_cache)
             blocks = _draft(model, aux, batch)
@@ -359,7 +360,8 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
                 acc.add_confidence(ref.confidence[idx], forced.confidence)
             acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
             acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
-            probe.add_variant(accepted, batch, model, blocks, greedy, sampled)
+            if accepted is not None:
+                probe.add_variant(accepted, batch, model, blocks, greedy, sampled)
             tick(f"{regime}: {variant.name}", len(idx))
         result = {
             "kind": variant.kind, "quantized_tensors": changed,
@@ -377,7 +379,7 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
 
         def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
             return measure(Variant(name, "simulated", fmt, include) if include
-                           else Variant(name, "bf16", "bf16"))
+                           else Variant(name, "bf16", "bf16"), acceptance=False)
         out["sensitivity"] = evaluate_sensitivity(weights, fmt, settings, step)
     return out
 
