@@ -29,10 +29,11 @@ for fmt in fp8 mxfp4 nvfp4; do
     --include_layers "${INCLUDE[@]}" "${extra[@]}" > /dev/null
 done
 
-# Simulated formats, plus the FP8 checkpoint read back from disk (what ships is what is measured).
+# Simulated formats, plus the FP8 checkpoint read back from disk (what ships is what is measured),
+# with simulated acceptance under vLLM's verification rules and NVFP4's per-module sensitivity.
 "$QSTREAM" eval-drift --model draft --formats bf16,fp8,mxfp4,nvfp4 --variant shipped-fp8=draft-fp8 \
   --include_layers "${INCLUDE[@]}" --regime all --blocks "$BLOCKS" --seed 0 \
-  --json results.json > /dev/null
+  --acceptance --sensitivity --json results.json > /dev/null
 
 "$QSTREAM" card results.json --checkpoint draft-fp8 --checkpoint draft-mxfp4 \
   --checkpoint draft-nvfp4 --base draft --output CARD.md
