@@ -203,7 +203,7 @@ def test_conflicting_duplicate_and_other_model_are_refused(tmp_path):
 
 def test_cli_errors_are_one_line(tmp_path):
     out = str(tmp_path / "c.md")
-    assert "no such results file" in _cli_error([str(tmp_path / "nope.json"), "--output", out])
+    assert "missing results file" in _cli_error([str(tmp_path / "nope.json"), "--output", out])
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema": "something-else"}')
     assert "not eval-drift results" in _cli_error([str(bad), "--output", out])

@@ -9,10 +9,10 @@ different numbers.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 
 SCHEMA = "qstream.eval-drift/1"  # the results schema this card reads (qstream/eval/drift.py)
@@ -47,14 +47,7 @@ class ResultsSet:
 
 def read_results(path: str | Path) -> dict:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QStreamError(f"{path}: no such results file") from None
-    except OSError as exc:
-        raise QStreamError(f"{path}: cannot read: {exc.strerror}") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise QStreamError(f"{path}: not valid JSON ({exc})") from exc
+    data = read_json(path, "results file")
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise QStreamError(f"{path}: not eval-drift results (schema {found!r}, expected "
