@@ -13,7 +13,6 @@ place at the end.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shlex
 import shutil
@@ -38,13 +37,13 @@ from qstream.checkpoint.safetensors_io import (
 )
 from qstream.checkpoint.selection import Selection, select_modules
 from qstream.errors import QStreamError
-from qstream.formats import dequantize, get_format, quantize
+from qstream.formats import dequantize, get_format, quantize, snr_db, snr_sums
 from qstream.formats.nvfp4 import tensor_amax
 
 # Written beside config.json: the command and summary that produced the checkpoint, which
 # `qstream card` quotes (the card never has to reconstruct the command).
 PROVENANCE_NAME = "qstream_quantize.json"
-# Largest piece of work: 512K elements is 1 MiB of bf16 input; with the float64 SNR temporaries
+# Largest piece of work: 512K elements is 1 MiB of bf16 input; with the float32 temporaries
 # a piece costs ~15 MB, so memory stays near workers x 15 MB whatever the tensor sizes.
 PIECE_ELEMENTS = 1 << 19
 # Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
@@ -361,7 +360,7 @@ def _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, tmp: P
     for writer in writers.values():
         writer.close()
     _write_index(checkpoint, writers, tmp)
-    return {m: _snr_db(*sums[m]) for m in selection.quantized}
+    return {m: snr_db(*sums[m]) for m in selection.quantized}
 
 
 def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: _Piece) -> None:
@@ -389,19 +388,7 @@ def _quantize_piece(reader: ShardReader, writer: ShardWriter, piece: _Piece, fmt
                 writer.write(f"{module}.{suffix}", tensor)
         else:
             writer.write(f"{module}.{suffix}", tensor, piece.rows.start)
-    w_hat = dequantize(fmt, stored, dtype=w.dtype)
-    w64 = w.double()
-    err = w64 - w_hat.double()
-    return float((w64 * w64).sum()), float((err * err).sum())
-
-
-def _snr_db(signal: float, noise: float) -> float:
-    """DESIGN.md section 3's weight SNR from accumulated sums (as formats.weight_snr_db)."""
-    if noise == 0.0:
-        return math.inf
-    if signal == 0.0:
-        return -math.inf
-    return 10.0 * math.log10(signal / noise)
+    return snr_sums(w, dequantize(fmt, stored, dtype=w.dtype))
 
 
 def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:
