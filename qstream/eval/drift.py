@@ -28,7 +28,7 @@ from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.regimes import REGIMES, check_boot_compatible, synthetic_aux
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
 from qstream.eval.states import read_states
-from qstream.formats import FORMATS, weight_snr_db
+from qstream.formats import FORMATS, snr_db, snr_sums
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import LM_HEAD, DSpark, rollout, teacher_forced
 from qstream.model.load import QUANTIZE_INCLUDE, load_config, load_weights, simulate_format
@@ -252,16 +252,11 @@ def variant_weights(variant: Variant, reference_weights: dict[str, torch.Tensor]
 def _snr(weights, reference_weights, changed: list[str]) -> dict:
     """Weight SNR over the tensors a format changed (bf16: over every draft tensor)."""
     names = changed or [k for k in reference_weights if k != LM_HEAD]
-    signal = noise = 0.0
-    per_tensor = []
-    for name in names:
-        w, w_hat = reference_weights[name].double(), weights[name].to(torch.bfloat16).double()
-        signal += float((w * w).sum())
-        noise += float(((w - w_hat) ** 2).sum())
-        per_tensor.append(weight_snr_db(w, w_hat))
-    finite = [s for s in per_tensor if s != float("inf")]
+    sums = [snr_sums(reference_weights[n], weights[n].to(torch.bfloat16)) for n in names]
+    signal, noise = sum(s for s, _ in sums), sum(e for _, e in sums)
+    finite = [snr_db(*pair) for pair in sums if pair[1] > 0]
     return {"tensors": len(names),
-            "overall_db": None if noise == 0 else 10 * torch.log10(torch.tensor(signal / noise)).item(),
+            "overall_db": None if noise == 0 else snr_db(signal, noise),
             "worst_db": min(finite) if finite else None}
 
 
