@@ -4,11 +4,13 @@ options, and the ``--json PATH|-`` convention.  No command logic lives here."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
 
 from qstream.errors import QStreamError
 
@@ -31,6 +33,20 @@ class Command(_UserErrorsExit, click.Command):
 
 class Group(_UserErrorsExit, click.Group):
     command_class = Command
+
+
+# Width of tables written to a file or a pipe: rich would otherwise assume 80 columns and cut
+# every cell short; a terminal keeps its own width.
+PIPE_WIDTH = 200
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console for a command's tables: the terminal's width, or PIPE_WIDTH when the
+    output is redirected (set COLUMNS to choose another)."""
+    out = Console(stderr=stderr)
+    if out.is_terminal or "COLUMNS" in os.environ:
+        return out
+    return Console(stderr=stderr, width=PIPE_WIDTH)
 
 
 def spellings(name: str) -> list[str]:

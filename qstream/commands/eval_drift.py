@@ -12,7 +12,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from qstream.cliutil import Command, greedy_option, json_option, option, write_json
+from qstream.cliutil import (
+    Command, greedy_option, json_option, make_console, option, write_json,
+)
 from qstream.errors import QStreamError
 from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import load_corpus, tokenize
@@ -224,7 +226,7 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
         --formats bf16,fp8,mxfp4,nvfp4 --variant shipped=FP8_DIR --regime all \\
         --blocks 1024 --seed 0 --json results.json
     """
-    console = Console(stderr=json_path == "-")
+    console = make_console(stderr=json_path == "-")
     settings = DriftSettings(
         regimes=_regimes(regime, states),
         formats=tuple(f.strip() for f in formats.split(",") if f.strip()),

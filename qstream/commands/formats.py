@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import click
 import torch
-from rich.console import Console
 from rich.table import Table
 
-from qstream.cliutil import Command, json_option, option, write_json
+from qstream.cliutil import Command, json_option, make_console, option, write_json
 from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
 
 
@@ -51,6 +50,6 @@ def formats(seed: int, json_path: str | None) -> None:
     for r in records:
         table.add_row(r["format"], f"{r['bits_per_weight']:.3f}", str(r["block_size"]),
                       r["scale_type"], r["vllm_layout"], f"{r['weight_snr_db']:.2f}")
-    Console().print(table)
+    make_console().print(table)
     write_json({"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed,
                 "formats": records}, json_path)

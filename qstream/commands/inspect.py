@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
-from qstream.cliutil import Command, json_option, write_json
+from qstream.cliutil import Command, json_option, make_console, write_json
 from qstream.model.stats import checkpoint_stats
 
 GIB = 1 << 30
@@ -28,7 +27,7 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     if stats:
         data["weight_stats"] = checkpoint_stats(directory)
     if json_path != "-":
-        console = Console()
+        console = make_console()
         table = Table(title=f"{data['directory']}: {data['tensors']} tensors in "
                       f"{data['shards']} shard(s), {data['params']:,} parameters, "
                       f"{data['bytes'] / GIB:.3f} GiB")

@@ -20,7 +20,9 @@ from rich.table import Table
 
 from qstream.checkpoint import QuantizeSummary, quantize_checkpoint
 from qstream.checkpoint.inspect import module_kind
-from qstream.cliutil import Command, greedy_option, json_option, option, write_json
+from qstream.cliutil import (
+    Command, greedy_option, json_option, make_console, option, write_json,
+)
 
 GIB = 1 << 30
 
@@ -59,7 +61,7 @@ def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers,
             progress=bar,
         )
     if json_path != "-":
-        console = Console()
+        console = make_console()
         if dry_run:
             console.print(plan_table(summary))
         console.print(summary_table(summary))
