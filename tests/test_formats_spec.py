@@ -247,3 +247,12 @@ def test_bit_trick_rounding_equals_the_threshold_definition_near_every_tie():
     assert torch.equal(e2m1.round_to_codes(y), _threshold_codes(y))
     assert torch.equal(e2m1.encode_packed(y[: y.numel() // 2 * 2].reshape(2, -1)),
                        e2m1.pack(_threshold_codes(y[: y.numel() // 2 * 2]).reshape(2, -1)))
+
+
+def test_decoding_packed_bytes_equals_unpack_then_decode():
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(4, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        direct = e2m1.decode_packed(every_byte, dtype)
+        two_step = e2m1.decode(e2m1.unpack(every_byte), dtype)
+        assert torch.equal(direct.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           two_step.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

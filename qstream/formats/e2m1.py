@@ -97,3 +97,14 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """E2M1 codes -> their values (exact in any float dtype)."""
     return _DECODE.to(device=codes.device, dtype=dtype)[codes.long()]
+
+
+# byte -> (value of its low nibble, value of its high nibble): decoding packed bytes is one
+# gather of pairs, with no unpacked code tensor in between.
+_DECODE_PAIRS = torch.stack((_DECODE.repeat(16), _DECODE.repeat_interleave(16)), dim=-1)
+
+
+def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed bytes ``[..., K/2]`` -> values ``[..., K]`` (= ``decode(unpack(packed))``)."""
+    table = _DECODE_PAIRS.to(device=packed.device, dtype=dtype)
+    return torch.nn.functional.embedding(packed.long(), table).flatten(-2)

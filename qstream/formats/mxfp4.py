@@ -94,7 +94,7 @@ def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
     """``E2M1 * 2**(e8m0 - 127)`` in ``dtype`` (bf16 by default, as compressed-tensors returns)."""
-    values = e2m1.decode(e2m1.unpack(packed), dtype)  # [N, K]
+    values = e2m1.decode_packed(packed, dtype)  # [N, K]
     n, k = values.shape
     blocks = values.view(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
     return (blocks * decode_scale(scale, dtype).unsqueeze(-1)).view(n, k)
