@@ -312,30 +312,31 @@ def acceptance_verifiers(rs: ResultsSet) -> list[str]:
 
 
 def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
-    """Expected tokens per block (≤ B+1) by rule, variants × regimes, with the 95% CI and the
-    results' paired loss against bf16."""
+    """Expected tokens per block (≤ B+1) by rule, one row per variant and regime (a column per
+    regime would be 6 columns per regime wide), with the 95% CI and the results' paired loss
+    against bf16."""
     d = DIGITS["ceiling"]
     regimes = [r for r in regime_order(rs)
                if any(verifier in res.get("acceptance", {}) for res in rs.regimes[r].values())]
-    columns = ["variant"]
-    for regime in regimes:
-        columns += [f"{regime} {name} [95% CI]" for name in ACCEPTANCE_MODES.values()]
-        columns += [f"{regime} {name} loss vs bf16" for name in ACCEPTANCE_MODES.values()]
+    columns = ["variant", "regime"]
+    columns += [f"{name} [95% CI]" for name in ACCEPTANCE_MODES.values()]
+    columns += [f"{name} loss vs bf16" for name in ACCEPTANCE_MODES.values()]
     rows = []
     for variant in variant_order(rs):
-        row = [label(variant)]
         for regime in regimes:
+            row = [label(variant), Cell(regime)]
             acc = (rs.regimes[regime].get(variant) or {}).get("acceptance", {}).get(verifier)
             if acc is None:
                 row += [Cell("not evaluated")] * (2 * len(ACCEPTANCE_MODES))
-                continue
-            row += [estimate(acc[mode]["emitted"], d) for mode in ACCEPTANCE_MODES]
-            loss = acc.get("loss_vs_bf16")
-            row += [Cell("(floor)") if loss is None else estimate(loss[mode], d)
-                    for mode in ACCEPTANCE_MODES]
-        rows.append(row)
+            else:
+                row += [estimate(acc[mode]["emitted"], d) for mode in ACCEPTANCE_MODES]
+                loss = acc.get("loss_vs_bf16")
+                row += [Cell("(floor)") if loss is None else estimate(loss[mode], d)
+                        for mode in ACCEPTANCE_MODES]
+            rows.append(row)
     return Table(f"Expected tokens per verification step, verified by {VERIFIER_NAMES[verifier]}: "
                  f"accepted drafted tokens plus the resampled or bonus token (1..{rs.block_size + 1}), "
                  "token-wise rejection sampling and block verification at the run's temperature "
                  "and top-p, and greedy; loss vs bf16 is the results' paired per-block difference",
-                 columns, rows, key=f"acceptance_{verifier}")
+                 columns, rows, key=f"acceptance_{verifier}",
+                 align="ll" + "r" * (len(columns) - 2))
