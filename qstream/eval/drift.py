@@ -205,6 +205,16 @@ def _draft(model: DSpark, aux: torch.Tensor, batch: Batch):
     return model.draft(ctx, batch.local_stream, batch.anchor, batch.first_token)
 
 
+def _drafts(model: DSpark, aux: torch.Tensor, batch: Batch, number: int,
+            settings: "DriftSettings"):
+    """One batch drafted by ``model``: its blocks, greedy rollout, and sampled rollout on the
+    batch's shared race noise (the same for the reference and every variant)."""
+    blocks = _draft(model, aux, batch)
+    noise = race_noise(number, len(batch.blocks), model.config, settings.seed)
+    return (blocks, rollout(model, blocks),
+            rollout(model, blocks, noise, settings.temperature, settings.top_p))
+
+
 def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:
     """Exp(1) variates [n, B, V] for the sampled rollouts of one batch, shared by the reference
     and every variant (common random numbers): the same generator seed for the same batch, as
@@ -354,11 +364,8 @@ def _evaluate_regime(regime, config, weights, corpus, plan, batches, variants, s
         accepted = probe.variant(variant.name) if acceptance else None
         for number, batch in enumerate(batches):
             aux = _aux_for(regime, batch, corpus, config, settings.seed, None, boot_cache)
-            blocks = _draft(model, aux, batch)
+            blocks, greedy, sampled = _drafts(model, aux, batch, number, settings)
             idx = batch.blocks
-            greedy = rollout(model, blocks)
-            noise = race_noise(number, len(idx), config, settings.seed)
-            sampled = rollout(model, blocks, noise, settings.temperature, settings.top_p)
             forced = teacher_forced(model, blocks, ref.greedy_tokens[idx])
             acc.add_teacher_forced(ref.logits[idx], forced.logits)
             if forced.confidence is not None:
@@ -397,11 +404,8 @@ def _reference_pass(regime, reference, corpus, plan, batches, settings, boot_cac
                            torch.empty(N, B, dtype=torch.int64), torch.zeros(N, B))
     for number, batch in enumerate(batches):
         aux = _aux_for(regime, batch, corpus, c, settings.seed, reference, boot_cache)
-        blocks = _draft(reference, aux, batch)
+        blocks, greedy, sampled = _drafts(reference, aux, batch, number, settings)
         idx = batch.blocks
-        greedy = rollout(reference, blocks)
-        noise = race_noise(number, len(idx), c, settings.seed)
-        sampled = rollout(reference, blocks, noise, settings.temperature, settings.top_p)
         ref.logits[idx] = greedy.logits
         ref.greedy_tokens[idx] = greedy.tokens
         ref.sampled_tokens[idx] = sampled.tokens
