@@ -11,22 +11,10 @@ from safetensors.torch import load_file, save_file
 
 from qstream.cli import cli
 from qstream.errors import QStreamError
-from qstream.eval.builtin import builtin_corpus_docs
 from qstream.eval.corpus import sample_anchors, tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.model.synth import synth_checkpoint
 
 BLOCKS = 128
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return synth_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny", seed=0).output_dir
-
-
-@pytest.fixture(scope="module")
-def corpus(tiny):
-    return tokenize(builtin_corpus_docs(), f"{tiny}/tokenizer.json")
 
 
 def _metrics(results, regime, variant):

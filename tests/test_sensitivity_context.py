@@ -12,15 +12,12 @@ from model_helpers import random_model_weights
 from qstream.card.build import write_card
 from qstream.card.document import tables
 from qstream.cli import cli
-from qstream.eval.builtin import builtin_corpus_docs
 from qstream.eval.context_sweep import default_edges, long_streams
-from qstream.eval.corpus import tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.sensitivity import module_kinds
 from qstream.model.config import PRESETS
 from qstream.model.dspark import DSpark
 from qstream.model.load import load_config, load_weights
-from qstream.model.synth import synth_checkpoint
 
 BLOCKS = 64
 # Chunked (online-softmax) against one-pass attention, fp32: the two sum the same exp terms in a
@@ -28,16 +25,6 @@ BLOCKS = 64
 # (n - 1)·u relative, u = 2^-24: 9e-5 for the 1500 keys here, before the five layers; measured
 # max |dU| / max |U| = 1.2e-6 (torch 2.13, CPU).  The bound is Higham's, not the measurement.
 ONLINE_SOFTMAX_RTOL = 1500 * 2.0 ** -24
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return synth_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny", seed=0).output_dir
-
-
-@pytest.fixture(scope="module")
-def corpus(tiny):
-    return tokenize(builtin_corpus_docs(), f"{tiny}/tokenizer.json")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from qstream.eval.corpus import tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.states import read_states
 from qstream.model.load import load_config
-from qstream.model.synth import synth_checkpoint
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "capture_states.py"
 BLOCKS = 48
@@ -31,11 +30,6 @@ def _example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return synth_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny", seed=0).output_dir
 
 
 @pytest.fixture(scope="module")
