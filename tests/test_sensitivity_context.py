@@ -17,7 +17,7 @@ from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.sensitivity import module_kinds
 from qstream.model.config import PRESETS
 from qstream.model.dspark import DSpark
-from qstream.model.load import load_config, load_weights
+from qstream.model.load import load_weights
 
 BLOCKS = 64
 # Chunked (online-softmax) against one-pass attention, fp32: the two sum the same exp terms in a

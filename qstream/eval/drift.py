@@ -23,7 +23,7 @@ import qstream
 from qstream.errors import QStreamError
 from qstream.eval.acceptance import ACCEPTANCE_DEFINITIONS, RegimeAcceptance
 from qstream.eval.context_sweep import context_sweep
-from qstream.eval.corpus import AnchorPlan, Corpus, load_corpus, sample_anchors
+from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.regimes import REGIMES, check_boot_compatible, synthetic_aux
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format

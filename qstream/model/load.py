@@ -13,7 +13,6 @@ maps each shard and checks every header; a target is opened through its
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -227,7 +226,3 @@ def simulate_format(weights: Mapping[str, torch.Tensor], fmt: str,
         stored = quantize(fmt, w, name=f"{module}.weight", global_amax=amax.get(module))
         out[f"{module}.weight"] = dequantize(fmt, stored, dtype=w.dtype)
     return out
-
-
-def write_config(config: DSparkConfig, directory: Path) -> None:
-    (directory / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
