@@ -12,7 +12,7 @@ import torch
 
 from qstream.formats import e2m1
 from qstream.formats.checks import (
-    all_block_abs_max, check_weight, chunk_rows, row_chunks,
+    ChunkWorkspace, all_block_abs_max, check_weight, chunk_rows, row_chunks,
 )
 from qstream.formats.spec import MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
 
@@ -59,20 +59,6 @@ def decode_scale(e8m0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _power_of_two(e8m0.long() - MXFP4_E8M0_BIAS, dtype)
 
 
-class _Workspace:
-    """float32 copy, magnitude and int32 scratch buffers for one chunk, reused across chunks
-    (shared with nvfp4)."""
-
-    def __init__(self, rows: int, k: int, device: torch.device):
-        self.x = torch.empty((rows, k), dtype=torch.float32, device=device)
-        self.magnitude = torch.empty_like(self.x)
-        self.scratch = torch.empty((rows, k), dtype=torch.int32, device=device)
-
-    def take(self, rows: slice):
-        r = rows.stop - rows.start
-        return self.x[:r], self.magnitude[:r], self.scratch[:r]
-
-
 def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``."""
     check_weight(w, name, MXFP4_BLOCK)
@@ -82,7 +68,7 @@ def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch
     # element exactly as compressed-tensors' division in the weight dtype does.
     inverse = torch.reciprocal(scale.float()).unsqueeze(-1)  # [N, G, 1]
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    work = _Workspace(chunk_rows(n, k), k, w.device)
+    work = ChunkWorkspace(chunk_rows(n, k), k, w.device)
     for rows in row_chunks(n, k):
         x, magnitude, scratch = work.take(rows)
         x.copy_(w[rows])

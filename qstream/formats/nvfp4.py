@@ -13,9 +13,9 @@ import torch
 
 from qstream.formats import e2m1
 from qstream.formats.checks import (
-    abs_max, all_block_abs_max, check_finite, check_weight, chunk_rows, row_chunks,
+    ChunkWorkspace, abs_max, all_block_abs_max, check_finite, check_weight, chunk_rows,
+    row_chunks,
 )
-from qstream.formats.mxfp4 import _Workspace
 from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
 
 
@@ -64,7 +64,7 @@ def quantize(
     scales = block_scale(block_amax, gs)  # [N, G] float8_e4m3fn
     divisor = (scales.float() / gs).unsqueeze(-1)  # [N, G, 1], float32 as compressed-tensors
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    work = _Workspace(chunk_rows(n, k), k, w.device)
+    work = ChunkWorkspace(chunk_rows(n, k), k, w.device)
     for rows in row_chunks(n, k):
         x, magnitude, scratch = work.take(rows)
         x.copy_(w[rows])
