@@ -135,8 +135,12 @@ def test_dspark_recipe_fp8_via_the_issue_command_line(tmp_path):
     assert len(summary["modules_quantized"]) == 26 and len(summary["modules_ignored"]) == 41
     assert summary["params_quantized"] == 5 * (3 * 96 * 64 + 64 * 48 + 96 * 48) + 64 * 320
     qconfig = _check_output(src, out, "fp8", set(summary["modules_quantized"]))
-    assert "markov_head.markov_w1" in qconfig["ignore"]
-    assert "confidence_head.proj" in qconfig["ignore"]
+    # a DSpark draft's ignore entries are re: patterns by module kind (docs/vllm.md; vLLM's
+    # matching of them is replayed in test_vllm_serving.py)
+    assert "re:(.*\\.)?markov_head\\.markov_w1$" in qconfig["ignore"]
+    assert "re:(.*\\.)?confidence_head\\.proj$" in qconfig["ignore"]
+    assert "re:.*\\.self_attn\\.(q_a_proj|kv_a_proj_with_mqa|fused_qkv_a_proj)$" \
+        in qconfig["ignore"]
     provenance = json.loads((out / "qstream_quantize.json").read_text())
     assert provenance["command"] == shlex.join([
         "qstream-quantize", "--model_dir", str(src), "--output_dir", str(out),
@@ -222,7 +226,7 @@ def test_dry_run_writes_nothing_and_predicts_the_size(tmp_path):
                                  "--include-layers", *DSPARK_RECIPE, "--skip-incompatible",
                                  "--dry-run", "--json", "-"])
     assert result.exit_code == 0, result.output
-    plan = json.loads(result.output)
+    plan = json.loads(result.stdout)
     assert plan["dry_run"] and plan["weight_snr_db"] == {}
     assert len(plan["modules_skipped"]) == 10
     assert not (tmp_path / "out").exists()

@@ -72,7 +72,9 @@ def test_suggested_include_list_satisfies_the_tolerance(tiny, corpus, sensitivit
     sens = sensitivity["regimes"]["heavy"]["sensitivity"]
     best = sens["suggested"]
     within = [i for i, e in enumerate(sens["cumulative"]) if e["ceiling_gap"] >= -1.0]
-    assert best["steps"] == within[-1] + 1 and len(best["include"]) > 1
+    # (on the tiny draft only mlp.down_proj stays within 1 token once the heads vLLM never
+    # quantizes are out of the candidates, docs/vllm.md)
+    assert best["steps"] == within[-1] + 1 and len(best["include"]) >= 1
     assert best["command"] == "--include_layers " + " ".join(best["include"])
     # measured again as an ordinary variant with that include list: same ceiling, within tolerance
     settings = DriftSettings(regimes=("heavy",), formats=("nvfp4",), n_blocks=BLOCKS,

@@ -108,7 +108,7 @@ CASES = {
     "weights args": ("nvfp4", "config", lambda q: q["config_groups"]["group_0"]["weights"].update(
         group_size=32), "weights.group_size is 32, the nvfp4-pack-quantized format needs 16"),
     "global scales differ": ("nvfp4", "tensors", _second_global_scale,
-                             "model.layers.0.mlp.{gate_proj, up_proj} has different NVFP4 global"),
+                             "model.layers.0.mlp.{gate_proj, up_proj} has 2 different NVFP4 global"),
     "non-finite dequantize": ("nvfp4", "tensors", _nan_scale,
                               "model.layers.1.mlp.down_proj: dequantized weight has non-finite"),
     "scale dtype": ("fp8", "tensors", _wrong_scale_dtype, None),

@@ -26,6 +26,7 @@ from qstream.checkpoint.selection import (
     select_modules,
     weight_modules,
 )
+from qstream.checkpoint.serving import never_quantized, profile_for
 from qstream.errors import QStreamError
 from qstream.formats import get_format
 
@@ -76,12 +77,17 @@ def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> Check
     facts = CheckpointFacts(directory, fmt, checkpoint.size_bytes,
                             inspect_checkpoint(directory)["params"], params_quantized, quantized)
     modules = weight_modules(tensors)
+    profile = profile_for(checkpoint.config)
     # the group's label with layer indices as "*", so that a kind's rows share one reason
-    fused = {m: module_kind(g.label) for g in fused_groups(modules) for m in g.members}
-    for module in qconfig.get("ignore", []):
-        info = modules.get(module)
-        shape = tuple(info.shape) if info is not None else ()
-        facts.kept[module] = (shape, info.numel if info is not None else 0,
+    fused = {m: module_kind(g.label) for g in fused_groups(modules, profile) for m in g.members}
+    # every weight-holding module that is not quantized (the config's ignore list may spell
+    # them as re: patterns over vLLM's runtime names, docs/vllm.md)
+    for module, info in modules.items():
+        if module in quantized:
+            continue
+        shape = tuple(info.shape)
+        why = never_quantized(profile, module)
+        facts.kept[module] = (shape, info.numel, f"vLLM never quantizes it: {why}" if why else
                               _why_kept(module, shape, fmt, skipped, fused))
     if provenance is not None:
         facts.command = provenance["command"]
@@ -151,7 +157,8 @@ def _reconstruct_command(directory: Path, fmt: str, quantized: list[str],
     base_tensors = open_checkpoint(base.path).tensors
     for skip in (False, True):
         try:
-            selection = select_modules(base_tensors, fmt, include=patterns, skip_incompatible=skip)
+            selection = select_modules(base_tensors, fmt, include=patterns, skip_incompatible=skip,
+                                       profile=profile_for(open_checkpoint(base.path).config))
         except QStreamError:
             continue
         if sorted(selection.quantized) == sorted(quantized):

@@ -35,7 +35,18 @@ from qstream.checkpoint.safetensors_io import (
     TensorInfo,
     planned_file_size,
 )
-from qstream.checkpoint.selection import Selection, select_modules
+from qstream.checkpoint.selection import (
+    Selection,
+    select_modules,
+    share_group_amax,
+    weight_modules,
+)
+from qstream.checkpoint.serving import (
+    ignore_entries,
+    layer_specific_warning,
+    profile_for,
+    target_layers_of,
+)
 from qstream.errors import QStreamError
 from qstream.formats import dequantize, get_format, quantize, snr_db, snr_sums
 from qstream.formats.nvfp4 import tensor_amax
@@ -70,6 +81,10 @@ class QuantizeSummary:
     bytes_after: int  # safetensors files of the output (exact, also on a dry run)
     weight_snr_db: dict[str, float] = field(default_factory=dict)  # per quantized module
     seconds: float = 0.0
+    serving_profile: str = "generic"  # whose loading rules the selection follows (docs/vllm.md)
+    tensor_parallel_size: int = 1  # the TP size the selection was checked for
+    ignore: list[str] = field(default_factory=list)  # the config's ignore entries, as written
+    warnings: list[str] = field(default_factory=list)  # what vLLM may refuse (Marlin shapes)
 
     @property
     def mean_snr_db(self) -> float | None:
@@ -116,6 +131,7 @@ def quantize_checkpoint(
     overwrite: bool = False,
     skip_incompatible: bool = False,
     progress: Progress | None = None,
+    tensor_parallel_size: int = 1,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
     ("fp8", "mxfp4" or "nvfp4") in the compressed-tensors layout.
@@ -123,6 +139,10 @@ def quantize_checkpoint(
     ``include`` / ``ignore`` are DESIGN.md section 2 patterns (``ignore`` wins; default: every
     2-D Linear weight except embeddings, lm_head and MoE routers).  ``skip_incompatible`` leaves
     weights whose K is not a multiple of the block size unquantized instead of failing.
+    The serving profile of config.json's architecture (docs/vllm.md) adds vLLM's rules: fused
+    groups, modules vLLM never quantizes, and what it keeps in BF16 at
+    ``tensor_parallel_size``; the ``ignore`` list is written so that vLLM's matcher resolves
+    it under its runtime module names.
     ``device`` "cuda" quantizes on the GPU (same bytes).  Parallelism comes from ``workers``
     threads with one torch intra-op thread each (torch's setting is restored on return): on a
     busy machine, intra-op thread barriers cost far more than they gain on small pieces.
@@ -134,7 +154,18 @@ def quantize_checkpoint(
     torch_device = _check_device(device, workers)
     checkpoint = open_checkpoint(model_path)
     _refuse_quantized(checkpoint)
-    selection = select_modules(checkpoint.tensors, fmt, include, ignore, skip_incompatible)
+    if tensor_parallel_size < 1:
+        raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
+    profile = profile_for(checkpoint.config)
+    hidden = checkpoint.config.get("hidden_size")
+    selection = select_modules(checkpoint.tensors, fmt, include, ignore, skip_incompatible,
+                               profile=profile, hidden_size=hidden if isinstance(hidden, int)
+                               else None, tensor_parallel_size=tensor_parallel_size)
+    target_layers = target_layers_of(checkpoint.config)
+    entries = ignore_entries(profile, selection.ignored, weight_modules(checkpoint.tensors),
+                             target_layers)
+    warnings = list(selection.warnings)
+    warnings += filter(None, [layer_specific_warning(entries, target_layers)])
     plans = _plan_shards(checkpoint, selection, fmt)
     summary = QuantizeSummary(
         model_dir=str(model_path), output_dir=str(output_path), quant_format=fmt,
@@ -145,6 +176,8 @@ def quantize_checkpoint(
         modules_skipped=dict(selection.skipped), bytes_before=checkpoint.size_bytes,
         bytes_after=sum(planned_file_size(t, checkpoint.shards[s].metadata)
                         for s, t in plans.items()),
+        serving_profile=profile.name, tensor_parallel_size=tensor_parallel_size,
+        ignore=entries, warnings=warnings,
     )
     if dry_run:
         return summary
@@ -156,10 +189,10 @@ def quantize_checkpoint(
         amaxes = _global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" \
             else {}
         tmp.mkdir()
-        snr = _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, tmp,
-                                torch_device, workers, progress)
+        snr = _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, entries,
+                                tmp, torch_device, workers, progress)
         command = _equivalent_command(model_dir, output_dir, fmt, include, ignore,
-                                      skip_incompatible)
+                                      skip_incompatible, tensor_parallel_size)
         _write_text(tmp / PROVENANCE_NAME, _json({
             "qstream_version": qstream.__version__, "command": command,
             "summary": {k: v for k, v in QuantizeSummary(**{**asdict(summary),
@@ -176,7 +209,7 @@ def quantize_checkpoint(
 
 
 def _equivalent_command(model_dir, output_dir, fmt: str, include, ignore,
-                        skip_incompatible: bool) -> str:
+                        skip_incompatible: bool, tensor_parallel_size: int) -> str:
     """The qstream-quantize command line that makes this output (recorded for model cards)."""
     args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir),
             "--quant_format", fmt]
@@ -186,6 +219,8 @@ def _equivalent_command(model_dir, output_dir, fmt: str, include, ignore,
         args += ["--ignore_layers", *ignore]
     if skip_incompatible:
         args.append("--skip-incompatible")
+    if tensor_parallel_size != 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return shlex.join(args)
 
 
@@ -312,18 +347,15 @@ def _global_amaxes(checkpoint: Checkpoint, readers: dict[str, ShardReader],
         amax[piece.module] = value if previous is None else torch.maximum(previous, value)
 
     _run_bounded(_pieces(checkpoint, selection, set(selection.quantized)), work, workers, done)
-    for group in selection.fused_groups:
-        shared = torch.stack([amax[m] for m in group.members]).amax()
-        amax.update(dict.fromkeys(group.members, shared))
-    return amax
+    return share_group_amax(amax, selection.fused_groups)
 
 
-def _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, tmp: Path,
+def _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, ignore, tmp: Path,
                       device: torch.device, workers: int, progress: Progress | None
                       ) -> dict[str, float]:
     _copy_other_files(checkpoint, tmp)
     config = dict(checkpoint.config)
-    config["quantization_config"] = quantization_config(fmt, list(selection.ignored))
+    config["quantization_config"] = quantization_config(fmt, list(ignore))
     _write_text(tmp / CONFIG_NAME, _json(config))
     writers = {s: ShardWriter(tmp / s, plans[s], checkpoint.shards[s].metadata) for s in plans}
     sums: dict[str, list[float]] = {m: [0.0, 0.0] for m in selection.quantized}

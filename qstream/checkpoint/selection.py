@@ -1,5 +1,6 @@
-"""Which modules get quantized: the pattern rules of DESIGN.md section 2, the default selection,
-fused groups (section 4) and the block-size shape rule.
+"""Which modules get quantized: the pattern rules (docs/quantize.md), the default selection,
+the serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes,
+tensor-parallel rules) and the block-size shape rule.
 
 A module is a tensor name without its ``.weight``; the checkpoint's weight-holding modules are
 the names of its ``*.weight`` tensors.  Everything here works on names, shapes and dtypes only.
@@ -11,21 +12,16 @@ import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
+from qstream.checkpoint import serving
 from qstream.checkpoint.safetensors_io import TensorInfo
+from qstream.checkpoint.serving import GENERIC, PROFILES, FusedGroup, Profile
 from qstream.errors import QStreamError
 from qstream.formats import get_format
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
-
-# Projections vLLM fuses into one matrix (DESIGN.md section 4), by their last name component;
-# members are siblings under one parent (per-expert gate/up included: experts.<e>.gate_proj).
-FUSED_MEMBERS = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("gate_proj", "up_proj"),
-    ("q_a_proj", "kv_a_proj_with_mqa"),
-    ("w1", "w3"),
-)
+T = TypeVar("T")
 
 # Left out of the default selection (an explicit --include_layers can still name them):
 # embedding tables, which are not Linear layers (DSpark's markov_w1 is one, DESIGN.md
@@ -36,21 +32,13 @@ ROUTER_NAMES = ("gate", "router")
 
 
 @dataclass(frozen=True)
-class FusedGroup:
-    parent: str
-    members: tuple[str, ...]  # full module names
-
-    @property
-    def label(self) -> str:
-        return f"{self.parent}.{{{', '.join(m.rsplit('.', 1)[-1] for m in self.members)}}}"
-
-
-@dataclass(frozen=True)
 class Selection:
     quantized: tuple[str, ...]  # modules to quantize, in checkpoint order
     ignored: tuple[str, ...]  # every other weight-holding module, in checkpoint order
     skipped: dict[str, str]  # selected but left unquantized (--skip-incompatible): reason
     fused_groups: tuple[FusedGroup, ...]  # groups whose members are quantized
+    profile: Profile = PROFILES[GENERIC]  # the serving rules the selection follows
+    warnings: tuple[str, ...] = ()  # what vLLM may refuse at load (e.g. Marlin shapes at TP)
 
 
 def matches(pattern: str, module: str) -> bool:
@@ -79,31 +67,36 @@ def weight_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
     return {n[: -len(".weight")]: i for n, i in tensors.items() if n.endswith(".weight")}
 
 
-def fused_groups(modules: Iterable[str]) -> list[FusedGroup]:
-    modules = list(modules)
-    present = set(modules)
-    parents = dict.fromkeys(m.rsplit(".", 1)[0] for m in modules if "." in m)
-    groups = []
-    for parent in parents:
-        for leaves in FUSED_MEMBERS:
-            members = tuple(f"{parent}.{leaf}" for leaf in leaves if f"{parent}.{leaf}" in present)
-            if len(members) >= 2:
-                groups.append(FusedGroup(parent, members))
-    return groups
+def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list[FusedGroup]:
+    """The fused groups among ``modules`` under ``profile`` (default: generic)."""
+    return serving.fused_groups(profile or PROFILES[GENERIC], modules)
 
 
-def _default_selection(modules: Mapping[str, TensorInfo]) -> set[str]:
+def _default_selection(modules: Mapping[str, TensorInfo], rules: _Rules) -> set[str]:
     return {m for m, info in modules.items() if quantizable(info) and not is_embedding(m)
-            and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES}
+            and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES and rules.refusal(m) is None}
 
 
-def _included(modules: Mapping[str, TensorInfo], patterns: list[str]) -> set[str]:
+def _included(modules: Mapping[str, TensorInfo], patterns: list[str], rules: _Rules,
+              dropped: dict[str, str]) -> set[str]:
+    """The modules ``patterns`` select; a module a broad pattern reaches but vLLM cannot serve
+    quantized is recorded in ``dropped`` with the reason (a pattern reaching only such modules
+    is an error)."""
     selected: set[str] = set()
     for pattern in patterns:
         hit = [m for m in modules if matches(pattern, m)]
         if not hit:
             raise QStreamError(f"--include_layers pattern {pattern!r} matches no module")
-        usable = [m for m in hit if quantizable(modules[m]) and not is_embedding(m)]
+        refused = {m: rules.refusal(m) for m in hit if quantizable(modules[m])}
+        refused = {m: why for m, why in refused.items() if why is not None}
+        if refused and len(refused) == len(hit):
+            m, why = next(iter(refused.items()))
+            raise QStreamError(f"--include_layers pattern {pattern!r} selects {m}, which vLLM "
+                               f"cannot serve quantized: {why} (docs/vllm.md)")
+        usable = [m for m in hit if quantizable(modules[m]) and not is_embedding(m)
+                  and m not in refused]
+        dropped.update({m: f"vLLM cannot serve it quantized: {why}" for m, why in refused.items()
+                        if not is_embedding(m)})
         if not usable:
             m = hit[0]
             why = "an embedding" if is_embedding(m) else \
@@ -140,8 +133,8 @@ def _apply_shape_rule(modules, selected: set[str], block: int, skip: bool) -> di
 
 
 def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
-    """All members of a fused group quantized, or none (DESIGN.md section 4).  A group that is
-    split only because --skip-incompatible dropped a member is dropped whole."""
+    """All members of a fused group quantized, or none (docs/vllm.md).  A group that is split
+    only because --skip-incompatible dropped a member is dropped whole."""
     for group in groups:
         inside = [m for m in group.members if m in selected]
         outside = [m for m in group.members if m not in selected]
@@ -152,25 +145,55 @@ def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
                 selected.discard(m)
                 skipped[m] = f"fused with {', '.join(outside)}, which cannot be quantized"
             continue
-        names = lambda ms: ", ".join(_leaf(m) for m in ms)  # noqa: E731
         raise QStreamError(f"fused group {group.label} would be split: quantized "
-                           f"{names(inside)}; not quantized {names(outside)} "
-                           "(vLLM needs all or none)")
+                           f"{_names(inside)}; not quantized {_names(outside)} "
+                           f"(all or none: {group.rule})")
+
+
+def _names(modules: list[str], limit: int = 4) -> str:
+    """Leaf names when the modules are siblings, full names otherwise; at most ``limit``."""
+    if len({m.rsplit(".", 1)[0] for m in modules}) == 1:
+        modules = [_leaf(m) for m in modules]
+    shown = ", ".join(modules[:limit])
+    return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
+
+
+@dataclass(frozen=True)
+class _Rules:
+    """The serving profile's per-module refusals at one tensor-parallel size."""
+
+    profile: Profile
+    hidden_size: int | None
+    tensor_parallel_size: int
+
+    def refusal(self, module: str) -> str | None:
+        args = (self.profile, module, self.hidden_size, self.tensor_parallel_size)
+        return (serving.never_quantized(self.profile, module)
+                or serving.tp_keeps_unquantized(*args) or serving.tp_needs_unquantized(*args))
 
 
 def select_modules(
     tensors: Mapping[str, TensorInfo], fmt: str, include: Iterable[str] | None = None,
     ignore: Iterable[str] | None = None, skip_incompatible: bool = False,
+    profile: Profile | None = None, hidden_size: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> Selection:
-    """Apply DESIGN.md section 2's rules: ``include`` (default: every 2-D float Linear weight
-    except embeddings, lm_head and MoE routers), minus ``ignore`` (which wins), then the shape
-    rule and the fused-group rule.  A pattern that matches nothing is an error."""
+    """Apply the selection rules (docs/quantize.md): ``include`` (default: every 2-D float
+    Linear weight except embeddings, lm_head, MoE routers and what the serving ``profile`` says
+    vLLM never quantizes at ``tensor_parallel_size``), minus ``ignore`` (which wins), then the
+    shape rule and the profile's fused groups.  A pattern that matches nothing, an include
+    that only names modules vLLM cannot serve quantized, and a split fused group are errors."""
+    profile = profile or PROFILES[GENERIC]
+    rules = _Rules(profile, hidden_size, tensor_parallel_size)
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
-    selected = _included(modules, include) if include else _default_selection(modules)
+    dropped: dict[str, str] = {}
+    selected = _included(modules, include, rules, dropped) if include else \
+        _default_selection(modules, rules)
     selected -= _ignored(modules, ignore)
     skipped = _apply_shape_rule(modules, selected, get_format(fmt).block_size, skip_incompatible)
-    groups = fused_groups(modules)
+    skipped.update({m: why for m, why in dropped.items() if m not in skipped})
+    groups = serving.fused_groups(profile, modules)
     _check_fused(groups, selected, skipped)
     if not selected:
         raise QStreamError("the selection quantizes no module")
@@ -179,4 +202,19 @@ def select_modules(
         ignored=tuple(m for m in modules if m not in selected),
         skipped={m: skipped[m] for m in modules if m in skipped},
         fused_groups=tuple(g for g in groups if g.members[0] in selected),
+        profile=profile,
+        warnings=tuple(serving.marlin_warnings(
+            profile, {m: modules[m].shape for m in modules if m in selected}, fmt,
+            tensor_parallel_size)),
     )
+
+
+def share_group_amax(amax: Mapping[str, T], groups: Iterable[FusedGroup]) -> dict[str, T]:
+    """Per-module NVFP4 amaxes with each fused group's members given the group's maximum, so
+    that the group shares one global scale (docs/vllm.md: vLLM keeps one global scale per
+    fused layer)."""
+    shared = dict(amax)
+    for group in groups:
+        top = max((amax[m] for m in group.members), key=float)
+        shared.update(dict.fromkeys(group.members, top))
+    return shared

@@ -1,5 +1,11 @@
-"""``verify_checkpoint``: the structural checks of a quantized checkpoint that vLLM would
-otherwise discover at load time (DESIGN.md section 4), plus a dequantize round trip.
+"""``verify_checkpoint``: the checks of a quantized checkpoint that vLLM would otherwise
+discover at load time (docs/quantize.md, docs/vllm.md), plus a dequantize round trip.
+
+For an architecture with a serving profile (the K3 DSpark draft), verify replays vLLM's decision
+for every Linear layer vLLM builds, under its runtime name: scheme or no scheme (ignore entries
+matched exactly or as ``re:`` regexes), the parameters that scheme expects, and whether the
+checkpoint provides exactly those; plus the profile's fused and cross-layer groups, modules vLLM
+never quantizes, and the tensor-parallel rules.
 
 Malformed files (bad header, inconsistent index) raise QStreamError when the checkpoint is
 opened; everything else is collected as a list of problems, empty for a good checkpoint.
@@ -15,7 +21,9 @@ import torch
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
+from qstream.checkpoint import serving
 from qstream.checkpoint.selection import fused_groups, matches
+from qstream.checkpoint.serving import Profile, RuntimeModule, profile_for
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
 
@@ -29,15 +37,29 @@ class VerifyReport:
     modules_quantized: list[str] = field(default_factory=list)
     modules_ignored: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    serving_profile: str = serving.GENERIC
+    target_layers: int | None = None  # L used for the draft's runtime names
+    tensor_parallel_size: int = 1
+    # vLLM's decision per runtime Linear layer: {"module", "shards", "scheme", "why"}
+    runtime_modules: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what only some vLLM versions refuse
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
 
-def verify_checkpoint(directory: str | Path) -> VerifyReport:
+def verify_checkpoint(directory: str | Path, tensor_parallel_size: int = 1,
+                      target_layers: int | None = None) -> VerifyReport:
+    """Check ``directory`` as vLLM will load it at ``tensor_parallel_size``.  ``target_layers``
+    (L, the target's layer count, which offsets a draft's runtime layer names) defaults to
+    config.json's ``target_num_hidden_layers``."""
+    if tensor_parallel_size < 1:
+        raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     checkpoint = open_checkpoint(directory)
-    report = VerifyReport(str(checkpoint.directory))
+    report = VerifyReport(str(checkpoint.directory), tensor_parallel_size=tensor_parallel_size)
+    profile = profile_for(checkpoint.config)
+    report.serving_profile = profile.name
     qconfig = checkpoint.config.get("quantization_config")
     if not isinstance(qconfig, dict):
         raise QStreamError(f"{checkpoint.directory}: config.json has no quantization_config; "
@@ -51,9 +73,13 @@ def verify_checkpoint(directory: str | Path) -> VerifyReport:
     ignore = qconfig.get("ignore") or []
     report.modules_ignored = [m for m in holders if any(matches_ignore(p, m) for p in ignore)]
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
-    _check_accounting(holders, quantized, targets, ignore, report)
+    if profile.is_dspark:
+        report.target_layers = _draft_target_layers(checkpoint, target_layers)
+        _replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), report)
+    else:
+        _check_accounting(holders, quantized, targets, ignore, report)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
-    _check_fused(checkpoint, fmt, holders, quantized, report)
+    _check_fused(checkpoint, fmt, profile, holders, quantized, report)
     _check_round_trip(checkpoint, fmt, quantized - malformed, report)
     return report
 
@@ -170,13 +196,15 @@ def _expected(fmt: str, infos) -> dict[str, tuple[tuple[str, ...], list[int]]]:
             "weight_global_scale": (("F32",), [1])}
 
 
-def _check_fused(checkpoint: Checkpoint, fmt: str, holders, quantized, report) -> None:
-    for group in fused_groups(holders):
+def _check_fused(checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized,
+                 report) -> None:
+    for group in fused_groups(holders, profile):
         inside = [m for m in group.members if m in quantized]
         if inside and len(inside) != len(group.members):
             outside = [m for m in group.members if m not in quantized]
             report.problems.append(f"fused group {group.label} is split: quantized "
-                                   f"{', '.join(inside)}; not quantized {', '.join(outside)}")
+                                   f"{_few(inside)}; not quantized {_few(outside)} "
+                                   f"(all or none: {group.rule})")
             continue
         if inside and fmt == "nvfp4":
             names = [f"{m}.weight_global_scale" for m in group.members]
@@ -189,8 +217,10 @@ def _check_fused(checkpoint: Checkpoint, fmt: str, holders, quantized, report) -
                 readers.setdefault(shard, ShardReader(checkpoint.shards[shard]))
                 values.append(readers[shard].tensor(n).item())
             if len(set(values)) != 1:
-                report.problems.append(f"fused group {group.label} has different NVFP4 global "
-                                       f"scales {values}; vLLM needs one shared scale")
+                report.problems.append(f"fused group {group.label} has {len(set(values))} "
+                                       f"different NVFP4 global scales {sorted(set(values))}; "
+                                       "vLLM keeps one per fused layer (the largest) and "
+                                       "dequantizes the other members wrongly")
 
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
@@ -211,3 +241,93 @@ def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> No
                 break
             for s, (shard, name) in parts.items():
                 readers[shard].release(name, None if s == "weight_global_scale" else rows)
+
+
+def _few(modules: list[str], limit: int = 4) -> str:
+    shown = ", ".join(modules[:limit])
+    return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
+
+
+def _draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
+    if given is not None:
+        if given < 0:
+            raise QStreamError(f"--target-layers {given}: must be at least 0")
+        return given
+    value = serving.target_layers_of(checkpoint.config)
+    if value is None:
+        raise QStreamError(f"{checkpoint.directory / 'config.json'}: no integer "
+                           "target_num_hidden_layers; give the target's layer count with "
+                           "--target-layers")
+    return value
+
+
+def _replay_vllm(checkpoint: Checkpoint, fmt: str, profile: Profile, holders: list[str],
+                 quantized: set[str], targets_ignore: tuple[list, list],
+                 report: VerifyReport) -> None:
+    """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
+    what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
+    hidden = checkpoint.config.get("hidden_size")
+    runtime = serving.runtime_modules(profile, holders, report.target_layers,
+                                      hidden if isinstance(hidden, int) else None,
+                                      report.tensor_parallel_size)
+    for rt in runtime:
+        scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
+        report.runtime_modules.append({"module": rt.name, "shards": list(rt.shards),
+                                       "scheme": scheme, "why": why})
+        for shard in rt.shards:
+            line = _shard_mismatch(checkpoint, fmt, rt, shard, scheme, why, shard in quantized)
+            if line:
+                report.problems.append(line)
+    for module in holders:
+        why = serving.never_quantized(profile, module)
+        if why and module in quantized:
+            report.problems.append(f"{module}: stored {fmt}, but vLLM never quantizes it ({why}); "
+                                   "it must keep the base dtype")
+        why = serving.tp_needs_unquantized(profile, module, hidden if isinstance(hidden, int)
+                                           else None, report.tensor_parallel_size)
+        if why and module in quantized:
+            report.problems.append(f"{module}: stored {fmt}, but {why}; it must keep the base "
+                                   "dtype")
+    shapes = {m: tuple(checkpoint.info(f"{m}.weight").shape) for m in holders
+              if m in quantized and fmt == "fp8"}
+    shapes.update({m: _packed_shape(checkpoint, m) for m in holders
+                   if m in quantized and fmt != "fp8"})
+    report.warnings += serving.marlin_warnings(profile, shapes, fmt, report.tensor_parallel_size)
+
+
+def _packed_shape(checkpoint: Checkpoint, module: str) -> tuple[int, int]:
+    name = f"{module}.weight_packed"
+    if name not in checkpoint.tensor_shard:
+        return (0, 0)
+    n, half_k = checkpoint.info(name).shape
+    return (n, 2 * half_k)
+
+
+def _vllm_scheme(rt: RuntimeModule, fmt: str, targets: list, ignore: list
+                 ) -> tuple[str | None, str]:
+    """compressed-tensors in vLLM: a Linear layer is ignored iff an ignore entry equals its
+    name or is ``re:`` + a regex that re.match-es it; otherwise it takes the group's scheme if a
+    target names its class ("Linear" matches every Linear class) or matches its name."""
+    if rt.unquantized_why:
+        return None, rt.unquantized_why
+    hit = next((e for e in ignore if matches_ignore(e, rt.quant_name)), None)
+    if hit is not None:
+        return None, f"ignore entry {hit!r} matches {rt.quant_name}"
+    if "Linear" in targets or any(matches_ignore(t, rt.quant_name) for t in targets):
+        return fmt, f"no ignore entry matches {rt.quant_name}"
+    return None, f"no config group target matches {rt.quant_name}"
+
+
+def _shard_mismatch(checkpoint: Checkpoint, fmt: str, rt: RuntimeModule, shard: str,
+                    scheme: str | None, why: str, stored_quantized: bool) -> str | None:
+    expects = ", ".join(FORMATS[fmt].stored)
+    if scheme is not None and not stored_quantized:
+        name = f"{shard}.weight"
+        have = (f"{checkpoint.info(name).dtype} {list(checkpoint.info(name).shape)} {name}"
+                if name in checkpoint.tensor_shard else "no weight")
+        return (f"{rt.name}: vLLM builds it {fmt} ({why}) and expects {shard}.{{{expects}}}, "
+                f"but the checkpoint has {have}")
+    if scheme is None and stored_quantized:
+        return (f"{rt.name}: vLLM builds it unquantized ({why}) and expects {shard}.weight in "
+                f"the base dtype, but the checkpoint stores {shard}.{{{expects}}}")
+    return None

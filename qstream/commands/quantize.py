@@ -41,13 +41,18 @@ GIB = 1 << 30
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
 @option("skip_incompatible", is_flag=True,
         help="Leave weights whose K is not a multiple of the block size unquantized.")
+@option("tensor_parallel_size", type=click.IntRange(min=1), default=1, show_default=True,
+        metavar="N", help="The tensor-parallel size vLLM will serve the draft at: modules vLLM "
+        "keeps in BF16 at N are refused, Marlin shape problems at N are warned about.")
 @json_option()
 def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers, device,
-             workers, dry_run, overwrite, skip_incompatible, json_path) -> None:
+             workers, dry_run, overwrite, skip_incompatible, tensor_parallel_size,
+             json_path) -> None:
     """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
 
     Patterns match a module name (a tensor name without .weight) when equal, as a dotted
-    suffix, as a glob, or with re: as a Python regex.  Example:
+    suffix, as a glob, or with re: as a Python regex.  For a DSpark draft (config.json
+    architectures K3DSparkModel) vLLM's loading rules apply (docs/vllm.md).  Example:
 
     \b
     qstream-quantize --model_dir draft --output_dir draft-fp8 --quant_format fp8 \\
@@ -58,8 +63,10 @@ def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers,
             model_dir, output_dir, quant_format, include=list(include_layers) or None,
             ignore=list(ignore_layers) or None, device=device, workers=workers,
             dry_run=dry_run, overwrite=overwrite, skip_incompatible=skip_incompatible,
-            progress=bar,
+            progress=bar, tensor_parallel_size=tensor_parallel_size,
         )
+    for warning in summary.warnings:
+        click.echo(f"Warning: {warning}", err=True)
     if json_path != "-":
         console = make_console()
         if dry_run:
@@ -116,6 +123,8 @@ def summary_table(summary: QuantizeSummary) -> Table:
                   f"{summary.params_total:,} ({s['params_quantized_pct']:.1f}%)")
     table.add_row("modules quantized / ignored", f"{len(summary.modules_quantized)} / "
                   f"{len(summary.modules_ignored)}")
+    table.add_row("vLLM serving rules", f"{summary.serving_profile}, tensor_parallel_size "
+                  f"{summary.tensor_parallel_size}, {len(summary.ignore)} ignore entries")
     if summary.modules_skipped:
         table.add_row("skipped (incompatible shape)", str(len(summary.modules_skipped)))
     table.add_row("size", f"{summary.bytes_before / GIB:.3f} GiB -> "

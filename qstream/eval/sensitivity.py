@@ -23,6 +23,7 @@ import torch
 
 from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo
 from qstream.checkpoint.selection import matches, select_modules
+from qstream.checkpoint.serving import K3_DSPARK, get_profile
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, get_format
 from qstream.model.dspark import LM_HEAD
@@ -64,11 +65,14 @@ def _kind_key(module: str) -> str:
 
 def module_kinds(weights: Mapping[str, torch.Tensor], fmt: str,
                  ignore: tuple[str, ...] = ()) -> list[ModuleKind]:
-    """Every kind the format can quantize (quantize's default selection, minus ``ignore``, minus
-    the shapes the format cannot hold), fused groups kept whole, in checkpoint order."""
+    """Every kind the format can quantize and vLLM can serve quantized (quantize's default
+    selection under the K3 DSpark serving profile, docs/vllm.md: no Markov or confidence head),
+    minus ``ignore``, minus the shapes the format cannot hold; fused groups kept whole, in
+    checkpoint order."""
     infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0)
              for k, v in weights.items() if k != LM_HEAD}
-    selection = select_modules(infos, fmt, None, list(ignore), skip_incompatible=True)
+    selection = select_modules(infos, fmt, None, list(ignore), skip_incompatible=True,
+                               profile=get_profile(K3_DSPARK))
     by_key: dict[str, list[str]] = {}
     for module in selection.quantized:
         by_key.setdefault(_kind_key(module), []).append(module)

@@ -23,7 +23,8 @@ from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import (
     DTYPE_NAMES, ShardReader, TensorInfo, read_header,
 )
-from qstream.checkpoint.selection import fused_groups, select_modules
+from qstream.checkpoint.selection import select_modules, share_group_amax
+from qstream.checkpoint.serving import K3_DSPARK, get_profile
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize, quantize
 from qstream.formats.nvfp4 import tensor_amax
@@ -205,21 +206,21 @@ def simulate_format(weights: Mapping[str, torch.Tensor], fmt: str,
     """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized
     (bit-identical to loading what ``qstream quantize`` writes with the same selection).
     ``include``/``ignore`` are DESIGN.md section 2 patterns (``include=None``: quantize's
-    default selection); lm_head belongs to the target and is never touched.  NVFP4 fused
-    groups (gate/up, q_a/kv_a) share one global scale, as quantize writes them.
+    default selection); lm_head belongs to the target and is never touched.  The selection
+    follows vLLM's K3 DSpark serving rules as quantize does (docs/vllm.md): NVFP4 fused groups
+    (gate/up per layer, q_a/kv_a across all layers) share one global scale.
     ``skip_incompatible`` leaves weights whose K is not a multiple of the block unquantized,
     as ``qstream quantize --skip-incompatible`` does."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
     infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0)
              for k, v in draft.items()}
     selection = select_modules(infos, fmt, list(include or []), list(ignore or []),
-                               skip_incompatible=skip_incompatible)
+                               skip_incompatible=skip_incompatible,
+                               profile=get_profile(K3_DSPARK))
     amax: dict[str, torch.Tensor] = {}
     if fmt == "nvfp4":
-        amax = {m: tensor_amax(draft[f"{m}.weight"]) for m in selection.quantized}
-        for group in fused_groups(selection.quantized):
-            shared = torch.stack([amax[m] for m in group.members]).amax()
-            amax.update(dict.fromkeys(group.members, shared))
+        amax = share_group_amax({m: tensor_amax(draft[f"{m}.weight"])
+                                 for m in selection.quantized}, selection.fused_groups)
     out = dict(weights)
     for module in selection.quantized:
         w = draft[f"{module}.weight"]

@@ -1,0 +1,339 @@
+"""How vLLM builds the layers of a checkpoint it serves: a *serving profile* per architecture.
+
+vLLM is the ground truth for a checkpoint: a module is useful quantized only if vLLM's loader
+builds a quantized layer for it, under vLLM's *runtime* module name, fed by the checkpoint tensors
+we wrote.  A profile is data: which checkpoint modules vLLM loads into which runtime module, which
+ones it fuses (and so must be quantized all or none, sharing one NVFP4 global scale), which ones it
+never quantizes, and which depend on the tensor-parallel size.  Every rule names, in
+``docs/vllm.md``, the vLLM file and function it comes from.
+
+Two profiles: ``K3DSparkModel`` (vLLM's Kimi-K3 DSpark draft) and ``generic`` (a Hugging Face
+causal LM, whose vLLM model class maps names one to one and fuses siblings such as q/k/v and
+gate/up through ``packed_modules_mapping``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+# Projections vLLM fuses into one matrix in Hugging Face models (docs/quantize.md, "Fused
+# groups"), by their last name component; members are siblings under one parent.
+GENERIC_FUSED = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("q_a_proj", "kv_a_proj_with_mqa"),
+    ("w1", "w3"),
+)
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """Checkpoint modules that vLLM loads into one quantized layer (or, for the DSpark draft,
+    into two layers that share members): all quantized or none, one NVFP4 global scale."""
+
+    label: str  # how errors name the group
+    members: tuple[str, ...]  # checkpoint module names, checkpoint order
+    rule: str  # why (the vLLM behaviour; docs/vllm.md cites it)
+
+
+@dataclass(frozen=True)
+class RuntimeModule:
+    """One Linear layer as vLLM builds it."""
+
+    name: str  # vLLM's module name, e.g. model.layers.93.self_attn.fused_qkv_a_proj
+    shards: tuple[str, ...]  # checkpoint modules loaded into it, in order
+    split: str  # what tensor parallelism divides: "out" (column), "in" (row) or "none"
+    quant_name: str  # the name vLLM matches against ignore to pick the layer's scheme
+    unquantized_why: str | None = None  # set when vLLM builds it without a quant config
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A closed description of how vLLM serves one architecture (see module docstring)."""
+
+    name: str
+    architectures: tuple[str, ...]  # config.json "architectures" values it applies to
+
+    @property
+    def is_dspark(self) -> bool:
+        return self.name == K3_DSPARK
+
+
+GENERIC = "generic"
+K3_DSPARK = "K3DSparkModel"
+PROFILES = {
+    GENERIC: Profile(GENERIC, ()),
+    K3_DSPARK: Profile(K3_DSPARK, ("K3DSparkModel",)),
+}
+
+
+def profile_for(config: Mapping) -> Profile:
+    """The profile whose architecture config.json names (``generic`` otherwise)."""
+    names = set(config.get("architectures") or [])
+    return next((p for p in PROFILES.values() if names & set(p.architectures)),
+                PROFILES[GENERIC])
+
+
+def get_profile(name: str) -> Profile:
+    return PROFILES[name]
+
+
+# --- the Kimi-K3 DSpark draft (docs/vllm.md, "The K3 DSpark draft") --------------------------
+
+# Checkpoint module (under layers.{i}.) -> (runtime module under model.layers.{L+i}., split).
+# q_a/kv_a load into one fused_qkv_a_proj, gate/up into gate_up_proj (the loader's stacked
+# parameter mapping); the attention projections follow DeepSeek-V2's MLA layout.
+K3_LAYER_MODULES = {
+    "self_attn.q_a_proj": ("self_attn.fused_qkv_a_proj", "none"),
+    "self_attn.kv_a_proj_with_mqa": ("self_attn.fused_qkv_a_proj", "none"),
+    "self_attn.q_b_proj": ("self_attn.q_b_proj", "out"),
+    "self_attn.kv_b_proj": ("self_attn.kv_b_proj", "out"),
+    "self_attn.o_proj": ("self_attn.o_proj", "in"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", "out"),
+    "mlp.up_proj": ("mlp.gate_up_proj", "out"),
+    "mlp.down_proj": ("mlp.down_proj", "in"),
+}
+K3_CONTEXT_PROJ = "context_proj"
+K3_CONTEXT_KV = "model.context_kv_proj"
+# Modules vLLM never builds quantized, with the reason (docs/vllm.md cites each).
+K3_NEVER_QUANTIZED = {
+    "markov_head.markov_w1": "the DSpark Markov head is built without a quant config",
+    "markov_head.markov_w2": "the DSpark Markov head is built without a quant config",
+    "confidence_head.proj": "the confidence head is training-only; vLLM skips it when loading",
+    "embed_tokens": "the draft's embedding is an embedding table, not a Linear layer",
+}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+QKV_A = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
+
+
+def split_layer(module: str) -> tuple[int | None, str]:
+    """``layers.3.mlp.down_proj`` -> ``(3, "mlp.down_proj")``; a top-level module -> (None, it)."""
+    m = _LAYER.match(module)
+    return (int(m.group(1)), m.group(2)) if m else (None, module)
+
+
+def module_kind(module: str) -> str:
+    """A module name without its layer: ``layers.3.mlp.down_proj`` -> ``mlp.down_proj``."""
+    return split_layer(module)[1]
+
+
+def never_quantized(profile: Profile, module: str) -> str | None:
+    """Why vLLM never builds ``module`` quantized under ``profile`` (None: it may)."""
+    if not profile.is_dspark:
+        return None
+    return K3_NEVER_QUANTIZED.get(module_kind(module))
+
+
+def tp_keeps_unquantized(profile: Profile, module: str, hidden_size: int | None,
+                         tp: int) -> str | None:
+    """Why vLLM builds ``module`` in BF16 at tensor-parallel size ``tp`` (None: it does not).
+    The K3 draft keeps ``context_proj`` in BF16 whenever it is sharded evenly (tp > 1 and
+    hidden % tp == 0)."""
+    if not profile.is_dspark or module != K3_CONTEXT_PROJ or tp <= 1:
+        return None
+    if hidden_size is None or hidden_size % tp:
+        return None
+    return (f"vLLM keeps context_proj in BF16 at tensor_parallel_size {tp} "
+            f"(hidden_size {hidden_size} % {tp} == 0)")
+
+
+def tp_needs_unquantized(profile: Profile, module: str, hidden_size: int | None,
+                        tp: int) -> str | None:
+    """Why ``module`` must stay unquantized at ``tp`` although vLLM builds it with the quant
+    config: when context_proj is sharded, the streamed-context path reads ``context_kv_proj``
+    (every layer's kv_a_proj_with_mqa, fused with q_a_proj) as a plain 2-D BF16 matrix."""
+    if module_kind(module) not in QKV_A or tp_keeps_unquantized(
+            profile, K3_CONTEXT_PROJ, hidden_size, tp) is None:
+        return None
+    return (f"at tensor_parallel_size {tp} vLLM's streamed-context path reads context_kv_proj "
+            "(every layer's kv_a_proj_with_mqa) as an unquantized 2-D weight")
+
+
+def fused_groups(profile: Profile, modules: Iterable[str]) -> list[FusedGroup]:
+    """The groups among ``modules`` that vLLM quantizes as one (members present only)."""
+    modules = list(modules)
+    if profile.is_dspark:
+        return _k3_groups(modules)
+    present = set(modules)
+    parents = dict.fromkeys(m.rsplit(".", 1)[0] for m in modules if "." in m)
+    groups = []
+    for parent in parents:
+        for leaves in GENERIC_FUSED:
+            members = tuple(f"{parent}.{leaf}" for leaf in leaves if f"{parent}.{leaf}" in present)
+            if len(members) >= 2:
+                label = f"{parent}.{{{', '.join(m.rsplit('.', 1)[-1] for m in members)}}}"
+                groups.append(FusedGroup(label, members, "vLLM fuses them into one matrix"))
+    return groups
+
+
+def _k3_groups(modules: list[str]) -> list[FusedGroup]:
+    """Per layer gate_proj + up_proj; and q_a_proj + kv_a_proj_with_mqa of *every* layer as one
+    group: each layer fuses its pair into fused_qkv_a_proj, and every layer's kv_a is loaded
+    again into the one cross-layer context_kv_proj."""
+    groups = []
+    qkv_a = tuple(m for m in modules if module_kind(m) in QKV_A)
+    if len(qkv_a) >= 2:
+        groups.append(FusedGroup(
+            "self_attn.{q_a_proj, kv_a_proj_with_mqa} of every layer", qkv_a,
+            "vLLM fuses each layer's pair into fused_qkv_a_proj and loads every layer's "
+            "kv_a_proj_with_mqa again into one cross-layer context_kv_proj"))
+    by_layer: dict[int, list[str]] = {}
+    for m in modules:
+        layer, kind = split_layer(m)
+        if layer is not None and kind in ("mlp.gate_proj", "mlp.up_proj"):
+            by_layer.setdefault(layer, []).append(m)
+    for layer, members in by_layer.items():
+        if len(members) == 2:
+            groups.append(FusedGroup(f"layers.{layer}.mlp.{{gate_proj, up_proj}}", tuple(members),
+                                     "vLLM fuses them into gate_up_proj"))
+    return groups
+
+
+def runtime_modules(profile: Profile, modules: Iterable[str], target_layers: int,
+                    hidden_size: int | None = None, tp: int = 1) -> list[RuntimeModule]:
+    """The Linear layers vLLM builds from the checkpoint's weight-holding ``modules`` (the DSpark
+    draft's names, with ``target_layers`` = L, the target's layer count, as its first index).
+    ``generic``: every module is its own runtime module under its own name."""
+    modules = list(modules)
+    if not profile.is_dspark:
+        return [RuntimeModule(m, (m,), "none", m) for m in modules]
+    out: dict[str, list[str]] = {}
+    split: dict[str, str] = {}
+    for m in modules:
+        layer, kind = split_layer(m)
+        if layer is not None and kind in K3_LAYER_MODULES:
+            leaf, how = K3_LAYER_MODULES[kind]
+            name = f"model.layers.{target_layers + layer}.{leaf}"
+        elif m == K3_CONTEXT_PROJ:
+            name, how = f"model.{m}", "none"
+        else:
+            continue
+        out.setdefault(name, []).append(m)
+        split[name] = how
+    result = [RuntimeModule(name, tuple(shards), split[name], name,
+                            tp_keeps_unquantized(profile, shards[0], hidden_size, tp))
+              for name, shards in out.items()]
+    kv_a = tuple(m for m in modules if module_kind(m) == QKV_A[1])
+    if kv_a:
+        first = min(split_layer(m)[0] for m in kv_a)
+        result.append(RuntimeModule(
+            K3_CONTEXT_KV, kv_a, "none",
+            f"model.layers.{target_layers + first}.self_attn.fused_qkv_a_proj"))
+    return result
+
+
+def ignore_entries(profile: Profile, ignored: Iterable[str], modules: Iterable[str],
+                   target_layers: int | None) -> list[str]:
+    """The ``ignore`` list that makes vLLM's matcher leave exactly ``ignored`` unquantized.
+
+    ``generic``: the module names themselves.  ``K3DSparkModel``: one ``re:`` entry per module
+    kind that is ignored in every layer, matching the checkpoint name, vLLM's runtime name and
+    (for fused kinds) the fused runtime name, whatever the prefix and layer offset; a kind ignored
+    in some layers only gets exact entries: the checkpoint name and the runtime name at
+    ``target_layers``."""
+    ignored = list(ignored)
+    if not profile.is_dspark:
+        return ignored
+    modules = list(modules)
+    ignored_set = set(ignored)
+    by_kind: dict[str, list[str]] = {}
+    for m in modules:
+        by_kind.setdefault(module_kind(m), []).append(m)
+    entries: list[str] = []
+    for kind, members in by_kind.items():
+        inside = [m for m in members if m in ignored_set]
+        if not inside:
+            continue
+        if len(inside) == len(members):
+            entry = _kind_regex(kind, ignored_set, by_kind)
+            if entry not in entries:
+                entries.append(entry)
+            continue
+        for m in inside:
+            entries.append(m)
+            layer, _ = split_layer(m)
+            if layer is not None and kind in K3_LAYER_MODULES and target_layers is not None:
+                runtime = f"model.layers.{target_layers + layer}.{K3_LAYER_MODULES[kind][0]}"
+                if runtime not in entries:
+                    entries.append(runtime)
+    return entries
+
+
+def target_layers_of(config: Mapping) -> int | None:
+    """L, the target's layer count, as a draft's config.json records it
+    (``target_num_hidden_layers``); vLLM itself takes it from the target's config."""
+    value = config.get("target_num_hidden_layers")
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def layer_specific_warning(entries: Iterable[str], target_layers: int | None) -> str | None:
+    """A warning when ``entries`` name single runtime layers: they hold for one L only."""
+    exact = [e for e in entries if not e.startswith("re:") and e.startswith("model.layers.")]
+    if not exact:
+        return None
+    return (f"{len(exact)} ignore entries name single runtime layers ({exact[0]}, ...) at "
+            f"L={target_layers} (config.json's target_num_hidden_layers); served beside a "
+            "target with another layer count, vLLM quantizes those layers. Ignore whole module "
+            "kinds to be independent of L")
+
+
+def _kind_regex(kind: str, ignored: set[str], by_kind: Mapping[str, list[str]]) -> str:
+    """``re:(.*\\.)?<kind>$``; a fused kind also names its fused runtime leaf (and, when its
+    partner kind is ignored everywhere too, the partner: one entry for the pair)."""
+    if kind not in K3_LAYER_MODULES:
+        return f"re:(.*\\.)?{re.escape(kind)}$"
+    fused = K3_LAYER_MODULES[kind][0]
+    partners = [k for k, (leaf, _) in K3_LAYER_MODULES.items() if leaf == fused]
+    if len(partners) == 1:
+        return f"re:.*\\.{re.escape(kind)}$"
+    whole = [k for k in partners if k in by_kind and all(m in ignored for m in by_kind[k])]
+    parent = kind.rsplit(".", 1)[0]
+    leaves = [k.rsplit(".", 1)[1] for k in whole] + [fused.rsplit(".", 1)[1]]
+    return f"re:.*\\.{re.escape(parent)}\\.({'|'.join(leaves)})$"
+
+
+# FP4 Marlin, vLLM's weight-only FP4 kernel on GPUs before Blackwell, repacks each TP shard in
+# tiles of 16 along K and 64 along N (newer vLLM pads N up to 64; older refuses it).
+MARLIN_TILE_K = 16
+MARLIN_TILE_N = 64
+
+
+def marlin_warnings(profile: Profile, shapes: Mapping[str, tuple[int, ...]], fmt: str,
+                    tp: int) -> list[str]:
+    """Shapes of the quantized modules (``shapes``: module -> [N, K], checkpoint order) that FP4
+    Marlin cannot repack at tensor-parallel size ``tp``: K per shard not a multiple of 16
+    (always refused), N per shard not a multiple of 64 (refused by vLLM versions that do not pad
+    N).  One line per module kind and problem."""
+    if fmt not in ("mxfp4", "nvfp4"):
+        return []
+    found: dict[str, list[str]] = {}  # problem -> runtime modules (first shard's name)
+    for rt in runtime_modules(profile, shapes, target_layers=0):
+        if rt.name == K3_CONTEXT_KV or not all(m in shapes for m in rt.shards):
+            continue
+        problem = _marlin_problem(rt, shapes, tp)
+        if problem:
+            kind = module_kind(rt.shards[0])
+            found.setdefault(f"{kind}{' (fused)' if len(rt.shards) > 1 else ''}: {problem}",
+                             []).append(rt.shards[0])
+    return [f"{problem} [{len(where)} module{'s' if len(where) > 1 else ''}]"
+            for problem, where in found.items()]
+
+
+def _marlin_problem(rt: RuntimeModule, shapes: Mapping[str, tuple[int, ...]],
+                    tp: int) -> str | None:
+    n = sum(shapes[m][0] for m in rt.shards)
+    k = shapes[rt.shards[0]][1]
+    shard = f"at tensor_parallel_size {tp}" if rt.split != "none" and tp > 1 else "unsharded"
+    if (rt.split == "out" and n % tp) or (rt.split == "in" and k % tp):
+        return f"[{n}, {k}] does not split evenly {shard}"
+    n_part = n // tp if rt.split == "out" else n
+    k_part = k // tp if rt.split == "in" else k
+    if k_part % MARLIN_TILE_K:
+        return (f"K per shard {k_part} ({shard}) is not a multiple of {MARLIN_TILE_K}; FP4 "
+                "Marlin (GPUs before Blackwell) cannot repack it")
+    if n_part % MARLIN_TILE_N:
+        return (f"N per shard {n_part} ({shard}) is not a multiple of {MARLIN_TILE_N}; FP4 "
+                "Marlin in vLLM versions that do not pad N cannot repack it")
+    return None
