@@ -363,3 +363,14 @@ def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
     names = [k.name for k in module_kinds(load_weights(tiny), "nvfp4")]
     assert not any("confidence" in n or "markov" in n for n in names), names
     assert "self_attn.q_a_proj + self_attn.kv_a_proj_with_mqa" in names
+
+
+def test_simulated_format_equals_the_read_back_checkpoint(tiny, outputs):
+    """eval-drift's simulated NVFP4 (default selection: the cross-layer q_a/kv_a group with its
+    shared global scale) is bit-identical to loading what quantize wrote."""
+    from qstream.model.load import load_weights, simulate_format
+    simulated = simulate_format(load_weights(tiny), "nvfp4", include=None)
+    read_back = load_weights(outputs["default nvfp4"], target=Path(tiny) / "target_head")
+    assert simulated.keys() == read_back.keys()
+    for name, w in simulated.items():
+        assert w.dtype == read_back[name].dtype and as_bytes(w) == as_bytes(read_back[name]), name
