@@ -28,8 +28,8 @@ def _copy(path, tmp_path):
     return shutil.copytree(path, tmp_path / "copy")
 
 
-def _verify(directory):
-    result = CliRunner().invoke(cli, ["verify", str(directory), "--json", "-"])
+def _verify(directory, *args):
+    result = CliRunner().invoke(cli, ["verify", str(directory), "--json", "-", *args])
     return result
 
 
@@ -76,6 +76,24 @@ def _nan_scale(tensors):
     return False
 
 
+def _scale_value(name, value):
+    def change(tensors):
+        if name not in tensors:  # the shard that does not hold it
+            return False
+        tensors[name].view(-1)[0] = value
+        return True
+    return change
+
+
+def _nan_code(tensors):
+    """An FP8 NaN code (0x7F) in the weight: the scales stay sane, only --deep sees it."""
+    name = "model.layers.1.mlp.down_proj.weight"
+    if name not in tensors:
+        return False
+    tensors[name].view(torch.uint8)[0, 0] = 0x7F
+    return True
+
+
 def _wrong_scale_dtype(tensors):
     name = "model.layers.1.mlp.down_proj.weight_scale"
     if name in tensors:
@@ -109,8 +127,24 @@ CASES = {
         group_size=32), "weights.group_size is 32, the nvfp4-pack-quantized format needs 16"),
     "global scales differ": ("nvfp4", "tensors", _second_global_scale,
                              "model.layers.0.mlp.{gate_proj, up_proj} has 2 different NVFP4 global"),
-    "non-finite dequantize": ("nvfp4", "tensors", _nan_scale,
-                              "model.layers.1.mlp.down_proj: dequantized weight has non-finite"),
+    "nan block scale": ("nvfp4", "tensors", _nan_scale,
+                        "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) non-finite or "
+                        "not positive, e.g. nan"),
+    "zero fp8 scale": ("fp8", "tensors", _scale_value("model.layers.1.mlp.down_proj.weight_scale",
+                                                      0.0),
+                       "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) non-finite or "
+                       "not positive, e.g. 0.0"),
+    "negative global scale": ("nvfp4", "tensors",
+                              _scale_value("model.layers.1.mlp.down_proj.weight_global_scale",
+                                           -1.0),
+                              "model.layers.1.mlp.down_proj.weight_global_scale: 1 value(s) "
+                              "non-finite or not positive, e.g. -1.0"),
+    "E8M0 NaN": ("mxfp4", "tensors", _scale_value("model.layers.1.mlp.down_proj.weight_scale",
+                                                  0xFF),
+                 "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) E8M0 0xFF (NaN), e.g. 255"),
+    "non-finite dequantize (--deep)": ("fp8", "tensors", _nan_code,
+                                       "model.layers.1.mlp.down_proj: dequantized weight has "
+                                       "non-finite"),
     "scale dtype": ("fp8", "tensors", _wrong_scale_dtype, None),
     "wrong scale dtype": ("mxfp4", "tensors", _wrong_scale_dtype,
                           "model.layers.1.mlp.down_proj.weight_scale: stored F32 [64, 3], "
@@ -129,6 +163,9 @@ def test_verify_finds_each_problem(quantized, tmp_path, case):
     else:
         _edit_tensors(directory, change)
     result = _verify(directory)
+    if "--deep" in case:  # only the round trip sees it
+        assert result.exit_code == 0, result.output
+        result = _verify(directory, "--deep")
     if message is None:  # FP8's scale may be any float dtype: still fine
         assert result.exit_code == 0, result.output
         return

@@ -50,10 +50,11 @@ class VerifyReport:
 
 
 def verify_checkpoint(directory: str | Path, tensor_parallel_size: int = 1,
-                      target_layers: int | None = None) -> VerifyReport:
+                      target_layers: int | None = None, deep: bool = False) -> VerifyReport:
     """Check ``directory`` as vLLM will load it at ``tensor_parallel_size``.  ``target_layers``
     (L, the target's layer count, which offsets a draft's runtime layer names) defaults to
-    config.json's ``target_num_hidden_layers``."""
+    config.json's ``target_num_hidden_layers``.  Every scale is checked for sane values;
+    ``deep`` also dequantizes every quantized weight."""
     if tensor_parallel_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     checkpoint = open_checkpoint(directory)
@@ -80,7 +81,9 @@ def verify_checkpoint(directory: str | Path, tensor_parallel_size: int = 1,
         _check_accounting(holders, quantized, targets, ignore, report)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
-    _check_round_trip(checkpoint, fmt, quantized - malformed, report)
+    _check_scales(checkpoint, fmt, quantized - malformed, report)
+    if deep:
+        _check_round_trip(checkpoint, fmt, quantized - malformed, report)
     return report
 
 
@@ -221,6 +224,29 @@ def _check_fused(checkpoint: Checkpoint, fmt: str, profile: Profile, holders, qu
                                        f"different NVFP4 global scales {sorted(set(values))}; "
                                        "vLLM keeps one per fused layer (the largest) and "
                                        "dequantizes the other members wrongly")
+
+
+def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
+    """Value-level sanity of what the kernels divide or multiply by: FP8 and NVFP4 scales
+    finite and positive (quantize never writes zero: a zero scale becomes the dtype's eps or
+    0.125), NVFP4 global scales finite and positive, no E8M0 scale 0xFF (NaN in OCP MX)."""
+    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
+    suffixes = ("weight_scale", "weight_global_scale") if fmt == "nvfp4" else ("weight_scale",)
+    for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
+        for suffix in suffixes:
+            name = f"{module}.{suffix}"
+            shard = checkpoint.tensor_shard[name]
+            value = readers[shard].tensor(name)
+            if fmt == "mxfp4":
+                bad, what = value == 0xFF, "E8M0 0xFF (NaN)"
+            else:
+                value = value.float()
+                bad, what = ~(torch.isfinite(value) & (value > 0)), "non-finite or not positive"
+            if bool(bad.any()):
+                first = value[bad][0].item()
+                report.problems.append(f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
+                                       f"{first} (in {shard})")
+            readers[shard].release(name, None)
 
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:

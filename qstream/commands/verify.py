@@ -18,16 +18,18 @@ from qstream.errors import QStreamError
 @option("target_layers", type=click.IntRange(min=0), default=None, metavar="L",
         help="The target's layer count, which offsets a draft's runtime layer names "
              "(default: config.json's target_num_hidden_layers).")
+@option("deep", is_flag=True, help="Also dequantize every quantized weight and require finite "
+        "values (reads the whole checkpoint).")
 @json_option()
-def verify(directory: str, tensor_parallel_size: int, target_layers: int | None,
+def verify(directory: str, tensor_parallel_size: int, target_layers: int | None, deep: bool,
            json_path: str | None) -> None:
     """Check a quantized checkpoint as vLLM will load it: one config group, each quantized
-    module's stored tensors (dtypes, shapes), fused groups whole (NVFP4: one shared global
-    scale), the index, and a dequantize round trip.  For a DSpark draft, vLLM's decision is
+    module's stored tensors (dtypes, shapes, sane scale values), fused groups whole (NVFP4: one
+    shared global scale), the index, and with --deep a dequantize round trip.  For a DSpark draft, vLLM's decision is
     replayed for every runtime Linear layer at --tensor-parallel-size (docs/vllm.md).  Exits 1
     with one line per violation.  Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
     """
-    report = verify_checkpoint(directory, tensor_parallel_size, target_layers)
+    report = verify_checkpoint(directory, tensor_parallel_size, target_layers, deep)
     write_json({**asdict(report), "ok": report.ok}, json_path)
     for warning in report.warnings:
         click.echo(f"Warning: {warning}", err=True)

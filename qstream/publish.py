@@ -1,0 +1,169 @@
+"""Publishing an output directory safely (docs/guarantees.md).
+
+Every command that writes a directory (``quantize``, ``synth``) builds it in a hidden temporary
+directory beside the target, ``.<name>.qstream-partial-<pid>``, and publishes it at the end with
+one rename, so the output appears complete or not at all:
+
+- **Exclusive.** Without ``overwrite`` the target must not exist; if another run creates it
+  meanwhile, the rename fails and this run ends with one line, leaving the other's output.
+- **Overwrite replaces only what qstream wrote**: a directory holding one of qstream's record
+  files (``qstream_quantize.json``, ``qstream_synth.json``).  Anything else is refused, naming
+  what is there.  The old directory is moved aside and removed only once the new one is in place.
+- **No litter.** An error, Ctrl-C, SIGTERM or SIGHUP removes the temporary directory.  SIGKILL
+  cannot be caught: the next run that writes beside it removes temporary directories whose
+  process is gone, with a one-line notice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from qstream.errors import QStreamError
+
+# Files whose presence marks a directory as written by qstream (quantize's provenance, synth's
+# record); --overwrite replaces nothing else.
+RECORD_FILES = ("qstream_quantize.json", "qstream_synth.json")
+_PARTIAL = re.compile(r"^\.(?P<name>.+)\.qstream-(?:partial|old)-(?P<pid>\d+)$")
+
+
+def check_target(output: Path, overwrite: bool, option: str) -> None:
+    """Refuse ``output`` before any work: an existing path without ``overwrite``, or one that
+    qstream did not write; a missing or unwritable parent."""
+    if output.exists() or output.is_symlink():
+        if not overwrite:
+            raise QStreamError(f"{option} {output} already exists (use --overwrite)")
+        if not is_qstream_output(output):
+            raise QStreamError(f"{option} {output} is not a directory qstream wrote "
+                               f"(no {' or '.join(RECORD_FILES)}; it holds {_listing(output)}); "
+                               "refusing to replace it")
+    parent = output.parent
+    if not parent.is_dir():
+        raise QStreamError(f"{option} {output}: parent directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise QStreamError(f"{option} {output}: parent directory {parent} is not writable")
+
+
+def is_qstream_output(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and any(
+        (path / name).is_file() for name in RECORD_FILES)
+
+
+def _listing(path: Path, limit: int = 4) -> str:
+    if not path.is_dir():
+        return "a file" if path.is_file() else "something that is not a directory"
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    if not names:
+        return "nothing (an empty directory)"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit
+                                       else "")
+
+
+def remove_stale_partials(output: Path, notice: Callable[[str], None] | None = None) -> list[Path]:
+    """Remove ``.<output name>.qstream-partial-<pid>`` (and ``-old-``) directories beside
+    ``output`` whose process no longer exists."""
+    removed = []
+    if not output.parent.is_dir():
+        return removed
+    for entry in output.parent.iterdir():
+        m = _PARTIAL.match(entry.name)
+        if not m or m.group("name") != output.name or _alive(int(m.group("pid"))):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+        if notice is not None:
+            notice(f"removed {entry}, left by an interrupted run (process {m.group('pid')})")
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stderr_notice(message: str) -> None:
+    print(f"Notice: {message}", file=sys.stderr)
+
+
+@contextmanager
+def publishing(output: Path, overwrite: bool, option: str = "--output_dir",
+               notice: Callable[[str], None] | None = _stderr_notice) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``output``; publish it as ``output`` when the
+    block ends normally, remove it otherwise (also on SIGTERM and SIGHUP)."""
+    output = Path(output)
+    check_target(output, overwrite, option)
+    remove_stale_partials(output, notice)
+    existed = output.exists()
+    tmp = output.parent / f".{output.name}.qstream-partial-{os.getpid()}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise QStreamError(f"{option} {output}: cannot create {tmp}: {exc.strerror}") from exc
+    try:
+        with _terminate_as_interrupt():
+            yield tmp
+            _publish(tmp, output, existed, option)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish(tmp: Path, output: Path, existed: bool, option: str) -> None:
+    old = None
+    if existed:
+        if not is_qstream_output(output):
+            raise QStreamError(f"{option} {output} changed during the run and is no longer a "
+                               "directory qstream wrote; refusing to replace it")
+        old = output.parent / f".{output.name}.qstream-old-{os.getpid()}"
+        output.rename(old)
+    elif output.exists() or output.is_symlink():
+        raise QStreamError(f"{option} {output} was created by someone else during the run; "
+                           "nothing was replaced")
+    try:
+        os.rename(tmp, output)  # fails if another run published a non-empty directory first
+    except OSError as exc:
+        if old is not None:
+            old.rename(output)
+        raise QStreamError(f"{option} {output} was created by someone else during the run "
+                           f"({exc.strerror}); nothing was replaced") from exc
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread so that clean-up runs as for Ctrl-C."""
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
+               if s is not None]
+    previous = {s: signal.getsignal(s) for s in signals}
+
+    def handler(signum, frame):  # noqa: ARG001 - signal handler signature
+        raise Terminated(signal.Signals(signum).name)
+
+    for s in signals:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,139 @@
+"""qstream.publish: output directories appear complete or not at all, exclusively, replace only
+what qstream wrote, and leave no litter on errors and signals (docs/guarantees.md)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from checkpoints import tree_digest
+from qstream.errors import QStreamError
+from qstream.publish import is_qstream_output, publishing, remove_stale_partials
+
+
+def _home_like(path):
+    (path / ".ssh").mkdir(parents=True)
+    (path / ".ssh" / "id_ed25519").write_text("secret")
+    (path / "Documents").mkdir()
+    (path / ".bashrc").write_text("alias ll='ls -l'")
+    return path
+
+
+def _litter(parent):
+    return sorted(p.name for p in parent.iterdir() if ".qstream-" in p.name)
+
+
+def test_overwrite_refuses_a_directory_qstream_did_not_write(tmp_path):
+    home = _home_like(tmp_path / "home")
+    before = tree_digest(home)
+    with pytest.raises(QStreamError, match=r"--output_dir .*home is not a directory qstream "
+                                           r"wrote .* it holds \.bashrc, \.ssh/, Documents/"):
+        with publishing(home, overwrite=True):
+            pytest.fail("no work may start")
+    assert tree_digest(home) == before and _litter(tmp_path) == []
+
+
+def test_overwrite_replaces_a_qstream_output(tmp_path):
+    out = tmp_path / "out"
+    with publishing(out, overwrite=False) as tmp:
+        (tmp / "qstream_quantize.json").write_text("{}")
+        (tmp / "old.txt").write_text("old")
+    assert is_qstream_output(out)
+    with publishing(out, overwrite=True) as tmp:
+        (tmp / "qstream_quantize.json").write_text("{}")
+    assert not (out / "old.txt").exists() and _litter(tmp_path) == []
+
+
+def test_existing_output_without_overwrite_is_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(QStreamError, match="already exists \\(use --overwrite\\)"):
+        with publishing(tmp_path / "out", overwrite=False):
+            pass
+
+
+def test_a_target_created_meanwhile_is_left_alone(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(QStreamError, match="was created by someone else during the run"):
+        with publishing(out, overwrite=False) as tmp:
+            (tmp / "mine.txt").write_text("mine")
+            out.mkdir()
+            (out / "theirs.txt").write_text("theirs")
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+    assert _litter(tmp_path) == []
+
+
+def test_an_error_removes_the_temporary_directory(tmp_path):
+    with pytest.raises(ValueError):
+        with publishing(tmp_path / "out", overwrite=False) as tmp:
+            (tmp / "half.bin").write_bytes(b"\0" * 10)
+            raise ValueError("disk full")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_leftovers_of_dead_runs_are_removed_with_a_notice(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f".out.qstream-partial-{dead}"
+    stale.mkdir()
+    (stale / "x").write_text("x")
+    alive = tmp_path / f".out.qstream-partial-{os.getppid()}"  # a live process's
+    alive.mkdir()
+    other = tmp_path / f".other.qstream-partial-{dead}"  # beside another output
+    other.mkdir()
+    notices = []
+    assert remove_stale_partials(tmp_path / "out", notices.append) == [stale]
+    assert not stale.exists() and alive.exists() and other.exists()
+    assert notices == [f"removed {stale}, left by an interrupted run (process {dead})"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signals_clean_up_like_ctrl_c(tmp_path, signum):
+    script = textwrap.dedent(f"""
+        import sys, time
+        from qstream.publish import publishing
+        with publishing(__import__("pathlib").Path({str(tmp_path / "out")!r}), False) as tmp:
+            (tmp / "half.bin").write_bytes(b"0" * 1000)
+            print("ready", flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert list(tmp_path.iterdir()) == [], err
+
+
+def test_sigkill_leftovers_are_removed_by_the_next_run(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from qstream.publish import publishing
+        with publishing(Path({str(tmp_path / "out")!r}), False) as tmp:
+            print("ready", flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.kill()
+    proc.wait(timeout=30)
+    assert _litter(tmp_path) == [f".out.qstream-partial-{proc.pid}"]
+    time.sleep(0.1)
+    notices = []
+    with publishing(tmp_path / "out", overwrite=False, notice=notices.append) as tmp:
+        (tmp / "qstream_quantize.json").write_text("{}")
+    assert _litter(tmp_path) == [] and len(notices) == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory")
+def test_unwritable_parent_is_refused_before_any_work(tmp_path):
+    parent = tmp_path / "ro"
+    parent.mkdir(mode=0o555)
+    with pytest.raises(QStreamError, match="is not writable"):
+        with publishing(parent / "out", overwrite=False):
+            pytest.fail("no work may start")
