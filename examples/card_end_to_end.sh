@@ -3,14 +3,16 @@
 # to each format, measure each format's drift against the FP32 reference in every aux regime,
 # and write the card (markdown + PNG figures).  A few minutes on two CPU cores.
 #
-#   examples/card_end_to_end.sh [OUTPUT_DIR]      (default: examples/card_tiny)
+#   examples/card_end_to_end.sh [OUTPUT_DIR]   (default: a scratch directory, never the checkout)
 #
-# The checked-in examples/card_tiny/ is this script's output: CARD.md, CARD_files/*.png and the
-# results.json the card was made from.  Set QSTREAM to use another qstream executable.
+# The checked-in examples/card_tiny/ is this script's output (CARD.md, CARD_files/*.png and the
+# results.json the card was made from), regenerated with
+# `examples/card_end_to_end.sh examples/card_tiny`.  Set QSTREAM to use another qstream.
 set -euo pipefail
 
 QSTREAM=${QSTREAM:-qstream}
-OUT=$(mkdir -p "${1:-examples/card_tiny}" && cd "${1:-examples/card_tiny}" && pwd)
+OUT_ARG=${1:-${TMPDIR:-/tmp}/qstream-card-tiny}
+OUT=$(mkdir -p "$OUT_ARG" && cd "$OUT_ARG" && pwd)
 BLOCKS=${BLOCKS:-1024}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
@@ -27,6 +29,8 @@ for fmt in fp8 mxfp4 nvfp4; do
   [ "$fmt" = mxfp4 ] && extra=(--skip-incompatible)
   "$QSTREAM" quantize --model_dir draft --output_dir "draft-$fmt" --quant_format "$fmt" \
     --include_layers "${INCLUDE[@]}" "${extra[@]}" > /dev/null
+  # vLLM's loading decision replayed for every runtime layer (docs/vllm.md)
+  "$QSTREAM" verify "draft-$fmt"
 done
 
 # Simulated formats, plus the FP8 checkpoint read back from disk (what ships is what is measured),

@@ -120,3 +120,10 @@ def test_skip_incompatible_drops_a_fused_group_whole():
     assert sel.skipped["model.layers.0.mlp.gate_proj"].startswith("fused with "
                                                                   "model.layers.0.mlp.up_proj")
     assert "model.layers.0.mlp.gate_proj" in sel.ignored
+
+
+@pytest.mark.parametrize("option", ["include", "ignore"])
+def test_an_invalid_regex_is_one_error_line(option):
+    with pytest.raises(QStreamError, match=r"pattern 're:mlp_\(gate' is not a valid regular "
+                                           r"expression \(missing \), unterminated subpattern"):
+        select_modules(_infos(llama_tensors()), "fp8", **{option: ["re:mlp_(gate"]})

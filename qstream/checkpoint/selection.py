@@ -42,9 +42,14 @@ class Selection:
 
 
 def matches(pattern: str, module: str) -> bool:
-    """DESIGN.md section 2: equal, dotted suffix, glob, or ``re:`` + Python regex (re.match)."""
+    """docs/quantize.md: equal, dotted suffix, glob, or ``re:`` + Python regex (re.match).
+    An invalid regex is a QStreamError naming the pattern."""
     if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
+        try:
+            return re.match(pattern[3:], module) is not None
+        except re.error as exc:
+            raise QStreamError(f"pattern {pattern!r} is not a valid regular expression "
+                               f"({exc})") from exc
     return (module == pattern or module.endswith("." + pattern)
             or fnmatch.fnmatchcase(module, pattern))
 
