@@ -18,7 +18,8 @@ from pathlib import Path
 from qstream.cliutil import write_json
 from qstream.eval.builtin import builtin_corpus_docs, builtin_model_dir
 from qstream.eval.corpus import load_corpus, tokenize
-from qstream.eval.drift import VARIANT_FORMATS, DriftSettings, evaluate_drift
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.eval.regimes import REGIMES
 from qstream.model.load import load_config
 

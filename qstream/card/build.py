@@ -28,8 +28,6 @@ from qstream.card.document import (
 from qstream.card.figures import sweep_regimes, write_figures
 from qstream.card.results import ResultsSet, merge_results
 from qstream.card.tables import (
-    FLOOR,
-    ROLLOUTS,
     acceptance_table,
     acceptance_verifiers,
     agreement_table,
@@ -42,8 +40,8 @@ from qstream.card.tables import (
     variant_order,
 )
 from qstream.errors import QStreamError
-from qstream.eval.drift import VARIANT_FORMATS
 from qstream.eval.regimes import REGIMES
+from qstream.eval.vocabulary import FLOOR, ROLLOUT_MODES, VARIANT_FORMATS
 
 DEFAULT_REGIME = "heavy"  # the pessimistic regime (massive activation channels), issue 6
 FORMATS = ("md", "json", "html")
@@ -109,7 +107,7 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
         return [] if figures_dir is None else [Figure(f"{figures_dir}/{name}", alt, caption)]
 
     sections.append(Section("Drift-limited acceptance ceiling", [
-        *(ceiling_table(rs, mode) for mode in ROLLOUTS),
+        *(ceiling_table(rs, mode) for mode in ROLLOUT_MODES),
         *figure("ceiling.png", "acceptance ceiling by format and regime",
                 "Acceptance ceiling by format (bars) and regime (groups), 95% CI error bars.")]))
     verifiers = acceptance_verifiers(rs)

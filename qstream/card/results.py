@@ -14,8 +14,7 @@ from pathlib import Path
 
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
-
-SCHEMA = "qstream.eval-drift/1"  # the results schema this card reads (qstream/eval/drift.py)
+from qstream.eval.vocabulary import SCHEMA
 
 # Top-level fields describing how a file's regimes were evaluated (reported per regime when the
 # merged files disagree).

@@ -17,7 +17,8 @@ from qstream.cliutil import (
 from qstream.errors import QStreamError
 from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import load_corpus, tokenize
-from qstream.eval.drift import VARIANT_FORMATS, DriftSettings, evaluate_drift
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.eval.regimes import REGIMES
 from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE, load_config

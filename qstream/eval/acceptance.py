@@ -46,8 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from qstream.eval.metrics import Estimate, mean_estimate, pooled_proportion
-
-RULES = ("token_wise", "block")
+from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,15 +208,13 @@ def summarise(accept: torch.Tensor) -> AcceptanceSummary:
         prefix_accept=tuple(mean_estimate(accept[:, k], bounds=(0.0, 1.0)) for k in range(B)))
 
 
-MODES = ("sampled_token_wise", "sampled_block", "greedy")
-
-
 class AcceptanceAccumulator:
     """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
-    (:data:`MODES`); :meth:`emitted` gives the per-block values for paired comparisons."""
+    (``vocabulary.ACCEPTANCE_MODES``); :meth:`emitted` gives the per-block values for paired
+    comparisons."""
 
     def __init__(self) -> None:
-        self._parts: dict[str, list[torch.Tensor]] = {mode: [] for mode in MODES}
+        self._parts: dict[str, list[torch.Tensor]] = {mode: [] for mode in ACCEPTANCE_MODES}
 
     def add(self, mode: str, accept: torch.Tensor) -> None:
         self._parts[mode].append(accept.double().cpu())
@@ -230,7 +227,7 @@ class AcceptanceAccumulator:
         return 1 + self.accept(mode).sum(dim=1)
 
     def to_json(self) -> dict:
-        return {mode: summarise(self.accept(mode)).to_json() for mode in MODES}
+        return {mode: summarise(self.accept(mode)).to_json() for mode in ACCEPTANCE_MODES}
 
 
 def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:
@@ -243,7 +240,6 @@ def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> di
 # Acceptance of an evaluation's drafted blocks (fed by qstream/eval/drift.py, regime by regime)
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
-VERIFIERS = ("reference", "target")
 
 
 @dataclass(frozen=True)
@@ -309,7 +305,7 @@ class RegimeAcceptance:
         p_tok = token_probs(self._probs(target_logits), stream)
         q_tok = token_probs(self._probs(forced), stream)
         for rule in RULES:
-            acc.add(f"sampled_{rule}", stream_weights(p_tok, q_tok, rule))
+            acc.add(acceptance_mode(rule), stream_weights(p_tok, q_tok, rule))
         target_top1 = target_logits.argmax(-1)
         acc.add("greedy", greedy_accepts(forced.argmax(-1), target_top1))
         if record:
@@ -356,9 +352,9 @@ class RegimeAcceptance:
         p_tok = token_probs(self._probs(self._reference_logits(U, sampled.prev)), sampled.tokens)
         q_tok = token_probs(self._probs(sampled.logits), sampled.tokens)
         for rule in RULES:
-            acc.add(f"sampled_{rule}", accept_probabilities(p_tok, q_tok, rule))
+            acc.add(acceptance_mode(rule), accept_probabilities(p_tok, q_tok, rule))
 
-    def finish(self, out: dict, floor: str = "bf16") -> None:
+    def finish(self, out: dict, floor: str = FLOOR) -> None:
         """Write each variant's ``acceptance`` (with its paired loss against ``floor``) into the
         regime's results ``out``, and the reference draft's acceptance by the target."""
         if not self.active:
@@ -371,7 +367,7 @@ class RegimeAcceptance:
                 base = self.variants.get(floor, {}).get(verifier)
                 block["loss_vs_bf16"] = None if base is None or name == floor else {
                     mode: paired_loss(base.emitted(mode), acc.emitted(mode), self.B)
-                    for mode in MODES}
+                    for mode in ACCEPTANCE_MODES}
                 entry["acceptance"][verifier] = block
         if self.states is not None:
             share = {k: pooled_proportion(torch.cat(v)).to_json()

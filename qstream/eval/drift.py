@@ -28,15 +28,19 @@ from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.regimes import REGIMES, check_boot_compatible, synthetic_aux
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
 from qstream.eval.states import read_states
+from qstream.eval.vocabulary import (
+    ALLOWED_FORMATS,
+    FLOOR,
+    REFERENCE,
+    SCHEMA,
+    STATES_REGIME,
+    VARIANT_FORMATS,
+)
 from qstream.formats import FORMATS, snr_db, snr_sums
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import LM_HEAD, DSpark, rollout, teacher_forced
 from qstream.model.load import QUANTIZE_INCLUDE, load_config, load_weights, simulate_format
 
-SCHEMA = "qstream.eval-drift/1"
-VARIANT_FORMATS = ("bf16", *FORMATS)  # the default set; "fp32" (the reference itself, a
-# self-check that must report exact agreement) is also accepted
-ALLOWED_FORMATS = ("fp32", *VARIANT_FORMATS)
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
 # every variant read the same rounded values.
 AUX_DTYPE = torch.bfloat16
@@ -54,7 +58,7 @@ MIN_BATCH_POSITIONS = 4096
 @dataclass(frozen=True)
 class DriftSettings:
     regimes: tuple[str, ...] = ("heavy",)
-    formats: tuple[str, ...] = VARIANT_FORMATS  # simulated variants; "bf16" is the floor
+    formats: tuple[str, ...] = VARIANT_FORMATS  # simulated variants; FLOOR (bf16) is the floor
     variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
     include: tuple[str, ...] = QUANTIZE_INCLUDE  # modules the simulated formats quantize
     ignore: tuple[str, ...] = ()
@@ -177,7 +181,7 @@ def _aux_for(regime: str, batch: Batch, corpus: Corpus, config: DSparkConfig, se
     heavy are cached while the cache holds under AUX_CACHE_BYTES (drawing them again for every
     variant costs as much as a bf16 forward), else drawn again (they are deterministic)."""
     T = max(batch.context_length, 1)
-    if regime == "states":  # captured: the file's own aux states (qstream/eval/states.py)
+    if regime == STATES_REGIME:  # captured: the file's own aux states (qstream/eval/states.py)
         return corpus.aux(batch.streams, T).to(AUX_DTYPE)
     key = id(batch)
     if regime != "boot":
@@ -290,7 +294,7 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     plan = sample_anchors(corpus, settings.n_blocks, config.block_size, settings.seed,
                           max_context=config.max_position_embeddings - config.block_size)
     batches = make_batches(plan, corpus, config)
-    variants = [Variant(f, f if f in ("fp32", "bf16") else "simulated", f)
+    variants = [Variant(f, f if f in (REFERENCE, FLOOR) else "simulated", f)
                 for f in settings.formats]
     variants += [Variant(name, "checkpoint", path) for name, path in settings.variant_dirs]
     tick = progress or (lambda what, n: None)
@@ -334,8 +338,8 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
         states_plan = sample_anchors(states, settings.n_blocks, config.block_size, settings.seed,
                                      max_context=config.max_position_embeddings - config.block_size)
         results["states"] = {**states.identity(), "anchors": states_plan.to_json()}
-        results["regimes"]["states"] = _evaluate_regime(
-            "states", config, weights, states, states_plan,
+        results["regimes"][STATES_REGIME] = _evaluate_regime(
+            STATES_REGIME, config, weights, states, states_plan,
             make_batches(states_plan, states, config), variants, settings, target, tick)
     if settings.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS
