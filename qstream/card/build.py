@@ -20,6 +20,7 @@ from qstream.card.document import (
     Card,
     Code,
     Figure,
+    Part,
     Section,
     card_json,
     render_html,
@@ -139,12 +140,7 @@ def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
     if sens:
         parts = []
         for r in sens:
-            best = rs.sections[r]["sensitivity"]["suggested"]
-            parts.append(sensitivity_table(rs, r))
-            parts.append(Code(f"qstream quantize --quant_format "
-                              f"{rs.sections[r]['sensitivity']['format']} {best['command']}")
-                         if best["command"] else
-                         f"Regime {r}: no module kind stays within the tolerance.")
+            parts += [sensitivity_table(rs, r), suggested_command(rs, r)]
         sections.append(Section("Which modules may be quantized", [
             "Each row adds one module kind to the quantized set (fused partners together); the "
             "last row within the tolerance gives the include list below.", *parts]))
@@ -157,6 +153,15 @@ def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
                     "context), one line per format, 95% bands; the dotted line is the YaRN "
                     "boundary.")]))
     return sections
+
+
+def suggested_command(rs: ResultsSet, regime: str) -> Part:
+    """The quantize command of the largest include list within the sensitivity tolerance."""
+    sens = rs.sections[regime]["sensitivity"]
+    best = sens["suggested"]
+    if not best["command"]:
+        return f"Regime {regime}: no module kind stays within the tolerance."
+    return Code(f"qstream quantize --quant_format {sens['format']} {best['command']}")
 
 
 def _checkpoint_sections(checkpoints: Sequence[str | Path],
