@@ -209,29 +209,33 @@ def _per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
     return "; ".join(f"{regime}: {value}" for regime, value in values.items())
 
 
+def _corpus(run: dict) -> str:
+    c = run["corpus"] or {}
+    return (f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
+            f"{c.get('tokens')} tokens)")
+
+
+def _anchors(run: dict) -> str:
+    a = run["anchors"] or {}
+    return (f"context length mean {a.get('context_length_mean'):.1f}, min "
+            f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens")
+
+
+def _sampling(run: dict) -> str:
+    s = run["sampling"] or {}
+    return f"temperature {s.get('temperature')}, top-p {s.get('top_p')}; {s.get('noise')}"
+
+
+def _selection(run: dict) -> str:
+    s = run["selection"] or {}
+    return (f"include {' '.join(s.get('include') or []) or '(default)'}; "
+            f"ignore {' '.join(s.get('ignore') or []) or '(none)'}")
+
+
 def evaluation_table(rs: ResultsSet) -> Table:
     """Reference, regimes, corpus, blocks, intervals, seed, versions: all from the results."""
     regimes = regime_order(rs)
     model = rs.model
-
-    def corpus(run):
-        c = run["corpus"] or {}
-        return (f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
-                f"{c.get('tokens')} tokens)")
-
-    def anchors(run):
-        a = run["anchors"] or {}
-        return (f"context length mean {a.get('context_length_mean'):.1f}, min "
-                f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens")
-
-    def sampling(run):
-        s = run["sampling"] or {}
-        return f"temperature {s.get('temperature')}, top-p {s.get('top_p')}; {s.get('noise')}"
-
-    def selection(run):
-        s = run["selection"] or {}
-        return (f"include {' '.join(s.get('include') or []) or '(default)'}; "
-                f"ignore {' '.join(s.get('ignore') or []) or '(none)'}")
 
     rows = [
         ("model", f"{model.get('path')} ({model.get('architecture')}, {model.get('parameters')} "
@@ -245,14 +249,14 @@ def evaluation_table(rs: ResultsSet) -> Table:
                                                           f"{r['aux_dtype']}")),
         ("regimes", "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}"
                               for r in regimes)),
-        ("corpus", _per_regime(rs, regimes, corpus)),
+        ("corpus", _per_regime(rs, regimes, _corpus)),
         ("tokenizer", _per_regime(rs, regimes, lambda r: (r.get("corpus") or {}).get(
             "tokenizer") or "not recorded in the results")),
         ("blocks per regime", _per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of "
                                                                  f"{r['block_size']} tokens")),
-        ("anchors", _per_regime(rs, regimes, anchors)),
-        ("sampled rollouts", _per_regime(rs, regimes, sampling)),
-        ("modules the simulated formats quantize", _per_regime(rs, regimes, selection)),
+        ("anchors", _per_regime(rs, regimes, _anchors)),
+        ("sampled rollouts", _per_regime(rs, regimes, _sampling)),
+        ("modules the simulated formats quantize", _per_regime(rs, regimes, _selection)),
         ("seed", _per_regime(rs, regimes, lambda r: str(r["seed"]))),
         ("intervals", "95%, two-sided: Wilson score for per-position proportions, Wilson on "
                       "Kish's effective sample size for pooled proportions, Student-t over "

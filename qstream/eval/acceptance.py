@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.eval.metrics import Estimate, mean_estimate
+from qstream.eval.estimates import Estimate, mean_estimate
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
 
 

@@ -29,7 +29,8 @@ DEFAULT_EDGES = "default"  # --context-lengths given bare
 
 
 def resolve_regimes(regime: str | None, states: str | None) -> tuple[str, ...]:
-    """``--regime``: one regime, ``all``, or (None) heavy, or none when captured states are given."""
+    """``--regime``: one regime, ``all``, or (None) heavy, or none when captured states are
+    given."""
     if regime is None:
         return () if states else (DEFAULT_REGIME,)
     return tuple(REGIMES) if regime == ALL_REGIMES else (regime,)

@@ -50,12 +50,12 @@ class DriftSettings:
     # Simulated acceptance (docs/acceptance.md): the FP32 reference verifies each variant's
     # drafts, token-wise and by block verification
     acceptance: bool = False
-    states: str | None = None  # captured target states (qstream/eval/states.py): the "states" regime
+    states: str | None = None  # captured target states (qstream/eval/states.py): regime "states"
     # Per-module sensitivity (qstream/eval/sensitivity.py): one format, one module kind at a
     # time, then cumulatively; None picks nvfp4 or the first 4-bit format of ``formats``.
     sensitivity: bool = False
     sensitivity_format: str | None = None
-    tolerance: float = 0.1  # tokens of greedy ceiling below the bf16 floor the include list may lose
+    tolerance: float = 0.1  # greedy ceiling (tokens) below bf16 the include list may lose
     # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens; () = no sweep
     context_lengths: tuple[int, ...] = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)

@@ -37,7 +37,8 @@ def settings_variants(settings: DriftSettings) -> tuple[Variant, ...]:
     """The simulated formats, then the checkpoint directories, in the order the user gave."""
     simulated = [Variant(f, f if f in (REFERENCE, FLOOR) else "simulated", f)
                  for f in settings.formats]
-    return (*simulated, *(Variant(name, "checkpoint", path) for name, path in settings.variant_dirs))
+    checkpoints = [Variant(name, "checkpoint", path) for name, path in settings.variant_dirs]
+    return (*simulated, *checkpoints)
 
 
 def variant_weights(variant: Variant, reference_weights: Weights, config: DSparkConfig,

@@ -19,7 +19,7 @@ from qstream.eval.acceptance import (
 )
 from qstream.eval.batches import Batch
 from qstream.eval.corpus import AnchorPlan
-from qstream.eval.metrics import pooled_proportion
+from qstream.eval.estimates import pooled_proportion
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
 from qstream.model.dspark import (

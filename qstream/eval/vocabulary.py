@@ -23,7 +23,7 @@ FLOOR = "bf16"
 VARIANT_FORMATS = (FLOOR, *FORMATS)  # the default set of simulated variants
 ALLOWED_FORMATS = (REFERENCE, *VARIANT_FORMATS)
 
-# The regime of captured target states (``--states``); the aux regimes are qstream/eval/regimes.py's.
+# The regime of captured target states (``--states``); the aux regimes are in regimes.py.
 STATES_REGIME = "states"
 
 # Rollout modes of ``metrics.rollouts``: free-running greedy, and sampled on common random numbers.
@@ -61,24 +61,28 @@ def rollout_label(mode: str, sampling: Mapping | None) -> str:
     raise ValueError(f"unknown rollout mode {mode!r}; choose from {', '.join(ROLLOUT_MODES)}")
 
 
-# Where each metric of a variant's results entry is computed (``metrics.KEY`` unless noted);
-# docs/eval-drift.md has the same table for readers, and a test keeps the two equal.
+# Where each number of a variant's results entry is computed: its key (under ``metrics.`` unless
+# it starts with weight_snr, acceptance, sensitivity or context_sweep) -> module.function.
+# docs/eval-drift.md has the same table for readers; tests/test_eval_drift.py keeps the two equal
+# and checks that every function exists.
 METRICS = {
-    "greedy_agree": "qstream.eval.metrics.token_divergences",
-    "greedy_agree_overall": "qstream.eval.metrics.pooled_proportion",
-    "one_minus_tv": "qstream.eval.metrics.token_divergences",
-    "one_minus_tv_overall": "qstream.eval.metrics.pooled_mean",
-    "kl": "qstream.eval.metrics.kl_summary",
-    "reverse_kl": "qstream.eval.metrics.kl_summary",
-    "confidence_r": "qstream.eval.metrics.pearson_r",
+    "greedy_agree[k]": "qstream.eval.metrics.token_divergences",
+    "greedy_agree_overall": "qstream.eval.estimates.pooled_proportion",
+    "one_minus_tv[k]": "qstream.eval.metrics.token_divergences",
+    "one_minus_tv_overall": "qstream.eval.estimates.pooled_mean",
+    "kl, reverse_kl": "qstream.eval.metrics.token_divergences",
+    "kl.mean, kl.p99, ...": "qstream.eval.metrics.kl_summary",
+    "confidence_r": "qstream.eval.estimates.pearson_r",
     "sched_flip_rate": "qstream.eval.metrics.sched_flips",
-    "rollouts.*.seq_agree": "qstream.eval.metrics.rollout_metrics",
-    "rollouts.*.prefix_agree": "qstream.eval.metrics.prefix_matches",
-    "rollouts.*.ceiling": "qstream.eval.metrics.rollout_metrics",
+    "rollouts.MODE.seq_agree[k]": "qstream.eval.metrics.rollout_metrics",
+    "rollouts.MODE.prefix_agree[k]": "qstream.eval.metrics.prefix_matches",
+    "rollouts.MODE.ceiling": "qstream.eval.metrics.rollout_metrics",
+    "intervals (lo, hi) of every Estimate": "qstream.eval.estimates",
     "weight_snr": "qstream.eval.variants.weight_snr",
-    "acceptance.*.sampled_token_wise": "qstream.eval.acceptance.accept_probabilities",
-    "acceptance.*.sampled_block": "qstream.eval.acceptance.accept_probabilities",
+    "acceptance.reference.sampled_*": "qstream.eval.acceptance.accept_probabilities",
+    "acceptance.target.sampled_*": "qstream.eval.acceptance.stream_weights",
     "acceptance.*.greedy": "qstream.eval.acceptance.greedy_accepts",
+    "acceptance.*.*.emitted, prefix_accept": "qstream.eval.acceptance.summarise",
     "acceptance.*.loss_vs_bf16": "qstream.eval.acceptance.paired_loss",
     "sensitivity": "qstream.eval.sensitivity.evaluate_sensitivity",
     "context_sweep": "qstream.eval.context_sweep.context_sweep",
