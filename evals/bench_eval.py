@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from qstream.eval.builtin import builtin_corpus_docs
-from qstream.eval.corpus import load_corpus, sample_anchors, tokenize
-from qstream.eval.drift import _aux_for, _draft, make_batches
+from qstream.eval.batches import AuxStates, draft_blocks, make_batches
+from qstream.eval.corpus import sample_anchors
+from qstream.eval.run import load_run_corpus
 from qstream.model.dspark import DSpark, rollout
 from qstream.model.load import load_config, load_weights
 from qstream.model.synth import synth_checkpoint
@@ -63,7 +63,7 @@ def run_pass(model: DSpark, batches, aux) -> float:
     """One greedy drafting pass over every batch (aux states drawn beforehand, untimed)."""
     start = time.perf_counter()
     for batch, states in zip(batches, aux):
-        rollout(model, _draft(model, states, batch))
+        rollout(model, draft_blocks(model, states, batch))
     return time.perf_counter() - start
 
 
@@ -76,13 +76,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or synth_checkpoint("small", Path(tmp) / "small", seed=0).output_dir
         config = load_config(model_dir)
-        tok = Path(model_dir) / "tokenizer.json"
-        corpus = (load_corpus(args.corpus, tok, config.vocab_size) if args.corpus
-                  else tokenize(builtin_corpus_docs(), tok, config.vocab_size))
+        corpus = load_run_corpus(model_dir, args.corpus, None, config)
         plan = sample_anchors(corpus, args.blocks, config.block_size, seed=0)
         batches = make_batches(plan, corpus, config)
         weights = load_weights(model_dir, None, config)
-        aux = [_aux_for("gauss", b, corpus, config, 0, None, {}) for b in batches]
+        gauss = AuxStates("gauss", corpus, config, seed=0)
+        aux = [gauss.get(b) for b in batches]
         flops = useful_flops(config, plan, batches)
         print(f"small preset: H={config.hidden_size} V={config.vocab_size}, {args.blocks} blocks "
               f"(mean context {plan.anchor.double().mean():.0f}), {len(batches)} batches, "

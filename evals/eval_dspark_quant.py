@@ -16,11 +16,10 @@ import argparse
 from pathlib import Path
 
 from qstream.cliutil import write_json
-from qstream.eval.builtin import builtin_corpus_docs, builtin_model_dir
-from qstream.eval.corpus import load_corpus, tokenize
-from qstream.eval.drift import VARIANT_FORMATS, DriftSettings, evaluate_drift
 from qstream.eval.regimes import REGIMES
-from qstream.model.load import load_config
+from qstream.eval.run import parse_variants, run_drift
+from qstream.eval.settings import DriftSettings
+from qstream.eval.vocabulary import VARIANT_FORMATS
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -36,18 +35,13 @@ def main() -> None:
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
 
-    model = args.model or str(builtin_model_dir())
-    config = load_config(model)
-    tok = Path(model) / "tokenizer.json"
-    corpus = (load_corpus(args.corpus, tok, config.vocab_size) if args.corpus
-              else tokenize(builtin_corpus_docs(), tok, config.vocab_size))
-    variants = tuple(tuple(v.split("=", 1)) for v in args.variant)
+    variants = parse_variants(args.variant)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for regime in REGIMES:
         settings = DriftSettings(regimes=(regime,), formats=VARIANT_FORMATS,
                                  variant_dirs=variants, n_blocks=args.blocks, seed=args.seed)
-        results = evaluate_drift(model, settings, corpus, args.target)
+        results = run_drift(settings, model=args.model, target=args.target, corpus=args.corpus)
         path = out / f"drift_{regime}.json"
         write_json(results, str(path))
         ceilings = {name: v["metrics"]["rollouts"]["greedy"]["ceiling"]["value"]

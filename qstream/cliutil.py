@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from qstream.errors import QStreamError
 
@@ -47,6 +50,34 @@ def make_console(stderr: bool = False) -> Console:
     if out.is_terminal or "COLUMNS" in os.environ:
         return out
     return Console(stderr=stderr, width=PIPE_WIDTH)
+
+
+class _BlocksBar:
+    """qstream.eval.settings.Progress on a rich bar: the total arrives with ``start``."""
+
+    def __init__(self, bar: Progress):
+        self.bar, self.task = bar, None
+
+    def start(self, total: int | None) -> None:
+        self.task = self.bar.add_task("eval-drift", total=total)
+
+    def advance(self, what: str, blocks: int) -> None:
+        self.bar.update(self.task, advance=blocks, description=what)
+
+
+@contextmanager
+def blocks_progress(console: Console) -> Iterator[Any]:
+    """A progress bar counting drafted blocks on a terminal; silence otherwise (DESIGN.md
+    section 2)."""
+    if not console.is_terminal:
+        from qstream.eval.settings import Silent  # imported here: quantize never loads eval
+
+        yield Silent()
+        return
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("blocks"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        yield _BlocksBar(bar)
 
 
 def spellings(name: str) -> list[str]:

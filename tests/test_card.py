@@ -166,6 +166,18 @@ def test_default_regime_falls_back_and_says_so(tmp_path):
     assert any("default, heavy, is not in the results" in m for m in card.missing)
 
 
+def test_sampled_rollout_is_labelled_with_the_runs_own_settings(tmp_path):
+    """A card from a --temperature 0.7 --top_p 0.9 run says so (it once said T=1.0, top-p 0.95
+    whatever the run used)."""
+    data = _results()
+    data["sampling"] = {**data["sampling"], "temperature": 0.7, "top_p": 0.9}
+    out = tmp_path / "CARD.md"
+    write_card([_write(tmp_path / "t07.json", data)], out, figures=False)
+    text = out.read_text()
+    assert "sampled rollout (T=0.7, top-p 0.9)" in text
+    assert "T=1.0" not in text and "top-p 0.95" not in text
+
+
 def test_per_regime_files_merge_to_the_same_tables(tmp_path, card_md):
     whole, _, _ = card_md
     data = _results()

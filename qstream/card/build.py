@@ -20,6 +20,7 @@ from qstream.card.document import (
     Card,
     Code,
     Figure,
+    Part,
     Section,
     card_json,
     render_html,
@@ -28,8 +29,6 @@ from qstream.card.document import (
 from qstream.card.figures import sweep_regimes, write_figures
 from qstream.card.results import ResultsSet, merge_results
 from qstream.card.tables import (
-    FLOOR,
-    ROLLOUTS,
     acceptance_table,
     acceptance_verifiers,
     agreement_table,
@@ -42,8 +41,8 @@ from qstream.card.tables import (
     variant_order,
 )
 from qstream.errors import QStreamError
-from qstream.eval.drift import VARIANT_FORMATS
 from qstream.eval.regimes import REGIMES
+from qstream.eval.vocabulary import FLOOR, ROLLOUT_MODES, VARIANT_FORMATS
 
 DEFAULT_REGIME = "heavy"  # the pessimistic regime (massive activation channels), issue 6
 FORMATS = ("md", "json", "html")
@@ -109,7 +108,7 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
         return [] if figures_dir is None else [Figure(f"{figures_dir}/{name}", alt, caption)]
 
     sections.append(Section("Drift-limited acceptance ceiling", [
-        *(ceiling_table(rs, mode) for mode in ROLLOUTS),
+        *(ceiling_table(rs, mode) for mode in ROLLOUT_MODES),
         *figure("ceiling.png", "acceptance ceiling by format and regime",
                 "Acceptance ceiling by format (bars) and regime (groups), 95% CI error bars.")]))
     verifiers = acceptance_verifiers(rs)
@@ -141,12 +140,7 @@ def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
     if sens:
         parts = []
         for r in sens:
-            best = rs.sections[r]["sensitivity"]["suggested"]
-            parts.append(sensitivity_table(rs, r))
-            parts.append(Code(f"qstream quantize --quant_format "
-                              f"{rs.sections[r]['sensitivity']['format']} {best['command']}")
-                         if best["command"] else
-                         f"Regime {r}: no module kind stays within the tolerance.")
+            parts += [sensitivity_table(rs, r), suggested_command(rs, r)]
         sections.append(Section("Which modules may be quantized", [
             "Each row adds one module kind to the quantized set (fused partners together); the "
             "last row within the tolerance gives the include list below.", *parts]))
@@ -159,6 +153,15 @@ def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
                     "context), one line per format, 95% bands; the dotted line is the YaRN "
                     "boundary.")]))
     return sections
+
+
+def suggested_command(rs: ResultsSet, regime: str) -> Part:
+    """The quantize command of the largest include list within the sensitivity tolerance."""
+    sens = rs.sections[regime]["sensitivity"]
+    best = sens["suggested"]
+    if not best["command"]:
+        return f"Regime {regime}: no module kind stays within the tolerance."
+    return Code(f"qstream quantize --quant_format {sens['format']} {best['command']}")
 
 
 def _checkpoint_sections(checkpoints: Sequence[str | Path],

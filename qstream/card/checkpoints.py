@@ -29,9 +29,9 @@ from qstream.checkpoint.selection import (
 from qstream.checkpoint.serving import never_quantized, profile_for
 from qstream.errors import QStreamError
 from qstream.formats import get_format
+from qstream.units import GIB
 
 PROVENANCE = "qstream_quantize.json"
-GIB = 1 << 30
 PACKED = "weight_packed"  # two 4-bit weights per stored byte
 
 

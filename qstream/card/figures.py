@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from qstream.card.results import ResultsSet
-from qstream.card.tables import FLOOR, ROLLOUTS, metrics, regime_order, variant_order
+from qstream.card.tables import metrics, regime_order, rollout_name, variant_order
+from qstream.eval.vocabulary import FLOOR, ROLLOUT_MODES
 
 DPI = 150
 BACKGROUND = "white"
@@ -55,7 +56,7 @@ def _save(fig, path: Path, handles, labels) -> None:
 def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
     """seq agree[k] of each variant with its 95% band: a panel per regime, a row per rollout."""
     regimes, variants = regime_order(rs), variant_order(rs)
-    modes = [m for m in ROLLOUTS if any(m in (metrics(rs, r, v) or {}).get("rollouts", {})
+    modes = [m for m in ROLLOUT_MODES if any(m in (metrics(rs, r, v) or {}).get("rollouts", {})
                                          for r in regimes for v in variants)]
     fig, axes = _new_figure(len(modes), len(regimes), (4.2, 3.2), sharey="row")
     positions = list(range(1, rs.block_size + 1))
@@ -77,7 +78,7 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
                 ax.fill_between(positions, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
                 handles.setdefault(variant, line)
                 lowest = min(lowest, *lo)
-            ax.set_title(f"{regime} — {ROLLOUTS[mode]}", fontsize=9)
+            ax.set_title(f"{regime} — {rollout_name(rs, mode, [regime])}", fontsize=9)
             ax.set_xlabel("drafted position k")
             if col == 0:  # the row shares its y axis
                 ax.set_ylabel("seq agree (share of blocks)")
@@ -93,10 +94,10 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> None:
     from matplotlib.patheffects import withStroke
 
     regimes, variants = regime_order(rs), variant_order(rs)
-    fig, axes = _new_figure(1, len(ROLLOUTS), (max(4.2, 1.3 * len(regimes) + 1.5), 3.6))
+    fig, axes = _new_figure(1, len(ROLLOUT_MODES), (max(4.2, 1.3 * len(regimes) + 1.5), 3.6))
     width = 0.8 / max(len(variants), 1)
     handles = {}
-    for col, mode in enumerate(ROLLOUTS):
+    for col, mode in enumerate(ROLLOUT_MODES):
         ax = axes[0][col]
         for i, variant in enumerate(variants):
             xs, values, errs = [], [], [[], []]
@@ -122,7 +123,7 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> None:
         ax.set_xlabel("aux regime")
         ax.set_ylabel(f"mean matched prefix (tokens, 0..{rs.block_size})")
         ax.set_ylim(0, rs.block_size)
-        ax.set_title(ROLLOUTS[mode], fontsize=9)
+        ax.set_title(rollout_name(rs, mode), fontsize=9)
     fig.suptitle("Drift-limited acceptance ceiling (error bars: 95% CI)", fontsize=11)
     _save(fig, path, list(handles.values()), list(handles))
 

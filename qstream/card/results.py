@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
-
-SCHEMA = "qstream.eval-drift/1"  # the results schema this card reads (qstream/eval/drift.py)
+from qstream.eval.vocabulary import SCHEMA
 
 # Top-level fields describing how a file's regimes were evaluated (reported per regime when the
 # merged files disagree).
@@ -47,16 +47,20 @@ class ResultsSet:
 
 def read_results(path: str | Path) -> dict:
     path = Path(path)
-    data = read_json(path, "results file")
+    return check_results(read_json(path, "results file"), path)
+
+
+def check_results(data: Any, source: str | Path) -> dict:
+    """``data`` if it is eval-drift results (schema and top-level fields), else QStreamError."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise QStreamError(f"{path}: not eval-drift results (schema {found!r}, expected "
+        raise QStreamError(f"{source}: not eval-drift results (schema {found!r}, expected "
                            f"{SCHEMA!r})")
     for key in ("model", "regimes", "variants", "block_size"):
         if key not in data:
-            raise QStreamError(f"{path}: results lack the {key!r} field")
+            raise QStreamError(f"{source}: results lack the {key!r} field")
     if not data["regimes"]:
-        raise QStreamError(f"{path}: results hold no regime")
+        raise QStreamError(f"{source}: results hold no regime")
     return data
 
 
@@ -64,14 +68,20 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
     """One results set from ``paths``; a duplicate regime/variant must carry identical numbers."""
     if not paths:
         raise QStreamError("no results file given")
+    return collect_results([(read_results(path), str(path)) for path in paths])
+
+
+def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
+    """One results set from (results, where they came from) pairs, e.g. a run held in memory:
+    ``collect_results([(evaluate_drift(...), "(this run)")])``."""
     merged: ResultsSet | None = None
-    for path in paths:
-        data = read_results(path)
+    for data, source in results:
+        check_results(data, source)
         if merged is None:
             merged = ResultsSet(model=data["model"])
-        _check_same_model(merged, data, path)
+        _check_same_model(merged, data, source)
         for regime, block in data["regimes"].items():
-            _merge_regime(merged, regime, block, data, str(path))
+            _merge_regime(merged, regime, block, data, source)
         for name, info in data["variants"].items():
             merged.variants.setdefault(name, info)
     return merged

@@ -12,12 +12,17 @@ from pathlib import Path
 from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
 from qstream.eval.regimes import REGIMES
+from qstream.eval.vocabulary import (
+    ACCEPTANCE_MODES,
+    FLOOR,
+    ROLLOUT_MODES,
+    VERIFIERS,
+    rollout_label,
+)
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
 # 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B).
 DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "snr": 1}
-FLOOR = "bf16"  # the numerical floor every format is compared with (DESIGN.md section 6)
-ROLLOUTS = {"greedy": "greedy rollout", "sampled": "sampled rollout (T=1.0, top-p 0.95)"}
 
 # What each aux regime stands for (DESIGN.md section 6, qstream/eval/regimes.py).
 REGIME_DESCRIPTIONS = {
@@ -63,6 +68,16 @@ def variant_order(rs: ResultsSet) -> list[str]:
     return sorted(present, key=lambda v: v != FLOOR)
 
 
+def rollout_name(rs: ResultsSet, mode: str, regimes: list[str] | None = None) -> str:
+    """The rollout mode's label with the sampling settings the runs of ``regimes`` (default:
+    all) recorded; when they differ, the label says so instead of picking one."""
+    names = list(dict.fromkeys(rollout_label(mode, rs.runs[r].get("sampling"))
+                               for r in (regimes if regimes is not None else regime_order(rs))))
+    if len(names) == 1:
+        return names[0]
+    return f"{mode} rollout (settings differ by regime: see how it was evaluated)"
+
+
 def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
     result = rs.regimes.get(regime, {}).get(variant)
     return None if result is None else result["metrics"]
@@ -82,8 +97,9 @@ def agreement_table(rs: ResultsSet, regime: str) -> Table:
         if m is None:
             continue
         measures = [("greedy agree (teacher-forced)", m["greedy_agree"])]
-        measures += [(f"seq agree, {ROLLOUTS[mode]}", m["rollouts"][mode]["seq_agree"])
-                     for mode in ROLLOUTS if mode in m["rollouts"]]
+        measures += [(f"seq agree, {rollout_name(rs, mode, [regime])}",
+                      m["rollouts"][mode]["seq_agree"])
+                     for mode in ROLLOUT_MODES if mode in m["rollouts"]]
         for name, per_k in measures:
             rows.append([label(variant), label(name), *(fixed(e["value"], d) for e in per_k)])
     return Table(f"Regime {regime}: agreement with the FP32 reference by drafted position k "
@@ -123,7 +139,7 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
                     if floor is not None and mode in floor["rollouts"] else None
                 row.append(_gap(ceiling["value"], floor_value, d))
         rows.append(row)
-    return Table(f"Drift-limited acceptance ceiling, {ROLLOUTS[mode]}: mean matched prefix of the "
+    return Table(f"Drift-limited acceptance ceiling, {rollout_name(rs, mode)}: mean matched prefix of the "
                  f"{rs.block_size} drafted tokens (0..{rs.block_size}). The gap to bf16 is the "
                  "variant's value minus bf16's in the same regime, a difference computed for this "
                  "card", columns, rows, key=f"ceiling_{mode}")
@@ -143,7 +159,8 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
         lambda r: estimate(r["metrics"]["greedy_agree_overall"], p))
     add("1−TV, all positions [95% CI]",
         lambda r: estimate(r["metrics"]["one_minus_tv_overall"], tv))
-    for mode, name in ROLLOUTS.items():
+    for mode in ROLLOUT_MODES:
+        name = rollout_name(rs, mode, [regime])
         add(f"ceiling, {name} [95% CI]", lambda r, mode=mode: _rollout(r, mode, "ceiling", c))
         add(f"whole block of {B} matched, {name} [95% CI]",
             lambda r, mode=mode: _rollout(r, mode, "prefix_agree", p))
@@ -192,29 +209,33 @@ def _per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
     return "; ".join(f"{regime}: {value}" for regime, value in values.items())
 
 
+def _corpus(run: dict) -> str:
+    c = run["corpus"] or {}
+    return (f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
+            f"{c.get('tokens')} tokens)")
+
+
+def _anchors(run: dict) -> str:
+    a = run["anchors"] or {}
+    return (f"context length mean {a.get('context_length_mean'):.1f}, min "
+            f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens")
+
+
+def _sampling(run: dict) -> str:
+    s = run["sampling"] or {}
+    return f"temperature {s.get('temperature')}, top-p {s.get('top_p')}; {s.get('noise')}"
+
+
+def _selection(run: dict) -> str:
+    s = run["selection"] or {}
+    return (f"include {' '.join(s.get('include') or []) or '(default)'}; "
+            f"ignore {' '.join(s.get('ignore') or []) or '(none)'}")
+
+
 def evaluation_table(rs: ResultsSet) -> Table:
     """Reference, regimes, corpus, blocks, intervals, seed, versions: all from the results."""
     regimes = regime_order(rs)
     model = rs.model
-
-    def corpus(run):
-        c = run["corpus"] or {}
-        return (f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
-                f"{c.get('tokens')} tokens)")
-
-    def anchors(run):
-        a = run["anchors"] or {}
-        return (f"context length mean {a.get('context_length_mean'):.1f}, min "
-                f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens")
-
-    def sampling(run):
-        s = run["sampling"] or {}
-        return f"temperature {s.get('temperature')}, top-p {s.get('top_p')}; {s.get('noise')}"
-
-    def selection(run):
-        s = run["selection"] or {}
-        return (f"include {' '.join(s.get('include') or []) or '(default)'}; "
-                f"ignore {' '.join(s.get('ignore') or []) or '(none)'}")
 
     rows = [
         ("model", f"{model.get('path')} ({model.get('architecture')}, {model.get('parameters')} "
@@ -228,14 +249,14 @@ def evaluation_table(rs: ResultsSet) -> Table:
                                                           f"{r['aux_dtype']}")),
         ("regimes", "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}"
                               for r in regimes)),
-        ("corpus", _per_regime(rs, regimes, corpus)),
+        ("corpus", _per_regime(rs, regimes, _corpus)),
         ("tokenizer", _per_regime(rs, regimes, lambda r: (r.get("corpus") or {}).get(
             "tokenizer") or "not recorded in the results")),
         ("blocks per regime", _per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of "
                                                                  f"{r['block_size']} tokens")),
-        ("anchors", _per_regime(rs, regimes, anchors)),
-        ("sampled rollouts", _per_regime(rs, regimes, sampling)),
-        ("modules the simulated formats quantize", _per_regime(rs, regimes, selection)),
+        ("anchors", _per_regime(rs, regimes, _anchors)),
+        ("sampled rollouts", _per_regime(rs, regimes, _sampling)),
+        ("modules the simulated formats quantize", _per_regime(rs, regimes, _selection)),
         ("seed", _per_regime(rs, regimes, lambda r: str(r["seed"]))),
         ("intervals", "95%, two-sided: Wilson score for per-position proportions, Wilson on "
                       "Kish's effective sample size for pooled proportions, Student-t over "
@@ -299,14 +320,9 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
 # ---------------------------------------------------------------------------------------------
 # Acceptance (eval-drift --acceptance, --states; docs/acceptance.md)
 
-ACCEPTANCE_MODES = {"sampled_token_wise": "token-wise", "sampled_block": "block",
-                    "greedy": "greedy"}
-VERIFIER_NAMES = {"reference": "the FP32 reference", "target": "the captured target"}
-
-
 def acceptance_verifiers(rs: ResultsSet) -> list[str]:
-    """Verifiers present in some variant's results, in VERIFIER_NAMES order."""
-    return [v for v in VERIFIER_NAMES
+    """Verifiers present in some variant's results, in VERIFIERS order."""
+    return [v for v in VERIFIERS
             if any(v in result.get("acceptance", {}) for block in rs.regimes.values()
                    for result in block.values())]
 
@@ -334,7 +350,7 @@ def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
                 row += [Cell("(floor)") if loss is None else estimate(loss[mode], d)
                         for mode in ACCEPTANCE_MODES]
             rows.append(row)
-    return Table(f"Expected tokens per verification step, verified by {VERIFIER_NAMES[verifier]}: "
+    return Table(f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
                  f"accepted drafted tokens plus the resampled or bonus token (1..{rs.block_size + 1}), "
                  "token-wise rejection sampling and block verification at the run's temperature "
                  "and top-p, and greedy; loss vs bf16 is the results' paired per-block difference",

@@ -8,8 +8,7 @@ from rich.table import Table
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.cliutil import Command, json_option, make_console, write_json
 from qstream.model.stats import checkpoint_stats
-
-GIB = 1 << 30
+from qstream.units import GIB
 
 
 @click.command(cls=Command)

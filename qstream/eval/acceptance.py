@@ -45,9 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.eval.metrics import Estimate, mean_estimate, pooled_proportion
-
-RULES = ("token_wise", "block")
+from qstream.eval.estimates import Estimate, mean_estimate
+from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,15 +208,13 @@ def summarise(accept: torch.Tensor) -> AcceptanceSummary:
         prefix_accept=tuple(mean_estimate(accept[:, k], bounds=(0.0, 1.0)) for k in range(B)))
 
 
-MODES = ("sampled_token_wise", "sampled_block", "greedy")
-
-
 class AcceptanceAccumulator:
     """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
-    (:data:`MODES`); :meth:`emitted` gives the per-block values for paired comparisons."""
+    (``vocabulary.ACCEPTANCE_MODES``); :meth:`emitted` gives the per-block values for paired
+    comparisons."""
 
     def __init__(self) -> None:
-        self._parts: dict[str, list[torch.Tensor]] = {mode: [] for mode in MODES}
+        self._parts: dict[str, list[torch.Tensor]] = {mode: [] for mode in ACCEPTANCE_MODES}
 
     def add(self, mode: str, accept: torch.Tensor) -> None:
         self._parts[mode].append(accept.double().cpu())
@@ -230,171 +227,10 @@ class AcceptanceAccumulator:
         return 1 + self.accept(mode).sum(dim=1)
 
     def to_json(self) -> dict:
-        return {mode: summarise(self.accept(mode)).to_json() for mode in MODES}
+        return {mode: summarise(self.accept(mode)).to_json() for mode in ACCEPTANCE_MODES}
 
 
 def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:
     """Mean per-block loss ``floor − other`` of emitted tokens (same blocks, same noise), with a
     Student-t 95% interval over blocks: the loss against bf16."""
     return mean_estimate(floor - other, bounds=(-block_size, block_size)).to_json()
-
-
-# ---------------------------------------------------------------------------------------------
-# Acceptance of an evaluation's drafted blocks (fed by qstream/eval/drift.py, regime by regime)
-
-MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
-VERIFIERS = ("reference", "target")
-
-
-@dataclass(frozen=True)
-class MarkovHead:
-    """The FP32 reference's Markov head: with the reference's stored U [N, B, V] it gives the
-    reference's logits on any drafted prefix (``markov_logits`` reads only ``w``), so the
-    reference model itself need not be kept beside the variants."""
-
-    w: dict[str, torch.Tensor]
-
-
-class RegimeAcceptance:
-    """What ``--acceptance`` (verifier: the FP32 reference) and captured states (verifier: the
-    target) measure in one regime.  Inactive (every method a no-op) when neither applies.
-
-    Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime (as
-    much again as its stored teacher-forced logits); per variant only ``[N, B]`` float64
-    acceptance values are kept."""
-
-    def __init__(self, weights: dict[str, torch.Tensor], plan, corpus, *, against_reference: bool,
-                 temperature: float, top_p: float, block_size: int):
-        from qstream.eval.states import CapturedStates
-        from qstream.model.dspark import LM_HEAD
-
-        self.temperature, self.top_p, self.B = temperature, top_p, block_size
-        self.states = corpus if isinstance(corpus, CapturedStates) else None
-        self.against_reference = against_reference
-        self.active = against_reference or self.states is not None
-        self.variants: dict[str, dict[str, AcceptanceAccumulator]] = {}
-        self.reference_target = AcceptanceAccumulator()
-        self.diagnostics = {"stream_is_target_top1": [], "stream_outside_target_nucleus": []}
-        self.U_ref = None
-        if not self.active:
-            return
-        self.head = MarkovHead({k: weights[k].float().contiguous() for k in MARKOV_WEIGHTS})
-        if against_reference:
-            N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
-            self.U_ref = torch.empty(N, block_size, V)
-        if self.states is not None:
-            self.lm_head = weights[LM_HEAD].float()
-            self.plan = plan
-            self.stream_tokens = self.states.block_tokens(plan, block_size)
-
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        from qstream.model.dspark import sampling_probs
-
-        return sampling_probs(logits, self.temperature, self.top_p)
-
-    def _target(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target logits [n, B, V] at the batch's blocks and the blocks' stream tokens [n, B]."""
-        idx = batch.blocks
-        hidden = self.states.target_hidden(self.plan.stream[idx], self.plan.anchor[idx], self.B)
-        return hidden @ self.lm_head.T, self.stream_tokens[idx]
-
-    def _add_target(self, acc: AcceptanceAccumulator, model, blocks, batch, record: bool) -> None:
-        """Acceptance against the target on its own stream (module docstring): the drafter
-        teacher-forced on the stream, importance weights for the sampled rules, and the run of
-        top-1 agreement for greedy (exact where the stream is the target's greedy path)."""
-        from qstream.model.dspark import teacher_forced
-
-        target_logits, stream = self._target(batch)
-        forced = teacher_forced(model, blocks, stream).logits
-        p_tok = token_probs(self._probs(target_logits), stream)
-        q_tok = token_probs(self._probs(forced), stream)
-        for rule in RULES:
-            acc.add(f"sampled_{rule}", stream_weights(p_tok, q_tok, rule))
-        target_top1 = target_logits.argmax(-1)
-        acc.add("greedy", greedy_accepts(forced.argmax(-1), target_top1))
-        if record:
-            self.diagnostics["stream_is_target_top1"].append(stream == target_top1)
-            self.diagnostics["stream_outside_target_nucleus"].append(p_tok == 0)
-
-    def add_reference(self, batch, reference, blocks) -> None:
-        """The reference's drafted blocks of one batch (its U; its acceptance by the target)."""
-        if self.U_ref is not None:
-            self.U_ref[batch.blocks] = blocks.logits_base
-        if self.states is not None:
-            self._add_target(self.reference_target, reference, blocks, batch, record=True)
-
-    def variant(self, name: str) -> dict[str, AcceptanceAccumulator]:
-        self.variants[name] = {v: AcceptanceAccumulator() for v in self._verifiers()}
-        return self.variants[name]
-
-    def _verifiers(self) -> list[str]:
-        return [v for v, on in zip(VERIFIERS, (self.against_reference, self.states is not None))
-                if on]
-
-    def add_variant(self, accs: dict, batch, model, blocks, greedy, sampled) -> None:
-        """One batch of a variant's drafts: its greedy and sampled rollouts verified by the
-        reference (on the variant's own drafted prefixes), and its acceptance by the target."""
-        if not self.active:
-            return
-        if self.against_reference:
-            self._add_reference_verified(accs["reference"], batch, greedy, sampled)
-        if self.states is not None:
-            self._add_target(accs["target"], model, blocks, batch, record=False)
-
-    def _reference_logits(self, U: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """The reference's logits on a drafted prefix, position by position exactly as its own
-        rollout computes them (so that the reference verifying itself is bit-exact)."""
-        from qstream.model.dspark import markov_logits
-
-        return torch.stack([markov_logits(self.head, U[:, k], prev[:, k])
-                            for k in range(U.shape[1])], dim=1)
-
-    def _add_reference_verified(self, acc, batch, greedy, sampled) -> None:
-        U = self.U_ref[batch.blocks]
-        p_greedy = self._reference_logits(U, greedy.prev)
-        acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)))
-        p_tok = token_probs(self._probs(self._reference_logits(U, sampled.prev)), sampled.tokens)
-        q_tok = token_probs(self._probs(sampled.logits), sampled.tokens)
-        for rule in RULES:
-            acc.add(f"sampled_{rule}", accept_probabilities(p_tok, q_tok, rule))
-
-    def finish(self, out: dict, floor: str = "bf16") -> None:
-        """Write each variant's ``acceptance`` (with its paired loss against ``floor``) into the
-        regime's results ``out``, and the reference draft's acceptance by the target."""
-        if not self.active:
-            return
-        for name, entry in out["variants"].items():
-            accs = self.variants[name]
-            entry["acceptance"] = {}
-            for verifier, acc in accs.items():
-                block = acc.to_json()
-                base = self.variants.get(floor, {}).get(verifier)
-                block["loss_vs_bf16"] = None if base is None or name == floor else {
-                    mode: paired_loss(base.emitted(mode), acc.emitted(mode), self.B)
-                    for mode in MODES}
-                entry["acceptance"][verifier] = block
-        if self.states is not None:
-            share = {k: pooled_proportion(torch.cat(v)).to_json()
-                     for k, v in self.diagnostics.items()}
-            out["reference_draft"] = {"acceptance": {"target": self.reference_target.to_json()},
-                                      "stream": share}
-
-
-# What the results' top-level "acceptance" field says (docs/acceptance.md has the full text).
-ACCEPTANCE_DEFINITIONS = {
-    "emitted": "expected tokens emitted per block: accepted drafted tokens plus the one "
-               "resampled or bonus token (1..B+1)",
-    "estimator": "per block, 1 + sum_k P(tau >= k | drafted prefix): exact given the drafted "
-                 "block, averaged over blocks (95% Student-t interval)",
-    "sampled": "drafter q and verifier p are both softmax(logits / temperature) cut to the "
-               "top-p nucleus and renormalised",
-    "rules": {"token_wise": "Leviathan et al. 2023 / Chen et al. 2023 rejection sampling",
-              "block": "Sun et al. 2024 block verification (vLLM rejection_sample_method "
-                       "'block')"},
-    "greedy": "greedy drafting against a greedy verifier: matched prefix + 1",
-    "reference": "verifier: the FP32 reference on the variant's own drafted prefixes",
-    "target": "verifier: the captured target, on its own stream (importance weights; exact "
-              "when the streams are the target's samples at this temperature and top-p)",
-    "loss_vs_bf16": "mean over blocks of bf16's emitted tokens minus the variant's, same "
-                    "blocks and noise",
-}

@@ -5,9 +5,8 @@ files of their own and nothing downloaded."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-
-from rich.console import Console
 
 import qstream
 from qstream.model.synth import builtin_corpus, synth_checkpoint
@@ -24,12 +23,13 @@ def cache_root() -> Path:
     return Path(base) / "qstream"
 
 
-def builtin_model_dir(console: Console | None = None) -> Path:
-    """The built-in draft's directory, synthesized (deterministically) on first use."""
+def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
+    """The built-in draft's directory, synthesized (deterministically) on first use; ``say``
+    tells the user when it is being built."""
     directory = cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}"
     if not (directory / "config.json").is_file():
-        if console is not None:
-            console.print(f"Building the built-in synthetic draft into {directory} (first use) ...")
+        if say is not None:
+            say(f"Building the built-in synthetic draft into {directory} (first use) ...")
         synth_checkpoint(BUILTIN_PRESET, directory, seed=BUILTIN_SEED, overwrite=True)
     return directory
 

@@ -24,6 +24,7 @@ import torch
 
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
+from qstream.eval.settings import DriftSettings
 from qstream.model.config import DSparkConfig
 
 # Default bucket edges as multiples of original_max_position_embeddings (capped at
@@ -69,7 +70,8 @@ def _side(lo: int, hi: int, boundary: int) -> str:
     return "above" if lo >= boundary else "straddles"
 
 
-def context_sweep(config: DSparkConfig, corpus: Corpus, settings, evaluate: Evaluate) -> dict:
+def context_sweep(config: DSparkConfig, corpus: Corpus, settings: DriftSettings,
+                  evaluate: Evaluate) -> dict:
     """Evaluate ``settings.context_blocks`` blocks per bucket [edge_i, edge_i+1) of context length
     (JSON-ready; the schema is in docs/eval-drift.md)."""
     edges, B = settings.context_lengths, config.block_size

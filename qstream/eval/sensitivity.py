@@ -25,6 +25,7 @@ from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo
 from qstream.checkpoint.selection import matches, select_modules
 from qstream.checkpoint.serving import K3_DSPARK, get_profile
 from qstream.errors import QStreamError
+from qstream.eval.settings import DriftSettings
 from qstream.formats import FORMATS, get_format
 from qstream.model.dspark import LM_HEAD
 
@@ -46,7 +47,7 @@ class ModuleKind:
     modules: tuple[str, ...]  # full module names, checkpoint order
 
 
-def sensitivity_format(settings) -> str:
+def sensitivity_format(settings: DriftSettings) -> str:
     """``settings.sensitivity_format``; else nvfp4 when ``formats`` asks for it or for no 4-bit
     format; else the first 4-bit format asked for (``--formats bf16,mxfp4`` -> mxfp4)."""
     if settings.sensitivity_format is not None:
@@ -110,7 +111,7 @@ def _harm(step: dict, floor: dict) -> tuple[float, float]:
     return -_gap(step, floor), step["kl_mean"] or 0.0
 
 
-def evaluate_sensitivity(weights: Mapping[str, torch.Tensor], fmt: str, settings,
+def evaluate_sensitivity(weights: Mapping[str, torch.Tensor], fmt: str, settings: DriftSettings,
                          step: Step) -> dict:
     """The floor, one step per kind alone, then the cumulative steps and the suggested list
     (JSON-ready; the schema is in docs/eval-drift.md)."""

@@ -28,11 +28,11 @@ from safetensors import safe_open
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.model.config import DSparkConfig
+from qstream.units import FLOAT_DTYPE_NAMES
 
 FIELDS = ("input_ids", "aux_hidden_states", "target_hidden_states")
 STREAM_NAME = re.compile(r"stream\.(\d+)\.(\w+)$")
 ID_DTYPES = (torch.int32, torch.int64)
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HASH_CHUNK = 1 << 24
 
 
@@ -131,9 +131,9 @@ def _check_stream(path: Path, f, prefix: str, config: DSparkConfig) -> torch.Ten
         if shape != [T, width]:
             raise QStreamError(f"{path}: tensor {name!r} has shape {shape}, expected {[T, width]} "
                                f"(T = len({ids_name}); {why})")
-        if dtype not in ("F32", "BF16", "F16"):
-            raise QStreamError(f"{path}: tensor {name!r} has dtype {dtype}, expected F32, BF16 "
-                               "or F16")
+        if dtype not in FLOAT_DTYPE_NAMES:
+            raise QStreamError(f"{path}: tensor {name!r} has dtype {dtype}, expected one of "
+                               f"{', '.join(FLOAT_DTYPE_NAMES)}")
     return ids.long()
 
 

@@ -1,0 +1,155 @@
+"""The drafting work of one regime, batch by batch: batches of whole streams, the aux states each
+batch reads, the shared race noise, and one batch drafted by one model.
+
+>>> batches = make_batches(plan, corpus, config)
+>>> aux = AuxStates("gauss", corpus, config, seed=0)
+>>> drafts = draft_batch(model, aux.get(batches[0]), batches[0], 0, seed=0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from qstream.eval.corpus import AnchorPlan, Corpus
+from qstream.eval.regimes import synthetic_aux
+from qstream.eval.states import CapturedStates
+from qstream.model.config import DSparkConfig
+from qstream.model.dspark import Blocks, DSpark, Rollout, rollout
+
+# Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
+# every variant read the same rounded values.
+AUX_DTYPE = torch.bfloat16
+# Per-batch memory budgets: aux states [S, T, A] and logits [n, B, V] (float32 elements).
+AUX_BUDGET = 1 << 26
+LOGITS_BUDGET = 1 << 26
+# Synthetic aux states kept between the reference and the variants of one regime.
+AUX_CACHE_BYTES = 1 << 30
+# Batches stop growing when their padded aux positions exceed the used ones by this factor
+# (plus a floor, so that short streams still batch together).
+PAD_SLACK = 1.25
+MIN_BATCH_POSITIONS = 4096
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Blocks of whole streams, so a stream's context is computed once per batch."""
+
+    blocks: torch.Tensor  # [n] indices into the plan
+    streams: list[int]  # corpus stream ids in this batch
+    local_stream: torch.Tensor  # [n] row of each block's stream within ``streams``
+    anchor: torch.Tensor  # [n]
+    first_token: torch.Tensor  # [n]
+    context_length: int  # positions of aux needed: max anchor in the batch
+
+
+def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list[Batch]:
+    """Split the plan into batches of whole streams.  Streams are taken in order of the context
+    they need (their largest anchor), so a batch pads every stream to nearly the same length;
+    a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
+    max_blocks = max(1, LOGITS_BUDGET // (config.block_size * config.vocab_size))
+    need: dict[int, int] = {}
+    blocks_of: dict[int, list[int]] = {}
+    for block, (s, p) in enumerate(zip(plan.stream.tolist(), plan.anchor.tolist())):
+        need[s] = max(need.get(s, 0), p)
+        blocks_of.setdefault(s, []).append(block)
+    batches: list[Batch] = []
+    group: list[int] = []
+    for s in sorted(need, key=lambda s: (need[s], s)):
+        streams, longest = len(group) + 1, max(need[s], 1)
+        used = sum(need[g] for g in group) + need[s]
+        n_blocks = sum(len(blocks_of[g]) for g in group) + len(blocks_of[s])
+        if group and (n_blocks > max_blocks or streams * longest * config.aux_size > AUX_BUDGET
+                      or streams * longest > PAD_SLACK * max(used, 1) + MIN_BATCH_POSITIONS):
+            batches.append(_batch(group, blocks_of, plan, corpus))
+            group = []
+        group.append(s)
+    if group:
+        batches.append(_batch(group, blocks_of, plan, corpus))
+    return batches
+
+
+def _batch(streams: list[int], blocks_of: dict[int, list[int]], plan: AnchorPlan,
+           corpus: Corpus) -> Batch:
+    idx = torch.tensor([b for s in streams for b in sorted(blocks_of[s])])
+    row = {s: i for i, s in enumerate(streams)}
+    anchor = plan.anchor[idx]
+    first = torch.stack([corpus.streams[s][p] for s, p in zip(plan.stream[idx].tolist(),
+                                                              anchor.tolist())])
+    local = torch.tensor([row[s] for s in plan.stream[idx].tolist()])
+    return Batch(idx, list(streams), local, anchor, first, int(anchor.max()))
+
+
+class AuxStates:
+    """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: the captured file's own
+    (``corpus`` is :class:`CapturedStates`), or drawn for gauss and heavy, or (boot) the
+    reference model's own causal layer outputs, computed on the reference pass and cached.
+    gauss and heavy are cached while the cache holds under AUX_CACHE_BYTES (drawing them again
+    for every variant costs as much as a bf16 forward), else drawn again (deterministic)."""
+
+    def __init__(self, regime: str, corpus: Corpus, config: DSparkConfig, seed: int):
+        self.regime, self.corpus, self.config, self.seed = regime, corpus, config, seed
+        # the one place captured states are told apart from a token corpus
+        self.captured = corpus if isinstance(corpus, CapturedStates) else None
+        self._cache: dict[int, torch.Tensor] = {}
+
+    def get(self, batch: Batch, reference: DSpark | None = None) -> torch.Tensor:
+        """The batch's aux states; boot needs ``reference`` the first time a batch is seen."""
+        T = max(batch.context_length, 1)
+        if self.captured is not None:
+            return self.captured.aux(batch.streams, T).to(AUX_DTYPE)
+        key = id(batch)
+        if key in self._cache:
+            return self._cache[key]
+        if self.regime == "boot":
+            if reference is None:
+                raise RuntimeError("boot aux states must come from the reference pass first")
+            self._cache[key] = self._boot(batch, T, reference)
+            return self._cache[key]
+        lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
+        aux = synthetic_aux(self.regime, self.config, batch.streams, lengths, T,
+                            self.seed).to(AUX_DTYPE)
+        held = sum(t.numel() * t.element_size() for t in self._cache.values())
+        if held + aux.numel() * aux.element_size() <= AUX_CACHE_BYTES:
+            self._cache[key] = aux
+        return aux
+
+    def _boot(self, batch: Batch, T: int, reference: DSpark) -> torch.Tensor:
+        ids = torch.zeros(len(batch.streams), T, dtype=torch.int64)
+        for row, s in enumerate(batch.streams):
+            tokens = self.corpus.streams[s][:T]
+            ids[row, : tokens.numel()] = tokens
+        return reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE)  # [S, T, L*H]
+
+
+def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:
+    """Exp(1) variates [n, B, V] for the sampled rollouts of one batch, shared by the reference
+    and every variant (common random numbers): the same generator seed for the same batch, as
+    one vLLM request seed gives the same draws."""
+    gen = torch.Generator().manual_seed((seed * 7919 + 17) * 1_000_003 + batch_index)
+    shape = (n_blocks, config.block_size, config.vocab_size)
+    return torch.empty(shape).exponential_(generator=gen)
+
+
+def draft_blocks(model: DSpark, aux: torch.Tensor, batch: Batch) -> Blocks:
+    """The non-causal pass over the batch's blocks (everything before the Markov head)."""
+    ctx = model.context(aux)  # bf16 aux: the model converts once to its own dtype (exact)
+    return model.draft(ctx, batch.local_stream, batch.anchor, batch.first_token)
+
+
+class Drafts(NamedTuple):
+    blocks: Blocks
+    greedy: Rollout
+    sampled: Rollout
+
+
+def draft_batch(model: DSpark, aux: torch.Tensor, batch: Batch, batch_index: int, seed: int,
+                temperature: float = 1.0, top_p: float = 0.95) -> Drafts:
+    """One batch drafted by ``model``: its blocks, greedy rollout, and sampled rollout on the
+    batch's shared race noise (the same for the reference and every variant)."""
+    blocks = draft_blocks(model, aux, batch)
+    noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
+    return Drafts(blocks, rollout(model, blocks),
+                  rollout(model, blocks, noise, temperature, top_p))

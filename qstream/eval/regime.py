@@ -1,0 +1,135 @@
+"""One regime's evaluation, the one place the drafting work is orchestrated: the FP32 reference
+drafts every block once, then each variant is built, drafts the same blocks on the same aux
+states and noise, is compared, and is dropped before the next one is built, so only one
+variant's weights sit beside the reference's outputs (float32, exact).
+
+Everything a regime reads is one frozen :class:`RegimeRun`; the results entry it returns is the
+``regimes.REGIME`` block of docs/eval-drift.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from qstream.eval.batches import AuxStates, Batch, draft_batch, make_batches
+from qstream.eval.corpus import AnchorPlan, Corpus
+from qstream.eval.metrics import DriftAccumulator
+from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
+from qstream.eval.settings import DriftSettings, Progress
+from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
+from qstream.eval.verifiers import RegimeAcceptance
+from qstream.eval.vocabulary import FLOOR
+from qstream.model.config import DSparkConfig
+from qstream.model.dspark import DSpark, teacher_forced
+
+
+@dataclass(frozen=True)
+class RegimeRun:
+    """Everything one regime's evaluation reads, fixed for the regime."""
+
+    regime: str  # an aux regime (qstream/eval/regimes.py) or vocabulary.STATES_REGIME
+    config: DSparkConfig
+    weights: Weights  # the checkpoint's weights: the reference's, and every variant's source
+    corpus: Corpus  # token streams (CapturedStates: the captured file's streams and states)
+    plan: AnchorPlan  # the blocks to draft
+    batches: tuple[Batch, ...]  # the plan in batches of whole streams
+    variants: tuple[Variant, ...]
+    settings: DriftSettings
+    target: str | None  # checkpoint the draft borrows lm_head (and embed_tokens) from
+    progress: Progress
+
+    @classmethod
+    def planned(cls, regime: str, corpus: Corpus, plan: AnchorPlan, *, config: DSparkConfig,
+                weights: Weights, variants: tuple[Variant, ...], settings: DriftSettings,
+                target: str | None, progress: Progress) -> RegimeRun:
+        """A run over ``plan``'s blocks, batched by :func:`make_batches`."""
+        return cls(regime, config, weights, corpus, plan,
+                   tuple(make_batches(plan, corpus, config)), variants, settings, target,
+                   progress)
+
+    def replanned(self, corpus: Corpus, plan: AnchorPlan, settings: DriftSettings) -> RegimeRun:
+        """The same regime and variants over other blocks (a context-length bucket)."""
+        return replace(self, corpus=corpus, plan=plan, settings=settings,
+                       batches=tuple(make_batches(plan, corpus, self.config)))
+
+
+@dataclass
+class ReferenceOutputs:
+    """What every variant is compared with, for the blocks of one regime (plan order)."""
+
+    logits: torch.Tensor  # [N, B, V] float32: teacher-forced = its own greedy rollout's
+    greedy_tokens: torch.Tensor  # [N, B]
+    sampled_tokens: torch.Tensor  # [N, B]
+    confidence: torch.Tensor  # [N, B] (zeros when the model has no confidence head)
+
+
+def evaluate_regime(run: RegimeRun) -> dict:
+    """The reference pass, every variant against it, the verifiers' acceptance and (when the
+    settings ask) the sensitivity steps: the regime's JSON-ready results entry."""
+    s = run.settings
+    aux = AuxStates(run.regime, run.corpus, run.config, s.seed)
+    probe = RegimeAcceptance(run.weights, run.plan, aux.captured, against_reference=s.acceptance,
+                             temperature=s.temperature, top_p=s.top_p,
+                             block_size=run.config.block_size)
+    ref = reference_pass(run, aux, probe)
+    out = {"variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}}
+    probe.finish(out)
+    if s.sensitivity:
+        fmt = sensitivity_format(s)
+
+        def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
+            variant = (Variant(name, "simulated", fmt, include) if include
+                       else Variant(name, FLOOR, FLOOR))
+            return measure_variant(run, variant, aux, ref, probe=None)
+        out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, s, step)
+    return out
+
+
+def reference_pass(run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance) -> ReferenceOutputs:
+    """The FP32 reference drafts every block once; its outputs are kept for the variants."""
+    reference = DSpark(run.config, run.weights, torch.float32)
+    N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
+    ref = ReferenceOutputs(torch.empty(N, B, V), torch.empty(N, B, dtype=torch.int64),
+                           torch.empty(N, B, dtype=torch.int64), torch.zeros(N, B))
+    s = run.settings
+    for number, batch in enumerate(run.batches):
+        blocks, greedy, sampled = draft_batch(reference, aux.get(batch, reference), batch,
+                                              number, s.seed, s.temperature, s.top_p)
+        idx = batch.blocks
+        ref.logits[idx] = greedy.logits
+        ref.greedy_tokens[idx] = greedy.tokens
+        ref.sampled_tokens[idx] = sampled.tokens
+        probe.add_reference(batch, reference, blocks)
+        if greedy.confidence is not None:
+            ref.confidence[idx] = greedy.confidence
+        run.progress.advance(f"{run.regime}: reference", len(idx))
+    return ref
+
+
+def measure_variant(run: RegimeRun, variant: Variant, aux: AuxStates, ref: ReferenceOutputs,
+                    probe: RegimeAcceptance | None) -> dict:
+    """One variant against the regime's reference: its results entry.  ``probe`` None skips the
+    verifiers (sensitivity steps report drift only)."""
+    s = run.settings
+    var_weights, changed = variant_weights(variant, run.weights, run.config, s, run.target)
+    model = DSpark(run.config, var_weights, variant.dtype)
+    acc = DriftAccumulator(run.config.block_size)
+    accepted = probe.variant(variant.name) if probe is not None else None
+    for number, batch in enumerate(run.batches):
+        blocks, greedy, sampled = draft_batch(model, aux.get(batch), batch, number, s.seed,
+                                              s.temperature, s.top_p)
+        idx = batch.blocks
+        forced = teacher_forced(model, blocks, ref.greedy_tokens[idx])
+        acc.add_teacher_forced(ref.logits[idx], forced.logits)
+        if forced.confidence is not None:
+            acc.add_confidence(ref.confidence[idx], forced.confidence)
+        acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
+        acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
+        if accepted is not None:
+            probe.add_variant(accepted, batch, model, blocks, greedy, sampled)
+        run.progress.advance(f"{run.regime}: {variant.name}", len(idx))
+    return {"kind": variant.kind, "quantized_tensors": changed,
+            "weight_snr": weight_snr(var_weights, run.weights, changed),
+            "metrics": acc.result().to_json()}

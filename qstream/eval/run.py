@@ -1,0 +1,82 @@
+"""``qstream eval-drift`` as one library call: the command's defaults resolved (the built-in
+draft and corpus, the draft's own tokenizer, the default regime and context buckets), the corpus
+loaded, and :func:`~qstream.eval.drift.evaluate_drift` run.  ``evals/eval_dspark_quant.py`` uses
+the same call.
+
+>>> settings = DriftSettings(regimes=resolve_regimes("all", None), n_blocks=256)
+>>> results = run_drift(settings, model="DRAFT", corpus="gsm8k/test.jsonl", say=print)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from qstream.errors import QStreamError
+from qstream.eval.builtin import builtin_corpus_docs, builtin_model_dir
+from qstream.eval.context_sweep import default_edges, parse_edges
+from qstream.eval.corpus import Corpus, load_corpus, tokenize
+from qstream.eval.drift import evaluate_drift
+from qstream.eval.regimes import REGIMES
+from qstream.eval.settings import DriftSettings, Progress
+from qstream.model.config import DSparkConfig
+from qstream.model.load import load_config
+
+ALL_REGIMES = "all"  # --regime all: every aux regime
+DEFAULT_REGIME = "heavy"  # the pessimistic one (massive activation channels)
+DEFAULT_EDGES = "default"  # --context-lengths given bare
+
+
+def resolve_regimes(regime: str | None, states: str | None) -> tuple[str, ...]:
+    """``--regime``: one regime, ``all``, or (None) heavy, or none when captured states are
+    given."""
+    if regime is None:
+        return () if states else (DEFAULT_REGIME,)
+    return tuple(REGIMES) if regime == ALL_REGIMES else (regime,)
+
+
+def parse_variants(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``NAME=DIR`` values (``--variant``) -> ((name, dir), ...), each dir checked to exist."""
+    out = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise QStreamError(f"--variant expects NAME=DIR, got {value!r}")
+        if not Path(path).is_dir():
+            raise QStreamError(f"--variant {name}: {path} is not a directory")
+        out.append((name, path))
+    return tuple(out)
+
+
+def resolve_edges(text: str, config: DSparkConfig) -> tuple[int, ...]:
+    """``--context-lengths``: comma-separated edges, or ``default`` (docs/context-sweep.md)."""
+    return default_edges(config) if text == DEFAULT_EDGES else parse_edges(text)
+
+
+def load_run_corpus(model_dir: str | Path, corpus: str | None, tokenizer: str | None,
+                    config: DSparkConfig) -> Corpus:
+    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the
+    draft's own tokenizer.json)."""
+    tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
+    if corpus is None:
+        return tokenize(builtin_corpus_docs(), tok, config.vocab_size)
+    return load_corpus(corpus, tok, config.vocab_size)
+
+
+def run_drift(settings: DriftSettings, *, model: str | None = None, target: str | None = None,
+              tokenizer: str | None = None, corpus: str | None = None,
+              context_lengths: str | None = None, say: Callable[[str], None] | None = None,
+              progress: Progress | None = None) -> dict:
+    """Resolve the defaults, load the corpus and evaluate; returns the results (docs/eval-drift.md).
+    ``model`` None: the built-in synthetic draft (built on first use), announced through ``say``."""
+    if model is None:
+        model = str(builtin_model_dir(say))
+        if say is not None:
+            say(f"No --model given: evaluating the built-in synthetic tiny draft ({model}) on "
+                "the built-in corpus of generated arithmetic word problems.")
+    config = load_config(model)
+    if context_lengths is not None:
+        settings = replace(settings, context_lengths=resolve_edges(context_lengths, config))
+    text = load_run_corpus(model, corpus, tokenizer, config)
+    return evaluate_drift(model, settings, text, target, progress)

@@ -1,0 +1,106 @@
+"""What one ``evaluate_drift`` run is asked to do (:class:`DriftSettings`), checked on
+construction, and the progress protocol the evaluator reports to.
+
+>>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8"), n_blocks=256)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from qstream.errors import QStreamError
+from qstream.eval.regimes import REGIMES
+from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
+from qstream.formats import FORMATS
+from qstream.model.load import QUANTIZE_INCLUDE
+
+
+class Progress(Protocol):
+    """Where the evaluator reports progress, in drafted blocks."""
+
+    def start(self, total: int | None) -> None:
+        """Blocks the run will report, or None when that is known only as it runs."""
+
+    def advance(self, what: str, blocks: int) -> None:
+        """``blocks`` more blocks done, in the step described by ``what``."""
+
+
+class Silent:
+    """A :class:`Progress` that reports nothing."""
+
+    def start(self, total: int | None) -> None:
+        pass
+
+    def advance(self, what: str, blocks: int) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class DriftSettings:
+    regimes: tuple[str, ...] = ("heavy",)
+    formats: tuple[str, ...] = VARIANT_FORMATS  # simulated variants; bf16 is the floor
+    variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
+    include: tuple[str, ...] = QUANTIZE_INCLUDE  # modules the simulated formats quantize
+    ignore: tuple[str, ...] = ()
+    n_blocks: int = 1024
+    seed: int = 0
+    temperature: float = 1.0
+    top_p: float = 0.95
+    # Simulated acceptance (docs/acceptance.md): the FP32 reference verifies each variant's
+    # drafts, token-wise and by block verification
+    acceptance: bool = False
+    states: str | None = None  # captured target states (qstream/eval/states.py): regime "states"
+    # Per-module sensitivity (qstream/eval/sensitivity.py): one format, one module kind at a
+    # time, then cumulatively; None picks nvfp4 or the first 4-bit format of ``formats``.
+    sensitivity: bool = False
+    sensitivity_format: str | None = None
+    tolerance: float = 0.1  # greedy ceiling (tokens) below bf16 the include list may lose
+    # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens; () = no sweep
+    context_lengths: tuple[int, ...] = ()
+    context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
+
+    def __post_init__(self) -> None:
+        for regime in self.regimes:
+            if regime not in REGIMES:
+                raise QStreamError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)} "
+                                   "or all")
+        for fmt in self.formats:
+            if fmt not in ALLOWED_FORMATS:
+                raise QStreamError(f"unknown format {fmt!r}; choose from "
+                                   f"{', '.join(ALLOWED_FORMATS)}")
+        names = [*self.formats, *(name for name, _ in self.variant_dirs)]
+        if len(set(names)) != len(names):
+            raise QStreamError(f"variant names must be unique, got {', '.join(names)}")
+        if self.n_blocks < 1:
+            raise QStreamError(f"--blocks must be at least 1, got {self.n_blocks}")
+        if not self.regimes and self.states is None:
+            raise QStreamError("nothing to evaluate: no regime and no --states file")
+        if self.sensitivity_format is not None and self.sensitivity_format not in FORMATS:
+            raise QStreamError(f"--sensitivity-format {self.sensitivity_format!r}: choose from "
+                               f"{', '.join(FORMATS)}")
+        if not self.tolerance >= 0:
+            raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
+        self._check_context()
+
+    def _check_context(self) -> None:
+        edges = self.context_lengths
+        if edges and (len(edges) < 2 or edges[0] < 1
+                      or any(a >= b for a, b in zip(edges, edges[1:]))):
+            raise QStreamError("--context-lengths needs at least two increasing bucket edges "
+                               f">= 1, got {','.join(map(str, edges))}")
+        if self.context_blocks < 1:
+            raise QStreamError(f"--context-blocks must be at least 1, got {self.context_blocks}")
+
+    @property
+    def n_variants(self) -> int:
+        return len(self.formats) + len(self.variant_dirs)
+
+    def planned_blocks(self) -> int | None:
+        """Blocks ``evaluate_drift`` reports to its progress: a reference pass and one pass per
+        variant, per regime; None with sensitivity or a context sweep, whose step and bucket
+        counts are known only once they run."""
+        if self.sensitivity or self.context_lengths:
+            return None
+        regimes = len(self.regimes) + (self.states is not None)
+        return self.n_blocks * (1 + self.n_variants) * regimes

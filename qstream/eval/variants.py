@@ -1,0 +1,74 @@
+"""The variants an evaluation compares with the FP32 reference: what each one is, its weights, and
+the weight SNR of the tensors its format changed (DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from qstream.errors import QStreamError
+from qstream.eval.settings import DriftSettings
+from qstream.eval.vocabulary import FLOOR, REFERENCE
+from qstream.formats import snr_db, snr_sums
+from qstream.model.config import DSparkConfig
+from qstream.model.dspark import LM_HEAD
+from qstream.model.load import load_config, load_weights, simulate_format
+
+Weights = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "fp32", "bf16", "simulated" or "checkpoint"
+    source: str  # the format, or the checkpoint directory
+    include: tuple[str, ...] | None = None  # simulated: own patterns (sensitivity steps);
+    # None: the settings' include list
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype: fp32 for the reference itself, bf16 for every other variant."""
+        return torch.float32 if self.kind == REFERENCE else torch.bfloat16
+
+
+def settings_variants(settings: DriftSettings) -> tuple[Variant, ...]:
+    """The simulated formats, then the checkpoint directories, in the order the user gave."""
+    simulated = [Variant(f, f if f in (REFERENCE, FLOOR) else "simulated", f)
+                 for f in settings.formats]
+    checkpoints = [Variant(name, "checkpoint", path) for name, path in settings.variant_dirs]
+    return (*simulated, *checkpoints)
+
+
+def variant_weights(variant: Variant, reference_weights: Weights, config: DSparkConfig,
+                    settings: DriftSettings, target: str | None) -> tuple[Weights, list[str]]:
+    """The variant's weights and the names of the tensors its format changed."""
+    if variant.kind in (REFERENCE, FLOOR):
+        return reference_weights, []
+    if variant.kind == "simulated":
+        # Shapes a block format cannot hold stay bf16, as --skip-incompatible writes them; the
+        # results list which tensors were quantized (quantized_tensors, weight_snr.tensors).
+        include = settings.include if variant.include is None else variant.include
+        weights = simulate_format(reference_weights, variant.source, include=include,
+                                  ignore=settings.ignore, skip_incompatible=True)
+    else:
+        other = load_config(variant.source)
+        if other != config:
+            raise QStreamError(f"variant {variant.name}: {variant.source} is a different "
+                               "architecture than the reference model (config.json differs)")
+        weights = load_weights(variant.source, target, other)
+    changed = [k for k, v in weights.items() if k != LM_HEAD
+               and not torch.equal(v.to(reference_weights[k].dtype), reference_weights[k])]
+    return weights, changed
+
+
+def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str]) -> dict:
+    """Weight SNR over the tensors a format changed (bf16: over every draft tensor)."""
+    names = changed or [k for k in reference_weights if k != LM_HEAD]
+    sums = [snr_sums(reference_weights[n], weights[n].to(torch.bfloat16)) for n in names]
+    signal, noise = sum(s for s, _ in sums), sum(e for _, e in sums)
+    finite = [snr_db(*pair) for pair in sums if pair[1] > 0]
+    return {"tensors": len(names),
+            "overall_db": None if noise == 0 else snr_db(signal, noise),
+            "worst_db": min(finite) if finite else None}

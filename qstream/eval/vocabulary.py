@@ -1,0 +1,89 @@
+"""The results vocabulary of ``qstream eval-drift``: every name the results JSON uses that more than
+one module reads or writes, and the labels built from a run's own settings.
+
+The evaluator (qstream/eval/) writes these names, the card (qstream/card/) and the commands read
+them; none of them spells a name of its own.  docs/eval-drift.md documents the same names.
+
+>>> rollout_label("sampled", {"temperature": 0.7, "top_p": 0.9})
+'sampled rollout (T=0.7, top-p 0.9)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from qstream.formats import FORMATS
+
+SCHEMA = "qstream.eval-drift/1"  # the "schema" field of every results file
+
+# Variants.  "fp32" is the reference itself (a self-check that must report exact agreement);
+# "bf16" is the numerical floor every format is compared with (DESIGN.md section 6).
+REFERENCE = "fp32"
+FLOOR = "bf16"
+VARIANT_FORMATS = (FLOOR, *FORMATS)  # the default set of simulated variants
+ALLOWED_FORMATS = (REFERENCE, *VARIANT_FORMATS)
+
+# The regime of captured target states (``--states``); the aux regimes are in regimes.py.
+STATES_REGIME = "states"
+
+# Rollout modes of ``metrics.rollouts``: free-running greedy, and sampled on common random numbers.
+ROLLOUT_MODES = ("greedy", "sampled")
+
+# Verification rules of the sampled modes (docs/acceptance.md) and the acceptance modes a results
+# entry holds (``acceptance.VERIFIER.MODE``), with the short label tables print for each.
+RULES = ("token_wise", "block")
+ACCEPTANCE_MODES = {"sampled_token_wise": "token-wise", "sampled_block": "block",
+                    "greedy": "greedy"}
+# Who verifies the drafts (``acceptance.VERIFIER``), with the words a caption uses for it.
+VERIFIERS = {"reference": "the FP32 reference", "target": "the captured target"}
+
+
+def acceptance_mode(rule: str) -> str:
+    """The acceptance mode of a sampled verification rule: ``block`` -> ``sampled_block``."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+    return f"sampled_{rule}"
+
+
+def sampling_label(sampling: Mapping | None) -> str:
+    """``T=1.0, top-p 0.95`` from the results' ``sampling`` block (the run's own settings)."""
+    s = sampling or {}
+    return f"T={s.get('temperature')}, top-p {s.get('top_p')}"
+
+
+def rollout_label(mode: str, sampling: Mapping | None) -> str:
+    """The words for a rollout mode in a table or figure; the sampled one names the temperature
+    and top-p it ran at, read from the results, never assumed."""
+    if mode == "greedy":
+        return "greedy rollout"
+    if mode == "sampled":
+        return f"sampled rollout ({sampling_label(sampling)})"
+    raise ValueError(f"unknown rollout mode {mode!r}; choose from {', '.join(ROLLOUT_MODES)}")
+
+
+# Where each number of a variant's results entry is computed: its key (under ``metrics.`` unless
+# it starts with weight_snr, acceptance, sensitivity or context_sweep) -> module.function.
+# docs/eval-drift.md has the same table for readers; tests/test_eval_drift.py keeps the two equal
+# and checks that every function exists.
+METRICS = {
+    "greedy_agree[k]": "qstream.eval.metrics.token_divergences",
+    "greedy_agree_overall": "qstream.eval.estimates.pooled_proportion",
+    "one_minus_tv[k]": "qstream.eval.metrics.token_divergences",
+    "one_minus_tv_overall": "qstream.eval.estimates.pooled_mean",
+    "kl, reverse_kl": "qstream.eval.metrics.token_divergences",
+    "kl.mean, kl.p99, ...": "qstream.eval.metrics.kl_summary",
+    "confidence_r": "qstream.eval.estimates.pearson_r",
+    "sched_flip_rate": "qstream.eval.metrics.sched_flips",
+    "rollouts.MODE.seq_agree[k]": "qstream.eval.metrics.rollout_metrics",
+    "rollouts.MODE.prefix_agree[k]": "qstream.eval.metrics.prefix_matches",
+    "rollouts.MODE.ceiling": "qstream.eval.metrics.rollout_metrics",
+    "intervals (lo, hi) of every Estimate": "qstream.eval.estimates",
+    "weight_snr": "qstream.eval.variants.weight_snr",
+    "acceptance.reference.sampled_*": "qstream.eval.acceptance.accept_probabilities",
+    "acceptance.target.sampled_*": "qstream.eval.acceptance.stream_weights",
+    "acceptance.*.greedy": "qstream.eval.acceptance.greedy_accepts",
+    "acceptance.*.*.emitted, prefix_accept": "qstream.eval.acceptance.summarise",
+    "acceptance.*.loss_vs_bf16": "qstream.eval.acceptance.paired_loss",
+    "sensitivity": "qstream.eval.sensitivity.evaluate_sensitivity",
+    "context_sweep": "qstream.eval.context_sweep.context_sweep",
+}
