@@ -4,14 +4,13 @@ Ctrl-C at any moment, even while Python is still importing torch or click, ends 
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 
 def _run(name: str) -> None:
     try:
-        from qstream import cli
-
-        getattr(cli, name)()
+        getattr(importlib.import_module("qstream.cli"), name)()
     except KeyboardInterrupt:
         print("\nAborted!", file=sys.stderr)
         sys.exit(1)
