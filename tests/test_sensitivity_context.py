@@ -113,9 +113,9 @@ def test_context_sweep_reports_every_bucket(tiny, corpus):
 class _RecordingDSpark(DSpark):
     """Records the key extent of every score tensor (the largest temporaries of attention)."""
 
-    def _scores(self, q, k):
+    def scores(self, q, k):
         self.widest = max(getattr(self, "widest", 0), k.shape[-2])
-        return super()._scores(q, k)
+        return super().scores(q, k)
 
 
 def _long_context_model(dtype=torch.float32):

@@ -46,8 +46,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
-from qstream.model.config import PRESETS, DSparkConfig, with_tokenizer
-from qstream.model.dspark import LM_HEAD, tensor_shapes
+from qstream.model.config import PRESETS, DSparkConfig, tensor_shapes, with_tokenizer
+from qstream.model.dspark import LM_HEAD
 from qstream.model.load import TARGET_HEAD_DIR
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>")  # ids 0, 1, 2
