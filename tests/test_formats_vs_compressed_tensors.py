@@ -19,8 +19,10 @@ def _gaussian(shape, gen):
 def _heavy_tailed_with_outlier_rows(shape, gen):
     # Student-t (3 dof) body, per-row scale spread, and a few rows 50x larger than the rest.
     t = torch.distributions.StudentT(3.0)
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    w = t.sample(shape) * 0.01 * torch.exp(torch.randn(shape[0], 1, generator=gen) * 0.5)
+    with torch.random.fork_rng():  # StudentT draws from the global generator: seed it locally
+        torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        body = t.sample(shape)
+    w = body * 0.01 * torch.exp(torch.randn(shape[0], 1, generator=gen) * 0.5)
     w[:: max(1, shape[0] // 3)] *= 50.0
     return w
 

@@ -69,8 +69,9 @@ def test_block_cannot_see_context_at_or_after_its_anchor(model):
     aux = _aux()
     before = _blocks(model, aux, [1], [p]).logits_base
     changed = aux.clone()
-    changed[1, p:] = torch.randn(T - p, CFG.aux_size) * 10  # positions >= p of its own stream
-    changed[0] = torch.randn(T, CFG.aux_size)  # another stream entirely
+    gen = torch.Generator().manual_seed(5)
+    changed[1, p:] = torch.randn(T - p, CFG.aux_size, generator=gen) * 10  # its own positions >= p
+    changed[0] = torch.randn(T, CFG.aux_size, generator=gen)  # another stream entirely
     after = _blocks(model, changed, [1], [p]).logits_base
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     changed[1, p - 1] += 5.0  # ... while position p-1 is visible
