@@ -11,8 +11,9 @@ True
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 from qstream.errors import QStreamError
 

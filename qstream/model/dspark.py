@@ -25,8 +25,8 @@ DESIGN.md's ``kv_b(RMS(latent)) -> k_nope | v`` literally).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F

@@ -92,7 +92,7 @@ def _draft_rows(model: DSpark, ctx: ContextCache, pk: _Packing, rows: slice,
 def _attend_block(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key,
                   hidden) -> torch.Tensor:
     """One softmax over the whole context plus the block: -> [R, n, M, B, dv]."""
-    R, n, M, B, _ = q.shape
+    M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     T = latent.shape[1]
     k_ctx, v_ctx = layer.expand(latent, rope_key)  # [R, n, T, d]
     s_ctx = model.scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))  # [R, n, M, B, T]
@@ -110,7 +110,7 @@ def _attend_block_chunked(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, 
     max ``m``, sum ``l`` and output in fp32; each chunk's probabilities are rounded to the
     model's dtype for the P·V product, as FlashAttention does.  The block's own keys come
     first, so ``m`` is finite from the start (they are never masked)."""
-    R, n, M, B, _ = q.shape
+    M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     m = s_blk.amax(-1, keepdim=True)  # [R, n, M, B, 1]
     e = torch.exp(s_blk - m)
     l = e.sum(-1, keepdim=True)
