@@ -2,7 +2,8 @@
 
 import torch
 
-from qstream.model.dspark import LM_HEAD, tensor_shapes
+from qstream.model.config import tensor_shapes
+from qstream.model.dspark import LM_HEAD
 
 
 def random_model_weights(cfg, seed: int) -> dict[str, torch.Tensor]:

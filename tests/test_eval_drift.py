@@ -66,7 +66,8 @@ def test_a_perturbed_variant_is_detected(tiny, corpus, tmp_path):
     tensors = load_file(bad / "model.safetensors")
     name = "layers.2.mlp.down_proj.weight"
     w = tensors[name].float()
-    tensors[name] = (w + 0.5 * w.std() * torch.randn_like(w)).to(torch.bfloat16)
+    noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
+    tensors[name] = (w + 0.5 * w.std() * noise).to(torch.bfloat16)
     save_file(tensors, bad / "model.safetensors")
     settings = DriftSettings(regimes=("gauss",), formats=("bf16",), n_blocks=BLOCKS,
                              variant_dirs=(("perturbed", str(bad)),))

@@ -165,7 +165,7 @@ def test_k_not_a_multiple_of_the_block_names_the_shape(fmt, k):
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_nan_or_inf_names_the_tensor(fmt, bad):
-    w = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     w[2, 33] = bad
     with pytest.raises(QStreamError, match=r"o_proj\.weight: weight contains NaN or Inf"):
         quantize(fmt, w, name="o_proj.weight")
@@ -173,7 +173,7 @@ def test_nan_or_inf_names_the_tensor(fmt, bad):
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_nan_is_caught_even_with_a_shared_global_amax(fmt):
-    w = torch.randn(4, 64)
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
     w[0, 0] = math.nan
     kwargs = {"global_amax": torch.tensor(1.0)} if fmt == "nvfp4" else {}
     with pytest.raises(QStreamError, match="NaN or Inf"):
@@ -194,8 +194,9 @@ def test_unknown_format_is_a_clear_error():
 
 
 def test_input_is_never_modified():
+    gen = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
-        w = torch.randn(8, 64, dtype=dtype)
+        w = torch.randn(8, 64, generator=gen).to(dtype)
         before = w.clone()
         for fmt in FORMATS:
             quantize(fmt, w)

@@ -387,16 +387,27 @@ _logit_rows = st.integers(2, 8).flatmap(lambda v: st.tuples(
     st.lists(st.floats(-30, 30), min_size=v, max_size=v)))
 
 
+# KL of logits within +-30 (terms up to ~60 nats) summed by two codes in float64 (ours and
+# scipy's rel_entr): measured <= 2.9e-14 over 5000 random rows; 1e-12 leaves 35x.
+KL_TOL = 1e-12
+
+
 @settings(max_examples=200, deadline=None)
 @given(_logit_rows)
 def test_divergence_properties(rows):
     ref = torch.tensor(rows[0], dtype=torch.float64).reshape(1, 1, -1)
     var = torch.tensor(rows[1], dtype=torch.float64).reshape(1, 1, -1)
     d = token_divergences(ref, var)
-    assert 0.0 <= d.one_minus_tv.item() <= 1.0
-    assert d.kl.item() >= 0.0 and d.reverse_kl.item() >= 0.0
     p, q = ref.softmax(-1), var.softmax(-1)
     assert _close(d.one_minus_tv.item(), torch.minimum(p, q).sum().item())
+    # KL both ways against scipy's relative entropy (not the bounds the code clamps to), and
+    # Pinsker's inequality TV <= sqrt(KL / 2), which ties the two computations together
+    p, q = p.flatten(), q.flatten()
+    kl, reverse_kl = stats.entropy(p, q), stats.entropy(q, p)
+    assert _close(d.kl.item(), kl, tol=KL_TOL), (d.kl.item(), kl)
+    assert _close(d.reverse_kl.item(), reverse_kl, tol=KL_TOL), (d.reverse_kl.item(), reverse_kl)
+    tv = 1 - d.one_minus_tv.item()
+    assert tv <= math.sqrt(d.kl.item() / 2) + FLOAT64_ABS_TOL, (tv, d.kl.item())
     # the overlap is symmetric
     assert token_divergences(var, ref).one_minus_tv.item() == d.one_minus_tv.item()
     same = token_divergences(ref, ref.clone())

@@ -85,7 +85,7 @@ def test_decoder_layer_matches_transformers_in_causal_mode():
     _close(ours_h, h, "RMSNorm")
     _close(model.attention_causal(0, ours_h, pos), ref_attn, "MLA attention")
     after_attn = x + model.attention_causal(0, ours_h, pos)
-    _close(after_attn + model._mlp(model._layer(0), after_attn), ref_out, "decoder layer")
+    _close(after_attn + model.layers[0].mlp(after_attn), ref_out, "decoder layer")
 
 
 def test_swiglu_and_rmsnorm_match_transformers():

@@ -113,11 +113,13 @@ def test_context_sweep_reports_every_bucket(tiny, corpus):
 
 
 class _RecordingDSpark(DSpark):
-    """Records the key extent of every score tensor (the largest temporaries of attention)."""
+    """Records the key and query extents of every score tensor (the largest temporaries of
+    attention)."""
 
-    def _scores(self, q, k):
+    def scores(self, q, k):
         self.widest = max(getattr(self, "widest", 0), k.shape[-2])
-        return super()._scores(q, k)
+        self.tallest = max(getattr(self, "tallest", 0), q.shape[-2])
+        return super().scores(q, k)
 
 
 def _long_context_model(dtype=torch.float32):
@@ -146,8 +148,10 @@ def test_chunked_causal_queries_match_and_stay_bounded():
     model, config = _long_context_model()
     ids = torch.randint(0, config.vocab_size, (2, 600), generator=torch.Generator().manual_seed(2))
     whole = model.causal_hidden(ids)
-    model.widest = 0
+    assert model.tallest == 600  # one pass: [S, n, 600, 600] scores
+    model.tallest = 0
     chunked = model.causal_hidden(ids, query_chunk=64)
+    assert model.tallest == 64  # bounded: no score tensor holds more than 64 queries
     scale = whole.abs().max()
     err = (chunked - whole).abs().max() / scale
     assert err <= 600 * 2.0 ** -24, f"relative error {err:.3g}"  # as ONLINE_SOFTMAX_RTOL, 600 keys

@@ -26,6 +26,9 @@ How the numbers are made (see docs/model.md):
   bisection so that the mean top-1 probability on the corpus is ``TARGET_TOP1``.
 * The network path ``U = hf @ lm_head^T`` has a per-vocab spread of ``U_STD`` nats, so numerics
   that move hf move the drafted tokens (an all-Markov draft would make drift trivially zero).
+
+The corpus and the tokenizer are :mod:`qstream.model.corpus`'s; ``builtin_corpus`` and
+``read_corpus`` stay importable from here, where qstream.eval imports them.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import zlib
 from collections.abc import Callable, Iterator
@@ -41,16 +43,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
-from qstream.model.config import PRESETS, DSparkConfig, with_tokenizer
-from qstream.model.dspark import LM_HEAD, tensor_shapes
+from qstream.model.config import PRESETS, DSparkConfig, tensor_shapes, with_tokenizer
+from qstream.model.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
+from qstream.model.dspark import LM_HEAD
 from qstream.model.load import TARGET_HEAD_DIR
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>")  # ids 0, 1, 2
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096}  # BPE sizes (tiny: = vocab_size)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
@@ -77,96 +78,6 @@ class SynthSummary:
     bytes: int  # safetensors files of the draft
     markov_scale: float
     predicted_top1: float  # calibration estimate on the corpus (teacher-forced)
-
-
-# ---------------------------------------------------------------------------------------------
-# Corpus and tokenizer
-
-
-def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
-    """Generated GSM8K-style arithmetic word problems (question, worked answer, ``#### N``):
-    the fallback corpus, clearly synthetic."""
-    rng = random.Random(seed)
-    names = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack",
-             "Kira", "Liam", "Maya", "Noah", "Olivia", "Priya", "Quinn", "Ravi", "Sara", "Tom"]
-    things = ["apples", "books", "pencils", "cookies", "marbles", "stickers", "cupcakes",
-              "shells", "cards", "flowers", "eggs", "coins", "toy cars", "bottles"]
-    docs = []
-    for _ in range(n):
-        who, other = rng.sample(names, 2)
-        what = rng.choice(things)
-        a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
-        kind = rng.randrange(4)
-        if kind == 0:
-            q = (f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
-                 f"does {who} have now?")
-            ans = f"{who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\n#### {a + b}"
-        elif kind == 1:
-            q = (f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
-                 f"does {who} buy in total?")
-            ans = f"{who} buys {c} x {b} = <<{c}*{b}={c * b}>>{c * b} {what}.\n#### {c * b}"
-        elif kind == 2:
-            total = a + b
-            q = (f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} "
-                 f"are left?")
-            ans = f"{who} has {total} - {b} = <<{total}-{b}={a}>>{a} {what} left.\n#### {a}"
-        else:
-            each = a
-            q = (f"{who} shares {each * c} {what} equally among {c} friends. How many {what} "
-                 f"does each friend get?")
-            ans = (f"Each friend gets {each * c} / {c} = <<{each * c}/{c}={each}>>{each} "
-                   f"{what}.\n#### {each}")
-        docs.append(f"{q}\n{ans}")
-    return docs
-
-
-def read_corpus(path: str | Path) -> list[str]:
-    """GSM8K-style JSONL (``question`` + newline + ``answer``) or plain text (documents
-    separated by blank lines)."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise QStreamError(f"cannot read corpus {path}: {exc}") from None
-    if path.suffix != ".jsonl":
-        docs = [d.strip() for d in text.split("\n\n") if d.strip()]
-    else:
-        docs = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                docs.append(f"{row['question']}\n{row['answer']}")
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise QStreamError(f"{path}:{number}: expected a JSON object with 'question' "
-                                   "and 'answer'") from None
-    if not docs:
-        raise QStreamError(f"corpus {path} holds no documents")
-    return docs
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer (GPT-2 style) trained deterministically on ``texts``; ids
-    0..2 are ``SPECIAL_TOKENS``."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
-    return tok
-
-
-def _write_tokenizer(tok: Tokenizer, directory: Path) -> None:
-    (directory / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
-    eos, pad, mask = SPECIAL_TOKENS
-    special = {"eos_token": eos, "pad_token": pad, "mask_token": mask}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
-              "clean_up_tokenization_spaces": False, **special}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,6 +299,18 @@ def _write_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], plan: _P
     return total
 
 
+def _write_target_head(head: Path, plan: _Plan) -> None:
+    """The stand-in target beside the draft: lm_head only, read through its index."""
+    config = plan.config
+    head.mkdir()
+    head_config = {"architectures": ["SyntheticTargetHead"], "model_type": "qstream_target",
+                   "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
+                   "note": "stand-in target for a qstream synth draft: lm_head only"}
+    (head / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
+    _write_tensors(head, {LM_HEAD: (config.vocab_size, config.hidden_size)}, plan, None,
+                   force_index=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole checkpoint
 
@@ -398,7 +321,7 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
     """Write a synthetic draft checkpoint of ``preset`` ("tiny", "small", "k3") to
     ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
     end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
-    default: :func:`builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
+    default: :func:`~qstream.model.corpus.builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
     tensors are written."""
     if preset not in PRESETS:
         raise QStreamError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -425,16 +348,9 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
     try:
         tmp.mkdir()
         (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
-        _write_tokenizer(tok, tmp)
+        write_tokenizer(tok, tmp)
         size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
-        head = tmp / TARGET_HEAD_DIR
-        head.mkdir()
-        head_config = {"architectures": ["SyntheticTargetHead"], "model_type": "qstream_target",
-                       "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-                       "note": "stand-in target for a qstream synth draft: lm_head only"}
-        (head / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
-        _write_tensors(head, {LM_HEAD: (config.vocab_size, config.hidden_size)}, plan, None,
-                       force_index=True)
+        _write_target_head(tmp / TARGET_HEAD_DIR, plan)
         if output.exists():
             shutil.rmtree(output)
         tmp.rename(output)

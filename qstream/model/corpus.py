@@ -1,0 +1,105 @@
+"""The text side of a synthetic checkpoint (``qstream synth``): reading a corpus, the built-in
+fallback corpus, and the byte-level BPE tokenizer trained on it.
+
+>>> texts = read_corpus("gsm8k/train.jsonl")    # or builtin_corpus()
+>>> tok = train_tokenizer(texts, vocab_size=1024)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from qstream.errors import QStreamError
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>")  # ids 0, 1, 2
+
+
+def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    """Generated GSM8K-style arithmetic word problems (question, worked answer, ``#### N``):
+    the fallback corpus, clearly synthetic."""
+    rng = random.Random(seed)
+    names = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack",
+             "Kira", "Liam", "Maya", "Noah", "Olivia", "Priya", "Quinn", "Ravi", "Sara", "Tom"]
+    things = ["apples", "books", "pencils", "cookies", "marbles", "stickers", "cupcakes",
+              "shells", "cards", "flowers", "eggs", "coins", "toy cars", "bottles"]
+    docs = []
+    for _ in range(n):
+        who, other = rng.sample(names, 2)
+        what = rng.choice(things)
+        a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
+        kind = rng.randrange(4)
+        if kind == 0:
+            q = (f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
+                 f"does {who} have now?")
+            ans = f"{who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\n#### {a + b}"
+        elif kind == 1:
+            q = (f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
+                 f"does {who} buy in total?")
+            ans = f"{who} buys {c} x {b} = <<{c}*{b}={c * b}>>{c * b} {what}.\n#### {c * b}"
+        elif kind == 2:
+            total = a + b
+            q = (f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} "
+                 f"are left?")
+            ans = f"{who} has {total} - {b} = <<{total}-{b}={a}>>{a} {what} left.\n#### {a}"
+        else:
+            each = a
+            q = (f"{who} shares {each * c} {what} equally among {c} friends. How many {what} "
+                 f"does each friend get?")
+            ans = (f"Each friend gets {each * c} / {c} = <<{each * c}/{c}={each}>>{each} "
+                   f"{what}.\n#### {each}")
+        docs.append(f"{q}\n{ans}")
+    return docs
+
+
+def read_corpus(path: str | Path) -> list[str]:
+    """GSM8K-style JSONL (``question`` + newline + ``answer``) or plain text (documents
+    separated by blank lines)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QStreamError(f"cannot read corpus {path}: {exc}") from None
+    if path.suffix != ".jsonl":
+        docs = [d.strip() for d in text.split("\n\n") if d.strip()]
+    else:
+        docs = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                docs.append(f"{row['question']}\n{row['answer']}")
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise QStreamError(f"{path}:{number}: expected a JSON object with 'question' "
+                                   "and 'answer'") from None
+    if not docs:
+        raise QStreamError(f"corpus {path} holds no documents")
+    return docs
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2 style) trained deterministically on ``texts``; ids
+    0..2 are ``SPECIAL_TOKENS``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def write_tokenizer(tok: Tokenizer, directory: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json in ``directory``."""
+    (directory / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    eos, pad, mask = SPECIAL_TOKENS
+    special = {"eos_token": eos, "pad_token": pad, "mask_token": mask}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
+              "clean_up_tokenization_spaces": False, **special}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

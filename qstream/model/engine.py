@@ -1,0 +1,211 @@
+"""How :meth:`DSpark.draft` runs many blocks at once within a memory budget.
+
+:meth:`DSpark.draft_one` is the forward of one block, written to be read.  Drafting 1024 blocks
+that way would expand a stream's context keys once per block and loop in Python; this module
+computes the same arithmetic for N blocks in one pass:
+
+* packing: blocks are laid out as R rows x M slots, each row holding blocks of one stream, so
+  that a row's context keys are expanded once for all its blocks; a per-slot mask hides the
+  keys at or after each block's anchor;
+* row chunks: rows are taken a few at a time so that one score tensor [rows, n, M*B, keys]
+  stays within ``SCORE_BUDGET`` float32 elements;
+* key chunks: a context longer than the budget allows for one row is attended ``key_chunk``
+  keys at a time with an online softmax, so no temporary spans the context;
+* causal mode (:meth:`DSpark.attention_causal`) takes its queries in chunks for the same reason.
+
+tests/test_model_forward.py checks ``draft`` against ``draft_one`` block by block, and
+tests/test_sensitivity_context.py the chunked paths against the one-pass ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from qstream.model.dspark import ContextCache, DSpark, Layer
+
+# Budget of one score tensor (float32 elements): draft's [rows, n, M*B, keys] and causal mode's
+# [S, n, queries, T].  Contexts longer than the budget allows for one row are attended in key
+# chunks with an online softmax (draft) or in query chunks (causal mode).
+SCORE_BUDGET = 1 << 25
+MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
+
+
+def draft_packed(model: DSpark, ctx: ContextCache, stream: torch.Tensor, anchor: torch.Tensor,
+                 first_token: torch.Tensor, key_chunk: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`DSpark.draft_one` for N blocks (stream, anchor, first_token [N], already checked):
+    returns U [N, B, V] and hf [N, B, H] in the model's dtype."""
+    packing = _pack(stream, anchor)
+    T_max = int(anchor.max()) if anchor.numel() else 0
+    B, n = model.config.block_size, model.config.num_attention_heads
+    key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
+    keys = min(max(T_max, 1), key_chunk)
+    rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
+    U, hf = [], []
+    for r0 in range(0, packing.R, rows_per_chunk):
+        u, h = _draft_rows(model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token,
+                           key_chunk)
+        U.append(u)
+        hf.append(h)
+    U_rows, hf_rows = torch.cat(U), torch.cat(hf)  # [R*M, B, V], [R*M, B, H]
+    if not packing.in_order:  # [N, B, V] gathers are costly at V = 32k: skip when possible
+        U_rows, hf_rows = U_rows[packing.slot_of_block], hf_rows[packing.slot_of_block]
+    return U_rows, hf_rows
+
+
+def _draft_rows(model: DSpark, ctx: ContextCache, pk: _Packing, rows: slice,
+                first_token: torch.Tensor, key_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layers of draft_one over a chunk of packed rows -> U [R*M, B, V], hf [R*M, B, H]."""
+    c, B = model.config, model.config.block_size
+    row_stream, row_anchor = pk.row_stream[rows], pk.anchor[rows]  # [R], [R, M]
+    R, M = row_anchor.shape
+    T = max(int(row_anchor.max()), 1)
+    tokens = torch.full((R, M, B), c.mask_token_id)
+    tokens[..., 0] = pk.first_token_slots(first_token)[rows]
+    pos = row_anchor[..., None] + torch.arange(B)  # [R, M, B]
+    # context j < p only: position p itself and everything after it is hidden
+    hidden = torch.arange(T) >= row_anchor[..., None, None]  # [R, M, 1, T]
+    x = model.embed(tokens)  # [R, M, B, H]
+    for layer, latent, rope_key in zip(model.layers, ctx.latent, ctx.rope_key):
+        h = layer.input_norm(x)
+        q = layer.query(h, pos).permute(0, 3, 1, 2, 4)  # [R, n, M, B, dk]
+        k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [R, M, n, B, d]
+        s_blk = model.scores(q, k_blk.transpose(1, 2))  # [R, n, M, B, B]: no causal mask
+        latent, rope_key = _rows(latent, row_stream, T), _rows(rope_key, row_stream, T)
+        if T <= key_chunk:
+            out = _attend_block(model, layer, q, s_blk, v_blk, latent, rope_key, hidden)
+        else:
+            out = _attend_block_chunked(model, layer, q, s_blk, v_blk, latent, rope_key,
+                                        hidden, key_chunk)
+        out = out.permute(0, 2, 3, 1, 4).flatten(3)  # [R, M, B, n*dv]
+        x = x + F.linear(out, layer.o_proj)
+        x = x + layer.mlp(x)
+    return model.head(x.flatten(0, 1))  # [R*M, B, V], [R*M, B, H]
+
+
+def _attend_block(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key,
+                  hidden) -> torch.Tensor:
+    """One softmax over the whole context plus the block: -> [R, n, M, B, dv]."""
+    M, B = q.shape[2:4]  # q [R, n, M, B, dk]
+    T = latent.shape[1]
+    k_ctx, v_ctx = layer.expand(latent, rope_key)  # [R, n, T, d]
+    s_ctx = model.scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))  # [R, n, M, B, T]
+    s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))
+    p = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(model.dtype)
+    p_ctx, p_blk = p.split([T, B], dim=-1)
+    out = (p_ctx.flatten(2, 3) @ v_ctx).unflatten(2, (M, B))  # [R, n, M, B, dv]
+    return out + p_blk @ v_blk.transpose(1, 2)
+
+
+def _attend_block_chunked(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key,
+                          hidden, key_chunk: int) -> torch.Tensor:
+    """The same attention with the context keys taken ``key_chunk`` at a time: an online
+    softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022) keeping the running
+    max ``m``, sum ``l`` and output in fp32; each chunk's probabilities are rounded to the
+    model's dtype for the P·V product, as FlashAttention does.  The block's own keys come
+    first, so ``m`` is finite from the start (they are never masked)."""
+    M, B = q.shape[2:4]  # q [R, n, M, B, dk]
+    m = s_blk.amax(-1, keepdim=True)  # [R, n, M, B, 1]
+    e = torch.exp(s_blk - m)
+    l = e.sum(-1, keepdim=True)
+    acc = (e.to(model.dtype) @ v_blk.transpose(1, 2)).float()  # [R, n, M, B, dv]
+    q_flat = q.flatten(2, 3)  # [R, n, M*B, dk]
+    for t0 in range(0, latent.shape[1], key_chunk):
+        t1 = min(latent.shape[1], t0 + key_chunk)
+        k_ctx, v_ctx = layer.expand(latent[:, t0:t1], rope_key[:, t0:t1])  # [R, n, c, d]
+        s = model.scores(q_flat, k_ctx).unflatten(2, (M, B))  # [R, n, M, B, c]
+        s = s.masked_fill(hidden[:, None, ..., t0:t1], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        rescale = torch.exp(m - m_new)
+        e = torch.exp(s - m_new)
+        l = l * rescale + e.sum(-1, keepdim=True)
+        pv = (e.to(model.dtype).flatten(2, 3) @ v_ctx).unflatten(2, (M, B))
+        acc = acc * rescale + pv.float()
+        m = m_new
+    return (acc / l).to(model.dtype)
+
+
+def causal_attention(model: DSpark, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     query_chunk: int | None = None) -> torch.Tensor:
+    """Causal softmax attention of q, k [S, n, T, dk] and v [S, n, T, dv] -> [S, n, T, dv].
+    Queries are taken ``query_chunk`` at a time (default: as many as keep the [S, n, chunk, T]
+    scores within the budget); a chunk attends only to the keys up to its last query."""
+    S, n, T, _ = q.shape
+    chunk = query_chunk or max(1, SCORE_BUDGET // max(1, S * n * T))
+    outs = []
+    for q0 in range(0, T, chunk):
+        q1 = min(T, q0 + chunk)
+        future = torch.ones(q1 - q0, q1, dtype=torch.bool).triu(q0 + 1)  # key j > query
+        scores = model.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
+        outs.append(model.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
+    return torch.cat(outs, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing blocks into rows of one stream
+
+
+def _rows(cache: torch.Tensor, row_stream: torch.Tensor, T: int) -> torch.Tensor:
+    """cache [S, T_all, d] -> [R, T, d] for the rows' streams (a view when rows are streams)."""
+    if row_stream.numel() == cache.shape[0] and bool(
+            (row_stream == torch.arange(cache.shape[0])).all()):
+        return cache[:, :T]
+    return cache[row_stream, :T]
+
+
+@dataclass(frozen=True)
+class _Packing:
+    """Blocks laid out as R rows x M slots, each row holding blocks of a single stream."""
+
+    row_stream: torch.Tensor  # [R]
+    anchor: torch.Tensor  # [R, M] (padding slots: 0)
+    block_of_slot: torch.Tensor  # [R*M] index of the block in each slot (padding: -1)
+    slot_of_block: torch.Tensor  # [N] flat slot of each block
+    M: int
+
+    @property
+    def R(self) -> int:
+        return self.row_stream.numel()
+
+    @property
+    def in_order(self) -> bool:
+        """Slot i holds block i (no padding, blocks given stream by stream)."""
+        return self.slot_of_block.numel() == self.block_of_slot.numel() and bool(
+            (self.slot_of_block == torch.arange(self.slot_of_block.numel())).all())
+
+    def first_token_slots(self, first_token: torch.Tensor) -> torch.Tensor:
+        """[N] per block -> [R, M] per slot (padding slots get the first block's token)."""
+        idx = self.block_of_slot.clamp(min=0)
+        return first_token[idx].view(-1, self.M)
+
+
+def _pack(stream: torch.Tensor, anchor: torch.Tensor) -> _Packing:
+    """Group blocks by stream into rows of M slots.  M is the largest per-stream count when
+    that wastes little padding, else the mean count (a busy stream then spans several rows)."""
+    N = stream.numel()
+    order = torch.sort(stream, stable=True).indices
+    streams, counts = torch.unique_consecutive(stream[order], return_counts=True)
+    M = int(counts.max()) if N else 1
+    if M * streams.numel() > 1.5 * N:
+        M = max(1, math.ceil(N / streams.numel()))
+    rows_per_stream = (counts + M - 1) // M
+    row_start = torch.cumsum(rows_per_stream, 0) - rows_per_stream
+    stream_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(N) - torch.repeat_interleave(stream_start, counts)  # rank within stream
+    row = torch.repeat_interleave(row_start, counts) + rank // M
+    slot = row * M + rank % M  # flat slot of block order[j]
+    R = int(rows_per_stream.sum())
+    block_of_slot = torch.full((R * M,), -1, dtype=torch.int64)
+    block_of_slot[slot] = order
+    slot_of_block = torch.empty(N, dtype=torch.int64)
+    slot_of_block[order] = slot
+    anchors = torch.zeros(R * M, dtype=torch.int64)
+    anchors[slot] = anchor[order]
+    return _Packing(torch.repeat_interleave(streams, rows_per_stream), anchors.view(R, M),
+                    block_of_slot, slot_of_block, M)
