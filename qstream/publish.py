@@ -4,8 +4,9 @@ Every command that writes a directory (``quantize``, ``synth``) builds it in a h
 directory beside the target, ``.<name>.qstream-partial-<pid>``, and publishes it at the end with
 one rename, so the output appears complete or not at all:
 
-- **Exclusive.** Without ``overwrite`` the target must not exist; if another run creates it
-  meanwhile, the rename fails and this run ends with one line, leaving the other's output.
+- **Exclusive.** Without ``overwrite`` the target must not exist (an empty directory counts as
+  absent); if another run creates it meanwhile, this run ends with one line, leaving the
+  other's output.
 - **Overwrite replaces only what qstream wrote**: a directory holding one of qstream's record
   files (``qstream_quantize.json``, ``qstream_synth.json``).  Anything else is refused, naming
   what is there.  The old directory is moved aside and removed only once the new one is in place.
@@ -37,7 +38,9 @@ _PARTIAL = re.compile(r"^\.(?P<name>.+)\.qstream-(?:partial|old)-(?P<pid>\d+)$")
 def check_target(output: Path, overwrite: bool, option: str) -> None:
     """Refuse ``output`` before any work: an existing path without ``overwrite``, or one that
     qstream did not write; a missing or unwritable parent."""
-    if output.exists() or output.is_symlink():
+    if _empty_dir(output):
+        pass  # nothing to lose: replaced as if it did not exist
+    elif output.exists() or output.is_symlink():
         if not overwrite:
             raise QStreamError(f"{option} {output} already exists (use --overwrite)")
         if not is_qstream_output(output):
@@ -49,6 +52,10 @@ def check_target(output: Path, overwrite: bool, option: str) -> None:
         raise QStreamError(f"{option} {output}: parent directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise QStreamError(f"{option} {output}: parent directory {parent} is not writable")
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
 
 def is_qstream_output(path: Path) -> bool:
@@ -107,7 +114,7 @@ def publishing(output: Path, overwrite: bool, option: str = "--output_dir",
     output = Path(output)
     check_target(output, overwrite, option)
     remove_stale_partials(output, notice)
-    existed = output.exists()
+    existed = output.exists() and not _empty_dir(output)
     tmp = output.parent / f".{output.name}.qstream-partial-{os.getpid()}"
     try:
         tmp.mkdir()
@@ -130,7 +137,7 @@ def _publish(tmp: Path, output: Path, existed: bool, option: str) -> None:
                                "directory qstream wrote; refusing to replace it")
         old = output.parent / f".{output.name}.qstream-old-{os.getpid()}"
         output.rename(old)
-    elif output.exists() or output.is_symlink():
+    elif (output.exists() or output.is_symlink()) and not _empty_dir(output):
         raise QStreamError(f"{option} {output} was created by someone else during the run; "
                            "nothing was replaced")
     try:

@@ -50,9 +50,17 @@ def test_overwrite_replaces_a_qstream_output(tmp_path):
 
 def test_existing_output_without_overwrite_is_refused(tmp_path):
     (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "qstream_quantize.json").write_text("{}")
     with pytest.raises(QStreamError, match="already exists \\(use --overwrite\\)"):
         with publishing(tmp_path / "out", overwrite=False):
             pass
+
+
+def test_an_empty_directory_counts_as_absent(tmp_path):
+    (tmp_path / "out").mkdir()
+    with publishing(tmp_path / "out", overwrite=False) as tmp:
+        (tmp / "qstream_synth.json").write_text("{}")
+    assert is_qstream_output(tmp_path / "out") and _litter(tmp_path) == []
 
 
 def test_a_target_created_meanwhile_is_left_alone(tmp_path):
@@ -137,3 +145,18 @@ def test_unwritable_parent_is_refused_before_any_work(tmp_path):
     with pytest.raises(QStreamError, match="is not writable"):
         with publishing(parent / "out", overwrite=False):
             pytest.fail("no work may start")
+
+
+def test_synth_overwrite_refuses_a_home_like_directory(tmp_path):
+    from click.testing import CliRunner
+
+    from qstream.cli import cli
+
+    home = _home_like(tmp_path / "home")
+    before = tree_digest(home)
+    result = CliRunner().invoke(cli, ["synth", "--preset", "tiny", "--output_dir", str(home),
+                                      "--overwrite"])
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: --output_dir ") and "is not a directory qstream " \
+        "wrote" in result.output and len(result.output.splitlines()) == 1
+    assert tree_digest(home) == before and _litter(tmp_path) == []

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+import qstream
 
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
@@ -51,7 +51,9 @@ from qstream.model.config import PRESETS, DSparkConfig, tensor_shapes, with_toke
 from qstream.model.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
 from qstream.model.dspark import LM_HEAD
 from qstream.model.load import TARGET_HEAD_DIR
+from qstream.publish import check_target, publishing
 
+RECORD_NAME = "qstream_synth.json"  # marks the directory as qstream's (docs/guarantees.md)
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096}  # BPE sizes (tiny: = vocab_size)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
@@ -326,8 +328,8 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
     if preset not in PRESETS:
         raise QStreamError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     output = Path(output_dir).resolve()
-    if output.exists() and not overwrite and (not output.is_dir() or any(output.iterdir())):
-        raise QStreamError(f"{output} already exists and is not empty (use --overwrite)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    check_target(output, overwrite, "--output_dir")
     texts = read_corpus(corpus) if corpus is not None else builtin_corpus(seed=seed)
     tok = train_tokenizer(texts, TOKENIZER_VOCAB[preset])
     base = PRESETS[preset]
@@ -342,21 +344,16 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
     small = _small_tensors(config, seed, w1, w2)
     plan = _Plan(config, small, _head_std(config, small["final_norm.weight"]), seed)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.parent / f".{output.name}.qstream-partial-{os.getpid()}"
     shapes = tensor_shapes(config)
-    try:
-        tmp.mkdir()
+    with publishing(output, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
         write_tokenizer(tok, tmp)
         size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
         _write_target_head(tmp / TARGET_HEAD_DIR, plan)
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return SynthSummary(str(output), preset, seed, str(corpus) if corpus else "built-in",
-                        len(shapes), sum(math.prod(s) for s in shapes.values()), size,
-                        alpha, top1)
+        summary = SynthSummary(str(output), preset, seed, str(corpus) if corpus else "built-in",
+                               len(shapes), sum(math.prod(s) for s in shapes.values()), size,
+                               alpha, top1)
+        record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}  # relocatable
+        (tmp / RECORD_NAME).write_text(json.dumps(
+            {"qstream_version": qstream.__version__, "summary": record}, indent=2) + "\n")
+    return summary
