@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from qstream.formats.checks import ChunkWorkspace, chunk_rows, row_chunks
+from qstream.formats.energy import Energy
 from qstream.formats.spec import E2M1_GRID, FP4_MAX
 
 # code -> value, including -0.0 for code 8 so that decoding keeps the sign bit
@@ -114,3 +116,30 @@ def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     """Packed bytes ``[..., K/2]`` -> values ``[..., K]`` (= ``decode(unpack(packed))``)."""
     table = _DECODE_PAIRS.to(device=packed.device, dtype=dtype)
     return torch.nn.functional.embedding(packed.long(), table).flatten(-2)
+
+
+def encode_blocks(w: torch.Tensor, divisor: torch.Tensor, block: int, out: torch.Tensor,
+                  energy: Energy | None = None, inverse: torch.Tensor | None = None,
+                  step: torch.Tensor | None = None) -> torch.Tensor:
+    """The 4-bit quantizers' loop: ``w [N, K]`` with one float32 ``divisor`` per block
+    (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``, chunk by chunk.
+
+    Elements are ``|w| / divisor`` in float32, as compressed-tensors divides, or, given its
+    ``inverse`` (MXFP4's powers of two, where it is exact and rounds the same), ``|w| *
+    inverse``.  ``energy`` receives each chunk's SNR sums with ``w_hat = +-E2M1 * step``
+    rounded to ``w.dtype``, which is what ``dequantize`` returns (``step``: the decoded stored
+    scale, float32, by default ``divisor``), computed while the chunk is in cache."""
+    n, k = w.shape
+    step = divisor if step is None else step
+    work = ChunkWorkspace(chunk_rows(n, k), k, w.device, None if energy is None else w.dtype)
+    for rows in row_chunks(n, k):
+        x, magnitude, scratch = work.take(rows)
+        x.copy_(w[rows])
+        blocks = torch.abs(x, out=magnitude).view(-1, k // block, block)
+        blocks.div_(divisor[rows]) if inverse is None else blocks.mul_(inverse[rows])
+        grid, hat = (None, None) if energy is None else work.take_hat(rows)
+        _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
+        if energy is not None:
+            grid.view(-1, k // block, block).mul_(step[rows])
+            energy.add(x, hat.copy_(grid.copysign_(x)))
+    return out
