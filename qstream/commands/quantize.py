@@ -36,14 +36,16 @@ GIB = 1 << 30
                     "lm_head and MoE routers).")
 @greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
 @option("device", default="cpu", show_default=True, metavar="{cpu,cuda}")
-@option("workers", type=int, default=1, show_default=True, help="Tensors quantized in parallel.")
+@option("workers", type=int, default=None,
+        help="Pieces quantized in parallel (default: the CPUs available).")
 @option("dry_run", is_flag=True, help="Print the plan and sizes; write nothing.")
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
 @option("skip_incompatible", is_flag=True,
         help="Leave weights whose K is not a multiple of the block size unquantized.")
+@option("no_snr", is_flag=True, help="Skip the weight SNR (a little faster).")
 @json_option()
 def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers, device,
-             workers, dry_run, overwrite, skip_incompatible, json_path) -> None:
+             workers, dry_run, overwrite, skip_incompatible, no_snr, json_path) -> None:
     """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
 
     Patterns match a module name (a tensor name without .weight) when equal, as a dotted
@@ -58,7 +60,7 @@ def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers,
             model_dir, output_dir, quant_format, include=list(include_layers) or None,
             ignore=list(ignore_layers) or None, device=device, workers=workers,
             dry_run=dry_run, overwrite=overwrite, skip_incompatible=skip_incompatible,
-            progress=bar,
+            progress=bar, snr=not no_snr,
         )
     if json_path != "-":
         console = make_console()
@@ -124,5 +126,6 @@ def summary_table(summary: QuantizeSummary) -> Table:
         worst = s["worst_snr_db"]
         table.add_row("weight SNR mean", f"{s['mean_snr_db']:.2f} dB")
         table.add_row("weight SNR worst", f"{worst['db']:.2f} dB ({worst['module']})")
-        table.add_row("time", f"{summary.seconds:.1f} s")
+    if not summary.dry_run:
+        table.add_row("time", f"{summary.seconds:.1f} s ({summary.workers} workers)")
     return table

@@ -9,7 +9,20 @@ give, without that pass.  ``tests/test_formats_properties.py`` checks the two ag
 
 from __future__ import annotations
 
+import threading
+
 import torch
+
+# The float64 chunk buffer is kept per thread, not per Energy: a checkpoint run makes one Energy
+# per piece, and a fresh multi-MiB buffer each time costs more in page faults than the sums.
+_scratch = threading.local()
+
+
+def _float64_scratch(n: int, device: torch.device) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < n or buf.device.type != device.type:
+        buf = _scratch.buf = torch.empty(n, dtype=torch.float64, device=device)
+    return buf[:n]
 
 
 class Energy:
@@ -18,16 +31,12 @@ class Energy:
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self._sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        self._buf = torch.empty(0, dtype=torch.float64, device=self.device)
 
     def add(self, w: torch.Tensor, w_hat: torch.Tensor) -> None:
         """Add one chunk: ``w`` the original values (any float dtype holding them exactly) and
         ``w_hat`` the dequantized ones, both rounded to the weight dtype already.  Differences
         are taken in float64, where they are exact, and squared and summed there."""
-        n = w.numel()
-        if self._buf.numel() < n:
-            self._buf = torch.empty(n, dtype=torch.float64, device=self.device)
-        x = self._buf[:n].view(w.shape).copy_(w)
+        x = _float64_scratch(w.numel(), self.device).view(w.shape).copy_(w)
         self._sums[0] += torch.vdot(x.view(-1), x.view(-1))
         x.sub_(w_hat)
         self._sums[1] += torch.vdot(x.view(-1), x.view(-1))
