@@ -141,5 +141,5 @@ def encode_blocks(w: torch.Tensor, divisor: torch.Tensor, block: int, out: torch
         _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
         if energy is not None:
             grid.view(-1, k // block, block).mul_(step[rows])
-            energy.add(x, hat.copy_(grid.copysign_(x)))
+            energy.add(x, hat.copy_(grid.copysign_(x)))  # hat: rounded to w.dtype
     return out

@@ -33,12 +33,31 @@ def quantize(w: torch.Tensor, name: str = "weight", energy: Energy | None = None
         chunk = w[rows]
         scale[rows] = s = channel_scale(chunk)
         check_finite(s, name)
-        q[rows] = (chunk / s).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = (chunk / s).clamp_(-FP8_MAX, FP8_MAX)
+        q[rows] = y.to(torch.float8_e4m3fn)
         if energy is not None:
-            energy.add(chunk, dequantize(q[rows], s))
+            energy.add(chunk, (round_to_fp8(y.float()) * s.float()).to(w.dtype))
     return q, scale
 
 
+_EXPONENT_MASK = 0x7F800000
+_MIN_NORMAL_BITS = (127 - 6) << 23  # 2**-6, float8_e4m3fn's smallest normal
+
+
+def round_to_fp8(y: torch.Tensor) -> torch.Tensor:
+    """float32 ``y`` (within +-448, consumed) rounded to float8_e4m3fn's grid, kept in float32:
+    the value ``y.to(float8_e4m3fn).float()`` has, without torch's float8 -> float conversion,
+    which is ~20x slower than this.  ``(a + M) - M`` with ``M = 2**(20 + e)``,
+    ``e = max(floor(log2 |y|), -6)``: M's ulp is the E4M3 step of y's binade (2**-9 below
+    2**-6), so float32's round-to-nearest-even rounds once, onto that grid."""
+    a = y.abs()
+    magic = a.view(torch.int32).bitwise_and(_EXPONENT_MASK).clamp_(min=_MIN_NORMAL_BITS)
+    magic = magic.add_(20 << 23).view(torch.float32)
+    return a.add_(magic).sub_(magic).copysign_(y)
+
+
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Back to the scale's dtype: ``q * scale`` (compressed-tensors' decompression)."""
+    """Back to the scale's dtype: ``q * scale`` (compressed-tensors' decompression).  The
+    quantizer's SNR uses ``round_to_fp8(y) * scale`` in float32, rounded once to the dtype:
+    the same value, since a 4-bit by 11-bit product is exact in float32."""
     return q.to(scale.dtype) * scale
