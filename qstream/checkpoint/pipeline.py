@@ -70,13 +70,18 @@ def pieces(checkpoint: Checkpoint, selection: Selection,
 
 
 def run_bounded(work_items: Iterator[Piece], work: Callable[[Piece], object], workers: int,
-                done: Callable[[Piece, object], None]) -> None:
+                done: Callable[[Piece, object], None],
+                prepare: Callable[[Piece], None] | None = None) -> None:
     """``work`` on every piece in a thread pool (torch releases the GIL), with at most
-    ``2 * workers`` pieces in flight so that memory stays bounded; ``done`` runs in order."""
+    ``2 * workers`` pieces in flight so that memory stays bounded.  ``prepare`` (before a piece
+    is submitted) and ``done`` (in piece order) run on the calling thread, so that I/O put
+    there overlaps the workers' computing."""
     in_flight: deque[tuple[Piece, Future]] = deque()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qstream") as pool:
         try:
             for piece in work_items:
+                if prepare is not None:
+                    prepare(piece)
                 in_flight.append((piece, pool.submit(work, piece)))
                 if len(in_flight) >= 2 * workers:
                     p, fut = in_flight.popleft()
@@ -148,20 +153,31 @@ def write_tensors(checkpoint: Checkpoint, readers: dict[str, ShardReader],
     tally = _Tally(sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
                    len(checkpoint.tensor_shard))
 
+    def prepare(piece: Piece) -> None:
+        if piece.module is not None:
+            readers[piece.shard].prefetch(piece.name, piece.rows)
+
     def work(piece: Piece):
-        reader, writer = readers[piece.shard], writers[piece.shard]
         if piece.module is None:
-            _copy_piece(reader, writer, piece)
             return None
+        reader = readers[piece.shard]
         energy = Energy(device) if snr else None
-        _quantize_piece(reader, writer, piece, fmt, amaxes.get(piece.module), device, energy)
+        w = reader.tensor(piece.name, piece.rows).to(device)
+        stored = quantize(fmt, w, name=piece.name, global_amax=amaxes.get(piece.module),
+                          energy=energy)
         reader.release(piece.name, piece.rows)
-        return None if energy is None else energy.sums()
+        return stored, None if energy is None else energy.sums()
 
     def done(piece: Piece, result) -> None:
-        if result is not None:
-            sums[piece.module][0] += result[0]
-            sums[piece.module][1] += result[1]
+        writer = writers[piece.shard]
+        if result is None:
+            _copy_piece(readers[piece.shard], writer, piece)
+        else:
+            stored, energy = result
+            _write_stored(writer, piece, stored)
+            if energy is not None:
+                sums[piece.module][0] += energy[0]
+                sums[piece.module][1] += energy[1]
         tally.bytes_done += piece.nbytes
         if piece.rows is None or piece.rows.stop == checkpoint.info(piece.name).shape[0]:
             tally.tensors_done += 1
@@ -169,7 +185,9 @@ def write_tensors(checkpoint: Checkpoint, readers: dict[str, ShardReader],
             progress(tally.bytes_done, tally.bytes_total, tally.tensors_done,
                      tally.tensors_total)
 
-    run_bounded(pieces(checkpoint, selection), work, workers, done)
+    # Reading (page-table population), copying and writing happen on this thread in
+    # prepare / done, the quantizing on the workers: with one worker the two overlap.
+    run_bounded(pieces(checkpoint, selection), work, workers, done, prepare)
     return {m: snr_db(*sums[m]) for m in selection.quantized} if snr else {}
 
 
@@ -184,13 +202,8 @@ def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
     reader.release(piece.name, piece.rows)
 
 
-def _quantize_piece(reader: ShardReader, writer: ShardWriter, piece: Piece, fmt: str,
-                    global_amax: torch.Tensor | None, device: torch.device,
-                    energy: Energy | None) -> None:
-    """Quantize rows of one weight and write each stored tensor's rows; ``energy`` collects
-    the piece's weight SNR sums on the way."""
-    w = reader.tensor(piece.name, piece.rows).to(device)
-    stored = quantize(fmt, w, name=piece.name, global_amax=global_amax, energy=energy)
+def _write_stored(writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor]) -> None:
+    """Each stored tensor's rows of one quantized piece, at their offsets."""
     for suffix, tensor in stored.items():
         if suffix == "weight_global_scale":
             if piece.rows.start == 0:
