@@ -3,7 +3,7 @@ same randomly initialised ~0.5B-parameter Llama checkpoint, same machine, same r
 format and each worker count (both tools at the same one), and qstream's time against an I/O
 floor measured in the same run: a fresh interpreter that imports torch, reads every input byte
 and writes as many bytes as qstream's output has.  Each run is a fresh child process; its peak
-RSS comes from ``os.wait4``.  Runs are interleaved in rounds and each figure is the median of
+RSS comes from ``os.wait4``.  Runs are interleaved in rounds and each figure is taken over
 ``--repeat`` rounds (best time, median RSS), so that load from other processes falls on
 every tool alike.
 
