@@ -386,3 +386,18 @@ def test_output_equal_to_or_inside_the_input_is_refused(tmp_path, where):
                                                    "--overwrite"])
     assert result.exit_code == 1 and "is inside --model_dir" in result.output
     assert tree_digest(src) == before
+
+
+def test_quantize_entry_point_imports_nothing_it_does_not_use():
+    """qstream-quantize's start-up is part of its wall time: the evaluator's and the card's
+    heavy dependencies must stay out of it (cli.COMMANDS imports commands lazily)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, qstream.cli, qstream.commands.quantize; "
+            "print(' '.join(m for m in ('matplotlib', 'scipy', 'transformers', 'pandas', "
+            "'safetensors', 'compressed_tensors', 'qstream.eval', 'qstream.model', "
+            "'qstream.card') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == ""
