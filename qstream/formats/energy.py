@@ -19,7 +19,7 @@ F64_SLICE = 1 << 16
 # Dtypes whose values differ exactly in float32 from their quantized values: both have at most
 # 11 significant bits and, for every format here, w_hat is 0 or within a few binades of w, so
 # w - w_hat needs fewer than float32's 24 bits (and its square fewer than float64's 53).
-_SHORT = (torch.bfloat16, torch.float16)
+SHORT = (torch.bfloat16, torch.float16)
 
 # Scratch buffers are kept per thread, not per Energy: a checkpoint run makes one Energy per
 # piece, and fresh multi-MiB buffers each time cost more in page faults than the sums.
@@ -44,9 +44,9 @@ class Energy:
     def add(self, w: torch.Tensor, w_hat: torch.Tensor) -> None:
         """Add one chunk: ``w`` the original values (in the weight dtype or a float32 copy) and
         ``w_hat`` the dequantized ones in the weight dtype.  Squares and sums are float64, and
-        so are the differences unless they are exact in float32 (``_SHORT`` dtypes)."""
+        so are the differences unless they are exact in float32 (``SHORT`` dtypes)."""
         n = w.numel()
-        if w_hat.dtype in _SHORT:
+        if w_hat.dtype in SHORT:
             error = _buffer("f32", n, torch.float32, self.device).view(w.shape)
             torch.sub(w.float() if w.dtype != torch.float32 else w, error.copy_(w_hat),
                       out=error)
@@ -55,6 +55,13 @@ class Energy:
             error.sub_(w_hat)
         self._sums[0] += self._sum_squares(w.reshape(-1))
         self._sums[1] += self._sum_squares(error.view(-1))
+
+    def add_exact(self, w: torch.Tensor, error: torch.Tensor) -> None:
+        """Add one chunk given as float32 ``w`` (or ``|w|``) and ``error = w_hat - w`` (or
+        ``|w_hat| - |w|``), the caller having made sure the error is exact in float32 (see
+        ``SHORT``); squares and sums are float64."""
+        self._sums[0] += self._sum_squares(w.reshape(-1))
+        self._sums[1] += self._sum_squares(error.reshape(-1))
 
     def _sum_squares(self, flat: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
