@@ -136,7 +136,10 @@ def encode_blocks(w: torch.Tensor, divisor: torch.Tensor, block: int, out: torch
         x, magnitude, scratch = work.take(rows)
         x.copy_(w[rows])
         blocks = torch.abs(x, out=magnitude).view(-1, k // block, block)
-        blocks.div_(divisor[rows]) if inverse is None else blocks.mul_(inverse[rows])
+        if inverse is None:
+            blocks.div_(divisor[rows])
+        else:
+            blocks.mul_(inverse[rows])
         grid, hat = (None, None) if energy is None else work.take_hat(rows)
         _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
         if energy is not None:
