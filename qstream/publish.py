@@ -31,7 +31,9 @@ from qstream.errors import QStreamError
 
 # Files whose presence marks a directory as written by qstream (quantize's provenance, synth's
 # record); --overwrite replaces nothing else.
-RECORD_FILES = ("qstream_quantize.json", "qstream_synth.json")
+QUANTIZE_RECORD = "qstream_quantize.json"  # quantize's provenance: command, summary, sha256s
+SYNTH_RECORD = "qstream_synth.json"
+RECORD_FILES = (QUANTIZE_RECORD, SYNTH_RECORD)
 _PARTIAL = re.compile(r"^\.(?P<name>.+)\.qstream-(?:partial|old)-(?P<pid>\d+)$")
 
 

@@ -1,6 +1,7 @@
 """Property tests (hypothesis): re-quantizing a dequantized weight gives the same codes,
 packing is a bijection, scales are finite and positive (FP8, NVFP4) and MXFP4's puts each block
-where DESIGN.md section 3 says."""
+where docs/formats say, and the weight SNR sums the quantizers accumulate equal the definition's
+second pass over the dequantized weight."""
 
 import numpy as np
 import torch
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from qstream.formats import FORMATS, dequantize, e2m1, quantize
+from qstream.formats import FORMATS, Energy, dequantize, e2m1, quantize, snr_db, snr_sums
 
 CODES = {"fp8": "weight", "mxfp4": "weight_packed", "nvfp4": "weight_packed"}
 
@@ -31,6 +32,40 @@ def test_dequantized_weight_requantizes_to_the_same_codes(w, fmt):
     again = quantize(fmt, dequantize(fmt, stored))
     key = CODES[fmt]
     assert torch.equal(again[key].view(torch.uint8), stored[key].view(torch.uint8))
+
+
+# The in-kernel sums add the same exact float64 terms as snr_sums, in another order (chunks
+# instead of 1M-element slices, another dot-product blocking): only float64 summation rounding
+# may differ, a few ulps of the sum for these sizes.
+SNR_SUM_RTOL = 1e-12
+
+
+@settings(max_examples=90, deadline=None)
+@given(w=weights(), fmt=st.sampled_from(sorted(FORMATS)),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_in_kernel_snr_sums_equal_the_second_pass(w, fmt, dtype):
+    w = w.float().clamp(-60000, 60000).to(dtype)  # within fp16's range
+    energy = Energy()
+    stored = quantize(fmt, w, energy=energy)
+    expected = snr_sums(w, dequantize(fmt, stored, dtype=dtype))
+    got = energy.sums()
+    for a, b in zip(got, expected):
+        assert abs(a - b) <= SNR_SUM_RTOL * abs(b), (got, expected)
+    assert f"{snr_db(*got):.2f}" == f"{snr_db(*expected):.2f}"
+
+
+def test_in_kernel_snr_sums_on_a_multi_chunk_weight():
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(700, 1024, generator=gen) * 0.02)
+    w[5] = 0  # an all-zero row, and outliers that saturate blocks
+    w[7, ::97] = 3.0
+    w = w.bfloat16()
+    for fmt in FORMATS:
+        energy = Energy()
+        stored = quantize(fmt, w, energy=energy)
+        expected = snr_sums(w, dequantize(fmt, stored, dtype=w.dtype))
+        for a, b in zip(energy.sums(), expected):
+            assert abs(a - b) <= SNR_SUM_RTOL * abs(b), (fmt, energy.sums(), expected)
 
 
 @settings(max_examples=60, deadline=None)

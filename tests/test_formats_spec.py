@@ -257,3 +257,14 @@ def test_decoding_packed_bytes_equals_unpack_then_decode():
         two_step = e2m1.decode(e2m1.unpack(every_byte), dtype)
         assert torch.equal(direct.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                            two_step.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_to_fp8_equals_the_float8_cast_for_every_value(dtype):
+    """The FP8 quantizer's SNR rounds magnitudes to E4M3 with float arithmetic; every bf16 /
+    fp16 value in range, subnormals included, must land where torch's cast puts it."""
+    y = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    y = y[torch.isfinite(y) & (y.abs() <= 448)]
+    expected = y.to(torch.float8_e4m3fn).float().abs()
+    got = fp8.round_to_fp8(y.float().abs())
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))

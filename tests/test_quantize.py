@@ -12,7 +12,7 @@ from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig
 from safetensors.torch import load_file, save_file
 
-import qstream.checkpoint.quantize as quantize_module
+import qstream.checkpoint.pipeline as pipeline_module
 from checkpoints import (
     DSPARK_RECIPE,
     as_bytes,
@@ -24,7 +24,9 @@ from checkpoints import (
     write_checkpoint,
 )
 from ct_reference import ct_quantize
+import qstream.checkpoint.quantize as quantize_module
 from qstream.checkpoint import quantize_checkpoint
+from qstream.checkpoint.quantize import default_workers
 from qstream.checkpoint.selection import fused_groups
 from qstream.cli import cli
 from qstream.commands.quantize import quantize as quantize_command
@@ -198,11 +200,29 @@ def test_row_pieces_and_workers_give_the_same_bytes(tmp_path, fmt, monkeypatch):
     src = write_checkpoint(tmp_path / "in", llama_tensors(layers=1))
     quantize_checkpoint(src, tmp_path / "whole", fmt)
     # pieces of 5 rows (and copies of 3 KiB), out of order across 3 threads
-    monkeypatch.setattr(quantize_module, "PIECE_ELEMENTS", 5 * 96)
-    monkeypatch.setattr(quantize_module, "COPY_BYTES", 3 << 10)
+    monkeypatch.setattr(pipeline_module, "PIECE_ELEMENTS", 5 * 96)
+    monkeypatch.setattr(pipeline_module, "COPY_BYTES", 3 << 10)
     quantize_checkpoint(src, tmp_path / "pieces", fmt, workers=3)
     assert (tmp_path / "whole" / "model.safetensors").read_bytes() == \
         (tmp_path / "pieces" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_no_snr_writes_the_same_weights_and_records_the_worker_count(tmp_path, fmt):
+    src = write_checkpoint(tmp_path / "in", llama_tensors(layers=1))
+    with_snr = quantize_checkpoint(src, tmp_path / "snr", fmt, workers=2)
+    result = CliRunner().invoke(quantize_command, [
+        "--model_dir", str(src), "--output_dir", str(tmp_path / "plain"), "--quant_format", fmt,
+        "--no-snr", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    plain = json.loads(result.stdout)
+    assert plain["weight_snr_db"] == {} and plain["mean_snr_db"] is None
+    assert plain["workers"] == default_workers() and with_snr.workers == 2
+    assert with_snr.weight_snr_db and all(v > 0 for v in with_snr.weight_snr_db.values())
+    assert (tmp_path / "snr" / "model.safetensors").read_bytes() == \
+        (tmp_path / "plain" / "model.safetensors").read_bytes()
+    provenance = json.loads((tmp_path / "plain" / quantize_module.PROVENANCE_NAME).read_text())
+    assert provenance["command"].endswith("--no-snr") and "workers" not in provenance["summary"]
 
 
 def test_snr_matches_the_formats_weight_snr(tmp_path, monkeypatch):
@@ -210,7 +230,7 @@ def test_snr_matches_the_formats_weight_snr(tmp_path, monkeypatch):
 
     tensors = llama_tensors(layers=1)
     src = write_checkpoint(tmp_path / "in", tensors)
-    monkeypatch.setattr(quantize_module, "PIECE_ELEMENTS", 7 * 64)
+    monkeypatch.setattr(pipeline_module, "PIECE_ELEMENTS", 7 * 64)
     summary = quantize_checkpoint(src, tmp_path / "out", "mxfp4")
     for module, snr in summary.weight_snr_db.items():
         w = tensors[module + ".weight"]
@@ -246,8 +266,17 @@ def test_overwrite_replaces_and_existing_output_is_refused(tmp_path):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1 and "already exists (use --overwrite)" in result.output
     assert (out / "stale.txt").exists()
+    # --overwrite replaces only what qstream wrote (docs/guarantees.md)
+    result = CliRunner().invoke(cli, [*args, "--overwrite"])
+    assert result.exit_code == 1 and "is not a directory qstream wrote" in result.output
+    assert (out / "stale.txt").exists()
+    (out / "stale.txt").unlink()
+    out.rmdir()
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    (out / "stale.txt").write_text("old")
     assert CliRunner().invoke(cli, [*args, "--overwrite"]).exit_code == 0
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
 
 
 def test_interrupt_leaves_no_output_and_no_temporary_directory(tmp_path):
@@ -370,3 +399,18 @@ def test_output_equal_to_or_inside_the_input_is_refused(tmp_path, where):
                                                    "--overwrite"])
     assert result.exit_code == 1 and "is inside --model_dir" in result.output
     assert tree_digest(src) == before
+
+
+def test_quantize_entry_point_imports_nothing_it_does_not_use():
+    """qstream-quantize's start-up is part of its wall time: the evaluator's and the card's
+    heavy dependencies must stay out of it (cli.COMMANDS imports commands lazily)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, qstream.cli, qstream.commands.quantize; "
+            "print(' '.join(m for m in ('matplotlib', 'scipy', 'transformers', 'pandas', "
+            "'safetensors', 'compressed_tensors', 'qstream.eval', 'qstream.model', "
+            "'qstream.card') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == ""

@@ -50,7 +50,9 @@ def _edit_config(directory, change):
 
 
 def _edit_tensors(directory, change):
-    """Apply ``change`` to each shard's tensors, then rewrite the index to match."""
+    """Apply ``change`` to each shard's tensors, then rewrite the index to match.  The quantize
+    record goes too, as for a checkpoint another tool edited (its sha256s are tested apart)."""
+    (directory / "qstream_quantize.json").unlink(missing_ok=True)
     weight_map = {}
     for shard in sorted(directory.glob("*.safetensors")):
         tensors = load_file(shard)
@@ -227,3 +229,24 @@ def test_inspect_reports_weight_statistics(tmp_path):
     stats = {r["name"]: r for r in json.loads(result.output)["weight_stats"]}
     assert stats["proj.weight"]["col_spread"] > 10  # the outlier column shows
     assert stats["norm.weight"]["std"] == 0.0
+
+
+def test_verify_checks_the_recorded_sha256_of_every_file(quantized, tmp_path):
+    directory = _copy(quantized[1]["nvfp4"], tmp_path)
+    assert _verify(directory).exit_code == 0
+    record = json.loads((directory / "qstream_quantize.json").read_text())
+    assert set(record["files"]) >= {"config.json", "model.safetensors.index.json",
+                                    "model-00001-of-00002.safetensors", "tokenizer.json"}
+    shard = directory / "model-00002-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8:8 + header_len])["lm_head.weight"]["data_offsets"]
+    data[8 + header_len + begin] ^= 0x01  # one flipped bit of an unquantized weight
+    shard.write_bytes(bytes(data))
+    (directory / "tokenizer.json").unlink()
+    result = _verify(directory)
+    assert result.exit_code == 1
+    problems = json.loads(result.stdout)["problems"]
+    assert problems[0].startswith("model-00002-of-00002.safetensors: sha256 ")
+    assert "recorded by quantize (changed since)" in problems[0]
+    assert "tokenizer.json: recorded by quantize but missing" in problems

@@ -28,10 +28,10 @@ from qstream.checkpoint.selection import (
 )
 from qstream.checkpoint.serving import never_quantized, profile_for
 from qstream.errors import QStreamError
+from qstream.publish import QUANTIZE_RECORD as PROVENANCE
 from qstream.formats import get_format
 from qstream.units import GIB
 
-PROVENANCE = "qstream_quantize.json"
 PACKED = "weight_packed"  # two 4-bit weights per stored byte
 
 

@@ -4,6 +4,7 @@ and validates all headers and the index; no tensor data is touched."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +135,16 @@ def _check_index(path: Path, weight_map: dict[str, str], located: dict[str, str]
     if extra:
         raise QStreamError(f"{path}: tensor {extra[0]!r} (in {located[extra[0]]}) is missing "
                            "from the index")
+
+
+def file_digests(directory: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``directory`` but ``skip``, sorted; what
+    quantize records and verify checks (docs/guarantees.md)."""
+    digests = {}
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        name = path.relative_to(directory).as_posix()
+        if name in skip:
+            continue
+        with path.open("rb") as handle:
+            digests[name] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return digests

@@ -3,10 +3,9 @@ checkpoint in the compressed-tensors layout out (DESIGN.md sections 2 and 4), wi
 
 The run is planned whole before anything is written: the checkpoint's headers and index are
 validated, the selection is resolved, every output shard's header is laid out, and (NVFP4) the
-amax pre-pass gives each tensor or fused group its global scale.  Then work proceeds in pieces
-of at most ``PIECE_ELEMENTS`` elements (a row range of one tensor), so that memory is bounded
-by ``workers`` pieces, never by a tensor, a shard or the model: each piece is read from a
-memory map, quantized, and written at its offset in a temporary directory that is renamed into
+amax pre-pass gives each fused group, or tensor too large for one piece, its global scale.
+Then :mod:`qstream.checkpoint.pipeline` streams the pieces (row ranges of one tensor) through a
+bounded thread pool, each written at its offset in a temporary directory that is renamed into
 place at the end.
 """
 
@@ -17,30 +16,28 @@ import os
 import shlex
 import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 import qstream
-from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint, open_checkpoint
+from qstream.checkpoint.files import (
+    CONFIG_NAME,
+    INDEX_NAME,
+    Checkpoint,
+    file_digests,
+    open_checkpoint,
+)
 from qstream.checkpoint.layout import quantization_config, stored_tensors
+from qstream.checkpoint.pipeline import Progress, global_amaxes, write_tensors
 from qstream.checkpoint.safetensors_io import (
     PlannedTensor,
     ShardReader,
     ShardWriter,
-    TensorInfo,
     planned_file_size,
 )
-from qstream.checkpoint.selection import (
-    Selection,
-    select_modules,
-    share_group_amax,
-    weight_modules,
-)
+from qstream.checkpoint.selection import Selection, select_modules, weight_modules
 from qstream.checkpoint.serving import (
     ignore_entries,
     layer_specific_warning,
@@ -48,20 +45,12 @@ from qstream.checkpoint.serving import (
     target_layers_of,
 )
 from qstream.errors import QStreamError
-from qstream.formats import dequantize, get_format, quantize, snr_db, snr_sums
-from qstream.formats.nvfp4 import tensor_amax
+from qstream.publish import QUANTIZE_RECORD, check_target, publishing
+from qstream.formats import get_format
 
 # Written beside config.json: the command and summary that produced the checkpoint, which
 # `qstream card` quotes (the card never has to reconstruct the command).
-PROVENANCE_NAME = "qstream_quantize.json"
-# Largest piece of work: 512K elements is 1 MiB of bf16 input; with the float32 temporaries
-# a piece costs ~15 MB, so memory stays near workers x 15 MB whatever the tensor sizes.
-PIECE_ELEMENTS = 1 << 19
-# Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
-# until released).
-COPY_BYTES = 8 << 20
-
-Progress = Callable[[int, int, int, int], None]  # bytes done, bytes total, tensors done, total
+PROVENANCE_NAME = QUANTIZE_RECORD
 
 
 @dataclass(frozen=True)
@@ -81,6 +70,7 @@ class QuantizeSummary:
     bytes_after: int  # safetensors files of the output (exact, also on a dry run)
     weight_snr_db: dict[str, float] = field(default_factory=dict)  # per quantized module
     seconds: float = 0.0
+    workers: int = 1  # threads that quantized in parallel
     serving_profile: str = "generic"  # whose loading rules the selection follows (docs/vllm.md)
     tensor_parallel_size: int = 1  # the TP size the selection was checked for
     ignore: list[str] = field(default_factory=list)  # the config's ignore entries, as written
@@ -108,17 +98,6 @@ class QuantizeSummary:
         return data
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """One unit of work: rows ``rows`` of tensor ``name`` of input shard ``shard``."""
-
-    shard: str
-    name: str
-    rows: slice | None  # None: a whole 0-d / empty tensor
-    module: str | None  # set when the tensor is a weight being quantized
-    nbytes: int
-
-
 def quantize_checkpoint(
     model_dir: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -126,11 +105,12 @@ def quantize_checkpoint(
     include: list[str] | None = None,
     ignore: list[str] | None = None,
     device: str = "cpu",
-    workers: int = 1,
+    workers: int | None = None,
     dry_run: bool = False,
     overwrite: bool = False,
     skip_incompatible: bool = False,
     progress: Progress | None = None,
+    snr: bool = True,
     tensor_parallel_size: int = 1,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
@@ -142,18 +122,85 @@ def quantize_checkpoint(
     The serving profile of config.json's architecture (docs/vllm.md) adds vLLM's rules: fused
     groups, modules vLLM never quantizes, and what it keeps in BF16 at
     ``tensor_parallel_size``; the ``ignore`` list is written so that vLLM's matcher resolves
-    it under its runtime module names.
+    it under its runtime module names.  The output is published atomically and exclusively,
+    and ``overwrite`` replaces only a directory qstream wrote (docs/guarantees.md).
     ``device`` "cuda" quantizes on the GPU (same bytes).  Parallelism comes from ``workers``
-    threads with one torch intra-op thread each (torch's setting is restored on return): on a
-    busy machine, intra-op thread barriers cost far more than they gain on small pieces.
-    Raises QStreamError, having written nothing, for any problem with the input or options.
+    threads (default: the CPUs this process may use) with one torch intra-op thread each
+    (torch's setting is restored on return): on a busy machine, intra-op thread barriers cost
+    far more than they gain on small pieces.  ``snr=False`` leaves out the weight SNR sums
+    (``weight_snr_db`` is then empty).  Raises QStreamError, having written nothing, for any
+    problem with the input or options.
     """
     started = time.perf_counter()
     get_format(fmt)
+    workers = default_workers() if workers is None else workers
     model_path, output_path = _check_paths(model_dir, output_dir, overwrite)
     torch_device = _check_device(device, workers)
     checkpoint = open_checkpoint(model_path)
     _refuse_quantized(checkpoint)
+    selection, entries, warnings = _select(checkpoint, fmt, include, ignore, skip_incompatible,
+                                           tensor_parallel_size)
+    plans = _plan_shards(checkpoint, selection, fmt)
+    summary = QuantizeSummary(
+        model_dir=str(model_path), output_dir=str(output_path), quant_format=fmt,
+        dry_run=dry_run,
+        params_total=sum(i.numel for i in checkpoint.tensors.values()),
+        params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
+        modules_quantized=list(selection.quantized), modules_ignored=list(selection.ignored),
+        modules_skipped=dict(selection.skipped), bytes_before=checkpoint.size_bytes,
+        bytes_after=sum(planned_file_size(t, checkpoint.shards[s].metadata)
+                        for s, t in plans.items()),
+        workers=workers, serving_profile=selection.profile.name,
+        tensor_parallel_size=tensor_parallel_size, ignore=entries, warnings=warnings,
+    )
+    if dry_run:
+        return summary
+    command = _equivalent_command(model_dir, output_dir, fmt, include, ignore,
+                                  skip_incompatible, snr, tensor_parallel_size)
+    intra_op_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        snr_db = _write_output(checkpoint, selection, plans, summary, output_path, overwrite,
+                               command, torch_device, snr, progress)
+    finally:
+        torch.set_num_threads(intra_op_threads)
+    return QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr_db,
+                              "seconds": time.perf_counter() - started})
+
+
+def _write_output(checkpoint, selection, plans, summary: QuantizeSummary, output_path: Path,
+                  overwrite: bool, command: str, device: torch.device, snr: bool,
+                  progress: Progress | None) -> dict[str, float]:
+    """The NVFP4 pre-pass, then everything written into a temporary directory beside
+    ``output_path`` that is renamed into place; returns the weight SNR per module."""
+    fmt, workers = summary.quant_format, summary.workers
+    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
+    amaxes = global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" else {}
+    with publishing(output_path, overwrite) as tmp:
+        snr_db = _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes,
+                                   summary.ignore, tmp, device, workers, snr, progress)
+        # what the card quotes; run-dependent fields (time, worker count) are left out so that
+        # the same input and command give the same output bytes
+        recorded = QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr_db}).to_json()
+        _write_text(tmp / PROVENANCE_NAME, _json({
+            "qstream_version": qstream.__version__, "command": command,
+            "summary": {k: v for k, v in recorded.items() if k not in ("seconds", "workers")},
+            "files": file_digests(tmp)}))
+    return snr_db
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _select(checkpoint: Checkpoint, fmt: str, include, ignore, skip_incompatible: bool,
+            tensor_parallel_size: int) -> tuple[Selection, list[str], list[str]]:
+    """The selection under config.json's serving profile, the ``ignore`` entries that make
+    vLLM's matcher resolve it, and the warnings about what vLLM may refuse (docs/vllm.md)."""
     if tensor_parallel_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
@@ -165,51 +212,13 @@ def quantize_checkpoint(
     entries = ignore_entries(profile, selection.ignored, weight_modules(checkpoint.tensors),
                              target_layers)
     warnings = list(selection.warnings)
-    warnings += filter(None, [layer_specific_warning(entries, target_layers)])
-    plans = _plan_shards(checkpoint, selection, fmt)
-    summary = QuantizeSummary(
-        model_dir=str(model_path), output_dir=str(output_path), quant_format=fmt,
-        dry_run=dry_run,
-        params_total=sum(i.numel for i in checkpoint.tensors.values()),
-        params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
-        modules_quantized=list(selection.quantized), modules_ignored=list(selection.ignored),
-        modules_skipped=dict(selection.skipped), bytes_before=checkpoint.size_bytes,
-        bytes_after=sum(planned_file_size(t, checkpoint.shards[s].metadata)
-                        for s, t in plans.items()),
-        serving_profile=profile.name, tensor_parallel_size=tensor_parallel_size,
-        ignore=entries, warnings=warnings,
-    )
-    if dry_run:
-        return summary
-    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    tmp = output_path.parent / f".{output_path.name}.qstream-partial-{os.getpid()}"
-    intra_op_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        amaxes = _global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" \
-            else {}
-        tmp.mkdir()
-        snr = _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, entries,
-                                tmp, torch_device, workers, progress)
-        command = _equivalent_command(model_dir, output_dir, fmt, include, ignore,
-                                      skip_incompatible, tensor_parallel_size)
-        _write_text(tmp / PROVENANCE_NAME, _json({
-            "qstream_version": qstream.__version__, "command": command,
-            "summary": {k: v for k, v in QuantizeSummary(**{**asdict(summary),
-                                                             "weight_snr_db": snr}).to_json().items()
-                        if k != "seconds"}}))
-        _move_into_place(tmp, output_path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        torch.set_num_threads(intra_op_threads)
-    return QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr,
-                              "seconds": time.perf_counter() - started})
+    warnings += filter(None, [layer_specific_warning(profile, entries, target_layers)])
+    return selection, entries, warnings
 
 
 def _equivalent_command(model_dir, output_dir, fmt: str, include, ignore,
-                        skip_incompatible: bool, tensor_parallel_size: int) -> str:
+                        skip_incompatible: bool, snr: bool = True,
+                        tensor_parallel_size: int = 1) -> str:
     """The qstream-quantize command line that makes this output (recorded for model cards)."""
     args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir),
             "--quant_format", fmt]
@@ -219,6 +228,8 @@ def _equivalent_command(model_dir, output_dir, fmt: str, include, ignore,
         args += ["--ignore_layers", *ignore]
     if skip_incompatible:
         args.append("--skip-incompatible")
+    if not snr:
+        args.append("--no-snr")
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     return shlex.join(args)
@@ -233,12 +244,7 @@ def _check_paths(model_dir, output_dir, overwrite: bool) -> tuple[Path, Path]:
                            "input is never modified")
     if output_path in model_path.parents:
         raise QStreamError(f"--output_dir {output_dir} contains --model_dir {model_dir}")
-    if output_path.exists() and not overwrite:
-        raise QStreamError(f"--output_dir {output_dir} already exists (use --overwrite)")
-    if output_path.exists() and not output_path.is_dir():
-        raise QStreamError(f"--output_dir {output_dir} exists and is not a directory")
-    if not output_path.parent.is_dir():
-        raise QStreamError(f"--output_dir {output_dir}: parent directory does not exist")
+    check_target(output_path, overwrite, "--output_dir")
     return model_path, output_path
 
 
@@ -282,109 +288,19 @@ def _plan_shards(checkpoint: Checkpoint, selection: Selection, fmt: str
     return plans
 
 
-def _row_pieces(shard: str, info: TensorInfo, module: str | None) -> Iterator[_Piece]:
-    if not info.shape or info.numel == 0:
-        yield _Piece(shard, info.name, None, module, info.nbytes)
-        return
-    row_elements = max(1, info.numel // info.shape[0])
-    limit = COPY_BYTES // max(1, info.row_bytes) if module is None \
-        else PIECE_ELEMENTS // row_elements
-    step = max(1, limit)
-    for start in range(0, info.shape[0], step):
-        rows = slice(start, min(start + step, info.shape[0]))
-        yield _Piece(shard, info.name, rows, module, (rows.stop - rows.start) * info.row_bytes)
-
-
-def _pieces(checkpoint: Checkpoint, selection: Selection,
-            modules: set[str] | None = None) -> Iterator[_Piece]:
-    quantized = set(selection.quantized)
-    for shard, header in checkpoint.shards.items():
-        for name, info in header.tensors.items():
-            module = name[: -len(".weight")] if name.endswith(".weight") else None
-            module = module if module in quantized else None
-            if modules is None or module in modules:
-                yield from _row_pieces(shard, info, module)
-
-
-def _run_bounded(pieces: Iterator[_Piece], work: Callable[[_Piece], object], workers: int,
-                 done: Callable[[_Piece, object], None]) -> None:
-    """``work`` on every piece in a thread pool (torch releases the GIL), with at most
-    ``2 * workers`` pieces in flight so that memory stays bounded."""
-    in_flight: deque[tuple[_Piece, Future]] = deque()
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qstream") as pool:
-        try:
-            for piece in pieces:
-                in_flight.append((piece, pool.submit(work, piece)))
-                if len(in_flight) >= 2 * workers:
-                    p, fut = in_flight.popleft()
-                    done(p, fut.result())
-            while in_flight:
-                p, fut = in_flight.popleft()
-                done(p, fut.result())
-        except BaseException:
-            for _, fut in in_flight:
-                fut.cancel()
-            raise
-
-
-def _global_amaxes(checkpoint: Checkpoint, readers: dict[str, ShardReader],
-                   selection: Selection, workers: int) -> dict[str, torch.Tensor]:
-    """NVFP4's pre-pass: each quantized weight's amax, then the max over each fused group, so
-    that a group shares one global scale even across shards (DESIGN.md section 4).  A NaN or
-    Inf weight is refused here, before anything is written."""
-    amax: dict[str, torch.Tensor] = {}
-
-    def work(piece: _Piece) -> torch.Tensor:
-        reader = readers[piece.shard]
-        value = tensor_amax(reader.tensor(piece.name, piece.rows))
-        reader.release(piece.name, piece.rows)
-        return value
-
-    def done(piece: _Piece, value: torch.Tensor) -> None:
-        if not torch.isfinite(value):
-            raise QStreamError(f"{piece.name}: weight contains NaN or Inf")
-        previous = amax.get(piece.module)
-        amax[piece.module] = value if previous is None else torch.maximum(previous, value)
-
-    _run_bounded(_pieces(checkpoint, selection, set(selection.quantized)), work, workers, done)
-    return share_group_amax(amax, selection.fused_groups)
-
-
 def _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, ignore, tmp: Path,
-                      device: torch.device, workers: int, progress: Progress | None
-                      ) -> dict[str, float]:
+                      device: torch.device, workers: int, snr: bool,
+                      progress: Progress | None) -> dict[str, float]:
+    """config.json, the other files, every shard and the index, in ``tmp``; returns the
+    weight SNR per quantized module."""
     _copy_other_files(checkpoint, tmp)
     config = dict(checkpoint.config)
     config["quantization_config"] = quantization_config(fmt, list(ignore))
     _write_text(tmp / CONFIG_NAME, _json(config))
     writers = {s: ShardWriter(tmp / s, plans[s], checkpoint.shards[s].metadata) for s in plans}
-    sums: dict[str, list[float]] = {m: [0.0, 0.0] for m in selection.quantized}
-    totals = {"bytes": sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
-              "tensors": len(checkpoint.tensor_shard)}
-    state = {"bytes": 0, "tensors": 0}
-
-    def work(piece: _Piece):
-        reader, writer = readers[piece.shard], writers[piece.shard]
-        if piece.module is None:
-            _copy_piece(reader, writer, piece)
-            return None
-        result = _quantize_piece(reader, writer, piece, fmt, amaxes.get(piece.module), device)
-        reader.release(piece.name, piece.rows)
-        return result
-
-    def done(piece: _Piece, result) -> None:
-        if result is not None:
-            sums[piece.module][0] += result[0]
-            sums[piece.module][1] += result[1]
-        state["bytes"] += piece.nbytes
-        info = checkpoint.info(piece.name)
-        if piece.rows is None or piece.rows.stop == info.shape[0]:
-            state["tensors"] += 1
-        if progress is not None:
-            progress(state["bytes"], totals["bytes"], state["tensors"], totals["tensors"])
-
     try:
-        _run_bounded(_pieces(checkpoint, selection), work, workers, done)
+        snr_db = write_tensors(checkpoint, readers, writers, selection, fmt, amaxes, device,
+                               workers, snr, progress)
     except BaseException:
         for writer in writers.values():
             writer.abort()
@@ -392,35 +308,7 @@ def _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, ignore
     for writer in writers.values():
         writer.close()
     _write_index(checkpoint, writers, tmp)
-    return {m: snr_db(*sums[m]) for m in selection.quantized}
-
-
-def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: _Piece) -> None:
-    info = reader.header.tensors[piece.name]
-    if piece.rows is None:
-        begin, end, row = 0, info.nbytes, 0
-    else:
-        begin, end, row = (piece.rows.start * info.row_bytes, piece.rows.stop * info.row_bytes,
-                           piece.rows.start)
-    writer.write(piece.name, reader.raw(piece.name, begin, end), row)
-    reader.release(piece.name, piece.rows)
-
-
-def _quantize_piece(reader: ShardReader, writer: ShardWriter, piece: _Piece, fmt: str,
-                    global_amax: torch.Tensor | None, device: torch.device
-                    ) -> tuple[float, float]:
-    """Quantize rows of one weight, write each stored tensor's rows, and return the piece's
-    ``(sum w^2, sum (w - w_hat)^2)`` in float64 for the weight SNR."""
-    w = reader.tensor(piece.name, piece.rows).to(device)
-    stored = quantize(fmt, w, name=piece.name, global_amax=global_amax)
-    module = piece.module
-    for suffix, tensor in stored.items():
-        if suffix == "weight_global_scale":
-            if piece.rows.start == 0:
-                writer.write(f"{module}.{suffix}", tensor)
-        else:
-            writer.write(f"{module}.{suffix}", tensor, piece.rows.start)
-    return snr_sums(w, dequantize(fmt, stored, dtype=w.dtype))
+    return snr_db
 
 
 def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:
@@ -454,15 +342,3 @@ def _json(data) -> str:
 
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text, encoding="utf-8")
-
-
-def _move_into_place(tmp: Path, output: Path) -> None:
-    """Rename the finished temporary directory to ``output``; an existing output (allowed by
-    --overwrite) is moved aside first and removed only once the new one is in place."""
-    old = None
-    if output.exists():
-        old = output.parent / f".{output.name}.qstream-old-{os.getpid()}"
-        output.rename(old)
-    tmp.rename(output)
-    if old is not None:
-        shutil.rmtree(old)

@@ -39,6 +39,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # The safetensors reference implementation refuses headers above 100 MB (MAX_HEADER_SIZE).
 MAX_HEADER_BYTES = 100_000_000
 _PAGE = mmap.PAGESIZE
+# madvise(2) advice, Linux >= 5.14, which not every Python's mmap module names (value from
+# include/uapi/asm-generic/mman-common.h).
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 
 
 @dataclass(frozen=True)
@@ -189,14 +192,31 @@ class ShardReader:
         start = self.header.data_offset + self.header.tensors[name].begin
         return memoryview(self._map)[start + begin:start + end]
 
+    def prefetch(self, name: str, rows: slice | None = None) -> None:
+        """Map a range's pages ahead of use (reading them from disk if they are not cached),
+        so that the thread that computes on them does not stop for page faults.  Advisory:
+        a kernel without MADV_POPULATE_READ (Linux < 5.14) faults them in on use instead."""
+        if self._map is None:
+            return
+        begin, end = self._page_range(self.header.tensors[name], rows)
+        if end > begin:
+            try:
+                self._map.madvise(_MADV_POPULATE_READ, begin, end - begin)
+            except OSError:  # EINVAL: not supported here; the pages are read on first use
+                pass
+
+    def _page_range(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
+        begin, end = self._span(info, rows)
+        begin = (self.header.data_offset + begin) // _PAGE * _PAGE
+        end = min(-(-(self.header.data_offset + end) // _PAGE) * _PAGE, len(self._map))
+        return begin, end
+
     def release(self, name: str, rows: slice | None = None) -> None:
         """Drop the pages of a range already processed from this process's resident memory;
         the page cache keeps them, and touching them again re-reads them."""
         if self._map is None:
             return
-        begin, end = self._span(self.header.tensors[name], rows)
-        begin = (self.header.data_offset + begin) // _PAGE * _PAGE
-        end = min(-(-(self.header.data_offset + end) // _PAGE) * _PAGE, len(self._map))
+        begin, end = self._page_range(self.header.tensors[name], rows)
         if end > begin:
             self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 

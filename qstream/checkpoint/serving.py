@@ -268,10 +268,11 @@ def target_layers_of(config: Mapping) -> int | None:
     return value if isinstance(value, int) and value >= 0 else None
 
 
-def layer_specific_warning(entries: Iterable[str], target_layers: int | None) -> str | None:
-    """A warning when ``entries`` name single runtime layers: they hold for one L only."""
+def layer_specific_warning(profile: Profile, entries: Iterable[str],
+                           target_layers: int | None) -> str | None:
+    """A warning when a draft's ``entries`` name single runtime layers: they hold for one L."""
     exact = [e for e in entries if not e.startswith("re:") and e.startswith("model.layers.")]
-    if not exact:
+    if not profile.is_dspark or not exact:
         return None
     return (f"{len(exact)} ignore entries name single runtime layers ({exact[0]}, ...) at "
             f"L={target_layers} (config.json's target_num_hidden_layers); served beside a "

@@ -13,18 +13,20 @@ opened; everything else is collected as a list of problems, empty for a good che
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from qstream.checkpoint.files import Checkpoint, open_checkpoint
+from qstream.checkpoint.files import Checkpoint, file_digests, open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.checkpoint import serving
 from qstream.checkpoint.selection import fused_groups, matches
 from qstream.checkpoint.serving import Profile, RuntimeModule, profile_for
 from qstream.errors import QStreamError
+from qstream.publish import QUANTIZE_RECORD
 from qstream.formats import FORMATS, dequantize
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
@@ -81,6 +83,7 @@ def verify_checkpoint(directory: str | Path, tensor_parallel_size: int = 1,
         _check_accounting(holders, quantized, targets, ignore, report)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
+    _check_digests(checkpoint, report)
     _check_scales(checkpoint, fmt, quantized - malformed, report)
     if deep:
         _check_round_trip(checkpoint, fmt, quantized - malformed, report)
@@ -224,6 +227,27 @@ def _check_fused(checkpoint: Checkpoint, fmt: str, profile: Profile, holders, qu
                                        f"different NVFP4 global scales {sorted(set(values))}; "
                                        "vLLM keeps one per fused layer (the largest) and "
                                        "dequantizes the other members wrongly")
+
+
+def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> None:
+    """Every file quantize recorded (sha256 in its record) is present and unchanged."""
+    record_path = checkpoint.directory / QUANTIZE_RECORD
+    if not record_path.is_file():
+        return
+    try:
+        recorded = json.loads(record_path.read_text(encoding="utf-8")).get("files")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        report.problems.append(f"{record_path}: unreadable record ({exc})")
+        return
+    if not isinstance(recorded, dict):
+        return  # written before qstream recorded digests
+    actual = file_digests(checkpoint.directory, skip=(QUANTIZE_RECORD,))
+    for name, digest in recorded.items():
+        if name not in actual:
+            report.problems.append(f"{name}: recorded by quantize but missing")
+        elif actual[name] != digest:
+            report.problems.append(f"{name}: sha256 {actual[name][:12]}... differs from "
+                                   f"{digest[:12]}... recorded by quantize (changed since)")
 
 
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:

@@ -36,7 +36,8 @@ GIB = 1 << 30
                     "lm_head and MoE routers).")
 @greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
 @option("device", default="cpu", show_default=True, metavar="{cpu,cuda}")
-@option("workers", type=int, default=1, show_default=True, help="Tensors quantized in parallel.")
+@option("workers", type=int, default=None,
+        help="Pieces quantized in parallel (default: the CPUs available).")
 @option("dry_run", is_flag=True, help="Print the plan and sizes; write nothing.")
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
 @option("skip_incompatible", is_flag=True,
@@ -44,9 +45,10 @@ GIB = 1 << 30
 @option("tensor_parallel_size", type=click.IntRange(min=1), default=1, show_default=True,
         metavar="N", help="The tensor-parallel size vLLM will serve the draft at: modules vLLM "
         "keeps in BF16 at N are refused, Marlin shape problems at N are warned about.")
+@option("no_snr", is_flag=True, help="Skip the weight SNR (a little faster).")
 @json_option()
 def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers, device,
-             workers, dry_run, overwrite, skip_incompatible, tensor_parallel_size,
+             workers, dry_run, overwrite, skip_incompatible, tensor_parallel_size, no_snr,
              json_path) -> None:
     """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
 
@@ -63,7 +65,7 @@ def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers,
             model_dir, output_dir, quant_format, include=list(include_layers) or None,
             ignore=list(ignore_layers) or None, device=device, workers=workers,
             dry_run=dry_run, overwrite=overwrite, skip_incompatible=skip_incompatible,
-            progress=bar, tensor_parallel_size=tensor_parallel_size,
+            progress=bar, snr=not no_snr, tensor_parallel_size=tensor_parallel_size,
         )
     for warning in summary.warnings:
         click.echo(f"Warning: {warning}", err=True)
@@ -133,5 +135,6 @@ def summary_table(summary: QuantizeSummary) -> Table:
         worst = s["worst_snr_db"]
         table.add_row("weight SNR mean", f"{s['mean_snr_db']:.2f} dB")
         table.add_row("weight SNR worst", f"{worst['db']:.2f} dB ({worst['module']})")
-        table.add_row("time", f"{summary.seconds:.1f} s")
+    if not summary.dry_run:
+        table.add_row("time", f"{summary.seconds:.1f} s ({summary.workers} workers)")
     return table

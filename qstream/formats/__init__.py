@@ -18,6 +18,7 @@ import torch
 
 from qstream.errors import QStreamError
 from qstream.formats import fp8, mxfp4, nvfp4
+from qstream.formats.energy import Energy
 from qstream.formats.spec import MXFP4_BLOCK, NVFP4_BLOCK
 
 
@@ -64,17 +65,20 @@ def get_format(name: str) -> FormatSpec:
 
 
 def quantize(
-    fmt: str, w: torch.Tensor, name: str = "weight", global_amax: torch.Tensor | None = None
+    fmt: str, w: torch.Tensor, name: str = "weight", global_amax: torch.Tensor | None = None,
+    energy: Energy | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize one ``[N, K]`` weight; returns the stored tensors keyed by suffix
-    (``FORMATS[fmt].stored``).  ``global_amax`` is NVFP4's shared fused-group amax."""
+    (``FORMATS[fmt].stored``).  ``global_amax`` is NVFP4's shared fused-group amax.
+    ``energy`` (an :class:`Energy`) accumulates the weight SNR sums on the way, equal to
+    ``snr_sums(w, dequantize(fmt, stored, w.dtype))`` without that second pass."""
     spec = get_format(fmt)
     if fmt == "fp8":
-        out = fp8.quantize(w, name)
+        out = fp8.quantize(w, name, energy)
     elif fmt == "mxfp4":
-        out = mxfp4.quantize(w, name)
+        out = mxfp4.quantize(w, name, energy)
     else:
-        out = nvfp4.quantize(w, name, global_amax)
+        out = nvfp4.quantize(w, name, global_amax, energy)
     return dict(zip(spec.stored, out))
 
 
@@ -134,5 +138,5 @@ def weight_snr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return snr_db(*snr_sums(w, w_hat))
 
 
-__all__ = ["FORMATS", "FormatSpec", "get_format", "quantize", "dequantize", "weight_snr_db",
-           "snr_sums", "snr_db"]
+__all__ = ["FORMATS", "Energy", "FormatSpec", "get_format", "quantize", "dequantize",
+           "weight_snr_db", "snr_sums", "snr_db"]

@@ -81,13 +81,24 @@ def row_chunks(n_rows: int, row_elements: int) -> Iterator[slice]:
 class ChunkWorkspace:
     """float32 copy, magnitude and int32 scratch buffers for one chunk of rows, allocated once
     per weight and reused by every chunk of the 4-bit quantizers: a fresh 1 MiB temporary per
-    step costs more in page faults than the arithmetic does."""
+    step costs more in page faults than the arithmetic does.  With ``hat_dtype`` it also holds
+    the rounded E2M1 values and the dequantized chunk in that dtype, for the weight SNR."""
 
-    def __init__(self, rows: int, k: int, device: torch.device):
+    def __init__(self, rows: int, k: int, device: torch.device,
+                 hat_dtype: torch.dtype | None = None):
         self.x = torch.empty((rows, k), dtype=torch.float32, device=device)
         self.magnitude = torch.empty_like(self.x)
         self.scratch = torch.empty((rows, k), dtype=torch.int32, device=device)
+        self.grid = self.hat = None
+        if hat_dtype is not None:
+            self.grid = torch.empty_like(self.x)
+            self.hat = self.grid if hat_dtype == torch.float32 else \
+                torch.empty((rows, k), dtype=hat_dtype, device=device)
 
     def take(self, rows: slice):
         r = rows.stop - rows.start
         return self.x[:r], self.magnitude[:r], self.scratch[:r]
+
+    def take_hat(self, rows: slice):
+        r = rows.stop - rows.start
+        return self.grid[:r], self.hat[:r]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from qstream.formats.checks import ChunkWorkspace, chunk_rows, row_chunks
+from qstream.formats.energy import SHORT, Energy
 from qstream.formats.spec import E2M1_GRID, FP4_MAX
 
 # code -> value, including -0.0 for code 8 so that decoding keeps the sign bit
@@ -23,28 +25,34 @@ _MAGIC_SHIFT = 22 << 23  # 2**22 times the binade: its ulp is the E2M1 step of t
 
 
 def _codes32(magnitude: torch.Tensor, sign_source: torch.Tensor,
-             scratch: torch.Tensor | None = None) -> torch.Tensor:
+             scratch: torch.Tensor | None = None,
+             grid: torch.Tensor | None = None) -> torch.Tensor:
     """int32 codes from float32 ``|y|`` and a float32 tensor with y's signs.  ``magnitude`` is
     consumed: the codes are written over it (viewed as int32) and returned; ``scratch`` is an
-    optional int32 buffer of the same shape.  Working in place matters: a fresh 1 MiB tensor
-    per step costs more in page faults than the arithmetic does.
+    optional int32 buffer of the same shape; ``grid``, if given, receives the rounded
+    magnitudes (E2M1 values, float32).  Working in place matters: a fresh 1 MiB tensor per step
+    costs more in page faults than the arithmetic does.
 
     1. Saturate at 6.
-    2. Round half to even onto the E2M1 grid with one float addition: ``(a + M) - M`` where
+    2. Round half to even onto the E2M1 grid with one float addition: ``s = a + M`` where
        ``M = 2**(22 + e)`` and ``e = max(floor(log2 a), 0)``; the ulp of M is exactly the grid
        step of a's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so the hardware's
        round-to-nearest-even performs the rounding, once, with no double rounding.
-    3. Scale the (exact) grid value by 2**-126: float32's own encoding of it then *is* the E2M1
-       encoding (0.5 becomes the subnormal 2**-127 = 0b01 << 22, 6 becomes 0b111 << 22).
+    3. ``bits(s) - bits(M)`` counts grid steps above zero in that binade (0..4, 2..4, 2..3),
+       and adding ``2e`` turns the count into the E2M1 index.  (Integer arithmetic only: a
+       float detour through subnormals costs ten times the rest of the encoding.)
     4. The sign bit comes from ``signbit`` of the input, so -0 and small negatives keep it.
     """
     a = magnitude.clamp_(max=FP4_MAX)
     if scratch is None:
         scratch = torch.empty(a.shape, dtype=torch.int32, device=a.device)
-    binade = torch.bitwise_and(a.view(torch.int32), _EXPONENT_MASK, out=scratch)
-    magic = binade.clamp_(min=_ONE_BITS).add_(_MAGIC_SHIFT).view(torch.float32)
-    codes = a.add_(magic).sub_(magic).mul_(2.0 ** -126).view(torch.int32)
-    codes.bitwise_right_shift_(22)
+    magic = torch.bitwise_and(a.view(torch.int32), _EXPONENT_MASK, out=scratch)
+    magic.clamp_(min=_ONE_BITS).add_(_MAGIC_SHIFT)
+    a.add_(magic.view(torch.float32))
+    if grid is not None:
+        torch.sub(a, magic.view(torch.float32), out=grid)
+    codes = a.view(torch.int32).sub_(magic)
+    codes.add_(magic.sub_(_ONE_BITS + _MAGIC_SHIFT).bitwise_right_shift_(22))  # + 2e
     signs = torch.bitwise_right_shift(sign_source.view(torch.int32), 28, out=scratch)
     return codes.bitwise_or_(signs.bitwise_and_(8))
 
@@ -108,3 +116,42 @@ def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     """Packed bytes ``[..., K/2]`` -> values ``[..., K]`` (= ``decode(unpack(packed))``)."""
     table = _DECODE_PAIRS.to(device=packed.device, dtype=dtype)
     return torch.nn.functional.embedding(packed.long(), table).flatten(-2)
+
+
+def encode_blocks(w: torch.Tensor, divisor: torch.Tensor, block: int, out: torch.Tensor,
+                  energy: Energy | None = None, inverse: torch.Tensor | None = None,
+                  step: torch.Tensor | None = None) -> torch.Tensor:
+    """The 4-bit quantizers' loop: ``w [N, K]`` with one float32 ``divisor`` per block
+    (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``, chunk by chunk.
+
+    Elements are ``|w| / divisor`` in float32, as compressed-tensors divides, or, given its
+    ``inverse`` (MXFP4's powers of two, where it is exact and rounds the same), ``|w| *
+    inverse``.  ``energy`` receives each chunk's SNR sums with ``w_hat = +-E2M1 * step``
+    rounded to ``w.dtype``, which is what ``dequantize`` returns (``step``: the decoded stored
+    scale, float32, by default ``divisor``), computed while the chunk is in cache."""
+    n, k = w.shape
+    step = divisor if step is None else step
+    work = ChunkWorkspace(chunk_rows(n, k), k, w.device, None if energy is None else w.dtype)
+    for rows in row_chunks(n, k):
+        x, magnitude, scratch = work.take(rows)
+        x.copy_(w[rows])
+        blocks = torch.abs(x, out=magnitude).view(-1, k // block, block)
+        if inverse is None:
+            blocks.div_(divisor[rows])
+        else:
+            blocks.mul_(inverse[rows])
+        grid, hat = (None, None) if energy is None else work.take_hat(rows)
+        _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
+        if energy is not None:
+            grid.view(-1, k // block, block).mul_(step[rows])
+            _add_energy(energy, x, grid.copysign_(x), hat)
+    return out
+
+
+def _add_energy(energy: Energy, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor) -> None:
+    """A chunk's SNR sums from float32 ``x`` and float32 ``w_hat`` before its rounding to the
+    weight dtype (``hat``'s), which is where dequantize rounds."""
+    if hat.dtype in SHORT:
+        energy.add_exact(x, w_hat.copy_(hat.copy_(w_hat)).sub_(x))
+    else:
+        energy.add(x, w_hat)

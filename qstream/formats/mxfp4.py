@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from qstream.formats import e2m1
-from qstream.formats.checks import (
-    ChunkWorkspace, all_block_abs_max, check_weight, chunk_rows, row_chunks,
-)
+from qstream.formats.checks import all_block_abs_max, check_weight
+from qstream.formats.energy import Energy
 from qstream.formats.spec import MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -59,23 +58,23 @@ def decode_scale(e8m0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _power_of_two(e8m0.long() - MXFP4_E8M0_BIAS, dtype)
 
 
-def quantize(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``."""
+def quantize(w: torch.Tensor, name: str = "weight", energy: Energy | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``;
+    ``energy`` accumulates the weight SNR sums (see :mod:`qstream.formats.energy`)."""
     check_weight(w, name, MXFP4_BLOCK)
     n, k = w.shape
     scale = block_scale(all_block_abs_max(w, MXFP4_BLOCK, name))  # [N, G] in w.dtype
+    stored_scale = encode_scale(scale)
     # Division by a power of two is exact, so x * (1/scale) in float32 classifies every
     # element exactly as compressed-tensors' division in the weight dtype does.
     inverse = torch.reciprocal(scale.float()).unsqueeze(-1)  # [N, G, 1]
+    # dequantize's scale: the stored byte decoded in w.dtype (differs from ``scale`` only where
+    # that overflowed the dtype, e.g. an fp16 block near 65504)
+    step = decode_scale(stored_scale, w.dtype).float().unsqueeze(-1)
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    work = ChunkWorkspace(chunk_rows(n, k), k, w.device)
-    for rows in row_chunks(n, k):
-        x, magnitude, scratch = work.take(rows)
-        x.copy_(w[rows])
-        torch.abs(x, out=magnitude).view(-1, k // MXFP4_BLOCK, MXFP4_BLOCK).mul_(inverse[rows])
-        e2m1.encode_scaled_magnitude(magnitude, x, out=packed[rows], scratch=scratch)
-    scales = encode_scale(scale)
-    return packed, scales
+    e2m1.encode_blocks(w, step, MXFP4_BLOCK, packed, energy, inverse=inverse, step=step)
+    return packed, stored_scale
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):

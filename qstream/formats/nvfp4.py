@@ -12,10 +12,8 @@ from __future__ import annotations
 import torch
 
 from qstream.formats import e2m1
-from qstream.formats.checks import (
-    ChunkWorkspace, abs_max, all_block_abs_max, check_finite, check_weight, chunk_rows,
-    row_chunks,
-)
+from qstream.formats.checks import abs_max, all_block_abs_max, check_finite, check_weight
+from qstream.formats.energy import Energy
 from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
 
 
@@ -43,17 +41,18 @@ def block_scale(block_amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(
-    w: torch.Tensor, name: str = "weight", global_amax: torch.Tensor | None = None
+    w: torch.Tensor, name: str = "weight", global_amax: torch.Tensor | None = None,
+    energy: Energy | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16],
     weight_global_scale float32 [1])``.
 
     ``global_amax`` (weight dtype) overrides the tensor's own amax so that the members of a fused
-    group share one global scale; it must be at least the tensor's own amax.
+    group share one global scale; it must be at least the tensor's own amax.  ``energy``
+    accumulates the weight SNR sums (see :mod:`qstream.formats.energy`).
     """
     check_weight(w, name, NVFP4_BLOCK)
     n, k = w.shape
-    groups = k // NVFP4_BLOCK
     block_amax = all_block_abs_max(w, NVFP4_BLOCK, name)  # [N, G]
     if global_amax is None:
         amax = block_amax.amax() if block_amax.numel() else torch.zeros((), dtype=w.dtype)
@@ -62,14 +61,10 @@ def quantize(
     check_finite(amax, name)
     gs = global_scale(amax)
     scales = block_scale(block_amax, gs)  # [N, G] float8_e4m3fn
-    divisor = (scales.float() / gs).unsqueeze(-1)  # [N, G, 1], float32 as compressed-tensors
+    # float32 as compressed-tensors divides; also dequantize's step (fp8 -> any dtype is exact)
+    divisor = (scales.float() / gs).unsqueeze(-1)  # [N, G, 1]
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    work = ChunkWorkspace(chunk_rows(n, k), k, w.device)
-    for rows in row_chunks(n, k):
-        x, magnitude, scratch = work.take(rows)
-        x.copy_(w[rows])
-        torch.abs(x, out=magnitude).view(-1, groups, NVFP4_BLOCK).div_(divisor[rows])  # |x/d|
-        e2m1.encode_scaled_magnitude(magnitude, x, out=packed[rows], scratch=scratch)
+    e2m1.encode_blocks(w, divisor, NVFP4_BLOCK, packed, energy)
     return packed, scales, gs
 
 

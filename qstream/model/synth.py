@@ -51,9 +51,8 @@ from qstream.model.config import PRESETS, DSparkConfig, tensor_shapes, with_toke
 from qstream.model.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
 from qstream.model.dspark import LM_HEAD
 from qstream.model.load import TARGET_HEAD_DIR
-from qstream.publish import check_target, publishing
+from qstream.publish import SYNTH_RECORD, check_target, publishing
 
-RECORD_NAME = "qstream_synth.json"  # marks the directory as qstream's (docs/guarantees.md)
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096}  # BPE sizes (tiny: = vocab_size)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
@@ -354,6 +353,6 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
                                len(shapes), sum(math.prod(s) for s in shapes.values()), size,
                                alpha, top1)
         record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}  # relocatable
-        (tmp / RECORD_NAME).write_text(json.dumps(
+        (tmp / SYNTH_RECORD).write_text(json.dumps(
             {"qstream_version": qstream.__version__, "summary": record}, indent=2) + "\n")
     return summary

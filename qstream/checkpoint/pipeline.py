@@ -1,0 +1,209 @@
+"""The streaming half of :func:`~qstream.checkpoint.quantize.quantize_checkpoint`: the input cut
+into pieces (a row range of one tensor), a bounded thread pool over them, NVFP4's amax pre-pass,
+and the loop that reads, quantizes and writes every piece at its offset.
+
+Memory is bounded by the pieces in flight (``2 * workers``), never by a tensor, a shard or the
+model: each piece is read from a memory map, whose pages are released once it is done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from qstream.checkpoint.files import Checkpoint
+from qstream.checkpoint.safetensors_io import ShardReader, ShardWriter, TensorInfo
+from qstream.checkpoint.selection import Selection, share_group_amax
+from qstream.errors import QStreamError
+from qstream.formats import Energy, quantize, snr_db
+from qstream.formats.nvfp4 import tensor_amax
+
+# Largest piece of a quantized weight: 4M elements is 8 MiB of bf16 input and 2-4 MiB of
+# output; the quantizers' float32 temporaries are per cache-sized chunk, not per piece.  Pieces
+# this large keep most weights whole, so NVFP4 needs no amax pre-pass for them.
+PIECE_ELEMENTS = 1 << 22
+# Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
+# until released).
+COPY_BYTES = 8 << 20
+
+Progress = Callable[[int, int, int, int], None]  # bytes done, bytes total, tensors done, total
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One unit of work: rows ``rows`` of tensor ``name`` of input shard ``shard``."""
+
+    shard: str
+    name: str
+    rows: slice | None  # None: a whole 0-d / empty tensor
+    module: str | None  # set when the tensor is a weight being quantized
+    nbytes: int
+
+
+def row_pieces(shard: str, info: TensorInfo, module: str | None) -> Iterator[Piece]:
+    if not info.shape or info.numel == 0:
+        yield Piece(shard, info.name, None, module, info.nbytes)
+        return
+    row_elements = max(1, info.numel // info.shape[0])
+    limit = COPY_BYTES // max(1, info.row_bytes) if module is None \
+        else PIECE_ELEMENTS // row_elements
+    step = max(1, limit)
+    for start in range(0, info.shape[0], step):
+        rows = slice(start, min(start + step, info.shape[0]))
+        yield Piece(shard, info.name, rows, module, (rows.stop - rows.start) * info.row_bytes)
+
+
+def pieces(checkpoint: Checkpoint, selection: Selection,
+           modules: set[str] | None = None) -> Iterator[Piece]:
+    """Every tensor's pieces in file order, or only those of the quantized ``modules``."""
+    quantized = set(selection.quantized)
+    for shard, header in checkpoint.shards.items():
+        for name, info in header.tensors.items():
+            module = name[: -len(".weight")] if name.endswith(".weight") else None
+            module = module if module in quantized else None
+            if modules is None or module in modules:
+                yield from row_pieces(shard, info, module)
+
+
+def run_bounded(work_items: Iterator[Piece], work: Callable[[Piece], object], workers: int,
+                done: Callable[[Piece, object], None],
+                prepare: Callable[[Piece], None] | None = None) -> None:
+    """``work`` on every piece in a thread pool (torch releases the GIL), with at most
+    ``2 * workers`` pieces in flight so that memory stays bounded.  ``prepare`` (before a piece
+    is submitted) and ``done`` (in piece order) run on the calling thread, so that I/O put
+    there overlaps the workers' computing."""
+    in_flight: deque[tuple[Piece, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qstream") as pool:
+        try:
+            for piece in work_items:
+                if prepare is not None:
+                    prepare(piece)
+                in_flight.append((piece, pool.submit(work, piece)))
+                if len(in_flight) >= 2 * workers:
+                    p, fut = in_flight.popleft()
+                    done(p, fut.result())
+            while in_flight:
+                p, fut = in_flight.popleft()
+                done(p, fut.result())
+        except BaseException:
+            for _, fut in in_flight:
+                fut.cancel()
+            raise
+
+
+def needs_shared_amax(checkpoint: Checkpoint, selection: Selection) -> set[str]:
+    """NVFP4 weights whose global scale cannot come from the piece being quantized: members of
+    a fused group (one scale for the group, DESIGN.md section 4) and weights split into
+    several pieces.  Every other weight is one piece and takes its own amax in the kernel."""
+    grouped = {m for group in selection.fused_groups for m in group.members}
+    split = {m for m in selection.quantized
+             if len(list(row_pieces("", checkpoint.info(f"{m}.weight"), m))) > 1}
+    return grouped | split
+
+
+def global_amaxes(checkpoint: Checkpoint, readers: dict[str, ShardReader],
+                  selection: Selection, workers: int) -> dict[str, torch.Tensor]:
+    """NVFP4's pre-pass over :func:`needs_shared_amax`'s weights: each one's amax, then the max
+    over each fused group, so that a group shares one global scale even across shards.  A NaN
+    or Inf weight there is refused before anything is written."""
+    amax: dict[str, torch.Tensor] = {}
+
+    def work(piece: Piece) -> torch.Tensor:
+        reader = readers[piece.shard]
+        value = tensor_amax(reader.tensor(piece.name, piece.rows))
+        reader.release(piece.name, piece.rows)
+        return value
+
+    def done(piece: Piece, value: torch.Tensor) -> None:
+        if not torch.isfinite(value):
+            raise QStreamError(f"{piece.name}: weight contains NaN or Inf")
+        previous = amax.get(piece.module)
+        amax[piece.module] = value if previous is None else torch.maximum(previous, value)
+
+    modules = needs_shared_amax(checkpoint, selection)
+    if modules:
+        run_bounded(pieces(checkpoint, selection, modules), work, workers, done)
+    return share_group_amax(amax, selection.fused_groups)
+
+
+@dataclass
+class _Tally:
+    """Progress and per-module SNR sums, updated in piece order by ``run_bounded``'s done."""
+
+    bytes_total: int
+    tensors_total: int
+    bytes_done: int = 0
+    tensors_done: int = 0
+
+
+def write_tensors(checkpoint: Checkpoint, readers: dict[str, ShardReader],
+                  writers: dict[str, ShardWriter], selection: Selection, fmt: str,
+                  amaxes: dict[str, torch.Tensor], device: torch.device, workers: int,
+                  snr: bool, progress: Progress | None) -> dict[str, float]:
+    """Every piece read, quantized or copied, and written; returns each quantized module's
+    weight SNR in dB (empty without ``snr``)."""
+    sums = {m: [0.0, 0.0] for m in selection.quantized}
+    tally = _Tally(sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
+                   len(checkpoint.tensor_shard))
+
+    def prepare(piece: Piece) -> None:
+        if piece.module is not None:
+            readers[piece.shard].prefetch(piece.name, piece.rows)
+
+    def work(piece: Piece):
+        if piece.module is None:
+            return None
+        reader = readers[piece.shard]
+        energy = Energy(device) if snr else None
+        w = reader.tensor(piece.name, piece.rows).to(device)
+        stored = quantize(fmt, w, name=piece.name, global_amax=amaxes.get(piece.module),
+                          energy=energy)
+        reader.release(piece.name, piece.rows)
+        return stored, None if energy is None else energy.sums()
+
+    def done(piece: Piece, result) -> None:
+        writer = writers[piece.shard]
+        if result is None:
+            _copy_piece(readers[piece.shard], writer, piece)
+        else:
+            stored, energy = result
+            _write_stored(writer, piece, stored)
+            if energy is not None:
+                sums[piece.module][0] += energy[0]
+                sums[piece.module][1] += energy[1]
+        tally.bytes_done += piece.nbytes
+        if piece.rows is None or piece.rows.stop == checkpoint.info(piece.name).shape[0]:
+            tally.tensors_done += 1
+        if progress is not None:
+            progress(tally.bytes_done, tally.bytes_total, tally.tensors_done,
+                     tally.tensors_total)
+
+    # Reading (page-table population), copying and writing happen on this thread in
+    # prepare / done, the quantizing on the workers: with one worker the two overlap.
+    run_bounded(pieces(checkpoint, selection), work, workers, done, prepare)
+    return {m: snr_db(*sums[m]) for m in selection.quantized} if snr else {}
+
+
+def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
+    info = reader.header.tensors[piece.name]
+    if piece.rows is None:
+        begin, end, row = 0, info.nbytes, 0
+    else:
+        begin, end, row = (piece.rows.start * info.row_bytes, piece.rows.stop * info.row_bytes,
+                           piece.rows.start)
+    writer.write(piece.name, reader.raw(piece.name, begin, end), row)
+    reader.release(piece.name, piece.rows)
+
+
+def _write_stored(writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor]) -> None:
+    """Each stored tensor's rows of one quantized piece, at their offsets."""
+    for suffix, tensor in stored.items():
+        if suffix == "weight_global_scale":
+            if piece.rows.start == 0:
+                writer.write(f"{piece.module}.{suffix}", tensor)
+        else:
+            writer.write(f"{piece.module}.{suffix}", tensor, piece.rows.start)

@@ -1,0 +1,78 @@
+"""Weight SNR sums accumulated inside the quantizers (DESIGN.md section 3: ``10 log10(sum w^2 /
+sum (w - w_hat)^2)`` in float64).
+
+A quantizer that is given an :class:`Energy` adds each chunk's ``sum w^2`` and
+``sum (w - w_hat)^2`` while the chunk is still in cache, with ``w_hat`` computed exactly as
+``dequantize`` computes it, so the SNR is the one a second pass over the stored tensors would
+give, without that pass.  ``tests/test_formats_properties.py`` checks the two against each other.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+# Squares are summed in float64 over slices of this many elements, whose float64 copy stays in
+# the L2 cache (whole-chunk float64 temporaries cost twice as much).
+F64_SLICE = 1 << 16
+# Dtypes whose values differ exactly in float32 from their quantized values: both have at most
+# 11 significant bits and, for every format here, w_hat is 0 or within a few binades of w, so
+# w - w_hat needs fewer than float32's 24 bits (and its square fewer than float64's 53).
+SHORT = (torch.bfloat16, torch.float16)
+
+# Scratch buffers are kept per thread, not per Energy: a checkpoint run makes one Energy per
+# piece, and fresh multi-MiB buffers each time cost more in page faults than the sums.
+_scratch = threading.local()
+
+
+def _buffer(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < n or buf.device.type != device.type:
+        buf = torch.empty(n, dtype=dtype, device=device)
+        setattr(_scratch, name, buf)
+    return buf[:n]
+
+
+class Energy:
+    """Running ``(sum w^2, sum (w - w_hat)^2)`` in float64, on the weight's device."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    def add(self, w: torch.Tensor, w_hat: torch.Tensor) -> None:
+        """Add one chunk: ``w`` the original values (in the weight dtype or a float32 copy) and
+        ``w_hat`` the dequantized ones in the weight dtype.  Squares and sums are float64, and
+        so are the differences unless they are exact in float32 (``SHORT`` dtypes)."""
+        n = w.numel()
+        if w_hat.dtype in SHORT:
+            error = _buffer("f32", n, torch.float32, self.device).view(w.shape)
+            torch.sub(w.float() if w.dtype != torch.float32 else w, error.copy_(w_hat),
+                      out=error)
+        else:
+            error = _buffer("f64", n, torch.float64, self.device).view(w.shape).copy_(w)
+            error.sub_(w_hat)
+        self._sums[0] += self._sum_squares(w.reshape(-1))
+        self._sums[1] += self._sum_squares(error.view(-1))
+
+    def add_exact(self, w: torch.Tensor, error: torch.Tensor) -> None:
+        """Add one chunk given as float32 ``w`` (or ``|w|``) and ``error = w_hat - w`` (or
+        ``|w_hat| - |w|``), the caller having made sure the error is exact in float32 (see
+        ``SHORT``); squares and sums are float64."""
+        self._sums[0] += self._sum_squares(w.reshape(-1))
+        self._sums[1] += self._sum_squares(error.reshape(-1))
+
+    def _sum_squares(self, flat: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if flat.dtype == torch.float64:
+            return total.add_(torch.vdot(flat, flat))
+        buf = _buffer("slice", min(F64_SLICE, flat.numel()), torch.float64, self.device)
+        for start in range(0, flat.numel(), F64_SLICE):
+            part = buf[:min(F64_SLICE, flat.numel() - start)].copy_(flat[start:start + F64_SLICE])
+            total += torch.vdot(part, part)
+        return total
+
+    def sums(self) -> tuple[float, float]:
+        signal, noise = self._sums.tolist()
+        return signal, noise
