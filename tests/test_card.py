@@ -78,7 +78,7 @@ def test_every_result_number_traces_to_the_json(card_md):
     card, _, _ = card_md
     printed = _renderings(_json_numbers(_results()["regimes"]))
     result_tables = [t for key, t in tables(card).items()
-                     if key.startswith(("ceiling_", "agreement_", "metrics_"))]
+                     if key.startswith(("ceiling_", "matched_prefix_", "agreement_", "metrics_"))]
     assert len(result_tables) == 2 + 3 + 1
     checked = 0
     for table in result_tables:
@@ -150,9 +150,9 @@ def test_missing_regime_and_format_are_reported_not_invented(tmp_path):
         assert f"missing: {line}" in result.stderr
         assert f"- {line}" in (tmp_path / "c.md").read_text()
     card = (tmp_path / "c.md").read_text()
-    assert "nvfp4" not in card.split("## Drift-limited")[1]
+    assert "nvfp4" not in card.split("## Greedy acceptance ceiling")[1]
     assert "boot [95% CI]" not in card
-    ceiling = card.split("**Drift-limited acceptance ceiling, greedy")[1].split("\n\n")[1]
+    ceiling = card.split("**Drift-limited acceptance ceiling under greedy")[1].split("\n\n")[1]
     bf16_row = next(r for r in ceiling.splitlines() if r.startswith("| bf16 "))
     assert bf16_row.startswith("| bf16 | not evaluated | n/a |")
     fp8_row = next(r for r in ceiling.splitlines() if r.startswith("| fp8 "))
@@ -167,15 +167,18 @@ def test_default_regime_falls_back_and_says_so(tmp_path):
 
 
 def test_sampled_rollout_is_labelled_with_the_runs_own_settings(tmp_path):
-    """A card from a --temperature 0.7 --top_p 0.9 run says so (it once said T=1.0, top-p 0.95
-    whatever the run used)."""
+    """A card from a --temperature 0.7 --top-p 0.9 run says so (it once said T=1.0, top-p 0.95
+    whatever the run used), and says the 0.9 is the verifier's: the drafter samples the full
+    softmax."""
     data = _results()
-    data["sampling"] = {**data["sampling"], "temperature": 0.7, "top_p": 0.9}
+    data["sampling"] = {**data["sampling"], "temperature": 0.7,
+                        "verifier": {"top_p": 0.9, "top_k": None}}
     out = tmp_path / "CARD.md"
     write_card([_write(tmp_path / "t07.json", data)], out, figures=False)
     text = out.read_text()
-    assert "sampled rollout (T=0.7, top-p 0.9)" in text
-    assert "T=1.0" not in text and "top-p 0.95" not in text
+    assert "sampled rollout (T=0.7, full softmax)" in text
+    assert "verifier T=0.7, top-p 0.9, top-k off" in text
+    assert "T=1.0" not in text and "top-p 1.0" not in text
 
 
 def test_per_regime_files_merge_to_the_same_tables(tmp_path, card_md):
@@ -290,9 +293,9 @@ def test_json_and_html_formats(tmp_path):
     card = json.loads(out.read_text())
     assert card["schema"] == "qstream.card/1"
     by_key = {t["key"]: t for s in card["sections"] for t in s["tables"]}
-    row = next(r for r in by_key["ceiling_sampled"]["rows"] if r["variant"] == "nvfp4")
+    row = next(r for r in by_key["matched_prefix_sampled"]["rows"] if r["variant"] == "nvfp4")
     nvfp4 = _results()["regimes"]["heavy"]["variants"]["nvfp4"]["metrics"]
-    assert row["heavy [95% CI]"] == nvfp4["rollouts"]["sampled"]["ceiling"]
+    assert row["heavy [95% CI]"] == nvfp4["rollouts"]["sampled"]["matched_prefix"]
     assert "metrics_boot" in by_key
     assert not any(s["figures"] for s in card["sections"])
     assert not (tmp_path / "card_files").exists()
@@ -304,3 +307,20 @@ def test_json_and_html_formats(tmp_path):
     assert page.startswith("<!DOCTYPE html>") and page.count("<table>") == 7
     assert '<img src="card_files/ceiling.png"' in page
     assert (tmp_path / "card_files" / "kl.png").is_file()
+
+
+def test_variants_quantizing_different_tensors_say_so(tmp_path):
+    """Formats are ranked like for like only on the same tensors: when a variant quantized a
+    different set (e.g. MXFP4 leaving K % 32 != 0 weights in bf16), its row label says so."""
+    data = _results()
+    for block in data["regimes"].values():
+        block["variants"]["mxfp4"]["quantized_tensors"] = \
+            block["variants"]["mxfp4"]["quantized_tensors"][:16]
+    out = tmp_path / "CARD.md"
+    card = write_card([_write(tmp_path / "sets.json", data)], out, figures=False)[0]
+    rows = [row[0].text for row in tables(card)["ceiling_greedy"].rows]
+    assert rows[2] == "mxfp4 (quantizes 16 tensors; quantized sets differ)"
+    assert rows[1] == "fp8 (quantizes 26 tensors; quantized sets differ)"
+    assert rows[0] == "bf16"
+    same = write_card([RESULTS], tmp_path / "SAME.md", figures=False)[0]
+    assert [r[0].text for r in tables(same)["ceiling_greedy"].rows][2] == "mxfp4"

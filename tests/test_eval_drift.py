@@ -27,9 +27,9 @@ def test_reference_against_itself_is_exact(tiny, corpus):
     assert all(e["value"] == 1.0 for e in m["greedy_agree"])
     assert m["one_minus_tv_overall"]["value"] == 1.0
     assert m["kl"]["max"] == 0.0 and m["reverse_kl"]["max"] == 0.0
-    for mode in ("greedy", "sampled"):  # identical models on common random numbers
-        ceiling = m["rollouts"][mode]["ceiling"]
-        assert ceiling["value"] == ceiling["lo"] == ceiling["hi"] == 7.0
+    for mode, key in (("greedy", "ceiling"), ("sampled", "matched_prefix")):
+        prefix = m["rollouts"][mode][key]  # identical models on common random numbers
+        assert prefix["value"] == prefix["hi"] == 7.0 and 6.5 < prefix["lo"] < 7.0
     assert m["sched_flip_rate"]["value"] == 0.0
 
 
@@ -56,7 +56,10 @@ def test_results_carry_what_reproduces_them(all_regimes):
     assert r["schema"] == "qstream.eval-drift/1"
     assert r["seed"] == 3 and r["blocks"] == 256 and r["block_size"] == 7
     assert len(r["model"]["config_sha256"]) == 64 and r["corpus"]["tokens"] > 0
-    assert r["sampling"]["temperature"] == 1.0 and r["sampling"]["top_p"] == 0.95
+    assert r["sampling"]["temperature"] == 1.0
+    assert r["sampling"]["drafter"]["top_p"] == 1.0 and r["sampling"]["drafter"]["top_k"] is None
+    assert r["sampling"]["verifier"] == {"top_p": 1.0, "top_k": None}
+    assert r["confidence_head"] == "training-only head (not served by vLLM's K3 draft)"
     assert r["torch_version"] and r["qstream_version"]
 
 

@@ -23,6 +23,7 @@ from qstream.eval.metrics import (
     percentiles,
     pooled_mean,
     pooled_proportion,
+    prefix_matches,
     proportion,
     rollout_metrics,
     sched_flips,
@@ -143,9 +144,11 @@ def test_seq_prefix_agree_and_ceiling_by_hand():
     assert m.ceiling.value == (2 + 7 + 0 + 3) / 4
     # the ceiling is the sum over k of prefix agree
     assert _close(m.ceiling.value, sum(e.value for e in m.prefix_agree))
-    # its interval is Student's t over the four block lengths
-    lo, hi = stats.t.interval(0.95, 3, loc=3.0, scale=np.std([2, 7, 0, 3], ddof=1) / 2)
-    assert _close(m.ceiling.lo, max(0.0, lo)) and _close(m.ceiling.hi, min(7.0, hi)), m.ceiling
+    # its interval is B times the pooled prefix-agree share's: Wilson on the design-effect size
+    share = pooled_proportion(prefix_matches(ref, var))
+    assert _close(share.value * B, m.ceiling.value)
+    assert (m.ceiling.lo, m.ceiling.hi) == (B * share.lo, B * share.hi), m.ceiling
+    assert m.ceiling.lo < m.ceiling.value < m.ceiling.hi
 
 
 # --- Intervals ---------------------------------------------------------------------------------
@@ -193,13 +196,14 @@ def test_proportion_counts_hits():
 
 
 def test_pooled_proportion_with_perfectly_clustered_blocks_counts_blocks_not_tokens():
-    # every position of a block equals the others: 100 blocks carry the information of about 100
-    # trials, not 700.  Kish: deff = nB/(n − 1), so the effective size is n − 1 = 99.
+    # every position of a block equals the others: 100 blocks carry the information of 100
+    # trials, not 700.  Kish's estimate deff = Bn/(n − 1) exceeds B, the most a cluster of B 0/1
+    # values can have, and is clamped to it: the effective size is the n = 100 blocks.
     hits = torch.zeros(100, B, dtype=torch.bool)
     hits[:30] = True
     e = pooled_proportion(hits)
     assert e.value == 0.3 and e.n == 700
-    want = wilson_interval(0.3, 99)
+    want = wilson_interval(0.3, 100)
     assert _close(e.lo, want[0]) and _close(e.hi, want[1]), (e, want)
 
 
@@ -250,14 +254,17 @@ def test_percentiles_match_numpy_linear():
 # --- Confidence --------------------------------------------------------------------------------
 
 
-def test_pearson_r_and_fisher_interval_match_scipy():
+def test_pearson_r_matches_scipy_and_its_bootstrap_is_reproducible():
     rng = np.random.default_rng(2)
     x = rng.normal(size=500)
     y = 0.8 * x + 0.6 * rng.normal(size=500)
     e = pearson_r(torch.from_numpy(x), torch.from_numpy(y))
     ref = stats.pearsonr(x, y)
-    ci = ref.confidence_interval(0.95)  # scipy's default method is Fisher's z
-    assert _close(e.value, ref.statistic) and _close(e.lo, ci.low) and _close(e.hi, ci.high), (e, ci)
+    ci = ref.confidence_interval(0.95)  # Fisher's z: right for iid pairs, as these are
+    assert _close(e.value, ref.statistic), (e, ref)
+    # the bootstrap of iid pairs lands near Fisher's interval (Monte Carlo error ~0.01)
+    assert abs(e.lo - ci.low) < 0.02 and abs(e.hi - ci.high) < 0.02, (e, ci)
+    assert pearson_r(torch.from_numpy(x), torch.from_numpy(y)) == e  # the same seed
 
 
 def test_pearson_r_of_a_constant_side_is_undefined():
@@ -268,15 +275,18 @@ def test_pearson_r_of_a_constant_side_is_undefined():
 def test_sched_flips_by_hand():
     ref = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]])  # median threshold 0.4
     var = torch.tensor([[0.1, 0.2, 0.45, 0.4, 0.5, 0.3, 0.7]])
-    # position 2: 0.3 below vs 0.45 above; position 5: 0.6 above vs 0.3 below; position 3 sits on
-    # the threshold on both sides (not above), so it does not flip
-    assert sched_flips(ref, var).tolist() == [[False, False, True, False, False, True, False]]
+    # position 2: 0.3 below vs 0.45 above; position 5: 0.6 above vs 0.3 below; position 3 is
+    # the median itself: no decision, left out
+    flips, decided = sched_flips(ref, var)
+    assert flips.tolist() == [[False, False, True, False, False, True, False]]
+    assert decided.tolist() == [[True, True, True, False, True, True, True]]
 
 
 def test_sched_flip_threshold_for_even_blocks_is_the_midpoint():
     ref = torch.tensor([[1.0, 2.0, 3.0, 4.0]])  # threshold 2.5
     var = torch.tensor([[1.0, 2.6, 2.4, 4.0]])
-    assert sched_flips(ref, var).tolist() == [[False, True, True, False]]
+    flips, decided = sched_flips(ref, var)
+    assert flips.tolist() == [[False, True, True, False]] and decided.all()
 
 
 # --- The reference against itself -----------------------------------------------------------
@@ -304,11 +314,14 @@ def test_reference_against_itself_is_exact():
     for kl in (m.kl, m.reverse_kl):
         assert kl.mean.value == 0.0 and kl.mean.lo == 0.0 and kl.mean.hi == 0.0, kl
         assert all(getattr(kl, name) == 0.0 for name in KL_PERCENTILES), kl
-    assert (m.rollouts["greedy"].ceiling.value, m.rollouts["greedy"].ceiling.lo,
-            m.rollouts["greedy"].ceiling.hi) == (B, B, B)
+    # every block matches: the interval is Wilson's over the 64 blocks (the worst-case design
+    # effect), not Student t's zero width
+    ceiling = m.rollouts["greedy"].ceiling
+    assert (ceiling.value, ceiling.lo, ceiling.hi) == (B, B * wilson_interval(1.0, 64)[0], B)
+    assert ceiling.lo < B
     assert (m.confidence_r.value, m.confidence_r.lo, m.confidence_r.hi) == (1.0, 1.0, 1.0)
     assert m.sched_flip_rate.value == 0.0 and m.sched_flip_rate.lo == 0.0
-    assert m.sched_flip_rate.hi == wilson_interval(0.0, 64 * B)[1]
+    assert _close(m.sched_flip_rate.hi, wilson_interval(0.0, 64)[1])
 
 
 # --- The accumulator ---------------------------------------------------------------------------
@@ -346,8 +359,12 @@ def test_result_summarises_the_per_token_functions():
     d = token_divergences(ref, var)
     assert m.kl.mean.value == pytest.approx(d.kl.mean().item(), rel=FLOAT64_ABS_TOL)
     assert [e.value for e in m.greedy_agree] == d.top1_match.double().mean(dim=0).tolist()
-    assert m.sched_flip_rate.value == sched_flips(ref_conf, var_conf).double().mean().item()
-    assert m.rollouts["sampled"].ceiling.value == matched_prefix_length(ref_tok, var_tok).double().mean().item()
+    flips, decided = sched_flips(ref_conf, var_conf)
+    assert _close(m.sched_flip_rate.value, flips.sum().item() / decided.sum().item())
+    assert _close(m.rollouts["sampled"].matched_prefix.value,
+                  matched_prefix_length(ref_tok, var_tok).double().mean().item())
+    with pytest.raises(AttributeError, match="not a ceiling"):
+        m.rollouts["sampled"].ceiling
     assert 0.0 < m.kl.mean.value and m.kl.median <= m.kl.p90 <= m.kl.p99 <= m.kl.p99_9 <= m.kl.max
 
 
@@ -355,9 +372,13 @@ def test_to_json_has_every_metric():
     out = _accumulate(_perturbed_inputs(), 1).to_json()
     assert set(out) == {"n_blocks", "block_size", "greedy_agree", "greedy_agree_overall", "one_minus_tv",
                         "one_minus_tv_overall", "kl", "reverse_kl", "confidence_r", "sched_flip_rate",
-                        "rollouts"}
+                        "rollouts", "confidence_head"}
+    assert out["confidence_head"] == "training-only head (not served by vLLM's K3 draft)"
     assert len(out["greedy_agree"]) == B and set(out["kl"]) == {"mean", *KL_PERCENTILES}
-    assert set(out["rollouts"]["sampled"]) == {"seq_agree", "prefix_agree", "ceiling"}
+    assert set(out["rollouts"]["sampled"]) == {"seq_agree", "prefix_agree", "matched_prefix"}
+    tokens = torch.zeros(2, B, dtype=torch.int64)
+    assert set(rollout_metrics(tokens, tokens, "greedy").to_json()) == {"seq_agree",
+                                                                       "prefix_agree", "ceiling"}
 
 
 def test_streams_covering_different_blocks_are_rejected():

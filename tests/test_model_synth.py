@@ -100,7 +100,7 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
     (lambda t: t.update({"layers.9.extra.weight": torch.zeros(2)}), r"unexpected tensor 'layers\.9"),
     (lambda t: t.update({"layers.0.self_attn.o_proj.weight":
                          t["layers.0.self_attn.o_proj.weight"].T.contiguous()}),
-     r"'layers\.0\.self_attn\.o_proj\.weight' has shape \[48, 64\], expected \[64, 48\]"),
+     r"'layers\.0\.self_attn\.o_proj\.weight' has shape \[32, 64\], expected \[64, 32\]"),
 ])
 def test_strict_loading_names_the_offender(tiny, tmp_path, edit, message):
     bad = _rewrite(tiny, tmp_path / "bad", edit)

@@ -56,7 +56,9 @@ def test_reference_verifying_itself_accepts_every_token(results):
         acc = results["regimes"][regime]["variants"]["fp32"]["acceptance"]["reference"]
         for mode in MODES:
             e = acc[mode]["emitted"]
-            assert e["value"] == e["lo"] == e["hi"] == 8.0, (regime, mode, e)
+            assert e["value"] == e["hi"] == 8.0, (regime, mode, e)
+            # greedy outcomes are 0/1: a Wilson interval, not Student t's zero width
+            assert (e["lo"] < 8.0) if mode == "greedy" else (e["lo"] == 8.0), (regime, mode, e)
 
 
 def test_greedy_acceptance_is_the_matched_prefix_plus_one(results):

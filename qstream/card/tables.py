@@ -14,10 +14,14 @@ from qstream.card.results import ResultsSet
 from qstream.eval.regimes import REGIMES
 from qstream.eval.vocabulary import (
     ACCEPTANCE_MODES,
+    CONFIDENCE_NOTE,
     FLOOR,
+    PREFIX_KEYS,
+    PREFIX_LABELS,
     ROLLOUT_MODES,
     VERIFIERS,
     rollout_label,
+    verifier_label,
 )
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
@@ -115,8 +119,23 @@ def _gap(value: float | None, floor: float | None, digits: int) -> Cell:
     return Cell(f"{gap:+.{digits}f}", gap)
 
 
+def _prefix(m: dict | None, mode: str) -> dict | None:
+    """The rollout mode's mean matched prefix (greedy: the ceiling), or None if not evaluated."""
+    rollout = None if m is None else m["rollouts"].get(mode)
+    return None if rollout is None else rollout.get(PREFIX_KEYS[mode])
+
+
+PREFIX_CAPTIONS = {
+    "greedy": "Drift-limited acceptance ceiling under greedy drafting",
+    "sampled": "Sampled matched prefix: a lower bound on acceptance under probabilistic "
+               "drafting, not a ceiling (the verifier also accepts where two coupled draws part; "
+               "simulated acceptance, --acceptance, measures it)",
+}
+
+
 def ceiling_table(rs: ResultsSet, mode: str) -> Table:
-    """Acceptance ceiling, variants × regimes, with the 95% CI and the gap to the bf16 floor."""
+    """The mean matched prefix of one rollout mode (greedy: the ceiling), variants × regimes,
+    with the 95% CI and the gap to the bf16 floor."""
     d = DIGITS["ceiling"]
     regimes = regime_order(rs)
     columns = ["variant"]
@@ -124,25 +143,36 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
         columns += [f"{regime} [95% CI]", f"{regime} gap to bf16"]
     rows = []
     for variant in variant_order(rs):
-        row = [label(variant)]
+        row = [label(variant_label(rs, variant))]
         for regime in regimes:
-            m, floor = metrics(rs, regime, variant), metrics(rs, regime, FLOOR)
-            if m is None or mode not in m["rollouts"]:
+            prefix = _prefix(metrics(rs, regime, variant), mode)
+            if prefix is None:
                 row += [Cell("not evaluated"), Cell("n/a")]
                 continue
-            ceiling = m["rollouts"][mode]["ceiling"]
-            row.append(estimate(ceiling, d))
+            row.append(estimate(prefix, d))
             if variant == FLOOR:
                 row.append(Cell("(floor)"))
             else:
-                floor_value = floor["rollouts"][mode]["ceiling"]["value"] \
-                    if floor is not None and mode in floor["rollouts"] else None
-                row.append(_gap(ceiling["value"], floor_value, d))
+                floor = _prefix(metrics(rs, regime, FLOOR), mode)
+                row.append(_gap(prefix["value"], None if floor is None else floor["value"], d))
         rows.append(row)
-    return Table(f"Drift-limited acceptance ceiling, {rollout_name(rs, mode)}: mean matched prefix of the "
+    return Table(f"{PREFIX_CAPTIONS[mode]}, {rollout_name(rs, mode)}: mean matched prefix of the "
                  f"{rs.block_size} drafted tokens (0..{rs.block_size}). The gap to bf16 is the "
                  "variant's value minus bf16's in the same regime, a difference computed for this "
-                 "card", columns, rows, key=f"ceiling_{mode}")
+                 "card", columns, rows, key=f"{PREFIX_KEYS[mode]}_{mode}")
+
+
+def variant_label(rs: ResultsSet, variant: str) -> str:
+    """The variant's name, and how many tensors it quantized when the quantized variants of the
+    results did not all quantize the same tensors (then they are not compared like for like)."""
+    changed = {name: {tuple(r.get("quantized_tensors") or ()) for block in rs.regimes.values()
+                      if (r := block.get(name)) is not None}
+               for name in variant_order(rs)}
+    sets = {s for name, found in changed.items() for s in found if s}
+    mine = [s for s in changed.get(variant, set()) if s]
+    if len(sets) <= 1 or not mine:
+        return variant
+    return f"{variant} (quantizes {len(mine[0])} tensors; quantized sets differ)"
 
 
 def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
@@ -161,15 +191,18 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
         lambda r: estimate(r["metrics"]["one_minus_tv_overall"], tv))
     for mode in ROLLOUT_MODES:
         name = rollout_name(rs, mode, [regime])
-        add(f"ceiling, {name} [95% CI]", lambda r, mode=mode: _rollout(r, mode, "ceiling", c))
+        add(f"{PREFIX_LABELS[mode]}, {name} [95% CI]",
+            lambda r, mode=mode: _rollout(r, mode, PREFIX_KEYS[mode], c))
         add(f"whole block of {B} matched, {name} [95% CI]",
             lambda r, mode=mode: _rollout(r, mode, "prefix_agree", p))
     add("KL(ref‖var) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["kl"]))
     add("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"]))
     add("reverse KL(var‖ref) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["reverse_kl"]))
     add("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"]))
-    add("confidence r [95% CI]", lambda r: estimate(r["metrics"]["confidence_r"], p))
-    add("sched flip rate [95% CI]", lambda r: estimate(r["metrics"]["sched_flip_rate"], p))
+    add(f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
+        lambda r: estimate(r["metrics"]["confidence_r"], p))
+    add(f"sched flip rate, {CONFIDENCE_NOTE} [95% CI]",
+        lambda r: estimate(r["metrics"]["sched_flip_rate"], p))
     add("weight SNR, overall (dB)", lambda r: fixed(r["weight_snr"]["overall_db"], DIGITS["snr"]))
     add("weight SNR, worst tensor (dB)",
         lambda r: fixed(r["weight_snr"]["worst_db"], DIGITS["snr"]))
@@ -177,14 +210,15 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
                                                     r["weight_snr"]["tensors"]))
     return Table(f"Regime {regime}: every metric against the FP32 reference "
                  "(n/a: undefined for that variant, e.g. no weight error in bf16)",
-                 ["metric", *variants], rows, key=f"metrics_{regime}")
+                 ["metric", *(variant_label(rs, v) for v in variants)], rows,
+                 key=f"metrics_{regime}")
 
 
 def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
     rollout = result["metrics"]["rollouts"].get(mode)
     if rollout is None:
         return Cell("n/a")
-    return estimate(rollout[what] if what == "ceiling" else rollout[what][-1], digits)
+    return estimate(rollout[what][-1] if what == "prefix_agree" else rollout[what], digits)
 
 
 def _kl_mean(kl: dict) -> Cell:
@@ -223,7 +257,8 @@ def _anchors(run: dict) -> str:
 
 def _sampling(run: dict) -> str:
     s = run["sampling"] or {}
-    return f"temperature {s.get('temperature')}, top-p {s.get('top_p')}; {s.get('noise')}"
+    return (f"drafter {rollout_label('sampled', s)}; verifier {verifier_label(s)}; "
+            f"{s.get('noise')}")
 
 
 def _selection(run: dict) -> str:
@@ -245,6 +280,7 @@ def evaluation_table(rs: ResultsSet) -> Table:
         ("variants", "; ".join(f"{name}: {info.get('kind')} ({info.get('source')})"
                                for name, info in rs.variants.items())),
         ("variant compute", _per_regime(rs, regimes, lambda r: r["variant_compute"])),
+        ("confidence head", CONFIDENCE_NOTE),
         ("aux states", _per_regime(rs, regimes, lambda r: f"shared by reference and variants, "
                                                           f"{r['aux_dtype']}")),
         ("regimes", "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}"
@@ -258,9 +294,10 @@ def evaluation_table(rs: ResultsSet) -> Table:
         ("sampled rollouts", _per_regime(rs, regimes, _sampling)),
         ("modules the simulated formats quantize", _per_regime(rs, regimes, _selection)),
         ("seed", _per_regime(rs, regimes, lambda r: str(r["seed"]))),
-        ("intervals", "95%, two-sided: Wilson score for per-position proportions, Wilson on "
-                      "Kish's effective sample size for pooled proportions, Student-t over "
-                      "blocks for means, Fisher z for r"),
+        ("intervals", "95%, two-sided: Wilson score for per-position proportions; Wilson on "
+                      "Kish's effective sample size for pooled proportions and B times them "
+                      "(matched prefix, greedy acceptance); Student-t over blocks for other "
+                      "means; a seeded block bootstrap for r"),
         ("versions", _per_regime(rs, regimes, lambda r: f"qstream {r['qstream_version']}, "
                                                         f"torch {r['torch_version']}")),
         ("results files", "; ".join(f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}"
@@ -340,7 +377,7 @@ def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
     rows = []
     for variant in variant_order(rs):
         for regime in regimes:
-            row = [label(variant), Cell(regime)]
+            row = [label(variant_label(rs, variant)), Cell(regime)]
             acc = (rs.regimes[regime].get(variant) or {}).get("acceptance", {}).get(verifier)
             if acc is None:
                 row += [Cell("not evaluated")] * (2 * len(ACCEPTANCE_MODES))
@@ -352,7 +389,12 @@ def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
             rows.append(row)
     return Table(f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
                  f"accepted drafted tokens plus the resampled or bonus token (1..{rs.block_size + 1}), "
-                 "token-wise rejection sampling and block verification at the run's temperature "
-                 "and top-p, and greedy; loss vs bf16 is the results' paired per-block difference",
+                 "token-wise rejection sampling and block verification with the drafter on the "
+                 f"full tempered softmax and the verifier at {_verifier_sampling(rs)}, and greedy; "
+                 "loss vs bf16 is the results' paired per-block difference",
                  columns, rows, key=f"acceptance_{verifier}",
                  align="ll" + "r" * (len(columns) - 2))
+
+
+def _verifier_sampling(rs: ResultsSet) -> str:
+    return _per_regime(rs, regime_order(rs), lambda r: verifier_label(r.get("sampling")))

@@ -3,6 +3,8 @@ are the card's (:func:`qstream.card.terminal.print_report`)."""
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from qstream.card.terminal import print_report
@@ -29,6 +31,16 @@ from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE
 
 
+class FiniteRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (click's lets them through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 @click.command("eval-drift", cls=Command)
 @option("model", type=click.Path(file_okay=False),
         help="Draft checkpoint directory. Default: the built-in synthetic tiny draft.")
@@ -44,13 +56,21 @@ from qstream.model.load import QUANTIZE_INCLUDE
         help="A quantized checkpoint to read back from disk; repeatable.")
 @option("regime", type=click.Choice([*REGIMES, ALL_REGIMES]), default=None,
         help="Aux regime. Default: heavy, or none when --states is given.")
-@option("blocks", type=int, default=1024, show_default=True, help="Blocks per regime.")
-@option("seed", type=int, default=0, show_default=True)
+@option("blocks", type=click.IntRange(min=1), default=1024, show_default=True,
+        help="Blocks per regime.")
+@option("seed", type=click.IntRange(min=0), default=0, show_default=True)
 @greedy_option("include_layers", help="Modules the simulated formats quantize "
                f"(default: {' '.join(QUANTIZE_INCLUDE)}).")
 @greedy_option("ignore_layers", help="Modules never quantized.")
-@option("temperature", type=float, default=1.0, show_default=True)
-@option("top_p", type=float, default=0.95, show_default=True)
+@option("temperature", type=FiniteRange(0, min_open=True), default=1.0, show_default=True,
+        help="The request's sampling temperature (drafter and verifier).")
+@option("top_p", type=FiniteRange(0, 1, min_open=True), default=1.0, show_default=True,
+        help="The verifier's (target's) top-p; the drafter samples the full distribution, as "
+             "vLLM's DSpark drafter does.")
+@option("top_k", type=click.IntRange(min=1), default=None,
+        help="The verifier's (target's) top-k. Default: off.")
+@option("draft_top_p", type=FiniteRange(0, 1, min_open=True), default=1.0, show_default=True,
+        help="A top-p on the drafter, for engines that cut it (vLLM does not).")
 @option("acceptance", is_flag=True,
         help="Also verify each variant's drafts with the FP32 reference: expected tokens per "
              "block under token-wise and block verification, and greedy (docs/acceptance.md).")
@@ -62,18 +82,18 @@ from qstream.model.load import QUANTIZE_INCLUDE
              "suggest the largest --include_layers list within --tolerance (docs/sensitivity.md).")
 @option("sensitivity_format", type=click.Choice(list(FORMATS)), default=None,
         help="Format of --sensitivity. Default: nvfp4, or the first 4-bit format of --formats.")
-@option("tolerance", type=float, default=0.1, show_default=True,
+@option("tolerance", type=FiniteRange(0), default=0.1, show_default=True,
         help="Greedy ceiling (tokens) the suggested include list may lose against bf16.")
 @option("context_lengths", is_flag=False, flag_value=DEFAULT_EDGES, default=None,
         metavar="EDGES",
         help="Also sweep context length: comma-separated bucket edges in tokens; bare: "
              "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).")
-@option("context_blocks", type=int, default=256, show_default=True,
+@option("context_blocks", type=click.IntRange(min=1), default=256, show_default=True,
         help="Blocks per context-length bucket.")
 @json_option()
 def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, blocks, seed,
-               include_layers, ignore_layers, temperature, top_p, acceptance, states,
-               sensitivity, sensitivity_format, tolerance, context_lengths, context_blocks,
+               include_layers, ignore_layers, temperature, top_p, top_k, draft_top_p, acceptance,
+               states,               sensitivity, sensitivity_format, tolerance, context_lengths, context_blocks,
                json_path) -> None:
     """Measure how far each format moves the drafted block from an FP32 reference.
 
@@ -93,7 +113,8 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
         formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
         variant_dirs=parse_variants(variant),
         include=tuple(include_layers) or QUANTIZE_INCLUDE, ignore=tuple(ignore_layers),
-        n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p,
+        n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k,
+        draft_top_p=draft_top_p,
         acceptance=acceptance, states=states, sensitivity=sensitivity,
         sensitivity_format=sensitivity_format, tolerance=tolerance,
         context_blocks=context_blocks)

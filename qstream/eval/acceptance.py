@@ -45,7 +45,13 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.eval.estimates import Estimate, mean_estimate
+from qstream.eval.estimates import (
+    Estimate,
+    mean_estimate,
+    pooled_proportion,
+    proportion,
+    scaled,
+)
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
 
 
@@ -200,9 +206,17 @@ class AcceptanceSummary:
                 "prefix_accept": [e.to_json() for e in self.prefix_accept]}
 
 
-def summarise(accept: torch.Tensor) -> AcceptanceSummary:
-    """``[n, B]`` per-block P(τ ≥ k) (or 0/1 outcomes) -> :class:`AcceptanceSummary`."""
+def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary:
+    """``[n, B]`` per-block P(τ ≥ k) -> :class:`AcceptanceSummary` (Student t over blocks).
+    ``outcomes``: the values are 0/1 outcomes (greedy), which get Wilson intervals instead —
+    per position over blocks, and for the emitted tokens ``1 + B ·`` the pooled share on the
+    design-effect sample size — so that a run where every block is accepted does not report
+    the zero-width interval Student t gives there."""
     B = accept.shape[1]
+    if outcomes:
+        hits = accept > 0.5
+        return AcceptanceSummary(emitted=scaled(pooled_proportion(hits), B, offset=1.0),
+                                 prefix_accept=tuple(proportion(hits[:, k]) for k in range(B)))
     return AcceptanceSummary(
         emitted=mean_estimate(1 + accept.sum(dim=1), bounds=(1.0, B + 1.0)),
         prefix_accept=tuple(mean_estimate(accept[:, k], bounds=(0.0, 1.0)) for k in range(B)))
@@ -227,7 +241,8 @@ class AcceptanceAccumulator:
         return 1 + self.accept(mode).sum(dim=1)
 
     def to_json(self) -> dict:
-        return {mode: summarise(self.accept(mode)).to_json() for mode in ACCEPTANCE_MODES}
+        return {mode: summarise(self.accept(mode), outcomes=mode == "greedy").to_json()
+                for mode in ACCEPTANCE_MODES}
 
 
 def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:

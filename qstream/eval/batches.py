@@ -146,10 +146,11 @@ class Drafts(NamedTuple):
 
 
 def draft_batch(model: DSpark, aux: torch.Tensor, batch: Batch, batch_index: int, seed: int,
-                temperature: float = 1.0, top_p: float = 0.95) -> Drafts:
+                temperature: float = 1.0, draft_top_p: float = 1.0) -> Drafts:
     """One batch drafted by ``model``: its blocks, greedy rollout, and sampled rollout on the
-    batch's shared race noise (the same for the reference and every variant)."""
+    batch's shared race noise (the same for the reference and every variant), drawn from the
+    full tempered distribution as vLLM's drafter draws (``draft_top_p`` < 1: other engines)."""
     blocks = draft_blocks(model, aux, batch)
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
     return Drafts(blocks, rollout(model, blocks),
-                  rollout(model, blocks, noise, temperature, top_p))
+                  rollout(model, blocks, noise, temperature, draft_top_p))

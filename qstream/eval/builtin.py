@@ -4,11 +4,14 @@ files of their own and nothing downloaded."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 import qstream
+from qstream.model.config import PRESETS
 from qstream.model.synth import builtin_corpus, synth_checkpoint
 
 BUILTIN_PRESET, BUILTIN_SEED = "tiny", 0
@@ -26,7 +29,12 @@ def cache_root() -> Path:
 def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
     """The built-in draft's directory, synthesized (deterministically) on first use; ``say``
     tells the user when it is being built."""
-    directory = cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}"
+    # the preset's own hash in the name: a changed preset (issue 11 widened tiny) is rebuilt
+    # rather than read from a cache built before the change
+    preset = json.dumps(PRESETS[BUILTIN_PRESET].to_json(), sort_keys=True).encode()
+    tag = hashlib.sha256(preset).hexdigest()[:8]
+    directory = (cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-"
+                 f"v{qstream.__version__}-{tag}")
     if not (directory / "config.json").is_file():
         if say is not None:
             say(f"Building the built-in synthetic draft into {directory} (first use) ...")

@@ -24,7 +24,7 @@ from qstream.eval.settings import DriftSettings, Progress, Silent
 from qstream.eval.states import read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
-from qstream.eval.vocabulary import SCHEMA, STATES_REGIME
+from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import LM_HEAD
 from qstream.model.load import load_config, load_weights
@@ -102,13 +102,26 @@ def _run_description(model_dir: str | Path, config: DSparkConfig, weights: Weigh
         "blocks": settings.n_blocks,
         "block_size": config.block_size,
         "anchors": plan.to_json(),
-        "sampling": {"temperature": settings.temperature, "top_p": settings.top_p,
-                     "noise": "common random numbers: exponential race (Gumbel-max), the same "
-                              "Exp(1) variate per block, position and token for every model"},
+        "sampling": _sampling(settings),
         "reference": "fp32 weights, fp32 compute",
-        "variant_compute": "bf16 weights and activations; fp32 matmul accumulation, norms, softmax",
+        "variant_compute": "bf16 weights and activations; fp32 matmul accumulation, norms, "
+                           "softmax; final logits = bf16 sum of base logits and Markov bias",
+        "confidence_head": CONFIDENCE_NOTE,
         "aux_dtype": "bf16",
         "selection": {"include": list(settings.include), "ignore": list(settings.ignore)},
         "variants": {v.name: {"kind": v.kind, "source": v.source} for v in variants},
         "regimes": {},
     }
+
+
+def _sampling(settings: DriftSettings) -> dict:
+    """Which side sampled what (DESIGN.md sections 5 and 7): the request's temperature on both;
+    the drafter the full tempered softmax (vLLM's DSpark drafter has no top-p or top-k), the
+    verifier its top-p and top-k."""
+    return {"temperature": settings.temperature,
+            "drafter": {"top_p": settings.draft_top_p, "top_k": None,
+                        "distribution": "softmax(logits / temperature)"
+                                        + ("" if settings.draft_top_p == 1 else ", top-p cut")},
+            "verifier": {"top_p": settings.top_p, "top_k": settings.top_k},
+            "noise": "common random numbers: exponential race (Gumbel-max), the same Exp(1) "
+                     "variate per block, position and token for every model"}

@@ -19,6 +19,7 @@ Example::
         acc.add_rollout("sampled", ref.sampled_tokens, var.sampled_tokens)
     metrics = acc.result()                                      # DriftMetrics
     metrics.rollouts["greedy"].ceiling                          # Estimate(value, lo, hi, n)
+    metrics.rollouts["sampled"].matched_prefix                  # a lower bound, not a ceiling
     json.dumps(metrics.to_json())
 
 Only compact per-token results are kept between batches (float64 ``[n, B]``, about 56 KiB per
@@ -42,6 +43,14 @@ Definitions where DESIGN.md leaves a choice:
   between the sorted values at fraction·(N − 1) (numpy's default ``linear``); max is the largest.
 - **sched flip**: threshold = median of the reference's B confidences in the block (mean of the two
   middle values when B is even); a position flips when ``(ref_c > thr) != (var_c > thr)``.
+  Positions with ``ref_c == thr`` (with B odd: the median position itself) are excluded — they
+  make no above/below decision, and counting them gave every variant a ~1/B floor.  Excluding
+  ties rather than moving the threshold off them keeps the decision the scheduler makes (above or
+  below the median) for every other position unchanged.  The confidence head is training-only
+  (vLLM's K3 draft skips it when loading): r and the flip rate describe the trained head.
+- **matched prefix**: for greedy rollouts the mean matched prefix is the acceptance *ceiling*; for
+  sampled rollouts on common random numbers it is a lower bound on what the verifier accepts
+  (acceptance follows Σ min(p, q)) and is named ``matched_prefix``, never ceiling.
 - **95% intervals**: qstream/eval/estimates.py says which interval each kind of estimate gets, and
   why.
 """
@@ -65,8 +74,10 @@ from qstream.eval.estimates import (  # noqa: F401
     pooled_mean,
     pooled_proportion,
     proportion,
+    scaled,
     wilson_interval,
 )
+from qstream.eval.vocabulary import CONFIDENCE_NOTE, PREFIX_KEYS
 
 # The percentiles llama.cpp's perplexity --kl-divergence report gives (besides the mean).
 KL_PERCENTILES = {"median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99, "p99_9": 0.999, "max": 1.0}
@@ -139,15 +150,20 @@ def matched_prefix_length(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) ->
     return prefix_matches(ref_tokens, var_tokens).sum(dim=1)
 
 
-def sched_flips(ref_conf: torch.Tensor, var_conf: torch.Tensor) -> torch.Tensor:
-    """``[n, B]`` bool: the above/below decision against the reference's per-block median
-    confidence differs between reference and variant."""
+def sched_flips(ref_conf: torch.Tensor,
+                var_conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([n, B] bool flips, [n, B] bool decided)``: a position flips when its above/below
+    decision against the reference's per-block median confidence differs between reference and
+    variant.  Positions where the reference sits exactly on the median (with B odd, the median
+    position itself) make no decision and are left out (``decided`` False): counting them made
+    any upward shift of 1e-6 flip one position in B (issue 11)."""
     _check_pair("confidence", ref_conf, var_conf, ndim=2)
     ref, var = ref_conf.double(), var_conf.double()
     ordered = ref.sort(dim=1).values
     width = ref.shape[1]
     threshold = (ordered[:, (width - 1) // 2] + ordered[:, width // 2]).unsqueeze(1) / 2  # [n, 1]
-    return (ref > threshold) != (var > threshold)
+    decided = ref != threshold
+    return ((ref > threshold) != (var > threshold)) & decided, decided
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,21 +203,36 @@ class RolloutMetrics:
 
     seq_agree: tuple[Estimate, ...]  # per k: P(token k equal)
     prefix_agree: tuple[Estimate, ...]  # per k: P(tokens 0..k all equal)
-    ceiling: Estimate  # mean matched prefix length, 0..B
+    matched_prefix: Estimate  # mean matched prefix length, 0..B
+    mode: str = "greedy"  # names the matched prefix in JSON (vocabulary.PREFIX_KEYS)
+
+    @property
+    def ceiling(self) -> Estimate:
+        """The greedy ceiling; a sampled rollout's matched prefix is no ceiling."""
+        if self.mode != "greedy":
+            raise AttributeError(f"a {self.mode} rollout has a matched prefix, not a ceiling")
+        return self.matched_prefix
 
     def to_json(self) -> dict:
         return {"seq_agree": [e.to_json() for e in self.seq_agree],
                 "prefix_agree": [e.to_json() for e in self.prefix_agree],
-                "ceiling": self.ceiling.to_json()}
+                PREFIX_KEYS[self.mode]: self.matched_prefix.to_json()}
 
 
-def rollout_metrics(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> RolloutMetrics:
-    """seq agree[k], prefix agree[k] and the acceptance ceiling of ``[n, B]`` rollout tokens."""
+def rollout_metrics(ref_tokens: torch.Tensor, var_tokens: torch.Tensor,
+                    mode: str = "greedy") -> RolloutMetrics:
+    """seq agree[k], prefix agree[k] and the mean matched prefix of ``[n, B]`` rollout tokens
+    (the ceiling for greedy rollouts).  The mean matched prefix is B times the pooled share of
+    prefix-agree indicators, so it gets their interval: Wilson on the design-effect sample size,
+    which stays honest where every block matches (Student t collapsed to [B, B] there)."""
+    if mode not in PREFIX_KEYS:
+        raise ValueError(f"unknown rollout mode {mode!r}; choose from {', '.join(PREFIX_KEYS)}")
     prefix = prefix_matches(ref_tokens, var_tokens)
     return RolloutMetrics(
         seq_agree=_per_position(ref_tokens == var_tokens),
         prefix_agree=_per_position(prefix),
-        ceiling=mean_estimate(prefix.sum(dim=1), bounds=(0.0, float(prefix.shape[1]))),
+        matched_prefix=scaled(pooled_proportion(prefix), float(prefix.shape[1])),
+        mode=mode,
     )
 
 
@@ -232,6 +263,7 @@ class DriftMetrics:
             elif hasattr(v, "to_json"):
                 v = v.to_json()
             out[f.name] = v
+        out["confidence_head"] = CONFIDENCE_NOTE  # what confidence_r and sched_flip_rate describe
         return out
 
 
@@ -295,6 +327,6 @@ class DriftAccumulator:
             kl=kl_summary(tf.kl),
             reverse_kl=kl_summary(tf.reverse_kl),
             confidence_r=pearson_r(ref_conf, var_conf),
-            sched_flip_rate=pooled_proportion(sched_flips(ref_conf, var_conf)),
-            rollouts={mode: rollout_metrics(*pair) for mode, pair in rollouts.items()},
+            sched_flip_rate=pooled_proportion(*sched_flips(ref_conf, var_conf)),
+            rollouts={mode: rollout_metrics(*pair, mode) for mode, pair in rollouts.items()},
         )

@@ -71,8 +71,7 @@ def evaluate_regime(run: RegimeRun) -> dict:
     s = run.settings
     aux = AuxStates(run.regime, run.corpus, run.config, s.seed)
     probe = RegimeAcceptance(run.weights, run.plan, aux.captured, against_reference=s.acceptance,
-                             temperature=s.temperature, top_p=s.top_p,
-                             block_size=run.config.block_size)
+                             sampling=s, block_size=run.config.block_size)
     ref = reference_pass(run, aux, probe)
     out = {"variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}}
     probe.finish(out)
@@ -96,7 +95,7 @@ def reference_pass(run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance) -> R
     s = run.settings
     for number, batch in enumerate(run.batches):
         blocks, greedy, sampled = draft_batch(reference, aux.get(batch, reference), batch,
-                                              number, s.seed, s.temperature, s.top_p)
+                                              number, s.seed, s.temperature, s.draft_top_p)
         idx = batch.blocks
         ref.logits[idx] = greedy.logits
         ref.greedy_tokens[idx] = greedy.tokens
@@ -119,7 +118,7 @@ def measure_variant(run: RegimeRun, variant: Variant, aux: AuxStates, ref: Refer
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
         blocks, greedy, sampled = draft_batch(model, aux.get(batch), batch, number, s.seed,
-                                              s.temperature, s.top_p)
+                                              s.temperature, s.draft_top_p)
         idx = batch.blocks
         forced = teacher_forced(model, blocks, ref.greedy_tokens[idx])
         acc.add_teacher_forced(ref.logits[idx], forced.logits)

@@ -98,7 +98,7 @@ def _summary(result: dict) -> dict:
     return {"quantized_tensors": result["quantized_tensors"],
             "weight_snr_db": result["weight_snr"]["overall_db"],
             "ceiling": m["rollouts"]["greedy"]["ceiling"],
-            "ceiling_sampled": m["rollouts"]["sampled"]["ceiling"],
+            "matched_prefix_sampled": m["rollouts"]["sampled"]["matched_prefix"],
             "kl_mean": m["kl"]["mean"]["value"], "kl_p99": m["kl"]["p99"]}
 
 

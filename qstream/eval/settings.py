@@ -6,6 +6,7 @@ construction, and the progress protocol the evaluator reports to.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,8 +46,14 @@ class DriftSettings:
     ignore: tuple[str, ...] = ()
     n_blocks: int = 1024
     seed: int = 0
+    # Sampling as a deployment runs it (DESIGN.md sections 5 and 7): the request's temperature
+    # applies to both sides; top-p / top-k cut the verifier's (target's) distribution only.
+    # vLLM's DSpark drafter samples the full tempered softmax; draft_top_p < 1 models other
+    # engines.
     temperature: float = 1.0
-    top_p: float = 0.95
+    top_p: float = 1.0  # verifier
+    top_k: int | None = None  # verifier; None: off
+    draft_top_p: float = 1.0
     # Simulated acceptance (docs/acceptance.md): the FP32 reference verifies each variant's
     # drafts, token-wise and by block verification
     acceptance: bool = False
@@ -79,9 +86,19 @@ class DriftSettings:
         if self.sensitivity_format is not None and self.sensitivity_format not in FORMATS:
             raise QStreamError(f"--sensitivity-format {self.sensitivity_format!r}: choose from "
                                f"{', '.join(FORMATS)}")
-        if not self.tolerance >= 0:
+        self._check_sampling()
+        if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
         self._check_context()
+
+    def _check_sampling(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise QStreamError(f"--temperature must be finite and > 0, got {self.temperature}")
+        for name, value in (("--top-p", self.top_p), ("--draft-top-p", self.draft_top_p)):
+            if not 0 < value <= 1:
+                raise QStreamError(f"{name} must be in (0, 1], got {value}")
+        if self.top_k is not None and self.top_k < 1:
+            raise QStreamError(f"--top-k must be >= 1 (or off), got {self.top_k}")
 
     def _check_context(self) -> None:
         edges = self.context_lengths

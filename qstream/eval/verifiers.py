@@ -20,6 +20,7 @@ from qstream.eval.acceptance import (
 from qstream.eval.batches import Batch
 from qstream.eval.corpus import AnchorPlan
 from qstream.eval.estimates import pooled_proportion
+from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
 from qstream.model.dspark import (
@@ -43,6 +44,7 @@ class MarkovHead:
     reference model itself need not be kept beside the variants."""
 
     w: dict[str, torch.Tensor]
+    dtype: torch.dtype = torch.float32  # the reference's: its final sum stays fp32
 
 
 class RegimeAcceptance:
@@ -55,8 +57,8 @@ class RegimeAcceptance:
 
     def __init__(self, weights: dict[str, torch.Tensor], plan: AnchorPlan,
                  captured: CapturedStates | None, *, against_reference: bool,
-                 temperature: float, top_p: float, block_size: int):
-        self.temperature, self.top_p, self.B = temperature, top_p, block_size
+                 sampling: DriftSettings, block_size: int):
+        self.sampling, self.B = sampling, block_size
         self.states = captured
         self.against_reference = against_reference
         self.active = against_reference or self.states is not None
@@ -75,8 +77,14 @@ class RegimeAcceptance:
             self.plan = plan
             self.stream_tokens = self.states.block_tokens(plan, block_size)
 
-    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return sampling_probs(logits, self.temperature, self.top_p)
+    def _verifier_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The verifier's distribution: tempered, then its top-k and top-p."""
+        s = self.sampling
+        return sampling_probs(logits, s.temperature, s.top_p, s.top_k)
+
+    def _drafter_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's: the full tempered softmax, as vLLM's DSpark drafter samples."""
+        return sampling_probs(logits, self.sampling.temperature, self.sampling.draft_top_p)
 
     def _target(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Target logits [n, B, V] at the batch's blocks and the blocks' stream tokens [n, B]."""
@@ -91,8 +99,8 @@ class RegimeAcceptance:
         top-1 agreement for greedy (exact where the stream is the target's greedy path)."""
         target_logits, stream = self._target(batch)
         forced = teacher_forced(model, blocks, stream).logits
-        p_tok = token_probs(self._probs(target_logits), stream)
-        q_tok = token_probs(self._probs(forced), stream)
+        p_tok = token_probs(self._verifier_probs(target_logits), stream)
+        q_tok = token_probs(self._drafter_probs(forced), stream)
         for rule in RULES:
             acc.add(acceptance_mode(rule), stream_weights(p_tok, q_tok, rule))
         target_top1 = target_logits.argmax(-1)
@@ -138,8 +146,9 @@ class RegimeAcceptance:
         U = self.U_ref[batch.blocks]
         p_greedy = self._reference_logits(U, greedy.prev)
         acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)))
-        p_tok = token_probs(self._probs(self._reference_logits(U, sampled.prev)), sampled.tokens)
-        q_tok = token_probs(self._probs(sampled.logits), sampled.tokens)
+        p_tok = token_probs(self._verifier_probs(self._reference_logits(U, sampled.prev)),
+                            sampled.tokens)
+        q_tok = token_probs(self._drafter_probs(sampled.logits), sampled.tokens)
         for rule in RULES:
             acc.add(acceptance_mode(rule), accept_probabilities(p_tok, q_tok, rule))
 
@@ -170,9 +179,11 @@ ACCEPTANCE_DEFINITIONS = {
     "emitted": "expected tokens emitted per block: accepted drafted tokens plus the one "
                "resampled or bonus token (1..B+1)",
     "estimator": "per block, 1 + sum_k P(tau >= k | drafted prefix): exact given the drafted "
-                 "block, averaged over blocks (95% Student-t interval)",
-    "sampled": "drafter q and verifier p are both softmax(logits / temperature) cut to the "
-               "top-p nucleus and renormalised",
+                 "block, averaged over blocks (95% Student-t interval; greedy, whose outcomes "
+                 "are 0/1: Wilson on the design-effect sample size)",
+    "sampled": "drafter q: the full softmax(logits / temperature), as vLLM's DSpark drafter "
+               "samples (draft top-p 1 unless set); verifier p: softmax(logits / temperature) "
+               "cut to its top-k and top-p and renormalised (see the results' sampling block)",
     "rules": {"token_wise": "Leviathan et al. 2023 / Chen et al. 2023 rejection sampling",
               "block": "Sun et al. 2024 block verification (vLLM rejection_sample_method "
                        "'block')"},

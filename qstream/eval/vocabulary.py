@@ -4,8 +4,8 @@ one module reads or writes, and the labels built from a run's own settings.
 The evaluator (qstream/eval/) writes these names, the card (qstream/card/) and the commands read
 them; none of them spells a name of its own.  docs/eval-drift.md documents the same names.
 
->>> rollout_label("sampled", {"temperature": 0.7, "top_p": 0.9})
-'sampled rollout (T=0.7, top-p 0.9)'
+>>> rollout_label("sampled", {"temperature": 0.7, "drafter": {"top_p": 1.0}})
+'sampled rollout (T=0.7, full softmax)'
 """
 
 from __future__ import annotations
@@ -45,10 +45,35 @@ def acceptance_mode(rule: str) -> str:
     return f"sampled_{rule}"
 
 
+# The key of a rollout mode's mean matched prefix: under greedy drafting it is the ceiling on
+# acceptance that survives the numerics; two sampled rollouts coupled on common noise can part
+# where the verifier would still accept (acceptance there follows sum min(p, q)), so their matched
+# prefix is a lower bound, reported under its own name (DESIGN.md section 6).
+PREFIX_KEYS = {"greedy": "ceiling", "sampled": "matched_prefix"}
+PREFIX_LABELS = {"greedy": "greedy ceiling",
+                 "sampled": "sampled matched prefix (coupling lower bound)"}
+
+# The confidence head's status in vLLM (DESIGN.md section 7); every confidence metric says it.
+CONFIDENCE_NOTE = "training-only head (not served by vLLM's K3 draft)"
+
+
 def sampling_label(sampling: Mapping | None) -> str:
-    """``T=1.0, top-p 0.95`` from the results' ``sampling`` block (the run's own settings)."""
+    """The drafter's sampling from the results' ``sampling`` block (the run's own settings):
+    ``T=1.0, full softmax``, or ``T=1.0, top-p 0.9`` when a draft top-p was set."""
     s = sampling or {}
-    return f"T={s.get('temperature')}, top-p {s.get('top_p')}"
+    drafter = s.get("drafter")
+    if drafter is None:  # results written before the drafter and verifier were told apart
+        return f"T={s.get('temperature')}, top-p {s.get('top_p')}"
+    top_p = drafter.get("top_p")
+    return f"T={s.get('temperature')}, " + ("full softmax" if top_p == 1 else f"top-p {top_p}")
+
+
+def verifier_label(sampling: Mapping | None) -> str:
+    """The verifier's sampling: ``T=1.0, top-p 0.95, top-k off``."""
+    s = sampling or {}
+    v = s.get("verifier") or {"top_p": s.get("top_p"), "top_k": None}
+    top_k = "off" if v.get("top_k") is None else v.get("top_k")
+    return f"T={s.get('temperature')}, top-p {v.get('top_p')}, top-k {top_k}"
 
 
 def rollout_label(mode: str, sampling: Mapping | None) -> str:
@@ -76,7 +101,8 @@ METRICS = {
     "sched_flip_rate": "qstream.eval.metrics.sched_flips",
     "rollouts.MODE.seq_agree[k]": "qstream.eval.metrics.rollout_metrics",
     "rollouts.MODE.prefix_agree[k]": "qstream.eval.metrics.prefix_matches",
-    "rollouts.MODE.ceiling": "qstream.eval.metrics.rollout_metrics",
+    "rollouts.greedy.ceiling": "qstream.eval.metrics.rollout_metrics",
+    "rollouts.sampled.matched_prefix": "qstream.eval.metrics.rollout_metrics",
     "intervals (lo, hi) of every Estimate": "qstream.eval.estimates",
     "weight_snr": "qstream.eval.variants.weight_snr",
     "acceptance.reference.sampled_*": "qstream.eval.acceptance.accept_probabilities",

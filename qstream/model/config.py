@@ -201,10 +201,12 @@ def _preset(**kw: Any) -> DSparkConfig:
 # vocab_size / mask_token_id of tiny are placeholders: `qstream synth` replaces them with its
 # tokenizer's (dataclasses.replace).  small and k3 keep their vocab and pad the tokenizer's.
 PRESETS: dict[str, DSparkConfig] = {
-    # DESIGN.md section 5, tiny column.  v_head_dim != qk_nope_head_dim and n*v != H on purpose.
+    # DESIGN.md section 5, tiny column.  v_head_dim != qk_nope_head_dim and n*v != H on purpose;
+    # every quantized input width (H, I, q_lora_rank, n*v, A) is a multiple of 32, so MXFP4,
+    # NVFP4 and FP8 quantize the same tensors and are compared on them (issue 11).
     "tiny": _preset(hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-                    num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
-                    qk_rope_head_dim=8, v_head_dim=12, vocab_size=1024, rope_theta=10000.0,
+                    num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16,
+                    qk_rope_head_dim=8, v_head_dim=8, vocab_size=1024, rope_theta=10000.0,
                     original_max=128, target_hidden_size=64, target_num_hidden_layers=8,
                     target_layer_ids=(0, 2, 4, 5, 6), mask_token_id=2, markov_rank=16),
     # CPU benchmark size: realistic matrix shapes (H 1024, V 32k), about 90 M parameters.

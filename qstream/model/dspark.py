@@ -313,11 +313,13 @@ class DSpark:
 
 
 def markov_logits(model: DSpark, logits_base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]`` (fp32).
-    logits_base [..., V], prev [...] (the token fed at each position)."""
+    """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]``, the sum
+    rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
+    bf16 model; DESIGN.md section 5), returned as fp32 (exact).  The argmax of the result is
+    torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...]."""
     emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
     bias = F.linear(emb, model.w["markov_head.markov_w2.weight"])  # [..., V]
-    return logits_base.float() + bias.float()
+    return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
 
 
 def confidence(model: DSpark, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
@@ -332,17 +334,25 @@ def confidence(model: DSpark, hidden: torch.Tensor, prev: torch.Tensor) -> torch
     return torch.sigmoid(z.float()).squeeze(-1)
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float = 1.0,
-                   top_p: float = 0.95) -> torch.Tensor:
-    """The distribution probabilistic drafting samples from: softmax(logits / temperature)
-    restricted to the top-p nucleus (smallest prefix of the sorted probabilities whose mass
-    reaches top_p; the top token is always kept) and renormalised.  fp32 [..., V]."""
-    if temperature <= 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature}, "
-                         f"{top_p}")
+def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                   top_k: int | None = None) -> torch.Tensor:
+    """softmax(logits / temperature), fp32 [..., V], optionally cut to the top-k tokens, then to
+    the top-p nucleus (smallest sorted prefix whose mass reaches top_p; the top token is always
+    kept), renormalised, in vLLM's order.  The defaults give the full distribution, which vLLM's
+    DSpark drafter samples; top-p and top-k belong to the verifier (DESIGN.md section 5)."""
+    if not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1
+            and (top_k is None or top_k >= 1)):
+        raise ValueError("need a finite temperature > 0, top_p in (0, 1], top_k >= 1 or None; "
+                         f"got {temperature}, {top_p}, {top_k}")
     probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p == 1 and (top_k is None or top_k >= probs.shape[-1]):
+        return probs
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    if top_k is not None:
+        sorted_p = torch.where(torch.arange(sorted_p.shape[-1]) < top_k, sorted_p, 0.0)
+        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p) & (sorted_p > 0)
+    keep_sorted[..., 0] = True
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = probs * keep
     return kept / kept.sum(-1, keepdim=True)
@@ -358,11 +368,12 @@ def sample(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
 
 
 def rollout(model: DSpark, blocks: Blocks, noise: torch.Tensor | None = None,
-            temperature: float = 1.0, top_p: float = 0.95) -> Rollout:
+            temperature: float = 1.0, top_p: float = 1.0) -> Rollout:
     """Free-running Markov rollout: prev_0 = ids[p]; at step k draw d_k from
-    ``U_k + markov_w2 . markov_w1[prev_k]`` and feed it as prev_{k+1}.  ``noise=None`` is
-    greedy (argmax); otherwise noise [N, B, V] holds iid Exp(1) variates and d_k is drawn by
-    :func:`sample` from :func:`sampling_probs` (temperature, top-p)."""
+    ``U_k + markov_w2 . markov_w1[prev_k]`` (rounded to the model's dtype) and feed it as
+    prev_{k+1}.  ``noise=None`` is greedy (argmax); otherwise noise [N, B, V] holds iid Exp(1)
+    variates and d_k is drawn by :func:`sample` from :func:`sampling_probs` at ``temperature``,
+    full distribution as vLLM drafts (``top_p`` < 1: other engines)."""
     N, B, V = blocks.logits_base.shape
     if noise is not None and tuple(noise.shape) != (N, B, V):
         raise ValueError(f"noise must be [{N}, {B}, {V}], got {list(noise.shape)}")
