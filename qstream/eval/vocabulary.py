@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from qstream.formats import FORMATS
 
-SCHEMA = "qstream.eval-drift/1"  # the "schema" field of every results file
+SCHEMA = "qstream.eval-drift/2"  # the "schema" field of every results file
 
 # Variants.  "fp32" is the reference itself (a self-check that must report exact agreement);
 # "bf16" is the numerical floor every format is compared with (DESIGN.md section 6).
