@@ -18,7 +18,7 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 cd "$WORK"  # relative directory names, so that the card shows "draft-fp8", not a temp path
 
-# The modules a published DSpark FP8 card quantizes (DESIGN.md section 5).
+# The modules a published DSpark FP8 card quantizes (docs/model.md).
 INCLUDE=(mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.o_proj self_attn.q_b_proj context_proj)
 
 "$QSTREAM" synth --preset tiny --output_dir draft --seed 0

@@ -1,5 +1,5 @@
 """Small checkpoints built on the fly for the checkpoint tests: Llama-style, DSpark-style MLA
-(DESIGN.md section 5 names and the tiny preset's shapes), sharded with a fused group across two
+(docs/model.md names and the tiny preset's shapes), sharded with a fused group across two
 shards, and MoE-style with experts.  Weights are seeded bf16 N(0, 0.02^2) with a few outliers,
 so that amaxes (and NVFP4 global scales) differ between tensors."""
 
@@ -40,7 +40,7 @@ def llama_tensors(layers: int = 2, seed: int = 0, dtype=torch.bfloat16) -> dict[
 
 
 def dspark_tensors(layers: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
-    """DESIGN.md section 5's tensor table at the tiny preset (n=4, q_lora 48, kv_lora 32,
+    """docs/model.md's tensor table at the tiny preset (n=4, q_lora 48, kv_lora 32,
     nope 16, rope 8, v 12, markov rank 16, 5 target layers of width 64)."""
     gen = torch.Generator().manual_seed(seed)
     n, q_lora, kv_lora, nope, rope, v, r = 4, 48, 32, 16, 8, 12, 16

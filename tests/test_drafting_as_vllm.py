@@ -1,4 +1,4 @@
-"""eval-drift drafts as vLLM's DSpark drafter drafts (issue 11, DESIGN.md sections 5-7): the full
+"""eval-drift drafts as vLLM's DSpark drafter drafts (issue 11, docs/model.md, docs/eval-drift.md, docs/vllm.md): the full
 tempered softmax on the draft side and top-p on the verifier's, final logits rounded to the
 serving dtype, a flip rate without the median tie, and what the sampled matched prefix is."""
 

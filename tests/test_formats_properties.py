@@ -84,7 +84,7 @@ def test_scales_are_finite_and_positive(w, fmt):
 @given(w=weights())
 def test_mxfp4_scale_puts_the_block_amax_in_the_top_binades(w):
     # An E8M0 byte decodes to 2^(e - 127), finite and positive whatever it holds, so the check
-    # above says nothing for MXFP4.  DESIGN.md section 3's rule does: amax = m * 2^E with m in
+    # above says nothing for MXFP4.  docs/formats.md's rule does: amax = m * 2^E with m in
     # [1, 1.75) gets scale 2^(E-2), so amax / scale = 4m in [4, 7); m in [1.75, 2) rounds up to
     # 2^(E+1), scale 2^(E-1), amax / scale = 2m in [3.5, 4).  A block whose exponent clamps at
     # 0 (zero or tiny) only stays below 7.

@@ -1,4 +1,4 @@
-"""Spec tests for the number formats: DESIGN.md section 3, value by value."""
+"""Spec tests for the number formats: docs/formats.md, value by value."""
 
 import math
 
@@ -224,7 +224,7 @@ def test_exactly_representable_weights_round_trip_unchanged(fmt, row):
 
 
 def _threshold_codes(y: torch.Tensor) -> torch.Tensor:
-    """DESIGN.md's definition, written independently: count the decision points |y| passes."""
+    """docs/formats.md's definition, written independently: count the decision points |y| passes."""
     from qstream.formats.spec import E2M1_STEPS
 
     a = y.abs()

@@ -1,4 +1,4 @@
-"""Drift metrics against hand-computed values, independent formulas and the identities DESIGN.md
+"""Drift metrics against hand-computed values, independent formulas and the identities docs/eval-drift.md
 section 6 implies (the reference against itself: agreement 1, TV 0, KL 0, ceiling B)."""
 
 from __future__ import annotations

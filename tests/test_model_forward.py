@@ -1,4 +1,4 @@
-"""Structural tests of the DSpark forward (DESIGN.md section 5): each would catch one classic
+"""Structural tests of the DSpark forward (docs/model.md): each would catch one classic
 mistake, plus batching and precision agreement."""
 
 import dataclasses

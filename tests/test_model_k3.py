@@ -1,4 +1,4 @@
-"""The k3 preset at full Kimi-K3 scale (DESIGN.md section 5).  Slow: writes ~7.1 GB.
+"""The k3 preset at full Kimi-K3 scale (docs/model.md).  Slow: writes ~7.1 GB.
 Run with ``pytest -m slow tests/test_model_k3.py``."""
 
 import pytest

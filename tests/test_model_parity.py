@@ -47,7 +47,7 @@ def test_yarn_inv_freq_matches_transformers():
     for name in ("tiny", "k3"):
         cfg = PRESETS[name]
         rotary = ds.DeepseekV3RotaryEmbedding(_hf_config(cfg))
-        assert rotary.attention_scaling == 1.0  # DESIGN.md: cos/sin factor 1
+        assert rotary.attention_scaling == 1.0  # docs/model.md: cos/sin factor 1
         torch.testing.assert_close(yarn_inv_freq(cfg), rotary.inv_freq, rtol=0, atol=0)
 
 
@@ -55,7 +55,7 @@ def test_softmax_scale_matches_transformers_and_design():
     cfg = PRESETS["k3"]
     hf_scale = ds.yarn_apply_mscale(_hf_config(cfg).rope_parameters, cfg.qk_head_dim ** -0.5)
     assert abs(cfg.softmax_scale - hf_scale) < 1e-12
-    assert round(cfg.softmax_scale, 6) == 0.130861  # DESIGN.md section 5
+    assert round(cfg.softmax_scale, 6) == 0.130861  # docs/model.md
 
 
 def test_decoder_layer_matches_transformers_in_causal_mode():
@@ -66,7 +66,7 @@ def test_decoder_layer_matches_transformers_in_causal_mode():
     state = {k[len("layers.0."):]: v for k, v in weights.items() if k.startswith("layers.0.")}
     layer.load_state_dict(state, strict=True)
     # transformers builds q_a_layernorm / kv_a_layernorm with its default eps 1e-6; vLLM and
-    # DESIGN.md use config.rms_norm_eps for every norm, so align the reference to that.
+    # docs/model.md use config.rms_norm_eps for every norm, so align the reference to that.
     layer.self_attn.q_a_layernorm.variance_epsilon = cfg.rms_norm_eps
     layer.self_attn.kv_a_layernorm.variance_epsilon = cfg.rms_norm_eps
     rotary = ds.DeepseekV3RotaryEmbedding(_hf_config(cfg))

@@ -1,4 +1,4 @@
-"""Common random numbers for sampled rollouts (DESIGN.md section 6), on the model's own sampler
+"""Common random numbers for sampled rollouts (docs/eval-drift.md), on the model's own sampler
 (``qstream.model.dspark.sampling_probs`` and ``sample``): the nucleus, the exponential race
 drawing exactly from the distribution, identical draws for identical models, and close models
 differing no more often than the race coupling's bound."""

@@ -1,4 +1,4 @@
-"""DESIGN.md section 2's pattern rules, the default selection, fused groups (section 4) and the
+"""docs/quantize.md's pattern rules, the default selection, fused groups (section 4) and the
 block-size shape rule, on header-only tensor tables."""
 
 import pytest
@@ -52,7 +52,7 @@ def test_default_selection_leaves_routers_and_dspark_embedding_tables():
 
 def test_dspark_recipe_selects_26_modules_and_ignores_41():
     sel = select_modules(_infos(dspark_tensors()), "fp8", include=DSPARK_RECIPE)
-    assert len(sel.quantized) == 5 * 5 + 1 and len(sel.ignored) == 41  # DESIGN.md section 5
+    assert len(sel.quantized) == 5 * 5 + 1 and len(sel.ignored) == 41  # docs/model.md
     # one gate/up group per layer is quantized; q_a/kv_a_with_mqa groups are ignored whole
     assert [g.label for g in sel.fused_groups] == [f"layers.{i}.mlp.{{gate_proj, up_proj}}"
                                                    for i in range(5)]

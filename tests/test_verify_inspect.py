@@ -1,5 +1,5 @@
 """``qstream verify`` passes what quantize writes and catches each structural problem of
-DESIGN.md section 4; ``qstream inspect`` counts parameters and reads the config."""
+docs/quantize.md; ``qstream inspect`` counts parameters and reads the config."""
 
 import json
 

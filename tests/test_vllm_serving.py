@@ -334,7 +334,7 @@ def _k3_infos():
 
 
 def test_k3_recipe_plan(tmp_path):
-    """DESIGN's numbers for the published recipe, on a sparse K3-shaped checkpoint (headers
+    """docs/model.md's numbers for the published recipe, on a sparse K3-shaped checkpoint (headers
     written, data never touched): 2,186,280,960 of 3,562,312,961 parameters, 41 ignored
     modules, 6.6 -> 4.6 GiB in FP8."""
     config = PRESETS["k3"]

@@ -1,5 +1,5 @@
 """What a quantized checkpoint contains besides the codes: the ``quantization_config`` block
-(DESIGN.md section 4) and the stored tensors of each quantized module.
+(docs/quantize.md) and the stored tensors of each quantized module.
 
 ``targets`` is ``["Linear"]`` and ``ignore`` names every other weight-holding module explicitly,
 so the quantized set is exactly "Linear modules minus ignore".  A class target rather than a

@@ -97,7 +97,7 @@ def run_bounded(work_items: Iterator[Piece], work: Callable[[Piece], object], wo
 
 def needs_shared_amax(checkpoint: Checkpoint, selection: Selection) -> set[str]:
     """NVFP4 weights whose global scale cannot come from the piece being quantized: members of
-    a fused group (one scale for the group, DESIGN.md section 4) and weights split into
+    a fused group (one scale for the group, docs/quantize.md) and weights split into
     several pieces.  Every other weight is one piece and takes its own amax in the kernel."""
     grouped = {m for group in selection.fused_groups for m in group.members}
     split = {m for m in selection.quantized

@@ -1,5 +1,5 @@
 """``quantize_checkpoint``: a safetensors checkpoint in, a weight-only FP8 / MXFP4 / NVFP4
-checkpoint in the compressed-tensors layout out (DESIGN.md sections 2 and 4), with no model class.
+checkpoint in the compressed-tensors layout out (docs/quantize.md), with no model class.
 
 The run is planned whole before anything is written: the checkpoint's headers and index are
 validated, the selection is resolved, every output shard's header is laid out, and (NVFP4) the
@@ -116,7 +116,7 @@ def quantize_checkpoint(
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
     ("fp8", "mxfp4" or "nvfp4") in the compressed-tensors layout.
 
-    ``include`` / ``ignore`` are DESIGN.md section 2 patterns (``ignore`` wins; default: every
+    ``include`` / ``ignore`` are docs/quantize.md patterns (``ignore`` wins; default: every
     2-D Linear weight except embeddings, lm_head and MoE routers).  ``skip_incompatible`` leaves
     weights whose K is not a multiple of the block size unquantized instead of failing.
     The serving profile of config.json's architecture (docs/vllm.md) adds vLLM's rules: fused

@@ -24,7 +24,7 @@ FLOAT_DTYPES = ("BF16", "F16", "F32")
 T = TypeVar("T")
 
 # Left out of the default selection (an explicit --include_layers can still name them):
-# embedding tables, which are not Linear layers (DSpark's markov_w1 is one, DESIGN.md
+# embedding tables, which are not Linear layers (DSpark's markov_w1 is one, docs/quantize.md
 # section 5); output heads; and MoE routers, which vLLM builds unquantized.
 EMBEDDING_NAMES = ("wte", "wpe", "markov_w1")
 HEAD_NAMES = ("lm_head",)
@@ -123,7 +123,7 @@ def _ignored(modules: Mapping[str, TensorInfo], patterns: list[str]) -> set[str]
 
 
 def _apply_shape_rule(modules, selected: set[str], block: int, skip: bool) -> dict[str, str]:
-    """DESIGN.md section 3: K must be a multiple of the format's block size."""
+    """docs/formats.md: K must be a multiple of the format's block size."""
     skipped = {}
     for m in [m for m in modules if m in selected]:
         k = modules[m].shape[1]

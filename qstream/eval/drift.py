@@ -1,4 +1,4 @@
-"""Drift of each variant against the FP32 reference (DESIGN.md section 6), regime by regime:
+"""Drift of each variant against the FP32 reference (docs/eval-drift.md), regime by regime:
 the results file, its run description, and the regimes, captured states and context buckets it
 holds.  One regime's work is qstream/eval/regime.py's.
 
@@ -115,7 +115,7 @@ def _run_description(model_dir: str | Path, config: DSparkConfig, weights: Weigh
 
 
 def _sampling(settings: DriftSettings) -> dict:
-    """Which side sampled what (DESIGN.md sections 5 and 7): the request's temperature on both;
+    """Which side sampled what (docs/model.md, docs/vllm.md): the request's temperature on both;
     the drafter the full tempered softmax (vLLM's DSpark drafter has no top-p or top-k), the
     verifier its top-p and top-k."""
     return {"temperature": settings.temperature,

@@ -1,4 +1,4 @@
-"""Drift metrics (DESIGN.md section 6): pure functions over one batch of drafted blocks, and an
+"""Drift metrics (docs/eval-drift.md): pure functions over one batch of drafted blocks, and an
 accumulator that the evaluator feeds batch by batch.
 
 Inputs, for ``n`` blocks of ``B`` drafted positions over a vocabulary of ``V``:
@@ -25,11 +25,11 @@ Example::
 Only compact per-token results are kept between batches (float64 ``[n, B]``, about 56 KiB per
 quantity for 1024 blocks of 7); the ``[n, B, V]`` work is done in float64 chunks of blocks.
 
-Definitions where DESIGN.md leaves a choice:
+Definitions where docs/eval-drift.md leaves a choice:
 
 - **seq agree[k]** = P(token k of the two rollouts is equal); **prefix agree[k]** = P(tokens 0..k all
   equal), the share of blocks whose matched prefix is longer than k.  The acceptance ceiling (mean
-  matched prefix, 0..B) is exactly the sum of prefix agree over k, so DESIGN listing it separately
+  matched prefix, 0..B) is exactly the sum of prefix agree over k, so docs/eval-drift.md listing it separately
   from seq agree makes seq agree the per-position equality; it also shows whether rollouts
   re-converge after a divergence.  Position 0 sees the same input on both sides, so seq agree[0] =
   prefix agree[0] = greedy agree[0] for greedy rollouts.
@@ -238,7 +238,7 @@ def rollout_metrics(ref_tokens: torch.Tensor, var_tokens: torch.Tensor,
 
 @dataclass(frozen=True)
 class DriftMetrics:
-    """Every drift metric of one variant against the reference (DESIGN.md section 6)."""
+    """Every drift metric of one variant against the reference (docs/eval-drift.md)."""
 
     n_blocks: int
     block_size: int

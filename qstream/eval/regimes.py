@@ -1,4 +1,4 @@
-"""The aux regimes of DESIGN.md section 6: what stands in for the target's hidden states.
+"""The aux regimes of docs/eval-drift.md: what stands in for the target's hidden states.
 
 The aux states are the only input shared between the reference and a variant; everything after
 them (context projection, context K/V) each model computes itself.

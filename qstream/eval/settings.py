@@ -46,7 +46,7 @@ class DriftSettings:
     ignore: tuple[str, ...] = ()
     n_blocks: int = 1024
     seed: int = 0
-    # Sampling as a deployment runs it (DESIGN.md sections 5 and 7): the request's temperature
+    # Sampling as a deployment runs it (docs/model.md, docs/vllm.md): the request's temperature
     # applies to both sides; top-p / top-k cut the verifier's (target's) distribution only.
     # vLLM's DSpark drafter samples the full tempered softmax; draft_top_p < 1 models other
     # engines.

@@ -17,7 +17,7 @@ from qstream.formats import FORMATS
 SCHEMA = "qstream.eval-drift/2"  # the "schema" field of every results file
 
 # Variants.  "fp32" is the reference itself (a self-check that must report exact agreement);
-# "bf16" is the numerical floor every format is compared with (DESIGN.md section 6).
+# "bf16" is the numerical floor every format is compared with (docs/eval-drift.md).
 REFERENCE = "fp32"
 FLOOR = "bf16"
 VARIANT_FORMATS = (FLOOR, *FORMATS)  # the default set of simulated variants
@@ -48,12 +48,12 @@ def acceptance_mode(rule: str) -> str:
 # The key of a rollout mode's mean matched prefix: under greedy drafting it is the ceiling on
 # acceptance that survives the numerics; two sampled rollouts coupled on common noise can part
 # where the verifier would still accept (acceptance there follows sum min(p, q)), so their matched
-# prefix is a lower bound, reported under its own name (DESIGN.md section 6).
+# prefix is a lower bound, reported under its own name (docs/eval-drift.md).
 PREFIX_KEYS = {"greedy": "ceiling", "sampled": "matched_prefix"}
 PREFIX_LABELS = {"greedy": "greedy ceiling",
                  "sampled": "sampled matched prefix (coupling lower bound)"}
 
-# The confidence head's status in vLLM (DESIGN.md section 7); every confidence metric says it.
+# The confidence head's status in vLLM (docs/vllm.md); every confidence metric says it.
 CONFIDENCE_NOTE = "training-only head (not served by vLLM's K3 draft)"
 
 

@@ -134,7 +134,7 @@ def snr_db(signal: float, noise: float) -> float:
 
 
 def weight_snr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    """DESIGN.md section 3: ``10 log10(sum w^2 / sum (w - w_hat)^2)``, accumulated in float64."""
+    """docs/formats.md: ``10 log10(sum w^2 / sum (w - w_hat)^2)``, accumulated in float64."""
     return snr_db(*snr_sums(w, w_hat))
 
 

@@ -3,7 +3,7 @@ and decoding.  A code is ``sign << 3 | index`` with ``index`` into ``E2M1_GRID``
 of a row goes in the low nibble of byte j, element 2j+1 in the high nibble.
 
 Rounding is done with float32 bit arithmetic rather than by bucketing (see :func:`_codes32`);
-``tests/test_formats_spec.py`` checks it against the threshold definition of DESIGN.md around
+``tests/test_formats_spec.py`` checks it against the threshold definition of docs/formats.md around
 every tie, and ``tests/test_formats_vs_compressed_tensors.py`` against compressed-tensors.
 """
 

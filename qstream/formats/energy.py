@@ -1,4 +1,4 @@
-"""Weight SNR sums accumulated inside the quantizers (DESIGN.md section 3: ``10 log10(sum w^2 /
+"""Weight SNR sums accumulated inside the quantizers (docs/formats.md: ``10 log10(sum w^2 /
 sum (w - w_hat)^2)`` in float64).
 
 A quantizer that is given an :class:`Energy` adds each chunk's ``sum w^2`` and

@@ -1,4 +1,4 @@
-"""FP8 E4M3, one scale per output channel (DESIGN.md section 3; compressed-tensors'
+"""FP8 E4M3, one scale per output channel (docs/formats.md; compressed-tensors'
 ``naive-quantized`` format with ``strategy: channel``).
 
 ``scale = amax(|w[n, :]|) / 448`` and ``q = fp8(clamp(w / scale, +-448))``, both evaluated in the

@@ -1,5 +1,5 @@
 """MXFP4: E2M1 elements in blocks of 32 along K with a shared E8M0 (power-of-two) scale
-(OCP MX v1.0 element and scale types; DESIGN.md section 3; compressed-tensors'
+(OCP MX v1.0 element and scale types; docs/formats.md; compressed-tensors'
 ``mxfp4-pack-quantized``).
 
 Scale rule ("even" rounding of the block amax, as vLLM's MXFP4 checkpoints use): round the amax

@@ -1,5 +1,5 @@
 """NVFP4: E2M1 elements in blocks of 16 along K, an FP8 E4M3 scale per block and one FP32
-global scale per tensor, or per fused group (DESIGN.md section 3; compressed-tensors'
+global scale per tensor, or per fused group (docs/formats.md; compressed-tensors'
 ``nvfp4-pack-quantized``, ``strategy: tensor_group``).
 
 ``gs = 448 * 6 / amax(|W|)`` in the weight dtype (as ``(1/amax) * 2688``, see global_scale), stored float32 (1.0 when that is not finite,

@@ -3,7 +3,7 @@
 Sources: OCP Microscaling Formats (MX) v1.0 (E2M1 element, E8M0 scale, block 32); NVIDIA's NVFP4
 (E2M1 element, E4M3 block scale over 16 elements, FP32 per-tensor scale); the float8_e4m3fn
 range (max 448).  The rounding rules and scale arithmetic follow compressed-tensors, which is
-what vLLM loads these checkpoints with (see ../shared/DESIGN.md section 3)."""
+what vLLM loads these checkpoints with (see docs/formats.md)."""
 
 import torch
 
@@ -14,7 +14,7 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of index 0..7
 # Round-half-to-even decision points between neighbouring grid values, as (threshold, inclusive):
 # |y| moves up one index when |y| > t (exclusive) or |y| >= t (inclusive).  Inclusive exactly
 # where the upper neighbour has the even mantissa: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
-# 3.5->4, 5->4 (DESIGN.md section 3; compressed-tensors' cast_to_fp4 uses the same points).
+# 3.5->4, 5->4 (docs/formats.md; compressed-tensors' cast_to_fp4 uses the same points).
 E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
               (2.5, False), (3.5, True), (5.0, False))
 

@@ -1,2 +1,2 @@
 """The DSpark draft model: configuration, reference forward, checkpoint loading, synthetic
-checkpoints and weight statistics (DESIGN.md section 5; user guide in docs/model.md)."""
+checkpoints and weight statistics (docs/model.md; user guide in docs/model.md)."""

@@ -1,4 +1,4 @@
-"""The DSpark draft's configuration (DESIGN.md section 5): a frozen dataclass read from and
+"""The DSpark draft's configuration (docs/model.md): a frozen dataclass read from and
 written to ``config.json``, the three presets ``tiny``, ``small`` and ``k3``, and the tensor
 table a checkpoint of a config holds (:func:`tensor_shapes`, checked strictly by
 :func:`check_tensors`).
@@ -49,7 +49,7 @@ class YarnParameters:
 
 @dataclass(frozen=True)
 class DSparkConfig:
-    """One DSpark draft.  Field names and meanings are config.json's (DESIGN.md section 5)."""
+    """One DSpark draft.  Field names and meanings are config.json's (docs/model.md)."""
 
     hidden_size: int  # H, the draft's residual width
     intermediate_size: int  # I, SwiGLU width
@@ -72,7 +72,7 @@ class DSparkConfig:
     mask_token_id: int  # token embedded at block positions 1..B-1
     markov_rank: int  # r, width of the low-rank Markov head
     block_size: int = 7  # B, tokens drafted per block
-    markov_head_type: str = "vanilla"  # the only Markov head DESIGN.md defines
+    markov_head_type: str = "vanilla"  # the only Markov head docs/model.md defines
     enable_confidence_head: bool = True  # confidence_head.proj present
     bos_token_id: int | None = None  # tokenizer facts carried for convenience, not used by the model
     eos_token_id: int | None = None
@@ -110,7 +110,7 @@ class DSparkConfig:
         _check(isinstance(self.enable_confidence_head, bool), "enable_confidence_head",
                self.enable_confidence_head, "must be true or false")
 
-    # Derived sizes: names follow DESIGN.md's tensor table.
+    # Derived sizes: names follow docs/model.md's tensor table.
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -201,7 +201,7 @@ def _preset(**kw: Any) -> DSparkConfig:
 # vocab_size / mask_token_id of tiny are placeholders: `qstream synth` replaces them with its
 # tokenizer's (dataclasses.replace).  small and k3 keep their vocab and pad the tokenizer's.
 PRESETS: dict[str, DSparkConfig] = {
-    # DESIGN.md section 5, tiny column.  v_head_dim != qk_nope_head_dim and n*v != H on purpose;
+    # docs/model.md, tiny column.  v_head_dim != qk_nope_head_dim and n*v != H on purpose;
     # every quantized input width (H, I, q_lora_rank, n*v, A) is a multiple of 32, so MXFP4,
     # NVFP4 and FP8 quantize the same tensors and are compared on them (issue 11).
     "tiny": _preset(hidden_size=64, intermediate_size=96, num_hidden_layers=5,
@@ -215,7 +215,7 @@ PRESETS: dict[str, DSparkConfig] = {
                      qk_rope_head_dim=32, v_head_dim=64, vocab_size=32000, rope_theta=10000.0,
                      original_max=4096, target_hidden_size=1024, target_num_hidden_layers=24,
                      target_layer_ids=(1, 6, 12, 17, 22), mask_token_id=2, markov_rank=64),
-    # DESIGN.md section 5, Kimi-K3 column: 68 tensors, 3,562,312,961 parameters.
+    # docs/model.md, Kimi-K3 column: 68 tensors, 3,562,312,961 parameters.
     "k3": _preset(hidden_size=7168, intermediate_size=14336, num_hidden_layers=5,
                   num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                   qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, rope_theta=50000.0,
@@ -236,7 +236,7 @@ def with_tokenizer(config: DSparkConfig, vocab_size: int, mask_token_id: int,
 
 
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
-    """The draft checkpoint's tensors and shapes, in checkpoint order (DESIGN.md's table)."""
+    """The draft checkpoint's tensors and shapes, in checkpoint order (docs/model.md's tensor table)."""
     c = config
     n, H, r = c.num_attention_heads, c.hidden_size, c.markov_rank
     shapes: dict[str, tuple[int, ...]] = {

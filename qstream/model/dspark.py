@@ -1,4 +1,4 @@
-"""The DSpark draft's reference forward (DESIGN.md section 5).
+"""The DSpark draft's reference forward (docs/model.md).
 
 One code path serves every precision: the model holds its weights and runs its activations in
 ``dtype`` (float32 for the reference, bfloat16 for a variant).  Matmuls accumulate in fp32 (the CPU
@@ -19,7 +19,7 @@ computes ``draft_one`` for many blocks at once; how it packs, batches and chunks
 MLA detail: the context's per-layer cache is the kv_lora latent (after kv_a_layernorm) and the
 rotated shared rope key, as an MLA KV cache holds them; ``kv_b_proj`` expands it to per-head keys
 and values when a block attends to it (expansion, not weight absorption, so the arithmetic is
-DESIGN.md's ``kv_b(RMS(latent)) -> k_nope | v`` literally).
+docs/model.md's ``kv_b(RMS(latent)) -> k_nope | v`` literally).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def yarn_inv_freq(config: DSparkConfig) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs ``(x[2j], x[2j+1])`` of x [..., T, d] by ``pos * inv_freq[j]``
     (DeepSeek layout, not half-split).  ``positions`` broadcasts against x's [..., T]; the
-    cos/sin factor is 1 (DESIGN.md section 5)."""
+    cos/sin factor is 1 (docs/model.md)."""
     angle = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
     cos, sin = angle.cos(), angle.sin()
     pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # [..., T, d/2, 2]
@@ -229,13 +229,13 @@ class DSpark:
         ctx = rms_norm(F.linear(aux.to(self.dtype), self.w["context_proj.weight"]),
                        self.w["context_norm.weight"], c.rms_norm_eps)  # [S, T, H]
         pos = torch.arange(T)
-        # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (DESIGN.md)
+        # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (docs/model.md)
         pairs = [layer.latent(ctx, pos) for layer in self.layers]
         return ContextCache(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
                             lengths.to(torch.int64))
 
     def draft_one(self, ctx: ContextCache, stream: int, anchor: int, first_token: int) -> Blocks:
-        """The forward of one block, written to be read (DESIGN.md section 5): tokens
+        """The forward of one block, written to be read (docs/model.md): tokens
         ``[first_token, mask, ..., mask]`` at positions p..p+B-1 (p = ``anchor``) attend to the
         context j < p of stream ``stream`` and to the whole block, with no causal mask inside
         it.  :meth:`draft` computes the same for many blocks at once."""
@@ -296,7 +296,7 @@ class DSpark:
         """Run the draft's layers as a causal decoder over token streams ids [S, T] (positions
         0..T-1; right padding is harmless since nothing attends forward).  Returns every
         layer's output [S, T, L, H] in fp32; ``.flatten(2)`` is an AUX tensor [S, T, L*H] when
-        L * H == A (the "boot" aux regime of DESIGN.md section 6).  ``query_chunk``: see
+        L * H == A (the "boot" aux regime of docs/eval-drift.md).  ``query_chunk``: see
         :meth:`attention_causal`."""
         pos = torch.arange(ids.shape[1])
         x = self.embed(ids)  # [S, T, H]
@@ -315,7 +315,7 @@ class DSpark:
 def markov_logits(model: DSpark, logits_base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]``, the sum
     rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
-    bf16 model; DESIGN.md section 5), returned as fp32 (exact).  The argmax of the result is
+    bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
     torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...]."""
     emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
     bias = F.linear(emb, model.w["markov_head.markov_w2.weight"])  # [..., V]
@@ -339,7 +339,7 @@ def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float 
     """softmax(logits / temperature), fp32 [..., V], optionally cut to the top-k tokens, then to
     the top-p nucleus (smallest sorted prefix whose mass reaches top_p; the top token is always
     kept), renormalised, in vLLM's order.  The defaults give the full distribution, which vLLM's
-    DSpark drafter samples; top-p and top-k belong to the verifier (DESIGN.md section 5)."""
+    DSpark drafter samples; top-p and top-k belong to the verifier (docs/model.md)."""
     if not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1
             and (top_k is None or top_k >= 1)):
         raise ValueError("need a finite temperature > 0, top_p in (0, 1], top_k >= 1 or None; "

@@ -34,7 +34,7 @@ from qstream.model.dspark import LM_HEAD, DSpark
 # Where `qstream synth` puts the stand-in target: a checkpoint directory of its own (config.json,
 # model.safetensors.index.json, one shard) holding lm_head.weight [V, H].
 TARGET_HEAD_DIR = "target_head"
-# The module kinds DESIGN.md section 5 quantizes in a shipped DSpark (61% of K3's parameters).
+# The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
 QUANTIZE_INCLUDE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj",
                     "self_attn.q_b_proj", "context_proj")
 EMBED = "embed_tokens.weight"
@@ -205,7 +205,7 @@ def simulate_format(weights: Mapping[str, torch.Tensor], fmt: str,
                     skip_incompatible: bool = False) -> dict[str, torch.Tensor]:
     """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized
     (bit-identical to loading what ``qstream quantize`` writes with the same selection).
-    ``include``/``ignore`` are DESIGN.md section 2 patterns (``include=None``: quantize's
+    ``include``/``ignore`` are docs/quantize.md patterns (``include=None``: quantize's
     default selection); lm_head belongs to the target and is never touched.  The selection
     follows vLLM's K3 DSpark serving rules as quantize does (docs/vllm.md): NVFP4 fused groups
     (gate/up per layer, q_a/kv_a across all layers) share one global scale.

@@ -1,4 +1,4 @@
-"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of DESIGN.md section 5 with
+"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of docs/model.md with
 a real BPE tokenizer, realistic weight statistics and calibrated, predictable outputs.
 
 >>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
