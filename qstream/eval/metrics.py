@@ -29,7 +29,7 @@ Definitions where docs/eval-drift.md leaves a choice:
 
 - **seq agree[k]** = P(token k of the two rollouts is equal); **prefix agree[k]** = P(tokens 0..k all
   equal), the share of blocks whose matched prefix is longer than k.  The acceptance ceiling (mean
-  matched prefix, 0..B) is exactly the sum of prefix agree over k, so docs/eval-drift.md listing it separately
+  matched prefix, 0..B) is exactly the sum of prefix agree over k, so listing it separately
   from seq agree makes seq agree the per-position equality; it also shows whether rollouts
   re-converge after a divergence.  Position 0 sees the same input on both sides, so seq agree[0] =
   prefix agree[0] = greedy agree[0] for greedy rollouts.
