@@ -78,7 +78,7 @@ def _listing(path: Path, limit: int = 4) -> str:
 def remove_stale_partials(output: Path, notice: Callable[[str], None] | None = None) -> list[Path]:
     """Remove ``.<output name>.qstream-partial-<pid>`` (and ``-old-``) directories beside
     ``output`` whose process no longer exists."""
-    removed = []
+    removed: list[Path] = []
     if not output.parent.is_dir():
         return removed
     for entry in output.parent.iterdir():

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -31,6 +32,8 @@ PIECE_ELEMENTS = 1 << 22
 COPY_BYTES = 8 << 20
 
 Progress = Callable[[int, int, int, int], None]  # bytes done, bytes total, tensors done, total
+
+R = TypeVar("R")  # what a piece's work returns
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,8 @@ def pieces(checkpoint: Checkpoint, selection: Selection,
                 yield from row_pieces(shard, info, module)
 
 
-def run_bounded(work_items: Iterator[Piece], work: Callable[[Piece], object], workers: int,
-                done: Callable[[Piece, object], None],
+def run_bounded(work_items: Iterator[Piece], work: Callable[[Piece], R], workers: int,
+                done: Callable[[Piece, R], None],
                 prepare: Callable[[Piece], None] | None = None) -> None:
     """``work`` on every piece in a thread pool (torch releases the GIL), with at most
     ``2 * workers`` pieces in flight so that memory stays bounded.  ``prepare`` (before a piece
@@ -121,6 +124,7 @@ def global_amaxes(checkpoint: Checkpoint, readers: dict[str, ShardReader],
     def done(piece: Piece, value: torch.Tensor) -> None:
         if not torch.isfinite(value):
             raise QStreamError(f"{piece.name}: weight contains NaN or Inf")
+        assert piece.module is not None  # the pre-pass reads quantized weights only
         previous = amax.get(piece.module)
         amax[piece.module] = value if previous is None else torch.maximum(previous, value)
 
@@ -172,7 +176,7 @@ def write_tensors(checkpoint: Checkpoint, readers: dict[str, ShardReader],
         else:
             stored, energy = result
             _write_stored(writer, piece, stored)
-            if energy is not None:
+            if energy is not None and piece.module is not None:
                 sums[piece.module][0] += energy[0]
                 sums[piece.module][1] += energy[1]
         tally.bytes_done += piece.nbytes
@@ -201,6 +205,7 @@ def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
 
 def _write_stored(writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor]) -> None:
     """Each stored tensor's rows of one quantized piece, at their offsets."""
+    assert piece.rows is not None  # quantized weights are 2-D, cut into row ranges
     for suffix, tensor in stored.items():
         if suffix == "weight_global_scale":
             if piece.rows.start == 0:

@@ -190,6 +190,7 @@ class ShardReader:
     def raw(self, name: str, begin: int, end: int) -> memoryview:
         """Bytes ``begin:end`` of the tensor's data (for byte-exact copies)."""
         start = self.header.data_offset + self.header.tensors[name].begin
+        assert self._map is not None  # a tensor with bytes implies a non-empty file
         return memoryview(self._map)[start + begin:start + end]
 
     def prefetch(self, name: str, rows: slice | None = None) -> None:
@@ -208,7 +209,8 @@ class ShardReader:
     def _page_range(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
         begin, end = self._span(info, rows)
         begin = (self.header.data_offset + begin) // _PAGE * _PAGE
-        end = min(-(-(self.header.data_offset + end) // _PAGE) * _PAGE, len(self._map))
+        end = min(-(-(self.header.data_offset + end) // _PAGE) * _PAGE,
+                  len(self._map) if self._map is not None else 0)
         return begin, end
 
     def release(self, name: str, rows: slice | None = None) -> None:
@@ -270,7 +272,7 @@ class ShardWriter:
         if isinstance(data, torch.Tensor):
             if data.dtype != info.torch_dtype:
                 raise ValueError(f"{name}: writing {data.dtype} into a {info.dtype} tensor")
-            data = memoryview(data.detach().cpu().contiguous().reshape(-1)
+            data = memoryview(data.detach().cpu().contiguous().reshape(-1)  # type: ignore[arg-type]
                               .view(torch.uint8).numpy())
         offset = row_start * info.row_bytes
         if offset + len(data) > info.nbytes:

@@ -220,6 +220,6 @@ def share_group_amax(amax: Mapping[str, T], groups: Iterable[FusedGroup]) -> dic
     fused layer)."""
     shared = dict(amax)
     for group in groups:
-        top = max((amax[m] for m in group.members), key=float)
+        top = max((amax[m] for m in group.members), key=lambda value: float(value))  # type: ignore[arg-type]
         shared.update(dict.fromkeys(group.members, top))
     return shared

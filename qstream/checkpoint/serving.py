@@ -217,7 +217,7 @@ def runtime_modules(profile: Profile, modules: Iterable[str], target_layers: int
               for name, shards in out.items()]
     kv_a = tuple(m for m in modules if module_kind(m) == QKV_A[1])
     if kv_a:
-        first = min(split_layer(m)[0] for m in kv_a)
+        first = min(layer for layer, _ in map(split_layer, kv_a) if layer is not None)
         result.append(RuntimeModule(
             K3_CONTEXT_KV, kv_a, "none",
             f"model.layers.{target_layers + first}.self_attn.fused_qkv_a_proj"))

@@ -137,7 +137,8 @@ def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
     """Quantized modules (those holding the format's first stored tensor) and every
     weight-holding module, in checkpoint order."""
     stored = FORMATS[fmt].stored
-    holders, quantized = {}, set()
+    holders: dict[str, None] = {}
+    quantized: set[str] = set()
     for name, info in checkpoint.tensors.items():
         module, _, suffix = name.rpartition(".")
         if suffix == "weight" or suffix in stored:
@@ -216,7 +217,7 @@ def _check_fused(checkpoint: Checkpoint, fmt: str, profile: Profile, holders, qu
             names = [f"{m}.weight_global_scale" for m in group.members]
             if not all(n in checkpoint.tensor_shard for n in names):
                 continue
-            readers = {}
+            readers: dict[str, ShardReader] = {}
             values = []
             for n in names:
                 shard = checkpoint.tensor_shard[n]
@@ -317,8 +318,9 @@ def _replay_vllm(checkpoint: Checkpoint, fmt: str, profile: Profile, holders: li
     """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
     what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
     hidden = checkpoint.config.get("hidden_size")
-    runtime = serving.runtime_modules(profile, holders, report.target_layers,
-                                      hidden if isinstance(hidden, int) else None,
+    hidden = hidden if isinstance(hidden, int) else None
+    assert report.target_layers is not None  # set for a draft before the replay
+    runtime = serving.runtime_modules(profile, holders, report.target_layers, hidden,
                                       report.tensor_parallel_size)
     for rt in runtime:
         scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
@@ -329,14 +331,14 @@ def _replay_vllm(checkpoint: Checkpoint, fmt: str, profile: Profile, holders: li
             if line:
                 report.problems.append(line)
     for module in holders:
-        why = serving.never_quantized(profile, module)
-        if why and module in quantized:
-            report.problems.append(f"{module}: stored {fmt}, but vLLM never quantizes it ({why}); "
-                                   "it must keep the base dtype")
-        why = serving.tp_needs_unquantized(profile, module, hidden if isinstance(hidden, int)
-                                           else None, report.tensor_parallel_size)
-        if why and module in quantized:
-            report.problems.append(f"{module}: stored {fmt}, but {why}; it must keep the base "
+        never = serving.never_quantized(profile, module)
+        if never and module in quantized:
+            report.problems.append(f"{module}: stored {fmt}, but vLLM never quantizes it "
+                                   f"({never}); it must keep the base dtype")
+        tp_why = serving.tp_needs_unquantized(profile, module, hidden,
+                                              report.tensor_parallel_size)
+        if tp_why and module in quantized:
+            report.problems.append(f"{module}: stored {fmt}, but {tp_why}; it must keep the base "
                                    "dtype")
     shapes = {m: tuple(checkpoint.info(f"{m}.weight").shape) for m in holders
               if m in quantized and fmt == "fp8"}

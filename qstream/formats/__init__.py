@@ -73,6 +73,7 @@ def quantize(
     ``energy`` (an :class:`Energy`) accumulates the weight SNR sums on the way, equal to
     ``snr_sums(w, dequantize(fmt, stored, w.dtype))`` without that second pass."""
     spec = get_format(fmt)
+    out: tuple[torch.Tensor, ...]
     if fmt == "fp8":
         out = fp8.quantize(w, name, energy)
     elif fmt == "mxfp4":

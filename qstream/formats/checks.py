@@ -89,7 +89,8 @@ class ChunkWorkspace:
         self.x = torch.empty((rows, k), dtype=torch.float32, device=device)
         self.magnitude = torch.empty_like(self.x)
         self.scratch = torch.empty((rows, k), dtype=torch.int32, device=device)
-        self.grid = self.hat = None
+        self.grid: torch.Tensor | None = None
+        self.hat: torch.Tensor | None = None
         if hat_dtype is not None:
             self.grid = torch.empty_like(self.x)
             self.hat = self.grid if hat_dtype == torch.float32 else \
@@ -99,6 +100,7 @@ class ChunkWorkspace:
         r = rows.stop - rows.start
         return self.x[:r], self.magnitude[:r], self.scratch[:r]
 
-    def take_hat(self, rows: slice):
+    def take_hat(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.grid is not None and self.hat is not None, "built without hat_dtype"
         r = rows.stop - rows.start
         return self.grid[:r], self.hat[:r]

@@ -142,7 +142,7 @@ def encode_blocks(w: torch.Tensor, divisor: torch.Tensor, block: int, out: torch
             blocks.mul_(inverse[rows])
         grid, hat = (None, None) if energy is None else work.take_hat(rows)
         _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
-        if energy is not None:
+        if energy is not None and grid is not None and hat is not None:
             grid.view(-1, k // block, block).mul_(step[rows])
             _add_energy(energy, x, grid.copysign_(x), hat)
     return out

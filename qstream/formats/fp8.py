@@ -39,7 +39,7 @@ def quantize(w: torch.Tensor, name: str = "weight", energy: Energy | None = None
         check_finite(s, name)
         y = (chunk / s).clamp_(-FP8_MAX, FP8_MAX)
         q[rows] = y.to(torch.float8_e4m3fn)
-        if energy is not None:
+        if energy is not None and work is not None:
             _add_energy(energy, chunk, y, s, work, rows)
     return q, scale
 

@@ -57,8 +57,8 @@ def yarn_inv_freq(config: DSparkConfig) -> torch.Tensor:
     def correction_dim(rotations: float) -> float:
         return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), d - 1)
+    low = float(max(math.floor(correction_dim(yarn.beta_fast)), 0))
+    high = float(min(math.ceil(correction_dim(yarn.beta_slow)), d - 1))
     if low == high:
         high += 0.001  # DeepSeek's guard against a zero-width ramp
     ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -105,6 +105,7 @@ def _dequantize_all(raw: Mapping[str, torch.Tensor], fmt: str | None, where: str
         else:
             out[name] = tensor
     for module, stored in modules.items():
+        assert fmt is not None  # modules are collected only under a quantization config
         missing = [s for s in FORMATS[fmt].stored if s not in stored]
         if missing:
             raise QStreamError(f"{where}: quantized module {module!r} lacks "

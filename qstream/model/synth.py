@@ -192,7 +192,7 @@ class _LinearSource:
 
     def rows(self, count: int) -> torch.Tensor:
         """The next ``count`` rows (a view of a buffer reused by the next call)."""
-        if self._z is None or self._z.shape[0] < count:
+        if self._z is None or self._g is None or self._z.shape[0] < count:
             self._z, self._g = torch.empty(count, self.n_in), torch.empty(count, self.n_in)
         row = (torch.randn(count, 1, generator=self.gen) * ROW_SPREAD).exp()
         z = _heavy(self._z[:count], self._g[:count], self.gen)
@@ -244,12 +244,13 @@ def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.T
         yield plan.small[name]
         return
     n_out, n_in = shape
+    linear = (n_out, n_in)
     if name == "embed_tokens.weight":
-        source = _LinearSource(name, shape, plan.seed, 1.0)  # unit-RMS rows, like the stream
+        source = _LinearSource(name, linear, plan.seed, 1.0)  # unit-RMS rows, like the stream
     elif name == LM_HEAD:
-        source = _LinearSource(name, shape, plan.seed, plan.head_std)
+        source = _LinearSource(name, linear, plan.seed, plan.head_std)
     else:
-        source = _LinearSource(name, shape, plan.seed, _linear_std(name, n_in))
+        source = _LinearSource(name, linear, plan.seed, _linear_std(name, n_in))
     step = max(1, CHUNK_ELEMENTS // n_in)
     for r0 in range(0, n_out, step):
         yield source.rows(min(step, n_out - r0))
@@ -333,8 +334,10 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
     tok = train_tokenizer(texts, TOKENIZER_VOCAB[preset])
     base = PRESETS[preset]
     vocab = tok.get_vocab_size() if preset == "tiny" else base.vocab_size
-    config = with_tokenizer(base, vocab, tok.token_to_id("<|mask|>"), None,
-                            tok.token_to_id("<|endoftext|>"))
+    mask = tok.token_to_id("<|mask|>")
+    if mask is None:
+        raise QStreamError("the synthetic tokenizer has no <|mask|> token")
+    config = with_tokenizer(base, vocab, mask, None, tok.token_to_id("<|endoftext|>"))
     streams = [e.ids for e in tok.encode_batch(texts)]
     logp, prev_counts = bigram_logprobs(streams, tok.get_vocab_size())
     w1, w2 = markov_tables(logp, prev_counts, vocab, config.markov_rank, seed)
