@@ -103,7 +103,7 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
         "the share of drafted tokens whose accept/reject outcome is unchanged by the numerics, "
         "and the ceiling bounds the acceptance length that survives them. Every number is "
         "copied from the results JSON or the checkpoint directories; gaps to bf16 are "
-        "differences of two numbers shown beside them."])]
+        "differences of two numbers shown beside them.", *foreign_note(rs)])]
     if missing:
         sections.append(Section("Missing data", [
             "The results set is incomplete; the tables below show what exists and nothing is "
@@ -137,6 +137,18 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
     sections.append(Section("How it was evaluated", [evaluation_table(rs)]))
     title = f"{Path(str(rs.model.get('path'))).name}: quantized formats and their drift"
     return Card(title, sections, missing)
+
+
+def foreign_note(rs: ResultsSet) -> list[str]:
+    """A warning naming the variants eval-drift compared although they are not derived from the
+    model (``--allow-foreign-variant``)."""
+    foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
+    if not foreign:
+        return []
+    return [f"**Foreign variant(s): {', '.join(foreign)}.** Not derived from "
+            f"`{rs.model.get('path')}` (tensors they keep unquantized differ from the model's); "
+            "compared with `--allow-foreign-variant`, so their drift mixes quantization with "
+            "the difference between two models."]
 
 
 def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:

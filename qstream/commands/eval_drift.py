@@ -41,7 +41,11 @@ from qstream.model.load import QUANTIZE_INCLUDE
 @option("formats", default=",".join(VARIANT_FORMATS), show_default=True,
         help="Comma-separated simulated variants.")
 @option("variant", multiple=True, metavar="NAME=DIR",
-        help="A quantized checkpoint to read back from disk; repeatable.")
+        help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
+             "from --model (its unquantized tensors bit-identical).")
+@option("allow_foreign_variant", is_flag=True,
+        help="Compare a --variant that is not derived from --model anyway; it is labelled "
+             "foreign in the JSON and the card.")
 @option("regime", type=click.Choice([*REGIMES, ALL_REGIMES]), default=None,
         help="Aux regime. Default: heavy, or none when --states is given.")
 @option("blocks", type=int, default=1024, show_default=True, help="Blocks per regime.")
@@ -71,7 +75,8 @@ from qstream.model.load import QUANTIZE_INCLUDE
 @option("context_blocks", type=int, default=256, show_default=True,
         help="Blocks per context-length bucket.")
 @json_option()
-def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, blocks, seed,
+def eval_drift(model, target, tokenizer, corpus, formats, variant, allow_foreign_variant,
+               regime, blocks, seed,
                include_layers, ignore_layers, temperature, top_p, acceptance, states,
                sensitivity, sensitivity_format, tolerance, context_lengths, context_blocks,
                json_path) -> None:
@@ -91,7 +96,7 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
     settings = DriftSettings(
         regimes=resolve_regimes(regime, states),
         formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
-        variant_dirs=parse_variants(variant),
+        variant_dirs=parse_variants(variant), allow_foreign_variant=allow_foreign_variant,
         include=tuple(include_layers) or QUANTIZE_INCLUDE, ignore=tuple(ignore_layers),
         n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p,
         acceptance=acceptance, states=states, sensitivity=sensitivity,
