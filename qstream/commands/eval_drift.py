@@ -49,12 +49,15 @@ from qstream.model.load import QUANTIZE_INCLUDE
 @option("regime", type=click.Choice([*REGIMES, ALL_REGIMES]), default=None,
         help="Aux regime. Default: heavy, or none when --states is given.")
 @option("blocks", type=int, default=1024, show_default=True, help="Blocks per regime.")
-@option("seed", type=int, default=0, show_default=True)
+@option("seed", type=int, default=0, show_default=True,
+        help="Seed of the block positions, aux states and sampling noise (same seed, same JSON).")
 @greedy_option("include_layers", help="Modules the simulated formats quantize "
                f"(default: {' '.join(QUANTIZE_INCLUDE)}).")
 @greedy_option("ignore_layers", help="Modules never quantized.")
-@option("temperature", type=float, default=1.0, show_default=True)
-@option("top_p", type=float, default=0.95, show_default=True)
+@option("temperature", type=float, default=1.0, show_default=True,
+        help="Sampling temperature of the sampled rollouts.")
+@option("top_p", type=float, default=0.95, show_default=True,
+        help="Nucleus (top-p) mass of the sampled rollouts.")
 @option("acceptance", is_flag=True,
         help="Also verify each variant's drafts with the FP32 reference: expected tokens per "
              "block under token-wise and block verification, and greedy (docs/acceptance.md).")
