@@ -53,28 +53,31 @@ def make_console(stderr: bool = False) -> Console:
 
 
 class _BlocksBar:
-    """qstream.eval.settings.Progress on a rich bar: the total arrives with ``start``."""
+    """qstream.eval.settings.Progress on a rich bar, shown from the first moment (elapsed time
+    ticks while the draft and corpus load); the total arrives with ``start``."""
 
     def __init__(self, bar: Progress):
-        self.bar, self.task = bar, None
+        self.bar = bar
+        self.task = bar.add_task("loading the draft and corpus", total=None)
 
     def start(self, total: int | None) -> None:
-        self.task = self.bar.add_task("eval-drift", total=total)
+        self.bar.update(self.task, total=total)
 
     def advance(self, what: str, blocks: int) -> None:
         self.bar.update(self.task, advance=blocks, description=what)
 
 
 @contextmanager
-def blocks_progress(console: Console) -> Iterator[Any]:
-    """A progress bar counting drafted blocks on a terminal; silence otherwise (DESIGN.md
-    section 2)."""
-    if not console.is_terminal:
+def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
+    """A progress bar counting drafted blocks on ``console`` when it is a terminal (stderr:
+    progress never mixes with the tables or ``--json -``); silence otherwise or when ``quiet``
+    (DESIGN.md section 2)."""
+    if quiet or not console.is_terminal:
         from qstream.eval.settings import Silent  # imported here: quantize never loads eval
 
         yield Silent()
         return
-    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("blocks"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         yield _BlocksBar(bar)

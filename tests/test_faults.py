@@ -7,7 +7,6 @@ filesystem (a tiny tmpfs) needs a mount, which tests cannot do.  Permission erro
 where the tests run unprivileged and simulated (the write raises ``PermissionError``) otherwise.
 """
 
-import copy
 import errno
 import json
 import os
@@ -18,8 +17,8 @@ from click.testing import CliRunner
 
 import qstream.card.build
 import qstream.card.output
-import qstream.errors
 import qstream.cliutil
+import qstream.errors
 from qstream.card.output import MARKER
 from qstream.cli import cli
 
@@ -181,5 +180,5 @@ def test_write_json_fault_keeps_the_old_file_and_leaves_no_litter(tmp_path, monk
     monkeypatch.setattr(qstream.cliutil.os, "fsync", failing)
     with pytest.raises(qstream.errors.QStreamError, match=f"cannot write --json {old}: "
                                                           f"{os.strerror(fault)}"):
-        qstream.cliutil.write_json({"new": copy.copy([1, 2])}, str(old))
+        qstream.cliutil.write_json({"new": [1, 2]}, str(old))
     assert old.read_text() == '{"old": true}\n' and _names(tmp_path) == ["r.json"]

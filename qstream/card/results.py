@@ -86,7 +86,7 @@ def _traced(value, source: str, where: str, trail: list):
 
 
 @contextmanager
-def malformed_results_as_error(rs: "ResultsSet") -> Iterator[None]:
+def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
     """Turn the errors a missing or null key causes while reading ``rs`` into one QStreamError
     naming the file and the key last read (docs/guarantees.md)."""
     try:

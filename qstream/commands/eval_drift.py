@@ -4,6 +4,7 @@ are the card's (:func:`qstream.card.terminal.print_report`)."""
 from __future__ import annotations
 
 import click
+from rich.console import Console
 
 from qstream.card.terminal import print_report
 from qstream.cliutil import (
@@ -105,7 +106,7 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, allow_foreign
         acceptance=acceptance, states=states, sensitivity=sensitivity,
         sensitivity_format=sensitivity_format, tolerance=tolerance,
         context_blocks=context_blocks)
-    with blocks_progress(console) as progress:
+    with blocks_progress(Console(stderr=True), quiet=json_path == "-") as progress:
         results = run_drift(settings, model=model, target=target, tokenizer=tokenizer,
                             corpus=corpus, context_lengths=context_lengths, say=console.print,
                             progress=progress)

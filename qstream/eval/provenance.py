@@ -39,7 +39,7 @@ def refuse_quantized_model(model_dir: str | Path) -> None:
     if "quantization_config" in checkpoint.config:
         why = "its config.json has a quantization_config"
     elif modules:
-        why = f"it stores quantized tensors, e.g. {sorted(modules)[0]}.weight_scale"
+        why = f"it stores quantized tensors, e.g. {min(modules)}.weight_scale"
     else:
         return
     raise QStreamError(f"--model {model_dir} is a quantized checkpoint ({why}); the reference "

@@ -14,7 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from qstream.errors import QStreamError
-from qstream.eval.builtin import BUILTIN_CORPUS_NAME, builtin_corpus_docs, builtin_model_dir
+from qstream.eval.builtin import (
+    BUILTIN_CORPUS_NAME,
+    builtin_corpus_docs,
+    builtin_model_dir,
+)
 from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import Corpus, load_corpus, tokenize
 from qstream.eval.drift import evaluate_drift
