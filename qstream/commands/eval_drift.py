@@ -29,6 +29,8 @@ from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE
 
+WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
+
 
 @click.command("eval-drift", cls=Command)
 @option("model", type=click.Path(file_okay=False),
@@ -78,12 +80,15 @@ from qstream.model.load import QUANTIZE_INCLUDE
              "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).")
 @option("context_blocks", type=int, default=256, show_default=True,
         help="Blocks per context-length bucket.")
+@option("wide", is_flag=True,
+        help="Print each table whole, however wide (default: tables wider than the terminal, "
+             "at most 100 columns, are split into parts).")
 @json_option()
 def eval_drift(model, target, tokenizer, corpus, formats, variant, allow_foreign_variant,
                regime, blocks, seed,
                include_layers, ignore_layers, temperature, top_p, acceptance, states,
                sensitivity, sensitivity_format, tolerance, context_lengths, context_blocks,
-               json_path) -> None:
+               wide, json_path) -> None:
     """Measure how far each format moves the drafted block from an FP32 reference.
 
     \b
@@ -110,5 +115,7 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, allow_foreign
         results = run_drift(settings, model=model, target=target, tokenizer=tokenizer,
                             corpus=corpus, context_lengths=context_lengths, say=console.print,
                             progress=progress)
-    print_report(console, results)
+    if wide:
+        console = Console(stderr=json_path == "-", width=WIDE_WIDTH)
+    print_report(console, results, wide=wide)
     write_json(results, json_path)
