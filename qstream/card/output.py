@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def publish_card(output: Path, text: str,
                  draw: Callable[[Path], list[Path]] | None) -> list[Path]:
     """Write the card text and (``draw`` given) its figures atomically; returns the paths
     written.  ``draw(directory)`` draws the figures into ``directory``."""
-    remove_stale_partials(output)
+    remove_stale_partials(output, _notice)
     tmp = output.parent / f".{output.name}.qstream-partial-{os.getpid()}"
     try:
         tmp.mkdir()
@@ -121,6 +122,10 @@ def _publish(tmp: Path, output: Path, drawn: list[Path]) -> list[Path]:
             old.rename(fig)
         raise QStreamError(f"cannot write --output {output}: {exc.strerror or exc}") from exc
     return [fig / p.name for p in drawn]
+
+
+def _notice(message: str) -> None:
+    print(f"Notice: {message}", file=sys.stderr)
 
 
 def card_json_text(data: dict) -> str:
