@@ -10,6 +10,8 @@ where the tests run unprivileged and simulated (the write raises ``PermissionErr
 import errno
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,6 +139,16 @@ def test_disk_full_publishing_the_card_puts_the_old_figures_back(tmp_path, monke
     monkeypatch.setattr(qstream.card.output.os, "replace", _disk_full)
     assert "No space left on device" in _error(["card", str(RESULTS), "--output", str(out)])
     assert {p: p.read_bytes() for p in before} == before
+    assert _names(tmp_path) == ["CARD.md", "CARD_files"]
+
+
+def test_a_killed_card_run_leaves_nothing_after_the_next_run(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = tmp_path / f".CARD.md.qstream-partial-{dead}"  # what SIGKILL mid-card leaves
+    (stale / "figures").mkdir(parents=True)
+    result = _ok(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
+    assert f"Notice: removed {stale}" in result.stderr
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
 
 
