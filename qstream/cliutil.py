@@ -53,28 +53,31 @@ def make_console(stderr: bool = False) -> Console:
 
 
 class _BlocksBar:
-    """qstream.eval.settings.Progress on a rich bar: the total arrives with ``start``."""
+    """qstream.eval.settings.Progress on a rich bar, shown from the first moment (elapsed time
+    ticks while the draft and corpus load); the total arrives with ``start``."""
 
     def __init__(self, bar: Progress):
-        self.bar, self.task = bar, None
+        self.bar = bar
+        self.task = bar.add_task("loading the draft and corpus", total=None)
 
     def start(self, total: int | None) -> None:
-        self.task = self.bar.add_task("eval-drift", total=total)
+        self.bar.update(self.task, total=total)
 
     def advance(self, what: str, blocks: int) -> None:
         self.bar.update(self.task, advance=blocks, description=what)
 
 
 @contextmanager
-def blocks_progress(console: Console) -> Iterator[Any]:
-    """A progress bar counting drafted blocks on a terminal; silence otherwise (DESIGN.md
-    section 2)."""
-    if not console.is_terminal:
+def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
+    """A progress bar counting drafted blocks on ``console`` when it is a terminal (stderr:
+    progress never mixes with the tables or ``--json -``); silence otherwise or when ``quiet``
+    (DESIGN.md section 2)."""
+    if quiet or not console.is_terminal:
         from qstream.eval.settings import Silent  # imported here: quantize never loads eval
 
         yield Silent()
         return
-    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
+    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("blocks"), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         yield _BlocksBar(bar)
@@ -118,26 +121,64 @@ def greedy_option(name: str, **kwargs: Any):
     return click.option(*spellings(name), name, cls=GreedyOption, multiple=True, **kwargs)
 
 
+def check_output_file(path: str | Path, option: str) -> None:
+    """Refuse an output file path before any work (docs/guarantees.md): its parent must be an
+    existing, writable directory and the path must not be a directory."""
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise QStreamError(f"{option} {path}: is a directory, not a file")
+    if not parent.is_dir():
+        raise QStreamError(f"{option} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise QStreamError(f"{option} {path}: directory {parent} is not writable")
+
+
+def _check_json_path(ctx: click.Context, param: click.Parameter, value: str | None):
+    """``--json PATH`` is checked when the options are parsed, so that a bad path fails at once
+    rather than after the computation.  ClickException prints one ``Error:`` line, exit 1."""
+    if value is not None and value != "-":
+        try:
+            check_output_file(value, "--json")
+        except QStreamError as exc:
+            raise click.ClickException(str(exc)) from None
+    return value
+
+
 def json_option():
     return click.option(
-        "--json", "json_path", default=None, metavar="PATH",
+        "--json", "json_path", default=None, metavar="PATH", callback=_check_json_path,
         help="Also write the results as JSON to PATH ('-' for standard output).",
     )
 
 
+def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then one
+    rename.  Any OSError (disk full, permission denied) becomes a QStreamError naming the path,
+    and the temporary file is removed."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.qstream-partial-{os.getpid()}")
+    label = f"{option} {path}" if option else str(path)
+    try:
+        with open(tmp, "x", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise QStreamError(f"cannot write {label}: {exc.strerror or exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json(data: Any, path: str | None) -> None:
-    """Write ``data`` to ``path`` ('-' = stdout).  A file is written whole or not at all."""
+    """Write ``data`` to ``path`` ('-' = stdout), whole or not at all (write_text_atomic)."""
     if path is None:
         return
     text = json.dumps(data, indent=2, sort_keys=False) + "\n"
     if path == "-":
         sys.stdout.write(text)
         return
-    target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
-    try:
-        tmp.write_text(text)
-        tmp.replace(target)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise QStreamError(f"cannot write {path}: {exc.strerror}") from exc
+    write_text_atomic(path, text, "--json")

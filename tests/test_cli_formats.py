@@ -49,5 +49,5 @@ def test_both_option_spellings_and_greedy_lists():
 def test_user_errors_are_one_line_and_exit_1(tmp_path):
     result = CliRunner().invoke(cli, ["formats", "--json", str(tmp_path / "no" / "dir.json")])
     assert result.exit_code == 1
-    assert result.stderr.startswith("Error: cannot write")
+    assert result.stderr.startswith("Error: --json ") and "does not exist" in result.stderr
     assert result.stderr.count("\n") == 1

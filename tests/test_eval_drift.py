@@ -72,9 +72,11 @@ def test_a_perturbed_variant_is_detected(tiny, corpus, tmp_path):
     noise = torch.randn(w.shape, generator=torch.Generator().manual_seed(0))
     tensors[name] = (w + 0.5 * w.std() * noise).to(torch.bfloat16)
     save_file(tensors, bad / "model.safetensors")
+    # not a quantization of the model (an unquantized tensor differs): allowed, labelled foreign
     settings = DriftSettings(regimes=("gauss",), formats=("bf16",), n_blocks=BLOCKS,
-                             variant_dirs=(("perturbed", str(bad)),))
+                             variant_dirs=(("perturbed", str(bad)),), allow_foreign_variant=True)
     r = evaluate_drift(tiny, settings, corpus)
+    assert r["variants"]["perturbed"]["foreign"] is True
     floor = _metrics(r, "gauss", "bf16")
     hit = _metrics(r, "gauss", "perturbed")
     assert hit["kl"]["mean"]["value"] > 10 * floor["kl"]["mean"]["value"]

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from qstream.checkpoint.quantize import quantize_checkpoint
 from qstream.cli import cli
 from qstream.errors import QStreamError
+from qstream.eval.builtin import builtin_corpus_docs
 from qstream.model.dspark import teacher_forced
 from qstream.model.load import (
     QUANTIZE_INCLUDE, load_model, load_weights, read_target_tensors, simulate_format,
@@ -21,8 +22,12 @@ from qstream.model.load import (
 from qstream.model.stats import checkpoint_stats, weight_stats
 from qstream.model.synth import synth_checkpoint
 
-# GSM8K ships beside every checkout as ../shared/data/gsm8k (MIT licence)
+# The GSM8K train split (MIT licence) beside the checkout as ../shared/data/gsm8k; only the test
+# split ships inside the package, so a clone with nothing beside it skips what needs train.
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+needs_gsm8k_train = pytest.mark.skipif(
+    not (GSM8K / "train.jsonl").is_file(),
+    reason=f"needs the GSM8K train split at {GSM8K}/train.jsonl (not shipped with qstream)")
 TOP1_BAND = (0.4, 0.8)  # the required band for the draft's mean top-1 probability
 
 
@@ -61,6 +66,7 @@ def test_tokenizer_loads_with_transformers_offline(tiny):
     assert tok.decode(tok(text)["input_ids"]) == text
 
 
+@needs_gsm8k_train
 def test_mean_top1_on_gsm8k_is_calibrated(tmp_path):
     out = tmp_path / "gsm"
     synth_checkpoint("tiny", out, seed=0, corpus=GSM8K / "train.jsonl")
@@ -68,8 +74,7 @@ def test_mean_top1_on_gsm8k_is_calibrated(tmp_path):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    rows = [json.loads(line) for line in (GSM8K / "test.jsonl").read_text().splitlines()[:48]]
-    ids = [tok.encode(f"{r['question']}\n{r['answer']}").ids for r in rows]
+    ids = [tok.encode(doc).ids for doc in builtin_corpus_docs()[:48]]  # the shipped test split
     lengths = torch.tensor([len(i) for i in ids])
     pad = torch.zeros(len(ids), int(lengths.max()), dtype=torch.long)
     for s, seq in enumerate(ids):

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from qstream.cli import cli
 from qstream.errors import QStreamError
-from qstream.eval.builtin import builtin_corpus_docs
 from qstream.eval.corpus import tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.states import read_states
+from qstream.model.corpus import builtin_corpus
 from qstream.model.load import load_config
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "capture_states.py"
@@ -34,7 +34,7 @@ def _example():
 
 @pytest.fixture(scope="module")
 def corpus(tiny):
-    return tokenize(builtin_corpus_docs()[:200], f"{tiny}/tokenizer.json")
+    return tokenize(builtin_corpus(seed=1)[:200], f"{tiny}/tokenizer.json")
 
 
 @pytest.fixture(scope="module")

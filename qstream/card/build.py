@@ -10,7 +10,6 @@ listed in the card and in ``Card.missing``; the tables show what exists and neve
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,7 +26,14 @@ from qstream.card.document import (
     render_markdown,
 )
 from qstream.card.figures import sweep_regimes, write_figures
-from qstream.card.results import ResultsSet, merge_results
+from qstream.card.output import (
+    card_json_text,
+    check_card_target,
+    figures_dir,
+    marker_comment,
+    publish_card,
+)
+from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
 from qstream.card.tables import (
     acceptance_table,
     acceptance_verifiers,
@@ -101,7 +107,7 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
         "and the sampled matched prefix is only a lower bound. Confidence metrics describe a "
         "training-only head that vLLM's K3 draft does not serve. Every number is "
         "copied from the results JSON or the checkpoint directories; gaps to bf16 are "
-        "differences of two numbers shown beside them."])]
+        "differences of two numbers shown beside them.", *foreign_note(rs)])]
     if missing:
         sections.append(Section("Missing data", [
             "The results set is incomplete; the tables below show what exists and nothing is "
@@ -136,6 +142,18 @@ def build_card(rs: ResultsSet, checkpoints: Sequence[str | Path] = (),
     sections.append(Section("How it was evaluated", [evaluation_table(rs)]))
     title = f"{Path(str(rs.model.get('path'))).name}: quantized formats and their drift"
     return Card(title, sections, missing)
+
+
+def foreign_note(rs: ResultsSet) -> list[str]:
+    """A warning naming the variants eval-drift compared although they are not derived from the
+    model (``--allow-foreign-variant``)."""
+    foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
+    if not foreign:
+        return []
+    return [f"**Foreign variant(s): {', '.join(foreign)}.** Not derived from "
+            f"`{rs.model.get('path')}` (tensors they keep unquantized differ from the model's); "
+            "compared with `--allow-foreign-variant`, so their drift mixes quantization with "
+            "the difference between two models."]
 
 
 def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
@@ -184,22 +202,34 @@ def _checkpoint_sections(checkpoints: Sequence[str | Path],
 
 def write_card(results: Sequence[str | Path], output: Path, checkpoints: Sequence[str | Path] = (),
                base: str | Path | None = None, regime: str | None = None,
-               fmt: str = "md", figures: bool = True) -> tuple[Card, list[Path]]:
+               fmt: str = "md", figures: bool = True,
+               overwrite: bool = False) -> tuple[Card, list[Path]]:
     """Write the card (``fmt`` md, json or html) to ``output`` and, unless ``figures`` is False,
-    its figures to ``<output stem>_files/`` beside it; returns the card and every path written."""
+    its figures to ``<output stem>_files/`` beside it; returns the card and every path written.
+    An existing ``output`` that is not a card qstream wrote needs ``overwrite``; everything is
+    written atomically (qstream/card/output.py)."""
     if fmt not in FORMATS:
         raise QStreamError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     output = Path(output)
-    if not output.parent.is_dir():
-        raise QStreamError(f"--output {output}: directory {output.parent} does not exist")
-    figures_name = f"{output.stem}_files"
+    check_card_target(output, overwrite, figures)
     rs = merge_results(list(results))
-    card = build_card(rs, checkpoints, base, regime, figures_name if figures else None)
-    written = write_figures(rs, output.parent / figures_name) if figures else []
-    text = {"md": render_markdown, "html": render_html,
-            "json": lambda c: json.dumps(card_json(c), indent=2) + "\n"}[fmt](card)
-    try:
-        output.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise QStreamError(f"cannot write {output}: {exc.strerror}") from exc
-    return card, [output, *written]
+    with malformed_results_as_error(rs):
+        card = build_card(rs, checkpoints, base, regime,
+                          figures_dir(output).name if figures else None)
+        text = _render(card, fmt)
+
+    def draw(directory: Path) -> list[Path]:
+        with malformed_results_as_error(rs):
+            return write_figures(rs, directory)
+
+    return card, publish_card(output, text, draw if figures else None)
+
+
+def _render(card: Card, fmt: str) -> str:
+    """The card's text with the generated-card marker (qstream/card/output.py)."""
+    if fmt == "json":
+        return card_json_text(card_json(card))
+    if fmt == "html":
+        doctype, _, rest = render_html(card).partition("\n")
+        return f"{doctype}\n{marker_comment()}\n{rest}"
+    return f"{marker_comment()}\n{render_markdown(card)}"

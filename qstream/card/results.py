@@ -9,6 +9,8 @@ different numbers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,8 @@ class ResultsSet:
     variants: dict[str, dict] = field(default_factory=dict)  # variant -> {"kind", "source"}
     sources: dict[str, list[str]] = field(default_factory=dict)  # regime -> files it came from
     sections: dict[str, dict] = field(default_factory=dict)  # regime -> {REGIME_SECTIONS key: data}
+    # (file, dotted key) last read from the results, to name a missing or null key
+    trail: list = field(default_factory=lambda: [None, None], repr=False, compare=False)
 
     @property
     def block_size(self) -> int:
@@ -45,9 +49,54 @@ class ResultsSet:
         return sizes.pop()
 
 
-def read_results(path: str | Path) -> dict:
+def read_results(path: str | Path, trail: list | None = None) -> dict:
+    """A results file, checked (:func:`check_results`); with ``trail``, its objects record
+    every key read into it, so that a missing or null key is reported by name."""
     path = Path(path)
-    return check_results(read_json(path, "results file"), path)
+    data = check_results(read_json(path, "results file"), path)
+    return data if trail is None else _Traced(data, str(path), "", trail)
+
+
+class _Traced(dict):
+    """A results object that writes (file, dotted key) of each key read into a shared trail."""
+
+    def __init__(self, data: dict, source: str, where: str, trail: list):
+        super().__init__((k, _traced(v, source, f"{where}.{k}" if where else str(k), trail))
+                         for k, v in data.items())
+        self._source, self._where, self._trail = source, where, trail
+
+    def _note(self, key) -> None:
+        self._trail[:] = [self._source, f"{self._where}.{key}" if self._where else str(key)]
+
+    def __getitem__(self, key):
+        self._note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._note(key)
+        return super().get(key, default)
+
+
+def _traced(value, source: str, where: str, trail: list):
+    if isinstance(value, dict):
+        return _Traced(value, source, where, trail)
+    if isinstance(value, list):
+        return [_traced(v, source, f"{where}[{i}]", trail) for i, v in enumerate(value)]
+    return value
+
+
+@contextmanager
+def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
+    """Turn the errors a missing or null key causes while reading ``rs`` into one QStreamError
+    naming the file and the key last read (docs/guarantees.md)."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
+        source, key = rs.trail
+        if source is None:
+            raise QStreamError(f"results are malformed ({type(exc).__name__}: {exc})") from exc
+        raise QStreamError(f"{source}: results have a missing or null key {key!r} "
+                           f"({type(exc).__name__}: {exc})") from exc
 
 
 def check_results(data: Any, source: str | Path) -> dict:
@@ -68,7 +117,12 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
     """One results set from ``paths``; a duplicate regime/variant must carry identical numbers."""
     if not paths:
         raise QStreamError("no results file given")
-    return collect_results([(read_results(path), str(path)) for path in paths])
+    trail = [None, None]
+    probe = ResultsSet(model={}, trail=trail)
+    with malformed_results_as_error(probe):
+        merged = collect_results([(read_results(path, trail), str(path)) for path in paths])
+    merged.trail = trail
+    return merged
 
 
 def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:

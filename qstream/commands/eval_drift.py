@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import click
+from rich.console import Console
 
 from qstream.card.terminal import print_report
 from qstream.cliutil import (
@@ -30,6 +31,8 @@ from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE
 
+WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
+
 
 class FiniteRange(click.FloatRange):
     """A FloatRange that also refuses nan and inf (click's lets them through)."""
@@ -53,12 +56,17 @@ class FiniteRange(click.FloatRange):
 @option("formats", default=",".join(VARIANT_FORMATS), show_default=True,
         help="Comma-separated simulated variants.")
 @option("variant", multiple=True, metavar="NAME=DIR",
-        help="A quantized checkpoint to read back from disk; repeatable.")
+        help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
+             "from --model (its unquantized tensors bit-identical).")
+@option("allow_foreign_variant", is_flag=True,
+        help="Compare a --variant that is not derived from --model anyway; it is labelled "
+             "foreign in the JSON and the card.")
 @option("regime", type=click.Choice([*REGIMES, ALL_REGIMES]), default=None,
         help="Aux regime. Default: heavy, or none when --states is given.")
 @option("blocks", type=click.IntRange(min=1), default=1024, show_default=True,
         help="Blocks per regime.")
-@option("seed", type=click.IntRange(min=0), default=0, show_default=True)
+@option("seed", type=click.IntRange(min=0), default=0, show_default=True,
+        help="Seed of the block positions, aux states and sampling noise (same seed, same JSON).")
 @greedy_option("include_layers", help="Modules the simulated formats quantize "
                f"(default: {' '.join(QUANTIZE_INCLUDE)}).")
 @greedy_option("ignore_layers", help="Modules never quantized.")
@@ -90,11 +98,14 @@ class FiniteRange(click.FloatRange):
              "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).")
 @option("context_blocks", type=click.IntRange(min=1), default=256, show_default=True,
         help="Blocks per context-length bucket.")
+@option("wide", is_flag=True,
+        help="Print each table whole, however wide (default: tables wider than the terminal, "
+             "at most 100 columns, are split into parts).")
 @json_option()
-def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, blocks, seed,
-               include_layers, ignore_layers, temperature, top_p, top_k, draft_top_p, acceptance,
-               states,               sensitivity, sensitivity_format, tolerance, context_lengths, context_blocks,
-               json_path) -> None:
+def eval_drift(model, target, tokenizer, corpus, formats, variant, allow_foreign_variant,
+               regime, blocks, seed, include_layers, ignore_layers, temperature, top_p, top_k,
+               draft_top_p, acceptance, states, sensitivity, sensitivity_format, tolerance,
+               context_lengths, context_blocks, wide, json_path) -> None:
     """Measure how far each format moves the drafted block from an FP32 reference.
 
     \b
@@ -111,16 +122,18 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, regime, block
     settings = DriftSettings(
         regimes=resolve_regimes(regime, states),
         formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
-        variant_dirs=parse_variants(variant),
+        variant_dirs=parse_variants(variant), allow_foreign_variant=allow_foreign_variant,
         include=tuple(include_layers) or QUANTIZE_INCLUDE, ignore=tuple(ignore_layers),
         n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k,
         draft_top_p=draft_top_p,
         acceptance=acceptance, states=states, sensitivity=sensitivity,
         sensitivity_format=sensitivity_format, tolerance=tolerance,
         context_blocks=context_blocks)
-    with blocks_progress(console) as progress:
+    with blocks_progress(Console(stderr=True), quiet=json_path == "-") as progress:
         results = run_drift(settings, model=model, target=target, tokenizer=tokenizer,
                             corpus=corpus, context_lengths=context_lengths, say=console.print,
                             progress=progress)
-    print_report(console, results)
+    if wide:
+        console = Console(stderr=json_path == "-", width=WIDE_WIDTH)
+    print_report(console, results, wide=wide)
     write_json(results, json_path)

@@ -8,7 +8,7 @@ from rich.table import Table
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.cliutil import Command, json_option, make_console, write_json
 from qstream.model.stats import checkpoint_stats
-from qstream.units import GIB
+from qstream.units import human_size
 
 
 @click.command(cls=Command)
@@ -29,13 +29,13 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
         console = make_console()
         table = Table(title=f"{data['directory']}: {data['tensors']} tensors in "
                       f"{data['shards']} shard(s), {data['params']:,} parameters, "
-                      f"{data['bytes'] / GIB:.3f} GiB")
-        for col in ("module kind", "tensors", "parameters", "dtype", "shape", "MiB"):
+                      f"{human_size(data['bytes'])}")
+        for col in ("module kind", "tensors", "parameters", "dtype", "shape", "size"):
             table.add_column(col, justify="left" if col in ("module kind", "dtype") else "right")
         for row in data["kinds"]:
             table.add_row(row["kind"], str(row["tensors"]), f"{row['params']:,}",
                           ",".join(row["dtypes"]), str(row["shape"] or "varies"),
-                          f"{row['bytes'] / (1 << 20):.2f}")
+                          human_size(row["bytes"]))
         console.print(table)
         if stats:
             console.print(_stats_table(data["weight_stats"]))

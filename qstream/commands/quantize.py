@@ -35,7 +35,8 @@ GIB = 1 << 30
                help="Modules to quantize (default: every 2-D Linear weight except embeddings, "
                     "lm_head and MoE routers).")
 @greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
-@option("device", default="cpu", show_default=True, metavar="{cpu,cuda}")
+@option("device", default="cpu", show_default=True, metavar="{cpu,cuda}",
+        help="Where tensors are quantized; the bytes written are the same on either.")
 @option("workers", type=int, default=None,
         help="Pieces quantized in parallel (default: the CPUs available).")
 @option("dry_run", is_flag=True, help="Print the plan and sizes; write nothing.")

@@ -1,9 +1,11 @@
 """The built-in default of ``qstream eval-drift``: a synthetic tiny draft, built once into a
-cache directory, and a held-out built-in corpus, so that a new user sees a full report with no
-files of their own and nothing downloaded."""
+cache directory, and the GSM8K test split shipped inside the package (1,319 problems, MIT
+licence in ``qstream/data/GSM8K_LICENSE``), so that a new user sees a full report with no files
+of their own and nothing downloaded."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -11,11 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import qstream
+from qstream.errors import QStreamError
 from qstream.model.config import PRESETS
-from qstream.model.synth import builtin_corpus, synth_checkpoint
+from qstream.model.synth import synth_checkpoint
 
 BUILTIN_PRESET, BUILTIN_SEED = "tiny", 0
-EVAL_CORPUS_SEED = 1  # the draft's tokenizer and Markov statistics saw seed 0's problems
+# GSM8K test split (github.com/openai/grade-school-math, MIT): question + newline + answer per
+# document, as read_corpus reads a GSM8K JSONL file.  The draft never saw it (synth trains on
+# generated problems).
+BUILTIN_CORPUS = Path(__file__).resolve().parents[1] / "data" / "gsm8k_test.jsonl.gz"
+BUILTIN_CORPUS_NAME = "built-in: GSM8K test split"
 
 
 def cache_root() -> Path:
@@ -43,5 +50,11 @@ def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
 
 
 def builtin_corpus_docs() -> list[str]:
-    """Held-out generated arithmetic word problems (a different seed from the draft's own)."""
-    return builtin_corpus(seed=EVAL_CORPUS_SEED)
+    """The GSM8K test split shipped with the package, one document per problem."""
+    try:
+        with gzip.open(BUILTIN_CORPUS, "rt", encoding="utf-8") as handle:
+            rows = [json.loads(line) for line in handle if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise QStreamError(f"cannot read the built-in corpus {BUILTIN_CORPUS}: {exc} "
+                           "(reinstall qstream, or pass --corpus)") from exc
+    return [f"{row['question']}\n{row['answer']}" for row in rows]

@@ -87,7 +87,8 @@ def sample_anchors(corpus: Corpus, n_blocks: int, block_size: int, seed: int,
     if total < n_blocks:
         raise QStreamError(
             f"corpus {corpus.name} has {total} valid block positions (blocks of {block_size} "
-            f"after at least {min_context} context tokens), fewer than the {n_blocks} asked for")
+            f"after at least {min_context} context tokens), fewer than the {n_blocks} blocks "
+            f"asked for: ask for at most {total} or give a longer corpus")
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(total, generator=gen)[:n_blocks].sort().values  # global position ids
     offsets = torch.cumsum(counts, 0) - counts

@@ -19,6 +19,7 @@ import qstream
 from qstream.eval.context_sweep import context_sweep
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
 from qstream.eval.regime import RegimeRun, evaluate_regime
+from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.regimes import check_boot_compatible
 from qstream.eval.settings import DriftSettings, Progress, Silent
 from qstream.eval.states import read_states
@@ -49,10 +50,13 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     config = load_config(model_dir)
     if "boot" in settings.regimes:
         check_boot_compatible(config)
+    refuse_quantized_model(model_dir)
+    progress.advance("loading the draft", 0)
     weights = load_weights(model_dir, target, config)
+    variants = check_variants_derived(settings_variants(settings), model_dir, weights,
+                                      settings.allow_foreign_variant)
     states = read_states(settings.states, config) if settings.states is not None else None
     plan = _plan(corpus, settings, config)
-    variants = settings_variants(settings)
     results = _run_description(model_dir, config, weights, corpus, plan, settings, variants,
                                target)
 
@@ -109,7 +113,8 @@ def _run_description(model_dir: str | Path, config: DSparkConfig, weights: Weigh
         "confidence_head": CONFIDENCE_NOTE,
         "aux_dtype": "bf16",
         "selection": {"include": list(settings.include), "ignore": list(settings.ignore)},
-        "variants": {v.name: {"kind": v.kind, "source": v.source} for v in variants},
+        "variants": {v.name: {"kind": v.kind, "source": v.source,
+                              **({"foreign": True} if v.foreign else {})} for v in variants},
         "regimes": {},
     }
 

@@ -112,6 +112,9 @@ def measure_variant(run: RegimeRun, variant: Variant, aux: AuxStates, ref: Refer
     """One variant against the regime's reference: its results entry.  ``probe`` None skips the
     verifiers (sensitivity steps report drift only)."""
     s = run.settings
+    step = {"simulated": "simulating", "checkpoint": "loading"}.get(variant.kind)
+    if step:  # seconds to minutes at K3 scale: say so before the first block
+        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
     var_weights, changed = variant_weights(variant, run.weights, run.config, s, run.target)
     model = DSpark(run.config, var_weights, variant.dtype)
     acc = DriftAccumulator(run.config.block_size)

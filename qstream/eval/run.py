@@ -14,7 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from qstream.errors import QStreamError
-from qstream.eval.builtin import builtin_corpus_docs, builtin_model_dir
+from qstream.eval.builtin import (
+    BUILTIN_CORPUS_NAME,
+    builtin_corpus_docs,
+    builtin_model_dir,
+)
 from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import Corpus, load_corpus, tokenize
 from qstream.eval.drift import evaluate_drift
@@ -60,7 +64,7 @@ def load_run_corpus(model_dir: str | Path, corpus: str | None, tokenizer: str | 
     draft's own tokenizer.json)."""
     tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
     if corpus is None:
-        return tokenize(builtin_corpus_docs(), tok, config.vocab_size)
+        return tokenize(builtin_corpus_docs(), tok, config.vocab_size, name=BUILTIN_CORPUS_NAME)
     return load_corpus(corpus, tok, config.vocab_size)
 
 
@@ -73,8 +77,8 @@ def run_drift(settings: DriftSettings, *, model: str | None = None, target: str 
     if model is None:
         model = str(builtin_model_dir(say))
         if say is not None:
-            say(f"No --model given: evaluating the built-in synthetic tiny draft ({model}) on "
-                "the built-in corpus of generated arithmetic word problems.")
+            say(f"No --model given: evaluating the built-in synthetic tiny draft ({model})"
+                + (" on the GSM8K test split shipped with qstream." if corpus is None else "."))
     config = load_config(model)
     if context_lengths is not None:
         settings = replace(settings, context_lengths=resolve_edges(context_lengths, config))

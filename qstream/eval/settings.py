@@ -42,6 +42,8 @@ class DriftSettings:
     regimes: tuple[str, ...] = ("heavy",)
     formats: tuple[str, ...] = VARIANT_FORMATS  # simulated variants; bf16 is the floor
     variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
+    # compare a variant that is not derived from the model (qstream/eval/provenance.py)
+    allow_foreign_variant: bool = False
     include: tuple[str, ...] = QUANTIZE_INCLUDE  # modules the simulated formats quantize
     ignore: tuple[str, ...] = ()
     n_blocks: int = 1024

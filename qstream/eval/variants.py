@@ -26,6 +26,7 @@ class Variant:
     source: str  # the format, or the checkpoint directory
     include: tuple[str, ...] | None = None  # simulated: own patterns (sensitivity steps);
     # None: the settings' include list
+    foreign: bool = False  # checkpoint not derived from the model (--allow-foreign-variant)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -11,7 +11,10 @@ from pathlib import Path
 import torch
 
 from qstream.checkpoint.files import open_checkpoint
+from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
+from qstream.errors import QStreamError
+from qstream.formats import FORMATS, dequantize
 
 # Statistics of a huge tensor use an evenly strided sample of at most this many rows, so a
 # k3 checkpoint is summarised in seconds; channel spreads use every column of those rows.
@@ -44,20 +47,50 @@ def _spread(rms: torch.Tensor) -> float:
 
 
 def checkpoint_stats(directory: str | Path) -> list[dict]:
-    """``weight_stats`` of every floating-point tensor of a checkpoint, in checkpoint order,
-    each row with ``name``, ``shape`` and ``sampled_rows`` (rows used; see MAX_ROWS)."""
+    """``weight_stats`` of every weight of a checkpoint, in checkpoint order, each row with
+    ``name``, ``shape`` and ``sampled_rows`` (rows used; see MAX_ROWS).  A quantized module is
+    one row for its dequantized ``.weight`` (``"dequantized": true``), never rows for its scale
+    tensors: the statistics describe the weights, whatever their storage."""
     checkpoint = open_checkpoint(directory)
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
+    fmt = _format(checkpoint.config)
+    stored = set(FORMATS[fmt].stored) if fmt else set()
+    quantized = {n.rpartition(".")[0] for n in checkpoint.tensor_shard
+                 if fmt and n.rpartition(".")[2] in stored - {"weight"}}
     rows = []
     for name, shard in checkpoint.tensor_shard.items():
+        module, _, suffix = name.rpartition(".")
+        if module in quantized:
+            if suffix == next(iter(FORMATS[fmt].stored)):  # one row per module
+                parts = {s: _read(checkpoint, readers, f"{module}.{s}")
+                         for s in FORMATS[fmt].stored}
+                rows.append(_row(f"{module}.weight", dequantize(fmt, parts).float(),
+                                 dequantized=True))
+            continue
         info = checkpoint.info(name)
         if info.dtype not in ("BF16", "F16", "F32") or info.numel == 0:
             continue
-        tensor = readers[shard].tensor(name)
-        if tensor.dim() == 2 and tensor.shape[0] > MAX_ROWS:
-            tensor = tensor[torch.linspace(0, tensor.shape[0] - 1, MAX_ROWS).long()]
-        rows.append({"name": name, "shape": list(info.shape),
-                     "sampled_rows": int(tensor.shape[0]) if tensor.dim() else 1,
-                     **weight_stats(tensor)})
+        rows.append(_row(name, readers[shard].tensor(name)))
         readers[shard].release(name)
     return rows
+
+
+def _format(config: dict) -> str | None:
+    qc = config.get("quantization_config")
+    layout = qc.get("format") if isinstance(qc, dict) else None
+    return format_of_layout(layout) if isinstance(layout, str) else None
+
+
+def _read(checkpoint, readers, name: str) -> torch.Tensor:
+    if name not in checkpoint.tensor_shard:
+        raise QStreamError(f"{checkpoint.directory}: quantized module lacks {name!r} "
+                           "(qstream verify lists every problem)")
+    return readers[checkpoint.tensor_shard[name]].tensor(name)
+
+
+def _row(name: str, tensor: torch.Tensor, dequantized: bool = False) -> dict:
+    shape = list(tensor.shape)
+    if tensor.dim() == 2 and tensor.shape[0] > MAX_ROWS:
+        tensor = tensor[torch.linspace(0, tensor.shape[0] - 1, MAX_ROWS).long()]
+    return {"name": name, "shape": shape, "sampled_rows": int(tensor.shape[0]) if tensor.dim()
+            else 1, **({"dequantized": True} if dequantized else {}), **weight_stats(tensor)}
