@@ -4,6 +4,12 @@ problems held out from the draft's own (seed 1), whose short documents keep the 
 (eval-drift's built-in GSM8K test split has contexts ~12x longer)."""
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (derandomize) and keep no example database
+# between runs, so a failure on CI is a failure here too.
+settings.register_profile("qstream", derandomize=True, database=None)
+settings.load_profile("qstream")
 
 from qstream.eval.corpus import tokenize
 from qstream.model.corpus import builtin_corpus
