@@ -3,7 +3,7 @@
 Every command lives in ``qstream/commands/<name>.py`` and is registered below.  Commands use
 ``cliutil.Command``, whose ``invoke`` is the one place where a
 :class:`~qstream.errors.QStreamError` becomes ``Error: <message>`` on stderr and exit status 1
-(DESIGN.md section 2): commands never print tracebacks for user mistakes.
+(docs/quantize.md): commands never print tracebacks for user mistakes.
 """
 
 from __future__ import annotations

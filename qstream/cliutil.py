@@ -20,7 +20,7 @@ from qstream.errors import QStreamError
 
 class _UserErrorsExit:
     """Mixin for click commands: turn QStreamError into one line on stderr and exit status 1.
-    This is the only place that happens (DESIGN.md section 2)."""
+    This is the only place that happens (docs/quantize.md)."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -71,7 +71,7 @@ class _BlocksBar:
 def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
     """A progress bar counting drafted blocks on ``console`` when it is a terminal (stderr:
     progress never mixes with the tables or ``--json -``); silence otherwise or when ``quiet``
-    (DESIGN.md section 2)."""
+    (docs/quantize.md)."""
     if quiet or not console.is_terminal:
         from qstream.eval.settings import Silent  # imported here: quantize never loads eval
 
@@ -84,7 +84,7 @@ def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
 
 
 def spellings(name: str) -> list[str]:
-    """``model_dir`` -> ``["--model-dir", "--model_dir"]`` (DESIGN.md section 2: both are accepted)."""
+    """``model_dir`` -> ``["--model-dir", "--model_dir"]`` (docs/quantize.md: both are accepted)."""
     dashed, underscored = "--" + name.replace("_", "-"), "--" + name
     return [dashed] if dashed == underscored else [dashed, underscored]
 

@@ -1,4 +1,4 @@
-"""Every option of every command says what it does (DESIGN.md section 2: the help is the
+"""Every option of every command says what it does (docs/quantize.md: the help is the
 reference a user reads first)."""
 
 import click

@@ -1,6 +1,6 @@
 """What a terminal shows: progress on stderr from the first moment, on a terminal only, never
 under ``--json -``; tables that fit 100 columns, split when wider, whole with ``--wide``
-(DESIGN.md section 2)."""
+(docs/quantize.md)."""
 
 import io
 

@@ -114,7 +114,7 @@ def _read_provenance(directory: Path) -> dict | None:
 def _why_kept(module: str, shape: tuple[int, ...], fmt: str, skipped: dict[str, str],
               fused: dict[str, str]) -> str:
     """Why an ignored module keeps its dtype: quantize's own reason when recorded, else the rule
-    (DESIGN.md sections 2-4) that its name and shape fall under."""
+    (docs/quantize.md, docs/formats.md) that its name and shape fall under."""
     if module in skipped:
         return f"skipped at quantize time: {skipped[module]}"
     if len(shape) != 2:

@@ -28,7 +28,7 @@ from qstream.eval.vocabulary import (
 # 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B).
 DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "snr": 1}
 
-# What each aux regime stands for (DESIGN.md section 6, qstream/eval/regimes.py).
+# What each aux regime stands for (docs/eval-drift.md, qstream/eval/regimes.py).
 REGIME_DESCRIPTIONS = {
     "gauss": "iid normal aux states",
     "heavy": "normal aux states times per-channel lognormal scales (a few massive channels)",
@@ -62,7 +62,7 @@ def label(text: str) -> Cell:
 
 
 def regime_order(rs: ResultsSet) -> list[str]:
-    """Regimes present, in DESIGN.md's order (gauss, heavy, boot), any other after."""
+    """Regimes present, in docs/eval-drift.md's order (gauss, heavy, boot), any other after."""
     return [r for r in REGIMES if r in rs.regimes] + [r for r in rs.regimes if r not in REGIMES]
 
 

@@ -1,4 +1,4 @@
-"""``qstream synth``: write a synthetic DSpark draft checkpoint (DESIGN.md section 5)."""
+"""``qstream synth``: write a synthetic DSpark draft checkpoint (docs/model.md)."""
 
 from __future__ import annotations
 

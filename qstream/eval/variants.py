@@ -1,5 +1,5 @@
 """The variants an evaluation compares with the FP32 reference: what each one is, its weights, and
-the weight SNR of the tensors its format changed (DESIGN.md section 6)."""
+the weight SNR of the tensors its format changed (docs/eval-drift.md)."""
 
 from __future__ import annotations
 
