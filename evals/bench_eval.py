@@ -45,17 +45,37 @@ def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 1024, n: int = 3072)
 
 def useful_flops(config, plan, batches) -> float:
     c = config
-    H, I, n, V, r = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.vocab_size, c.markov_rank
-    dk, dv, kv, rope, B = c.qk_head_dim, c.v_head_dim, c.kv_lora_rank, c.qk_rope_head_dim, c.block_size
-    per_position_layer = (H * c.q_lora_rank + c.q_lora_rank * n * dk + H * (kv + rope)
-                          + kv * n * (c.qk_nope_head_dim + dv) + n * dv * H + 3 * H * I)
+    H, I, n, V, r = (  # noqa: E741 - the paper's names
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_attention_heads,
+        c.vocab_size,
+        c.markov_rank,
+    )
+    dk, dv, kv, rope, B = (
+        c.qk_head_dim,
+        c.v_head_dim,
+        c.kv_lora_rank,
+        c.qk_rope_head_dim,
+        c.block_size,
+    )
+    per_position_layer = (
+        H * c.q_lora_rank
+        + c.q_lora_rank * n * dk
+        + H * (kv + rope)
+        + kv * n * (c.qk_nope_head_dim + dv)
+        + n * dv * H
+        + 3 * H * I
+    )
     positions = plan.anchor.numel() * B
     attended = float((plan.anchor.double() + B).sum()) * B  # keys seen per drafted position
     block = positions * (c.num_hidden_layers * per_position_layer + H * V + r * V)
     attention = attended * c.num_hidden_layers * n * (dk + dv)
     ctx_positions = sum(len(b.streams) * b.context_length for b in batches)
-    context = ctx_positions * (c.aux_size * H + c.num_hidden_layers * (
-        H * (kv + rope) + kv * n * (c.qk_nope_head_dim + dv)))
+    context = ctx_positions * (
+        c.aux_size * H
+        + c.num_hidden_layers * (H * (kv + rope) + kv * n * (c.qk_nope_head_dim + dv))
+    )
     return 2.0 * (block + attention + context)
 
 
@@ -83,18 +103,22 @@ def main() -> None:
         gauss = AuxStates("gauss", corpus, config, seed=0)
         aux = [gauss.get(b) for b in batches]
         flops = useful_flops(config, plan, batches)
-        print(f"small preset: H={config.hidden_size} V={config.vocab_size}, {args.blocks} blocks "
-              f"(mean context {plan.anchor.double().mean():.0f}), {len(batches)} batches, "
-              f"{flops / 1e9:.1f} GFLOP per pass; torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads")
+        print(
+            f"small preset: H={config.hidden_size} V={config.vocab_size}, {args.blocks} blocks "
+            f"(mean context {plan.anchor.double().mean():.0f}), {len(batches)} batches, "
+            f"{flops / 1e9:.1f} GFLOP per pass; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads"
+        )
         for name, dtype in (("reference fp32", torch.float32), ("variant bf16", torch.bfloat16)):
             peak = matmul_rate(dtype)
             model = DSpark(config, weights, dtype)
             run_pass(model, batches[:1], aux[:1])  # warm-up
             seconds = min(run_pass(model, batches, aux) for _ in range(2))
             achieved = flops / seconds
-            print(f"{name:>15}: {seconds:6.2f} s  {achieved / 1e9:6.1f} GFLOP/s  matmul peak "
-                  f"{peak / 1e9:6.1f} GFLOP/s  ->  {achieved / peak:5.1%} of matmul rate")
+            print(
+                f"{name:>15}: {seconds:6.2f} s  {achieved / 1e9:6.1f} GFLOP/s  matmul peak "
+                f"{peak / 1e9:6.1f} GFLOP/s  ->  {achieved / peak:5.1%} of matmul rate"
+            )
             del model
 
 

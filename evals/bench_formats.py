@@ -38,16 +38,20 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(args.rows, args.cols, generator=gen) * 0.02).to(torch.bfloat16)
     n = w.numel()
-    print(f"weight bf16 [{args.rows}, {args.cols}] = {n / 1e6:.1f} M params, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"weight bf16 [{args.rows}, {args.cols}] = {n / 1e6:.1f} M params, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     copy_s = best_time(lambda: w.clone(), args.repeats)
     print(f"{'copy':>6}: {copy_s * 1e3:8.1f} ms  {n / copy_s / 1e9:6.2f} G params/s  (peer)")
     for fmt in FORMATS:
         t = best_time(lambda: quantize(fmt, w), args.repeats)
         ratio = copy_s / t
         verdict = "meets" if ratio >= TARGET[fmt] else "BELOW"
-        print(f"{fmt:>6}: {t * 1e3:8.1f} ms  {n / t / 1e9:6.2f} G params/s  "
-              f"{ratio:6.1%} of copy speed ({verdict} target {TARGET[fmt]:.0%})")
+        print(
+            f"{fmt:>6}: {t * 1e3:8.1f} ms  {n / t / 1e9:6.2f} G params/s  "
+            f"{ratio:6.1%} of copy speed ({verdict} target {TARGET[fmt]:.0%})"
+        )
 
 
 if __name__ == "__main__":

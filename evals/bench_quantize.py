@@ -71,37 +71,61 @@ def write_random_llama(directory: Path, shards: int = 2) -> int:
     names = {"model.embed_tokens.weight": (VOCAB, HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        names.update({p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
-                      p + "self_attn.k_proj.weight": (KV, HIDDEN),
-                      p + "self_attn.v_proj.weight": (KV, HIDDEN),
-                      p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
-                      p + "mlp.gate_proj.weight": (INTER, HIDDEN),
-                      p + "mlp.up_proj.weight": (INTER, HIDDEN),
-                      p + "mlp.down_proj.weight": (HIDDEN, INTER),
-                      p + "input_layernorm.weight": (HIDDEN,),
-                      p + "post_attention_layernorm.weight": (HIDDEN,)})
+        names.update(
+            {
+                p + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+                p + "self_attn.k_proj.weight": (KV, HIDDEN),
+                p + "self_attn.v_proj.weight": (KV, HIDDEN),
+                p + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+                p + "mlp.gate_proj.weight": (INTER, HIDDEN),
+                p + "mlp.up_proj.weight": (INTER, HIDDEN),
+                p + "mlp.down_proj.weight": (HIDDEN, INTER),
+                p + "input_layernorm.weight": (HIDDEN,),
+                p + "post_attention_layernorm.weight": (HIDDEN,),
+            }
+        )
     names.update({"model.norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)})
     # Shards split at layer boundaries: model_free_ptq (llm-compressor 0.14) fails on NVFP4 when
     # a q/k/v group straddles two shards ("Matched ... k_proj twice before completing set").
     per_shard = -(-LAYERS // shards)
-    shard_of = {n: min(int(n.split(".")[2]) // per_shard, shards - 1) if ".layers." in n
-                else (0 if "embed" in n else shards - 1) for n in names}
+    shard_of = {
+        n: min(int(n.split(".")[2]) // per_shard, shards - 1)
+        if ".layers." in n
+        else (0 if "embed" in n else shards - 1)
+        for n in names
+    }
     weight_map = {}
     for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 \
-            else "model.safetensors"
-        part = {n: (torch.randn(*names[n], generator=gen) * 0.02).bfloat16()
-                for n in names if shard_of[n] == s}
+        file = (
+            f"model-{s + 1:05d}-of-{shards:05d}.safetensors" if shards > 1 else "model.safetensors"
+        )
+        part = {
+            n: (torch.randn(*names[n], generator=gen) * 0.02).bfloat16()
+            for n in names
+            if shard_of[n] == s
+        }
         save_file(part, directory / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, file))
         del part
     if shards > 1:
         (directory / "model.safetensors.index.json").write_text(
-            json.dumps({"weight_map": weight_map}))
-    (directory / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": 16,
-        "num_key_value_heads": KV // 64, "vocab_size": VOCAB, "torch_dtype": "bfloat16"}))
+            json.dumps({"weight_map": weight_map})
+        )
+    (directory / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": HIDDEN,
+                "intermediate_size": INTER,
+                "num_hidden_layers": LAYERS,
+                "num_attention_heads": 16,
+                "num_key_value_heads": KV // 64,
+                "vocab_size": VOCAB,
+                "torch_dtype": "bfloat16",
+            }
+        )
+    )
     return sum(torch.Size(s).numel() for s in names.values())
 
 
@@ -122,8 +146,9 @@ sys.stderr.write(err)
 
 def run(cmd: list[str]) -> tuple[float, int]:
     """Wall seconds and peak RSS (bytes) of one tool run."""
-    out = subprocess.run([sys.executable, "-S", "-c", LAUNCHER, *cmd], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", LAUNCHER, *cmd], capture_output=True, text=True, check=True
+    )
     seconds, rss, status = out.stdout.split()
     if int(status) != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stderr}")
@@ -139,8 +164,21 @@ def bench_round(args, src: Path, work: Path, fmt: str, workers: int) -> dict:
     q_out, l_out, f_out = work / f"qstream-{fmt}", work / f"llmc-{fmt}", work / "floor.bin"
     for d in (q_out, l_out):
         shutil.rmtree(d, ignore_errors=True)
-    q = run([args.qstream, "--model_dir", str(src), "--output_dir", str(q_out),
-             "--quant_format", fmt, "--ignore_layers", "lm_head", "--workers", str(workers)])
+    q = run(
+        [
+            args.qstream,
+            "--model_dir",
+            str(src),
+            "--output_dir",
+            str(q_out),
+            "--quant_format",
+            fmt,
+            "--ignore_layers",
+            "lm_head",
+            "--workers",
+            str(workers),
+        ]
+    )
     out_bytes = _dir_bytes(q_out)
     lc = run([args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(l_out), fmt, str(workers)])
     inputs = [str(p) for p in sorted(src.iterdir()) if p.is_file()]
@@ -148,8 +186,13 @@ def bench_round(args, src: Path, work: Path, fmt: str, workers: int) -> dict:
     for d in (q_out, l_out):
         shutil.rmtree(d, ignore_errors=True)
     f_out.unlink(missing_ok=True)
-    return {"qstream_s": q[0], "qstream_rss": q[1], "llmc_s": lc[0], "llmc_rss": lc[1],
-            "floor_s": floor[0]}
+    return {
+        "qstream_s": q[0],
+        "qstream_rss": q[1],
+        "llmc_s": lc[0],
+        "llmc_rss": lc[1],
+        "floor_s": floor[0],
+    }
 
 
 def summarize(fmt: str, workers: int, rounds: list[dict]) -> dict:
@@ -158,22 +201,31 @@ def summarize(fmt: str, workers: int, rounds: list[dict]) -> dict:
     load does not change, the median."""
     best = {k: min(r[k] for r in rounds) for k in ("qstream_s", "llmc_s", "floor_s")}
     rss = {k: statistics.median(r[k] for r in rounds) for k in ("qstream_rss", "llmc_rss")}
-    return {"format": fmt, "workers": workers, "rounds": len(rounds), **best,
-            "qstream_rss_gib": rss["qstream_rss"] / 2**30,
-            "llmc_rss_gib": rss["llmc_rss"] / 2**30,
-            "speedup": best["llmc_s"] / best["qstream_s"],
-            "rss_ratio": rss["qstream_rss"] / rss["llmc_rss"],
-            "over_floor": best["qstream_s"] / best["floor_s"]}
+    return {
+        "format": fmt,
+        "workers": workers,
+        "rounds": len(rounds),
+        **best,
+        "qstream_rss_gib": rss["qstream_rss"] / 2**30,
+        "llmc_rss_gib": rss["llmc_rss"] / 2**30,
+        "speedup": best["llmc_s"] / best["qstream_s"],
+        "rss_ratio": rss["qstream_rss"] / rss["llmc_rss"],
+        "over_floor": best["qstream_s"] / best["floor_s"],
+    }
 
 
-HEADER = ("format  w | qstream s   GiB | model_free_ptq s   GiB | floor s | speedup | RSS ratio "
-          "| qstream/floor")
+HEADER = (
+    "format  w | qstream s   GiB | model_free_ptq s   GiB | floor s | speedup | RSS ratio "
+    "| qstream/floor"
+)
 
 
 def row(r: dict) -> str:
-    return (f"{r['format']:6s} {r['workers']:2d} | {r['qstream_s']:9.2f} {r['qstream_rss_gib']:5.2f}"
-            f" | {r['llmc_s']:16.2f} {r['llmc_rss_gib']:5.2f} | {r['floor_s']:7.2f} | "
-            f"{r['speedup']:6.2f}x | {r['rss_ratio']:9.3f} | {r['over_floor']:12.2f}x")
+    return (
+        f"{r['format']:6s} {r['workers']:2d} | {r['qstream_s']:9.2f} {r['qstream_rss_gib']:5.2f}"
+        f" | {r['llmc_s']:16.2f} {r['llmc_rss_gib']:5.2f} | {r['floor_s']:7.2f} | "
+        f"{r['speedup']:6.2f}x | {r['rss_ratio']:9.3f} | {r['over_floor']:12.2f}x"
+    )
 
 
 def main() -> int:
@@ -182,10 +234,13 @@ def main() -> int:
     parser.add_argument("--qstream", default=str(Path(sys.executable).parent / "qstream-quantize"))
     parser.add_argument("--formats", default="fp8,mxfp4,nvfp4")
     parser.add_argument("--workers", default="1,2", help="worker counts, both tools alike")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="rounds: best time, median peak RSS")
-    parser.add_argument("--shards", type=int, default=1,
-                        help="input shards (0.5B models ship as one model.safetensors)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds: best time, median peak RSS")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=1,
+        help="input shards (0.5B models ship as one model.safetensors)",
+    )
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--write-only", default=None, metavar="DIR", help=argparse.SUPPRESS)
@@ -197,8 +252,10 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="qstream-bench-"))
     src = work / "llama-0.5b"
     if not src.exists():  # in a child, so that this process stays small (see LAUNCHER)
-        subprocess.run([sys.executable, __file__, "--write-only", str(src),
-                        "--shards", str(args.shards)], check=True)
+        subprocess.run(
+            [sys.executable, __file__, "--write-only", str(src), "--shards", str(args.shards)],
+            check=True,
+        )
     for shard in src.glob("*.safetensors"):  # both tools then read from the page cache
         with open(shard, "rb") as f:
             while f.read(64 << 20):
@@ -209,22 +266,39 @@ def main() -> int:
         for i in range(args.repeat):
             for fmt, workers in cases:
                 rounds[fmt, workers].append(bench_round(args, src, work, fmt, workers))
-                print(f"round {i + 1}/{args.repeat} {fmt} w{workers}: "
-                      + " ".join(f"{k} {v:.2f}" for k, v in rounds[fmt, workers][-1].items()
-                                 if k.endswith("_s")), file=sys.stderr, flush=True)
+                print(
+                    f"round {i + 1}/{args.repeat} {fmt} w{workers}: "
+                    + " ".join(
+                        f"{k} {v:.2f}"
+                        for k, v in rounds[fmt, workers][-1].items()
+                        if k.endswith("_s")
+                    ),
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     results = [summarize(fmt, workers, rounds[fmt, workers]) for fmt, workers in cases]
-    print(f"{os.cpu_count()} CPUs, {args.shards} shard(s); best time and median peak RSS of "
-          f"{args.repeat} rounds")
+    print(
+        f"{os.cpu_count()} CPUs, {args.shards} shard(s); best time and median peak RSS of "
+        f"{args.repeat} rounds"
+    )
     print(HEADER)
     for r in results:
         print(row(r))
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpus": os.cpu_count(), "shards": args.shards,
-                                               "repeat": args.repeat, "results": results},
-                                              indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "cpus": os.cpu_count(),
+                    "shards": args.shards,
+                    "repeat": args.repeat,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -59,22 +59,37 @@ def compare(fmt: str, src: Path, work: Path, llmc_python: str) -> dict:
     ours = quantize_checkpoint(src, work / f"qstream-{fmt}", fmt)
     # model_free_ptq skips *norm modules itself; give it the rest of qstream's ignore list
     ignore = [m for m in ours.modules_ignored if not m.endswith("norm")]
-    subprocess.run([llmc_python, "-c", LLMC_SCRIPT, str(src), str(work / f"llmc-{fmt}"), fmt,
-                    *ignore], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [llmc_python, "-c", LLMC_SCRIPT, str(src), str(work / f"llmc-{fmt}"), fmt, *ignore],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     a, b = _tensors(work / f"qstream-{fmt}"), _tensors(work / f"llmc-{fmt}")
-    differing = [n for n in sorted(set(a) & set(b))
-                 if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape or _bytes(a[n]) != _bytes(b[n])]
+    differing = [
+        n
+        for n in sorted(set(a) & set(b))
+        if a[n].dtype != b[n].dtype or a[n].shape != b[n].shape or _bytes(a[n]) != _bytes(b[n])
+    ]
     qa = json.loads((work / f"qstream-{fmt}" / "config.json").read_text())["quantization_config"]
     qb = json.loads((work / f"llmc-{fmt}" / "config.json").read_text())["quantization_config"]
-    wa, wb = qa["config_groups"]["group_0"]["weights"], \
-        next(iter(qb["config_groups"].values()))["weights"]
+    wa, wb = (
+        qa["config_groups"]["group_0"]["weights"],
+        next(iter(qb["config_groups"].values()))["weights"],
+    )
     return {
-        "format": fmt, "tensors_qstream": len(a), "tensors_llmcompressor": len(b),
-        "only_qstream": sorted(set(a) - set(b)), "only_llmcompressor": sorted(set(b) - set(a)),
-        "identical": len(set(a) & set(b)) - len(differing), "differing": differing,
+        "format": fmt,
+        "tensors_qstream": len(a),
+        "tensors_llmcompressor": len(b),
+        "only_qstream": sorted(set(a) - set(b)),
+        "only_llmcompressor": sorted(set(b) - set(a)),
+        "identical": len(set(a) & set(b)) - len(differing),
+        "differing": differing,
         "config_format": [qa["format"], qb["format"]],
-        "config_targets": [qa["config_groups"]["group_0"]["targets"],
-                           next(iter(qb["config_groups"].values()))["targets"]],
+        "config_targets": [
+            qa["config_groups"]["group_0"]["targets"],
+            next(iter(qb["config_groups"].values()))["targets"],
+        ],
         "weights_args_disagree": {k: [wa.get(k), wb.get(k)] for k in wa if wa.get(k) != wb.get(k)},
         "version": [qa["version"], qb["version"]],
     }
@@ -91,17 +106,24 @@ def main() -> int:
         src = write_checkpoint(work / "llama", llama_tensors(layers=args.layers))
         results = [compare(fmt, src, work, args.llmc_python) for fmt in ("fp8", "nvfp4", "mxfp4")]
     for r in results:
-        verdict = "IDENTICAL" if not r["differing"] and not r["only_qstream"] \
-            and not r["only_llmcompressor"] else "DIFFERENT"
-        print(f"{r['format']:6s} {verdict}: {r['identical']} identical tensors, "
-              f"{len(r['differing'])} differing, only in qstream {r['only_qstream']}, "
-              f"only in llm-compressor {r['only_llmcompressor']}; targets "
-              f"{r['config_targets']}, weights args that differ {r['weights_args_disagree']}, "
-              f"versions {r['version']}")
+        verdict = (
+            "IDENTICAL"
+            if not r["differing"] and not r["only_qstream"] and not r["only_llmcompressor"]
+            else "DIFFERENT"
+        )
+        print(
+            f"{r['format']:6s} {verdict}: {r['identical']} identical tensors, "
+            f"{len(r['differing'])} differing, only in qstream {r['only_qstream']}, "
+            f"only in llm-compressor {r['only_llmcompressor']}; targets "
+            f"{r['config_targets']}, weights args that differ {r['weights_args_disagree']}, "
+            f"versions {r['version']}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    same = all(not r["differing"] and not r["only_qstream"] and not r["only_llmcompressor"]
-               for r in results)
+    same = all(
+        not r["differing"] and not r["only_qstream"] and not r["only_llmcompressor"]
+        for r in results
+    )
     return 0 if same else 1
 
 

@@ -39,15 +39,24 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for regime in REGIMES:
-        settings = DriftSettings(regimes=(regime,), formats=VARIANT_FORMATS,
-                                 variant_dirs=variants, n_blocks=args.blocks, seed=args.seed)
+        settings = DriftSettings(
+            regimes=(regime,),
+            formats=VARIANT_FORMATS,
+            variant_dirs=variants,
+            n_blocks=args.blocks,
+            seed=args.seed,
+        )
         results = run_drift(settings, model=args.model, target=args.target, corpus=args.corpus)
         path = out / f"drift_{regime}.json"
         write_json(results, str(path))
-        ceilings = {name: v["metrics"]["rollouts"]["greedy"]["ceiling"]["value"]
-                    for name, v in results["regimes"][regime]["variants"].items()}
-        print(f"{regime:>5}: wrote {path}; greedy ceiling "
-              + ", ".join(f"{k} {v:.2f}" for k, v in ceilings.items()))
+        ceilings = {
+            name: v["metrics"]["rollouts"]["greedy"]["ceiling"]["value"]
+            for name, v in results["regimes"][regime]["variants"].items()
+        }
+        print(
+            f"{regime:>5}: wrote {path}; greedy ceiling "
+            + ", ".join(f"{k} {v:.2f}" for k, v in ceilings.items())
+        )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,20 @@ from qstream.model.load import load_model
 def stand_in_target(model, ids: torch.Tensor):
     """(aux [S, T, L·H], final hidden [S, T, H]) of the draft's layers run causally over ids."""
     layers = model.causal_hidden(ids)  # [S, T, L, H]
-    final = rms_norm(layers[:, :, -1], model.w["final_norm.weight"].float(),
-                     model.config.rms_norm_eps)
+    final = rms_norm(
+        layers[:, :, -1], model.w["final_norm.weight"].float(), model.config.rms_norm_eps
+    )
     return layers.flatten(2), final
 
 
-def sample_streams(model, prompts: torch.Tensor, length: int, seed: int,
-                   temperature: float = 1.0, top_p: float = 0.95) -> torch.Tensor:
+def sample_streams(
+    model,
+    prompts: torch.Tensor,
+    length: int,
+    seed: int,
+    temperature: float = 1.0,
+    top_p: float = 0.95,
+) -> torch.Tensor:
     """Extend prompts [S, P] to [S, length] by sampling the stand-in target (T, top-p)."""
     gen = torch.Generator().manual_seed(seed)
     ids = prompts
@@ -52,8 +59,9 @@ def sample_streams(model, prompts: torch.Tensor, length: int, seed: int,
     return ids
 
 
-def capture_states(model_dir: str, output: str, n_streams: int = 4, length: int = 48,
-                   seed: int = 0) -> None:
+def capture_states(
+    model_dir: str, output: str, n_streams: int = 4, length: int = 48, seed: int = 0
+) -> None:
     model = load_model(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
@@ -66,8 +74,11 @@ def capture_states(model_dir: str, output: str, n_streams: int = 4, length: int 
         tensors[f"stream.{i}.input_ids"] = ids[i].to(torch.int64).contiguous()
         tensors[f"stream.{i}.aux_hidden_states"] = aux[i].to(torch.bfloat16).contiguous()
         tensors[f"stream.{i}.target_hidden_states"] = final[i].to(torch.bfloat16).contiguous()
-    save_file(tensors, output, metadata={"format": "qstream.states/1",
-                                         "note": "synthetic stand-in target"})
+    save_file(
+        tensors,
+        output,
+        metadata={"format": "qstream.states/1", "note": "synthetic stand-in target"},
+    )
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ import click
 from qstream import __version__
 from qstream.cliutil import Group
 
-
 # name -> "module:attribute"; a command's module is imported only when that command runs, so
 # `qstream-quantize` and `qstream formats` start without loading the evaluator or the card.
 COMMANDS = {

@@ -24,7 +24,7 @@ class _UserErrorsExit:
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            return super().invoke(ctx)  # type: ignore[misc]  # click.Command's, by the MRO
         except QStreamError as exc:
             click.echo(f"Error: {exc}", err=True)
             ctx.exit(1)
@@ -77,8 +77,13 @@ def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
 
         yield Silent()
         return
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("blocks"), TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:<32}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("blocks"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=True) as bar:
         yield _BlocksBar(bar)
 
@@ -147,7 +152,11 @@ def _check_json_path(ctx: click.Context, param: click.Parameter, value: str | No
 
 def json_option():
     return click.option(
-        "--json", "json_path", default=None, metavar="PATH", callback=_check_json_path,
+        "--json",
+        "json_path",
+        default=None,
+        metavar="PATH",
+        callback=_check_json_path,
         help="Also write the results as JSON to PATH ('-' for standard output).",
     )
 

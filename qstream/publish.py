@@ -46,9 +46,11 @@ def check_target(output: Path, overwrite: bool, option: str) -> None:
         if not overwrite:
             raise QStreamError(f"{option} {output} already exists (use --overwrite)")
         if not is_qstream_output(output):
-            raise QStreamError(f"{option} {output} is not a directory qstream wrote "
-                               f"(no {' or '.join(RECORD_FILES)}; it holds {_listing(output)}); "
-                               "refusing to replace it")
+            raise QStreamError(
+                f"{option} {output} is not a directory qstream wrote "
+                f"(no {' or '.join(RECORD_FILES)}; it holds {_listing(output)}); "
+                "refusing to replace it"
+            )
     parent = output.parent
     if not parent.is_dir():
         raise QStreamError(f"{option} {output}: parent directory {parent} does not exist")
@@ -61,8 +63,11 @@ def _empty_dir(path: Path) -> bool:
 
 
 def is_qstream_output(path: Path) -> bool:
-    return path.is_dir() and not path.is_symlink() and any(
-        (path / name).is_file() for name in RECORD_FILES)
+    return (
+        path.is_dir()
+        and not path.is_symlink()
+        and any((path / name).is_file() for name in RECORD_FILES)
+    )
 
 
 def _listing(path: Path, limit: int = 4) -> str:
@@ -71,8 +76,9 @@ def _listing(path: Path, limit: int = 4) -> str:
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     if not names:
         return "nothing (an empty directory)"
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit
-                                       else "")
+    return ", ".join(names[:limit]) + (
+        f" and {len(names) - limit} more" if len(names) > limit else ""
+    )
 
 
 def remove_stale_partials(output: Path, notice: Callable[[str], None] | None = None) -> list[Path]:
@@ -109,8 +115,12 @@ def _stderr_notice(message: str) -> None:
 
 
 @contextmanager
-def publishing(output: Path, overwrite: bool, option: str = "--output_dir",
-               notice: Callable[[str], None] | None = _stderr_notice) -> Iterator[Path]:
+def publishing(
+    output: Path,
+    overwrite: bool,
+    option: str = "--output_dir",
+    notice: Callable[[str], None] | None = _stderr_notice,
+) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``output``; publish it as ``output`` when the
     block ends normally, remove it otherwise (also on SIGTERM and SIGHUP)."""
     output = Path(output)
@@ -135,20 +145,25 @@ def _publish(tmp: Path, output: Path, existed: bool, option: str) -> None:
     old = None
     if existed:
         if not is_qstream_output(output):
-            raise QStreamError(f"{option} {output} changed during the run and is no longer a "
-                               "directory qstream wrote; refusing to replace it")
+            raise QStreamError(
+                f"{option} {output} changed during the run and is no longer a "
+                "directory qstream wrote; refusing to replace it"
+            )
         old = output.parent / f".{output.name}.qstream-old-{os.getpid()}"
         output.rename(old)
     elif (output.exists() or output.is_symlink()) and not _empty_dir(output):
-        raise QStreamError(f"{option} {output} was created by someone else during the run; "
-                           "nothing was replaced")
+        raise QStreamError(
+            f"{option} {output} was created by someone else during the run; nothing was replaced"
+        )
     try:
         os.rename(tmp, output)  # fails if another run published a non-empty directory first
     except OSError as exc:
         if old is not None:
             old.rename(output)
-        raise QStreamError(f"{option} {output} was created by someone else during the run "
-                           f"({exc.strerror}); nothing was replaced") from exc
+        raise QStreamError(
+            f"{option} {output} was created by someone else during the run "
+            f"({exc.strerror}); nothing was replaced"
+        ) from exc
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -162,8 +177,11 @@ def _terminate_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
-               if s is not None]
+    signals = [
+        s
+        for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
+        if s is not None
+    ]
     previous = {s: signal.getsignal(s) for s in signals}
 
     def handler(signum, frame):  # noqa: ARG001 - signal handler signature

@@ -16,6 +16,7 @@ def human_size(n_bytes: int) -> str:
             return f"{n_bytes / size:.2f} {unit}"
     return f"{n_bytes} B"
 
+
 # The floating-point dtypes a checkpoint's weights (and captured states) may hold: as torch dtypes,
 # and as the same dtypes are named in a safetensors header, in the same order.
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -27,10 +27,15 @@ def llama_tensors(layers: int = 2, seed: int = 0, dtype=torch.bfloat16) -> dict[
     t = {"model.embed_tokens.weight": _weight(gen, (V, H), dtype)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        for name, shape in (("self_attn.q_proj", (H, H)), ("self_attn.k_proj", (32, H)),
-                            ("self_attn.v_proj", (32, H)), ("self_attn.o_proj", (H, H)),
-                            ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)),
-                            ("mlp.down_proj", (H, I))):
+        for name, shape in (
+            ("self_attn.q_proj", (H, H)),
+            ("self_attn.k_proj", (32, H)),
+            ("self_attn.v_proj", (32, H)),
+            ("self_attn.o_proj", (H, H)),
+            ("mlp.gate_proj", (I, H)),
+            ("mlp.up_proj", (I, H)),
+            ("mlp.down_proj", (H, I)),
+        ):
             t[p + name + ".weight"] = _weight(gen, shape, dtype)
         t[p + "input_layernorm.weight"] = torch.ones(H, dtype=dtype)
         t[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype)
@@ -48,17 +53,20 @@ def dspark_tensors(layers: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
     for i in range(layers):
         p = f"layers.{i}."
         for name, shape in (
-            ("input_layernorm", (H,)), ("post_attention_layernorm", (H,)),
-            ("self_attn.q_a_proj", (q_lora, H)), ("self_attn.q_a_layernorm", (q_lora,)),
+            ("input_layernorm", (H,)),
+            ("post_attention_layernorm", (H,)),
+            ("self_attn.q_a_proj", (q_lora, H)),
+            ("self_attn.q_a_layernorm", (q_lora,)),
             ("self_attn.q_b_proj", (n * (nope + rope), q_lora)),
             ("self_attn.kv_a_proj_with_mqa", (kv_lora + rope, H)),
             ("self_attn.kv_a_layernorm", (kv_lora,)),
             ("self_attn.kv_b_proj", (n * (nope + v), kv_lora)),
             ("self_attn.o_proj", (H, n * v)),
-            ("mlp.gate_proj", (I, H)), ("mlp.up_proj", (I, H)), ("mlp.down_proj", (H, I)),
+            ("mlp.gate_proj", (I, H)),
+            ("mlp.up_proj", (I, H)),
+            ("mlp.down_proj", (H, I)),
         ):
-            t[p + name + ".weight"] = _weight(gen, shape) if len(shape) == 2 \
-                else torch.ones(shape)
+            t[p + name + ".weight"] = _weight(gen, shape) if len(shape) == 2 else torch.ones(shape)
     t["final_norm.weight"] = torch.ones(H)
     t["markov_head.markov_w1.weight"] = _weight(gen, (V, r))
     t["markov_head.markov_w2.weight"] = _weight(gen, (V, r))
@@ -69,8 +77,14 @@ def dspark_tensors(layers: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # The issue's recipe for a DSpark draft (what the published FP8 draft quantizes).
-DSPARK_RECIPE = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj",
-                 "self_attn.q_b_proj", "context_proj"]
+DSPARK_RECIPE = [
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "self_attn.o_proj",
+    "self_attn.q_b_proj",
+    "context_proj",
+]
 
 
 def moe_tensors(experts: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -93,13 +107,20 @@ def moe_tensors(experts: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
     return t
 
 
-def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], config: dict | None = None,
-                     shards: list[list[str]] | None = None) -> Path:
+def write_checkpoint(
+    directory: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict | None = None,
+    shards: list[list[str]] | None = None,
+) -> Path:
     """Write ``tensors`` as ``model.safetensors``, or as the given shards (lists of names) with
     a ``model.safetensors.index.json``; plus config.json and a tokenizer file."""
     directory.mkdir(parents=True, exist_ok=True)
-    config = config or {"architectures": ["LlamaForCausalLM"], "hidden_size": H,
-                        "torch_dtype": "bfloat16"}
+    config = config or {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": H,
+        "torch_dtype": "bfloat16",
+    }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "tokenizer.json").write_text('{"version": "1.0"}')
     (directory / "generation_config.json").write_text('{"do_sample": false}')
@@ -113,7 +134,8 @@ def write_checkpoint(directory: Path, tensors: dict[str, torch.Tensor], config: 
         weight_map.update(dict.fromkeys(names, shard))
     total = sum(t.nbytes for t in tensors.values())
     (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return directory
 
 
@@ -130,8 +152,11 @@ def sharded_llama(directory: Path, seed: int = 0) -> tuple[Path, dict[str, torch
 
 def tree_digest(directory: Path) -> dict[str, str]:
     """Path -> sha256 of every file under ``directory`` (to show an input is untouched)."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def as_bytes(t: torch.Tensor) -> bytes:

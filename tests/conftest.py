@@ -6,16 +6,16 @@ problems held out from the draft's own (seed 1), whose short documents keep the 
 import pytest
 from hypothesis import settings
 
+from qstream.eval.corpus import tokenize
+from qstream.model.corpus import builtin_corpus
+from qstream.model.synth import synth_checkpoint
+
 # Property tests draw the same examples on every run (derandomize) and keep no example database
 # between runs, so a failure on CI is a failure here too.
 settings.register_profile("qstream", derandomize=True, database=None)
 settings.load_profile("qstream")
 
-from qstream.eval.corpus import tokenize
-from qstream.model.corpus import builtin_corpus
-
 HELD_OUT_SEED = 1  # the draft's tokenizer and Markov statistics saw seed 0's problems
-from qstream.model.synth import synth_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,9 @@ from compressed_tensors.quantization.utils import calculate_qparams, generate_gp
 
 FP8_CHANNEL = QuantizationScheme(
     targets=["Linear"],
-    weights=QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
-                             dynamic=False),
+    weights=QuantizationArgs(
+        num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False
+    ),
 )
 SCHEMES = {
     "fp8": FP8_CHANNEL,

@@ -32,11 +32,13 @@ SIGMAS = 5.0
 def _random_tree(V: int, B: int, gen: torch.Generator, sparsity: float = 0.3):
     """Distributions p(·|prefix), q(·|prefix) for every prefix of length 0..B (p also at B): a
     dict prefix tuple -> [V] probability tensor; some entries zeroed (as top-p truncation does)."""
+
     def dist():
         w = torch.rand(V, generator=gen, dtype=torch.float64) ** 3
         w = torch.where(torch.rand(V, generator=gen) < sparsity, 0.0, w)
         w[torch.randint(V, (1,), generator=gen)] += 0.05  # never all zero
         return w / w.sum()
+
     p = {pre: dist() for n in range(B + 1) for pre in itertools.product(range(V), repeat=n)}
     q = {pre: dist() for n in range(B) for pre in itertools.product(range(V), repeat=n)}
     return p, q
@@ -69,8 +71,12 @@ def _exact_expected_emitted(p, q, V, B, rule):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), V=st.integers(2, 4), B=st.integers(1, 3),
-       sparsity=st.sampled_from([0.0, 0.3, 0.6]))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    V=st.integers(2, 4),
+    B=st.integers(1, 3),
+    sparsity=st.sampled_from([0.0, 0.3, 0.6]),
+)
 def test_block_never_accepts_fewer_than_token_wise_in_expectation(seed, V, B, sparsity):
     p, q = _random_tree(V, B, torch.Generator().manual_seed(seed), sparsity)
     token_wise = _exact_expected_emitted(p, q, V, B, "token_wise")
@@ -80,10 +86,14 @@ def test_block_never_accepts_fewer_than_token_wise_in_expectation(seed, V, B, sp
     for rule, exact in (("token_wise", token_wise), ("block", block)):
         closed = 0.0
         for draft in itertools.product(range(V), repeat=B):
-            qs = torch.tensor([[float(q[draft[:k]][draft[k]]) for k in range(B)]], dtype=torch.float64)
+            qs = torch.tensor(
+                [[float(q[draft[:k]][draft[k]]) for k in range(B)]], dtype=torch.float64
+            )
             if float(qs.prod()) == 0:
                 continue
-            ps = torch.tensor([[float(p[draft[:k]][draft[k]]) for k in range(B)]], dtype=torch.float64)
+            ps = torch.tensor(
+                [[float(p[draft[:k]][draft[k]]) for k in range(B)]], dtype=torch.float64
+            )
             closed += float(qs.prod()) * (1 + float(accept_probabilities(ps, qs, rule).sum()))
         assert closed == pytest.approx(exact, rel=1e-9, abs=1e-12)
 
@@ -92,7 +102,9 @@ def test_closed_form_block_is_never_below_token_wise_per_draft():
     gen = torch.Generator().manual_seed(0)
     p, q = torch.rand(4096, 7, generator=gen), torch.rand(4096, 7, generator=gen)
     p[p < 0.1] = 0
-    assert bool((accept_probabilities(p, q, "block") >= accept_probabilities(p, q, "token_wise")).all())
+    assert bool(
+        (accept_probabilities(p, q, "block") >= accept_probabilities(p, q, "token_wise")).all()
+    )
 
 
 def test_verifier_verifying_itself_accepts_every_token():
@@ -113,21 +125,25 @@ def test_greedy_drafting_reduces_both_rules_to_prefix_matching():
     gen = torch.Generator().manual_seed(2)
     n, B, V = 512, 5, 6
     target_top1 = torch.randint(V, (n, B), generator=gen)
-    draft = torch.where(torch.rand(n, B, generator=gen) < 0.7, target_top1,
-                        torch.randint(V, (n, B), generator=gen))
+    draft = torch.where(
+        torch.rand(n, B, generator=gen) < 0.7, target_top1, torch.randint(V, (n, B), generator=gen)
+    )
     p = torch.nn.functional.one_hot(target_top1, V).double()  # greedy verifier: argmax one-hot
     q = torch.nn.functional.one_hot(draft, V).double()  # greedy drafter
     expected = greedy_accepts(draft, target_top1)
     for rule in ("token_wise", "block"):
-        assert torch.equal(accept_probabilities(token_probs(p, draft), token_probs(q, draft), rule),
-                           expected)
+        assert torch.equal(
+            accept_probabilities(token_probs(p, draft), token_probs(q, draft), rule), expected
+        )
     bonus = torch.nn.functional.one_hot(torch.randint(V, (n, 1), generator=gen), V).double()
     for verify in (verify_token_wise, verify_block):
         out = verify(draft, torch.cat((p, bonus), dim=1), q, gen)
         assert torch.equal(out.accepted, expected.sum(dim=1).long())
 
 
-@pytest.mark.parametrize("verify, rule", [(verify_token_wise, "token_wise"), (verify_block, "block")])
+@pytest.mark.parametrize(
+    "verify, rule", [(verify_token_wise, "token_wise"), (verify_block, "block")]
+)
 def test_sampler_mean_equals_the_closed_form(verify, rule):
     gen = torch.Generator().manual_seed(3)
     n, B, V = 20000, 3, 5
@@ -139,8 +155,11 @@ def test_sampler_mean_equals_the_closed_form(verify, rule):
     closed = accept_probabilities(token_probs(p[:, :B], draft), token_probs(q, draft), rule).sum(1)
     simulated = verify(draft, p, q, gen).accepted.double()
     se = math.sqrt(simulated.var().item() / n)
-    assert abs(simulated.mean().item() - closed.mean().item()) < SIGMAS * se, \
-        (simulated.mean().item(), closed.mean().item(), se)
+    assert abs(simulated.mean().item() - closed.mean().item()) < SIGMAS * se, (
+        simulated.mean().item(),
+        closed.mean().item(),
+        se,
+    )
 
 
 def _markov(V: int, gen: torch.Generator, sparsity: float):
@@ -189,9 +208,16 @@ def _chi2_pvalue(verify, seed: int) -> float:
     start = 0
     seqs = _generate(verify, P, Q, start, L, n, B, gen)
     codes = (seqs * torch.tensor([V * V, V, 1])).sum(dim=1)
-    observed = torch.bincount(codes, minlength=V ** L).double()
-    expected = torch.tensor([float(P[start, a] * P[a, b] * P[b, c])
-                             for a, b, c in itertools.product(range(V), repeat=L)]) * n
+    observed = torch.bincount(codes, minlength=V**L).double()
+    expected = (
+        torch.tensor(
+            [
+                float(P[start, a] * P[a, b] * P[b, c])
+                for a, b, c in itertools.product(range(V), repeat=L)
+            ]
+        )
+        * n
+    )
     impossible = expected == 0
     if bool((observed[impossible] > 0).any()):
         return 0.0  # the sampler emitted a sequence the verifier cannot produce
@@ -232,5 +258,9 @@ def test_stream_weights_are_unbiased_for_the_expected_acceptance():
         direct = accept_probabilities(probs(P, drafts), probs(Q, drafts), rule).sum(1)
         weighted = stream_weights(probs(P, stream), probs(Q, stream), rule).sum(1)
         se = math.sqrt(direct.var().item() / n + weighted.var().item() / n)
-        assert abs(direct.mean().item() - weighted.mean().item()) < SIGMAS * se, \
-            (rule, direct.mean().item(), weighted.mean().item(), se)
+        assert abs(direct.mean().item() - weighted.mean().item()) < SIGMAS * se, (
+            rule,
+            direct.mean().item(),
+            weighted.mean().item(),
+            se,
+        )

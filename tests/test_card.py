@@ -15,9 +15,9 @@ import struct
 from pathlib import Path
 
 import pytest
+from checkpoints import DSPARK_RECIPE, dspark_tensors, write_checkpoint
 from click.testing import CliRunner
 
-from checkpoints import DSPARK_RECIPE, dspark_tensors, write_checkpoint
 from qstream.card.build import write_card
 from qstream.card.checkpoints import PROVENANCE
 from qstream.card.document import tables
@@ -71,14 +71,18 @@ def test_card_matches_expected_markdown(card_md):
     if os.environ.get("QSTREAM_UPDATE_GOLDEN") == "1":
         EXPECTED.write_text(text)
     assert text == EXPECTED.read_text(), (
-        "the card changed; if on purpose, regenerate with QSTREAM_UPDATE_GOLDEN=1 and review")
+        "the card changed; if on purpose, regenerate with QSTREAM_UPDATE_GOLDEN=1 and review"
+    )
 
 
 def test_every_result_number_traces_to_the_json(card_md):
     card, _, _ = card_md
     printed = _renderings(_json_numbers(_results()["regimes"]))
-    result_tables = [t for key, t in tables(card).items()
-                     if key.startswith(("ceiling_", "matched_prefix_", "agreement_", "metrics_"))]
+    result_tables = [
+        t
+        for key, t in tables(card).items()
+        if key.startswith(("ceiling_", "matched_prefix_", "agreement_", "metrics_"))
+    ]
     assert len(result_tables) == 2 + 3 + 1
     checked = 0
     for table in result_tables:
@@ -141,12 +145,16 @@ def test_missing_regime_and_format_are_reported_not_invented(tmp_path):
     data = _without(_without(_results(), regime="boot"), variant="nvfp4")
     del data["regimes"]["gauss"]["variants"]["bf16"]
     path = _write(tmp_path / "partial.json", data)
-    result = CliRunner().invoke(cli, ["card", str(path), "--output", str(tmp_path / "c.md"),
-                                      "--no-figures"])
+    result = CliRunner().invoke(
+        cli, ["card", str(path), "--output", str(tmp_path / "c.md"), "--no-figures"]
+    )
     assert result.exit_code == 0, result.output
-    for line in ("regime boot: not in the results", "format nvfp4: not in any results file",
-                 "variant bf16: no results for regime gauss",
-                 "regime gauss: no bf16 floor, so its gaps to bf16 are n/a"):
+    for line in (
+        "regime boot: not in the results",
+        "format nvfp4: not in any results file",
+        "variant bf16: no results for regime gauss",
+        "regime gauss: no bf16 floor, so its gaps to bf16 are n/a",
+    ):
         assert f"missing: {line}" in result.stderr
         assert f"- {line}" in (tmp_path / "c.md").read_text()
     card = (tmp_path / "c.md").read_text()
@@ -171,8 +179,11 @@ def test_sampled_rollout_is_labelled_with_the_runs_own_settings(tmp_path):
     whatever the run used), and says the 0.9 is the verifier's: the drafter samples the full
     softmax."""
     data = _results()
-    data["sampling"] = {**data["sampling"], "temperature": 0.7,
-                        "verifier": {"top_p": 0.9, "top_k": None}}
+    data["sampling"] = {
+        **data["sampling"],
+        "temperature": 0.7,
+        "verifier": {"top_p": 0.9, "top_k": None},
+    }
     out = tmp_path / "CARD.md"
     write_card([_write(tmp_path / "t07.json", data)], out, figures=False)
     text = out.read_text()
@@ -184,9 +195,14 @@ def test_sampled_rollout_is_labelled_with_the_runs_own_settings(tmp_path):
 def test_per_regime_files_merge_to_the_same_tables(tmp_path, card_md):
     whole, _, _ = card_md
     data = _results()
-    paths = [_write(tmp_path / f"{r}.json", _without(_without(data, regime=o1), regime=o2))
-             for r, o1, o2 in (("gauss", "heavy", "boot"), ("heavy", "gauss", "boot"),
-                               ("boot", "gauss", "heavy"))]
+    paths = [
+        _write(tmp_path / f"{r}.json", _without(_without(data, regime=o1), regime=o2))
+        for r, o1, o2 in (
+            ("gauss", "heavy", "boot"),
+            ("heavy", "gauss", "boot"),
+            ("boot", "gauss", "heavy"),
+        )
+    ]
     # a file given twice is harmless
     merged, _ = write_card([*paths, paths[0]], tmp_path / "merged.md", figures=False)
     for key, table in tables(whole).items():
@@ -224,7 +240,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert "not eval-drift results" in _cli_error([str(bad), "--output", out])
     gauss = _write(tmp_path / "g.json", _without(_without(_results(), "heavy"), "boot"))
     assert "--regime boot: not in the results" in _cli_error(
-        [str(gauss), "--regime", "boot", "--output", out])
+        [str(gauss), "--regime", "boot", "--output", out]
+    )
     assert "does not exist" in _cli_error([str(RESULTS), "--output", str(tmp_path / "no/c.md")])
 
 
@@ -239,8 +256,9 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     base = write_checkpoint(root / "base", dspark_tensors())
     quantize_checkpoint(base, root / "fp8", "fp8", include=DSPARK_RECIPE)
-    quantize_checkpoint(base, root / "mxfp4", "mxfp4", include=DSPARK_RECIPE,
-                        skip_incompatible=True)
+    quantize_checkpoint(
+        base, root / "mxfp4", "mxfp4", include=DSPARK_RECIPE, skip_incompatible=True
+    )
     for name in ("fp8", "mxfp4"):  # as if written by another tool: the card must reconstruct
         (root / name / "qstream_quantize.json").unlink()
     return root
@@ -248,12 +266,18 @@ def checkpoints(tmp_path_factory):
 
 def test_size_and_quantization_tables_come_from_the_directories(checkpoints, tmp_path):
     root = checkpoints
-    card, _ = write_card([RESULTS], tmp_path / "c.md",
-                         checkpoints=[root / "fp8", root / "mxfp4"], base=root / "base",
-                         figures=False)
+    card, _ = write_card(
+        [RESULTS],
+        tmp_path / "c.md",
+        checkpoints=[root / "fp8", root / "mxfp4"],
+        base=root / "base",
+        figures=False,
+    )
     t = tables(card)
-    files = {name: sum(p.stat().st_size for p in (root / name).glob("*.safetensors"))
-             for name in ("base", "fp8", "mxfp4")}
+    files = {
+        name: sum(p.stat().st_size for p in (root / name).glob("*.safetensors"))
+        for name in ("base", "fp8", "mxfp4")
+    }
     for row in t["size"].rows:
         assert row[2].data == files[row[0].text]
         assert row[4].text == f"{100 * files[row[0].text] / files['base']:.1f}%"
@@ -266,8 +290,12 @@ def test_size_and_quantization_tables_come_from_the_directories(checkpoints, tmp
     md = (tmp_path / "c.md").read_text()
     assert "Reconstructed from `config.json`" in md
     command = next(line for line in md.splitlines() if "--quant_format mxfp4" in line).split()
-    assert command[command.index("--include_layers") + 1:] == \
-        ["context_proj", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"]  # checkpoint order
+    assert command[command.index("--include_layers") + 1 :] == [
+        "context_proj",
+        "mlp.down_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    ]  # checkpoint order
     assert not any("no --checkpoint" in m for m in card.missing)
 
 
@@ -277,8 +305,9 @@ def test_recorded_command_is_used_when_present(checkpoints, tmp_path):
     for f in (checkpoints / "fp8").iterdir():
         (qdir / f.name).write_bytes(f.read_bytes())
     command = "qstream-quantize --model_dir base --output_dir fp8 --quant_format fp8 --workers 2"
-    (qdir / PROVENANCE).write_text(json.dumps({"command": command, "summary": {},
-                                               "qstream_version": "9.9.9"}))
+    (qdir / PROVENANCE).write_text(
+        json.dumps({"command": command, "summary": {}, "qstream_version": "9.9.9"})
+    )
     write_card([RESULTS], tmp_path / "c.md", checkpoints=[qdir], figures=False)
     md = (tmp_path / "c.md").read_text()
     assert f"```\n{command}\n```" in md and "by qstream 9.9.9" in md
@@ -287,8 +316,20 @@ def test_recorded_command_is_used_when_present(checkpoints, tmp_path):
 def test_json_and_html_formats(tmp_path):
     runner = CliRunner()
     out = tmp_path / "card.json"
-    result = runner.invoke(cli, ["card", str(RESULTS), "--output", str(out), "--format", "json",
-                                 "--regime", "boot", "--no-figures"])
+    result = runner.invoke(
+        cli,
+        [
+            "card",
+            str(RESULTS),
+            "--output",
+            str(out),
+            "--format",
+            "json",
+            "--regime",
+            "boot",
+            "--no-figures",
+        ],
+    )
     assert result.exit_code == 0, result.output
     card = json.loads(out.read_text())
     assert card["schema"] == "qstream.card/1"
@@ -300,8 +341,9 @@ def test_json_and_html_formats(tmp_path):
     assert not any(s["figures"] for s in card["sections"])
     assert not (tmp_path / "card_files").exists()
     html_out = tmp_path / "card.html"
-    result = runner.invoke(cli, ["card", str(RESULTS), "--output", str(html_out),
-                                 "--format", "html"])
+    result = runner.invoke(
+        cli, ["card", str(RESULTS), "--output", str(html_out), "--format", "html"]
+    )
     assert result.exit_code == 0, result.output
     page = html_out.read_text()
     assert page.startswith("<!DOCTYPE html>") and page.count("<table>") == 7
@@ -314,8 +356,9 @@ def test_variants_quantizing_different_tensors_say_so(tmp_path):
     different set (e.g. MXFP4 leaving K % 32 != 0 weights in bf16), its row label says so."""
     data = _results()
     for block in data["regimes"].values():
-        block["variants"]["mxfp4"]["quantized_tensors"] = \
-            block["variants"]["mxfp4"]["quantized_tensors"][:16]
+        block["variants"]["mxfp4"]["quantized_tensors"] = block["variants"]["mxfp4"][
+            "quantized_tensors"
+        ][:16]
     out = tmp_path / "CARD.md"
     card = write_card([_write(tmp_path / "sets.json", data)], out, figures=False)[0]
     rows = [row[0].text for row in tables(card)["ceiling_greedy"].rows]

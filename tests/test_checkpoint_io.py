@@ -7,9 +7,9 @@ import struct
 
 import pytest
 import torch
+from checkpoints import as_bytes, llama_tensors, write_checkpoint
 from safetensors.torch import load_file, save_file
 
-from checkpoints import as_bytes, llama_tensors, write_checkpoint
 from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.safetensors_io import (
     DTYPE_NAMES,
@@ -85,18 +85,39 @@ def _raw_file(path, header: dict, data: bytes):
     return path
 
 
-@pytest.mark.parametrize("header, data, message", [
-    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, "run past the end"),
-    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-      "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "overlaps"),
-    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "unaccounted"),
-    ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", "unknown dtype 'Q4'"),
-    ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12"),
-    ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}, b"\0" * 8, "bad shape"),
-    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, "bad data_offsets"),
-    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 9, "after the last"),
-    ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "exactly dtype, shape and data_offsets"),
-])
+@pytest.mark.parametrize(
+    "header, data, message",
+    [
+        (
+            {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 4,
+            "run past the end",
+        ),
+        (
+            {
+                "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "v": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            b"\0" * 12,
+            "overlaps",
+        ),
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, "unaccounted"),
+        ({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 1]}}, b"\0", "unknown dtype 'Q4'"),
+        ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, "needs 12"),
+        ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}}, b"\0" * 8, "bad shape"),
+        (
+            {"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}},
+            b"\0" * 8,
+            "bad data_offsets",
+        ),
+        (
+            {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+            b"\0" * 9,
+            "after the last",
+        ),
+        ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "exactly dtype, shape and data_offsets"),
+    ],
+)
 def test_bad_headers_name_the_file_and_tensor(tmp_path, header, data, message):
     path = _raw_file(tmp_path / "bad.safetensors", header, data)
     with pytest.raises(QStreamError, match=message) as exc:
@@ -139,8 +160,9 @@ def test_checkpoint_with_index(tmp_path):
     write_checkpoint(tmp_path, tensors, shards=[names[:9], names[9:]])
     ckpt = open_checkpoint(tmp_path)
     assert ckpt.has_index and len(ckpt.shards) == 2
-    assert list(ckpt.tensor_shard) == list(json.loads(
-        (tmp_path / "model.safetensors.index.json").read_text())["weight_map"])
+    assert list(ckpt.tensor_shard) == list(
+        json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    )
 
 
 def test_index_naming_a_missing_shard(tmp_path):
@@ -166,8 +188,12 @@ def test_index_with_a_tensor_listed_twice_or_misplaced(tmp_path):
     write_checkpoint(tmp_path, tensors, shards=[names[:5], names[5:]])
     index_path = tmp_path / "model.safetensors.index.json"
     text = index_path.read_text()
-    index_path.write_text(text.replace('"weight_map": {', '"weight_map": {"%s": '
-                                       '"model-00002-of-00002.safetensors", ' % names[0]))
+    index_path.write_text(
+        text.replace(
+            '"weight_map": {',
+            f'"weight_map": {{"{names[0]}": "model-00002-of-00002.safetensors", ',
+        )
+    )
     with pytest.raises(QStreamError, match="appears twice"):
         open_checkpoint(tmp_path)
     index = json.loads(text)

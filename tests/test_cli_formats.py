@@ -41,7 +41,9 @@ def test_both_option_spellings_and_greedy_lists():
 
     runner = CliRunner()
     for flag in ("--model-dir", "--model_dir"):
-        out = runner.invoke(probe, [flag, "D", "--include_layers", "a", "b", "--include-layers", "c"])
+        out = runner.invoke(
+            probe, [flag, "D", "--include_layers", "a", "b", "--include-layers", "c"]
+        )
         assert out.exit_code == 0, out.output
         assert out.output.strip() == "D|a,b,c"
 

@@ -45,8 +45,9 @@ def self_verified(tiny, corpus):
     """The reference verifying its own drafts, verifier at top-p 1 and at top-p 0.5."""
     out = {}
     for top_p in (1.0, 0.5):
-        settings = DriftSettings(regimes=("gauss",), formats=("fp32",), n_blocks=64,
-                                 acceptance=True, top_p=top_p)
+        settings = DriftSettings(
+            regimes=("gauss",), formats=("fp32",), n_blocks=64, acceptance=True, top_p=top_p
+        )
         out[top_p] = evaluate_drift(tiny, settings, corpus)
     return out
 
@@ -66,8 +67,9 @@ def test_verifier_top_p_is_applied_and_recorded(self_verified):
 
 
 def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tiny, corpus):
-    settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8", "nvfp4"), n_blocks=128,
-                             acceptance=True)
+    settings = DriftSettings(
+        regimes=("heavy",), formats=("bf16", "fp8", "nvfp4"), n_blocks=128, acceptance=True
+    )
     results = evaluate_drift(tiny, settings, corpus)
     for name, entry in results["regimes"]["heavy"]["variants"].items():
         prefix = entry["metrics"]["rollouts"]["sampled"]["matched_prefix"]["value"]
@@ -77,10 +79,21 @@ def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tin
         assert "ceiling" not in entry["metrics"]["rollouts"]["sampled"]
 
 
-@pytest.mark.parametrize("args", [["--temperature", "0"], ["--temperature", "nan"],
-                                  ["--temperature", "inf"], ["--top-p", "0"], ["--top-p", "1.5"],
-                                  ["--top-k", "0"], ["--draft-top-p", "0"], ["--blocks", "0"],
-                                  ["--tolerance", "-1"], ["--seed", "-1"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--temperature", "0"],
+        ["--temperature", "nan"],
+        ["--temperature", "inf"],
+        ["--top-p", "0"],
+        ["--top-p", "1.5"],
+        ["--top-k", "0"],
+        ["--draft-top-p", "0"],
+        ["--blocks", "0"],
+        ["--tolerance", "-1"],
+        ["--seed", "-1"],
+    ],
+)
 def test_bad_numbers_are_one_usage_line(args):
     result = CliRunner().invoke(cli, ["eval-drift", *args])
     assert result.exit_code == 2, result.output
@@ -93,8 +106,10 @@ def test_bad_numbers_are_one_usage_line(args):
 
 def _head(dtype: torch.dtype) -> SimpleNamespace:
     """A Markov head whose bias for prev = 0 is [0.75, 0]."""
-    w = {"markov_head.markov_w1.weight": torch.tensor([[1.0], [0.0]]),
-         "markov_head.markov_w2.weight": torch.tensor([[0.75], [0.0]])}
+    w = {
+        "markov_head.markov_w1.weight": torch.tensor([[1.0], [0.0]]),
+        "markov_head.markov_w2.weight": torch.tensor([[0.75], [0.0]]),
+    }
     return SimpleNamespace(w={k: v.to(dtype) for k, v in w.items()}, dtype=dtype)
 
 

@@ -41,10 +41,13 @@ def all_regimes(tiny, corpus):
 
 @pytest.mark.parametrize("regime", ["gauss", "heavy", "boot"])
 def test_drift_orders_as_precision_says(all_regimes, regime):
-    kl = {v: _metrics(all_regimes, regime, v)["kl"]["mean"]["value"]
-          for v in ("bf16", "fp8", "mxfp4", "nvfp4")}
-    ceiling = {v: _metrics(all_regimes, regime, v)["rollouts"]["greedy"]["ceiling"]["value"]
-               for v in kl}
+    kl = {
+        v: _metrics(all_regimes, regime, v)["kl"]["mean"]["value"]
+        for v in ("bf16", "fp8", "mxfp4", "nvfp4")
+    }
+    ceiling = {
+        v: _metrics(all_regimes, regime, v)["rollouts"]["greedy"]["ceiling"]["value"] for v in kl
+    }
     agree = {v: _metrics(all_regimes, regime, v)["greedy_agree_overall"]["value"] for v in kl}
     assert kl["bf16"] < kl["fp8"] < min(kl["mxfp4"], kl["nvfp4"]), kl
     assert ceiling["bf16"] > ceiling["fp8"] > max(ceiling["mxfp4"], ceiling["nvfp4"]), ceiling
@@ -73,8 +76,13 @@ def test_a_perturbed_variant_is_detected(tiny, corpus, tmp_path):
     tensors[name] = (w + 0.5 * w.std() * noise).to(torch.bfloat16)
     save_file(tensors, bad / "model.safetensors")
     # not a quantization of the model (an unquantized tensor differs): allowed, labelled foreign
-    settings = DriftSettings(regimes=("gauss",), formats=("bf16",), n_blocks=BLOCKS,
-                             variant_dirs=(("perturbed", str(bad)),), allow_foreign_variant=True)
+    settings = DriftSettings(
+        regimes=("gauss",),
+        formats=("bf16",),
+        n_blocks=BLOCKS,
+        variant_dirs=(("perturbed", str(bad)),),
+        allow_foreign_variant=True,
+    )
     r = evaluate_drift(tiny, settings, corpus)
     assert r["variants"]["perturbed"]["foreign"] is True
     floor = _metrics(r, "gauss", "bf16")
@@ -90,11 +98,24 @@ def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, 
 
     out = tmp_path / fmt
     runner = CliRunner()
-    result = runner.invoke(cli, ["quantize", "--model_dir", tiny, "--output_dir", str(out),
-                                 "--quant_format", fmt, "--include_layers", *QUANTIZE_INCLUDE])
+    result = runner.invoke(
+        cli,
+        [
+            "quantize",
+            "--model_dir",
+            tiny,
+            "--output_dir",
+            str(out),
+            "--quant_format",
+            fmt,
+            "--include_layers",
+            *QUANTIZE_INCLUDE,
+        ],
+    )
     assert result.exit_code == 0, result.output
-    settings = DriftSettings(regimes=("heavy",), formats=(fmt,), n_blocks=BLOCKS,
-                             variant_dirs=(("disk", str(out)),))
+    settings = DriftSettings(
+        regimes=("heavy",), formats=(fmt,), n_blocks=BLOCKS, variant_dirs=(("disk", str(out)),)
+    )
     r = evaluate_drift(tiny, settings, corpus)
     simulated, disk = (r["regimes"]["heavy"]["variants"][v] for v in (fmt, "disk"))
     assert disk["metrics"] == simulated["metrics"]
@@ -103,8 +124,20 @@ def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, 
 
 def test_same_seed_same_json(tiny, tmp_path):
     runner = CliRunner()
-    args = ["eval-drift", "--model", tiny, "--regime", "gauss", "--blocks", "64",
-            "--formats", "bf16,fp8", "--seed", "5", "--json"]
+    args = [
+        "eval-drift",
+        "--model",
+        tiny,
+        "--regime",
+        "gauss",
+        "--blocks",
+        "64",
+        "--formats",
+        "bf16,fp8",
+        "--seed",
+        "5",
+        "--json",
+    ]
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     assert runner.invoke(cli, [*args, str(a)]).exit_code == 0
     assert runner.invoke(cli, [*args, str(b)]).exit_code == 0
@@ -133,8 +166,9 @@ def test_variant_of_another_architecture_is_refused(tiny, corpus, tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (other / "config.json").write_text(json.dumps(cfg))
-    settings = DriftSettings(regimes=("gauss",), formats=(), n_blocks=8,
-                             variant_dirs=(("other", str(other)),))
+    settings = DriftSettings(
+        regimes=("gauss",), formats=(), n_blocks=8, variant_dirs=(("other", str(other)),)
+    )
     with pytest.raises(QStreamError, match="different architecture"):
         evaluate_drift(tiny, settings, corpus)
 

@@ -24,8 +24,19 @@ def _one_error(result) -> str:
 
 
 def _quantize(model, out, fmt="fp8"):
-    result = _run(["quantize", "--model_dir", str(model), "--output_dir", str(out),
-                   "--quant_format", fmt, "--include_layers", *QUANTIZE_INCLUDE])
+    result = _run(
+        [
+            "quantize",
+            "--model_dir",
+            str(model),
+            "--output_dir",
+            str(out),
+            "--quant_format",
+            fmt,
+            "--include_layers",
+            *QUANTIZE_INCLUDE,
+        ]
+    )
     assert result.exit_code == 0, result.output
     return out
 
@@ -64,25 +75,68 @@ def test_quantized_tensors_are_refused_without_a_quantization_config(quantized, 
 
 
 def test_a_variant_of_another_model_is_refused(tiny, foreign):
-    err = _one_error(_run(["eval-drift", "--model", tiny, "--blocks", "8", "--formats", "bf16",
-                           "--variant", f"shipped={foreign}"]))
+    err = _one_error(
+        _run(
+            [
+                "eval-drift",
+                "--model",
+                tiny,
+                "--blocks",
+                "8",
+                "--formats",
+                "bf16",
+                "--variant",
+                f"shipped={foreign}",
+            ]
+        )
+    )
     assert f"--variant shipped: {foreign} is not derived from --model {tiny}" in err
     assert "--allow-foreign-variant" in err
 
 
 def test_a_derived_variant_is_not_foreign(tiny, quantized, tmp_path):
     out = tmp_path / "r.json"
-    result = _run(["eval-drift", "--model", tiny, "--blocks", "8", "--regime", "gauss",
-                   "--formats", "bf16", "--variant", f"shipped={quantized}", "--json", str(out)])
+    result = _run(
+        [
+            "eval-drift",
+            "--model",
+            tiny,
+            "--blocks",
+            "8",
+            "--regime",
+            "gauss",
+            "--formats",
+            "bf16",
+            "--variant",
+            f"shipped={quantized}",
+            "--json",
+            str(out),
+        ]
+    )
     assert result.exit_code == 0, result.output
     assert "foreign" not in json.loads(out.read_text())["variants"]["shipped"]
 
 
 def test_an_allowed_foreign_variant_is_labelled_in_json_and_card(tiny, foreign, tmp_path):
     out = tmp_path / "r.json"
-    result = _run(["eval-drift", "--model", tiny, "--blocks", "8", "--regime", "gauss",
-                   "--formats", "bf16", "--variant", f"shipped={foreign}",
-                   "--allow-foreign-variant", "--json", str(out)])
+    result = _run(
+        [
+            "eval-drift",
+            "--model",
+            tiny,
+            "--blocks",
+            "8",
+            "--regime",
+            "gauss",
+            "--formats",
+            "bf16",
+            "--variant",
+            f"shipped={foreign}",
+            "--allow-foreign-variant",
+            "--json",
+            str(out),
+        ]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["variants"]["shipped"]["foreign"] is True
     card = tmp_path / "CARD.md"

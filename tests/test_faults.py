@@ -143,8 +143,12 @@ def test_disk_full_publishing_the_card_puts_the_old_figures_back(tmp_path, monke
 
 
 def test_a_killed_card_run_leaves_nothing_after_the_next_run(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     stale = tmp_path / f".CARD.md.qstream-partial-{dead}"  # what SIGKILL mid-card leaves
     (stale / "figures").mkdir(parents=True)
     result = _ok(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
@@ -190,7 +194,8 @@ def test_write_json_fault_keeps_the_old_file_and_leaves_no_litter(tmp_path, monk
         raise OSError(fault, os.strerror(fault))
 
     monkeypatch.setattr(qstream.cliutil.os, "fsync", failing)
-    with pytest.raises(qstream.errors.QStreamError, match=f"cannot write --json {old}: "
-                                                          f"{os.strerror(fault)}"):
+    with pytest.raises(
+        qstream.errors.QStreamError, match=f"cannot write --json {old}: {os.strerror(fault)}"
+    ):
         qstream.cliutil.write_json({"new": [1, 2]}, str(old))
     assert old.read_text() == '{"old": true}\n' and _names(tmp_path) == ["r.json"]

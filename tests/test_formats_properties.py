@@ -41,8 +41,11 @@ SNR_SUM_RTOL = 1e-12
 
 
 @settings(max_examples=90, deadline=None)
-@given(w=weights(), fmt=st.sampled_from(sorted(FORMATS)),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+@given(
+    w=weights(),
+    fmt=st.sampled_from(sorted(FORMATS)),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
 def test_in_kernel_snr_sums_equal_the_second_pass(w, fmt, dtype):
     w = w.float().clamp(-60000, 60000).to(dtype)  # within fp16's range
     energy = Energy()
@@ -56,7 +59,7 @@ def test_in_kernel_snr_sums_equal_the_second_pass(w, fmt, dtype):
 
 def test_in_kernel_snr_sums_on_a_multi_chunk_weight():
     gen = torch.Generator().manual_seed(3)
-    w = (torch.randn(700, 1024, generator=gen) * 0.02)
+    w = torch.randn(700, 1024, generator=gen) * 0.02
     w[5] = 0  # an all-zero row, and outliers that saturate blocks
     w[7, ::97] = 3.0
     w = w.bfloat16()
@@ -97,8 +100,9 @@ def test_mxfp4_scale_puts_the_block_amax_in_the_top_binades(w):
 
 
 @settings(max_examples=100, deadline=None)
-@given(arrays(np.uint8, st.tuples(st.integers(1, 4), st.integers(1, 16)),
-              elements=st.integers(0, 255)))
+@given(
+    arrays(np.uint8, st.tuples(st.integers(1, 4), st.integers(1, 16)), elements=st.integers(0, 255))
+)
 def test_packing_is_a_bijection(packed_np):
     packed = torch.from_numpy(packed_np)
     codes = e2m1.unpack(packed)

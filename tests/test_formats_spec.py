@@ -98,7 +98,7 @@ def test_fp8_zero_row_gets_the_dtype_eps():
         (1.75, 126),  # >= 1.75 * 2**e moves up to 2**(e+1)
         (6.0, 127),  # 6 = 1.5 * 2**2 -> 2**2 -> 127
         (7.0, 128),  # 7 = 1.75 * 2**2 -> 2**3
-        (2.0 ** -130, 0),  # clamped at 0
+        (2.0**-130, 0),  # clamped at 0
     ],
 )
 def test_mxfp4_e8m0_rule(amax, e8m0):
@@ -237,17 +237,44 @@ def _threshold_codes(y: torch.Tensor) -> torch.Tensor:
 def test_bit_trick_rounding_equals_the_threshold_definition_near_every_tie():
     # every float32 within 3000 ulps of each tie and grid point, both signs, plus subnormals,
     # huge values and a dense random sweep of [-8, 8]
-    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0,
-                           0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 1e-40, 1e-30, 7.0])
+    points = torch.tensor(
+        [
+            0.25,
+            0.75,
+            1.25,
+            1.75,
+            2.5,
+            3.5,
+            5.0,
+            0.5,
+            1.0,
+            1.5,
+            2.0,
+            3.0,
+            4.0,
+            6.0,
+            1e-40,
+            1e-30,
+            7.0,
+        ]
+    )
     offsets = torch.arange(-3000, 3001, dtype=torch.int32)
     near = (points.view(torch.int32)[:, None] + offsets).view(torch.float32).flatten()
     gen = torch.Generator().manual_seed(0)
-    y = torch.cat([near, -near, torch.rand(1_000_000, generator=gen) * 16 - 8,
-                   torch.tensor([0.0, -0.0, 1e30, -1e30, float("inf"), -float("inf")])])
+    y = torch.cat(
+        [
+            near,
+            -near,
+            torch.rand(1_000_000, generator=gen) * 16 - 8,
+            torch.tensor([0.0, -0.0, 1e30, -1e30, float("inf"), -float("inf")]),
+        ]
+    )
     y = y[~torch.isnan(y)]
     assert torch.equal(e2m1.round_to_codes(y), _threshold_codes(y))
-    assert torch.equal(e2m1.encode_packed(y[: y.numel() // 2 * 2].reshape(2, -1)),
-                       e2m1.pack(_threshold_codes(y[: y.numel() // 2 * 2]).reshape(2, -1)))
+    assert torch.equal(
+        e2m1.encode_packed(y[: y.numel() // 2 * 2].reshape(2, -1)),
+        e2m1.pack(_threshold_codes(y[: y.numel() // 2 * 2]).reshape(2, -1)),
+    )
 
 
 def test_decoding_packed_bytes_equals_unpack_then_decode():
@@ -255,8 +282,10 @@ def test_decoding_packed_bytes_equals_unpack_then_decode():
     for dtype in (torch.float32, torch.bfloat16):
         direct = e2m1.decode_packed(every_byte, dtype)
         two_step = e2m1.decode(e2m1.unpack(every_byte), dtype)
-        assert torch.equal(direct.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                           two_step.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(
+            direct.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            two_step.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -6,8 +6,8 @@ import zlib
 
 import pytest
 import torch
-
 from ct_reference import ct_dequantize, ct_quantize
+
 from qstream.formats import FORMATS, dequantize, quantize
 from qstream.formats.nvfp4 import tensor_amax
 

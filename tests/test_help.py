@@ -18,7 +18,10 @@ def _commands(group: click.Group):
 def test_every_option_has_help_text():
     commands = dict(_commands(cli))
     assert {"quantize", "inspect", "verify", "synth", "eval-drift", "card"} <= set(commands)
-    missing = [f"{name} {param.opts[0]}" for name, command in commands.items()
-               for param in command.params
-               if isinstance(param, click.Option) and not (param.help or "").strip()]
+    missing = [
+        f"{name} {param.opts[0]}"
+        for name, command in commands.items()
+        for param in command.params
+        if isinstance(param, click.Option) and not (param.help or "").strip()
+    ]
     assert missing == [], f"options without help: {', '.join(missing)}"

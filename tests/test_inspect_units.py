@@ -12,10 +12,18 @@ from qstream.units import human_size
 QUANTIZED = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-@pytest.mark.parametrize("n_bytes, shown", [
-    (0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (450 * 1024 + 676, "450.66 KiB"),
-    ((1 << 20) - 1, "1024.00 KiB"), (3 << 20, "3.00 MiB"), (5 << 30, "5.00 GiB"),
-])
+@pytest.mark.parametrize(
+    "n_bytes, shown",
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.00 KiB"),
+        (450 * 1024 + 676, "450.66 KiB"),
+        ((1 << 20) - 1, "1024.00 KiB"),
+        (3 << 20, "3.00 MiB"),
+        (5 << 30, "5.00 GiB"),
+    ],
+)
 def test_human_size_picks_the_largest_unit_reached(n_bytes, shown):
     assert human_size(n_bytes) == shown
 
@@ -34,8 +42,20 @@ def test_a_small_checkpoint_is_not_shown_as_zero_gib(tiny):
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
 def test_quantized_statistics_describe_the_weights(tiny, tmp_path, fmt):
     out = tmp_path / fmt
-    result = CliRunner().invoke(cli, ["quantize", "--model_dir", tiny, "--output_dir", str(out),
-                                      "--quant_format", fmt, "--include_layers", *QUANTIZED])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "quantize",
+            "--model_dir",
+            tiny,
+            "--output_dir",
+            str(out),
+            "--quant_format",
+            fmt,
+            "--include_layers",
+            *QUANTIZED,
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = {r["name"]: r for r in json.loads(_inspect(out, "--json", "-"))["weight_stats"]}
     base = {r["name"]: r for r in json.loads(_inspect(tiny, "--json", "-"))["weight_stats"]}

@@ -28,8 +28,7 @@ def test_wilson_covers_a_proportion_near_one():
     assert coverage >= LEAST, coverage
 
 
-def _clustered_hits(rng: np.random.Generator, n: int, truth: float,
-                    spread: float) -> torch.Tensor:
+def _clustered_hits(rng: np.random.Generator, n: int, truth: float, spread: float) -> torch.Tensor:
     """[n, B] 0/1 with per-block probability Beta(truth·s, (1 − truth)·s), s = 1/spread:
     correlated within a block, mean ``truth``."""
     p = rng.beta(truth / spread, (1 - truth) / spread, size=(n, 1))
@@ -77,9 +76,11 @@ def test_matched_prefix_and_greedy_acceptance_cover_where_student_t_collapses():
 def _block_pairs(gen: torch.Generator, n: int, rho: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, B] pairs: a shared per-block effect (variance 4) plus per-token noise (variance 1),
     each pair-correlated by ``rho``; the pooled correlation is ``rho``."""
+
     def correlated(shape, scale):
         a, b = torch.randn(2, *shape, generator=gen, dtype=torch.float64)
         return scale * a, scale * (rho * a + math.sqrt(1 - rho**2) * b)
+
     bx, by = correlated((n, 1), 2.0)
     tx, ty = correlated((n, B), 1.0)
     return bx + tx, by + ty

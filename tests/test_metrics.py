@@ -55,8 +55,11 @@ def _close(a: float, b: float, tol: float = FLOAT64_ABS_TOL) -> bool:
 def test_tv_and_kl_of_two_coin_distributions():
     # p = (1/2, 1/2), q = (1/4, 3/4): TV = 1/4, KL(p‖q) = ½ ln(4/3), KL(q‖p) = ¼ ln ½ + ¾ ln 3/2
     d = token_divergences(_logits_of([[[0.5, 0.5]]]), _logits_of([[[0.25, 0.75]]]))
-    expected = {"one_minus_tv": 0.75, "kl": 0.5 * math.log(4 / 3),
-                "reverse_kl": 0.25 * math.log(0.5) + 0.75 * math.log(1.5)}
+    expected = {
+        "one_minus_tv": 0.75,
+        "kl": 0.5 * math.log(4 / 3),
+        "reverse_kl": 0.25 * math.log(0.5) + 0.75 * math.log(1.5),
+    }
     for name, want in expected.items():
         got = getattr(d, name).item()
         assert _close(got, want), f"{name}: {got} vs hand value {want} (tol {FLOAT64_ABS_TOL})"
@@ -117,13 +120,16 @@ def test_greedy_match_uses_argmax_of_each_side():
 # --- Rollouts: run lengths, seq and prefix agreement -----------------------------------------
 
 
-@pytest.mark.parametrize("pattern, length", [
-    ([1, 1, 0, 1, 1, 1, 1], 2),
-    ([1, 1, 1, 1, 1, 1, 1], 7),
-    ([0, 1, 1, 1, 1, 1, 1], 0),
-    ([1, 1, 1, 1, 1, 1, 0], 6),
-    ([0, 0, 0, 0, 0, 0, 0], 0),
-])
+@pytest.mark.parametrize(
+    "pattern, length",
+    [
+        ([1, 1, 0, 1, 1, 1, 1], 2),
+        ([1, 1, 1, 1, 1, 1, 1], 7),
+        ([0, 1, 1, 1, 1, 1, 1], 0),
+        ([1, 1, 1, 1, 1, 1, 0], 6),
+        ([0, 0, 0, 0, 0, 0, 0], 0),
+    ],
+)
 def test_matched_prefix_length_of_constructed_patterns(pattern, length):
     ref = torch.arange(B).unsqueeze(0)
     var = torch.where(torch.tensor(pattern, dtype=torch.bool), ref, ref + 100)  # [1, B]
@@ -131,11 +137,15 @@ def test_matched_prefix_length_of_constructed_patterns(pattern, length):
 
 
 def test_seq_prefix_agree_and_ceiling_by_hand():
-    patterns = torch.tensor([[1, 1, 0, 1, 1, 1, 1],   # prefix 2
-                             [1, 1, 1, 1, 1, 1, 1],   # prefix 7
-                             [0, 1, 1, 1, 1, 1, 1],   # prefix 0
-                             [1, 1, 1, 0, 0, 1, 1]],  # prefix 3
-                            dtype=torch.bool)
+    patterns = torch.tensor(
+        [
+            [1, 1, 0, 1, 1, 1, 1],  # prefix 2
+            [1, 1, 1, 1, 1, 1, 1],  # prefix 7
+            [0, 1, 1, 1, 1, 1, 1],  # prefix 0
+            [1, 1, 1, 0, 0, 1, 1],
+        ],  # prefix 3
+        dtype=torch.bool,
+    )
     ref = torch.arange(4 * B).reshape(4, B)
     var = torch.where(patterns, ref, -1)
     m = rollout_metrics(ref, var)
@@ -166,12 +176,18 @@ def _score_test_bounds(k: int, n: int) -> tuple[float, float]:
     return lo, hi
 
 
-@pytest.mark.parametrize("k, n", [(0, 10), (3, 10), (10, 10), (1, 1024), (1000, 1024), (512, 1024), (7, 7168)])
+@pytest.mark.parametrize(
+    "k, n", [(0, 10), (3, 10), (10, 10), (1, 1024), (1000, 1024), (512, 1024), (7, 7168)]
+)
 def test_wilson_interval_solves_the_score_test(k, n):
     lo, hi = wilson_interval(k / n, n)
     want_lo, want_hi = _score_test_bounds(k, n)
-    assert abs(lo - want_lo) <= ROOT_FINDING_TOL and abs(hi - want_hi) <= ROOT_FINDING_TOL, \
-        (lo, hi, want_lo, want_hi)
+    assert abs(lo - want_lo) <= ROOT_FINDING_TOL and abs(hi - want_hi) <= ROOT_FINDING_TOL, (
+        lo,
+        hi,
+        want_lo,
+        want_hi,
+    )
 
 
 def test_wilson_by_hand_at_zero_successes():
@@ -247,7 +263,11 @@ def test_percentiles_match_numpy_linear():
     got = percentiles(x, KL_PERCENTILES)
     for name, fraction in KL_PERCENTILES.items():
         want = np.quantile(x.numpy(), fraction, method="linear")
-        assert abs(got[name] - want) <= FLOAT64_ABS_TOL * max(1.0, abs(want)), (name, got[name], want)
+        assert abs(got[name] - want) <= FLOAT64_ABS_TOL * max(1.0, abs(want)), (
+            name,
+            got[name],
+            want,
+        )
     assert got["max"] == x.max().item()
 
 
@@ -308,8 +328,14 @@ def _identical_run(n_blocks: int = 64, vocab: int = 50, batches: int = 3):
 def test_reference_against_itself_is_exact():
     m = _identical_run()
     assert m.n_blocks == 64 and m.block_size == B
-    for e in (*m.greedy_agree, m.greedy_agree_overall, *m.one_minus_tv, m.one_minus_tv_overall,
-              *m.rollouts["greedy"].seq_agree, *m.rollouts["greedy"].prefix_agree):
+    for e in (
+        *m.greedy_agree,
+        m.greedy_agree_overall,
+        *m.one_minus_tv,
+        m.one_minus_tv_overall,
+        *m.rollouts["greedy"].seq_agree,
+        *m.rollouts["greedy"].prefix_agree,
+    ):
         assert e.value == 1.0 and e.hi == 1.0, e
     for kl in (m.kl, m.reverse_kl):
         assert kl.mean.value == 0.0 and kl.mean.lo == 0.0 and kl.mean.hi == 0.0, kl
@@ -361,8 +387,10 @@ def test_result_summarises_the_per_token_functions():
     assert [e.value for e in m.greedy_agree] == d.top1_match.double().mean(dim=0).tolist()
     flips, decided = sched_flips(ref_conf, var_conf)
     assert _close(m.sched_flip_rate.value, flips.sum().item() / decided.sum().item())
-    assert _close(m.rollouts["sampled"].matched_prefix.value,
-                  matched_prefix_length(ref_tok, var_tok).double().mean().item())
+    assert _close(
+        m.rollouts["sampled"].matched_prefix.value,
+        matched_prefix_length(ref_tok, var_tok).double().mean().item(),
+    )
     with pytest.raises(AttributeError, match="not a ceiling"):
         m.rollouts["sampled"].ceiling
     assert 0.0 < m.kl.mean.value and m.kl.median <= m.kl.p90 <= m.kl.p99 <= m.kl.p99_9 <= m.kl.max
@@ -370,15 +398,29 @@ def test_result_summarises_the_per_token_functions():
 
 def test_to_json_has_every_metric():
     out = _accumulate(_perturbed_inputs(), 1).to_json()
-    assert set(out) == {"n_blocks", "block_size", "greedy_agree", "greedy_agree_overall", "one_minus_tv",
-                        "one_minus_tv_overall", "kl", "reverse_kl", "confidence_r", "sched_flip_rate",
-                        "rollouts", "confidence_head"}
+    assert set(out) == {
+        "n_blocks",
+        "block_size",
+        "greedy_agree",
+        "greedy_agree_overall",
+        "one_minus_tv",
+        "one_minus_tv_overall",
+        "kl",
+        "reverse_kl",
+        "confidence_r",
+        "sched_flip_rate",
+        "rollouts",
+        "confidence_head",
+    }
     assert out["confidence_head"] == "training-only head (not served by vLLM's K3 draft)"
     assert len(out["greedy_agree"]) == B and set(out["kl"]) == {"mean", *KL_PERCENTILES}
     assert set(out["rollouts"]["sampled"]) == {"seq_agree", "prefix_agree", "matched_prefix"}
     tokens = torch.zeros(2, B, dtype=torch.int64)
-    assert set(rollout_metrics(tokens, tokens, "greedy").to_json()) == {"seq_agree",
-                                                                       "prefix_agree", "ceiling"}
+    assert set(rollout_metrics(tokens, tokens, "greedy").to_json()) == {
+        "seq_agree",
+        "prefix_agree",
+        "ceiling",
+    }
 
 
 def test_streams_covering_different_blocks_are_rejected():
@@ -403,9 +445,12 @@ def test_shape_errors_name_the_input():
 
 # --- Properties ----------------------------------------------------------------------------------
 
-_logit_rows = st.integers(2, 8).flatmap(lambda v: st.tuples(
-    st.lists(st.floats(-30, 30), min_size=v, max_size=v),
-    st.lists(st.floats(-30, 30), min_size=v, max_size=v)))
+_logit_rows = st.integers(2, 8).flatmap(
+    lambda v: st.tuples(
+        st.lists(st.floats(-30, 30), min_size=v, max_size=v),
+        st.lists(st.floats(-30, 30), min_size=v, max_size=v),
+    )
+)
 
 
 # KL of logits within +-30 (terms up to ~60 nats) summed by two codes in float64 (ours and
@@ -434,7 +479,9 @@ def test_divergence_properties(rows):
     # the overlap is symmetric
     assert token_divergences(var, ref).one_minus_tv.item() == d.one_minus_tv.item()
     same = token_divergences(ref, ref.clone())
-    assert same.kl.item() == 0.0 and same.reverse_kl.item() == 0.0 and same.one_minus_tv.item() == 1.0
+    assert (
+        same.kl.item() == 0.0 and same.reverse_kl.item() == 0.0 and same.one_minus_tv.item() == 1.0
+    )
 
 
 @settings(max_examples=100, deadline=None)

@@ -5,14 +5,19 @@ import dataclasses
 
 import pytest
 import torch
+from model_helpers import random_model_weights
 
 from qstream.errors import QStreamError
 from qstream.model.config import PRESETS, DSparkConfig
 from qstream.model.dspark import (
-    DSpark, apply_rope, markov_logits, rollout, sample, sampling_probs, teacher_forced,
+    DSpark,
+    apply_rope,
+    markov_logits,
+    rollout,
+    sample,
+    sampling_probs,
+    teacher_forced,
 )
-
-from model_helpers import random_model_weights
 
 CFG = PRESETS["tiny"]
 S, T = 3, 40
@@ -23,7 +28,7 @@ BATCH_ATOL = 5e-5
 # bf16 activations vs fp32 on the same (bf16-rounded) weights: relative Frobenius error of U.
 # bf16's unit roundoff is 2^-8; measured 5.4-6.6 x 2^-8 on three random-weight tiny models
 # (2.4 x 2^-8 on a synth checkpoint), 256 blocks each.  Bound: 8 x 2^-8.
-BF16_REL_ERR = 8 * 2.0 ** -8
+BF16_REL_ERR = 8 * 2.0**-8
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +154,10 @@ def test_per_stream_context_lengths(model):
 def test_bf16_path_tracks_fp32(weights):
     rounded = {k: v.to(torch.bfloat16) for k, v in weights.items()}
     gen = torch.Generator().manual_seed(2)
-    stream, anchor = torch.randint(0, S, (64,), generator=gen), torch.randint(1, T, (64,), generator=gen)
+    stream, anchor = (
+        torch.randint(0, S, (64,), generator=gen),
+        torch.randint(1, T, (64,), generator=gen),
+    )
     first = torch.randint(0, CFG.vocab_size, (64,), generator=gen)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -164,7 +172,8 @@ def test_sampled_rollout_uses_common_random_numbers(model):
     aux = _aux()
     blocks = _blocks(model, aux, [0, 1, 2, 0], [3, 9, 20, 33])
     noise = torch.empty(4, CFG.block_size, CFG.vocab_size).exponential_(
-        generator=torch.Generator().manual_seed(4))
+        generator=torch.Generator().manual_seed(4)
+    )
     a = rollout(model, blocks, noise, temperature=0.7, top_p=0.9)
     # each step's token is the race on that step's noise over its own tempered nucleus, so
     # two models given the same noise are coupled step by step

@@ -18,8 +18,9 @@ def test_k3_synth_shapes_and_quantize_plan(tmp_path):
     report = inspect_checkpoint(out)
     assert report["tensors"] == 68 and report["params"] == 3_562_312_961
     read_draft_tensors(out)  # strict check of every name and shape, memory-mapped
-    plan = quantize_checkpoint(out, tmp_path / "fp8", "fp8", include=list(QUANTIZE_INCLUDE),
-                               dry_run=True)
+    plan = quantize_checkpoint(
+        out, tmp_path / "fp8", "fp8", include=list(QUANTIZE_INCLUDE), dry_run=True
+    )
     assert plan.params_quantized == 2_186_280_960
     assert len(plan.modules_ignored) == 41
     assert abs(plan.bytes_before / 2**30 - 6.6) < 0.05

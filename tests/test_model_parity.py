@@ -3,13 +3,12 @@ DeepSeek-V3 (MLA attention with rope_interleave, YaRN frequencies, RMSNorm, SwiG
 the same weights and config."""
 
 import torch
+from model_helpers import random_model_weights
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
 from qstream.model.config import PRESETS
 from qstream.model.dspark import DSpark, rms_norm, swiglu, yarn_inv_freq
-
-from model_helpers import random_model_weights
 
 # float32 rounding: both implementations sit within 1.7e-6 of a float64 run of themselves on
 # these shapes (outputs up to |3.1|, i.e. ~4 ulps); 1e-5 is that doubled and rounded up.
@@ -19,19 +18,31 @@ FP32_ATOL = 1e-5
 def _hf_config(cfg):
     yarn = cfg.rope_parameters
     hf = DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=1,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
-        qk_nope_head_dim=cfg.qk_nope_head_dim, qk_rope_head_dim=cfg.qk_rope_head_dim,
-        v_head_dim=cfg.v_head_dim, rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings, first_k_dense_replace=10,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        first_k_dense_replace=10,
         rope_interleave=True,
-        rope_parameters={"rope_type": "yarn", "rope_theta": cfg.rope_theta,
-                         "factor": yarn.factor,
-                         "original_max_position_embeddings": yarn.original_max_position_embeddings,
-                         "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
-                         "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim},
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": cfg.rope_theta,
+            "factor": yarn.factor,
+            "original_max_position_embeddings": yarn.original_max_position_embeddings,
+            "beta_fast": yarn.beta_fast,
+            "beta_slow": yarn.beta_slow,
+            "mscale": yarn.mscale,
+            "mscale_all_dim": yarn.mscale_all_dim,
+        },
     )
     hf._attn_implementation = "eager"
     return hf
@@ -53,7 +64,7 @@ def test_yarn_inv_freq_matches_transformers():
 
 def test_softmax_scale_matches_transformers_and_design():
     cfg = PRESETS["k3"]
-    hf_scale = ds.yarn_apply_mscale(_hf_config(cfg).rope_parameters, cfg.qk_head_dim ** -0.5)
+    hf_scale = ds.yarn_apply_mscale(_hf_config(cfg).rope_parameters, cfg.qk_head_dim**-0.5)
     assert abs(cfg.softmax_scale - hf_scale) < 1e-12
     assert round(cfg.softmax_scale, 6) == 0.130861  # docs/model.md
 
@@ -63,7 +74,7 @@ def test_decoder_layer_matches_transformers_in_causal_mode():
     weights = random_model_weights(cfg, seed=3)
     model = DSpark(cfg, weights)
     layer = ds.DeepseekV3DecoderLayer(_hf_config(cfg), layer_idx=0).eval()
-    state = {k[len("layers.0."):]: v for k, v in weights.items() if k.startswith("layers.0.")}
+    state = {k[len("layers.0.") :]: v for k, v in weights.items() if k.startswith("layers.0.")}
     layer.load_state_dict(state, strict=True)
     # transformers builds q_a_layernorm / kv_a_layernorm with its default eps 1e-6; vLLM and
     # docs/model.md use config.rms_norm_eps for every norm, so align the reference to that.
@@ -98,6 +109,9 @@ def test_swiglu_and_rmsnorm_match_transformers():
         for p in (*mlp.parameters(), *norm.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         x = torch.randn(3, 17, cfg.hidden_size, generator=gen) * 4
-        _close(swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
-               mlp(x), "SwiGLU")
+        _close(
+            swiglu(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight),
+            mlp(x),
+            "SwiGLU",
+        )
         _close(rms_norm(x, norm.weight, cfg.rms_norm_eps), norm(x), "RMSNorm")

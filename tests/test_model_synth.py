@@ -17,7 +17,11 @@ from qstream.errors import QStreamError
 from qstream.eval.builtin import builtin_corpus_docs
 from qstream.model.dspark import teacher_forced
 from qstream.model.load import (
-    QUANTIZE_INCLUDE, load_model, load_weights, read_target_tensors, simulate_format,
+    QUANTIZE_INCLUDE,
+    load_model,
+    load_weights,
+    read_target_tensors,
+    simulate_format,
 )
 from qstream.model.stats import checkpoint_stats, weight_stats
 from qstream.model.synth import synth_checkpoint
@@ -27,7 +31,8 @@ from qstream.model.synth import synth_checkpoint
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 needs_gsm8k_train = pytest.mark.skipif(
     not (GSM8K / "train.jsonl").is_file(),
-    reason=f"needs the GSM8K train split at {GSM8K}/train.jsonl (not shipped with qstream)")
+    reason=f"needs the GSM8K train split at {GSM8K}/train.jsonl (not shipped with qstream)",
+)
 TOP1_BAND = (0.4, 0.8)  # the issue's required band for the draft's mean top-1 probability
 
 
@@ -39,17 +44,26 @@ def tiny(tmp_path_factory):
 
 
 def _digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_synth_is_deterministic_and_complete(tiny, tmp_path):
     again = tmp_path / "again"
     synth_checkpoint("tiny", again, seed=0)
     assert _digest(again) == _digest(tiny)
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "target_head/config.json", "target_head/model.safetensors.index.json",
-            "target_head/model-00001-of-00001.safetensors"} <= set(_digest(tiny))
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "target_head/config.json",
+        "target_head/model.safetensors.index.json",
+        "target_head/model-00001-of-00001.safetensors",
+    } <= set(_digest(tiny))
     other = tmp_path / "other"
     synth_checkpoint("tiny", other, seed=1)
     assert _digest(other)["model.safetensors"] != _digest(tiny)["model.safetensors"]
@@ -84,8 +98,10 @@ def test_mean_top1_on_gsm8k_is_calibrated(tmp_path):
     anchor = (torch.rand(384, generator=gen) * (lengths[stream] - 8)).long()
     B = model.config.block_size
     truth = torch.stack([pad[stream, anchor + k + 1] for k in range(B)], 1)
-    aux_by_regime = {"boot": model.causal_hidden(pad).flatten(2),
-                     "gauss": torch.randn(*pad.shape, model.config.aux_size, generator=gen)}
+    aux_by_regime = {
+        "boot": model.causal_hidden(pad).flatten(2),
+        "gauss": torch.randn(*pad.shape, model.config.aux_size, generator=gen),
+    }
     for regime, aux in aux_by_regime.items():
         blocks = model.draft(model.context(aux, lengths), stream, anchor, pad[stream, anchor])
         top1 = torch.softmax(teacher_forced(model, blocks, truth).logits, -1).amax(-1).mean()
@@ -100,13 +116,29 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("layers.2.mlp.up_proj.weight"), r"missing tensor 'layers\.2\.mlp\.up_proj"),
-    (lambda t: t.update({"layers.9.extra.weight": torch.zeros(2)}), r"unexpected tensor 'layers\.9"),
-    (lambda t: t.update({"layers.0.self_attn.o_proj.weight":
-                         t["layers.0.self_attn.o_proj.weight"].T.contiguous()}),
-     r"'layers\.0\.self_attn\.o_proj\.weight' has shape \[32, 64\], expected \[64, 32\]"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.pop("layers.2.mlp.up_proj.weight"),
+            r"missing tensor 'layers\.2\.mlp\.up_proj",
+        ),
+        (
+            lambda t: t.update({"layers.9.extra.weight": torch.zeros(2)}),
+            r"unexpected tensor 'layers\.9",
+        ),
+        (
+            lambda t: t.update(
+                {
+                    "layers.0.self_attn.o_proj.weight": t[
+                        "layers.0.self_attn.o_proj.weight"
+                    ].T.contiguous()
+                }
+            ),
+            r"'layers\.0\.self_attn\.o_proj\.weight' has shape \[32, 64\], expected \[64, 32\]",
+        ),
+    ],
+)
 def test_strict_loading_names_the_offender(tiny, tmp_path, edit, message):
     bad = _rewrite(tiny, tmp_path / "bad", edit)
     with pytest.raises(QStreamError, match=message):
@@ -130,12 +162,20 @@ def test_target_supplies_lm_head_and_embedding_through_its_index(tiny, tmp_path)
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text("{}")
-    save_file({"lm_head.weight": weights["lm_head.weight"].bfloat16(),
-               "model.embed_tokens.weight": weights["embed_tokens.weight"]},
-              target / "head.safetensors")
-    index = {"weight_map": {"lm_head.weight": "head.safetensors",
-                            "model.embed_tokens.weight": "head.safetensors",
-                            "model.layers.0.mlp.up_proj.weight": "absent-shard.safetensors"}}
+    save_file(
+        {
+            "lm_head.weight": weights["lm_head.weight"].bfloat16(),
+            "model.embed_tokens.weight": weights["embed_tokens.weight"],
+        },
+        target / "head.safetensors",
+    )
+    index = {
+        "weight_map": {
+            "lm_head.weight": "head.safetensors",
+            "model.embed_tokens.weight": "head.safetensors",
+            "model.layers.0.mlp.up_proj.weight": "absent-shard.safetensors",
+        }
+    }
     (target / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(QStreamError, match="--target"):
         load_weights(draft)
@@ -148,8 +188,9 @@ def test_target_supplies_lm_head_and_embedding_through_its_index(tiny, tmp_path)
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
 def test_quantized_checkpoint_loads_as_in_memory_quantization(tiny, tmp_path, fmt):
-    quantize_checkpoint(tiny, tmp_path / fmt, fmt, include=list(QUANTIZE_INCLUDE),
-                        skip_incompatible=True)
+    quantize_checkpoint(
+        tiny, tmp_path / fmt, fmt, include=list(QUANTIZE_INCLUDE), skip_incompatible=True
+    )
     from_disk = load_weights(tmp_path / fmt)
     in_memory = simulate_format(load_weights(tiny), fmt, skip_incompatible=True)
     assert from_disk.keys() == in_memory.keys()
@@ -172,8 +213,9 @@ def test_weight_statistics(tiny):
 def test_synth_cli(tmp_path):
     runner = CliRunner()
     out = tmp_path / "cli"
-    result = runner.invoke(cli, ["synth", "--preset", "tiny", "--output_dir", str(out),
-                                 "--seed", "3", "--json", "-"])
+    result = runner.invoke(
+        cli, ["synth", "--preset", "tiny", "--output_dir", str(out), "--seed", "3", "--json", "-"]
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output)
     assert summary["tensors"] == 68 and summary["seed"] == 3

@@ -9,8 +9,8 @@ import textwrap
 import time
 
 import pytest
-
 from checkpoints import tree_digest
+
 from qstream.errors import QStreamError
 from qstream.publish import is_qstream_output, publishing, remove_stale_partials
 
@@ -30,8 +30,11 @@ def _litter(parent):
 def test_overwrite_refuses_a_directory_qstream_did_not_write(tmp_path):
     home = _home_like(tmp_path / "home")
     before = tree_digest(home)
-    with pytest.raises(QStreamError, match=r"--output_dir .*home is not a directory qstream "
-                                           r"wrote .* it holds \.bashrc, \.ssh/, Documents/"):
+    with pytest.raises(
+        QStreamError,
+        match=r"--output_dir .*home is not a directory qstream "
+        r"wrote .* it holds \.bashrc, \.ssh/, Documents/",
+    ):
         with publishing(home, overwrite=True):
             pytest.fail("no work may start")
     assert tree_digest(home) == before and _litter(tmp_path) == []
@@ -83,8 +86,12 @@ def test_an_error_removes_the_temporary_directory(tmp_path):
 
 
 def test_leftovers_of_dead_runs_are_removed_with_a_notice(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     stale = tmp_path / f".out.qstream-partial-{dead}"
     stale.mkdir()
     (stale / "x").write_text("x")
@@ -108,8 +115,9 @@ def test_signals_clean_up_like_ctrl_c(tmp_path, signum):
             print("ready", flush=True)
             time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=30)
@@ -154,9 +162,13 @@ def test_synth_overwrite_refuses_a_home_like_directory(tmp_path):
 
     home = _home_like(tmp_path / "home")
     before = tree_digest(home)
-    result = CliRunner().invoke(cli, ["synth", "--preset", "tiny", "--output_dir", str(home),
-                                      "--overwrite"])
+    result = CliRunner().invoke(
+        cli, ["synth", "--preset", "tiny", "--output_dir", str(home), "--overwrite"]
+    )
     assert result.exit_code == 1
-    assert result.output.startswith("Error: --output_dir ") and "is not a directory qstream " \
-        "wrote" in result.output and len(result.output.splitlines()) == 1
+    assert (
+        result.output.startswith("Error: --output_dir ")
+        and "is not a directory qstream wrote" in result.output
+        and len(result.output.splitlines()) == 1
+    )
     assert tree_digest(home) == before and _litter(tmp_path) == []

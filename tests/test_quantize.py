@@ -7,12 +7,6 @@ import shlex
 
 import pytest
 import torch
-from click.testing import CliRunner
-from compressed_tensors.compressors import BaseCompressor
-from compressed_tensors.quantization import QuantizationConfig
-from safetensors.torch import load_file, save_file
-
-import qstream.checkpoint.pipeline as pipeline_module
 from checkpoints import (
     DSPARK_RECIPE,
     as_bytes,
@@ -23,7 +17,13 @@ from checkpoints import (
     tree_digest,
     write_checkpoint,
 )
+from click.testing import CliRunner
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationConfig
 from ct_reference import ct_quantize
+from safetensors.torch import load_file, save_file
+
+import qstream.checkpoint.pipeline as pipeline_module
 import qstream.checkpoint.quantize as quantize_module
 from qstream.checkpoint import quantize_checkpoint
 from qstream.checkpoint.quantize import default_workers
@@ -45,8 +45,11 @@ def _load_all(directory):
 
 def _module_state(tensors, module):
     prefix = module + "."
-    return {k[len(prefix):]: v for k, v in tensors.items()
-            if k.startswith(prefix) and "." not in k[len(prefix):]}
+    return {
+        k[len(prefix) :]: v
+        for k, v in tensors.items()
+        if k.startswith(prefix) and "." not in k[len(prefix) :]
+    }
 
 
 def _fused_amax(tensors, modules):
@@ -75,8 +78,9 @@ def _check_output(src, out, fmt, quantized_modules, group_amax=None):
             ours = quantize(fmt, w, name=name, global_amax=group_amax.get(module))
             stored = {s: written[f"{module}.{s}"] for s in FORMATS[fmt].stored}
             for suffix, t in ours.items():
-                assert stored[suffix].dtype == t.dtype and as_bytes(stored[suffix]) == as_bytes(t), \
-                    f"{module}.{suffix}"
+                assert stored[suffix].dtype == t.dtype and as_bytes(stored[suffix]) == as_bytes(
+                    t
+                ), f"{module}.{suffix}"
             ct_weight = compressor.decompress(dict(stored), scheme)["weight"]
             assert as_bytes(ct_weight) == as_bytes(dequantize(fmt, stored)), module
             expected_names |= {f"{module}.{s}" for s in ours}
@@ -97,18 +101,27 @@ def test_llama_default_selection_bit_exact(tmp_path, fmt):
     amax = _fused_amax(llama_tensors(), summary.modules_quantized) if fmt == "nvfp4" else None
     qconfig = _check_output(src, out, fmt, set(summary.modules_quantized), amax)
     config = json.loads((out / "config.json").read_text())
-    assert {k: v for k, v in config.items() if k != "quantization_config"} == \
-        json.loads((src / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == json.loads(
+        (src / "config.json").read_text()
+    )
     group = qconfig["config_groups"]["group_0"]
     assert qconfig["format"] == group["format"] == FORMATS[fmt].layout
     assert qconfig["quant_method"] == "compressed-tensors"
     assert qconfig["quantization_status"] == "compressed"
     assert group["weights"] == FORMATS[fmt].weights_args and group["targets"] == ["Linear"]
     assert qconfig["ignore"] == summary.modules_ignored
-    assert sorted(qconfig["ignore"]) == sorted([
-        "model.embed_tokens", "lm_head", "model.norm",
-        *(f"model.layers.{i}.{n}" for i in range(2)
-          for n in ("input_layernorm", "post_attention_layernorm"))])
+    assert sorted(qconfig["ignore"]) == sorted(
+        [
+            "model.embed_tokens",
+            "lm_head",
+            "model.norm",
+            *(
+                f"model.layers.{i}.{n}"
+                for i in range(2)
+                for n in ("input_layernorm", "post_attention_layernorm")
+            ),
+        ]
+    )
     assert (out / "tokenizer.json").read_text() == (src / "tokenizer.json").read_text()
     assert (out / "generation_config.json").exists()
     assert not (out / "model.safetensors.index.json").exists()
@@ -125,13 +138,31 @@ def test_fp8_in_fp16_and_fp32_checkpoints(tmp_path):
 
 
 def test_dspark_recipe_fp8_via_the_issue_command_line(tmp_path):
-    src = write_checkpoint(tmp_path / "in", dspark_tensors(),
-                           config={"architectures": ["K3DSparkModel"], "model_type": "k3_dspark"})
+    src = write_checkpoint(
+        tmp_path / "in",
+        dspark_tensors(),
+        config={"architectures": ["K3DSparkModel"], "model_type": "k3_dspark"},
+    )
     out = tmp_path / "out"
-    result = CliRunner().invoke(quantize_command, [
-        "--model_dir", str(src), "--output_dir", str(out), "--quant_format", "fp8",
-        "--include_layers", *DSPARK_RECIPE, "--device", "cpu", "--workers", "1",
-        "--json", str(tmp_path / "s.json")])
+    result = CliRunner().invoke(
+        quantize_command,
+        [
+            "--model_dir",
+            str(src),
+            "--output_dir",
+            str(out),
+            "--quant_format",
+            "fp8",
+            "--include_layers",
+            *DSPARK_RECIPE,
+            "--device",
+            "cpu",
+            "--workers",
+            "1",
+            "--json",
+            str(tmp_path / "s.json"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "s.json").read_text())
     assert len(summary["modules_quantized"]) == 26 and len(summary["modules_ignored"]) == 41
@@ -141,12 +172,23 @@ def test_dspark_recipe_fp8_via_the_issue_command_line(tmp_path):
     # matching of them is replayed in test_vllm_serving.py)
     assert "re:(.*\\.)?markov_head\\.markov_w1$" in qconfig["ignore"]
     assert "re:(.*\\.)?confidence_head\\.proj$" in qconfig["ignore"]
-    assert "re:.*\\.self_attn\\.(q_a_proj|kv_a_proj_with_mqa|fused_qkv_a_proj)$" \
-        in qconfig["ignore"]
+    assert (
+        "re:.*\\.self_attn\\.(q_a_proj|kv_a_proj_with_mqa|fused_qkv_a_proj)$" in qconfig["ignore"]
+    )
     provenance = json.loads((out / "qstream_quantize.json").read_text())
-    assert provenance["command"] == shlex.join([
-        "qstream-quantize", "--model_dir", str(src), "--output_dir", str(out),
-        "--quant_format", "fp8", "--include_layers", *DSPARK_RECIPE])
+    assert provenance["command"] == shlex.join(
+        [
+            "qstream-quantize",
+            "--model_dir",
+            str(src),
+            "--output_dir",
+            str(out),
+            "--quant_format",
+            "fp8",
+            "--include_layers",
+            *DSPARK_RECIPE,
+        ]
+    )
     assert provenance["summary"]["modules_quantized"] == summary["modules_quantized"]
 
 
@@ -157,9 +199,12 @@ def test_sharded_nvfp4_fused_group_across_shards_shares_one_global_scale(tmp_pat
     gate, up = (f"model.layers.0.mlp.{m}" for m in ("gate_proj", "up_proj"))
     q, k, v = (f"model.layers.1.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj"))
     amax = {}
-    for group in ((gate, up), (q, k, v), ("model.layers.1.mlp.gate_proj",
-                                          "model.layers.1.mlp.up_proj"),
-                  tuple(f"model.layers.0.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj"))):
+    for group in (
+        (gate, up),
+        (q, k, v),
+        ("model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"),
+        tuple(f"model.layers.0.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj")),
+    ):
         shared = torch.stack([tensor_amax(tensors[m + ".weight"]) for m in group]).amax()
         amax.update(dict.fromkeys(group, shared))
     _check_output(src, out, "nvfp4", set(summary.modules_quantized), amax)
@@ -172,8 +217,9 @@ def test_sharded_nvfp4_fused_group_across_shards_shares_one_global_scale(tmp_pat
     # index: every output tensor in the shard that holds it, total_size = tensor bytes
     index = json.loads((out / "model.safetensors.index.json").read_text())
     for shard in set(index["weight_map"].values()):
-        assert set(load_file(out / shard)) == {n for n, s in index["weight_map"].items()
-                                               if s == shard}
+        assert set(load_file(out / shard)) == {
+            n for n, s in index["weight_map"].items() if s == shard
+        }
     assert index["weight_map"][up + ".weight_packed"] == "model-00002-of-00002.safetensors"
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in written.values())
 
@@ -186,8 +232,10 @@ def test_moe_experts_share_global_scale_per_expert_and_routers_stay(tmp_path):
     written = _load_all(tmp_path / "out")
     amax = {}
     for e in range(4):
-        for parent, members in ((f"model.layers.0.mlp.experts.{e}", ("gate_proj", "up_proj")),
-                                (f"model.layers.1.block_sparse_moe.experts.{e}", ("w1", "w3"))):
+        for parent, members in (
+            (f"model.layers.0.mlp.experts.{e}", ("gate_proj", "up_proj")),
+            (f"model.layers.1.block_sparse_moe.experts.{e}", ("w1", "w3")),
+        ):
             names = [f"{parent}.{m}" for m in members]
             shared = torch.stack([tensor_amax(tensors[n + ".weight"]) for n in names]).amax()
             amax.update(dict.fromkeys(names, shared))
@@ -203,24 +251,37 @@ def test_row_pieces_and_workers_give_the_same_bytes(tmp_path, fmt, monkeypatch):
     monkeypatch.setattr(pipeline_module, "PIECE_ELEMENTS", 5 * 96)
     monkeypatch.setattr(pipeline_module, "COPY_BYTES", 3 << 10)
     quantize_checkpoint(src, tmp_path / "pieces", fmt, workers=3)
-    assert (tmp_path / "whole" / "model.safetensors").read_bytes() == \
-        (tmp_path / "pieces" / "model.safetensors").read_bytes()
+    assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (
+        tmp_path / "pieces" / "model.safetensors"
+    ).read_bytes()
 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_no_snr_writes_the_same_weights_and_records_the_worker_count(tmp_path, fmt):
     src = write_checkpoint(tmp_path / "in", llama_tensors(layers=1))
     with_snr = quantize_checkpoint(src, tmp_path / "snr", fmt, workers=2)
-    result = CliRunner().invoke(quantize_command, [
-        "--model_dir", str(src), "--output_dir", str(tmp_path / "plain"), "--quant_format", fmt,
-        "--no-snr", "--json", "-"])
+    result = CliRunner().invoke(
+        quantize_command,
+        [
+            "--model_dir",
+            str(src),
+            "--output_dir",
+            str(tmp_path / "plain"),
+            "--quant_format",
+            fmt,
+            "--no-snr",
+            "--json",
+            "-",
+        ],
+    )
     assert result.exit_code == 0, result.output
     plain = json.loads(result.stdout)
     assert plain["weight_snr_db"] == {} and plain["mean_snr_db"] is None
     assert plain["workers"] == default_workers() and with_snr.workers == 2
     assert with_snr.weight_snr_db and all(v > 0 for v in with_snr.weight_snr_db.values())
-    assert (tmp_path / "snr" / "model.safetensors").read_bytes() == \
-        (tmp_path / "plain" / "model.safetensors").read_bytes()
+    assert (tmp_path / "snr" / "model.safetensors").read_bytes() == (
+        tmp_path / "plain" / "model.safetensors"
+    ).read_bytes()
     provenance = json.loads((tmp_path / "plain" / quantize_module.PROVENANCE_NAME).read_text())
     assert provenance["command"].endswith("--no-snr") and "workers" not in provenance["summary"]
 
@@ -241,19 +302,37 @@ def test_snr_matches_the_formats_weight_snr(tmp_path, monkeypatch):
 def test_dry_run_writes_nothing_and_predicts_the_size(tmp_path):
     src = write_checkpoint(tmp_path / "in", dspark_tensors())
     runner = CliRunner()
-    result = runner.invoke(cli, ["quantize", "--model-dir", str(src), "--output-dir",
-                                 str(tmp_path / "out"), "--quant-format", "mxfp4",
-                                 "--include-layers", *DSPARK_RECIPE, "--skip-incompatible",
-                                 "--dry-run", "--json", "-"])
+    result = runner.invoke(
+        cli,
+        [
+            "quantize",
+            "--model-dir",
+            str(src),
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--quant-format",
+            "mxfp4",
+            "--include-layers",
+            *DSPARK_RECIPE,
+            "--skip-incompatible",
+            "--dry-run",
+            "--json",
+            "-",
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)
     assert plan["dry_run"] and plan["weight_snr_db"] == {}
     assert len(plan["modules_skipped"]) == 10
     assert not (tmp_path / "out").exists()
-    real = quantize_checkpoint(src, tmp_path / "out", "mxfp4", include=DSPARK_RECIPE,
-                               skip_incompatible=True)
-    assert plan["bytes_after"] == real.bytes_after == \
-        (tmp_path / "out" / "model.safetensors").stat().st_size
+    real = quantize_checkpoint(
+        src, tmp_path / "out", "mxfp4", include=DSPARK_RECIPE, skip_incompatible=True
+    )
+    assert (
+        plan["bytes_after"]
+        == real.bytes_after
+        == (tmp_path / "out" / "model.safetensors").stat().st_size
+    )
     assert plan["modules_ignored"] == real.modules_ignored
 
 
@@ -293,6 +372,7 @@ def test_interrupt_leaves_no_output_and_no_temporary_directory(tmp_path):
 
 # --- bad input: one line, exit 1, input untouched, no output --------------------------------
 
+
 def _corrupt_header(src):
     shard = src / "model.safetensors"
     data = bytearray(shard.read_bytes())
@@ -309,15 +389,16 @@ def _overlap(src):
     shard = src / "model.safetensors"
     raw = shard.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    first, second = sorted((k for k in header if k != "__metadata__"),
-                           key=lambda k: header[k]["data_offsets"][0])[:2]
+    header = json.loads(raw[8 : 8 + n])
+    first, second = sorted(
+        (k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]
+    )[:2]
     size = header[second]["data_offsets"][1] - header[second]["data_offsets"][0]
     start = header[second]["data_offsets"][0] - 2
     header[second]["data_offsets"] = [start, start + size]
     body = json.dumps(header, separators=(",", ":")).encode().ljust(n)
     assert len(body) == n
-    shard.write_bytes(raw[:8] + body + raw[8 + n:])
+    shard.write_bytes(raw[:8] + body + raw[8 + n :])
 
 
 def _nan(value):
@@ -325,6 +406,7 @@ def _nan(value):
         tensors = load_file(src / "model.safetensors")
         tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = value
         save_file(tensors, src / "model.safetensors")
+
     return poison
 
 
@@ -339,8 +421,16 @@ def _missing_shard(src):
     (src / "model.safetensors").unlink()
     names = list(tensors)
     save_file({n: tensors[n] for n in names[:5]}, src / "a.safetensors")
-    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        **dict.fromkeys(names[:5], "a.safetensors"), **dict.fromkeys(names[5:], "b.safetensors")}}))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    **dict.fromkeys(names[:5], "a.safetensors"),
+                    **dict.fromkeys(names[5:], "b.safetensors"),
+                }
+            }
+        )
+    )
 
 
 def _tensor_in_two_shards(src):
@@ -353,18 +443,30 @@ def _tensor_in_two_shards(src):
 
 BAD_INPUTS = {
     "missing config": (lambda src: (src / "config.json").unlink(), [], "missing config.json"),
-    "unreadable config": (lambda src: (src / "config.json").write_text("{"), [],
-                          "config.json is not valid JSON"),
+    "unreadable config": (
+        lambda src: (src / "config.json").write_text("{"),
+        [],
+        "config.json is not valid JSON",
+    ),
     "truncated shard": (_truncate, [], "run past the end of the data (156278 bytes; truncated"),
     "corrupt header": (_corrupt_header, [], "corrupt safetensors header"),
     "overlapping offsets": (_overlap, [], "overlaps tensor"),
     "index names a missing shard": (_missing_shard, [], "names shard 'b.safetensors'"),
-    "tensor in two shards": (_tensor_in_two_shards, [], "is in two shards: a.safetensors and "
-                                                         "b.safetensors"),
-    "NaN weight fp8": (_nan(float("nan")), [],
-                       "model.layers.1.mlp.down_proj.weight: weight contains NaN or Inf"),
-    "Inf weight nvfp4": (_nan(float("inf")), ["--quant_format", "nvfp4"],
-                         "model.layers.1.mlp.down_proj.weight: weight contains NaN or Inf"),
+    "tensor in two shards": (
+        _tensor_in_two_shards,
+        [],
+        "is in two shards: a.safetensors and b.safetensors",
+    ),
+    "NaN weight fp8": (
+        _nan(float("nan")),
+        [],
+        "model.layers.1.mlp.down_proj.weight: weight contains NaN or Inf",
+    ),
+    "Inf weight nvfp4": (
+        _nan(float("inf")),
+        ["--quant_format", "nvfp4"],
+        "model.layers.1.mlp.down_proj.weight: weight contains NaN or Inf",
+    ),
     "already quantized": (_already_quantized, [], "already quantized"),
     "unknown format": (lambda src: None, ["--quant_format", "int3"], "unknown format 'int3'"),
     "bad workers": (lambda src: None, ["--workers", "0"], "--workers 0: must be at least 1"),
@@ -378,13 +480,19 @@ def test_bad_input_is_refused_cleanly(tmp_path, case):
     src = write_checkpoint(tmp_path / "in", llama_tensors())
     mutate(src)
     before = tree_digest(src)
-    args = ["--model_dir", str(src), "--output_dir", str(tmp_path / "out"),
-            "--quant_format", "fp8", *extra]
+    args = [
+        "--model_dir",
+        str(src),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--quant_format",
+        "fp8",
+        *extra,
+    ]
     result = CliRunner().invoke(quantize_command, args)
     assert result.exit_code == 1, result.output
     lines = result.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], \
-        result.output
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and message in lines[0], result.output
     assert tree_digest(src) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
@@ -394,9 +502,10 @@ def test_output_equal_to_or_inside_the_input_is_refused(tmp_path, where):
     src = write_checkpoint(tmp_path / "in", llama_tensors(layers=1))
     before = tree_digest(src)
     out = src if where == "same" else src / "quantized"
-    result = CliRunner().invoke(quantize_command, ["--model_dir", str(src), "--output_dir",
-                                                   str(out), "--quant_format", "fp8",
-                                                   "--overwrite"])
+    result = CliRunner().invoke(
+        quantize_command,
+        ["--model_dir", str(src), "--output_dir", str(out), "--quant_format", "fp8", "--overwrite"],
+    )
     assert result.exit_code == 1 and "is inside --model_dir" in result.output
     assert tree_digest(src) == before
 
@@ -407,10 +516,11 @@ def test_quantize_entry_point_imports_nothing_it_does_not_use():
     import subprocess
     import sys
 
-    code = ("import sys, qstream.cli, qstream.commands.quantize; "
-            "print(' '.join(m for m in ('matplotlib', 'scipy', 'transformers', 'pandas', "
-            "'safetensors', 'compressed_tensors', 'qstream.eval', 'qstream.model', "
-            "'qstream.card') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys, qstream.cli, qstream.commands.quantize; "
+        "print(' '.join(m for m in ('matplotlib', 'scipy', 'transformers', 'pandas', "
+        "'safetensors', 'compressed_tensors', 'qstream.eval', 'qstream.model', "
+        "'qstream.card') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 from click.testing import CliRunner
-
 from model_helpers import random_model_weights
+
 from qstream.card.build import write_card
 from qstream.card.document import tables
 from qstream.cli import cli
@@ -24,13 +24,14 @@ BLOCKS = 64
 # different order and grouping.  Higham's bound for reordering a sum of n fp32 terms is
 # (n - 1)·u relative, u = 2^-24: 9e-5 for the 1500 keys here, before the five layers; measured
 # max |dU| / max |U| = 1.2e-6 (torch 2.13, CPU).  The bound is Higham's, not the measurement.
-ONLINE_SOFTMAX_RTOL = 1500 * 2.0 ** -24
+ONLINE_SOFTMAX_RTOL = 1500 * 2.0**-24
 
 
 @pytest.fixture(scope="module")
 def sensitivity(tiny, corpus):
-    settings = DriftSettings(regimes=("heavy",), formats=("bf16",), n_blocks=BLOCKS,
-                             sensitivity=True, tolerance=1.0)
+    settings = DriftSettings(
+        regimes=("heavy",), formats=("bf16",), n_blocks=BLOCKS, sensitivity=True, tolerance=1.0
+    )
     return evaluate_drift(tiny, settings, corpus)
 
 
@@ -77,9 +78,12 @@ def test_suggested_include_list_satisfies_the_tolerance(tiny, corpus, sensitivit
     assert best["steps"] == within[-1] + 1 and len(best["include"]) >= 1
     assert best["command"] == "--include_layers " + " ".join(best["include"])
     # measured again as an ordinary variant with that include list: same ceiling, within tolerance
-    settings = DriftSettings(regimes=("heavy",), formats=("nvfp4",), n_blocks=BLOCKS,
-                             include=tuple(best["include"]))
-    again = _ceiling(evaluate_drift(tiny, settings, corpus)["regimes"]["heavy"]["variants"]["nvfp4"])
+    settings = DriftSettings(
+        regimes=("heavy",), formats=("nvfp4",), n_blocks=BLOCKS, include=tuple(best["include"])
+    )
+    again = _ceiling(
+        evaluate_drift(tiny, settings, corpus)["regimes"]["heavy"]["variants"]["nvfp4"]
+    )
     assert again == best["ceiling"]
     assert again["value"] >= sens["floor"]["ceiling"]["value"] - sens["tolerance"]
 
@@ -102,13 +106,25 @@ def test_long_streams_concatenate_documents_with_eos(corpus):
 
 
 def test_context_sweep_reports_every_bucket(tiny, corpus):
-    settings = DriftSettings(regimes=("heavy",), formats=("bf16",), n_blocks=16,
-                             context_lengths=(32, 128, 600), context_blocks=16)
+    settings = DriftSettings(
+        regimes=("heavy",),
+        formats=("bf16",),
+        n_blocks=16,
+        context_lengths=(32, 128, 600),
+        context_blocks=16,
+    )
     sweep = evaluate_drift(tiny, settings, corpus)["regimes"]["heavy"]["context_sweep"]
     assert [(b["lo"], b["hi"], b["side"]) for b in sweep["buckets"]] == [
-        (32, 128, "below"), (128, 600, "above")]
+        (32, 128, "below"),
+        (128, 600, "above"),
+    ]
     for b in sweep["buckets"]:
-        assert b["lo"] <= b["anchors"]["context_length_min"] <= b["anchors"]["context_length_max"] < b["hi"]
+        assert (
+            b["lo"]
+            <= b["anchors"]["context_length_min"]
+            <= b["anchors"]["context_length_max"]
+            < b["hi"]
+        )
         assert b["variants"]["bf16"]["metrics"]["n_blocks"] == 16
 
 
@@ -154,18 +170,38 @@ def test_chunked_causal_queries_match_and_stay_bounded():
     assert model.tallest == 64  # bounded: no score tensor holds more than 64 queries
     scale = whole.abs().max()
     err = (chunked - whole).abs().max() / scale
-    assert err <= 600 * 2.0 ** -24, f"relative error {err:.3g}"  # as ONLINE_SOFTMAX_RTOL, 600 keys
+    assert err <= 600 * 2.0**-24, f"relative error {err:.3g}"  # as ONLINE_SOFTMAX_RTOL, 600 keys
     # the first query chunk sees 64 keys; the widest the full prefix, never a [T, T] square
     assert torch.equal(chunked[:, :64], model.causal_hidden(ids[:, :64], query_chunk=64)[:, :64])
 
 
 def test_cli_sensitivity_and_sweep_json_and_card(tiny, tmp_path):
     out = tmp_path / "r.json"
-    result = CliRunner().invoke(cli, [
-        "eval-drift", "--model", tiny, "--regime", "gauss", "--formats", "bf16", "--blocks", "16",
-        "--sensitivity", "--sensitivity-format", "mxfp4", "--tolerance", "7",
-        "--context-lengths", "32,128,300",
-        "--context-blocks", "16", "--json", str(out)])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "eval-drift",
+            "--model",
+            tiny,
+            "--regime",
+            "gauss",
+            "--formats",
+            "bf16",
+            "--blocks",
+            "16",
+            "--sensitivity",
+            "--sensitivity-format",
+            "mxfp4",
+            "--tolerance",
+            "7",
+            "--context-lengths",
+            "32,128,300",
+            "--context-blocks",
+            "16",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())["regimes"]["gauss"]
     assert data["sensitivity"]["format"] == "mxfp4"
@@ -179,9 +215,24 @@ def test_cli_sensitivity_and_sweep_json_and_card(tiny, tmp_path):
 
 def test_cli_bare_context_lengths_and_bad_edges(tiny):
     runner = CliRunner()
-    bad = runner.invoke(cli, ["eval-drift", "--model", tiny, "--blocks", "8",
-                              "--context-lengths", "64,32"])
+    bad = runner.invoke(
+        cli, ["eval-drift", "--model", tiny, "--blocks", "8", "--context-lengths", "64,32"]
+    )
     assert bad.exit_code == 1 and "increasing" in bad.stderr and bad.stderr.count("\n") == 1
-    over = runner.invoke(cli, ["eval-drift", "--model", tiny, "--blocks", "8", "--formats", "bf16",
-                               "--context-lengths", "32,9000", "--context-blocks", "8"])
+    over = runner.invoke(
+        cli,
+        [
+            "eval-drift",
+            "--model",
+            tiny,
+            "--blocks",
+            "8",
+            "--formats",
+            "bf16",
+            "--context-lengths",
+            "32,9000",
+            "--context-blocks",
+            "8",
+        ],
+    )
     assert over.exit_code == 1 and "max_position_embeddings" in over.stderr

@@ -46,8 +46,13 @@ def states_file(tiny, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(tiny, corpus, states_file):
-    settings = DriftSettings(regimes=("gauss",), formats=("fp32", "bf16", "nvfp4"),
-                             n_blocks=BLOCKS, acceptance=True, states=str(states_file))
+    settings = DriftSettings(
+        regimes=("gauss",),
+        formats=("fp32", "bf16", "nvfp4"),
+        n_blocks=BLOCKS,
+        acceptance=True,
+        states=str(states_file),
+    )
     return evaluate_drift(tiny, settings, corpus)
 
 
@@ -72,8 +77,10 @@ def test_acceptance_orders_as_precision_and_block_beats_token_wise(results):
     for regime in ("gauss", "states"):
         variants = results["regimes"][regime]["variants"]
         for verifier in ("reference", "target") if regime == "states" else ("reference",):
-            emitted = {v: {m: variants[v]["acceptance"][verifier][m]["emitted"]["value"]
-                           for m in MODES} for v in variants}
+            emitted = {
+                v: {m: variants[v]["acceptance"][verifier][m]["emitted"]["value"] for m in MODES}
+                for v in variants
+            }
             for v, e in emitted.items():
                 assert 1.0 <= min(e.values()) and max(e.values()) <= 8.0, (regime, v, e)
                 # per block the block rule's value is never below the token-wise one
@@ -115,18 +122,47 @@ def _broken(states_file, tmp_path, edit) -> Path:
     return path
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.update({"stream.1.aux_hidden_states": t["stream.1.aux_hidden_states"][:, :300].contiguous()}),
-     "'stream.1.aux_hidden_states' has shape [40, 300], expected [40, 320]"),
-    (lambda t: t.update({"stream.0.input_ids": t["stream.0.input_ids"].float()}),
-     "'stream.0.input_ids' must be 1-D int32/int64"),
-    (lambda t: t.pop("stream.2.target_hidden_states"), "missing tensor 'stream.2.target_hidden_states'"),
-    (lambda t: t.update({"stream.0.extra": torch.zeros(2)}), "unexpected tensor 'stream.0.extra'"),
-    (lambda t: t["stream.3.input_ids"].__setitem__(5, 10**6), "'stream.3.input_ids' holds ids outside"),
-    (lambda t: t.update({"stream.1.target_hidden_states":
-                         t["stream.1.target_hidden_states"].to(torch.int32)}),
-     "'stream.1.target_hidden_states' has dtype I32"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.update(
+                {
+                    "stream.1.aux_hidden_states": t["stream.1.aux_hidden_states"][
+                        :, :300
+                    ].contiguous()
+                }
+            ),
+            "'stream.1.aux_hidden_states' has shape [40, 300], expected [40, 320]",
+        ),
+        (
+            lambda t: t.update({"stream.0.input_ids": t["stream.0.input_ids"].float()}),
+            "'stream.0.input_ids' must be 1-D int32/int64",
+        ),
+        (
+            lambda t: t.pop("stream.2.target_hidden_states"),
+            "missing tensor 'stream.2.target_hidden_states'",
+        ),
+        (
+            lambda t: t.update({"stream.0.extra": torch.zeros(2)}),
+            "unexpected tensor 'stream.0.extra'",
+        ),
+        (
+            lambda t: t["stream.3.input_ids"].__setitem__(5, 10**6),
+            "'stream.3.input_ids' holds ids outside",
+        ),
+        (
+            lambda t: t.update(
+                {
+                    "stream.1.target_hidden_states": t["stream.1.target_hidden_states"].to(
+                        torch.int32
+                    )
+                }
+            ),
+            "'stream.1.target_hidden_states' has dtype I32",
+        ),
+    ],
+)
 def test_bad_states_files_are_refused_naming_the_tensor(tiny, states_file, tmp_path, edit, message):
     path = _broken(states_file, tmp_path, edit)
     with pytest.raises(QStreamError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -136,13 +172,31 @@ def test_bad_states_files_are_refused_naming_the_tensor(tiny, states_file, tmp_p
 def test_cli_states_and_acceptance(tiny, states_file, tmp_path):
     runner = CliRunner()
     out = tmp_path / "r.json"
-    result = runner.invoke(cli, ["eval-drift", "--model", str(tiny), "--states", str(states_file),
-                                 "--formats", "bf16", "--blocks", "16", "--acceptance",
-                                 "--json", str(out)])
+    result = runner.invoke(
+        cli,
+        [
+            "eval-drift",
+            "--model",
+            str(tiny),
+            "--states",
+            str(states_file),
+            "--formats",
+            "bf16",
+            "--blocks",
+            "16",
+            "--acceptance",
+            "--json",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert list(data["regimes"]) == ["states"]  # --states alone runs only the captured regime
-    assert set(data["regimes"]["states"]["variants"]["bf16"]["acceptance"]) == {"reference", "target"}
-    bad = runner.invoke(cli, ["eval-drift", "--model", str(tiny), "--states", str(tmp_path / "no"),
-                              "--blocks", "8"])
+    assert set(data["regimes"]["states"]["variants"]["bf16"]["acceptance"]) == {
+        "reference",
+        "target",
+    }
+    bad = runner.invoke(
+        cli, ["eval-drift", "--model", str(tiny), "--states", str(tmp_path / "no"), "--blocks", "8"]
+    )
     assert bad.exit_code == 1 and "no such file" in bad.stderr and bad.stderr.count("\n") == 1

@@ -42,8 +42,12 @@ def test_quiet_under_json_stdout_and_off_a_terminal():
 
 def _wide_table(n_values: int = 5) -> Table:
     columns = ["metric", *(f"variant{i}" for i in range(n_values))]
-    rows = [[Cell("a long metric label, sampled rollout (T=1.0, top-p 0.95) [95% CI]"),
-             *(Cell(f"0.{i}123 [0.{i}120, 0.{i}126]") for i in range(n_values))]]
+    rows = [
+        [
+            Cell("a long metric label, sampled rollout (T=1.0, top-p 0.95) [95% CI]"),
+            *(Cell(f"0.{i}123 [0.{i}120, 0.{i}126]") for i in range(n_values)),
+        ]
+    ]
     return Table("caption", columns, rows, "key")
 
 
@@ -51,8 +55,9 @@ def test_a_wide_table_is_split_into_parts_that_fit_keeping_the_labels():
     table = _wide_table()
     pieces = split_table(table, 100)
     assert len(pieces) > 1
-    assert [p.caption for p in pieces] == [f"caption ({n}/{len(pieces)})"
-                                           for n in range(1, len(pieces) + 1)]
+    assert [p.caption for p in pieces] == [
+        f"caption ({n}/{len(pieces)})" for n in range(1, len(pieces) + 1)
+    ]
     assert all(p.columns[0] == "metric" for p in pieces)
     assert [c for p in pieces for c in p.columns[1:]] == table.columns[1:]
     for piece in pieces:

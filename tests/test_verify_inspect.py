@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from checkpoints import llama_tensors, sharded_llama, write_checkpoint
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from checkpoints import llama_tensors, sharded_llama, write_checkpoint
 from qstream.checkpoint import quantize_checkpoint
 from qstream.cli import cli
 
@@ -18,8 +18,10 @@ def quantized(tmp_path_factory):
     """One quantized output per format (the sharded Llama, fused group across shards)."""
     root = tmp_path_factory.mktemp("verify")
     src, _ = sharded_llama(root / "in")
-    return src, {fmt: quantize_checkpoint(src, root / fmt, fmt).output_dir
-                 for fmt in ("fp8", "mxfp4", "nvfp4")}
+    return src, {
+        fmt: quantize_checkpoint(src, root / fmt, fmt).output_dir
+        for fmt in ("fp8", "mxfp4", "nvfp4")
+    }
 
 
 def _copy(path, tmp_path):
@@ -84,6 +86,7 @@ def _scale_value(name, value):
             return False
         tensors[name].view(-1)[0] = value
         return True
+
     return change
 
 
@@ -116,43 +119,88 @@ def _split_group(tensors):
 
 
 CASES = {
-    "module unaccounted for": ("fp8", "config", lambda q: q["ignore"].remove("model.norm"),
-                               "model.norm holds an unquantized weight but is not in ignore"),
-    "quantized module ignored": ("mxfp4", "config",
-                                 lambda q: q["ignore"].append("model.layers.0.mlp.down_proj"),
-                                 "model.layers.0.mlp.down_proj is quantized but listed in ignore"),
-    "in targets and ignore": ("fp8", "config", lambda q: q["config_groups"]["group_0"][
-        "targets"].append("model.norm"), "model.norm is in both targets and ignore"),
-    "two groups": ("fp8", "config", lambda q: q["config_groups"].update(
-        group_1=q["config_groups"]["group_0"]), "expected exactly one config group, found 2"),
-    "weights args": ("nvfp4", "config", lambda q: q["config_groups"]["group_0"]["weights"].update(
-        group_size=32), "weights.group_size is 32, the nvfp4-pack-quantized format needs 16"),
-    "global scales differ": ("nvfp4", "tensors", _second_global_scale,
-                             "model.layers.0.mlp.{gate_proj, up_proj} has 2 different NVFP4 global"),
-    "nan block scale": ("nvfp4", "tensors", _nan_scale,
-                        "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) non-finite or "
-                        "not positive, e.g. nan"),
-    "zero fp8 scale": ("fp8", "tensors", _scale_value("model.layers.1.mlp.down_proj.weight_scale",
-                                                      0.0),
-                       "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) non-finite or "
-                       "not positive, e.g. 0.0"),
-    "negative global scale": ("nvfp4", "tensors",
-                              _scale_value("model.layers.1.mlp.down_proj.weight_global_scale",
-                                           -1.0),
-                              "model.layers.1.mlp.down_proj.weight_global_scale: 1 value(s) "
-                              "non-finite or not positive, e.g. -1.0"),
-    "E8M0 NaN": ("mxfp4", "tensors", _scale_value("model.layers.1.mlp.down_proj.weight_scale",
-                                                  0xFF),
-                 "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) E8M0 0xFF (NaN), e.g. 255"),
-    "non-finite dequantize (--deep)": ("fp8", "tensors", _nan_code,
-                                       "model.layers.1.mlp.down_proj: dequantized weight has "
-                                       "non-finite"),
+    "module unaccounted for": (
+        "fp8",
+        "config",
+        lambda q: q["ignore"].remove("model.norm"),
+        "model.norm holds an unquantized weight but is not in ignore",
+    ),
+    "quantized module ignored": (
+        "mxfp4",
+        "config",
+        lambda q: q["ignore"].append("model.layers.0.mlp.down_proj"),
+        "model.layers.0.mlp.down_proj is quantized but listed in ignore",
+    ),
+    "in targets and ignore": (
+        "fp8",
+        "config",
+        lambda q: q["config_groups"]["group_0"]["targets"].append("model.norm"),
+        "model.norm is in both targets and ignore",
+    ),
+    "two groups": (
+        "fp8",
+        "config",
+        lambda q: q["config_groups"].update(group_1=q["config_groups"]["group_0"]),
+        "expected exactly one config group, found 2",
+    ),
+    "weights args": (
+        "nvfp4",
+        "config",
+        lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32),
+        "weights.group_size is 32, the nvfp4-pack-quantized format needs 16",
+    ),
+    "global scales differ": (
+        "nvfp4",
+        "tensors",
+        _second_global_scale,
+        "model.layers.0.mlp.{gate_proj, up_proj} has 2 different NVFP4 global",
+    ),
+    "nan block scale": (
+        "nvfp4",
+        "tensors",
+        _nan_scale,
+        "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) non-finite or "
+        "not positive, e.g. nan",
+    ),
+    "zero fp8 scale": (
+        "fp8",
+        "tensors",
+        _scale_value("model.layers.1.mlp.down_proj.weight_scale", 0.0),
+        "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) non-finite or "
+        "not positive, e.g. 0.0",
+    ),
+    "negative global scale": (
+        "nvfp4",
+        "tensors",
+        _scale_value("model.layers.1.mlp.down_proj.weight_global_scale", -1.0),
+        "model.layers.1.mlp.down_proj.weight_global_scale: 1 value(s) "
+        "non-finite or not positive, e.g. -1.0",
+    ),
+    "E8M0 NaN": (
+        "mxfp4",
+        "tensors",
+        _scale_value("model.layers.1.mlp.down_proj.weight_scale", 0xFF),
+        "model.layers.1.mlp.down_proj.weight_scale: 1 value(s) E8M0 0xFF (NaN), e.g. 255",
+    ),
+    "non-finite dequantize (--deep)": (
+        "fp8",
+        "tensors",
+        _nan_code,
+        "model.layers.1.mlp.down_proj: dequantized weight has non-finite",
+    ),
     "scale dtype": ("fp8", "tensors", _wrong_scale_dtype, None),
-    "wrong scale dtype": ("mxfp4", "tensors", _wrong_scale_dtype,
-                          "model.layers.1.mlp.down_proj.weight_scale: stored F32 [64, 3], "
-                          "expected U8 [64, 3]"),
-    "split group": ("mxfp4", "tensors", _split_group,
-                    "fused group model.layers.1.mlp.{gate_proj, up_proj} is split"),
+    "wrong scale dtype": (
+        "mxfp4",
+        "tensors",
+        _wrong_scale_dtype,
+        "model.layers.1.mlp.down_proj.weight_scale: stored F32 [64, 3], expected U8 [64, 3]",
+    ),
+    "split group": (
+        "mxfp4",
+        "tensors",
+        _split_group,
+        "fused group model.layers.1.mlp.{gate_proj, up_proj} is split",
+    ),
 }
 
 
@@ -222,8 +270,10 @@ def test_inspect_reports_weight_statistics(tmp_path):
     src = tmp_path / "m"
     src.mkdir()
     (src / "config.json").write_text("{}")
-    save_file({"proj.weight": w.to(torch.bfloat16), "norm.weight": torch.ones(32)},
-          str(src / "model.safetensors"))
+    save_file(
+        {"proj.weight": w.to(torch.bfloat16), "norm.weight": torch.ones(32)},
+        str(src / "model.safetensors"),
+    )
     result = CliRunner().invoke(cli, ["inspect", str(src), "--json", "-"])
     assert result.exit_code == 0, result.output
     stats = {r["name"]: r for r in json.loads(result.output)["weight_stats"]}
@@ -235,12 +285,16 @@ def test_verify_checks_the_recorded_sha256_of_every_file(quantized, tmp_path):
     directory = _copy(quantized[1]["nvfp4"], tmp_path)
     assert _verify(directory).exit_code == 0
     record = json.loads((directory / "qstream_quantize.json").read_text())
-    assert set(record["files"]) >= {"config.json", "model.safetensors.index.json",
-                                    "model-00001-of-00002.safetensors", "tokenizer.json"}
+    assert set(record["files"]) >= {
+        "config.json",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+        "tokenizer.json",
+    }
     shard = directory / "model-00002-of-00002.safetensors"
     data = bytearray(shard.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
-    begin, _ = json.loads(data[8:8 + header_len])["lm_head.weight"]["data_offsets"]
+    begin, _ = json.loads(data[8 : 8 + header_len])["lm_head.weight"]["data_offsets"]
     data[8 + header_len + begin] ^= 0x01  # one flipped bit of an unquantized weight
     shard.write_bytes(bytes(data))
     (directory / "tokenizer.json").unlink()

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import DSPARK_RECIPE, as_bytes
 from click.testing import CliRunner
+from ct_reference import ct_quantize
 from safetensors.torch import load_file, save_file
 
-from checkpoints import DSPARK_RECIPE, as_bytes
-from ct_reference import ct_quantize
 from qstream.checkpoint import quantize_checkpoint
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter, TensorInfo
 from qstream.checkpoint.selection import select_modules
@@ -39,15 +39,22 @@ TARGET_LAYERS = (8, 93)  # the tiny preset's target, and Kimi-K3
 
 # --- vLLM's decision, replayed independently ---------------------------------------------------
 
+
 def vllm_linear_layers(L: int) -> dict[str, list[str]]:
     """Runtime Linear layer -> checkpoint modules loaded into it, for the K3 DSpark draft."""
     layers: dict[str, list[str]] = {}
     for i in range(LAYERS):
         rt, ck = f"model.layers.{L + i}.", f"layers.{i}."
-        layers[rt + "self_attn.fused_qkv_a_proj"] = [ck + "self_attn.q_a_proj",
-                                                     ck + "self_attn.kv_a_proj_with_mqa"]
-        for leaf in ("self_attn.q_b_proj", "self_attn.kv_b_proj", "self_attn.o_proj",
-                     "mlp.down_proj"):
+        layers[rt + "self_attn.fused_qkv_a_proj"] = [
+            ck + "self_attn.q_a_proj",
+            ck + "self_attn.kv_a_proj_with_mqa",
+        ]
+        for leaf in (
+            "self_attn.q_b_proj",
+            "self_attn.kv_b_proj",
+            "self_attn.o_proj",
+            "mlp.down_proj",
+        ):
             layers[rt + leaf] = [ck + leaf]
         layers[rt + "mlp.gate_up_proj"] = [ck + "mlp.gate_proj", ck + "mlp.up_proj"]
     layers["model.context_proj"] = ["context_proj"]
@@ -62,15 +69,18 @@ def replay(directory, L: int, tp: int = 1) -> list[str]:
     """Everything vLLM would load differently from what the checkpoint stores."""
     config = json.loads((directory / "config.json").read_text())
     qconfig = config["quantization_config"]
-    fmt = {"naive-quantized": "fp8", "mxfp4-pack-quantized": "mxfp4",
-           "nvfp4-pack-quantized": "nvfp4"}[qconfig["format"]]
+    fmt = {
+        "naive-quantized": "fp8",
+        "mxfp4-pack-quantized": "mxfp4",
+        "nvfp4-pack-quantized": "nvfp4",
+    }[qconfig["format"]]
     tensors = load_file(directory / "model.safetensors")
     first = FORMATS[fmt].stored[0]
 
     def stored_quantized(module):
-        return f"{module}.{first}" in tensors and (fmt != "fp8" or
-                                                   tensors[f"{module}.weight"].dtype ==
-                                                   torch.float8_e4m3fn)
+        return f"{module}.{first}" in tensors and (
+            fmt != "fp8" or tensors[f"{module}.weight"].dtype == torch.float8_e4m3fn
+        )
 
     wrong = []
     layers = vllm_linear_layers(L)
@@ -82,8 +92,11 @@ def replay(directory, L: int, tp: int = 1) -> list[str]:
         if name == "model.context_proj" and tp > 1 and config["hidden_size"] % tp == 0:
             builds_quantized = False  # kept BF16 when sharded (docs/vllm.md)
         wrong += [f"{name}: {s}" for s in shards if stored_quantized(s) != builds_quantized]
-        scales = {tensors[f"{s}.weight_global_scale"].item() for s in shards
-                  if f"{s}.weight_global_scale" in tensors}
+        scales = {
+            tensors[f"{s}.weight_global_scale"].item()
+            for s in shards
+            if f"{s}.weight_global_scale" in tensors
+        }
         if len(scales) > 1:
             wrong.append(f"{name}: global scales {sorted(scales)}")
     for module in ("markov_head.markov_w1", "markov_head.markov_w2", "confidence_head.proj"):
@@ -110,9 +123,10 @@ GOOD = {
 @pytest.fixture(scope="module")
 def outputs(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
-    return {case: Path(quantize_checkpoint(tiny, root / case.replace(" ", "-"), fmt,
-                                           **kw).output_dir)
-            for case, (fmt, kw) in GOOD.items()}
+    return {
+        case: Path(quantize_checkpoint(tiny, root / case.replace(" ", "-"), fmt, **kw).output_dir)
+        for case, (fmt, kw) in GOOD.items()
+    }
 
 
 @pytest.mark.parametrize("case", list(GOOD))
@@ -132,8 +146,11 @@ def test_default_selection_follows_vllm(outputs):
     for module in ("markov_head.markov_w2", "confidence_head.proj", "markov_head.markov_w1"):
         assert f"{module}.weight" in written and written[f"{module}.weight"].dtype == torch.bfloat16
     # q_a/kv_a of every layer quantized, sharing one global scale (the cross-layer group)
-    scales = {written[f"layers.{i}.self_attn.{m}.weight_global_scale"].item()
-              for i in range(LAYERS) for m in ("q_a_proj", "kv_a_proj_with_mqa")}
+    scales = {
+        written[f"layers.{i}.self_attn.{m}.weight_global_scale"].item()
+        for i in range(LAYERS)
+        for m in ("q_a_proj", "kv_a_proj_with_mqa")
+    }
     assert len(scales) == 1
 
 
@@ -143,29 +160,43 @@ def test_cross_layer_group_is_byte_identical_to_compressed_tensors(tiny, outputs
     helper does) writes exactly our bytes."""
     base = load_file(Path(tiny) / "model.safetensors")
     written = load_file(outputs["default nvfp4"] / "model.safetensors")
-    group = [f"layers.{i}.self_attn.{m}" for i in range(LAYERS)
-             for m in ("q_a_proj", "kv_a_proj_with_mqa")]
+    group = [
+        f"layers.{i}.self_attn.{m}"
+        for i in range(LAYERS)
+        for m in ("q_a_proj", "kv_a_proj_with_mqa")
+    ]
     for module in group:
         others = [base[f"{m}.weight"] for m in group if m != module]
         expected = ct_quantize("nvfp4", base[f"{module}.weight"], fused_with=others)
         for suffix in FORMATS["nvfp4"].stored:
-            assert as_bytes(written[f"{module}.{suffix}"]) == as_bytes(expected[suffix]), \
+            assert as_bytes(written[f"{module}.{suffix}"]) == as_bytes(expected[suffix]), (
                 f"{module}.{suffix}"
+            )
 
 
 def test_ignore_entries_are_regexes_by_kind_covering_hf_and_fused_names(outputs):
     qconfig = json.loads((outputs["recipe fp8"] / "config.json").read_text())
     ignore = qconfig["quantization_config"]["ignore"]
-    for name in ("layers.3.self_attn.q_a_proj", "model.layers.96.self_attn.fused_qkv_a_proj",
-                 "model.layers.11.self_attn.kv_a_proj_with_mqa", "layers.0.self_attn.kv_b_proj",
-                 "model.layers.93.self_attn.kv_b_proj", "markov_head.markov_w2"):
+    for name in (
+        "layers.3.self_attn.q_a_proj",
+        "model.layers.96.self_attn.fused_qkv_a_proj",
+        "model.layers.11.self_attn.kv_a_proj_with_mqa",
+        "layers.0.self_attn.kv_b_proj",
+        "model.layers.93.self_attn.kv_b_proj",
+        "markov_head.markov_w2",
+    ):
         assert vllm_ignores(name, ignore), name
-    for name in ("model.context_proj", "model.layers.93.mlp.gate_up_proj",
-                 "model.layers.95.self_attn.q_b_proj", "layers.0.mlp.down_proj"):
+    for name in (
+        "model.context_proj",
+        "model.layers.93.mlp.gate_up_proj",
+        "model.layers.95.self_attn.q_b_proj",
+        "layers.0.mlp.down_proj",
+    ):
         assert not vllm_ignores(name, ignore), name
 
 
 # --- deliberately broken checkpoints ------------------------------------------------------------
+
 
 def _rewrite(out, change_tensors=None, change_ignore=None):
     path = out / "model.safetensors"
@@ -176,7 +207,8 @@ def _rewrite(out, change_tensors=None, change_ignore=None):
     if change_ignore:
         config = json.loads((out / "config.json").read_text())
         config["quantization_config"]["ignore"] = change_ignore(
-            config["quantization_config"]["ignore"])
+            config["quantization_config"]["ignore"]
+        )
         (out / "config.json").write_text(json.dumps(config))
 
 
@@ -186,6 +218,7 @@ def _quantize_module(base, fmt, module, amax=None):
         del tensors[f"{module}.weight"]
         stored = quantize(fmt, w, global_amax=amax)
         tensors.update({f"{module}.{k}": v for k, v in stored.items()})
+
     return change
 
 
@@ -194,62 +227,121 @@ def _unquantize_module(base, fmt, module):
         for suffix in FORMATS[fmt].stored:
             tensors.pop(f"{module}.{suffix}", None)
         tensors[f"{module}.weight"] = base[f"{module}.weight"]
+
     return change
 
 
 def _per_pair_scales(base):
     """NVFP4 as qstream wrote it before: each layer's q_a/kv_a pair with its own scale."""
+
     def change(tensors):
         for i in range(LAYERS):
             pair = [f"layers.{i}.self_attn.{m}" for m in ("q_a_proj", "kv_a_proj_with_mqa")]
             amax = max(tensor_amax(base[f"{m}.weight"]) for m in pair)
             for m in pair:
-                tensors.update({f"{m}.{k}": v for k, v in
-                                quantize("nvfp4", base[f"{m}.weight"], global_amax=amax).items()})
+                tensors.update(
+                    {
+                        f"{m}.{k}": v
+                        for k, v in quantize("nvfp4", base[f"{m}.weight"], global_amax=amax).items()
+                    }
+                )
+
     return change
 
 
 def _exact_checkpoint_names(out):
     tensors = load_file(out / "model.safetensors")
-    return lambda _: sorted({n.rsplit(".", 1)[0] for n in tensors if n.endswith(".weight")
-                             and tensors[n].dtype == torch.bfloat16})
+    return lambda _: sorted(
+        {
+            n.rsplit(".", 1)[0]
+            for n in tensors
+            if n.endswith(".weight") and tensors[n].dtype == torch.bfloat16
+        }
+    )
 
 
 BROKEN = {
     # case: (good output, tensors change(base), ignore change(out), verify kwargs, verify line)
-    "split gate/up": ("default nvfp4", lambda b: _unquantize_module(b, "nvfp4",
-                                                                     "layers.1.mlp.up_proj"),
-                      None, {}, "fused group layers.1.mlp.{gate_proj, up_proj} is split"),
+    "split gate/up": (
+        "default nvfp4",
+        lambda b: _unquantize_module(b, "nvfp4", "layers.1.mlp.up_proj"),
+        None,
+        {},
+        "fused group layers.1.mlp.{gate_proj, up_proj} is split",
+    ),
     "one layer's kv_a quantized": (
-        "recipe fp8", lambda b: _quantize_module(b, "fp8", "layers.2.self_attn.kv_a_proj_with_mqa"),
-        None, {}, "model.layers.10.self_attn.fused_qkv_a_proj: vLLM builds it unquantized"),
+        "recipe fp8",
+        lambda b: _quantize_module(b, "fp8", "layers.2.self_attn.kv_a_proj_with_mqa"),
+        None,
+        {},
+        "model.layers.10.self_attn.fused_qkv_a_proj: vLLM builds it unquantized",
+    ),
     "quantized markov_w2": (
-        "recipe nvfp4", lambda b: _quantize_module(b, "nvfp4", "markov_head.markov_w2"),
-        None, {}, "markov_head.markov_w2: stored nvfp4, but vLLM never quantizes it"),
+        "recipe nvfp4",
+        lambda b: _quantize_module(b, "nvfp4", "markov_head.markov_w2"),
+        None,
+        {},
+        "markov_head.markov_w2: stored nvfp4, but vLLM never quantizes it",
+    ),
     "quantized confidence head": (
-        "recipe fp8", lambda b: _quantize_module(b, "fp8", "confidence_head.proj"),
-        None, {}, "confidence_head.proj: stored fp8, but vLLM never quantizes it"),
-    "exact-name ignore": ("recipe fp8", None, "exact", {},
-                          "model.layers.8.self_attn.fused_qkv_a_proj: vLLM builds it fp8"),
-    "per-pair NVFP4 scales": ("default nvfp4", _per_pair_scales, None, {},
-                              "fused group self_attn.{q_a_proj, kv_a_proj_with_mqa} of every "
-                              "layer has 5 different NVFP4 global scales"),
-    "context_proj at TP 16": ("recipe nvfp4", None, None, {"tensor_parallel_size": 16},
-                              "model.context_proj: vLLM builds it unquantized (vLLM keeps "
-                              "context_proj in BF16 at tensor_parallel_size 16"),
-    "q_a/kv_a quantized at TP 16": ("default nvfp4", None, None, {"tensor_parallel_size": 16},
-                                    "layers.0.self_attn.q_a_proj: stored nvfp4, but at "
-                                    "tensor_parallel_size 16 vLLM's streamed-context path"),
+        "recipe fp8",
+        lambda b: _quantize_module(b, "fp8", "confidence_head.proj"),
+        None,
+        {},
+        "confidence_head.proj: stored fp8, but vLLM never quantizes it",
+    ),
+    "exact-name ignore": (
+        "recipe fp8",
+        None,
+        "exact",
+        {},
+        "model.layers.8.self_attn.fused_qkv_a_proj: vLLM builds it fp8",
+    ),
+    "per-pair NVFP4 scales": (
+        "default nvfp4",
+        _per_pair_scales,
+        None,
+        {},
+        "fused group self_attn.{q_a_proj, kv_a_proj_with_mqa} of every "
+        "layer has 5 different NVFP4 global scales",
+    ),
+    "context_proj at TP 16": (
+        "recipe nvfp4",
+        None,
+        None,
+        {"tensor_parallel_size": 16},
+        "model.context_proj: vLLM builds it unquantized (vLLM keeps "
+        "context_proj in BF16 at tensor_parallel_size 16",
+    ),
+    "q_a/kv_a quantized at TP 16": (
+        "default nvfp4",
+        None,
+        None,
+        {"tensor_parallel_size": 16},
+        "layers.0.self_attn.q_a_proj: stored nvfp4, but at "
+        "tensor_parallel_size 16 vLLM's streamed-context path",
+    ),
     "ignore reaches a quantized layer": (
-        "recipe fp8", None, lambda: (lambda ig: ig + ["re:.*mlp\\..*"]), {},
-        "model.layers.8.mlp.gate_up_proj: vLLM builds it unquantized (ignore entry 're:.*mlp"),
+        "recipe fp8",
+        None,
+        lambda: lambda ig: ig + ["re:.*mlp\\..*"],
+        {},
+        "model.layers.8.mlp.gate_up_proj: vLLM builds it unquantized (ignore entry 're:.*mlp",
+    ),
     "fused runtime name not ignored": (
-        "recipe fp8", None,
-        lambda: (lambda ig: [e.replace("|fused_qkv_a_proj", "") for e in ig]), {},
-        "model.layers.8.self_attn.fused_qkv_a_proj: vLLM builds it fp8 (no ignore entry"),
-    "partial ignore served at another L": ("partial-layer ignore nvfp4", None, None,
-                                           {"target_layers": 93},
-                                           "model.layers.95.mlp.down_proj: vLLM builds it nvfp4"),
+        "recipe fp8",
+        None,
+        lambda: lambda ig: [e.replace("|fused_qkv_a_proj", "") for e in ig],
+        {},
+        "model.layers.8.self_attn.fused_qkv_a_proj: vLLM builds it fp8 (no ignore entry",
+    ),
+    "partial ignore served at another L": (
+        "partial-layer ignore nvfp4",
+        None,
+        None,
+        {"target_layers": 93},
+        "model.layers.95.mlp.down_proj: vLLM builds it nvfp4",
+    ),
 }
 
 
@@ -261,59 +353,102 @@ def test_verify_catches_each_broken_checkpoint(tiny, outputs, tmp_path, case):
     base = load_file(Path(tiny) / "model.safetensors")
     if ignore_change == "exact":
         ignore_change = lambda: _exact_checkpoint_names(out)  # noqa: E731
-    _rewrite(out, tensors_change(base) if tensors_change else None,
-             ignore_change() if ignore_change else None)
+    _rewrite(
+        out,
+        tensors_change(base) if tensors_change else None,
+        ignore_change() if ignore_change else None,
+    )
     L = kwargs.get("target_layers", 8)
     assert replay(out, L, kwargs.get("tensor_parallel_size", 1)), "the replay must see it too"
     report = verify_checkpoint(out, **kwargs)
     assert not report.ok
     assert any(p.startswith(line) for p in report.problems), report.problems
-    result = CliRunner().invoke(cli, ["verify", str(out), *[
-        a for k, v in kwargs.items() for a in (f"--{k.replace('_', '-')}", str(v))]])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "verify",
+            str(out),
+            *[a for k, v in kwargs.items() for a in (f"--{k.replace('_', '-')}", str(v))],
+        ],
+    )
     assert result.exit_code == 1 and line in result.output
 
 
 # --- selection rules ----------------------------------------------------------------------------
 
+
 def test_quantize_refuses_what_vllm_cannot_serve(tiny, tmp_path):
-    with pytest.raises(QStreamError, match="markov_head.markov_w2, which vLLM cannot serve "
-                                           "quantized: the DSpark Markov head"):
+    with pytest.raises(
+        QStreamError,
+        match="markov_head.markov_w2, which vLLM cannot serve quantized: the DSpark Markov head",
+    ):
         quantize_checkpoint(tiny, tmp_path / "a", "fp8", include=["markov_head.markov_w2"])
-    with pytest.raises(QStreamError, match="context_proj, which vLLM cannot serve quantized: "
-                                           "vLLM keeps context_proj in BF16 at "
-                                           "tensor_parallel_size 16"):
-        quantize_checkpoint(tiny, tmp_path / "b", "nvfp4", include=DSPARK_RECIPE,
-                            tensor_parallel_size=16)
-    with pytest.raises(QStreamError, match=r"fused group self_attn\.\{q_a_proj, "
-                                           r"kv_a_proj_with_mqa\} of every layer would be split"):
-        quantize_checkpoint(tiny, tmp_path / "c", "fp8", include=["layers.0.self_attn.q_a_proj",
-                                                                   "layers.0.self_attn.kv_a_proj_with_mqa"])
+    with pytest.raises(
+        QStreamError,
+        match="context_proj, which vLLM cannot serve quantized: "
+        "vLLM keeps context_proj in BF16 at "
+        "tensor_parallel_size 16",
+    ):
+        quantize_checkpoint(
+            tiny, tmp_path / "b", "nvfp4", include=DSPARK_RECIPE, tensor_parallel_size=16
+        )
+    with pytest.raises(
+        QStreamError,
+        match=r"fused group self_attn\.\{q_a_proj, "
+        r"kv_a_proj_with_mqa\} of every layer would be split",
+    ):
+        quantize_checkpoint(
+            tiny,
+            tmp_path / "c",
+            "fp8",
+            include=["layers.0.self_attn.q_a_proj", "layers.0.self_attn.kv_a_proj_with_mqa"],
+        )
     assert not any(tmp_path.iterdir())
     # at TP 16 the default selection leaves context_proj out instead; TP 12 does not divide 64
-    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True,
-                               tensor_parallel_size=16)
+    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True, tensor_parallel_size=16)
     assert {"context_proj", "layers.0.self_attn.q_a_proj"} <= set(plan.modules_ignored)
-    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True,
-                               tensor_parallel_size=12)
+    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True, tensor_parallel_size=12)
     assert {"context_proj", "layers.0.self_attn.q_a_proj"} <= set(plan.modules_quantized)
 
 
 def test_layer_specific_ignores_are_warned_about(tiny, tmp_path):
-    plan = quantize_checkpoint(tiny, tmp_path / "o", "fp8", ignore=["layers.2.mlp.down_proj"],
-                               dry_run=True)
-    assert "model.layers.10.mlp.down_proj" in plan.ignore and "layers.2.mlp.down_proj" in plan.ignore
-    assert any("name single runtime layers (model.layers.10.mlp.down_proj, ...) at L=8" in w
-               for w in plan.warnings)
+    plan = quantize_checkpoint(
+        tiny, tmp_path / "o", "fp8", ignore=["layers.2.mlp.down_proj"], dry_run=True
+    )
+    assert (
+        "model.layers.10.mlp.down_proj" in plan.ignore and "layers.2.mlp.down_proj" in plan.ignore
+    )
+    assert any(
+        "name single runtime layers (model.layers.10.mlp.down_proj, ...) at L=8" in w
+        for w in plan.warnings
+    )
 
 
 def test_marlin_shapes_at_tp_are_warnings(tiny, tmp_path):
-    result = CliRunner().invoke(cli, ["quantize", "--model_dir", str(tiny), "--output_dir",
-                                      str(tmp_path / "o"), "--quant_format", "nvfp4",
-                                      "--include_layers", "mlp.down_proj", "--dry-run",
-                                      "--tensor-parallel-size", "8", "--json", "-"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "quantize",
+            "--model_dir",
+            str(tiny),
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--quant_format",
+            "nvfp4",
+            "--include_layers",
+            "mlp.down_proj",
+            "--dry-run",
+            "--tensor-parallel-size",
+            "8",
+            "--json",
+            "-",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    assert "Warning: mlp.down_proj: K per shard 12 (at tensor_parallel_size 8) is not a " \
-           "multiple of 16" in result.stderr
+    assert (
+        "Warning: mlp.down_proj: K per shard 12 (at tensor_parallel_size 8) is not a "
+        "multiple of 16" in result.stderr
+    )
     assert json.loads(result.stdout)["warnings"]
 
 
@@ -329,6 +464,7 @@ def test_generic_profile_keeps_plain_names():
 
 # --- the Kimi-K3-shaped plan, from headers only -------------------------------------------------
 
+
 def _k3_infos():
     return {n: TensorInfo(n, "BF16", s, 0, 0) for n, s in tensor_shapes(PRESETS["k3"]).items()}
 
@@ -340,8 +476,9 @@ def test_k3_recipe_plan(tmp_path):
     config = PRESETS["k3"]
     src = tmp_path / "k3"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({**config.to_json(),
-                                                 "architectures": ["K3DSparkModel"]}))
+    (src / "config.json").write_text(
+        json.dumps({**config.to_json(), "architectures": ["K3DSparkModel"]})
+    )
     shapes = tensor_shapes(config)
     planned = [PlannedTensor(n, "BF16", s) for n, s in shapes.items()]
     ShardWriter(src / "model.safetensors", planned, {"format": "pt"}).abort()  # sparse file
@@ -352,13 +489,20 @@ def test_k3_recipe_plan(tmp_path):
     assert abs(plan.bytes_after / 2**30 - 4.6) < 0.1
     refused = pytest.raises(QStreamError, match="context_proj in BF16 at tensor_parallel_size 16")
     with refused:
-        quantize_checkpoint(src, tmp_path / "fp8", "fp8", include=DSPARK_RECIPE, dry_run=True,
-                            tensor_parallel_size=16)
+        quantize_checkpoint(
+            src,
+            tmp_path / "fp8",
+            "fp8",
+            include=DSPARK_RECIPE,
+            dry_run=True,
+            tensor_parallel_size=16,
+        )
 
 
 def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
     from qstream.eval.sensitivity import module_kinds
     from qstream.model.load import load_weights
+
     names = [k.name for k in module_kinds(load_weights(tiny), "nvfp4")]
     assert not any("confidence" in n or "markov" in n for n in names), names
     assert "self_attn.q_a_proj + self_attn.kv_a_proj_with_mqa" in names
@@ -368,6 +512,7 @@ def test_simulated_format_equals_the_read_back_checkpoint(tiny, outputs):
     """eval-drift's simulated NVFP4 (default selection: the cross-layer q_a/kv_a group with its
     shared global scale) is bit-identical to loading what quantize wrote."""
     from qstream.model.load import load_weights, simulate_format
+
     simulated = simulate_format(load_weights(tiny), "nvfp4", include=None)
     read_back = load_weights(outputs["default nvfp4"], target=Path(tiny) / "target_head")
     assert simulated.keys() == read_back.keys()

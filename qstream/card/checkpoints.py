@@ -28,8 +28,8 @@ from qstream.checkpoint.selection import (
 )
 from qstream.checkpoint.serving import never_quantized, profile_for
 from qstream.errors import QStreamError
-from qstream.publish import QUANTIZE_RECORD as PROVENANCE
 from qstream.formats import get_format
+from qstream.publish import QUANTIZE_RECORD as PROVENANCE
 from qstream.units import GIB
 
 PACKED = "weight_packed"  # two 4-bit weights per stored byte
@@ -52,8 +52,10 @@ class CheckpointFacts:
 def read_base(directory: str | Path) -> CheckpointFacts:
     info = inspect_checkpoint(directory)
     if info["quantization_config"] is not None:
-        raise QStreamError(f"--base {directory}: already quantized (config.json has a "
-                           "quantization_config); give the checkpoint it was made from")
+        raise QStreamError(
+            f"--base {directory}: already quantized (config.json has a "
+            "quantization_config); give the checkpoint it was made from"
+        )
     return CheckpointFacts(Path(directory), None, info["bytes"], info["params"], 0)
 
 
@@ -64,18 +66,31 @@ def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> Check
     qconfig = checkpoint.config.get("quantization_config")
     fmt = format_of_layout(qconfig.get("format", "")) if isinstance(qconfig, dict) else None
     if fmt is None:
-        raise QStreamError(f"--checkpoint {directory}: not a qstream/compressed-tensors "
-                           "weight-only checkpoint (config.json has no quantization_config "
-                           "of fp8, mxfp4 or nvfp4 format)")
+        raise QStreamError(
+            f"--checkpoint {directory}: not a qstream/compressed-tensors "
+            "weight-only checkpoint (config.json has no quantization_config "
+            "of fp8, mxfp4 or nvfp4 format)"
+        )
     tensors = checkpoint.tensors
-    quantized = [name[: -len(".weight_scale")] for name in tensors
-                 if name.endswith(".weight_scale")]
-    params_quantized = sum(2 * tensors[f"{m}.{PACKED}"].numel if f"{m}.{PACKED}" in tensors
-                           else tensors[f"{m}.weight"].numel for m in quantized)
+    quantized = [
+        name[: -len(".weight_scale")] for name in tensors if name.endswith(".weight_scale")
+    ]
+    params_quantized = sum(
+        2 * tensors[f"{m}.{PACKED}"].numel
+        if f"{m}.{PACKED}" in tensors
+        else tensors[f"{m}.weight"].numel
+        for m in quantized
+    )
     provenance = _read_provenance(directory)
     skipped = (provenance or {}).get("summary", {}).get("modules_skipped") or {}
-    facts = CheckpointFacts(directory, fmt, checkpoint.size_bytes,
-                            inspect_checkpoint(directory)["params"], params_quantized, quantized)
+    facts = CheckpointFacts(
+        directory,
+        fmt,
+        checkpoint.size_bytes,
+        inspect_checkpoint(directory)["params"],
+        params_quantized,
+        quantized,
+    )
     modules = weight_modules(tensors)
     profile = profile_for(checkpoint.config)
     # the group's label with layer indices as "*", so that a kind's rows share one reason
@@ -87,12 +102,19 @@ def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> Check
             continue
         shape = tuple(info.shape)
         why = never_quantized(profile, module)
-        facts.kept[module] = (shape, info.numel, f"vLLM never quantizes it: {why}" if why else
-                              _why_kept(module, shape, fmt, skipped, fused))
+        facts.kept[module] = (
+            shape,
+            info.numel,
+            f"vLLM never quantizes it: {why}"
+            if why
+            else _why_kept(module, shape, fmt, skipped, fused),
+        )
     if provenance is not None:
         facts.command = provenance["command"]
-        facts.command_origin = (f"Recorded in `{PROVENANCE}` by qstream "
-                                f"{provenance.get('qstream_version', '(version not recorded)')}.")
+        facts.command_origin = (
+            f"Recorded in `{PROVENANCE}` by qstream "
+            f"{provenance.get('qstream_version', '(version not recorded)')}."
+        )
     else:
         facts.command, facts.command_origin = _reconstruct_command(directory, fmt, quantized, base)
     return facts
@@ -107,12 +129,13 @@ def _read_provenance(directory: Path) -> dict | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise QStreamError(f"{path}: unreadable provenance file ({exc})") from exc
     if not isinstance(data, dict) or not isinstance(data.get("command"), str):
-        raise QStreamError(f"{path}: provenance file without a \"command\" string")
+        raise QStreamError(f'{path}: provenance file without a "command" string')
     return data
 
 
-def _why_kept(module: str, shape: tuple[int, ...], fmt: str, skipped: dict[str, str],
-              fused: dict[str, str]) -> str:
+def _why_kept(
+    module: str, shape: tuple[int, ...], fmt: str, skipped: dict[str, str], fused: dict[str, str]
+) -> str:
     """Why an ignored module keeps its dtype: quantize's own reason when recorded, else the rule
     (docs/quantize.md, docs/formats.md) that its name and shape fall under."""
     if module in skipped:
@@ -137,38 +160,61 @@ def _include_patterns(quantized: list[str]) -> list[str]:
     for module in quantized:
         parts = module.split(".")
         numeric = [i for i, p in enumerate(parts) if p.isdigit()]
-        pattern = ".".join(parts[numeric[-1] + 1:]) if numeric else module
+        pattern = ".".join(parts[numeric[-1] + 1 :]) if numeric else module
         if pattern not in patterns:
             patterns.append(pattern)
     return patterns
 
 
-def _reconstruct_command(directory: Path, fmt: str, quantized: list[str],
-                         base: CheckpointFacts | None) -> tuple[str, str]:
+def _reconstruct_command(
+    directory: Path, fmt: str, quantized: list[str], base: CheckpointFacts | None
+) -> tuple[str, str]:
     """An equivalent ``qstream-quantize`` command, checked against the base when there is one:
     the selection rules applied to the base's tensors must give exactly the quantized set."""
     patterns = _include_patterns(quantized)
     base_dir = str(base.path) if base is not None else "BASE_DIR"
-    args = ["qstream-quantize", "--model_dir", base_dir, "--output_dir", str(directory),
-            "--quant_format", fmt, "--include_layers", *patterns]
+    args = [
+        "qstream-quantize",
+        "--model_dir",
+        base_dir,
+        "--output_dir",
+        str(directory),
+        "--quant_format",
+        fmt,
+        "--include_layers",
+        *patterns,
+    ]
     if base is None:
-        return (shlex.join(args), f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
-                "checkpoint) and not checked: no `--base` was given.")
+        return (
+            shlex.join(args),
+            f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
+            "checkpoint) and not checked: no `--base` was given.",
+        )
     base_tensors = open_checkpoint(base.path).tensors
     for skip in (False, True):
         try:
-            selection = select_modules(base_tensors, fmt, include=patterns, skip_incompatible=skip,
-                                       profile=profile_for(open_checkpoint(base.path).config))
+            selection = select_modules(
+                base_tensors,
+                fmt,
+                include=patterns,
+                skip_incompatible=skip,
+                profile=profile_for(open_checkpoint(base.path).config),
+            )
         except QStreamError:
             continue
         if sorted(selection.quantized) == sorted(quantized):
-            return (shlex.join(args + (["--skip-incompatible"] if skip else [])),
-                    f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint): an "
-                    "equivalent command, checked to select exactly the quantized modules from "
-                    "the base; not necessarily the command that was typed.")
+            return (
+                shlex.join(args + (["--skip-incompatible"] if skip else [])),
+                f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint): an "
+                "equivalent command, checked to select exactly the quantized modules from "
+                "the base; not necessarily the command that was typed.",
+            )
     args = args[: args.index("--include_layers") + 1] + quantized
-    return (shlex.join(args), f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
-            "checkpoint) as the explicit list of quantized modules.")
+    return (
+        shlex.join(args),
+        f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
+        "checkpoint) as the explicit list of quantized modules.",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,13 +229,22 @@ def _pct(part: int, whole: int) -> Cell:
 def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts]) -> Table:
     rows = []
     for facts in ([base] if base else []) + checkpoints:
-        rows.append([Cell(facts.path.name), Cell(facts.fmt or "base (unquantized)"),
-                     Cell(f"{facts.size_bytes:,}", facts.size_bytes),
-                     Cell(f"{facts.size_bytes / GIB:.3f}", facts.size_bytes / GIB),
-                     _pct(facts.size_bytes, base.size_bytes) if base else Cell("n/a (no --base)")])
-    return Table("Size on disk: the safetensors files of each checkpoint directory",
-                 ["checkpoint", "format", "bytes", "GiB", "% of base"], rows, key="size",
-                 align="llrrr")
+        rows.append(
+            [
+                Cell(facts.path.name),
+                Cell(facts.fmt or "base (unquantized)"),
+                Cell(f"{facts.size_bytes:,}", facts.size_bytes),
+                Cell(f"{facts.size_bytes / GIB:.3f}", facts.size_bytes / GIB),
+                _pct(facts.size_bytes, base.size_bytes) if base else Cell("n/a (no --base)"),
+            ]
+        )
+    return Table(
+        "Size on disk: the safetensors files of each checkpoint directory",
+        ["checkpoint", "format", "bytes", "GiB", "% of base"],
+        rows,
+        key="size",
+        align="llrrr",
+    )
 
 
 def quantization_parts(facts: CheckpointFacts) -> list[Part]:
@@ -198,15 +253,25 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
     summary = Table(
         f"{facts.path.name}: {facts.fmt} weights",
         ["", "value"],
-        [[Cell("parameters quantized / total"),
-          Cell(f"{facts.params_quantized:,} / {facts.params_total:,} "
-               f"({100.0 * facts.params_quantized / facts.params_total:.1f}%)",
-               {"quantized": facts.params_quantized, "total": facts.params_total})],
-         [Cell("modules quantized"), Cell(str(len(facts.quantized)), len(facts.quantized))],
-         [Cell(f"module kinds quantized to {facts.fmt}"),
-          Cell(", ".join(f"{k} ×{n}" for k, n in kinds.items()))],
-         [Cell("modules kept unquantized"), Cell(str(len(facts.kept)), len(facts.kept))]],
-        key=f"quantized_{facts.path.name}", align="ll")
+        [
+            [
+                Cell("parameters quantized / total"),
+                Cell(
+                    f"{facts.params_quantized:,} / {facts.params_total:,} "
+                    f"({100.0 * facts.params_quantized / facts.params_total:.1f}%)",
+                    {"quantized": facts.params_quantized, "total": facts.params_total},
+                ),
+            ],
+            [Cell("modules quantized"), Cell(str(len(facts.quantized)), len(facts.quantized))],
+            [
+                Cell(f"module kinds quantized to {facts.fmt}"),
+                Cell(", ".join(f"{k} ×{n}" for k, n in kinds.items())),
+            ],
+            [Cell("modules kept unquantized"), Cell(str(len(facts.kept)), len(facts.kept))],
+        ],
+        key=f"quantized_{facts.path.name}",
+        align="ll",
+    )
     grouped: dict[tuple[str, str], list] = {}
     for module, (shape, params, why) in facts.kept.items():
         entry = grouped.setdefault((module_kind(module), why), [0, shape, 0])
@@ -214,12 +279,25 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
         entry[2] += params
         if entry[1] != shape:
             entry[1] = None
-    kept = Table(f"{facts.path.name}: modules kept unquantized, and why",
-                 ["module kind", "count", "weight shape", "parameters", "why"],
-                 [[Cell(kind), Cell(str(n), n),
-                   Cell("various" if shape is None else "×".join(map(str, shape))),
-                   Cell(f"{params:,}", params), Cell(why)]
-                  for (kind, why), (n, shape, params) in grouped.items()],
-                 key=f"kept_{facts.path.name}", align="lrrrl")
-    return [summary, kept, f"The command that produced `{facts.path.name}`. "
-            f"{facts.command_origin}", Code(facts.command)]
+    kept = Table(
+        f"{facts.path.name}: modules kept unquantized, and why",
+        ["module kind", "count", "weight shape", "parameters", "why"],
+        [
+            [
+                Cell(kind),
+                Cell(str(n), n),
+                Cell("various" if shape is None else "×".join(map(str, shape))),
+                Cell(f"{params:,}", params),
+                Cell(why),
+            ]
+            for (kind, why), (n, shape, params) in grouped.items()
+        ],
+        key=f"kept_{facts.path.name}",
+        align="lrrrl",
+    )
+    return [
+        summary,
+        kept,
+        f"The command that produced `{facts.path.name}`. {facts.command_origin}",
+        Code(facts.command or ""),
+    ]

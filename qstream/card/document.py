@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import re
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 CARD_SCHEMA = "qstream.card/1"
 
@@ -34,12 +34,14 @@ class Table:
         if not self.align:
             self.align = "l" + "r" * (len(self.columns) - 1)
         if len(self.align) != len(self.columns) or set(self.align) - {"l", "r"}:
-            raise ValueError(f"table {self.key}: align {self.align!r} for {len(self.columns)} "
-                             "columns")
+            raise ValueError(
+                f"table {self.key}: align {self.align!r} for {len(self.columns)} columns"
+            )
         for row in self.rows:
             if len(row) != len(self.columns):
-                raise ValueError(f"table {self.key}: row of {len(row)} cells, "
-                                 f"{len(self.columns)} columns")
+                raise ValueError(
+                    f"table {self.key}: row of {len(row)} cells, {len(self.columns)} columns"
+                )
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Bullets:
     items: tuple[str, ...]
 
 
-Part = Union[str, Table, Figure, Code, Bullets]  # a str is a paragraph (inline `code` allowed)
+Part = str | Table | Figure | Code | Bullets  # a str is a paragraph (inline `code` allowed)
 
 
 @dataclass
@@ -84,9 +86,12 @@ def _md_cell(text: str) -> str:
 
 
 def _md_table(table: Table) -> str:
-    lines = [f"**{table.caption}**", "",
-             "| " + " | ".join(_md_cell(c) for c in table.columns) + " |",
-             "|" + "|".join("---" if a == "l" else "---:" for a in table.align) + "|"]
+    lines = [
+        f"**{table.caption}**",
+        "",
+        "| " + " | ".join(_md_cell(c) for c in table.columns) + " |",
+        "|" + "|".join("---" if a == "l" else "---:" for a in table.align) + "|",
+    ]
     lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in table.rows]
     return "\n".join(lines)
 
@@ -129,31 +134,40 @@ def _inline(text: str) -> str:
 
 def _html_table(table: Table) -> str:
     head = "".join(f"<th>{html.escape(c)}</th>" for c in table.columns)
-    body = "\n".join("<tr>" + "".join(f"<td class=\"{a}\">{html.escape(c.text)}</td>"
-                                      for a, c in zip(table.align, row)) + "</tr>"
-                     for row in table.rows)
-    return (f"<table><caption>{_inline(table.caption)}</caption>\n<thead><tr>{head}</tr></thead>"
-            f"\n<tbody>\n{body}\n</tbody></table>")
+    body = "\n".join(
+        "<tr>"
+        + "".join(f'<td class="{a}">{html.escape(c.text)}</td>' for a, c in zip(table.align, row))
+        + "</tr>"
+        for row in table.rows
+    )
+    return (
+        f"<table><caption>{_inline(table.caption)}</caption>\n<thead><tr>{head}</tr></thead>"
+        f"\n<tbody>\n{body}\n</tbody></table>"
+    )
 
 
 def render_html(card: Card) -> str:
-    out = ["<!DOCTYPE html>", "<html lang=\"en\"><head><meta charset=\"utf-8\">",
-           f"<title>{html.escape(card.title)}</title><style>{_STYLE}</style></head><body>",
-           f"<h1>{html.escape(card.title)}</h1>"]
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{html.escape(card.title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html.escape(card.title)}</h1>",
+    ]
     for section in card.sections:
         out.append(f"<h2>{html.escape(section.title)}</h2>")
         for part in section.parts:
             if isinstance(part, Table):
                 out.append(_html_table(part))
             elif isinstance(part, Figure):
-                out.append(f"<figure><img src=\"{html.escape(part.path)}\" "
-                           f"alt=\"{html.escape(part.alt)}\"><figcaption>"
-                           f"{_inline(part.caption)}</figcaption></figure>")
+                out.append(
+                    f'<figure><img src="{html.escape(part.path)}" '
+                    f'alt="{html.escape(part.alt)}"><figcaption>'
+                    f"{_inline(part.caption)}</figcaption></figure>"
+                )
             elif isinstance(part, Code):
                 out.append(f"<pre><code>{html.escape(part.text)}</code></pre>")
             elif isinstance(part, Bullets):
-                out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in part.items)
-                           + "</ul>")
+                out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in part.items) + "</ul>")
             else:
                 out.append(f"<p>{_inline(part)}</p>")
     out.append("</body></html>")
@@ -165,25 +179,43 @@ def render_html(card: Card) -> str:
 
 
 def _table_json(table: Table) -> dict:
-    return {"key": table.key, "caption": table.caption, "columns": table.columns,
-            "rows": [{col: (cell.data if cell.data is not None else cell.text)
-                      for col, cell in zip(table.columns, row)} for row in table.rows]}
+    return {
+        "key": table.key,
+        "caption": table.caption,
+        "columns": table.columns,
+        "rows": [
+            {
+                col: (cell.data if cell.data is not None else cell.text)
+                for col, cell in zip(table.columns, row)
+            }
+            for row in table.rows
+        ],
+    }
 
 
 def card_json(card: Card) -> dict:
     sections = []
     for section in card.sections:
-        sections.append({
-            "title": section.title,
-            "text": [p for p in section.parts if isinstance(p, str)],
-            "items": [i for p in section.parts if isinstance(p, Bullets) for i in p.items],
-            "tables": [_table_json(p) for p in section.parts if isinstance(p, Table)],
-            "figures": [{"path": p.path, "caption": p.caption} for p in section.parts
-                        if isinstance(p, Figure)],
-            "code": [p.text for p in section.parts if isinstance(p, Code)],
-        })
-    return {"schema": CARD_SCHEMA, "title": card.title, "missing": card.missing,
-            "sections": sections}
+        sections.append(
+            {
+                "title": section.title,
+                "text": [p for p in section.parts if isinstance(p, str)],
+                "items": [i for p in section.parts if isinstance(p, Bullets) for i in p.items],
+                "tables": [_table_json(p) for p in section.parts if isinstance(p, Table)],
+                "figures": [
+                    {"path": p.path, "caption": p.caption}
+                    for p in section.parts
+                    if isinstance(p, Figure)
+                ],
+                "code": [p.text for p in section.parts if isinstance(p, Code)],
+            }
+        )
+    return {
+        "schema": CARD_SCHEMA,
+        "title": card.title,
+        "missing": card.missing,
+        "sections": sections,
+    }
 
 
 def tables(card: Card) -> dict[str, Table]:

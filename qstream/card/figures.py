@@ -9,6 +9,7 @@ so the figures survive greyscale printing.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from qstream.card.results import ResultsSet
 from qstream.card.tables import metrics, regime_order, rollout_name, variant_order
@@ -21,15 +22,23 @@ PALETTE = ("#000000", "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#5
 LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 2)))
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 # KL percentiles of the results (llama.cpp's report), drawn as a ladder on a log axis.
-KL_LADDER = (("median", "median", "o"), ("p90", "p90", "s"), ("p95", "p95", "^"),
-             ("p99", "p99", "D"), ("p99_9", "p99.9", "v"), ("max", "max", "x"))
+KL_LADDER = (
+    ("median", "median", "o"),
+    ("p90", "p90", "s"),
+    ("p95", "p95", "^"),
+    ("p99", "p99", "D"),
+    ("p99_9", "p99.9", "v"),
+    ("max", "max", "x"),
+)
 LADDER_STEP = 0.07  # x offset between consecutive percentiles of one variant
 
 
 def _style(index: int) -> dict:
-    return {"color": PALETTE[index % len(PALETTE)],
-            "linestyle": LINESTYLES[index % len(LINESTYLES)],
-            "marker": MARKERS[index % len(MARKERS)]}
+    return {
+        "color": PALETTE[index % len(PALETTE)],
+        "linestyle": LINESTYLES[index % len(LINESTYLES)],
+        "marker": MARKERS[index % len(MARKERS)],
+    }
 
 
 def _new_figure(n_rows: int, n_cols: int, panel: tuple[float, float], sharey=False):
@@ -37,8 +46,12 @@ def _new_figure(n_rows: int, n_cols: int, panel: tuple[float, float], sharey=Fal
     on one scale so that panels compare at a glance."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(panel[0] * n_cols, panel[1] * n_rows + 0.9), dpi=DPI,
-                 facecolor=BACKGROUND, layout="constrained")
+    fig = Figure(
+        figsize=(panel[0] * n_cols, panel[1] * n_rows + 0.9),
+        dpi=DPI,
+        facecolor=BACKGROUND,
+        layout="constrained",
+    )
     axes = fig.subplots(n_rows, n_cols, squeeze=False, sharey=sharey)
     for ax in axes.flat:
         ax.set_facecolor(BACKGROUND)
@@ -48,19 +61,23 @@ def _new_figure(n_rows: int, n_cols: int, panel: tuple[float, float], sharey=Fal
 
 
 def _save(fig, path: Path, handles, labels) -> None:
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8),
-               frameon=False)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8), frameon=False)
     fig.savefig(path, facecolor=BACKGROUND, transparent=False)
 
 
 def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
     """seq agree[k] of each variant with its 95% band: a panel per regime, a row per rollout."""
     regimes, variants = regime_order(rs), variant_order(rs)
-    modes = [m for m in ROLLOUT_MODES if any(m in (metrics(rs, r, v) or {}).get("rollouts", {})
-                                         for r in regimes for v in variants)]
+    modes = [
+        m
+        for m in ROLLOUT_MODES
+        if any(
+            m in (metrics(rs, r, v) or {}).get("rollouts", {}) for r in regimes for v in variants
+        )
+    ]
     fig, axes = _new_figure(len(modes), len(regimes), (4.2, 3.2), sharey="row")
     positions = list(range(1, rs.block_size + 1))
-    handles = {}
+    handles: dict[str, Any] = {}
     for row, mode in enumerate(modes):
         lowest = 1.0  # the row shares one y scale, so it must span every panel's bands
         for col, regime in enumerate(regimes):
@@ -71,8 +88,14 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
                     continue
                 seq = m["rollouts"][mode]["seq_agree"]
                 style = _style(i)
-                (line,) = ax.plot(positions, [e["value"] for e in seq], label=variant,
-                                  markersize=4, linewidth=1.5, **style)
+                (line,) = ax.plot(
+                    positions,
+                    [e["value"] for e in seq],
+                    label=variant,
+                    markersize=4,
+                    linewidth=1.5,
+                    **style,
+                )
                 lo = [e["lo"] if e["lo"] is not None else e["value"] for e in seq]
                 hi = [e["hi"] if e["hi"] is not None else e["value"] for e in seq]
                 ax.fill_between(positions, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
@@ -84,8 +107,10 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
                 ax.set_ylabel("seq agree (share of blocks)")
             ax.set_xticks(positions)
         axes[row][0].set_ylim(max(0.0, lowest - 0.03), 1.01)
-    fig.suptitle("Free-running rollout agreement with the FP32 reference by position "
-                 "(bands: 95% CI)", fontsize=11)
+    fig.suptitle(
+        "Free-running rollout agreement with the FP32 reference by position (bands: 95% CI)",
+        fontsize=11,
+    )
     _save(fig, path, list(handles.values()), list(handles))
 
 
@@ -97,11 +122,12 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> None:
     regimes, variants = regime_order(rs), variant_order(rs)
     fig, axes = _new_figure(1, len(ROLLOUT_MODES), (max(4.2, 1.3 * len(regimes) + 1.5), 3.6))
     width = 0.8 / max(len(variants), 1)
-    handles = {}
+    handles: dict[str, Any] = {}
     for col, mode in enumerate(ROLLOUT_MODES):
         ax = axes[0][col]
         for i, variant in enumerate(variants):
-            xs, values, errs = [], [], [[], []]
+            xs, values = [], []
+            errs: list[list[float]] = [[], []]
             for g, regime in enumerate(regimes):
                 m = metrics(rs, regime, variant)
                 if m is None or mode not in m["rollouts"]:
@@ -112,10 +138,19 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> None:
                 errs[0].append(e["value"] - e["lo"] if e["lo"] is not None else 0.0)
                 errs[1].append(e["hi"] - e["value"] if e["hi"] is not None else 0.0)
             style = _style(i)
-            bars = ax.bar(xs, values, width * 0.92, yerr=errs, capsize=2,
-                          color=style["color"], edgecolor="black", linewidth=0.5,
-                          hatch=None if variant == FLOOR else ("", "//", "..", "xx", "\\\\")[i % 5],
-                          error_kw={"ecolor": "black", "elinewidth": 1.2}, label=variant)
+            bars = ax.bar(
+                xs,
+                values,
+                width * 0.92,
+                yerr=errs,
+                capsize=2,
+                color=style["color"],
+                edgecolor="black",
+                linewidth=0.5,
+                hatch=None if variant == FLOOR else ("", "//", "..", "xx", "\\\\")[i % 5],
+                error_kw={"ecolor": "black", "elinewidth": 1.2},
+                label=variant,
+            )
             # a white halo keeps the error bar visible over a dark (e.g. black bf16) bar
             for line in bars.errorbar.lines[1] + bars.errorbar.lines[2]:
                 line.set_path_effects([withStroke(linewidth=3, foreground="white")])
@@ -137,8 +172,9 @@ def kl_figure(rs: ResultsSet, path: Path) -> None:
     from matplotlib.lines import Line2D
 
     regimes, variants = regime_order(rs), variant_order(rs)
-    fig, axes = _new_figure(1, len(regimes), (max(3.6, 0.7 * len(variants) + 1.0), 3.8),
-                            sharey=True)
+    fig, axes = _new_figure(
+        1, len(regimes), (max(3.6, 0.7 * len(variants) + 1.0), 3.8), sharey=True
+    )
     for col, regime in enumerate(regimes):
         ax = axes[0][col]
         ax.set_yscale("log")
@@ -154,20 +190,30 @@ def kl_figure(rs: ResultsSet, path: Path) -> None:
             ax.set_ylabel("KL(ref‖var) per token (nats, log scale)")
         ax.set_title(regime, fontsize=9)
     grey = "#555555"
-    handles = [Line2D([], [], color=grey, marker=mk, linestyle="none", label=name)
-               for _, name, mk in KL_LADDER]
-    handles.append(Line2D([], [], color=grey, marker="*", markersize=9, linestyle="-",
-                          label="mean ± 95% CI"))
-    fig.suptitle("KL divergence per drafted token: reported percentiles (not a density)",
-                 fontsize=11)
+    handles = [
+        Line2D([], [], color=grey, marker=mk, linestyle="none", label=name)
+        for _, name, mk in KL_LADDER
+    ]
+    handles.append(
+        Line2D([], [], color=grey, marker="*", markersize=9, linestyle="-", label="mean ± 95% CI")
+    )
+    fig.suptitle(
+        "KL divergence per drafted token: reported percentiles (not a density)", fontsize=11
+    )
     _save(fig, path, handles, [h.get_label() for h in handles])
 
 
 def _kl_ladder(ax, x: int, kl: dict, color: str) -> None:
     points = [(kl[key], mk) for key, _, mk in KL_LADDER if kl.get(key) is not None and kl[key] > 0]
     if not points:
-        ax.annotate("KL = 0", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
-                    fontsize=8, color=color)
+        ax.annotate(
+            "KL = 0",
+            (x, 0.02),
+            xycoords=("data", "axes fraction"),
+            ha="center",
+            fontsize=8,
+            color=color,
+        )
         return
     # a staircase: each percentile a step to the right of the previous one, so that close
     # percentiles do not hide each other's markers on the log axis
@@ -178,10 +224,21 @@ def _kl_ladder(ax, x: int, kl: dict, color: str) -> None:
     mean = kl["mean"]
     if mean.get("value") is not None and mean["value"] > 0:
         lo, hi = mean.get("lo"), mean.get("hi")
-        yerr = None if lo is None or hi is None or lo <= 0 else \
-            [[mean["value"] - lo], [hi - mean["value"]]]
-        ax.errorbar([x - 0.25], [mean["value"]], yerr=yerr, color=color, marker="*",
-                    markersize=8, capsize=2, linestyle="none")
+        yerr = (
+            None
+            if lo is None or hi is None or lo <= 0
+            else [[mean["value"] - lo], [hi - mean["value"]]]
+        )
+        ax.errorbar(
+            [x - 0.25],
+            [mean["value"]],
+            yerr=yerr,
+            color=color,
+            marker="*",
+            markersize=8,
+            capsize=2,
+            linestyle="none",
+        )
 
 
 def sweep_regimes(rs: ResultsSet) -> list[str]:
@@ -194,21 +251,29 @@ def context_figure(rs: ResultsSet, path: Path) -> None:
     95% bands, a panel per regime; the dotted line is the YaRN boundary."""
     regimes = sweep_regimes(rs)
     fig, axes = _new_figure(1, len(regimes), (5.2, 3.6), sharey=True)
-    handles = {}
+    handles: dict[str, Any] = {}
     for col, regime in enumerate(regimes):
         ax, sweep = axes[0][col], rs.sections[regime]["context_sweep"]
         xs = [b["anchors"]["context_length_mean"] for b in sweep["buckets"]]
         for i, variant in enumerate(variant_order(rs)):
             if variant not in sweep["buckets"][0]["variants"]:
                 continue
-            est = [b["variants"][variant]["metrics"]["rollouts"]["greedy"]["ceiling"]
-                   for b in sweep["buckets"]]
+            est = [
+                b["variants"][variant]["metrics"]["rollouts"]["greedy"]["ceiling"]
+                for b in sweep["buckets"]
+            ]
             style = _style(i)
-            (line,) = ax.plot(xs, [e["value"] for e in est], label=variant, markersize=4,
-                              linewidth=1.5, **style)
-            ax.fill_between(xs, [e["lo"] if e["lo"] is not None else e["value"] for e in est],
-                            [e["hi"] if e["hi"] is not None else e["value"] for e in est],
-                            color=style["color"], alpha=0.15, linewidth=0)
+            (line,) = ax.plot(
+                xs, [e["value"] for e in est], label=variant, markersize=4, linewidth=1.5, **style
+            )
+            ax.fill_between(
+                xs,
+                [e["lo"] if e["lo"] is not None else e["value"] for e in est],
+                [e["hi"] if e["hi"] is not None else e["value"] for e in est],
+                color=style["color"],
+                alpha=0.15,
+                linewidth=0,
+            )
             handles.setdefault(variant, line)
         ax.axvline(sweep["yarn_boundary"], color="#555555", linestyle=":", linewidth=1.2)
         ax.set_xscale("log", base=2)

@@ -50,8 +50,11 @@ def is_generated_card(path: Path) -> bool:
 
 
 def _figures_are_ours(directory: Path) -> bool:
-    return directory.is_dir() and not directory.is_symlink() and all(
-        p.is_file() and p.name in FIGURE_NAMES for p in directory.iterdir())
+    return (
+        directory.is_dir()
+        and not directory.is_symlink()
+        and all(p.is_file() and p.name in FIGURE_NAMES for p in directory.iterdir())
+    )
 
 
 def _what_is_there(path: Path, limit: int = 4) -> str:
@@ -72,16 +75,19 @@ def check_card_target(output: Path, overwrite: bool, figures: bool) -> None:
     if not os.access(output.parent, os.W_OK | os.X_OK):
         raise QStreamError(f"--output {output}: directory {output.parent} is not writable")
     if output.exists() and not overwrite and not is_generated_card(output):
-        raise QStreamError(f"--output {output} already exists and is not a card qstream wrote "
-                           f"({_what_is_there(output)}); use --overwrite to replace it")
+        raise QStreamError(
+            f"--output {output} already exists and is not a card qstream wrote "
+            f"({_what_is_there(output)}); use --overwrite to replace it"
+        )
     fig = figures_dir(output)
     if figures and (fig.exists() or fig.is_symlink()) and not _figures_are_ours(fig):
-        raise QStreamError(f"--output {output}: {fig} is in the way of the card's figures "
-                           f"({_what_is_there(fig)}); move it or use --no-figures")
+        raise QStreamError(
+            f"--output {output}: {fig} is in the way of the card's figures "
+            f"({_what_is_there(fig)}); move it or use --no-figures"
+        )
 
 
-def publish_card(output: Path, text: str,
-                 draw: Callable[[Path], list[Path]] | None) -> list[Path]:
+def publish_card(output: Path, text: str, draw: Callable[[Path], list[Path]] | None) -> list[Path]:
     """Write the card text and (``draw`` given) its figures atomically; returns the paths
     written.  ``draw(directory)`` draws the figures into ``directory``."""
     remove_stale_partials(output, _notice)

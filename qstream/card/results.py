@@ -21,9 +21,22 @@ from qstream.eval.vocabulary import SCHEMA
 
 # Top-level fields describing how a file's regimes were evaluated (reported per regime when the
 # merged files disagree).
-RUN_FIELDS = ("qstream_version", "torch_version", "model", "target", "corpus", "seed", "blocks",
-              "block_size", "anchors", "sampling", "reference", "variant_compute", "aux_dtype",
-              "selection")
+RUN_FIELDS = (
+    "qstream_version",
+    "torch_version",
+    "model",
+    "target",
+    "corpus",
+    "seed",
+    "blocks",
+    "block_size",
+    "anchors",
+    "sampling",
+    "reference",
+    "variant_compute",
+    "aux_dtype",
+    "selection",
+)
 # Per-regime sections besides the variants, carried as measured (issue 7).
 REGIME_SECTIONS = ("sensitivity", "context_sweep")
 
@@ -61,8 +74,10 @@ class _Traced(dict):
     """A results object that writes (file, dotted key) of each key read into a shared trail."""
 
     def __init__(self, data: dict, source: str, where: str, trail: list):
-        super().__init__((k, _traced(v, source, f"{where}.{k}" if where else str(k), trail))
-                         for k, v in data.items())
+        super().__init__(
+            (k, _traced(v, source, f"{where}.{k}" if where else str(k), trail))
+            for k, v in data.items()
+        )
         self._source, self._where, self._trail = source, where, trail
 
     def _note(self, key) -> None:
@@ -95,16 +110,18 @@ def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
         source, key = rs.trail
         if source is None:
             raise QStreamError(f"results are malformed ({type(exc).__name__}: {exc})") from exc
-        raise QStreamError(f"{source}: results have a missing or null key {key!r} "
-                           f"({type(exc).__name__}: {exc})") from exc
+        raise QStreamError(
+            f"{source}: results have a missing or null key {key!r} ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def check_results(data: Any, source: str | Path) -> dict:
     """``data`` if it is eval-drift results (schema and top-level fields), else QStreamError."""
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise QStreamError(f"{source}: not eval-drift results (schema {found!r}, expected "
-                           f"{SCHEMA!r})")
+        raise QStreamError(
+            f"{source}: not eval-drift results (schema {found!r}, expected {SCHEMA!r})"
+        )
     for key in ("model", "regimes", "variants", "block_size"):
         if key not in data:
             raise QStreamError(f"{source}: results lack the {key!r} field")
@@ -138,15 +155,18 @@ def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
             _merge_regime(merged, regime, block, data, source)
         for name, info in data["variants"].items():
             merged.variants.setdefault(name, info)
+    assert merged is not None  # at least one file was read
     return merged
 
 
 def _check_same_model(merged: ResultsSet, data: dict, path) -> None:
     ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
     if ours != theirs:
-        raise QStreamError(f"{path}: results of a different model (config_sha256 {theirs} of "
-                           f"{data['model'].get('path')}, not {ours} of "
-                           f"{merged.model.get('path')}); a card describes one model")
+        raise QStreamError(
+            f"{path}: results of a different model (config_sha256 {theirs} of "
+            f"{data['model'].get('path')}, not {ours} of "
+            f"{merged.model.get('path')}); a card describes one model"
+        )
 
 
 def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path: str) -> None:
@@ -156,13 +176,17 @@ def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path
     merged.sources.setdefault(regime, [])
     for name, result in block["variants"].items():
         if name in variants and variants[name] != result:
-            raise QStreamError(f"{path}: regime {regime!r}, variant {name!r} conflicts with "
-                               f"{merged.sources[regime][0]} (same regime and variant, different "
-                               "numbers); pass only one of them")
+            raise QStreamError(
+                f"{path}: regime {regime!r}, variant {name!r} conflicts with "
+                f"{merged.sources[regime][0]} (same regime and variant, different "
+                "numbers); pass only one of them"
+            )
         if name not in variants and merged.runs[regime] != run:
-            raise QStreamError(f"{path}: regime {regime!r} was evaluated differently from "
-                               f"{merged.sources[regime][0]} (seed, blocks, corpus or versions "
-                               "differ); its variants cannot share one table")
+            raise QStreamError(
+                f"{path}: regime {regime!r} was evaluated differently from "
+                f"{merged.sources[regime][0]} (seed, blocks, corpus or versions "
+                "differ); its variants cannot share one table"
+            )
         variants[name] = result
     if path not in merged.sources[regime]:
         merged.sources[regime].append(path)

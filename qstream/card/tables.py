@@ -75,8 +75,12 @@ def variant_order(rs: ResultsSet) -> list[str]:
 def rollout_name(rs: ResultsSet, mode: str, regimes: list[str] | None = None) -> str:
     """The rollout mode's label with the sampling settings the runs of ``regimes`` (default:
     all) recorded; when they differ, the label says so instead of picking one."""
-    names = list(dict.fromkeys(rollout_label(mode, rs.runs[r].get("sampling"))
-                               for r in (regimes if regimes is not None else regime_order(rs))))
+    names = list(
+        dict.fromkeys(
+            rollout_label(mode, rs.runs[r].get("sampling"))
+            for r in (regimes if regimes is not None else regime_order(rs))
+        )
+    )
     if len(names) == 1:
         return names[0]
     return f"{mode} rollout (settings differ by regime: see how it was evaluated)"
@@ -101,15 +105,21 @@ def agreement_table(rs: ResultsSet, regime: str) -> Table:
         if m is None:
             continue
         measures = [("greedy agree (teacher-forced)", m["greedy_agree"])]
-        measures += [(f"seq agree, {rollout_name(rs, mode, [regime])}",
-                      m["rollouts"][mode]["seq_agree"])
-                     for mode in ROLLOUT_MODES if mode in m["rollouts"]]
+        measures += [
+            (f"seq agree, {rollout_name(rs, mode, [regime])}", m["rollouts"][mode]["seq_agree"])
+            for mode in ROLLOUT_MODES
+            if mode in m["rollouts"]
+        ]
         for name, per_k in measures:
             rows.append([label(variant), label(name), *(fixed(e["value"], d) for e in per_k)])
-    return Table(f"Regime {regime}: agreement with the FP32 reference by drafted position k "
-                 "(share of blocks; 95% intervals in the figure)",
-                 ["variant", "measure", *(str(k) for k in range(1, B + 1))], rows,
-                 key=f"agreement_{regime}", align="ll" + "r" * B)
+    return Table(
+        f"Regime {regime}: agreement with the FP32 reference by drafted position k "
+        "(share of blocks; 95% intervals in the figure)",
+        ["variant", "measure", *(str(k) for k in range(1, B + 1))],
+        rows,
+        key=f"agreement_{regime}",
+        align="ll" + "r" * B,
+    )
 
 
 def _gap(value: float | None, floor: float | None, digits: int) -> Cell:
@@ -128,8 +138,8 @@ def _prefix(m: dict | None, mode: str) -> dict | None:
 PREFIX_CAPTIONS = {
     "greedy": "Drift-limited acceptance ceiling under greedy drafting",
     "sampled": "Sampled matched prefix: a lower bound on acceptance under probabilistic "
-               "drafting, not a ceiling (the verifier also accepts where two coupled draws part; "
-               "simulated acceptance, --acceptance, measures it)",
+    "drafting, not a ceiling (the verifier also accepts where two coupled draws part; "
+    "simulated acceptance, --acceptance, measures it)",
 }
 
 
@@ -156,18 +166,28 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
                 floor = _prefix(metrics(rs, regime, FLOOR), mode)
                 row.append(_gap(prefix["value"], None if floor is None else floor["value"], d))
         rows.append(row)
-    return Table(f"{PREFIX_CAPTIONS[mode]}, {rollout_name(rs, mode)}: mean matched prefix of the "
-                 f"{rs.block_size} drafted tokens (0..{rs.block_size}). The gap to bf16 is the "
-                 "variant's value minus bf16's in the same regime, a difference computed for this "
-                 "card", columns, rows, key=f"{PREFIX_KEYS[mode]}_{mode}")
+    return Table(
+        f"{PREFIX_CAPTIONS[mode]}, {rollout_name(rs, mode)}: mean matched prefix of the "
+        f"{rs.block_size} drafted tokens (0..{rs.block_size}). The gap to bf16 is the "
+        "variant's value minus bf16's in the same regime, a difference computed for this "
+        "card",
+        columns,
+        rows,
+        key=f"{PREFIX_KEYS[mode]}_{mode}",
+    )
 
 
 def variant_label(rs: ResultsSet, variant: str) -> str:
     """The variant's name, and how many tensors it quantized when the quantized variants of the
     results did not all quantize the same tensors (then they are not compared like for like)."""
-    changed = {name: {tuple(r.get("quantized_tensors") or ()) for block in rs.regimes.values()
-                      if (r := block.get(name)) is not None}
-               for name in variant_order(rs)}
+    changed = {
+        name: {
+            tuple(r.get("quantized_tensors") or ())
+            for block in rs.regimes.values()
+            if (r := block.get(name)) is not None
+        }
+        for name in variant_order(rs)
+    }
     sets = {s for name, found in changed.items() for s in found if s}
     mine = [s for s in changed.get(variant, set()) if s]
     if len(sets) <= 1 or not mine:
@@ -185,33 +205,50 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
     def add(name, cell_of):
         rows.append([label(name), *(cell_of(rs.regimes[regime][v]) for v in variants)])
 
-    add("greedy agree, all positions [95% CI]",
-        lambda r: estimate(r["metrics"]["greedy_agree_overall"], p))
-    add("1−TV, all positions [95% CI]",
-        lambda r: estimate(r["metrics"]["one_minus_tv_overall"], tv))
+    add(
+        "greedy agree, all positions [95% CI]",
+        lambda r: estimate(r["metrics"]["greedy_agree_overall"], p),
+    )
+    add(
+        "1−TV, all positions [95% CI]", lambda r: estimate(r["metrics"]["one_minus_tv_overall"], tv)
+    )
     for mode in ROLLOUT_MODES:
         name = rollout_name(rs, mode, [regime])
-        add(f"{PREFIX_LABELS[mode]}, {name} [95% CI]",
-            lambda r, mode=mode: _rollout(r, mode, PREFIX_KEYS[mode], c))
-        add(f"whole block of {B} matched, {name} [95% CI]",
-            lambda r, mode=mode: _rollout(r, mode, "prefix_agree", p))
+        add(
+            f"{PREFIX_LABELS[mode]}, {name} [95% CI]",
+            lambda r, mode=mode: _rollout(r, mode, PREFIX_KEYS[mode], c),
+        )
+        add(
+            f"whole block of {B} matched, {name} [95% CI]",
+            lambda r, mode=mode: _rollout(r, mode, "prefix_agree", p),
+        )
     add("KL(ref‖var) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["kl"]))
     add("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"]))
     add("reverse KL(var‖ref) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["reverse_kl"]))
     add("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"]))
-    add(f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
-        lambda r: estimate(r["metrics"]["confidence_r"], p))
-    add(f"sched flip rate, {CONFIDENCE_NOTE} [95% CI]",
-        lambda r: estimate(r["metrics"]["sched_flip_rate"], p))
+    add(
+        f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
+        lambda r: estimate(r["metrics"]["confidence_r"], p),
+    )
+    add(
+        f"sched flip rate, {CONFIDENCE_NOTE} [95% CI]",
+        lambda r: estimate(r["metrics"]["sched_flip_rate"], p),
+    )
     add("weight SNR, overall (dB)", lambda r: fixed(r["weight_snr"]["overall_db"], DIGITS["snr"]))
-    add("weight SNR, worst tensor (dB)",
-        lambda r: fixed(r["weight_snr"]["worst_db"], DIGITS["snr"]))
-    add("weight SNR over (tensors)", lambda r: Cell(str(r["weight_snr"]["tensors"]),
-                                                    r["weight_snr"]["tensors"]))
-    return Table(f"Regime {regime}: every metric against the FP32 reference "
-                 "(n/a: undefined for that variant, e.g. no weight error in bf16)",
-                 ["metric", *(variant_label(rs, v) for v in variants)], rows,
-                 key=f"metrics_{regime}")
+    add(
+        "weight SNR, worst tensor (dB)", lambda r: fixed(r["weight_snr"]["worst_db"], DIGITS["snr"])
+    )
+    add(
+        "weight SNR over (tensors)",
+        lambda r: Cell(str(r["weight_snr"]["tensors"]), r["weight_snr"]["tensors"]),
+    )
+    return Table(
+        f"Regime {regime}: every metric against the FP32 reference "
+        "(n/a: undefined for that variant, e.g. no weight error in bf16)",
+        ["metric", *(variant_label(rs, v) for v in variants)],
+        rows,
+        key=f"metrics_{regime}",
+    )
 
 
 def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
@@ -245,26 +282,31 @@ def _per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
 
 def _corpus(run: dict) -> str:
     c = run["corpus"] or {}
-    return (f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
-            f"{c.get('tokens')} tokens)")
+    return (
+        f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
+        f"{c.get('tokens')} tokens)"
+    )
 
 
 def _anchors(run: dict) -> str:
     a = run["anchors"] or {}
-    return (f"context length mean {a.get('context_length_mean'):.1f}, min "
-            f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens")
+    return (
+        f"context length mean {a.get('context_length_mean'):.1f}, min "
+        f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens"
+    )
 
 
 def _sampling(run: dict) -> str:
     s = run["sampling"] or {}
-    return (f"drafter {rollout_label('sampled', s)}; verifier {verifier_label(s)}; "
-            f"{s.get('noise')}")
+    return f"drafter {rollout_label('sampled', s)}; verifier {verifier_label(s)}; {s.get('noise')}"
 
 
 def _selection(run: dict) -> str:
     s = run["selection"] or {}
-    return (f"include {' '.join(s.get('include') or []) or '(default)'}; "
-            f"ignore {' '.join(s.get('ignore') or []) or '(none)'}")
+    return (
+        f"include {' '.join(s.get('include') or []) or '(default)'}; "
+        f"ignore {' '.join(s.get('ignore') or []) or '(none)'}"
+    )
 
 
 def evaluation_table(rs: ResultsSet) -> Table:
@@ -273,38 +315,74 @@ def evaluation_table(rs: ResultsSet) -> Table:
     model = rs.model
 
     rows = [
-        ("model", f"{model.get('path')} ({model.get('architecture')}, {model.get('parameters')} "
-                  f"parameters, config.json sha256 {model.get('config_sha256')})"),
+        (
+            "model",
+            f"{model.get('path')} ({model.get('architecture')}, {model.get('parameters')} "
+            f"parameters, config.json sha256 {model.get('config_sha256')})",
+        ),
         ("target head from", _per_regime(rs, regimes, lambda r: r["target"] or "not given")),
         ("reference", _per_regime(rs, regimes, lambda r: r["reference"])),
-        ("variants", "; ".join(f"{name}: {info.get('kind')} ({info.get('source')})"
-                               for name, info in rs.variants.items())),
+        (
+            "variants",
+            "; ".join(
+                f"{name}: {info.get('kind')} ({info.get('source')})"
+                for name, info in rs.variants.items()
+            ),
+        ),
         ("variant compute", _per_regime(rs, regimes, lambda r: r["variant_compute"])),
         ("confidence head", CONFIDENCE_NOTE),
-        ("aux states", _per_regime(rs, regimes, lambda r: f"shared by reference and variants, "
-                                                          f"{r['aux_dtype']}")),
-        ("regimes", "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}"
-                              for r in regimes)),
+        (
+            "aux states",
+            _per_regime(
+                rs, regimes, lambda r: f"shared by reference and variants, {r['aux_dtype']}"
+            ),
+        ),
+        (
+            "regimes",
+            "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}" for r in regimes),
+        ),
         ("corpus", _per_regime(rs, regimes, _corpus)),
-        ("tokenizer", _per_regime(rs, regimes, lambda r: (r.get("corpus") or {}).get(
-            "tokenizer") or "not recorded in the results")),
-        ("blocks per regime", _per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of "
-                                                                 f"{r['block_size']} tokens")),
+        (
+            "tokenizer",
+            _per_regime(
+                rs,
+                regimes,
+                lambda r: (r.get("corpus") or {}).get("tokenizer") or "not recorded in the results",
+            ),
+        ),
+        (
+            "blocks per regime",
+            _per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of {r['block_size']} tokens"),
+        ),
         ("anchors", _per_regime(rs, regimes, _anchors)),
         ("sampled rollouts", _per_regime(rs, regimes, _sampling)),
         ("modules the simulated formats quantize", _per_regime(rs, regimes, _selection)),
         ("seed", _per_regime(rs, regimes, lambda r: str(r["seed"]))),
-        ("intervals", "95%, two-sided: Wilson score for per-position proportions; Wilson on "
-                      "Kish's effective sample size for pooled proportions and B times them "
-                      "(matched prefix, greedy acceptance); Student-t over blocks for other "
-                      "means; a seeded block bootstrap for r"),
-        ("versions", _per_regime(rs, regimes, lambda r: f"qstream {r['qstream_version']}, "
-                                                        f"torch {r['torch_version']}")),
-        ("results files", "; ".join(f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}"
-                                    for r in regimes)),
+        (
+            "intervals",
+            "95%, two-sided: Wilson score for per-position proportions; Wilson on "
+            "Kish's effective sample size for pooled proportions and B times them "
+            "(matched prefix, greedy acceptance); Student-t over blocks for other "
+            "means; a seeded block bootstrap for r",
+        ),
+        (
+            "versions",
+            _per_regime(
+                rs, regimes, lambda r: f"qstream {r['qstream_version']}, torch {r['torch_version']}"
+            ),
+        ),
+        (
+            "results files",
+            "; ".join(f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}" for r in regimes),
+        ),
     ]
-    return Table("How the numbers were measured (from the results JSON)", ["", "value"],
-                 [[label(k), Cell(v)] for k, v in rows], key="evaluation", align="ll")
+    return Table(
+        "How the numbers were measured (from the results JSON)",
+        ["", "value"],
+        [[label(k), Cell(v)] for k, v in rows],
+        key="evaluation",
+        align="ll",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,23 +394,48 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
     sens = rs.sections[regime]["sensitivity"]
     d = DIGITS["ceiling"]
     alone = {e["kind"]: e for e in sens["single"]}
-    rows = [[label("(nothing: bf16 floor)"), Cell(""), estimate(sens["floor"]["ceiling"], d),
-             Cell("(floor)"), sci(sens["floor"]["kl_p99"]), Cell(""), Cell("")]]
+    rows = [
+        [
+            label("(nothing: bf16 floor)"),
+            Cell(""),
+            estimate(sens["floor"]["ceiling"], d),
+            Cell("(floor)"),
+            sci(sens["floor"]["kl_p99"]),
+            Cell(""),
+            Cell(""),
+        ]
+    ]
     for e in sens["cumulative"]:
         single = alone[e["add"]]
-        rows.append([label(e["add"]), Cell(f"{single['ceiling_gap']:+.{d}f}",
-                                           single["ceiling_gap"]),
-                     estimate(e["ceiling"], d), Cell(f"{e['ceiling_gap']:+.{d}f}", e["ceiling_gap"]),
-                     sci(e["kl_p99"]), Cell(str(len(e["quantized_tensors"])),
-                                            len(e["quantized_tensors"])),
-                     Cell("yes" if e["within_tolerance"] else "no")])
-    return Table(f"Regime {regime}: {sens['format']} quantized one module kind more per row, least "
-                 f"harmful first (harm: {sens['harm']}). 'alone' is the kind's gap when quantized "
-                 f"by itself; 'within' compares the cumulative gap with the tolerance of "
-                 f"{sens['tolerance']} tokens",
-                 ["+ module kind", "gap alone", "ceiling, greedy [95% CI]", "gap to bf16",
-                  "KL p99", "tensors", "within"], rows, key=f"sensitivity_{regime}",
-                 align="lrrrrrl")
+        rows.append(
+            [
+                label(e["add"]),
+                Cell(f"{single['ceiling_gap']:+.{d}f}", single["ceiling_gap"]),
+                estimate(e["ceiling"], d),
+                Cell(f"{e['ceiling_gap']:+.{d}f}", e["ceiling_gap"]),
+                sci(e["kl_p99"]),
+                Cell(str(len(e["quantized_tensors"])), len(e["quantized_tensors"])),
+                Cell("yes" if e["within_tolerance"] else "no"),
+            ]
+        )
+    return Table(
+        f"Regime {regime}: {sens['format']} quantized one module kind more per row, least "
+        f"harmful first (harm: {sens['harm']}). 'alone' is the kind's gap when quantized "
+        f"by itself; 'within' compares the cumulative gap with the tolerance of "
+        f"{sens['tolerance']} tokens",
+        [
+            "+ module kind",
+            "gap alone",
+            "ceiling, greedy [95% CI]",
+            "gap to bf16",
+            "KL p99",
+            "tensors",
+            "within",
+        ],
+        rows,
+        key=f"sensitivity_{regime}",
+        align="lrrrrrl",
+    )
 
 
 def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
@@ -341,27 +444,50 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
     names = [v for v in variant_order(rs) if v in sweep["buckets"][0]["variants"]]
     rows = []
     for b in sweep["buckets"]:
-        rows.append([label(f"[{b['lo']}, {b['hi']})"), label(b["side"]),
-                     Cell(f"{b['anchors']['context_length_mean']:.1f}",
-                          b["anchors"]["context_length_mean"]),
-                     *(estimate(b["variants"][v]["metrics"]["rollouts"]["greedy"]["ceiling"],
-                                DIGITS["ceiling"]) for v in names)])
-    return Table(f"Regime {regime}: acceptance ceiling (greedy rollout, 95% CI) by context length "
-                 f"of the block; YaRN boundary (original_max_position_embeddings) "
-                 f"{sweep['yarn_boundary']}, max_position_embeddings "
-                 f"{sweep['max_position_embeddings']}",
-                 ["context length", "vs boundary", "mean context", *names], rows,
-                 key=f"context_sweep_{regime}", align="llr" + "r" * len(names))
+        rows.append(
+            [
+                label(f"[{b['lo']}, {b['hi']})"),
+                label(b["side"]),
+                Cell(
+                    f"{b['anchors']['context_length_mean']:.1f}",
+                    b["anchors"]["context_length_mean"],
+                ),
+                *(
+                    estimate(
+                        b["variants"][v]["metrics"]["rollouts"]["greedy"]["ceiling"],
+                        DIGITS["ceiling"],
+                    )
+                    for v in names
+                ),
+            ]
+        )
+    return Table(
+        f"Regime {regime}: acceptance ceiling (greedy rollout, 95% CI) by context length "
+        f"of the block; YaRN boundary (original_max_position_embeddings) "
+        f"{sweep['yarn_boundary']}, max_position_embeddings "
+        f"{sweep['max_position_embeddings']}",
+        ["context length", "vs boundary", "mean context", *names],
+        rows,
+        key=f"context_sweep_{regime}",
+        align="llr" + "r" * len(names),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Acceptance (eval-drift --acceptance, --states; docs/acceptance.md)
 
+
 def acceptance_verifiers(rs: ResultsSet) -> list[str]:
     """Verifiers present in some variant's results, in VERIFIERS order."""
-    return [v for v in VERIFIERS
-            if any(v in result.get("acceptance", {}) for block in rs.regimes.values()
-                   for result in block.values())]
+    return [
+        v
+        for v in VERIFIERS
+        if any(
+            v in result.get("acceptance", {})
+            for block in rs.regimes.values()
+            for result in block.values()
+        )
+    ]
 
 
 def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
@@ -369,8 +495,11 @@ def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
     regime would be 6 columns per regime wide), with the 95% CI and the results' paired loss
     against bf16."""
     d = DIGITS["ceiling"]
-    regimes = [r for r in regime_order(rs)
-               if any(verifier in res.get("acceptance", {}) for res in rs.regimes[r].values())]
+    regimes = [
+        r
+        for r in regime_order(rs)
+        if any(verifier in res.get("acceptance", {}) for res in rs.regimes[r].values())
+    ]
     columns = ["variant", "regime"]
     columns += [f"{name} [95% CI]" for name in ACCEPTANCE_MODES.values()]
     columns += [f"{name} loss vs bf16" for name in ACCEPTANCE_MODES.values()]
@@ -384,16 +513,22 @@ def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
             else:
                 row += [estimate(acc[mode]["emitted"], d) for mode in ACCEPTANCE_MODES]
                 loss = acc.get("loss_vs_bf16")
-                row += [Cell("(floor)") if loss is None else estimate(loss[mode], d)
-                        for mode in ACCEPTANCE_MODES]
+                row += [
+                    Cell("(floor)") if loss is None else estimate(loss[mode], d)
+                    for mode in ACCEPTANCE_MODES
+                ]
             rows.append(row)
-    return Table(f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
-                 f"accepted drafted tokens plus the resampled or bonus token (1..{rs.block_size + 1}), "
-                 "token-wise rejection sampling and block verification with the drafter on the "
-                 f"full tempered softmax and the verifier at {_verifier_sampling(rs)}, and greedy; "
-                 "loss vs bf16 is the results' paired per-block difference",
-                 columns, rows, key=f"acceptance_{verifier}",
-                 align="ll" + "r" * (len(columns) - 2))
+    return Table(
+        f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
+        f"accepted drafted tokens plus the resampled or bonus token (1..{rs.block_size + 1}), "
+        "token-wise rejection sampling and block verification with the drafter on the "
+        f"full tempered softmax and the verifier at {_verifier_sampling(rs)}, and greedy; "
+        "loss vs bf16 is the results' paired per-block difference",
+        columns,
+        rows,
+        key=f"acceptance_{verifier}",
+        align="ll" + "r" * (len(columns) - 2),
+    )
 
 
 def _verifier_sampling(rs: ResultsSet) -> str:

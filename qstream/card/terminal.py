@@ -46,9 +46,15 @@ def report_parts(rs: ResultsSet) -> list[Part]:
 
 def _widths(table: Table) -> list[int]:
     """Each column's rendered width: its longest line (header or cell) plus the cell frame."""
-    return [max(len(line) for text in (column, *(row[i].text for row in table.rows))
-                for line in (text.splitlines() or [""])) + _CELL_FRAME
-            for i, column in enumerate(table.columns)]
+    return [
+        max(
+            len(line)
+            for text in (column, *(row[i].text for row in table.rows))
+            for line in (text.splitlines() or [""])
+        )
+        + _CELL_FRAME
+        for i, column in enumerate(table.columns)
+    ]
 
 
 def split_table(table: Table, width: int = MAX_WIDTH) -> list[Table]:
@@ -65,15 +71,22 @@ def split_table(table: Table, width: int = MAX_WIDTH) -> list[Table]:
         if groups[-1] and label_width + sum(widths[j] for j in groups[-1]) + widths[i] > width:
             groups.append([])
         groups[-1].append(i)
-    return [_subtable(table, list(range(n_labels)) + group,
-                      f" ({n}/{len(groups)})" if len(groups) > 1 else "")
-            for n, group in enumerate(groups, 1)]
+    return [
+        _subtable(
+            table, list(range(n_labels)) + group, f" ({n}/{len(groups)})" if len(groups) > 1 else ""
+        )
+        for n, group in enumerate(groups, 1)
+    ]
 
 
 def _subtable(table: Table, keep: list[int], suffix: str) -> Table:
-    return Table(table.caption + suffix, [table.columns[i] for i in keep],
-                 [[row[i] for i in keep] for row in table.rows], table.key,
-                 "".join(table.align[i] for i in keep))
+    return Table(
+        table.caption + suffix,
+        [table.columns[i] for i in keep],
+        [[row[i] for i in keep] for row in table.rows],
+        table.key,
+        "".join(table.align[i] for i in keep),
+    )
 
 
 def rich_table(table: Table, label_max: int | None = None) -> RichTable:
@@ -82,8 +95,12 @@ def rich_table(table: Table, label_max: int | None = None) -> RichTable:
     columns wrap at ``label_max`` characters when given."""
     out = RichTable(title=Text(table.caption))
     for column, align in zip(table.columns, table.align):
-        out.add_column(Text(column), justify="left" if align == "l" else "right",
-                       overflow="fold", max_width=label_max if align == "l" else None)
+        out.add_column(
+            Text(column),
+            justify="left" if align == "l" else "right",
+            overflow="fold",
+            max_width=label_max if align == "l" else None,
+        )
     for row in table.rows:
         out.add_row(*(Text(cell.text) for cell in row))
     return out

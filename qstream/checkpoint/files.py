@@ -53,14 +53,17 @@ def read_json(path: Path, what: str, object_pairs_hook=None):
 
 def _no_duplicate_keys(path: Path):
     """A JSON object hook that refuses a key given twice (json keeps the last silently)."""
+
     def hook(pairs):
         seen = {}
         for key, value in pairs:
             if key in seen:
-                raise QStreamError(f"{path}: {key!r} appears twice (mapped to {seen[key]!r} "
-                                   f"and {value!r})")
+                raise QStreamError(
+                    f"{path}: {key!r} appears twice (mapped to {seen[key]!r} and {value!r})"
+                )
             seen[key] = value
         return seen
+
     return hook
 
 
@@ -100,14 +103,13 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
 def _read_index(path: Path) -> dict[str, str]:
     index = read_json(path, "safetensors index", _no_duplicate_keys(path))
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(v, str) for v in weight_map.values()
-    ):
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise QStreamError(f"{path}: no weight_map of tensor name -> shard file")
     for tensor, shard in weight_map.items():
         if Path(shard).name != shard:
-            raise QStreamError(f"{path}: tensor {tensor!r} names shard {shard!r} outside the "
-                               "checkpoint directory")
+            raise QStreamError(
+                f"{path}: tensor {tensor!r} names shard {shard!r} outside the checkpoint directory"
+            )
     return weight_map
 
 
@@ -116,8 +118,9 @@ def _locate_tensors(shards: dict[str, ShardHeader]) -> dict[str, str]:
     for shard, header in shards.items():
         for tensor in header.tensors:
             if tensor in located:
-                raise QStreamError(f"tensor {tensor!r} is in two shards: {located[tensor]} "
-                                   f"and {shard}")
+                raise QStreamError(
+                    f"tensor {tensor!r} is in two shards: {located[tensor]} and {shard}"
+                )
             located[tensor] = shard
     return located
 
@@ -126,15 +129,16 @@ def _check_index(path: Path, weight_map: dict[str, str], located: dict[str, str]
     for tensor, shard in weight_map.items():
         actual = located.get(tensor)
         if actual is None:
-            raise QStreamError(f"{path}: tensor {tensor!r} is mapped to {shard}, which does not "
-                               "contain it")
+            raise QStreamError(
+                f"{path}: tensor {tensor!r} is mapped to {shard}, which does not contain it"
+            )
         if actual != shard:
-            raise QStreamError(f"{path}: tensor {tensor!r} is mapped to {shard} but is in "
-                               f"{actual}")
+            raise QStreamError(f"{path}: tensor {tensor!r} is mapped to {shard} but is in {actual}")
     extra = [t for t in located if t not in weight_map]
     if extra:
-        raise QStreamError(f"{path}: tensor {extra[0]!r} (in {located[extra[0]]}) is missing "
-                           "from the index")
+        raise QStreamError(
+            f"{path}: tensor {extra[0]!r} (in {located[extra[0]]}) is missing from the index"
+        )
 
 
 def file_digests(directory: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:

@@ -26,10 +26,18 @@ def inspect_checkpoint(directory: str | Path) -> dict:
     checkpoint = open_checkpoint(directory)
     kinds: dict[str, dict] = {}
     for name, info in checkpoint.tensors.items():
-        row = kinds.setdefault(module_kind(name), {
-            "kind": module_kind(name), "tensors": 0, "elements": 0, "params": 0, "dtypes": [],
-            "shape": list(info.shape), "bytes": 0,
-        })
+        row = kinds.setdefault(
+            module_kind(name),
+            {
+                "kind": module_kind(name),
+                "tensors": 0,
+                "elements": 0,
+                "params": 0,
+                "dtypes": [],
+                "shape": list(info.shape),
+                "bytes": 0,
+            },
+        )
         row["tensors"] += 1
         row["elements"] += info.numel
         row["params"] += _logical_params(name, info.numel)
@@ -47,7 +55,8 @@ def inspect_checkpoint(directory: str | Path) -> dict:
         "bytes": checkpoint.size_bytes,
         "kinds": list(kinds.values()),
         "quantization_config": qconfig,
-        "quant_format": format_of_layout(qconfig.get("format", "")) if isinstance(qconfig, dict)
+        "quant_format": format_of_layout(qconfig.get("format", ""))
+        if isinstance(qconfig, dict)
         else None,
     }
 

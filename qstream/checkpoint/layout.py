@@ -36,13 +36,15 @@ def quantization_config(fmt: str, ignore: list[str]) -> dict:
         "quant_method": "compressed-tensors",
         "format": spec.layout,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": list(TARGETS),
-            "weights": dict(spec.weights_args),
-            "input_activations": None,
-            "output_activations": None,
-            "format": spec.layout,
-        }},
+        "config_groups": {
+            "group_0": {
+                "targets": list(TARGETS),
+                "weights": dict(spec.weights_args),
+                "input_activations": None,
+                "output_activations": None,
+                "format": spec.layout,
+            }
+        },
         "ignore": list(ignore),
         "kv_cache_scheme": None,
         "sparsity_config": {},
@@ -71,5 +73,7 @@ def stored_tensors(fmt: str, module: str, weight: TensorInfo) -> list[PlannedTen
             (suffix, DTYPE_NAMES[t.dtype], t.shape[1] if t.ndim == 2 and t.shape[0] == 2 else None)
             for suffix, t in probe.items()
         ]
-    return [PlannedTensor(f"{module}.{suffix}", dtype, (n, width) if width is not None else (1,))
-            for suffix, dtype, width in _STORED_CACHE[key]]
+    return [
+        PlannedTensor(f"{module}.{suffix}", dtype, (n, width) if width is not None else (1,))
+        for suffix, dtype, width in _STORED_CACHE[key]
+    ]

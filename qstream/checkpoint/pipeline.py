@@ -52,16 +52,18 @@ def row_pieces(shard: str, info: TensorInfo, module: str | None) -> Iterator[Pie
         yield Piece(shard, info.name, None, module, info.nbytes)
         return
     row_elements = max(1, info.numel // info.shape[0])
-    limit = COPY_BYTES // max(1, info.row_bytes) if module is None \
-        else PIECE_ELEMENTS // row_elements
+    limit = (
+        COPY_BYTES // max(1, info.row_bytes) if module is None else PIECE_ELEMENTS // row_elements
+    )
     step = max(1, limit)
     for start in range(0, info.shape[0], step):
         rows = slice(start, min(start + step, info.shape[0]))
         yield Piece(shard, info.name, rows, module, (rows.stop - rows.start) * info.row_bytes)
 
 
-def pieces(checkpoint: Checkpoint, selection: Selection,
-           modules: set[str] | None = None) -> Iterator[Piece]:
+def pieces(
+    checkpoint: Checkpoint, selection: Selection, modules: set[str] | None = None
+) -> Iterator[Piece]:
     """Every tensor's pieces in file order, or only those of the quantized ``modules``."""
     quantized = set(selection.quantized)
     for shard, header in checkpoint.shards.items():
@@ -72,9 +74,13 @@ def pieces(checkpoint: Checkpoint, selection: Selection,
                 yield from row_pieces(shard, info, module)
 
 
-def run_bounded(work_items: Iterator[Piece], work: Callable[[Piece], R], workers: int,
-                done: Callable[[Piece, R], None],
-                prepare: Callable[[Piece], None] | None = None) -> None:
+def run_bounded(
+    work_items: Iterator[Piece],
+    work: Callable[[Piece], R],
+    workers: int,
+    done: Callable[[Piece, R], None],
+    prepare: Callable[[Piece], None] | None = None,
+) -> None:
     """``work`` on every piece in a thread pool (torch releases the GIL), with at most
     ``2 * workers`` pieces in flight so that memory stays bounded.  ``prepare`` (before a piece
     is submitted) and ``done`` (in piece order) run on the calling thread, so that I/O put
@@ -103,13 +109,17 @@ def needs_shared_amax(checkpoint: Checkpoint, selection: Selection) -> set[str]:
     a fused group (one scale for the group, docs/quantize.md) and weights split into
     several pieces.  Every other weight is one piece and takes its own amax in the kernel."""
     grouped = {m for group in selection.fused_groups for m in group.members}
-    split = {m for m in selection.quantized
-             if len(list(row_pieces("", checkpoint.info(f"{m}.weight"), m))) > 1}
+    split = {
+        m
+        for m in selection.quantized
+        if len(list(row_pieces("", checkpoint.info(f"{m}.weight"), m))) > 1
+    }
     return grouped | split
 
 
-def global_amaxes(checkpoint: Checkpoint, readers: dict[str, ShardReader],
-                  selection: Selection, workers: int) -> dict[str, torch.Tensor]:
+def global_amaxes(
+    checkpoint: Checkpoint, readers: dict[str, ShardReader], selection: Selection, workers: int
+) -> dict[str, torch.Tensor]:
     """NVFP4's pre-pass over :func:`needs_shared_amax`'s weights: each one's amax, then the max
     over each fused group, so that a group shares one global scale even across shards.  A NaN
     or Inf weight there is refused before anything is written."""
@@ -144,15 +154,25 @@ class _Tally:
     tensors_done: int = 0
 
 
-def write_tensors(checkpoint: Checkpoint, readers: dict[str, ShardReader],
-                  writers: dict[str, ShardWriter], selection: Selection, fmt: str,
-                  amaxes: dict[str, torch.Tensor], device: torch.device, workers: int,
-                  snr: bool, progress: Progress | None) -> dict[str, float]:
+def write_tensors(
+    checkpoint: Checkpoint,
+    readers: dict[str, ShardReader],
+    writers: dict[str, ShardWriter],
+    selection: Selection,
+    fmt: str,
+    amaxes: dict[str, torch.Tensor],
+    device: torch.device,
+    workers: int,
+    snr: bool,
+    progress: Progress | None,
+) -> dict[str, float]:
     """Every piece read, quantized or copied, and written; returns each quantized module's
     weight SNR in dB (empty without ``snr``)."""
     sums = {m: [0.0, 0.0] for m in selection.quantized}
-    tally = _Tally(sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
-                   len(checkpoint.tensor_shard))
+    tally = _Tally(
+        sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
+        len(checkpoint.tensor_shard),
+    )
 
     def prepare(piece: Piece) -> None:
         if piece.module is not None:
@@ -164,8 +184,9 @@ def write_tensors(checkpoint: Checkpoint, readers: dict[str, ShardReader],
         reader = readers[piece.shard]
         energy = Energy(device) if snr else None
         w = reader.tensor(piece.name, piece.rows).to(device)
-        stored = quantize(fmt, w, name=piece.name, global_amax=amaxes.get(piece.module),
-                          energy=energy)
+        stored = quantize(
+            fmt, w, name=piece.name, global_amax=amaxes.get(piece.module), energy=energy
+        )
         reader.release(piece.name, piece.rows)
         return stored, None if energy is None else energy.sums()
 
@@ -183,8 +204,7 @@ def write_tensors(checkpoint: Checkpoint, readers: dict[str, ShardReader],
         if piece.rows is None or piece.rows.stop == checkpoint.info(piece.name).shape[0]:
             tally.tensors_done += 1
         if progress is not None:
-            progress(tally.bytes_done, tally.bytes_total, tally.tensors_done,
-                     tally.tensors_total)
+            progress(tally.bytes_done, tally.bytes_total, tally.tensors_done, tally.tensors_total)
 
     # Reading (page-table population), copying and writing happen on this thread in
     # prepare / done, the quantizing on the workers: with one worker the two overlap.
@@ -197,8 +217,11 @@ def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
     if piece.rows is None:
         begin, end, row = 0, info.nbytes, 0
     else:
-        begin, end, row = (piece.rows.start * info.row_bytes, piece.rows.stop * info.row_bytes,
-                           piece.rows.start)
+        begin, end, row = (
+            piece.rows.start * info.row_bytes,
+            piece.rows.stop * info.row_bytes,
+            piece.rows.start,
+        )
     writer.write(piece.name, reader.raw(piece.name, begin, end), row)
     reader.release(piece.name, piece.rows)
 

@@ -45,8 +45,8 @@ from qstream.checkpoint.serving import (
     target_layers_of,
 )
 from qstream.errors import QStreamError
-from qstream.publish import QUANTIZE_RECORD, check_target, publishing
 from qstream.formats import get_format
+from qstream.publish import QUANTIZE_RECORD, check_target, publishing
 
 # Written beside config.json: the command and summary that produced the checkpoint, which
 # `qstream card` quotes (the card never has to reconstruct the command).
@@ -83,8 +83,7 @@ class QuantizeSummary:
 
     @property
     def worst_snr(self) -> tuple[str, float] | None:
-        return min(self.weight_snr_db.items(), key=lambda kv: kv[1]) if self.weight_snr_db \
-            else None
+        return min(self.weight_snr_db.items(), key=lambda kv: kv[1]) if self.weight_snr_db else None
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -138,54 +137,105 @@ def quantize_checkpoint(
     torch_device = _check_device(device, workers)
     checkpoint = open_checkpoint(model_path)
     _refuse_quantized(checkpoint)
-    selection, entries, warnings = _select(checkpoint, fmt, include, ignore, skip_incompatible,
-                                           tensor_parallel_size)
+    selection, entries, warnings = _select(
+        checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
+    )
     plans = _plan_shards(checkpoint, selection, fmt)
     summary = QuantizeSummary(
-        model_dir=str(model_path), output_dir=str(output_path), quant_format=fmt,
+        model_dir=str(model_path),
+        output_dir=str(output_path),
+        quant_format=fmt,
         dry_run=dry_run,
         params_total=sum(i.numel for i in checkpoint.tensors.values()),
         params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
-        modules_quantized=list(selection.quantized), modules_ignored=list(selection.ignored),
-        modules_skipped=dict(selection.skipped), bytes_before=checkpoint.size_bytes,
-        bytes_after=sum(planned_file_size(t, checkpoint.shards[s].metadata)
-                        for s, t in plans.items()),
-        workers=workers, serving_profile=selection.profile.name,
-        tensor_parallel_size=tensor_parallel_size, ignore=entries, warnings=warnings,
+        modules_quantized=list(selection.quantized),
+        modules_ignored=list(selection.ignored),
+        modules_skipped=dict(selection.skipped),
+        bytes_before=checkpoint.size_bytes,
+        bytes_after=sum(
+            planned_file_size(t, checkpoint.shards[s].metadata) for s, t in plans.items()
+        ),
+        workers=workers,
+        serving_profile=selection.profile.name,
+        tensor_parallel_size=tensor_parallel_size,
+        ignore=entries,
+        warnings=warnings,
     )
     if dry_run:
         return summary
-    command = _equivalent_command(model_dir, output_dir, fmt, include, ignore,
-                                  skip_incompatible, snr, tensor_parallel_size)
+    command = _equivalent_command(
+        model_dir, output_dir, fmt, include, ignore, skip_incompatible, snr, tensor_parallel_size
+    )
     intra_op_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        snr_db = _write_output(checkpoint, selection, plans, summary, output_path, overwrite,
-                               command, torch_device, snr, progress)
+        snr_db = _write_output(
+            checkpoint,
+            selection,
+            plans,
+            summary,
+            output_path,
+            overwrite,
+            command,
+            torch_device,
+            snr,
+            progress,
+        )
     finally:
         torch.set_num_threads(intra_op_threads)
-    return QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr_db,
-                              "seconds": time.perf_counter() - started})
+    return QuantizeSummary(
+        **{**asdict(summary), "weight_snr_db": snr_db, "seconds": time.perf_counter() - started}
+    )
 
 
-def _write_output(checkpoint, selection, plans, summary: QuantizeSummary, output_path: Path,
-                  overwrite: bool, command: str, device: torch.device, snr: bool,
-                  progress: Progress | None) -> dict[str, float]:
+def _write_output(
+    checkpoint,
+    selection,
+    plans,
+    summary: QuantizeSummary,
+    output_path: Path,
+    overwrite: bool,
+    command: str,
+    device: torch.device,
+    snr: bool,
+    progress: Progress | None,
+) -> dict[str, float]:
     """The NVFP4 pre-pass, then everything written into a temporary directory beside
     ``output_path`` that is renamed into place; returns the weight SNR per module."""
     fmt, workers = summary.quant_format, summary.workers
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     amaxes = global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" else {}
     with publishing(output_path, overwrite) as tmp:
-        snr_db = _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes,
-                                   summary.ignore, tmp, device, workers, snr, progress)
+        snr_db = _write_checkpoint(
+            checkpoint,
+            readers,
+            selection,
+            plans,
+            fmt,
+            amaxes,
+            summary.ignore,
+            tmp,
+            device,
+            workers,
+            snr,
+            progress,
+        )
         # what the card quotes; run-dependent fields (time, worker count) are left out so that
         # the same input and command give the same output bytes
         recorded = QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr_db}).to_json()
-        _write_text(tmp / PROVENANCE_NAME, _json({
-            "qstream_version": qstream.__version__, "command": command,
-            "summary": {k: v for k, v in recorded.items() if k not in ("seconds", "workers")},
-            "files": file_digests(tmp)}))
+        _write_text(
+            tmp / PROVENANCE_NAME,
+            _json(
+                {
+                    "qstream_version": qstream.__version__,
+                    "command": command,
+                    "summary": {
+                        k: v for k, v in recorded.items() if k not in ("seconds", "workers")
+                    },
+                    "files": file_digests(tmp),
+                }
+            ),
+        )
     return snr_db
 
 
@@ -197,31 +247,59 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _select(checkpoint: Checkpoint, fmt: str, include, ignore, skip_incompatible: bool,
-            tensor_parallel_size: int) -> tuple[Selection, list[str], list[str]]:
+def _select(
+    checkpoint: Checkpoint,
+    fmt: str,
+    include,
+    ignore,
+    skip_incompatible: bool,
+    tensor_parallel_size: int,
+) -> tuple[Selection, list[str], list[str]]:
     """The selection under config.json's serving profile, the ``ignore`` entries that make
     vLLM's matcher resolve it, and the warnings about what vLLM may refuse (docs/vllm.md)."""
     if tensor_parallel_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
     hidden = checkpoint.config.get("hidden_size")
-    selection = select_modules(checkpoint.tensors, fmt, include, ignore, skip_incompatible,
-                               profile=profile, hidden_size=hidden if isinstance(hidden, int)
-                               else None, tensor_parallel_size=tensor_parallel_size)
+    selection = select_modules(
+        checkpoint.tensors,
+        fmt,
+        include,
+        ignore,
+        skip_incompatible,
+        profile=profile,
+        hidden_size=hidden if isinstance(hidden, int) else None,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     target_layers = target_layers_of(checkpoint.config)
-    entries = ignore_entries(profile, selection.ignored, weight_modules(checkpoint.tensors),
-                             target_layers)
+    entries = ignore_entries(
+        profile, selection.ignored, weight_modules(checkpoint.tensors), target_layers
+    )
     warnings = list(selection.warnings)
     warnings += filter(None, [layer_specific_warning(profile, entries, target_layers)])
     return selection, entries, warnings
 
 
-def _equivalent_command(model_dir, output_dir, fmt: str, include, ignore,
-                        skip_incompatible: bool, snr: bool = True,
-                        tensor_parallel_size: int = 1) -> str:
+def _equivalent_command(
+    model_dir,
+    output_dir,
+    fmt: str,
+    include,
+    ignore,
+    skip_incompatible: bool,
+    snr: bool = True,
+    tensor_parallel_size: int = 1,
+) -> str:
     """The qstream-quantize command line that makes this output (recorded for model cards)."""
-    args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir),
-            "--quant_format", fmt]
+    args = [
+        "qstream-quantize",
+        "--model_dir",
+        str(model_dir),
+        "--output_dir",
+        str(output_dir),
+        "--quant_format",
+        fmt,
+    ]
     if include:
         args += ["--include_layers", *include]
     if ignore:
@@ -240,8 +318,10 @@ def _check_paths(model_dir, output_dir, overwrite: bool) -> tuple[Path, Path]:
     if not model_path.is_dir():
         raise QStreamError(f"--model_dir {model_dir}: not a directory")
     if output_path == model_path or model_path in output_path.parents:
-        raise QStreamError(f"--output_dir {output_dir} is inside --model_dir {model_dir}; the "
-                           "input is never modified")
+        raise QStreamError(
+            f"--output_dir {output_dir} is inside --model_dir {model_dir}; the "
+            "input is never modified"
+        )
     if output_path in model_path.parents:
         raise QStreamError(f"--output_dir {output_dir} contains --model_dir {model_dir}")
     check_target(output_path, overwrite, "--output_dir")
@@ -262,16 +342,21 @@ def _refuse_quantized(checkpoint: Checkpoint) -> None:
     if "quantization_config" in checkpoint.config:
         method = checkpoint.config["quantization_config"]
         method = method.get("quant_method", "?") if isinstance(method, dict) else "?"
-        raise QStreamError(f"{checkpoint.directory / CONFIG_NAME}: the checkpoint is already "
-                           f"quantized (quantization_config, quant_method {method!r})")
+        raise QStreamError(
+            f"{checkpoint.directory / CONFIG_NAME}: the checkpoint is already "
+            f"quantized (quantization_config, quant_method {method!r})"
+        )
     for name in checkpoint.tensor_shard:
         if name.endswith((".weight_packed", ".weight_scale", ".weight_global_scale")):
-            raise QStreamError(f"tensor {name!r} in {checkpoint.tensor_shard[name]}: the "
-                               "checkpoint is already quantized")
+            raise QStreamError(
+                f"tensor {name!r} in {checkpoint.tensor_shard[name]}: the "
+                "checkpoint is already quantized"
+            )
 
 
-def _plan_shards(checkpoint: Checkpoint, selection: Selection, fmt: str
-                 ) -> dict[str, list[PlannedTensor]]:
+def _plan_shards(
+    checkpoint: Checkpoint, selection: Selection, fmt: str
+) -> dict[str, list[PlannedTensor]]:
     """Output tensors per shard: the input's, in order, each quantized weight replaced in place
     by what its format stores."""
     quantized = set(selection.quantized)
@@ -288,9 +373,20 @@ def _plan_shards(checkpoint: Checkpoint, selection: Selection, fmt: str
     return plans
 
 
-def _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, ignore, tmp: Path,
-                      device: torch.device, workers: int, snr: bool,
-                      progress: Progress | None) -> dict[str, float]:
+def _write_checkpoint(
+    checkpoint,
+    readers,
+    selection,
+    plans,
+    fmt,
+    amaxes,
+    ignore,
+    tmp: Path,
+    device: torch.device,
+    workers: int,
+    snr: bool,
+    progress: Progress | None,
+) -> dict[str, float]:
     """config.json, the other files, every shard and the index, in ``tmp``; returns the
     weight SNR per quantized module."""
     _copy_other_files(checkpoint, tmp)
@@ -299,8 +395,9 @@ def _write_checkpoint(checkpoint, readers, selection, plans, fmt, amaxes, ignore
     _write_text(tmp / CONFIG_NAME, _json(config))
     writers = {s: ShardWriter(tmp / s, plans[s], checkpoint.shards[s].metadata) for s in plans}
     try:
-        snr_db = write_tensors(checkpoint, readers, writers, selection, fmt, amaxes, device,
-                               workers, snr, progress)
+        snr_db = write_tensors(
+            checkpoint, readers, writers, selection, fmt, amaxes, device, workers, snr, progress
+        )
     except BaseException:
         for writer in writers.values():
             writer.abort()

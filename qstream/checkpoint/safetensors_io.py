@@ -28,10 +28,21 @@ import torch
 from qstream.errors import QStreamError
 
 DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-    "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
-    "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
@@ -94,11 +105,15 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
                 raise QStreamError(f"{path}: truncated safetensors file ({file_size} bytes)")
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER_BYTES:
-                raise QStreamError(f"{path}: safetensors header of {length} bytes is over the "
-                                   f"{MAX_HEADER_BYTES}-byte limit (corrupt file?)")
+                raise QStreamError(
+                    f"{path}: safetensors header of {length} bytes is over the "
+                    f"{MAX_HEADER_BYTES}-byte limit (corrupt file?)"
+                )
             if 8 + length > file_size:
-                raise QStreamError(f"{path}: truncated safetensors file (header says {length} "
-                                   f"bytes, file has {file_size})")
+                raise QStreamError(
+                    f"{path}: truncated safetensors file (header says {length} "
+                    f"bytes, file has {file_size})"
+                )
             raw = f.read(length)
     except OSError as exc:
         raise QStreamError(f"{path}: cannot read: {exc.strerror}") from exc
@@ -129,17 +144,25 @@ def _tensor_info(path: Path, name: str, entry, data_size: int) -> TensorInfo:
         raise QStreamError(f"{where}: unknown dtype {dtype!r}")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise QStreamError(f"{where}: bad shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(o) is int for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+    ):
         raise QStreamError(f"{where}: bad data_offsets {offsets!r}")
     begin, end = offsets
     if end > data_size:
-        raise QStreamError(f"{where}: data_offsets {offsets} run past the end of the data "
-                           f"({data_size} bytes; truncated file?)")
+        raise QStreamError(
+            f"{where}: data_offsets {offsets} run past the end of the data "
+            f"({data_size} bytes; truncated file?)"
+        )
     expected = prod(shape) * _element_size(dtype)
     if end - begin != expected:
-        raise QStreamError(f"{where}: data_offsets {offsets} span {end - begin} bytes but "
-                           f"{dtype} {shape} needs {expected}")
+        raise QStreamError(
+            f"{where}: data_offsets {offsets} span {end - begin} bytes but "
+            f"{dtype} {shape} needs {expected}"
+        )
     return TensorInfo(name, dtype, tuple(shape), begin, end)
 
 
@@ -149,15 +172,21 @@ def _check_layout(path: Path, tensors: list[TensorInfo], data_size: int) -> None
     position, previous = 0, None
     for t in tensors:
         if t.begin < position:
-            raise QStreamError(f"{path}: tensor {t.name!r} overlaps tensor {previous!r} "
-                               f"(offset {t.begin} < {position})")
+            raise QStreamError(
+                f"{path}: tensor {t.name!r} overlaps tensor {previous!r} "
+                f"(offset {t.begin} < {position})"
+            )
         if t.begin > position:
-            raise QStreamError(f"{path}: {t.begin - position} unaccounted bytes before tensor "
-                               f"{t.name!r} at offset {position}")
+            raise QStreamError(
+                f"{path}: {t.begin - position} unaccounted bytes before tensor "
+                f"{t.name!r} at offset {position}"
+            )
         position, previous = t.end, t.name
     if position != data_size:
-        raise QStreamError(f"{path}: {data_size - position} bytes after the last tensor "
-                           "(corrupt or mis-sized file)")
+        raise QStreamError(
+            f"{path}: {data_size - position} bytes after the last tensor "
+            "(corrupt or mis-sized file)"
+        )
 
 
 class ShardReader:
@@ -168,8 +197,9 @@ class ShardReader:
         with open(header.path, "rb") as f:
             # ACCESS_COPY (a private mapping) gives torch a writable buffer without any
             # possibility of writing to the input file.
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header.file_size \
-                else None
+            self._map = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header.file_size else None
+            )
 
     def _span(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
         if rows is None:
@@ -183,15 +213,16 @@ class ShardReader:
         shape = info.shape if rows is None else (rows.stop - rows.start, *info.shape[1:])
         if end == begin:
             return torch.empty(shape, dtype=info.torch_dtype)
-        flat = torch.frombuffer(self._map, dtype=torch.uint8, count=end - begin,
-                                offset=self.header.data_offset + begin)
+        flat = torch.frombuffer(
+            self._map, dtype=torch.uint8, count=end - begin, offset=self.header.data_offset + begin
+        )
         return flat.view(info.torch_dtype).reshape(shape)
 
     def raw(self, name: str, begin: int, end: int) -> memoryview:
         """Bytes ``begin:end`` of the tensor's data (for byte-exact copies)."""
         start = self.header.data_offset + self.header.tensors[name].begin
         assert self._map is not None  # a tensor with bytes implies a non-empty file
-        return memoryview(self._map)[start + begin:start + end]
+        return memoryview(self._map)[start + begin : start + end]
 
     def prefetch(self, name: str, rows: slice | None = None) -> None:
         """Map a range's pages ahead of use (reading them from disk if they are not cached),
@@ -209,8 +240,10 @@ class ShardReader:
     def _page_range(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
         begin, end = self._span(info, rows)
         begin = (self.header.data_offset + begin) // _PAGE * _PAGE
-        end = min(-(-(self.header.data_offset + end) // _PAGE) * _PAGE,
-                  len(self._map) if self._map is not None else 0)
+        end = min(
+            -(-(self.header.data_offset + end) // _PAGE) * _PAGE,
+            len(self._map) if self._map is not None else 0,
+        )
         return begin, end
 
     def release(self, name: str, rows: slice | None = None) -> None:
@@ -230,7 +263,9 @@ class PlannedTensor:
     shape: tuple[int, ...]
 
 
-def header_bytes(tensors: list[PlannedTensor], metadata: dict[str, str] | None) -> tuple[bytes, dict]:
+def header_bytes(
+    tensors: list[PlannedTensor], metadata: dict[str, str] | None
+) -> tuple[bytes, dict]:
     """The serialized header (padded with spaces to a multiple of 8, as safetensors does) and
     ``{name: TensorInfo}`` of the layout it describes."""
     header: dict = {"__metadata__": metadata} if metadata else {}
@@ -254,8 +289,9 @@ class ShardWriter:
     """A safetensors file written in place: header first, then any tensor or row range of a
     tensor at its offset, from any thread (``os.pwrite``)."""
 
-    def __init__(self, path: Path, tensors: list[PlannedTensor],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
+    ):
         self.path = path
         raw, self.infos = header_bytes(tensors, metadata)
         self.data_offset = 8 + len(raw)
@@ -272,12 +308,19 @@ class ShardWriter:
         if isinstance(data, torch.Tensor):
             if data.dtype != info.torch_dtype:
                 raise ValueError(f"{name}: writing {data.dtype} into a {info.dtype} tensor")
-            data = memoryview(data.detach().cpu().contiguous().reshape(-1)  # type: ignore[arg-type]
-                              .view(torch.uint8).numpy())
+            data = memoryview(
+                data.detach()
+                .cpu()
+                .contiguous()
+                .reshape(-1)  # type: ignore[arg-type]
+                .view(torch.uint8)
+                .numpy()
+            )
         offset = row_start * info.row_bytes
         if offset + len(data) > info.nbytes:
-            raise ValueError(f"{name}: write of {len(data)} bytes at {offset} overruns "
-                             f"{info.nbytes}")
+            raise ValueError(
+                f"{name}: write of {len(data)} bytes at {offset} overruns {info.nbytes}"
+            )
         position = self.data_offset + info.begin + offset
         while len(data):
             done = os.pwrite(self._fd, data, position)

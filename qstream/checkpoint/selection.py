@@ -48,10 +48,12 @@ def matches(pattern: str, module: str) -> bool:
         try:
             return re.match(pattern[3:], module) is not None
         except re.error as exc:
-            raise QStreamError(f"pattern {pattern!r} is not a valid regular expression "
-                               f"({exc})") from exc
-    return (module == pattern or module.endswith("." + pattern)
-            or fnmatch.fnmatchcase(module, pattern))
+            raise QStreamError(
+                f"pattern {pattern!r} is not a valid regular expression ({exc})"
+            ) from exc
+    return (
+        module == pattern or module.endswith("." + pattern) or fnmatch.fnmatchcase(module, pattern)
+    )
 
 
 def _leaf(module: str) -> str:
@@ -78,12 +80,19 @@ def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list
 
 
 def _default_selection(modules: Mapping[str, TensorInfo], rules: _Rules) -> set[str]:
-    return {m for m, info in modules.items() if quantizable(info) and not is_embedding(m)
-            and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES and rules.refusal(m) is None}
+    return {
+        m
+        for m, info in modules.items()
+        if quantizable(info)
+        and not is_embedding(m)
+        and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES
+        and rules.refusal(m) is None
+    }
 
 
-def _included(modules: Mapping[str, TensorInfo], patterns: list[str], rules: _Rules,
-              dropped: dict[str, str]) -> set[str]:
+def _included(
+    modules: Mapping[str, TensorInfo], patterns: list[str], rules: _Rules, dropped: dict[str, str]
+) -> set[str]:
     """The modules ``patterns`` select; a module a broad pattern reaches but vLLM cannot serve
     quantized is recorded in ``dropped`` with the reason (a pattern reaching only such modules
     is an error)."""
@@ -96,18 +105,31 @@ def _included(modules: Mapping[str, TensorInfo], patterns: list[str], rules: _Ru
         refused = {m: why for m, why in refused.items() if why is not None}
         if refused and len(refused) == len(hit):
             m, why = next(iter(refused.items()))
-            raise QStreamError(f"--include_layers pattern {pattern!r} selects {m}, which vLLM "
-                               f"cannot serve quantized: {why} (docs/vllm.md)")
-        usable = [m for m in hit if quantizable(modules[m]) and not is_embedding(m)
-                  and m not in refused]
-        dropped.update({m: f"vLLM cannot serve it quantized: {why}" for m, why in refused.items()
-                        if not is_embedding(m)})
+            raise QStreamError(
+                f"--include_layers pattern {pattern!r} selects {m}, which vLLM "
+                f"cannot serve quantized: {why} (docs/vllm.md)"
+            )
+        usable = [
+            m for m in hit if quantizable(modules[m]) and not is_embedding(m) and m not in refused
+        ]
+        dropped.update(
+            {
+                m: f"vLLM cannot serve it quantized: {why}"
+                for m, why in refused.items()
+                if not is_embedding(m)
+            }
+        )
         if not usable:
             m = hit[0]
-            why = "an embedding" if is_embedding(m) else \
-                f"{modules[m].dtype} {list(modules[m].shape)}, not a 2-D float weight"
-            raise QStreamError(f"--include_layers pattern {pattern!r} matches only modules that "
-                               f"cannot be quantized, e.g. {m} ({why})")
+            why = (
+                "an embedding"
+                if is_embedding(m)
+                else f"{modules[m].dtype} {list(modules[m].shape)}, not a 2-D float weight"
+            )
+            raise QStreamError(
+                f"--include_layers pattern {pattern!r} matches only modules that "
+                f"cannot be quantized, e.g. {m} ({why})"
+            )
         selected.update(usable)
     return selected
 
@@ -130,8 +152,10 @@ def _apply_shape_rule(modules, selected: set[str], block: int, skip: bool) -> di
         if block and k % block:
             reason = f"K={k} is not a multiple of the block size {block}"
             if not skip:
-                raise QStreamError(f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
-                                   "(use --skip-incompatible to leave it unquantized)")
+                raise QStreamError(
+                    f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
+                    "(use --skip-incompatible to leave it unquantized)"
+                )
             skipped[m] = reason
             selected.discard(m)
     return skipped
@@ -150,9 +174,11 @@ def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
                 selected.discard(m)
                 skipped[m] = f"fused with {', '.join(outside)}, which cannot be quantized"
             continue
-        raise QStreamError(f"fused group {group.label} would be split: quantized "
-                           f"{_names(inside)}; not quantized {_names(outside)} "
-                           f"(all or none: {group.rule})")
+        raise QStreamError(
+            f"fused group {group.label} would be split: quantized "
+            f"{_names(inside)}; not quantized {_names(outside)} "
+            f"(all or none: {group.rule})"
+        )
 
 
 def _names(modules: list[str], limit: int = 4) -> str:
@@ -173,14 +199,21 @@ class _Rules:
 
     def refusal(self, module: str) -> str | None:
         args = (self.profile, module, self.hidden_size, self.tensor_parallel_size)
-        return (serving.never_quantized(self.profile, module)
-                or serving.tp_keeps_unquantized(*args) or serving.tp_needs_unquantized(*args))
+        return (
+            serving.never_quantized(self.profile, module)
+            or serving.tp_keeps_unquantized(*args)
+            or serving.tp_needs_unquantized(*args)
+        )
 
 
 def select_modules(
-    tensors: Mapping[str, TensorInfo], fmt: str, include: Iterable[str] | None = None,
-    ignore: Iterable[str] | None = None, skip_incompatible: bool = False,
-    profile: Profile | None = None, hidden_size: int | None = None,
+    tensors: Mapping[str, TensorInfo],
+    fmt: str,
+    include: Iterable[str] | None = None,
+    ignore: Iterable[str] | None = None,
+    skip_incompatible: bool = False,
+    profile: Profile | None = None,
+    hidden_size: int | None = None,
     tensor_parallel_size: int = 1,
 ) -> Selection:
     """Apply the selection rules (docs/quantize.md): ``include`` (default: every 2-D float
@@ -193,8 +226,11 @@ def select_modules(
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
     dropped: dict[str, str] = {}
-    selected = _included(modules, include, rules, dropped) if include else \
-        _default_selection(modules, rules)
+    selected = (
+        _included(modules, include, rules, dropped)
+        if include
+        else _default_selection(modules, rules)
+    )
     selected -= _ignored(modules, ignore)
     skipped = _apply_shape_rule(modules, selected, get_format(fmt).block_size, skip_incompatible)
     skipped.update({m: why for m, why in dropped.items() if m not in skipped})
@@ -208,9 +244,14 @@ def select_modules(
         skipped={m: skipped[m] for m in modules if m in skipped},
         fused_groups=tuple(g for g in groups if g.members[0] in selected),
         profile=profile,
-        warnings=tuple(serving.marlin_warnings(
-            profile, {m: modules[m].shape for m in modules if m in selected}, fmt,
-            tensor_parallel_size)),
+        warnings=tuple(
+            serving.marlin_warnings(
+                profile,
+                {m: modules[m].shape for m in modules if m in selected},
+                fmt,
+                tensor_parallel_size,
+            )
+        ),
     )
 
 

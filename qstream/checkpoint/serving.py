@@ -72,8 +72,7 @@ PROFILES = {
 def profile_for(config: Mapping) -> Profile:
     """The profile whose architecture config.json names (``generic`` otherwise)."""
     names = set(config.get("architectures") or [])
-    return next((p for p in PROFILES.values() if names & set(p.architectures)),
-                PROFILES[GENERIC])
+    return next((p for p in PROFILES.values() if names & set(p.architectures)), PROFILES[GENERIC])
 
 
 def get_profile(name: str) -> Profile:
@@ -126,8 +125,9 @@ def never_quantized(profile: Profile, module: str) -> str | None:
     return K3_NEVER_QUANTIZED.get(module_kind(module))
 
 
-def tp_keeps_unquantized(profile: Profile, module: str, hidden_size: int | None,
-                         tp: int) -> str | None:
+def tp_keeps_unquantized(
+    profile: Profile, module: str, hidden_size: int | None, tp: int
+) -> str | None:
     """Why vLLM builds ``module`` in BF16 at tensor-parallel size ``tp`` (None: it does not).
     The K3 draft keeps ``context_proj`` in BF16 whenever it is sharded evenly (tp > 1 and
     hidden % tp == 0)."""
@@ -135,20 +135,27 @@ def tp_keeps_unquantized(profile: Profile, module: str, hidden_size: int | None,
         return None
     if hidden_size is None or hidden_size % tp:
         return None
-    return (f"vLLM keeps context_proj in BF16 at tensor_parallel_size {tp} "
-            f"(hidden_size {hidden_size} % {tp} == 0)")
+    return (
+        f"vLLM keeps context_proj in BF16 at tensor_parallel_size {tp} "
+        f"(hidden_size {hidden_size} % {tp} == 0)"
+    )
 
 
-def tp_needs_unquantized(profile: Profile, module: str, hidden_size: int | None,
-                        tp: int) -> str | None:
+def tp_needs_unquantized(
+    profile: Profile, module: str, hidden_size: int | None, tp: int
+) -> str | None:
     """Why ``module`` must stay unquantized at ``tp`` although vLLM builds it with the quant
     config: when context_proj is sharded, the streamed-context path reads ``context_kv_proj``
     (every layer's kv_a_proj_with_mqa, fused with q_a_proj) as a plain 2-D BF16 matrix."""
-    if module_kind(module) not in QKV_A or tp_keeps_unquantized(
-            profile, K3_CONTEXT_PROJ, hidden_size, tp) is None:
+    if (
+        module_kind(module) not in QKV_A
+        or tp_keeps_unquantized(profile, K3_CONTEXT_PROJ, hidden_size, tp) is None
+    ):
         return None
-    return (f"at tensor_parallel_size {tp} vLLM's streamed-context path reads context_kv_proj "
-            "(every layer's kv_a_proj_with_mqa) as an unquantized 2-D weight")
+    return (
+        f"at tensor_parallel_size {tp} vLLM's streamed-context path reads context_kv_proj "
+        "(every layer's kv_a_proj_with_mqa) as an unquantized 2-D weight"
+    )
 
 
 def fused_groups(profile: Profile, modules: Iterable[str]) -> list[FusedGroup]:
@@ -175,10 +182,14 @@ def _k3_groups(modules: list[str]) -> list[FusedGroup]:
     groups = []
     qkv_a = tuple(m for m in modules if module_kind(m) in QKV_A)
     if len(qkv_a) >= 2:
-        groups.append(FusedGroup(
-            "self_attn.{q_a_proj, kv_a_proj_with_mqa} of every layer", qkv_a,
-            "vLLM fuses each layer's pair into fused_qkv_a_proj and loads every layer's "
-            "kv_a_proj_with_mqa again into one cross-layer context_kv_proj"))
+        groups.append(
+            FusedGroup(
+                "self_attn.{q_a_proj, kv_a_proj_with_mqa} of every layer",
+                qkv_a,
+                "vLLM fuses each layer's pair into fused_qkv_a_proj and loads every layer's "
+                "kv_a_proj_with_mqa again into one cross-layer context_kv_proj",
+            )
+        )
     by_layer: dict[int, list[str]] = {}
     for m in modules:
         layer, kind = split_layer(m)
@@ -186,13 +197,23 @@ def _k3_groups(modules: list[str]) -> list[FusedGroup]:
             by_layer.setdefault(layer, []).append(m)
     for layer, members in by_layer.items():
         if len(members) == 2:
-            groups.append(FusedGroup(f"layers.{layer}.mlp.{{gate_proj, up_proj}}", tuple(members),
-                                     "vLLM fuses them into gate_up_proj"))
+            groups.append(
+                FusedGroup(
+                    f"layers.{layer}.mlp.{{gate_proj, up_proj}}",
+                    tuple(members),
+                    "vLLM fuses them into gate_up_proj",
+                )
+            )
     return groups
 
 
-def runtime_modules(profile: Profile, modules: Iterable[str], target_layers: int,
-                    hidden_size: int | None = None, tp: int = 1) -> list[RuntimeModule]:
+def runtime_modules(
+    profile: Profile,
+    modules: Iterable[str],
+    target_layers: int,
+    hidden_size: int | None = None,
+    tp: int = 1,
+) -> list[RuntimeModule]:
     """The Linear layers vLLM builds from the checkpoint's weight-holding ``modules`` (the DSpark
     draft's names, with ``target_layers`` = L, the target's layer count, as its first index).
     ``generic``: every module is its own runtime module under its own name."""
@@ -212,20 +233,33 @@ def runtime_modules(profile: Profile, modules: Iterable[str], target_layers: int
             continue
         out.setdefault(name, []).append(m)
         split[name] = how
-    result = [RuntimeModule(name, tuple(shards), split[name], name,
-                            tp_keeps_unquantized(profile, shards[0], hidden_size, tp))
-              for name, shards in out.items()]
+    result = [
+        RuntimeModule(
+            name,
+            tuple(shards),
+            split[name],
+            name,
+            tp_keeps_unquantized(profile, shards[0], hidden_size, tp),
+        )
+        for name, shards in out.items()
+    ]
     kv_a = tuple(m for m in modules if module_kind(m) == QKV_A[1])
     if kv_a:
         first = min(layer for layer, _ in map(split_layer, kv_a) if layer is not None)
-        result.append(RuntimeModule(
-            K3_CONTEXT_KV, kv_a, "none",
-            f"model.layers.{target_layers + first}.self_attn.fused_qkv_a_proj"))
+        result.append(
+            RuntimeModule(
+                K3_CONTEXT_KV,
+                kv_a,
+                "none",
+                f"model.layers.{target_layers + first}.self_attn.fused_qkv_a_proj",
+            )
+        )
     return result
 
 
-def ignore_entries(profile: Profile, ignored: Iterable[str], modules: Iterable[str],
-                   target_layers: int | None) -> list[str]:
+def ignore_entries(
+    profile: Profile, ignored: Iterable[str], modules: Iterable[str], target_layers: int | None
+) -> list[str]:
     """The ``ignore`` list that makes vLLM's matcher leave exactly ``ignored`` unquantized.
 
     ``generic``: the module names themselves.  ``K3DSparkModel``: one ``re:`` entry per module
@@ -268,16 +302,19 @@ def target_layers_of(config: Mapping) -> int | None:
     return value if isinstance(value, int) and value >= 0 else None
 
 
-def layer_specific_warning(profile: Profile, entries: Iterable[str],
-                           target_layers: int | None) -> str | None:
+def layer_specific_warning(
+    profile: Profile, entries: Iterable[str], target_layers: int | None
+) -> str | None:
     """A warning when a draft's ``entries`` name single runtime layers: they hold for one L."""
     exact = [e for e in entries if not e.startswith("re:") and e.startswith("model.layers.")]
     if not profile.is_dspark or not exact:
         return None
-    return (f"{len(exact)} ignore entries name single runtime layers ({exact[0]}, ...) at "
-            f"L={target_layers} (config.json's target_num_hidden_layers); served beside a "
-            "target with another layer count, vLLM quantizes those layers. Ignore whole module "
-            "kinds to be independent of L")
+    return (
+        f"{len(exact)} ignore entries name single runtime layers ({exact[0]}, ...) at "
+        f"L={target_layers} (config.json's target_num_hidden_layers); served beside a "
+        "target with another layer count, vLLM quantizes those layers. Ignore whole module "
+        "kinds to be independent of L"
+    )
 
 
 def _kind_regex(kind: str, ignored: set[str], by_kind: Mapping[str, list[str]]) -> str:
@@ -301,8 +338,9 @@ MARLIN_TILE_K = 16
 MARLIN_TILE_N = 64
 
 
-def marlin_warnings(profile: Profile, shapes: Mapping[str, tuple[int, ...]], fmt: str,
-                    tp: int) -> list[str]:
+def marlin_warnings(
+    profile: Profile, shapes: Mapping[str, tuple[int, ...]], fmt: str, tp: int
+) -> list[str]:
     """Shapes of the quantized modules (``shapes``: module -> [N, K], checkpoint order) that FP4
     Marlin cannot repack at tensor-parallel size ``tp``: K per shard not a multiple of 16
     (always refused), N per shard not a multiple of 64 (refused by vLLM versions that do not pad
@@ -316,14 +354,18 @@ def marlin_warnings(profile: Profile, shapes: Mapping[str, tuple[int, ...]], fmt
         problem = _marlin_problem(rt, shapes, tp)
         if problem:
             kind = module_kind(rt.shards[0])
-            found.setdefault(f"{kind}{' (fused)' if len(rt.shards) > 1 else ''}: {problem}",
-                             []).append(rt.shards[0])
-    return [f"{problem} [{len(where)} module{'s' if len(where) > 1 else ''}]"
-            for problem, where in found.items()]
+            found.setdefault(
+                f"{kind}{' (fused)' if len(rt.shards) > 1 else ''}: {problem}", []
+            ).append(rt.shards[0])
+    return [
+        f"{problem} [{len(where)} module{'s' if len(where) > 1 else ''}]"
+        for problem, where in found.items()
+    ]
 
 
-def _marlin_problem(rt: RuntimeModule, shapes: Mapping[str, tuple[int, ...]],
-                    tp: int) -> str | None:
+def _marlin_problem(
+    rt: RuntimeModule, shapes: Mapping[str, tuple[int, ...]], tp: int
+) -> str | None:
     n = sum(shapes[m][0] for m in rt.shards)
     k = shapes[rt.shards[0]][1]
     shard = f"at tensor_parallel_size {tp}" if rt.split != "none" and tp > 1 else "unsharded"
@@ -332,9 +374,13 @@ def _marlin_problem(rt: RuntimeModule, shapes: Mapping[str, tuple[int, ...]],
     n_part = n // tp if rt.split == "out" else n
     k_part = k // tp if rt.split == "in" else k
     if k_part % MARLIN_TILE_K:
-        return (f"K per shard {k_part} ({shard}) is not a multiple of {MARLIN_TILE_K}; FP4 "
-                "Marlin (GPUs before Blackwell) cannot repack it")
+        return (
+            f"K per shard {k_part} ({shard}) is not a multiple of {MARLIN_TILE_K}; FP4 "
+            "Marlin (GPUs before Blackwell) cannot repack it"
+        )
     if n_part % MARLIN_TILE_N:
-        return (f"N per shard {n_part} ({shard}) is not a multiple of {MARLIN_TILE_N}; FP4 "
-                "Marlin in vLLM versions that do not pad N cannot repack it")
+        return (
+            f"N per shard {n_part} ({shard}) is not a multiple of {MARLIN_TILE_N}; FP4 "
+            "Marlin in vLLM versions that do not pad N cannot repack it"
+        )
     return None

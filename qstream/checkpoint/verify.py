@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch
 
+from qstream.checkpoint import serving
 from qstream.checkpoint.files import Checkpoint, file_digests, open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
-from qstream.checkpoint import serving
 from qstream.checkpoint.selection import fused_groups, matches
 from qstream.checkpoint.serving import Profile, RuntimeModule, profile_for
 from qstream.errors import QStreamError
-from qstream.publish import QUANTIZE_RECORD
 from qstream.formats import FORMATS, dequantize
+from qstream.publish import QUANTIZE_RECORD
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
 
@@ -51,8 +51,12 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_checkpoint(directory: str | Path, tensor_parallel_size: int = 1,
-                      target_layers: int | None = None, deep: bool = False) -> VerifyReport:
+def verify_checkpoint(
+    directory: str | Path,
+    tensor_parallel_size: int = 1,
+    target_layers: int | None = None,
+    deep: bool = False,
+) -> VerifyReport:
     """Check ``directory`` as vLLM will load it at ``tensor_parallel_size``.  ``target_layers``
     (L, the target's layer count, which offsets a draft's runtime layer names) defaults to
     config.json's ``target_num_hidden_layers``.  Every scale is checked for sane values;
@@ -65,8 +69,10 @@ def verify_checkpoint(directory: str | Path, tensor_parallel_size: int = 1,
     report.serving_profile = profile.name
     qconfig = checkpoint.config.get("quantization_config")
     if not isinstance(qconfig, dict):
-        raise QStreamError(f"{checkpoint.directory}: config.json has no quantization_config; "
-                           "not a quantized checkpoint")
+        raise QStreamError(
+            f"{checkpoint.directory}: config.json has no quantization_config; "
+            "not a quantized checkpoint"
+        )
     fmt = _check_config(qconfig, report)
     if fmt is None:
         return report
@@ -98,33 +104,41 @@ def matches_ignore(entry: str, module: str) -> bool:
 def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
     problems = report.problems
     if qconfig.get("quant_method") != "compressed-tensors":
-        problems.append(f"quant_method is {qconfig.get('quant_method')!r}, not "
-                        "'compressed-tensors'")
+        problems.append(
+            f"quant_method is {qconfig.get('quant_method')!r}, not 'compressed-tensors'"
+        )
     if qconfig.get("quantization_status") != "compressed":
-        problems.append(f"quantization_status is {qconfig.get('quantization_status')!r}, not "
-                        "'compressed'")
+        problems.append(
+            f"quantization_status is {qconfig.get('quantization_status')!r}, not 'compressed'"
+        )
     groups = qconfig.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
-        problems.append(f"expected exactly one config group, found "
-                        f"{len(groups) if isinstance(groups, dict) else 'none'}")
+        problems.append(
+            f"expected exactly one config group, found "
+            f"{len(groups) if isinstance(groups, dict) else 'none'}"
+        )
         return None
     group = next(iter(groups.values()))
     fmt = format_of_layout(qconfig.get("format", ""))
     if fmt is None:
-        problems.append(f"format {qconfig.get('format')!r} is not one qstream writes "
-                        f"({', '.join(s.layout for s in FORMATS.values())})")
+        problems.append(
+            f"format {qconfig.get('format')!r} is not one qstream writes "
+            f"({', '.join(s.layout for s in FORMATS.values())})"
+        )
         return None
     if group.get("format", qconfig.get("format")) != qconfig.get("format"):
-        problems.append(f"config group format {group.get('format')!r} differs from "
-                        f"{qconfig.get('format')!r}")
+        problems.append(
+            f"config group format {group.get('format')!r} differs from {qconfig.get('format')!r}"
+        )
     weights = group.get("weights") or {}
     for key, value in FORMATS[fmt].weights_args.items():
         if weights.get(key) != value:
-            problems.append(f"config group weights.{key} is {weights.get(key)!r}, the "
-                            f"{FORMATS[fmt].layout} format needs {value!r}")
+            problems.append(
+                f"config group weights.{key} is {weights.get(key)!r}, the "
+                f"{FORMATS[fmt].layout} format needs {value!r}"
+            )
     if group.get("input_activations") or group.get("output_activations"):
-        problems.append("config group quantizes activations; qstream checkpoints are "
-                        "weight-only")
+        problems.append("config group quantizes activations; qstream checkpoints are weight-only")
     targets = group.get("targets") or []
     named = [t for t in targets if t != "Linear"]
     both = sorted(set(named) & set(qconfig.get("ignore") or []))
@@ -153,8 +167,10 @@ def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport)
         ignored = any(matches_ignore(p, module) for p in ignore)
         if module in quantized and ignored:
             report.problems.append(f"{module} is quantized but listed in ignore")
-        if module in quantized and "Linear" not in targets and not any(
-            matches_ignore(t, module) for t in targets
+        if (
+            module in quantized
+            and "Linear" not in targets
+            and not any(matches_ignore(t, module) for t in targets)
         ):
             report.problems.append(f"{module} is quantized but matches no config group target")
         if module not in quantized and not ignored:
@@ -179,7 +195,8 @@ def _check_stored(checkpoint: Checkpoint, fmt: str, quantized, report: VerifyRep
             if info.dtype not in dtype or list(info.shape) != shape:
                 report.problems.append(
                     f"{module}.{suffix}: stored {info.dtype} {list(info.shape)}, expected "
-                    f"{'/'.join(dtype)} {shape}")
+                    f"{'/'.join(dtype)} {shape}"
+                )
                 malformed.add(module)
     return malformed
 
@@ -198,20 +215,25 @@ def _expected(fmt: str, infos) -> dict[str, tuple[tuple[str, ...], list[int]]]:
     groups = 2 * half_k // FORMATS[fmt].block_size
     if fmt == "mxfp4":
         return {"weight_packed": (("U8",), [n, half_k]), "weight_scale": (("U8",), [n, groups])}
-    return {"weight_packed": (("U8",), [n, half_k]),
-            "weight_scale": (("F8_E4M3",), [n, groups]),
-            "weight_global_scale": (("F32",), [1])}
+    return {
+        "weight_packed": (("U8",), [n, half_k]),
+        "weight_scale": (("F8_E4M3",), [n, groups]),
+        "weight_global_scale": (("F32",), [1]),
+    }
 
 
-def _check_fused(checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized,
-                 report) -> None:
+def _check_fused(
+    checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized, report
+) -> None:
     for group in fused_groups(holders, profile):
         inside = [m for m in group.members if m in quantized]
         if inside and len(inside) != len(group.members):
             outside = [m for m in group.members if m not in quantized]
-            report.problems.append(f"fused group {group.label} is split: quantized "
-                                   f"{_few(inside)}; not quantized {_few(outside)} "
-                                   f"(all or none: {group.rule})")
+            report.problems.append(
+                f"fused group {group.label} is split: quantized "
+                f"{_few(inside)}; not quantized {_few(outside)} "
+                f"(all or none: {group.rule})"
+            )
             continue
         if inside and fmt == "nvfp4":
             names = [f"{m}.weight_global_scale" for m in group.members]
@@ -224,10 +246,12 @@ def _check_fused(checkpoint: Checkpoint, fmt: str, profile: Profile, holders, qu
                 readers.setdefault(shard, ShardReader(checkpoint.shards[shard]))
                 values.append(readers[shard].tensor(n).item())
             if len(set(values)) != 1:
-                report.problems.append(f"fused group {group.label} has {len(set(values))} "
-                                       f"different NVFP4 global scales {sorted(set(values))}; "
-                                       "vLLM keeps one per fused layer (the largest) and "
-                                       "dequantizes the other members wrongly")
+                report.problems.append(
+                    f"fused group {group.label} has {len(set(values))} "
+                    f"different NVFP4 global scales {sorted(set(values))}; "
+                    "vLLM keeps one per fused layer (the largest) and "
+                    "dequantizes the other members wrongly"
+                )
 
 
 def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> None:
@@ -247,8 +271,10 @@ def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> None:
         if name not in actual:
             report.problems.append(f"{name}: recorded by quantize but missing")
         elif actual[name] != digest:
-            report.problems.append(f"{name}: sha256 {actual[name][:12]}... differs from "
-                                   f"{digest[:12]}... recorded by quantize (changed since)")
+            report.problems.append(
+                f"{name}: sha256 {actual[name][:12]}... differs from "
+                f"{digest[:12]}... recorded by quantize (changed since)"
+            )
 
 
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
@@ -269,8 +295,9 @@ def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
                 bad, what = ~(torch.isfinite(value) & (value > 0)), "non-finite or not positive"
             if bool(bad.any()):
                 first = value[bad][0].item()
-                report.problems.append(f"{name}: {int(bad.sum())} value(s) {what}, e.g. "
-                                       f"{first} (in {shard})")
+                report.problems.append(
+                    f"{name}: {int(bad.sum())} value(s) {what}, e.g. {first} (in {shard})"
+                )
             readers[shard].release(name, None)
 
 
@@ -278,17 +305,23 @@ def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> No
     """Dequantize every quantized weight (in row chunks) and require finite values."""
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
-        parts = {s: (checkpoint.tensor_shard[f"{module}.{s}"], f"{module}.{s}")
-                 for s in FORMATS[fmt].stored}
+        parts = {
+            s: (checkpoint.tensor_shard[f"{module}.{s}"], f"{module}.{s}")
+            for s in FORMATS[fmt].stored
+        }
         n, width = checkpoint.info(parts[FORMATS[fmt].stored[0]][1]).shape
         step = max(1, ROWS_PER_CHECK // max(1, width))
         for start in range(0, n, step):
             rows = slice(start, min(n, start + step))
-            stored = {s: readers[shard].tensor(name, None if s == "weight_global_scale" else rows)
-                      for s, (shard, name) in parts.items()}
+            stored = {
+                s: readers[shard].tensor(name, None if s == "weight_global_scale" else rows)
+                for s, (shard, name) in parts.items()
+            }
             if not torch.isfinite(dequantize(fmt, stored).float()).all():
-                report.problems.append(f"{module}: dequantized weight has non-finite values "
-                                       f"(rows {start}..{rows.stop - 1})")
+                report.problems.append(
+                    f"{module}: dequantized weight has non-finite values "
+                    f"(rows {start}..{rows.stop - 1})"
+                )
                 break
             for s, (shard, name) in parts.items():
                 readers[shard].release(name, None if s == "weight_global_scale" else rows)
@@ -306,26 +339,36 @@ def _draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
         return given
     value = serving.target_layers_of(checkpoint.config)
     if value is None:
-        raise QStreamError(f"{checkpoint.directory / 'config.json'}: no integer "
-                           "target_num_hidden_layers; give the target's layer count with "
-                           "--target-layers")
+        raise QStreamError(
+            f"{checkpoint.directory / 'config.json'}: no integer "
+            "target_num_hidden_layers; give the target's layer count with "
+            "--target-layers"
+        )
     return value
 
 
-def _replay_vllm(checkpoint: Checkpoint, fmt: str, profile: Profile, holders: list[str],
-                 quantized: set[str], targets_ignore: tuple[list, list],
-                 report: VerifyReport) -> None:
+def _replay_vllm(
+    checkpoint: Checkpoint,
+    fmt: str,
+    profile: Profile,
+    holders: list[str],
+    quantized: set[str],
+    targets_ignore: tuple[list, list],
+    report: VerifyReport,
+) -> None:
     """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
     what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
     hidden = checkpoint.config.get("hidden_size")
     hidden = hidden if isinstance(hidden, int) else None
     assert report.target_layers is not None  # set for a draft before the replay
-    runtime = serving.runtime_modules(profile, holders, report.target_layers, hidden,
-                                      report.tensor_parallel_size)
+    runtime = serving.runtime_modules(
+        profile, holders, report.target_layers, hidden, report.tensor_parallel_size
+    )
     for rt in runtime:
         scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
-        report.runtime_modules.append({"module": rt.name, "shards": list(rt.shards),
-                                       "scheme": scheme, "why": why})
+        report.runtime_modules.append(
+            {"module": rt.name, "shards": list(rt.shards), "scheme": scheme, "why": why}
+        )
         for shard in rt.shards:
             line = _shard_mismatch(checkpoint, fmt, rt, shard, scheme, why, shard in quantized)
             if line:
@@ -333,17 +376,23 @@ def _replay_vllm(checkpoint: Checkpoint, fmt: str, profile: Profile, holders: li
     for module in holders:
         never = serving.never_quantized(profile, module)
         if never and module in quantized:
-            report.problems.append(f"{module}: stored {fmt}, but vLLM never quantizes it "
-                                   f"({never}); it must keep the base dtype")
-        tp_why = serving.tp_needs_unquantized(profile, module, hidden,
-                                              report.tensor_parallel_size)
+            report.problems.append(
+                f"{module}: stored {fmt}, but vLLM never quantizes it "
+                f"({never}); it must keep the base dtype"
+            )
+        tp_why = serving.tp_needs_unquantized(profile, module, hidden, report.tensor_parallel_size)
         if tp_why and module in quantized:
-            report.problems.append(f"{module}: stored {fmt}, but {tp_why}; it must keep the base "
-                                   "dtype")
-    shapes = {m: tuple(checkpoint.info(f"{m}.weight").shape) for m in holders
-              if m in quantized and fmt == "fp8"}
-    shapes.update({m: _packed_shape(checkpoint, m) for m in holders
-                   if m in quantized and fmt != "fp8"})
+            report.problems.append(
+                f"{module}: stored {fmt}, but {tp_why}; it must keep the base dtype"
+            )
+    shapes = {
+        m: tuple(checkpoint.info(f"{m}.weight").shape)
+        for m in holders
+        if m in quantized and fmt == "fp8"
+    }
+    shapes.update(
+        {m: _packed_shape(checkpoint, m) for m in holders if m in quantized and fmt != "fp8"}
+    )
     report.warnings += serving.marlin_warnings(profile, shapes, fmt, report.tensor_parallel_size)
 
 
@@ -355,8 +404,9 @@ def _packed_shape(checkpoint: Checkpoint, module: str) -> tuple[int, int]:
     return (n, 2 * half_k)
 
 
-def _vllm_scheme(rt: RuntimeModule, fmt: str, targets: list, ignore: list
-                 ) -> tuple[str | None, str]:
+def _vllm_scheme(
+    rt: RuntimeModule, fmt: str, targets: list, ignore: list
+) -> tuple[str | None, str]:
     """compressed-tensors in vLLM: a Linear layer is ignored iff an ignore entry equals its
     name or is ``re:`` + a regex that re.match-es it; otherwise it takes the group's scheme if a
     target names its class ("Linear" matches every Linear class) or matches its name."""
@@ -370,16 +420,30 @@ def _vllm_scheme(rt: RuntimeModule, fmt: str, targets: list, ignore: list
     return None, f"no config group target matches {rt.quant_name}"
 
 
-def _shard_mismatch(checkpoint: Checkpoint, fmt: str, rt: RuntimeModule, shard: str,
-                    scheme: str | None, why: str, stored_quantized: bool) -> str | None:
+def _shard_mismatch(
+    checkpoint: Checkpoint,
+    fmt: str,
+    rt: RuntimeModule,
+    shard: str,
+    scheme: str | None,
+    why: str,
+    stored_quantized: bool,
+) -> str | None:
     expects = ", ".join(FORMATS[fmt].stored)
     if scheme is not None and not stored_quantized:
         name = f"{shard}.weight"
-        have = (f"{checkpoint.info(name).dtype} {list(checkpoint.info(name).shape)} {name}"
-                if name in checkpoint.tensor_shard else "no weight")
-        return (f"{rt.name}: vLLM builds it {fmt} ({why}) and expects {shard}.{{{expects}}}, "
-                f"but the checkpoint has {have}")
+        have = (
+            f"{checkpoint.info(name).dtype} {list(checkpoint.info(name).shape)} {name}"
+            if name in checkpoint.tensor_shard
+            else "no weight"
+        )
+        return (
+            f"{rt.name}: vLLM builds it {fmt} ({why}) and expects {shard}.{{{expects}}}, "
+            f"but the checkpoint has {have}"
+        )
     if scheme is None and stored_quantized:
-        return (f"{rt.name}: vLLM builds it unquantized ({why}) and expects {shard}.weight in "
-                f"the base dtype, but the checkpoint stores {shard}.{{{expects}}}")
+        return (
+            f"{rt.name}: vLLM builds it unquantized ({why}) and expects {shard}.weight in "
+            f"the base dtype, but the checkpoint stores {shard}.{{{expects}}}"
+        )
     return None

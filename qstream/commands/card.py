@@ -13,19 +13,40 @@ from qstream.eval.regimes import REGIMES
 
 @click.command("card", cls=Command)
 @click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@option("checkpoint", multiple=True, metavar="DIR",
-        help="A quantized checkpoint the card describes; repeatable (one per format).")
+@option(
+    "checkpoint",
+    multiple=True,
+    metavar="DIR",
+    help="A quantized checkpoint the card describes; repeatable (one per format).",
+)
 @option("base", metavar="DIR", help="The unquantized checkpoint the others were made from.")
-@option("output", required=True, metavar="PATH",
-        help="Card file; figures go to <PATH stem>_files/ beside it.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="md", show_default=True,
-              help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.")
-@option("regime", type=click.Choice(REGIMES), default=None,
-        help="Regime of the full metric table (default: heavy, the pessimistic one).")
+@option(
+    "output",
+    required=True,
+    metavar="PATH",
+    help="Card file; figures go to <PATH stem>_files/ beside it.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(FORMATS),
+    default="md",
+    show_default=True,
+    help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
+)
+@option(
+    "regime",
+    type=click.Choice(REGIMES),
+    default=None,
+    help="Regime of the full metric table (default: heavy, the pessimistic one).",
+)
 @option("no_figures", is_flag=True, help="Tables only: draw and reference no figures.")
-@option("overwrite", is_flag=True,
-        help="Replace an existing --output file that is not a card qstream wrote (a card it "
-             "wrote is replaced without asking).")
+@option(
+    "overwrite",
+    is_flag=True,
+    help="Replace an existing --output file that is not a card qstream wrote (a card it "
+    "wrote is replaced without asking).",
+)
 def card(results, checkpoint, base, output, fmt, regime, no_figures, overwrite) -> None:
     """Write model-card tables and figures from eval-drift results.
 
@@ -40,9 +61,16 @@ def card(results, checkpoint, base, output, fmt, regime, no_figures, overwrite) 
     An existing --output that qstream did not write is refused unless --overwrite; the card and
     its figures appear complete or not at all (docs/guarantees.md).
     """
-    card_doc, written = write_card(results, Path(output), checkpoints=checkpoint, base=base,
-                                   regime=regime, fmt=fmt, figures=not no_figures,
-                                   overwrite=overwrite)
+    card_doc, written = write_card(
+        results,
+        Path(output),
+        checkpoints=checkpoint,
+        base=base,
+        regime=regime,
+        fmt=fmt,
+        figures=not no_figures,
+        overwrite=overwrite,
+    )
     for line in card_doc.missing:
         click.echo(f"missing: {line}", err=True)
     figures = f" and {len(written) - 1} figures in {written[1].parent}" if len(written) > 1 else ""

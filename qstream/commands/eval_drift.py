@@ -45,67 +45,175 @@ class FiniteRange(click.FloatRange):
 
 
 @click.command("eval-drift", cls=Command)
-@option("model", type=click.Path(file_okay=False),
-        help="Draft checkpoint directory. Default: the built-in synthetic tiny draft.")
-@option("target", type=click.Path(file_okay=False),
-        help="Target checkpoint to borrow lm_head (and embed_tokens) from.")
-@option("tokenizer", type=click.Path(dir_okay=False),
-        help="tokenizer.json to use. Default: the draft's own.")
-@option("corpus", type=click.Path(dir_okay=False),
-        help="GSM8K-style JSONL (question, answer) or plain text. Default: built-in.")
-@option("formats", default=",".join(VARIANT_FORMATS), show_default=True,
-        help="Comma-separated simulated variants.")
-@option("variant", multiple=True, metavar="NAME=DIR",
-        help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
-             "from --model (its unquantized tensors bit-identical).")
-@option("allow_foreign_variant", is_flag=True,
-        help="Compare a --variant that is not derived from --model anyway; it is labelled "
-             "foreign in the JSON and the card.")
-@option("regime", type=click.Choice([*REGIMES, ALL_REGIMES]), default=None,
-        help="Aux regime. Default: heavy, or none when --states is given.")
-@option("blocks", type=click.IntRange(min=1), default=1024, show_default=True,
-        help="Blocks per regime.")
-@option("seed", type=click.IntRange(min=0), default=0, show_default=True,
-        help="Seed of the block positions, aux states and sampling noise (same seed, same JSON).")
-@greedy_option("include_layers", help="Modules the simulated formats quantize "
-               f"(default: {' '.join(QUANTIZE_INCLUDE)}).")
+@option(
+    "model",
+    type=click.Path(file_okay=False),
+    help="Draft checkpoint directory. Default: the built-in synthetic tiny draft.",
+)
+@option(
+    "target",
+    type=click.Path(file_okay=False),
+    help="Target checkpoint to borrow lm_head (and embed_tokens) from.",
+)
+@option(
+    "tokenizer",
+    type=click.Path(dir_okay=False),
+    help="tokenizer.json to use. Default: the draft's own.",
+)
+@option(
+    "corpus",
+    type=click.Path(dir_okay=False),
+    help="GSM8K-style JSONL (question, answer) or plain text. Default: built-in.",
+)
+@option(
+    "formats",
+    default=",".join(VARIANT_FORMATS),
+    show_default=True,
+    help="Comma-separated simulated variants.",
+)
+@option(
+    "variant",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
+    "from --model (its unquantized tensors bit-identical).",
+)
+@option(
+    "allow_foreign_variant",
+    is_flag=True,
+    help="Compare a --variant that is not derived from --model anyway; it is labelled "
+    "foreign in the JSON and the card.",
+)
+@option(
+    "regime",
+    type=click.Choice([*REGIMES, ALL_REGIMES]),
+    default=None,
+    help="Aux regime. Default: heavy, or none when --states is given.",
+)
+@option(
+    "blocks", type=click.IntRange(min=1), default=1024, show_default=True, help="Blocks per regime."
+)
+@option(
+    "seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the block positions, aux states and sampling noise (same seed, same JSON).",
+)
+@greedy_option(
+    "include_layers",
+    help=f"Modules the simulated formats quantize (default: {' '.join(QUANTIZE_INCLUDE)}).",
+)
 @greedy_option("ignore_layers", help="Modules never quantized.")
-@option("temperature", type=FiniteRange(0, min_open=True), default=1.0, show_default=True,
-        help="The request's sampling temperature (drafter and verifier).")
-@option("top_p", type=FiniteRange(0, 1, min_open=True), default=1.0, show_default=True,
-        help="The verifier's (target's) top-p; the drafter samples the full distribution, as "
-             "vLLM's DSpark drafter does.")
-@option("top_k", type=click.IntRange(min=1), default=None,
-        help="The verifier's (target's) top-k. Default: off.")
-@option("draft_top_p", type=FiniteRange(0, 1, min_open=True), default=1.0, show_default=True,
-        help="A top-p on the drafter, for engines that cut it (vLLM does not).")
-@option("acceptance", is_flag=True,
-        help="Also verify each variant's drafts with the FP32 reference: expected tokens per "
-             "block under token-wise and block verification, and greedy (docs/acceptance.md).")
-@option("states", type=click.Path(dir_okay=False),
-        help="Captured target states (safetensors, docs/states.md): adds the 'states' regime "
-             "and the acceptance of every draft against the target itself.")
-@option("sensitivity", is_flag=True,
-        help="Quantize one module kind at a time, then cumulatively (least harmful first), and "
-             "suggest the largest --include_layers list within --tolerance (docs/sensitivity.md).")
-@option("sensitivity_format", type=click.Choice(list(FORMATS)), default=None,
-        help="Format of --sensitivity. Default: nvfp4, or the first 4-bit format of --formats.")
-@option("tolerance", type=FiniteRange(0), default=0.1, show_default=True,
-        help="Greedy ceiling (tokens) the suggested include list may lose against bf16.")
-@option("context_lengths", is_flag=False, flag_value=DEFAULT_EDGES, default=None,
-        metavar="EDGES",
-        help="Also sweep context length: comma-separated bucket edges in tokens; bare: "
-             "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).")
-@option("context_blocks", type=click.IntRange(min=1), default=256, show_default=True,
-        help="Blocks per context-length bucket.")
-@option("wide", is_flag=True,
-        help="Print each table whole, however wide (default: tables wider than the terminal, "
-             "at most 100 columns, are split into parts).")
+@option(
+    "temperature",
+    type=FiniteRange(0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="The request's sampling temperature (drafter and verifier).",
+)
+@option(
+    "top_p",
+    type=FiniteRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="The verifier's (target's) top-p; the drafter samples the full distribution, as "
+    "vLLM's DSpark drafter does.",
+)
+@option(
+    "top_k",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The verifier's (target's) top-k. Default: off.",
+)
+@option(
+    "draft_top_p",
+    type=FiniteRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="A top-p on the drafter, for engines that cut it (vLLM does not).",
+)
+@option(
+    "acceptance",
+    is_flag=True,
+    help="Also verify each variant's drafts with the FP32 reference: expected tokens per "
+    "block under token-wise and block verification, and greedy (docs/acceptance.md).",
+)
+@option(
+    "states",
+    type=click.Path(dir_okay=False),
+    help="Captured target states (safetensors, docs/states.md): adds the 'states' regime "
+    "and the acceptance of every draft against the target itself.",
+)
+@option(
+    "sensitivity",
+    is_flag=True,
+    help="Quantize one module kind at a time, then cumulatively (least harmful first), and "
+    "suggest the largest --include_layers list within --tolerance (docs/sensitivity.md).",
+)
+@option(
+    "sensitivity_format",
+    type=click.Choice(list(FORMATS)),
+    default=None,
+    help="Format of --sensitivity. Default: nvfp4, or the first 4-bit format of --formats.",
+)
+@option(
+    "tolerance",
+    type=FiniteRange(0),
+    default=0.1,
+    show_default=True,
+    help="Greedy ceiling (tokens) the suggested include list may lose against bf16.",
+)
+@option(
+    "context_lengths",
+    is_flag=False,
+    flag_value=DEFAULT_EDGES,
+    default=None,
+    metavar="EDGES",
+    help="Also sweep context length: comma-separated bucket edges in tokens; bare: "
+    "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).",
+)
+@option(
+    "context_blocks",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Blocks per context-length bucket.",
+)
+@option(
+    "wide",
+    is_flag=True,
+    help="Print each table whole, however wide (default: tables wider than the terminal, "
+    "at most 100 columns, are split into parts).",
+)
 @json_option()
-def eval_drift(model, target, tokenizer, corpus, formats, variant, allow_foreign_variant,
-               regime, blocks, seed, include_layers, ignore_layers, temperature, top_p, top_k,
-               draft_top_p, acceptance, states, sensitivity, sensitivity_format, tolerance,
-               context_lengths, context_blocks, wide, json_path) -> None:
+def eval_drift(
+    model,
+    target,
+    tokenizer,
+    corpus,
+    formats,
+    variant,
+    allow_foreign_variant,
+    regime,
+    blocks,
+    seed,
+    include_layers,
+    ignore_layers,
+    temperature,
+    top_p,
+    top_k,
+    draft_top_p,
+    acceptance,
+    states,
+    sensitivity,
+    sensitivity_format,
+    tolerance,
+    context_lengths,
+    context_blocks,
+    wide,
+    json_path,
+) -> None:
     """Measure how far each format moves the drafted block from an FP32 reference.
 
     \b
@@ -122,17 +230,34 @@ def eval_drift(model, target, tokenizer, corpus, formats, variant, allow_foreign
     settings = DriftSettings(
         regimes=resolve_regimes(regime, states),
         formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
-        variant_dirs=parse_variants(variant), allow_foreign_variant=allow_foreign_variant,
-        include=tuple(include_layers) or QUANTIZE_INCLUDE, ignore=tuple(ignore_layers),
-        n_blocks=blocks, seed=seed, temperature=temperature, top_p=top_p, top_k=top_k,
+        variant_dirs=parse_variants(variant),
+        allow_foreign_variant=allow_foreign_variant,
+        include=tuple(include_layers) or QUANTIZE_INCLUDE,
+        ignore=tuple(ignore_layers),
+        n_blocks=blocks,
+        seed=seed,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
         draft_top_p=draft_top_p,
-        acceptance=acceptance, states=states, sensitivity=sensitivity,
-        sensitivity_format=sensitivity_format, tolerance=tolerance,
-        context_blocks=context_blocks)
+        acceptance=acceptance,
+        states=states,
+        sensitivity=sensitivity,
+        sensitivity_format=sensitivity_format,
+        tolerance=tolerance,
+        context_blocks=context_blocks,
+    )
     with blocks_progress(Console(stderr=True), quiet=json_path == "-") as progress:
-        results = run_drift(settings, model=model, target=target, tokenizer=tokenizer,
-                            corpus=corpus, context_lengths=context_lengths, say=console.print,
-                            progress=progress)
+        results = run_drift(
+            settings,
+            model=model,
+            target=target,
+            tokenizer=tokenizer,
+            corpus=corpus,
+            context_lengths=context_lengths,
+            say=console.print,
+            progress=progress,
+        )
     if wide:
         console = Console(stderr=json_path == "-", width=WIDE_WIDTH)
     print_report(console, results, wide=wide)

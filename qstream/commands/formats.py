@@ -18,14 +18,16 @@ def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]
     records = []
     for spec in FORMATS.values():
         w_hat = dequantize(spec.name, quantize(spec.name, w))
-        records.append({
-            "format": spec.name,
-            "bits_per_weight": spec.bits_per_weight if spec.block_size else 8 + 16 / cols,
-            "block_size": spec.block_size or "per channel",
-            "scale_type": spec.scale_type,
-            "vllm_layout": spec.layout,
-            "weight_snr_db": round(weight_snr_db(w, w_hat), 3),
-        })
+        records.append(
+            {
+                "format": spec.name,
+                "bits_per_weight": spec.bits_per_weight if spec.block_size else 8 + 16 / cols,
+                "block_size": spec.block_size or "per channel",
+                "scale_type": spec.scale_type,
+                "vllm_layout": spec.layout,
+                "weight_snr_db": round(weight_snr_db(w, w_hat), 3),
+            }
+        )
     return records
 
 
@@ -40,16 +42,27 @@ def formats(seed: int, json_path: str | None) -> None:
     """
     records = format_table(seed=seed)
     if json_path == "-":
-        write_json({"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed,
-                    "formats": records}, "-")
+        write_json(
+            {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records},
+            "-",
+        )
         return
-    table = Table(title="qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed "
-                  f"{seed})")
+    table = Table(title=f"qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed {seed})")
     for col in ("format", "bits/weight", "block", "scale", "vLLM layout", "weight SNR (dB)"):
-        table.add_column(col, justify="right" if col in ("bits/weight", "weight SNR (dB)") else "left")
+        table.add_column(
+            col, justify="right" if col in ("bits/weight", "weight SNR (dB)") else "left"
+        )
     for r in records:
-        table.add_row(r["format"], f"{r['bits_per_weight']:.3f}", str(r["block_size"]),
-                      r["scale_type"], r["vllm_layout"], f"{r['weight_snr_db']:.2f}")
+        table.add_row(
+            r["format"],
+            f"{r['bits_per_weight']:.3f}",
+            str(r["block_size"]),
+            r["scale_type"],
+            r["vllm_layout"],
+            f"{r['weight_snr_db']:.2f}",
+        )
     make_console().print(table)
-    write_json({"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed,
-                "formats": records}, json_path)
+    write_json(
+        {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records},
+        json_path,
+    )

@@ -13,8 +13,12 @@ from qstream.units import human_size
 
 @click.command(cls=Command)
 @click.argument("directory", metavar="DIR")
-@click.option("--stats/--no-stats", default=True, show_default=True,
-        help="Weight statistics (kurtosis, outliers, channel spread) per module kind.")
+@click.option(
+    "--stats/--no-stats",
+    default=True,
+    show_default=True,
+    help="Weight statistics (kurtosis, outliers, channel spread) per module kind.",
+)
 @json_option()
 def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     """Show a checkpoint's tensors by module kind: count, parameters, dtype, size on disk,
@@ -27,26 +31,35 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
         data["weight_stats"] = checkpoint_stats(directory)
     if json_path != "-":
         console = make_console()
-        table = Table(title=f"{data['directory']}: {data['tensors']} tensors in "
-                      f"{data['shards']} shard(s), {data['params']:,} parameters, "
-                      f"{human_size(data['bytes'])}")
+        table = Table(
+            title=f"{data['directory']}: {data['tensors']} tensors in "
+            f"{data['shards']} shard(s), {data['params']:,} parameters, "
+            f"{human_size(data['bytes'])}"
+        )
         for col in ("module kind", "tensors", "parameters", "dtype", "shape", "size"):
             table.add_column(col, justify="left" if col in ("module kind", "dtype") else "right")
         for row in data["kinds"]:
-            table.add_row(row["kind"], str(row["tensors"]), f"{row['params']:,}",
-                          ",".join(row["dtypes"]), str(row["shape"] or "varies"),
-                          human_size(row["bytes"]))
+            table.add_row(
+                row["kind"],
+                str(row["tensors"]),
+                f"{row['params']:,}",
+                ",".join(row["dtypes"]),
+                str(row["shape"] or "varies"),
+                human_size(row["bytes"]),
+            )
         console.print(table)
         if stats:
             console.print(_stats_table(data["weight_stats"]))
         qconfig = data["quantization_config"]
         if isinstance(qconfig, dict):
             groups = qconfig.get("config_groups") or {}
-            console.print(f"quantization_config: format {qconfig.get('format')!r}, "
-                          f"{len(groups)} group(s), targets "
-                          f"{[g.get('targets') for g in groups.values()]}, "
-                          f"{len(qconfig.get('ignore') or [])} ignored modules, "
-                          f"version {qconfig.get('version')!r}")
+            console.print(
+                f"quantization_config: format {qconfig.get('format')!r}, "
+                f"{len(groups)} group(s), targets "
+                f"{[g.get('targets') for g in groups.values()]}, "
+                f"{len(qconfig.get('ignore') or [])} ignored modules, "
+                f"version {qconfig.get('version')!r}"
+            )
         else:
             console.print("not quantized (no quantization_config)")
     write_json(data, json_path)

@@ -21,7 +21,12 @@ from rich.table import Table
 from qstream.checkpoint import QuantizeSummary, quantize_checkpoint
 from qstream.checkpoint.inspect import module_kind
 from qstream.cliutil import (
-    Command, greedy_option, json_option, make_console, option, write_json,
+    Command,
+    greedy_option,
+    json_option,
+    make_console,
+    option,
+    write_json,
 )
 
 GIB = 1 << 30
@@ -31,26 +36,59 @@ GIB = 1 << 30
 @option("model_dir", required=True, metavar="DIR", help="Input checkpoint directory.")
 @option("output_dir", required=True, metavar="DIR", help="Output directory (must not exist).")
 @option("quant_format", required=True, metavar="{fp8,mxfp4,nvfp4}", help="Weight format.")
-@greedy_option("include_layers", metavar="PAT...",
-               help="Modules to quantize (default: every 2-D Linear weight except embeddings, "
-                    "lm_head and MoE routers).")
+@greedy_option(
+    "include_layers",
+    metavar="PAT...",
+    help="Modules to quantize (default: every 2-D Linear weight except embeddings, "
+    "lm_head and MoE routers).",
+)
 @greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
-@option("device", default="cpu", show_default=True, metavar="{cpu,cuda}",
-        help="Where tensors are quantized; the bytes written are the same on either.")
-@option("workers", type=int, default=None,
-        help="Pieces quantized in parallel (default: the CPUs available).")
+@option(
+    "device",
+    default="cpu",
+    show_default=True,
+    metavar="{cpu,cuda}",
+    help="Where tensors are quantized; the bytes written are the same on either.",
+)
+@option(
+    "workers",
+    type=int,
+    default=None,
+    help="Pieces quantized in parallel (default: the CPUs available).",
+)
 @option("dry_run", is_flag=True, help="Print the plan and sizes; write nothing.")
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
-@option("skip_incompatible", is_flag=True,
-        help="Leave weights whose K is not a multiple of the block size unquantized.")
-@option("tensor_parallel_size", type=click.IntRange(min=1), default=1, show_default=True,
-        metavar="N", help="The tensor-parallel size vLLM will serve the draft at: modules vLLM "
-        "keeps in BF16 at N are refused, Marlin shape problems at N are warned about.")
+@option(
+    "skip_incompatible",
+    is_flag=True,
+    help="Leave weights whose K is not a multiple of the block size unquantized.",
+)
+@option(
+    "tensor_parallel_size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="The tensor-parallel size vLLM will serve the draft at: modules vLLM "
+    "keeps in BF16 at N are refused, Marlin shape problems at N are warned about.",
+)
 @option("no_snr", is_flag=True, help="Skip the weight SNR (a little faster).")
 @json_option()
-def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers, device,
-             workers, dry_run, overwrite, skip_incompatible, tensor_parallel_size, no_snr,
-             json_path) -> None:
+def quantize(
+    model_dir,
+    output_dir,
+    quant_format,
+    include_layers,
+    ignore_layers,
+    device,
+    workers,
+    dry_run,
+    overwrite,
+    skip_incompatible,
+    tensor_parallel_size,
+    no_snr,
+    json_path,
+) -> None:
     """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
 
     Patterns match a module name (a tensor name without .weight) when equal, as a dotted
@@ -63,10 +101,19 @@ def quantize(model_dir, output_dir, quant_format, include_layers, ignore_layers,
     """
     with _progress_bar() as bar:
         summary = quantize_checkpoint(
-            model_dir, output_dir, quant_format, include=list(include_layers) or None,
-            ignore=list(ignore_layers) or None, device=device, workers=workers,
-            dry_run=dry_run, overwrite=overwrite, skip_incompatible=skip_incompatible,
-            progress=bar, snr=not no_snr, tensor_parallel_size=tensor_parallel_size,
+            model_dir,
+            output_dir,
+            quant_format,
+            include=list(include_layers) or None,
+            ignore=list(ignore_layers) or None,
+            device=device,
+            workers=workers,
+            dry_run=dry_run,
+            overwrite=overwrite,
+            skip_incompatible=skip_incompatible,
+            progress=bar,
+            snr=not no_snr,
+            tensor_parallel_size=tensor_parallel_size,
         )
     for warning in summary.warnings:
         click.echo(f"Warning: {warning}", err=True)
@@ -85,8 +132,12 @@ class _progress_bar:
         if not sys.stderr.isatty():
             return None
         self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
             transient=True,
         )
         self._progress.start()
@@ -94,8 +145,12 @@ class _progress_bar:
         return self.update
 
     def update(self, done_bytes: int, total_bytes: int, done_tensors: int, total_tensors: int):
-        self._progress.update(self._task, completed=done_bytes, total=total_bytes,
-                              description=f"tensors {done_tensors}/{total_tensors}")
+        self._progress.update(
+            self._task,
+            completed=done_bytes,
+            total=total_bytes,
+            description=f"tensors {done_tensors}/{total_tensors}",
+        )
 
     def __exit__(self, *exc):
         if hasattr(self, "_progress"):
@@ -117,21 +172,34 @@ def plan_table(summary: QuantizeSummary) -> Table:
 
 def summary_table(summary: QuantizeSummary) -> Table:
     s = summary.to_json()
-    table = Table(title="qstream quantize" + (" (dry run: nothing written)" if summary.dry_run
-                                              else f": {summary.output_dir}"))
+    table = Table(
+        title="qstream quantize"
+        + (" (dry run: nothing written)" if summary.dry_run else f": {summary.output_dir}")
+    )
     table.add_column("")
     table.add_column("value", justify="right")
     table.add_row("format", summary.quant_format)
-    table.add_row("parameters quantized", f"{summary.params_quantized:,} / "
-                  f"{summary.params_total:,} ({s['params_quantized_pct']:.1f}%)")
-    table.add_row("modules quantized / ignored", f"{len(summary.modules_quantized)} / "
-                  f"{len(summary.modules_ignored)}")
-    table.add_row("vLLM serving rules", f"{summary.serving_profile}, tensor_parallel_size "
-                  f"{summary.tensor_parallel_size}, {len(summary.ignore)} ignore entries")
+    table.add_row(
+        "parameters quantized",
+        f"{summary.params_quantized:,} / "
+        f"{summary.params_total:,} ({s['params_quantized_pct']:.1f}%)",
+    )
+    table.add_row(
+        "modules quantized / ignored",
+        f"{len(summary.modules_quantized)} / {len(summary.modules_ignored)}",
+    )
+    table.add_row(
+        "vLLM serving rules",
+        f"{summary.serving_profile}, tensor_parallel_size "
+        f"{summary.tensor_parallel_size}, {len(summary.ignore)} ignore entries",
+    )
     if summary.modules_skipped:
         table.add_row("skipped (incompatible shape)", str(len(summary.modules_skipped)))
-    table.add_row("size", f"{summary.bytes_before / GIB:.3f} GiB -> "
-                  f"{summary.bytes_after / GIB:.3f} GiB ({s['size_ratio_pct']:.1f}%)")
+    table.add_row(
+        "size",
+        f"{summary.bytes_before / GIB:.3f} GiB -> "
+        f"{summary.bytes_after / GIB:.3f} GiB ({s['size_ratio_pct']:.1f}%)",
+    )
     if summary.weight_snr_db:
         worst = s["worst_snr_db"]
         table.add_row("weight SNR mean", f"{s['mean_snr_db']:.2f} dB")

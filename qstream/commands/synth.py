@@ -13,34 +13,61 @@ from qstream.model.synth import synth_checkpoint
 
 
 @click.command(cls=Command)
-@option("preset", type=click.Choice(list(PRESETS)), default="tiny", show_default=True,
-        help="tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 (Kimi-K3 shapes, 7.1 GB).")
+@option(
+    "preset",
+    type=click.Choice(list(PRESETS)),
+    default="tiny",
+    show_default=True,
+    help="tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 (Kimi-K3 shapes, 7.1 GB).",
+)
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
 @option("seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
-@option("corpus", type=click.Path(dir_okay=False, exists=True), default=None,
-        help="GSM8K JSONL or text to train the tokenizer and Markov statistics on "
-             "(default: a built-in generated corpus of arithmetic word problems).")
+@option(
+    "corpus",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="GSM8K JSONL or text to train the tokenizer and Markov statistics on "
+    "(default: a built-in generated corpus of arithmetic word problems).",
+)
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
 @json_option()
-def synth(preset: str, output_dir: str, seed: int, corpus: str | None, overwrite: bool,
-          json_path: str | None) -> None:
+def synth(
+    preset: str,
+    output_dir: str,
+    seed: int,
+    corpus: str | None,
+    overwrite: bool,
+    json_path: str | None,
+) -> None:
     """Write a synthetic DSpark draft checkpoint: config.json, bf16 safetensors, a BPE
     tokenizer and a stand-in target head (target_head/).
 
     Example: qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
     """
     if sys.stderr.isatty():
-        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TimeRemainingColumn(), transient=True) as bar:
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TimeRemainingColumn(),
+            transient=True,
+        ) as bar:
             task = bar.add_task(f"synth {preset}", total=None)
-            summary = synth_checkpoint(preset, output_dir, seed, corpus, overwrite,
-                                       lambda done, total: bar.update(task, completed=done,
-                                                                      total=total))
+            summary = synth_checkpoint(
+                preset,
+                output_dir,
+                seed,
+                corpus,
+                overwrite,
+                lambda done, total: bar.update(task, completed=done, total=total),
+            )
     else:
         summary = synth_checkpoint(preset, output_dir, seed, corpus, overwrite)
     if json_path != "-":
-        click.echo(f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "
-                   f"{summary.parameters:,} parameters, {summary.bytes / 2**30:.2f} GiB bf16 "
-                   f"(tokenizer and Markov statistics from {summary.corpus}; calibrated mean "
-                   f"top-1 {summary.predicted_top1:.2f})")
+        click.echo(
+            f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "
+            f"{summary.parameters:,} parameters, {summary.bytes / 2**30:.2f} GiB bf16 "
+            f"(tokenizer and Markov statistics from {summary.corpus}; calibrated mean "
+            f"top-1 {summary.predicted_top1:.2f})"
+        )
     write_json(vars(summary), json_path)

@@ -54,15 +54,16 @@ from qstream.eval.estimates import (
 )
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
 
-
 # ---------------------------------------------------------------------------------------------
 # Exact per-block expectations
 
 
 def _check(p_tok: torch.Tensor, q_tok: torch.Tensor) -> None:
     if p_tok.ndim != 2 or p_tok.shape != q_tok.shape:
-        raise ValueError(f"token probabilities must be two equal [n, B] tensors, got "
-                         f"{tuple(p_tok.shape)} and {tuple(q_tok.shape)}")
+        raise ValueError(
+            f"token probabilities must be two equal [n, B] tensors, got "
+            f"{tuple(p_tok.shape)} and {tuple(q_tok.shape)}"
+        )
 
 
 def _guarded_product(ratio: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -160,8 +161,9 @@ def _finish(draft, p, q, accepted, scale_at, generator) -> Verified:
     return _emit(draft, accepted, last)
 
 
-def verify_token_wise(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                      generator: torch.Generator) -> Verified:
+def verify_token_wise(
+    draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+) -> Verified:
     """Token-wise rejection sampling of drafts [n, B] with p [n, B+1, V] and q [n, B, V]."""
     n, B = draft.shape
     ratio = token_probs(p[:, :B].double(), draft) / token_probs(q.double(), draft)
@@ -170,8 +172,9 @@ def verify_token_wise(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
     return _finish(draft, p, q, accepted, torch.ones(n, dtype=torch.float64), generator)
 
 
-def verify_block(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
-                 generator: torch.Generator) -> Verified:
+def verify_block(
+    draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+) -> Verified:
     """Block verification (Sun et al. 2024, Algorithm 2) of drafts [n, B] with p [n, B+1, V] and
     q [n, B, V]."""
     n, B = draft.shape
@@ -202,8 +205,10 @@ class AcceptanceSummary:
     prefix_accept: tuple[Estimate, ...]
 
     def to_json(self) -> dict:
-        return {"emitted": self.emitted.to_json(),
-                "prefix_accept": [e.to_json() for e in self.prefix_accept]}
+        return {
+            "emitted": self.emitted.to_json(),
+            "prefix_accept": [e.to_json() for e in self.prefix_accept],
+        }
 
 
 def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary:
@@ -215,11 +220,14 @@ def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary
     B = accept.shape[1]
     if outcomes:
         hits = accept > 0.5
-        return AcceptanceSummary(emitted=scaled(pooled_proportion(hits), B, offset=1.0),
-                                 prefix_accept=tuple(proportion(hits[:, k]) for k in range(B)))
+        return AcceptanceSummary(
+            emitted=scaled(pooled_proportion(hits), B, offset=1.0),
+            prefix_accept=tuple(proportion(hits[:, k]) for k in range(B)),
+        )
     return AcceptanceSummary(
         emitted=mean_estimate(1 + accept.sum(dim=1), bounds=(1.0, B + 1.0)),
-        prefix_accept=tuple(mean_estimate(accept[:, k], bounds=(0.0, 1.0)) for k in range(B)))
+        prefix_accept=tuple(mean_estimate(accept[:, k], bounds=(0.0, 1.0)) for k in range(B)),
+    )
 
 
 class AcceptanceAccumulator:
@@ -241,8 +249,10 @@ class AcceptanceAccumulator:
         return 1 + self.accept(mode).sum(dim=1)
 
     def to_json(self) -> dict:
-        return {mode: summarise(self.accept(mode), outcomes=mode == "greedy").to_json()
-                for mode in ACCEPTANCE_MODES}
+        return {
+            mode: summarise(self.accept(mode), outcomes=mode == "greedy").to_json()
+            for mode in ACCEPTANCE_MODES
+        }
 
 
 def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:

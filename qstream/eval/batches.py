@@ -61,8 +61,11 @@ def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list
         streams, longest = len(group) + 1, max(need[s], 1)
         used = sum(need[g] for g in group) + need[s]
         n_blocks = sum(len(blocks_of[g]) for g in group) + len(blocks_of[s])
-        if group and (n_blocks > max_blocks or streams * longest * config.aux_size > AUX_BUDGET
-                      or streams * longest > PAD_SLACK * max(used, 1) + MIN_BATCH_POSITIONS):
+        if group and (
+            n_blocks > max_blocks
+            or streams * longest * config.aux_size > AUX_BUDGET
+            or streams * longest > PAD_SLACK * max(used, 1) + MIN_BATCH_POSITIONS
+        ):
             batches.append(_batch(group, blocks_of, plan, corpus))
             group = []
         group.append(s)
@@ -71,13 +74,15 @@ def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list
     return batches
 
 
-def _batch(streams: list[int], blocks_of: dict[int, list[int]], plan: AnchorPlan,
-           corpus: Corpus) -> Batch:
+def _batch(
+    streams: list[int], blocks_of: dict[int, list[int]], plan: AnchorPlan, corpus: Corpus
+) -> Batch:
     idx = torch.tensor([b for s in streams for b in sorted(blocks_of[s])])
     row = {s: i for i, s in enumerate(streams)}
     anchor = plan.anchor[idx]
-    first = torch.stack([corpus.streams[s][p] for s, p in zip(plan.stream[idx].tolist(),
-                                                              anchor.tolist())])
+    first = torch.stack(
+        [corpus.streams[s][p] for s, p in zip(plan.stream[idx].tolist(), anchor.tolist())]
+    )
     local = torch.tensor([row[s] for s in plan.stream[idx].tolist()])
     return Batch(idx, list(streams), local, anchor, first, int(anchor.max()))
 
@@ -109,8 +114,9 @@ class AuxStates:
             self._cache[key] = self._boot(batch, T, reference)
             return self._cache[key]
         lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
-        aux = synthetic_aux(self.regime, self.config, batch.streams, lengths, T,
-                            self.seed).to(AUX_DTYPE)
+        aux = synthetic_aux(self.regime, self.config, batch.streams, lengths, T, self.seed).to(
+            AUX_DTYPE
+        )
         held = sum(t.numel() * t.element_size() for t in self._cache.values())
         if held + aux.numel() * aux.element_size() <= AUX_CACHE_BYTES:
             self._cache[key] = aux
@@ -145,12 +151,20 @@ class Drafts(NamedTuple):
     sampled: Rollout
 
 
-def draft_batch(model: DSpark, aux: torch.Tensor, batch: Batch, batch_index: int, seed: int,
-                temperature: float = 1.0, draft_top_p: float = 1.0) -> Drafts:
+def draft_batch(
+    model: DSpark,
+    aux: torch.Tensor,
+    batch: Batch,
+    batch_index: int,
+    seed: int,
+    temperature: float = 1.0,
+    draft_top_p: float = 1.0,
+) -> Drafts:
     """One batch drafted by ``model``: its blocks, greedy rollout, and sampled rollout on the
     batch's shared race noise (the same for the reference and every variant), drawn from the
     full tempered distribution as vLLM's drafter draws (``draft_top_p`` < 1: other engines)."""
     blocks = draft_blocks(model, aux, batch)
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
-    return Drafts(blocks, rollout(model, blocks),
-                  rollout(model, blocks, noise, temperature, draft_top_p))
+    return Drafts(
+        blocks, rollout(model, blocks), rollout(model, blocks, noise, temperature, draft_top_p)
+    )

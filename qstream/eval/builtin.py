@@ -40,8 +40,9 @@ def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
     # rather than read from a cache built before the change
     preset = json.dumps(PRESETS[BUILTIN_PRESET].to_json(), sort_keys=True).encode()
     tag = hashlib.sha256(preset).hexdigest()[:8]
-    directory = (cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-"
-                 f"v{qstream.__version__}-{tag}")
+    directory = (
+        cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}-{tag}"
+    )
     if not (directory / "config.json").is_file():
         if say is not None:
             say(f"Building the built-in synthetic draft into {directory} (first use) ...")
@@ -55,6 +56,8 @@ def builtin_corpus_docs() -> list[str]:
         with gzip.open(BUILTIN_CORPUS, "rt", encoding="utf-8") as handle:
             rows = [json.loads(line) for line in handle if line.strip()]
     except (OSError, ValueError) as exc:
-        raise QStreamError(f"cannot read the built-in corpus {BUILTIN_CORPUS}: {exc} "
-                           "(reinstall qstream, or pass --corpus)") from exc
+        raise QStreamError(
+            f"cannot read the built-in corpus {BUILTIN_CORPUS}: {exc} "
+            "(reinstall qstream, or pass --corpus)"
+        ) from exc
     return [f"{row['question']}\n{row['answer']}" for row in rows]

@@ -46,8 +46,9 @@ def parse_edges(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise QStreamError(f"--context-lengths expects comma-separated token counts, got "
-                           f"{text!r}") from None
+        raise QStreamError(
+            f"--context-lengths expects comma-separated token counts, got {text!r}"
+        ) from None
 
 
 def long_streams(corpus: Corpus, eos_token_id: int, length: int) -> Corpus:
@@ -57,11 +58,17 @@ def long_streams(corpus: Corpus, eos_token_id: int, length: int) -> Corpus:
     joined = torch.cat([t for s in corpus.streams for t in (s, eos)])
     n = joined.numel() // length
     if n == 0:
-        raise QStreamError(f"corpus {corpus.name} has {joined.numel()} tokens with separators, "
-                           f"fewer than one stream of {length} tokens")
+        raise QStreamError(
+            f"corpus {corpus.name} has {joined.numel()} tokens with separators, "
+            f"fewer than one stream of {length} tokens"
+        )
     digest = hashlib.sha256(f"{corpus.sha256}:{eos_token_id}:{length}".encode()).hexdigest()
-    return Corpus(f"{corpus.name} (concatenated, EOS-separated, {length}-token streams)",
-                  digest, tuple(joined[: n * length].view(n, length)), corpus.tokenizer)
+    return Corpus(
+        f"{corpus.name} (concatenated, EOS-separated, {length}-token streams)",
+        digest,
+        tuple(joined[: n * length].view(n, length)),
+        corpus.tokenizer,
+    )
 
 
 def _side(lo: int, hi: int, boundary: int) -> str:
@@ -70,33 +77,51 @@ def _side(lo: int, hi: int, boundary: int) -> str:
     return "above" if lo >= boundary else "straddles"
 
 
-def context_sweep(config: DSparkConfig, corpus: Corpus, settings: DriftSettings,
-                  evaluate: Evaluate) -> dict:
+def context_sweep(
+    config: DSparkConfig, corpus: Corpus, settings: DriftSettings, evaluate: Evaluate
+) -> dict:
     """Evaluate ``settings.context_blocks`` blocks per bucket [edge_i, edge_i+1) of context length
     (JSON-ready; the schema is in docs/eval-drift.md)."""
     edges, B = settings.context_lengths, config.block_size
     boundary = config.rope_parameters.original_max_position_embeddings
     max_anchor = config.max_position_embeddings - B  # the block's positions stay inside the range
     if edges[-1] > config.max_position_embeddings:
-        raise QStreamError(f"--context-lengths edge {edges[-1]} exceeds max_position_embeddings "
-                           f"({config.max_position_embeddings})")
+        raise QStreamError(
+            f"--context-lengths edge {edges[-1]} exceeds max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
     if config.eos_token_id is None:
-        raise QStreamError("--context-lengths joins documents with the EOS token, but config.json "
-                           "has no eos_token_id")
+        raise QStreamError(
+            "--context-lengths joins documents with the EOS token, but config.json "
+            "has no eos_token_id"
+        )
     buckets = []
     for lo, hi in zip(edges, edges[1:]):
         top = min(hi - 1, max_anchor)
         if top < lo:
-            raise QStreamError(f"--context-lengths bucket [{lo}, {hi}): no anchor fits below "
-                               f"max_position_embeddings - block_size = {max_anchor}")
+            raise QStreamError(
+                f"--context-lengths bucket [{lo}, {hi}): no anchor fits below "
+                f"max_position_embeddings - block_size = {max_anchor}"
+            )
         streams = long_streams(corpus, config.eos_token_id, top + B + 1)
-        plan = sample_anchors(streams, settings.context_blocks, B, settings.seed, min_context=lo,
-                              max_context=top)
+        plan = sample_anchors(
+            streams, settings.context_blocks, B, settings.seed, min_context=lo, max_context=top
+        )
         result = evaluate(streams, plan)
-        buckets.append({"lo": lo, "hi": hi, "side": _side(lo, hi, boundary),
-                        "streams": streams.identity(), "anchors": plan.to_json(),
-                        "variants": result["variants"]})
-    return {"edges": list(edges), "yarn_boundary": boundary,
-            "max_position_embeddings": config.max_position_embeddings,
-            "buckets_per": "context length p of the block (tokens before its anchor), "
-                           "lo <= p < hi", "buckets": buckets}
+        buckets.append(
+            {
+                "lo": lo,
+                "hi": hi,
+                "side": _side(lo, hi, boundary),
+                "streams": streams.identity(),
+                "anchors": plan.to_json(),
+                "variants": result["variants"],
+            }
+        )
+    return {
+        "edges": list(edges),
+        "yarn_boundary": boundary,
+        "max_position_embeddings": config.max_position_embeddings,
+        "buckets_per": "context length p of the block (tokens before its anchor), lo <= p < hi",
+        "buckets": buckets,
+    }

@@ -32,12 +32,21 @@ class Corpus:
         return sum(int(s.numel()) for s in self.streams)
 
     def identity(self) -> dict:
-        return {"corpus": self.name, "sha256": self.sha256, "tokenizer": self.tokenizer,
-                "streams": len(self.streams), "tokens": self.token_count}
+        return {
+            "corpus": self.name,
+            "sha256": self.sha256,
+            "tokenizer": self.tokenizer,
+            "streams": len(self.streams),
+            "tokens": self.token_count,
+        }
 
 
-def tokenize(docs: list[str], tokenizer_path: str | Path, vocab_size: int | None = None,
-             name: str = "built-in") -> Corpus:
+def tokenize(
+    docs: list[str],
+    tokenizer_path: str | Path,
+    vocab_size: int | None = None,
+    name: str = "built-in",
+) -> Corpus:
     """Encode every document with the ``tokenizers`` file of the draft (no special tokens).
     ``vocab_size``: the model's; an id outside it is an error naming the tokenizer."""
     try:
@@ -45,16 +54,19 @@ def tokenize(docs: list[str], tokenizer_path: str | Path, vocab_size: int | None
     except Exception as exc:  # tokenizers raises its own exception types
         raise QStreamError(f"cannot load tokenizer {tokenizer_path}: {exc}") from None
     if vocab_size is not None and tokenizer.get_vocab_size() > vocab_size:
-        raise QStreamError(f"tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} tokens "
-                           f"but the model's vocab_size is {vocab_size}")
+        raise QStreamError(
+            f"tokenizer {tokenizer_path} has {tokenizer.get_vocab_size()} tokens "
+            f"but the model's vocab_size is {vocab_size}"
+        )
     encodings = tokenizer.encode_batch(docs, add_special_tokens=False)
     streams = tuple(torch.tensor(e.ids, dtype=torch.int64) for e in encodings)
     digest = hashlib.sha256("\n\n".join(docs).encode()).hexdigest()
     return Corpus(name, digest, streams, str(tokenizer_path))
 
 
-def load_corpus(path: str | Path, tokenizer_path: str | Path,
-                vocab_size: int | None = None) -> Corpus:
+def load_corpus(
+    path: str | Path, tokenizer_path: str | Path, vocab_size: int | None = None
+) -> Corpus:
     return tokenize(read_corpus(path), tokenizer_path, vocab_size, name=str(path))
 
 
@@ -68,13 +80,22 @@ class AnchorPlan:
 
     def to_json(self) -> dict:
         ctx = self.anchor.double()
-        return {"blocks": int(self.anchor.numel()), "context_length_mean": float(ctx.mean()),
-                "context_length_min": int(self.anchor.min()),
-                "context_length_max": int(self.anchor.max())}
+        return {
+            "blocks": int(self.anchor.numel()),
+            "context_length_mean": float(ctx.mean()),
+            "context_length_min": int(self.anchor.min()),
+            "context_length_max": int(self.anchor.max()),
+        }
 
 
-def sample_anchors(corpus: Corpus, n_blocks: int, block_size: int, seed: int,
-                   min_context: int = 1, max_context: int | None = None) -> AnchorPlan:
+def sample_anchors(
+    corpus: Corpus,
+    n_blocks: int,
+    block_size: int,
+    seed: int,
+    min_context: int = 1,
+    max_context: int | None = None,
+) -> AnchorPlan:
     """Sample ``n_blocks`` distinct (stream, anchor) pairs uniformly over every valid position of
     every stream: anchor p needs ``min_context <= p`` (a context to attend to) and
     ``p + block_size < len`` (the block's tokens exist in the stream)."""
@@ -88,7 +109,8 @@ def sample_anchors(corpus: Corpus, n_blocks: int, block_size: int, seed: int,
         raise QStreamError(
             f"corpus {corpus.name} has {total} valid block positions (blocks of {block_size} "
             f"after at least {min_context} context tokens), fewer than the {n_blocks} blocks "
-            f"asked for: ask for at most {total} or give a longer corpus")
+            f"asked for: ask for at most {total} or give a longer corpus"
+        )
     gen = torch.Generator().manual_seed(seed)
     pick = torch.randperm(total, generator=gen)[:n_blocks].sort().values  # global position ids
     offsets = torch.cumsum(counts, 0) - counts

@@ -18,8 +18,8 @@ import torch
 import qstream
 from qstream.eval.context_sweep import context_sweep
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
-from qstream.eval.regime import RegimeRun, evaluate_regime
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
+from qstream.eval.regime import RegimeRun, evaluate_regime
 from qstream.eval.regimes import check_boot_compatible
 from qstream.eval.settings import DriftSettings, Progress, Silent
 from qstream.eval.states import read_states
@@ -38,12 +38,22 @@ def config_hash(model_dir: str | Path) -> str:
 
 
 def _plan(corpus: Corpus, settings: DriftSettings, config: DSparkConfig) -> AnchorPlan:
-    return sample_anchors(corpus, settings.n_blocks, config.block_size, settings.seed,
-                          max_context=config.max_position_embeddings - config.block_size)
+    return sample_anchors(
+        corpus,
+        settings.n_blocks,
+        config.block_size,
+        settings.seed,
+        max_context=config.max_position_embeddings - config.block_size,
+    )
 
 
-def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpus,
-                   target: str | None = None, progress: Progress | None = None) -> dict:
+def evaluate_drift(
+    model_dir: str | Path,
+    settings: DriftSettings,
+    corpus: Corpus,
+    target: str | None = None,
+    progress: Progress | None = None,
+) -> dict:
     """Run every regime of ``settings``; returns the JSON-ready results (schema in docs/)."""
     progress = progress or Silent()
     progress.start(settings.planned_blocks())
@@ -53,25 +63,32 @@ def evaluate_drift(model_dir: str | Path, settings: DriftSettings, corpus: Corpu
     refuse_quantized_model(model_dir)
     progress.advance("loading the draft", 0)
     weights = load_weights(model_dir, target, config)
-    variants = check_variants_derived(settings_variants(settings), model_dir, weights,
-                                      settings.allow_foreign_variant)
+    variants = check_variants_derived(
+        settings_variants(settings), model_dir, weights, settings.allow_foreign_variant
+    )
     states = read_states(settings.states, config) if settings.states is not None else None
     plan = _plan(corpus, settings, config)
-    results = _run_description(model_dir, config, weights, corpus, plan, settings, variants,
-                               target)
+    results = _run_description(model_dir, config, weights, corpus, plan, settings, variants, target)
 
     def run(regime: str, streams: Corpus, regime_plan: AnchorPlan) -> RegimeRun:
-        return RegimeRun.planned(regime, streams, regime_plan, config=config, weights=weights,
-                                 variants=variants, settings=settings, target=target,
-                                 progress=progress)
+        return RegimeRun.planned(
+            regime,
+            streams,
+            regime_plan,
+            config=config,
+            weights=weights,
+            variants=variants,
+            settings=settings,
+            target=target,
+            progress=progress,
+        )
 
     for regime in settings.regimes:
         results["regimes"][regime] = _with_sweep(run(regime, corpus, plan))
     if states is not None:
         states_plan = _plan(states, settings, config)
         results["states"] = {**states.identity(), "anchors": states_plan.to_json()}
-        results["regimes"][STATES_REGIME] = evaluate_regime(run(STATES_REGIME, states,
-                                                                states_plan))
+        results["regimes"][STATES_REGIME] = evaluate_regime(run(STATES_REGIME, states, states_plan))
     if settings.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS
     return results
@@ -84,22 +101,35 @@ def _with_sweep(run: RegimeRun) -> dict:
     if run.settings.context_lengths:
         plain = replace(run.settings, sensitivity=False, context_lengths=())
         out["context_sweep"] = context_sweep(
-            run.config, run.corpus, run.settings,
-            lambda streams, plan: evaluate_regime(run.replanned(streams, plan, plain)))
+            run.config,
+            run.corpus,
+            run.settings,
+            lambda streams, plan: evaluate_regime(run.replanned(streams, plan, plain)),
+        )
     return out
 
 
-def _run_description(model_dir: str | Path, config: DSparkConfig, weights: Weights,
-                     corpus: Corpus, plan: AnchorPlan, settings: DriftSettings,
-                     variants: tuple[Variant, ...], target: str | None) -> dict:
+def _run_description(
+    model_dir: str | Path,
+    config: DSparkConfig,
+    weights: Weights,
+    corpus: Corpus,
+    plan: AnchorPlan,
+    settings: DriftSettings,
+    variants: tuple[Variant, ...],
+    target: str | None,
+) -> dict:
     """The results' top-level fields: how the numbers were measured (docs/eval-drift.md)."""
     return {
         "schema": SCHEMA,
         "qstream_version": qstream.__version__,
         "torch_version": torch.__version__.split("+")[0],
-        "model": {"path": str(model_dir), "config_sha256": config_hash(model_dir),
-                  "architecture": config.to_json().get("architectures", ["?"])[0],
-                  "parameters": sum(v.numel() for k, v in weights.items() if k != LM_HEAD)},
+        "model": {
+            "path": str(model_dir),
+            "config_sha256": config_hash(model_dir),
+            "architecture": config.to_json().get("architectures", ["?"])[0],
+            "parameters": sum(v.numel() for k, v in weights.items() if k != LM_HEAD),
+        },
         "target": str(target) if target else None,
         "corpus": corpus.identity(),
         "seed": settings.seed,
@@ -109,12 +139,14 @@ def _run_description(model_dir: str | Path, config: DSparkConfig, weights: Weigh
         "sampling": _sampling(settings),
         "reference": "fp32 weights, fp32 compute",
         "variant_compute": "bf16 weights and activations; fp32 matmul accumulation, norms, "
-                           "softmax; final logits = bf16 sum of base logits and Markov bias",
+        "softmax; final logits = bf16 sum of base logits and Markov bias",
         "confidence_head": CONFIDENCE_NOTE,
         "aux_dtype": "bf16",
         "selection": {"include": list(settings.include), "ignore": list(settings.ignore)},
-        "variants": {v.name: {"kind": v.kind, "source": v.source,
-                              **({"foreign": True} if v.foreign else {})} for v in variants},
+        "variants": {
+            v.name: {"kind": v.kind, "source": v.source, **({"foreign": True} if v.foreign else {})}
+            for v in variants
+        },
         "regimes": {},
     }
 
@@ -123,10 +155,15 @@ def _sampling(settings: DriftSettings) -> dict:
     """Which side sampled what (docs/model.md, docs/vllm.md): the request's temperature on both;
     the drafter the full tempered softmax (vLLM's DSpark drafter has no top-p or top-k), the
     verifier its top-p and top-k."""
-    return {"temperature": settings.temperature,
-            "drafter": {"top_p": settings.draft_top_p, "top_k": None,
-                        "distribution": "softmax(logits / temperature)"
-                                        + ("" if settings.draft_top_p == 1 else ", top-p cut")},
-            "verifier": {"top_p": settings.top_p, "top_k": settings.top_k},
-            "noise": "common random numbers: exponential race (Gumbel-max), the same Exp(1) "
-                     "variate per block, position and token for every model"}
+    return {
+        "temperature": settings.temperature,
+        "drafter": {
+            "top_p": settings.draft_top_p,
+            "top_k": None,
+            "distribution": "softmax(logits / temperature)"
+            + ("" if settings.draft_top_p == 1 else ", top-p cut"),
+        },
+        "verifier": {"top_p": settings.top_p, "top_k": settings.top_k},
+        "noise": "common random numbers: exponential race (Gumbel-max), the same Exp(1) "
+        "variate per block, position and token for every model",
+    }

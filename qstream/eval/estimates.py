@@ -48,8 +48,12 @@ class Estimate:
 
     def to_json(self) -> dict:
         """Plain dict; non-finite numbers (an undefined r, an interval from one block) become None."""
-        return {"value": json_number(self.value), "lo": json_number(self.lo),
-                "hi": json_number(self.hi), "n": self.n}
+        return {
+            "value": json_number(self.value),
+            "lo": json_number(self.lo),
+            "hi": json_number(self.hi),
+            "n": self.n,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +98,7 @@ def pooled_proportion(hits: torch.Tensor, counted: torch.Tensor | None = None) -
     deff = largest  # the worst case when no variance is seen
     if binomial_var > 0 and n_blocks > 1:
         m_bar = total / n_blocks
-        ratio_var = ((hits - p * m) ** 2).sum().item() / (n_blocks * (n_blocks - 1) * m_bar ** 2)
+        ratio_var = ((hits - p * m) ** 2).sum().item() / (n_blocks * (n_blocks - 1) * m_bar**2)
         deff = min(largest, max(1.0, ratio_var / binomial_var))
     return Estimate(p, *wilson_interval(p, total / deff), int(total))
 
@@ -102,12 +106,14 @@ def pooled_proportion(hits: torch.Tensor, counted: torch.Tensor | None = None) -
 def scaled(e: Estimate, factor: float, offset: float = 0.0) -> Estimate:
     """``offset + factor · e`` with its interval (a mean of a count that is ``factor`` times a
     pooled proportion, e.g. the mean matched prefix = B · pooled prefix agree)."""
-    return Estimate(offset + factor * e.value, offset + factor * e.lo, offset + factor * e.hi,
-                    e.n)
+    return Estimate(offset + factor * e.value, offset + factor * e.lo, offset + factor * e.hi, e.n)
 
 
-def mean_estimate(values: torch.Tensor, bounds: tuple[float, float] = (-math.inf, math.inf),
-                  n_obs: int | None = None) -> Estimate:
+def mean_estimate(
+    values: torch.Tensor,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
+    n_obs: int | None = None,
+) -> Estimate:
     """Mean of independent ``values`` with a Student-t 95% interval, clipped to ``bounds``.
 
     One value gives no interval (NaN bounds).  ``n_obs`` overrides the reported count.
@@ -124,7 +130,9 @@ def mean_estimate(values: torch.Tensor, bounds: tuple[float, float] = (-math.inf
     return Estimate(mean, lo, hi, n if n_obs is None else n_obs)
 
 
-def pooled_mean(values: torch.Tensor, bounds: tuple[float, float] = (-math.inf, math.inf)) -> Estimate:
+def pooled_mean(
+    values: torch.Tensor, bounds: tuple[float, float] = (-math.inf, math.inf)
+) -> Estimate:
     """Mean over all of ``[n, B]`` values, the interval taken over per-block means (blocks are the
     independent units; with equal block sizes the grand mean is the mean of block means)."""
     return mean_estimate(values.double().mean(dim=1), bounds, n_obs=values.numel())
@@ -155,16 +163,21 @@ def _pearson(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return ((dx * dy).sum(-1) / torch.sqrt((dx * dx).sum(-1) * (dy * dy).sum(-1))).clamp(-1, 1)
 
 
-def pearson_r(x: torch.Tensor, y: torch.Tensor, resamples: int = BOOTSTRAP_RESAMPLES,
-              seed: int = BOOTSTRAP_SEED) -> Estimate:
+def pearson_r(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> Estimate:
     """Pearson correlation of paired values ``[n, B]`` (rows: independent blocks; 1-D: every
     value its own block) with a percentile block-bootstrap 95% interval.
 
     NaN when either side is constant.  Written so that identical inputs give exactly 1:
     sxy == sxx and sqrt(sxx·sxx) == sxx in IEEE arithmetic.
     """
-    x2, y2 = (t.double().reshape(t.shape[0], -1) if t.ndim > 1 else t.double()[:, None]
-              for t in (x, y))
+    x2, y2 = (
+        t.double().reshape(t.shape[0], -1) if t.ndim > 1 else t.double()[:, None] for t in (x, y)
+    )
     r = _pearson(x2.flatten(), y2.flatten()).item()
     n_blocks, n = x2.shape[0], x2.numel()
     lo = hi = math.nan
@@ -174,13 +187,15 @@ def pearson_r(x: torch.Tensor, y: torch.Tensor, resamples: int = BOOTSTRAP_RESAM
         gen = torch.Generator().manual_seed(seed)
         draws = []
         for start in range(0, resamples, 100):  # [100, n_blocks·B] temporaries at most
-            rows = torch.randint(0, n_blocks, (min(100, resamples - start), n_blocks),
-                                 generator=gen)
+            rows = torch.randint(
+                0, n_blocks, (min(100, resamples - start), n_blocks), generator=gen
+            )
             draws.append(_pearson(x2[rows].flatten(1), y2[rows].flatten(1)))
         boot = torch.cat(draws)
         boot = boot[boot.isfinite()]
         if boot.numel():
-            lo, hi = (torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64))
-                      .tolist())
+            lo, hi = torch.quantile(
+                boot, torch.tensor([0.025, 0.975], dtype=torch.float64)
+            ).tolist()
             lo, hi = min(lo, r), max(hi, r)
     return Estimate(r, lo, hi, n)

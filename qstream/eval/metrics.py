@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -102,8 +102,10 @@ class TokenDivergence(NamedTuple):
 
 def _check_pair(name: str, ref: torch.Tensor, var: torch.Tensor, ndim: int) -> None:
     if ref.ndim != ndim or ref.shape != var.shape:
-        raise ValueError(f"{name}: reference {tuple(ref.shape)} and variant {tuple(var.shape)} "
-                         f"must have the same {ndim}-D shape")
+        raise ValueError(
+            f"{name}: reference {tuple(ref.shape)} and variant {tuple(var.shape)} "
+            f"must have the same {ndim}-D shape"
+        )
 
 
 def _kl(p: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -132,8 +134,10 @@ def token_divergences(ref_logits: torch.Tensor, var_logits: torch.Tensor) -> Tok
     if n == 0:
         raise ValueError("logits: a batch needs at least one block")
     step = max(1, _CHUNK_ELEMENTS // (width * vocab))
-    chunks = [_divergence_chunk(ref_logits[i:i + step], var_logits[i:i + step])
-              for i in range(0, n, step)]
+    chunks = [
+        _divergence_chunk(ref_logits[i : i + step], var_logits[i : i + step])
+        for i in range(0, n, step)
+    ]
     one_minus_tv, kl, reverse_kl = (torch.cat(parts) for parts in zip(*chunks))
     top1_match = ref_logits.argmax(dim=-1) == var_logits.argmax(dim=-1)
     return TokenDivergence(top1_match, one_minus_tv, kl, reverse_kl)
@@ -150,8 +154,9 @@ def matched_prefix_length(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) ->
     return prefix_matches(ref_tokens, var_tokens).sum(dim=1)
 
 
-def sched_flips(ref_conf: torch.Tensor,
-                var_conf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sched_flips(
+    ref_conf: torch.Tensor, var_conf: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``([n, B] bool flips, [n, B] bool decided)``: a position flips when its above/below
     decision against the reference's per-block median confidence differs between reference and
     variant.  Positions where the reference sits exactly on the median (with B odd, the median
@@ -187,14 +192,16 @@ class KLSummary:
     max: float
 
     def to_json(self) -> dict:
-        out = {"mean": self.mean.to_json()}
+        out: dict[str, Any] = {"mean": self.mean.to_json()}
         out.update({name: json_number(getattr(self, name)) for name in KL_PERCENTILES})
         return out
 
 
 def kl_summary(values: torch.Tensor) -> KLSummary:
     """Summarise ``[n, B]`` per-token KL values (mean interval over per-block means)."""
-    return KLSummary(pooled_mean(values, bounds=(0.0, math.inf)), **percentiles(values, KL_PERCENTILES))
+    return KLSummary(
+        pooled_mean(values, bounds=(0.0, math.inf)), **percentiles(values, KL_PERCENTILES)
+    )
 
 
 @dataclass(frozen=True)
@@ -214,13 +221,16 @@ class RolloutMetrics:
         return self.matched_prefix
 
     def to_json(self) -> dict:
-        return {"seq_agree": [e.to_json() for e in self.seq_agree],
-                "prefix_agree": [e.to_json() for e in self.prefix_agree],
-                PREFIX_KEYS[self.mode]: self.matched_prefix.to_json()}
+        return {
+            "seq_agree": [e.to_json() for e in self.seq_agree],
+            "prefix_agree": [e.to_json() for e in self.prefix_agree],
+            PREFIX_KEYS[self.mode]: self.matched_prefix.to_json(),
+        }
 
 
-def rollout_metrics(ref_tokens: torch.Tensor, var_tokens: torch.Tensor,
-                    mode: str = "greedy") -> RolloutMetrics:
+def rollout_metrics(
+    ref_tokens: torch.Tensor, var_tokens: torch.Tensor, mode: str = "greedy"
+) -> RolloutMetrics:
     """seq agree[k], prefix agree[k] and the mean matched prefix of ``[n, B]`` rollout tokens
     (the ceiling for greedy rollouts).  The mean matched prefix is B times the pooled share of
     prefix-agree indicators, so it gets their interval: Wilson on the design-effect sample size,
@@ -289,13 +299,17 @@ class DriftAccumulator:
     def add_teacher_forced(self, ref_logits: torch.Tensor, var_logits: torch.Tensor) -> None:
         """``[n, B, V]`` teacher-forced logits (or log-probs) of reference and variant."""
         self._check_width("logits", ref_logits)
-        self._divergence.append(TokenDivergence(*(t.cpu() for t in token_divergences(ref_logits, var_logits))))
+        self._divergence.append(
+            TokenDivergence(*(t.cpu() for t in token_divergences(ref_logits, var_logits)))
+        )
 
     def add_confidence(self, ref_conf: torch.Tensor, var_conf: torch.Tensor) -> None:
         """``[n, B]`` confidences of the teacher-forced pass."""
         self._check_width("confidence", ref_conf)
         _check_pair("confidence", ref_conf, var_conf, ndim=2)
-        self._confidence.append((ref_conf.detach().double().cpu(), var_conf.detach().double().cpu()))
+        self._confidence.append(
+            (ref_conf.detach().double().cpu(), var_conf.detach().double().cpu())
+        )
 
     def add_rollout(self, mode: str, ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> None:
         """``[n, B]`` tokens of the two free-running rollouts in ``mode`` (e.g. "greedy")."""
@@ -307,12 +321,20 @@ class DriftAccumulator:
         if not self._divergence:
             raise ValueError("no teacher-forced blocks were added")
         tf = TokenDivergence(*(torch.cat(parts) for parts in zip(*self._divergence)))
-        ref_conf, var_conf = (torch.cat(parts) for parts in zip(*self._confidence)) if self._confidence \
+        ref_conf, var_conf = (
+            (torch.cat(parts) for parts in zip(*self._confidence))
+            if self._confidence
             else (torch.empty(0, self.block_size),) * 2
-        rollouts = {mode: tuple(torch.cat(parts) for parts in zip(*pairs))
-                    for mode, pairs in self._rollouts.items()}
+        )
+        rollouts = {
+            mode: tuple(torch.cat(parts) for parts in zip(*pairs))
+            for mode, pairs in self._rollouts.items()
+        }
         n = tf.kl.shape[0]
-        counts = {"confidence": ref_conf.shape[0], **{f"{m} rollout": r[0].shape[0] for m, r in rollouts.items()}}
+        counts = {
+            "confidence": ref_conf.shape[0],
+            **{f"{m} rollout": r[0].shape[0] for m, r in rollouts.items()},
+        }
         for name, count in counts.items():
             if count != n:
                 raise ValueError(f"{name} covers {count} blocks but the teacher-forced pass {n}")
@@ -321,12 +343,16 @@ class DriftAccumulator:
             block_size=self.block_size,
             greedy_agree=_per_position(tf.top1_match),
             greedy_agree_overall=pooled_proportion(tf.top1_match),
-            one_minus_tv=tuple(mean_estimate(tf.one_minus_tv[:, k], bounds=(0.0, 1.0))
-                               for k in range(self.block_size)),
+            one_minus_tv=tuple(
+                mean_estimate(tf.one_minus_tv[:, k], bounds=(0.0, 1.0))
+                for k in range(self.block_size)
+            ),
             one_minus_tv_overall=pooled_mean(tf.one_minus_tv, bounds=(0.0, 1.0)),
             kl=kl_summary(tf.kl),
             reverse_kl=kl_summary(tf.reverse_kl),
             confidence_r=pearson_r(ref_conf, var_conf),
             sched_flip_rate=pooled_proportion(*sched_flips(ref_conf, var_conf)),
-            rollouts={mode: rollout_metrics(*pair, mode) for mode, pair in rollouts.items()},
+            rollouts={
+                mode: rollout_metrics(ref, var, mode) for mode, (ref, var) in rollouts.items()
+            },
         )

@@ -42,13 +42,16 @@ def refuse_quantized_model(model_dir: str | Path) -> None:
         why = f"it stores quantized tensors, e.g. {min(modules)}.weight_scale"
     else:
         return
-    raise QStreamError(f"--model {model_dir} is a quantized checkpoint ({why}); the reference "
-                       "must be unquantized: pass its unquantized base as --model and this "
-                       f"directory as --variant NAME={model_dir}")
+    raise QStreamError(
+        f"--model {model_dir} is a quantized checkpoint ({why}); the reference "
+        "must be unquantized: pass its unquantized base as --model and this "
+        f"directory as --variant NAME={model_dir}"
+    )
 
 
-def foreign_tensors(variant_dir: str | Path, model_weights: Mapping[str, torch.Tensor]
-                    ) -> list[str]:
+def foreign_tensors(
+    variant_dir: str | Path, model_weights: Mapping[str, torch.Tensor]
+) -> list[str]:
     """Tensors the variant keeps unquantized that are not bit-identical to the model's (dtype
     and every bit); tensors the variant lacks (e.g. a borrowed embedding) are not compared."""
     checkpoint = open_checkpoint(variant_dir)
@@ -65,9 +68,12 @@ def foreign_tensors(variant_dir: str | Path, model_weights: Mapping[str, torch.T
     return differ
 
 
-def check_variants_derived(variants: tuple[Variant, ...], model_dir: str | Path,
-                           model_weights: Mapping[str, torch.Tensor],
-                           allow_foreign: bool) -> tuple[Variant, ...]:
+def check_variants_derived(
+    variants: tuple[Variant, ...],
+    model_dir: str | Path,
+    model_weights: Mapping[str, torch.Tensor],
+    allow_foreign: bool,
+) -> tuple[Variant, ...]:
     """The variants, each checkpoint one checked to be derived from ``model_dir``; a foreign
     one is refused, or with ``allow_foreign`` returned with ``foreign=True``."""
     config = load_config(model_dir)
@@ -77,14 +83,17 @@ def check_variants_derived(variants: tuple[Variant, ...], model_dir: str | Path,
             out.append(variant)
             continue
         if load_config(variant.source) != config:
-            raise QStreamError(f"--variant {variant.name}: {variant.source} is a different "
-                               f"architecture than --model {model_dir} (config.json differs)")
+            raise QStreamError(
+                f"--variant {variant.name}: {variant.source} is a different "
+                f"architecture than --model {model_dir} (config.json differs)"
+            )
         differ = foreign_tensors(variant.source, model_weights)
         if differ and not allow_foreign:
             raise QStreamError(
                 f"--variant {variant.name}: {variant.source} is not derived from --model "
                 f"{model_dir}: {len(differ)} tensor(s) it keeps unquantized differ, e.g. "
                 f"{differ[0]}; quantizing keeps those bit-identical (use {FOREIGN_FLAG} to "
-                "compare it anyway, labelled foreign)")
+                "compare it anyway, labelled foreign)"
+            )
         out.append(replace(variant, foreign=bool(differ)))
     return tuple(out)

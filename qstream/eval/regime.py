@@ -41,18 +41,42 @@ class RegimeRun:
     progress: Progress
 
     @classmethod
-    def planned(cls, regime: str, corpus: Corpus, plan: AnchorPlan, *, config: DSparkConfig,
-                weights: Weights, variants: tuple[Variant, ...], settings: DriftSettings,
-                target: str | None, progress: Progress) -> RegimeRun:
+    def planned(
+        cls,
+        regime: str,
+        corpus: Corpus,
+        plan: AnchorPlan,
+        *,
+        config: DSparkConfig,
+        weights: Weights,
+        variants: tuple[Variant, ...],
+        settings: DriftSettings,
+        target: str | None,
+        progress: Progress,
+    ) -> RegimeRun:
         """A run over ``plan``'s blocks, batched by :func:`make_batches`."""
-        return cls(regime, config, weights, corpus, plan,
-                   tuple(make_batches(plan, corpus, config)), variants, settings, target,
-                   progress)
+        return cls(
+            regime,
+            config,
+            weights,
+            corpus,
+            plan,
+            tuple(make_batches(plan, corpus, config)),
+            variants,
+            settings,
+            target,
+            progress,
+        )
 
     def replanned(self, corpus: Corpus, plan: AnchorPlan, settings: DriftSettings) -> RegimeRun:
         """The same regime and variants over other blocks (a context-length bucket)."""
-        return replace(self, corpus=corpus, plan=plan, settings=settings,
-                       batches=tuple(make_batches(plan, corpus, self.config)))
+        return replace(
+            self,
+            corpus=corpus,
+            plan=plan,
+            settings=settings,
+            batches=tuple(make_batches(plan, corpus, self.config)),
+        )
 
 
 @dataclass
@@ -70,8 +94,14 @@ def evaluate_regime(run: RegimeRun) -> dict:
     settings ask) the sensitivity steps: the regime's JSON-ready results entry."""
     s = run.settings
     aux = AuxStates(run.regime, run.corpus, run.config, s.seed)
-    probe = RegimeAcceptance(run.weights, run.plan, aux.captured, against_reference=s.acceptance,
-                             sampling=s, block_size=run.config.block_size)
+    probe = RegimeAcceptance(
+        run.weights,
+        run.plan,
+        aux.captured,
+        against_reference=s.acceptance,
+        sampling=s,
+        block_size=run.config.block_size,
+    )
     ref = reference_pass(run, aux, probe)
     out = {"variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}}
     probe.finish(out)
@@ -79,9 +109,11 @@ def evaluate_regime(run: RegimeRun) -> dict:
         fmt = sensitivity_format(s)
 
         def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
-            variant = (Variant(name, "simulated", fmt, include) if include
-                       else Variant(name, FLOOR, FLOOR))
+            variant = (
+                Variant(name, "simulated", fmt, include) if include else Variant(name, FLOOR, FLOOR)
+            )
             return measure_variant(run, variant, aux, ref, probe=None)
+
         out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, s, step)
     return out
 
@@ -90,12 +122,23 @@ def reference_pass(run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance) -> R
     """The FP32 reference drafts every block once; its outputs are kept for the variants."""
     reference = DSpark(run.config, run.weights, torch.float32)
     N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
-    ref = ReferenceOutputs(torch.empty(N, B, V), torch.empty(N, B, dtype=torch.int64),
-                           torch.empty(N, B, dtype=torch.int64), torch.zeros(N, B))
+    ref = ReferenceOutputs(
+        torch.empty(N, B, V),
+        torch.empty(N, B, dtype=torch.int64),
+        torch.empty(N, B, dtype=torch.int64),
+        torch.zeros(N, B),
+    )
     s = run.settings
     for number, batch in enumerate(run.batches):
-        blocks, greedy, sampled = draft_batch(reference, aux.get(batch, reference), batch,
-                                              number, s.seed, s.temperature, s.draft_top_p)
+        blocks, greedy, sampled = draft_batch(
+            reference,
+            aux.get(batch, reference),
+            batch,
+            number,
+            s.seed,
+            s.temperature,
+            s.draft_top_p,
+        )
         idx = batch.blocks
         ref.logits[idx] = greedy.logits
         ref.greedy_tokens[idx] = greedy.tokens
@@ -107,8 +150,13 @@ def reference_pass(run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance) -> R
     return ref
 
 
-def measure_variant(run: RegimeRun, variant: Variant, aux: AuxStates, ref: ReferenceOutputs,
-                    probe: RegimeAcceptance | None) -> dict:
+def measure_variant(
+    run: RegimeRun,
+    variant: Variant,
+    aux: AuxStates,
+    ref: ReferenceOutputs,
+    probe: RegimeAcceptance | None,
+) -> dict:
     """One variant against the regime's reference: its results entry.  ``probe`` None skips the
     verifiers (sensitivity steps report drift only)."""
     s = run.settings
@@ -120,8 +168,9 @@ def measure_variant(run: RegimeRun, variant: Variant, aux: AuxStates, ref: Refer
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
-        blocks, greedy, sampled = draft_batch(model, aux.get(batch), batch, number, s.seed,
-                                              s.temperature, s.draft_top_p)
+        blocks, greedy, sampled = draft_batch(
+            model, aux.get(batch), batch, number, s.seed, s.temperature, s.draft_top_p
+        )
         idx = batch.blocks
         forced = teacher_forced(model, blocks, ref.greedy_tokens[idx])
         acc.add_teacher_forced(ref.logits[idx], forced.logits)
@@ -129,9 +178,12 @@ def measure_variant(run: RegimeRun, variant: Variant, aux: AuxStates, ref: Refer
             acc.add_confidence(ref.confidence[idx], forced.confidence)
         acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
         acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
-        if accepted is not None:
+        if accepted is not None and probe is not None:
             probe.add_variant(accepted, batch, model, blocks, greedy, sampled)
         run.progress.advance(f"{run.regime}: {variant.name}", len(idx))
-    return {"kind": variant.kind, "quantized_tensors": changed,
-            "weight_snr": weight_snr(var_weights, run.weights, changed),
-            "metrics": acc.result().to_json()}
+    return {
+        "kind": variant.kind,
+        "quantized_tensors": changed,
+        "weight_snr": weight_snr(var_weights, run.weights, changed),
+        "metrics": acc.result().to_json(),
+    }

@@ -28,7 +28,9 @@ _REGIME_SALT = {"gauss": 101, "heavy": 202, "boot": 303}
 
 
 def _generator(seed: int, regime: str, stream: int) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + _REGIME_SALT[regime]) * 65_537 + stream)
+    return torch.Generator().manual_seed(
+        (seed * 1_000_003 + _REGIME_SALT[regime]) * 65_537 + stream
+    )
 
 
 def channel_scales(config: DSparkConfig, seed: int) -> torch.Tensor:
@@ -38,16 +40,25 @@ def channel_scales(config: DSparkConfig, seed: int) -> torch.Tensor:
 
 
 def check_boot_compatible(config: DSparkConfig) -> None:
-    if (config.num_target_layers != config.num_hidden_layers
-            or config.target_hidden_size != config.hidden_size):
+    if (
+        config.num_target_layers != config.num_hidden_layers
+        or config.target_hidden_size != config.hidden_size
+    ):
         raise QStreamError(
             f"the boot regime stands the draft's {config.num_hidden_layers} layers of width "
             f"{config.hidden_size} in for {config.num_target_layers} target layers of width "
-            f"{config.target_hidden_size}; this config does not match, use gauss or heavy")
+            f"{config.target_hidden_size}; this config does not match, use gauss or heavy"
+        )
 
 
-def synthetic_aux(regime: str, config: DSparkConfig, stream_ids: list[int],
-                  stream_lengths: list[int], pad_to: int, seed: int) -> torch.Tensor:
+def synthetic_aux(
+    regime: str,
+    config: DSparkConfig,
+    stream_ids: list[int],
+    stream_lengths: list[int],
+    pad_to: int,
+    seed: int,
+) -> torch.Tensor:
     """gauss / heavy aux states [S, pad_to, A] float32 for the given corpus streams.  Each
     stream's states are drawn at its full length (so they never depend on how streams are
     batched), cut to ``pad_to`` positions and zero-padded."""

@@ -58,8 +58,9 @@ def resolve_edges(text: str, config: DSparkConfig) -> tuple[int, ...]:
     return default_edges(config) if text == DEFAULT_EDGES else parse_edges(text)
 
 
-def load_run_corpus(model_dir: str | Path, corpus: str | None, tokenizer: str | None,
-                    config: DSparkConfig) -> Corpus:
+def load_run_corpus(
+    model_dir: str | Path, corpus: str | None, tokenizer: str | None, config: DSparkConfig
+) -> Corpus:
     """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the
     draft's own tokenizer.json)."""
     tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
@@ -68,17 +69,26 @@ def load_run_corpus(model_dir: str | Path, corpus: str | None, tokenizer: str | 
     return load_corpus(corpus, tok, config.vocab_size)
 
 
-def run_drift(settings: DriftSettings, *, model: str | None = None, target: str | None = None,
-              tokenizer: str | None = None, corpus: str | None = None,
-              context_lengths: str | None = None, say: Callable[[str], None] | None = None,
-              progress: Progress | None = None) -> dict:
+def run_drift(
+    settings: DriftSettings,
+    *,
+    model: str | None = None,
+    target: str | None = None,
+    tokenizer: str | None = None,
+    corpus: str | None = None,
+    context_lengths: str | None = None,
+    say: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
+) -> dict:
     """Resolve the defaults, load the corpus and evaluate; returns the results (docs/eval-drift.md).
     ``model`` None: the built-in synthetic draft (built on first use), announced through ``say``."""
     if model is None:
         model = str(builtin_model_dir(say))
         if say is not None:
-            say(f"No --model given: evaluating the built-in synthetic tiny draft ({model})"
-                + (" on the GSM8K test split shipped with qstream." if corpus is None else "."))
+            say(
+                f"No --model given: evaluating the built-in synthetic tiny draft ({model})"
+                + (" on the GSM8K test split shipped with qstream." if corpus is None else ".")
+            )
     config = load_config(model)
     if context_lengths is not None:
         settings = replace(settings, context_lengths=resolve_edges(context_lengths, config))

@@ -30,8 +30,10 @@ from qstream.formats import FORMATS, get_format
 from qstream.model.dspark import LM_HEAD
 
 DEFAULT_FORMAT = "nvfp4"  # the format the published recipe ships at 4 bits
-HARM = ("greedy acceptance ceiling drop below the bf16 floor (tokens); ties broken by the larger "
-        "KL(ref‖var) mean")
+HARM = (
+    "greedy acceptance ceiling drop below the bf16 floor (tokens); ties broken by the larger "
+    "KL(ref‖var) mean"
+)
 
 # step(name, include patterns) -> the variant's results entry (kind, quantized_tensors,
 # weight_snr, metrics); an empty include is the bf16 floor (nothing quantized).
@@ -52,8 +54,9 @@ def sensitivity_format(settings: DriftSettings) -> str:
     format; else the first 4-bit format asked for (``--formats bf16,mxfp4`` -> mxfp4)."""
     if settings.sensitivity_format is not None:
         return settings.sensitivity_format
-    four_bit = [f for f in settings.formats
-                if f in FORMATS and get_format(f).weights_args["num_bits"] == 4]
+    four_bit = [
+        f for f in settings.formats if f in FORMATS and get_format(f).weights_args["num_bits"] == 4
+    ]
     return four_bit[0] if four_bit and DEFAULT_FORMAT not in four_bit else DEFAULT_FORMAT
 
 
@@ -61,23 +64,28 @@ def _kind_key(module: str) -> str:
     """The module name after its last numeric component: layers.3.mlp.down_proj -> mlp.down_proj."""
     parts = module.split(".")
     digits = [i for i, part in enumerate(parts) if part.isdigit()]
-    return ".".join(parts[digits[-1] + 1:]) if digits else module
+    return ".".join(parts[digits[-1] + 1 :]) if digits else module
 
 
-def module_kinds(weights: Mapping[str, torch.Tensor], fmt: str,
-                 ignore: tuple[str, ...] = ()) -> list[ModuleKind]:
+def module_kinds(
+    weights: Mapping[str, torch.Tensor], fmt: str, ignore: tuple[str, ...] = ()
+) -> list[ModuleKind]:
     """Every kind the format can quantize and vLLM can serve quantized (quantize's default
     selection under the K3 DSpark serving profile, docs/vllm.md: no Markov or confidence head),
     minus ``ignore``, minus the shapes the format cannot hold; fused groups kept whole, in
     checkpoint order."""
-    infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0)
-             for k, v in weights.items() if k != LM_HEAD}
-    selection = select_modules(infos, fmt, None, list(ignore), skip_incompatible=True,
-                               profile=get_profile(K3_DSPARK))
+    infos = {
+        k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0)
+        for k, v in weights.items()
+        if k != LM_HEAD
+    }
+    selection = select_modules(
+        infos, fmt, None, list(ignore), skip_incompatible=True, profile=get_profile(K3_DSPARK)
+    )
     by_key: dict[str, list[str]] = {}
     for module in selection.quantized:
         by_key.setdefault(_kind_key(module), []).append(module)
-    merged = {key: (key,) for key in by_key}  # key -> the keys of its kind
+    merged: dict[str, tuple[str, ...]] = {key: (key,) for key in by_key}  # kind of each key
     for group in selection.fused_groups:
         keys = tuple(dict.fromkeys(k for m in group.members for k in merged[_kind_key(m)]))
         for key in keys:
@@ -87,19 +95,24 @@ def module_kinds(weights: Mapping[str, torch.Tensor], fmt: str,
         modules = tuple(m for m in selection.quantized if _kind_key(m) in keys)
         hit = tuple(m for m in selection.quantized if any(matches(k, m) for k in keys))
         if hit != modules:  # a suffix pattern would reach another kind's modules
-            raise QStreamError(f"module kind {' + '.join(keys)}: the pattern also matches "
-                               f"{', '.join(sorted(set(hit) - set(modules)))}")
+            raise QStreamError(
+                f"module kind {' + '.join(keys)}: the pattern also matches "
+                f"{', '.join(sorted(set(hit) - set(modules)))}"
+            )
         kinds.append(ModuleKind(" + ".join(keys), keys, modules))
     return kinds
 
 
 def _summary(result: dict) -> dict:
     m = result["metrics"]
-    return {"quantized_tensors": result["quantized_tensors"],
-            "weight_snr_db": result["weight_snr"]["overall_db"],
-            "ceiling": m["rollouts"]["greedy"]["ceiling"],
-            "matched_prefix_sampled": m["rollouts"]["sampled"]["matched_prefix"],
-            "kl_mean": m["kl"]["mean"]["value"], "kl_p99": m["kl"]["p99"]}
+    return {
+        "quantized_tensors": result["quantized_tensors"],
+        "weight_snr_db": result["weight_snr"]["overall_db"],
+        "ceiling": m["rollouts"]["greedy"]["ceiling"],
+        "matched_prefix_sampled": m["rollouts"]["sampled"]["matched_prefix"],
+        "kl_mean": m["kl"]["mean"]["value"],
+        "kl_p99": m["kl"]["p99"],
+    }
 
 
 def _gap(step: dict, floor: dict) -> float:
@@ -111,30 +124,49 @@ def _harm(step: dict, floor: dict) -> tuple[float, float]:
     return -_gap(step, floor), step["kl_mean"] or 0.0
 
 
-def evaluate_sensitivity(weights: Mapping[str, torch.Tensor], fmt: str, settings: DriftSettings,
-                         step: Step) -> dict:
+def evaluate_sensitivity(
+    weights: Mapping[str, torch.Tensor], fmt: str, settings: DriftSettings, step: Step
+) -> dict:
     """The floor, one step per kind alone, then the cumulative steps and the suggested list
     (JSON-ready; the schema is in docs/eval-drift.md)."""
     kinds = module_kinds(weights, fmt, settings.ignore)
     if not kinds:
         raise QStreamError(f"--sensitivity: {fmt} can quantize no module of this checkpoint")
     floor = _summary(step("bf16 floor", ()))
-    single = [{"kind": k.name, "include": list(k.patterns), "modules": list(k.modules),
-               **_summary(step(f"{fmt}: {k.name}", k.patterns))} for k in kinds]
+    single = [
+        {
+            "kind": k.name,
+            "include": list(k.patterns),
+            "modules": list(k.modules),
+            **_summary(step(f"{fmt}: {k.name}", k.patterns)),
+        }
+        for k in kinds
+    ]
     for entry in single:
         entry["ceiling_gap"] = _gap(entry, floor)
     order = sorted(range(len(kinds)), key=lambda i: (*_harm(single[i], floor), i))
-    cumulative, include = [], ()
+    cumulative: list[dict] = []
+    include: tuple[str, ...] = ()
     for i in order:
         include += kinds[i].patterns
-        entry = {"add": kinds[i].name, "include": list(include),
-                 **_summary(step(f"{fmt}: +{kinds[i].name}", include))}
+        entry = {
+            "add": kinds[i].name,
+            "include": list(include),
+            **_summary(step(f"{fmt}: +{kinds[i].name}", include)),
+        }
         entry["ceiling_gap"] = _gap(entry, floor)
         entry["within_tolerance"] = entry["ceiling_gap"] >= -settings.tolerance
         cumulative.append(entry)
-    return {"format": fmt, "tolerance": settings.tolerance, "harm": HARM,
-            "ignore": list(settings.ignore), "floor": floor, "single": single,
-            "cumulative": cumulative, "suggested": _suggest(cumulative, settings.ignore)}
+    return {
+        "format": fmt,
+        "tolerance": settings.tolerance,
+        "harm": HARM,
+        "ignore": list(settings.ignore),
+        "floor": floor,
+        "single": single,
+        "cumulative": cumulative,
+        "suggested": _suggest(cumulative, settings.ignore),
+    }
 
 
 def _suggest(cumulative: list[dict], ignore: tuple[str, ...]) -> dict:
@@ -146,5 +178,10 @@ def _suggest(cumulative: list[dict], ignore: tuple[str, ...]) -> dict:
     command = "--include_layers " + " ".join(best["include"])
     if ignore:
         command += " --ignore_layers " + " ".join(ignore)
-    return {"include": best["include"], "steps": cumulative.index(best) + 1, "command": command,
-            "ceiling": best["ceiling"], "ceiling_gap": best["ceiling_gap"]}
+    return {
+        "include": best["include"],
+        "steps": cumulative.index(best) + 1,
+        "command": command,
+        "ceiling": best["ceiling"],
+        "ceiling_gap": best["ceiling_gap"],
+    }

@@ -72,12 +72,14 @@ class DriftSettings:
     def __post_init__(self) -> None:
         for regime in self.regimes:
             if regime not in REGIMES:
-                raise QStreamError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)} "
-                                   "or all")
+                raise QStreamError(
+                    f"unknown regime {regime!r}; choose from {', '.join(REGIMES)} or all"
+                )
         for fmt in self.formats:
             if fmt not in ALLOWED_FORMATS:
-                raise QStreamError(f"unknown format {fmt!r}; choose from "
-                                   f"{', '.join(ALLOWED_FORMATS)}")
+                raise QStreamError(
+                    f"unknown format {fmt!r}; choose from {', '.join(ALLOWED_FORMATS)}"
+                )
         names = [*self.formats, *(name for name, _ in self.variant_dirs)]
         if len(set(names)) != len(names):
             raise QStreamError(f"variant names must be unique, got {', '.join(names)}")
@@ -86,8 +88,10 @@ class DriftSettings:
         if not self.regimes and self.states is None:
             raise QStreamError("nothing to evaluate: no regime and no --states file")
         if self.sensitivity_format is not None and self.sensitivity_format not in FORMATS:
-            raise QStreamError(f"--sensitivity-format {self.sensitivity_format!r}: choose from "
-                               f"{', '.join(FORMATS)}")
+            raise QStreamError(
+                f"--sensitivity-format {self.sensitivity_format!r}: choose from "
+                f"{', '.join(FORMATS)}"
+            )
         self._check_sampling()
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
@@ -104,10 +108,13 @@ class DriftSettings:
 
     def _check_context(self) -> None:
         edges = self.context_lengths
-        if edges and (len(edges) < 2 or edges[0] < 1
-                      or any(a >= b for a, b in zip(edges, edges[1:]))):
-            raise QStreamError("--context-lengths needs at least two increasing bucket edges "
-                               f">= 1, got {','.join(map(str, edges))}")
+        if edges and (
+            len(edges) < 2 or edges[0] < 1 or any(a >= b for a, b in zip(edges, edges[1:]))
+        ):
+            raise QStreamError(
+                "--context-lengths needs at least two increasing bucket edges "
+                f">= 1, got {','.join(map(str, edges))}"
+            )
         if self.context_blocks < 1:
             raise QStreamError(f"--context-blocks must be at least 1, got {self.context_blocks}")
 

@@ -36,14 +36,20 @@ class Variant:
 
 def settings_variants(settings: DriftSettings) -> tuple[Variant, ...]:
     """The simulated formats, then the checkpoint directories, in the order the user gave."""
-    simulated = [Variant(f, f if f in (REFERENCE, FLOOR) else "simulated", f)
-                 for f in settings.formats]
+    simulated = [
+        Variant(f, f if f in (REFERENCE, FLOOR) else "simulated", f) for f in settings.formats
+    ]
     checkpoints = [Variant(name, "checkpoint", path) for name, path in settings.variant_dirs]
     return (*simulated, *checkpoints)
 
 
-def variant_weights(variant: Variant, reference_weights: Weights, config: DSparkConfig,
-                    settings: DriftSettings, target: str | None) -> tuple[Weights, list[str]]:
+def variant_weights(
+    variant: Variant,
+    reference_weights: Weights,
+    config: DSparkConfig,
+    settings: DriftSettings,
+    target: str | None,
+) -> tuple[Weights, list[str]]:
     """The variant's weights and the names of the tensors its format changed."""
     if variant.kind in (REFERENCE, FLOOR):
         return reference_weights, []
@@ -51,16 +57,26 @@ def variant_weights(variant: Variant, reference_weights: Weights, config: DSpark
         # Shapes a block format cannot hold stay bf16, as --skip-incompatible writes them; the
         # results list which tensors were quantized (quantized_tensors, weight_snr.tensors).
         include = settings.include if variant.include is None else variant.include
-        weights = simulate_format(reference_weights, variant.source, include=include,
-                                  ignore=settings.ignore, skip_incompatible=True)
+        weights = simulate_format(
+            reference_weights,
+            variant.source,
+            include=include,
+            ignore=settings.ignore,
+            skip_incompatible=True,
+        )
     else:
         other = load_config(variant.source)
         if other != config:
-            raise QStreamError(f"variant {variant.name}: {variant.source} is a different "
-                               "architecture than the reference model (config.json differs)")
+            raise QStreamError(
+                f"variant {variant.name}: {variant.source} is a different "
+                "architecture than the reference model (config.json differs)"
+            )
         weights = load_weights(variant.source, target, other)
-    changed = [k for k, v in weights.items() if k != LM_HEAD
-               and not torch.equal(v.to(reference_weights[k].dtype), reference_weights[k])]
+    changed = [
+        k
+        for k, v in weights.items()
+        if k != LM_HEAD and not torch.equal(v.to(reference_weights[k].dtype), reference_weights[k])
+    ]
     return weights, changed
 
 
@@ -70,6 +86,8 @@ def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str])
     sums = [snr_sums(reference_weights[n], weights[n].to(torch.bfloat16)) for n in names]
     signal, noise = sum(s for s, _ in sums), sum(e for _, e in sums)
     finite = [snr_db(*pair) for pair in sums if pair[1] > 0]
-    return {"tensors": len(names),
-            "overall_db": None if noise == 0 else snr_db(signal, noise),
-            "worst_db": min(finite) if finite else None}
+    return {
+        "tensors": len(names),
+        "overall_db": None if noise == 0 else snr_db(signal, noise),
+        "worst_db": min(finite) if finite else None,
+    }

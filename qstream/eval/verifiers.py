@@ -5,6 +5,7 @@ loop that feeds this is qstream/eval/regime.py's."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,6 @@ from qstream.model.dspark import (
     teacher_forced,
 )
 
-
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 
 
@@ -55,16 +55,26 @@ class RegimeAcceptance:
     much again as its stored teacher-forced logits); per variant only ``[N, B]`` float64
     acceptance values are kept."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], plan: AnchorPlan,
-                 captured: CapturedStates | None, *, against_reference: bool,
-                 sampling: DriftSettings, block_size: int):
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        plan: AnchorPlan,
+        captured: CapturedStates | None,
+        *,
+        against_reference: bool,
+        sampling: DriftSettings,
+        block_size: int,
+    ):
         self.sampling, self.B = sampling, block_size
         self.states = captured
         self.against_reference = against_reference
         self.active = against_reference or self.states is not None
         self.variants: dict[str, dict[str, AcceptanceAccumulator]] = {}
         self.reference_target = AcceptanceAccumulator()
-        self.diagnostics = {"stream_is_target_top1": [], "stream_outside_target_nucleus": []}
+        self.diagnostics: dict[str, list] = {
+            "stream_is_target_top1": [],
+            "stream_outside_target_nucleus": [],
+        }
         self.U_ref = None
         if not self.active:
             return
@@ -89,11 +99,13 @@ class RegimeAcceptance:
     def _target(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Target logits [n, B, V] at the batch's blocks and the blocks' stream tokens [n, B]."""
         idx = batch.blocks
+        assert self.states is not None  # only called with captured states
         hidden = self.states.target_hidden(self.plan.stream[idx], self.plan.anchor[idx], self.B)
         return hidden @ self.lm_head.T, self.stream_tokens[idx]
 
-    def _add_target(self, acc: AcceptanceAccumulator, model: DSpark, blocks: Blocks,
-                    batch: Batch, record: bool) -> None:
+    def _add_target(
+        self, acc: AcceptanceAccumulator, model: DSpark, blocks: Blocks, batch: Batch, record: bool
+    ) -> None:
         """Acceptance against the target on its own stream (module docstring): the drafter
         teacher-forced on the stream, importance weights for the sampled rules, and the run of
         top-1 agreement for greedy (exact where the stream is the target's greedy path)."""
@@ -121,11 +133,19 @@ class RegimeAcceptance:
         return self.variants[name]
 
     def _verifiers(self) -> list[str]:
-        return [v for v, on in zip(VERIFIERS, (self.against_reference, self.states is not None))
-                if on]
+        return [
+            v for v, on in zip(VERIFIERS, (self.against_reference, self.states is not None)) if on
+        ]
 
-    def add_variant(self, accs: dict[str, AcceptanceAccumulator], batch: Batch, model: DSpark,
-                    blocks: Blocks, greedy: Rollout, sampled: Rollout) -> None:
+    def add_variant(
+        self,
+        accs: dict[str, AcceptanceAccumulator],
+        batch: Batch,
+        model: DSpark,
+        blocks: Blocks,
+        greedy: Rollout,
+        sampled: Rollout,
+    ) -> None:
         """One batch of a variant's drafts: its greedy and sampled rollouts verified by the
         reference (on the variant's own drafted prefixes), and its acceptance by the target."""
         if not self.active:
@@ -138,16 +158,20 @@ class RegimeAcceptance:
     def _reference_logits(self, U: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """The reference's logits on a drafted prefix, position by position exactly as its own
         rollout computes them (so that the reference verifying itself is bit-exact)."""
-        return torch.stack([markov_logits(self.head, U[:, k], prev[:, k])
-                            for k in range(U.shape[1])], dim=1)
+        return torch.stack(
+            [markov_logits(self.head, U[:, k], prev[:, k]) for k in range(U.shape[1])], dim=1
+        )
 
-    def _add_reference_verified(self, acc: AcceptanceAccumulator, batch: Batch, greedy: Rollout,
-                                sampled: Rollout) -> None:
+    def _add_reference_verified(
+        self, acc: AcceptanceAccumulator, batch: Batch, greedy: Rollout, sampled: Rollout
+    ) -> None:
+        assert self.U_ref is not None  # kept whenever the reference verifies
         U = self.U_ref[batch.blocks]
         p_greedy = self._reference_logits(U, greedy.prev)
         acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)))
-        p_tok = token_probs(self._verifier_probs(self._reference_logits(U, sampled.prev)),
-                            sampled.tokens)
+        p_tok = token_probs(
+            self._verifier_probs(self._reference_logits(U, sampled.prev)), sampled.tokens
+        )
         q_tok = token_probs(self._drafter_probs(sampled.logits), sampled.tokens)
         for rule in RULES:
             acc.add(acceptance_mode(rule), accept_probabilities(p_tok, q_tok, rule))
@@ -163,34 +187,43 @@ class RegimeAcceptance:
             for verifier, acc in accs.items():
                 block = acc.to_json()
                 base = self.variants.get(floor, {}).get(verifier)
-                block["loss_vs_bf16"] = None if base is None or name == floor else {
-                    mode: paired_loss(base.emitted(mode), acc.emitted(mode), self.B)
-                    for mode in ACCEPTANCE_MODES}
+                block["loss_vs_bf16"] = (
+                    None
+                    if base is None or name == floor
+                    else {
+                        mode: paired_loss(base.emitted(mode), acc.emitted(mode), self.B)
+                        for mode in ACCEPTANCE_MODES
+                    }
+                )
                 entry["acceptance"][verifier] = block
         if self.states is not None:
-            share = {k: pooled_proportion(torch.cat(v)).to_json()
-                     for k, v in self.diagnostics.items()}
-            out["reference_draft"] = {"acceptance": {"target": self.reference_target.to_json()},
-                                      "stream": share}
+            share = {
+                k: pooled_proportion(torch.cat(v)).to_json() for k, v in self.diagnostics.items()
+            }
+            out["reference_draft"] = {
+                "acceptance": {"target": self.reference_target.to_json()},
+                "stream": share,
+            }
 
 
 # What the results' top-level "acceptance" field says (docs/acceptance.md has the full text).
 ACCEPTANCE_DEFINITIONS = {
     "emitted": "expected tokens emitted per block: accepted drafted tokens plus the one "
-               "resampled or bonus token (1..B+1)",
+    "resampled or bonus token (1..B+1)",
     "estimator": "per block, 1 + sum_k P(tau >= k | drafted prefix): exact given the drafted "
-                 "block, averaged over blocks (95% Student-t interval; greedy, whose outcomes "
-                 "are 0/1: Wilson on the design-effect sample size)",
+    "block, averaged over blocks (95% Student-t interval; greedy, whose outcomes "
+    "are 0/1: Wilson on the design-effect sample size)",
     "sampled": "drafter q: the full softmax(logits / temperature), as vLLM's DSpark drafter "
-               "samples (draft top-p 1 unless set); verifier p: softmax(logits / temperature) "
-               "cut to its top-k and top-p and renormalised (see the results' sampling block)",
-    "rules": {"token_wise": "Leviathan et al. 2023 / Chen et al. 2023 rejection sampling",
-              "block": "Sun et al. 2024 block verification (vLLM rejection_sample_method "
-                       "'block')"},
+    "samples (draft top-p 1 unless set); verifier p: softmax(logits / temperature) "
+    "cut to its top-k and top-p and renormalised (see the results' sampling block)",
+    "rules": {
+        "token_wise": "Leviathan et al. 2023 / Chen et al. 2023 rejection sampling",
+        "block": "Sun et al. 2024 block verification (vLLM rejection_sample_method 'block')",
+    },
     "greedy": "greedy drafting against a greedy verifier: matched prefix + 1",
     "reference": "verifier: the FP32 reference on the variant's own drafted prefixes",
     "target": "verifier: the captured target, on its own stream (importance weights; exact "
-              "when the streams are the target's samples at this temperature and top-p)",
+    "when the streams are the target's samples at this temperature and top-p)",
     "loss_vs_bf16": "mean over blocks of bf16's emitted tokens minus the variant's, same "
-                    "blocks and noise",
+    "blocks and noise",
 }

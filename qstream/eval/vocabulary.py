@@ -32,8 +32,11 @@ ROLLOUT_MODES = ("greedy", "sampled")
 # Verification rules of the sampled modes (docs/acceptance.md) and the acceptance modes a results
 # entry holds (``acceptance.VERIFIER.MODE``), with the short label tables print for each.
 RULES = ("token_wise", "block")
-ACCEPTANCE_MODES = {"sampled_token_wise": "token-wise", "sampled_block": "block",
-                    "greedy": "greedy"}
+ACCEPTANCE_MODES = {
+    "sampled_token_wise": "token-wise",
+    "sampled_block": "block",
+    "greedy": "greedy",
+}
 # Who verifies the drafts (``acceptance.VERIFIER``), with the words a caption uses for it.
 VERIFIERS = {"reference": "the FP32 reference", "target": "the captured target"}
 
@@ -50,8 +53,10 @@ def acceptance_mode(rule: str) -> str:
 # where the verifier would still accept (acceptance there follows sum min(p, q)), so their matched
 # prefix is a lower bound, reported under its own name (docs/eval-drift.md).
 PREFIX_KEYS = {"greedy": "ceiling", "sampled": "matched_prefix"}
-PREFIX_LABELS = {"greedy": "greedy ceiling",
-                 "sampled": "sampled matched prefix (coupling lower bound)"}
+PREFIX_LABELS = {
+    "greedy": "greedy ceiling",
+    "sampled": "sampled matched prefix (coupling lower bound)",
+}
 
 # The confidence head's status in vLLM (docs/vllm.md); every confidence metric says it.
 CONFIDENCE_NOTE = "training-only head (not served by vLLM's K3 draft)"

@@ -35,22 +35,53 @@ class FormatSpec:
 
 FORMATS: dict[str, FormatSpec] = {
     "fp8": FormatSpec(
-        "fp8", 0, 8.0, "weight dtype, per row", "naive-quantized",
+        "fp8",
+        0,
+        8.0,
+        "weight dtype, per row",
+        "naive-quantized",
         ("weight", "weight_scale"),
-        {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
-         "dynamic": False},
+        {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "channel",
+            "symmetric": True,
+            "dynamic": False,
+        },
     ),
     "mxfp4": FormatSpec(
-        "mxfp4", MXFP4_BLOCK, 4 + 8 / MXFP4_BLOCK, "E8M0 per block",
-        "mxfp4-pack-quantized", ("weight_packed", "weight_scale"),
-        {"num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_BLOCK,
-         "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8"},
+        "mxfp4",
+        MXFP4_BLOCK,
+        4 + 8 / MXFP4_BLOCK,
+        "E8M0 per block",
+        "mxfp4-pack-quantized",
+        ("weight_packed", "weight_scale"),
+        {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "group",
+            "group_size": MXFP4_BLOCK,
+            "symmetric": True,
+            "dynamic": False,
+            "scale_dtype": "torch.uint8",
+        },
     ),
     "nvfp4": FormatSpec(
-        "nvfp4", NVFP4_BLOCK, 4 + 8 / NVFP4_BLOCK, "E4M3 per block + FP32",
-        "nvfp4-pack-quantized", ("weight_packed", "weight_scale", "weight_global_scale"),
-        {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": NVFP4_BLOCK,
-         "symmetric": True, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},
+        "nvfp4",
+        NVFP4_BLOCK,
+        4 + 8 / NVFP4_BLOCK,
+        "E4M3 per block + FP32",
+        "nvfp4-pack-quantized",
+        ("weight_packed", "weight_scale", "weight_global_scale"),
+        {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "tensor_group",
+            "group_size": NVFP4_BLOCK,
+            "symmetric": True,
+            "dynamic": False,
+            "scale_dtype": "torch.float8_e4m3fn",
+        },
     ),
 }
 
@@ -59,13 +90,14 @@ def get_format(name: str) -> FormatSpec:
     try:
         return FORMATS[name]
     except KeyError:
-        raise QStreamError(
-            f"unknown format {name!r}; choose one of {', '.join(FORMATS)}"
-        ) from None
+        raise QStreamError(f"unknown format {name!r}; choose one of {', '.join(FORMATS)}") from None
 
 
 def quantize(
-    fmt: str, w: torch.Tensor, name: str = "weight", global_amax: torch.Tensor | None = None,
+    fmt: str,
+    w: torch.Tensor,
+    name: str = "weight",
+    global_amax: torch.Tensor | None = None,
     energy: Energy | None = None,
 ) -> dict[str, torch.Tensor]:
     """Quantize one ``[N, K]`` weight; returns the stored tensors keyed by suffix
@@ -117,10 +149,10 @@ def snr_sums(w: torch.Tensor, w_hat: torch.Tensor) -> tuple[float, float]:
     flat, flat_hat = w.reshape(-1), w_hat.reshape(-1)
     signal = noise = 0.0
     for start in range(0, flat.numel(), SNR_SLICE):
-        part = flat[start:start + SNR_SLICE]
+        part = flat[start : start + SNR_SLICE]
         x = _float64_scratch(part.numel(), w.device).copy_(part)
         signal += torch.dot(x, x).item()
-        x.sub_(flat_hat[start:start + SNR_SLICE])
+        x.sub_(flat_hat[start : start + SNR_SLICE])
         noise += torch.dot(x, x).item()
     return signal, noise
 
@@ -139,5 +171,14 @@ def weight_snr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return snr_db(*snr_sums(w, w_hat))
 
 
-__all__ = ["FORMATS", "Energy", "FormatSpec", "get_format", "quantize", "dequantize",
-           "weight_snr_db", "snr_sums", "snr_db"]
+__all__ = [
+    "FORMATS",
+    "Energy",
+    "FormatSpec",
+    "get_format",
+    "quantize",
+    "dequantize",
+    "weight_snr_db",
+    "snr_sums",
+    "snr_db",
+]

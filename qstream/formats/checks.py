@@ -84,8 +84,9 @@ class ChunkWorkspace:
     step costs more in page faults than the arithmetic does.  With ``hat_dtype`` it also holds
     the rounded E2M1 values and the dequantized chunk in that dtype, for the weight SNR."""
 
-    def __init__(self, rows: int, k: int, device: torch.device,
-                 hat_dtype: torch.dtype | None = None):
+    def __init__(
+        self, rows: int, k: int, device: torch.device, hat_dtype: torch.dtype | None = None
+    ):
         self.x = torch.empty((rows, k), dtype=torch.float32, device=device)
         self.magnitude = torch.empty_like(self.x)
         self.scratch = torch.empty((rows, k), dtype=torch.int32, device=device)
@@ -93,8 +94,11 @@ class ChunkWorkspace:
         self.hat: torch.Tensor | None = None
         if hat_dtype is not None:
             self.grid = torch.empty_like(self.x)
-            self.hat = self.grid if hat_dtype == torch.float32 else \
-                torch.empty((rows, k), dtype=hat_dtype, device=device)
+            self.hat = (
+                self.grid
+                if hat_dtype == torch.float32
+                else torch.empty((rows, k), dtype=hat_dtype, device=device)
+            )
 
     def take(self, rows: slice):
         r = rows.stop - rows.start

@@ -24,9 +24,12 @@ _ONE_BITS = 0x3F800000  # float32 1.0: E2M1's smallest normal binade
 _MAGIC_SHIFT = 22 << 23  # 2**22 times the binade: its ulp is the E2M1 step of that binade
 
 
-def _codes32(magnitude: torch.Tensor, sign_source: torch.Tensor,
-             scratch: torch.Tensor | None = None,
-             grid: torch.Tensor | None = None) -> torch.Tensor:
+def _codes32(
+    magnitude: torch.Tensor,
+    sign_source: torch.Tensor,
+    scratch: torch.Tensor | None = None,
+    grid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """int32 codes from float32 ``|y|`` and a float32 tensor with y's signs.  ``magnitude`` is
     consumed: the codes are written over it (viewed as int32) and returned; ``scratch`` is an
     optional int32 buffer of the same shape; ``grid``, if given, receives the rounded
@@ -74,9 +77,12 @@ def encode_packed(y: torch.Tensor) -> torch.Tensor:
     return _pack32(_codes32(y.abs(), y))
 
 
-def encode_scaled_magnitude(magnitude: torch.Tensor, signs: torch.Tensor,
-                            out: torch.Tensor | None = None,
-                            scratch: torch.Tensor | None = None) -> torch.Tensor:
+def encode_scaled_magnitude(
+    magnitude: torch.Tensor,
+    signs: torch.Tensor,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Packed bytes from float32 ``|y|`` (consumed) and the float32 tensor whose signs y has --
     the quantizers pass the weight itself, since their scales are positive.  ``out`` (uint8
     ``[..., K/2]``) and ``scratch`` (int32, like ``magnitude``) avoid allocations."""
@@ -118,9 +124,15 @@ def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     return torch.nn.functional.embedding(packed.long(), table).flatten(-2)
 
 
-def encode_blocks(w: torch.Tensor, divisor: torch.Tensor, block: int, out: torch.Tensor,
-                  energy: Energy | None = None, inverse: torch.Tensor | None = None,
-                  step: torch.Tensor | None = None) -> torch.Tensor:
+def encode_blocks(
+    w: torch.Tensor,
+    divisor: torch.Tensor,
+    block: int,
+    out: torch.Tensor,
+    energy: Energy | None = None,
+    inverse: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The 4-bit quantizers' loop: ``w [N, K]`` with one float32 ``divisor`` per block
     (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``, chunk by chunk.
 

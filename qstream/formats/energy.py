@@ -48,8 +48,7 @@ class Energy:
         n = w.numel()
         if w_hat.dtype in SHORT:
             error = _buffer("f32", n, torch.float32, self.device).view(w.shape)
-            torch.sub(w.float() if w.dtype != torch.float32 else w, error.copy_(w_hat),
-                      out=error)
+            torch.sub(w.float() if w.dtype != torch.float32 else w, error.copy_(w_hat), out=error)
         else:
             error = _buffer("f64", n, torch.float64, self.device).view(w.shape).copy_(w)
             error.sub_(w_hat)
@@ -69,7 +68,9 @@ class Energy:
             return total.add_(torch.vdot(flat, flat))
         buf = _buffer("slice", min(F64_SLICE, flat.numel()), torch.float64, self.device)
         for start in range(0, flat.numel(), F64_SLICE):
-            part = buf[:min(F64_SLICE, flat.numel() - start)].copy_(flat[start:start + F64_SLICE])
+            part = buf[: min(F64_SLICE, flat.numel() - start)].copy_(
+                flat[start : start + F64_SLICE]
+            )
             total += torch.vdot(part, part)
         return total
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 
 from qstream.formats.checks import (
-    ChunkWorkspace, block_abs_max, check_finite, check_weight, chunk_rows, row_chunks,
+    ChunkWorkspace,
+    block_abs_max,
+    check_finite,
+    check_weight,
+    chunk_rows,
+    row_chunks,
 )
 from qstream.formats.energy import SHORT, Energy
 from qstream.formats.spec import FP8_MAX
@@ -23,16 +28,20 @@ def channel_scale(w: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
 
 
-def quantize(w: torch.Tensor, name: str = "weight", energy: Energy | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, name: str = "weight", energy: Energy | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight float8_e4m3fn [N, K], weight_scale w.dtype [N, 1])``;
     ``energy`` accumulates the weight SNR sums against :func:`dequantize`'s ``q * scale``,
     taken chunk by chunk while the chunk is in cache."""
     check_weight(w, name)
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     scale = torch.empty((w.shape[0], 1), dtype=w.dtype, device=w.device)
-    work = None if energy is None else \
-        ChunkWorkspace(chunk_rows(*w.shape), w.shape[1], w.device, w.dtype)
+    work = (
+        None
+        if energy is None
+        else ChunkWorkspace(chunk_rows(*w.shape), w.shape[1], w.device, w.dtype)
+    )
     for rows in row_chunks(*w.shape):
         chunk = w[rows]
         scale[rows] = s = channel_scale(chunk)
@@ -44,8 +53,14 @@ def quantize(w: torch.Tensor, name: str = "weight", energy: Energy | None = None
     return q, scale
 
 
-def _add_energy(energy: Energy, chunk: torch.Tensor, y: torch.Tensor, s: torch.Tensor,
-                work: ChunkWorkspace, rows: slice) -> None:
+def _add_energy(
+    energy: Energy,
+    chunk: torch.Tensor,
+    y: torch.Tensor,
+    s: torch.Tensor,
+    work: ChunkWorkspace,
+    rows: slice,
+) -> None:
     """The SNR sums of one chunk in magnitudes (w_hat has w's sign or is 0):
     ``|w_hat| = dtype(round_to_fp8(|y|) * s)``, which is :func:`dequantize`'s value, since a
     4-bit by 11-bit product is exact in float32 and is then rounded once to the dtype."""

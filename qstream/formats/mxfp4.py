@@ -44,7 +44,7 @@ def block_scale(amax: torch.Tensor) -> torch.Tensor:
 
     A scale that underflows the dtype (possible for fp16) becomes 1.0, as in compressed-tensors.
     """
-    e8m0 = (MXFP4_E8M0_BIAS - MXFP4_ELEM_EMAX + _exponent(_round_mantissa_to_one_bit(amax)))
+    e8m0 = MXFP4_E8M0_BIAS - MXFP4_ELEM_EMAX + _exponent(_round_mantissa_to_one_bit(amax))
     scale = _power_of_two(e8m0.clamp_(0, 255) - MXFP4_E8M0_BIAS, amax.dtype)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
@@ -58,8 +58,9 @@ def decode_scale(e8m0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _power_of_two(e8m0.long() - MXFP4_E8M0_BIAS, dtype)
 
 
-def quantize(w: torch.Tensor, name: str = "weight", energy: Energy | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, name: str = "weight", energy: Energy | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``;
     ``energy`` accumulates the weight SNR sums (see :mod:`qstream.formats.energy`)."""
     check_weight(w, name, MXFP4_BLOCK)

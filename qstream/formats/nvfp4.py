@@ -41,7 +41,9 @@ def block_scale(block_amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(
-    w: torch.Tensor, name: str = "weight", global_amax: torch.Tensor | None = None,
+    w: torch.Tensor,
+    name: str = "weight",
+    global_amax: torch.Tensor | None = None,
     energy: Energy | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16],
@@ -69,7 +71,9 @@ def quantize(
 
 
 def dequantize(
-    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``E2M1 * (weight_scale / weight_global_scale)`` in float32, rounded to ``dtype`` (bf16 by

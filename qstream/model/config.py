@@ -29,19 +29,32 @@ class YarnParameters:
     original_max_position_embeddings: int = 128  # pre-extension context length
     beta_fast: float = 32.0  # ramp end (in rotations) below which frequencies are extrapolated
     beta_slow: float = 1.0  # ramp start (in rotations) above which frequencies are interpolated
-    mscale: float = 1.0  # cos/sin factor numerator; cos/sin factor = mscale-term / mscale_all_dim-term
+    mscale: float = (
+        1.0  # cos/sin factor numerator; cos/sin factor = mscale-term / mscale_all_dim-term
+    )
     mscale_all_dim: float = 1.0  # softmax scale gains (0.1 * mscale_all_dim * ln(factor) + 1)^2
 
     def __post_init__(self) -> None:
         _check(self.factor >= 1.0, "rope_parameters.factor", self.factor, "must be >= 1")
-        _check(self.original_max_position_embeddings > 0,
-               "rope_parameters.original_max_position_embeddings",
-               self.original_max_position_embeddings, "must be positive")
-        _check(self.beta_fast > self.beta_slow > 0, "rope_parameters.beta_fast",
-               self.beta_fast, f"must exceed beta_slow ({self.beta_slow}) > 0")
+        _check(
+            self.original_max_position_embeddings > 0,
+            "rope_parameters.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            "must be positive",
+        )
+        _check(
+            self.beta_fast > self.beta_slow > 0,
+            "rope_parameters.beta_fast",
+            self.beta_fast,
+            f"must exceed beta_slow ({self.beta_slow}) > 0",
+        )
         _check(self.mscale > 0, "rope_parameters.mscale", self.mscale, "must be positive")
-        _check(self.mscale_all_dim >= 0, "rope_parameters.mscale_all_dim",
-               self.mscale_all_dim, "must be >= 0")
+        _check(
+            self.mscale_all_dim >= 0,
+            "rope_parameters.mscale_all_dim",
+            self.mscale_all_dim,
+            "must be >= 0",
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {"rope_type": "yarn", **asdict(self)}
@@ -74,41 +87,86 @@ class DSparkConfig:
     block_size: int = 7  # B, tokens drafted per block
     markov_head_type: str = "vanilla"  # the only Markov head docs/model.md defines
     enable_confidence_head: bool = True  # confidence_head.proj present
-    bos_token_id: int | None = None  # tokenizer facts carried for convenience, not used by the model
+    bos_token_id: int | None = (
+        None  # tokenizer facts carried for convenience, not used by the model
+    )
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "vocab_size",
-                  "target_hidden_size", "target_num_hidden_layers", "markov_rank", "block_size"):
+        for f in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "vocab_size",
+            "target_hidden_size",
+            "target_num_hidden_layers",
+            "markov_rank",
+            "block_size",
+        ):
             value = getattr(self, f)
-            _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, f, value,
-                   "must be a positive integer")
-        _check(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim > 0
-               and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", self.qk_rope_head_dim,
-               "must be a positive even integer (RoPE rotates pairs)")
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f,
+                value,
+                "must be a positive integer",
+            )
+        _check(
+            isinstance(self.qk_rope_head_dim, int)
+            and self.qk_rope_head_dim > 0
+            and self.qk_rope_head_dim % 2 == 0,
+            "qk_rope_head_dim",
+            self.qk_rope_head_dim,
+            "must be a positive even integer (RoPE rotates pairs)",
+        )
         _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be positive")
         _check(self.rope_theta > 1, "rope_theta", self.rope_theta, "must exceed 1")
         yarn = self.rope_parameters
         expected_max = yarn.factor * yarn.original_max_position_embeddings
-        _check(self.max_position_embeddings == expected_max, "max_position_embeddings",
-               self.max_position_embeddings,
-               f"must equal rope_parameters.factor x original_max_position_embeddings "
-               f"({expected_max:g})")
+        _check(
+            self.max_position_embeddings == expected_max,
+            "max_position_embeddings",
+            self.max_position_embeddings,
+            f"must equal rope_parameters.factor x original_max_position_embeddings "
+            f"({expected_max:g})",
+        )
         ids = self.target_layer_ids
-        _check(len(ids) > 0 and all(isinstance(i, int) and 0 <= i < self.target_num_hidden_layers
-                                    for i in ids),
-               "target_layer_ids", list(ids),
-               f"must be layer indices in [0, {self.target_num_hidden_layers})")
+        _check(
+            len(ids) > 0
+            and all(isinstance(i, int) and 0 <= i < self.target_num_hidden_layers for i in ids),
+            "target_layer_ids",
+            list(ids),
+            f"must be layer indices in [0, {self.target_num_hidden_layers})",
+        )
         _check(len(set(ids)) == len(ids), "target_layer_ids", list(ids), "must not repeat")
-        _check(self.num_target_layers == len(ids), "num_target_layers", self.num_target_layers,
-               f"must equal len(target_layer_ids) = {len(ids)}")
-        _check(isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
-               "mask_token_id", self.mask_token_id, f"must be a token id in [0, {self.vocab_size})")
-        _check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
-               "must be 'vanilla'")
-        _check(isinstance(self.enable_confidence_head, bool), "enable_confidence_head",
-               self.enable_confidence_head, "must be true or false")
+        _check(
+            self.num_target_layers == len(ids),
+            "num_target_layers",
+            self.num_target_layers,
+            f"must equal len(target_layer_ids) = {len(ids)}",
+        )
+        _check(
+            isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
+            "mask_token_id",
+            self.mask_token_id,
+            f"must be a token id in [0, {self.vocab_size})",
+        )
+        _check(
+            self.markov_head_type == "vanilla",
+            "markov_head_type",
+            self.markov_head_type,
+            "must be 'vanilla'",
+        )
+        _check(
+            isinstance(self.enable_confidence_head, bool),
+            "enable_confidence_head",
+            self.enable_confidence_head,
+            "must be true or false",
+        )
 
     # Derived sizes: names follow docs/model.md's tensor table.
     @property
@@ -125,7 +183,7 @@ class DSparkConfig:
         """``(nope+rope)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2`` (DeepSeek-V3's
         yarn_get_mscale applied to the softmax; 0.130861 for Kimi-K3)."""
         yarn = self.rope_parameters
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if yarn.mscale_all_dim and yarn.factor > 1:
             m = 0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1.0
             scale *= m * m
@@ -145,16 +203,24 @@ class DSparkConfig:
         return out
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "DSparkConfig":
+    def from_json(cls, data: dict[str, Any]) -> DSparkConfig:
         """Build from config.json contents; keys this model does not use (quantization_config,
         transformers_version, ...) are ignored.  Raises ValueError naming a missing or bad key."""
         if not isinstance(data, dict):
             raise ValueError(f"config.json must hold an object, not {type(data).__name__}")
         arch = data.get("architectures")
-        _check(arch is None or arch == [ARCHITECTURE], "architectures", arch,
-               f"must be [{ARCHITECTURE!r}]")
-        _check(data.get("model_type", MODEL_TYPE) == MODEL_TYPE, "model_type",
-               data.get("model_type"), f"must be {MODEL_TYPE!r}")
+        _check(
+            arch is None or arch == [ARCHITECTURE],
+            "architectures",
+            arch,
+            f"must be [{ARCHITECTURE!r}]",
+        )
+        _check(
+            data.get("model_type", MODEL_TYPE) == MODEL_TYPE,
+            "model_type",
+            data.get("model_type"),
+            f"must be {MODEL_TYPE!r}",
+        )
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in data:
@@ -174,8 +240,12 @@ class DSparkConfig:
 
 def _yarn_from_json(data: Any) -> YarnParameters:
     _check(isinstance(data, dict), "rope_parameters", data, "must be an object")
-    _check(data.get("rope_type") == "yarn", "rope_parameters.rope_type", data.get("rope_type"),
-           "must be 'yarn'")
+    _check(
+        data.get("rope_type") == "yarn",
+        "rope_parameters.rope_type",
+        data.get("rope_type"),
+        "must be 'yarn'",
+    )
     names = {f.name for f in fields(YarnParameters)}
     missing = sorted(names - set(data))
     if missing:
@@ -193,9 +263,13 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
 
 def _preset(**kw: Any) -> DSparkConfig:
     yarn = YarnParameters(factor=32.0, original_max_position_embeddings=kw.pop("original_max"))
-    return DSparkConfig(rms_norm_eps=1e-5, rope_parameters=yarn,
-                        max_position_embeddings=int(32 * yarn.original_max_position_embeddings),
-                        num_target_layers=len(kw["target_layer_ids"]), **kw)
+    return DSparkConfig(
+        rms_norm_eps=1e-5,
+        rope_parameters=yarn,
+        max_position_embeddings=int(32 * yarn.original_max_position_embeddings),
+        num_target_layers=len(kw["target_layer_ids"]),
+        **kw,
+    )
 
 
 # vocab_size / mask_token_id of tiny are placeholders: `qstream synth` replaces them with its
@@ -204,31 +278,83 @@ PRESETS: dict[str, DSparkConfig] = {
     # docs/model.md, tiny column.  v_head_dim != qk_nope_head_dim and n*v != H on purpose;
     # every quantized input width (H, I, q_lora_rank, n*v, A) is a multiple of 32, so MXFP4,
     # NVFP4 and FP8 quantize the same tensors and are compared on them (issue 11).
-    "tiny": _preset(hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-                    num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16,
-                    qk_rope_head_dim=8, v_head_dim=8, vocab_size=1024, rope_theta=10000.0,
-                    original_max=128, target_hidden_size=64, target_num_hidden_layers=8,
-                    target_layer_ids=(0, 2, 4, 5, 6), mask_token_id=2, markov_rank=16),
+    "tiny": _preset(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        vocab_size=1024,
+        rope_theta=10000.0,
+        original_max=128,
+        target_hidden_size=64,
+        target_num_hidden_layers=8,
+        target_layer_ids=(0, 2, 4, 5, 6),
+        mask_token_id=2,
+        markov_rank=16,
+    ),
     # CPU benchmark size: realistic matrix shapes (H 1024, V 32k), about 90 M parameters.
-    "small": _preset(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
-                     num_attention_heads=8, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
-                     qk_rope_head_dim=32, v_head_dim=64, vocab_size=32000, rope_theta=10000.0,
-                     original_max=4096, target_hidden_size=1024, target_num_hidden_layers=24,
-                     target_layer_ids=(1, 6, 12, 17, 22), mask_token_id=2, markov_rank=64),
+    "small": _preset(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=5,
+        num_attention_heads=8,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        vocab_size=32000,
+        rope_theta=10000.0,
+        original_max=4096,
+        target_hidden_size=1024,
+        target_num_hidden_layers=24,
+        target_layer_ids=(1, 6, 12, 17, 22),
+        mask_token_id=2,
+        markov_rank=64,
+    ),
     # docs/model.md, Kimi-K3 column: 68 tensors, 3,562,312,961 parameters.
-    "k3": _preset(hidden_size=7168, intermediate_size=14336, num_hidden_layers=5,
-                  num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                  qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840, rope_theta=50000.0,
-                  original_max=32768, target_hidden_size=7168, target_num_hidden_layers=93,
-                  target_layer_ids=(2, 23, 47, 71, 89), mask_token_id=2, markov_rank=256),
+    "k3": _preset(
+        hidden_size=7168,
+        intermediate_size=14336,
+        num_hidden_layers=5,
+        num_attention_heads=64,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        vocab_size=163840,
+        rope_theta=50000.0,
+        original_max=32768,
+        target_hidden_size=7168,
+        target_num_hidden_layers=93,
+        target_layer_ids=(2, 23, 47, 71, 89),
+        mask_token_id=2,
+        markov_rank=256,
+    ),
 }
 
 
-def with_tokenizer(config: DSparkConfig, vocab_size: int, mask_token_id: int,
-                   bos_token_id: int | None, eos_token_id: int | None) -> DSparkConfig:
+def with_tokenizer(
+    config: DSparkConfig,
+    vocab_size: int,
+    mask_token_id: int,
+    bos_token_id: int | None,
+    eos_token_id: int | None,
+) -> DSparkConfig:
     """The config with a tokenizer's facts filled in (used by synth for every preset)."""
-    return replace(config, vocab_size=vocab_size, mask_token_id=mask_token_id,
-                   bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    return replace(
+        config,
+        vocab_size=vocab_size,
+        mask_token_id=mask_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,21 +372,25 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "self_attn.q_a_proj.weight": (c.q_lora_rank, H),
-            p + "self_attn.q_a_layernorm.weight": (c.q_lora_rank,),
-            p + "self_attn.q_b_proj.weight": (n * c.qk_head_dim, c.q_lora_rank),
-            p + "self_attn.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, H),
-            p + "self_attn.kv_a_layernorm.weight": (c.kv_lora_rank,),
-            p + "self_attn.kv_b_proj.weight": (n * (c.qk_nope_head_dim + c.v_head_dim),
-                                               c.kv_lora_rank),
-            p + "self_attn.o_proj.weight": (H, n * c.v_head_dim),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, H),
-            p + "mlp.up_proj.weight": (c.intermediate_size, H),
-            p + "mlp.down_proj.weight": (H, c.intermediate_size),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "self_attn.q_a_proj.weight": (c.q_lora_rank, H),
+                p + "self_attn.q_a_layernorm.weight": (c.q_lora_rank,),
+                p + "self_attn.q_b_proj.weight": (n * c.qk_head_dim, c.q_lora_rank),
+                p + "self_attn.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, H),
+                p + "self_attn.kv_a_layernorm.weight": (c.kv_lora_rank,),
+                p + "self_attn.kv_b_proj.weight": (
+                    n * (c.qk_nope_head_dim + c.v_head_dim),
+                    c.kv_lora_rank,
+                ),
+                p + "self_attn.o_proj.weight": (H, n * c.v_head_dim),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "mlp.gate_proj.weight": (c.intermediate_size, H),
+                p + "mlp.up_proj.weight": (c.intermediate_size, H),
+                p + "mlp.down_proj.weight": (H, c.intermediate_size),
+            }
+        )
     shapes["final_norm.weight"] = (H,)
     shapes["markov_head.markov_w1.weight"] = (c.vocab_size, r)
     shapes["markov_head.markov_w2.weight"] = (c.vocab_size, r)
@@ -270,19 +400,27 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(config: DSparkConfig, shapes: Mapping[str, tuple[int, ...]], where: str,
-                  extra: Mapping[str, tuple[int, ...]] | None = None) -> None:
+def check_tensors(
+    config: DSparkConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    where: str,
+    extra: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
     """Strict check: exactly the expected names (plus ``extra``), each with its exact shape.
     Raises QStreamError naming the first offender and ``where`` it was found."""
     expected = {**tensor_shapes(config), **(extra or {})}
     for name in expected:
         if name not in shapes:
-            raise QStreamError(f"{where}: missing tensor {name!r} (expected shape "
-                               f"{list(expected[name])})")
+            raise QStreamError(
+                f"{where}: missing tensor {name!r} (expected shape {list(expected[name])})"
+            )
     for name, shape in shapes.items():
         if name not in expected:
-            raise QStreamError(f"{where}: unexpected tensor {name!r} {list(shape)} "
-                               "(not part of a DSpark draft of this config)")
+            raise QStreamError(
+                f"{where}: unexpected tensor {name!r} {list(shape)} "
+                "(not part of a DSpark draft of this config)"
+            )
         if tuple(shape) != expected[name]:
-            raise QStreamError(f"{where}: tensor {name!r} has shape {list(shape)}, expected "
-                               f"{list(expected[name])}")
+            raise QStreamError(
+                f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}"
+            )

@@ -22,10 +22,44 @@ def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
     """Generated GSM8K-style arithmetic word problems (question, worked answer, ``#### N``):
     the fallback corpus, clearly synthetic."""
     rng = random.Random(seed)
-    names = ["Ava", "Ben", "Chloe", "Dev", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack",
-             "Kira", "Liam", "Maya", "Noah", "Olivia", "Priya", "Quinn", "Ravi", "Sara", "Tom"]
-    things = ["apples", "books", "pencils", "cookies", "marbles", "stickers", "cupcakes",
-              "shells", "cards", "flowers", "eggs", "coins", "toy cars", "bottles"]
+    names = [
+        "Ava",
+        "Ben",
+        "Chloe",
+        "Dev",
+        "Emma",
+        "Finn",
+        "Grace",
+        "Hugo",
+        "Isla",
+        "Jack",
+        "Kira",
+        "Liam",
+        "Maya",
+        "Noah",
+        "Olivia",
+        "Priya",
+        "Quinn",
+        "Ravi",
+        "Sara",
+        "Tom",
+    ]
+    things = [
+        "apples",
+        "books",
+        "pencils",
+        "cookies",
+        "marbles",
+        "stickers",
+        "cupcakes",
+        "shells",
+        "cards",
+        "flowers",
+        "eggs",
+        "coins",
+        "toy cars",
+        "bottles",
+    ]
     docs = []
     for _ in range(n):
         who, other = rng.sample(names, 2)
@@ -33,24 +67,34 @@ def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
         a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
         kind = rng.randrange(4)
         if kind == 0:
-            q = (f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
-                 f"does {who} have now?")
+            q = (
+                f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
+                f"does {who} have now?"
+            )
             ans = f"{who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\n#### {a + b}"
         elif kind == 1:
-            q = (f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
-                 f"does {who} buy in total?")
+            q = (
+                f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
+                f"does {who} buy in total?"
+            )
             ans = f"{who} buys {c} x {b} = <<{c}*{b}={c * b}>>{c * b} {what}.\n#### {c * b}"
         elif kind == 2:
             total = a + b
-            q = (f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} "
-                 f"are left?")
+            q = (
+                f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} "
+                f"are left?"
+            )
             ans = f"{who} has {total} - {b} = <<{total}-{b}={a}>>{a} {what} left.\n#### {a}"
         else:
             each = a
-            q = (f"{who} shares {each * c} {what} equally among {c} friends. How many {what} "
-                 f"does each friend get?")
-            ans = (f"Each friend gets {each * c} / {c} = <<{each * c}/{c}={each}>>{each} "
-                   f"{what}.\n#### {each}")
+            q = (
+                f"{who} shares {each * c} {what} equally among {c} friends. How many {what} "
+                f"does each friend get?"
+            )
+            ans = (
+                f"Each friend gets {each * c} / {c} = <<{each * c}/{c}={each}>>{each} "
+                f"{what}.\n#### {each}"
+            )
         docs.append(f"{q}\n{ans}")
     return docs
 
@@ -74,8 +118,9 @@ def read_corpus(path: str | Path) -> list[str]:
                 row = json.loads(line)
                 docs.append(f"{row['question']}\n{row['answer']}")
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise QStreamError(f"{path}:{number}: expected a JSON object with 'question' "
-                                   "and 'answer'") from None
+                raise QStreamError(
+                    f"{path}:{number}: expected a JSON object with 'question' and 'answer'"
+                ) from None
     if not docs:
         raise QStreamError(f"corpus {path} holds no documents")
     return docs
@@ -87,9 +132,13 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -99,7 +148,11 @@ def write_tokenizer(tok: Tokenizer, directory: Path) -> None:
     (directory / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     eos, pad, mask = SPECIAL_TOKENS
     special = {"eos_token": eos, "pad_token": pad, "mask_token": mask}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096,
-              "clean_up_tokenization_spaces": False, **special}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

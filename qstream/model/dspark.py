@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,14 +74,17 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     cos/sin factor is 1 (docs/model.md)."""
     angle = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
     cos, sin = angle.cos(), angle.sin()
-    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # [..., T, d/2, 2]
+    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(
+        -1, (-1, 2)
+    )  # [..., T, d/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-           down: torch.Tensor) -> torch.Tensor:
+def swiglu(
+    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))``."""
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
@@ -126,8 +130,13 @@ class Layer:
     method works on any leading shape [..., T, ...]; the attention itself (which keys a query
     sees) is the caller's: :meth:`DSpark.draft_one`, or the batched :mod:`engine`."""
 
-    def __init__(self, config: DSparkConfig, weights: Mapping[str, torch.Tensor], i: int,
-                 inv_freq: torch.Tensor):
+    def __init__(
+        self,
+        config: DSparkConfig,
+        weights: Mapping[str, torch.Tensor],
+        i: int,
+        inv_freq: torch.Tensor,
+    ):
         def w(name: str) -> torch.Tensor:
             return weights[f"layers.{i}.{name}.weight"]
 
@@ -164,8 +173,9 @@ class Layer:
         latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
         return latent, apply_rope(k_rope, pos, self.inv_freq)
 
-    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(
+        self, latent: torch.Tensor, k_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [..., T, kv_lora], k_rope [..., T, rope] -> k [..., n, T, dk], v [..., n, T, dv];
         the rope key is shared by all heads."""
         c = self.config
@@ -190,16 +200,25 @@ class DSpark:
     :func:`tensor_shapes` plus ``lm_head.weight`` [V, H] to a tensor (any float dtype; it is
     converted once).  Nothing here is mutated after construction."""
 
-    def __init__(self, config: DSparkConfig, weights: Mapping[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32):
-        check_tensors(config, {k: tuple(v.shape) for k, v in weights.items()}, "weights",
-                      extra={LM_HEAD: (config.vocab_size, config.hidden_size)})
+    def __init__(
+        self,
+        config: DSparkConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+    ):
+        check_tensors(
+            config,
+            {k: tuple(v.shape) for k, v in weights.items()},
+            "weights",
+            extra={LM_HEAD: (config.vocab_size, config.hidden_size)},
+        )
         self.config, self.dtype = config, dtype
         self.w = {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
         self.inv_freq = yarn_inv_freq(config)
         self.scale = config.softmax_scale
-        self.layers = tuple(Layer(config, self.w, i, self.inv_freq)
-                            for i in range(config.num_hidden_layers))
+        self.layers = tuple(
+            Layer(config, self.w, i, self.inv_freq) for i in range(config.num_hidden_layers)
+        )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return F.embedding(tokens, self.w["embed_tokens.weight"])
@@ -226,13 +245,17 @@ class DSpark:
             raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
         S, T, _ = aux.shape
         lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths)
-        ctx = rms_norm(F.linear(aux.to(self.dtype), self.w["context_proj.weight"]),
-                       self.w["context_norm.weight"], c.rms_norm_eps)  # [S, T, H]
+        ctx = rms_norm(
+            F.linear(aux.to(self.dtype), self.w["context_proj.weight"]),
+            self.w["context_norm.weight"],
+            c.rms_norm_eps,
+        )  # [S, T, H]
         pos = torch.arange(T)
         # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (docs/model.md)
         pairs = [layer.latent(ctx, pos) for layer in self.layers]
-        return ContextCache(tuple(p[0] for p in pairs), tuple(p[1] for p in pairs),
-                            lengths.to(torch.int64))
+        return ContextCache(
+            tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), lengths.to(torch.int64)
+        )
 
     def draft_one(self, ctx: ContextCache, stream: int, anchor: int, first_token: int) -> Blocks:
         """The forward of one block, written to be read (docs/model.md): tokens
@@ -258,8 +281,14 @@ class DSpark:
         U, hf = self.head(x)  # [B, V], [B, H]
         return Blocks(U[None].float(), hf[None].float(), torch.tensor([first_token]))
 
-    def draft(self, ctx: ContextCache, stream: torch.Tensor, anchor: torch.Tensor,
-              first_token: torch.Tensor, key_chunk: int | None = None) -> Blocks:
+    def draft(
+        self,
+        ctx: ContextCache,
+        stream: torch.Tensor,
+        anchor: torch.Tensor,
+        first_token: torch.Tensor,
+        key_chunk: int | None = None,
+    ) -> Blocks:
         """Draft N blocks at once: block n is :meth:`draft_one` on stream ``stream[n]`` at
         anchor ``anchor[n]`` = p from token ``first_token[n]`` = ids[p].  Blocks are packed
         into rows of one stream each, so that all blocks of a stream share its context keys
@@ -273,16 +302,18 @@ class DSpark:
             raise ValueError("stream, anchor and first_token must be 1-D of equal length")
         if stream.numel() and bool((anchor > ctx.lengths[stream]).any() or (anchor < 0).any()):
             raise ValueError("every anchor p must satisfy 0 <= p <= its stream's context length")
-        if first_token.numel() and not (0 <= int(first_token.min()) and
-                                        int(first_token.max()) < self.config.vocab_size):
+        if first_token.numel() and not (
+            0 <= int(first_token.min()) and int(first_token.max()) < self.config.vocab_size
+        ):
             raise ValueError(f"first_token ids must lie in [0, {self.config.vocab_size})")
         U, hf = engine.draft_packed(self, ctx, stream, anchor, first_token, key_chunk)
         return Blocks(U.float(), hf.float(), first_token)
 
     # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
 
-    def attention_causal(self, i: int, h: torch.Tensor, pos: torch.Tensor,
-                         query_chunk: int | None = None) -> torch.Tensor:
+    def attention_causal(
+        self, i: int, h: torch.Tensor, pos: torch.Tensor, query_chunk: int | None = None
+    ) -> torch.Tensor:
         """Layer i's MLA attention as an ordinary causal decoder: h [S, T, H] (already
         input-normed) at positions pos [T] -> o_proj output [S, T, H].  ``query_chunk``: see
         :func:`engine.causal_attention`."""
@@ -312,7 +343,19 @@ class DSpark:
 # Markov head, rollouts and confidence
 
 
-def markov_logits(model: DSpark, logits_base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+class MarkovWeights(Protocol):
+    """What the Markov head reads: a DSpark model, or the reference's head kept alone."""
+
+    @property
+    def w(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+def markov_logits(
+    model: MarkovWeights, logits_base: torch.Tensor, prev: torch.Tensor
+) -> torch.Tensor:
     """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]``, the sum
     rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
     bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
@@ -329,21 +372,29 @@ def confidence(model: DSpark, hidden: torch.Tensor, prev: torch.Tensor) -> torch
         return None
     emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
     feats = torch.cat((hidden.to(model.dtype), emb), dim=-1)  # [..., H + r]
-    z = F.linear(feats, model.w["confidence_head.proj.weight"],
-                 model.w["confidence_head.proj.bias"])
+    z = F.linear(
+        feats, model.w["confidence_head.proj.weight"], model.w["confidence_head.proj.bias"]
+    )
     return torch.sigmoid(z.float()).squeeze(-1)
 
 
-def sampling_probs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                   top_k: int | None = None) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None
+) -> torch.Tensor:
     """softmax(logits / temperature), fp32 [..., V], optionally cut to the top-k tokens, then to
     the top-p nucleus (smallest sorted prefix whose mass reaches top_p; the top token is always
     kept), renormalised, in vLLM's order.  The defaults give the full distribution, which vLLM's
     DSpark drafter samples; top-p and top-k belong to the verifier (docs/model.md)."""
-    if not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1
-            and (top_k is None or top_k >= 1)):
-        raise ValueError("need a finite temperature > 0, top_p in (0, 1], top_k >= 1 or None; "
-                         f"got {temperature}, {top_p}, {top_k}")
+    if not (
+        math.isfinite(temperature)
+        and temperature > 0
+        and 0 < top_p <= 1
+        and (top_k is None or top_k >= 1)
+    ):
+        raise ValueError(
+            "need a finite temperature > 0, top_p in (0, 1], top_k >= 1 or None; "
+            f"got {temperature}, {top_p}, {top_k}"
+        )
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p == 1 and (top_k is None or top_k >= probs.shape[-1]):
         return probs
@@ -367,8 +418,13 @@ def sample(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
     return (probs / race).argmax(-1)
 
 
-def rollout(model: DSpark, blocks: Blocks, noise: torch.Tensor | None = None,
-            temperature: float = 1.0, top_p: float = 1.0) -> Rollout:
+def rollout(
+    model: DSpark,
+    blocks: Blocks,
+    noise: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> Rollout:
     """Free-running Markov rollout: prev_0 = ids[p]; at step k draw d_k from
     ``U_k + markov_w2 . markov_w1[prev_k]`` (rounded to the model's dtype) and feed it as
     prev_{k+1}.  ``noise=None`` is greedy (argmax); otherwise noise [N, B, V] holds iid Exp(1)
@@ -396,5 +452,9 @@ def teacher_forced(model: DSpark, blocks: Blocks, tokens: torch.Tensor) -> Rollo
     """Per-position logits and confidence when the drafted tokens are given (e.g. the
     reference's rollout): prev = [ids[p], tokens[:, 0], ..., tokens[:, B-2]]."""
     prev = torch.cat((blocks.first_token[:, None], tokens[:, :-1]), dim=1)  # [N, B]
-    return Rollout(tokens, prev, markov_logits(model, blocks.logits_base, prev),
-                   confidence(model, blocks.hidden, prev))
+    return Rollout(
+        tokens,
+        prev,
+        markov_logits(model, blocks.logits_base, prev),
+        confidence(model, blocks.hidden, prev),
+    )

@@ -36,9 +36,14 @@ SCORE_BUDGET = 1 << 25
 MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
 
 
-def draft_packed(model: DSpark, ctx: ContextCache, stream: torch.Tensor, anchor: torch.Tensor,
-                 first_token: torch.Tensor, key_chunk: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_packed(
+    model: DSpark,
+    ctx: ContextCache,
+    stream: torch.Tensor,
+    anchor: torch.Tensor,
+    first_token: torch.Tensor,
+    key_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`DSpark.draft_one` for N blocks (stream, anchor, first_token [N], already checked):
     returns U [N, B, V] and hf [N, B, H] in the model's dtype."""
     packing = _pack(stream, anchor)
@@ -49,8 +54,9 @@ def draft_packed(model: DSpark, ctx: ContextCache, stream: torch.Tensor, anchor:
     rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
     U, hf = [], []
     for r0 in range(0, packing.R, rows_per_chunk):
-        u, h = _draft_rows(model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token,
-                           key_chunk)
+        u, h = _draft_rows(
+            model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk
+        )
         U.append(u)
         hf.append(h)
     U_rows, hf_rows = torch.cat(U), torch.cat(hf)  # [R*M, B, V], [R*M, B, H]
@@ -59,8 +65,14 @@ def draft_packed(model: DSpark, ctx: ContextCache, stream: torch.Tensor, anchor:
     return U_rows, hf_rows
 
 
-def _draft_rows(model: DSpark, ctx: ContextCache, pk: _Packing, rows: slice,
-                first_token: torch.Tensor, key_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _draft_rows(
+    model: DSpark,
+    ctx: ContextCache,
+    pk: _Packing,
+    rows: slice,
+    first_token: torch.Tensor,
+    key_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The layers of draft_one over a chunk of packed rows -> U [R*M, B, V], hf [R*M, B, H]."""
     c, B = model.config, model.config.block_size
     row_stream, row_anchor = pk.row_stream[rows], pk.anchor[rows]  # [R], [R, M]
@@ -81,16 +93,18 @@ def _draft_rows(model: DSpark, ctx: ContextCache, pk: _Packing, rows: slice,
         if T <= key_chunk:
             out = _attend_block(model, layer, q, s_blk, v_blk, latent, rope_key, hidden)
         else:
-            out = _attend_block_chunked(model, layer, q, s_blk, v_blk, latent, rope_key,
-                                        hidden, key_chunk)
+            out = _attend_block_chunked(
+                model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk
+            )
         out = out.permute(0, 2, 3, 1, 4).flatten(3)  # [R, M, B, n*dv]
         x = x + F.linear(out, layer.o_proj)
         x = x + layer.mlp(x)
     return model.head(x.flatten(0, 1))  # [R*M, B, V], [R*M, B, H]
 
 
-def _attend_block(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key,
-                  hidden) -> torch.Tensor:
+def _attend_block(
+    model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden
+) -> torch.Tensor:
     """One softmax over the whole context plus the block: -> [R, n, M, B, dv]."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     T = latent.shape[1]
@@ -103,17 +117,18 @@ def _attend_block(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key
     return out + p_blk @ v_blk.transpose(1, 2)
 
 
-def _attend_block_chunked(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key,
-                          hidden, key_chunk: int) -> torch.Tensor:
+def _attend_block_chunked(
+    model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
+) -> torch.Tensor:
     """The same attention with the context keys taken ``key_chunk`` at a time: an online
     softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022) keeping the running
-    max ``m``, sum ``l`` and output in fp32; each chunk's probabilities are rounded to the
+    max ``m``, sum ``denom`` and output in fp32; each chunk's probabilities are rounded to the
     model's dtype for the P·V product, as FlashAttention does.  The block's own keys come
     first, so ``m`` is finite from the start (they are never masked)."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     m = s_blk.amax(-1, keepdim=True)  # [R, n, M, B, 1]
     e = torch.exp(s_blk - m)
-    l = e.sum(-1, keepdim=True)
+    denom = e.sum(-1, keepdim=True)
     acc = (e.to(model.dtype) @ v_blk.transpose(1, 2)).float()  # [R, n, M, B, dv]
     q_flat = q.flatten(2, 3)  # [R, n, M*B, dk]
     for t0 in range(0, latent.shape[1], key_chunk):
@@ -124,15 +139,16 @@ def _attend_block_chunked(model: DSpark, layer: Layer, q, s_blk, v_blk, latent, 
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         rescale = torch.exp(m - m_new)
         e = torch.exp(s - m_new)
-        l = l * rescale + e.sum(-1, keepdim=True)
+        denom = denom * rescale + e.sum(-1, keepdim=True)
         pv = (e.to(model.dtype).flatten(2, 3) @ v_ctx).unflatten(2, (M, B))
         acc = acc * rescale + pv.float()
         m = m_new
-    return (acc / l).to(model.dtype)
+    return (acc / denom).to(model.dtype)
 
 
-def causal_attention(model: DSpark, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     query_chunk: int | None = None) -> torch.Tensor:
+def causal_attention(
+    model: DSpark, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None = None
+) -> torch.Tensor:
     """Causal softmax attention of q, k [S, n, T, dk] and v [S, n, T, dv] -> [S, n, T, dv].
     Queries are taken ``query_chunk`` at a time (default: as many as keep the [S, n, chunk, T]
     scores within the budget); a chunk attends only to the keys up to its last query."""
@@ -154,7 +170,8 @@ def causal_attention(model: DSpark, q: torch.Tensor, k: torch.Tensor, v: torch.T
 def _rows(cache: torch.Tensor, row_stream: torch.Tensor, T: int) -> torch.Tensor:
     """cache [S, T_all, d] -> [R, T, d] for the rows' streams (a view when rows are streams)."""
     if row_stream.numel() == cache.shape[0] and bool(
-            (row_stream == torch.arange(cache.shape[0])).all()):
+        (row_stream == torch.arange(cache.shape[0])).all()
+    ):
         return cache[:, :T]
     return cache[row_stream, :T]
 
@@ -177,7 +194,8 @@ class _Packing:
     def in_order(self) -> bool:
         """Slot i holds block i (no padding, blocks given stream by stream)."""
         return self.slot_of_block.numel() == self.block_of_slot.numel() and bool(
-            (self.slot_of_block == torch.arange(self.slot_of_block.numel())).all())
+            (self.slot_of_block == torch.arange(self.slot_of_block.numel())).all()
+        )
 
     def first_token_slots(self, first_token: torch.Tensor) -> torch.Tensor:
         """[N] per block -> [R, M] per slot (padding slots get the first block's token)."""
@@ -207,5 +225,10 @@ def _pack(stream: torch.Tensor, anchor: torch.Tensor) -> _Packing:
     slot_of_block[order] = slot
     anchors = torch.zeros(R * M, dtype=torch.int64)
     anchors[slot] = anchor[order]
-    return _Packing(torch.repeat_interleave(streams, rows_per_stream), anchors.view(R, M),
-                    block_of_slot, slot_of_block, M)
+    return _Packing(
+        torch.repeat_interleave(streams, rows_per_stream),
+        anchors.view(R, M),
+        block_of_slot,
+        slot_of_block,
+        M,
+    )

@@ -21,7 +21,10 @@ import torch
 from qstream.checkpoint.files import INDEX_NAME, open_checkpoint, read_config, read_json
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import (
-    DTYPE_NAMES, ShardReader, TensorInfo, read_header,
+    DTYPE_NAMES,
+    ShardReader,
+    TensorInfo,
+    read_header,
 )
 from qstream.checkpoint.selection import select_modules, share_group_amax
 from qstream.checkpoint.serving import K3_DSPARK, get_profile
@@ -35,8 +38,14 @@ from qstream.model.dspark import LM_HEAD, DSpark
 # model.safetensors.index.json, one shard) holding lm_head.weight [V, H].
 TARGET_HEAD_DIR = "target_head"
 # The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
-QUANTIZE_INCLUDE = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj",
-                    "self_attn.q_b_proj", "context_proj")
+QUANTIZE_INCLUDE = (
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "self_attn.o_proj",
+    "self_attn.q_b_proj",
+    "context_proj",
+)
 EMBED = "embed_tokens.weight"
 
 
@@ -46,12 +55,16 @@ def load_config(directory: str | Path) -> DSparkConfig:
     try:
         return DSparkConfig.from_json(read_config(directory))
     except ValueError as exc:
-        raise QStreamError(f"{directory / 'config.json'}: {exc}".replace(
-            "config.json: config.json:", "config.json:")) from None
+        raise QStreamError(
+            f"{directory / 'config.json'}: {exc}".replace(
+                "config.json: config.json:", "config.json:"
+            )
+        ) from None
 
 
-def read_draft_tensors(directory: str | Path, config: DSparkConfig | None = None
-                       ) -> dict[str, torch.Tensor]:
+def read_draft_tensors(
+    directory: str | Path, config: DSparkConfig | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of the draft checkpoint, quantized ones dequantized (4-bit formats to
     bf16, FP8 to its scale's dtype), strictly checked against the config: nothing missing,
     nothing unexplained, every shape exact.  ``embed_tokens.weight`` may be absent (then it
@@ -65,8 +78,10 @@ def read_draft_tensors(directory: str | Path, config: DSparkConfig | None = None
     tensors = _dequantize_all(raw, fmt, str(directory))
     for name, tensor in tensors.items():
         if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise QStreamError(f"{directory}: tensor {name!r} is {tensor.dtype}, not a float "
-                               "weight (quantized data the config does not declare?)")
+            raise QStreamError(
+                f"{directory}: tensor {name!r} is {tensor.dtype}, not a float "
+                "weight (quantized data the config does not declare?)"
+            )
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     if EMBED not in shapes:
         shapes[EMBED] = (config.vocab_size, config.hidden_size)  # checked when borrowed
@@ -81,36 +96,44 @@ def _checkpoint_format(directory: Path, config: dict) -> str | None:
     layout = qc.get("format") if isinstance(qc, dict) else None
     fmt = format_of_layout(layout) if isinstance(layout, str) else None
     if fmt is None:
-        raise QStreamError(f"{directory / 'config.json'}: quantization_config.format = "
-                           f"{layout!r} is not one of "
-                           f"{', '.join(s.layout for s in FORMATS.values())}")
+        raise QStreamError(
+            f"{directory / 'config.json'}: quantization_config.format = "
+            f"{layout!r} is not one of "
+            f"{', '.join(s.layout for s in FORMATS.values())}"
+        )
     return fmt
 
 
-def _dequantize_all(raw: Mapping[str, torch.Tensor], fmt: str | None, where: str
-                    ) -> dict[str, torch.Tensor]:
+def _dequantize_all(
+    raw: Mapping[str, torch.Tensor], fmt: str | None, where: str
+) -> dict[str, torch.Tensor]:
     """Replace each quantized module's stored tensors by its dequantized ``.weight``."""
     stored_suffixes = set(FORMATS[fmt].stored) - {"weight"} if fmt else set()
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         module, _, suffix = name.rpartition(".")
-        if suffix in stored_suffixes or (suffix == "weight" and f"{module}.weight_scale" in raw
-                                         and fmt == "fp8"):
+        if suffix in stored_suffixes or (
+            suffix == "weight" and f"{module}.weight_scale" in raw and fmt == "fp8"
+        ):
             modules.setdefault(module, {})[suffix] = tensor
         elif suffix in ("weight_packed", "weight_scale", "weight_global_scale"):
-            raise QStreamError(f"{where}: tensor {name!r} is quantization data, but the "
-                               f"config declares {'no' if fmt is None else fmt} quantization "
-                               "for it")
+            raise QStreamError(
+                f"{where}: tensor {name!r} is quantization data, but the "
+                f"config declares {'no' if fmt is None else fmt} quantization "
+                "for it"
+            )
         else:
             out[name] = tensor
     for module, stored in modules.items():
         assert fmt is not None  # modules are collected only under a quantization config
         missing = [s for s in FORMATS[fmt].stored if s not in stored]
         if missing:
-            raise QStreamError(f"{where}: quantized module {module!r} lacks "
-                               f"{module}.{missing[0]} ({fmt} stores "
-                               f"{', '.join(FORMATS[fmt].stored)})")
+            raise QStreamError(
+                f"{where}: quantized module {module!r} lacks "
+                f"{module}.{missing[0]} ({fmt} stores "
+                f"{', '.join(FORMATS[fmt].stored)})"
+            )
         try:
             out[f"{module}.weight"] = dequantize(fmt, stored)
         except (RuntimeError, ValueError) as exc:
@@ -135,22 +158,28 @@ def read_target_tensors(target: str | Path, names: Iterable[str]) -> dict[str, t
         if not shards:
             raise QStreamError(f"{target}: no {INDEX_NAME} and no *.safetensors files")
         weight_map = {t: s for s in shards for t in read_header(target / s).tensors}
-    fmt = _checkpoint_format(target, read_config(target)) if (target / "config.json").exists() \
+    fmt = (
+        _checkpoint_format(target, read_config(target))
+        if (target / "config.json").exists()
         else None
+    )
     out, readers = {}, {}
     for name in names:
         source = _match_one(weight_map, name, target)
         module = source[: -len(".weight")]
-        wanted = {source} | {f"{module}.{s}" for s in ("weight_scale", "weight_packed",
-                                                      "weight_global_scale")
-                             if f"{module}.{s}" in weight_map}
+        wanted = {source} | {
+            f"{module}.{s}"
+            for s in ("weight_scale", "weight_packed", "weight_global_scale")
+            if f"{module}.{s}" in weight_map
+        }
         raw = {}
         for t in wanted:
             shard = weight_map[t]
             if shard not in readers:
                 if Path(shard).name != shard or not (target / shard).is_file():
-                    raise QStreamError(f"{target}: tensor {t!r} is mapped to missing shard "
-                                       f"{shard!r}")
+                    raise QStreamError(
+                        f"{target}: tensor {t!r} is mapped to missing shard {shard!r}"
+                    )
                 readers[shard] = ShardReader(read_header(target / shard))
             if t not in readers[shard].header.tensors:
                 raise QStreamError(f"{target / shard}: does not contain {t!r} (index says so)")
@@ -165,13 +194,16 @@ def _match_one(weight_map: Mapping[str, str], name: str, target: Path) -> str:
     hits = [t for t in weight_map if t.endswith("." + name)]
     if len(hits) != 1:
         found = "none" if not hits else ", ".join(hits[:4])
-        raise QStreamError(f"{target}: need exactly one tensor named {name!r} or ending in "
-                           f"'.{name}'; found {found}")
+        raise QStreamError(
+            f"{target}: need exactly one tensor named {name!r} or ending in "
+            f"'.{name}'; found {found}"
+        )
     return hits[0]
 
 
-def load_weights(model_dir: str | Path, target: str | Path | None = None,
-                 config: DSparkConfig | None = None) -> dict[str, torch.Tensor]:
+def load_weights(
+    model_dir: str | Path, target: str | Path | None = None, config: DSparkConfig | None = None
+) -> dict[str, torch.Tensor]:
     """Everything :class:`DSpark` needs: the draft's tensors (dequantized) plus
     ``lm_head.weight`` (and ``embed_tokens.weight`` if the draft has none) from ``target``,
     which defaults to ``model_dir/target_head`` as written by ``qstream synth``."""
@@ -181,29 +213,36 @@ def load_weights(model_dir: str | Path, target: str | Path | None = None,
     if target is None:
         target = model_dir / TARGET_HEAD_DIR
         if not target.is_dir():
-            raise QStreamError(f"{model_dir}: the draft has no lm_head of its own; pass the "
-                               f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/")
+            raise QStreamError(
+                f"{model_dir}: the draft has no lm_head of its own; pass the "
+                f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
+            )
     borrowed = [LM_HEAD] + ([EMBED] if EMBED not in tensors else [])
     from_target = read_target_tensors(target, borrowed)
     expected = (config.vocab_size, config.hidden_size)
     for name, tensor in from_target.items():
         if tuple(tensor.shape) != expected:
-            raise QStreamError(f"{target}: {name} has shape {list(tensor.shape)}, the draft "
-                               f"needs {list(expected)}")
+            raise QStreamError(
+                f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
+            )
     return {**tensors, **from_target}
 
 
-def load_model(model_dir: str | Path, target: str | Path | None = None,
-               dtype: torch.dtype = torch.float32) -> DSpark:
+def load_model(
+    model_dir: str | Path, target: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> DSpark:
     """A ready :class:`DSpark` with weights and compute in ``dtype``."""
     config = load_config(model_dir)
     return DSpark(config, load_weights(model_dir, target, config), dtype)
 
 
-def simulate_format(weights: Mapping[str, torch.Tensor], fmt: str,
-                    include: Iterable[str] | None = QUANTIZE_INCLUDE,
-                    ignore: Iterable[str] | None = None,
-                    skip_incompatible: bool = False) -> dict[str, torch.Tensor]:
+def simulate_format(
+    weights: Mapping[str, torch.Tensor],
+    fmt: str,
+    include: Iterable[str] | None = QUANTIZE_INCLUDE,
+    ignore: Iterable[str] | None = None,
+    skip_incompatible: bool = False,
+) -> dict[str, torch.Tensor]:
     """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized
     (bit-identical to loading what ``qstream quantize`` writes with the same selection).
     ``include``/``ignore`` are docs/quantize.md patterns (``include=None``: quantize's
@@ -213,15 +252,21 @@ def simulate_format(weights: Mapping[str, torch.Tensor], fmt: str,
     ``skip_incompatible`` leaves weights whose K is not a multiple of the block unquantized,
     as ``qstream quantize --skip-incompatible`` does."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
-    infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0)
-             for k, v in draft.items()}
-    selection = select_modules(infos, fmt, list(include or []), list(ignore or []),
-                               skip_incompatible=skip_incompatible,
-                               profile=get_profile(K3_DSPARK))
+    infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
+    selection = select_modules(
+        infos,
+        fmt,
+        list(include or []),
+        list(ignore or []),
+        skip_incompatible=skip_incompatible,
+        profile=get_profile(K3_DSPARK),
+    )
     amax: dict[str, torch.Tensor] = {}
     if fmt == "nvfp4":
-        amax = share_group_amax({m: tensor_amax(draft[f"{m}.weight"])
-                                 for m in selection.quantized}, selection.fused_groups)
+        amax = share_group_amax(
+            {m: tensor_amax(draft[f"{m}.weight"]) for m in selection.quantized},
+            selection.fused_groups,
+        )
     out = dict(weights)
     for module in selection.quantized:
         w = draft[f"{module}.weight"]

@@ -32,7 +32,7 @@ def weight_stats(w: torch.Tensor) -> dict[str, float]:
     var = float(centred.pow(2).mean())
     stats = {
         "std": std,
-        "kurtosis": float(centred.pow(4).mean()) / var ** 2 if var > 0 else float("nan"),
+        "kurtosis": float(centred.pow(4).mean()) / var**2 if var > 0 else float("nan"),
         "max_over_std": float(flat.abs().max()) / std if std > 0 else float("nan"),
     }
     if x.dim() == 2 and min(x.shape) > 1:
@@ -55,17 +55,23 @@ def checkpoint_stats(directory: str | Path) -> list[dict]:
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     fmt = _format(checkpoint.config)
     stored = set(FORMATS[fmt].stored) if fmt else set()
-    quantized = {n.rpartition(".")[0] for n in checkpoint.tensor_shard
-                 if fmt and n.rpartition(".")[2] in stored - {"weight"}}
+    quantized = {
+        n.rpartition(".")[0]
+        for n in checkpoint.tensor_shard
+        if fmt and n.rpartition(".")[2] in stored - {"weight"}
+    }
     rows = []
     for name, shard in checkpoint.tensor_shard.items():
         module, _, suffix = name.rpartition(".")
         if module in quantized:
+            assert fmt is not None  # modules are quantized only under a known format
             if suffix == next(iter(FORMATS[fmt].stored)):  # one row per module
-                parts = {s: _read(checkpoint, readers, f"{module}.{s}")
-                         for s in FORMATS[fmt].stored}
-                rows.append(_row(f"{module}.weight", dequantize(fmt, parts).float(),
-                                 dequantized=True))
+                parts = {
+                    s: _read(checkpoint, readers, f"{module}.{s}") for s in FORMATS[fmt].stored
+                }
+                rows.append(
+                    _row(f"{module}.weight", dequantize(fmt, parts).float(), dequantized=True)
+                )
             continue
         info = checkpoint.info(name)
         if info.dtype not in ("BF16", "F16", "F32") or info.numel == 0:
@@ -83,8 +89,10 @@ def _format(config: dict) -> str | None:
 
 def _read(checkpoint, readers, name: str) -> torch.Tensor:
     if name not in checkpoint.tensor_shard:
-        raise QStreamError(f"{checkpoint.directory}: quantized module lacks {name!r} "
-                           "(qstream verify lists every problem)")
+        raise QStreamError(
+            f"{checkpoint.directory}: quantized module lacks {name!r} "
+            "(qstream verify lists every problem)"
+        )
     return readers[checkpoint.tensor_shard[name]].tensor(name)
 
 
@@ -92,5 +100,10 @@ def _row(name: str, tensor: torch.Tensor, dequantized: bool = False) -> dict:
     shape = list(tensor.shape)
     if tensor.dim() == 2 and tensor.shape[0] > MAX_ROWS:
         tensor = tensor[torch.linspace(0, tensor.shape[0] - 1, MAX_ROWS).long()]
-    return {"name": name, "shape": shape, "sampled_rows": int(tensor.shape[0]) if tensor.dim()
-            else 1, **({"dequantized": True} if dequantized else {}), **weight_stats(tensor)}
+    return {
+        "name": name,
+        "shape": shape,
+        "sampled_rows": int(tensor.shape[0]) if tensor.dim() else 1,
+        **({"dequantized": True} if dequantized else {}),
+        **weight_stats(tensor),
+    }

@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 
 import qstream
-
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
@@ -98,8 +97,9 @@ def bigram_logprobs(streams: list[list[int]], vocab: int) -> tuple[torch.Tensor,
     return p.clamp(min=BIGRAM_FLOOR).log().float(), counts.sum(1).float()
 
 
-def markov_tables(logp: torch.Tensor, prev_counts: torch.Tensor, vocab: int, rank: int,
-                  seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def markov_tables(
+    logp: torch.Tensor, prev_counts: torch.Tensor, vocab: int, rank: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """markov_w1, markov_w2 [vocab, rank] with ``w2 @ w1[a]`` ~ row-centred ``logp[a]``.
     Column rank-1 is a bias column (w1 = 1; w2 = the count-weighted mean next-token
     log-probability, and a large negative value for padding ids beyond the tokenizer); the
@@ -111,8 +111,9 @@ def markov_tables(logp: torch.Tensor, prev_counts: torch.Tensor, vocab: int, ran
     col_mean = (centred * weight).sum(0) / weight.sum()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        u, s, v = torch.svd_lowrank((centred - col_mean) * weight.sqrt(),
-                                    q=min(rank - 1 + 16, vt), niter=6)
+        u, s, v = torch.svd_lowrank(
+            (centred - col_mean) * weight.sqrt(), q=min(rank - 1 + 16, vt), niter=6
+        )
     root = s[: rank - 1].sqrt()
     gen = torch.Generator().manual_seed(seed + 17)
     w1 = torch.randn(vocab, rank, generator=gen) * 0.1
@@ -125,17 +126,21 @@ def markov_tables(logp: torch.Tensor, prev_counts: torch.Tensor, vocab: int, ran
     return w1, w2
 
 
-def calibrate_markov_scale(w1: torch.Tensor, w2: torch.Tensor, streams: list[list[int]],
-                           seed: int, tokenizer_vocab: int, target: float = TARGET_TOP1
-                           ) -> tuple[float, float]:
+def calibrate_markov_scale(
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    streams: list[list[int]],
+    seed: int,
+    tokenizer_vocab: int,
+    target: float = TARGET_TOP1,
+) -> tuple[float, float]:
     """Scale ``alpha`` of the Markov tables such that the mean top-1 probability of
     ``alpha * w2 . w1[prev] + U`` over corpus transitions is ``target``, with U modelled as
     iid N(0, U_STD^2) per vocab entry.  Padding ids (>= tokenizer_vocab) are left out: their
     bias column rules them out.  Returns (alpha, the achieved mean top-1)."""
     gen = torch.Generator().manual_seed(seed + 29)
     prev = torch.tensor([t for ids in streams for t in ids[:-1]], dtype=torch.int64)
-    pick = torch.randint(0, prev.numel(), (min(CALIBRATION_SAMPLES, prev.numel()),),
-                         generator=gen)
+    pick = torch.randint(0, prev.numel(), (min(CALIBRATION_SAMPLES, prev.numel()),), generator=gen)
     bias = w1[prev[pick]] @ w2[:tokenizer_vocab].T  # [n, V_tokenizer]
     noise = torch.randn(bias.shape, generator=gen) * U_STD
 
@@ -220,8 +225,9 @@ def _head_std(config: DSparkConfig, final_gain: torch.Tensor) -> float:
     return U_STD / math.sqrt(config.hidden_size * float(final_gain.pow(2).mean()))
 
 
-def _small_tensors(config: DSparkConfig, seed: int, w1: torch.Tensor, w2: torch.Tensor
-                   ) -> dict[str, torch.Tensor]:
+def _small_tensors(
+    config: DSparkConfig, seed: int, w1: torch.Tensor, w2: torch.Tensor
+) -> dict[str, torch.Tensor]:
     out = {}
     for name, shape in tensor_shapes(config).items():
         if len(shape) == 1 and name.endswith("norm.weight"):
@@ -231,8 +237,12 @@ def _small_tensors(config: DSparkConfig, seed: int, w1: torch.Tensor, w2: torch.
     if config.enable_confidence_head:
         gen = _generator(seed, "confidence_head")
         H, r = config.hidden_size, config.markov_rank
-        w = torch.cat((torch.randn(H, generator=gen) / math.sqrt(H),
-                       torch.randn(r, generator=gen) / (math.sqrt(r) * float(w1.std()))))
+        w = torch.cat(
+            (
+                torch.randn(H, generator=gen) / math.sqrt(H),
+                torch.randn(r, generator=gen) / (math.sqrt(r) * float(w1.std())),
+            )
+        )
         out["confidence_head.proj.weight"] = (2.0 * w)[None]
         out["confidence_head.proj.bias"] = torch.zeros(1)
     return out
@@ -267,20 +277,29 @@ def _shard_names(sizes: list[int]) -> list[int]:
     return out
 
 
-def _write_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], plan: _Plan,
-                   progress: Callable[[int, int], None] | None, force_index: bool) -> int:
+def _write_tensors(
+    directory: Path,
+    shapes: dict[str, tuple[int, ...]],
+    plan: _Plan,
+    progress: Callable[[int, int], None] | None,
+    force_index: bool,
+) -> int:
     """Stream every tensor into bf16 safetensors shards; returns bytes written."""
     sizes = [2 * math.prod(s) for s in shapes.values()]
     shard_of = _shard_names(sizes)
     n = shard_of[-1] + 1
-    files = ["model.safetensors"] if n == 1 and not force_index else \
-        [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    files = (
+        ["model.safetensors"]
+        if n == 1 and not force_index
+        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     names = list(shapes)
     total, done = sum(sizes), 0
     for i, file in enumerate(files):
         mine = [k for k, s in zip(names, shard_of) if s == i]
-        writer = ShardWriter(directory / file, [PlannedTensor(k, "BF16", shapes[k]) for k in mine],
-                             {"format": "pt"})
+        writer = ShardWriter(
+            directory / file, [PlannedTensor(k, "BF16", shapes[k]) for k in mine], {"format": "pt"}
+        )
         try:
             for name in mine:
                 row = 0
@@ -295,8 +314,10 @@ def _write_tensors(directory: Path, shapes: dict[str, tuple[int, ...]], plan: _P
             raise
         writer.close()
     if len(files) > 1 or force_index:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: files[s] for k, s in zip(names, shard_of)}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {k: files[s] for k, s in zip(names, shard_of)},
+        }
         (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return total
 
@@ -305,21 +326,31 @@ def _write_target_head(head: Path, plan: _Plan) -> None:
     """The stand-in target beside the draft: lm_head only, read through its index."""
     config = plan.config
     head.mkdir()
-    head_config = {"architectures": ["SyntheticTargetHead"], "model_type": "qstream_target",
-                   "hidden_size": config.hidden_size, "vocab_size": config.vocab_size,
-                   "note": "stand-in target for a qstream synth draft: lm_head only"}
+    head_config = {
+        "architectures": ["SyntheticTargetHead"],
+        "model_type": "qstream_target",
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "note": "stand-in target for a qstream synth draft: lm_head only",
+    }
     (head / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
-    _write_tensors(head, {LM_HEAD: (config.vocab_size, config.hidden_size)}, plan, None,
-                   force_index=True)
+    _write_tensors(
+        head, {LM_HEAD: (config.vocab_size, config.hidden_size)}, plan, None, force_index=True
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The whole checkpoint
 
 
-def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
-                     corpus: str | Path | None = None, overwrite: bool = False,
-                     progress: Callable[[int, int], None] | None = None) -> SynthSummary:
+def synth_checkpoint(
+    preset: str,
+    output_dir: str | Path,
+    seed: int = 0,
+    corpus: str | Path | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> SynthSummary:
     """Write a synthetic draft checkpoint of ``preset`` ("tiny", "small", "k3") to
     ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
     end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
@@ -352,10 +383,19 @@ def synth_checkpoint(preset: str, output_dir: str | Path, seed: int = 0,
         write_tokenizer(tok, tmp)
         size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
         _write_target_head(tmp / TARGET_HEAD_DIR, plan)
-        summary = SynthSummary(str(output), preset, seed, str(corpus) if corpus else "built-in",
-                               len(shapes), sum(math.prod(s) for s in shapes.values()), size,
-                               alpha, top1)
+        summary = SynthSummary(
+            str(output),
+            preset,
+            seed,
+            str(corpus) if corpus else "built-in",
+            len(shapes),
+            sum(math.prod(s) for s in shapes.values()),
+            size,
+            alpha,
+            top1,
+        )
         record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}  # relocatable
-        (tmp / SYNTH_RECORD).write_text(json.dumps(
-            {"qstream_version": qstream.__version__, "summary": record}, indent=2) + "\n")
+        (tmp / SYNTH_RECORD).write_text(
+            json.dumps({"qstream_version": qstream.__version__, "summary": record}, indent=2) + "\n"
+        )
     return summary
