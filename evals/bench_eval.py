@@ -25,8 +25,9 @@ import torch
 from qstream.eval.batches import AuxStates, draft_blocks, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.run import load_run_corpus
-from qstream.model.dspark import DSpark, rollout
+from qstream.model.dspark import DSpark
 from qstream.model.load import load_config, load_weights
+from qstream.model.markov import rollout
 from qstream.model.synth import synth_checkpoint
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"

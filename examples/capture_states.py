@@ -26,8 +26,9 @@ import argparse
 import torch
 from safetensors.torch import save_file
 
-from qstream.model.dspark import LM_HEAD, rms_norm, sample, sampling_probs
+from qstream.model.dspark import LM_HEAD, rms_norm
 from qstream.model.load import load_model
+from qstream.model.markov import sample, sampling_probs
 
 
 def stand_in_target(model, ids: torch.Tensor):

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.metrics import pooled_proportion, sched_flips
-from qstream.model.dspark import markov_logits, sample, sampling_probs
+from qstream.model.markov import markov_logits, sample, sampling_probs
 
 B = 7
 

@@ -9,15 +9,8 @@ from model_helpers import random_model_weights
 
 from qstream.errors import QStreamError
 from qstream.model.config import PRESETS, DSparkConfig
-from qstream.model.dspark import (
-    DSpark,
-    apply_rope,
-    markov_logits,
-    rollout,
-    sample,
-    sampling_probs,
-    teacher_forced,
-)
+from qstream.model.dspark import DSpark, apply_rope
+from qstream.model.markov import markov_logits, rollout, sample, sampling_probs, teacher_forced
 
 CFG = PRESETS["tiny"]
 S, T = 3, 40

@@ -15,7 +15,6 @@ from qstream.checkpoint.quantize import quantize_checkpoint
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.builtin import builtin_corpus_docs
-from qstream.model.dspark import teacher_forced
 from qstream.model.load import (
     QUANTIZE_INCLUDE,
     load_model,
@@ -23,6 +22,7 @@ from qstream.model.load import (
     read_target_tensors,
     simulate_format,
 )
+from qstream.model.markov import teacher_forced
 from qstream.model.stats import checkpoint_stats, weight_stats
 from qstream.model.synth import synth_checkpoint
 

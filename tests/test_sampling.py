@@ -1,5 +1,5 @@
 """Common random numbers for sampled rollouts (docs/eval-drift.md), on the model's own sampler
-(``qstream.model.dspark.sampling_probs`` and ``sample``): the nucleus, the exponential race
+(``qstream.model.markov.sampling_probs`` and ``sample``): the nucleus, the exponential race
 drawing exactly from the distribution, identical draws for identical models, and close models
 differing no more often than the race coupling's bound."""
 
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from qstream.model.dspark import sample, sampling_probs
+from qstream.model.markov import sample, sampling_probs
 
 
 def _logits(probs) -> torch.Tensor:

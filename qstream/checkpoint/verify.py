@@ -22,9 +22,10 @@ import torch
 from qstream.checkpoint import serving
 from qstream.checkpoint.files import Checkpoint, file_digests, open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
+from qstream.checkpoint.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.checkpoint.safetensors_io import ShardReader
-from qstream.checkpoint.selection import fused_groups, matches
-from qstream.checkpoint.serving import Profile, RuntimeModule, profile_for
+from qstream.checkpoint.selection import fused_groups
+from qstream.checkpoint.serving import Profile, profile_for
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
 from qstream.publish import QUANTIZE_RECORD
@@ -83,8 +84,12 @@ def verify_checkpoint(
     report.modules_ignored = [m for m in holders if any(matches_ignore(p, m) for p in ignore)]
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
     if profile.is_dspark:
-        report.target_layers = _draft_target_layers(checkpoint, target_layers)
-        _replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), report)
+        report.target_layers = draft_target_layers(checkpoint, target_layers)
+        replay = Replay(report.target_layers, tensor_parallel_size)
+        replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), replay)
+        report.runtime_modules = replay.runtime_modules
+        report.problems += replay.problems
+        report.warnings += replay.warnings
     else:
         _check_accounting(holders, quantized, targets, ignore, report)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
@@ -94,11 +99,6 @@ def verify_checkpoint(
     if deep:
         _check_round_trip(checkpoint, fmt, quantized - malformed, report)
     return report
-
-
-def matches_ignore(entry: str, module: str) -> bool:
-    """compressed-tensors / vLLM semantics for ignore entries: equal, or ``re:`` regex."""
-    return matches(entry, module) if entry.startswith("re:") else entry == module
 
 
 def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
@@ -330,120 +330,3 @@ def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> No
 def _few(modules: list[str], limit: int = 4) -> str:
     shown = ", ".join(modules[:limit])
     return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
-
-
-def _draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
-    if given is not None:
-        if given < 0:
-            raise QStreamError(f"--target-layers {given}: must be at least 0")
-        return given
-    value = serving.target_layers_of(checkpoint.config)
-    if value is None:
-        raise QStreamError(
-            f"{checkpoint.directory / 'config.json'}: no integer "
-            "target_num_hidden_layers; give the target's layer count with "
-            "--target-layers"
-        )
-    return value
-
-
-def _replay_vllm(
-    checkpoint: Checkpoint,
-    fmt: str,
-    profile: Profile,
-    holders: list[str],
-    quantized: set[str],
-    targets_ignore: tuple[list, list],
-    report: VerifyReport,
-) -> None:
-    """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
-    what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
-    hidden = checkpoint.config.get("hidden_size")
-    hidden = hidden if isinstance(hidden, int) else None
-    assert report.target_layers is not None  # set for a draft before the replay
-    runtime = serving.runtime_modules(
-        profile, holders, report.target_layers, hidden, report.tensor_parallel_size
-    )
-    for rt in runtime:
-        scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
-        report.runtime_modules.append(
-            {"module": rt.name, "shards": list(rt.shards), "scheme": scheme, "why": why}
-        )
-        for shard in rt.shards:
-            line = _shard_mismatch(checkpoint, fmt, rt, shard, scheme, why, shard in quantized)
-            if line:
-                report.problems.append(line)
-    for module in holders:
-        never = serving.never_quantized(profile, module)
-        if never and module in quantized:
-            report.problems.append(
-                f"{module}: stored {fmt}, but vLLM never quantizes it "
-                f"({never}); it must keep the base dtype"
-            )
-        tp_why = serving.tp_needs_unquantized(profile, module, hidden, report.tensor_parallel_size)
-        if tp_why and module in quantized:
-            report.problems.append(
-                f"{module}: stored {fmt}, but {tp_why}; it must keep the base dtype"
-            )
-    shapes = {
-        m: tuple(checkpoint.info(f"{m}.weight").shape)
-        for m in holders
-        if m in quantized and fmt == "fp8"
-    }
-    shapes.update(
-        {m: _packed_shape(checkpoint, m) for m in holders if m in quantized and fmt != "fp8"}
-    )
-    report.warnings += serving.marlin_warnings(profile, shapes, fmt, report.tensor_parallel_size)
-
-
-def _packed_shape(checkpoint: Checkpoint, module: str) -> tuple[int, int]:
-    name = f"{module}.weight_packed"
-    if name not in checkpoint.tensor_shard:
-        return (0, 0)
-    n, half_k = checkpoint.info(name).shape
-    return (n, 2 * half_k)
-
-
-def _vllm_scheme(
-    rt: RuntimeModule, fmt: str, targets: list, ignore: list
-) -> tuple[str | None, str]:
-    """compressed-tensors in vLLM: a Linear layer is ignored iff an ignore entry equals its
-    name or is ``re:`` + a regex that re.match-es it; otherwise it takes the group's scheme if a
-    target names its class ("Linear" matches every Linear class) or matches its name."""
-    if rt.unquantized_why:
-        return None, rt.unquantized_why
-    hit = next((e for e in ignore if matches_ignore(e, rt.quant_name)), None)
-    if hit is not None:
-        return None, f"ignore entry {hit!r} matches {rt.quant_name}"
-    if "Linear" in targets or any(matches_ignore(t, rt.quant_name) for t in targets):
-        return fmt, f"no ignore entry matches {rt.quant_name}"
-    return None, f"no config group target matches {rt.quant_name}"
-
-
-def _shard_mismatch(
-    checkpoint: Checkpoint,
-    fmt: str,
-    rt: RuntimeModule,
-    shard: str,
-    scheme: str | None,
-    why: str,
-    stored_quantized: bool,
-) -> str | None:
-    expects = ", ".join(FORMATS[fmt].stored)
-    if scheme is not None and not stored_quantized:
-        name = f"{shard}.weight"
-        have = (
-            f"{checkpoint.info(name).dtype} {list(checkpoint.info(name).shape)} {name}"
-            if name in checkpoint.tensor_shard
-            else "no weight"
-        )
-        return (
-            f"{rt.name}: vLLM builds it {fmt} ({why}) and expects {shard}.{{{expects}}}, "
-            f"but the checkpoint has {have}"
-        )
-    if scheme is None and stored_quantized:
-        return (
-            f"{rt.name}: vLLM builds it unquantized ({why}) and expects {shard}.weight in "
-            f"the base dtype, but the checkpoint stores {shard}.{{{expects}}}"
-        )
-    return None

@@ -17,7 +17,8 @@ from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.regimes import synthetic_aux
 from qstream.eval.states import CapturedStates
 from qstream.model.config import DSparkConfig
-from qstream.model.dspark import Blocks, DSpark, Rollout, rollout
+from qstream.model.dspark import Blocks, DSpark, Rollout
+from qstream.model.markov import rollout
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
 # every variant read the same rounded values.

@@ -22,7 +22,8 @@ from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
 from qstream.model.config import DSparkConfig
-from qstream.model.dspark import DSpark, teacher_forced
+from qstream.model.dspark import DSpark
+from qstream.model.markov import teacher_forced
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,8 @@ from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
-from qstream.model.dspark import (
-    LM_HEAD,
-    Blocks,
-    DSpark,
-    Rollout,
-    markov_logits,
-    sampling_probs,
-    teacher_forced,
-)
+from qstream.model.dspark import LM_HEAD, Blocks, DSpark, Rollout
+from qstream.model.markov import markov_logits, sampling_probs, teacher_forced
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 

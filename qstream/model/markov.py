@@ -1,0 +1,132 @@
+"""The DSpark draft's sequential part (docs/model.md): the Markov head's per-position logits,
+the confidence head, and the greedy, sampled and teacher-forced rollouts over a drafted block.
+Sampling follows vLLM's DSpark drafter: the full softmax of ``logits / T`` by an exponential
+race (docs/eval-drift.md)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from qstream.model.dspark import Blocks, DSpark, Rollout
+
+
+class MarkovWeights(Protocol):
+    """What the Markov head reads: a DSpark model, or the reference's head kept alone."""
+
+    @property
+    def w(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+def markov_logits(
+    model: MarkovWeights, logits_base: torch.Tensor, prev: torch.Tensor
+) -> torch.Tensor:
+    """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]``, the sum
+    rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
+    bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
+    torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...]."""
+    emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
+    bias = F.linear(emb, model.w["markov_head.markov_w2.weight"])  # [..., V]
+    return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
+
+
+def confidence(model: DSpark, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+    """``sigmoid(proj([hf_k ; markov_w1[prev_k]]))`` per position (fp32); None when the
+    config has no confidence head."""
+    if not model.config.enable_confidence_head:
+        return None
+    emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
+    feats = torch.cat((hidden.to(model.dtype), emb), dim=-1)  # [..., H + r]
+    z = F.linear(
+        feats, model.w["confidence_head.proj.weight"], model.w["confidence_head.proj.bias"]
+    )
+    return torch.sigmoid(z.float()).squeeze(-1)
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None
+) -> torch.Tensor:
+    """softmax(logits / temperature), fp32 [..., V], optionally cut to the top-k tokens, then to
+    the top-p nucleus (smallest sorted prefix whose mass reaches top_p; the top token is always
+    kept), renormalised, in vLLM's order.  The defaults give the full distribution, which vLLM's
+    DSpark drafter samples; top-p and top-k belong to the verifier (docs/model.md)."""
+    if not (
+        math.isfinite(temperature)
+        and temperature > 0
+        and 0 < top_p <= 1
+        and (top_k is None or top_k >= 1)
+    ):
+        raise ValueError(
+            "need a finite temperature > 0, top_p in (0, 1], top_k >= 1 or None; "
+            f"got {temperature}, {top_p}, {top_k}"
+        )
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p == 1 and (top_k is None or top_k >= probs.shape[-1]):
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        sorted_p = torch.where(torch.arange(sorted_p.shape[-1]) < top_k, sorted_p, 0.0)
+        sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
+    keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p) & (sorted_p > 0)
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """Exponential-race draw: ``argmax(probs / race)`` with ``race`` iid Exp(1) per token, which
+    draws exactly from ``probs`` (the Gumbel-max trick; vLLM's sampler draws this way).  Two
+    models given the same ``race`` draw the same token unless their distributions differ, and
+    then with probability at most 2·TV/(1+TV): a near-maximal coupling that does not depend on
+    the order of the vocabulary.  Tokens of zero probability are never drawn."""
+    return (probs / race).argmax(-1)
+
+
+def rollout(
+    model: DSpark,
+    blocks: Blocks,
+    noise: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> Rollout:
+    """Free-running Markov rollout: prev_0 = ids[p]; at step k draw d_k from
+    ``U_k + markov_w2 . markov_w1[prev_k]`` (rounded to the model's dtype) and feed it as
+    prev_{k+1}.  ``noise=None`` is greedy (argmax); otherwise noise [N, B, V] holds iid Exp(1)
+    variates and d_k is drawn by :func:`sample` from :func:`sampling_probs` at ``temperature``,
+    full distribution as vLLM drafts (``top_p`` < 1: other engines)."""
+    N, B, V = blocks.logits_base.shape
+    if noise is not None and tuple(noise.shape) != (N, B, V):
+        raise ValueError(f"noise must be [{N}, {B}, {V}], got {list(noise.shape)}")
+    prev = torch.empty(N, B, dtype=torch.int64)
+    tokens = torch.empty(N, B, dtype=torch.int64)
+    logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32)
+    token = blocks.first_token
+    for k in range(B):  # sequential by definition: step k needs d_{k-1}
+        prev[:, k] = token
+        logits[:, k] = markov_logits(model, blocks.logits_base[:, k], token)
+        if noise is None:
+            token = logits[:, k].argmax(-1)
+        else:
+            token = sample(sampling_probs(logits[:, k], temperature, top_p), noise[:, k])
+        tokens[:, k] = token
+    return Rollout(tokens, prev, logits, confidence(model, blocks.hidden, prev))
+
+
+def teacher_forced(model: DSpark, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
+    """Per-position logits and confidence when the drafted tokens are given (e.g. the
+    reference's rollout): prev = [ids[p], tokens[:, 0], ..., tokens[:, B-2]]."""
+    prev = torch.cat((blocks.first_token[:, None], tokens[:, :-1]), dim=1)  # [N, B]
+    return Rollout(
+        tokens,
+        prev,
+        markov_logits(model, blocks.logits_base, prev),
+        confidence(model, blocks.hidden, prev),
+    )
