@@ -11,10 +11,8 @@ place at the end.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,17 +22,14 @@ import torch
 import qstream
 from qstream.checkpoint.files import (
     CONFIG_NAME,
-    INDEX_NAME,
     Checkpoint,
     file_digests,
     open_checkpoint,
 )
-from qstream.checkpoint.layout import quantization_config, stored_tensors
-from qstream.checkpoint.pipeline import Progress, global_amaxes, write_tensors
+from qstream.checkpoint.output import json_text, plan_shards, write_checkpoint, write_text
+from qstream.checkpoint.pipeline import Progress, global_amaxes
 from qstream.checkpoint.safetensors_io import (
-    PlannedTensor,
     ShardReader,
-    ShardWriter,
     planned_file_size,
 )
 from qstream.checkpoint.selection import Selection, select_modules, weight_modules
@@ -140,7 +135,7 @@ def quantize_checkpoint(
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
-    plans = _plan_shards(checkpoint, selection, fmt)
+    plans = plan_shards(checkpoint, selection, fmt)
     summary = QuantizeSummary(
         model_dir=str(model_path),
         output_dir=str(output_path),
@@ -206,7 +201,7 @@ def _write_output(
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     amaxes = global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" else {}
     with publishing(output_path, overwrite) as tmp:
-        snr_db = _write_checkpoint(
+        snr_db = write_checkpoint(
             checkpoint,
             readers,
             selection,
@@ -223,9 +218,9 @@ def _write_output(
         # what the card quotes; run-dependent fields (time, worker count) are left out so that
         # the same input and command give the same output bytes
         recorded = QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr_db}).to_json()
-        _write_text(
+        write_text(
             tmp / PROVENANCE_NAME,
-            _json(
+            json_text(
                 {
                     "qstream_version": qstream.__version__,
                     "command": command,
@@ -352,90 +347,3 @@ def _refuse_quantized(checkpoint: Checkpoint) -> None:
                 f"tensor {name!r} in {checkpoint.tensor_shard[name]}: the "
                 "checkpoint is already quantized"
             )
-
-
-def _plan_shards(
-    checkpoint: Checkpoint, selection: Selection, fmt: str
-) -> dict[str, list[PlannedTensor]]:
-    """Output tensors per shard: the input's, in order, each quantized weight replaced in place
-    by what its format stores."""
-    quantized = set(selection.quantized)
-    plans = {}
-    for shard, header in checkpoint.shards.items():
-        planned = []
-        for name, info in header.tensors.items():
-            module = name[: -len(".weight")] if name.endswith(".weight") else None
-            if module in quantized:
-                planned += stored_tensors(fmt, module, info)
-            else:
-                planned.append(PlannedTensor(name, info.dtype, info.shape))
-        plans[shard] = planned
-    return plans
-
-
-def _write_checkpoint(
-    checkpoint,
-    readers,
-    selection,
-    plans,
-    fmt,
-    amaxes,
-    ignore,
-    tmp: Path,
-    device: torch.device,
-    workers: int,
-    snr: bool,
-    progress: Progress | None,
-) -> dict[str, float]:
-    """config.json, the other files, every shard and the index, in ``tmp``; returns the
-    weight SNR per quantized module."""
-    _copy_other_files(checkpoint, tmp)
-    config = dict(checkpoint.config)
-    config["quantization_config"] = quantization_config(fmt, list(ignore))
-    _write_text(tmp / CONFIG_NAME, _json(config))
-    writers = {s: ShardWriter(tmp / s, plans[s], checkpoint.shards[s].metadata) for s in plans}
-    try:
-        snr_db = write_tensors(
-            checkpoint, readers, writers, selection, fmt, amaxes, device, workers, snr, progress
-        )
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
-    for writer in writers.values():
-        writer.close()
-    _write_index(checkpoint, writers, tmp)
-    return snr_db
-
-
-def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:
-    """Tokenizer, generation config, chat template, ...: everything but the weights, the index
-    and config.json (rewritten); hidden top-level entries (.git, .cache) are not copied."""
-    skip = checkpoint.weight_files | {CONFIG_NAME}
-    for entry in sorted(checkpoint.directory.iterdir()):
-        if entry.name in skip or entry.name.startswith("."):
-            continue
-        try:
-            if entry.is_dir():
-                shutil.copytree(entry, tmp / entry.name)
-            else:
-                shutil.copy2(entry, tmp / entry.name)
-        except OSError as exc:
-            raise QStreamError(f"cannot copy {entry}: {exc}") from exc
-
-
-def _write_index(checkpoint: Checkpoint, writers: dict[str, ShardWriter], tmp: Path) -> None:
-    if not checkpoint.has_index and len(writers) == 1:
-        return
-    weight_map = {name: shard for shard, w in writers.items() for name in w.infos}
-    total = sum(i.nbytes for w in writers.values() for i in w.infos.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    _write_text(tmp / INDEX_NAME, _json(index))
-
-
-def _json(data) -> str:
-    return json.dumps(data, indent=2) + "\n"
-
-
-def _write_text(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
