@@ -34,16 +34,18 @@ from qstream.card.output import (
     publish_card,
 )
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
-from qstream.card.tables import (
+from qstream.card.study_tables import (
     acceptance_table,
     acceptance_verifiers,
+    context_sweep_table,
+    sensitivity_table,
+)
+from qstream.card.tables import (
     agreement_table,
     ceiling_table,
-    context_sweep_table,
     evaluation_table,
     full_metrics_table,
     regime_order,
-    sensitivity_table,
     variant_order,
 )
 from qstream.errors import QStreamError

@@ -13,15 +13,13 @@ from rich.text import Text
 from qstream.card.build import suggested_command
 from qstream.card.document import Code, Part, Table
 from qstream.card.results import ResultsSet, collect_results
-from qstream.card.tables import (
+from qstream.card.study_tables import (
     acceptance_table,
     acceptance_verifiers,
-    agreement_table,
     context_sweep_table,
-    full_metrics_table,
-    regime_order,
     sensitivity_table,
 )
+from qstream.card.tables import agreement_table, full_metrics_table, regime_order
 
 SOURCE = "(this run)"  # where in-memory results came from, for the results set's messages
 MAX_WIDTH = 100  # columns a terminal table may take; wider ones are split (--wide: not split)
