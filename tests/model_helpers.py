@@ -2,8 +2,8 @@
 
 import torch
 
-from qstream.model.config import tensor_shapes
 from qstream.model.dspark import LM_HEAD
+from qstream.model.tensors import tensor_shapes
 
 
 def random_model_weights(cfg, seed: int) -> dict[str, torch.Tensor]:

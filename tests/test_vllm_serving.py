@@ -31,7 +31,8 @@ from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, quantize
 from qstream.formats.nvfp4 import tensor_amax
-from qstream.model.config import PRESETS, tensor_shapes
+from qstream.model.config import PRESETS
+from qstream.model.tensors import tensor_shapes
 
 LAYERS = 5  # the tiny draft's
 TARGET_LAYERS = (8, 93)  # the tiny preset's target, and Kimi-K3

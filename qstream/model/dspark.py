@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from qstream.model import engine
-from qstream.model.config import DSparkConfig, check_tensors
+from qstream.model.config import DSparkConfig
+from qstream.model.tensors import check_tensors
 
 LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
 

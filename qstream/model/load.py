@@ -31,8 +31,9 @@ from qstream.checkpoint.serving import K3_DSPARK, get_profile
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize, quantize
 from qstream.formats.nvfp4 import tensor_amax
-from qstream.model.config import DSparkConfig, check_tensors
+from qstream.model.config import DSparkConfig
 from qstream.model.dspark import LM_HEAD, DSpark
+from qstream.model.tensors import check_tensors
 
 # Where `qstream synth` puts the stand-in target: a checkpoint directory of its own (config.json,
 # model.safetensors.index.json, one shard) holding lm_head.weight [V, H].
