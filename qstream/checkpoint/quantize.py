@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -136,25 +136,14 @@ def quantize_checkpoint(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
     plans = plan_shards(checkpoint, selection, fmt)
-    summary = QuantizeSummary(
+    summary = _plan_summary(checkpoint, selection, plans, entries, warnings, dry_run)
+    summary = replace(
+        summary,
         model_dir=str(model_path),
         output_dir=str(output_path),
         quant_format=fmt,
-        dry_run=dry_run,
-        params_total=sum(i.numel for i in checkpoint.tensors.values()),
-        params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
-        modules_quantized=list(selection.quantized),
-        modules_ignored=list(selection.ignored),
-        modules_skipped=dict(selection.skipped),
-        bytes_before=checkpoint.size_bytes,
-        bytes_after=sum(
-            planned_file_size(t, checkpoint.shards[s].metadata) for s, t in plans.items()
-        ),
         workers=workers,
-        serving_profile=selection.profile.name,
         tensor_parallel_size=tensor_parallel_size,
-        ignore=entries,
-        warnings=warnings,
     )
     if dry_run:
         return summary
@@ -180,6 +169,35 @@ def quantize_checkpoint(
         torch.set_num_threads(intra_op_threads)
     return QuantizeSummary(
         **{**asdict(summary), "weight_snr_db": snr_db, "seconds": time.perf_counter() - started}
+    )
+
+
+def _plan_summary(
+    checkpoint: Checkpoint,
+    selection: Selection,
+    plans: dict,
+    ignore: list[str],
+    warnings: list[str],
+    dry_run: bool,
+) -> QuantizeSummary:
+    """What the run will do, before any byte is written (paths and settings filled in after)."""
+    return QuantizeSummary(
+        model_dir="",
+        output_dir="",
+        quant_format="",
+        dry_run=dry_run,
+        params_total=sum(i.numel for i in checkpoint.tensors.values()),
+        params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
+        modules_quantized=list(selection.quantized),
+        modules_ignored=list(selection.ignored),
+        modules_skipped=dict(selection.skipped),
+        bytes_before=checkpoint.size_bytes,
+        bytes_after=sum(
+            planned_file_size(t, checkpoint.shards[s].metadata) for s, t in plans.items()
+        ),
+        serving_profile=selection.profile.name,
+        ignore=ignore,
+        warnings=warnings,
     )
 
 
