@@ -136,6 +136,12 @@ def publishing(
         with _terminate_as_interrupt():
             yield tmp
             _publish(tmp, output, existed, option)
+    except OSError as exc:  # disk full, permissions, I/O error: one line, nothing left
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = exc.filename or tmp
+        raise QStreamError(
+            f"{option} {output}: {exc.strerror or exc} (writing {where}); nothing was written"
+        ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

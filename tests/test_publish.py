@@ -172,3 +172,74 @@ def test_synth_overwrite_refuses_a_home_like_directory(tmp_path):
         and len(result.output.splitlines()) == 1
     )
     assert tree_digest(home) == before and _litter(tmp_path) == []
+
+
+def test_a_full_disk_during_quantize_is_one_error_line_and_no_litter(tmp_path, monkeypatch):
+    """ENOSPC from the shard writer's pwrite (a real full filesystem needs a mount, which this
+    sandbox cannot make), as quantize sees it through the CLI."""
+    import errno
+
+    from checkpoints import llama_tensors, write_checkpoint
+    from click.testing import CliRunner
+
+    import qstream.checkpoint.safetensors_io as io
+    from qstream.cli import cli
+
+    src = write_checkpoint(tmp_path / "in", llama_tensors(layers=1))
+    before = tree_digest(src)
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        if offset > 4096:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(io.os, "pwrite", full)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "quantize",
+            "--model_dir",
+            str(src),
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--quant_format",
+            "nvfp4",
+        ],
+    )
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: --output_dir ")
+    assert "No space left on device" in lines[0] and lines[0].endswith("nothing was written")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"] and tree_digest(src) == before
+
+
+def test_two_concurrent_quantize_runs_to_one_new_directory(tmp_path):
+    """Two processes race to publish the same new directory: exactly one succeeds, the other
+    ends with one line, and the winner's checkpoint is intact and verifies."""
+    from checkpoints import llama_tensors, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "in", llama_tensors(layers=2))
+    out = tmp_path / "out"
+    args = ["quantize", "--model_dir", str(src), "--output_dir", str(out), "--quant_format", "fp8"]
+    script = "from qstream.entry import main; main()"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _ in results)
+    if codes == [0, 0]:
+        pytest.fail("both runs reported success")
+    if codes == [1, 1]:  # the second started after the first published: refused up front
+        pytest.fail(f"neither run published: {results}")
+    loser = next(err for code, err in results if code == 1)
+    assert loser.strip().startswith("Error: --output_dir ") and len(loser.strip().splitlines()) == 1
+    from qstream.checkpoint.verify import verify_checkpoint
+
+    assert verify_checkpoint(out).ok and _litter(tmp_path) == []
