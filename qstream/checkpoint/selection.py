@@ -19,8 +19,8 @@ from qstream.checkpoint.safetensors_io import TensorInfo
 from qstream.checkpoint.serving import GENERIC, PROFILES, FusedGroup, Profile
 from qstream.errors import QStreamError
 from qstream.formats import get_format
+from qstream.units import FLOAT_DTYPE_NAMES
 
-FLOAT_DTYPES = ("BF16", "F16", "F32")
 T = TypeVar("T")
 
 # Left out of the default selection (an explicit --include_layers can still name them):
@@ -66,7 +66,7 @@ def is_embedding(module: str) -> bool:
 
 def quantizable(info: TensorInfo) -> bool:
     """A float 2-D weight, i.e. what a Linear layer holds."""
-    return len(info.shape) == 2 and info.dtype in FLOAT_DTYPES
+    return len(info.shape) == 2 and info.dtype in FLOAT_DTYPE_NAMES
 
 
 def weight_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:

@@ -29,6 +29,7 @@ from qstream.checkpoint.serving import Profile, profile_for
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
 from qstream.publish import QUANTIZE_RECORD
+from qstream.units import FLOAT_DTYPE_NAMES
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
 
@@ -207,10 +208,9 @@ def checkpoint_modules(checkpoint: Checkpoint) -> list[str]:
 
 def _expected(fmt: str, infos) -> dict[str, tuple[tuple[str, ...], list[int]]]:
     """The dtype(s) and shape each stored tensor must have, from the first one's shape."""
-    floats = ("BF16", "F16", "F32")
     if fmt == "fp8":
         n, k = infos["weight"].shape
-        return {"weight": (("F8_E4M3",), [n, k]), "weight_scale": (floats, [n, 1])}
+        return {"weight": (("F8_E4M3",), [n, k]), "weight_scale": (FLOAT_DTYPE_NAMES, [n, 1])}
     n, half_k = infos["weight_packed"].shape
     groups = 2 * half_k // FORMATS[fmt].block_size
     if fmt == "mxfp4":

@@ -28,8 +28,7 @@ from qstream.cliutil import (
     option,
     write_json,
 )
-
-GIB = 1 << 30
+from qstream.units import human_size
 
 
 @click.command(cls=Command)
@@ -197,8 +196,8 @@ def summary_table(summary: QuantizeSummary) -> Table:
         table.add_row("skipped (incompatible shape)", str(len(summary.modules_skipped)))
     table.add_row(
         "size",
-        f"{summary.bytes_before / GIB:.3f} GiB -> "
-        f"{summary.bytes_after / GIB:.3f} GiB ({s['size_ratio_pct']:.1f}%)",
+        f"{human_size(summary.bytes_before)} -> "
+        f"{human_size(summary.bytes_after)} ({s['size_ratio_pct']:.1f}%)",
     )
     if summary.weight_snr_db:
         worst = s["worst_snr_db"]

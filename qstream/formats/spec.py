@@ -5,7 +5,7 @@ Sources: OCP Microscaling Formats (MX) v1.0 (E2M1 element, E8M0 scale, block 32)
 range (max 448).  The rounding rules and scale arithmetic follow compressed-tensors, which is
 what vLLM loads these checkpoints with (see docs/formats.md)."""
 
-import torch
+from qstream.units import FLOAT_DTYPES
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest E2M1 magnitude
@@ -32,4 +32,4 @@ MXFP4_ELEM_EMAX = 2  # floor(log2(FP4_MAX)): the block amax maps into E2M1's top
 NVFP4_BLOCK = 16
 NVFP4_ZERO_BLOCK_SCALE = 0.125  # compressed-tensors' replacement for a zero FP8 block scale
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DTYPES = FLOAT_DTYPES  # the weight dtypes the formats take (qstream/units.py)

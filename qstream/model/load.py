@@ -34,6 +34,7 @@ from qstream.formats.nvfp4 import tensor_amax
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import LM_HEAD, DSpark
 from qstream.model.tensors import check_tensors
+from qstream.units import FLOAT_DTYPES
 
 # Where `qstream synth` puts the stand-in target: a checkpoint directory of its own (config.json,
 # model.safetensors.index.json, one shard) holding lm_head.weight [V, H].
@@ -78,7 +79,7 @@ def read_draft_tensors(
     fmt = _checkpoint_format(directory, checkpoint.config)
     tensors = _dequantize_all(raw, fmt, str(directory))
     for name, tensor in tensors.items():
-        if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        if tensor.dtype not in FLOAT_DTYPES:
             raise QStreamError(
                 f"{directory}: tensor {name!r} is {tensor.dtype}, not a float "
                 "weight (quantized data the config does not declare?)"

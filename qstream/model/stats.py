@@ -15,6 +15,7 @@ from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
+from qstream.units import FLOAT_DTYPE_NAMES
 
 # Statistics of a huge tensor use an evenly strided sample of at most this many rows, so a
 # k3 checkpoint is summarised in seconds; channel spreads use every column of those rows.
@@ -74,7 +75,7 @@ def checkpoint_stats(directory: str | Path) -> list[dict]:
                 )
             continue
         info = checkpoint.info(name)
-        if info.dtype not in ("BF16", "F16", "F32") or info.numel == 0:
+        if info.dtype not in FLOAT_DTYPE_NAMES or info.numel == 0:
             continue
         rows.append(_row(name, readers[shard].tensor(name)))
         readers[shard].release(name)
