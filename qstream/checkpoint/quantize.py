@@ -14,8 +14,11 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,68 +111,52 @@ def quantize_checkpoint(
     tensor_parallel_size: int = 1,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
-    ("fp8", "mxfp4" or "nvfp4") in the compressed-tensors layout.
+    ("fp8", "mxfp4", "nvfp4") in the compressed-tensors layout (docs/quantize.md).
 
-    ``include`` / ``ignore`` are docs/quantize.md patterns (``ignore`` wins; default: every
-    2-D Linear weight except embeddings, lm_head and MoE routers).  ``skip_incompatible`` leaves
-    weights whose K is not a multiple of the block size unquantized instead of failing.
-    The serving profile of config.json's architecture (docs/vllm.md) adds vLLM's rules: fused
-    groups, modules vLLM never quantizes, and what it keeps in BF16 at
-    ``tensor_parallel_size``; the ``ignore`` list is written so that vLLM's matcher resolves
-    it under its runtime module names.  The output is published atomically and exclusively,
-    and ``overwrite`` replaces only a directory qstream wrote (docs/guarantees.md).
-    ``device`` "cuda" quantizes on the GPU (same bytes).  Parallelism comes from ``workers``
-    threads (default: the CPUs this process may use) with one torch intra-op thread each
-    (torch's setting is restored on return): on a busy machine, intra-op thread barriers cost
-    far more than they gain on small pieces.  ``snr=False`` leaves out the weight SNR sums
-    (``weight_snr_db`` is then empty).  Raises QStreamError, having written nothing, for any
-    problem with the input or options.
+    ``include`` / ``ignore`` are patterns (``ignore`` wins); the serving profile of config.json's
+    architecture adds vLLM's rules at ``tensor_parallel_size`` (docs/vllm.md).  ``workers``
+    threads (default: the usable CPUs) run one torch thread each; ``snr=False`` skips the weight
+    SNR.  The output is published atomically (docs/guarantees.md).  Raises QStreamError, having
+    written nothing, for any problem with the input, the options or the disk.
     """
     started = time.perf_counter()
     get_format(fmt)
     workers = default_workers() if workers is None else workers
     model_path, output_path = _check_paths(model_dir, output_dir, overwrite)
     torch_device = _check_device(device, workers)
-    checkpoint = open_checkpoint(model_path)
-    _refuse_quantized(checkpoint)
+    checkpoint = _refuse_quantized(open_checkpoint(model_path))
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
     plans = plan_shards(checkpoint, selection, fmt)
-    summary = _plan_summary(checkpoint, selection, plans, entries, warnings, dry_run)
-    summary = replace(
-        summary,
-        model_dir=str(model_path),
-        output_dir=str(output_path),
-        quant_format=fmt,
-        workers=workers,
+    summary = _plan_summary(
+        checkpoint, selection, plans, entries, warnings, dry_run=dry_run, quant_format=fmt,
+        model_dir=str(model_path), output_dir=str(output_path), workers=workers,
         tensor_parallel_size=tensor_parallel_size,
-    )
+    )  # fmt: skip
     if dry_run:
         return summary
     command = _equivalent_command(
         model_dir, output_dir, fmt, include, ignore, skip_incompatible, snr, tensor_parallel_size
     )
-    intra_op_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        snr_db = _write_output(
-            checkpoint,
-            selection,
-            plans,
-            summary,
-            output_path,
-            overwrite,
-            command,
-            torch_device,
-            snr,
-            progress,
-        )
-    finally:
-        torch.set_num_threads(intra_op_threads)
+    with _one_intra_op_thread():
+        args = (checkpoint, selection, plans, summary, output_path, overwrite, command)
+        snr_db = _write_output(*args, torch_device, snr, progress)
     return QuantizeSummary(
         **{**asdict(summary), "weight_snr_db": snr_db, "seconds": time.perf_counter() - started}
     )
+
+
+@contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """One torch intra-op thread per worker while quantizing: on a busy machine, intra-op
+    barriers cost far more than they gain on small pieces.  torch's setting is restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _plan_summary(
@@ -178,14 +165,11 @@ def _plan_summary(
     plans: dict,
     ignore: list[str],
     warnings: list[str],
-    dry_run: bool,
+    **settings: Any,
 ) -> QuantizeSummary:
-    """What the run will do, before any byte is written (paths and settings filled in after)."""
+    """What the run will do, before any byte is written; ``settings`` are the run's paths, format
+    and options as QuantizeSummary fields."""
     return QuantizeSummary(
-        model_dir="",
-        output_dir="",
-        quant_format="",
-        dry_run=dry_run,
         params_total=sum(i.numel for i in checkpoint.tensors.values()),
         params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
         modules_quantized=list(selection.quantized),
@@ -198,6 +182,7 @@ def _plan_summary(
         serving_profile=selection.profile.name,
         ignore=ignore,
         warnings=warnings,
+        **settings,
     )
 
 
@@ -351,7 +336,8 @@ def _check_device(device: str, workers: int) -> torch.device:
     return torch.device(device)
 
 
-def _refuse_quantized(checkpoint: Checkpoint) -> None:
+def _refuse_quantized(checkpoint: Checkpoint) -> Checkpoint:
+    """``checkpoint``, unless it is already quantized (QStreamError naming the evidence)."""
     if "quantization_config" in checkpoint.config:
         method = checkpoint.config["quantization_config"]
         method = method.get("quant_method", "?") if isinstance(method, dict) else "?"
@@ -365,3 +351,4 @@ def _refuse_quantized(checkpoint: Checkpoint) -> None:
                 f"tensor {name!r} in {checkpoint.tensor_shard[name]}: the "
                 "checkpoint is already quantized"
             )
+    return checkpoint

@@ -57,6 +57,14 @@ class YarnParameters:
         return {"rope_type": "yarn", **asdict(self)}
 
 
+# config.json fields that must be positive integers (docs/model.md, "Architecture").
+POSITIVE_INT_FIELDS = (
+    "hidden_size intermediate_size num_hidden_layers num_attention_heads q_lora_rank kv_lora_rank "
+    "qk_nope_head_dim v_head_dim vocab_size target_hidden_size target_num_hidden_layers "
+    "markov_rank block_size"
+).split()
+
+
 @dataclass(frozen=True)
 class DSparkConfig:
     """One DSpark draft.  Field names and meanings are config.json's (docs/model.md)."""
@@ -90,40 +98,22 @@ class DSparkConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for f in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "q_lora_rank",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "v_head_dim",
-            "vocab_size",
-            "target_hidden_size",
-            "target_num_hidden_layers",
-            "markov_rank",
-            "block_size",
-        ):
+        for f in POSITIVE_INT_FIELDS:
             value = getattr(self, f)
-            _check(
-                isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f,
-                value,
-                "must be a positive integer",
-            )
+            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            _check(ok, f, value, "must be a positive integer")
+        rope = self.qk_rope_head_dim
         _check(
-            isinstance(self.qk_rope_head_dim, int)
-            and self.qk_rope_head_dim > 0
-            and self.qk_rope_head_dim % 2 == 0,
+            isinstance(rope, int) and rope > 0 and rope % 2 == 0,
             "qk_rope_head_dim",
-            self.qk_rope_head_dim,
+            rope,
             "must be a positive even integer (RoPE rotates pairs)",
         )
         _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be positive")
         _check(self.rope_theta > 1, "rope_theta", self.rope_theta, "must exceed 1")
-        yarn = self.rope_parameters
-        expected_max = yarn.factor * yarn.original_max_position_embeddings
+        expected_max = self.rope_parameters.factor * (
+            self.rope_parameters.original_max_position_embeddings
+        )
         _check(
             self.max_position_embeddings == expected_max,
             "max_position_embeddings",
@@ -131,39 +121,26 @@ class DSparkConfig:
             f"must equal rope_parameters.factor x original_max_position_embeddings "
             f"({expected_max:g})",
         )
-        ids = self.target_layer_ids
-        _check(
-            len(ids) > 0
-            and all(isinstance(i, int) and 0 <= i < self.target_num_hidden_layers for i in ids),
-            "target_layer_ids",
-            list(ids),
-            f"must be layer indices in [0, {self.target_num_hidden_layers})",
-        )
+        self._check_target_layers()
+        self._check_heads()
+
+    def _check_target_layers(self) -> None:
+        ids, n = self.target_layer_ids, self.target_num_hidden_layers
+        in_range = all(isinstance(i, int) and 0 <= i < n for i in ids)
+        _check(len(ids) > 0 and in_range, "target_layer_ids", list(ids),
+               f"must be layer indices in [0, {n})")  # fmt: skip
         _check(len(set(ids)) == len(ids), "target_layer_ids", list(ids), "must not repeat")
-        _check(
-            self.num_target_layers == len(ids),
-            "num_target_layers",
-            self.num_target_layers,
-            f"must equal len(target_layer_ids) = {len(ids)}",
-        )
-        _check(
-            isinstance(self.mask_token_id, int) and 0 <= self.mask_token_id < self.vocab_size,
-            "mask_token_id",
-            self.mask_token_id,
-            f"must be a token id in [0, {self.vocab_size})",
-        )
-        _check(
-            self.markov_head_type == "vanilla",
-            "markov_head_type",
-            self.markov_head_type,
-            "must be 'vanilla'",
-        )
-        _check(
-            isinstance(self.enable_confidence_head, bool),
-            "enable_confidence_head",
-            self.enable_confidence_head,
-            "must be true or false",
-        )
+        _check(self.num_target_layers == len(ids), "num_target_layers", self.num_target_layers,
+               f"must equal len(target_layer_ids) = {len(ids)}")  # fmt: skip
+
+    def _check_heads(self) -> None:
+        mask, vocab = self.mask_token_id, self.vocab_size
+        _check(isinstance(mask, int) and 0 <= mask < vocab, "mask_token_id", mask,
+               f"must be a token id in [0, {vocab})")  # fmt: skip
+        _check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
+               "must be 'vanilla'")  # fmt: skip
+        _check(isinstance(self.enable_confidence_head, bool), "enable_confidence_head",
+               self.enable_confidence_head, "must be true or false")  # fmt: skip
 
     # Derived sizes: names follow docs/model.md's tensor table.
     @property

@@ -18,85 +18,52 @@ from qstream.errors import QStreamError
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>")  # ids 0, 1, 2
 
 
+NAMES = (
+    "Ava Ben Chloe Dev Emma Finn Grace Hugo Isla Jack Kira Liam Maya Noah Olivia Priya Quinn Ravi "
+    "Sara Tom"
+).split()
+THINGS = (
+    "apples,books,pencils,cookies,marbles,stickers,cupcakes,shells,cards,flowers,eggs,coins,"
+    "toy cars,bottles"
+).split(",")
+
+
 def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
     """Generated GSM8K-style arithmetic word problems (question, worked answer, ``#### N``):
     the fallback corpus, clearly synthetic."""
     rng = random.Random(seed)
-    names = [
-        "Ava",
-        "Ben",
-        "Chloe",
-        "Dev",
-        "Emma",
-        "Finn",
-        "Grace",
-        "Hugo",
-        "Isla",
-        "Jack",
-        "Kira",
-        "Liam",
-        "Maya",
-        "Noah",
-        "Olivia",
-        "Priya",
-        "Quinn",
-        "Ravi",
-        "Sara",
-        "Tom",
-    ]
-    things = [
-        "apples",
-        "books",
-        "pencils",
-        "cookies",
-        "marbles",
-        "stickers",
-        "cupcakes",
-        "shells",
-        "cards",
-        "flowers",
-        "eggs",
-        "coins",
-        "toy cars",
-        "bottles",
-    ]
-    docs = []
-    for _ in range(n):
-        who, other = rng.sample(names, 2)
-        what = rng.choice(things)
-        a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
-        kind = rng.randrange(4)
-        if kind == 0:
-            q = (
-                f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
-                f"does {who} have now?"
-            )
-            ans = f"{who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\n#### {a + b}"
-        elif kind == 1:
-            q = (
-                f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
-                f"does {who} buy in total?"
-            )
-            ans = f"{who} buys {c} x {b} = <<{c}*{b}={c * b}>>{c * b} {what}.\n#### {c * b}"
-        elif kind == 2:
-            total = a + b
-            q = (
-                f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} "
-                f"are left?"
-            )
-            ans = f"{who} has {total} - {b} = <<{total}-{b}={a}>>{a} {what} left.\n#### {a}"
-        else:
-            each = a
-            q = (
-                f"{who} shares {each * c} {what} equally among {c} friends. How many {what} "
-                f"does each friend get?"
-            )
-            ans = (
-                f"Each friend gets {each * c} / {c} = <<{each * c}/{c}={each}>>{each} "
-                f"{what}.\n#### {each}"
-            )
-        docs.append(f"{q}\n{ans}")
-    return docs
+    return [_problem(rng) for _ in range(n)]
+
+
+def _problem(rng: random.Random) -> str:
+    """One word problem of four kinds (add, multiply, subtract, share), drawn from ``rng``."""
+    who, other = rng.sample(NAMES, 2)
+    what = rng.choice(THINGS)
+    a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
+    kind = rng.randrange(4)
+    if kind == 0:
+        q = (
+            f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
+            f"does {who} have now?"
+        )
+        ans = f"{who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\n#### {a + b}"
+    elif kind == 1:
+        q = (
+            f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
+            f"does {who} buy in total?"
+        )
+        ans = f"{who} buys {c} x {b} = <<{c}*{b}={c * b}>>{c * b} {what}.\n#### {c * b}"
+    elif kind == 2:
+        total = a + b
+        q = f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} are left?"
+        ans = f"{who} has {total} - {b} = <<{total}-{b}={a}>>{a} {what} left.\n#### {a}"
+    else:
+        q = (
+            f"{who} shares {a * c} {what} equally among {c} friends. How many {what} "
+            f"does each friend get?"
+        )
+        ans = f"Each friend gets {a * c} / {c} = <<{a * c}/{c}={a}>>{a} {what}.\n#### {a}"
+    return f"{q}\n{ans}"
 
 
 def read_corpus(path: str | Path) -> list[str]:
