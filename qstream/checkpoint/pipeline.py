@@ -146,12 +146,20 @@ def global_amaxes(
 
 @dataclass
 class _Tally:
-    """Progress and per-module SNR sums, updated in piece order by ``run_bounded``'s done."""
+    """Progress, updated in piece order by ``run_bounded``'s done."""
 
     bytes_total: int
     tensors_total: int
     bytes_done: int = 0
     tensors_done: int = 0
+
+    def count(self, piece: Piece, tensor_rows: int, progress: Progress | None) -> None:
+        """Count a finished piece (a tensor is done with its last rows) and report progress."""
+        self.bytes_done += piece.nbytes
+        if piece.rows is None or piece.rows.stop == tensor_rows:
+            self.tensors_done += 1
+        if progress is not None:
+            progress(self.bytes_done, self.bytes_total, self.tensors_done, self.tensors_total)
 
 
 def write_tensors(
@@ -181,14 +189,8 @@ def write_tensors(
     def work(piece: Piece):
         if piece.module is None:
             return None
-        reader = readers[piece.shard]
-        energy = Energy(device) if snr else None
-        w = reader.tensor(piece.name, piece.rows).to(device)
-        stored = quantize(
-            fmt, w, name=piece.name, global_amax=amaxes.get(piece.module), energy=energy
-        )
-        reader.release(piece.name, piece.rows)
-        return stored, None if energy is None else energy.sums()
+        amax = amaxes.get(piece.module)
+        return _quantize_piece(readers[piece.shard], piece, fmt, amax, device, snr)
 
     def done(piece: Piece, result) -> None:
         writer = writers[piece.shard]
@@ -200,11 +202,7 @@ def write_tensors(
             if energy is not None and piece.module is not None:
                 sums[piece.module][0] += energy[0]
                 sums[piece.module][1] += energy[1]
-        tally.bytes_done += piece.nbytes
-        if piece.rows is None or piece.rows.stop == checkpoint.info(piece.name).shape[0]:
-            tally.tensors_done += 1
-        if progress is not None:
-            progress(tally.bytes_done, tally.bytes_total, tally.tensors_done, tally.tensors_total)
+        tally.count(piece, checkpoint.info(piece.name).shape[0], progress)
 
     # Reading (page-table population), copying and writing happen on this thread in
     # prepare / done, the quantizing on the workers: with one worker the two overlap.
@@ -224,6 +222,22 @@ def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
         )
     writer.write(piece.name, reader.raw(piece.name, begin, end), row)
     reader.release(piece.name, piece.rows)
+
+
+def _quantize_piece(
+    reader: ShardReader,
+    piece: Piece,
+    fmt: str,
+    amax: torch.Tensor | None,
+    device: torch.device,
+    snr: bool,
+) -> tuple[dict[str, torch.Tensor], tuple[float, float] | None]:
+    """One piece's stored tensors, and its SNR sums while the piece is in cache."""
+    energy = Energy(device) if snr else None
+    w = reader.tensor(piece.name, piece.rows).to(device)
+    stored = quantize(fmt, w, name=piece.name, global_amax=amax, energy=energy)
+    reader.release(piece.name, piece.rows)
+    return stored, None if energy is None else energy.sums()
 
 
 def _write_stored(writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor]) -> None:
