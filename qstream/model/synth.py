@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 import qstream
 from qstream.checkpoint.files import INDEX_NAME
@@ -270,6 +271,27 @@ def _write_target_head(head: Path, plan: _Plan) -> None:
 # The whole checkpoint
 
 
+def _tokenizer_config(preset: str, tok: Tokenizer) -> DSparkConfig:
+    """The preset with the tokenizer's facts: tiny takes its vocabulary size, the others keep
+    theirs (and pad the tokenizer's)."""
+    base = PRESETS[preset]
+    vocab = tok.get_vocab_size() if preset == "tiny" else base.vocab_size
+    mask = tok.token_to_id("<|mask|>")
+    if mask is None:
+        raise QStreamError("the synthetic tokenizer has no <|mask|> token")
+    return with_tokenizer(base, vocab, mask, None, tok.token_to_id("<|endoftext|>"))
+
+
+def _markov_head(tok: Tokenizer, texts: list[str], config: DSparkConfig, seed: int):
+    """``(markov_w1, markov_w2, alpha, top1)``: the corpus's bigram factors, scaled so that
+    the head's mean top-1 probability on the corpus is calibrated (``alpha`` the scale)."""
+    streams = [e.ids for e in tok.encode_batch(texts)]
+    logp, prev_counts = bigram_logprobs(streams, tok.get_vocab_size())
+    w1, w2 = markov_tables(logp, prev_counts, config.vocab_size, config.markov_rank, seed)
+    alpha, top1 = calibrate_markov_scale(w1, w2, streams, seed, tok.get_vocab_size())
+    return w1 * math.sqrt(alpha), w2 * math.sqrt(alpha), alpha, top1
+
+
 def synth_checkpoint(
     preset: str,
     output_dir: str | Path,
@@ -290,17 +312,8 @@ def synth_checkpoint(
     check_target(output, overwrite, "--output_dir")
     texts = read_corpus(corpus) if corpus is not None else builtin_corpus(seed=seed)
     tok = train_tokenizer(texts, TOKENIZER_VOCAB[preset])
-    base = PRESETS[preset]
-    vocab = tok.get_vocab_size() if preset == "tiny" else base.vocab_size
-    mask = tok.token_to_id("<|mask|>")
-    if mask is None:
-        raise QStreamError("the synthetic tokenizer has no <|mask|> token")
-    config = with_tokenizer(base, vocab, mask, None, tok.token_to_id("<|endoftext|>"))
-    streams = [e.ids for e in tok.encode_batch(texts)]
-    logp, prev_counts = bigram_logprobs(streams, tok.get_vocab_size())
-    w1, w2 = markov_tables(logp, prev_counts, vocab, config.markov_rank, seed)
-    alpha, top1 = calibrate_markov_scale(w1, w2, streams, seed, tok.get_vocab_size())
-    w1, w2 = w1 * math.sqrt(alpha), w2 * math.sqrt(alpha)
+    config = _tokenizer_config(preset, tok)
+    w1, w2, alpha, top1 = _markov_head(tok, texts, config, seed)
     small = _small_tensors(config, seed, w1, w2)
     plan = _Plan(config, small, _head_std(config, small["final_norm.weight"]), seed)
 
