@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qstream.card.document import Cell, Code, Part, Table
-from qstream.checkpoint.files import open_checkpoint
+from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.selection import (
@@ -91,24 +91,7 @@ def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> Check
         params_quantized,
         quantized,
     )
-    modules = weight_modules(tensors)
-    profile = profile_for(checkpoint.config)
-    # the group's label with layer indices as "*", so that a kind's rows share one reason
-    fused = {m: module_kind(g.label) for g in fused_groups(modules, profile) for m in g.members}
-    # every weight-holding module that is not quantized (the config's ignore list may spell
-    # them as re: patterns over vLLM's runtime names, docs/vllm.md)
-    for module, info in modules.items():
-        if module in quantized:
-            continue
-        shape = tuple(info.shape)
-        why = never_quantized(profile, module)
-        facts.kept[module] = (
-            shape,
-            info.numel,
-            f"vLLM never quantizes it: {why}"
-            if why
-            else _why_kept(module, shape, fmt, skipped, fused),
-        )
+    facts.kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
     if provenance is not None:
         facts.command = provenance["command"]
         facts.command_origin = (
@@ -118,6 +101,31 @@ def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> Check
     else:
         facts.command, facts.command_origin = _reconstruct_command(directory, fmt, quantized, base)
     return facts
+
+
+def _kept_modules(
+    checkpoint: Checkpoint, fmt: str, quantized: set[str], skipped: dict[str, str]
+) -> dict[str, tuple[tuple[int, ...], int, str]]:
+    """Every weight-holding module that is not quantized, with its shape, size and reason (the
+    config's ignore list may spell them as re: patterns over vLLM's runtime names,
+    docs/vllm.md)."""
+    modules = weight_modules(checkpoint.tensors)
+    profile = profile_for(checkpoint.config)
+    # the group's label with layer indices as "*", so that a kind's rows share one reason
+    fused = {m: module_kind(g.label) for g in fused_groups(modules, profile) for m in g.members}
+    kept = {}
+    for module, info in modules.items():
+        if module in quantized:
+            continue
+        shape = tuple(info.shape)
+        never = never_quantized(profile, module)
+        why = (
+            f"vLLM never quantizes it: {never}"
+            if never
+            else _why_kept(module, shape, fmt, skipped, fused)
+        )
+        kept[module] = (shape, info.numel, why)
+    return kept
 
 
 def _read_provenance(directory: Path) -> dict | None:
