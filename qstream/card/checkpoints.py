@@ -255,6 +255,34 @@ def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts])
     )
 
 
+def _kept_table(facts: CheckpointFacts) -> Table:
+    """The kept modules grouped by kind and reason."""
+    grouped: dict[tuple[str, str], list] = {}
+    for module, (shape, params, why) in facts.kept.items():
+        entry = grouped.setdefault((module_kind(module), why), [0, shape, 0])
+        entry[0] += 1
+        entry[2] += params
+        if entry[1] != shape:
+            entry[1] = None
+    kept = Table(
+        f"{facts.path.name}: modules kept unquantized, and why",
+        ["module kind", "count", "weight shape", "parameters", "why"],
+        [
+            [
+                Cell(kind),
+                Cell(str(n), n),
+                Cell("various" if shape is None else "×".join(map(str, shape))),
+                Cell(f"{params:,}", params),
+                Cell(why),
+            ]
+            for (kind, why), (n, shape, params) in grouped.items()
+        ],
+        key=f"kept_{facts.path.name}",
+        align="lrrrl",
+    )
+    return kept
+
+
 def quantization_parts(facts: CheckpointFacts) -> list[Part]:
     """What is quantized to what in one checkpoint, why the rest is kept, and the command."""
     kinds = Counter(module_kind(m) for m in facts.quantized)
@@ -280,29 +308,7 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
         key=f"quantized_{facts.path.name}",
         align="ll",
     )
-    grouped: dict[tuple[str, str], list] = {}
-    for module, (shape, params, why) in facts.kept.items():
-        entry = grouped.setdefault((module_kind(module), why), [0, shape, 0])
-        entry[0] += 1
-        entry[2] += params
-        if entry[1] != shape:
-            entry[1] = None
-    kept = Table(
-        f"{facts.path.name}: modules kept unquantized, and why",
-        ["module kind", "count", "weight shape", "parameters", "why"],
-        [
-            [
-                Cell(kind),
-                Cell(str(n), n),
-                Cell("various" if shape is None else "×".join(map(str, shape))),
-                Cell(f"{params:,}", params),
-                Cell(why),
-            ]
-            for (kind, why), (n, shape, params) in grouped.items()
-        ],
-        key=f"kept_{facts.path.name}",
-        align="lrrrl",
-    )
+    kept = _kept_table(facts)
     return [
         summary,
         kept,
