@@ -7,6 +7,8 @@ the same table, and its column header says so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from qstream.card.document import Cell, Table
@@ -196,50 +198,10 @@ def variant_label(rs: ResultsSet, variant: str) -> str:
 def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
     """Every headline metric of one regime, one column per variant."""
     variants = [v for v in variant_order(rs) if metrics(rs, regime, v) is not None]
-    p, tv, c = DIGITS["proportion"], DIGITS["one_minus_tv"], DIGITS["ceiling"]
-    B = rs.block_size
-    rows: list[list[Cell]] = []
-
-    def add(name, cell_of):
-        rows.append([label(name), *(cell_of(rs.regimes[regime][v]) for v in variants)])
-
-    add(
-        "greedy agree, all positions [95% CI]",
-        lambda r: estimate(r["metrics"]["greedy_agree_overall"], p),
-    )
-    add(
-        "1−TV, all positions [95% CI]", lambda r: estimate(r["metrics"]["one_minus_tv_overall"], tv)
-    )
-    for mode in ROLLOUT_MODES:
-        name = rollout_name(rs, mode, [regime])
-        add(
-            f"{PREFIX_LABELS[mode]}, {name} [95% CI]",
-            lambda r, mode=mode: _rollout(r, mode, PREFIX_KEYS[mode], c),
-        )
-        add(
-            f"whole block of {B} matched, {name} [95% CI]",
-            lambda r, mode=mode: _rollout(r, mode, "prefix_agree", p),
-        )
-    add("KL(ref‖var) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["kl"]))
-    add("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"]))
-    add("reverse KL(var‖ref) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["reverse_kl"]))
-    add("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"]))
-    add(
-        f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
-        lambda r: estimate(r["metrics"]["confidence_r"], p),
-    )
-    add(
-        f"sched flip rate, {CONFIDENCE_NOTE} [95% CI]",
-        lambda r: estimate(r["metrics"]["sched_flip_rate"], p),
-    )
-    add("weight SNR, overall (dB)", lambda r: fixed(r["weight_snr"]["overall_db"], DIGITS["snr"]))
-    add(
-        "weight SNR, worst tensor (dB)", lambda r: fixed(r["weight_snr"]["worst_db"], DIGITS["snr"])
-    )
-    add(
-        "weight SNR over (tensors)",
-        lambda r: Cell(str(r["weight_snr"]["tensors"]), r["weight_snr"]["tensors"]),
-    )
+    rows = [
+        [label(name), *(cell_of(rs.regimes[regime][v]) for v in variants)]
+        for name, cell_of in _agreement_rows(rs, regime) + _divergence_rows()
+    ]
     return Table(
         f"Regime {regime}: every metric against the FP32 reference "
         "(n/a: undefined for that variant, e.g. no weight error in bf16)",
@@ -247,6 +209,46 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
         rows,
         key=f"metrics_{regime}",
     )
+
+
+RowOf = Callable[[dict], Cell]  # a variant's results entry -> its cell in one row
+
+
+def _agreement_rows(rs: ResultsSet, regime: str) -> list[tuple[str, RowOf]]:
+    """Greedy agreement, 1−TV and, per rollout mode, the matched prefix and whole blocks."""
+    p, tv, c = DIGITS["proportion"], DIGITS["one_minus_tv"], DIGITS["ceiling"]
+    rows: list[tuple[str, RowOf]] = [
+        ("greedy agree, all positions [95% CI]",
+         lambda r: estimate(r["metrics"]["greedy_agree_overall"], p)),
+        ("1−TV, all positions [95% CI]",
+         lambda r: estimate(r["metrics"]["one_minus_tv_overall"], tv)),
+    ]  # fmt: skip
+    for mode in ROLLOUT_MODES:
+        name = rollout_name(rs, mode, [regime])
+        rows.append((f"{PREFIX_LABELS[mode]}, {name} [95% CI]",
+                     partial(_rollout, mode=mode, what=PREFIX_KEYS[mode], digits=c)))  # fmt: skip
+        rows.append((f"whole block of {rs.block_size} matched, {name} [95% CI]",
+                     partial(_rollout, mode=mode, what="prefix_agree", digits=p)))  # fmt: skip
+    return rows
+
+
+def _divergence_rows() -> list[tuple[str, RowOf]]:
+    """KL both ways, the confidence head's metrics and the weight SNR."""
+    p, snr = DIGITS["proportion"], DIGITS["snr"]
+    return [
+        ("KL(ref‖var) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["kl"])),
+        ("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"])),
+        ("reverse KL(var‖ref) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["reverse_kl"])),
+        ("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"])),
+        (f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
+         lambda r: estimate(r["metrics"]["confidence_r"], p)),
+        (f"sched flip rate, {CONFIDENCE_NOTE} [95% CI]",
+         lambda r: estimate(r["metrics"]["sched_flip_rate"], p)),
+        ("weight SNR, overall (dB)", lambda r: fixed(r["weight_snr"]["overall_db"], snr)),
+        ("weight SNR, worst tensor (dB)", lambda r: fixed(r["weight_snr"]["worst_db"], snr)),
+        ("weight SNR over (tensors)",
+         lambda r: Cell(str(r["weight_snr"]["tensors"]), r["weight_snr"]["tensors"])),
+    ]  # fmt: skip
 
 
 def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
