@@ -26,6 +26,7 @@ from qstream.card.document import (
     render_markdown,
 )
 from qstream.card.figures import sweep_regimes, write_figures
+from qstream.card.method import evaluation_table
 from qstream.card.output import (
     card_json_text,
     check_card_target,
@@ -43,7 +44,6 @@ from qstream.card.study_tables import (
 from qstream.card.tables import (
     agreement_table,
     ceiling_table,
-    evaluation_table,
     full_metrics_table,
     regime_order,
     variant_order,

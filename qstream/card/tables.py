@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
@@ -21,7 +20,6 @@ from qstream.eval.vocabulary import (
     PREFIX_LABELS,
     ROLLOUT_MODES,
     rollout_label,
-    verifier_label,
 )
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
@@ -278,111 +276,6 @@ def per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
     if len(distinct) == 1:
         return distinct[0]
     return "; ".join(f"{regime}: {value}" for regime, value in values.items())
-
-
-def _corpus(run: dict) -> str:
-    c = run["corpus"] or {}
-    return (
-        f"{c.get('corpus')} (sha256 {c.get('sha256')}, {c.get('streams')} streams, "
-        f"{c.get('tokens')} tokens)"
-    )
-
-
-def _anchors(run: dict) -> str:
-    a = run["anchors"] or {}
-    return (
-        f"context length mean {a.get('context_length_mean'):.1f}, min "
-        f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens"
-    )
-
-
-def _sampling(run: dict) -> str:
-    s = run["sampling"] or {}
-    return f"drafter {rollout_label('sampled', s)}; verifier {verifier_label(s)}; {s.get('noise')}"
-
-
-def _selection(run: dict) -> str:
-    s = run["selection"] or {}
-    return (
-        f"include {' '.join(s.get('include') or []) or '(default)'}; "
-        f"ignore {' '.join(s.get('ignore') or []) or '(none)'}"
-    )
-
-
-def evaluation_table(rs: ResultsSet) -> Table:
-    """Reference, regimes, corpus, blocks, intervals, seed, versions: all from the results."""
-    regimes = regime_order(rs)
-    model = rs.model
-
-    rows = [
-        (
-            "model",
-            f"{model.get('path')} ({model.get('architecture')}, {model.get('parameters')} "
-            f"parameters, config.json sha256 {model.get('config_sha256')})",
-        ),
-        ("target head from", per_regime(rs, regimes, lambda r: r["target"] or "not given")),
-        ("reference", per_regime(rs, regimes, lambda r: r["reference"])),
-        (
-            "variants",
-            "; ".join(
-                f"{name}: {info.get('kind')} ({info.get('source')})"
-                for name, info in rs.variants.items()
-            ),
-        ),
-        ("variant compute", per_regime(rs, regimes, lambda r: r["variant_compute"])),
-        ("confidence head", CONFIDENCE_NOTE),
-        (
-            "aux states",
-            per_regime(
-                rs, regimes, lambda r: f"shared by reference and variants, {r['aux_dtype']}"
-            ),
-        ),
-        (
-            "regimes",
-            "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}" for r in regimes),
-        ),
-        ("corpus", per_regime(rs, regimes, _corpus)),
-        (
-            "tokenizer",
-            per_regime(
-                rs,
-                regimes,
-                lambda r: (r.get("corpus") or {}).get("tokenizer") or "not recorded in the results",
-            ),
-        ),
-        (
-            "blocks per regime",
-            per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of {r['block_size']} tokens"),
-        ),
-        ("anchors", per_regime(rs, regimes, _anchors)),
-        ("sampled rollouts", per_regime(rs, regimes, _sampling)),
-        ("modules the simulated formats quantize", per_regime(rs, regimes, _selection)),
-        ("seed", per_regime(rs, regimes, lambda r: str(r["seed"]))),
-        (
-            "intervals",
-            "95%, two-sided: Wilson score for per-position proportions; Wilson on "
-            "Kish's effective sample size for pooled proportions and B times them "
-            "(matched prefix, greedy acceptance); Student-t over blocks for other "
-            "means; a seeded block bootstrap for r",
-        ),
-        (
-            "versions",
-            per_regime(
-                rs, regimes, lambda r: f"qstream {r['qstream_version']}, torch {r['torch_version']}"
-            ),
-        ),
-        (
-            "results files",
-            "; ".join(f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}" for r in regimes),
-        ),
-    ]
-    return Table(
-        "How the numbers were measured (from the results JSON)",
-        ["", "value"],
-        [[label(k), Cell(v)] for k, v in rows],
-        key="evaluation",
-        align="ll",
-    )
 
 
 # ---------------------------------------------------------------------------------------------
