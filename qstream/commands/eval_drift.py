@@ -4,6 +4,7 @@ are the card's (:func:`qstream.card.terminal.print_report`)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import click
 from rich.console import Console
@@ -187,33 +188,7 @@ class FiniteRange(click.FloatRange):
     "at most 100 columns, are split into parts).",
 )
 @json_option()
-def eval_drift(
-    model,
-    target,
-    tokenizer,
-    corpus,
-    formats,
-    variant,
-    allow_foreign_variant,
-    regime,
-    blocks,
-    seed,
-    include_layers,
-    ignore_layers,
-    temperature,
-    top_p,
-    top_k,
-    draft_top_p,
-    acceptance,
-    states,
-    sensitivity,
-    sensitivity_format,
-    tolerance,
-    context_lengths,
-    context_blocks,
-    wide,
-    json_path,
-) -> None:
+def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
     """Measure how far each format moves the drafted block from an FP32 reference.
 
     \b
@@ -227,38 +202,36 @@ def eval_drift(
         --blocks 1024 --seed 0 --json results.json
     """
     console = make_console(stderr=json_path == "-")
-    settings = DriftSettings(
-        regimes=resolve_regimes(regime, states),
-        formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
-        variant_dirs=parse_variants(variant),
-        allow_foreign_variant=allow_foreign_variant,
-        include=tuple(include_layers) or QUANTIZE_INCLUDE,
-        ignore=tuple(ignore_layers),
-        n_blocks=blocks,
-        seed=seed,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        draft_top_p=draft_top_p,
-        acceptance=acceptance,
-        states=states,
-        sensitivity=sensitivity,
-        sensitivity_format=sensitivity_format,
-        tolerance=tolerance,
-        context_blocks=context_blocks,
-    )
+    settings = _settings(options)
     with blocks_progress(Console(stderr=True), quiet=json_path == "-") as progress:
-        results = run_drift(
-            settings,
-            model=model,
-            target=target,
-            tokenizer=tokenizer,
-            corpus=corpus,
-            context_lengths=context_lengths,
-            say=console.print,
-            progress=progress,
-        )
+        where = {k: options[k] for k in ("model", "target", "tokenizer", "corpus")}
+        results = run_drift(settings, **where, context_lengths=options["context_lengths"],
+                            say=console.print, progress=progress)  # fmt: skip
     if wide:
         console = Console(stderr=json_path == "-", width=WIDE_WIDTH)
     print_report(console, results, wide=wide)
     write_json(results, json_path)
+
+
+def _settings(o: dict[str, Any]) -> DriftSettings:
+    """The parsed options as the library's settings."""
+    return DriftSettings(
+        regimes=resolve_regimes(o["regime"], o["states"]),
+        formats=tuple(f.strip() for f in o["formats"].split(",") if f.strip()),
+        variant_dirs=parse_variants(o["variant"]),
+        allow_foreign_variant=o["allow_foreign_variant"],
+        include=tuple(o["include_layers"]) or QUANTIZE_INCLUDE,
+        ignore=tuple(o["ignore_layers"]),
+        n_blocks=o["blocks"],
+        seed=o["seed"],
+        temperature=o["temperature"],
+        top_p=o["top_p"],
+        top_k=o["top_k"],
+        draft_top_p=o["draft_top_p"],
+        acceptance=o["acceptance"],
+        states=o["states"],
+        sensitivity=o["sensitivity"],
+        sensitivity_format=o["sensitivity_format"],
+        tolerance=o["tolerance"],
+        context_blocks=o["context_blocks"],
+    )
