@@ -114,6 +114,17 @@ def _stderr_notice(message: str) -> None:
     print(f"Notice: {message}", file=sys.stderr)
 
 
+def partial_dir(output: Path, option: str) -> Path:
+    """A fresh ``.<name>.qstream-partial-<pid>`` directory beside ``output``, where a run
+    builds what it will publish (QStreamError if it cannot be made)."""
+    tmp = output.parent / f".{output.name}.qstream-partial-{os.getpid()}"
+    try:
+        tmp.mkdir()
+    except OSError as exc:
+        raise QStreamError(f"{option} {output}: cannot create {tmp}: {exc.strerror}") from exc
+    return tmp
+
+
 @contextmanager
 def publishing(
     output: Path,
@@ -127,11 +138,7 @@ def publishing(
     check_target(output, overwrite, option)
     remove_stale_partials(output, notice)
     existed = output.exists() and not _empty_dir(output)
-    tmp = output.parent / f".{output.name}.qstream-partial-{os.getpid()}"
-    try:
-        tmp.mkdir()
-    except OSError as exc:
-        raise QStreamError(f"{option} {output}: cannot create {tmp}: {exc.strerror}") from exc
+    tmp = partial_dir(output, option)
     try:
         with _terminate_as_interrupt():
             yield tmp

@@ -26,3 +26,15 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="session")
 def corpus(tiny):
     return tokenize(builtin_corpus(seed=HELD_OUT_SEED), f"{tiny}/tokenizer.json")
+
+
+@pytest.fixture
+def dead_pid() -> str:
+    """The pid of a process that has exited (what a SIGKILLed run leaves in its partial's name)."""
+    import subprocess
+    import sys
+
+    script = "import os; print(os.getpid())"
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.strip()

@@ -10,8 +10,6 @@ where the tests run unprivileged and simulated (the write raises ``PermissionErr
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -142,13 +140,8 @@ def test_disk_full_publishing_the_card_puts_the_old_figures_back(tmp_path, monke
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
 
 
-def test_a_killed_card_run_leaves_nothing_after_the_next_run(tmp_path):
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+def test_a_killed_card_run_leaves_nothing_after_the_next_run(tmp_path, dead_pid):
+    dead = dead_pid
     stale = tmp_path / f".CARD.md.qstream-partial-{dead}"  # what SIGKILL mid-card leaves
     (stale / "figures").mkdir(parents=True)
     result = _ok(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])

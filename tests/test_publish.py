@@ -85,13 +85,8 @@ def test_an_error_removes_the_temporary_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_leftovers_of_dead_runs_are_removed_with_a_notice(tmp_path):
-    dead = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+def test_leftovers_of_dead_runs_are_removed_with_a_notice(tmp_path, dead_pid):
+    dead = dead_pid
     stale = tmp_path / f".out.qstream-partial-{dead}"
     stale.mkdir()
     (stale / "x").write_text("x")
