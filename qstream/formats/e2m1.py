@@ -77,18 +77,6 @@ def encode_packed(y: torch.Tensor) -> torch.Tensor:
     return _pack32(_codes32(y.abs(), y))
 
 
-def encode_scaled_magnitude(
-    magnitude: torch.Tensor,
-    signs: torch.Tensor,
-    out: torch.Tensor | None = None,
-    scratch: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Packed bytes from float32 ``|y|`` (consumed) and the float32 tensor whose signs y has --
-    the quantizers pass the weight itself, since their scales are positive.  ``out`` (uint8
-    ``[..., K/2]``) and ``scratch`` (int32, like ``magnitude``) avoid allocations."""
-    return _pack32(_codes32(magnitude, signs, scratch), out)
-
-
 def round_to_codes(y: torch.Tensor) -> torch.Tensor:
     """Round already-scaled values to E2M1 codes (uint8, same shape): round half to even,
     saturating at +-6, sign bit from ``signbit(y)``.  NaN must be rejected beforehand."""
