@@ -28,6 +28,8 @@ from qstream.eval.run import (
     run_drift,
 )
 from qstream.eval.settings import DriftSettings
+from qstream.eval.states import AUTO, CONVENTIONS
+from qstream.eval.states import FORMATS as STATES_FORMATS
 from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE
@@ -142,9 +144,32 @@ class FiniteRange(click.FloatRange):
 )
 @option(
     "states",
-    type=click.Path(dir_okay=False),
-    help="Captured target states (safetensors, docs/states.md): adds the 'states' regime "
-    "and the acceptance of every draft against the target itself.",
+    type=click.Path(),
+    help="Captured target states, a file or a directory: qstream's layout, vLLM / speculators "
+    "safetensors or SpecForge .ckpt (docs/states.md). Adds the 'states' regime and the "
+    "acceptance of every draft against the target itself.",
+)
+@option(
+    "states_format",
+    type=click.Choice([AUTO, *STATES_FORMATS]),
+    default=AUTO,
+    show_default=True,
+    help="Layout of --states; auto tells it from the files' contents.",
+)
+@option(
+    "states_layer_convention",
+    type=click.Choice(list(CONVENTIONS)),
+    default=None,
+    help="How layer ids of --states are numbered: layer-output (id j = output of layer j, as "
+    "the draft's target_layer_ids) or hidden-states-index (id k = output_hidden_states[k] = "
+    "layer k-1's output, as vLLM's). Default: capture.json's, else the layout's own.",
+)
+@option(
+    "states_layer_ids",
+    metavar="IDS",
+    default=None,
+    help="Comma-separated layer ids the states were captured at (e.g. vLLM's "
+    "eagle_aux_hidden_state_layer_ids), checked against the draft's target_layer_ids.",
 )
 @option(
     "sensitivity",
@@ -195,6 +220,7 @@ def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
     qstream eval-drift --regime heavy
     qstream eval-drift --regime heavy --acceptance --blocks 256
     qstream eval-drift --model DRAFT --states captured.safetensors --acceptance
+    qstream eval-drift --model DRAFT --target TARGET --states hidden_states/ --blocks 512
     qstream eval-drift --regime heavy --formats bf16 --sensitivity --tolerance 0.1
     qstream eval-drift --regime heavy --formats bf16,nvfp4 --context-lengths
     qstream eval-drift --model DRAFT --target TARGET --corpus gsm8k/test.jsonl \\
@@ -230,6 +256,9 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         draft_top_p=o["draft_top_p"],
         acceptance=o["acceptance"],
         states=o["states"],
+        states_format=o["states_format"],
+        states_layer_convention=o["states_layer_convention"],
+        states_layer_ids=o["states_layer_ids"],
         sensitivity=o["sensitivity"],
         sensitivity_format=o["sensitivity_format"],
         tolerance=o["tolerance"],

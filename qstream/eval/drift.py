@@ -22,7 +22,7 @@ from qstream.eval.provenance import check_variants_derived, refuse_quantized_mod
 from qstream.eval.regime import RegimeRun, evaluate_regime
 from qstream.eval.regimes import check_boot_compatible
 from qstream.eval.settings import DriftSettings, Progress, Silent
-from qstream.eval.states import read_states
+from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
@@ -66,7 +66,7 @@ def evaluate_drift(
     variants = check_variants_derived(
         settings_variants(settings), model_dir, weights, settings.allow_foreign_variant
     )
-    states = read_states(settings.states, config) if settings.states is not None else None
+    states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
     results = _run_description(model_dir, config, weights, corpus, plan, settings, variants, target)
 
@@ -92,6 +92,21 @@ def evaluate_drift(
     if settings.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS
     return results
+
+
+def _read_states(
+    settings: DriftSettings, config: DSparkConfig, target: str | None
+) -> CapturedStates | None:
+    if settings.states is None:
+        return None
+    return read_states(
+        settings.states,
+        config,
+        format=settings.states_format,
+        layer_convention=settings.states_layer_convention,
+        layer_ids=settings.states_layer_ids,
+        target=target,
+    )
 
 
 def _with_sweep(run: RegimeRun) -> dict:

@@ -59,7 +59,13 @@ class DriftSettings:
     # Simulated acceptance (docs/acceptance.md): the FP32 reference verifies each variant's
     # drafts, token-wise and by block verification
     acceptance: bool = False
-    states: str | None = None  # captured target states (qstream/eval/states.py): regime "states"
+    # captured target states, a file or a directory (qstream/eval/states/): regime "states";
+    # its layout (auto: from the contents), the convention of the layer ids it names, and layer
+    # ids to check it against (docs/states.md)
+    states: str | None = None
+    states_format: str | None = None
+    states_layer_convention: str | None = None
+    states_layer_ids: str | None = None
     # Per-module sensitivity (qstream/eval/sensitivity.py): one format, one module kind at a
     # time, then cumulatively; None picks nvfp4 or the first 4-bit format of ``formats``.
     sensitivity: bool = False

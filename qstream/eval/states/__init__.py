@@ -1,0 +1,216 @@
+"""Captured target states (``qstream eval-drift --states PATH``): token streams with the target's
+aux hidden states and its final hidden state, read from a file or a directory in qstream's own
+layout, vLLM's / speculators' (one safetensors per request) or SpecForge's (one ``torch.save``
+per sample); docs/states.md describes each.
+
+The layout is told from the files' contents (``format`` overrides); every file's header and
+shapes are checked before anything runs, each mismatch one line naming the file, the tensor and
+the expected shape.  Hidden states are read a batch of streams at a time.
+
+>>> states = read_states("captured/", config, target="kimi-k3/")
+>>> plan = sample_anchors(states, 1024, config.block_size, seed=0)
+>>> aux = states.aux([0, 3], pad_to=512)                   # [2, 512, A] float32
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from qstream.checkpoint.files import read_json
+from qstream.checkpoint.safetensors_io import read_header
+from qstream.errors import QStreamError
+from qstream.eval.states.captured import CapturedStates, files_sha256
+from qstream.eval.states.layers import (
+    CONVENTIONS,
+    HIDDEN_STATES_INDEX,
+    LAYER_OUTPUT,
+    FinalNorm,
+    as_layer_output,
+    check_layer_ids,
+    parse_convention,
+    parse_ids,
+    read_final_norm,
+)
+from qstream.eval.states.qstream_layout import open_qstream_file
+from qstream.eval.states.specforge_layout import GZIP_MAGIC, ZIP_MAGIC, open_specforge_file
+from qstream.eval.states.vllm_layout import open_vllm_file
+from qstream.model.config import DSparkConfig
+
+__all__ = ["AUTO", "CONVENTIONS", "FORMATS", "CapturedStates", "read_states"]
+
+QSTREAM, VLLM, SPECFORGE = "qstream", "vllm", "specforge"
+FORMATS = (QSTREAM, VLLM, SPECFORGE)
+AUTO = "auto"
+# The convention each layout's layer ids are written in, when nothing else says (docs/states.md).
+DEFAULT_CONVENTION = {QSTREAM: LAYER_OUTPUT, VLLM: HIDDEN_STATES_INDEX, SPECFORGE: LAYER_OUTPUT}
+FINAL_TENSOR = {
+    QSTREAM: "target_hidden_states",
+    VLLM: "hidden_states[:, -1] (last layer, before the final norm)",
+    SPECFORGE: "target_last_hidden_states",
+}
+SUFFIXES = (".safetensors", ".ckpt", ".ckpt.gz")
+MANIFEST = "capture.json"  # what qstream capture writes beside its streams
+
+
+def _natural(path: Path) -> list:
+    """Sort key: digit runs compare as numbers (hs_2 before hs_10, rows_0-2000 first)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.as_posix())]
+
+
+def list_files(root: Path) -> list[Path]:
+    """The states files: ``root`` itself, or every .safetensors / .ckpt / .ckpt.gz under it
+    (hidden entries skipped), in natural name order."""
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise QStreamError(f"--states {root}: no such file or directory")
+    files = [
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.name.endswith(SUFFIXES)
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    ]
+    if not files:
+        raise QStreamError(
+            f"--states {root}: directory holds no {', '.join(SUFFIXES)} files (docs/states.md)"
+        )
+    return sorted(files, key=lambda p: _natural(p.relative_to(root)))
+
+
+def sniff(path: Path) -> str:
+    """The layout of one file, from its first bytes and (safetensors) its tensor names."""
+    with path.open("rb") as fh:
+        head = fh.read(4)
+    if head == ZIP_MAGIC or head[:2] == GZIP_MAGIC or head[:1] == b"\x80":
+        return SPECFORGE  # a torch.save zip or pickle, plain or gzip-compressed
+    names = set(read_header(path).tensors)
+    if names & {"token_ids", "hidden_states"}:
+        return VLLM
+    if "input_ids" in names or any(n.startswith("stream.") for n in names):
+        return QSTREAM
+    shown = ", ".join(sorted(names)[:4]) or "none"
+    raise QStreamError(
+        f"{path}: not a states file qstream knows (tensors: {shown}); expected qstream's "
+        "input_ids/aux_hidden_states/target_hidden_states, vLLM's token_ids/hidden_states, "
+        "or a SpecForge .ckpt (docs/states.md)"
+    )
+
+
+def _resolve_format(files: list[Path], format: str | None) -> str:
+    if format not in (None, AUTO):
+        if format not in FORMATS:
+            raise QStreamError(
+                f"--states-format {format!r}: choose from auto, {', '.join(FORMATS)}"
+            )
+        return format
+    found: dict[str, Path] = {}
+    for path in files:
+        found.setdefault(sniff(path), path)
+    if len(found) > 1:
+        (a, pa), (b, pb) = list(found.items())[:2]
+        raise QStreamError(
+            f"--states: mixed layouts in one directory: {pa} is {a}, {pb} is {b}; keep "
+            "one layout per directory"
+        )
+    return next(iter(found))
+
+
+def _named_ids(
+    root: Path, manifest: dict | None, convention: str | None, layer_ids: object, config, default
+) -> tuple[str, list[dict]]:
+    """Layer ids the manifest and ``--states-layer-ids`` name, each checked against the draft."""
+    named = []
+    if manifest is not None:
+        where = str(root / MANIFEST)
+        own = parse_convention(manifest.get("layer_convention"), f"{where}: layer_convention")
+        if convention is not None and convention != own:
+            raise QStreamError(
+                f"{where}: layer_convention is {own}, but --states-layer-convention "
+                f"says {convention}"
+            )
+        ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
+        check_layer_ids(ids, own, config, f"{where}: layer_ids")
+        convention = own
+        named.append({"by": MANIFEST, "ids": list(ids)})
+    if layer_ids is not None:
+        ids = parse_ids(layer_ids, "--states-layer-ids")
+        check_layer_ids(ids, convention or default, config, "--states-layer-ids")
+        named.append({"by": "--states-layer-ids", "ids": list(ids)})
+    return convention or default, named
+
+
+def _layers(
+    root: Path, fmt: str, config: DSparkConfig, convention: str | None, layer_ids: object
+) -> tuple[dict, dict | None]:
+    """The results' ``layers`` block and the manifest (capture.json) if the directory has one."""
+    manifest_path = root / MANIFEST
+    manifest = read_json(manifest_path, MANIFEST) if manifest_path.is_file() else None
+    if manifest is not None and not isinstance(manifest, dict):
+        raise QStreamError(f"{manifest_path}: not a JSON object")
+    if convention is not None:
+        convention = parse_convention(convention, "--states-layer-convention")
+    default = DEFAULT_CONVENTION[fmt]
+    convention, named = _named_ids(root, manifest, convention, layer_ids, config, default)
+    draft = tuple(config.target_layer_ids)
+    in_convention = draft if convention == LAYER_OUTPUT else tuple(i + 1 for i in draft)
+    assert as_layer_output(in_convention, convention) == draft
+    block = {
+        "convention": convention,
+        "ids": list(in_convention),
+        "named_by": named,  # [] when no file or option names its layers: only shapes are checked
+        "draft_target_layer_ids": list(draft),
+    }
+    return block, manifest
+
+
+Opener = Callable[[Path], list]
+
+
+def _opener(
+    fmt: str, root: Path, config: DSparkConfig, target: str | None
+) -> tuple[Opener, FinalNorm]:
+    if fmt == VLLM:
+        why = f"--states {root} (vLLM / speculators layout)"
+        norm = read_final_norm(target, config.target_hidden_size, why)
+        return (lambda p: open_vllm_file(p, config, norm)), norm
+    if fmt == SPECFORGE:
+        return (lambda p: open_specforge_file(p, config)), FinalNorm()
+    return (lambda p: open_qstream_file(p, config)), FinalNorm()
+
+
+def read_states(
+    path: str | Path,
+    config: DSparkConfig,
+    *,
+    format: str | None = None,
+    layer_convention: str | None = None,
+    layer_ids: object = None,
+    target: str | None = None,
+) -> CapturedStates:
+    """Open and validate captured states (a file or a directory) against the draft's config;
+    QStreamError (one line, naming the file and tensor) for anything that does not fit.
+    ``target``: the target checkpoint, whose final norm normalizes a pre-norm final state."""
+    root = Path(path)
+    files = list_files(root)
+    fmt = _resolve_format(files, format)
+    layers, manifest = _layers(root, fmt, config, layer_convention, layer_ids)
+    open_file, norm = _opener(fmt, root, config, target)
+    pairs = [pair for f in files for pair in open_file(f)]
+    details = {
+        "format": fmt,
+        "files": len(files),
+        "layers": layers,
+        "final_state": {"tensor": FINAL_TENSOR[fmt], "normalized_with": norm.to_json()},
+        "manifest": manifest,
+    }
+    return CapturedStates(
+        name=str(root),
+        sha256=files_sha256(files, root),
+        streams=tuple(ids for _, ids in pairs),
+        tokenizer="(token ids from the states file)",
+        sources=tuple(source for source, _ in pairs),
+        details=details,
+    )

@@ -1,0 +1,158 @@
+"""The corpus every states layout is read into (:class:`CapturedStates`), the per-stream readers
+the layouts provide (:class:`StreamSource`), and the checks all layouts share (docs/states.md).
+
+A stream's rows are read only when a batch asks for them: ``aux`` rows [n, A] and ``target``
+rows [n, H] (the target's final hidden state after its final norm), both float32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from qstream.errors import QStreamError
+from qstream.eval.corpus import AnchorPlan, Corpus
+from qstream.model.config import DSparkConfig
+from qstream.units import FLOAT_DTYPE_NAMES, FLOAT_DTYPES
+
+ID_DTYPES = (torch.int32, torch.int64)
+AUX, TARGET = "aux", "target"  # the two kinds of rows a stream source reads
+_HASH_CHUNK = 1 << 24
+
+
+class StreamSource(Protocol):
+    """One stream of a states file: where it lives and how to read a range of its rows."""
+
+    where: str  # the file (for messages)
+
+    def tensor_name(self, kind: str) -> str:
+        """The tensor (as the file names it) that ``kind`` rows come from, for messages."""
+        ...
+
+    def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of ``kind`` (AUX or TARGET) as float32."""
+        ...
+
+
+@dataclass(frozen=True)
+class CapturedStates(Corpus):
+    """A corpus whose aux states and target states come from captured files."""
+
+    sources: tuple[StreamSource, ...] = ()
+    details: dict = field(default_factory=dict)  # format, files, layers, final state, manifest
+
+    def identity(self) -> dict:
+        return {**super().identity(), **self.details}
+
+    def _rows(self, stream: int, kind: str, start: int, stop: int) -> torch.Tensor:
+        source = self.sources[stream]
+        rows = source.rows(kind, start, stop)
+        if not bool(torch.isfinite(rows).all()):
+            raise QStreamError(
+                f"{source.where}: tensor {source.tensor_name(kind)!r} holds "
+                f"non-finite values in positions {start}..{stop - 1}"
+            )
+        return rows
+
+    def aux(self, streams: list[int], pad_to: int) -> torch.Tensor:
+        """Aux states [S, pad_to, A] float32 of ``streams``, zero-padded (cut at ``pad_to``)."""
+        rows = [self._rows(s, AUX, 0, min(pad_to, int(self.streams[s].numel()))) for s in streams]
+        out = torch.zeros(len(streams), pad_to, rows[0].shape[-1])
+        for i, r in enumerate(rows):
+            out[i, : r.shape[0]] = r
+        return out
+
+    def target_hidden(
+        self, stream: torch.Tensor, anchor: torch.Tensor, block_size: int
+    ) -> torch.Tensor:
+        """``[n, B, H]`` float32: the target's final hidden states at positions p..p+B−1 of each
+        block (those predicting the block's tokens p+1..p+B)."""
+        out = None
+        for s in stream.unique().tolist():
+            rows = (stream == s).nonzero().squeeze(1)
+            lo, hi = int(anchor[rows].min()), int(anchor[rows].max()) + block_size
+            states = self._rows(s, TARGET, lo, hi)
+            if out is None:
+                out = torch.empty(stream.numel(), block_size, states.shape[-1])
+            positions = anchor[rows, None] - lo + torch.arange(block_size)  # [m, B]
+            out[rows] = states[positions]
+        assert out is not None, "no blocks"
+        return out
+
+    def block_tokens(self, plan: AnchorPlan, block_size: int) -> torch.Tensor:
+        """``[N, B]`` the stream's own tokens p+1..p+B of every block of ``plan``."""
+        return torch.stack(
+            [
+                self.streams[s][p + 1 : p + 1 + block_size]
+                for s, p in zip(plan.stream.tolist(), plan.anchor.tolist())
+            ]
+        )
+
+
+def check_ids(where: str, name: str, ids: torch.Tensor, config: DSparkConfig) -> torch.Tensor:
+    """A stream's token ids: 1-D int32/int64, long enough for one block, inside the vocab."""
+    if ids.dtype not in ID_DTYPES or ids.ndim != 1:
+        raise QStreamError(
+            f"{where}: tensor {name!r} must be 1-D int32/int64, got "
+            f"{str(ids.dtype).removeprefix('torch.')} {list(ids.shape)}"
+        )
+    T = ids.numel()
+    if T < config.block_size + 2:
+        raise QStreamError(
+            f"{where}: tensor {name!r} has {T} tokens; a block needs at least "
+            f"{config.block_size + 2} (one context token, the block, its last "
+            "token's successor)"
+        )
+    if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+        raise QStreamError(
+            f"{where}: tensor {name!r} holds ids outside [0, "
+            f"{config.vocab_size}) (the model's vocab_size)"
+        )
+    return ids.long()
+
+
+def check_float(where: str, name: str, dtype: str | torch.dtype) -> None:
+    """A hidden-state tensor's dtype (a safetensors name such as BF16, or a torch dtype)."""
+    ok = dtype in FLOAT_DTYPES if isinstance(dtype, torch.dtype) else dtype in FLOAT_DTYPE_NAMES
+    if not ok:
+        shown = str(dtype).removeprefix("torch.")
+        raise QStreamError(
+            f"{where}: tensor {name!r} has dtype {shown}, expected one of "
+            f"{', '.join(FLOAT_DTYPE_NAMES)}"
+        )
+
+
+def check_shape(where: str, name: str, shape: list[int], expected: list[int], why: str) -> None:
+    if list(shape) != list(expected):
+        raise QStreamError(
+            f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(expected)} ({why})"
+        )
+
+
+def aux_why(config: DSparkConfig) -> str:
+    return (
+        f"num_target_layers·target_hidden_size = "
+        f"{config.num_target_layers}·{config.target_hidden_size}"
+    )
+
+
+def files_sha256(files: list[Path], root: Path) -> str:
+    """sha256 of one file, or of a directory's files (relative name and each file's sha256)."""
+    if len(files) == 1 and files[0] == root:
+        return _sha256(root)
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.relative_to(root).as_posix()}\0{_sha256(f)}\n".encode())
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,113 @@
+"""Which target layers a states file holds, in which numbering, and the target's final norm
+(docs/states.md).
+
+Two numberings of a target's hidden states are in use:
+
+* ``layer-output``: id j is the output of decoder layer j (0-based).  The draft's own
+  ``target_layer_ids`` are in this convention, as are SpecForge's (``dflash_config.target_layer_ids``).
+* ``hidden-states-index``: id k is the residual stream entering layer k, transformers'
+  ``output_hidden_states[k]`` (k = 0 the embeddings); vLLM's ``eagle_aux_hidden_state_layer_ids``
+  and speculators' ``--target-layer-ids`` are in this one.  Layer-output j is index j + 1; index N
+  (after the last of N layers) is, in vLLM, the last layer's output *before* the final norm
+  (transformers' ``output_hidden_states[N]`` is after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qstream.checkpoint.files import read_config
+from qstream.errors import QStreamError
+from qstream.model.config import DSparkConfig
+from qstream.model.load import read_target_tensors
+
+LAYER_OUTPUT, HIDDEN_STATES_INDEX = "layer-output", "hidden-states-index"
+CONVENTIONS = (LAYER_OUTPUT, HIDDEN_STATES_INDEX)
+FINAL_NORM = "model.norm.weight"  # the final norm of a transformers decoder (not a layer's norm)
+
+
+def parse_convention(value: object, where: str) -> str:
+    """A convention name (``layer_output`` is accepted for ``layer-output``)."""
+    name = value.replace("_", "-") if isinstance(value, str) else value
+    if name not in CONVENTIONS:
+        raise QStreamError(
+            f"{where}: layer convention {value!r} is not one of {', '.join(CONVENTIONS)}"
+        )
+    return str(name)
+
+
+def parse_ids(value: object, where: str) -> tuple[int, ...]:
+    """Layer ids from a list of ints or a comma-separated string."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if not all(p.isdigit() for p in parts):
+            raise QStreamError(f"{where}: layer ids {value!r} are not comma-separated integers")
+        value = [int(p) for p in parts]
+    ok = isinstance(value, list | tuple) and value
+    if not ok or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        raise QStreamError(f"{where}: layer ids {value!r} are not a list of integers")
+    return tuple(value)
+
+
+def as_layer_output(ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
+    return ids if convention == LAYER_OUTPUT else tuple(i - 1 for i in ids)
+
+
+def check_layer_ids(ids: tuple[int, ...], convention: str, config: DSparkConfig, where: str):
+    """Refuse ids (named by ``where``) that are not the draft's ``target_layer_ids``.  A trailing
+    last layer (index N, or output N−1) names the final state and is allowed."""
+    n, wanted = config.target_num_hidden_layers, tuple(config.target_layer_ids)
+    lo = as_layer_output(ids, convention)
+    if len(lo) == len(wanted) + 1 and lo[-1] == n - 1:
+        lo = lo[:-1]  # speculators appends the last layer (its final state)
+    if lo != wanted:
+        raise QStreamError(
+            f"{where}: layer ids {list(ids)} ({convention}) are layers {list(lo)} in the "
+            f"layer-output convention; the draft's target_layer_ids are {list(wanted)} "
+            f"(target_num_hidden_layers = {n})"
+        )
+
+
+@dataclass(frozen=True)
+class FinalNorm:
+    """The target's final RMSNorm; ``weight`` None: the identity (states already normalized)."""
+
+    weight: torch.Tensor | None = None
+    eps: float = 0.0
+    source: str = ""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return x
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def to_json(self) -> dict | None:
+        return None if self.weight is None else {"weight": self.source, "eps": self.eps}
+
+
+def read_final_norm(target: str | None, width: int, why: str) -> FinalNorm:
+    """``model.norm.weight`` [width] and ``rms_norm_eps`` of the HF checkpoint ``target``."""
+    if target is None:
+        raise QStreamError(
+            f"{why}: its final state is taken before the target's final norm; pass --target "
+            f"HF_DIR (the target checkpoint: its {FINAL_NORM} and config.json rms_norm_eps) "
+            "to normalize it"
+        )
+    weight = read_target_tensors(target, [FINAL_NORM])[FINAL_NORM]
+    if list(weight.shape) != [width]:
+        raise QStreamError(
+            f"{target}: {FINAL_NORM} has shape {list(weight.shape)}, expected [{width}] "
+            "(the final state's width)"
+        )
+    config = read_config(Path(target))
+    eps = config.get("rms_norm_eps", (config.get("text_config") or {}).get("rms_norm_eps"))
+    if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
+        raise QStreamError(
+            f"{Path(target) / 'config.json'}: rms_norm_eps = {eps!r}, expected a positive "
+            "number (the final norm's epsilon)"
+        )
+    return FinalNorm(weight.float(), float(eps), f"{target}:{FINAL_NORM}")
