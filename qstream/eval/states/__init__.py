@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from qstream.checkpoint.files import read_json
@@ -166,19 +167,20 @@ def _layers(
     return block, manifest
 
 
-Opener = Callable[[Path], list]
-
-
-def _opener(
-    fmt: str, root: Path, config: DSparkConfig, target: str | None
-) -> tuple[Opener, FinalNorm]:
-    if fmt == VLLM:
-        why = f"--states {root} (vLLM / speculators layout)"
-        norm = read_final_norm(target, config.target_hidden_size, why)
-        return (lambda p: open_vllm_file(p, config, norm)), norm
+def _opener(fmt: str, config: DSparkConfig) -> Callable[[Path], list]:
+    if fmt == VLLM:  # the final norm is attached once every file has been checked
+        return lambda p: open_vllm_file(p, config, FinalNorm())
     if fmt == SPECFORGE:
-        return (lambda p: open_specforge_file(p, config)), FinalNorm()
-    return (lambda p: open_qstream_file(p, config)), FinalNorm()
+        return lambda p: open_specforge_file(p, config)
+    return lambda p: open_qstream_file(p, config)
+
+
+def _final_norm(fmt: str, root: Path, config: DSparkConfig, target: str | None) -> FinalNorm:
+    """The target's final norm when the layout's final state is taken before it (vLLM)."""
+    if fmt != VLLM:
+        return FinalNorm()
+    why = f"--states {root} (vLLM / speculators layout)"
+    return read_final_norm(target, config.target_hidden_size, why)
 
 
 def read_states(
@@ -197,8 +199,11 @@ def read_states(
     files = list_files(root)
     fmt = _resolve_format(files, format)
     layers, manifest = _layers(root, fmt, config, layer_convention, layer_ids)
-    open_file, norm = _opener(fmt, root, config, target)
+    open_file = _opener(fmt, config)
     pairs = [pair for f in files for pair in open_file(f)]
+    norm = _final_norm(fmt, root, config, target)
+    if norm.weight is not None:
+        pairs = [(replace(source, norm=norm), ids) for source, ids in pairs]
     details = {
         "format": fmt,
         "files": len(files),

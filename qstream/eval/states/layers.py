@@ -46,8 +46,11 @@ def parse_ids(value: object, where: str) -> tuple[int, ...]:
         if not all(p.isdigit() for p in parts):
             raise QStreamError(f"{where}: layer ids {value!r} are not comma-separated integers")
         value = [int(p) for p in parts]
-    ok = isinstance(value, list | tuple) and value
-    if not ok or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+    if not (
+        isinstance(value, list | tuple)
+        and value
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
         raise QStreamError(f"{where}: layer ids {value!r} are not a list of integers")
     return tuple(value)
 
