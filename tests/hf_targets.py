@@ -1,69 +1,24 @@
-"""Tiny real-architecture Hugging Face targets for the capture tests: Llama and DeepSeek-V3
-built by transformers from a config (random weights, fixed seed), saved with
-``save_pretrained`` beside a byte-level BPE tokenizer trained on generated word problems, so
-that nothing is downloaded and nothing outside the repository is read."""
+"""Tiny real-architecture Hugging Face targets for the capture tests (built by
+``examples/make_tiny_target.py``: Llama and DeepSeek-V3 from a config, random weights, fixed
+seed, a BPE tokenizer; nothing downloaded) and a draft config.json shaped for them."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from qstream.model.config import PRESETS
-from qstream.model.corpus import builtin_corpus, train_tokenizer, write_tokenizer
 
-VOCAB = 512  # tokenizer and model vocabulary
-HIDDEN = 64
-LAYERS = 6
+_EXAMPLE = Path(__file__).parent.parent / "examples" / "make_tiny_target.py"
+_spec = importlib.util.spec_from_file_location("make_tiny_target", _EXAMPLE)
+assert _spec is not None and _spec.loader is not None
+_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_module)
 
-
-def _config(family: str):
-    from transformers import DeepseekV3Config, LlamaConfig
-
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2 if family == "llama" else 4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=0,
-        pad_token_id=1,
-    )
-    if family == "llama":
-        return LlamaConfig(**common)
-    return DeepseekV3Config(
-        **common,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=1,
-        topk_group=1,
-        q_lora_rank=32,
-        kv_lora_rank=16,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-    )
-
-
-def make_target(directory: Path, family: str, seed: int = 0) -> Path:
-    """Write a tiny ``family`` ("llama" or "deepseek_v3") target into ``directory``."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_config(family))
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    write_tokenizer(train_tokenizer(builtin_corpus(n=600, seed=seed), VOCAB), directory)
-    return directory
+VOCAB, HIDDEN, LAYERS = _module.VOCAB, _module.HIDDEN, _module.LAYERS
+make_target = _module.make_target
 
 
 def make_draft_config(directory: Path, layer_ids=(0, 2, 3), layers: int = LAYERS) -> Path:
