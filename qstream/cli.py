@@ -23,6 +23,7 @@ COMMANDS = {
     "inspect": "qstream.commands.inspect:inspect",
     "verify": "qstream.commands.verify:verify",
     "synth": "qstream.commands.synth:synth",
+    "capture": "qstream.commands.capture:capture",
     "eval-drift": "qstream.commands.eval_drift:eval_drift",
     "card": "qstream.commands.card:card",
 }

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.model.config import PRESETS
-from qstream.model.synth import synth_checkpoint
+from qstream.model.synth import SynthSummary, synth_checkpoint
+from qstream.model.synth_target import synth_for_target
 
 
 @click.command(cls=Command)
@@ -29,6 +32,13 @@ from qstream.model.synth import synth_checkpoint
     help="GSM8K JSONL or text to train the tokenizer and Markov statistics on "
     "(default: a built-in generated corpus of arithmetic word problems).",
 )
+@option(
+    "target",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="A Hugging Face target to shape the draft for (its hidden size, depth, vocabulary, "
+    "tokenizer and embed_tokens; lm_head is borrowed with --target at load time).",
+)
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
 @json_option()
 def synth(
@@ -36,14 +46,19 @@ def synth(
     output_dir: str,
     seed: int,
     corpus: str | None,
+    target: str | None,
     overwrite: bool,
     json_path: str | None,
 ) -> None:
     """Write a synthetic DSpark draft checkpoint: config.json, bf16 safetensors, a BPE
-    tokenizer and a stand-in target head (target_head/).
+    tokenizer and a stand-in target head (target_head/); with --target, a draft shaped for
+    that Hugging Face target, with its tokenizer.
 
-    Example: qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
+    \b
+    qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
+    qstream synth --target TARGET --output_dir draft --corpus gsm8k/train.jsonl
     """
+    make = partial(_make, target)
     if sys.stderr.isatty():
         with Progress(
             "[progress.description]{task.description}",
@@ -53,7 +68,7 @@ def synth(
             transient=True,
         ) as bar:
             task = bar.add_task(f"synth {preset}", total=None)
-            summary = synth_checkpoint(
+            summary = make(
                 preset,
                 output_dir,
                 seed,
@@ -62,7 +77,7 @@ def synth(
                 lambda done, total: bar.update(task, completed=done, total=total),
             )
     else:
-        summary = synth_checkpoint(preset, output_dir, seed, corpus, overwrite)
+        summary = make(preset, output_dir, seed, corpus, overwrite)
     if json_path != "-":
         click.echo(
             f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "
@@ -71,3 +86,17 @@ def synth(
             f"top-1 {summary.predicted_top1:.2f})"
         )
     write_json(vars(summary), json_path)
+
+
+def _make(
+    target: str | None,
+    preset: str,
+    output_dir: str,
+    seed: int,
+    corpus: str | None,
+    overwrite: bool,
+    progress: Callable[[int, int], None] | None = None,
+) -> SynthSummary:
+    if target is None:
+        return synth_checkpoint(preset, output_dir, seed, corpus, overwrite, progress)
+    return synth_for_target(target, output_dir, preset, seed, corpus, overwrite, progress)

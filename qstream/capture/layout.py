@@ -1,0 +1,137 @@
+"""What ``qstream capture`` writes (docs/capture.md): one safetensors file per stream, each
+written whole or not at all (a temporary name beside it, then one rename), and
+``capture.json``, the settings a resumed run must match.
+
+qstream's layout, ``stream-000000.safetensors`` … (docs/states.md, single stream):
+``input_ids`` [T] int64, ``aux_hidden_states`` [T, L·H], ``target_hidden_states`` [T, H]
+(after the final norm), in the capture dtype.
+
+``--export vllm``, ``hs_0.safetensors`` … as vLLM's ``ExampleHiddenStatesConnector`` and
+speculators' ``data_generation_offline`` write them: ``token_ids`` [T] int64 and
+``hidden_states`` [T, L+1, H], the aux layers in the hidden-states-index convention followed
+by the last layer's output before the final norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from qstream.errors import QStreamError
+
+RECORD = "capture.json"
+EXPORTS = ("qstream", "vllm")
+# Settings a resumed run must share with the run that started the directory: everything that
+# changes what a stream file holds.  The device, the draft's path and the stream count may
+# differ (``--streams`` can grow a capture).
+CHECKED = (
+    "layout",
+    "layer_convention",
+    "layer_ids",
+    "target",
+    "source",
+    "sampling",
+    "dtype",
+    "max_tokens",
+    "corpus",
+    "corpus_sha256",
+)
+
+
+def stream_file(index: int, export: str) -> str:
+    return f"hs_{index}.safetensors" if export == "vllm" else f"stream-{index:06d}.safetensors"
+
+
+def stream_tensors(
+    ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """qstream's single-stream layout (docs/states.md)."""
+    return {
+        "input_ids": ids.to(torch.int64).contiguous(),
+        "aux_hidden_states": aux.contiguous(),  # [T, L·H]
+        "target_hidden_states": final.contiguous(),  # [T, H] after the final norm
+    }
+
+
+def vllm_tensors(
+    ids: torch.Tensor, layers: torch.Tensor, pre_norm: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """vLLM's / speculators' layout: ``hidden_states`` [T, L+1, H] = the aux layers, then the
+    last layer's output before the final norm."""
+    return {
+        "hidden_states": torch.cat((layers, pre_norm[:, None]), dim=1).contiguous(),
+        "token_ids": ids.to(torch.int64).contiguous(),
+    }
+
+
+def write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """One stream's file, whole or not at all."""
+    tmp = path.with_name(f".{path.name}.qstream-partial-{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise QStreamError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_record(output: Path, record: dict[str, Any]) -> None:
+    """``capture.json``, replaced in one rename."""
+    path = output / RECORD
+    tmp = output / f".{RECORD}.qstream-partial-{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise QStreamError(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def _comparable(key: str, value: Any) -> Any:
+    # the target is the same target when its config.json is: its path may move
+    if key == "target" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "path"}
+    return value
+
+
+def check_output(output: Path, record: dict[str, Any]) -> bool:
+    """Before any work: ``output`` must be absent, empty, or a capture with the same settings
+    (resume; one line naming the first setting that differs).  True when it is a capture."""
+    path = output / RECORD
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise QStreamError(f"{path}: cannot read ({exc})") from None
+        for key in CHECKED:
+            was, now = _comparable(key, old.get(key)), _comparable(key, record.get(key))
+            if was != now:
+                raise QStreamError(
+                    f"--output {output} was captured with {key} = {json.dumps(was)}, this run "
+                    f"has {json.dumps(now)}; use the same settings to resume, or another --output"
+                )
+        return True
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise QStreamError(
+            f"--output {output} exists and holds no {RECORD}; refusing to write into it"
+        )
+    if not output.parent.is_dir():
+        raise QStreamError(f"--output {output}: directory {output.parent} does not exist")
+    return False
+
+
+def start_output(output: Path, record: dict[str, Any]) -> None:
+    """Create ``output`` with its ``capture.json`` (once the target has loaded)."""
+    try:
+        output.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise QStreamError(f"--output {output}: cannot create ({exc.strerror or exc})") from None
+    write_record(output, record)

@@ -1,0 +1,192 @@
+"""``qstream capture`` as a library call (docs/capture.md): check everything, load the target,
+then run it over the streams a batch at a time (grouped by length, right-padded, the padded
+positions' states discarded), writing each stream's file as its batch completes.
+
+>>> summary = run_capture(CaptureSettings(target="T", model="DRAFT", output="states/"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import qstream
+from qstream.capture.hooks import LayerTap
+from qstream.capture.layout import check_output, start_output, stream_file, write_record
+from qstream.capture.streams import (
+    CorpusDocs,
+    Sampling,
+    corpus_docs,
+    encode,
+    generate,
+    length_batches,
+    select_streams,
+)
+from qstream.capture.target import (
+    DTYPES,
+    LoadedTarget,
+    check_draft,
+    decoder_parts,
+    layer_output_ids,
+    load_target,
+)
+from qstream.capture.write import write_batch
+from qstream.errors import QStreamError
+from qstream.model.config import DSparkConfig
+from qstream.model.load import load_config
+from qstream.model.target import read_target_shape
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    target: str  # Hugging Face target directory
+    model: str  # draft directory: target_layer_ids, widths, block size
+    output: str  # directory of per-stream files plus capture.json
+    corpus: str | None = None  # GSM8K JSONL or text; None: the built-in GSM8K test split
+    layers: tuple[int, ...] | None = None  # overrides the draft's target_layer_ids
+    layer_convention: str = "layer-output"  # the convention --layers is written in
+    dtype: str = "bfloat16"  # the target's weights, compute and the files' states
+    device: str = "cpu"
+    device_map: str | None = None  # "auto": accelerate spreads the target over devices
+    max_tokens: int = 512  # corpus tokens per stream (the prompt, with --generate)
+    streams: int | None = None  # how many streams (default: every long enough document)
+    batch_size: int = 8  # streams per forward
+    sampling: Sampling | None = None  # --generate: continue each prompt with target samples
+    export: str = "qstream"  # or "vllm": vLLM's / speculators' layout
+    trust_remote_code: bool = False
+
+
+@dataclass
+class CaptureSummary:
+    output: str
+    streams: int  # files in the directory now
+    written: int  # by this run
+    skipped: int  # already there (resumed)
+    tokens: int  # in the streams this run wrote
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+Progress = Callable[[int, int], None]  # (streams done, streams to do)
+
+
+def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
+    vllm = s.export == "vllm"
+    return {
+        "layout": s.export,
+        "layer_convention": "hidden-states-index" if vllm else "layer-output",
+        "layer_ids": [j + 1 for j in ids] + [shape.num_hidden_layers] if vllm else list(ids),
+        "target": shape.identity(),
+        "source": "corpus" if s.sampling is None else "generate",
+        "sampling": None if s.sampling is None else asdict(s.sampling),
+        "dtype": s.dtype,
+        "max_tokens": s.max_tokens,
+        "corpus": docs.name,
+        "corpus_sha256": docs.sha256,
+        "device": s.device_map or s.device,
+        "draft": str(Path(s.model).resolve()),
+        "qstream_version": qstream.__version__,
+    }
+
+
+def _layer_ids(s: CaptureSettings, config: DSparkConfig, depth: int) -> tuple[int, ...]:
+    if s.layers is None:
+        return config.target_layer_ids
+    return layer_output_ids(list(s.layers), s.layer_convention, depth)
+
+
+def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config: DSparkConfig):
+    """``(document, ids)`` of every selected stream, before generation."""
+    encoded = encode(target.tokenizer, docs.texts, s.max_tokens)
+    min_tokens = 1 if s.sampling is not None else config.block_size + 2
+    chosen = select_streams(encoded, min_tokens, s.streams)
+    for _, ids in chosen:
+        if ids and max(ids) >= config.vocab_size:
+            raise QStreamError(
+                f"the target's tokenizer gives id {max(ids)}, outside the draft's "
+                f"vocab_size {config.vocab_size}"
+            )
+    if not chosen:
+        raise QStreamError(f"corpus {docs.name}: no document has {min_tokens} tokens or more")
+    return chosen
+
+
+def run_capture(s: CaptureSettings, progress: Progress | None = None) -> CaptureSummary:
+    """Capture (or resume capturing) ``s.output``; returns what was written."""
+    if s.dtype not in DTYPES:
+        raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
+    config = load_config(s.model)
+    shape = read_target_shape(s.target)
+    ids = _layer_ids(s, config, shape.num_hidden_layers)
+    check_draft(config, shape, ids)
+    docs = corpus_docs(s.corpus)
+    record = _record(s, ids, docs, shape)
+    output = Path(s.output)
+    resuming = check_output(output, record)
+    target = load_target(s.target, DTYPES[s.dtype], s.device, s.device_map, s.trust_remote_code)
+    chosen = _prompts(s, target, docs, config)
+    if not resuming:
+        start_output(output, record)
+    todo = [i for i in range(len(chosen)) if not (output / stream_file(i, s.export)).exists()]
+    if progress is not None:
+        progress(0, len(todo))
+    tokens = _capture(s, target, ids, chosen, todo, output, progress)
+    present = sum((output / stream_file(i, s.export)).exists() for i in range(len(chosen)))
+    record["streams"] = present
+    write_record(output, record)
+    return CaptureSummary(str(output), present, len(todo), len(chosen) - len(todo), tokens, record)
+
+
+def _capture(
+    s: CaptureSettings,
+    target: LoadedTarget,
+    ids: tuple[int, ...],
+    chosen: list[tuple[int, list[int]]],
+    todo: list[int],
+    output: Path,
+    progress: Progress | None,
+) -> int:
+    """Generate (if asked) and capture the streams ``todo``, a batch at a time."""
+    eos = target.tokenizer.eos_token_id
+    layers, norm = decoder_parts(target.model)
+    done = tokens = 0
+    for batch in length_batches([len(chosen[i][1]) for i in todo], s.batch_size):
+        streams = [todo[k] for k in batch]
+        prompts = [chosen[i][1] for i in streams]
+        if s.sampling is not None:
+            rows = [
+                generate(target.model, target.device, p, s.sampling, i, eos)
+                for p, i in zip(prompts, streams)
+            ]
+        else:
+            rows = prompts
+        with LayerTap(layers, norm, ids) as tap:
+            _forward(target, rows)
+        meta = [
+            {"document": str(chosen[i][0]), "prompt_tokens": str(len(chosen[i][1]))}
+            for i in streams
+        ]
+        write_batch(output, s.export, streams, rows, tap, meta)
+        done += len(streams)
+        tokens += sum(len(r) for r in rows)
+        if progress is not None:
+            progress(done, len(todo))
+    return tokens
+
+
+@torch.no_grad()
+def _forward(target: LoadedTarget, rows: list[list[int]]) -> None:
+    """One teacher-forced forward of the base model over right-padded rows (no lm_head: the
+    hooks take what they need)."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros(len(rows), width, dtype=torch.int64)
+    for k, r in enumerate(rows):
+        ids[k, : len(r)] = torch.tensor(r)
+        mask[k, : len(r)] = 1
+    target.model.model(
+        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), use_cache=False
+    )

@@ -1,0 +1,190 @@
+"""``qstream capture``: the click layer over :func:`qstream.capture.run.run_capture`
+(docs/capture.md)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from qstream.capture.layout import EXPORTS
+from qstream.capture.run import CaptureSettings, run_capture
+from qstream.capture.streams import Sampling
+from qstream.capture.target import CONVENTIONS, DTYPES
+from qstream.cliutil import Command, greedy_option, json_option, option, write_json
+from qstream.commands.eval_drift import FiniteRange
+
+
+@click.command(cls=Command)
+@option(
+    "target",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Hugging Face target directory (local).",
+)
+@option(
+    "model",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Draft directory: its target_layer_ids, widths and block size.",
+)
+@option(
+    "output",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory to write (or resume).",
+)
+@option(
+    "corpus",
+    type=click.Path(dir_okay=False),
+    help="GSM8K-style JSONL or plain text. Default: the built-in GSM8K test split.",
+)
+@greedy_option(
+    "layers", type=int, help="Layer ids to capture instead of the draft's target_layer_ids."
+)
+@option(
+    "layer_convention",
+    type=click.Choice(CONVENTIONS),
+    default="layer-output",
+    show_default=True,
+    help="The convention --layers is written in (docs/capture.md).",
+)
+@option(
+    "dtype",
+    type=click.Choice(list(DTYPES)),
+    default="bfloat16",
+    show_default=True,
+    help="The target's weights, compute and the states written.",
+)
+@option("device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
+@option(
+    "device_map",
+    type=click.Choice(["auto"]),
+    default=None,
+    help="Spread the target over the available devices (accelerate).",
+)
+@option(
+    "max_tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="Corpus tokens per stream (the prompt, with --generate).",
+)
+@option(
+    "streams",
+    type=click.IntRange(min=1),
+    default=None,
+    help="How many streams. Default: every document long enough.",
+)
+@option(
+    "batch_size",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Streams per forward, grouped by length.",
+)
+@option(
+    "generate",
+    is_flag=True,
+    help="Continue each prompt with the target's own samples (exact acceptance).",
+)
+@option(
+    "new_tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="With --generate: tokens sampled per stream.",
+)
+@option(
+    "temperature",
+    type=FiniteRange(0, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --generate: the evaluation's temperature.",
+)
+@option(
+    "top_p",
+    type=FiniteRange(0, 1, min_open=True),
+    default=1.0,
+    show_default=True,
+    help="With --generate: the evaluation's (verifier's) top-p.",
+)
+@option(
+    "top_k",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --generate: the evaluation's top-k.",
+)
+@option(
+    "seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="With --generate: same seed, same streams.",
+)
+@option(
+    "export",
+    type=click.Choice(EXPORTS),
+    default="qstream",
+    show_default=True,
+    help="qstream's layout or vLLM's / speculators' (hs_{i}.safetensors).",
+)
+@option("trust_remote_code", is_flag=True, help="Allow the checkpoint's own model code to run.")
+@json_option()
+def capture(json_path: str | None, **o: Any) -> None:
+    """Capture a Hugging Face target's hidden states for eval-drift --states: one file per
+    stream plus capture.json; an interrupted run resumes where it stopped.
+
+    \b
+    qstream capture --target TARGET --model DRAFT --output states/ --streams 64
+    qstream capture --target TARGET --model DRAFT --output gen/ --generate \\
+        --max-tokens 32 --new-tokens 256 --temperature 1.0 --top-p 0.95
+    qstream eval-drift --model DRAFT --target TARGET --states states/ --acceptance
+    """
+    settings = _settings(o)
+    if sys.stderr.isatty() and json_path != "-":
+        columns = (
+            TextColumn("capture"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("streams"),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, transient=True) as bar:
+            task = bar.add_task("capture", total=None)
+            summary = run_capture(
+                settings, lambda done, total: bar.update(task, completed=done, total=total)
+            )
+    else:
+        summary = run_capture(settings)
+    if json_path != "-":
+        click.echo(
+            f"wrote {summary.written} streams ({summary.tokens:,} tokens) to {summary.output}; "
+            f"{summary.skipped} already there, {summary.streams} in all"
+        )
+    write_json(vars(summary), json_path)
+
+
+def _settings(o: dict[str, Any]) -> CaptureSettings:
+    sampling = None
+    if o["generate"]:
+        sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])
+    return CaptureSettings(
+        target=o["target"],
+        model=o["model"],
+        output=o["output"],
+        corpus=o["corpus"],
+        layers=tuple(o["layers"]) or None,
+        layer_convention=o["layer_convention"],
+        dtype=o["dtype"],
+        device=o["device"],
+        device_map=o["device_map"],
+        max_tokens=o["max_tokens"],
+        streams=o["streams"],
+        batch_size=o["batch_size"],
+        sampling=sampling,
+        export=o["export"],
+        trust_remote_code=o["trust_remote_code"],
+    )

@@ -1,0 +1,64 @@
+"""What qstream needs to know of a Hugging Face target from its ``config.json`` alone (no
+transformers, no weights): its width, depth, vocabulary and identity (docs/capture.md).
+
+>>> shape = read_target_shape("TARGET_DIR")
+>>> shape.hidden_size, shape.num_hidden_layers, shape.vocab_size
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from qstream.errors import QStreamError
+
+FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    path: str  # the target directory as given
+    model_type: str  # config.json's model_type ("llama", "deepseek_v3", ...)
+    hidden_size: int  # H of the target's residual stream
+    num_hidden_layers: int  # N decoder layers
+    vocab_size: int  # rows of its embed_tokens / lm_head
+    config_sha256: str  # of config.json's bytes: which target the states came from
+
+    def identity(self) -> dict:
+        return {
+            "path": self.path,
+            "model_type": self.model_type,
+            "config_sha256": self.config_sha256,
+        }
+
+
+def read_target_shape(target: str | Path) -> TargetShape:
+    """The target's shape from ``target/config.json``; a multimodal config's ``text_config``
+    is used when the top level lacks the fields.  One-line errors name the file and key."""
+    path = Path(target) / "config.json"
+    if not Path(target).is_dir():
+        raise QStreamError(f"--target {target}: not a directory")
+    try:
+        raw = path.read_bytes()
+        config = json.loads(raw)
+    except (OSError, ValueError) as exc:
+        raise QStreamError(f"{path}: cannot read the target's config ({exc})") from None
+    if not isinstance(config, dict):
+        raise QStreamError(f"{path}: not a JSON object")
+    section = config
+    if not all(k in config for k in FIELDS) and isinstance(config.get("text_config"), dict):
+        section = config["text_config"]
+    values = {}
+    for key in FIELDS:
+        value = section.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise QStreamError(f"{path}: {key} = {value!r}, expected a positive integer")
+        values[key] = value
+    return TargetShape(
+        str(target),
+        str(config.get("model_type", "")),
+        config_sha256=hashlib.sha256(raw).hexdigest(),
+        **values,
+    )
