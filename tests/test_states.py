@@ -3,7 +3,6 @@ tiny draft: the file format is validated with one-line errors naming the tensor;
 regime reads its aux states from the file and reports acceptance against the target; the
 reference verifying itself accepts every token; greedy acceptance is the matched prefix + 1."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+from stand_in_target import capture_states
 
 from qstream.cli import cli
 from qstream.errors import QStreamError
@@ -20,16 +20,8 @@ from qstream.eval.states import read_states
 from qstream.model.corpus import builtin_corpus
 from qstream.model.load import load_config
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "capture_states.py"
 BLOCKS = 48
 MODES = ("sampled_token_wise", "sampled_block", "greedy")
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("capture_states", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +32,7 @@ def corpus(tiny):
 @pytest.fixture(scope="module")
 def states_file(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("states") / "captured.safetensors"
-    _example().capture_states(str(tiny), str(path), n_streams=4, length=40, seed=0)
+    capture_states(str(tiny), str(path), n_streams=4, length=40, seed=0)
     return path
 
 

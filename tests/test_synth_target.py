@@ -60,17 +60,29 @@ def test_draft_is_shaped_for_the_target(target, draft):
     assert torch.equal(model.w["lm_head.weight"].float(), reference.lm_head.weight.detach())
 
 
+def _eval(draft, target, states, out) -> dict:
+    _ok(["eval-drift", "--model", str(draft), "--target", str(target), "--states", str(states),
+         "--formats", "bf16,nvfp4", "--blocks", "32", "--acceptance", "--json", str(out)])  # fmt: skip
+    return json.loads(out.read_text())
+
+
 def test_capture_then_eval_drift_on_the_captured_states(target, draft, tmp_path):
-    states = tmp_path / "states"
-    _ok(["capture", "--target", str(target), "--model", str(draft), "--output", str(states),
-         "--dtype", "float32", "--streams", "4", "--max-tokens", "64"])  # fmt: skip
-    # eval-drift reads qstream's multi-stream file today: merge the per-stream files into it
+    """The capture directory, its --export vllm twin and the same streams merged into qstream's
+    one-file layout give identical results: capture's writers and eval-drift's readers were
+    written separately (each from the layout's source), so this checks one against the other."""
+    common = ["--target", str(target), "--model", str(draft), "--dtype", "float32",
+              "--streams", "4", "--max-tokens", "64"]  # fmt: skip
+    _ok(["capture", *common, "--output", str(tmp_path / "states")])
+    _ok(["capture", *common, "--output", str(tmp_path / "hs"), "--export", "vllm"])
     merged = {}
-    for i, path in enumerate(sorted(states.glob("stream-*.safetensors"))):
+    for i, path in enumerate(sorted((tmp_path / "states").glob("stream-*.safetensors"))):
         merged.update({f"stream.{i}.{k}": v for k, v in load_file(path).items()})
     save_file(merged, tmp_path / "merged.safetensors")
-    _ok(["eval-drift", "--model", str(draft), "--target", str(target), "--states",
-         str(tmp_path / "merged.safetensors"), "--formats", "bf16", "--blocks", "32",
-         "--json", str(tmp_path / "results.json")])  # fmt: skip
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["states"]["streams"] == 4
+    runs = {
+        name: _eval(draft, target, tmp_path / name, tmp_path / f"{name}.json")
+        for name in ("states", "hs", "merged.safetensors")
+    }
+    assert runs["states"]["states"]["streams"] == 4
+    assert runs["hs"]["states"]["format"] == "vllm"
+    assert runs["states"]["regimes"] == runs["merged.safetensors"]["regimes"]
+    assert runs["hs"]["regimes"] == runs["states"]["regimes"]

@@ -1,27 +1,12 @@
-"""Write a captured-states file for ``qstream eval-drift --states`` (format: docs/states.md).
-
-A real file comes from the target itself: per token stream, the token ids, the hidden states
-of the ``target_layer_ids`` layers concatenated per position (``aux_hidden_states``), and the
-post-final-norm hidden state (``target_hidden_states``, whose product with ``lm_head`` is the
-target's logits).  vLLM can export hidden states of chosen layers during generation (its
-EAGLE-3 / hidden-state extraction paths hand ``aux_hidden_states`` of the draft's
-``target_layer_ids`` to the drafter), and draft-training pipelines already stream the same
-tensors; save them per stream with the names below.  For the acceptance against the target
-to be exact, the streams should be the target's own samples at the temperature and top-p the
-evaluation uses (docs/states.md).
-
-Here, with no target at hand, a synthetic draft stands in (as ``qstream synth`` and the boot
-regime do): its layers run causally are the "target", its per-layer outputs the aux states,
-its last layer's output after ``final_norm`` the target's final hidden state, the checkpoint's
-stand-in ``lm_head`` the target's head; the streams are sampled from that stand-in target.
-
-    python examples/capture_states.py --model DRAFT_DIR --output captured.safetensors
-    qstream eval-drift --model DRAFT_DIR --states captured.safetensors --acceptance
+"""A stand-in target for the captured-states tests: the synthetic draft's own layers run causally
+(one per target layer, as the boot regime does) give the aux states, the last one after
+``final_norm`` the target's final hidden state, the checkpoint's stand-in ``lm_head`` the
+target's head; streams are sampled from that stand-in at T = 1.0, top-p 0.95 and written in
+qstream's one-file layout (docs/states.md).  Real captures come from ``qstream capture``
+(docs/capture.md); this keeps the tests free of a Hugging Face target.
 """
 
 from __future__ import annotations
-
-import argparse
 
 import torch
 from safetensors.torch import save_file
@@ -80,18 +65,3 @@ def capture_states(
         output,
         metadata={"format": "qstream.states/1", "note": "synthetic stand-in target"},
     )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="synthetic draft (qstream synth)")
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--length", type=int, default=96)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    capture_states(args.model, args.output, args.streams, args.length, args.seed)
-
-
-if __name__ == "__main__":
-    main()
