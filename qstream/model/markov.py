@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qstream.model.dspark import Blocks, DSpark, Rollout
+from qstream.model.weights import embedding
 
 
 class MarkovWeights(Protocol):
@@ -32,7 +33,7 @@ def markov_logits(
     rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
     bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
     torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...]."""
-    emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
+    emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
     bias = F.linear(emb, model.w["markov_head.markov_w2.weight"])  # [..., V]
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
 
@@ -42,7 +43,7 @@ def confidence(model: DSpark, hidden: torch.Tensor, prev: torch.Tensor) -> torch
     config has no confidence head."""
     if not model.config.enable_confidence_head:
         return None
-    emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
+    emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
     feats = torch.cat((hidden.to(model.dtype), emb), dim=-1)  # [..., H + r]
     z = F.linear(
         feats, model.w["confidence_head.proj.weight"], model.w["confidence_head.proj.bias"]
