@@ -9,6 +9,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.model.config import PRESETS
+from qstream.model.device import resolve_device
 from qstream.model.synth import synth_checkpoint
 
 
@@ -30,6 +31,14 @@ from qstream.model.synth import synth_checkpoint
     "(default: a built-in generated corpus of arithmetic word problems).",
 )
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
+@option(
+    "device",
+    default="cpu",
+    show_default=True,
+    metavar="cpu|cuda|cuda:N",
+    help="Checked like eval-drift's; the weights are drawn on the CPU whatever it says, so that "
+    "the same seed writes the same bytes on every machine.",
+)
 @json_option()
 def synth(
     preset: str,
@@ -37,6 +46,7 @@ def synth(
     seed: int,
     corpus: str | None,
     overwrite: bool,
+    device: str,
     json_path: str | None,
 ) -> None:
     """Write a synthetic DSpark draft checkpoint: config.json, bf16 safetensors, a BPE
@@ -44,6 +54,7 @@ def synth(
 
     Example: qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
     """
+    resolve_device(device)
     if sys.stderr.isatty():
         with Progress(
             "[progress.description]{task.description}",

@@ -87,7 +87,9 @@ def _differs(tensor: torch.Tensor, reference: torch.Tensor) -> bool:
 def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str]) -> dict:
     """Weight SNR over the tensors a format changed (bf16: over every draft tensor)."""
     names = changed or [k for k in reference_weights if k != LM_HEAD]
-    if all(weights[n] is reference_weights[n] and weights[n].dtype == torch.bfloat16 for n in names):
+    if all(
+        weights[n] is reference_weights[n] and weights[n].dtype == torch.bfloat16 for n in names
+    ):
         # the bf16 floor of a bf16 checkpoint: no error anywhere, nothing to read
         return {"tensors": len(names), "overall_db": None, "worst_db": None}
     sums = [snr_sums(reference_weights[n], weights[n].to(torch.bfloat16)) for n in names]

@@ -216,6 +216,7 @@ class DSpark:
         config: DSparkConfig,
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ):
         check_tensors(
             config,
@@ -224,8 +225,9 @@ class DSpark:
             extra={LM_HEAD: (config.vocab_size, config.hidden_size)},
         )
         self.config, self.dtype = config, dtype
-        self.w = ComputeWeights(weights, dtype)
-        self.inv_freq = yarn_inv_freq(config)
+        self.w = ComputeWeights(weights, dtype, device)
+        self.device = self.w.device
+        self.inv_freq = yarn_inv_freq(config).to(self.device)
         self.scale = config.softmax_scale
         self.layers = tuple(
             Layer(config, self.w, i, self.inv_freq) for i in range(config.num_hidden_layers)
@@ -263,13 +265,13 @@ class DSpark:
         if aux.dim() != 3 or aux.shape[-1] != c.aux_size:
             raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
         S, T, _ = aux.shape
-        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths)
+        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
         ctx = rms_norm(
-            F.linear(aux.to(self.dtype), self.w["context_proj.weight"]),
+            F.linear(aux.to(self.device, self.dtype), self.w["context_proj.weight"]),
             self.w["context_norm.weight"],
             c.rms_norm_eps,
         )  # [S, T, H]
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=self.device)
         # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (docs/model.md)
         pairs = [layer.latent(ctx, pos) for layer in self.layers]
         return ContextCache(
@@ -284,9 +286,9 @@ class DSpark:
         c, B, p = self.config, self.config.block_size, anchor
         if not 0 <= p <= int(ctx.lengths[stream]):
             raise ValueError("the anchor p must satisfy 0 <= p <= its stream's context length")
-        tokens = torch.full((B,), c.mask_token_id)
+        tokens = torch.full((B,), c.mask_token_id, device=self.device)
         tokens[0] = first_token
-        pos = p + torch.arange(B)  # [B]
+        pos = p + torch.arange(B, device=self.device)  # [B]
         x = self.embed(tokens)  # [B, H]
         for layer, latent, rope_key in zip(self.layers, ctx.latent, ctx.rope_key):
             h = layer.input_norm(x)
@@ -298,7 +300,9 @@ class DSpark:
             x = x + F.linear(out.transpose(0, 1).flatten(1), layer.o_proj)  # [B, H]
             x = x + layer.mlp(x)
         U, hf = self.head(x)  # [B, V], [B, H]
-        return Blocks(U[None].float(), hf[None].float(), torch.tensor([first_token]))
+        return Blocks(
+            U[None].float(), hf[None].float(), torch.tensor([first_token], device=self.device)
+        )
 
     def draft(
         self,
@@ -326,7 +330,7 @@ class DSpark:
         ):
             raise ValueError(f"first_token ids must lie in [0, {self.config.vocab_size})")
         U, hf = engine.draft_packed(self, ctx, stream, anchor, first_token, key_chunk)
-        return Blocks(U.float(), hf.float(), first_token)
+        return Blocks(U.float(), hf.float(), first_token.to(self.device))
 
     # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
 
@@ -348,8 +352,8 @@ class DSpark:
         layer's output [S, T, L, H] in fp32; ``.flatten(2)`` is an AUX tensor [S, T, L*H] when
         L * H == A (the "boot" aux regime of docs/eval-drift.md).  ``query_chunk``: see
         :meth:`attention_causal`."""
-        pos = torch.arange(ids.shape[1])
-        x = self.embed(ids)  # [S, T, H]
+        pos = torch.arange(ids.shape[1], device=self.device)
+        x = self.embed(ids.to(self.device))  # [S, T, H]
         outs = []
         for i, layer in enumerate(self.layers):
             x = x + self.attention_causal(i, layer.input_norm(x), pos, query_chunk)
