@@ -13,7 +13,14 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from qstream.errors import QStreamError
 
@@ -52,6 +59,10 @@ def make_console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=PIPE_WIDTH)
 
 
+# A run expected to take longer than this prints, once, how --blocks and --device shorten it.
+LONG_RUN_SECONDS = 600
+
+
 class _BlocksBar:
     """qstream.eval.settings.Progress on a rich bar, shown from the first moment (elapsed time
     ticks while the draft and corpus load); the total arrives with ``start``."""
@@ -59,12 +70,21 @@ class _BlocksBar:
     def __init__(self, bar: Progress):
         self.bar = bar
         self.task = bar.add_task("loading the draft and corpus", total=None)
+        self.advised = False
 
     def start(self, total: int | None) -> None:
         self.bar.update(self.task, total=total)
 
     def advance(self, what: str, blocks: int) -> None:
         self.bar.update(self.task, advance=blocks, description=what)
+        remaining = self.bar.tasks[0].time_remaining
+        if not self.advised and remaining is not None and remaining > LONG_RUN_SECONDS:
+            self.advised = True
+            self.bar.console.print(
+                f"About {remaining / 60:.0f} min left at the pace so far. The time scales with "
+                "--blocks (half the blocks: half the time, intervals about 1.4x wider); on a "
+                "GPU, --device cuda."
+            )
 
 
 @contextmanager
@@ -83,6 +103,8 @@ def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
         MofNCompleteColumn(),
         TextColumn("blocks"),
         TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
     )
     with Progress(*columns, console=console, transient=True) as bar:
         yield _BlocksBar(bar)

@@ -207,6 +207,14 @@ class FiniteRange(click.FloatRange):
     help="Blocks per context-length bucket.",
 )
 @option(
+    "device",
+    default="cpu",
+    show_default=True,
+    metavar="cpu|cuda|cuda:N",
+    help="Where the models compute. The FP32 reference stays FP32 on a GPU (TF32 off); "
+    "metrics and verifiers run on the CPU.",
+)
+@option(
     "wide",
     is_flag=True,
     help="Print each table whole, however wide (default: tables wider than the terminal, "
@@ -263,4 +271,5 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         sensitivity_format=o["sensitivity_format"],
         tolerance=o["tolerance"],
         context_blocks=o["context_blocks"],
+        device=o["device"],
     )

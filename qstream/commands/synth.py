@@ -11,6 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColu
 
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.model.config import PRESETS
+from qstream.model.device import resolve_device
 from qstream.model.synth import SynthSummary, synth_checkpoint
 from qstream.model.synth_target import synth_for_target
 
@@ -40,6 +41,14 @@ from qstream.model.synth_target import synth_for_target
     "tokenizer and embed_tokens; lm_head is borrowed with --target at load time).",
 )
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
+@option(
+    "device",
+    default="cpu",
+    show_default=True,
+    metavar="cpu|cuda|cuda:N",
+    help="Checked like eval-drift's; the weights are drawn on the CPU whatever it says, so that "
+    "the same seed writes the same bytes on every machine.",
+)
 @json_option()
 def synth(
     preset: str,
@@ -48,6 +57,7 @@ def synth(
     corpus: str | None,
     target: str | None,
     overwrite: bool,
+    device: str,
     json_path: str | None,
 ) -> None:
     """Write a synthetic DSpark draft checkpoint: config.json, bf16 safetensors, a BPE
@@ -58,6 +68,7 @@ def synth(
     qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
     qstream synth --target TARGET --output_dir draft --corpus gsm8k/train.jsonl
     """
+    resolve_device(device)
     make = partial(_make, target)
     if sys.stderr.isatty():
         with Progress(

@@ -128,7 +128,7 @@ class AuxStates:
         for row, s in enumerate(batch.streams):
             tokens = self.corpus.streams[s][:T]
             ids[row, : tokens.numel()] = tokens
-        return reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE)  # [S, T, L*H]
+        return reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE).cpu()  # [S, T, L*H]
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:
@@ -166,6 +166,22 @@ def draft_batch(
     full tempered distribution as vLLM's drafter draws (``draft_top_p`` < 1: other engines)."""
     blocks = draft_blocks(model, aux, batch)
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
-    return Drafts(
+    drafts = Drafts(
         blocks, rollout(model, blocks), rollout(model, blocks, noise, temperature, draft_top_p)
     )
+    return drafts if model.device.type == "cpu" else _on_host(drafts)
+
+
+def _on_host(drafts: Drafts) -> Drafts:
+    """A GPU's drafts copied to the host, where the metrics and verifiers run."""
+
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.cpu()
+
+    b = drafts.blocks
+    blocks = Blocks(b.logits_base.cpu(), b.hidden.cpu(), b.first_token.cpu())
+    greedy, sampled = (
+        Rollout(r.tokens.cpu(), r.prev.cpu(), r.logits.cpu(), host(r.confidence))
+        for r in (drafts.greedy, drafts.sampled)
+    )
+    return Drafts(blocks, greedy, sampled)

@@ -27,6 +27,7 @@ from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
 from qstream.model.config import DSparkConfig
+from qstream.model.device import describe_device, resolve_device
 from qstream.model.dspark import LM_HEAD
 from qstream.model.load import load_config, load_weights
 
@@ -56,6 +57,7 @@ def evaluate_drift(
 ) -> dict:
     """Run every regime of ``settings``; returns the JSON-ready results (schema in docs/)."""
     progress = progress or Silent()
+    resolve_device(settings.device)  # before any work: one line when there is no such GPU
     progress.start(settings.planned_blocks())
     config = load_config(model_dir)
     if "boot" in settings.regimes:
@@ -157,6 +159,7 @@ def _run_description(
         "softmax; final logits = bf16 sum of base logits and Markov bias",
         "confidence_head": CONFIDENCE_NOTE,
         "aux_dtype": "bf16",
+        "compute": describe_device(torch.device(settings.device)),
         "selection": {"include": list(settings.include), "ignore": list(settings.ignore)},
         "variants": {
             v.name: {"kind": v.kind, "source": v.source, **({"foreign": True} if v.foreign else {})}

@@ -22,8 +22,9 @@ from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
 from qstream.model.config import DSparkConfig
+from qstream.model.device import exact_math
 from qstream.model.dspark import DSpark
-from qstream.model.markov import teacher_forced
+from qstream.model.markov import host_head, teacher_forced
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,9 @@ def evaluate_regime(run: RegimeRun) -> dict:
         sampling=s,
         block_size=run.config.block_size,
     )
-    ref = reference_pass(run, aux, probe)
-    out = {"variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}}
+    with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
+        ref = reference_pass(run, aux, probe)
+        out = {"variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}}
     probe.finish(out)
     if s.sensitivity:
         fmt = sensitivity_format(s)
@@ -121,7 +123,8 @@ def evaluate_regime(run: RegimeRun) -> dict:
 
 def reference_pass(run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance) -> ReferenceOutputs:
     """The FP32 reference drafts every block once; its outputs are kept for the variants."""
-    reference = DSpark(run.config, run.weights, torch.float32)
+    reference = DSpark(run.config, run.weights, torch.float32, run.settings.device)
+    head = host_head(reference)
     N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
     ref = ReferenceOutputs(
         torch.empty(N, B, V),
@@ -144,7 +147,7 @@ def reference_pass(run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance) -> R
         ref.logits[idx] = greedy.logits
         ref.greedy_tokens[idx] = greedy.tokens
         ref.sampled_tokens[idx] = sampled.tokens
-        probe.add_reference(batch, reference, blocks)
+        probe.add_reference(batch, head, blocks)
         if greedy.confidence is not None:
             ref.confidence[idx] = greedy.confidence
         run.progress.advance(f"{run.regime}: reference", len(idx))
@@ -165,7 +168,8 @@ def measure_variant(
     if step:  # seconds to minutes at K3 scale: say so before the first block
         run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
     var_weights, changed = variant_weights(variant, run.weights, run.config, s, run.target)
-    model = DSpark(run.config, var_weights, variant.dtype)
+    model = DSpark(run.config, var_weights, variant.dtype, s.device)
+    head = host_head(model)
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
@@ -173,14 +177,14 @@ def measure_variant(
             model, aux.get(batch), batch, number, s.seed, s.temperature, s.draft_top_p
         )
         idx = batch.blocks
-        forced = teacher_forced(model, blocks, ref.greedy_tokens[idx])
+        forced = teacher_forced(head, blocks, ref.greedy_tokens[idx])
         acc.add_teacher_forced(ref.logits[idx], forced.logits)
         if forced.confidence is not None:
             acc.add_confidence(ref.confidence[idx], forced.confidence)
         acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
         acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
         if accepted is not None and probe is not None:
-            probe.add_variant(accepted, batch, model, blocks, greedy, sampled)
+            probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
         run.progress.advance(f"{run.regime}: {variant.name}", len(idx))
     return {
         "kind": variant.kind,

@@ -25,6 +25,7 @@ from qstream.eval.drift import evaluate_drift
 from qstream.eval.regimes import REGIMES
 from qstream.eval.settings import DriftSettings, Progress
 from qstream.model.config import DSparkConfig
+from qstream.model.device import resolve_device
 from qstream.model.load import load_config
 
 ALL_REGIMES = "all"  # --regime all: every aux regime
@@ -82,6 +83,7 @@ def run_drift(
 ) -> dict:
     """Resolve the defaults, load the corpus and evaluate; returns the results (docs/eval-drift.md).
     ``model`` None: the built-in synthetic draft (built on first use), announced through ``say``."""
+    resolve_device(settings.device)  # a missing GPU is one line, before anything is built
     if model is None:
         model = str(builtin_model_dir(say))
         if say is not None:

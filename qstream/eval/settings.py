@@ -74,6 +74,7 @@ class DriftSettings:
     # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens; () = no sweep
     context_lengths: tuple[int, ...] = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
+    device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/model/device.py)
 
     def __post_init__(self) -> None:
         for regime in self.regimes:

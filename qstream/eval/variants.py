@@ -72,17 +72,26 @@ def variant_weights(
                 "architecture than the reference model (config.json differs)"
             )
         weights = load_weights(variant.source, target, other)
-    changed = [
-        k
-        for k, v in weights.items()
-        if k != LM_HEAD and not torch.equal(v.to(reference_weights[k].dtype), reference_weights[k])
-    ]
+    changed = [k for k, v in weights.items() if k != LM_HEAD and _differs(v, reference_weights[k])]
     return weights, changed
+
+
+def _differs(tensor: torch.Tensor, reference: torch.Tensor) -> bool:
+    """A variant's tensor differs from the reference's; a shared tensor is never read (at K3
+    scale reading the 1.2 B-parameter embedding table would map it all into memory)."""
+    if tensor is reference:
+        return False
+    return not torch.equal(tensor.to(reference.dtype), reference)
 
 
 def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str]) -> dict:
     """Weight SNR over the tensors a format changed (bf16: over every draft tensor)."""
     names = changed or [k for k in reference_weights if k != LM_HEAD]
+    if all(
+        weights[n] is reference_weights[n] and weights[n].dtype == torch.bfloat16 for n in names
+    ):
+        # the bf16 floor of a bf16 checkpoint: no error anywhere, nothing to read
+        return {"tensors": len(names), "overall_db": None, "worst_db": None}
     sums = [snr_sums(reference_weights[n], weights[n].to(torch.bfloat16)) for n in names]
     signal, noise = sum(s for s, _ in sums), sum(e for _, e in sums)
     finite = [snr_db(*pair) for pair in sums if pair[1] > 0]

@@ -24,8 +24,8 @@ from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
-from qstream.model.dspark import LM_HEAD, Blocks, DSpark, Rollout
-from qstream.model.markov import markov_logits, sampling_probs, teacher_forced
+from qstream.model.dspark import LM_HEAD, Blocks, Rollout
+from qstream.model.markov import HeadModel, markov_logits, sampling_probs, teacher_forced
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 
@@ -97,7 +97,12 @@ class RegimeAcceptance:
         return hidden @ self.lm_head.T, self.stream_tokens[idx]
 
     def _add_target(
-        self, acc: AcceptanceAccumulator, model: DSpark, blocks: Blocks, batch: Batch, record: bool
+        self,
+        acc: AcceptanceAccumulator,
+        model: HeadModel,
+        blocks: Blocks,
+        batch: Batch,
+        record: bool,
     ) -> None:
         """Acceptance against the target on its own stream (module docstring): the drafter
         teacher-forced on the stream, importance weights for the sampled rules, and the run of
@@ -114,7 +119,7 @@ class RegimeAcceptance:
             self.diagnostics["stream_is_target_top1"].append(stream == target_top1)
             self.diagnostics["stream_outside_target_nucleus"].append(p_tok == 0)
 
-    def add_reference(self, batch: Batch, reference: DSpark, blocks: Blocks) -> None:
+    def add_reference(self, batch: Batch, reference: HeadModel, blocks: Blocks) -> None:
         """The reference's drafted blocks of one batch (its U; its acceptance by the target)."""
         if self.U_ref is not None:
             self.U_ref[batch.blocks] = blocks.logits_base
@@ -134,7 +139,7 @@ class RegimeAcceptance:
         self,
         accs: dict[str, AcceptanceAccumulator],
         batch: Batch,
-        model: DSpark,
+        model: HeadModel,
         blocks: Blocks,
         greedy: Rollout,
         sampled: Rollout,

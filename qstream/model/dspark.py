@@ -34,8 +34,10 @@ import torch.nn.functional as F
 from qstream.model import engine
 from qstream.model.config import DSparkConfig
 from qstream.model.tensors import check_tensors
+from qstream.model.weights import ComputeWeights, embedding
 
 LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
+HEAD_ROWS = 8192  # lm_head rows upcast at a time (fp32: 8192 x 7168 x 4 B = 224 MiB at K3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,10 +127,29 @@ class Rollout:
 # One decoder layer: MLA attention and a SwiGLU MLP
 
 
+def _layer_weight(name: str) -> property:
+    """A :class:`Layer` attribute that reads ``layers.{i}.<name>.weight`` in the compute dtype
+    at each use, so a big bf16 weight of the fp32 reference is upcast only while it is used."""
+    return property(lambda self: self.weights[f"layers.{self.index}.{name}.weight"])
+
+
 class Layer:
-    """Decoder layer ``i``'s tensors, looked up once, and the pieces of its forward.  Every
-    method works on any leading shape [..., T, ...]; the attention itself (which keys a query
-    sees) is the caller's: :meth:`DSpark.draft_one`, or the batched :mod:`engine`."""
+    """Decoder layer ``i``'s tensors and the pieces of its forward.  Every method works on any
+    leading shape [..., T, ...]; the attention itself (which keys a query sees) is the
+    caller's: :meth:`DSpark.draft_one`, or the batched :mod:`engine`."""
+
+    input_layernorm = _layer_weight("input_layernorm")
+    q_a_proj = _layer_weight("self_attn.q_a_proj")
+    q_a_layernorm = _layer_weight("self_attn.q_a_layernorm")
+    q_b_proj = _layer_weight("self_attn.q_b_proj")
+    kv_a_proj = _layer_weight("self_attn.kv_a_proj_with_mqa")
+    kv_a_layernorm = _layer_weight("self_attn.kv_a_layernorm")
+    kv_b_proj = _layer_weight("self_attn.kv_b_proj")
+    o_proj = _layer_weight("self_attn.o_proj")
+    post_attention_layernorm = _layer_weight("post_attention_layernorm")
+    gate_proj = _layer_weight("mlp.gate_proj")
+    up_proj = _layer_weight("mlp.up_proj")
+    down_proj = _layer_weight("mlp.down_proj")
 
     def __init__(
         self,
@@ -137,19 +158,7 @@ class Layer:
         i: int,
         inv_freq: torch.Tensor,
     ):
-        def w(name: str) -> torch.Tensor:
-            return weights[f"layers.{i}.{name}.weight"]
-
-        self.config, self.inv_freq = config, inv_freq
-        self.input_layernorm = w("input_layernorm")
-        self.q_a_proj, self.q_a_layernorm = w("self_attn.q_a_proj"), w("self_attn.q_a_layernorm")
-        self.q_b_proj = w("self_attn.q_b_proj")
-        self.kv_a_proj = w("self_attn.kv_a_proj_with_mqa")
-        self.kv_a_layernorm = w("self_attn.kv_a_layernorm")
-        self.kv_b_proj, self.o_proj = w("self_attn.kv_b_proj"), w("self_attn.o_proj")
-        self.post_attention_layernorm = w("post_attention_layernorm")
-        self.gate_proj, self.up_proj = w("mlp.gate_proj"), w("mlp.up_proj")
-        self.down_proj = w("mlp.down_proj")
+        self.config, self.weights, self.index, self.inv_freq = config, weights, i, inv_freq
 
     def input_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
@@ -196,15 +205,18 @@ class Layer:
 
 
 class DSpark:
-    """A DSpark draft with its weights in ``dtype``.  ``weights`` maps every name of
-    :func:`tensor_shapes` plus ``lm_head.weight`` [V, H] to a tensor (any float dtype; it is
-    converted once).  Nothing here is mutated after construction."""
+    """A DSpark draft computing in ``dtype``.  ``weights`` maps every name of
+    :func:`tensor_shapes` plus ``lm_head.weight`` [V, H] to a tensor of any float dtype; each is
+    held once (:class:`~qstream.model.weights.ComputeWeights`: a bf16 weight of the fp32
+    reference stays bf16 and is upcast per use, lm_head in row chunks).  Nothing here is
+    mutated after construction."""
 
     def __init__(
         self,
         config: DSparkConfig,
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ):
         check_tensors(
             config,
@@ -213,20 +225,29 @@ class DSpark:
             extra={LM_HEAD: (config.vocab_size, config.hidden_size)},
         )
         self.config, self.dtype = config, dtype
-        self.w = {k: v.detach().to(dtype).contiguous() for k, v in weights.items()}
-        self.inv_freq = yarn_inv_freq(config)
+        self.w = ComputeWeights(weights, dtype, device)
+        self.device = self.w.device
+        self.inv_freq = yarn_inv_freq(config).to(self.device)
         self.scale = config.softmax_scale
         self.layers = tuple(
             Layer(config, self.w, i, self.inv_freq) for i in range(config.num_hidden_layers)
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.w["embed_tokens.weight"])
+        return embedding(self.w, "embed_tokens.weight", tokens)
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H])."""
+        """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H]).  A
+        lm_head upcast per use is taken ``HEAD_ROWS`` rows at a time: each output column is
+        the same dot product either way, so U is bit-identical (tests/test_device.py)."""
         hf = rms_norm(x, self.w["final_norm.weight"], self.config.rms_norm_eps)
-        return F.linear(hf, self.w[LM_HEAD]), hf
+        if not self.w.upcast_per_use(LM_HEAD):
+            return F.linear(hf, self.w[LM_HEAD]), hf
+        V = self.config.vocab_size
+        U = hf.new_empty(*hf.shape[:-1], V)
+        for r0 in range(0, V, HEAD_ROWS):
+            U[..., r0 : r0 + HEAD_ROWS] = F.linear(hf, self.w.rows(LM_HEAD, r0, r0 + HEAD_ROWS))
+        return U, hf
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """fp32 ``q . k * scale`` (q [..., Tq, dk], k [..., Tk, dk]) -> [..., Tq, Tk]."""
@@ -244,13 +265,13 @@ class DSpark:
         if aux.dim() != 3 or aux.shape[-1] != c.aux_size:
             raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
         S, T, _ = aux.shape
-        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths)
+        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
         ctx = rms_norm(
-            F.linear(aux.to(self.dtype), self.w["context_proj.weight"]),
+            F.linear(aux.to(self.device, self.dtype), self.w["context_proj.weight"]),
             self.w["context_norm.weight"],
             c.rms_norm_eps,
         )  # [S, T, H]
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=self.device)
         # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (docs/model.md)
         pairs = [layer.latent(ctx, pos) for layer in self.layers]
         return ContextCache(
@@ -265,9 +286,9 @@ class DSpark:
         c, B, p = self.config, self.config.block_size, anchor
         if not 0 <= p <= int(ctx.lengths[stream]):
             raise ValueError("the anchor p must satisfy 0 <= p <= its stream's context length")
-        tokens = torch.full((B,), c.mask_token_id)
+        tokens = torch.full((B,), c.mask_token_id, device=self.device)
         tokens[0] = first_token
-        pos = p + torch.arange(B)  # [B]
+        pos = p + torch.arange(B, device=self.device)  # [B]
         x = self.embed(tokens)  # [B, H]
         for layer, latent, rope_key in zip(self.layers, ctx.latent, ctx.rope_key):
             h = layer.input_norm(x)
@@ -279,7 +300,9 @@ class DSpark:
             x = x + F.linear(out.transpose(0, 1).flatten(1), layer.o_proj)  # [B, H]
             x = x + layer.mlp(x)
         U, hf = self.head(x)  # [B, V], [B, H]
-        return Blocks(U[None].float(), hf[None].float(), torch.tensor([first_token]))
+        return Blocks(
+            U[None].float(), hf[None].float(), torch.tensor([first_token], device=self.device)
+        )
 
     def draft(
         self,
@@ -307,7 +330,7 @@ class DSpark:
         ):
             raise ValueError(f"first_token ids must lie in [0, {self.config.vocab_size})")
         U, hf = engine.draft_packed(self, ctx, stream, anchor, first_token, key_chunk)
-        return Blocks(U.float(), hf.float(), first_token)
+        return Blocks(U.float(), hf.float(), first_token.to(self.device))
 
     # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
 
@@ -329,8 +352,8 @@ class DSpark:
         layer's output [S, T, L, H] in fp32; ``.flatten(2)`` is an AUX tensor [S, T, L*H] when
         L * H == A (the "boot" aux regime of docs/eval-drift.md).  ``query_chunk``: see
         :meth:`attention_causal`."""
-        pos = torch.arange(ids.shape[1])
-        x = self.embed(ids)  # [S, T, H]
+        pos = torch.arange(ids.shape[1], device=self.device)
+        x = self.embed(ids.to(self.device))  # [S, T, H]
         outs = []
         for i, layer in enumerate(self.layers):
             x = x + self.attention_causal(i, layer.input_norm(x), pos, query_chunk)

@@ -61,7 +61,8 @@ def draft_packed(
         hf.append(h)
     U_rows, hf_rows = torch.cat(U), torch.cat(hf)  # [R*M, B, V], [R*M, B, H]
     if not packing.in_order:  # [N, B, V] gathers are costly at V = 32k: skip when possible
-        U_rows, hf_rows = U_rows[packing.slot_of_block], hf_rows[packing.slot_of_block]
+        slots = packing.slot_of_block.to(U_rows.device)
+        U_rows, hf_rows = U_rows[slots], hf_rows[slots]
     return U_rows, hf_rows
 
 
@@ -74,15 +75,16 @@ def _draft_rows(
     key_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layers of draft_one over a chunk of packed rows -> U [R*M, B, V], hf [R*M, B, H]."""
-    c, B = model.config, model.config.block_size
+    c, B, dev = model.config, model.config.block_size, model.device
     row_stream, row_anchor = pk.row_stream[rows], pk.anchor[rows]  # [R], [R, M]
     R, M = row_anchor.shape
     T = max(int(row_anchor.max()), 1)
-    tokens = torch.full((R, M, B), c.mask_token_id)
-    tokens[..., 0] = pk.first_token_slots(first_token)[rows]
-    pos = row_anchor[..., None] + torch.arange(B)  # [R, M, B]
+    row_stream, row_anchor = row_stream.to(dev), row_anchor.to(dev)
+    tokens = torch.full((R, M, B), c.mask_token_id, device=dev)
+    tokens[..., 0] = pk.first_token_slots(first_token.cpu())[rows].to(dev)
+    pos = row_anchor[..., None] + torch.arange(B, device=dev)  # [R, M, B]
     # context j < p only: position p itself and everything after it is hidden
-    hidden = torch.arange(T) >= row_anchor[..., None, None]  # [R, M, 1, T]
+    hidden = torch.arange(T, device=dev) >= row_anchor[..., None, None]  # [R, M, 1, T]
     x = model.embed(tokens)  # [R, M, B, H]
     for layer, latent, rope_key in zip(model.layers, ctx.latent, ctx.rope_key):
         h = layer.input_norm(x)
@@ -157,7 +159,9 @@ def causal_attention(
     outs = []
     for q0 in range(0, T, chunk):
         q1 = min(T, q0 + chunk)
-        future = torch.ones(q1 - q0, q1, dtype=torch.bool).triu(q0 + 1)  # key j > query
+        future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(
+            q0 + 1
+        )  # key j > query
         scores = model.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
         outs.append(model.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
     return torch.cat(outs, dim=2)
@@ -170,7 +174,7 @@ def causal_attention(
 def _rows(cache: torch.Tensor, row_stream: torch.Tensor, T: int) -> torch.Tensor:
     """cache [S, T_all, d] -> [R, T, d] for the rows' streams (a view when rows are streams)."""
     if row_stream.numel() == cache.shape[0] and bool(
-        (row_stream == torch.arange(cache.shape[0])).all()
+        (row_stream == torch.arange(cache.shape[0], device=row_stream.device)).all()
     ):
         return cache[:, :T]
     return cache[row_stream, :T]

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from qstream.model.config import DSparkConfig
 from qstream.model.dspark import Blocks, DSpark, Rollout
+from qstream.model.weights import ComputeWeights, embedding
+
+HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
 
 
 class MarkovWeights(Protocol):
@@ -25,6 +30,31 @@ class MarkovWeights(Protocol):
     def dtype(self) -> torch.dtype: ...
 
 
+class HeadModel(MarkovWeights, Protocol):
+    """What the Markov and confidence heads read: a DSpark model, or its :class:`HostHead`."""
+
+    @property
+    def config(self) -> DSparkConfig: ...
+
+
+@dataclass(frozen=True)
+class HostHead:
+    """A model's Markov and confidence heads on the host: teacher-forced logits and the
+    verifiers run on the CPU whatever device drafted the blocks (qstream/eval/batches.py)."""
+
+    config: DSparkConfig
+    w: ComputeWeights
+    dtype: torch.dtype
+
+
+def host_head(model: DSpark) -> HeadModel:
+    """``model`` itself on the CPU, else a copy of its heads' tensors on the host."""
+    if model.device.type == "cpu":
+        return model
+    stored = {k: v.cpu() for k, v in model.w.stored.items() if k.startswith(HEAD_PREFIXES)}
+    return HostHead(model.config, ComputeWeights(stored, model.dtype), model.dtype)
+
+
 def markov_logits(
     model: MarkovWeights, logits_base: torch.Tensor, prev: torch.Tensor
 ) -> torch.Tensor:
@@ -32,17 +62,17 @@ def markov_logits(
     rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
     bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
     torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...]."""
-    emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
+    emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
     bias = F.linear(emb, model.w["markov_head.markov_w2.weight"])  # [..., V]
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
 
 
-def confidence(model: DSpark, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+def confidence(model: HeadModel, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
     """``sigmoid(proj([hf_k ; markov_w1[prev_k]]))`` per position (fp32); None when the
     config has no confidence head."""
     if not model.config.enable_confidence_head:
         return None
-    emb = F.embedding(prev, model.w["markov_head.markov_w1.weight"])  # [..., r]
+    emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
     feats = torch.cat((hidden.to(model.dtype), emb), dim=-1)  # [..., H + r]
     z = F.linear(
         feats, model.w["confidence_head.proj.weight"], model.w["confidence_head.proj.bias"]
@@ -72,7 +102,8 @@ def sampling_probs(
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
-        sorted_p = torch.where(torch.arange(sorted_p.shape[-1]) < top_k, sorted_p, 0.0)
+        rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
+        sorted_p = torch.where(rank < top_k, sorted_p, 0.0)
         sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     keep_sorted = ((sorted_p.cumsum(-1) - sorted_p) < top_p) & (sorted_p > 0)
     keep_sorted[..., 0] = True
@@ -105,9 +136,11 @@ def rollout(
     N, B, V = blocks.logits_base.shape
     if noise is not None and tuple(noise.shape) != (N, B, V):
         raise ValueError(f"noise must be [{N}, {B}, {V}], got {list(noise.shape)}")
-    prev = torch.empty(N, B, dtype=torch.int64)
-    tokens = torch.empty(N, B, dtype=torch.int64)
-    logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32)
+    device = blocks.logits_base.device
+    noise = None if noise is None else noise.to(device)
+    prev = torch.empty(N, B, dtype=torch.int64, device=device)
+    tokens = torch.empty(N, B, dtype=torch.int64, device=device)
+    logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32, device=device)
     token = blocks.first_token
     for k in range(B):  # sequential by definition: step k needs d_{k-1}
         prev[:, k] = token
@@ -120,7 +153,7 @@ def rollout(
     return Rollout(tokens, prev, logits, confidence(model, blocks.hidden, prev))
 
 
-def teacher_forced(model: DSpark, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
+def teacher_forced(model: HeadModel, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
     """Per-position logits and confidence when the drafted tokens are given (e.g. the
     reference's rollout): prev = [ids[p], tokens[:, 0], ..., tokens[:, B-2]]."""
     prev = torch.cat((blocks.first_token[:, None], tokens[:, :-1]), dim=1)  # [N, B]

@@ -1,0 +1,96 @@
+"""eval-drift at the Kimi-K3 draft's scale on this machine: peak host RSS against the weights'
+size, achieved FLOP rate against the same run's matmul rate, and seconds per 100 blocks.
+
+    qstream synth --preset k3 --output_dir k3-draft          # 7.1 GB on disk, once
+    python evals/bench_eval_k3.py --model k3-draft --blocks 16 [--formats bf16,fp8,mxfp4,nvfp4]
+
+One regime (gauss) is evaluated exactly as ``qstream eval-drift`` does (reference, then each
+format built, drafted and freed).  Each step's wall time comes from the evaluator's own progress
+reports; a drafting step's FLOPs are evals/bench_eval.py's analytic count (docs/eval-drift.md,
+"FLOP model"), compared with a [2048, 7168] x [7168, 7168] matmul in the step's dtype.  Peak RSS
+is the process's ``ru_maxrss`` (it includes the memory-mapped checkpoint pages that were read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_eval import GSM8K, useful_flops  # noqa: E402
+
+from qstream.eval.batches import make_batches  # noqa: E402
+from qstream.eval.corpus import sample_anchors  # noqa: E402
+from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
+from qstream.eval.settings import DriftSettings  # noqa: E402
+from qstream.model.load import load_config  # noqa: E402
+
+
+def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 7168, n: int = 7168) -> float:
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best
+
+
+class StepTimes:
+    """A Progress that charges the time since the previous report to the step reported."""
+
+    def __init__(self) -> None:
+        self.last, self.seconds = time.perf_counter(), {}
+
+    def start(self, total):
+        pass
+
+    def advance(self, what: str, blocks: int) -> None:
+        now = time.perf_counter()
+        self.seconds[what] = self.seconds.get(what, 0.0) + now - self.last
+        self.last = now
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--formats", default="bf16,fp8,mxfp4,nvfp4")
+    parser.add_argument("--corpus", default=str(GSM8K) if GSM8K.exists() else None)
+    args = parser.parse_args()
+    formats = tuple(args.formats.split(","))
+    settings = DriftSettings(regimes=("gauss",), formats=formats, n_blocks=args.blocks)
+    steps, start = StepTimes(), time.perf_counter()
+    run_drift(settings, model=args.model, corpus=args.corpus, progress=steps)
+    wall = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    config = load_config(args.model)
+    corpus = load_run_corpus(args.model, args.corpus, None, config)
+    plan = sample_anchors(corpus, args.blocks, config.block_size, 0,
+                          max_context=config.max_position_embeddings - config.block_size)  # fmt: skip
+    flops = useful_flops(config, plan, make_batches(plan, corpus, config))
+    weight_bytes = sum(p.stat().st_size for p in Path(args.model).rglob("*.safetensors"))
+    rates = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
+    print(f"k3 preset, {args.blocks} blocks, gauss, reference + {', '.join(formats)}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
+    print(f"peak RSS {peak / 1e9:.2f} GB / weights {weight_bytes / 1e9:.2f} GB "
+          f"(bf16 on disk, lm_head included) = {peak / weight_bytes:.2f}x; wall {wall:.0f} s")  # fmt: skip
+    for what, seconds in steps.seconds.items():
+        name = what.split(": ", 1)[-1]
+        if name == "reference" or name in formats:
+            dtype = "fp32" if name == "reference" else "bf16"
+            achieved = flops / seconds
+            print(f"  {name:>9}: {seconds:7.1f} s = {100 * seconds / args.blocks:7.1f} s per 100 "
+                  f"blocks; {achieved / 1e9:6.1f} GFLOP/s = {achieved / rates[dtype]:5.1%} of "
+                  f"the {dtype} matmul rate ({rates[dtype] / 1e9:.1f} GFLOP/s)")  # fmt: skip
+        else:
+            print(f"  {what}: {seconds:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A model's weights held once, read in its compute dtype (docs/model.md, "Memory").
+
+A DSpark checkpoint is bf16, so the FP32 reference's weights are an exact upcast of what is on
+disk.  :class:`ComputeWeights` keeps such a weight in its stored dtype (a view of the mapped
+file, shared with every variant that leaves it unquantized) and upcasts it each time it is read;
+the upcast is a temporary the size of one matrix.  Since the upcast is exact, every product is
+bit-identical to holding the weight in fp32 (tests/test_device.py).  Small tensors (norms, the
+confidence head) are upcast once and held.
+
+>>> w = ComputeWeights(weights, torch.float32)        # bf16 in, fp32 out, each weight held once
+>>> w["layers.0.mlp.gate_proj.weight"].dtype            # an fp32 temporary
+torch.float32
+>>> w.rows("lm_head.weight", 0, 8192)                    # rows of the vocabulary projection
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+
+# A weight whose compute-dtype copy has at most this many elements is converted once and held
+# (64 MiB in fp32); a bigger one that upcasts exactly is held in its stored dtype.
+HOLD_ELEMENTS = 1 << 24
+# Exact widenings: every value of the first dtype is a value of the second.
+EXACT_UPCASTS = {
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float64),
+    (torch.float32, torch.float64),
+}
+
+
+def _stored(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """How one weight is held: as given when it is in ``dtype`` or upcasts exactly to it and is
+    big; otherwise converted once (a downcast, e.g. fp32 -> bf16, is held rounded)."""
+    tensor = tensor.detach()
+    keep = tensor.dtype == dtype or (
+        (tensor.dtype, dtype) in EXACT_UPCASTS and tensor.numel() > HOLD_ELEMENTS
+    )
+    return tensor.to(device=device, dtype=None if keep else dtype).contiguous()
+
+
+class ComputeWeights(Mapping[str, torch.Tensor]):
+    """name -> weight in ``dtype`` on ``device``; each weight is held once (module docstring).
+    Reading a big bf16 weight of an fp32 model returns an fp32 temporary."""
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.dtype, self.device = dtype, torch.device(device)
+        self.stored = {k: _stored(v, dtype, self.device) for k, v in weights.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.stored[name].to(self.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stored)
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a weight in ``dtype`` (only those rows are converted)."""
+        return self.stored[name][start:stop].to(self.dtype)
+
+    def upcast_per_use(self, name: str) -> bool:
+        """Whether reading ``name`` converts it (the weight is held in a narrower dtype)."""
+        return self.stored[name].dtype != self.dtype
+
+    def held_bytes(self) -> int:
+        """Bytes of the held tensors (a weight shared with another model counts in both)."""
+        return sum(t.numel() * t.element_size() for t in self.stored.values())
+
+
+def embedding(weights: Mapping[str, torch.Tensor], name: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the table ``name`` in the compute dtype; of a :class:`ComputeWeights`
+    only the rows looked up are converted (an embedding table is never upcast whole)."""
+    if isinstance(weights, ComputeWeights):
+        return F.embedding(ids, weights.stored[name]).to(weights.dtype)
+    return F.embedding(ids, weights[name])

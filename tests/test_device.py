@@ -1,0 +1,155 @@
+"""Device support on the CPU (docs/eval-drift.md, "Devices" and "Memory"): a weight held in
+bf16 and upcast per use gives bit-identical results to the same weight held in fp32; the
+reference runs with TF32 and reduced-precision reductions off and the settings are restored
+after; ``--device cuda`` without CUDA is one error line.  tests/test_cuda.py runs on a GPU."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import qstream.model.dspark as dspark
+import qstream.model.weights as weights_module
+from qstream.cli import cli
+from qstream.errors import QStreamError
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.variants import Variant, variant_weights
+from qstream.model.config import PRESETS
+from qstream.model.device import exact_math, math_settings, resolve_device
+from qstream.model.dspark import LM_HEAD, DSpark
+from qstream.model.load import load_weights
+from qstream.model.markov import rollout
+from tests.model_helpers import random_model_weights
+
+UNEVEN_HEAD_ROWS = 7  # lm_head chunks that do not divide the vocabulary
+
+
+@pytest.fixture
+def upcast_everything(monkeypatch):
+    """Every bf16 weight of an fp32 model upcast per use, lm_head in uneven row chunks."""
+    monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
+    monkeypatch.setattr(dspark, "HEAD_ROWS", UNEVEN_HEAD_ROWS)
+
+
+def _drafts(model: DSpark, cfg):
+    gen = torch.Generator().manual_seed(7)
+    aux = torch.randn(3, 20, cfg.aux_size, generator=gen).bfloat16()
+    ctx = model.context(aux)
+    stream, anchor = torch.tensor([0, 0, 1, 2, 2]), torch.tensor([0, 5, 19, 3, 20])
+    first = torch.tensor([1, 2, 3, 4, 5])
+    blocks = model.draft(ctx, stream, anchor, first)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=gen)
+    return [*ctx.latent, *ctx.rope_key, blocks.logits_base, blocks.hidden,
+            rollout(model, blocks).logits, model.causal_hidden(ids)]  # fmt: skip
+
+
+def test_bf16_held_reference_is_bit_identical_to_fp32_held(upcast_everything):
+    cfg = PRESETS["tiny"]
+    bf16 = {k: v.bfloat16() for k, v in random_model_weights(cfg, seed=3).items()}
+    held_fp32 = DSpark(cfg, {k: v.float() for k, v in bf16.items()}, torch.float32)
+    upcast = DSpark(cfg, bf16, torch.float32)
+    # held once: the reference's storage is the caller's bf16 tensor itself
+    assert upcast.w.stored[LM_HEAD].data_ptr() == bf16[LM_HEAD].data_ptr()
+    assert all(t.dtype == torch.bfloat16 for t in upcast.w.stored.values())
+    for a, b in zip(_drafts(held_fp32, cfg), _drafts(upcast, cfg)):
+        assert a.dtype == b.dtype == torch.float32
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_evaluation_unchanged_by_how_weights_are_held(tiny, corpus, monkeypatch):
+    settings = DriftSettings(regimes=("gauss", "boot"), n_blocks=48, seed=4, acceptance=True)
+    default = evaluate_drift(tiny, settings, corpus)
+    monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
+    monkeypatch.setattr(dspark, "HEAD_ROWS", UNEVEN_HEAD_ROWS)
+    assert evaluate_drift(tiny, settings, corpus) == default
+
+
+def test_variants_share_unquantized_tensors(tiny):
+    reference = load_weights(tiny)
+    settings = DriftSettings(regimes=("gauss",), formats=("fp8",))
+    cfg = PRESETS["tiny"]
+    weights, changed = variant_weights(
+        Variant("fp8", "simulated", "fp8"), reference, cfg, settings, None
+    )
+    assert changed and all(weights[k] is not reference[k] for k in changed)
+    assert all(weights[k] is reference[k] for k in reference if k not in changed)
+
+
+def _flags():
+    matmul = torch.backends.cuda.matmul
+    return (matmul.fp32_precision, torch.backends.cudnn.fp32_precision,
+            matmul.allow_bf16_reduced_precision_reduction)  # fmt: skip
+
+
+@pytest.fixture
+def permissive_math():
+    """TF32 and reduced-precision reductions on, as a user's script may leave them."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = _flags()
+    matmul.fp32_precision = cudnn.fp32_precision = "tf32"
+    matmul.allow_bf16_reduced_precision_reduction = True
+    yield _flags()
+    matmul.fp32_precision, cudnn.fp32_precision = saved[0], saved[1]
+    matmul.allow_bf16_reduced_precision_reduction = saved[2]
+
+
+def test_exact_math_turns_tf32_off_and_restores(permissive_math):
+    with exact_math():
+        inside = math_settings()
+    assert inside["cuda_matmul_fp32_precision"] == inside["cudnn_fp32_precision"] == "ieee"
+    assert not inside["cuda_bf16_reduced_precision_reduction"]
+    assert not inside["cuda_fp16_reduced_precision_reduction"]
+    assert _flags() == permissive_math
+    with pytest.raises(RuntimeError), exact_math():
+        raise RuntimeError("a pass that fails")
+    assert _flags() == permissive_math
+
+
+def test_reference_pass_runs_with_tf32_off(tiny, corpus, permissive_math, monkeypatch):
+    seen = []
+    draft = DSpark.draft
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.dtype, torch.backends.cuda.matmul.fp32_precision,
+                     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction))  # fmt: skip
+        return draft(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSpark, "draft", spy)
+    settings = DriftSettings(regimes=("gauss",), formats=("bf16",), n_blocks=8)
+    results = evaluate_drift(tiny, settings, corpus)
+    assert {dtype for dtype, *_ in seen} == {torch.float32, torch.bfloat16}
+    assert all(precision == "ieee" and not reduced for _, precision, reduced in seen)
+    assert _flags() == permissive_math
+    compute = results["compute"]
+    assert compute["device"] == "cpu" and compute["math"]["cuda_matmul_fp32_precision"] == "ieee"
+
+
+@pytest.mark.parametrize("text", ["gpu", "cuda:x", "cuda0", ""])
+def test_bad_device_names(text):
+    with pytest.raises(QStreamError, match="expected cpu, cuda or cuda:N"):
+        resolve_device(text)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
+)
+@pytest.mark.parametrize("command", ["eval-drift", "synth"])
+def test_cuda_without_cuda_is_one_error_line(tiny, tmp_path, command):
+    args = {
+        "eval-drift": ["eval-drift", "--model", str(tiny), "--blocks", "4", "--device", "cuda"],
+        "synth": [
+            "synth",
+            "--preset",
+            "tiny",
+            "--output_dir",
+            str(tmp_path / "t"),
+            "--device",
+            "cuda",
+        ],
+    }[command]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith(
+        "Error: --device cuda: CUDA is not available"
+    )
+    assert not (tmp_path / "t").exists()
