@@ -4,6 +4,7 @@ options, and the ``--json PATH|-`` convention.  No command logic lives here."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -213,3 +214,13 @@ def write_json(data: Any, path: str | None) -> None:
         sys.stdout.write(text)
         return
     write_text_atomic(path, text, "--json")
+
+
+class FiniteRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (click's lets them through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number

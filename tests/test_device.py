@@ -132,7 +132,7 @@ def test_bad_device_names(text):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="checks the message on a machine without CUDA"
 )
-@pytest.mark.parametrize("command", ["eval-drift", "synth"])
+@pytest.mark.parametrize("command", ["eval-drift", "synth", "capture"])
 def test_cuda_without_cuda_is_one_error_line(tiny, tmp_path, command):
     args = {
         "eval-drift": ["eval-drift", "--model", str(tiny), "--blocks", "4", "--device", "cuda"],
@@ -145,6 +145,17 @@ def test_cuda_without_cuda_is_one_error_line(tiny, tmp_path, command):
             "--device",
             "cuda",
         ],
+        "capture": [
+            "capture",
+            "--target",
+            str(tiny),
+            "--model",
+            str(tiny),
+            "--output",
+            str(tmp_path / "t"),
+            "--device",
+            "cuda",
+        ],  # fmt: skip
     }[command]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1, result.output

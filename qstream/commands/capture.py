@@ -7,14 +7,28 @@ import sys
 from typing import Any
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from qstream.capture.layout import EXPORTS
 from qstream.capture.run import CaptureSettings, run_capture
 from qstream.capture.streams import Sampling
 from qstream.capture.target import CONVENTIONS, DTYPES
-from qstream.cliutil import Command, greedy_option, json_option, option, write_json
-from qstream.commands.eval_drift import FiniteRange
+from qstream.cliutil import (
+    Command,
+    FiniteRange,
+    greedy_option,
+    json_option,
+    option,
+    write_json,
+)
+from qstream.model.device import resolve_device
 
 
 @click.command(cls=Command)
@@ -143,6 +157,7 @@ def capture(json_path: str | None, **o: Any) -> None:
         --max-tokens 32 --new-tokens 256 --temperature 1.0 --top-p 0.95
     qstream eval-drift --model DRAFT --target TARGET --states states/ --acceptance
     """
+    resolve_device(o["device"])  # a bad or absent device is one line before anything loads
     settings = _settings(o)
     if sys.stderr.isatty() and json_path != "-":
         columns = (
@@ -151,6 +166,7 @@ def capture(json_path: str | None, **o: Any) -> None:
             MofNCompleteColumn(),
             TextColumn("streams"),
             TimeElapsedColumn(),
+            TimeRemainingColumn(),
         )
         with Progress(*columns, transient=True) as bar:
             task = bar.add_task("capture", total=None)

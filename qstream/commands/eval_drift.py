@@ -3,7 +3,6 @@ are the card's (:func:`qstream.card.terminal.print_report`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import click
@@ -12,6 +11,7 @@ from rich.console import Console
 from qstream.card.terminal import print_report
 from qstream.cliutil import (
     Command,
+    FiniteRange,
     blocks_progress,
     greedy_option,
     json_option,
@@ -35,16 +35,6 @@ from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE
 
 WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
-
-
-class FiniteRange(click.FloatRange):
-    """A FloatRange that also refuses nan and inf (click's lets them through)."""
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
-        return number
 
 
 @click.command("eval-drift", cls=Command)
