@@ -235,3 +235,16 @@ def test_bad_inputs_are_one_line(target, draft, tmp_path):
     (busy / "notes.txt").write_text("mine")
     assert "holds no capture.json" in _error(_args(target, draft, busy))
     assert not out.exists(), "nothing is written before the inputs are checked"
+
+
+def test_device_map_auto_gives_the_same_states(target, draft, corpus, tmp_path):
+    """--device-map auto goes through accelerate's dispatch (here every layer lands on the CPU):
+    the hooks and the input placement still give the plain run's states exactly."""
+    _capture(target, draft, corpus, tmp_path / "plain")
+    _capture(target, draft, corpus, tmp_path / "auto", device_map="auto")
+    for i in range(3):
+        name = f"stream-{i:06d}.safetensors"
+        plain, auto = load_file(tmp_path / "plain" / name), load_file(tmp_path / "auto" / name)
+        assert plain.keys() == auto.keys()
+        for key in plain:
+            assert torch.equal(plain[key], auto[key]), key
