@@ -205,6 +205,15 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     "metrics and verifiers run on the CPU.",
 )
 @option(
+    "scratch_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Where the reference's per-block outputs go when too big for memory (over 512 MiB: "
+    "N x block x vocab x 4 bytes, twice with --acceptance); default: the system's temporary "
+    "directory. Does not change results.",
+)
+@option(
     "wide",
     is_flag=True,
     help="Print each table whole, however wide (default: tables wider than the terminal, "
@@ -262,4 +271,5 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         tolerance=o["tolerance"],
         context_blocks=o["context_blocks"],
         device=o["device"],
+        scratch_dir=o["scratch_dir"],
     )

@@ -9,11 +9,13 @@ Everything a regime reads is one frozen :class:`RegimeRun`; the results entry it
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import torch
 
 from qstream.eval.batches import AuxStates, Batch, draft_batch, make_batches
+from qstream.eval.blockstore import BlockStore
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
@@ -85,7 +87,7 @@ class RegimeRun:
 class ReferenceOutputs:
     """What every variant is compared with, for the blocks of one regime (plan order)."""
 
-    logits: torch.Tensor  # [N, B, V] float32: teacher-forced = its own greedy rollout's
+    logits: BlockStore  # [N, B, V] float32: teacher-forced = its own greedy rollout's
     greedy_tokens: torch.Tensor  # [N, B]
     sampled_tokens: torch.Tensor  # [N, B]
     confidence: torch.Tensor  # [N, B] (zeros when the model has no confidence head)
@@ -96,38 +98,57 @@ def evaluate_regime(run: RegimeRun) -> dict:
     settings ask) the sensitivity steps: the regime's JSON-ready results entry."""
     s = run.settings
     aux = AuxStates(run.regime, run.corpus, run.config, s.seed)
-    probe = RegimeAcceptance(
-        run.weights,
-        run.plan,
-        aux.captured,
-        against_reference=s.acceptance,
-        sampling=s,
-        block_size=run.config.block_size,
-    )
-    with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
-        ref = reference_pass(run, aux, probe)
-        out = {"variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}}
-    probe.finish(out)
-    if s.sensitivity:
-        fmt = sensitivity_format(s)
-
-        def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
-            variant = (
-                Variant(name, "simulated", fmt, include) if include else Variant(name, FLOOR, FLOOR)
+    with ExitStack() as kept:  # the stored per-block outputs are freed when the regime ends
+        probe = kept.enter_context(
+            RegimeAcceptance(
+                run.weights,
+                run.plan,
+                aux.captured,
+                against_reference=s.acceptance,
+                sampling=s,
+                block_size=run.config.block_size,
             )
-            return measure_variant(run, variant, aux, ref, probe=None)
-
-        out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, s, step)
+        )
+        logits = kept.enter_context(
+            BlockStore(
+                (run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size),
+                scratch_dir=s.scratch_dir,
+            )
+        )
+        with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
+            ref = reference_pass(run, aux, probe, logits)
+            out = {
+                "variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}
+            }
+        probe.finish(out)
+        if s.sensitivity:
+            _sensitivity(run, aux, ref, out)
     return out
 
 
-def reference_pass(run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance) -> ReferenceOutputs:
-    """The FP32 reference drafts every block once; its outputs are kept for the variants."""
+def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dict) -> None:
+    """The per-module sensitivity steps (drift only) into ``out["sensitivity"]``."""
+    fmt = sensitivity_format(run.settings)
+
+    def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
+        variant = (
+            Variant(name, "simulated", fmt, include) if include else Variant(name, FLOOR, FLOOR)
+        )
+        return measure_variant(run, variant, aux, ref, probe=None)
+
+    out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.settings, step)
+
+
+def reference_pass(
+    run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance, logits: BlockStore
+) -> ReferenceOutputs:
+    """The FP32 reference drafts every block once; its outputs are kept for the variants (its
+    logits in ``logits``, an [N, B, V] store the caller closes)."""
     reference = DSpark(run.config, run.weights, torch.float32, run.settings.device)
     head = host_head(reference)
-    N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
+    N, B = run.plan.anchor.numel(), run.config.block_size
     ref = ReferenceOutputs(
-        torch.empty(N, B, V),
+        logits,
         torch.empty(N, B, dtype=torch.int64),
         torch.empty(N, B, dtype=torch.int64),
         torch.zeros(N, B),

@@ -75,6 +75,9 @@ class DriftSettings:
     context_lengths: tuple[int, ...] = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
     device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/model/device.py)
+    # where per-block outputs too big for memory are kept for a regime (None: the system's
+    # temporary directory); qstream/eval/blockstore.py.  Never in the results.
+    scratch_dir: str | None = None
 
     def __post_init__(self) -> None:
         for regime in self.regimes:

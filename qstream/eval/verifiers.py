@@ -19,13 +19,15 @@ from qstream.eval.acceptance import (
     token_probs,
 )
 from qstream.eval.batches import Batch
+from qstream.eval.blockstore import BlockStore
 from qstream.eval.corpus import AnchorPlan
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
-from qstream.model.dspark import LM_HEAD, Blocks, Rollout
+from qstream.model.dspark import HEAD_ROWS, LM_HEAD, Blocks, Rollout
 from qstream.model.markov import HeadModel, markov_logits, sampling_probs, teacher_forced
+from qstream.model.weights import ComputeWeights
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 
@@ -44,9 +46,10 @@ class RegimeAcceptance:
     """What ``--acceptance`` (verifier: the FP32 reference) and captured states (verifier: the
     target) measure in one regime.  Inactive (every method a no-op) when neither applies.
 
-    Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime (as
-    much again as its stored teacher-forced logits); per variant only ``[N, B]`` float64
-    acceptance values are kept."""
+    Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in
+    a :class:`~qstream.eval.blockstore.BlockStore` (in memory when small, else in the scratch
+    directory; :meth:`close` frees it); per variant only ``[N, B]`` float64 acceptance values
+    are kept.  The target's lm_head is held as stored and upcast per use, in row chunks."""
 
     def __init__(
         self,
@@ -68,17 +71,28 @@ class RegimeAcceptance:
             "stream_is_target_top1": [],
             "stream_outside_target_nucleus": [],
         }
-        self.U_ref = None
+        self.U_ref: BlockStore | None = None
         if not self.active:
             return
         self.head = MarkovHead({k: weights[k].float().contiguous() for k in MARKOV_WEIGHTS})
-        if against_reference:
-            N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
-            self.U_ref = torch.empty(N, block_size, V)
         if self.states is not None:
-            self.lm_head = weights[LM_HEAD].float()
+            self.lm_head = ComputeWeights({LM_HEAD: weights[LM_HEAD]}, torch.float32)
             self.plan = plan
             self.stream_tokens = self.states.block_tokens(plan, block_size)
+        if against_reference:  # last: nothing after it can fail and leave it open
+            N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
+            self.U_ref = BlockStore((N, block_size, V), scratch_dir=sampling.scratch_dir)
+
+    def close(self) -> None:
+        """Free the stored U (its memory or scratch file)."""
+        if self.U_ref is not None:
+            self.U_ref.close()
+
+    def __enter__(self) -> RegimeAcceptance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _verifier_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The verifier's distribution: tempered, then its top-k and top-p."""
@@ -94,7 +108,7 @@ class RegimeAcceptance:
         idx = batch.blocks
         assert self.states is not None  # only called with captured states
         hidden = self.states.target_hidden(self.plan.stream[idx], self.plan.anchor[idx], self.B)
-        return hidden @ self.lm_head.T, self.stream_tokens[idx]
+        return self.lm_head.linear(LM_HEAD, hidden, HEAD_ROWS), self.stream_tokens[idx]
 
     def _add_target(
         self,

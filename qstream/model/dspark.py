@@ -241,13 +241,7 @@ class DSpark:
         lm_head upcast per use is taken ``HEAD_ROWS`` rows at a time: each output column is
         the same dot product either way, so U is bit-identical (tests/test_device.py)."""
         hf = rms_norm(x, self.w["final_norm.weight"], self.config.rms_norm_eps)
-        if not self.w.upcast_per_use(LM_HEAD):
-            return F.linear(hf, self.w[LM_HEAD]), hf
-        V = self.config.vocab_size
-        U = hf.new_empty(*hf.shape[:-1], V)
-        for r0 in range(0, V, HEAD_ROWS):
-            U[..., r0 : r0 + HEAD_ROWS] = F.linear(hf, self.w.rows(LM_HEAD, r0, r0 + HEAD_ROWS))
-        return U, hf
+        return self.w.linear(LM_HEAD, hf, HEAD_ROWS), hf
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """fp32 ``q . k * scale`` (q [..., Tq, dk], k [..., Tk, dk]) -> [..., Tq, Tk]."""

@@ -11,6 +11,7 @@ confidence head) are upcast once and held.
 >>> w["layers.0.mlp.gate_proj.weight"].dtype            # an fp32 temporary
 torch.float32
 >>> w.rows("lm_head.weight", 0, 8192)                    # rows of the vocabulary projection
+>>> w.linear("lm_head.weight", hf, 8192)                 # hf @ lm_head^T, 8192 rows upcast at a time
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of a weight in ``dtype`` (only those rows are converted)."""
         return self.stored[name][start:stop].to(self.dtype)
+
+    def linear(self, name: str, x: torch.Tensor, chunk: int) -> torch.Tensor:
+        """``x @ weight^T`` ([..., in] -> [..., rows]); a weight upcast per use is converted
+        ``chunk`` rows at a time.  Each output column is the same dot product either way, so
+        the result is bit-identical to holding the weight in ``dtype`` (tests/test_device.py)."""
+        if not self.upcast_per_use(name):
+            return F.linear(x, self[name])
+        n = self.stored[name].shape[0]
+        out = x.new_empty(*x.shape[:-1], n)
+        for r0 in range(0, n, chunk):
+            out[..., r0 : r0 + chunk] = F.linear(x, self.rows(name, r0, r0 + chunk))
+        return out
 
     def upcast_per_use(self, name: str) -> bool:
         """Whether reading ``name`` converts it (the weight is held in a narrower dtype)."""

@@ -1,0 +1,153 @@
+"""The per-block outputs a regime keeps (qstream/eval/blockstore.py; docs/eval-drift.md,
+"Memory"): rows round-trip bit-exactly in memory and in the scratch file, in any order; the
+scratch file has no name, so nothing is left behind, also after an error; a disk too small is
+one error line; and a whole evaluation gives the same results with its stores on disk and the
+target's lm_head upcast per use as with everything in memory."""
+
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+from stand_in_target import capture_states
+
+import qstream.eval.blockstore as blockstore
+import qstream.eval.verifiers as verifiers
+import qstream.model.weights as weights_module
+from qstream.cli import cli
+from qstream.errors import QStreamError
+from qstream.eval.blockstore import BlockStore
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.regimes import REGIMES
+
+SHAPE = (11, 3, 5)  # [N, B, V]
+# non-contiguous, out of order, with a run of consecutive rows (one call per run on disk)
+ORDER = torch.tensor([7, 2, 3, 4, 10, 0, 9, 1, 5, 6, 8])
+
+
+def _rows(n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(n, *SHAPE[1:], generator=gen)
+    x[0, 0, :3] = torch.tensor([float("nan"), float("-inf"), -0.0])  # every bit pattern kept
+    return x
+
+
+@pytest.mark.parametrize("memory_bytes", [None, 0], ids=["memory", "disk"])
+def test_round_trip_by_index_tensors(tmp_path, memory_bytes):
+    rows = _rows(SHAPE[0])
+    with BlockStore(SHAPE, scratch_dir=str(tmp_path), memory_bytes=memory_bytes) as store:
+        assert store.on_disk == (memory_bytes == 0)
+        for part in (ORDER[:4], ORDER[4:5], ORDER[5:]):  # batches, as make_batches gives them
+            store[part] = rows[part]
+        for idx in (
+            torch.arange(SHAPE[0]),
+            ORDER,
+            torch.tensor([6, 6, 1]),
+            torch.tensor([], dtype=torch.long),
+        ):
+            got = store[idx]
+            assert got.shape == (len(idx), *SHAPE[1:]) and got.dtype == torch.float32
+            assert torch.equal(got.view(torch.int32), rows[idx].view(torch.int32)), idx
+    assert os.listdir(tmp_path) == []
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to see open files")
+def test_disk_store_leaves_nothing_behind_even_on_error(tmp_path):
+    before = _open_fds()
+    with pytest.raises(ValueError, match="boom"):
+        with BlockStore(SHAPE, scratch_dir=str(tmp_path), memory_bytes=0) as store:
+            store[ORDER] = _rows(SHAPE[0])
+            assert os.listdir(tmp_path) == []  # unlinked from the start
+            assert len(_open_fds() - before) == 1  # the one open, nameless file
+            raise ValueError("boom")
+    assert os.listdir(tmp_path) == []
+    assert _open_fds() == before  # closed: the kernel frees its blocks
+
+
+def test_full_disk_is_one_error_line(tmp_path, monkeypatch):
+    free = 600  # bytes: less than the 660 the store needs
+
+    def small_disk(path):
+        return type("usage", (), {"total": free, "used": 0, "free": free})()
+
+    monkeypatch.setattr(blockstore.shutil, "disk_usage", small_disk)
+    need = 4 * 11 * 3 * 5
+    with pytest.raises(QStreamError) as e:
+        BlockStore(SHAPE, scratch_dir=str(tmp_path), memory_bytes=0)
+    assert str(e.value) == (
+        f"--scratch-dir {tmp_path}: {need} bytes needed for the per-block outputs, "
+        f"{free} free (pass --scratch-dir on a bigger disk, or fewer --blocks)"
+    )
+    assert os.listdir(tmp_path) == []
+
+
+def test_full_scratch_disk_from_the_cli(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(blockstore, "MEMORY_BYTES", 0)
+    monkeypatch.setattr(blockstore.shutil, "disk_usage", lambda p: type("usage", (), {"free": 0}))
+    result = CliRunner().invoke(
+        cli,
+        ["eval-drift", "--model", str(tiny), "--regime", "gauss", "--blocks", "8",
+         "--scratch-dir", str(tmp_path), "--formats", "bf16"],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1 and f"--scratch-dir {tmp_path}: " in lines[0], result.output
+
+
+@pytest.fixture(scope="module")
+def states_file(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("states") / "captured.safetensors"
+    capture_states(str(tiny), str(path), n_streams=4, length=40, seed=0)
+    return path
+
+
+def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp_path, monkeypatch):
+    settings = DriftSettings(
+        regimes=REGIMES,
+        formats=("bf16", "nvfp4"),
+        n_blocks=24,
+        seed=3,
+        acceptance=True,
+        states=str(states_file),
+    )
+    in_memory = evaluate_drift(tiny, settings, corpus)
+
+    opened = []
+    scratch_file = blockstore._scratch_file
+
+    def counted(directory, nbytes):
+        opened.append(directory)
+        return scratch_file(directory, nbytes)
+
+    monkeypatch.setattr(blockstore, "MEMORY_BYTES", 0)
+    monkeypatch.setattr(blockstore, "_scratch_file", counted)
+    # the target's lm_head (--states) held bf16 and upcast per use, in uneven row chunks
+    monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
+    monkeypatch.setattr(verifiers, "HEAD_ROWS", 7)
+    on_disk = evaluate_drift(
+        tiny, DriftSettings(**{**settings.__dict__, "scratch_dir": str(tmp_path)}), corpus
+    )
+    # logits and U per regime: 3 aux regimes and the states regime
+    assert opened == [str(tmp_path)] * 2 * (len(REGIMES) + 1)
+    assert os.listdir(tmp_path) == []
+    assert on_disk == in_memory
+
+
+def test_target_head_upcast_per_use_matches_the_fp32_copy(monkeypatch):
+    """--states' target logits: ``hidden @ lm_head.float().T`` (the fp32 copy it replaced) is
+    bit-identical to the bf16 lm_head upcast 7 rows at a time, which holds no fp32 copy (the
+    tiny preset's shapes: at [50, 64] this CPU's GEMM already differs in the last bit)."""
+    monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
+    gen = torch.Generator().manual_seed(11)
+    lm_head = torch.randn(1024, 64, generator=gen).bfloat16()  # [V, H]
+    hidden = torch.randn(4, 7, 64, generator=gen)  # [n, B, H]
+    held = weights_module.ComputeWeights({"lm_head.weight": lm_head}, torch.float32)
+    assert held.stored["lm_head.weight"].data_ptr() == lm_head.data_ptr()
+    got = held.linear("lm_head.weight", hidden, 7)
+    assert torch.equal(got, hidden @ lm_head.float().T), (
+        (got - hidden @ lm_head.float().T).abs().max()
+    )
