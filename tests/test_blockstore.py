@@ -11,12 +11,13 @@ import torch
 from click.testing import CliRunner
 from stand_in_target import capture_states
 
+import qstream.eval.batches as batches
 import qstream.eval.blockstore as blockstore
 import qstream.eval.verifiers as verifiers
 import qstream.model.weights as weights_module
 from qstream.cli import cli
 from qstream.errors import QStreamError
-from qstream.eval.blockstore import BlockStore
+from qstream.eval.blockstore import BlockStore, SpillFile
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.regimes import REGIMES
 
@@ -125,14 +126,16 @@ def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp
 
     monkeypatch.setattr(blockstore, "MEMORY_BYTES", 0)
     monkeypatch.setattr(blockstore, "_scratch_file", counted)
+    # no aux cache: gauss and heavy are drawn again per variant, boot's go to a scratch file
+    monkeypatch.setattr(batches, "AUX_CACHE_BYTES", 0)
     # the target's lm_head (--states) held bf16 and upcast per use, in uneven row chunks
     monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
     monkeypatch.setattr(verifiers, "HEAD_ROWS", 7)
     on_disk = evaluate_drift(
         tiny, DriftSettings(**{**settings.__dict__, "scratch_dir": str(tmp_path)}), corpus
     )
-    # logits and U per regime: 3 aux regimes and the states regime
-    assert opened == [str(tmp_path)] * 2 * (len(REGIMES) + 1)
+    # logits and U per regime (3 aux regimes and the states regime), and boot's aux states
+    assert opened == [str(tmp_path)] * (2 * (len(REGIMES) + 1) + 1)
     assert os.listdir(tmp_path) == []
     assert on_disk == in_memory
 
@@ -151,3 +154,21 @@ def test_target_head_upcast_per_use_matches_the_fp32_copy(monkeypatch):
     assert torch.equal(got, hidden @ lm_head.float().T), (
         (got - hidden @ lm_head.float().T).abs().max()
     )
+
+
+def test_spill_file_round_trips_any_shape_and_dtype(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    tensors = [
+        torch.randn(3, 5, 7, generator=gen).bfloat16(),  # boot's aux states are bf16
+        torch.randn(1, 2, generator=gen),
+        torch.empty(0, 4, dtype=torch.bfloat16),
+        torch.tensor([float("nan"), -0.0, float("inf")]).bfloat16(),
+    ]
+    spill = SpillFile(str(tmp_path))
+    handles = [spill.put(t) for t in tensors]
+    for t, handle in reversed(list(zip(tensors, handles))):
+        got = spill.get(handle)
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+    spill.close()
+    assert os.listdir(tmp_path) == []

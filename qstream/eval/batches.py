@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from qstream.eval.blockstore import SpillFile
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.regimes import synthetic_aux
 from qstream.eval.states import CapturedStates
@@ -93,13 +94,24 @@ class AuxStates:
     (``corpus`` is :class:`CapturedStates`), or drawn for gauss and heavy, or (boot) the
     reference model's own causal layer outputs, computed on the reference pass and cached.
     gauss and heavy are cached while the cache holds under AUX_CACHE_BYTES (drawing them again
-    for every variant costs as much as a bf16 forward), else drawn again (deterministic)."""
+    for every variant costs as much as a bf16 forward), else drawn again (deterministic); boot
+    states beyond that cap go to a scratch file (``scratch_dir``, as the per-block outputs) and
+    are read back bit-exactly.  Close it (or use it as a context manager) when the regime ends."""
 
-    def __init__(self, regime: str, corpus: Corpus, config: DSparkConfig, seed: int):
+    def __init__(
+        self,
+        regime: str,
+        corpus: Corpus,
+        config: DSparkConfig,
+        seed: int,
+        scratch_dir: str | None = None,
+    ):
         self.regime, self.corpus, self.config, self.seed = regime, corpus, config, seed
         # the one place captured states are told apart from a token corpus
         self.captured = corpus if isinstance(corpus, CapturedStates) else None
         self._cache: dict[int, torch.Tensor] = {}
+        self._spill = SpillFile(scratch_dir)
+        self._spilled: dict[int, tuple] = {}
 
     def get(self, batch: Batch, reference: DSpark | None = None) -> torch.Tensor:
         """The batch's aux states; boot needs ``reference`` the first time a batch is seen."""
@@ -109,19 +121,40 @@ class AuxStates:
         key = id(batch)
         if key in self._cache:
             return self._cache[key]
+        if key in self._spilled:
+            return self._spill.get(self._spilled[key])
         if self.regime == "boot":
             if reference is None:
                 raise RuntimeError("boot aux states must come from the reference pass first")
-            self._cache[key] = self._boot(batch, T, reference)
-            return self._cache[key]
+            aux = self._boot(batch, T, reference)
+            if not self._keep(key, aux):
+                self._spilled[key] = self._spill.put(aux)
+            return aux
         lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
         aux = synthetic_aux(self.regime, self.config, batch.streams, lengths, T, self.seed).to(
             AUX_DTYPE
         )
-        held = sum(t.numel() * t.element_size() for t in self._cache.values())
-        if held + aux.numel() * aux.element_size() <= AUX_CACHE_BYTES:
-            self._cache[key] = aux
+        self._keep(key, aux)
         return aux
+
+    def _keep(self, key: int, aux: torch.Tensor) -> bool:
+        """Cache ``aux`` in memory if the cache stays under AUX_CACHE_BYTES; whether it did."""
+        held = sum(t.numel() * t.element_size() for t in self._cache.values())
+        if held + aux.numel() * aux.element_size() > AUX_CACHE_BYTES:
+            return False
+        self._cache[key] = aux
+        return True
+
+    def close(self) -> None:
+        self._cache.clear()
+        self._spilled.clear()
+        self._spill.close()
+
+    def __enter__(self) -> AuxStates:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _boot(self, batch: Batch, T: int, reference: DSpark) -> torch.Tensor:
         ids = torch.zeros(len(batch.streams), T, dtype=torch.int64)

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -65,10 +66,7 @@ class BlockStore:
             return
         for start, stop, first in self._runs(idx):
             data = rows[start:stop].numpy().data.cast("B")
-            offset = first * self.row_bytes
-            while data:  # pwrite may write less than asked
-                written = self._io(os.pwrite, data, offset)
-                data, offset = data[written:], offset + written
+            self._io(_write_all, data, first * self.row_bytes)
 
     def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
         if self.memory is not None:
@@ -76,12 +74,7 @@ class BlockStore:
         out = torch.empty(len(idx), *self.row_shape)
         for start, stop, first in self._runs(idx):
             data = out[start:stop].numpy().data.cast("B")
-            offset = first * self.row_bytes
-            while data:  # preadv may read less than asked
-                read = self._io(lambda fd, d, o: os.preadv(fd, [d], o), data, offset)
-                if read == 0:
-                    raise RuntimeError(f"block store: rows at byte {offset} were never written")
-                data, offset = data[read:], offset + read
+            _read_all(self.fd, data, first * self.row_bytes)
         return out
 
     def _runs(self, idx: torch.Tensor) -> Iterator[tuple[int, int, int]]:
@@ -98,18 +91,13 @@ class BlockStore:
                 start = j
 
     def _io(
-        self, call: Callable[[int, memoryview, int], int], data: memoryview, offset: int
-    ) -> int:
+        self, call: Callable[[int, memoryview, int], None], data: memoryview, offset: int
+    ) -> None:
         assert self.fd is not None
-        try:
-            return call(self.fd, data, offset)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the disk filled while running
-                raise QStreamError(
-                    f"--scratch-dir {self.scratch_dir}: no space left for the per-block "
-                    f"outputs ({self.shape[0] * self.row_bytes} bytes needed)"
-                ) from e
-            raise
+        with _disk_full_is_an_error(
+            self.scratch_dir, f"{self.shape[0] * self.row_bytes} bytes needed"
+        ):
+            call(self.fd, data, offset)
 
     def close(self) -> None:
         self.memory = None
@@ -145,3 +133,65 @@ def _scratch_file(directory: str, nbytes: int) -> int:
         )
     with tempfile.TemporaryFile(prefix="qstream-blocks-", dir=directory) as f:
         return os.dup(f.fileno())
+
+
+class SpillFile:
+    """Tensors of any shape and dtype written once and read back by handle, in an unlinked
+    scratch file created at the first write (positional I/O as :class:`BlockStore`'s): what
+    a cache holds beyond its memory cap (the boot regime's aux states)."""
+
+    def __init__(self, scratch_dir: str | None = None):
+        self.scratch_dir = scratch_dir or tempfile.gettempdir()
+        self.fd: int | None = None
+        self.end = 0
+
+    def put(self, tensor: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
+        tensor = tensor.detach().cpu().contiguous()
+        data = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        if self.fd is None:
+            self.fd = _scratch_file(self.scratch_dir, len(data))
+        with _disk_full_is_an_error(self.scratch_dir, f"{self.end + len(data)} bytes written"):
+            _write_all(self.fd, data, self.end)
+        handle = (self.end, tensor.shape, tensor.dtype)
+        self.end += len(data)
+        return handle
+
+    def get(self, handle: tuple[int, torch.Size, torch.dtype]) -> torch.Tensor:
+        offset, shape, dtype = handle
+        assert self.fd is not None, "nothing was written"
+        out = torch.empty(shape, dtype=dtype)
+        _read_all(self.fd, out.reshape(-1).view(torch.uint8).numpy().data.cast("B"), offset)
+        return out
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:  # pwrite may write less than asked
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
+
+
+def _read_all(fd: int | None, data: memoryview, offset: int) -> None:
+    assert fd is not None
+    while data:  # preadv may read less than asked
+        read = os.preadv(fd, [data], offset)
+        if read == 0:
+            raise RuntimeError(f"scratch file: bytes at {offset} were never written")
+        data, offset = data[read:], offset + read
+
+
+@contextmanager
+def _disk_full_is_an_error(directory: str, what: str) -> Iterator[None]:
+    """ENOSPC / EDQUOT while writing a scratch file: one QStreamError line naming the directory."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the disk filled while running
+            raise QStreamError(
+                f"--scratch-dir {directory}: no space left for the per-block outputs ({what})"
+            ) from e
+        raise

@@ -97,8 +97,10 @@ def evaluate_regime(run: RegimeRun) -> dict:
     """The reference pass, every variant against it, the verifiers' acceptance and (when the
     settings ask) the sensitivity steps: the regime's JSON-ready results entry."""
     s = run.settings
-    aux = AuxStates(run.regime, run.corpus, run.config, s.seed)
     with ExitStack() as kept:  # the stored per-block outputs are freed when the regime ends
+        aux = kept.enter_context(
+            AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch_dir)
+        )
         probe = kept.enter_context(
             RegimeAcceptance(
                 run.weights,
