@@ -14,11 +14,13 @@ row range of one, at its offset, so no shard is ever held in memory.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -189,6 +191,33 @@ def _check_layout(path: Path, tensors: list[TensorInfo], data_size: int) -> None
         )
 
 
+# Every mapping a ShardReader opened that is still alive (a tensor viewing it keeps it alive),
+# with its base address.
+_LIVE_MAPS: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
+
+
+def drop_resident_pages(tensor: torch.Tensor | None = None) -> None:
+    """Drop mapped checkpoint pages from this process's resident set (MADV_DONTNEED): those
+    under ``tensor`` when it views a live mapping (nothing otherwise), or every live mapping's.
+    The mappings are private and never written, so a page touched again is mapped back
+    unchanged from the kernel's page cache (or re-read from the file).  eval-drift uses this so
+    that weights a pass no longer reads (the originals of a format's quantized tensors) stop
+    counting against its memory (docs/eval-drift.md, "Memory")."""
+    for mapping, base in list(_LIVE_MAPS.items()):
+        if mapping.closed:
+            continue
+        if tensor is None:
+            mapping.madvise(mmap.MADV_DONTNEED)
+            continue
+        start = tensor.data_ptr() - base
+        if 0 <= start < len(mapping):
+            end = min(start + tensor.numel() * tensor.element_size(), len(mapping))
+            begin = start // _PAGE * _PAGE
+            stop = min(-(-end // _PAGE) * _PAGE, len(mapping))
+            mapping.madvise(mmap.MADV_DONTNEED, begin, stop - begin)
+            return
+
+
 class ShardReader:
     """Memory-mapped, read-only access to the tensors of one file."""
 
@@ -200,6 +229,8 @@ class ShardReader:
             self._map = (
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header.file_size else None
             )
+        if self._map is not None:
+            _LIVE_MAPS[self._map] = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
     def _span(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
         if rows is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.eval.batches import AuxStates, Batch, draft_batch, make_batches
 from qstream.eval.blockstore import BlockStore
 from qstream.eval.corpus import AnchorPlan, Corpus
@@ -190,6 +191,7 @@ def measure_variant(
     step = {"simulated": "simulating", "checkpoint": "loading"}.get(variant.kind)
     if step:  # seconds to minutes at K3 scale: say so before the first block
         run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
+    drop_resident_pages()  # the previous pass's weights; this one maps back what it reads
     var_weights, changed = variant_weights(variant, run.weights, run.config, s, run.target)
     model = DSpark(run.config, var_weights, variant.dtype, s.device)
     head = host_head(model)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.eval.vocabulary import FLOOR, REFERENCE
@@ -92,7 +93,10 @@ def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str])
     ):
         # the bf16 floor of a bf16 checkpoint: no error anywhere, nothing to read
         return {"tensors": len(names), "overall_db": None, "worst_db": None}
-    sums = [snr_sums(reference_weights[n], weights[n].to(torch.bfloat16)) for n in names]
+    sums = []
+    for n in names:
+        sums.append(snr_sums(reference_weights[n], weights[n].to(torch.bfloat16)))
+        drop_resident_pages(reference_weights[n])  # a mapped original leaves memory again
     signal, noise = sum(s for s, _ in sums), sum(e for _, e in sums)
     finite = [snr_db(*pair) for pair in sums if pair[1] > 0]
     return {

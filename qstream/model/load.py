@@ -24,6 +24,7 @@ from qstream.checkpoint.safetensors_io import (
     DTYPE_NAMES,
     ShardReader,
     TensorInfo,
+    drop_resident_pages,
     read_header,
 )
 from qstream.checkpoint.selection import select_modules, share_group_amax
@@ -274,4 +275,5 @@ def simulate_format(
         w = draft[f"{module}.weight"]
         stored = quantize(fmt, w, name=f"{module}.weight", global_amax=amax.get(module))
         out[f"{module}.weight"] = dequantize(fmt, stored, dtype=w.dtype)
+        drop_resident_pages(w)  # a mapped original: its pages leave this process's memory
     return out
