@@ -3,6 +3,7 @@ directories (config + index): good files round-trip bit-exactly with the safeten
 bad ones raise one QStreamError naming the file and tensor."""
 
 import json
+import os
 import struct
 
 import pytest
@@ -16,6 +17,7 @@ from qstream.checkpoint.safetensors_io import (
     PlannedTensor,
     ShardReader,
     ShardWriter,
+    drop_resident_pages,
     planned_file_size,
     read_header,
 )
@@ -211,3 +213,30 @@ def test_missing_or_bad_config(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(QStreamError, match="missing config.json"):
         open_checkpoint(tmp_path)
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RssFile from /proc")
+def test_dropped_pages_leave_memory_and_come_back_unchanged(tmp_path):
+    """eval-drift drops mapped weights a pass no longer reads: the pages leave the process's
+    resident set, the tensor reads back bit-identical, and a tensor outside any mapping (here
+    anonymous memory, which MADV_DONTNEED would zero) is left alone."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(2048, 4096, generator=gen).to(torch.bfloat16)  # 16 MiB
+    save_file({"w": weight, "tail": weight[:3].clone()}, tmp_path / "m.safetensors")
+    reader = ShardReader(read_header(tmp_path / "m.safetensors"))
+    mapped = reader.tensor("w")
+    assert torch.equal(mapped, weight)  # touches every page
+    touched = _rss_file_kib()
+    drop_resident_pages(mapped)
+    assert _rss_file_kib() < touched - 8 * 1024, (touched, _rss_file_kib())
+    assert torch.equal(mapped, weight) and torch.equal(reader.tensor("tail"), weight[:3])
+    drop_resident_pages()
+    assert torch.equal(mapped, weight)
+    anonymous = weight.clone()
+    drop_resident_pages(anonymous)
+    assert torch.equal(anonymous, weight)
