@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_eval import GSM8K, useful_flops  # noqa: E402
+from bench_eval import GSM8K, matmul_rate, useful_flops  # noqa: E402
 
 from qstream.eval.batches import make_batches  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
@@ -30,15 +30,7 @@ from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
 from qstream.eval.settings import DriftSettings  # noqa: E402
 from qstream.model.load import load_config  # noqa: E402
 
-
-def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 7168, n: int = 7168) -> float:
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * m * k * n / best
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 class StepTimes:
@@ -75,7 +67,10 @@ def main() -> None:
                           max_context=config.max_position_embeddings - config.block_size)  # fmt: skip
     flops = useful_flops(config, plan, make_batches(plan, corpus, config))
     weight_bytes = sum(p.stat().st_size for p in Path(args.model).rglob("*.safetensors"))
-    rates = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
+    rates = {
+        "fp32": matmul_rate(torch.float32, k=7168, n=7168),
+        "bf16": matmul_rate(torch.bfloat16, k=7168, n=7168),
+    }
     print(f"k3 preset, {args.blocks} blocks, gauss, reference + {', '.join(formats)}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
     print(f"peak RSS {peak / 1e9:.2f} GB / weights {weight_bytes / 1e9:.2f} GB "

@@ -24,6 +24,7 @@ from rich.progress import (
 )
 
 from qstream.errors import QStreamError
+from qstream.publish import write_text_atomic
 
 
 class _UserErrorsExit:
@@ -182,27 +183,6 @@ def json_option():
         callback=_check_json_path,
         help="Also write the results as JSON to PATH ('-' for standard output).",
     )
-
-
-def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
-    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then one
-    rename.  Any OSError (disk full, permission denied) becomes a QStreamError naming the path,
-    and the temporary file is removed."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.qstream-partial-{os.getpid()}")
-    label = f"{option} {path}" if option else str(path)
-    try:
-        with open(tmp, "x", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise QStreamError(f"cannot write {label}: {exc.strerror or exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_json(data: Any, path: str | None) -> None:

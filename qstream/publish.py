@@ -207,3 +207,24 @@ def _terminate_as_interrupt() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then one
+    rename.  Any OSError (disk full, permission denied) becomes a QStreamError naming the path,
+    and the temporary file is removed."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.qstream-partial-{os.getpid()}")
+    label = f"{option} {path}" if option else str(path)
+    try:
+        with open(tmp, "x", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise QStreamError(f"cannot write {label}: {exc.strerror or exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

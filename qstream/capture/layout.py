@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from qstream.errors import QStreamError
+from qstream.publish import write_text_atomic
 
 RECORD = "capture.json"
 EXPORTS = ("qstream", "vllm")
@@ -85,14 +86,7 @@ def write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[st
 
 def write_record(output: Path, record: dict[str, Any]) -> None:
     """``capture.json``, replaced in one rename."""
-    path = output / RECORD
-    tmp = output / f".{RECORD}.qstream-partial-{os.getpid()}"
-    try:
-        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise QStreamError(f"cannot write {path}: {exc.strerror or exc}") from exc
+    write_text_atomic(output / RECORD, json.dumps(record, indent=2) + "\n")
 
 
 def _comparable(key: str, value: Any) -> Any:
