@@ -102,9 +102,12 @@ def test_leftovers_of_dead_runs_are_removed_with_a_notice(tmp_path, dead_pid):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_signals_clean_up_like_ctrl_c(tmp_path, signum):
+    # a process started in the background by a non-interactive shell inherits SIGINT ignored
+    # (and Python then keeps it so): give the child the default Ctrl-C behaviour a terminal gives
     script = textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
         from qstream.publish import publishing
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         with publishing(__import__("pathlib").Path({str(tmp_path / "out")!r}), False) as tmp:
             (tmp / "half.bin").write_bytes(b"0" * 1000)
             print("ready", flush=True)
