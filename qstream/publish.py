@@ -209,18 +209,15 @@ def _terminate_as_interrupt() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
-    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it, then one
-    rename.  Any OSError (disk full, permission denied) becomes a QStreamError naming the path,
-    and the temporary file is removed."""
+def write_atomic(path: str | Path, write: Callable[[Path], None], option: str = "") -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then one rename: the file is whole
+    or not there.  Any OSError (disk full, permission denied) becomes a QStreamError naming the
+    path, and the temporary file is removed."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.qstream-partial-{os.getpid()}")
     label = f"{option} {path}" if option else str(path)
     try:
-        with open(tmp, "x", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        write(tmp)
         os.replace(tmp, target)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -228,3 +225,15 @@ def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
+    """Write ``text`` to ``path`` whole or not at all (:func:`write_atomic`), synced to disk."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "x", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    write_atomic(path, write, option)

@@ -15,7 +15,6 @@ by the last layer's output before the final norm.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from qstream.errors import QStreamError
-from qstream.publish import write_text_atomic
+from qstream.publish import write_atomic, write_text_atomic
 
 RECORD = "capture.json"
 EXPORTS = ("qstream", "vllm")
@@ -72,16 +71,7 @@ def vllm_tensors(
 
 def write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """One stream's file, whole or not at all."""
-    tmp = path.with_name(f".{path.name}.qstream-partial-{os.getpid()}")
-    try:
-        save_file(tensors, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise QStreamError(f"cannot write {path}: {exc.strerror or exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def write_record(output: Path, record: dict[str, Any]) -> None:
