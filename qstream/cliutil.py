@@ -146,6 +146,36 @@ class GreedyOption(click.Option):
             parser_opt.process = process
 
 
+class FiniteRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (click's lets them through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+# The sampling settings eval-drift evaluates at and capture --generate samples at: one type and
+# default for both, so that a capture made with the defaults is the target's own sample at the
+# evaluation's defaults (docs/capture.md).
+SAMPLING_OPTIONS: dict[str, dict[str, Any]] = {
+    "temperature": {"type": FiniteRange(0, min_open=True), "default": 1.0, "show_default": True},
+    "top_p": {"type": FiniteRange(0, 1, min_open=True), "default": 1.0, "show_default": True},
+    "top_k": {"type": click.IntRange(min=1), "default": None},
+}
+
+
+def sampling_option(name: str, help: str):
+    """``--temperature`` / ``--top-p`` / ``--top-k`` as eval-drift and capture share them."""
+    return option(name, help=help, **SAMPLING_OPTIONS[name])
+
+
+def device_option(help: str):
+    """``--device``, checked by :func:`qstream.model.device.resolve_device` when used."""
+    return option("device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N", help=help)
+
+
 def greedy_option(name: str, **kwargs: Any):
     return click.option(*spellings(name), name, cls=GreedyOption, multiple=True, **kwargs)
 
@@ -194,13 +224,3 @@ def write_json(data: Any, path: str | None) -> None:
         sys.stdout.write(text)
         return
     write_text_atomic(path, text, "--json")
-
-
-class FiniteRange(click.FloatRange):
-    """A FloatRange that also refuses nan and inf (click's lets them through)."""
-
-    def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number.", param, ctx)
-        return number

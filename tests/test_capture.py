@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import cli_error
 from hf_targets import HIDDEN, LAYERS, make_draft_config, make_target
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -16,7 +16,6 @@ from transformers import AutoModelForCausalLM
 
 from qstream.capture.run import CaptureSettings, run_capture
 from qstream.capture.streams import Sampling
-from qstream.cli import cli
 from qstream.model.corpus import builtin_corpus
 from qstream.model.markov import sampling_probs
 
@@ -54,14 +53,6 @@ def _reference(target: Path, ids: torch.Tensor):
     with torch.no_grad():
         out = model(ids[None], output_hidden_states=True)
     return model, [h[0] for h in out.hidden_states]  # N+1 tensors [T, H]
-
-
-def _error(args: list[str]) -> str:
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output, result.output
-    assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
-    return result.stderr
 
 
 def test_states_equal_transformers_hidden_states(target, draft, corpus, tmp_path):
@@ -118,7 +109,7 @@ def test_resume_skips_written_streams_and_refuses_changed_settings(target, draft
     assert json.loads((out / "capture.json").read_text())["streams"] == 3
     args = ["capture", "--target", str(target), "--model", str(draft), "--output", str(out),
             "--corpus", corpus, "--dtype", "float32", "--max-tokens", "25"]  # fmt: skip
-    assert "max_tokens = 24, this run has 25" in _error(args)
+    assert "max_tokens = 24, this run has 25" in cli_error(args)
 
 
 def test_an_interrupted_run_leaves_only_complete_files(target, draft, corpus, tmp_path):
@@ -198,11 +189,11 @@ def _args(target, draft, out, *extra) -> list[str]:
 
 def test_bad_inputs_are_one_line(target, draft, tmp_path):
     out = tmp_path / "out"
-    assert "not a directory" in _error(_args(tmp_path / "nothing", draft, out))
-    assert "--layers 6: outside [0, 5]" in _error(
+    assert "not a directory" in cli_error(_args(tmp_path / "nothing", draft, out))
+    assert "--layers 6: outside [0, 5]" in cli_error(
         _args(target, draft, out, "--layers", "0", "2", "6")
     )
-    assert "outside [1, 6]" in _error(
+    assert "outside [1, 6]" in cli_error(
         _args(
             target,
             draft,
@@ -218,10 +209,10 @@ def test_bad_inputs_are_one_line(target, draft, tmp_path):
     wide = make_draft_config(tmp_path / "wide", IDS)
     config = json.loads((wide / "config.json").read_text())
     (wide / "config.json").write_text(json.dumps({**config, "target_hidden_size": 96}))
-    assert "target_hidden_size = 96" in _error(_args(target, wide, out))
+    assert "target_hidden_size = 96" in cli_error(_args(target, wide, out))
     deep = make_draft_config(tmp_path / "deep", IDS, layers=12)
-    assert "target_num_hidden_layers = 12" in _error(_args(target, deep, out))
-    assert "num_target_layers = 2" in _error(_args(target, draft, out, "--layers", "0", "2"))
+    assert "target_num_hidden_layers = 12" in cli_error(_args(target, deep, out))
+    assert "num_target_layers = 2" in cli_error(_args(target, draft, out, "--layers", "0", "2"))
     custom = tmp_path / "custom"
     custom.mkdir()
     config = json.loads((target / "config.json").read_text())
@@ -229,11 +220,11 @@ def test_bad_inputs_are_one_line(target, draft, tmp_path):
     (custom / "config.json").write_text(
         json.dumps({**config, "model_type": "mine", "auto_map": auto_map})
     )
-    assert "--trust-remote-code" in _error(_args(custom, draft, out))
+    assert "--trust-remote-code" in cli_error(_args(custom, draft, out))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
-    assert "holds no capture.json" in _error(_args(target, draft, busy))
+    assert "holds no capture.json" in cli_error(_args(target, draft, busy))
     assert not out.exists(), "nothing is written before the inputs are checked"
 
 

@@ -13,31 +13,16 @@ import os
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from cli_helpers import cli_error, cli_ok
 
 import qstream.card.build
 import qstream.card.output
 import qstream.cliutil
 import qstream.errors
 from qstream.card.output import MARKER
-from qstream.cli import cli
 
 DATA = Path(__file__).parent / "data"
 RESULTS = DATA / "card_results.json"
-
-
-def _error(args: list[str]) -> str:
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output, result.output
-    assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
-    return result.stderr
-
-
-def _ok(args: list[str]):
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 def _names(directory: Path) -> list[str]:
@@ -54,19 +39,19 @@ def _disk_full(*args, **kwargs):
 def test_card_refuses_a_user_file_without_overwrite(tmp_path):
     notes = tmp_path / "CARD.md"
     notes.write_text("my own notes\n")
-    err = _error(["card", str(RESULTS), "--output", str(notes)])
+    err = cli_error(["card", str(RESULTS), "--output", str(notes)])
     assert f"--output {notes} already exists and is not a card qstream wrote" in err
     assert "use --overwrite" in err
     assert notes.read_text() == "my own notes\n" and _names(tmp_path) == ["CARD.md"]
-    _ok(["card", str(RESULTS), "--output", str(notes), "--overwrite"])
+    cli_ok(["card", str(RESULTS), "--output", str(notes), "--overwrite"])
     assert MARKER in notes.read_text().splitlines()[0]
 
 
 @pytest.mark.parametrize("fmt", ["md", "json", "html"])
 def test_a_card_qstream_wrote_is_replaced_without_asking(tmp_path, fmt):
     out = tmp_path / f"card.{fmt}"
-    _ok(["card", str(RESULTS), "--output", str(out), "--format", fmt])
-    _ok(["card", str(RESULTS), "--output", str(out), "--format", fmt])
+    cli_ok(["card", str(RESULTS), "--output", str(out), "--format", fmt])
+    cli_ok(["card", str(RESULTS), "--output", str(out), "--format", fmt])
     assert _names(tmp_path) == sorted([out.name, "card_files"])
     if fmt == "json":
         assert json.loads(out.read_text())["generated_by"] == MARKER
@@ -76,7 +61,7 @@ def test_card_refuses_a_user_directory_where_its_figures_go(tmp_path):
     photos = tmp_path / "CARD_files"
     photos.mkdir()
     (photos / "holiday.jpg").write_bytes(b"\xff\xd8")
-    err = _error(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md"), "--overwrite"])
+    err = cli_error(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md"), "--overwrite"])
     assert "CARD_files is in the way of the card's figures" in err and "holiday.jpg" in err
     assert _names(tmp_path) == ["CARD_files"] and _names(photos) == ["holiday.jpg"]
 
@@ -97,7 +82,7 @@ def _broken(tmp_path: Path, regime: str, variant: str, key: str, null: bool) -> 
 def test_card_names_the_file_and_key_of_malformed_results(tmp_path, null):
     broken = _broken(tmp_path, "heavy", "fp8", "rollouts", null)
     before = broken.read_bytes()
-    err = _error(["card", str(broken), "--output", str(tmp_path / "CARD.md")])
+    err = cli_error(["card", str(broken), "--output", str(tmp_path / "CARD.md")])
     assert f"{broken}: results have a missing or null key " in err
     assert "'regimes.heavy.variants.fp8.metrics.rollouts" in err
     assert broken.read_bytes() == before and _names(tmp_path) == ["broken.json"]
@@ -105,7 +90,7 @@ def test_card_names_the_file_and_key_of_malformed_results(tmp_path, null):
 
 def _old_card(tmp_path: Path) -> tuple[Path, dict]:
     out = tmp_path / "CARD.md"
-    _ok(["card", str(RESULTS), "--output", str(out)])
+    cli_ok(["card", str(RESULTS), "--output", str(out)])
     files = [out, *sorted((tmp_path / "CARD_files").iterdir())]
     return out, {p: p.read_bytes() for p in files}
 
@@ -119,7 +104,7 @@ def test_disk_full_while_drawing_keeps_the_old_card_and_figures(tmp_path, monkey
         _disk_full()
 
     monkeypatch.setattr(qstream.card.build, "write_figures", half_then_full)
-    err = _error(["card", str(RESULTS), "--output", str(out)])
+    err = cli_error(["card", str(RESULTS), "--output", str(out)])
     assert f"cannot write --output {out}: No space left on device" in err
     assert {p: p.read_bytes() for p in before} == before
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
@@ -127,7 +112,7 @@ def test_disk_full_while_drawing_keeps_the_old_card_and_figures(tmp_path, monkey
 
 def test_disk_full_writing_the_card_publishes_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(qstream.card.output.os, "replace", _disk_full)
-    err = _error(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
+    err = cli_error(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
     assert "No space left on device" in err
     assert _names(tmp_path) == []
 
@@ -135,7 +120,7 @@ def test_disk_full_writing_the_card_publishes_nothing(tmp_path, monkeypatch):
 def test_disk_full_publishing_the_card_puts_the_old_figures_back(tmp_path, monkeypatch):
     out, before = _old_card(tmp_path)
     monkeypatch.setattr(qstream.card.output.os, "replace", _disk_full)
-    assert "No space left on device" in _error(["card", str(RESULTS), "--output", str(out)])
+    assert "No space left on device" in cli_error(["card", str(RESULTS), "--output", str(out)])
     assert {p: p.read_bytes() for p in before} == before
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
 
@@ -144,13 +129,13 @@ def test_a_killed_card_run_leaves_nothing_after_the_next_run(tmp_path, dead_pid)
     dead = dead_pid
     stale = tmp_path / f".CARD.md.qstream-partial-{dead}"  # what SIGKILL mid-card leaves
     (stale / "figures").mkdir(parents=True)
-    result = _ok(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
+    result = cli_ok(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
     assert f"Notice: removed {stale}" in result.stderr
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
 
 
 def test_card_to_a_missing_directory_fails_before_reading_results(tmp_path):
-    err = _error(["card", str(tmp_path / "absent.json"), "--output", str(tmp_path / "no/c.md")])
+    err = cli_error(["card", str(tmp_path / "absent.json"), "--output", str(tmp_path / "no/c.md")])
     assert "directory" in err and "does not exist" in err and _names(tmp_path) == []
 
 
@@ -164,7 +149,7 @@ def test_eval_drift_json_path_is_checked_before_any_work(tmp_path, monkeypatch, 
 
     monkeypatch.setattr("qstream.commands.eval_drift.run_drift", no_work)
     path = tmp_path / "no" / "r.json" if where == "missing parent" else tmp_path
-    err = _error(["eval-drift", "--json", str(path)])
+    err = cli_error(["eval-drift", "--json", str(path)])
     assert f"--json {path}:" in err
 
 
@@ -173,7 +158,7 @@ def test_json_to_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
     locked.mkdir(mode=0o555)
     if os.geteuid() == 0:  # root writes anywhere: simulate what an unprivileged user meets
         monkeypatch.setattr(qstream.cliutil.os, "access", lambda path, mode: False)
-    err = _error(["formats", "--json", str(locked / "r.json")])
+    err = cli_error(["formats", "--json", str(locked / "r.json")])
     assert f"--json {locked / 'r.json'}: directory {locked} is not writable" in err
     assert _names(locked) == []
 

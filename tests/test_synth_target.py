@@ -6,21 +6,14 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import cli_ok
 from hf_targets import HIDDEN, LAYERS, VOCAB, make_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from qstream.cli import cli
 from qstream.model.config import PRESETS
 from qstream.model.load import TARGET_HEAD_DIR, load_model
 from qstream.model.synth_target import spread_layer_ids
-
-
-def _ok(args: list[str]):
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 0, result.output
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +24,7 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def draft(target, tmp_path_factory):
     out = tmp_path_factory.mktemp("draft") / "draft"
-    _ok(["synth", "--target", str(target), "--output_dir", str(out)])
+    cli_ok(["synth", "--target", str(target), "--output_dir", str(out)])
     return out
 
 
@@ -61,7 +54,7 @@ def test_draft_is_shaped_for_the_target(target, draft):
 
 
 def _eval(draft, target, states, out) -> dict:
-    _ok(["eval-drift", "--model", str(draft), "--target", str(target), "--states", str(states),
+    cli_ok(["eval-drift", "--model", str(draft), "--target", str(target), "--states", str(states),
          "--formats", "bf16,nvfp4", "--blocks", "32", "--acceptance", "--json", str(out)])  # fmt: skip
     return json.loads(out.read_text())
 
@@ -72,8 +65,8 @@ def test_capture_then_eval_drift_on_the_captured_states(target, draft, tmp_path)
     written separately (each from the layout's source), so this checks one against the other."""
     common = ["--target", str(target), "--model", str(draft), "--dtype", "float32",
               "--streams", "4", "--max-tokens", "64"]  # fmt: skip
-    _ok(["capture", *common, "--output", str(tmp_path / "states")])
-    _ok(["capture", *common, "--output", str(tmp_path / "hs"), "--export", "vllm"])
+    cli_ok(["capture", *common, "--output", str(tmp_path / "states")])
+    cli_ok(["capture", *common, "--output", str(tmp_path / "hs"), "--export", "vllm"])
     merged = {}
     for i, path in enumerate(sorted((tmp_path / "states").glob("stream-*.safetensors"))):
         merged.update({f"stream.{i}.{k}": v for k, v in load_file(path).items()})

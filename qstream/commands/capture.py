@@ -22,10 +22,11 @@ from qstream.capture.streams import Sampling
 from qstream.capture.target import CONVENTIONS, DTYPES
 from qstream.cliutil import (
     Command,
-    FiniteRange,
+    device_option,
     greedy_option,
     json_option,
     option,
+    sampling_option,
     write_json,
 )
 from qstream.model.device import resolve_device
@@ -72,7 +73,7 @@ from qstream.model.device import resolve_device
     show_default=True,
     help="The target's weights, compute and the states written.",
 )
-@option("device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, ...")
+@device_option("Where the target runs (one device; see --device-map).")
 @option(
     "device_map",
     type=click.Choice(["auto"]),
@@ -111,26 +112,9 @@ from qstream.model.device import resolve_device
     show_default=True,
     help="With --generate: tokens sampled per stream.",
 )
-@option(
-    "temperature",
-    type=FiniteRange(0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="With --generate: the evaluation's temperature.",
-)
-@option(
-    "top_p",
-    type=FiniteRange(0, 1, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="With --generate: the evaluation's (verifier's) top-p.",
-)
-@option(
-    "top_k",
-    type=click.IntRange(min=1),
-    default=None,
-    help="With --generate: the evaluation's top-k.",
-)
+@sampling_option("temperature", "With --generate: the evaluation's temperature.")
+@sampling_option("top_p", "With --generate: the evaluation's (verifier's) top-p.")
+@sampling_option("top_k", "With --generate: the evaluation's top-k.")
 @option(
     "seed",
     type=click.IntRange(min=0),

@@ -13,10 +13,12 @@ from qstream.cliutil import (
     Command,
     FiniteRange,
     blocks_progress,
+    device_option,
     greedy_option,
     json_option,
     make_console,
     option,
+    sampling_option,
     write_json,
 )
 from qstream.eval.regimes import REGIMES
@@ -98,27 +100,13 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     help=f"Modules the simulated formats quantize (default: {' '.join(QUANTIZE_INCLUDE)}).",
 )
 @greedy_option("ignore_layers", help="Modules never quantized.")
-@option(
-    "temperature",
-    type=FiniteRange(0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="The request's sampling temperature (drafter and verifier).",
-)
-@option(
+@sampling_option("temperature", "The request's sampling temperature (drafter and verifier).")
+@sampling_option(
     "top_p",
-    type=FiniteRange(0, 1, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="The verifier's (target's) top-p; the drafter samples the full distribution, as "
+    "The verifier's (target's) top-p; the drafter samples the full distribution, as "
     "vLLM's DSpark drafter does.",
 )
-@option(
-    "top_k",
-    type=click.IntRange(min=1),
-    default=None,
-    help="The verifier's (target's) top-k. Default: off.",
-)
+@sampling_option("top_k", "The verifier's (target's) top-k. Default: off.")
 @option(
     "draft_top_p",
     type=FiniteRange(0, 1, min_open=True),
@@ -196,13 +184,9 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     show_default=True,
     help="Blocks per context-length bucket.",
 )
-@option(
-    "device",
-    default="cpu",
-    show_default=True,
-    metavar="cpu|cuda|cuda:N",
-    help="Where the models compute. The FP32 reference stays FP32 on a GPU (TF32 off); "
-    "metrics and verifiers run on the CPU.",
+@device_option(
+    "Where the models compute. The FP32 reference stays FP32 on a GPU (TF32 off); "
+    "metrics and verifiers run on the CPU."
 )
 @option(
     "scratch_dir",

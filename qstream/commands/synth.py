@@ -9,7 +9,7 @@ from functools import partial
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
-from qstream.cliutil import Command, json_option, option, write_json
+from qstream.cliutil import Command, device_option, json_option, option, write_json
 from qstream.model.config import PRESETS
 from qstream.model.device import resolve_device
 from qstream.model.synth import SynthSummary, synth_checkpoint
@@ -41,13 +41,9 @@ from qstream.model.synth_target import synth_for_target
     "tokenizer and embed_tokens; lm_head is borrowed with --target at load time).",
 )
 @option("overwrite", is_flag=True, help="Replace an existing output directory.")
-@option(
-    "device",
-    default="cpu",
-    show_default=True,
-    metavar="cpu|cuda|cuda:N",
-    help="Checked like eval-drift's; the weights are drawn on the CPU whatever it says, so that "
-    "the same seed writes the same bytes on every machine.",
+@device_option(
+    "Checked like eval-drift's; the weights are drawn on the CPU whatever it says, so that "
+    "the same seed writes the same bytes on every machine."
 )
 @json_option()
 def synth(
