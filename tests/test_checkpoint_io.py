@@ -2,9 +2,11 @@
 directories (config + index): good files round-trip bit-exactly with the safetensors package,
 bad ones raise one QStreamError naming the file and tensor."""
 
+import hashlib
 import json
 import os
 import struct
+import threading
 
 import pytest
 import torch
@@ -55,17 +57,20 @@ def test_header_and_reads_match_the_safetensors_package(tmp_path):
     assert as_bytes(reader.tensor("a.weight")) == as_bytes(tensors["a.weight"])
 
 
-def test_writer_in_row_pieces_out_of_order_is_read_back_by_safetensors(tmp_path):
+@pytest.mark.parametrize("digest", [False, True])
+def test_writer_in_row_pieces_out_of_order_is_read_back_by_safetensors(tmp_path, digest):
     tensors = _mixed_tensors()
     planned = [PlannedTensor(n, DTYPE_NAMES[t.dtype], tuple(t.shape)) for n, t in tensors.items()]
     path = tmp_path / "out.safetensors"
-    writer = ShardWriter(path, planned, {"format": "pt"})
+    writer = ShardWriter(path, planned, {"format": "pt"}, digest=digest)
     writer.write("a.weight", tensors["a.weight"][4:], row_start=4)
     for name, t in reversed(list(tensors.items())):
         if name != "a.weight":
             writer.write(name, t)
     writer.write("a.weight", tensors["a.weight"][:4], row_start=0)
-    writer.close()
+    sha = writer.close()
+    # the digest followed writes made out of file order: it equals a hash of the finished file
+    assert sha == (hashlib.sha256(path.read_bytes()).hexdigest() if digest else None)
     assert path.stat().st_size == planned_file_size(planned, {"format": "pt"})
     back = load_file(path)
     for name, t in tensors.items():
@@ -74,11 +79,23 @@ def test_writer_in_row_pieces_out_of_order_is_read_back_by_safetensors(tmp_path)
     assert length % 8 == 0
 
 
-def test_writer_refuses_to_close_an_incomplete_file(tmp_path):
-    writer = ShardWriter(tmp_path / "o.safetensors", [PlannedTensor("x", "F32", (4, 2))])
-    writer.write("x", torch.zeros(2, 2), row_start=0)
+@pytest.mark.parametrize("digest", [False, True])
+def test_writer_refuses_to_close_an_incomplete_file(tmp_path, digest):
+    writer = ShardWriter(
+        tmp_path / "o.safetensors", [PlannedTensor("x", "F32", (4, 2))], digest=digest
+    )
+    writer.write("x", torch.zeros(2, 2), row_start=2)  # the hash cannot pass the gap at row 0
     with pytest.raises(RuntimeError, match="not completely written"):
         writer.close()
+
+
+def test_an_aborted_writer_stops_its_digest(tmp_path):
+    writer = ShardWriter(
+        tmp_path / "o.safetensors", [PlannedTensor("x", "F32", (4, 2))], digest=True
+    )
+    writer.write("x", torch.zeros(2, 2), row_start=2)
+    writer.abort()  # returns: the hashing thread waiting at the gap is stopped, not left behind
+    assert not [t for t in threading.enumerate() if t.name == "qstream-sha256"]
 
 
 def _raw_file(path, header: dict, data: bytes):

@@ -296,7 +296,10 @@ def test_snr_matches_the_formats_weight_snr(tmp_path, monkeypatch):
     for module, snr in summary.weight_snr_db.items():
         w = tensors[module + ".weight"]
         expected = weight_snr_db(w, dequantize("mxfp4", quantize("mxfp4", w)))
-        assert snr == pytest.approx(expected, rel=1e-12), module  # float64 summation order
+        # rows summed in float32 inside the quantizer (docs/formats.md): sums within 2**-20
+        # relative, so within 1e-5 dB, and the same to the two decimals printed
+        assert snr == pytest.approx(expected, abs=1e-5), module
+        assert f"{snr:.2f}" == f"{expected:.2f}", module
 
 
 def test_dry_run_writes_nothing_and_predicts_the_size(tmp_path):

@@ -141,13 +141,19 @@ def _check_index(path: Path, weight_map: dict[str, str], located: dict[str, str]
         )
 
 
-def file_digests(directory: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+def file_digests(
+    directory: Path, skip: tuple[str, ...] = (), known: dict[str, str] | None = None
+) -> dict[str, str]:
     """``{relative path: sha256}`` of every file under ``directory`` but ``skip``, sorted; what
-    quantize records and verify checks (docs/guarantees.md)."""
+    quantize records and verify checks (docs/guarantees.md).  ``known``: digests already
+    computed (quantize hashes its shards as it writes them), taken as they are."""
     digests = {}
     for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
         name = path.relative_to(directory).as_posix()
         if name in skip:
+            continue
+        if known is not None and name in known:
+            digests[name] = known[name]
             continue
         with path.open("rb") as handle:
             digests[name] = hashlib.file_digest(handle, "sha256").hexdigest()

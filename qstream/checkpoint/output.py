@@ -50,14 +50,16 @@ def write_checkpoint(
     workers: int,
     snr: bool,
     progress: Progress | None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, str]]:
     """config.json, the other files, every shard and the index, in ``tmp``; returns the
-    weight SNR per quantized module."""
+    weight SNR per quantized module and each shard's sha256, hashed as it was written."""
     _copy_other_files(checkpoint, tmp)
     config = dict(checkpoint.config)
     config["quantization_config"] = quantization_config(fmt, list(ignore))
     write_text(tmp / CONFIG_NAME, json_text(config))
-    writers = {s: ShardWriter(tmp / s, plans[s], checkpoint.shards[s].metadata) for s in plans}
+    writers = {
+        s: ShardWriter(tmp / s, plans[s], checkpoint.shards[s].metadata, digest=True) for s in plans
+    }
     try:
         snr_db = write_tensors(
             checkpoint, readers, writers, selection, fmt, amaxes, device, workers, snr, progress
@@ -66,10 +68,13 @@ def write_checkpoint(
         for writer in writers.values():
             writer.abort()
         raise
-    for writer in writers.values():
-        writer.close()
+    digests = {}
+    for shard, writer in writers.items():
+        digest = writer.close()
+        assert digest is not None  # made with digest=True
+        digests[shard] = digest
     _write_index(checkpoint, writers, tmp)
-    return snr_db
+    return snr_db, digests
 
 
 def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:

@@ -204,7 +204,7 @@ def _write_output(
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     amaxes = global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" else {}
     with publishing(output_path, overwrite) as tmp:
-        snr_db = write_checkpoint(
+        snr_db, shard_digests = write_checkpoint(
             checkpoint,
             readers,
             selection,
@@ -230,7 +230,7 @@ def _write_output(
                     "summary": {
                         k: v for k, v in recorded.items() if k not in ("seconds", "workers")
                     },
-                    "files": file_digests(tmp),
+                    "files": file_digests(tmp, known=shard_digests),
                 }
             ),
         )

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from qstream.checkpoint.digest import FollowingDigest
 from qstream.errors import QStreamError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -321,7 +322,11 @@ class ShardWriter:
     tensor at its offset, from any thread (``os.pwrite``)."""
 
     def __init__(
-        self, path: Path, tensors: list[PlannedTensor], metadata: dict[str, str] | None = None
+        self,
+        path: Path,
+        tensors: list[PlannedTensor],
+        metadata: dict[str, str] | None = None,
+        digest: bool = False,
     ):
         self.path = path
         raw, self.infos = header_bytes(tensors, metadata)
@@ -330,7 +335,12 @@ class ShardWriter:
         self._lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
-        os.ftruncate(self._fd, self.data_offset + sum(i.nbytes for i in self.infos.values()))
+        size = self.data_offset + sum(i.nbytes for i in self.infos.values())
+        os.ftruncate(self._fd, size)
+        # with ``digest``, the file's sha256 is computed as it is written (close returns it)
+        self._digest = FollowingDigest(path, size) if digest else None
+        if self._digest is not None:
+            self._digest.written(0, self.data_offset)
 
     def write(self, name: str, data: torch.Tensor | memoryview, row_start: int = 0) -> None:
         """Write ``data`` (a tensor of the planned dtype, or raw bytes) into tensor ``name``
@@ -355,16 +365,24 @@ class ShardWriter:
         position = self.data_offset + info.begin + offset
         while len(data):
             done = os.pwrite(self._fd, data, position)
+            if self._digest is not None:
+                self._digest.written(position, position + done)
             data, position = data[done:], position + done
             with self._lock:
                 self._written[name] += done
 
-    def close(self) -> None:
-        """Close the file; every planned byte must have been written exactly once."""
+    def close(self) -> str | None:
+        """Close the file; every planned byte must have been written exactly once.  Returns the
+        file's sha256 when the writer was made with ``digest``."""
         os.close(self._fd)
         missing = [n for n, i in self.infos.items() if self._written[n] != i.nbytes]
         if missing:
+            if self._digest is not None:
+                self._digest.stop()
             raise RuntimeError(f"{self.path}: tensors not completely written: {missing[:5]}")
+        return None if self._digest is None else self._digest.hexdigest()
 
     def abort(self) -> None:
         os.close(self._fd)
+        if self._digest is not None:
+            self._digest.stop()

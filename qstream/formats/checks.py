@@ -9,9 +9,9 @@ import torch
 from qstream.errors import QStreamError
 from qstream.formats.spec import SUPPORTED_DTYPES
 
-# Rows are processed in chunks of about this many elements (1 MiB of float32), so that the
+# Rows are processed in chunks of about this many elements (512 KiB of float32), so that the
 # several elementwise passes over a chunk hit the CPU cache instead of memory.
-CHUNK_ELEMENTS = 1 << 18
+CHUNK_ELEMENTS = 1 << 17
 
 
 def check_weight(w: torch.Tensor, name: str, block: int = 1) -> None:

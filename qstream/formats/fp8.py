@@ -47,54 +47,53 @@ def quantize(
         scale[rows] = s = channel_scale(chunk)
         check_finite(s, name)
         y = (chunk / s).clamp_(-FP8_MAX, FP8_MAX)
-        q[rows] = y.to(torch.float8_e4m3fn)
+        q[rows] = codes = y.to(torch.float8_e4m3fn)
         if energy is not None and work is not None:
-            _add_energy(energy, chunk, y, s, work, rows)
+            _add_energy(energy, chunk, codes, s, work, rows)
     return q, scale
 
 
 def _add_energy(
     energy: Energy,
     chunk: torch.Tensor,
-    y: torch.Tensor,
+    codes: torch.Tensor,
     s: torch.Tensor,
     work: ChunkWorkspace,
     rows: slice,
 ) -> None:
-    """The SNR sums of one chunk in magnitudes (w_hat has w's sign or is 0):
-    ``|w_hat| = dtype(round_to_fp8(|y|) * s)``, which is :func:`dequantize`'s value, since a
-    4-bit by 11-bit product is exact in float32 and is then rounded once to the dtype."""
-    x, magnitude, scratch = work.take(rows)
-    grid, hat = work.take_hat(rows)
-    w_hat = round_to_fp8(torch.abs(magnitude.copy_(y), out=magnitude), scratch).mul_(s.float())
+    """The SNR sums of one chunk in magnitudes (w_hat has w's sign or is 0), from the codes just
+    stored: ``|w_hat| = dtype(|fp8| * s)``, which is :func:`dequantize`'s value, since a 4-bit
+    by 11-bit product is exact in float32 and is then rounded once to the dtype."""
+    x, _, scratch = work.take(rows)
+    w_hat = decode_magnitudes(codes, scratch).mul_(s.float())
+    torch.abs(x.copy_(chunk), out=x)
     if chunk.dtype in SHORT:
-        w_hat = grid.copy_(hat.copy_(w_hat))
-        torch.abs(x.copy_(chunk), out=x)
-        energy.add_exact(x, w_hat.sub_(x))
+        grid, hat = work.take_hat(rows)
+        energy.add_exact(x, grid.copy_(hat.copy_(w_hat)).sub_(x))
     else:  # float32: the difference itself needs float64
-        energy.add(chunk.abs(), w_hat)
+        energy.add(x, w_hat)
 
 
-_EXPONENT_MASK = 0x7F800000
-_MIN_NORMAL_BITS = (127 - 6) << 23  # 2**-6, float8_e4m3fn's smallest normal
+_MAGNITUDE_BITS = 0x7F
+# A code's magnitude bits shifted into float32's exponent and mantissa fields read as
+# ``|value| * 2**-120`` (E4M3's exponent bias is 7, float32's 127; E4M3 subnormals land on
+# float32 subnormals), so one exact multiplication by 2**120 decodes every finite code.
+_BIAS_SHIFT = 2.0**120
 
 
-def round_to_fp8(a: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 magnitudes ``a`` (at most 448; consumed) rounded to float8_e4m3fn's grid, kept
-    in float32: ``|y|.to(float8_e4m3fn).float()`` without torch's float8 -> float conversion,
-    which is ~20x slower than this.  ``(a + M) - M`` with ``M = 2**(20 + e)``,
-    ``e = max(floor(log2 a), -6)``: M's ulp is the E4M3 step of a's binade (2**-9 below
-    2**-6), so float32's round-to-nearest-even rounds once, onto that grid.  ``scratch``:
-    an optional int32 buffer shaped like ``a``."""
-    if scratch is None:
-        scratch = torch.empty(a.shape, dtype=torch.int32, device=a.device)
-    magic = torch.bitwise_and(a.view(torch.int32), _EXPONENT_MASK, out=scratch)
-    magic = magic.clamp_(min=_MIN_NORMAL_BITS).add_(20 << 23).view(torch.float32)
-    return a.add_(magic).sub_(magic)
+def decode_magnitudes(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float8_e4m3fn ``codes`` -> their magnitudes in float32 (an int32 ``out`` of the same shape,
+    reused as the result's storage): ``|codes.float()|`` with integer arithmetic instead of
+    torch's float8 -> float conversion, which is ~20x slower.  NaN codes are not expected (the
+    quantizer clamps first)."""
+    if out is None:
+        out = torch.empty(codes.shape, dtype=torch.int32, device=codes.device)
+    bits = out.copy_(codes.view(torch.uint8)).bitwise_and_(_MAGNITUDE_BITS)
+    return bits.bitwise_left_shift_(20).view(torch.float32).mul_(_BIAS_SHIFT)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Back to the scale's dtype: ``q * scale`` (compressed-tensors' decompression).  The
-    quantizer's SNR uses ``round_to_fp8(|y|) * scale`` in float32, rounded once to the dtype:
+    quantizer's SNR uses ``decode_magnitudes(q) * scale`` in float32, rounded once to the dtype:
     the same magnitude, since a 4-bit by 11-bit product is exact in float32."""
     return q.to(scale.dtype) * scale
