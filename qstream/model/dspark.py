@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from qstream.model import engine
 from qstream.model.config import DSparkConfig
 from qstream.model.tensors import check_tensors
-from qstream.model.weights import ComputeWeights, embedding
+from qstream.model.weights import ComputeWeights, embedding, linear
 
 LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
 HEAD_ROWS = 8192  # lm_head rows upcast at a time (fp32: 8192 x 7168 x 4 B = 224 MiB at K3)
@@ -84,11 +84,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return rotated.flatten(-2).to(x.dtype)
 
 
-def swiglu(
-    x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
-) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``, each product ``linear(x, weight)`` (by default the
+    weights are tensors; :meth:`Layer.mlp` passes names and its chunked product)."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +128,7 @@ class Rollout:
 
 def _layer_weight(name: str) -> property:
     """A :class:`Layer` attribute that reads ``layers.{i}.<name>.weight`` in the compute dtype
-    at each use, so a big bf16 weight of the fp32 reference is upcast only while it is used."""
+    (the norms; projections go through :meth:`Layer.proj`)."""
     return property(lambda self: self.weights[f"layers.{self.index}.{name}.weight"])
 
 
@@ -139,17 +138,9 @@ class Layer:
     caller's: :meth:`DSpark.draft_one`, or the batched :mod:`engine`."""
 
     input_layernorm = _layer_weight("input_layernorm")
-    q_a_proj = _layer_weight("self_attn.q_a_proj")
     q_a_layernorm = _layer_weight("self_attn.q_a_layernorm")
-    q_b_proj = _layer_weight("self_attn.q_b_proj")
-    kv_a_proj = _layer_weight("self_attn.kv_a_proj_with_mqa")
     kv_a_layernorm = _layer_weight("self_attn.kv_a_layernorm")
-    kv_b_proj = _layer_weight("self_attn.kv_b_proj")
-    o_proj = _layer_weight("self_attn.o_proj")
     post_attention_layernorm = _layer_weight("post_attention_layernorm")
-    gate_proj = _layer_weight("mlp.gate_proj")
-    up_proj = _layer_weight("mlp.up_proj")
-    down_proj = _layer_weight("mlp.down_proj")
 
     def __init__(
         self,
@@ -163,11 +154,20 @@ class Layer:
     def input_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
 
+    def proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x @ W^T`` for projection ``layers.{i}.<name>.weight``; a bf16 weight of the fp32
+        reference is upcast in row chunks while it is used (:func:`weights.linear`)."""
+        return linear(self.weights, f"layers.{self.index}.{name}.weight", x)
+
+    def attention_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The heads' concatenated outputs [..., n*dv] -> [..., H] (o_proj)."""
+        return self.proj(out, "self_attn.o_proj")
+
     def query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """h [..., T, H] -> q [..., T, n, nope+rope] with RoPE on the rope part."""
         c = self.config
-        qa = rms_norm(F.linear(h, self.q_a_proj), self.q_a_layernorm, c.rms_norm_eps)
-        q = F.linear(qa, self.q_b_proj)
+        qa = rms_norm(self.proj(h, "self_attn.q_a_proj"), self.q_a_layernorm, c.rms_norm_eps)
+        q = self.proj(qa, "self_attn.q_b_proj")
         q = q.unflatten(-1, (c.num_attention_heads, c.qk_head_dim))  # [..., T, n, dk]
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(q_rope.transpose(-2, -3), pos[..., None, :], self.inv_freq)
@@ -177,7 +177,7 @@ class Layer:
         """h [..., T, H] -> (latent [..., T, kv_lora] normed, rope key [..., T, rope] rotated):
         what an MLA KV cache holds."""
         c = self.config
-        kv = F.linear(h, self.kv_a_proj)
+        kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
         return latent, apply_rope(k_rope, pos, self.inv_freq)
@@ -188,7 +188,7 @@ class Layer:
         """latent [..., T, kv_lora], k_rope [..., T, rope] -> k [..., n, T, dk], v [..., n, T, dv];
         the rope key is shared by all heads."""
         c = self.config
-        kv = F.linear(latent, self.kv_b_proj)
+        kv = self.proj(latent, "self_attn.kv_b_proj")
         kv = kv.unflatten(-1, (c.num_attention_heads, -1)).transpose(-2, -3)  # [..., n, T, nope+v]
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k_rope = k_rope.unsqueeze(-3).expand(*k_nope.shape[:-1], c.qk_rope_head_dim)
@@ -197,7 +197,7 @@ class Layer:
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The residual update of the MLP: ``down(silu(gate(RMS(x))) * up(RMS(x)))``."""
         h = rms_norm(x, self.post_attention_layernorm, self.config.rms_norm_eps)
-        return swiglu(h, self.gate_proj, self.up_proj, self.down_proj)
+        return swiglu(h, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", self.proj)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class DSpark:
         S, T, _ = aux.shape
         lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
         ctx = rms_norm(
-            F.linear(aux.to(self.device, self.dtype), self.w["context_proj.weight"]),
+            self.w.linear("context_proj.weight", aux.to(self.device, self.dtype)),
             self.w["context_norm.weight"],
             c.rms_norm_eps,
         )  # [S, T, H]
@@ -291,7 +291,7 @@ class DSpark:
             k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [n, B, d]
             k, v = torch.cat((k_ctx, k_blk), dim=1), torch.cat((v_ctx, v_blk), dim=1)  # [n, p+B, d]
             out = self.attend(self.scores(q, k), v)  # [n, B, dv]: every key is visible
-            x = x + F.linear(out.transpose(0, 1).flatten(1), layer.o_proj)  # [B, H]
+            x = x + layer.attention_output(out.transpose(0, 1).flatten(1))  # [B, H]
             x = x + layer.mlp(x)
         U, hf = self.head(x)  # [B, V], [B, H]
         return Blocks(
@@ -338,7 +338,7 @@ class DSpark:
         q = layer.query(h, pos).transpose(1, 2)  # [S, n, T, dk]
         k, v = layer.expand(*layer.latent(h, pos))  # [S, n, T, dk], [S, n, T, dv]
         out = engine.causal_attention(self, q, k, v, query_chunk)  # [S, n, T, dv]
-        return F.linear(out.transpose(1, 2).flatten(2), layer.o_proj)  # [S, T, n*dv] -> [S, T, H]
+        return layer.attention_output(out.transpose(1, 2).flatten(2))  # [S, T, n*dv] -> [S, T, H]
 
     def causal_hidden(self, ids: torch.Tensor, query_chunk: int | None = None) -> torch.Tensor:
         """Run the draft's layers as a causal decoder over token streams ids [S, T] (positions

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from qstream.model.dspark import ContextCache, DSpark, Layer
@@ -99,7 +98,7 @@ def _draft_rows(
                 model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk
             )
         out = out.permute(0, 2, 3, 1, 4).flatten(3)  # [R, M, B, n*dv]
-        x = x + F.linear(out, layer.o_proj)
+        x = x + layer.attention_output(out)
         x = x + layer.mlp(x)
     return model.head(x.flatten(0, 1))  # [R*M, B, V], [R*M, B, H]
 
