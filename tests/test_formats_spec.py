@@ -297,3 +297,22 @@ def test_fp8_magnitudes_decode_every_code_as_torch_does():
     expected = codes.float().abs()
     got = fp8.decode_magnitudes(codes)
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_dequantize_equals_the_cast_times_the_scale_for_every_code(dtype):
+    """dequantize decodes codes with integer arithmetic; for all 256 codes (NaNs and both
+    zeros included) in every row, times per-row scales spanning the dtype's range, it must
+    equal compressed-tensors' ``q.to(dtype) * scale`` bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(40, 3)
+    codes = codes[:, torch.randperm(768, generator=gen)].view(torch.float8_e4m3fn)
+    tiny, big = torch.finfo(dtype).tiny, torch.finfo(dtype).max / 448
+    exponents = torch.linspace(math.log2(tiny), math.log2(big), 39)
+    scale = torch.cat([2**exponents * 1.37, torch.ones(1)]).to(dtype).reshape(40, 1)
+    expected = codes.to(dtype) * scale
+    got = fp8.dequantize(codes, scale)
+    assert got.dtype == dtype and got.shape == expected.shape
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    same = got.view(bits) == expected.view(bits)
+    assert bool((same | (got.isnan() & expected.isnan())).all())

@@ -25,7 +25,7 @@ from qstream.model.markov import rollout
 # every variant read the same rounded values.
 AUX_DTYPE = torch.bfloat16
 # Per-batch memory budgets: aux states [S, T, A] and logits [n, B, V] (float32 elements).
-AUX_BUDGET = 1 << 26
+AUX_BUDGET = 1 << 27
 LOGITS_BUDGET = 1 << 26
 # Synthetic aux states kept between the reference and the variants of one regime.
 AUX_CACHE_BYTES = 1 << 30

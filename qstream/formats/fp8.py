@@ -75,6 +75,7 @@ def _add_energy(
 
 
 _MAGNITUDE_BITS = 0x7F
+_SIGN_BIT = 0x80
 # A code's magnitude bits shifted into float32's exponent and mantissa fields read as
 # ``|value| * 2**-120`` (E4M3's exponent bias is 7, float32's 127; E4M3 subnormals land on
 # float32 subnormals), so one exact multiplication by 2**120 decodes every finite code.
@@ -93,7 +94,22 @@ def decode_magnitudes(codes: torch.Tensor, out: torch.Tensor | None = None) -> t
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Back to the scale's dtype: ``q * scale`` (compressed-tensors' decompression).  The
-    quantizer's SNR uses ``decode_magnitudes(q) * scale`` in float32, rounded once to the dtype:
-    the same magnitude, since a 4-bit by 11-bit product is exact in float32."""
-    return q.to(scale.dtype) * scale
+    """Back to the scale's dtype: ``q * scale`` (compressed-tensors' decompression).  The codes
+    are decoded with integer arithmetic (see :func:`decode_magnitudes`) and multiplied by the
+    scale in float32, where the product of a 4-bit and an 11-bit significand is exact, then
+    rounded once to the dtype: bit-identical to ``q.to(dtype) * scale``, which rounds that same
+    product, three times faster (tests/test_formats_spec.py)."""
+    if q.dim() != 2 or scale.shape[0] not in (1, q.shape[0]):
+        return q.to(scale.dtype) * scale
+    out = torch.empty(q.shape, dtype=scale.dtype, device=q.device)
+    n, k = q.shape
+    bits = torch.empty((chunk_rows(n, k), k), dtype=torch.int32, device=q.device)
+    for rows in row_chunks(n, k):
+        b = bits[: rows.stop - rows.start].copy_(q[rows].view(torch.uint8))
+        nan = b.bitwise_and(_MAGNITUDE_BITS) == _MAGNITUDE_BITS
+        sign = torch.bitwise_and(b, _SIGN_BIT).bitwise_left_shift_(24)
+        b.bitwise_and_(_MAGNITUDE_BITS).bitwise_left_shift_(20).bitwise_or_(sign)
+        values = b.view(torch.float32).mul_(_BIAS_SHIFT)
+        values.mul_((scale[rows] if scale.shape[0] == n else scale).float())
+        out[rows] = values.masked_fill_(nan, float("nan"))
+    return out

@@ -80,7 +80,4 @@ def quantize(
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
     """``E2M1 * 2**(e8m0 - 127)`` in ``dtype`` (bf16 by default, as compressed-tensors returns)."""
-    values = e2m1.decode_packed(packed, dtype)  # [N, K]
-    n, k = values.shape
-    blocks = values.view(n, k // MXFP4_BLOCK, MXFP4_BLOCK)
-    return (blocks * decode_scale(scale, dtype).unsqueeze(-1)).view(n, k)
+    return e2m1.dequantize_blocks(packed, decode_scale(scale, dtype), MXFP4_BLOCK, dtype, dtype)

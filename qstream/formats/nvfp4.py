@@ -78,8 +78,5 @@ def dequantize(
 ) -> torch.Tensor:
     """``E2M1 * (weight_scale / weight_global_scale)`` in float32, rounded to ``dtype`` (bf16 by
     default), as compressed-tensors decompresses."""
-    values = e2m1.decode_packed(packed, torch.float32)  # [N, K]
-    n, k = values.shape
     step = scale.to(dtype).float() / global_scale.float()  # [N, G]
-    blocks = values.view(n, k // NVFP4_BLOCK, NVFP4_BLOCK) * step.unsqueeze(-1)
-    return blocks.view(n, k).to(dtype)
+    return e2m1.dequantize_blocks(packed, step, NVFP4_BLOCK, dtype)
