@@ -25,8 +25,13 @@ from qstream.model.markov import rollout
 # every variant read the same rounded values.
 AUX_DTYPE = torch.bfloat16
 # Per-batch memory budgets: aux states [S, T, A] and logits [n, B, V] (float32 elements).
-AUX_BUDGET = 1 << 27
+AUX_BUDGET = 1 << 26
 LOGITS_BUDGET = 1 << 26
+# ... except that a batch may always hold this many aux positions: at K3's width (A = 35840)
+# the budget alone would allow 1872, a batch of a dozen one-block streams, and the FP32
+# reference would upcast every weight once per dozen blocks (0.6 GB of bf16 aux at K3; the
+# narrower presets' batches are unchanged).
+MIN_AUX_POSITIONS = 8192
 # Synthetic aux states kept between the reference and the variants of one regime.
 AUX_CACHE_BYTES = 1 << 30
 # Batches stop growing when their padded aux positions exceed the used ones by this factor
@@ -65,7 +70,7 @@ def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list
         n_blocks = sum(len(blocks_of[g]) for g in group) + len(blocks_of[s])
         if group and (
             n_blocks > max_blocks
-            or streams * longest * config.aux_size > AUX_BUDGET
+            or streams * longest > max(AUX_BUDGET // config.aux_size, MIN_AUX_POSITIONS)
             or streams * longest > PAD_SLACK * max(used, 1) + MIN_BATCH_POSITIONS
         ):
             batches.append(_batch(group, blocks_of, plan, corpus))
@@ -131,8 +136,8 @@ class AuxStates:
                 self._spilled[key] = self._spill.put(aux)
             return aux
         lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
-        aux = synthetic_aux(self.regime, self.config, batch.streams, lengths, T, self.seed).to(
-            AUX_DTYPE
+        aux = synthetic_aux(
+            self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE
         )
         self._keep(key, aux)
         return aux

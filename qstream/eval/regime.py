@@ -193,6 +193,9 @@ def measure_variant(
         run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
     drop_resident_pages()  # the previous pass's weights; this one maps back what it reads
     var_weights, changed = variant_weights(variant, run.weights, run.config, s, run.target)
+    snr = weight_snr(var_weights, run.weights, changed)
+    if step:  # the variant is built (and its SNR taken): the time so far is that step's
+        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
     model = DSpark(run.config, var_weights, variant.dtype, s.device)
     head = host_head(model)
     acc = DriftAccumulator(run.config.block_size)
@@ -214,6 +217,6 @@ def measure_variant(
     return {
         "kind": variant.kind,
         "quantized_tensors": changed,
-        "weight_snr": weight_snr(var_weights, run.weights, changed),
+        "weight_snr": snr,
         "metrics": acc.result().to_json(),
     }

@@ -58,17 +58,18 @@ def synthetic_aux(
     stream_lengths: list[int],
     pad_to: int,
     seed: int,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """gauss / heavy aux states [S, pad_to, A] float32 for the given corpus streams.  Each
+    """gauss / heavy aux states [S, pad_to, A] for the given corpus streams, drawn in float32
+    and rounded to ``dtype`` stream by stream (no float32 copy of the whole batch).  Each
     stream's states are drawn at its full length (so they never depend on how streams are
     batched), cut to ``pad_to`` positions and zero-padded."""
     if regime not in ("gauss", "heavy"):
         raise ValueError(f"synthetic_aux handles gauss and heavy, not {regime!r}")
-    aux = torch.zeros(len(stream_ids), pad_to, config.aux_size)
+    aux = torch.zeros(len(stream_ids), pad_to, config.aux_size, dtype=dtype)
+    scales = channel_scales(config, seed) if regime == "heavy" else None
     for row, (stream, length) in enumerate(zip(stream_ids, stream_lengths)):
         states = torch.randn(length, config.aux_size, generator=_generator(seed, regime, stream))
         keep = min(length, pad_to)
-        aux[row, :keep] = states[:keep]
-    if regime == "heavy":
-        aux *= channel_scales(config, seed)
+        aux[row, :keep] = states[:keep] if scales is None else states[:keep] * scales
     return aux

@@ -38,6 +38,7 @@ from qstream.model.weights import ComputeWeights, embedding, linear
 
 LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
 HEAD_ROWS = 8192  # lm_head rows upcast at a time (fp32: 8192 x 7168 x 4 B = 224 MiB at K3)
+CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,8 +261,15 @@ class DSpark:
             raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
         S, T, _ = aux.shape
         lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
+        # streams projected at a time: converting a whole K3 batch's aux to fp32 at once
+        # would be a second copy twice its size
+        group = max(1, CONTEXT_ELEMENTS // max(1, T * c.aux_size))
+        projected = [
+            self.w.linear("context_proj.weight", aux[s0 : s0 + group].to(self.device, self.dtype))
+            for s0 in range(0, S, group)
+        ]
         ctx = rms_norm(
-            self.w.linear("context_proj.weight", aux.to(self.device, self.dtype)),
+            projected[0] if len(projected) == 1 else torch.cat(projected),
             self.w["context_norm.weight"],
             c.rms_norm_eps,
         )  # [S, T, H]
