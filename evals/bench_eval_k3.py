@@ -3,6 +3,8 @@ size, achieved FLOP rate against the same run's matmul rate, and seconds per 100
 
     qstream synth --preset k3 --output_dir k3-draft          # 7.1 GB on disk, once
     python evals/bench_eval_k3.py --model k3-draft --blocks 16 [--formats bf16,fp8,mxfp4,nvfp4]
+    python evals/bench_eval_k3.py --model k3-draft --blocks 1 --formats bf16 \
+        --context-lengths 16384,16392 --context-blocks 2     # peak RSS of a long-context bucket
 
 One regime (gauss) is evaluated exactly as ``qstream eval-drift`` does (reference, then each
 format built, drafted and freed).  Each step's wall time comes from the evaluator's own progress
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_eval import GSM8K, matmul_rate, useful_flops  # noqa: E402
 
 from qstream.eval.batches import make_batches  # noqa: E402
+from qstream.eval.context_sweep import parse_edges  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
 from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
 from qstream.eval.settings import DriftSettings  # noqa: E402
@@ -54,13 +57,31 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--formats", default="bf16,fp8,mxfp4,nvfp4")
     parser.add_argument("--corpus", default=str(GSM8K) if GSM8K.exists() else None)
+    parser.add_argument(
+        "--context-lengths",
+        default=None,
+        help="also run a long-context sweep with these edges (then only peak RSS is reported)",
+    )
+    parser.add_argument("--context-blocks", type=int, default=2)
     args = parser.parse_args()
     formats = tuple(args.formats.split(","))
-    settings = DriftSettings(regimes=("gauss",), formats=formats, n_blocks=args.blocks)
+    sweep = parse_edges(args.context_lengths) if args.context_lengths else ()
+    settings = DriftSettings(
+        regimes=("gauss",),
+        formats=formats,
+        n_blocks=args.blocks,
+        context_lengths=sweep,
+        context_blocks=args.context_blocks,
+    )
     steps, start = StepTimes(), time.perf_counter()
     run_drift(settings, model=args.model, corpus=args.corpus, progress=steps)
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if sweep:
+        print(f"k3 preset, {args.blocks} blocks and a sweep over {sweep} "
+              f"({args.context_blocks} blocks per bucket), gauss, reference + "
+              f"{', '.join(formats)}: peak RSS {peak / 1e9:.2f} GB, wall {wall:.0f} s")  # fmt: skip
+        return
     config = load_config(args.model)
     corpus = load_run_corpus(args.model, args.corpus, None, config)
     plan = sample_anchors(corpus, args.blocks, config.block_size, 0,

@@ -9,11 +9,14 @@ import torch
 from click.testing import CliRunner
 from model_helpers import random_model_weights
 
+import qstream.eval.batches as batches
+import qstream.model.dspark as dspark
 from qstream.card.build import write_card
 from qstream.card.document import tables
 from qstream.cli import cli
 from qstream.eval.context_sweep import default_edges, long_streams
 from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.regimes import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.sensitivity import module_kinds
 from qstream.model.config import PRESETS
 from qstream.model.dspark import DSpark
@@ -236,3 +239,65 @@ def test_cli_bare_context_lengths_and_bad_edges(tiny):
         ],
     )
     assert over.exit_code == 1 and "max_position_embeddings" in over.stderr
+
+
+@pytest.mark.parametrize("regime", ["gauss", "heavy"])
+def test_aux_drawn_in_position_ranges_equals_the_whole_draw(regime):
+    """A long-context batch's gauss / heavy states are drawn range by range as the context
+    projection takes them; they must be exactly the states drawn whole (streams shorter than
+    the batch, ranges that cut streams anywhere)."""
+    cfg = PRESETS["tiny"]
+    streams, lengths, T = [3, 8, 11], [50, 17, 64], 57
+    whole = synthetic_aux(regime, cfg, streams, lengths, T, 5, torch.bfloat16)
+    chunks = SyntheticAuxChunks(regime, cfg, streams, lengths, T, 5, torch.bfloat16)
+    assert chunks.shape == tuple(whole.shape)
+    edges = [0, 1, 9, 17, 18, 40, 57]
+    parts = [chunks.rows(a, b) for a, b in zip(edges, edges[1:])]
+    assert torch.equal(torch.cat(parts, dim=1).view(torch.int16), whole.view(torch.int16))
+    with pytest.raises(RuntimeError, match="in order"):
+        chunks.rows(0, 4)
+
+
+def test_context_from_position_ranges_matches_the_whole_tensor(monkeypatch):
+    """DSpark.context on aux it may only take a few positions at a time: the same latents as
+    from the whole tensor, to fp32 rounding (the projections' GEMMs see fewer rows)."""
+    cfg = PRESETS["tiny"]
+    model = DSpark(cfg, random_model_weights(cfg, seed=2), torch.float32)
+    streams, lengths, T = [0, 1], [40, 33], 40
+    whole = model.context(synthetic_aux("heavy", cfg, streams, lengths, T, 1, torch.bfloat16))
+    monkeypatch.setattr(dspark, "CONTEXT_ELEMENTS", 7 * 2 * cfg.aux_size)  # 7 positions a time
+    ranged = model.context(SyntheticAuxChunks("heavy", cfg, streams, lengths, T, 1, torch.bfloat16))
+    for a, b in zip(whole.latent + whole.rope_key, ranged.latent + ranged.rope_key):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_evaluation_with_aux_never_held_whole_is_unchanged(tiny, corpus, monkeypatch):
+    """Every batch's gauss / heavy states handed over lazily (as a long-context K3 bucket's
+    are): with one range per batch the arithmetic is the same, so the results are identical."""
+    settings = DriftSettings(regimes=("gauss", "heavy"), formats=("bf16", "nvfp4"), n_blocks=48)
+    held = evaluate_drift(tiny, settings, corpus)
+    monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
+    assert evaluate_drift(tiny, settings, corpus) == held
+
+
+class _Count:
+    def start(self, total):
+        self.total, self.done = total, 0
+
+    def advance(self, what, blocks):
+        self.done += blocks
+
+
+def test_a_sweeps_blocks_are_in_the_progress_total(tiny, corpus):
+    """With --context-lengths the progress bar has a total (and so an ETA): every bucket's
+    passes, counted before the run, are exactly the blocks the run reports."""
+    count = _Count()
+    settings = DriftSettings(
+        regimes=("heavy",),
+        formats=("bf16",),
+        n_blocks=16,
+        context_lengths=(32, 64, 128),
+        context_blocks=8,
+    )
+    evaluate_drift(tiny, settings, corpus, progress=count)
+    assert count.total == (16 + 2 * 8) * 2 == count.done

@@ -15,18 +15,20 @@ import torch
 
 from qstream.eval.blockstore import SpillFile
 from qstream.eval.corpus import AnchorPlan, Corpus
-from qstream.eval.regimes import synthetic_aux
+from qstream.eval.regimes import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.states import CapturedStates
 from qstream.model.config import DSparkConfig
-from qstream.model.dspark import Blocks, DSpark, Rollout
+from qstream.model.dspark import AuxChunks, Blocks, DSpark, Rollout
 from qstream.model.markov import rollout
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
 # every variant read the same rounded values.
 AUX_DTYPE = torch.bfloat16
-# Per-batch memory budgets: aux states [S, T, A] and logits [n, B, V] (float32 elements).
+# Per-batch memory budgets: aux states [S, T, A] and logits [n, B, V] (float32 elements).  A
+# batch keeps up to seven [n, B, V] tensors alive at once (U, the rollouts' logits, the race
+# noise, the reference's logits read back, the teacher-forced ones): 0.9 GB at this budget.
 AUX_BUDGET = 1 << 26
-LOGITS_BUDGET = 1 << 26
+LOGITS_BUDGET = 1 << 25
 # ... except that a batch may always hold this many aux positions: at K3's width (A = 35840)
 # the budget alone would allow 1872, a batch of a dozen one-block streams, and the FP32
 # reference would upcast every weight once per dozen blocks (0.6 GB of bf16 aux at K3; the
@@ -34,6 +36,8 @@ LOGITS_BUDGET = 1 << 26
 MIN_AUX_POSITIONS = 8192
 # Synthetic aux states kept between the reference and the variants of one regime.
 AUX_CACHE_BYTES = 1 << 30
+# A batch's gauss / heavy aux states bigger than this are never held whole (SyntheticAuxChunks).
+LAZY_AUX_BYTES = 1 << 30
 # Batches stop growing when their padded aux positions exceed the used ones by this factor
 # (plus a floor, so that short streams still batch together).
 PAD_SLACK = 1.25
@@ -118,8 +122,11 @@ class AuxStates:
         self._spill = SpillFile(scratch_dir)
         self._spilled: dict[int, tuple] = {}
 
-    def get(self, batch: Batch, reference: DSpark | None = None) -> torch.Tensor:
-        """The batch's aux states; boot needs ``reference`` the first time a batch is seen."""
+    def get(self, batch: Batch, reference: DSpark | None = None) -> torch.Tensor | AuxChunks:
+        """The batch's aux states; boot needs ``reference`` the first time a batch is seen.
+        gauss and heavy states over LAZY_AUX_BYTES (a long-context bucket's streams) are not
+        held: they come as :class:`SyntheticAuxChunks`, drawn as the context projection
+        takes them, again for every pass."""
         T = max(batch.context_length, 1)
         if self.captured is not None:
             return self.captured.aux(batch.streams, T).to(AUX_DTYPE)
@@ -136,9 +143,10 @@ class AuxStates:
                 self._spilled[key] = self._spill.put(aux)
             return aux
         lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
-        aux = synthetic_aux(
-            self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE
-        )
+        args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
+        if len(batch.streams) * T * self.config.aux_size * AUX_DTYPE.itemsize > LAZY_AUX_BYTES:
+            return SyntheticAuxChunks(*args)  # drawn as the context projection takes it
+        aux = synthetic_aux(*args)
         self._keep(key, aux)
         return aux
 
@@ -178,7 +186,7 @@ def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int)
     return torch.empty(shape).exponential_(generator=gen)
 
 
-def draft_blocks(model: DSpark, aux: torch.Tensor, batch: Batch) -> Blocks:
+def draft_blocks(model: DSpark, aux: torch.Tensor | AuxChunks, batch: Batch) -> Blocks:
     """The non-causal pass over the batch's blocks (everything before the Markov head)."""
     ctx = model.context(aux)  # bf16 aux: the model converts once to its own dtype (exact)
     return model.draft(ctx, batch.local_stream, batch.anchor, batch.first_token)
@@ -192,7 +200,7 @@ class Drafts(NamedTuple):
 
 def draft_batch(
     model: DSpark,
-    aux: torch.Tensor,
+    aux: torch.Tensor | AuxChunks,
     batch: Batch,
     batch_index: int,
     seed: int,

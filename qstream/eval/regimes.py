@@ -60,16 +60,50 @@ def synthetic_aux(
     seed: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
+    """gauss / heavy aux states [S, pad_to, A] in ``dtype`` for the given corpus streams, zero
+    past each stream's end: :class:`SyntheticAuxChunks`'s rows, all at once."""
+    chunks = SyntheticAuxChunks(regime, config, stream_ids, stream_lengths, pad_to, seed, dtype)
+    return chunks.rows(0, pad_to)
+
+
+class SyntheticAuxChunks:
     """gauss / heavy aux states [S, pad_to, A] for the given corpus streams, drawn in float32
-    and rounded to ``dtype`` stream by stream (no float32 copy of the whole batch).  Each
-    stream's states are drawn at its full length (so they never depend on how streams are
-    batched), cut to ``pad_to`` positions and zero-padded."""
-    if regime not in ("gauss", "heavy"):
-        raise ValueError(f"synthetic_aux handles gauss and heavy, not {regime!r}")
-    aux = torch.zeros(len(stream_ids), pad_to, config.aux_size, dtype=dtype)
-    scales = channel_scales(config, seed) if regime == "heavy" else None
-    for row, (stream, length) in enumerate(zip(stream_ids, stream_lengths)):
-        states = torch.randn(length, config.aux_size, generator=_generator(seed, regime, stream))
-        keep = min(length, pad_to)
-        aux[row, :keep] = states[:keep] if scales is None else states[:keep] * scales
-    return aux
+    and rounded to ``dtype``, a range of positions at a time.  Each stream's states come from
+    its own generator, from position 0 on, so they never depend on how streams are batched,
+    and a range continues the previous one: ranges give the rows of one whole draw (torch's CPU
+    normal sampler works in groups of 16 values and A is a multiple of 16 in every preset and
+    real model; tests/test_sensitivity_context.py checks).  A batch too big to hold (a
+    long-context bucket at K3 width: one 131,072-token stream is 9.4 GB of bf16) is handed to
+    ``DSpark.context`` this way (``qstream.model.dspark.AuxChunks``); :func:`synthetic_aux`
+    takes all rows at once."""
+
+    def __init__(
+        self,
+        regime: str,
+        config: DSparkConfig,
+        stream_ids: list[int],
+        stream_lengths: list[int],
+        pad_to: int,
+        seed: int,
+        dtype: torch.dtype,
+    ):
+        if regime not in ("gauss", "heavy"):
+            raise ValueError(f"SyntheticAuxChunks handles gauss and heavy, not {regime!r}")
+        self.shape = (len(stream_ids), pad_to, config.aux_size)
+        self._lengths, self._dtype = stream_lengths, dtype
+        self._generators = [_generator(seed, regime, s) for s in stream_ids]
+        self._scales = channel_scales(config, seed) if regime == "heavy" else None
+        self._next = 0
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        if t0 != self._next:
+            raise RuntimeError(f"aux rows must be taken in order: asked {t0}, next {self._next}")
+        self._next = t1
+        out = torch.zeros(self.shape[0], t1 - t0, self.shape[2], dtype=self._dtype)
+        for row, (gen, length) in enumerate(zip(self._generators, self._lengths)):
+            if min(t1, length) > t0:
+                states = torch.randn(min(t1, length) - t0, self.shape[2], generator=gen)
+                out[row, : states.shape[0]] = (
+                    states if self._scales is None else states * self._scales
+                )
+        return out

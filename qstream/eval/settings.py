@@ -134,9 +134,12 @@ class DriftSettings:
 
     def planned_blocks(self) -> int | None:
         """Blocks ``evaluate_drift`` reports to its progress: a reference pass and one pass per
-        variant, per regime; None with sensitivity or a context sweep, whose step and bucket
-        counts are known only once they run."""
-        if self.sensitivity or self.context_lengths:
+        variant, per regime, and per bucket of a context sweep (``context_blocks`` each: a long
+        bucket's blocks cost more than the corpus's, so the ETA runs low until they do); None
+        with sensitivity, whose steps are known only once they run."""
+        if self.sensitivity:
             return None
-        regimes = len(self.regimes) + (self.states is not None)
-        return self.n_blocks * (1 + self.n_variants) * regimes
+        buckets = max(0, len(self.context_lengths) - 1)
+        synthetic = len(self.regimes) * (self.n_blocks + buckets * self.context_blocks)
+        states = self.n_blocks if self.states is not None else 0
+        return (synthetic + states) * (1 + self.n_variants)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,21 @@ def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 # Outputs
+
+
+class AuxChunks(Protocol):
+    """Aux states [S, T, A] too big to hold, produced a few positions at a time:
+    :meth:`DSpark.context` calls ``rows`` once per consecutive range, in order from 0 to T."""
+
+    shape: tuple[int, int, int]
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        """Positions t0..t1-1 of every stream: [S, t1 - t0, A]."""
+        ...
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 @dataclass(frozen=True)
@@ -252,33 +268,46 @@ class DSpark:
         """softmax(scores) in fp32, rounded to the model's dtype, times v [..., Tk, dv]."""
         return torch.softmax(scores, dim=-1).to(self.dtype) @ v
 
-    def context(self, aux: torch.Tensor, lengths: torch.Tensor | None = None) -> ContextCache:
+    def context(
+        self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None
+    ) -> ContextCache:
         """aux [S, T, A] (target hidden states of layers target_layer_ids, concatenated per
         position) -> every layer's context latent and rope key at positions 0..T-1.
-        ``lengths`` [S] marks right padding (default: all T valid)."""
+        ``lengths`` [S] marks right padding (default: all T valid).  A tensor is converted and
+        projected a few streams at a time (``CONTEXT_ELEMENTS``: no fp32 copy of a whole K3
+        batch); :class:`AuxChunks`, aux too big to hold at all, a few positions at a time."""
         c = self.config
-        if aux.dim() != 3 or aux.shape[-1] != c.aux_size:
+        if len(aux.shape) != 3 or aux.shape[-1] != c.aux_size:
             raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
         S, T, _ = aux.shape
         lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
-        # streams projected at a time: converting a whole K3 batch's aux to fp32 at once
-        # would be a second copy twice its size
-        group = max(1, CONTEXT_ELEMENTS // max(1, T * c.aux_size))
-        projected = [
-            self.w.linear("context_proj.weight", aux[s0 : s0 + group].to(self.device, self.dtype))
-            for s0 in range(0, S, group)
-        ]
-        ctx = rms_norm(
-            projected[0] if len(projected) == 1 else torch.cat(projected),
-            self.w["context_norm.weight"],
-            c.rms_norm_eps,
-        )  # [S, T, H]
-        pos = torch.arange(T, device=self.device)
-        # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (docs/model.md)
-        pairs = [layer.latent(ctx, pos) for layer in self.layers]
-        return ContextCache(
-            tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), lengths.to(torch.int64)
+        if isinstance(aux, torch.Tensor):
+            group, dim = max(1, CONTEXT_ELEMENTS // max(1, T * c.aux_size)), 0
+            pieces = [self._context_piece(aux[s0 : s0 + group], 0, T) for s0 in range(0, S, group)]
+        else:
+            step, dim = max(1, CONTEXT_ELEMENTS // max(1, S * c.aux_size)), 1
+            pieces = [
+                self._context_piece(aux.rows(t0, min(T, t0 + step)), t0, min(T, t0 + step))
+                for t0 in range(0, T, step)
+            ]
+        latent, rope_key = (
+            tuple(_cat([piece[i][j] for piece in pieces], dim) for i in range(len(self.layers)))
+            for j in (0, 1)
         )
+        return ContextCache(latent, rope_key, lengths.to(torch.int64))
+
+    def _context_piece(
+        self, aux: torch.Tensor, t0: int, t1: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (latent, rope key) of aux [s, t1 - t0, A] at positions t0..t1-1."""
+        ctx = rms_norm(
+            self.w.linear("context_proj.weight", aux.to(self.device, self.dtype)),
+            self.w["context_norm.weight"],
+            self.config.rms_norm_eps,
+        )  # [s, t, H]
+        pos = torch.arange(t0, t1, device=self.device)
+        # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (docs/model.md)
+        return [layer.latent(ctx, pos) for layer in self.layers]
 
     def draft_one(self, ctx: ContextCache, stream: int, anchor: int, first_token: int) -> Blocks:
         """The forward of one block, written to be read (docs/model.md): tokens

@@ -27,6 +27,9 @@ import torch.nn.functional as F
 # A weight whose compute-dtype copy has at most this many elements is converted once and held
 # (64 MiB in fp32); a bigger one that upcasts exactly is held in its stored dtype.
 HOLD_ELEMENTS = 1 << 24
+# A weight upcast per use bigger than this is converted in row chunks of at most this many
+# elements (K3's context_proj, 7168 x 35840: two chunks), so the buffer stays 0.5 GiB in fp32.
+UPCAST_WHOLE_ELEMENTS = 1 << 27
 # Exact widenings: every value of the first dtype is a value of the second.
 EXACT_UPCASTS = {
     (torch.bfloat16, torch.float32),
@@ -77,13 +80,15 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
     def linear(self, name: str, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """``x @ weight^T`` ([..., in] -> [..., rows]).  A weight upcast per use is converted
         into one reused buffer, whole, or ``chunk`` rows at a time (the vocabulary projection,
-        too big to convert whole).  Whole, the product is the very GEMM of a weight held in
+        or any weight over ``UPCAST_WHOLE_ELEMENTS``).  Whole, the product is the very GEMM of a weight held in
         ``dtype``; in row chunks each output column is the same dot product.  Either way the
         result is bit-identical (tests/test_device.py)."""
         if not self.upcast_per_use(name):
             return F.linear(x, self[name])
         weight = self.stored[name]
         n, k = weight.shape
+        if chunk is None and n * k > UPCAST_WHOLE_ELEMENTS:
+            chunk = max(1, UPCAST_WHOLE_ELEMENTS // k)
         if chunk is None or chunk >= n:
             return F.linear(x, self._upcast_buffer(n * k).view(n, k).copy_(weight))
         buffer = self._upcast_buffer(chunk * k)
