@@ -164,3 +164,37 @@ def test_cuda_without_cuda_is_one_error_line(tiny, tmp_path, command):
         "Error: --device cuda: CUDA is not available"
     )
     assert not (tmp_path / "t").exists()
+
+
+def test_trim_heap_gives_freed_heap_pages_back():
+    """eval-drift trims the heap between batches (qstream/memory.py).  On glibc, freed chunks
+    below the mmap threshold stay resident until trimmed; after trim_heap they are gone."""
+    import ctypes
+    import sys
+
+    from qstream import memory
+
+    if not sys.platform.startswith("linux") or memory._TRIM is None:
+        pytest.skip("malloc_trim is glibc's")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (at most 32 MiB): these come from the heap
+    try:
+        blocks = [libc.malloc(1 << 20) for _ in range(256)]  # 256 MiB in 1 MiB blocks
+        for b in blocks:
+            ctypes.memset(b, 1, 1 << 20)
+        keep = libc.malloc(1 << 20)  # above them: pins the heap's top, as a live tensor does
+        for b in blocks:
+            libc.free(b)
+        before = _rss()
+        memory.trim_heap()
+        assert before - _rss() > 200 << 20, (before, _rss())
+        libc.free(keep)
+    finally:
+        libc.mallopt(-3, 128 << 10)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096

@@ -24,6 +24,7 @@ from qstream.eval.settings import DriftSettings, Progress
 from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
+from qstream.memory import trim_heap
 from qstream.model.config import DSparkConfig
 from qstream.model.device import exact_math
 from qstream.model.dspark import DSpark
@@ -174,6 +175,7 @@ def reference_pass(
         probe.add_reference(batch, head, blocks)
         if greedy.confidence is not None:
             ref.confidence[idx] = greedy.confidence
+        trim_heap()  # the batch's freed temporaries leave the resident set
         run.progress.advance(f"{run.regime}: reference", len(idx))
     return ref
 
@@ -213,6 +215,7 @@ def measure_variant(
         acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
         if accepted is not None and probe is not None:
             probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
+        trim_heap()
         run.progress.advance(f"{run.regime}: {variant.name}", len(idx))
     return {
         "kind": variant.kind,
