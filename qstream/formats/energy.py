@@ -80,13 +80,19 @@ class Energy:
         return signal, noise
 
 
+# Totals float32 row sums are trusted for: below, underflowed squares (< 2**-126 each) could
+# weigh more than 2**-60 of the total; above, a square or a row sum may have overflowed.
+FLOAT32_SAFE = (2.0**-60, 2.0**120)
+
+
 def row_square_sums(t: torch.Tensor) -> torch.Tensor:
     """``sum t^2`` of a float32 chunk ``[rows, K]``: float32 within each row (torch's cascaded
     reduction; every term is non-negative, so there is no cancellation and the relative error
-    stays within a few float32 ulps for any K met in practice), float64 across rows.  A row whose
-    float32 sum overflows is summed again in float64.  Three times cheaper than float64
-    throughout, which costs a conversion pass per element (docs/formats.md, weight SNR)."""
-    rows = torch.linalg.vecdot(t, t)
-    if not torch.isfinite(rows).all():
+    stays within a few float32 ulps for any K met in practice), float64 across rows.  A chunk
+    whose float32 sums overflow, or are so small that squares below float32's range (|w| under
+    ~1e-19, which bf16 can hold) could matter, is summed again in float64.  Three times cheaper
+    than float64 throughout, which costs a conversion pass per element (docs/formats.md)."""
+    total = torch.linalg.vecdot(t, t).sum(dtype=torch.float64)
+    if not FLOAT32_SAFE[0] <= total <= FLOAT32_SAFE[1]:  # overflow, or squares that underflowed
         return torch.linalg.vecdot(t.double(), t.double()).sum()
-    return rows.sum(dtype=torch.float64)
+    return total

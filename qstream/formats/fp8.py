@@ -87,10 +87,19 @@ def decode_magnitudes(codes: torch.Tensor, out: torch.Tensor | None = None) -> t
     reused as the result's storage): ``|codes.float()|`` with integer arithmetic instead of
     torch's float8 -> float conversion, which is ~20x slower.  NaN codes are not expected (the
     quantizer clamps first)."""
+    return _decode(codes, out, signed=False)
+
+
+def _decode(codes: torch.Tensor, out: torch.Tensor | None, signed: bool) -> torch.Tensor:
+    """Finite codes -> float32 values (``signed``) or magnitudes, in ``out``'s storage."""
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.int32, device=codes.device)
-    bits = out.copy_(codes.view(torch.uint8)).bitwise_and_(_MAGNITUDE_BITS)
-    return bits.bitwise_left_shift_(20).view(torch.float32).mul_(_BIAS_SHIFT)
+    bits = out.copy_(codes.view(torch.uint8))
+    sign = torch.bitwise_and(bits, _SIGN_BIT).bitwise_left_shift_(24) if signed else None
+    bits.bitwise_and_(_MAGNITUDE_BITS).bitwise_left_shift_(20)
+    if sign is not None:
+        bits.bitwise_or_(sign)
+    return bits.view(torch.float32).mul_(_BIAS_SHIFT)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -105,11 +114,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     bits = torch.empty((chunk_rows(n, k), k), dtype=torch.int32, device=q.device)
     for rows in row_chunks(n, k):
-        b = bits[: rows.stop - rows.start].copy_(q[rows].view(torch.uint8))
-        nan = b.bitwise_and(_MAGNITUDE_BITS) == _MAGNITUDE_BITS
-        sign = torch.bitwise_and(b, _SIGN_BIT).bitwise_left_shift_(24)
-        b.bitwise_and_(_MAGNITUDE_BITS).bitwise_left_shift_(20).bitwise_or_(sign)
-        values = b.view(torch.float32).mul_(_BIAS_SHIFT)
+        codes = q[rows]
+        nan = codes.view(torch.uint8).bitwise_and(_MAGNITUDE_BITS) == _MAGNITUDE_BITS
+        values = _decode(codes, bits[: rows.stop - rows.start], signed=True)
         values.mul_((scale[rows] if scale.shape[0] == n else scale).float())
         out[rows] = values.masked_fill_(nan, float("nan"))
     return out

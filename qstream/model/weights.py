@@ -10,7 +10,6 @@ confidence head) are upcast once and held.
 >>> w = ComputeWeights(weights, torch.float32)        # bf16 in, fp32 out, each weight held once
 >>> w["layers.0.mlp.gate_proj.weight"].dtype            # an fp32 temporary
 torch.float32
->>> w.rows("lm_head.weight", 0, 8192)                    # rows of the vocabulary projection
 >>> w.linear("lm_head.weight", hf, 8192)                 # hf @ lm_head^T, 8192 rows upcast at a time
 
 Products go through :meth:`ComputeWeights.linear` (or :func:`linear`), which upcasts into one
@@ -72,10 +71,6 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.stored)
-
-    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a weight in ``dtype`` (only those rows are converted)."""
-        return self.stored[name][start:stop].to(self.dtype)
 
     def linear(self, name: str, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """``x @ weight^T`` ([..., in] -> [..., rows]).  A weight upcast per use is converted
