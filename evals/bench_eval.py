@@ -44,7 +44,7 @@ def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 1024, n: int = 3072)
     return 2 * m * k * n / best
 
 
-def useful_flops(config, plan, batches) -> float:
+def useful_flops(config, plan) -> float:
     c = config
     H, I, n, V, r = (  # noqa: E741 - the paper's names
         c.hidden_size,
@@ -72,7 +72,12 @@ def useful_flops(config, plan, batches) -> float:
     attended = float((plan.anchor.double() + B).sum()) * B  # keys seen per drafted position
     block = positions * (c.num_hidden_layers * per_position_layer + H * V + r * V)
     attention = attended * c.num_hidden_layers * n * (dk + dv)
-    ctx_positions = sum(len(b.streams) * b.context_length for b in batches)
+    # each stream's context up to its longest anchor (what its blocks attend to); a batch's
+    # padding of shorter streams to its longest is not useful work
+    longest: dict[int, int] = {}
+    for s, p in zip(plan.stream.tolist(), plan.anchor.tolist()):
+        longest[s] = max(longest.get(s, 0), p)
+    ctx_positions = sum(longest.values())
     context = ctx_positions * (
         c.aux_size * H
         + c.num_hidden_layers * (H * (kv + rope) + kv * n * (c.qk_nope_head_dim + dv))
@@ -103,7 +108,7 @@ def main() -> None:
         weights = load_weights(model_dir, None, config)
         gauss = AuxStates("gauss", corpus, config, seed=0)
         aux = [gauss.get(b) for b in batches]
-        flops = useful_flops(config, plan, batches)
+        flops = useful_flops(config, plan)
         print(
             f"small preset: H={config.hidden_size} V={config.vocab_size}, {args.blocks} blocks "
             f"(mean context {plan.anchor.double().mean():.0f}), {len(batches)} batches, "

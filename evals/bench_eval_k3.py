@@ -26,7 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_eval import GSM8K, matmul_rate, useful_flops  # noqa: E402
 
-from qstream.eval.batches import make_batches  # noqa: E402
 from qstream.eval.context_sweep import parse_edges  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
 from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
@@ -86,7 +85,7 @@ def main() -> None:
     corpus = load_run_corpus(args.model, args.corpus, None, config)
     plan = sample_anchors(corpus, args.blocks, config.block_size, 0,
                           max_context=config.max_position_embeddings - config.block_size)  # fmt: skip
-    flops = useful_flops(config, plan, make_batches(plan, corpus, config))
+    flops = useful_flops(config, plan)
     weight_bytes = sum(p.stat().st_size for p in Path(args.model).rglob("*.safetensors"))
     rates = {
         "fp32": matmul_rate(torch.float32, k=7168, n=7168),

@@ -8,6 +8,7 @@ import torch
 from model_helpers import random_model_weights
 
 from qstream.errors import QStreamError
+from qstream.model import engine
 from qstream.model.config import PRESETS, DSparkConfig
 from qstream.model.dspark import DSpark, apply_rope
 from qstream.model.markov import markov_logits, rollout, sample, sampling_probs, teacher_forced
@@ -113,10 +114,14 @@ def test_transposed_markov_table_is_refused(weights):
         DSpark(CFG, w)
 
 
+@pytest.mark.parametrize("row_cost", [None, 100.0], ids=["cost-model", "multi-slot-rows"])
 @pytest.mark.parametrize("key_chunk", [None, 8], ids=["one-pass", "key-chunked"])
-def test_batched_engine_equals_the_plain_forward(model, key_chunk):
-    # draft() (qstream.model.engine: packed rows, a busy stream over several rows, and with
-    # key_chunk=8 the online softmax over 5 key chunks) against draft_one, block by block
+def test_batched_engine_equals_the_plain_forward(model, key_chunk, row_cost, monkeypatch):
+    # draft() (qstream.model.engine: rows of one slot as the tiny preset's cost model packs
+    # them, or, with rows made costly, packed rows of several slots and a busy stream over
+    # several rows; with key_chunk=8 the online softmax over 5 key chunks) against draft_one
+    if row_cost is not None:
+        monkeypatch.setattr(engine, "_row_cost", lambda config, T: row_cost)
     aux = _aux()
     gen = torch.Generator().manual_seed(9)
     stream = torch.randint(0, S, (24,), generator=gen)
@@ -213,3 +218,36 @@ def test_config_errors_name_key_and_value():
         dataclasses.replace(CFG, max_position_embeddings=1000)
     with pytest.raises(ValueError, match="mask_token_id"):
         dataclasses.replace(CFG, mask_token_id=CFG.vocab_size)
+
+
+@pytest.mark.parametrize(
+    ("counts", "row_cost", "M"),
+    [
+        ([2, 1, 1, 1], 0.1, 1),  # one slot per row: 5 rows beat 4 rows of 2 (3 slots padding)
+        ([2, 1, 1, 1], 5.0, 2),  # rows cost more than padding: the busy stream keeps one row
+        ([3, 3, 3], 0.0, 3),  # no padding at M = 3 and the fewest rows: ties go to larger M
+        ([5, 1], 0.5, 1),
+        ([5, 1], 3.0, 5),  # 2 rows x 5 slots (4 padding) beat 6 rows x 1
+    ],
+)
+def test_packing_minimises_padding_plus_row_work(counts, row_cost, M):
+    stream = torch.tensor([s for s, c in enumerate(counts) for _ in range(c)])
+    stream = stream[torch.randperm(stream.numel(), generator=torch.Generator().manual_seed(0))]
+    anchor = torch.arange(stream.numel()) + 1
+    packing = engine._pack(stream, anchor, row_cost)
+    assert packing.M == M
+    # every block in exactly one slot of a row of its own stream, at its own anchor
+    slots = packing.slot_of_block
+    assert sorted(slots.tolist()) == sorted(set(slots.tolist()))
+    assert torch.equal(packing.block_of_slot[slots], torch.arange(stream.numel()))
+    assert torch.equal(packing.row_stream[slots // M], stream)
+    assert torch.equal(packing.anchor.flatten()[slots], anchor)
+    assert (packing.block_of_slot == -1).sum() == packing.R * M - stream.numel()
+
+
+def test_row_cost_at_k3_makes_padding_dear():
+    # a K3 padding slot (7 positions through 5 layers and a 163,840-token lm_head) costs more
+    # than expanding 300 context keys in every layer for one more row (about 0.55 of a slot)
+    costs = [engine._row_cost(PRESETS["k3"], T) for T in (0, 128, 300, 1000)]
+    assert costs[0] == 0 and costs == sorted(costs)
+    assert costs[1] < 0.25 and costs[2] < 1 < costs[3]

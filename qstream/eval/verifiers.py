@@ -26,7 +26,13 @@ from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
 from qstream.model.dspark import HEAD_ROWS, LM_HEAD, Blocks, Rollout
-from qstream.model.markov import HeadModel, markov_logits, sampling_probs, teacher_forced
+from qstream.model.markov import (
+    HeadModel,
+    markov_logits,
+    markov_table,
+    sampling_probs,
+    teacher_forced,
+)
 from qstream.model.weights import ComputeWeights
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
@@ -170,8 +176,10 @@ class RegimeAcceptance:
     def _reference_logits(self, U: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """The reference's logits on a drafted prefix, position by position exactly as its own
         rollout computes them (so that the reference verifying itself is bit-exact)."""
+        table = markov_table(self.head)
         return torch.stack(
-            [markov_logits(self.head, U[:, k], prev[:, k]) for k in range(U.shape[1])], dim=1
+            [markov_logits(self.head, U[:, k], prev[:, k], table) for k in range(U.shape[1])],
+            dim=1,
         )
 
     def _add_reference_verified(

@@ -19,13 +19,13 @@ tests/test_sensitivity_context.py the chunked paths against the one-pass ones.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from qstream.model.config import DSparkConfig
     from qstream.model.dspark import ContextCache, DSpark, Layer
 
 # Budget of one score tensor (float32 elements): draft's [rows, n, M*B, keys] and causal mode's
@@ -45,8 +45,8 @@ def draft_packed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`DSpark.draft_one` for N blocks (stream, anchor, first_token [N], already checked):
     returns U [N, B, V] and hf [N, B, H] in the model's dtype."""
-    packing = _pack(stream, anchor)
     T_max = int(anchor.max()) if anchor.numel() else 0
+    packing = _pack(stream, anchor, _row_cost(model.config, T_max))
     B, n = model.config.block_size, model.config.num_attention_heads
     key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
     keys = min(max(T_max, 1), key_chunk)
@@ -206,15 +206,39 @@ class _Packing:
         return first_token[idx].view(-1, self.M)
 
 
-def _pack(stream: torch.Tensor, anchor: torch.Tensor) -> _Packing:
-    """Group blocks by stream into rows of M slots.  M is the largest per-stream count when
-    that wastes little padding, else the mean count (a busy stream then spans several rows)."""
+def _row_cost(c: DSparkConfig, T: int) -> float:
+    """A packed row's own work (expanding ``T`` context keys in every layer) in units of one
+    slot's work (B positions through every projection, attention over T + B keys and lm_head),
+    counting multiply-adds as docs/eval-drift.md's FLOP model does."""
+    L, n, H, B = c.num_hidden_layers, c.num_attention_heads, c.hidden_size, c.block_size
+    expand = c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
+    layer = (
+        H * c.q_lora_rank
+        + c.q_lora_rank * n * c.qk_head_dim
+        + H * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + expand
+        + n * c.v_head_dim * H
+        + 3 * H * c.intermediate_size
+        + (T + B) * n * (c.qk_head_dim + c.v_head_dim)
+    )
+    return T * L * expand / (B * (L * layer + H * c.vocab_size))
+
+
+def _pack(stream: torch.Tensor, anchor: torch.Tensor, row_cost: float = 0.0) -> _Packing:
+    """Group blocks by stream into rows of M slots.  M minimises the work: a padding slot costs
+    a block's whole forward, a row ``row_cost`` slots (its context keys expanded once for its
+    blocks).  At K3 a stream of 2 blocks beside streams of 1 is cheaper in two rows of one
+    slot than in one row of two beside half-empty rows (docs/eval-drift.md, "Batching")."""
     N = stream.numel()
     order = torch.sort(stream, stable=True).indices
     streams, counts = torch.unique_consecutive(stream[order], return_counts=True)
-    M = int(counts.max()) if N else 1
-    if M * streams.numel() > 1.5 * N:
-        M = max(1, math.ceil(N / streams.numel()))
+    M = 1
+    if N:
+        work = {
+            m: int(((counts + m - 1) // m).sum()) * (m + row_cost)
+            for m in range(1, int(counts.max()) + 1)
+        }
+        M = min(work, key=lambda m: (work[m], -m))
     rows_per_stream = (counts + M - 1) // M
     row_start = torch.cumsum(rows_per_stream, 0) - rows_per_stream
     stream_start = torch.cumsum(counts, 0) - counts

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import Blocks, DSpark, Rollout
-from qstream.model.weights import ComputeWeights, embedding
+from qstream.model.weights import ComputeWeights, embedding, linear
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
 
@@ -55,15 +55,32 @@ def host_head(model: DSpark) -> HeadModel:
     return HostHead(model.config, ComputeWeights(stored, model.dtype), model.dtype)
 
 
+MARKOV_TABLE = "markov_head.markov_w2.weight"
+
+
+def markov_table(model: MarkovWeights) -> torch.Tensor:
+    """markov_w2 [V, r] in the model's dtype, read once for the steps of a rollout (the fp32
+    reference's is upcast into its weights' reused buffer: valid until their next product)."""
+    w = model.w
+    return w.borrow(MARKOV_TABLE) if isinstance(w, ComputeWeights) else w[MARKOV_TABLE]
+
+
 def markov_logits(
-    model: MarkovWeights, logits_base: torch.Tensor, prev: torch.Tensor
+    model: MarkovWeights,
+    logits_base: torch.Tensor,
+    prev: torch.Tensor,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]``, the sum
     rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
     bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
-    torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...]."""
+    torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...];
+    ``table``: :func:`markov_table` when the caller has read it already."""
     emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
-    bias = F.linear(emb, model.w["markov_head.markov_w2.weight"])  # [..., V]
+    if table is None:
+        bias = linear(model.w, MARKOV_TABLE, emb)  # [..., V]
+    else:
+        bias = F.linear(emb, table)
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
 
 
@@ -141,10 +158,10 @@ def rollout(
     prev = torch.empty(N, B, dtype=torch.int64, device=device)
     tokens = torch.empty(N, B, dtype=torch.int64, device=device)
     logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32, device=device)
-    token = blocks.first_token
+    token, table = blocks.first_token, markov_table(model)
     for k in range(B):  # sequential by definition: step k needs d_{k-1}
         prev[:, k] = token
-        logits[:, k] = markov_logits(model, blocks.logits_base[:, k], token)
+        logits[:, k] = markov_logits(model, blocks.logits_base[:, k], token, table)
         if noise is None:
             token = logits[:, k].argmax(-1)
         else:

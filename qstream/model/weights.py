@@ -94,6 +94,15 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
             out[..., r0:r1] = F.linear(x, part)
         return out
 
+    def borrow(self, name: str) -> torch.Tensor:
+        """``name`` in the compute dtype without a fresh temporary: a held weight itself, else
+        upcast into the buffer :meth:`linear` reuses, valid until the next ``linear`` or
+        ``borrow`` (the Markov table, read at every step of a rollout)."""
+        if not self.upcast_per_use(name):
+            return self.stored[name]
+        weight = self.stored[name]
+        return self._upcast_buffer(weight.numel()).view(weight.shape).copy_(weight)
+
     def _upcast_buffer(self, elements: int) -> torch.Tensor:
         """The reused upcast target, grown to the largest request so far.  A fresh temporary
         per use costs page faults on hundreds of MiB each time: at K3 shapes an upcast gate
