@@ -26,6 +26,7 @@ from qstream.eval.batches import AuxStates, draft_blocks, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.run import load_run_corpus
 from qstream.model.dspark import DSpark
+from qstream.model.flops import blocks_flops
 from qstream.model.load import load_config, load_weights
 from qstream.model.markov import rollout
 from qstream.model.synth import synth_checkpoint
@@ -45,44 +46,8 @@ def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 1024, n: int = 3072)
 
 
 def useful_flops(config, plan) -> float:
-    c = config
-    H, I, n, V, r = (  # noqa: E741 - the paper's names
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_attention_heads,
-        c.vocab_size,
-        c.markov_rank,
-    )
-    dk, dv, kv, rope, B = (
-        c.qk_head_dim,
-        c.v_head_dim,
-        c.kv_lora_rank,
-        c.qk_rope_head_dim,
-        c.block_size,
-    )
-    per_position_layer = (
-        H * c.q_lora_rank
-        + c.q_lora_rank * n * dk
-        + H * (kv + rope)
-        + kv * n * (c.qk_nope_head_dim + dv)
-        + n * dv * H
-        + 3 * H * I
-    )
-    positions = plan.anchor.numel() * B
-    attended = float((plan.anchor.double() + B).sum()) * B  # keys seen per drafted position
-    block = positions * (c.num_hidden_layers * per_position_layer + H * V + r * V)
-    attention = attended * c.num_hidden_layers * n * (dk + dv)
-    # each stream's context up to its longest anchor (what its blocks attend to); a batch's
-    # padding of shorter streams to its longest is not useful work
-    longest: dict[int, int] = {}
-    for s, p in zip(plan.stream.tolist(), plan.anchor.tolist()):
-        longest[s] = max(longest.get(s, 0), p)
-    ctx_positions = sum(longest.values())
-    context = ctx_positions * (
-        c.aux_size * H
-        + c.num_hidden_layers * (H * (kv + rope) + kv * n * (c.qk_nope_head_dim + dv))
-    )
-    return 2.0 * (block + attention + context)
+    """The plan's work by the FLOP model (qstream/model/flops.py, docs/eval-drift.md)."""
+    return blocks_flops(config, plan.stream, plan.anchor)
 
 
 def run_pass(model: DSpark, batches, aux) -> float:

@@ -41,10 +41,10 @@ class StepTimes:
     def __init__(self) -> None:
         self.last, self.seconds = time.perf_counter(), {}
 
-    def start(self, total):
+    def start(self, total, work=None):
         pass
 
-    def advance(self, what: str, blocks: int) -> None:
+    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
         now = time.perf_counter()
         self.seconds[what] = self.seconds.get(what, 0.0) + now - self.last
         self.last = now

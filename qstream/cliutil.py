@@ -16,8 +16,8 @@ import click
 from rich.console import Console
 from rich.progress import (
     BarColumn,
-    MofNCompleteColumn,
     Progress,
+    TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -67,18 +67,26 @@ LONG_RUN_SECONDS = 600
 
 class _BlocksBar:
     """qstream.eval.settings.Progress on a rich bar, shown from the first moment (elapsed time
-    ticks while the draft and corpus load); the total arrives with ``start``."""
+    ticks while the draft and corpus load); the total arrives with ``start``.  Once the work is
+    planned the bar and its ETA run on work (FLOPs), so a sweep's long-context blocks weigh
+    what they cost; the blocks done are shown beside it."""
 
     def __init__(self, bar: Progress):
         self.bar = bar
-        self.task = bar.add_task("loading the draft and corpus", total=None)
+        self.task = bar.add_task("loading the draft and corpus", total=None, blocks="")
         self.advised = False
+        self.blocks, self.by_work = 0, False
+        self.total_blocks: int | None = None
 
-    def start(self, total: int | None) -> None:
-        self.bar.update(self.task, total=total)
+    def start(self, total: int | None, work: float | None = None) -> None:
+        self.total_blocks, self.by_work = total, work is not None
+        self.bar.update(self.task, total=work if self.by_work else total)
+        self._show_blocks()
 
-    def advance(self, what: str, blocks: int) -> None:
-        self.bar.update(self.task, advance=blocks, description=what)
+    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
+        self.blocks += blocks
+        self.bar.update(self.task, advance=work if self.by_work else blocks, description=what)
+        self._show_blocks()
         remaining = self.bar.tasks[0].time_remaining
         if not self.advised and remaining is not None and remaining > LONG_RUN_SECONDS:
             self.advised = True
@@ -87,6 +95,10 @@ class _BlocksBar:
                 "--blocks (half the blocks: half the time, intervals about 1.4x wider); on a "
                 "GPU, --device cuda."
             )
+
+    def _show_blocks(self) -> None:
+        total = "" if self.total_blocks is None else f"/{self.total_blocks}"
+        self.bar.update(self.task, blocks=f"{self.blocks}{total} blocks")
 
 
 @contextmanager
@@ -102,8 +114,8 @@ def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
     columns = (
         TextColumn("{task.description:<32}"),
         BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("blocks"),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[blocks]}"),
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),

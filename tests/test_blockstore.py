@@ -13,7 +13,6 @@ from stand_in_target import capture_states
 
 import qstream.eval.batches as batches
 import qstream.eval.blockstore as blockstore
-import qstream.eval.verifiers as verifiers
 import qstream.model.weights as weights_module
 from qstream.cli import cli
 from qstream.errors import QStreamError
@@ -130,7 +129,8 @@ def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp
     monkeypatch.setattr(batches, "AUX_CACHE_BYTES", 0)
     # the target's lm_head (--states) held bf16 and upcast per use, in uneven row chunks
     monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
-    monkeypatch.setattr(verifiers, "HEAD_ROWS", 7)
+    monkeypatch.setattr(weights_module, "UPCAST_CHUNK_ELEMENTS", 0)
+    monkeypatch.setattr(weights_module, "UPCAST_MIN_ROWS", 40)
     on_disk = evaluate_drift(
         tiny, DriftSettings(**{**settings.__dict__, "scratch_dir": str(tmp_path)}), corpus
     )
@@ -142,15 +142,18 @@ def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp
 
 def test_target_head_upcast_per_use_matches_the_fp32_copy(monkeypatch):
     """--states' target logits: ``hidden @ lm_head.float().T`` (the fp32 copy it replaced) is
-    bit-identical to the bf16 lm_head upcast 7 rows at a time, which holds no fp32 copy (the
-    tiny preset's shapes: at [50, 64] this CPU's GEMM already differs in the last bit)."""
+    bit-identical to the bf16 lm_head upcast 40 rows at a time, which holds no fp32 copy (the
+    tiny preset's shapes: at [50, 64] this CPU's GEMM already differs in the last bit, and so
+    do chunks of 7 rows)."""
     monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
+    monkeypatch.setattr(weights_module, "UPCAST_CHUNK_ELEMENTS", 0)
+    monkeypatch.setattr(weights_module, "UPCAST_MIN_ROWS", 40)
     gen = torch.Generator().manual_seed(11)
     lm_head = torch.randn(1024, 64, generator=gen).bfloat16()  # [V, H]
     hidden = torch.randn(4, 7, 64, generator=gen)  # [n, B, H]
     held = weights_module.ComputeWeights({"lm_head.weight": lm_head}, torch.float32)
     assert held.stored["lm_head.weight"].data_ptr() == lm_head.data_ptr()
-    got = held.linear("lm_head.weight", hidden, 7)
+    got = held.linear("lm_head.weight", hidden)
     assert torch.equal(got, hidden @ lm_head.float().T), (
         (got - hidden @ lm_head.float().T).abs().max()
     )

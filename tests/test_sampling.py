@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from qstream.eval.batches import race_noise
+from qstream.model.config import PRESETS
 from qstream.model.markov import sample, sampling_probs
 
 
@@ -70,3 +72,16 @@ def test_close_models_disagree_within_the_coupling_bound():
     bound = 2 * tv / (1 + tv)
     assert tv > 0.005 and differ > 0  # the models do differ
     assert differ <= n * bound + 5 * math.sqrt(n * bound), (differ, n * bound)
+
+
+def test_race_noise_is_exp1_and_never_zero():
+    # eval-drift's per-batch race, -log(U): P(X > x) = exp(-x) (binomial 5-sigma bands over
+    # 1.1 M draws), no race of 0 (a token that could not lose), deterministic per batch
+    noise = race_noise(3, 160, PRESETS["tiny"], seed=0)
+    assert noise.dtype == torch.float32 and bool((noise > 0).all())
+    n = noise.numel()
+    for x in (0.01, 0.5, 1.0, 3.0, 8.0):
+        p = math.exp(-x)
+        assert abs(float((noise > x).double().mean()) - p) < 5 * math.sqrt(p * (1 - p) / n)
+    assert torch.equal(noise, race_noise(3, 160, PRESETS["tiny"], seed=0))
+    assert not torch.equal(noise, race_noise(4, 160, PRESETS["tiny"], seed=0))

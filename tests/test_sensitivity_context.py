@@ -281,16 +281,24 @@ def test_evaluation_with_aux_never_held_whole_is_unchanged(tiny, corpus, monkeyp
 
 
 class _Count:
-    def start(self, total):
-        self.total, self.done = total, 0
+    def __init__(self):
+        self.done, self.work_done, self.work_of = 0, 0.0, {}
 
-    def advance(self, what, blocks):
+    def start(self, total, work=None):
+        self.total, self.work = total, work
+
+    def advance(self, what, blocks, work=0.0):
         self.done += blocks
+        self.work_done += work
+        if blocks:
+            self.work_of.setdefault(what, []).append(work / blocks)
 
 
 def test_a_sweeps_blocks_are_in_the_progress_total(tiny, corpus):
     """With --context-lengths the progress bar has a total (and so an ETA): every bucket's
-    passes, counted before the run, are exactly the blocks the run reports."""
+    passes, counted before the run, are exactly the blocks the run reports, and their work
+    (the FLOP model, on which the ETA runs) is what the run reports, a longer bucket's blocks
+    weighing more."""
     count = _Count()
     settings = DriftSettings(
         regimes=("heavy",),
@@ -301,3 +309,8 @@ def test_a_sweeps_blocks_are_in_the_progress_total(tiny, corpus):
     )
     evaluate_drift(tiny, settings, corpus, progress=count)
     assert count.total == (16 + 2 * 8) * 2 == count.done
+    assert count.work == pytest.approx(count.work_done, rel=1e-12)
+    # per-block work of each reference batch, in order: the corpus's, then bucket [32, 64)'s
+    # and bucket [64, 128)'s (one batch each): the longer contexts weigh more
+    per_block = count.work_of["heavy: reference"]
+    assert len(per_block) >= 3 and per_block[-1] > 1.2 * per_block[-2]

@@ -29,6 +29,21 @@ def test_the_bar_shows_loading_before_the_total_is_known():
         progress.advance("heavy: reference", 4)
         [task] = progress.bar.tasks
         assert (task.description, task.total, task.completed) == ("heavy: reference", 10, 4)
+        assert task.fields["blocks"] == "4/10 blocks"
+
+
+def test_once_the_work_is_planned_the_bar_runs_on_it():
+    # a long-context block costs hundreds of short ones: the bar (and its ETA) advance by work,
+    # the blocks are counted beside it
+    console, _ = _terminal()
+    with blocks_progress(console) as progress:
+        progress.start(10)
+        progress.start(10, work=1000.0)
+        progress.advance("heavy: reference", 8, 200.0)
+        progress.advance("heavy: reference", 2, 600.0)
+        [task] = progress.bar.tasks
+        assert (task.total, task.completed) == (1000.0, 800.0)
+        assert task.fields["blocks"] == "10/10 blocks"
 
 
 def test_quiet_under_json_stdout_and_off_a_terminal():

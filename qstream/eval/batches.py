@@ -19,6 +19,7 @@ from qstream.eval.regimes import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.states import CapturedStates
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import AuxChunks, Blocks, DSpark, Rollout
+from qstream.model.flops import context_flops, position_flops
 from qstream.model.markov import rollout
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
@@ -54,6 +55,13 @@ class Batch:
     anchor: torch.Tensor  # [n]
     first_token: torch.Tensor  # [n]
     context_length: int  # positions of aux needed: max anchor in the batch
+
+
+def batch_flops(config: DSparkConfig, batch: Batch) -> float:
+    """The work of drafting ``batch`` once (FLOP model), its context padded as computed."""
+    B = config.block_size
+    blocks = sum(B * position_flops(config, p + B) for p in batch.anchor.tolist())
+    return blocks + len(batch.streams) * batch.context_length * context_flops(config)
 
 
 def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list[Batch]:
@@ -180,10 +188,13 @@ class AuxStates:
 def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:
     """Exp(1) variates [n, B, V] for the sampled rollouts of one batch, shared by the reference
     and every variant (common random numbers): the same generator seed for the same batch, as
-    one vLLM request seed gives the same draws."""
+    one vLLM request seed gives the same draws.  Drawn as ``-log(U)``, U uniform on [0, 1):
+    five times faster on a CPU than torch's ``exponential_`` (3 against 15 ns a value; a K3
+    batch draws 33 M).  U = 0 gives +inf, a race its token cannot win, as Exp(1)'s far tail;
+    no race is 0, since U < 1."""
     gen = torch.Generator().manual_seed((seed * 7919 + 17) * 1_000_003 + batch_index)
     shape = (n_blocks, config.block_size, config.vocab_size)
-    return torch.empty(shape).exponential_(generator=gen)
+    return torch.empty(shape).uniform_(generator=gen).log_().neg_()
 
 
 def draft_blocks(model: DSpark, aux: torch.Tensor | AuxChunks, batch: Batch) -> Blocks:

@@ -77,13 +77,12 @@ def _side(lo: int, hi: int, boundary: int) -> str:
     return "above" if lo >= boundary else "straddles"
 
 
-def context_sweep(
-    config: DSparkConfig, corpus: Corpus, settings: DriftSettings, evaluate: Evaluate
-) -> dict:
-    """Evaluate ``settings.context_blocks`` blocks per bucket [edge_i, edge_i+1) of context length
-    (JSON-ready; the schema is in docs/eval-drift.md)."""
+def bucket_plans(
+    config: DSparkConfig, corpus: Corpus, settings: DriftSettings
+) -> list[tuple[int, int, Corpus, AnchorPlan]]:
+    """Each bucket [edge_i, edge_i+1) of ``settings.context_lengths``: (lo, hi, its long
+    streams, its ``context_blocks`` anchors), checked against the config."""
     edges, B = settings.context_lengths, config.block_size
-    boundary = config.rope_parameters.original_max_position_embeddings
     max_anchor = config.max_position_embeddings - B  # the block's positions stay inside the range
     if edges[-1] > config.max_position_embeddings:
         raise QStreamError(
@@ -107,6 +106,18 @@ def context_sweep(
         plan = sample_anchors(
             streams, settings.context_blocks, B, settings.seed, min_context=lo, max_context=top
         )
+        buckets.append((lo, hi, streams, plan))
+    return buckets
+
+
+def context_sweep(
+    config: DSparkConfig, corpus: Corpus, settings: DriftSettings, evaluate: Evaluate
+) -> dict:
+    """Evaluate ``settings.context_blocks`` blocks per bucket [edge_i, edge_i+1) of context length
+    (JSON-ready; the schema is in docs/eval-drift.md)."""
+    boundary = config.rope_parameters.original_max_position_embeddings
+    buckets = []
+    for lo, hi, streams, plan in bucket_plans(config, corpus, settings):
         result = evaluate(streams, plan)
         buckets.append(
             {
@@ -119,7 +130,7 @@ def context_sweep(
             }
         )
     return {
-        "edges": list(edges),
+        "edges": list(settings.context_lengths),
         "yarn_boundary": boundary,
         "max_position_embeddings": config.max_position_embeddings,
         "buckets_per": "context length p of the block (tokens before its anchor), lo <= p < hi",

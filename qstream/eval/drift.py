@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 import qstream
-from qstream.eval.context_sweep import context_sweep
+from qstream.eval.batches import batch_flops, make_batches
+from qstream.eval.context_sweep import bucket_plans, context_sweep
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.regime import RegimeRun, evaluate_regime
@@ -70,6 +71,11 @@ def evaluate_drift(
     )
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
+    states_plan = None if states is None else _plan(states, settings, config)
+    progress.start(
+        settings.planned_blocks(),
+        _planned_work(config, corpus, plan, states, states_plan, settings),
+    )
     results = _run_description(model_dir, config, weights, corpus, plan, settings, variants, target)
 
     def run(regime: str, streams: Corpus, regime_plan: AnchorPlan) -> RegimeRun:
@@ -87,13 +93,38 @@ def evaluate_drift(
 
     for regime in settings.regimes:
         results["regimes"][regime] = _with_sweep(run(regime, corpus, plan))
-    if states is not None:
-        states_plan = _plan(states, settings, config)
+    if states is not None and states_plan is not None:
         results["states"] = {**states.identity(), "anchors": states_plan.to_json()}
         results["regimes"][STATES_REGIME] = evaluate_regime(run(STATES_REGIME, states, states_plan))
     if settings.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS
     return results
+
+
+def _planned_work(
+    config: DSparkConfig,
+    corpus: Corpus,
+    plan: AnchorPlan,
+    states: CapturedStates | None,
+    states_plan: AnchorPlan | None,
+    settings: DriftSettings,
+) -> float | None:
+    """FLOPs of every pass the run will make, as its batches report them (None with
+    sensitivity, whose steps are known only as they run).  A context sweep's buckets count at
+    their length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks."""
+    if settings.sensitivity:
+        return None
+
+    def work(streams: Corpus, blocks: AnchorPlan) -> float:
+        return sum(batch_flops(config, b) for b in make_batches(blocks, streams, config))
+
+    regime = work(corpus, plan)
+    if settings.context_lengths:
+        regime += sum(work(s, p) for _, _, s, p in bucket_plans(config, corpus, settings))
+    total = len(settings.regimes) * regime
+    if states is not None and states_plan is not None:
+        total += work(states, states_plan)
+    return total * (1 + settings.n_variants)
 
 
 def _read_states(

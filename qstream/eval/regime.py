@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from qstream.checkpoint.safetensors_io import drop_resident_pages
-from qstream.eval.batches import AuxStates, Batch, draft_batch, make_batches
+from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch, make_batches
 from qstream.eval.blockstore import BlockStore
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
@@ -176,7 +176,7 @@ def reference_pass(
         if greedy.confidence is not None:
             ref.confidence[idx] = greedy.confidence
         trim_heap()  # the batch's freed temporaries leave the resident set
-        run.progress.advance(f"{run.regime}: reference", len(idx))
+        run.progress.advance(f"{run.regime}: reference", len(idx), batch_flops(run.config, batch))
     return ref
 
 
@@ -216,7 +216,9 @@ def measure_variant(
         if accepted is not None and probe is not None:
             probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
         trim_heap()
-        run.progress.advance(f"{run.regime}: {variant.name}", len(idx))
+        run.progress.advance(
+            f"{run.regime}: {variant.name}", len(idx), batch_flops(run.config, batch)
+        )
     return {
         "kind": variant.kind,
         "quantized_tensors": changed,

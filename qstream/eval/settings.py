@@ -18,22 +18,25 @@ from qstream.model.load import QUANTIZE_INCLUDE
 
 
 class Progress(Protocol):
-    """Where the evaluator reports progress, in drafted blocks."""
+    """Where the evaluator reports progress: drafted blocks, and their work by the FLOP model
+    (qstream/model/flops.py), from which an ETA is taken (a long-context block costs hundreds
+    of short ones)."""
 
-    def start(self, total: int | None) -> None:
-        """Blocks the run will report, or None when that is known only as it runs."""
+    def start(self, total: int | None, work: float | None = None) -> None:
+        """Blocks the run will report (None when that is known only as it runs) and, once the
+        blocks are planned, their total work; called again when the work is known."""
 
-    def advance(self, what: str, blocks: int) -> None:
-        """``blocks`` more blocks done, in the step described by ``what``."""
+    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
+        """``blocks`` more blocks done, ``work`` FLOPs, in the step described by ``what``."""
 
 
 class Silent:
     """A :class:`Progress` that reports nothing."""
 
-    def start(self, total: int | None) -> None:
+    def start(self, total: int | None, work: float | None = None) -> None:
         pass
 
-    def advance(self, what: str, blocks: int) -> None:
+    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
         pass
 
 

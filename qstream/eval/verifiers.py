@@ -25,7 +25,7 @@ from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
-from qstream.model.dspark import HEAD_ROWS, LM_HEAD, Blocks, Rollout
+from qstream.model.dspark import LM_HEAD, Blocks, Rollout
 from qstream.model.markov import (
     HeadModel,
     markov_logits,
@@ -114,7 +114,7 @@ class RegimeAcceptance:
         idx = batch.blocks
         assert self.states is not None  # only called with captured states
         hidden = self.states.target_hidden(self.plan.stream[idx], self.plan.anchor[idx], self.B)
-        return self.lm_head.linear(LM_HEAD, hidden, HEAD_ROWS), self.stream_tokens[idx]
+        return self.lm_head.linear(LM_HEAD, hidden), self.stream_tokens[idx]
 
     def _add_target(
         self,

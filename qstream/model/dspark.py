@@ -38,7 +38,6 @@ from qstream.model.tensors import check_tensors
 from qstream.model.weights import ComputeWeights, embedding, linear
 
 LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
-HEAD_ROWS = 8192  # lm_head rows upcast at a time (fp32: 8192 x 7168 x 4 B = 224 MiB at K3)
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
 
@@ -254,11 +253,10 @@ class DSpark:
         return embedding(self.w, "embed_tokens.weight", tokens)
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H]).  A
-        lm_head upcast per use is taken ``HEAD_ROWS`` rows at a time: each output column is
-        the same dot product either way, so U is bit-identical (tests/test_device.py)."""
+        """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H]); a
+        lm_head upcast per use is taken a row chunk at a time (:meth:`ComputeWeights.linear`)."""
         hf = rms_norm(x, self.w["final_norm.weight"], self.config.rms_norm_eps)
-        return self.w.linear(LM_HEAD, hf, HEAD_ROWS), hf
+        return self.w.linear(LM_HEAD, hf), hf
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """fp32 ``q . k * scale`` (q [..., Tq, dk], k [..., Tk, dk]) -> [..., Tq, Tk]."""

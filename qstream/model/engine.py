@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qstream.model.flops import expand_flops, position_flops
+
 if TYPE_CHECKING:
     from qstream.model.config import DSparkConfig
     from qstream.model.dspark import ContextCache, DSpark, Layer
@@ -208,20 +210,8 @@ class _Packing:
 
 def _row_cost(c: DSparkConfig, T: int) -> float:
     """A packed row's own work (expanding ``T`` context keys in every layer) in units of one
-    slot's work (B positions through every projection, attention over T + B keys and lm_head),
-    counting multiply-adds as docs/eval-drift.md's FLOP model does."""
-    L, n, H, B = c.num_hidden_layers, c.num_attention_heads, c.hidden_size, c.block_size
-    expand = c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
-    layer = (
-        H * c.q_lora_rank
-        + c.q_lora_rank * n * c.qk_head_dim
-        + H * (c.kv_lora_rank + c.qk_rope_head_dim)
-        + expand
-        + n * c.v_head_dim * H
-        + 3 * H * c.intermediate_size
-        + (T + B) * n * (c.qk_head_dim + c.v_head_dim)
-    )
-    return T * L * expand / (B * (L * layer + H * c.vocab_size))
+    slot's work (B positions attending to T + B keys), by the FLOP model."""
+    return T * expand_flops(c) / (c.block_size * position_flops(c, T + c.block_size))
 
 
 def _pack(stream: torch.Tensor, anchor: torch.Tensor, row_cost: float = 0.0) -> _Packing:

@@ -10,7 +10,7 @@ confidence head) are upcast once and held.
 >>> w = ComputeWeights(weights, torch.float32)        # bf16 in, fp32 out, each weight held once
 >>> w["layers.0.mlp.gate_proj.weight"].dtype            # an fp32 temporary
 torch.float32
->>> w.linear("lm_head.weight", hf, 8192)                 # hf @ lm_head^T, 8192 rows upcast at a time
+>>> w.linear("lm_head.weight", hf)                       # hf @ lm_head^T, upcast a row chunk at a time
 
 Products go through :meth:`ComputeWeights.linear` (or :func:`linear`), which upcasts into one
 buffer reused by every projection rather than into a fresh temporary.
@@ -26,9 +26,13 @@ import torch.nn.functional as F
 # A weight whose compute-dtype copy has at most this many elements is converted once and held
 # (64 MiB in fp32); a bigger one that upcasts exactly is held in its stored dtype.
 HOLD_ELEMENTS = 1 << 24
-# A weight upcast per use bigger than this is converted in row chunks of at most this many
-# elements (K3's context_proj, 7168 x 35840: two chunks), so the buffer stays 0.5 GiB in fp32.
-UPCAST_WHOLE_ELEMENTS = 1 << 27
+# A weight upcast per use is converted and multiplied in row chunks of this many elements (32 MiB
+# in fp32), but at least UPCAST_MIN_ROWS rows: a chunk is still in the last-level cache when the
+# GEMM reads it (at K3's gate shape and 203 rows of x, 136 ms instead of 165 ms whole; a held
+# fp32 weight takes 135 ms), and no chunk is so thin that the GEMM loses speed (context_proj,
+# 7168 x 35840, with 1400 rows of x: 234-row chunks took 11% longer than 1024-row ones).
+UPCAST_CHUNK_ELEMENTS = 1 << 23
+UPCAST_MIN_ROWS = 1024
 # Exact widenings: every value of the first dtype is a value of the second.
 EXACT_UPCASTS = {
     (torch.bfloat16, torch.float32),
@@ -72,19 +76,19 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.stored)
 
-    def linear(self, name: str, x: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight^T`` ([..., in] -> [..., rows]).  A weight upcast per use is converted
-        into one reused buffer, whole, or ``chunk`` rows at a time (the vocabulary projection,
-        or any weight over ``UPCAST_WHOLE_ELEMENTS``).  Whole, the product is the very GEMM of a weight held in
-        ``dtype``; in row chunks each output column is the same dot product.  Either way the
-        result is bit-identical (tests/test_device.py)."""
+        into one reused buffer a row chunk at a time (``UPCAST_CHUNK_ELEMENTS``), each chunk
+        multiplied while it is in cache.  Each output column is the same fp32 dot product as
+        with the weight held in fp32, whole; bit-identical at the shapes tests/test_device.py
+        runs, but a BLAS may order the reduction by the output's shape, and at K3's shapes some
+        chunked products differ from one whole-matrix GEMM in the last bit (docs/model.md)."""
         if not self.upcast_per_use(name):
             return F.linear(x, self[name])
         weight = self.stored[name]
         n, k = weight.shape
-        if chunk is None and n * k > UPCAST_WHOLE_ELEMENTS:
-            chunk = max(1, UPCAST_WHOLE_ELEMENTS // k)
-        if chunk is None or chunk >= n:
+        chunk = max(UPCAST_MIN_ROWS, UPCAST_CHUNK_ELEMENTS // k)
+        if chunk >= n:
             return F.linear(x, self._upcast_buffer(n * k).view(n, k).copy_(weight))
         buffer = self._upcast_buffer(chunk * k)
         out = x.new_empty(*x.shape[:-1], n)

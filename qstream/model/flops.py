@@ -1,0 +1,58 @@
+"""The draft's FLOP model (docs/eval-drift.md, "FLOP model"): 2 FLOPs per multiply-add of the
+work the draft must do.  Norms, softmax, masking, upcasts and sampling are not counted.
+
+It serves three readers: the batching engine weighs a padding slot against a row's context
+expansion, eval-drift's progress bar takes its ETA from the work left, and evals/ divide it by
+the seconds a pass took.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qstream.model.config import DSparkConfig
+
+
+def expand_flops(c: DSparkConfig) -> float:
+    """One context key expanded to every head's key and value, in every layer (kv_b_proj)."""
+    return (
+        2.0
+        * c.num_hidden_layers
+        * c.kv_lora_rank
+        * c.num_attention_heads
+        * (c.qk_nope_head_dim + c.v_head_dim)
+    )
+
+
+def context_flops(c: DSparkConfig) -> float:
+    """One context position: the context projection, then each layer's latent and rope key
+    (kv_a_proj_with_mqa) and its expansion."""
+    latent = c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim)
+    return 2.0 * (c.aux_size * c.hidden_size + c.num_hidden_layers * latent) + expand_flops(c)
+
+
+def position_flops(c: DSparkConfig, keys: int) -> float:
+    """One drafted position that attends to ``keys`` keys (its context plus the block): every
+    layer's projections and attention, then lm_head and the Markov head."""
+    H, n = c.hidden_size, c.num_attention_heads
+    layer = (
+        H * c.q_lora_rank
+        + c.q_lora_rank * n * c.qk_head_dim
+        + H * (c.kv_lora_rank + c.qk_rope_head_dim)
+        + c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
+        + n * c.v_head_dim * H
+        + 3 * H * c.intermediate_size
+        + keys * n * (c.qk_head_dim + c.v_head_dim)
+    )
+    return 2.0 * (c.num_hidden_layers * layer + (H + c.markov_rank) * c.vocab_size)
+
+
+def blocks_flops(c: DSparkConfig, stream: torch.Tensor, anchor: torch.Tensor) -> float:
+    """Blocks at ``anchor`` of ``stream`` [N]: their B positions each, plus each stream's
+    context up to its longest anchor, computed once (a batch's padding is not useful work)."""
+    B = c.block_size
+    longest: dict[int, int] = {}
+    for s, p in zip(stream.tolist(), anchor.tolist()):
+        longest[s] = max(longest.get(s, 0), p)
+    positions = sum(B * position_flops(c, p + B) for p in anchor.tolist())
+    return positions + sum(longest.values()) * context_flops(c)
