@@ -23,7 +23,7 @@ from tests.model_helpers import random_model_weights
 def _uneven_chunks(monkeypatch):
     """Every bf16 weight of an fp32 model upcast per use, in row chunks of 40 rows (40 divides
     no dimension of the tiny preset).  Chunks of 7 rows are not bit-identical here: this CPU's
-    GEMM takes another path for so few output columns (docs/model.md)."""
+    GEMM takes another path for so few output columns (docs/eval-drift.md, "Memory")."""
     monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
     monkeypatch.setattr(weights_module, "UPCAST_CHUNK_ELEMENTS", 0)
     monkeypatch.setattr(weights_module, "UPCAST_MIN_ROWS", 40)

@@ -17,6 +17,8 @@ seeded by (seed, regime, stream index), so any subset of streams can be regenera
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from qstream.errors import QStreamError
@@ -100,10 +102,17 @@ class SyntheticAuxChunks:
             raise RuntimeError(f"aux rows must be taken in order: asked {t0}, next {self._next}")
         self._next = t1
         out = torch.zeros(self.shape[0], t1 - t0, self.shape[2], dtype=self._dtype)
-        for row, (gen, length) in enumerate(zip(self._generators, self._lengths)):
+
+        def draw(row: int) -> None:
+            gen, length = self._generators[row], self._lengths[row]
             if min(t1, length) > t0:
                 states = torch.randn(min(t1, length) - t0, self.shape[2], generator=gen)
                 out[row, : states.shape[0]] = (
                     states if self._scales is None else states * self._scales
                 )
+
+        # torch's CPU sampler runs on one core; each stream has its own generator, so streams
+        # are drawn side by side on all of them, the same values in any order
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            list(pool.map(draw, range(self.shape[0])))
         return out

@@ -82,7 +82,8 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
         multiplied while it is in cache.  Each output column is the same fp32 dot product as
         with the weight held in fp32, whole; bit-identical at the shapes tests/test_device.py
         runs, but a BLAS may order the reduction by the output's shape, and at K3's shapes some
-        chunked products differ from one whole-matrix GEMM in the last bit (docs/model.md)."""
+        chunked products differ from one whole-matrix GEMM in the last bit (docs/eval-drift.md,
+        "Memory")."""
         if not self.upcast_per_use(name):
             return F.linear(x, self[name])
         weight = self.stored[name]
