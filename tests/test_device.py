@@ -198,6 +198,39 @@ def test_trim_heap_gives_freed_heap_pages_back():
         libc.mallopt(-3, 128 << 10)
 
 
+def test_big_temporaries_are_reused_inside_reuse_freed_blocks():
+    """eval-drift's regimes run inside memory.reuse_freed_blocks: a block above glibc's mmap
+    threshold comes from the heap, so freeing and allocating it again faults no pages (mapped
+    afresh, all 16,384 pages of 64 MiB fault in again, as they do once the block ends)."""
+    import ctypes
+    import resource
+    import sys
+
+    from qstream import memory
+
+    if not sys.platform.startswith("linux") or memory._MALLOPT is None:
+        pytest.skip("mallopt is glibc's")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    size = 64 << 20
+
+    def faults_of_a_second_block() -> int:
+        first = libc.malloc(size)
+        ctypes.memset(first, 1, size)
+        libc.free(first)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        second = libc.malloc(size)
+        ctypes.memset(second, 1, size)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        libc.free(second)
+        return faults
+
+    with memory.reuse_freed_blocks():
+        assert faults_of_a_second_block() < 1000
+    assert faults_of_a_second_block() > 10_000
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

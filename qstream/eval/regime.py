@@ -24,7 +24,7 @@ from qstream.eval.settings import DriftSettings, Progress
 from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
-from qstream.memory import trim_heap
+from qstream.memory import reuse_freed_blocks, trim_heap
 from qstream.model.config import DSparkConfig
 from qstream.model.device import exact_math
 from qstream.model.dspark import DSpark
@@ -120,7 +120,8 @@ def evaluate_regime(run: RegimeRun) -> dict:
             )
         )
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
-            ref = reference_pass(run, aux, probe, logits)
+            with reuse_freed_blocks():  # its fp32 temporaries reused, trimmed per batch
+                ref = reference_pass(run, aux, probe, logits)
             out = {
                 "variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}
             }
