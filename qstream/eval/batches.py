@@ -19,7 +19,7 @@ from qstream.eval.regimes import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.states import CapturedStates
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import AuxChunks, Blocks, DSpark, Rollout
-from qstream.model.flops import context_flops, position_flops
+from qstream.model.flops import context_flops, drafted_flops
 from qstream.model.markov import rollout
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
@@ -59,9 +59,8 @@ class Batch:
 
 def batch_flops(config: DSparkConfig, batch: Batch) -> float:
     """The work of drafting ``batch`` once (FLOP model), its context padded as computed."""
-    B = config.block_size
-    blocks = sum(B * position_flops(config, p + B) for p in batch.anchor.tolist())
-    return blocks + len(batch.streams) * batch.context_length * context_flops(config)
+    context = len(batch.streams) * batch.context_length * context_flops(config)
+    return drafted_flops(config, batch.anchor) + context
 
 
 def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list[Batch]:

@@ -47,12 +47,17 @@ def position_flops(c: DSparkConfig, keys: int) -> float:
     return 2.0 * (c.num_hidden_layers * layer + (H + c.markov_rank) * c.vocab_size)
 
 
+def drafted_flops(c: DSparkConfig, anchor: torch.Tensor) -> float:
+    """Blocks at ``anchor`` [N]: their B positions each, each attending to its context and the
+    block (no context projection)."""
+    B = c.block_size
+    return sum(B * position_flops(c, p + B) for p in anchor.tolist())
+
+
 def blocks_flops(c: DSparkConfig, stream: torch.Tensor, anchor: torch.Tensor) -> float:
     """Blocks at ``anchor`` of ``stream`` [N]: their B positions each, plus each stream's
     context up to its longest anchor, computed once (a batch's padding is not useful work)."""
-    B = c.block_size
     longest: dict[int, int] = {}
     for s, p in zip(stream.tolist(), anchor.tolist()):
         longest[s] = max(longest.get(s, 0), p)
-    positions = sum(B * position_flops(c, p + B) for p in anchor.tolist())
-    return positions + sum(longest.values()) * context_flops(c)
+    return drafted_flops(c, anchor) + sum(longest.values()) * context_flops(c)

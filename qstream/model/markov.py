@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import Blocks, DSpark, Rollout
-from qstream.model.weights import ComputeWeights, embedding, linear
+from qstream.model.weights import ComputeWeights, embedding
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
 
@@ -75,12 +75,11 @@ def markov_logits(
     rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
     bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
     torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...];
-    ``table``: :func:`markov_table` when the caller has read it already."""
+    ``table``: :func:`markov_table` when the caller has read it already.  Every caller takes
+    the same whole-table product, so a rollout, its teacher-forced replay and the verifier's
+    recomputation agree bit for bit."""
     emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
-    if table is None:
-        bias = linear(model.w, MARKOV_TABLE, emb)  # [..., V]
-    else:
-        bias = F.linear(emb, table)
+    bias = F.linear(emb, markov_table(model) if table is None else table)  # [..., V]
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
 
 
