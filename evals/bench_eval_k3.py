@@ -5,13 +5,16 @@ size, achieved FLOP rate against the same run's matmul rate, and seconds per 100
     python evals/bench_eval_k3.py --model k3-draft --blocks 16 [--formats bf16,fp8,mxfp4,nvfp4]
     python evals/bench_eval_k3.py --model k3-draft --blocks 1 --formats bf16 \
         --context-lengths 16384,16392 --context-blocks 2     # peak RSS of a long-context bucket
+    python evals/bench_eval_k3.py --model k3-draft --blocks 1 --formats bf16 --regime boot \
+        --context-lengths 16384,16392 --context-blocks 2     # ... with the causal pass's aux
 
-One regime (gauss) is evaluated exactly as ``qstream eval-drift`` does (reference, then each
-format built, drafted and freed).  Each step's wall time comes from the evaluator's own progress
-reports; a drafting step's FLOPs are evals/bench_eval.py's analytic count (docs/eval-drift.md,
-"FLOP model"), compared with a [2048, 7168] x [7168, 7168] matmul in the step's dtype (the
-faster of two measurements, before and after the evaluation).  Peak RSS
-is the process's ``ru_maxrss`` (it includes the memory-mapped checkpoint pages that were read).
+One regime (gauss unless ``--regime``) is evaluated exactly as ``qstream eval-drift`` does
+(reference, then each format built, drafted and freed).  Each step's wall time comes from the
+evaluator's own progress reports; a drafting step's FLOPs are evals/bench_eval.py's analytic
+count (docs/eval-drift.md, "FLOP model"; boot's reference adds its causal pass), compared with
+a [2048, 7168] x [7168, 7168] matmul in the step's dtype (the faster of two measurements,
+before and after the evaluation).  Peak RSS is the process's ``ru_maxrss`` (it includes the
+memory-mapped checkpoint pages that were read).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from qstream.eval.context_sweep import parse_edges  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
 from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
 from qstream.eval.settings import DriftSettings  # noqa: E402
+from qstream.model.flops import causal_flops  # noqa: E402
 from qstream.model.load import load_config  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -67,11 +71,12 @@ def main() -> None:
         help="also run a long-context sweep with these edges (then only peak RSS is reported)",
     )
     parser.add_argument("--context-blocks", type=int, default=2)
+    parser.add_argument("--regime", choices=("gauss", "heavy", "boot"), default="gauss")
     args = parser.parse_args()
     formats = tuple(args.formats.split(","))
     sweep = parse_edges(args.context_lengths) if args.context_lengths else ()
     settings = DriftSettings(
-        regimes=("gauss",),
+        regimes=(args.regime,),
         formats=formats,
         n_blocks=args.blocks,
         context_lengths=sweep,
@@ -84,17 +89,23 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if sweep:
         print(f"k3 preset, {args.blocks} blocks and a sweep over {sweep} "
-              f"({args.context_blocks} blocks per bucket), gauss, reference + "
+              f"({args.context_blocks} blocks per bucket), {args.regime}, reference + "
               f"{', '.join(formats)}: peak RSS {peak / 1e9:.2f} GB, wall {wall:.0f} s")  # fmt: skip
+        for what, seconds in steps.seconds.items():
+            print(f"  {what}: {seconds:.1f} s")
         return
     config = load_config(args.model)
     corpus = load_run_corpus(args.model, args.corpus, None, config)
     plan = sample_anchors(corpus, args.blocks, config.block_size, 0,
                           max_context=config.max_position_embeddings - config.block_size)  # fmt: skip
     flops = useful_flops(config, plan)
+    longest: dict[int, int] = {}  # boot: the reference also runs the causal pass per stream
+    for stream, anchor in zip(plan.stream.tolist(), plan.anchor.tolist()):
+        longest[stream] = max(longest.get(stream, 0), anchor)
+    causal = sum(causal_flops(config, T) for T in longest.values()) if args.regime == "boot" else 0
     weight_bytes = sum(p.stat().st_size for p in Path(args.model).rglob("*.safetensors"))
     rates = {dtype: max(before[dtype], _rate(dtype)) for dtype in DTYPES}  # the stricter
-    print(f"k3 preset, {args.blocks} blocks, gauss, reference + {', '.join(formats)}; "
+    print(f"k3 preset, {args.blocks} blocks, {args.regime}, reference + {', '.join(formats)}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")  # fmt: skip
     print(f"peak RSS {peak / 1e9:.2f} GB / weights {weight_bytes / 1e9:.2f} GB "
           f"(bf16 on disk, lm_head included) = {peak / weight_bytes:.2f}x; wall {wall:.0f} s")  # fmt: skip
@@ -102,7 +113,7 @@ def main() -> None:
         name = what.split(": ", 1)[-1]
         if name == "reference" or name in formats:
             dtype = "fp32" if name == "reference" else "bf16"
-            achieved = flops / seconds
+            achieved = (flops + (causal if name == "reference" else 0)) / seconds
             print(f"  {name:>9}: {seconds:7.1f} s = {100 * seconds / args.blocks:7.1f} s per 100 "
                   f"blocks; {achieved / 1e9:6.1f} GFLOP/s = {achieved / rates[dtype]:5.1%} of "
                   f"the {dtype} matmul rate ({rates[dtype] / 1e9:.1f} GFLOP/s)")  # fmt: skip

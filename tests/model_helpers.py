@@ -1,8 +1,11 @@
 """Shared helpers of the tests/test_model_*.py files."""
 
+from dataclasses import replace
+
 import torch
 
-from qstream.model.dspark import LM_HEAD
+from qstream.model.config import PRESETS
+from qstream.model.dspark import LM_HEAD, DSpark
 from qstream.model.tensors import tensor_shapes
 
 
@@ -17,3 +20,19 @@ def random_model_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
         else:
             out[name] = 1 + 0.1 * torch.randn(shape, generator=gen)
     return out
+
+
+class RecordingDSpark(DSpark):
+    """Records the key and query extents of every score tensor (the largest temporaries of
+    attention)."""
+
+    def scores(self, q, k):
+        self.widest = max(getattr(self, "widest", 0), k.shape[-2])
+        self.tallest = max(getattr(self, "tallest", 0), q.shape[-2])
+        return super().scores(q, k)
+
+
+def long_context_model(dtype=torch.float32):
+    """A tiny-preset draft with a 300-token vocabulary (cheap at long contexts), recording."""
+    config = replace(PRESETS["tiny"], vocab_size=300)
+    return RecordingDSpark(config, random_model_weights(config, 0), dtype), config

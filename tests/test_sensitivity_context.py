@@ -2,12 +2,11 @@
 tiny draft, and the chunked attention that keeps long contexts in bounded memory."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
 from click.testing import CliRunner
-from model_helpers import random_model_weights
+from model_helpers import long_context_model, random_model_weights
 
 import qstream.eval.batches as batches
 import qstream.model.dspark as dspark
@@ -131,23 +130,8 @@ def test_context_sweep_reports_every_bucket(tiny, corpus):
         assert b["variants"]["bf16"]["metrics"]["n_blocks"] == 16
 
 
-class _RecordingDSpark(DSpark):
-    """Records the key and query extents of every score tensor (the largest temporaries of
-    attention)."""
-
-    def scores(self, q, k):
-        self.widest = max(getattr(self, "widest", 0), k.shape[-2])
-        self.tallest = max(getattr(self, "tallest", 0), q.shape[-2])
-        return super().scores(q, k)
-
-
-def _long_context_model(dtype=torch.float32):
-    config = replace(PRESETS["tiny"], vocab_size=300)
-    return _RecordingDSpark(config, random_model_weights(config, 0), dtype), config
-
-
 def test_chunked_attention_equals_one_pass_attention_on_a_long_context():
-    model, config = _long_context_model()
+    model, config = long_context_model()
     gen = torch.Generator().manual_seed(1)
     ctx = model.context(torch.randn(2, 1500, config.aux_size, generator=gen))
     stream, anchor = torch.tensor([0, 0, 1, 1]), torch.tensor([1499, 700, 1499, 90])
@@ -164,7 +148,7 @@ def test_chunked_attention_equals_one_pass_attention_on_a_long_context():
 
 
 def test_chunked_causal_queries_match_and_stay_bounded():
-    model, config = _long_context_model()
+    model, config = long_context_model()
     ids = torch.randint(0, config.vocab_size, (2, 600), generator=torch.Generator().manual_seed(2))
     whole = model.causal_hidden(ids)
     assert model.tallest == 600  # one pass: [S, n, 600, 600] scores

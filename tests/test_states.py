@@ -12,12 +12,15 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 from stand_in_target import capture_states
 
+import qstream.eval.batches as batches
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.corpus import tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.states import read_states
+from qstream.eval.states.captured import CapturedAuxChunks
 from qstream.model.corpus import builtin_corpus
+from qstream.model.dspark import DSpark
 from qstream.model.load import load_config
 
 BLOCKS = 48
@@ -36,16 +39,19 @@ def states_file(tiny, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def results(tiny, corpus, states_file):
-    settings = DriftSettings(
+def _settings(states_file) -> DriftSettings:
+    return DriftSettings(
         regimes=("gauss",),
         formats=("fp32", "bf16", "nvfp4"),
         n_blocks=BLOCKS,
         acceptance=True,
         states=str(states_file),
     )
-    return evaluate_drift(tiny, settings, corpus)
+
+
+@pytest.fixture(scope="module")
+def results(tiny, corpus, states_file):
+    return evaluate_drift(tiny, _settings(states_file), corpus)
 
 
 def test_reference_verifying_itself_accepts_every_token(results):
@@ -104,6 +110,34 @@ def test_states_aux_come_from_the_file(tiny, states_file):
     assert torch.equal(aux[1, :40], raw["stream.0.aux_hidden_states"].float())
     assert bool((aux[:, 40:] == 0).all())
     assert torch.equal(states.streams[1], raw["stream.1.input_ids"])
+
+
+def test_states_read_in_position_ranges_equal_the_whole(tiny, states_file):
+    """A long captured stream's aux rows are read a range at a time (never held whole): the
+    ranges give the whole read's rows, rounded to the requested dtype."""
+    states = read_states(states_file, load_config(tiny))
+    whole = states.aux([3, 1], pad_to=45)
+    chunks = states.aux_chunks([3, 1], 45, torch.bfloat16)
+    assert chunks.shape == tuple(whole.shape)
+    edges = [0, 1, 17, 39, 40, 41, 45]
+    parts = torch.cat([chunks.rows(a, b) for a, b in zip(edges, edges[1:])], dim=1)
+    assert torch.equal(parts, whole.to(torch.bfloat16))
+
+
+def test_evaluation_with_states_never_held_whole_is_unchanged(
+    tiny, corpus, states_file, results, monkeypatch
+):
+    monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
+    taken: list = []  # what each context projection was handed
+    original = DSpark.context
+
+    def recorded(self, aux, *args):
+        taken.append(type(aux))
+        return original(self, aux, *args)
+
+    monkeypatch.setattr(DSpark, "context", recorded)
+    assert evaluate_drift(tiny, _settings(states_file), corpus) == results
+    assert CapturedAuxChunks in taken and torch.Tensor not in taken
 
 
 def _broken(states_file, tmp_path, edit) -> Path:

@@ -17,9 +17,10 @@ from qstream.eval.blockstore import SpillFile
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.regimes import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.states import CapturedStates
+from qstream.model.causal import CausalStream
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import AuxChunks, Blocks, DSpark, Rollout
-from qstream.model.flops import context_flops, drafted_flops
+from qstream.model.flops import causal_flops, context_flops, drafted_flops
 from qstream.model.markov import rollout
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
@@ -37,7 +38,8 @@ LOGITS_BUDGET = 1 << 25
 MIN_AUX_POSITIONS = 8192
 # Synthetic aux states kept between the reference and the variants of one regime.
 AUX_CACHE_BYTES = 1 << 30
-# A batch's gauss / heavy aux states bigger than this are never held whole (SyntheticAuxChunks).
+# A batch's aux states bigger than this are never held whole (AuxStates.get): at K3's width one
+# 131,072-token stream is 9.4 GB of bf16.
 LAZY_AUX_BYTES = 1 << 30
 # Batches stop growing when their padded aux positions exceed the used ones by this factor
 # (plus a floor, so that short streams still batch together).
@@ -57,10 +59,12 @@ class Batch:
     context_length: int  # positions of aux needed: max anchor in the batch
 
 
-def batch_flops(config: DSparkConfig, batch: Batch) -> float:
-    """The work of drafting ``batch`` once (FLOP model), its context padded as computed."""
+def batch_flops(config: DSparkConfig, batch: Batch, boot: bool = False) -> float:
+    """The work of drafting ``batch`` once (FLOP model), its context padded as computed; with
+    ``boot``, also the reference's causal pass that makes the batch's aux states."""
     context = len(batch.streams) * batch.context_length * context_flops(config)
-    return drafted_flops(config, batch.anchor) + context
+    causal = len(batch.streams) * causal_flops(config, max(batch.context_length, 1)) if boot else 0
+    return drafted_flops(config, batch.anchor) + context + causal
 
 
 def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list[Batch]:
@@ -128,34 +132,53 @@ class AuxStates:
         self._cache: dict[int, torch.Tensor] = {}
         self._spill = SpillFile(scratch_dir)
         self._spilled: dict[int, tuple] = {}
+        self._recorded: dict[int, _Recorded] = {}
 
     def get(self, batch: Batch, reference: DSpark | None = None) -> torch.Tensor | AuxChunks:
         """The batch's aux states; boot needs ``reference`` the first time a batch is seen.
-        gauss and heavy states over LAZY_AUX_BYTES (a long-context bucket's streams) are not
-        held: they come as :class:`SyntheticAuxChunks`, drawn as the context projection
-        takes them, again for every pass."""
+        A batch's states over LAZY_AUX_BYTES (a long-context bucket's streams) are never held:
+        they come as :class:`AuxChunks`, produced as the context projection takes them (gauss
+        and heavy drawn, captured rows read, again for every pass; boot computed once by the
+        reference's streamed causal pass and read back from the scratch file)."""
         T = max(batch.context_length, 1)
+        lazy = len(batch.streams) * T * self.config.aux_size * AUX_DTYPE.itemsize > LAZY_AUX_BYTES
         if self.captured is not None:
-            return self.captured.aux(batch.streams, T).to(AUX_DTYPE)
+            chunks = self.captured.aux_chunks(batch.streams, T, AUX_DTYPE)
+            return chunks if lazy else chunks.rows(0, T)
         key = id(batch)
         if key in self._cache:
             return self._cache[key]
         if key in self._spilled:
             return self._spill.get(self._spilled[key])
+        if key in self._recorded:
+            return self._recorded[key].replay()
         if self.regime == "boot":
             if reference is None:
                 raise RuntimeError("boot aux states must come from the reference pass first")
-            aux = self._boot(batch, T, reference)
+            if lazy:
+                self._recorded[key] = _Recorded(
+                    CausalStream(reference, self._ids(batch, T), AUX_DTYPE), self._spill
+                )
+                return self._recorded[key]
+            aux = reference.causal_hidden(self._ids(batch, T)).flatten(2).to(AUX_DTYPE).cpu()
             if not self._keep(key, aux):
                 self._spilled[key] = self._spill.put(aux)
-            return aux
+            return aux  # [S, T, L*H]
         lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
         args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
-        if len(batch.streams) * T * self.config.aux_size * AUX_DTYPE.itemsize > LAZY_AUX_BYTES:
-            return SyntheticAuxChunks(*args)  # drawn as the context projection takes it
+        if lazy:
+            return SyntheticAuxChunks(*args)
         aux = synthetic_aux(*args)
         self._keep(key, aux)
         return aux
+
+    def _ids(self, batch: Batch, T: int) -> torch.Tensor:
+        """The batch's token streams [S, T] for the boot regime's causal pass (zero padded)."""
+        ids = torch.zeros(len(batch.streams), T, dtype=torch.int64)
+        for row, s in enumerate(batch.streams):
+            tokens = self.corpus.streams[s][:T]
+            ids[row, : tokens.numel()] = tokens
+        return ids
 
     def _keep(self, key: int, aux: torch.Tensor) -> bool:
         """Cache ``aux`` in memory if the cache stays under AUX_CACHE_BYTES; whether it did."""
@@ -168,6 +191,7 @@ class AuxStates:
     def close(self) -> None:
         self._cache.clear()
         self._spilled.clear()
+        self._recorded.clear()
         self._spill.close()
 
     def __enter__(self) -> AuxStates:
@@ -176,12 +200,38 @@ class AuxStates:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _boot(self, batch: Batch, T: int, reference: DSpark) -> torch.Tensor:
-        ids = torch.zeros(len(batch.streams), T, dtype=torch.int64)
-        for row, s in enumerate(batch.streams):
-            tokens = self.corpus.streams[s][:T]
-            ids[row, : tokens.numel()] = tokens
-        return reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE).cpu()  # [S, T, L*H]
+
+class _Recorded:
+    """A boot batch's aux states too big to hold, as the reference's context projection takes
+    them from ``source``: each range is written to the scratch file, and :meth:`replay` reads
+    the same bits back, range by range, for every later pass."""
+
+    def __init__(self, source: AuxChunks, spill: SpillFile):
+        self.shape, self._source, self._spill = source.shape, source, spill
+        self._pieces: list[tuple[int, int, tuple]] = []
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        rows = self._source.rows(t0, t1).cpu()
+        self._pieces.append((t0, t1, self._spill.put(rows)))
+        return rows
+
+    def replay(self) -> AuxChunks:
+        if not self._pieces or self._pieces[-1][1] != self.shape[1]:
+            raise RuntimeError("boot aux states must be taken whole by the reference pass first")
+        return _Replay(self.shape, self._pieces, self._spill)
+
+
+class _Replay:
+    def __init__(self, shape: tuple[int, int, int], pieces: list, spill: SpillFile):
+        self.shape, self.pieces, self.spill = shape, pieces, spill
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        parts = [
+            self.spill.get(handle)[:, max(a, t0) - a : min(b, t1) - a]
+            for a, b, handle in self.pieces
+            if a < t1 and b > t0
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:

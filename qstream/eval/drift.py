@@ -115,16 +115,19 @@ def _planned_work(
     if settings.sensitivity:
         return None
 
-    def work(streams: Corpus, blocks: AnchorPlan) -> float:
-        return sum(batch_flops(config, b) for b in make_batches(blocks, streams, config))
+    def work(streams: Corpus, blocks: AnchorPlan, regime: str) -> float:
+        """The reference pass and every variant's; boot's reference also runs the causal pass."""
+        boot, n = regime == "boot", settings.n_variants
+        batches = make_batches(blocks, streams, config)
+        return sum(batch_flops(config, b, boot) + n * batch_flops(config, b) for b in batches)
 
-    regime = work(corpus, plan)
-    if settings.context_lengths:
-        regime += sum(work(s, p) for _, _, s, p in bucket_plans(config, corpus, settings))
-    total = len(settings.regimes) * regime
+    buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
+    total = 0.0
+    for regime in settings.regimes:
+        total += work(corpus, plan, regime) + sum(work(s, p, regime) for _, _, s, p in buckets)
     if states is not None and states_plan is not None:
-        total += work(states, states_plan)
-    return total * (1 + settings.n_variants)
+        total += work(states, states_plan, STATES_REGIME)
+    return total
 
 
 def _read_states(

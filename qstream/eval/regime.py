@@ -177,7 +177,8 @@ def reference_pass(
         if greedy.confidence is not None:
             ref.confidence[idx] = greedy.confidence
         trim_heap()  # the batch's freed temporaries leave the resident set
-        run.progress.advance(f"{run.regime}: reference", len(idx), batch_flops(run.config, batch))
+        work = batch_flops(run.config, batch, boot=run.regime == "boot")  # boot: + causal pass
+        run.progress.advance(f"{run.regime}: reference", len(idx), work)
     return ref
 
 

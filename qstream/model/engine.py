@@ -11,7 +11,9 @@ computes the same arithmetic for N blocks in one pass:
   stays within ``SCORE_BUDGET`` float32 elements;
 * key chunks: a context longer than the budget allows for one row is attended ``key_chunk``
   keys at a time with an online softmax, so no temporary spans the context;
-* causal mode (:meth:`DSpark.attention_causal`) takes its queries in chunks for the same reason.
+* causal mode (:meth:`DSpark.attention_causal`) takes its queries in chunks for the same reason;
+  streamed over a long stream (:class:`qstream.model.causal.CausalStream`) it attends to its
+  MLA cache in key chunks.
 
 tests/test_model_forward.py checks ``draft`` against ``draft_one`` block by block, and
 tests/test_sensitivity_context.py the chunked paths against the one-pass ones.
@@ -19,6 +21,7 @@ tests/test_sensitivity_context.py the chunked paths against the one-pass ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -123,30 +126,51 @@ def _attend_block(
 def _attend_block_chunked(
     model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
 ) -> torch.Tensor:
-    """The same attention with the context keys taken ``key_chunk`` at a time: an online
-    softmax (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022) keeping the running
-    max ``m``, sum ``denom`` and output in fp32; each chunk's probabilities are rounded to the
-    model's dtype for the P·V product, as FlashAttention does.  The block's own keys come
-    first, so ``m`` is finite from the start (they are never masked)."""
+    """The same attention with the context keys taken ``key_chunk`` at a time (an
+    :class:`OnlineSoftmax`).  The block's own keys come first, so the running max is finite
+    from the start (they are never masked)."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
-    m = s_blk.amax(-1, keepdim=True)  # [R, n, M, B, 1]
-    e = torch.exp(s_blk - m)
-    denom = e.sum(-1, keepdim=True)
-    acc = (e.to(model.dtype) @ v_blk.transpose(1, 2)).float()  # [R, n, M, B, dv]
+    softmax = OnlineSoftmax(model.dtype)
+    softmax.add(s_blk, lambda p: p @ v_blk.transpose(1, 2))  # [R, n, M, B, dv]
     q_flat = q.flatten(2, 3)  # [R, n, M*B, dk]
     for t0 in range(0, latent.shape[1], key_chunk):
         t1 = min(latent.shape[1], t0 + key_chunk)
         k_ctx, v_ctx = layer.expand(latent[:, t0:t1], rope_key[:, t0:t1])  # [R, n, c, d]
         s = model.scores(q_flat, k_ctx).unflatten(2, (M, B))  # [R, n, M, B, c]
-        s = s.masked_fill(hidden[:, None, ..., t0:t1], float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        rescale = torch.exp(m - m_new)
-        e = torch.exp(s - m_new)
-        denom = denom * rescale + e.sum(-1, keepdim=True)
-        pv = (e.to(model.dtype).flatten(2, 3) @ v_ctx).unflatten(2, (M, B))
-        acc = acc * rescale + pv.float()
-        m = m_new
-    return (acc / denom).to(model.dtype)
+        s = s.masked_fill_(hidden[:, None, ..., t0:t1], float("-inf"))
+        softmax.add(s, lambda p: (p.flatten(2, 3) @ v_ctx).unflatten(2, (M, B)))
+    return softmax.result()
+
+
+class OnlineSoftmax:
+    """softmax(scores) · V over keys taken a chunk at a time (Milakov & Gimelshein 2018;
+    FlashAttention, Dao et al. 2022): the running max, sum and output are kept in fp32, and
+    each chunk's probabilities are rounded to ``dtype`` for the P·V product, as FlashAttention
+    does.  The first chunk must leave every query at least one visible key."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.m: torch.Tensor | None = None
+
+    def add(self, s: torch.Tensor, pv: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Scores ``s`` [..., keys] of one chunk, overwritten (exponentiated in place: one
+        score-sized temporary less); ``pv(p)`` multiplies the chunk's rounded probabilities
+        by its values."""
+        if self.m is None:
+            self.m = s.amax(-1, keepdim=True)
+            e = s.sub_(self.m).exp_()
+            self.denom = e.sum(-1, keepdim=True)
+            self.acc = pv(e.to(self.dtype)).float()
+            return
+        m_new = torch.maximum(self.m, s.amax(-1, keepdim=True))
+        rescale = (self.m - m_new).exp_()
+        e = s.sub_(m_new).exp_()
+        self.denom = self.denom.mul_(rescale).add_(e.sum(-1, keepdim=True))
+        self.acc = self.acc.mul_(rescale).add_(pv(e.to(self.dtype)).float())
+        self.m = m_new
+
+    def result(self) -> torch.Tensor:
+        return (self.acc / self.denom).to(self.dtype)
 
 
 def causal_attention(
@@ -166,6 +190,41 @@ def causal_attention(
         scores = model.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
         outs.append(model.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
     return torch.cat(outs, dim=2)
+
+
+def cached_causal_attention(
+    model: DSpark,
+    layer: Layer,
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    rope_key: torch.Tensor,
+    key_chunk: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of the queries q [S, n, t, dk] at the last t positions of an MLA cache
+    latent [S, T, kv_lora], rope_key [S, T, rope] (keys 0..T-1) -> [S, n, t, dv].  A cache
+    longer than ``key_chunk`` keys (default: as many as keep [S, n, t, keys] within the
+    budget) is expanded a chunk at a time into an :class:`OnlineSoftmax`, so no temporary spans
+    it; a shorter one takes one pass, the arithmetic of :func:`causal_attention`."""
+    S, n, t, _ = q.shape
+    T = latent.shape[1]
+    key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // max(1, S * n * t))
+    query_pos = torch.arange(T - t, T, device=q.device)[:, None]  # [t, 1]
+
+    def scores(k0: int, k: torch.Tensor) -> torch.Tensor:  # [S, n, t, keys k0..]: j > query hidden
+        s = model.scores(q, k)
+        if k0 + k.shape[-2] - 1 <= T - t:  # every key at or before every query
+            return s
+        future = torch.arange(k0, k0 + k.shape[-2], device=q.device) > query_pos
+        return s.masked_fill_(future, float("-inf"))
+
+    if T <= key_chunk:
+        k, v = layer.expand(latent, rope_key)  # [S, n, T, d]
+        return model.attend(scores(0, k), v)
+    softmax = OnlineSoftmax(model.dtype)
+    for k0 in range(0, T, key_chunk):  # key 0 is visible to every query: the first m is finite
+        k, v = layer.expand(latent[:, k0 : k0 + key_chunk], rope_key[:, k0 : k0 + key_chunk])
+        softmax.add(scores(k0, k), lambda p: p @ v)
+    return softmax.result()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,8 +34,22 @@ def context_flops(c: DSparkConfig) -> float:
 def position_flops(c: DSparkConfig, keys: int) -> float:
     """One drafted position that attends to ``keys`` keys (its context plus the block): every
     layer's projections and attention, then lm_head and the Markov head."""
+    return 2.0 * (
+        c.num_hidden_layers * _layer(c, keys) + (c.hidden_size + c.markov_rank) * c.vocab_size
+    )
+
+
+def causal_flops(c: DSparkConfig, T: int) -> float:
+    """One stream's causal pass over T positions (the boot regime's aux states): every layer at
+    every position, position t attending to the t + 1 keys up to itself."""
+    per_key = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
+    return 2.0 * c.num_hidden_layers * (T * _layer(c, 0) + per_key * T * (T + 1) // 2)
+
+
+def _layer(c: DSparkConfig, keys: int) -> int:
+    """Multiply-adds of one layer at one position attending to ``keys`` keys."""
     H, n = c.hidden_size, c.num_attention_heads
-    layer = (
+    return (
         H * c.q_lora_rank
         + c.q_lora_rank * n * c.qk_head_dim
         + H * (c.kv_lora_rank + c.qk_rope_head_dim)
@@ -44,7 +58,6 @@ def position_flops(c: DSparkConfig, keys: int) -> float:
         + 3 * H * c.intermediate_size
         + keys * n * (c.qk_head_dim + c.v_head_dim)
     )
-    return 2.0 * (c.num_hidden_layers * layer + (H + c.markov_rank) * c.vocab_size)
 
 
 def drafted_flops(c: DSparkConfig, anchor: torch.Tensor) -> float:

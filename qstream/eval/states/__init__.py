@@ -218,4 +218,5 @@ def read_states(
         tokenizer="(token ids from the states file)",
         sources=tuple(source for source, _ in pairs),
         details=details,
+        aux_size=config.aux_size,
     )

@@ -44,6 +44,7 @@ class CapturedStates(Corpus):
 
     sources: tuple[StreamSource, ...] = ()
     details: dict = field(default_factory=dict)  # format, files, layers, final state, manifest
+    aux_size: int = 0  # A: the width of every stream's aux rows (checked when read)
 
     def identity(self) -> dict:
         return {**super().identity(), **self.details}
@@ -60,11 +61,12 @@ class CapturedStates(Corpus):
 
     def aux(self, streams: list[int], pad_to: int) -> torch.Tensor:
         """Aux states [S, pad_to, A] float32 of ``streams``, zero-padded (cut at ``pad_to``)."""
-        rows = [self._rows(s, AUX, 0, min(pad_to, int(self.streams[s].numel()))) for s in streams]
-        out = torch.zeros(len(streams), pad_to, rows[0].shape[-1])
-        for i, r in enumerate(rows):
-            out[i, : r.shape[0]] = r
-        return out
+        return self.aux_chunks(streams, pad_to, torch.float32).rows(0, pad_to)
+
+    def aux_chunks(self, streams: list[int], pad_to: int, dtype: torch.dtype) -> CapturedAuxChunks:
+        """The same states in ``dtype``, read a range of positions at a time (an ``AuxChunks``
+        of qstream/model/dspark.py): a long stream's states are never held whole."""
+        return CapturedAuxChunks(self, streams, pad_to, dtype)
 
     def target_hidden(
         self, stream: torch.Tensor, anchor: torch.Tensor, block_size: int
@@ -91,6 +93,23 @@ class CapturedStates(Corpus):
                 for s, p in zip(plan.stream.tolist(), plan.anchor.tolist())
             ]
         )
+
+
+class CapturedAuxChunks:
+    """Aux rows of some streams of a :class:`CapturedStates`, [S, pad_to, A] in ``dtype``,
+    read from the files range by range, zero past each stream's end."""
+
+    def __init__(self, states: CapturedStates, streams: list[int], pad_to: int, dtype: torch.dtype):
+        self.states, self.streams, self.dtype = states, streams, dtype
+        self.shape = (len(streams), pad_to, states.aux_size)
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        out = torch.zeros(len(self.streams), t1 - t0, self.shape[2], dtype=self.dtype)
+        for i, s in enumerate(self.streams):
+            stop = min(t1, int(self.states.streams[s].numel()))
+            if stop > t0:
+                out[i, : stop - t0] = self.states._rows(s, AUX, t0, stop)
+        return out
 
 
 def check_ids(where: str, name: str, ids: torch.Tensor, config: DSparkConfig) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""The boot regime at long context: the draft's causal pass streamed a range of positions at a
+time over its MLA cache (qstream/model/causal.py), and the boot and captured aux states a
+long-context batch never holds whole (qstream/eval/batches.py, docs/context-sweep.md)."""
+
+import pytest
+import torch
+from model_helpers import long_context_model, random_model_weights
+
+import qstream.eval.batches as batches
+import qstream.model.dspark as dspark
+import qstream.model.engine as engine
+from qstream.eval.batches import AuxStates, batch_flops, make_batches
+from qstream.eval.corpus import sample_anchors
+from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.model.causal import CausalStream
+from qstream.model.config import PRESETS
+from qstream.model.dspark import DSpark
+from qstream.model.flops import causal_flops
+from qstream.model.load import load_config
+
+# As tests/test_sensitivity_context.py: Higham's bound for reordering a sum of n fp32 terms,
+# (n - 1)·u relative with u = 2^-24, for the 600 keys of the longest stream here.
+REORDER_RTOL = 600 * 2.0**-24
+
+
+def test_one_range_is_the_whole_causal_pass_bit_for_bit():
+    model, config = long_context_model()
+    ids = torch.randint(0, config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(3))
+    whole = model.causal_hidden(ids).flatten(2)
+    assert torch.equal(CausalStream(model, ids).rows(0, 300), whole)
+
+
+def test_streamed_causal_pass_matches_and_stays_bounded(monkeypatch):
+    """Ranges cut anywhere (one position, one past a key chunk, the last one), keys taken 40
+    at a time: the outputs equal the whole pass to fp32 rounding, and no score tensor spans
+    more queries than a range or more keys than a chunk."""
+    model, config = long_context_model()
+    ids = torch.randint(0, config.vocab_size, (2, 600), generator=torch.Generator().manual_seed(2))
+    whole = model.causal_hidden(ids).flatten(2)
+    monkeypatch.setattr(engine, "SCORE_BUDGET", 1)
+    monkeypatch.setattr(engine, "MIN_KEY_CHUNK", 40)
+    model.widest = model.tallest = 0
+    stream = CausalStream(model, ids)
+    assert stream.shape == tuple(whole.shape)
+    edges = [0, 1, 41, 100, 377, 599, 600]
+    got = torch.cat([stream.rows(a, b) for a, b in zip(edges, edges[1:])], dim=1)
+    assert model.widest == 40 and model.tallest == max(b - a for a, b in zip(edges, edges[1:]))
+    err = (got - whole).abs().max() / whole.abs().max()
+    assert err <= REORDER_RTOL, f"relative error {err:.3g}"
+    assert err > 0  # the chunked path really ran (one pass would be bit-identical)
+    with pytest.raises(RuntimeError, match="in order"):
+        stream.rows(0, 10)
+
+
+def test_causal_rows_come_in_the_requested_dtype():
+    model, config = long_context_model()
+    ids = torch.randint(0, config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(4))
+    rows = CausalStream(model, ids, torch.bfloat16).rows(0, 50)
+    assert rows.dtype == torch.bfloat16
+    assert torch.equal(rows, model.causal_hidden(ids).flatten(2).to(torch.bfloat16))
+
+
+def _counting_streams(monkeypatch) -> list:
+    made: list = []
+
+    class Counting(CausalStream):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(batches, "CausalStream", Counting)
+    return made
+
+
+def test_boot_aux_is_computed_once_and_read_back_bit_exactly(tiny, corpus, monkeypatch):
+    """A boot batch too big to hold: the reference's context projection takes the causal
+    pass's rows range by range, each written to the scratch file; a variant's pass reads
+    the same bits back, in whatever ranges it asks."""
+    cfg = PRESETS["tiny"]
+    monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
+    monkeypatch.setattr(dspark, "CONTEXT_ELEMENTS", 13 * cfg.aux_size)  # 13 positions a range
+    made = _counting_streams(monkeypatch)
+    reference = DSpark(cfg, random_model_weights(cfg, seed=5), torch.float32)
+    batch = make_batches(sample_anchors(corpus, 12, cfg.block_size, seed=0), corpus, cfg)[0]
+    T = batch.context_length
+    with AuxStates("boot", corpus, cfg, seed=0) as aux:
+        recorded = aux.get(batch, reference)
+        with pytest.raises(RuntimeError, match="reference pass first"):
+            aux.get(batch)  # nothing taken yet
+        reference.context(recorded)
+        assert len(made) == 1
+        assert T > 30
+        ranges = [0, 5, 13, 14, T - 1, T]
+        replay = aux.get(batch)
+        again = torch.cat([replay.rows(a, b) for a, b in zip(ranges, ranges[1:])], dim=1)
+        assert len(made) == 1  # never computed again
+    ids = torch.zeros(len(batch.streams), T, dtype=torch.int64)
+    for row, s in enumerate(batch.streams):
+        ids[row, : min(T, corpus.streams[s].numel())] = corpus.streams[s][:T]
+    streamed = CausalStream(reference, ids, torch.bfloat16)
+    step = 13 // len(batch.streams)
+    expected = torch.cat([streamed.rows(t, min(T, t + step)) for t in range(0, T, step)], dim=1)
+    assert again.dtype == torch.bfloat16 and torch.equal(again, expected)
+
+
+def test_evaluation_with_boot_aux_never_held_whole_is_unchanged(tiny, corpus, monkeypatch):
+    """Every boot batch streamed and spilled (as a long-context K3 bucket's): with one range
+    per batch the arithmetic is the causal pass's, so the results are identical."""
+    settings = DriftSettings(regimes=("boot",), formats=("bf16", "nvfp4"), n_blocks=32)
+    held = evaluate_drift(tiny, settings, corpus)
+    monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
+    made = _counting_streams(monkeypatch)
+    assert evaluate_drift(tiny, settings, corpus) == held
+    assert made  # the streamed path ran
+
+
+class _Count:
+    def __init__(self):
+        self.work_done, self.work_of = 0.0, {}
+
+    def start(self, total, work=None):
+        self.work = work
+
+    def advance(self, what, blocks, work=0.0):
+        self.work_done += work
+        self.work_of[what] = self.work_of.get(what, 0.0) + work
+
+
+def test_boot_reference_pass_counts_its_causal_pass_in_the_work(tiny, corpus):
+    """The ETA runs on FLOPs: boot's reference pass also runs the causal pass over every
+    batch's streams, so it weighs more than a variant's by exactly that, and the plan made
+    before the run is what the run reports."""
+    count = _Count()
+    settings = DriftSettings(regimes=("boot",), formats=("bf16",), n_blocks=24)
+    evaluate_drift(tiny, settings, corpus, progress=count)
+    assert count.work == pytest.approx(count.work_done, rel=1e-12)
+    cfg = load_config(tiny)
+    max_context = cfg.max_position_embeddings - cfg.block_size
+    plan = sample_anchors(corpus, 24, cfg.block_size, settings.seed, max_context=max_context)
+    plan_batches = make_batches(plan, corpus, cfg)
+    causal = sum(len(b.streams) * causal_flops(cfg, b.context_length) for b in plan_batches)
+    extra = count.work_of["boot: reference"] - count.work_of["boot: bf16"]
+    assert causal > 0 and extra == pytest.approx(causal, rel=1e-9)
+    drafting = sum(batch_flops(cfg, b) for b in plan_batches)
+    assert count.work_of["boot: bf16"] == pytest.approx(drafting, rel=1e-12)
+
+
+def test_causal_flops_count_each_key_once():
+    """The FLOP model of a causal pass: T positions' layer work plus T(T+1)/2 attended keys."""
+    cfg = PRESETS["tiny"]
+    one, two = causal_flops(cfg, 1), causal_flops(cfg, 2)
+    per_key = (
+        2 * cfg.num_hidden_layers * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    )
+    # two positions: twice one position's work, plus the second one's extra key
+    assert two == 2 * one + per_key
