@@ -110,8 +110,12 @@ def test_evaluation_with_boot_aux_never_held_whole_is_unchanged(tiny, corpus, mo
     held = evaluate_drift(tiny, settings, corpus)
     monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
     made = _counting_streams(monkeypatch)
+    trims: list = []
+    monkeypatch.setattr(batches, "trim_heap", lambda: trims.append(1))
     assert evaluate_drift(tiny, settings, corpus) == held
     assert made  # the streamed path ran
+    # the heap is trimmed after every range: the reference's and each variant's, per batch
+    assert len(trims) == 3 * len(made)
 
 
 class _Count:
