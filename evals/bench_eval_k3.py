@@ -34,7 +34,7 @@ from qstream.eval.context_sweep import parse_edges  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
 from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
 from qstream.eval.settings import DriftSettings  # noqa: E402
-from qstream.model.flops import causal_flops  # noqa: E402
+from qstream.model.flops import causal_flops, longest_anchors  # noqa: E402
 from qstream.model.load import load_config  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -99,9 +99,7 @@ def main() -> None:
     plan = sample_anchors(corpus, args.blocks, config.block_size, 0,
                           max_context=config.max_position_embeddings - config.block_size)  # fmt: skip
     flops = useful_flops(config, plan)
-    longest: dict[int, int] = {}  # boot: the reference also runs the causal pass per stream
-    for stream, anchor in zip(plan.stream.tolist(), plan.anchor.tolist()):
-        longest[stream] = max(longest.get(stream, 0), anchor)
+    longest = longest_anchors(plan.stream, plan.anchor)  # boot: + the causal pass per stream
     causal = sum(causal_flops(config, T) for T in longest.values()) if args.regime == "boot" else 0
     weight_bytes = sum(p.stat().st_size for p in Path(args.model).rglob("*.safetensors"))
     rates = {dtype: max(before[dtype], _rate(dtype)) for dtype in DTYPES}  # the stricter

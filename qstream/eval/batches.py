@@ -140,35 +140,41 @@ class AuxStates:
         A batch's states over LAZY_AUX_BYTES (a long-context bucket's streams) are never held:
         they come as :class:`AuxChunks`, produced as the context projection takes them (gauss
         and heavy drawn, captured rows read, again for every pass; boot computed once by the
-        reference's streamed causal pass and read back from the scratch file)."""
+        reference's streamed causal pass and read back from the scratch file), the heap
+        trimmed after each range (:class:`_Trimming`)."""
+        aux = self._get(batch, reference)
+        return aux if isinstance(aux, torch.Tensor) else _Trimming(aux)
+
+    def _get(self, batch: Batch, reference: DSpark | None) -> torch.Tensor | AuxChunks:
         T = max(batch.context_length, 1)
         lazy = len(batch.streams) * T * self.config.aux_size * AUX_DTYPE.itemsize > LAZY_AUX_BYTES
         if self.captured is not None:
             chunks = self.captured.aux_chunks(batch.streams, T, AUX_DTYPE)
-            return _Trimming(chunks) if lazy else chunks.rows(0, T)
+            return chunks if lazy else chunks.rows(0, T)
         key = id(batch)
         if key in self._cache:
             return self._cache[key]
         if key in self._spilled:
             return self._spill.get(self._spilled[key])
         if key in self._recorded:
-            return _Trimming(self._recorded[key].replay())
+            return self._recorded[key].replay()
         if self.regime == "boot":
             if reference is None:
                 raise RuntimeError("boot aux states must come from the reference pass first")
+            ids = self._ids(batch, T)
             if lazy:
                 self._recorded[key] = _Recorded(
-                    CausalStream(reference, self._ids(batch, T), AUX_DTYPE), self._spill
+                    CausalStream(reference, ids, AUX_DTYPE), self._spill
                 )
-                return _Trimming(self._recorded[key])
-            aux = reference.causal_hidden(self._ids(batch, T)).flatten(2).to(AUX_DTYPE).cpu()
+                return self._recorded[key]
+            aux = reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE).cpu()  # [S, T, L*H]
             if not self._keep(key, aux):
                 self._spilled[key] = self._spill.put(aux)
-            return aux  # [S, T, L*H]
+            return aux
         lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
         args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
         if lazy:
-            return _Trimming(SyntheticAuxChunks(*args))
+            return SyntheticAuxChunks(*args)
         aux = synthetic_aux(*args)
         self._keep(key, aux)
         return aux

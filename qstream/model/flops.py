@@ -70,7 +70,13 @@ def drafted_flops(c: DSparkConfig, anchor: torch.Tensor) -> float:
 def blocks_flops(c: DSparkConfig, stream: torch.Tensor, anchor: torch.Tensor) -> float:
     """Blocks at ``anchor`` of ``stream`` [N]: their B positions each, plus each stream's
     context up to its longest anchor, computed once (a batch's padding is not useful work)."""
+    context = sum(longest_anchors(stream, anchor).values())
+    return drafted_flops(c, anchor) + context * context_flops(c)
+
+
+def longest_anchors(stream: torch.Tensor, anchor: torch.Tensor) -> dict[int, int]:
+    """Each stream's largest anchor among blocks (stream, anchor) [N]: the context it needs."""
     longest: dict[int, int] = {}
     for s, p in zip(stream.tolist(), anchor.tolist()):
         longest[s] = max(longest.get(s, 0), p)
-    return drafted_flops(c, anchor) + sum(longest.values()) * context_flops(c)
+    return longest
