@@ -3,8 +3,11 @@
 
 ``targets`` is ``["Linear"]`` and ``ignore`` names every other weight-holding module explicitly,
 so the quantized set is exactly "Linear modules minus ignore".  A class target rather than a
-list of module names, because vLLM's fused-MoE loader only recognises a group whose targets
-contain ``"Linear"``; it is also what llm-compressor's ``model_free_ptq`` writes.
+list of module names, because vLLM 0.32.0 matches a fused-MoE layer by its class or by expert
+0's projection names, and ``"Linear"`` reaches that class as ``"RoutedExperts"``
+(``CompressedTensorsConfig._add_fused_moe_to_target_scheme_map``, called by
+``CompressedTensorsMoEMethod.get_moe_method``); it is also what llm-compressor's
+``model_free_ptq`` writes.
 """
 
 from __future__ import annotations

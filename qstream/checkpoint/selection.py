@@ -25,7 +25,9 @@ T = TypeVar("T")
 
 # Left out of the default selection (an explicit --include_layers can still name them):
 # embedding tables, which are not Linear layers (DSpark's markov_w1 is one, docs/quantize.md
-# section 5); output heads; and MoE routers, which vLLM builds unquantized.
+# section 5); output heads; and MoE routers, which most vLLM 0.32.0 MoE models build as a
+# GateLinear without a quant config (e.g. MixtralMoE.__init__ in
+# vllm/model_executor/models/mixtral.py; Qwen3MoeSparseMoeBlock passes one).
 EMBEDDING_NAMES = ("wte", "wpe", "markov_w1")
 HEAD_NAMES = ("lm_head",)
 ROUTER_NAMES = ("gate", "router")

@@ -79,11 +79,12 @@ def get_profile(name: str) -> Profile:
     return PROFILES[name]
 
 
-# --- the Kimi-K3 DSpark draft (docs/vllm.md, "The K3 DSpark draft") --------------------------
+# --- the Kimi-K3 DSpark draft: vLLM 0.32.0's vllm/models/kimi_k3/nvidia/dspark_mla.py ----------
 
 # Checkpoint module (under layers.{i}.) -> (runtime module under model.layers.{L+i}., split).
-# q_a/kv_a load into one fused_qkv_a_proj, gate/up into gate_up_proj (the loader's stacked
-# parameter mapping); the attention projections follow DeepSeek-V2's MLA layout.
+# q_a/kv_a load into one fused_qkv_a_proj, gate/up into gate_up_proj
+# (K3DSparkForCausalLM.hf_to_vllm_mapper's orig_to_new_stacked); the splits are those of
+# vllm/models/kimi_k3/nvidia/mla.py MultiHeadLatentAttention and model.py KimiMLP.
 K3_LAYER_MODULES = {
     "self_attn.q_a_proj": ("self_attn.fused_qkv_a_proj", "none"),
     "self_attn.kv_a_proj_with_mqa": ("self_attn.fused_qkv_a_proj", "none"),
@@ -96,7 +97,11 @@ K3_LAYER_MODULES = {
 }
 K3_CONTEXT_PROJ = "context_proj"
 K3_CONTEXT_KV = "model.context_kv_proj"
-# Modules vLLM never builds quantized, with the reason (docs/vllm.md cites each).
+# Modules vLLM never builds quantized, with the reason (docs/vllm.md cites each).  In vLLM
+# 0.32.0, K3DSparkModel.__init__ builds DSparkMarkovHead and, when config.json sets
+# enable_confidence_head, DSparkConfidenceHead (an fp32 ReplicatedLinear, served for adaptive
+# verification) without a quant config; K3DSparkForCausalLM.hf_to_vllm_mapper drops
+# embed_tokens (the target's is shared).
 K3_NEVER_QUANTIZED = {
     "markov_head.markov_w1": "the DSpark Markov head is built without a quant config",
     "markov_head.markov_w2": "the DSpark Markov head is built without a quant config",
@@ -128,9 +133,10 @@ def never_quantized(profile: Profile, module: str) -> str | None:
 def tp_keeps_unquantized(
     profile: Profile, module: str, hidden_size: int | None, tp: int
 ) -> str | None:
-    """Why vLLM builds ``module`` in BF16 at tensor-parallel size ``tp`` (None: it does not).
-    The K3 draft keeps ``context_proj`` in BF16 whenever it is sharded evenly (tp > 1 and
-    hidden % tp == 0)."""
+    """Why ``module`` stays BF16 at tensor-parallel size ``tp`` (None: it need not).  One fork's
+    K3 draft shards ``context_proj`` and keeps it BF16 whenever it splits evenly (tp > 1 and
+    hidden % tp == 0); vLLM 0.32.0 builds it as a ReplicatedLinear with the quant config at
+    every tp (``K3DSparkModel.__init__``).  A BF16 one loads in both (docs/vllm.md)."""
     if not profile.is_dspark or module != K3_CONTEXT_PROJ or tp <= 1:
         return None
     if hidden_size is None or hidden_size % tp:
@@ -145,8 +151,9 @@ def tp_needs_unquantized(
     profile: Profile, module: str, hidden_size: int | None, tp: int
 ) -> str | None:
     """Why ``module`` must stay unquantized at ``tp`` although vLLM builds it with the quant
-    config: when context_proj is sharded, the streamed-context path reads ``context_kv_proj``
-    (every layer's kv_a_proj_with_mqa, fused with q_a_proj) as a plain 2-D BF16 matrix."""
+    config: where the fork above shards context_proj, its streamed-context path reads
+    ``context_kv_proj`` (every layer's kv_a_proj_with_mqa, fused with q_a_proj) as a plain 2-D
+    BF16 matrix.  vLLM 0.32.0 has no such path."""
     if (
         module_kind(module) not in QKV_A
         or tp_keeps_unquantized(profile, K3_CONTEXT_PROJ, hidden_size, tp) is None
@@ -333,7 +340,9 @@ def _kind_regex(kind: str, ignored: set[str], by_kind: Mapping[str, list[str]]) 
 
 
 # FP4 Marlin, vLLM's weight-only FP4 kernel on GPUs before Blackwell, repacks each TP shard in
-# tiles of 16 along K and 64 along N (newer vLLM pads N up to 64; older refuses it).
+# tiles of 16 along K and 64 along N.  Older vLLM refuses other shapes; 0.32.0's
+# prepare_fp4_layer_for_marlin zero-pads N and K to a tile family (marlin_padded_nk in
+# vllm/model_executor/layers/quantization/utils/marlin_utils.py), so these are warnings.
 MARLIN_TILE_K = 16
 MARLIN_TILE_N = 64
 
@@ -342,9 +351,9 @@ def marlin_warnings(
     profile: Profile, shapes: Mapping[str, tuple[int, ...]], fmt: str, tp: int
 ) -> list[str]:
     """Shapes of the quantized modules (``shapes``: module -> [N, K], checkpoint order) that FP4
-    Marlin cannot repack at tensor-parallel size ``tp``: K per shard not a multiple of 16
-    (always refused), N per shard not a multiple of 64 (refused by vLLM versions that do not pad
-    N).  One line per module kind and problem."""
+    Marlin cannot repack unpadded at tensor-parallel size ``tp``: K per shard not a multiple of
+    16, N per shard not a multiple of 64 (refused by vLLM versions that do not pad; 0.32.0 pads
+    both).  One line per module kind and problem."""
     if fmt not in ("mxfp4", "nvfp4"):
         return []
     found: dict[str, list[str]] = {}  # problem -> runtime modules (first shard's name)

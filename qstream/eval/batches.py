@@ -292,7 +292,8 @@ def draft_batch(
 ) -> Drafts:
     """One batch drafted by ``model``: its blocks, greedy rollout, and sampled rollout on the
     batch's shared race noise (the same for the reference and every variant), drawn from the
-    full tempered distribution as vLLM's drafter draws (``draft_top_p`` < 1: other engines)."""
+    full tempered distribution as vLLM's drafter draws under ``draft_sample_method:
+    probabilistic`` (``draft_top_p`` < 1: other engines)."""
     blocks = draft_blocks(model, aux, batch)
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
     drafts = Drafts(

@@ -205,8 +205,8 @@ def _run_description(
 
 def _sampling(settings: DriftSettings) -> dict:
     """Which side sampled what (docs/model.md, docs/vllm.md): the request's temperature on both;
-    the drafter the full tempered softmax (vLLM's DSpark drafter has no top-p or top-k), the
-    verifier its top-p and top-k."""
+    the drafter the full tempered softmax (vLLM's probabilistic DSpark drafter has no top-p or
+    top-k: ``gumbel_sample``), the verifier its top-p and top-k."""
     return {
         "temperature": settings.temperature,
         "drafter": {

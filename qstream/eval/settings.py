@@ -53,8 +53,9 @@ class DriftSettings:
     seed: int = 0
     # Sampling as a deployment runs it (docs/model.md, docs/vllm.md): the request's temperature
     # applies to both sides; top-p / top-k cut the verifier's (target's) distribution only.
-    # vLLM's DSpark drafter samples the full tempered softmax; draft_top_p < 1 models other
-    # engines.
+    # vLLM's DSpark drafter, under draft_sample_method "probabilistic" (its default is "greedy",
+    # vllm/config/speculative.py), samples the full tempered softmax (gumbel_sample);
+    # draft_top_p < 1 models other engines.
     temperature: float = 1.0
     top_p: float = 1.0  # verifier
     top_k: int | None = None  # verifier; None: off

@@ -1,9 +1,12 @@
-"""The layout vLLM's hidden-state extraction writes, which speculators' offline data generation
-keeps as it is (docs/states.md): one safetensors file per request holding exactly
-``token_ids`` [T] (int64) and ``hidden_states`` [T, S, H] in the model's dtype, the S captured
-layers in the configured order (``eagle_aux_hidden_state_layer_ids``, hidden-states-index
-convention).  speculators' ``launch_vllm.py`` appends layer N (the last layer's output before the
-final norm) as the last slot, which its trainer splits off as the verifier's last hidden state.
+"""The layout vLLM's hidden-state extraction writes (vLLM 0.32.0's
+``ExampleHiddenStatesConnector._submit_async_write``,
+vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py), which
+speculators' offline data generation keeps as it is (docs/states.md): one safetensors file per
+request holding exactly ``token_ids`` [T] (int64) and ``hidden_states`` [T, S, H] in the model's
+dtype, the S captured layers in the configured order (``eagle_aux_hidden_state_layer_ids``,
+hidden-states-index convention).  speculators' ``launch_vllm.py`` appends layer N (the last
+layer's output before the final norm) as the last slot, which its trainer splits off as the
+verifier's last hidden state.
 
 So a file with S = num_target_layers + 1 slots gives the aux states (slots 0..S−2, concatenated
 per position) and the final state (slot S−1, normalized here with the target's final norm).
