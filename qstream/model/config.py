@@ -91,7 +91,11 @@ class DSparkConfig:
     markov_rank: int  # r, width of the low-rank Markov head
     block_size: int = 7  # B, tokens drafted per block
     markov_head_type: str = "vanilla"  # the only Markov head docs/model.md defines
-    enable_confidence_head: bool = True  # confidence_head.proj present
+    # confidence_head.proj present (vLLM builds and loads it; adaptive verification reads it)
+    enable_confidence_head: bool = True
+    # the head reads [hf ; markov_w1[prev]] ([1, H+r]) rather than hf alone ([1, H]); vLLM
+    # 0.32 builds the narrow head unless this is true (its default: false)
+    confidence_head_with_markov: bool = False
     bos_token_id: int | None = (
         None  # tokenizer facts carried for convenience, not used by the model
     )
@@ -139,8 +143,8 @@ class DSparkConfig:
                f"must be a token id in [0, {vocab})")  # fmt: skip
         _check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
                "must be 'vanilla'")  # fmt: skip
-        _check(isinstance(self.enable_confidence_head, bool), "enable_confidence_head",
-               self.enable_confidence_head, "must be true or false")  # fmt: skip
+        for f in ("enable_confidence_head", "confidence_head_with_markov"):
+            _check(isinstance(getattr(self, f), bool), f, getattr(self, f), "must be true or false")
 
     # Derived sizes: names follow docs/model.md's tensor table.
     @property
@@ -238,6 +242,7 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
 def _preset(**kw: Any) -> DSparkConfig:
     yarn = YarnParameters(factor=32.0, original_max_position_embeddings=kw.pop("original_max"))
     return DSparkConfig(
+        confidence_head_with_markov=True,  # the presets' head reads hf and the Markov embedding
         rms_norm_eps=1e-5,
         rope_parameters=yarn,
         max_position_embeddings=int(32 * yarn.original_max_position_embeddings),

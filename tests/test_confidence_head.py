@@ -1,0 +1,78 @@
+"""The confidence head as vLLM 0.32 builds it (docs/model.md): its width follows
+``confidence_head_with_markov`` (default false: [1, H]), it is never quantized, and a checkpoint
+whose head vLLM would build at another width is refused by the loader."""
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from qstream.checkpoint import quantize_checkpoint
+from qstream.errors import QStreamError
+from qstream.model.config import PRESETS, DSparkConfig
+from qstream.model.load import load_model
+from qstream.model.synth import _small_tensors
+from qstream.model.tensors import tensor_shapes
+
+TINY = PRESETS["tiny"]
+H, R = TINY.hidden_size, TINY.markov_rank
+HEAD = "confidence_head.proj.weight"
+
+
+def _without_key(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "confidence_head_with_markov"}
+
+
+# --- config and tensor table -------------------------------------------------------------------
+
+
+def test_key_defaults_to_vllms_false_and_presets_set_it():
+    assert DSparkConfig.from_json(_without_key(TINY.to_json())).confidence_head_with_markov is False
+    for name, preset in PRESETS.items():
+        assert preset.confidence_head_with_markov is True, name
+        assert preset.to_json()["confidence_head_with_markov"] is True, name
+    with pytest.raises(ValueError, match="confidence_head_with_markov = 1 must be true or false"):
+        DSparkConfig.from_json({**TINY.to_json(), "confidence_head_with_markov": 1})
+
+
+def test_head_width_follows_the_key():
+    narrow = replace(TINY, confidence_head_with_markov=False)
+    assert tensor_shapes(TINY)[HEAD] == (1, H + R)
+    assert tensor_shapes(narrow)[HEAD] == (1, H)
+    assert HEAD not in tensor_shapes(replace(TINY, enable_confidence_head=False))
+
+
+def test_synth_writes_the_key_and_the_head_it_describes(tiny):
+    config = json.loads(Path(tiny, "config.json").read_text())
+    assert config["confidence_head_with_markov"] is True
+    assert tuple(load_model(tiny).w.stored[HEAD].shape) == (1, H + R)
+    w1, w2 = torch.randn(TINY.vocab_size, R), torch.randn(TINY.vocab_size, R)
+    wide = _small_tensors(TINY, 0, w1, w2)[HEAD]
+    narrow = _small_tensors(replace(TINY, confidence_head_with_markov=False), 0, w1, w2)[HEAD]
+    assert tuple(narrow.shape) == (1, H)
+    assert torch.equal(narrow, wide[:, :H])  # the same hidden-state columns, drawn first
+
+
+def test_wide_head_without_the_key_fails_loading_naming_tensor_shape_and_key(tiny, tmp_path):
+    bad = shutil.copytree(tiny, tmp_path / "bad")
+    config = json.loads(Path(bad, "config.json").read_text())
+    Path(bad, "config.json").write_text(json.dumps(_without_key(config)))
+    with pytest.raises(QStreamError) as caught:
+        load_model(bad)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"'{HEAD}' has shape [1, {H + R}], expected [1, {H}]" in message
+    assert "confidence_head_with_markov: true" in message
+
+
+# --- never quantized ---------------------------------------------------------------------------
+
+
+def test_quantize_refuses_to_quantize_the_head(tiny, tmp_path):
+    with pytest.raises(
+        QStreamError, match="confidence_head.proj, which vLLM cannot serve quantized"
+    ):
+        quantize_checkpoint(tiny, tmp_path / "q", "fp8", include=["confidence_head.proj"])
