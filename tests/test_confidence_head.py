@@ -1,6 +1,7 @@
-"""The confidence head as vLLM 0.32 builds it (docs/model.md): its width follows
-``confidence_head_with_markov`` (default false: [1, H]), it is never quantized, and a checkpoint
-whose head vLLM would build at another width is refused by the loader."""
+"""The confidence head as vLLM 0.32 builds and runs it (docs/model.md): its width follows
+``confidence_head_with_markov`` (default false: [1, H]), it is computed in fp32 from model-dtype
+inputs in every variant, it is never quantized, and a checkpoint whose head vLLM would build
+at another width is refused by the loader."""
 
 import json
 import shutil
@@ -9,11 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from model_helpers import random_model_weights
 
 from qstream.checkpoint import quantize_checkpoint
 from qstream.errors import QStreamError
 from qstream.model.config import PRESETS, DSparkConfig
+from qstream.model.dspark import DSpark
 from qstream.model.load import load_model
+from qstream.model.markov import confidence
 from qstream.model.synth import _small_tensors
 from qstream.model.tensors import tensor_shapes
 
@@ -66,6 +71,51 @@ def test_wide_head_without_the_key_fails_loading_naming_tensor_shape_and_key(tin
     assert "\n" not in message
     assert f"'{HEAD}' has shape [1, {H + R}], expected [1, {H}]" in message
     assert "confidence_head_with_markov: true" in message
+
+
+# --- computed as vLLM runs it -------------------------------------------------------------------
+
+
+def _vllm_head(weights, config, hf, prev, dtype):
+    """vLLM 0.32's DSparkConfidenceHead.forward + compute_confidence, written out: hf and
+    markov_w1[prev] in the model's dtype, concatenated there, .float(), fp32 proj, sigmoid."""
+    x = hf.to(dtype)
+    if config.confidence_head_with_markov:
+        emb = weights["markov_head.markov_w1.weight"].to(dtype)[prev]
+        x = torch.cat([x, emb], dim=-1)
+    weight = weights[HEAD].to(dtype).float()  # a bf16 checkpoint's value, in an fp32 parameter
+    bias = weights["confidence_head.proj.bias"].to(dtype).float()
+    return torch.sigmoid(F.linear(x.float(), weight, bias)).squeeze(-1)
+
+
+@pytest.mark.parametrize("with_markov", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_confidence_is_fp32_from_model_dtype_inputs(with_markov, dtype):
+    config = replace(TINY, confidence_head_with_markov=with_markov)
+    weights = random_model_weights(config, seed=2)
+    model = DSpark(config, weights, dtype)
+    gen = torch.Generator().manual_seed(3)
+    hf = torch.randn(5, config.block_size, H, generator=gen)
+    prev = torch.randint(0, config.vocab_size, (5, config.block_size), generator=gen)
+    got = confidence(model, hf, prev)
+    assert got is not None and got.dtype == torch.float32
+    expected = _vllm_head(weights, config, hf, prev, dtype)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_fp32_reference_confidence_is_what_it_was():
+    """The FP32 reference's head is computed as before this change: an fp32 [hf ; emb] times
+    the fp32 head."""
+    weights = random_model_weights(TINY, seed=4)
+    model = DSpark(TINY, weights)
+    gen = torch.Generator().manual_seed(5)
+    hf = torch.randn(4, TINY.block_size, H, generator=gen)
+    prev = torch.randint(0, TINY.vocab_size, (4, TINY.block_size), generator=gen)
+    feats = torch.cat((hf, weights["markov_head.markov_w1.weight"][prev]), dim=-1)
+    before = torch.sigmoid(
+        F.linear(feats, weights[HEAD], weights["confidence_head.proj.bias"])
+    ).squeeze(-1)
+    torch.testing.assert_close(confidence(model, hf, prev), before, rtol=0, atol=0)
 
 
 # --- never quantized ---------------------------------------------------------------------------
