@@ -1,7 +1,7 @@
 """The confidence head as vLLM 0.32 builds and runs it (docs/model.md): its width follows
 ``confidence_head_with_markov`` (default false: [1, H]), it is computed in fp32 from model-dtype
 inputs in every variant, it is never quantized, and a checkpoint whose head vLLM would build
-at another width is refused by the loader."""
+at another width is refused by the loader and reported by ``verify``."""
 
 import json
 import shutil
@@ -11,16 +11,21 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import DSPARK_RECIPE
 from model_helpers import random_model_weights
 
 from qstream.checkpoint import quantize_checkpoint
+from qstream.checkpoint.built_shapes import stored_shapes
+from qstream.checkpoint.verify import verify_checkpoint
 from qstream.errors import QStreamError
+from qstream.formats import FORMATS, quantize
 from qstream.model.config import PRESETS, DSparkConfig
 from qstream.model.dspark import DSpark
 from qstream.model.load import load_model
 from qstream.model.markov import confidence
 from qstream.model.synth import _small_tensors
 from qstream.model.tensors import tensor_shapes
+from qstream.publish import QUANTIZE_RECORD
 
 TINY = PRESETS["tiny"]
 H, R = TINY.hidden_size, TINY.markov_rank
@@ -118,7 +123,7 @@ def test_fp32_reference_confidence_is_what_it_was():
     torch.testing.assert_close(confidence(model, hf, prev), before, rtol=0, atol=0)
 
 
-# --- never quantized ---------------------------------------------------------------------------
+# --- never quantized; verify checks the width ---------------------------------------------------
 
 
 def test_quantize_refuses_to_quantize_the_head(tiny, tmp_path):
@@ -126,3 +131,57 @@ def test_quantize_refuses_to_quantize_the_head(tiny, tmp_path):
         QStreamError, match="confidence_head.proj, which vLLM cannot serve quantized"
     ):
         quantize_checkpoint(tiny, tmp_path / "q", "fp8", include=["confidence_head.proj"])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_stored_shapes_are_what_the_format_stores(fmt):
+    w = torch.randn(48, 96, dtype=torch.bfloat16)
+    stored = quantize(fmt, w)
+    assert tuple(stored) == FORMATS[fmt].stored
+    assert stored_shapes(fmt, 48, 96) == {k: tuple(v.shape) for k, v in stored.items()}
+
+
+@pytest.fixture(scope="module")
+def quantized_tiny(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("conf") / "nvfp4"
+    return quantize_checkpoint(tiny, out, "nvfp4", include=DSPARK_RECIPE).output_dir
+
+
+def _edited(quantized, tmp_path, edit):
+    out = Path(shutil.copytree(quantized, tmp_path / "edited"))
+    (out / QUANTIZE_RECORD).unlink()  # another tool's edit: the recorded sha256s are tested apart
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(edit(config)))
+    return out
+
+
+def test_verify_passes_a_head_vllm_builds_at_its_width(quantized_tiny):
+    report = verify_checkpoint(quantized_tiny)
+    assert report.ok, report.problems
+
+
+def test_verify_reports_a_wide_head_without_the_key(quantized_tiny, tmp_path):
+    report = verify_checkpoint(_edited(quantized_tiny, tmp_path, _without_key))
+    shape_lines = [p for p in report.problems if p.startswith(HEAD)]
+    assert len(shape_lines) == 1, report.problems
+    assert shape_lines[0].startswith(
+        f"{HEAD}: stored [1, {H + R}], vLLM builds [1, {H}] from config.json"
+    )
+    assert "confidence_head_with_markov: true" in shape_lines[0]
+
+
+def test_verify_checks_quantized_weights_by_their_stored_shapes(quantized_tiny, tmp_path):
+    """A config whose intermediate_size is not the checkpoint's: each MLP tensor is named with
+    its stored shape and the one the format stores for the config's [N, K]."""
+    report = verify_checkpoint(
+        _edited(quantized_tiny, tmp_path, lambda c: {**c, "intermediate_size": 128})
+    )
+    block = FORMATS["nvfp4"].block_size
+    for line in (
+        f"layers.0.mlp.down_proj.weight_packed: stored [{H}, 48], vLLM builds [{H}, 64]",
+        f"layers.0.mlp.down_proj.weight_scale: stored [{H}, {96 // block}], vLLM builds "
+        f"[{H}, {128 // block}]",
+        "layers.4.mlp.gate_proj.weight_packed: stored [96, 32], vLLM builds [128, 32]",
+    ):
+        assert any(p.startswith(line) for p in report.problems), (line, report.problems)
+    assert not any("weight_global_scale" in p for p in report.problems)
