@@ -26,10 +26,11 @@ class YarnParameters:
     original_max_position_embeddings: int = 128  # pre-extension context length
     beta_fast: float = 32.0  # ramp end (in rotations) below which frequencies are extrapolated
     beta_slow: float = 1.0  # ramp start (in rotations) above which frequencies are interpolated
-    mscale: float = (
-        1.0  # cos/sin factor numerator; cos/sin factor = mscale-term / mscale_all_dim-term
-    )
-    mscale_all_dim: float = 1.0  # softmax scale gains (0.1 * mscale_all_dim * ln(factor) + 1)^2
+    # cos/sin are scaled by yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor,
+    # mscale_all_dim) (DSparkConfig.rope_mscale); the softmax scale gains the square of the
+    # second term (DSparkConfig.softmax_scale)
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.factor >= 1.0, "rope_parameters.factor", self.factor, "must be >= 1")
@@ -158,14 +159,21 @@ class DSparkConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """``(nope+rope)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2`` (DeepSeek-V3's
-        yarn_get_mscale applied to the softmax; 0.130861 for Kimi-K3)."""
+        """``(nope+rope)^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2`` (DeepSeek-V3's,
+        as vLLM's K3 MLA applies it to the softmax; 0.130861 for Kimi-K3)."""
         yarn = self.rope_parameters
-        scale = self.qk_head_dim**-0.5
-        if yarn.mscale_all_dim and yarn.factor > 1:
-            m = 0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1.0
-            scale *= m * m
-        return scale
+        m = yarn_get_mscale(yarn.factor, yarn.mscale_all_dim)
+        return self.qk_head_dim**-0.5 * (m * m)
+
+    @property
+    def rope_mscale(self) -> float:
+        """The factor on RoPE's cos and sin: ``yarn_get_mscale(factor, mscale) /
+        yarn_get_mscale(factor, mscale_all_dim)``, 1 exactly when mscale == mscale_all_dim
+        (every preset)."""
+        yarn = self.rope_parameters
+        return yarn_get_mscale(yarn.factor, yarn.mscale) / yarn_get_mscale(
+            yarn.factor, yarn.mscale_all_dim
+        )
 
     def to_json(self) -> dict[str, Any]:
         """config.json contents (every field, plus architectures/model_type)."""
@@ -232,6 +240,15 @@ def _yarn_from_json(data: Any) -> YarnParameters:
         return YarnParameters(**{k: data[k] for k in names})
     except TypeError as exc:
         raise ValueError(f"config.json: rope_parameters: {exc}") from None
+
+
+def yarn_get_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction, DeepSeek-V3's form: 1 for ``factor <= 1``, else
+    ``0.1 * mscale * ln(factor) + 1`` (vLLM 0.32's yarn_get_mscale in
+    vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
