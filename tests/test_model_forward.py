@@ -2,6 +2,7 @@
 mistake, plus batching and precision agreement."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -61,6 +62,46 @@ def test_softmax_scale_carries_mscale_squared(model):
     m = 0.1 * c.rope_parameters.mscale_all_dim * torch.log(torch.tensor(32.0)).item() + 1
     assert abs(model.scale - plain * m * m) < 1e-9
     assert abs(PRESETS["k3"].softmax_scale - 0.130861) < 5e-7
+
+
+def _yarn_mscale(factor, mscale):
+    """docs/model.md's yarn_get_mscale, written out."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@pytest.mark.parametrize(
+    "factor, mscale, mscale_all_dim",
+    [(32.0, 1.0, 1.0), (32.0, 2.0, 1.0), (32.0, 1.0, 0.0), (40.0, 0.707, 0.707), (1.0, 2.0, 1.0)],
+)
+def test_rope_mscale_is_the_yarn_ratio(factor, mscale, mscale_all_dim):
+    yarn = dataclasses.replace(
+        CFG.rope_parameters, factor=factor, mscale=mscale, mscale_all_dim=mscale_all_dim
+    )
+    cfg = dataclasses.replace(CFG, rope_parameters=yarn, max_position_embeddings=int(factor * 128))
+    expected = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    assert cfg.rope_mscale == pytest.approx(expected, rel=1e-15, abs=0)
+    if mscale == mscale_all_dim:
+        assert cfg.rope_mscale == 1.0  # exactly: the presets' forward is untouched
+
+
+def test_mscale_scales_cos_and_sin_by_the_ratio(weights):
+    """mscale 2, mscale_all_dim 1: the rotated rope parts (query and key) are the mscale-1
+    ones times (0.1·2·ln 32 + 1) / (0.1·ln 32 + 1); everything else is unchanged."""
+    yarn = dataclasses.replace(CFG.rope_parameters, mscale=2.0, mscale_all_dim=1.0)
+    scaled_cfg = dataclasses.replace(CFG, rope_parameters=yarn)
+    ratio = _yarn_mscale(32.0, 2.0) / _yarn_mscale(32.0, 1.0)
+    plain, scaled = DSpark(CFG, weights).layers[0], DSpark(scaled_cfg, weights).layers[0]
+    h = torch.randn(2, 9, CFG.hidden_size, generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(100, 109)
+    latent, k_rope = plain.latent(h, pos)
+    latent_s, k_rope_s = scaled.latent(h, pos)
+    torch.testing.assert_close(latent_s, latent, rtol=0, atol=0)
+    # fp32: (x·cos·m) vs (x·cos)·m differ by rounding only, a few ulps of values up to ~4
+    torch.testing.assert_close(k_rope_s, k_rope * ratio, rtol=1e-6, atol=1e-6)
+    q, q_s = plain.query(h, pos), scaled.query(h, pos)
+    nope = CFG.qk_nope_head_dim
+    torch.testing.assert_close(q_s[..., :nope], q[..., :nope], rtol=0, atol=0)
+    torch.testing.assert_close(q_s[..., nope:], q[..., nope:] * ratio, rtol=1e-6, atol=1e-6)
 
 
 def test_block_cannot_see_context_at_or_after_its_anchor(model):

@@ -2,6 +2,9 @@
 DeepSeek-V3 (MLA attention with rope_interleave, YaRN frequencies, RMSNorm, SwiGLU MLP), given
 the same weights and config."""
 
+from dataclasses import replace
+
+import pytest
 import torch
 from model_helpers import random_model_weights
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
@@ -58,8 +61,20 @@ def test_yarn_inv_freq_matches_transformers():
     for name in ("tiny", "k3"):
         cfg = PRESETS[name]
         rotary = ds.DeepseekV3RotaryEmbedding(_hf_config(cfg))
-        assert rotary.attention_scaling == 1.0  # docs/model.md: cos/sin factor 1
+        assert rotary.attention_scaling == 1.0  # cos/sin factor 1: mscale == mscale_all_dim
         torch.testing.assert_close(yarn_inv_freq(cfg), rotary.inv_freq, rtol=0, atol=0)
+
+
+def _scaled_mscale(cfg):
+    """cfg with mscale 2, mscale_all_dim 1: a cos/sin factor other than 1."""
+    yarn = replace(cfg.rope_parameters, mscale=2.0, mscale_all_dim=1.0)
+    return replace(cfg, rope_parameters=yarn)
+
+
+def test_rope_mscale_matches_transformers_attention_scaling():
+    for cfg in (PRESETS["k3"], _scaled_mscale(PRESETS["k3"]), _scaled_mscale(PRESETS["tiny"])):
+        rotary = ds.DeepseekV3RotaryEmbedding(_hf_config(cfg))
+        assert abs(cfg.rope_mscale - rotary.attention_scaling) < 1e-12
 
 
 def test_softmax_scale_matches_transformers_and_design():
@@ -69,8 +84,9 @@ def test_softmax_scale_matches_transformers_and_design():
     assert round(cfg.softmax_scale, 6) == 0.130861  # docs/model.md
 
 
-def test_decoder_layer_matches_transformers_in_causal_mode():
-    cfg = PRESETS["tiny"]
+@pytest.mark.parametrize("scaled", [False, True], ids=["mscale=1", "mscale=2"])
+def test_decoder_layer_matches_transformers_in_causal_mode(scaled):
+    cfg = _scaled_mscale(PRESETS["tiny"]) if scaled else PRESETS["tiny"]
     weights = random_model_weights(cfg, seed=3)
     model = DSpark(cfg, weights)
     layer = ds.DeepseekV3DecoderLayer(_hf_config(cfg), layer_idx=0).eval()

@@ -5,7 +5,8 @@ For an architecture with a serving profile (the K3 DSpark draft), verify replays
 for every Linear layer vLLM builds, under its runtime name: scheme or no scheme (ignore entries
 matched exactly or as ``re:`` regexes), the parameters that scheme expects, and whether the
 checkpoint provides exactly those; plus the profile's fused and cross-layer groups, modules vLLM
-never quantizes, and the tensor-parallel rules.
+never quantizes, the tensor-parallel rules, and every stored shape against the one vLLM builds
+from config.json (:mod:`qstream.checkpoint.built_shapes`).
 
 Malformed files (bad header, inconsistent index) raise QStreamError when the checkpoint is
 opened; everything else is collected as a list of problems, empty for a good checkpoint.
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from qstream.checkpoint import serving
+from qstream.checkpoint.built_shapes import shape_problems, stored_shapes
 from qstream.checkpoint.files import Checkpoint, file_digests, open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
@@ -32,6 +34,16 @@ from qstream.publish import QUANTIZE_RECORD
 from qstream.units import FLOAT_DTYPE_NAMES
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
+# The safetensors dtype(s) of each tensor a format stores (docs/formats.md).
+STORED_DTYPES: dict[str, dict[str, tuple[str, ...]]] = {
+    "fp8": {"weight": ("F8_E4M3",), "weight_scale": FLOAT_DTYPE_NAMES},
+    "mxfp4": {"weight_packed": ("U8",), "weight_scale": ("U8",)},
+    "nvfp4": {
+        "weight_packed": ("U8",),
+        "weight_scale": ("F8_E4M3",),
+        "weight_global_scale": ("F32",),
+    },
+}
 
 
 @dataclass
@@ -91,6 +103,8 @@ def verify_checkpoint(
         report.runtime_modules = replay.runtime_modules
         report.problems += replay.problems
         report.warnings += replay.warnings
+        stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
+        report.problems += shape_problems(checkpoint.config, stored, fmt, quantized)
     else:
         _check_accounting(holders, quantized, targets, ignore, report)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
@@ -208,18 +222,10 @@ def checkpoint_modules(checkpoint: Checkpoint) -> list[str]:
 
 def _expected(fmt: str, infos) -> dict[str, tuple[tuple[str, ...], list[int]]]:
     """The dtype(s) and shape each stored tensor must have, from the first one's shape."""
-    if fmt == "fp8":
-        n, k = infos["weight"].shape
-        return {"weight": (("F8_E4M3",), [n, k]), "weight_scale": (FLOAT_DTYPE_NAMES, [n, 1])}
-    n, half_k = infos["weight_packed"].shape
-    groups = 2 * half_k // FORMATS[fmt].block_size
-    if fmt == "mxfp4":
-        return {"weight_packed": (("U8",), [n, half_k]), "weight_scale": (("U8",), [n, groups])}
-    return {
-        "weight_packed": (("U8",), [n, half_k]),
-        "weight_scale": (("F8_E4M3",), [n, groups]),
-        "weight_global_scale": (("F32",), [1]),
-    }
+    n, width = infos[FORMATS[fmt].stored[0]].shape
+    k = width if fmt == "fp8" else 2 * width  # two E2M1 codes a byte
+    dtypes = STORED_DTYPES[fmt]
+    return {s: (dtypes[s], list(shape)) for s, shape in stored_shapes(fmt, n, k).items()}
 
 
 def _check_fused(

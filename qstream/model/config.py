@@ -26,10 +26,11 @@ class YarnParameters:
     original_max_position_embeddings: int = 128  # pre-extension context length
     beta_fast: float = 32.0  # ramp end (in rotations) below which frequencies are extrapolated
     beta_slow: float = 1.0  # ramp start (in rotations) above which frequencies are interpolated
-    mscale: float = (
-        1.0  # cos/sin factor numerator; cos/sin factor = mscale-term / mscale_all_dim-term
-    )
-    mscale_all_dim: float = 1.0  # softmax scale gains (0.1 * mscale_all_dim * ln(factor) + 1)^2
+    # cos/sin are scaled by yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor,
+    # mscale_all_dim) (DSparkConfig.rope_mscale); the softmax scale gains the square of the
+    # second term (DSparkConfig.softmax_scale)
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.factor >= 1.0, "rope_parameters.factor", self.factor, "must be >= 1")
@@ -91,7 +92,11 @@ class DSparkConfig:
     markov_rank: int  # r, width of the low-rank Markov head
     block_size: int = 7  # B, tokens drafted per block
     markov_head_type: str = "vanilla"  # the only Markov head docs/model.md defines
-    enable_confidence_head: bool = True  # confidence_head.proj present
+    # confidence_head.proj present (vLLM builds and loads it; adaptive verification reads it)
+    enable_confidence_head: bool = True
+    # the head reads [hf ; markov_w1[prev]] ([1, H+r]) rather than hf alone ([1, H]); vLLM
+    # 0.32 builds the narrow head unless this is true (its default: false)
+    confidence_head_with_markov: bool = False
     bos_token_id: int | None = (
         None  # tokenizer facts carried for convenience, not used by the model
     )
@@ -139,8 +144,8 @@ class DSparkConfig:
                f"must be a token id in [0, {vocab})")  # fmt: skip
         _check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
                "must be 'vanilla'")  # fmt: skip
-        _check(isinstance(self.enable_confidence_head, bool), "enable_confidence_head",
-               self.enable_confidence_head, "must be true or false")  # fmt: skip
+        for f in ("enable_confidence_head", "confidence_head_with_markov"):
+            _check(isinstance(getattr(self, f), bool), f, getattr(self, f), "must be true or false")
 
     # Derived sizes: names follow docs/model.md's tensor table.
     @property
@@ -154,14 +159,21 @@ class DSparkConfig:
 
     @property
     def softmax_scale(self) -> float:
-        """``(nope+rope)^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2`` (DeepSeek-V3's
-        yarn_get_mscale applied to the softmax; 0.130861 for Kimi-K3)."""
+        """``(nope+rope)^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2`` (DeepSeek-V3's,
+        as vLLM's K3 MLA applies it to the softmax; 0.130861 for Kimi-K3)."""
         yarn = self.rope_parameters
-        scale = self.qk_head_dim**-0.5
-        if yarn.mscale_all_dim and yarn.factor > 1:
-            m = 0.1 * yarn.mscale_all_dim * math.log(yarn.factor) + 1.0
-            scale *= m * m
-        return scale
+        m = yarn_get_mscale(yarn.factor, yarn.mscale_all_dim)
+        return self.qk_head_dim**-0.5 * (m * m)
+
+    @property
+    def rope_mscale(self) -> float:
+        """The factor on RoPE's cos and sin: ``yarn_get_mscale(factor, mscale) /
+        yarn_get_mscale(factor, mscale_all_dim)``, 1 exactly when mscale == mscale_all_dim
+        (every preset)."""
+        yarn = self.rope_parameters
+        return yarn_get_mscale(yarn.factor, yarn.mscale) / yarn_get_mscale(
+            yarn.factor, yarn.mscale_all_dim
+        )
 
     def to_json(self) -> dict[str, Any]:
         """config.json contents (every field, plus architectures/model_type)."""
@@ -230,6 +242,15 @@ def _yarn_from_json(data: Any) -> YarnParameters:
         raise ValueError(f"config.json: rope_parameters: {exc}") from None
 
 
+def yarn_get_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude correction, DeepSeek-V3's form: 1 for ``factor <= 1``, else
+    ``0.1 * mscale * ln(factor) + 1`` (vLLM 0.32's yarn_get_mscale in
+    vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
         raise ValueError(f"config.json: {key} = {value!r} {why}")
@@ -238,6 +259,7 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
 def _preset(**kw: Any) -> DSparkConfig:
     yarn = YarnParameters(factor=32.0, original_max_position_embeddings=kw.pop("original_max"))
     return DSparkConfig(
+        confidence_head_with_markov=True,  # the presets' head reads hf and the Markov embedding
         rms_norm_eps=1e-5,
         rope_parameters=yarn,
         max_position_embeddings=int(32 * yarn.original_max_position_embeddings),

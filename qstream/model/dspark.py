@@ -71,12 +71,18 @@ def yarn_inv_freq(config: DSparkConfig) -> torch.Tensor:
     return interpolated * ramp + extrapolated * (1 - ramp)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0
+) -> torch.Tensor:
     """Rotate interleaved pairs ``(x[2j], x[2j+1])`` of x [..., T, d] by ``pos * inv_freq[j]``
-    (DeepSeek layout, not half-split).  ``positions`` broadcasts against x's [..., T]; the
-    cos/sin factor is 1 (docs/model.md)."""
+    (DeepSeek layout, not half-split), with cos and sin scaled by ``mscale``
+    (:attr:`DSparkConfig.rope_mscale`, 1 in every preset).  ``positions`` broadcasts against
+    x's [..., T]."""
     angle = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
-    cos, sin = angle.cos(), angle.sin()
+    # as vLLM 0.32's DeepseekScalingRotaryEmbedding._compute_cos_sin_cache (vllm/model_executor/
+    # layers/rotary_embedding/deepseek_scaling_rope.py) builds them for the K3 MLA: fp32 cos
+    # and sin, each times the Python float mscale (by 1.0 exactly: unchanged when it is 1)
+    cos, sin = angle.cos() * mscale, angle.sin() * mscale
     pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(
         -1, (-1, 2)
     )  # [..., T, d/2, 2]
@@ -186,7 +192,9 @@ class Layer:
         q = self.proj(qa, "self_attn.q_b_proj")
         q = q.unflatten(-1, (c.num_attention_heads, c.qk_head_dim))  # [..., T, n, dk]
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        q_rope = apply_rope(q_rope.transpose(-2, -3), pos[..., None, :], self.inv_freq)
+        q_rope = apply_rope(
+            q_rope.transpose(-2, -3), pos[..., None, :], self.inv_freq, self.config.rope_mscale
+        )
         return torch.cat((q_nope, q_rope.transpose(-2, -3)), dim=-1)
 
     def latent(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +204,7 @@ class Layer:
         kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
-        return latent, apply_rope(k_rope, pos, self.inv_freq)
+        return latent, apply_rope(k_rope, pos, self.inv_freq, self.config.rope_mscale)
 
     def expand(
         self, latent: torch.Tensor, k_rope: torch.Tensor

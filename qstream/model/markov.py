@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from qstream.model.config import DSparkConfig
 from qstream.model.dspark import Blocks, DSpark, Rollout
-from qstream.model.weights import ComputeWeights, embedding
+from qstream.model.weights import ComputeWeights, embedding, held_fp32
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
 
@@ -84,16 +84,27 @@ def markov_logits(
 
 
 def confidence(model: HeadModel, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
-    """``sigmoid(proj([hf_k ; markov_w1[prev_k]]))`` per position (fp32); None when the
-    config has no confidence head."""
-    if not model.config.enable_confidence_head:
+    """``sigmoid(proj(x_k))`` per position, fp32 [...]; ``x_k = [hf_k ; markov_w1[prev_k]]``
+    with ``confidence_head_with_markov``, else ``hf_k``.  None when the config has no
+    confidence head.  Computed as vLLM 0.32 serves the head, whatever the model's dtype:
+    hf and the Markov embedding in the model's dtype, concatenated there, the result upcast to
+    fp32, times an fp32 weight and bias (the values held, upcast exactly).  The head is never
+    quantized, so a variant's confidence differs from the reference's through hf alone."""
+    config = model.config
+    if not config.enable_confidence_head:
         return None
-    emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
-    feats = torch.cat((hidden.to(model.dtype), emb), dim=-1)  # [..., H + r]
-    z = F.linear(
-        feats, model.w["confidence_head.proj.weight"], model.w["confidence_head.proj.bias"]
-    )
-    return torch.sigmoid(z.float()).squeeze(-1)
+    feats = hidden.to(model.dtype)  # [..., H]
+    if config.confidence_head_with_markov:
+        emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
+        feats = torch.cat((feats, emb), dim=-1)  # [..., H + r], in the model's dtype
+    # vLLM 0.32: DSparkConfidenceHead in vllm/model_executor/models/qwen3_dspark.py, which
+    # K3DSparkModel (vllm/models/kimi_k3/nvidia/dspark_mla.py) builds: proj is a
+    # ReplicatedLinear with params_dtype=torch.float32 and no quant config; forward
+    # concatenates its two inputs in their own dtype and calls .float() on the result;
+    # K3DSparkForCausalLM.compute_confidence takes the sigmoid.
+    weight = held_fp32(model.w, "confidence_head.proj.weight")  # [1, H (+ r)]
+    bias = held_fp32(model.w, "confidence_head.proj.bias")  # [1]
+    return torch.sigmoid(F.linear(feats.float(), weight, bias)).squeeze(-1)
 
 
 def sampling_probs(

@@ -165,13 +165,10 @@ def _small_tensors(
     if config.enable_confidence_head:
         gen = _generator(seed, "confidence_head")
         H, r = config.hidden_size, config.markov_rank
-        w = torch.cat(
-            (
-                torch.randn(H, generator=gen) / math.sqrt(H),
-                torch.randn(r, generator=gen) / (math.sqrt(r) * float(w1.std())),
-            )
-        )
-        out["confidence_head.proj.weight"] = (2.0 * w)[None]
+        parts = [torch.randn(H, generator=gen) / math.sqrt(H)]
+        if config.confidence_head_with_markov:  # the Markov embedding's columns
+            parts.append(torch.randn(r, generator=gen) / (math.sqrt(r) * float(w1.std())))
+        out["confidence_head.proj.weight"] = (2.0 * torch.cat(parts))[None]  # [1, H (+ r)]
         out["confidence_head.proj.bias"] = torch.zeros(1)
     return out
 

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from qstream.errors import QStreamError
 from qstream.model.config import DSparkConfig
 
+CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
+
 
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     """The draft checkpoint's tensors and shapes, in checkpoint order (docs/model.md's tensor table)."""
@@ -43,7 +45,7 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     shapes["markov_head.markov_w1.weight"] = (c.vocab_size, r)
     shapes["markov_head.markov_w2.weight"] = (c.vocab_size, r)
     if c.enable_confidence_head:
-        shapes["confidence_head.proj.weight"] = (1, H + r)
+        shapes[CONFIDENCE_WEIGHT] = (1, H + (r if c.confidence_head_with_markov else 0))
         shapes["confidence_head.proj.bias"] = (1,)
     return shapes
 
@@ -70,5 +72,26 @@ def check_tensors(
             )
         if tuple(shape) != expected[name]:
             raise QStreamError(
-                f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}"
+                f"{where}: tensor {name!r} has shape {list(shape)}, expected "
+                f"{list(expected[name])}{shape_hint(config, name, shape)}"
             )
+
+
+def shape_hint(config: DSparkConfig, name: str, shape: tuple[int, ...]) -> str:
+    """Why a confidence head of the other width does not fit (vLLM 0.32 sizes the head from
+    ``confidence_head_with_markov``, default false: a [1, H+r] head written without the key
+    fails its loader); empty for every other mismatch."""
+    H, r = config.hidden_size, config.markov_rank
+    if name != CONFIDENCE_WEIGHT or not config.enable_confidence_head:
+        return ""
+    if tuple(shape) == (1, H + r) and not config.confidence_head_with_markov:
+        return (
+            " (a [1, H+r] head: vLLM builds that width only when config.json sets "
+            "confidence_head_with_markov: true)"
+        )
+    if tuple(shape) == (1, H) and config.confidence_head_with_markov:
+        return (
+            " (a [1, H] head: vLLM builds [1, H+r] because config.json sets "
+            "confidence_head_with_markov: true)"
+        )
+    return ""

@@ -133,6 +133,17 @@ def linear(weights: Mapping[str, torch.Tensor], name: str, x: torch.Tensor) -> t
     return F.linear(x, weights[name])
 
 
+def held_fp32(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    """``name`` as held, converted to fp32 whatever the compute dtype: for a parameter the
+    deployment keeps in fp32 whatever the model's dtype (the confidence head: vLLM builds it
+    with ``params_dtype=torch.float32`` and loads the checkpoint's value into it).  From a
+    bf16 checkpoint that is the stored value exactly; fp32 weights given to a bf16 model are
+    held rounded to bf16, as a bf16 checkpoint of them would store them."""
+    if isinstance(weights, ComputeWeights):
+        return weights.stored[name].float()
+    return weights[name].float()
+
+
 def embedding(weights: Mapping[str, torch.Tensor], name: str, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of the table ``name`` in the compute dtype; of a :class:`ComputeWeights`
     only the rows looked up are converted (an embedding table is never upcast whole)."""
