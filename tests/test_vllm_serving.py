@@ -66,7 +66,7 @@ def vllm_ignores(name: str, ignore: list[str]) -> bool:
     return any(e == name or (e.startswith("re:") and re.match(e[3:], name)) for e in ignore)
 
 
-def replay(directory, L: int, tp: int = 1) -> list[str]:
+def replay(directory, L: int) -> list[str]:
     """Everything vLLM would load differently from what the checkpoint stores."""
     config = json.loads((directory / "config.json").read_text())
     qconfig = config["quantization_config"]
@@ -90,8 +90,6 @@ def replay(directory, L: int, tp: int = 1) -> list[str]:
     for name, shards in layers_with_kv.items():
         prefix = name.split("#")[0]
         builds_quantized = not vllm_ignores(prefix, qconfig["ignore"])
-        if name == "model.context_proj" and tp > 1 and config["hidden_size"] % tp == 0:
-            builds_quantized = False  # kept BF16 when sharded (docs/vllm.md)
         wrong += [f"{name}: {s}" for s in shards if stored_quantized(s) != builds_quantized]
         scales = {
             tensors[f"{s}.weight_global_scale"].item()
@@ -103,8 +101,6 @@ def replay(directory, L: int, tp: int = 1) -> list[str]:
     for module in ("markov_head.markov_w1", "markov_head.markov_w2", "confidence_head.proj"):
         if stored_quantized(module):
             wrong.append(f"{module}: quantized")
-    if tp > 1 and config["hidden_size"] % tp == 0:  # streamed context reads context_kv_proj
-        wrong += [f"{m}: quantized, streamed at TP {tp}" for m in kv_a if stored_quantized(m)]
     return wrong
 
 
@@ -306,22 +302,6 @@ BROKEN = {
         "fused group self_attn.{q_a_proj, kv_a_proj_with_mqa} of every "
         "layer has 5 different NVFP4 global scales",
     ),
-    "context_proj at TP 16": (
-        "recipe nvfp4",
-        None,
-        None,
-        {"tensor_parallel_size": 16},
-        "model.context_proj: vLLM builds it unquantized (vLLM keeps "
-        "context_proj in BF16 at tensor_parallel_size 16",
-    ),
-    "q_a/kv_a quantized at TP 16": (
-        "default nvfp4",
-        None,
-        None,
-        {"tensor_parallel_size": 16},
-        "layers.0.self_attn.q_a_proj: stored nvfp4, but at "
-        "tensor_parallel_size 16 vLLM's streamed-context path",
-    ),
     "ignore reaches a quantized layer": (
         "recipe fp8",
         None,
@@ -360,7 +340,7 @@ def test_verify_catches_each_broken_checkpoint(tiny, outputs, tmp_path, case):
         ignore_change() if ignore_change else None,
     )
     L = kwargs.get("target_layers", 8)
-    assert replay(out, L, kwargs.get("tensor_parallel_size", 1)), "the replay must see it too"
+    assert replay(out, L), "the replay must see it too"
     report = verify_checkpoint(out, **kwargs)
     assert not report.ok
     assert any(p.startswith(line) for p in report.problems), report.problems
@@ -386,15 +366,6 @@ def test_quantize_refuses_what_vllm_cannot_serve(tiny, tmp_path):
         quantize_checkpoint(tiny, tmp_path / "a", "fp8", include=["markov_head.markov_w2"])
     with pytest.raises(
         QStreamError,
-        match="context_proj, which vLLM cannot serve quantized: "
-        "vLLM keeps context_proj in BF16 at "
-        "tensor_parallel_size 16",
-    ):
-        quantize_checkpoint(
-            tiny, tmp_path / "b", "nvfp4", include=DSPARK_RECIPE, tensor_parallel_size=16
-        )
-    with pytest.raises(
-        QStreamError,
         match=r"fused group self_attn\.\{q_a_proj, "
         r"kv_a_proj_with_mqa\} of every layer would be split",
     ):
@@ -405,11 +376,39 @@ def test_quantize_refuses_what_vllm_cannot_serve(tiny, tmp_path):
             include=["layers.0.self_attn.q_a_proj", "layers.0.self_attn.kv_a_proj_with_mqa"],
         )
     assert not any(tmp_path.iterdir())
-    # at TP 16 the default selection leaves context_proj out instead; TP 12 does not divide 64
-    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True, tensor_parallel_size=16)
-    assert {"context_proj", "layers.0.self_attn.q_a_proj"} <= set(plan.modules_ignored)
-    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True, tensor_parallel_size=12)
+
+
+# vLLM 0.32.0 builds context_proj as a ReplicatedLinear and context_kv_proj (every layer's
+# kv_a_proj_with_mqa) as a MergedColumnParallelLinear with disable_tp=True, both with the draft's
+# quant config, at every TP size (K3DSparkModel.__init__, vllm/models/kimi_k3/nvidia/dspark_mla.py).
+# The tiny draft has 4 heads, so vLLM builds it at TP 1, 2 and 4 only.
+TP_CASES = [("recipe fp8", 4), ("recipe nvfp4", 2), ("default nvfp4", 2)]
+
+
+@pytest.mark.parametrize("case, tp", TP_CASES)
+def test_context_proj_and_qkv_a_quantized_at_tp(outputs, case, tp):
+    out = outputs[case]
+    fmt = GOOD[case][0]
+    assert replay(out, 8) == []
+    report = verify_checkpoint(out, tensor_parallel_size=tp)
+    assert report.ok, report.problems
+    scheme = {m["module"]: m["scheme"] for m in report.runtime_modules}
+    assert scheme["model.context_proj"] == fmt
+    expected = fmt if case.startswith("default") else None
+    assert scheme["model.layers.8.self_attn.fused_qkv_a_proj"] == expected
+    assert scheme["model.context_kv_proj"] == expected
+    result = CliRunner().invoke(cli, ["verify", str(out), "--tensor-parallel-size", str(tp)])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_quantize_selects_context_proj_and_qkv_a_at_any_tp(tiny, tmp_path, tp):
+    plan = quantize_checkpoint(tiny, tmp_path / "d", "fp8", dry_run=True, tensor_parallel_size=tp)
     assert {"context_proj", "layers.0.self_attn.q_a_proj"} <= set(plan.modules_quantized)
+    plan = quantize_checkpoint(
+        tiny, tmp_path / "d", "fp8", include=DSPARK_RECIPE, dry_run=True, tensor_parallel_size=tp
+    )
+    assert "context_proj" in plan.modules_quantized
 
 
 def test_layer_specific_ignores_are_warned_about(tiny, tmp_path):
@@ -488,16 +487,13 @@ def test_k3_recipe_plan(tmp_path):
     assert len(plan.modules_ignored) == 41 and plan.serving_profile == K3_DSPARK
     assert abs(plan.bytes_before / 2**30 - 6.6) < 0.05
     assert abs(plan.bytes_after / 2**30 - 4.6) < 0.1
-    refused = pytest.raises(QStreamError, match="context_proj in BF16 at tensor_parallel_size 16")
-    with refused:
-        quantize_checkpoint(
-            src,
-            tmp_path / "fp8",
-            "fp8",
-            include=DSPARK_RECIPE,
-            dry_run=True,
-            tensor_parallel_size=16,
-        )
+    # at TP 16 too: vLLM 0.32.0 quantizes the replicated context_proj at every TP size
+    # (K3DSparkModel.__init__, vllm/models/kimi_k3/nvidia/dspark_mla.py)
+    at_16 = quantize_checkpoint(
+        src, tmp_path / "fp8", "fp8", include=DSPARK_RECIPE, dry_run=True, tensor_parallel_size=16
+    )
+    assert at_16.modules_quantized == plan.modules_quantized
+    assert "context_proj" in at_16.modules_quantized
 
 
 def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):

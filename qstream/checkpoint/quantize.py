@@ -258,7 +258,6 @@ def _select(
     if tensor_parallel_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
-    hidden = checkpoint.config.get("hidden_size")
     selection = select_modules(
         checkpoint.tensors,
         fmt,
@@ -266,7 +265,6 @@ def _select(
         ignore,
         skip_incompatible,
         profile=profile,
-        hidden_size=hidden if isinstance(hidden, int) else None,
         tensor_parallel_size=tensor_parallel_size,
     )
     target_layers = target_layers_of(checkpoint.config)

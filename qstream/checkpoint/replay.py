@@ -1,6 +1,5 @@
 """vLLM's loading decision for a DSpark draft, replayed (docs/vllm.md): for every runtime
-Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes, the
-tensor-parallel rules), the parameters that scheme expects from each checkpoint shard, and
+Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes), the parameters that scheme expects from each checkpoint shard, and
 whether the checkpoint stores exactly those; the modules vLLM never quantizes; FP4 Marlin
 shapes.  ``qstream.checkpoint.verify`` reports what this finds."""
 
@@ -59,11 +58,7 @@ def replay_vllm(
 ) -> None:
     """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
     what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
-    hidden = checkpoint.config.get("hidden_size")
-    hidden = hidden if isinstance(hidden, int) else None
-    runtime = serving.runtime_modules(
-        profile, holders, report.target_layers, hidden, report.tensor_parallel_size
-    )
+    runtime = serving.runtime_modules(profile, holders, report.target_layers)
     for rt in runtime:
         scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
         report.runtime_modules.append(
@@ -79,11 +74,6 @@ def replay_vllm(
             report.problems.append(
                 f"{module}: stored {fmt}, but vLLM never quantizes it "
                 f"({never}); it must keep the base dtype"
-            )
-        tp_why = serving.tp_needs_unquantized(profile, module, hidden, report.tensor_parallel_size)
-        if tp_why and module in quantized:
-            report.problems.append(
-                f"{module}: stored {fmt}, but {tp_why}; it must keep the base dtype"
             )
     shapes = {
         m: tuple(checkpoint.info(f"{m}.weight").shape)
@@ -110,8 +100,6 @@ def _vllm_scheme(
     """compressed-tensors in vLLM: a Linear layer is ignored iff an ignore entry equals its
     name or is ``re:`` + a regex that re.match-es it; otherwise it takes the group's scheme if a
     target names its class ("Linear" matches every Linear class) or matches its name."""
-    if rt.unquantized_why:
-        return None, rt.unquantized_why
     hit = next((e for e in ignore if matches_ignore(e, rt.quant_name)), None)
     if hit is not None:
         return None, f"ignore entry {hit!r} matches {rt.quant_name}"

@@ -81,19 +81,22 @@ def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list
     return serving.fused_groups(profile or PROFILES[GENERIC], modules)
 
 
-def _default_selection(modules: Mapping[str, TensorInfo], rules: _Rules) -> set[str]:
+def _default_selection(modules: Mapping[str, TensorInfo], profile: Profile) -> set[str]:
     return {
         m
         for m, info in modules.items()
         if quantizable(info)
         and not is_embedding(m)
         and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES
-        and rules.refusal(m) is None
+        and serving.never_quantized(profile, m) is None
     }
 
 
 def _included(
-    modules: Mapping[str, TensorInfo], patterns: list[str], rules: _Rules, dropped: dict[str, str]
+    modules: Mapping[str, TensorInfo],
+    patterns: list[str],
+    profile: Profile,
+    dropped: dict[str, str],
 ) -> set[str]:
     """The modules ``patterns`` select; a module a broad pattern reaches but vLLM cannot serve
     quantized is recorded in ``dropped`` with the reason (a pattern reaching only such modules
@@ -103,7 +106,7 @@ def _included(
         hit = [m for m in modules if matches(pattern, m)]
         if not hit:
             raise QStreamError(f"--include_layers pattern {pattern!r} matches no module")
-        refused = {m: rules.refusal(m) for m in hit if quantizable(modules[m])}
+        refused = {m: serving.never_quantized(profile, m) for m in hit if quantizable(modules[m])}
         refused = {m: why for m, why in refused.items() if why is not None}
         if refused and len(refused) == len(hit):
             m, why = next(iter(refused.items()))
@@ -191,23 +194,6 @@ def _names(modules: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
 
 
-@dataclass(frozen=True)
-class _Rules:
-    """The serving profile's per-module refusals at one tensor-parallel size."""
-
-    profile: Profile
-    hidden_size: int | None
-    tensor_parallel_size: int
-
-    def refusal(self, module: str) -> str | None:
-        args = (self.profile, module, self.hidden_size, self.tensor_parallel_size)
-        return (
-            serving.never_quantized(self.profile, module)
-            or serving.tp_keeps_unquantized(*args)
-            or serving.tp_needs_unquantized(*args)
-        )
-
-
 def select_modules(
     tensors: Mapping[str, TensorInfo],
     fmt: str,
@@ -215,23 +201,21 @@ def select_modules(
     ignore: Iterable[str] | None = None,
     skip_incompatible: bool = False,
     profile: Profile | None = None,
-    hidden_size: int | None = None,
     tensor_parallel_size: int = 1,
 ) -> Selection:
     """Apply the selection rules (docs/quantize.md): ``include`` (default: every 2-D float
     Linear weight except embeddings, lm_head, MoE routers and what the serving ``profile`` says
-    vLLM never quantizes at ``tensor_parallel_size``), minus ``ignore`` (which wins), then the
+    vLLM never quantizes), minus ``ignore`` (which wins), then the
     shape rule and the profile's fused groups.  A pattern that matches nothing, an include
     that only names modules vLLM cannot serve quantized, and a split fused group are errors."""
     profile = profile or PROFILES[GENERIC]
-    rules = _Rules(profile, hidden_size, tensor_parallel_size)
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
     dropped: dict[str, str] = {}
     selected = (
-        _included(modules, include, rules, dropped)
+        _included(modules, include, profile, dropped)
         if include
-        else _default_selection(modules, rules)
+        else _default_selection(modules, profile)
     )
     selected -= _ignored(modules, ignore)
     skipped = _apply_shape_rule(modules, selected, get_format(fmt).block_size, skip_incompatible)

@@ -3,9 +3,9 @@
 vLLM is the ground truth for a checkpoint: a module is useful quantized only if vLLM's loader
 builds a quantized layer for it, under vLLM's *runtime* module name, fed by the checkpoint tensors
 we wrote.  A profile is data: which checkpoint modules vLLM loads into which runtime module, which
-ones it fuses (and so must be quantized all or none, sharing one NVFP4 global scale), which ones it
-never quantizes, and which depend on the tensor-parallel size.  Every rule names, in
-``docs/vllm.md``, the vLLM file and function it comes from.
+ones it fuses (and so must be quantized all or none, sharing one NVFP4 global scale) and which
+ones it never quantizes.  Every rule names, in ``docs/vllm.md``, the vLLM file and function it
+comes from.
 
 Two profiles: ``K3DSparkModel`` (vLLM's Kimi-K3 DSpark draft) and ``generic`` (a Hugging Face
 causal LM, whose vLLM model class maps names one to one and fuses siblings such as q/k/v and
@@ -46,7 +46,6 @@ class RuntimeModule:
     shards: tuple[str, ...]  # checkpoint modules loaded into it, in order
     split: str  # what tensor parallelism divides: "out" (column), "in" (row) or "none"
     quant_name: str  # the name vLLM matches against ignore to pick the layer's scheme
-    unquantized_why: str | None = None  # set when vLLM builds it without a quant config
 
 
 @dataclass(frozen=True)
@@ -130,41 +129,6 @@ def never_quantized(profile: Profile, module: str) -> str | None:
     return K3_NEVER_QUANTIZED.get(module_kind(module))
 
 
-def tp_keeps_unquantized(
-    profile: Profile, module: str, hidden_size: int | None, tp: int
-) -> str | None:
-    """Why ``module`` stays BF16 at tensor-parallel size ``tp`` (None: it need not).  One fork's
-    K3 draft shards ``context_proj`` and keeps it BF16 whenever it splits evenly (tp > 1 and
-    hidden % tp == 0); vLLM 0.32.0 builds it as a ReplicatedLinear with the quant config at
-    every tp (``K3DSparkModel.__init__``).  A BF16 one loads in both (docs/vllm.md)."""
-    if not profile.is_dspark or module != K3_CONTEXT_PROJ or tp <= 1:
-        return None
-    if hidden_size is None or hidden_size % tp:
-        return None
-    return (
-        f"vLLM keeps context_proj in BF16 at tensor_parallel_size {tp} "
-        f"(hidden_size {hidden_size} % {tp} == 0)"
-    )
-
-
-def tp_needs_unquantized(
-    profile: Profile, module: str, hidden_size: int | None, tp: int
-) -> str | None:
-    """Why ``module`` must stay unquantized at ``tp`` although vLLM builds it with the quant
-    config: where the fork above shards context_proj, its streamed-context path reads
-    ``context_kv_proj`` (every layer's kv_a_proj_with_mqa, fused with q_a_proj) as a plain 2-D
-    BF16 matrix.  vLLM 0.32.0 has no such path."""
-    if (
-        module_kind(module) not in QKV_A
-        or tp_keeps_unquantized(profile, K3_CONTEXT_PROJ, hidden_size, tp) is None
-    ):
-        return None
-    return (
-        f"at tensor_parallel_size {tp} vLLM's streamed-context path reads context_kv_proj "
-        "(every layer's kv_a_proj_with_mqa) as an unquantized 2-D weight"
-    )
-
-
 def fused_groups(profile: Profile, modules: Iterable[str]) -> list[FusedGroup]:
     """The groups among ``modules`` that vLLM quantizes as one (members present only)."""
     modules = list(modules)
@@ -215,11 +179,7 @@ def _k3_groups(modules: list[str]) -> list[FusedGroup]:
 
 
 def runtime_modules(
-    profile: Profile,
-    modules: Iterable[str],
-    target_layers: int,
-    hidden_size: int | None = None,
-    tp: int = 1,
+    profile: Profile, modules: Iterable[str], target_layers: int
 ) -> list[RuntimeModule]:
     """The Linear layers vLLM builds from the checkpoint's weight-holding ``modules`` (the DSpark
     draft's names, with ``target_layers`` = L, the target's layer count, as its first index).
@@ -240,16 +200,7 @@ def runtime_modules(
             continue
         out.setdefault(name, []).append(m)
         split[name] = how
-    result = [
-        RuntimeModule(
-            name,
-            tuple(shards),
-            split[name],
-            name,
-            tp_keeps_unquantized(profile, shards[0], hidden_size, tp),
-        )
-        for name, shards in out.items()
-    ]
+    result = [RuntimeModule(name, tuple(shards), split[name], name) for name, shards in out.items()]
     kv_a = tuple(m for m in modules if module_kind(m) == QKV_A[1])
     if kv_a:
         first = min(layer for layer, _ in map(split_layer, kv_a) if layer is not None)
