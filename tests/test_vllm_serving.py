@@ -364,6 +364,14 @@ def test_quantize_refuses_what_vllm_cannot_serve(tiny, tmp_path):
         match="markov_head.markov_w2, which vLLM cannot serve quantized: the DSpark Markov head",
     ):
         quantize_checkpoint(tiny, tmp_path / "a", "fp8", include=["markov_head.markov_w2"])
+    # served, not skipped: K3DSparkModel.__init__ (vllm/models/kimi_k3/nvidia/dspark_mla.py)
+    # builds DSparkConfidenceHead (qwen3_dspark.py), an fp32 ReplicatedLinear with no quant config
+    with pytest.raises(
+        QStreamError,
+        match="confidence_head.proj, which vLLM cannot serve quantized: the DSpark confidence "
+        r"head is built in fp32 without a quant config \(served for adaptive verification\)",
+    ):
+        quantize_checkpoint(tiny, tmp_path / "a", "fp8", include=["confidence_head.proj"])
     with pytest.raises(
         QStreamError,
         match=r"fused group self_attn\.\{q_a_proj, "

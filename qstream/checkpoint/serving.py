@@ -104,7 +104,10 @@ K3_CONTEXT_KV = "model.context_kv_proj"
 K3_NEVER_QUANTIZED = {
     "markov_head.markov_w1": "the DSpark Markov head is built without a quant config",
     "markov_head.markov_w2": "the DSpark Markov head is built without a quant config",
-    "confidence_head.proj": "the confidence head is training-only; vLLM skips it when loading",
+    "confidence_head.proj": (
+        "the DSpark confidence head is built in fp32 without a quant config "
+        "(served for adaptive verification)"
+    ),
     "embed_tokens": "the draft's embedding is an embedding table, not a Linear layer",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
