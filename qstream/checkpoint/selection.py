@@ -1,6 +1,6 @@
 """Which modules get quantized: the pattern rules (docs/quantize.md), the default selection,
-the serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes,
-tensor-parallel rules) and the block-size shape rule.
+the serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes) and the
+block-size shape rule (per tensor-parallel shard where vLLM splits K).
 
 A module is a tensor name without its ``.weight``; the checkpoint's weight-holding modules are
 the names of its ``*.weight`` tensors.  Everything here works on names, shapes and dtypes only.
@@ -40,7 +40,6 @@ class Selection:
     skipped: dict[str, str]  # selected but left unquantized (--skip-incompatible): reason
     fused_groups: tuple[FusedGroup, ...]  # groups whose members are quantized
     profile: Profile = PROFILES[GENERIC]  # the serving rules the selection follows
-    warnings: tuple[str, ...] = ()  # what vLLM may refuse at load (e.g. Marlin shapes at TP)
 
 
 def matches(pattern: str, module: str) -> bool:
@@ -149,13 +148,20 @@ def _ignored(modules: Mapping[str, TensorInfo], patterns: list[str]) -> set[str]
     return ignored
 
 
-def _apply_shape_rule(modules, selected: set[str], block: int, skip: bool) -> dict[str, str]:
-    """docs/formats.md: K must be a multiple of the format's block size."""
+def _apply_shape_rule(
+    modules, selected: set[str], block: int, skip: bool, profile: Profile, tp: int
+) -> dict[str, str]:
+    """docs/formats.md: K must be a multiple of the format's block size; and, in a layer that
+    vLLM splits along K at tensor-parallel size ``tp``, so must each shard's K (docs/vllm.md)."""
     skipped = {}
     for m in [m for m in modules if m in selected]:
         k = modules[m].shape[1]
-        if block and k % block:
-            reason = f"K={k} is not a multiple of the block size {block}"
+        reason = (
+            f"K={k} is not a multiple of the block size {block}"
+            if block and k % block
+            else serving.tp_scale_problem(profile, m, k, block, tp)
+        )
+        if reason:
             if not skip:
                 raise QStreamError(
                     f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
@@ -205,8 +211,8 @@ def select_modules(
 ) -> Selection:
     """Apply the selection rules (docs/quantize.md): ``include`` (default: every 2-D float
     Linear weight except embeddings, lm_head, MoE routers and what the serving ``profile`` says
-    vLLM never quantizes), minus ``ignore`` (which wins), then the
-    shape rule and the profile's fused groups.  A pattern that matches nothing, an include
+    vLLM never quantizes), minus ``ignore`` (which wins), then the shape rule (each
+    shard's K at ``tensor_parallel_size``) and the profile's fused groups.  A pattern that matches nothing, an include
     that only names modules vLLM cannot serve quantized, and a split fused group are errors."""
     profile = profile or PROFILES[GENERIC]
     modules = weight_modules(tensors)
@@ -218,7 +224,14 @@ def select_modules(
         else _default_selection(modules, profile)
     )
     selected -= _ignored(modules, ignore)
-    skipped = _apply_shape_rule(modules, selected, get_format(fmt).block_size, skip_incompatible)
+    skipped = _apply_shape_rule(
+        modules,
+        selected,
+        get_format(fmt).block_size,
+        skip_incompatible,
+        profile,
+        tensor_parallel_size,
+    )
     skipped.update({m: why for m, why in dropped.items() if m not in skipped})
     groups = serving.fused_groups(profile, modules)
     _check_fused(groups, selected, skipped)
@@ -230,14 +243,6 @@ def select_modules(
         skipped={m: skipped[m] for m in modules if m in skipped},
         fused_groups=tuple(g for g in groups if g.members[0] in selected),
         profile=profile,
-        warnings=tuple(
-            serving.marlin_warnings(
-                profile,
-                {m: modules[m].shape for m in modules if m in selected},
-                fmt,
-                tensor_parallel_size,
-            )
-        ),
     )
 
 
