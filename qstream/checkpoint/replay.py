@@ -1,7 +1,8 @@
 """vLLM's loading decision for a DSpark draft, replayed (docs/vllm.md): for every runtime
-Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes), the parameters that scheme expects from each checkpoint shard, and
-whether the checkpoint stores exactly those; the modules vLLM never quantizes; what it does at
-the tensor-parallel size.  ``qstream.checkpoint.verify`` reports what this finds."""
+Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes), the
+parameters that scheme expects from each checkpoint shard, and whether the checkpoint stores
+exactly those; the modules vLLM never quantizes; what it does at the tensor-parallel size.
+``qstream.checkpoint.verify`` reports what this finds."""
 
 from __future__ import annotations
 

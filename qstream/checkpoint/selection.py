@@ -211,9 +211,10 @@ def select_modules(
 ) -> Selection:
     """Apply the selection rules (docs/quantize.md): ``include`` (default: every 2-D float
     Linear weight except embeddings, lm_head, MoE routers and what the serving ``profile`` says
-    vLLM never quantizes), minus ``ignore`` (which wins), then the shape rule (each
-    shard's K at ``tensor_parallel_size``) and the profile's fused groups.  A pattern that matches nothing, an include
-    that only names modules vLLM cannot serve quantized, and a split fused group are errors."""
+    vLLM never quantizes), minus ``ignore`` (which wins), then the shape rule (on each shard's
+    K at ``tensor_parallel_size``) and the profile's fused groups.  A pattern that matches
+    nothing, an include that only names modules vLLM cannot serve quantized, and a split fused
+    group are errors."""
     profile = profile or PROFILES[GENERIC]
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
