@@ -5,9 +5,10 @@ independent of ``qstream.checkpoint.serving``: the draft's runtime Linear layers
 (``model.layers.{L+i}...`` with fused q_a/kv_a and gate/up, ``model.context_proj``, and the
 cross-layer ``context_kv_proj`` that takes its scheme from layer 0's ``fused_qkv_a_proj``),
 compressed-tensors' ignore matching (equal, or ``re:`` + ``re.match``), the Markov head built
-without a quant config, and one NVFP4 global scale per fused layer.  Real ``quantize`` outputs of
-the tiny draft must pass it (and ``verify``) for L = 8 and 93; deliberately broken checkpoints
-must fail both, with ``verify`` naming the rule.
+without a quant config, one NVFP4 global scale per fused layer, and what a tensor-parallel size
+changes (the draft's heads and splits must divide; FP4 row-parallel shards must hold whole
+blocks).  Real ``quantize`` outputs of the tiny draft must pass it (and ``verify``) for L = 8 and
+93; deliberately broken checkpoints must fail both, with ``verify`` naming the rule.
 """
 
 import json
@@ -90,8 +91,6 @@ def replay(directory, L: int, tp: int = 1) -> list[str]:
     for name, shards in layers_with_kv.items():
         prefix = name.split("#")[0]
         builds_quantized = not vllm_ignores(prefix, qconfig["ignore"])
-        if name == "model.context_proj" and tp > 1 and config["hidden_size"] % tp == 0:
-            builds_quantized = False  # kept BF16 when sharded (docs/vllm.md)
         wrong += [f"{name}: {s}" for s in shards if stored_quantized(s) != builds_quantized]
         scales = {
             tensors[f"{s}.weight_global_scale"].item()
@@ -103,8 +102,29 @@ def replay(directory, L: int, tp: int = 1) -> list[str]:
     for module in ("markov_head.markov_w1", "markov_head.markov_w2", "confidence_head.proj"):
         if stored_quantized(module):
             wrong.append(f"{module}: quantized")
-    if tp > 1 and config["hidden_size"] % tp == 0:  # streamed context reads context_kv_proj
-        wrong += [f"{m}: quantized, streamed at TP {tp}" for m in kv_a if stored_quantized(m)]
+    return wrong + replay_tp(config, tensors, fmt, stored_quantized, tp)
+
+
+def replay_tp(config, tensors, fmt, stored_quantized, tp: int) -> list[str]:
+    """vLLM 0.32.0 at TP tp.  MultiHeadLatentAttention.__init__ (vllm/models/kimi_k3/nvidia/
+    mla.py) asserts heads % tp == 0; KimiMLP's gate_up_proj / down_proj divide the intermediate
+    size (ColumnParallelLinear / RowParallelLinear.__init__, vllm/model_executor/layers/linear.py).
+    Row-parallel o_proj and down_proj: each rank's FP4 scales are (K/tp) // group columns read
+    from column rank * that (create_weights; RowvLLMParameter.load_row_parallel_weight in
+    vllm/model_executor/parameter.py), right only when K/tp is a whole number of groups."""
+    if config["num_attention_heads"] % tp or config["intermediate_size"] % tp:
+        return [f"vLLM cannot build the draft at TP {tp}"]
+    if fmt == "fp8":
+        return []
+    group = {"mxfp4": 32, "nvfp4": 16}[fmt]
+    wrong = []
+    for i in range(LAYERS):
+        for leaf in ("self_attn.o_proj", "mlp.down_proj"):
+            module = f"layers.{i}.{leaf}"
+            if stored_quantized(module):
+                k = 2 * tensors[f"{module}.weight_packed"].shape[1]
+                if (k // tp) % group:
+                    wrong.append(f"{module}: K/tp = {k // tp} splits {fmt} scale groups")
     return wrong
 
 
@@ -306,21 +326,22 @@ BROKEN = {
         "fused group self_attn.{q_a_proj, kv_a_proj_with_mqa} of every "
         "layer has 5 different NVFP4 global scales",
     ),
-    "context_proj at TP 16": (
+    # the tiny draft's o_proj K is 32 and down_proj's 96: 8 and 24 per shard at TP 4
+    "FP4 row-parallel shards of part blocks": (
         "recipe nvfp4",
         None,
         None,
-        {"tensor_parallel_size": 16},
-        "model.context_proj: vLLM builds it unquantized (vLLM keeps "
-        "context_proj in BF16 at tensor_parallel_size 16",
+        {"tensor_parallel_size": 4},
+        "layers.0.self_attn.o_proj: stored nvfp4, but K per shard 8 at tensor_parallel_size 4 "
+        "is not a multiple of the block size 16",
     ),
-    "q_a/kv_a quantized at TP 16": (
-        "default nvfp4",
+    "draft unbuildable at TP 8": (
+        "recipe fp8",
         None,
         None,
-        {"tensor_parallel_size": 16},
-        "layers.0.self_attn.q_a_proj: stored nvfp4, but at "
-        "tensor_parallel_size 16 vLLM's streamed-context path",
+        {"tensor_parallel_size": 8},
+        "vLLM 0.32.0 cannot build the draft at tensor_parallel_size 8: "
+        "num_attention_heads 4 is not a multiple of 8",
     ),
     "ignore reaches a quantized layer": (
         "recipe fp8",
@@ -384,15 +405,14 @@ def test_quantize_refuses_what_vllm_cannot_serve(tiny, tmp_path):
         match="markov_head.markov_w2, which vLLM cannot serve quantized: the DSpark Markov head",
     ):
         quantize_checkpoint(tiny, tmp_path / "a", "fp8", include=["markov_head.markov_w2"])
+    # served, not skipped: K3DSparkModel.__init__ (vllm/models/kimi_k3/nvidia/dspark_mla.py)
+    # builds DSparkConfidenceHead (qwen3_dspark.py), an fp32 ReplicatedLinear with no quant config
     with pytest.raises(
         QStreamError,
-        match="context_proj, which vLLM cannot serve quantized: "
-        "vLLM keeps context_proj in BF16 at "
-        "tensor_parallel_size 16",
+        match="confidence_head.proj, which vLLM cannot serve quantized: the DSpark confidence "
+        r"head is built in fp32 without a quant config \(served for adaptive verification\)",
     ):
-        quantize_checkpoint(
-            tiny, tmp_path / "b", "nvfp4", include=DSPARK_RECIPE, tensor_parallel_size=16
-        )
+        quantize_checkpoint(tiny, tmp_path / "a", "fp8", include=["confidence_head.proj"])
     with pytest.raises(
         QStreamError,
         match=r"fused group self_attn\.\{q_a_proj, "
@@ -405,11 +425,39 @@ def test_quantize_refuses_what_vllm_cannot_serve(tiny, tmp_path):
             include=["layers.0.self_attn.q_a_proj", "layers.0.self_attn.kv_a_proj_with_mqa"],
         )
     assert not any(tmp_path.iterdir())
-    # at TP 16 the default selection leaves context_proj out instead; TP 12 does not divide 64
-    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True, tensor_parallel_size=16)
-    assert {"context_proj", "layers.0.self_attn.q_a_proj"} <= set(plan.modules_ignored)
-    plan = quantize_checkpoint(tiny, tmp_path / "d", "nvfp4", dry_run=True, tensor_parallel_size=12)
+
+
+# vLLM 0.32.0 builds context_proj as a ReplicatedLinear and context_kv_proj (every layer's
+# kv_a_proj_with_mqa) as a MergedColumnParallelLinear with disable_tp=True, both with the draft's
+# quant config, at every TP size (K3DSparkModel.__init__, vllm/models/kimi_k3/nvidia/dspark_mla.py).
+# The tiny draft has 4 heads, so vLLM builds it at TP 1, 2 and 4 only.
+TP_CASES = [("recipe fp8", 4), ("recipe nvfp4", 2), ("default nvfp4", 2)]
+
+
+@pytest.mark.parametrize("case, tp", TP_CASES)
+def test_context_proj_and_qkv_a_quantized_at_tp(outputs, case, tp):
+    out = outputs[case]
+    fmt = GOOD[case][0]
+    assert replay(out, 8, tp) == []
+    report = verify_checkpoint(out, tensor_parallel_size=tp)
+    assert report.ok and report.warnings == [], (report.problems, report.warnings)
+    scheme = {m["module"]: m["scheme"] for m in report.runtime_modules}
+    assert scheme["model.context_proj"] == fmt
+    expected = fmt if case.startswith("default") else None
+    assert scheme["model.layers.8.self_attn.fused_qkv_a_proj"] == expected
+    assert scheme["model.context_kv_proj"] == expected
+    result = CliRunner().invoke(cli, ["verify", str(out), "--tensor-parallel-size", str(tp)])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_quantize_selects_context_proj_and_qkv_a_at_any_tp(tiny, tmp_path, tp):
+    plan = quantize_checkpoint(tiny, tmp_path / "d", "fp8", dry_run=True, tensor_parallel_size=tp)
     assert {"context_proj", "layers.0.self_attn.q_a_proj"} <= set(plan.modules_quantized)
+    plan = quantize_checkpoint(
+        tiny, tmp_path / "d", "fp8", include=DSPARK_RECIPE, dry_run=True, tensor_parallel_size=tp
+    )
+    assert "context_proj" in plan.modules_quantized
 
 
 def test_layer_specific_ignores_are_warned_about(tiny, tmp_path):
@@ -425,32 +473,53 @@ def test_layer_specific_ignores_are_warned_about(tiny, tmp_path):
     )
 
 
-def test_marlin_shapes_at_tp_are_warnings(tiny, tmp_path):
-    result = CliRunner().invoke(
-        cli,
-        [
-            "quantize",
-            "--model_dir",
-            str(tiny),
-            "--output_dir",
-            str(tmp_path / "o"),
-            "--quant_format",
-            "nvfp4",
-            "--include_layers",
-            "mlp.down_proj",
-            "--dry-run",
-            "--tensor-parallel-size",
-            "8",
-            "--json",
-            "-",
-        ],
-    )
-    assert result.exit_code == 0, result.output
+def test_quantize_refuses_shards_vllm_loads_wrongly(tiny, tmp_path):
+    """At TP 4 the tiny draft's down_proj (K 96) holds 24 inputs per shard: not whole NVFP4
+    blocks, so vLLM 0.32.0 would read the wrong block scales (RowvLLMParameter.
+    load_row_parallel_weight, vllm/model_executor/parameter.py); the shape rule applies per shard
+    and --skip-incompatible leaves it unquantized."""
+    args = ["quantize", "--model_dir", str(tiny), "--output_dir", str(tmp_path / "o")]
+    args += ["--quant_format", "nvfp4", "--include_layers", "mlp.down_proj", "--dry-run"]
+    result = CliRunner().invoke(cli, [*args, "--tensor-parallel-size", "4"])
+    assert result.exit_code == 1
     assert (
-        "Warning: mlp.down_proj: K per shard 12 (at tensor_parallel_size 8) is not a "
-        "multiple of 16" in result.stderr
+        "Error: layers.0.mlp.down_proj.weight: shape [64, 96]: K per shard 24 at "
+        "tensor_parallel_size 4 is not a multiple of the block size 16" in result.output
     )
-    assert json.loads(result.stdout)["warnings"]
+    plan = quantize_checkpoint(
+        tiny, tmp_path / "o", "nvfp4", dry_run=True, skip_incompatible=True, tensor_parallel_size=4
+    )
+    assert "layers.0.mlp.down_proj" in plan.modules_skipped
+    assert "layers.0.self_attn.o_proj" in plan.modules_skipped  # K 32: 8 per shard
+    assert "layers.0.mlp.gate_proj" in plan.modules_quantized  # column-parallel: K whole
+    # MXFP4 blocks are 32 wide: at TP 2, down_proj's 48 and o_proj's 16 are not whole blocks
+    plan = quantize_checkpoint(
+        tiny, tmp_path / "o", "mxfp4", dry_run=True, skip_incompatible=True, tensor_parallel_size=2
+    )
+    assert {"layers.0.mlp.down_proj", "layers.0.self_attn.o_proj"} <= set(plan.modules_skipped)
+    assert not any(tmp_path.iterdir())
+
+
+def test_quantize_refuses_a_tp_size_vllm_cannot_build_the_draft_at(tiny, tmp_path):
+    """MultiHeadLatentAttention.__init__ (vllm/models/kimi_k3/nvidia/mla.py) asserts that the
+    heads divide by TP: the tiny draft has 4."""
+    with pytest.raises(
+        QStreamError,
+        match="--tensor-parallel-size 8: vLLM 0.32.0 cannot build this draft at it: "
+        "num_attention_heads 4 is not a multiple of 8",
+    ):
+        quantize_checkpoint(tiny, tmp_path / "o", "fp8", dry_run=True, tensor_parallel_size=8)
+
+
+def test_fp4_marlin_shapes_are_not_refused(tiny, tmp_path):
+    """vLLM 0.32.0's FP4 Marlin zero-pads each shard's N and K to a tile family
+    (prepare_fp4_layer_for_marlin in vllm/model_executor/layers/quantization/utils/
+    marlin_utils_fp4.py, marlin_padded_nk in marlin_utils.py): q_b_proj's N of 48 per shard at
+    TP 2 (not a multiple of 64) is neither refused nor warned about."""
+    plan = quantize_checkpoint(
+        tiny, tmp_path / "o", "nvfp4", include=DSPARK_RECIPE, dry_run=True, tensor_parallel_size=2
+    )
+    assert "layers.0.self_attn.q_b_proj" in plan.modules_quantized and plan.warnings == []
 
 
 def test_generic_profile_keeps_plain_names():
@@ -461,6 +530,9 @@ def test_generic_profile_keeps_plain_names():
     sel = select_modules(infos, "fp8", profile=get_profile(K3_DSPARK))
     assert "markov_head.markov_w2" not in sel.quantized
     assert "confidence_head.proj" not in sel.quantized
+    # generic: qstream does not know the model's splits, so a TP size changes nothing
+    at_tp = select_modules(infos, "nvfp4", tensor_parallel_size=7)
+    assert at_tp.quantized == select_modules(infos, "nvfp4").quantized
 
 
 # --- the Kimi-K3-shaped plan, from headers only -------------------------------------------------
@@ -488,16 +560,13 @@ def test_k3_recipe_plan(tmp_path):
     assert len(plan.modules_ignored) == 41 and plan.serving_profile == K3_DSPARK
     assert abs(plan.bytes_before / 2**30 - 6.6) < 0.05
     assert abs(plan.bytes_after / 2**30 - 4.6) < 0.1
-    refused = pytest.raises(QStreamError, match="context_proj in BF16 at tensor_parallel_size 16")
-    with refused:
-        quantize_checkpoint(
-            src,
-            tmp_path / "fp8",
-            "fp8",
-            include=DSPARK_RECIPE,
-            dry_run=True,
-            tensor_parallel_size=16,
-        )
+    # at TP 16 too: vLLM 0.32.0 quantizes the replicated context_proj at every TP size
+    # (K3DSparkModel.__init__, vllm/models/kimi_k3/nvidia/dspark_mla.py)
+    at_16 = quantize_checkpoint(
+        src, tmp_path / "fp8", "fp8", include=DSPARK_RECIPE, dry_run=True, tensor_parallel_size=16
+    )
+    assert at_16.modules_quantized == plan.modules_quantized
+    assert "context_proj" in at_16.modules_quantized
 
 
 def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):

@@ -41,6 +41,7 @@ from qstream.checkpoint.serving import (
     layer_specific_warning,
     profile_for,
     target_layers_of,
+    tp_build_problem,
 )
 from qstream.errors import QStreamError
 from qstream.formats import get_format
@@ -72,7 +73,7 @@ class QuantizeSummary:
     serving_profile: str = "generic"  # whose loading rules the selection follows (docs/vllm.md)
     tensor_parallel_size: int = 1  # the TP size the selection was checked for
     ignore: list[str] = field(default_factory=list)  # the config's ignore entries, as written
-    warnings: list[str] = field(default_factory=list)  # what vLLM may refuse (Marlin shapes)
+    warnings: list[str] = field(default_factory=list)  # e.g. ignore entries that depend on L
 
     @property
     def mean_snr_db(self) -> float | None:
@@ -254,11 +255,19 @@ def _select(
     tensor_parallel_size: int,
 ) -> tuple[Selection, list[str], list[str]]:
     """The selection under config.json's serving profile, the ``ignore`` entries that make
-    vLLM's matcher resolve it, and the warnings about what vLLM may refuse (docs/vllm.md)."""
+    vLLM's matcher resolve it, and warnings about how vLLM will read them (docs/vllm.md).  A
+    K3 draft that vLLM cannot build at ``tensor_parallel_size`` is an error."""
     if tensor_parallel_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
-    hidden = checkpoint.config.get("hidden_size")
+    modules = weight_modules(checkpoint.tensors)
+    shapes = {m: tuple(info.shape) for m, info in modules.items()}
+    cannot = tp_build_problem(profile, checkpoint.config, shapes, tensor_parallel_size)
+    if cannot:
+        raise QStreamError(
+            f"--tensor-parallel-size {tensor_parallel_size}: vLLM 0.32.0 cannot build this "
+            f"draft at it: {cannot} (docs/vllm.md)"
+        )
     selection = select_modules(
         checkpoint.tensors,
         fmt,
@@ -266,15 +275,11 @@ def _select(
         ignore,
         skip_incompatible,
         profile=profile,
-        hidden_size=hidden if isinstance(hidden, int) else None,
         tensor_parallel_size=tensor_parallel_size,
     )
     target_layers = target_layers_of(checkpoint.config)
-    entries = ignore_entries(
-        profile, selection.ignored, weight_modules(checkpoint.tensors), target_layers
-    )
-    warnings = list(selection.warnings)
-    warnings += filter(None, [layer_specific_warning(profile, entries, target_layers)])
+    entries = ignore_entries(profile, selection.ignored, modules, target_layers)
+    warnings = [w for w in [layer_specific_warning(profile, entries, target_layers)] if w]
     return selection, entries, warnings
 
 

@@ -1,8 +1,8 @@
 """vLLM's loading decision for a DSpark draft, replayed (docs/vllm.md): for every runtime
-Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes, the
-tensor-parallel rules), the parameters that scheme expects from each checkpoint shard, and
-whether the checkpoint stores exactly those; the modules vLLM never quantizes; FP4 Marlin
-shapes.  ``qstream.checkpoint.verify`` reports what this finds."""
+Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes), the
+parameters that scheme expects from each checkpoint shard, and whether the checkpoint stores
+exactly those; the modules vLLM never quantizes; what it does at the tensor-parallel size.
+``qstream.checkpoint.verify`` reports what this finds."""
 
 from __future__ import annotations
 
@@ -59,11 +59,7 @@ def replay_vllm(
 ) -> None:
     """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
     what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
-    hidden = checkpoint.config.get("hidden_size")
-    hidden = hidden if isinstance(hidden, int) else None
-    runtime = serving.runtime_modules(
-        profile, holders, report.target_layers, hidden, report.tensor_parallel_size
-    )
+    runtime = serving.runtime_modules(profile, holders, report.target_layers)
     for rt in runtime:
         scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
         report.runtime_modules.append(
@@ -80,28 +76,52 @@ def replay_vllm(
                 f"{module}: stored {fmt}, but vLLM never quantizes it "
                 f"({never}); it must keep the base dtype"
             )
-        tp_why = serving.tp_needs_unquantized(profile, module, hidden, report.tensor_parallel_size)
-        if tp_why and module in quantized:
-            report.problems.append(
-                f"{module}: stored {fmt}, but {tp_why}; it must keep the base dtype"
-            )
-    shapes = {
-        m: tuple(checkpoint.info(f"{m}.weight").shape)
-        for m in holders
-        if m in quantized and fmt == "fp8"
-    }
-    shapes.update(
-        {m: _packed_shape(checkpoint, m) for m in holders if m in quantized and fmt != "fp8"}
-    )
-    report.warnings += serving.marlin_warnings(profile, shapes, fmt, report.tensor_parallel_size)
+    _replay_tp(checkpoint, fmt, profile, holders, quantized, report)
 
 
-def _packed_shape(checkpoint: Checkpoint, module: str) -> tuple[int, int]:
-    name = f"{module}.weight_packed"
-    if name not in checkpoint.tensor_shard:
-        return (0, 0)
-    n, half_k = checkpoint.info(name).shape
-    return (n, 2 * half_k)
+def _replay_tp(
+    checkpoint: Checkpoint,
+    fmt: str,
+    profile: Profile,
+    holders: list[str],
+    quantized: set[str],
+    report: Replay,
+) -> None:
+    """What vLLM 0.32.0 does with the draft at the tensor-parallel size (docs/vllm.md): it
+    cannot build a draft whose heads or split dimensions do not divide by it, and it gives an
+    FP4 row-parallel shard that is not a whole number of blocks the wrong block scales."""
+    tp = report.tensor_parallel_size
+    shapes = {m: _logical_shape(checkpoint, fmt, m, m in quantized) for m in holders}
+    cannot = serving.tp_build_problem(profile, checkpoint.config, shapes, tp)
+    if cannot:
+        report.problems.append(
+            f"vLLM 0.32.0 cannot build the draft at tensor_parallel_size {tp}: {cannot}"
+        )
+        return
+    block = FORMATS[fmt].block_size
+    for module in holders:
+        shape = shapes[module]
+        why = (
+            serving.tp_scale_problem(profile, module, shape[1], block, tp)
+            if module in quantized and len(shape) == 2
+            else None
+        )
+        if why:
+            report.problems.append(f"{module}: stored {fmt}, but {why}")
+
+
+def _logical_shape(
+    checkpoint: Checkpoint, fmt: str, module: str, stored_quantized: bool
+) -> tuple[int, ...]:
+    """[N, K] of ``module``'s weight as vLLM sizes its layer (FP4 packs two values a byte)."""
+    if stored_quantized and fmt != "fp8":
+        name = f"{module}.weight_packed"
+        if name not in checkpoint.tensor_shard:
+            return ()
+        n, half_k = checkpoint.info(name).shape
+        return (n, 2 * half_k)
+    name = f"{module}.weight"
+    return tuple(checkpoint.info(name).shape) if name in checkpoint.tensor_shard else ()
 
 
 def _vllm_scheme(
@@ -110,8 +130,6 @@ def _vllm_scheme(
     """compressed-tensors in vLLM: a Linear layer is ignored iff an ignore entry equals its
     name or is ``re:`` + a regex that re.match-es it; otherwise it takes the group's scheme if a
     target names its class ("Linear" matches every Linear class) or matches its name."""
-    if rt.unquantized_why:
-        return None, rt.unquantized_why
     hit = next((e for e in ignore if matches_ignore(e, rt.quant_name)), None)
     if hit is not None:
         return None, f"ignore entry {hit!r} matches {rt.quant_name}"

@@ -1,6 +1,6 @@
 """Which modules get quantized: the pattern rules (docs/quantize.md), the default selection,
-the serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes,
-tensor-parallel rules) and the block-size shape rule.
+the serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes) and the
+block-size shape rule (per tensor-parallel shard where vLLM splits K).
 
 A module is a tensor name without its ``.weight``; the checkpoint's weight-holding modules are
 the names of its ``*.weight`` tensors.  Everything here works on names, shapes and dtypes only.
@@ -40,7 +40,6 @@ class Selection:
     skipped: dict[str, str]  # selected but left unquantized (--skip-incompatible): reason
     fused_groups: tuple[FusedGroup, ...]  # groups whose members are quantized
     profile: Profile = PROFILES[GENERIC]  # the serving rules the selection follows
-    warnings: tuple[str, ...] = ()  # what vLLM may refuse at load (e.g. Marlin shapes at TP)
 
 
 def matches(pattern: str, module: str) -> bool:
@@ -81,19 +80,22 @@ def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list
     return serving.fused_groups(profile or PROFILES[GENERIC], modules)
 
 
-def _default_selection(modules: Mapping[str, TensorInfo], rules: _Rules) -> set[str]:
+def _default_selection(modules: Mapping[str, TensorInfo], profile: Profile) -> set[str]:
     return {
         m
         for m, info in modules.items()
         if quantizable(info)
         and not is_embedding(m)
         and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES
-        and rules.refusal(m) is None
+        and serving.never_quantized(profile, m) is None
     }
 
 
 def _included(
-    modules: Mapping[str, TensorInfo], patterns: list[str], rules: _Rules, dropped: dict[str, str]
+    modules: Mapping[str, TensorInfo],
+    patterns: list[str],
+    profile: Profile,
+    dropped: dict[str, str],
 ) -> set[str]:
     """The modules ``patterns`` select; a module a broad pattern reaches but vLLM cannot serve
     quantized is recorded in ``dropped`` with the reason (a pattern reaching only such modules
@@ -103,7 +105,7 @@ def _included(
         hit = [m for m in modules if matches(pattern, m)]
         if not hit:
             raise QStreamError(f"--include_layers pattern {pattern!r} matches no module")
-        refused = {m: rules.refusal(m) for m in hit if quantizable(modules[m])}
+        refused = {m: serving.never_quantized(profile, m) for m in hit if quantizable(modules[m])}
         refused = {m: why for m, why in refused.items() if why is not None}
         if refused and len(refused) == len(hit):
             m, why = next(iter(refused.items()))
@@ -146,13 +148,20 @@ def _ignored(modules: Mapping[str, TensorInfo], patterns: list[str]) -> set[str]
     return ignored
 
 
-def _apply_shape_rule(modules, selected: set[str], block: int, skip: bool) -> dict[str, str]:
-    """docs/formats.md: K must be a multiple of the format's block size."""
+def _apply_shape_rule(
+    modules, selected: set[str], block: int, skip: bool, profile: Profile, tp: int
+) -> dict[str, str]:
+    """docs/formats.md: K must be a multiple of the format's block size; and, in a layer that
+    vLLM splits along K at tensor-parallel size ``tp``, so must each shard's K (docs/vllm.md)."""
     skipped = {}
     for m in [m for m in modules if m in selected]:
         k = modules[m].shape[1]
-        if block and k % block:
-            reason = f"K={k} is not a multiple of the block size {block}"
+        reason = (
+            f"K={k} is not a multiple of the block size {block}"
+            if block and k % block
+            else serving.tp_scale_problem(profile, m, k, block, tp)
+        )
+        if reason:
             if not skip:
                 raise QStreamError(
                     f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
@@ -191,23 +200,6 @@ def _names(modules: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
 
 
-@dataclass(frozen=True)
-class _Rules:
-    """The serving profile's per-module refusals at one tensor-parallel size."""
-
-    profile: Profile
-    hidden_size: int | None
-    tensor_parallel_size: int
-
-    def refusal(self, module: str) -> str | None:
-        args = (self.profile, module, self.hidden_size, self.tensor_parallel_size)
-        return (
-            serving.never_quantized(self.profile, module)
-            or serving.tp_keeps_unquantized(*args)
-            or serving.tp_needs_unquantized(*args)
-        )
-
-
 def select_modules(
     tensors: Mapping[str, TensorInfo],
     fmt: str,
@@ -215,26 +207,32 @@ def select_modules(
     ignore: Iterable[str] | None = None,
     skip_incompatible: bool = False,
     profile: Profile | None = None,
-    hidden_size: int | None = None,
     tensor_parallel_size: int = 1,
 ) -> Selection:
     """Apply the selection rules (docs/quantize.md): ``include`` (default: every 2-D float
     Linear weight except embeddings, lm_head, MoE routers and what the serving ``profile`` says
-    vLLM never quantizes at ``tensor_parallel_size``), minus ``ignore`` (which wins), then the
-    shape rule and the profile's fused groups.  A pattern that matches nothing, an include
-    that only names modules vLLM cannot serve quantized, and a split fused group are errors."""
+    vLLM never quantizes), minus ``ignore`` (which wins), then the shape rule (on each shard's
+    K at ``tensor_parallel_size``) and the profile's fused groups.  A pattern that matches
+    nothing, an include that only names modules vLLM cannot serve quantized, and a split fused
+    group are errors."""
     profile = profile or PROFILES[GENERIC]
-    rules = _Rules(profile, hidden_size, tensor_parallel_size)
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
     dropped: dict[str, str] = {}
     selected = (
-        _included(modules, include, rules, dropped)
+        _included(modules, include, profile, dropped)
         if include
-        else _default_selection(modules, rules)
+        else _default_selection(modules, profile)
     )
     selected -= _ignored(modules, ignore)
-    skipped = _apply_shape_rule(modules, selected, get_format(fmt).block_size, skip_incompatible)
+    skipped = _apply_shape_rule(
+        modules,
+        selected,
+        get_format(fmt).block_size,
+        skip_incompatible,
+        profile,
+        tensor_parallel_size,
+    )
     skipped.update({m: why for m, why in dropped.items() if m not in skipped})
     groups = serving.fused_groups(profile, modules)
     _check_fused(groups, selected, skipped)
@@ -246,14 +244,6 @@ def select_modules(
         skipped={m: skipped[m] for m in modules if m in skipped},
         fused_groups=tuple(g for g in groups if g.members[0] in selected),
         profile=profile,
-        warnings=tuple(
-            serving.marlin_warnings(
-                profile,
-                {m: modules[m].shape for m in modules if m in selected},
-                fmt,
-                tensor_parallel_size,
-            )
-        ),
     )
 
 

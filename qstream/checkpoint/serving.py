@@ -3,9 +3,9 @@
 vLLM is the ground truth for a checkpoint: a module is useful quantized only if vLLM's loader
 builds a quantized layer for it, under vLLM's *runtime* module name, fed by the checkpoint tensors
 we wrote.  A profile is data: which checkpoint modules vLLM loads into which runtime module, which
-ones it fuses (and so must be quantized all or none, sharing one NVFP4 global scale), which ones it
-never quantizes, and which depend on the tensor-parallel size.  Every rule names, in
-``docs/vllm.md``, the vLLM file and function it comes from.
+ones it fuses (and so must be quantized all or none, sharing one NVFP4 global scale) and which
+ones it never quantizes.  Every rule names, in ``docs/vllm.md``, the vLLM file and function it
+comes from.
 
 Two profiles: ``K3DSparkModel`` (vLLM's Kimi-K3 DSpark draft) and ``generic`` (a Hugging Face
 causal LM, whose vLLM model class maps names one to one and fuses siblings such as q/k/v and
@@ -46,7 +46,6 @@ class RuntimeModule:
     shards: tuple[str, ...]  # checkpoint modules loaded into it, in order
     split: str  # what tensor parallelism divides: "out" (column), "in" (row) or "none"
     quant_name: str  # the name vLLM matches against ignore to pick the layer's scheme
-    unquantized_why: str | None = None  # set when vLLM builds it without a quant config
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,10 @@ K3_CONTEXT_KV = "model.context_kv_proj"
 K3_NEVER_QUANTIZED = {
     "markov_head.markov_w1": "the DSpark Markov head is built without a quant config",
     "markov_head.markov_w2": "the DSpark Markov head is built without a quant config",
-    "confidence_head.proj": "the confidence head is training-only; vLLM skips it when loading",
+    "confidence_head.proj": (
+        "the DSpark confidence head is built in fp32 without a quant config "
+        "(served for adaptive verification)"
+    ),
     "embed_tokens": "the draft's embedding is an embedding table, not a Linear layer",
 }
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -128,41 +130,6 @@ def never_quantized(profile: Profile, module: str) -> str | None:
     if not profile.is_dspark:
         return None
     return K3_NEVER_QUANTIZED.get(module_kind(module))
-
-
-def tp_keeps_unquantized(
-    profile: Profile, module: str, hidden_size: int | None, tp: int
-) -> str | None:
-    """Why ``module`` stays BF16 at tensor-parallel size ``tp`` (None: it need not).  One fork's
-    K3 draft shards ``context_proj`` and keeps it BF16 whenever it splits evenly (tp > 1 and
-    hidden % tp == 0); vLLM 0.32.0 builds it as a ReplicatedLinear with the quant config at
-    every tp (``K3DSparkModel.__init__``).  A BF16 one loads in both (docs/vllm.md)."""
-    if not profile.is_dspark or module != K3_CONTEXT_PROJ or tp <= 1:
-        return None
-    if hidden_size is None or hidden_size % tp:
-        return None
-    return (
-        f"vLLM keeps context_proj in BF16 at tensor_parallel_size {tp} "
-        f"(hidden_size {hidden_size} % {tp} == 0)"
-    )
-
-
-def tp_needs_unquantized(
-    profile: Profile, module: str, hidden_size: int | None, tp: int
-) -> str | None:
-    """Why ``module`` must stay unquantized at ``tp`` although vLLM builds it with the quant
-    config: where the fork above shards context_proj, its streamed-context path reads
-    ``context_kv_proj`` (every layer's kv_a_proj_with_mqa, fused with q_a_proj) as a plain 2-D
-    BF16 matrix.  vLLM 0.32.0 has no such path."""
-    if (
-        module_kind(module) not in QKV_A
-        or tp_keeps_unquantized(profile, K3_CONTEXT_PROJ, hidden_size, tp) is None
-    ):
-        return None
-    return (
-        f"at tensor_parallel_size {tp} vLLM's streamed-context path reads context_kv_proj "
-        "(every layer's kv_a_proj_with_mqa) as an unquantized 2-D weight"
-    )
 
 
 def fused_groups(profile: Profile, modules: Iterable[str]) -> list[FusedGroup]:
@@ -215,11 +182,7 @@ def _k3_groups(modules: list[str]) -> list[FusedGroup]:
 
 
 def runtime_modules(
-    profile: Profile,
-    modules: Iterable[str],
-    target_layers: int,
-    hidden_size: int | None = None,
-    tp: int = 1,
+    profile: Profile, modules: Iterable[str], target_layers: int
 ) -> list[RuntimeModule]:
     """The Linear layers vLLM builds from the checkpoint's weight-holding ``modules`` (the DSpark
     draft's names, with ``target_layers`` = L, the target's layer count, as its first index).
@@ -240,16 +203,7 @@ def runtime_modules(
             continue
         out.setdefault(name, []).append(m)
         split[name] = how
-    result = [
-        RuntimeModule(
-            name,
-            tuple(shards),
-            split[name],
-            name,
-            tp_keeps_unquantized(profile, shards[0], hidden_size, tp),
-        )
-        for name, shards in out.items()
-    ]
+    result = [RuntimeModule(name, tuple(shards), split[name], name) for name, shards in out.items()]
     kv_a = tuple(m for m in modules if module_kind(m) == QKV_A[1])
     if kv_a:
         first = min(layer for layer, _ in map(split_layer, kv_a) if layer is not None)
@@ -339,57 +293,68 @@ def _kind_regex(kind: str, ignored: set[str], by_kind: Mapping[str, list[str]]) 
     return f"re:.*\\.{re.escape(parent)}\\.({'|'.join(leaves)})$"
 
 
-# FP4 Marlin, vLLM's weight-only FP4 kernel on GPUs before Blackwell, repacks each TP shard in
-# tiles of 16 along K and 64 along N.  Older vLLM refuses other shapes; 0.32.0's
-# prepare_fp4_layer_for_marlin zero-pads N and K to a tile family (marlin_padded_nk in
-# vllm/model_executor/layers/quantization/utils/marlin_utils.py), so these are warnings.
-MARLIN_TILE_K = 16
-MARLIN_TILE_N = 64
+# --- tensor parallelism: what vLLM 0.32.0 does with the K3 draft at tensor_parallel_size N ----
+# The splits are those of K3_LAYER_MODULES: column-parallel layers split N, row-parallel ones K;
+# fused_qkv_a_proj and context_kv_proj (disable_tp) and context_proj (a ReplicatedLinear) are
+# whole on every rank.  No shape is refused for a kernel's sake: FP4 Marlin zero-pads each
+# shard's N and K to a tile family (prepare_fp4_layer_for_marlin in
+# vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py, marlin_padded_nk in
+# marlin_utils.py) and every other FP4 kernel's can_implement accepts any shape.  What is left:
+# the split must be even (vLLM asserts it) and, in FP4, a row-parallel shard must hold whole
+# scale blocks (vLLM does not check it).  The generic profile knows no model's splits.
 
 
-def marlin_warnings(
-    profile: Profile, shapes: Mapping[str, tuple[int, ...]], fmt: str, tp: int
-) -> list[str]:
-    """Shapes of the quantized modules (``shapes``: module -> [N, K], checkpoint order) that FP4
-    Marlin cannot repack unpadded at tensor-parallel size ``tp``: K per shard not a multiple of
-    16, N per shard not a multiple of 64 (refused by vLLM versions that do not pad; 0.32.0 pads
-    both).  One line per module kind and problem."""
-    if fmt not in ("mxfp4", "nvfp4"):
-        return []
-    found: dict[str, list[str]] = {}  # problem -> runtime modules (first shard's name)
-    for rt in runtime_modules(profile, shapes, target_layers=0):
-        if rt.name == K3_CONTEXT_KV or not all(m in shapes for m in rt.shards):
-            continue
-        problem = _marlin_problem(rt, shapes, tp)
-        if problem:
-            kind = module_kind(rt.shards[0])
-            found.setdefault(
-                f"{kind}{' (fused)' if len(rt.shards) > 1 else ''}: {problem}", []
-            ).append(rt.shards[0])
-    return [
-        f"{problem} [{len(where)} module{'s' if len(where) > 1 else ''}]"
-        for problem, where in found.items()
-    ]
+def split_of(profile: Profile, module: str) -> str:
+    """What tensor parallelism divides in the runtime layer ``module`` loads into: "out"
+    (column-parallel), "in" (row-parallel) or "none"."""
+    layer, kind = split_layer(module)
+    if not profile.is_dspark or layer is None or kind not in K3_LAYER_MODULES:
+        return "none"
+    return K3_LAYER_MODULES[kind][1]
 
 
-def _marlin_problem(
-    rt: RuntimeModule, shapes: Mapping[str, tuple[int, ...]], tp: int
+def tp_build_problem(
+    profile: Profile, config: Mapping, shapes: Mapping[str, tuple[int, ...]], tp: int
 ) -> str | None:
-    n = sum(shapes[m][0] for m in rt.shards)
-    k = shapes[rt.shards[0]][1]
-    shard = f"at tensor_parallel_size {tp}" if rt.split != "none" and tp > 1 else "unsharded"
-    if (rt.split == "out" and n % tp) or (rt.split == "in" and k % tp):
-        return f"[{n}, {k}] does not split evenly {shard}"
-    n_part = n // tp if rt.split == "out" else n
-    k_part = k // tp if rt.split == "in" else k
-    if k_part % MARLIN_TILE_K:
-        return (
-            f"K per shard {k_part} ({shard}) is not a multiple of {MARLIN_TILE_K}; FP4 "
-            "Marlin (GPUs before Blackwell) cannot repack it"
-        )
-    if n_part % MARLIN_TILE_N:
-        return (
-            f"N per shard {n_part} ({shard}) is not a multiple of {MARLIN_TILE_N}; FP4 "
-            "Marlin in vLLM versions that do not pad N cannot repack it"
-        )
-    return None
+    """Why vLLM 0.32.0 cannot build the K3 draft at tensor-parallel size ``tp``, whatever its
+    dtypes (None: it can).  ``shapes``: module -> [N, K] of the weight-holding modules.
+    MultiHeadLatentAttention.__init__ (vllm/models/kimi_k3/nvidia/mla.py) asserts that the
+    heads divide by tp; ColumnParallelLinear.__init__ and RowParallelLinear.__init__
+    (vllm/model_executor/layers/linear.py) divide each output size, or the input size, by tp
+    with ``divide``, which asserts."""
+    if not profile.is_dspark or tp <= 1:
+        return None
+    reasons = []
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % tp:
+        reasons.append(f"num_attention_heads {heads} is not a multiple of {tp}")
+    shapes = {m: s for m, s in shapes.items() if len(s) == 2}
+    leaves: set[str] = set()
+    for rt in runtime_modules(profile, shapes, target_layers=0):
+        leaf = rt.name.split(".", 3)[-1]
+        sizes = [shapes[m][0] for m in rt.shards] if rt.split == "out" else []
+        sizes += [shapes[rt.shards[0]][1]] if rt.split == "in" else []
+        uneven = next((size for size in sizes if size % tp), None)
+        if uneven is not None and leaf not in leaves:
+            leaves.add(leaf)
+            what = "an output" if rt.split == "out" else "the input"
+            reasons.append(f"{leaf} has {what} size {uneven}, not a multiple of {tp}")
+    return "; ".join(reasons) or None
+
+
+def tp_scale_problem(profile: Profile, module: str, k: int, block: int, tp: int) -> str | None:
+    """Why vLLM 0.32.0 gives ``module`` (K inputs, quantized in blocks of ``block``) the wrong
+    block scales at tensor-parallel size ``tp`` (None: it does not).  A row-parallel shard holds
+    K / tp inputs; the FP4 schemes' create_weights size its weight_scale as (K / tp) // block
+    columns, and RowvLLMParameter.load_row_parallel_weight (vllm/model_executor/parameter.py)
+    reads that many from column rank × that of the stored scales: unless K / tp is a whole number
+    of blocks, the shard gets other inputs' scales.  vLLM checks nothing here."""
+    if not block or tp <= 1 or k % tp or split_of(profile, module) != "in":
+        return None
+    part = k // tp
+    if part % block == 0:
+        return None
+    return (
+        f"K per shard {part} at tensor_parallel_size {tp} is not a multiple of the block size "
+        f"{block}: vLLM 0.32.0 would give each shard the wrong block scales"
+    )

@@ -68,8 +68,11 @@ from qstream.units import human_size
     default=1,
     show_default=True,
     metavar="N",
-    help="The tensor-parallel size vLLM will serve the draft at: modules vLLM "
-    "keeps in BF16 at N are refused, Marlin shape problems at N are warned about.",
+    help="The tensor-parallel size vLLM will serve a K3 DSpark draft at "
+    "(draft_tensor_parallel_size). vLLM 0.32.0 builds the same modules quantized at "
+    "every N; an N it cannot build the draft at (heads, split sizes) is refused, and in "
+    "FP4 the shape rule applies to each o_proj/down_proj shard. No effect on other "
+    "architectures.",
 )
 @option("no_snr", is_flag=True, help="Skip the weight SNR (a little faster).")
 @json_option()

@@ -21,7 +21,8 @@ from qstream.errors import QStreamError
     default=1,
     show_default=True,
     metavar="N",
-    help="The tensor-parallel size vLLM will serve the checkpoint at.",
+    help="The tensor-parallel size vLLM will serve a K3 DSpark draft at: is the draft "
+    "buildable at N, and are FP4 o_proj/down_proj shards whole blocks (docs/vllm.md).",
 )
 @option(
     "target_layers",
