@@ -384,16 +384,56 @@ def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary
 
 class AcceptanceAccumulator:
     """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
-    (``vocabulary.ACCEPTANCE_MODES``); :meth:`emitted` gives the per-block values for paired
-    comparisons."""
+    (``vocabulary.ACCEPTANCE_MODES``), and the drafter's confidence scores per draft method, from
+    which the adaptive modes are derived when the results are read (their batches span the
+    whole evaluation).  :meth:`emitted` gives the per-block values for paired comparisons."""
 
-    def __init__(self) -> None:
-        self._parts: dict[str, list[torch.Tensor]] = {mode: [] for mode in ACCEPTANCE_MODES}
+    def __init__(self, temperature: float, adaptive: AdaptiveBudget | None = None) -> None:
+        self.temperature, self.adaptive = temperature, adaptive
+        self._parts: dict[str, list[torch.Tensor]] = {}
+        self._confidence: dict[str, list[torch.Tensor]] = {}
+        self._outcomes: set[str] = set()  # modes whose values are 0/1 outcomes
+        self._admitted: dict[str, torch.Tensor] = {}
 
-    def add(self, mode: str, accept: torch.Tensor) -> None:
-        self._parts[mode].append(accept.double().cpu())
+    def add(self, mode: str, accept: torch.Tensor, outcomes: bool = False) -> None:
+        """One batch's ``[n, B]`` P(τ ≥ k) of a non-adaptive mode; ``outcomes``: they are 0/1."""
+        if ACCEPTANCE_MODES[mode].adaptive:
+            raise ValueError(f"{mode} is derived from its base mode, not added")
+        self._parts.setdefault(mode, []).append(accept.double().cpu())
+        if outcomes:
+            self._outcomes.add(mode)
+
+    def add_confidence(self, draft: str, confidence: torch.Tensor | None) -> None:
+        """One batch's ``[n, B]`` confidence scores of the drafts made by ``draft`` (None: the
+        model has no confidence head, and no adaptive mode is simulated)."""
+        if confidence is not None:
+            self._confidence.setdefault(draft, []).append(confidence.float().cpu())
+
+    def modes(self) -> list[str]:
+        """The modes held, in ACCEPTANCE_MODES order; an adaptive one when its base mode, its
+        draft's confidence scores and an adaptive budget are all there."""
+        return [key for key in ACCEPTANCE_MODES if self._holds(key)]
+
+    def _holds(self, key: str) -> bool:
+        mode = ACCEPTANCE_MODES[key]
+        if not mode.adaptive:
+            return key in self._parts
+        held = mode.base in self._parts and mode.draft in self._confidence
+        return held and self.adaptive is not None
+
+    def admitted(self, mode: str) -> torch.Tensor:
+        """``[n]`` drafted tokens each block verifies under an adaptive ``mode``."""
+        if mode not in self._admitted:
+            assert self.adaptive is not None  # modes() lists adaptive modes only with it
+            confidence = torch.cat(self._confidence[ACCEPTANCE_MODES[mode].draft])
+            batches = self.adaptive.batches(confidence.shape[0])
+            self._admitted[mode] = admitted_drafts(confidence, batches, self.adaptive.budget_share)
+        return self._admitted[mode]
 
     def accept(self, mode: str) -> torch.Tensor:
+        spec = ACCEPTANCE_MODES[mode]
+        if spec.adaptive:
+            return truncated(self.accept(spec.base), self.admitted(mode))
         return torch.cat(self._parts[mode])
 
     def emitted(self, mode: str) -> torch.Tensor:
@@ -401,10 +441,25 @@ class AcceptanceAccumulator:
         return 1 + self.accept(mode).sum(dim=1)
 
     def to_json(self) -> dict:
-        return {
-            mode: summarise(self.accept(mode), outcomes=mode == "greedy").to_json()
-            for mode in ACCEPTANCE_MODES
+        return {mode: self._mode_json(mode) for mode in self.modes()}
+
+    def _mode_json(self, mode: str) -> dict:
+        spec = ACCEPTANCE_MODES[mode]
+        accept = self.accept(mode)
+        B = accept.shape[1]
+        adaptive = self.adaptive.to_json() if self.adaptive is not None else None
+        out = {
+            "mode": spec.to_json(self.temperature, adaptive),
+            **summarise(accept, outcomes=spec.base in self._outcomes).to_json(),
         }
+        if spec.adaptive:
+            admitted = self.admitted(mode)
+            confidence = torch.cat(self._confidence[spec.draft])
+            out["verified"] = admitted.double().mean().item()
+            out["estimated_emitted"] = mean_estimate(
+                estimated_emitted(confidence, admitted), bounds=(1.0, B + 1.0)
+            ).to_json()
+        return out
 
 
 def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:
