@@ -49,6 +49,14 @@ class AcceptanceMode:
     verification: str  # RULES, or "greedy"
     adaptive: bool = False
 
+    def __post_init__(self) -> None:
+        if self.draft not in DRAFT_METHODS:
+            raise ValueError(f"draft {self.draft!r}: choose from {', '.join(DRAFT_METHODS)}")
+        if self.verification not in (*RULES, "greedy"):
+            raise ValueError(
+                f"verification {self.verification!r}: choose from {', '.join(RULES)}, greedy"
+            )
+
     @property
     def base(self) -> str:
         """The key of the same mode without adaptive verification."""
@@ -56,7 +64,7 @@ class AcceptanceMode:
 
     @property
     def label(self) -> str:
-        """Short words for a table column: ``greedy draft × token-wise``."""
+        """Short words for a table's mode column: ``greedy draft × token-wise``."""
         draft = "greedy draft" if self.draft == "greedy" else "probabilistic"
         verify = {"token_wise": "token-wise", "block": "block", "greedy": "greedy (T=0)"}
         return f"{draft} × {verify[self.verification]}" + (", adaptive" if self.adaptive else "")
@@ -81,9 +89,9 @@ class AcceptanceMode:
         }
 
 
-# The acceptance modes a results entry holds (``acceptance.VERIFIER.MODE``).  The first two keys
-# keep the names they had before greedy drafting against a sampling verifier was simulated:
-# "sampled" is the probabilistic draft.
+# The acceptance modes a results entry holds (``acceptance.VERIFIER.MODE``).  sampled_token_wise,
+# sampled_block and greedy keep the keys they had before greedy drafts against a sampling
+# verifier were simulated: "sampled" is the probabilistic draft.
 ACCEPTANCE_MODES = {
     "greedy_draft_token_wise": AcceptanceMode("greedy", "token_wise"),
     "sampled_block": AcceptanceMode("probabilistic", "block"),
