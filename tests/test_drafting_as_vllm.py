@@ -1,16 +1,21 @@
 """eval-drift drafts as vLLM's DSpark drafter drafts (issue 11, docs/model.md, docs/eval-drift.md, docs/vllm.md): the full
 tempered softmax on the draft side and top-p on the verifier's, final logits rounded to the
-serving dtype, a flip rate without the median tie, and what the sampled matched prefix is."""
+serving dtype, a flip rate without the median tie, and what the sampled matched prefix is; the
+acceptance of every mode vLLM serves, each labelled (docs/acceptance.md)."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
 import torch
 from click.testing import CliRunner
 
+from qstream.card.results import collect_results
+from qstream.card.study_tables import acceptance_tables
 from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.metrics import pooled_proportion, sched_flips
+from qstream.eval.vocabulary import ACCEPTANCE_MODES
 from qstream.model.markov import markov_logits, sample, sampling_probs
 
 B = 7
@@ -66,6 +71,75 @@ def test_verifier_top_p_is_applied_and_recorded(self_verified):
     assert sampling["drafter"]["top_p"] == 1.0
 
 
+def test_every_mode_says_what_it_is(self_verified):
+    acc = self_verified[1.0]["regimes"]["gauss"]["variants"]["fp32"]["acceptance"]["reference"]
+    assert [m for m in acc if m != "loss_vs_bf16"] == list(ACCEPTANCE_MODES)
+    default = acc["greedy_draft_token_wise"]["mode"]
+    assert default["vllm"] == "draft_sample_method=greedy, rejection_sample_method=standard"
+    assert (default["draft"], default["verification"], default["temperature"]) == (
+        "greedy",
+        "token_wise",
+        1.0,
+    )
+    assert acc["sampled_block"]["mode"]["draft"] == "probabilistic"
+    assert acc["greedy"]["mode"]["temperature"] == 0.0
+    adaptive = acc["sampled_block_adaptive"]["mode"]
+    assert adaptive["adaptive"] == {"requests": 8, "budget_share": 0.5}
+    assert adaptive["vllm"].endswith("enable_adaptive_verification=true")
+
+
+def test_a_greedy_draft_is_not_accepted_whole_by_a_sampling_verifier(self_verified):
+    # at T = 1 the reference verifying its own argmax accepts x_k with p(x_k) < 1: vLLM's
+    # default mode loses tokens even without any quantization
+    acc = self_verified[1.0]["regimes"]["gauss"]["variants"]["fp32"]["acceptance"]["reference"]
+    token_wise = acc["greedy_draft_token_wise"]["emitted"]["value"]
+    assert 1.0 < token_wise < B and acc["greedy_draft_block"]["emitted"]["value"] == token_wise
+    # adaptive verification keeps half of each batch's drafts, all accepted by the reference:
+    # 64 blocks in batches of 8, 28 of 56 drafted tokens verified in each
+    assert acc["sampled_block_adaptive"]["verified"] == B / 2
+    assert acc["sampled_block_adaptive"]["emitted"]["value"] == 1 + B / 2
+
+
+@pytest.fixture(scope="module")
+def near_zero_temperature(tiny, corpus):
+    settings = DriftSettings(
+        regimes=("gauss",), formats=("bf16", "nvfp4"), n_blocks=32, acceptance=True,
+        temperature=1e-6,
+    )  # fmt: skip
+    return evaluate_drift(tiny, settings, corpus)
+
+
+def test_greedy_draft_against_a_near_greedy_verifier_is_greedy_against_greedy(
+    near_zero_temperature,
+):
+    # as T -> 0 the verifier's softmax is one-hot at its argmax: P(tau >= k) = prod p(x_j)
+    # becomes the matched prefix of greedy against greedy
+    for name, entry in near_zero_temperature["regimes"]["gauss"]["variants"].items():
+        acc = entry["acceptance"]["reference"]
+        greedy = acc["greedy"]["emitted"]["value"]
+        for mode in ("greedy_draft_token_wise", "greedy_draft_block"):
+            assert acc[mode]["emitted"]["value"] == pytest.approx(greedy, abs=1e-12), (name, mode)
+
+
+def test_results_without_the_new_modes_still_make_tables(near_zero_temperature):
+    """Results written before greedy drafts and adaptive verification were simulated (only the
+    three old keys) read as 'not simulated', not as an error."""
+    old = copy.deepcopy(near_zero_temperature)
+    for entry in old["regimes"]["gauss"]["variants"].values():
+        acc = entry["acceptance"]["reference"]
+        for mode in list(acc):
+            if mode not in ("sampled_token_wise", "sampled_block", "greedy", "loss_vs_bf16"):
+                del acc[mode]
+        if acc["loss_vs_bf16"] is not None:
+            acc["loss_vs_bf16"] = {m: acc["loss_vs_bf16"][m] for m in ("sampled_block", "greedy")}
+    tables = acceptance_tables(collect_results([(old, "old.json")]), "reference")
+    assert len(tables) == 2  # no adaptive table: nothing adaptive was simulated
+    default = [row for row in tables[0].rows if row[0].text == "greedy draft × token-wise"]
+    assert default and all(row[3].text == "not simulated" for row in default)
+    card = [row for row in tables[0].rows if row[0].text == "probabilistic × block"]
+    assert all(row[3].text not in ("not simulated", "n/a") for row in card)
+
+
 def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tiny, corpus):
     settings = DriftSettings(
         regimes=("heavy",), formats=("bf16", "fp8", "nvfp4"), n_blocks=128, acceptance=True
@@ -92,6 +166,9 @@ def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tin
         ["--blocks", "0"],
         ["--tolerance", "-1"],
         ["--seed", "-1"],
+        ["--adaptive-requests", "0"],
+        ["--adaptive-budget", "1.5"],
+        ["--adaptive-budget", "nan"],
     ],
 )
 def test_bad_numbers_are_one_usage_line(args):

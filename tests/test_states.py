@@ -101,6 +101,25 @@ def test_states_regime_reports_the_reference_draft_against_the_target(results, s
     assert "acceptance" in r and "block" in r["acceptance"]["rules"]
 
 
+def test_the_target_verifies_greedy_drafts_and_their_adaptive_trimming(results):
+    """Against the target's stream a greedy draft's weight is its matched run (0/1 outcomes,
+    the same under both rules); adaptive verification is simulated for the greedy draft only
+    (a probabilistic draft's trimming reads the whole drafted block)."""
+    variants = results["regimes"]["states"]["variants"]
+    for name, entry in [
+        *variants.items(),
+        ("reference draft", results["regimes"]["states"]["reference_draft"]),
+    ]:
+        acc = entry["acceptance"]["target"]
+        assert "sampled_block_adaptive" not in acc, name
+        greedy_draft = acc["greedy_draft_token_wise"]["emitted"]
+        assert acc["greedy_draft_block"]["emitted"] == greedy_draft, name
+        adaptive = acc["greedy_draft_token_wise_adaptive"]
+        assert 1.0 <= adaptive["emitted"]["value"] <= greedy_draft["value"], name
+        assert adaptive["mode"]["adaptive"] == {"requests": 8, "budget_share": 0.5}
+    assert "sampled_block_adaptive" in variants["bf16"]["acceptance"]["reference"]
+
+
 def test_states_aux_come_from_the_file(tiny, states_file):
     states = read_states(states_file, load_config(tiny))
     raw = load_file(states_file)

@@ -36,7 +36,7 @@ from qstream.card.output import (
 )
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
 from qstream.card.study_tables import (
-    acceptance_table,
+    acceptance_tables,
     acceptance_verifiers,
     context_sweep_table,
     sensitivity_table,
@@ -118,7 +118,7 @@ def build_card(
         sections.append(
             Section(
                 "Acceptance under vLLM's verification rules",
-                [acceptance_table(rs, v) for v in verifiers],
+                [t for v in verifiers for t in acceptance_tables(rs, v)],
             )
         )
     sections += _drift_sections(rs, full_regime, figure)

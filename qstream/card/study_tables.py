@@ -16,7 +16,13 @@ from qstream.card.tables import (
     variant_label,
     variant_order,
 )
-from qstream.eval.vocabulary import ACCEPTANCE_MODES, VERIFIERS, verifier_label
+from qstream.eval.vocabulary import (
+    ACCEPTANCE_MODES,
+    ADAPTIVE_MODES,
+    HEADLINE_MODES,
+    VERIFIERS,
+    verifier_label,
+)
 
 
 def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
@@ -116,44 +122,142 @@ def acceptance_verifiers(rs: ResultsSet) -> list[str]:
     ]
 
 
-def acceptance_table(rs: ResultsSet, verifier: str) -> Table:
-    """Expected tokens per block (≤ B+1) by rule, one row per variant and regime (a column per
-    regime would be 6 columns per regime wide), with the 95% CI and the results' paired loss
-    against bf16."""
-    d = DIGITS["ceiling"]
-    regimes = [
+def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
+    """The acceptance by ``verifier``, one row per variant and regime: vLLM's default mode beside
+    the published card's, then the other modes, then adaptive verification (the last only where
+    some result simulated it)."""
+    tables = [
+        _modes_table(rs, verifier, HEADLINE_MODES, "headline"),
+        _modes_table(rs, verifier, OTHER_MODES, "other"),
+    ]
+    if any(_entries(rs, verifier, mode) for mode in ADAPTIVE_MODES):
+        tables.append(_adaptive_table(rs, verifier))
+    return tables
+
+
+OTHER_MODES = tuple(
+    k for k, m in ACCEPTANCE_MODES.items() if k not in HEADLINE_MODES and not m.adaptive
+)
+_CAPTIONS = {
+    "headline": "vLLM 0.32's default mode (greedy draft: the drafter's argmax at any "
+    "temperature, a one-hot draft to the rejection sampler; token-wise verification) beside "
+    "the mode a published DSpark card reports (probabilistic draft, block verification)",
+    "other": "the other modes: greedy draft under block verification (the same law as "
+    "token-wise for a one-hot draft), probabilistic draft under token-wise verification, and a "
+    "greedy verifier (temperature 0)",
+}
+
+
+def _acceptance_regimes(rs: ResultsSet, verifier: str) -> list[str]:
+    return [
         r
         for r in regime_order(rs)
         if any(verifier in res.get("acceptance", {}) for res in rs.regimes[r].values())
     ]
-    columns = ["variant", "regime"]
-    columns += [f"{name} [95% CI]" for name in ACCEPTANCE_MODES.values()]
-    columns += [f"{name} loss vs bf16" for name in ACCEPTANCE_MODES.values()]
+
+
+def _entries(rs: ResultsSet, verifier: str, mode: str) -> list[dict]:
+    """Every result's entry of ``mode`` under ``verifier``."""
+    return [
+        acc[mode]
+        for block in rs.regimes.values()
+        for res in block.values()
+        if mode in (acc := res.get("acceptance", {}).get(verifier) or {})
+    ]
+
+
+def _acceptance_rows(
+    rs: ResultsSet, verifier: str, modes: tuple[str, ...], cells
+) -> list[list[Cell]]:
+    """One row per mode, regime and variant (in that order, so that a mode's variants sit
+    together); ``cells(acc, mode)`` the value cells from a variant's ``acceptance.VERIFIER``
+    block (None: not evaluated)."""
     rows = []
-    for variant in variant_order(rs):
-        for regime in regimes:
-            row = [label(variant_label(rs, variant)), Cell(regime)]
-            acc = (rs.regimes[regime].get(variant) or {}).get("acceptance", {}).get(verifier)
-            if acc is None:
-                row += [Cell("not evaluated")] * (2 * len(ACCEPTANCE_MODES))
-            else:
-                row += [estimate(acc[mode]["emitted"], d) for mode in ACCEPTANCE_MODES]
-                loss = acc.get("loss_vs_bf16")
-                row += [
-                    Cell("(floor)") if loss is None else estimate(loss[mode], d)
-                    for mode in ACCEPTANCE_MODES
-                ]
-            rows.append(row)
+    for mode in modes:
+        for regime in _acceptance_regimes(rs, verifier):
+            for variant in variant_order(rs):
+                res = rs.regimes[regime].get(variant) or {}
+                acc = res.get("acceptance", {}).get(verifier)
+                rows.append(
+                    [
+                        label(ACCEPTANCE_MODES[mode].label),
+                        Cell(regime),
+                        label(variant_label(rs, variant)),
+                        *cells(acc, mode),
+                    ]
+                )
+    return rows
+
+
+def _emitted_and_loss(acc: dict | None, mode: str) -> list[Cell]:
+    """A mode's expected tokens and paired loss against bf16, or why they are absent."""
+    d = DIGITS["ceiling"]
+    if acc is None:
+        return [Cell("not evaluated"), Cell("n/a")]
+    if mode not in acc:
+        return [Cell("not simulated"), Cell("n/a")]
+    loss = acc.get("loss_vs_bf16")
+    if loss is None:
+        return [estimate(acc[mode]["emitted"], d), Cell("(floor)")]
+    return [estimate(acc[mode]["emitted"], d), estimate(loss.get(mode), d)]
+
+
+_COLUMNS = ["mode", "regime", "variant", "tokens/step [95% CI]", "loss vs bf16"]
+
+
+def _modes_table(rs: ResultsSet, verifier: str, modes: tuple[str, ...], which: str) -> Table:
     return Table(
         f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
-        f"accepted drafted tokens plus the resampled or bonus token (1..{rs.block_size + 1}), "
-        "token-wise rejection sampling and block verification with the drafter on the "
-        f"full tempered softmax and the verifier at {_verifier_sampling(rs)}, and greedy; "
-        "loss vs bf16 is the results' paired per-block difference",
+        f"{_CAPTIONS[which]}. Accepted drafted tokens plus the resampled or bonus token "
+        f"(1..{rs.block_size + 1}); a probabilistic drafter samples its full tempered softmax, "
+        f"a sampling verifier is at {_verifier_sampling(rs)}; loss vs bf16 is the results' "
+        "paired per-block difference",
+        _COLUMNS,
+        _acceptance_rows(rs, verifier, modes, _emitted_and_loss),
+        key=f"acceptance_{verifier}" + ("" if which == "headline" else f"_{which}"),
+        align="lll" + "r" * (len(_COLUMNS) - 3),
+    )
+
+
+def _adaptive_table(rs: ResultsSet, verifier: str) -> Table:
+    """Each adaptive mode's expected tokens and loss, the drafted tokens it verifies, and what
+    vLLM's budget rule expects from the confidence head."""
+    d = DIGITS["ceiling"]
+
+    def cells(acc: dict | None, mode: str) -> list[Cell]:
+        entry = (acc or {}).get(mode)
+        estimated = Cell("n/a") if entry is None else estimate(entry["estimated_emitted"], d)
+        return [*_emitted_and_loss(acc, mode), estimated]
+
+    columns = [*_COLUMNS, "vLLM's estimate [95% CI]"]
+    return Table(
+        f"Adaptive verification (vLLM 0.32's enable_adaptive_verification), verified by "
+        f"{VERIFIERS[verifier]}: {_adaptive_setting(rs, verifier)}; each request keeps the "
+        "drafted positions that rank in the batch's budget by the running product of its "
+        "confidence scores, as vLLM ranks them. Tokens per step as above; vLLM's estimate is "
+        "what its budget rule expects a block to emit (1 + the survival of its verified "
+        "positions), the confidence head's prediction of the target's acceptance. vLLM sizes "
+        "the budget from step costs it profiles on its GPU; here it is a setting "
+        "(docs/acceptance.md)",
         columns,
-        rows,
-        key=f"acceptance_{verifier}",
-        align="ll" + "r" * (len(columns) - 2),
+        _acceptance_rows(rs, verifier, ADAPTIVE_MODES, cells),
+        key=f"acceptance_{verifier}_adaptive",
+        align="lll" + "r" * (len(columns) - 3),
+    )
+
+
+def _adaptive_setting(rs: ResultsSet, verifier: str) -> str:
+    """The adaptive budget the results ran with, in words (every distinct one)."""
+    settings = {
+        (a["requests"], a["budget_share"])
+        for mode in ADAPTIVE_MODES
+        for entry in _entries(rs, verifier, mode)
+        if (a := entry["mode"].get("adaptive"))
+    }
+    return "; ".join(
+        f"blocks verified {r} at a time as one batch's requests, whose budget is {share:g} of "
+        "their drafted tokens"
+        for r, share in sorted(settings)
     )
 
 

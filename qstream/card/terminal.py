@@ -14,7 +14,7 @@ from qstream.card.build import suggested_command
 from qstream.card.document import Code, Part, Table
 from qstream.card.results import ResultsSet, collect_results
 from qstream.card.study_tables import (
-    acceptance_table,
+    acceptance_tables,
     acceptance_verifiers,
     context_sweep_table,
     sensitivity_table,
@@ -38,7 +38,8 @@ def report_parts(rs: ResultsSet) -> list[Part]:
             parts += [sensitivity_table(rs, regime), suggested_command(rs, regime)]
         if "context_sweep" in sections:
             parts.append(context_sweep_table(rs, regime))
-    parts += [acceptance_table(rs, verifier) for verifier in acceptance_verifiers(rs)]
+    for verifier in acceptance_verifiers(rs):
+        parts += acceptance_tables(rs, verifier)
     return parts
 
 

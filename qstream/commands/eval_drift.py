@@ -117,8 +117,25 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 @option(
     "acceptance",
     is_flag=True,
-    help="Also verify each variant's drafts with the FP32 reference: expected tokens per "
-    "block under token-wise and block verification, and greedy (docs/acceptance.md).",
+    help="Also verify each variant's drafts with the FP32 reference, in every mode vLLM "
+    "serves: greedy draft (vLLM's default) and probabilistic draft under token-wise and block "
+    "verification, a greedy verifier, and adaptive verification (docs/acceptance.md).",
+)
+@option(
+    "adaptive_requests",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Adaptive verification: blocks verified together as one batch's requests, whose "
+    "drafts compete for the budget.",
+)
+@option(
+    "adaptive_budget",
+    type=FiniteRange(0, 1),
+    default=0.5,
+    show_default=True,
+    help="Adaptive verification: share of a batch's drafted tokens verified (vLLM sizes it "
+    "from its GPU's step costs).",
 )
 @option(
     "states",
@@ -246,6 +263,8 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         top_k=o["top_k"],
         draft_top_p=o["draft_top_p"],
         acceptance=o["acceptance"],
+        adaptive_requests=o["adaptive_requests"],
+        adaptive_budget=o["adaptive_budget"],
         states=o["states"],
         states_format=o["states_format"],
         states_layer_convention=o["states_layer_convention"],

@@ -30,18 +30,44 @@ an unbiased, lower-variance (Rao–Blackwellised) estimate of the expected numbe
 per block, from a single drafted block and no verifier randomness.  Per draft the block value is
 never below the token-wise one, since ``min(1, P_{k-1} r_k) ≥ P_{k-1} min(1, r_k)``.
 
+**Greedy drafting against a sampling verifier** (vLLM's default ``draft_sample_method``
+"greedy" at a temperature > 0): the drafter's argmax is treated as a one-hot draft, ``q_k(x_k)
+= 1`` (vLLM 0.32, rejection_sampler_utils.py: ``_compute_global_logprobs_and_logsumexp`` and
+``_compute_global_residual_mass`` without draft logits).  Token-wise then accepts ``x_k`` with
+probability ``p_k(x_k)`` and resamples from ``p_k`` with ``x_k`` removed.  Block verification
+gets ``P_k = Π_{j≤k} p_j(x_j)`` (never capped: each factor is at most 1) and
+``Z_{k+1} = P_k (1 − p_{k+1}(x_{k+1}))``: its ``P(τ ≥ k | x) = P_k`` is the token-wise value and
+its residual is the same, so with a deterministic draft the two rules emit the same law (one
+verifier's uniforms give different outcomes under each).
+
+**Adaptive verification** (vLLM 0.32, adaptive_verification.py): the drafts of the requests of
+one batch compete for a budget of verified draft tokens.  Each (request, position k) slot is
+scored by its survival ``Π_{j≤k} c_j`` (c: the confidence head's sigmoid scores) and the
+budget's best slots are admitted (``_assign_draft_token_budget``); a request verifies its first
+``m`` drafted tokens and the rest are dropped before the target sees them.  A truncated draft is
+verified as a block of ``m`` tokens, so its ``P(τ ≥ k | x)`` is unchanged for ``k ≤ m`` and 0
+beyond.  Whether position k is admitted depends on ``c_{≤k}``, which read the drafted tokens
+before k only (``c_k`` reads ``markov_w1[x_{k-1}]``): the truncation is decided before the
+token it drops is verified, and the emitted tokens keep the verifier's law.  The budget's size
+comes from step costs vLLM profiles on the serving GPU (``get_num_tokens``); it is a setting
+here (docs/acceptance.md).
+
 **Verifying on a stream the verifier sampled itself.** When the only prefixes whose verifier
 distribution is known are those of a token stream ``s`` drawn from the verifier (captured target
 states), the same expectation is ``E_{s~p}[Σ_k w_k(s)]`` with the importance weight
 ``w_k = P(τ ≥ k | s_{≤k}) · q(s_{≤k}) / p(s_{≤k})``: token-wise ``Π_{j≤k} min(1, q_j/p_j)``, block
 ``min(1, min_{i≤k} Π_{j≤i} q_j/p_j)`` (the running minimum of the cumulative likelihood ratio).
 Both weights lie in [0, 1], and they are unbiased because a prefix the verifier cannot produce
-(``p = 0`` somewhere) is never accepted by either rule.
+(``p = 0`` somewhere) is never accepted by either rule.  A greedy draft is the one-hot
+``q_j = [s_j = x_j]`` (x_j the drafter's argmax on the stream's prefix): both weights are then
+``[s_{≤k} = x_{≤k}]``, whose expectation over the stream is ``p(x_{≤k}) = P(τ ≥ k | x)``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -116,6 +142,100 @@ def greedy_accepts(draft_tokens: torch.Tensor, verifier_top1: torch.Tensor) -> t
     return ((draft_tokens != verifier_top1).cumsum(dim=1) == 0).double()
 
 
+def greedy_draft_probabilities(p_tok: torch.Tensor, rule: str) -> torch.Tensor:
+    """``[n, B]`` float64: P(τ ≥ k | drafted prefix) for a greedy draft (a one-hot q) verified by
+    a sampling verifier: ``Π_{j≤k} p_j(x_j)`` under either rule (module docstring)."""
+    return accept_probabilities(p_tok, torch.ones_like(p_tok), rule)
+
+
+def greedy_draft_stream_weights(
+    p_tok: torch.Tensor, drafted_is_stream: torch.Tensor, rule: str
+) -> torch.Tensor:
+    """:func:`stream_weights` of a greedy drafter: ``drafted_is_stream[:, k]`` says whether the
+    drafter's argmax on the stream's prefix is the stream's token k (its one-hot q there)."""
+    return stream_weights(p_tok, drafted_is_stream.double(), rule)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adaptive verification (vLLM 0.32, vllm/v1/worker/gpu/spec_decode/adaptive_verification.py)
+
+
+@dataclass(frozen=True)
+class AdaptiveBudget:
+    """How adaptive verification is simulated: the blocks of an evaluation, shuffled by ``seed``,
+    are taken ``requests`` at a time as the requests of one batch, whose verified draft tokens
+    are ``budget_share`` of their drafted ones (rounded to the nearest token).  vLLM sizes that
+    budget from profiled step costs; here it is given."""
+
+    requests: int
+    budget_share: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise ValueError(f"requests must be >= 1, got {self.requests}")
+        if not 0 <= self.budget_share <= 1:
+            raise ValueError(f"budget_share must be in [0, 1], got {self.budget_share}")
+
+    def to_json(self) -> dict:
+        return {"requests": self.requests, "budget_share": self.budget_share}
+
+    def batches(self, n: int) -> torch.Tensor:
+        """``[n]`` the batch each of ``n`` blocks is verified in (a seeded shuffle, then
+        ``requests`` at a time; the last batch may be smaller)."""
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
+        batch = torch.empty(n, dtype=torch.int64)
+        batch[order] = torch.arange(n) // self.requests
+        return batch
+
+
+def admitted_drafts(
+    confidence: torch.Tensor, batch: torch.Tensor, budget_share: float
+) -> torch.Tensor:
+    """``[n]`` int64: how many of its drafted tokens each block verifies when the blocks of each
+    batch (``batch[i]``: block i's batch) share a budget of ``round(budget_share · B ·
+    requests)`` tokens, as ``_assign_draft_token_budget`` admits them: every (block, position k)
+    slot scored by its survival ``cumprod(c)[k]`` in float32, the batch's highest scores win, and
+    a block verifies as many tokens as it has winners (a prefix: survival never increases along
+    a block).  Ties, which vLLM's ``topk`` breaks as it may, go to the earlier block of the batch
+    and the earlier position, so that a slot's admission depends on its own block's earlier
+    scores only."""
+    n, B = confidence.shape
+    survival = confidence.float().cumprod(dim=1)  # [n, B]
+    _, batch_of, sizes = torch.unique(batch, return_inverse=True, return_counts=True)
+    order = torch.argsort(batch_of, stable=True)  # blocks by batch, in block order within one
+    g = batch_of[order]
+    slot = torch.arange(n) - (sizes.cumsum(0) - sizes)[g]  # [n] place within the batch
+    grid = torch.full((sizes.numel(), int(sizes.max()), B), -math.inf)  # [G, R, B]
+    grid[g, slot] = survival[order]  # a smaller batch's missing requests score -inf
+    flat = grid.flatten(1)  # [G, R·B] request-major: earlier block, then earlier position
+    ranked = torch.sort(-flat, dim=1, stable=True).indices  # best first, ties in that order
+    rank = torch.empty_like(ranked).scatter_(
+        1, ranked, torch.arange(flat.shape[1]).expand_as(ranked)
+    )
+    budget = torch.floor(budget_share * B * sizes.double() + 0.5).long()  # [G]
+    wins = (rank < budget[:, None]).view_as(grid).sum(dim=-1)  # [G, R]
+    admitted = torch.empty(n, dtype=torch.int64)
+    admitted[order] = wins[g, slot]
+    return admitted
+
+
+def truncated(accept: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """``accept`` [n, B] with the positions past each block's ``admitted`` count zeroed: a
+    draft cut to m tokens is verified as a block of m (module docstring)."""
+    keep = torch.arange(accept.shape[1]) < admitted[:, None]
+    return torch.where(keep, accept, 0.0)
+
+
+def estimated_emitted(confidence: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """``[n]`` what vLLM's budget rule expects each block to emit, ``1 + Σ_{k≤m} Π_{j≤k} c_j``
+    over its admitted positions (``get_num_tokens``: the request's sampled token plus the
+    survival of its admitted slots, in float64): the confidence head's prediction of the
+    target's acceptance."""
+    survival = confidence.double().cumprod(dim=1)
+    return 1 + truncated(survival, admitted).sum(dim=1)
+
+
 def token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``probs[..., tokens]``: [n, B, V], [n, B] -> [n, B]."""
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -161,6 +281,14 @@ def _finish(draft, p, q, accepted, scale_at, generator) -> Verified:
     return _emit(draft, accepted, last)
 
 
+class Verifier(Protocol):
+    """A sampler of a verification rule: drafts [n, B], p [n, B+1, V], q [n, B, V]."""
+
+    def __call__(
+        self, draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
+    ) -> Verified: ...
+
+
 def verify_token_wise(
     draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator
 ) -> Verified:
@@ -190,6 +318,30 @@ def verify_block(
     accepted = passed.max(dim=1).values
     P_with_0 = torch.cat((torch.ones(n, 1, dtype=torch.float64), P), dim=1)
     return _finish(draft, p, q, accepted, P_with_0[torch.arange(n), accepted], generator)
+
+
+def verify_truncated(
+    verify: Verifier,
+    draft: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    admitted: torch.Tensor,
+    generator: torch.Generator,
+) -> Verified:
+    """Adaptive verification's trimmed drafts: each block's first ``admitted`` tokens verified by
+    ``verify`` as a block of that length (nothing admitted: one token drawn from ``p_1``)."""
+    n, B = draft.shape
+    accepted = torch.zeros(n, dtype=torch.int64)
+    tokens = torch.full((n, B + 1), -1, dtype=torch.int64)
+    for m in torch.unique(admitted).tolist():
+        rows = (admitted == m).nonzero().squeeze(1)
+        if m == 0:
+            tokens[rows, 0] = _draw(p[rows, 0].double(), generator)
+            continue
+        part = verify(draft[rows, :m], p[rows, : m + 1], q[rows, :m], generator)
+        accepted[rows] = part.accepted
+        tokens[rows, : m + 1] = part.tokens
+    return Verified(accepted, tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,16 +384,56 @@ def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary
 
 class AcceptanceAccumulator:
     """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
-    (``vocabulary.ACCEPTANCE_MODES``); :meth:`emitted` gives the per-block values for paired
-    comparisons."""
+    (``vocabulary.ACCEPTANCE_MODES``), and the drafter's confidence scores per draft method, from
+    which the adaptive modes are derived when the results are read (their batches span the
+    whole evaluation).  :meth:`emitted` gives the per-block values for paired comparisons."""
 
-    def __init__(self) -> None:
-        self._parts: dict[str, list[torch.Tensor]] = {mode: [] for mode in ACCEPTANCE_MODES}
+    def __init__(self, temperature: float, adaptive: AdaptiveBudget | None = None) -> None:
+        self.temperature, self.adaptive = temperature, adaptive
+        self._parts: dict[str, list[torch.Tensor]] = {}
+        self._confidence: dict[str, list[torch.Tensor]] = {}
+        self._outcomes: set[str] = set()  # modes whose values are 0/1 outcomes
+        self._admitted: dict[str, torch.Tensor] = {}
 
-    def add(self, mode: str, accept: torch.Tensor) -> None:
-        self._parts[mode].append(accept.double().cpu())
+    def add(self, mode: str, accept: torch.Tensor, outcomes: bool = False) -> None:
+        """One batch's ``[n, B]`` P(τ ≥ k) of a non-adaptive mode; ``outcomes``: they are 0/1."""
+        if ACCEPTANCE_MODES[mode].adaptive:
+            raise ValueError(f"{mode} is derived from its base mode, not added")
+        self._parts.setdefault(mode, []).append(accept.double().cpu())
+        if outcomes:
+            self._outcomes.add(mode)
+
+    def add_confidence(self, draft: str, confidence: torch.Tensor | None) -> None:
+        """One batch's ``[n, B]`` confidence scores of the drafts made by ``draft`` (None: the
+        model has no confidence head, and no adaptive mode is simulated)."""
+        if confidence is not None:
+            self._confidence.setdefault(draft, []).append(confidence.float().cpu())
+
+    def modes(self) -> list[str]:
+        """The modes held, in ACCEPTANCE_MODES order; an adaptive one when its base mode, its
+        draft's confidence scores and an adaptive budget are all there."""
+        return [key for key in ACCEPTANCE_MODES if self._holds(key)]
+
+    def _holds(self, key: str) -> bool:
+        mode = ACCEPTANCE_MODES[key]
+        if not mode.adaptive:
+            return key in self._parts
+        held = mode.base in self._parts and mode.draft in self._confidence
+        return held and self.adaptive is not None
+
+    def admitted(self, mode: str) -> torch.Tensor:
+        """``[n]`` drafted tokens each block verifies under an adaptive ``mode``."""
+        if mode not in self._admitted:
+            assert self.adaptive is not None  # modes() lists adaptive modes only with it
+            confidence = torch.cat(self._confidence[ACCEPTANCE_MODES[mode].draft])
+            batches = self.adaptive.batches(confidence.shape[0])
+            self._admitted[mode] = admitted_drafts(confidence, batches, self.adaptive.budget_share)
+        return self._admitted[mode]
 
     def accept(self, mode: str) -> torch.Tensor:
+        spec = ACCEPTANCE_MODES[mode]
+        if spec.adaptive:
+            return truncated(self.accept(spec.base), self.admitted(mode))
         return torch.cat(self._parts[mode])
 
     def emitted(self, mode: str) -> torch.Tensor:
@@ -249,10 +441,25 @@ class AcceptanceAccumulator:
         return 1 + self.accept(mode).sum(dim=1)
 
     def to_json(self) -> dict:
-        return {
-            mode: summarise(self.accept(mode), outcomes=mode == "greedy").to_json()
-            for mode in ACCEPTANCE_MODES
+        return {mode: self._mode_json(mode) for mode in self.modes()}
+
+    def _mode_json(self, mode: str) -> dict:
+        spec = ACCEPTANCE_MODES[mode]
+        accept = self.accept(mode)
+        B = accept.shape[1]
+        adaptive = self.adaptive.to_json() if self.adaptive is not None else None
+        out = {
+            "mode": spec.to_json(self.temperature, adaptive),
+            **summarise(accept, outcomes=spec.base in self._outcomes).to_json(),
         }
+        if spec.adaptive:
+            admitted = self.admitted(mode)
+            confidence = torch.cat(self._confidence[spec.draft])
+            out["verified"] = admitted.double().mean().item()
+            out["estimated_emitted"] = mean_estimate(
+                estimated_emitted(confidence, admitted), bounds=(1.0, B + 1.0)
+            ).to_json()
+        return out
 
 
 def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:

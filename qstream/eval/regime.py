@@ -173,7 +173,7 @@ def reference_pass(
         ref.logits[idx] = greedy.logits
         ref.greedy_tokens[idx] = greedy.tokens
         ref.sampled_tokens[idx] = sampled.tokens
-        probe.add_reference(batch, head, blocks)
+        probe.add_reference(batch, head, blocks, greedy)
         if greedy.confidence is not None:
             ref.confidence[idx] = greedy.confidence
         trim_heap()  # the batch's freed temporaries leave the resident set

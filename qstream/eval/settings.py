@@ -63,6 +63,11 @@ class DriftSettings:
     # Simulated acceptance (docs/acceptance.md): the FP32 reference verifies each variant's
     # drafts, token-wise and by block verification
     acceptance: bool = False
+    # Adaptive verification (docs/acceptance.md): the blocks verified ``adaptive_requests`` at a
+    # time as one batch's requests, whose verified draft tokens are ``adaptive_budget`` of those
+    # drafted (vLLM sizes that budget from step costs profiled on its GPU)
+    adaptive_requests: int = 8
+    adaptive_budget: float = 0.5
     # captured target states, a file or a directory (qstream/eval/states/): regime "states";
     # its layout (auto: from the contents), the convention of the layer ids it names, and layer
     # ids to check it against (docs/states.md)
@@ -119,6 +124,12 @@ class DriftSettings:
                 raise QStreamError(f"{name} must be in (0, 1], got {value}")
         if self.top_k is not None and self.top_k < 1:
             raise QStreamError(f"--top-k must be >= 1 (or off), got {self.top_k}")
+        if self.adaptive_requests < 1:
+            raise QStreamError(
+                f"--adaptive-requests must be at least 1, got {self.adaptive_requests}"
+            )
+        if not (math.isfinite(self.adaptive_budget) and 0 <= self.adaptive_budget <= 1):
+            raise QStreamError(f"--adaptive-budget must be in [0, 1], got {self.adaptive_budget}")
 
     def _check_context(self) -> None:
         edges = self.context_lengths

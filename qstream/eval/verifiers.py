@@ -12,8 +12,11 @@ import torch
 
 from qstream.eval.acceptance import (
     AcceptanceAccumulator,
+    AdaptiveBudget,
     accept_probabilities,
     greedy_accepts,
+    greedy_draft_probabilities,
+    greedy_draft_stream_weights,
     paired_loss,
     stream_weights,
     token_probs,
@@ -24,7 +27,7 @@ from qstream.eval.corpus import AnchorPlan
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
-from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, RULES, VERIFIERS, acceptance_mode
+from qstream.eval.vocabulary import FLOOR, RULES, VERIFIERS, acceptance_mode
 from qstream.model.dspark import LM_HEAD, Blocks, Rollout
 from qstream.model.markov import (
     HeadModel,
@@ -55,7 +58,9 @@ class RegimeAcceptance:
     Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in
     a :class:`~qstream.eval.blockstore.BlockStore` (in memory when small, else in the scratch
     directory; :meth:`close` frees it); per variant only ``[N, B]`` float64 acceptance values
-    are kept.  The target's lm_head is held as stored and upcast per use, in row chunks."""
+    per mode and the drafts' ``[N, B]`` confidence scores are kept (adaptive verification's
+    batches span the regime).  The target's lm_head is held as stored and upcast per use, in
+    row chunks."""
 
     def __init__(
         self,
@@ -72,7 +77,10 @@ class RegimeAcceptance:
         self.against_reference = against_reference
         self.active = against_reference or self.states is not None
         self.variants: dict[str, dict[str, AcceptanceAccumulator]] = {}
-        self.reference_target = AcceptanceAccumulator()
+        self.adaptive = AdaptiveBudget(
+            sampling.adaptive_requests, sampling.adaptive_budget, sampling.seed
+        )
+        self.reference_target = self._accumulator()
         self.diagnostics: dict[str, list] = {
             "stream_is_target_top1": [],
             "stream_outside_target_nucleus": [],
@@ -122,33 +130,50 @@ class RegimeAcceptance:
         model: HeadModel,
         blocks: Blocks,
         batch: Batch,
+        greedy: Rollout,
         record: bool,
     ) -> None:
         """Acceptance against the target on its own stream (module docstring): the drafter
-        teacher-forced on the stream, importance weights for the sampled rules, and the run of
-        top-1 agreement for greedy (exact where the stream is the target's greedy path)."""
+        teacher-forced on the stream, importance weights for the sampling verifier (the greedy
+        draft's: the run of the drafter's argmax on the stream), and the run of top-1 agreement
+        for the greedy verifier (exact where the stream is the target's greedy path).  Adaptive
+        verification trims the greedy draft by its free-running rollout's confidence; a
+        probabilistic draft's trimming depends on the other requests' drafts, which the
+        target's streams do not sample, so it is not simulated here (docs/acceptance.md)."""
         target_logits, stream = self._target(batch)
         forced = teacher_forced(model, blocks, stream).logits
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
         q_tok = token_probs(self._drafter_probs(forced), stream)
+        drafted_is_stream = forced.argmax(-1) == stream
         for rule in RULES:
-            acc.add(acceptance_mode(rule), stream_weights(p_tok, q_tok, rule))
+            acc.add(acceptance_mode("probabilistic", rule), stream_weights(p_tok, q_tok, rule))
+            acc.add(
+                acceptance_mode("greedy", rule),
+                greedy_draft_stream_weights(p_tok, drafted_is_stream, rule),
+                outcomes=True,
+            )
         target_top1 = target_logits.argmax(-1)
-        acc.add("greedy", greedy_accepts(forced.argmax(-1), target_top1))
+        acc.add("greedy", greedy_accepts(forced.argmax(-1), target_top1), outcomes=True)
+        acc.add_confidence("greedy", greedy.confidence)
         if record:
             self.diagnostics["stream_is_target_top1"].append(stream == target_top1)
             self.diagnostics["stream_outside_target_nucleus"].append(p_tok == 0)
 
-    def add_reference(self, batch: Batch, reference: HeadModel, blocks: Blocks) -> None:
+    def add_reference(
+        self, batch: Batch, reference: HeadModel, blocks: Blocks, greedy: Rollout
+    ) -> None:
         """The reference's drafted blocks of one batch (its U; its acceptance by the target)."""
         if self.U_ref is not None:
             self.U_ref[batch.blocks] = blocks.logits_base
         if self.states is not None:
-            self._add_target(self.reference_target, reference, blocks, batch, record=True)
+            self._add_target(self.reference_target, reference, blocks, batch, greedy, record=True)
 
     def variant(self, name: str) -> dict[str, AcceptanceAccumulator]:
-        self.variants[name] = {v: AcceptanceAccumulator() for v in self._verifiers()}
+        self.variants[name] = {v: self._accumulator() for v in self._verifiers()}
         return self.variants[name]
+
+    def _accumulator(self) -> AcceptanceAccumulator:
+        return AcceptanceAccumulator(self.sampling.temperature, self.adaptive)
 
     def _verifiers(self) -> list[str]:
         return [
@@ -171,7 +196,7 @@ class RegimeAcceptance:
         if self.against_reference:
             self._add_reference_verified(accs["reference"], batch, greedy, sampled)
         if self.states is not None:
-            self._add_target(accs["target"], model, blocks, batch, record=False)
+            self._add_target(accs["target"], model, blocks, batch, greedy, record=False)
 
     def _reference_logits(self, U: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """The reference's logits on a drafted prefix, position by position exactly as its own
@@ -185,16 +210,26 @@ class RegimeAcceptance:
     def _add_reference_verified(
         self, acc: AcceptanceAccumulator, batch: Batch, greedy: Rollout, sampled: Rollout
     ) -> None:
+        """The reference on the variant's own prefixes: its argmax (greedy verifier) and its
+        sampling distribution against the greedy draft (one-hot) and the probabilistic draft
+        (the variant's full tempered softmax); the drafts' confidences for adaptive verification."""
         assert self.U_ref is not None  # kept whenever the reference verifies
         U = self.U_ref[batch.blocks]
         p_greedy = self._reference_logits(U, greedy.prev)
-        acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)))
+        acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
+        p_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
+        for rule in RULES:
+            acc.add(acceptance_mode("greedy", rule), greedy_draft_probabilities(p_tok, rule))
         p_tok = token_probs(
             self._verifier_probs(self._reference_logits(U, sampled.prev)), sampled.tokens
         )
         q_tok = token_probs(self._drafter_probs(sampled.logits), sampled.tokens)
         for rule in RULES:
-            acc.add(acceptance_mode(rule), accept_probabilities(p_tok, q_tok, rule))
+            acc.add(
+                acceptance_mode("probabilistic", rule), accept_probabilities(p_tok, q_tok, rule)
+            )
+        acc.add_confidence("greedy", greedy.confidence)
+        acc.add_confidence("probabilistic", sampled.confidence)
 
     def finish(self, out: dict, floor: str = FLOOR) -> None:
         """Write each variant's ``acceptance`` (with its paired loss against ``floor``) into the
@@ -212,7 +247,8 @@ class RegimeAcceptance:
                     if base is None or name == floor
                     else {
                         mode: paired_loss(base.emitted(mode), acc.emitted(mode), self.B)
-                        for mode in ACCEPTANCE_MODES
+                        for mode in acc.modes()
+                        if mode in base.modes()
                     }
                 )
                 entry["acceptance"][verifier] = block
@@ -231,8 +267,30 @@ ACCEPTANCE_DEFINITIONS = {
     "emitted": "expected tokens emitted per block: accepted drafted tokens plus the one "
     "resampled or bonus token (1..B+1)",
     "estimator": "per block, 1 + sum_k P(tau >= k | drafted prefix): exact given the drafted "
-    "block, averaged over blocks (95% Student-t interval; greedy, whose outcomes "
-    "are 0/1: Wilson on the design-effect sample size)",
+    "block, averaged over blocks (95% Student-t interval; 0/1 outcomes (a greedy verifier, "
+    "a greedy draft against the target's stream): Wilson on the design-effect sample size)",
+    "mode": "each entry's mode: draft (vLLM draft_sample_method), verification (token_wise = "
+    "vLLM rejection_sample_method 'standard', block, or greedy = a verifier at temperature 0), "
+    "temperature, adaptive, and the vLLM settings that select it",
+    "modes": {
+        "greedy_draft_token_wise": "vLLM 0.32's default: the drafter's argmax at any "
+        "temperature, a one-hot draft (q = 1) to token-wise rejection sampling at the "
+        "request's temperature: P(tau >= k) = prod_{j<=k} p_j(x_j)",
+        "greedy_draft_block": "a greedy draft under block verification: with a one-hot q "
+        "the rule reduces to the token-wise law",
+        "sampled_token_wise": "probabilistic draft, Leviathan et al. 2023 / Chen et al. 2023 "
+        "rejection sampling",
+        "sampled_block": "probabilistic draft, Sun et al. 2024 block verification (vLLM "
+        "rejection_sample_method 'block'); the mode a published DSpark card reports",
+        "greedy": "greedy drafting against a greedy verifier (temperature 0): matched prefix + 1",
+        "*_adaptive": "adaptive verification (vLLM enable_adaptive_verification) over the base "
+        "mode: blocks verified adaptive.requests at a time as one batch's requests sharing a "
+        "budget of adaptive.budget_share of their drafted tokens (a setting: vLLM sizes it from "
+        "profiled step costs), the slots ranked by the running product of the drafter's "
+        "confidence scores as vLLM ranks them; verified: mean drafted tokens kept per block; "
+        "estimated_emitted: 1 + the survival of the kept positions, what vLLM's budget rule "
+        "expects. Against the target only the greedy draft's is simulated",
+    },
     "sampled": "drafter q: the full softmax(logits / temperature), as vLLM's DSpark drafter "
     "samples (draft top-p 1 unless set); verifier p: softmax(logits / temperature) "
     "cut to its top-k and top-p and renormalised (see the results' sampling block)",
