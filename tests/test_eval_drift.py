@@ -62,7 +62,7 @@ def test_results_carry_what_reproduces_them(all_regimes):
     assert r["sampling"]["temperature"] == 1.0
     assert r["sampling"]["drafter"]["top_p"] == 1.0 and r["sampling"]["drafter"]["top_k"] is None
     assert r["sampling"]["verifier"] == {"top_p": 1.0, "top_k": None}
-    assert r["confidence_head"] == "training-only head (not served by vLLM's K3 draft)"
+    assert r["confidence_head"] == "head vLLM 0.32 runs in fp32 for adaptive verification"
     assert r["torch_version"] and r["qstream_version"]
 
 

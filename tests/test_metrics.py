@@ -412,7 +412,7 @@ def test_to_json_has_every_metric():
         "rollouts",
         "confidence_head",
     }
-    assert out["confidence_head"] == "training-only head (not served by vLLM's K3 draft)"
+    assert out["confidence_head"] == "head vLLM 0.32 runs in fp32 for adaptive verification"
     assert len(out["greedy_agree"]) == B and set(out["kl"]) == {"mean", *KL_PERCENTILES}
     assert set(out["rollouts"]["sampled"]) == {"seq_agree", "prefix_agree", "matched_prefix"}
     tokens = torch.zeros(2, B, dtype=torch.int64)

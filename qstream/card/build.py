@@ -141,10 +141,11 @@ def _intro_sections(rs: ResultsSet, missing: list[str]) -> list[Section]:
                 "identical inputs: agreement is the share of drafted tokens whose accept/reject "
                 "outcome is unchanged by the numerics. Under greedy drafting the mean matched "
                 "prefix is a ceiling on the acceptance that survives them; under probabilistic "
-                "drafting (vLLM's drafter samples the full tempered softmax, the verifier "
-                "applies top-p) acceptance is measured by simulated verification, and the "
-                "sampled matched prefix is only a lower bound. Confidence metrics describe a "
-                "training-only head that vLLM's K3 draft does not serve. Every number is "
+                "drafting (vLLM's probabilistic draft_sample_method samples the full tempered "
+                "softmax, the verifier applies top-p; its default, greedy, drafts the argmax) "
+                "acceptance is measured by simulated verification, and the sampled matched "
+                "prefix is only a lower bound. Confidence metrics describe the confidence "
+                "head, which vLLM 0.32 runs in fp32 to size adaptive verification. Every number is "
                 "copied from the results JSON or the checkpoint directories; gaps to bf16 are "
                 "differences of two numbers shown beside them.",
                 *foreign_note(rs),

@@ -46,8 +46,9 @@ Definitions where docs/eval-drift.md leaves a choice:
   Positions with ``ref_c == thr`` (with B odd: the median position itself) are excluded — they
   make no above/below decision, and counting them gave every variant a ~1/B floor.  Excluding
   ties rather than moving the threshold off them keeps the decision the scheduler makes (above or
-  below the median) for every other position unchanged.  The confidence head is training-only
-  (vLLM's K3 draft skips it when loading): r and the flip rate describe the trained head.
+  below the median) for every other position unchanged.  vLLM 0.32 loads the confidence head
+  and runs it in fp32 for adaptive verification (docs/vllm.md): r and the flip rate describe how
+  a format moves the scores that verification is sized by.
 - **matched prefix**: for greedy rollouts the mean matched prefix is the acceptance *ceiling*; for
   sampled rollouts on common random numbers it is a lower bound on what the verifier accepts
   (acceptance follows Σ min(p, q)) and is named ``matched_prefix``, never ceiling.

@@ -135,7 +135,7 @@ PREFIX_LABELS = {
 }
 
 # The confidence head's status in vLLM (docs/vllm.md); every confidence metric says it.
-CONFIDENCE_NOTE = "training-only head (not served by vLLM's K3 draft)"
+CONFIDENCE_NOTE = "head vLLM 0.32 runs in fp32 for adaptive verification"
 
 
 def sampling_label(sampling: Mapping | None) -> str:
