@@ -250,7 +250,7 @@ def _cpu_shims(recorder: _Recorder) -> Iterator[None]:
         )
         for module_name, selector in SCHEME_MODULES.items():
             module = importlib.import_module(_SCHEMES + module_name)
-            stack.enter_context(mock.patch.object(module, selector, _select_stand_in))
+            stack.enter_context(mock.patch.object(module, selector, _StandInKernel))
         yield
 
 
@@ -306,10 +306,6 @@ class _StandInKernel:
 @dataclass
 class _KernelConfig:
     weight_quant_key: Any = None
-
-
-def _select_stand_in(*args: Any, **kwargs: Any) -> _StandInKernel:
-    return _StandInKernel(*args, **kwargs)
 
 
 def _decoded_weight(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
