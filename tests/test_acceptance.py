@@ -86,13 +86,18 @@ def _exact_expected_emitted(p, q, V, B, rule):
     return total
 
 
-@settings(max_examples=25, deadline=None)
-@given(
+# small verifier/draft problems, enumerable exactly: vocabulary V, block B, a share of
+# zero-probability tokens
+SMALL_PROBLEMS = dict(
     seed=st.integers(0, 2**31 - 1),
     V=st.integers(2, 4),
     B=st.integers(1, 3),
     sparsity=st.sampled_from([0.0, 0.3, 0.6]),
 )
+
+
+@settings(max_examples=25, deadline=None)
+@given(**SMALL_PROBLEMS)
 def test_block_never_accepts_fewer_than_token_wise_in_expectation(seed, V, B, sparsity):
     p, q = _random_tree(V, B, torch.Generator().manual_seed(seed), sparsity)
     token_wise = _exact_expected_emitted(p, q, V, B, "token_wise")
@@ -300,12 +305,7 @@ def _greedy_draft(q: dict, B: int) -> tuple[int, ...]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    V=st.integers(2, 4),
-    B=st.integers(1, 3),
-    sparsity=st.sampled_from([0.0, 0.3, 0.6]),
-)
+@given(**SMALL_PROBLEMS)
 def test_greedy_draft_closed_form_is_the_samplers_law_and_block_equals_token_wise(
     seed, V, B, sparsity
 ):

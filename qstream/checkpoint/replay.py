@@ -25,7 +25,6 @@ class Replay:
     # vLLM's decision per runtime Linear layer: {"module", "shards", "scheme", "why"}
     runtime_modules: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
 
 
 def matches_ignore(entry: str, module: str) -> bool:

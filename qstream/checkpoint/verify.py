@@ -102,7 +102,6 @@ def verify_checkpoint(
         replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), replay)
         report.runtime_modules = replay.runtime_modules
         report.problems += replay.problems
-        report.warnings += replay.warnings
         stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
         report.problems += shape_problems(checkpoint.config, stored, fmt, quantized)
     else:
