@@ -63,7 +63,17 @@ def test_evaluation_unchanged_by_how_weights_are_held(tiny, corpus, monkeypatch)
     settings = DriftSettings(regimes=("gauss", "boot"), n_blocks=48, seed=4, acceptance=True)
     default = evaluate_drift(tiny, settings, corpus)
     _uneven_chunks(monkeypatch)
+    chunked = []
+    linear = weights_module.ComputeWeights.linear
+
+    def spy(self, name, x):
+        n, k = self.stored[name].shape
+        chunked.append(self.upcast_per_use(name) and weights_module.UPCAST_MIN_ROWS < n)
+        return linear(self, name, x)
+
+    monkeypatch.setattr(weights_module.ComputeWeights, "linear", spy)
     assert evaluate_drift(tiny, settings, corpus) == default
+    assert any(chunked)  # the patched constants steered some product to row chunks
 
 
 def test_variants_share_unquantized_tensors(tiny):

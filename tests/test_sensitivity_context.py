@@ -250,7 +250,13 @@ def test_context_from_position_ranges_matches_the_whole_tensor(monkeypatch):
     streams, lengths, T = [0, 1], [40, 33], 40
     whole = model.context(synthetic_aux("heavy", cfg, streams, lengths, T, 1, torch.bfloat16))
     monkeypatch.setattr(dspark, "CONTEXT_ELEMENTS", 7 * 2 * cfg.aux_size)  # 7 positions a time
-    ranged = model.context(SyntheticAuxChunks("heavy", cfg, streams, lengths, T, 1, torch.bfloat16))
+    chunks = SyntheticAuxChunks("heavy", cfg, streams, lengths, T, 1, torch.bfloat16)
+    taken = []
+    monkeypatch.setattr(
+        chunks, "rows", lambda t0, t1, rows=chunks.rows: taken.append(t0) or rows(t0, t1)
+    )
+    ranged = model.context(chunks)
+    assert taken == list(range(0, T, 7))  # the patched budget steered the ranges
     for a, b in zip(whole.latent + whole.rope_key, ranged.latent + ranged.rope_key):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
@@ -261,7 +267,14 @@ def test_evaluation_with_aux_never_held_whole_is_unchanged(tiny, corpus, monkeyp
     settings = DriftSettings(regimes=("gauss", "heavy"), formats=("bf16", "nvfp4"), n_blocks=48)
     held = evaluate_drift(tiny, settings, corpus)
     monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
+    handed = []
+    get = batches.AuxStates.get
+    monkeypatch.setattr(
+        batches.AuxStates, "get", lambda self, *a: handed.append(get(self, *a)) or handed[-1]
+    )
     assert evaluate_drift(tiny, settings, corpus) == held
+    # the patched budget steered every batch's states to the lazy path
+    assert handed and not any(isinstance(aux, torch.Tensor) for aux in handed)
 
 
 class _Count:
