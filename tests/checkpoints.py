@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from qstream.model.config import PRESETS
 
 H, I, V = 64, 96, 128  # noqa: E741 - hidden, intermediate, vocab
 
@@ -74,6 +77,13 @@ def dspark_tensors(layers: int = 5, seed: int = 0) -> dict[str, torch.Tensor]:
     t["confidence_head.proj.bias"] = torch.zeros(1)
     t["embed_tokens.weight"] = _weight(gen, (V, H))
     return {k: v.to(torch.bfloat16) for k, v in t.items()}
+
+
+def dspark_config() -> dict:
+    """The config.json of :func:`dspark_tensors`' draft, with every field vLLM sizes its
+    layers from (the tiny preset with that draft's q_lora 48, v 12 and vocabulary)."""
+    tiny = PRESETS["tiny"]
+    return replace(tiny, q_lora_rank=48, v_head_dim=12, vocab_size=V).to_json()
 
 
 # The issue's recipe for a DSpark draft (what the published FP8 draft quantizes).

@@ -1,10 +1,24 @@
-"""The shapes vLLM builds for a K3 DSpark draft from its config.json, as the checkpoint must
-store them: the model's tensor table (:func:`qstream.model.tensors.tensor_shapes`) with each
-quantized Linear weight replaced by the tensors its format stores (docs/formats.md).
+"""The shapes a checkpoint's tensors must have for what its config.json says, per serving profile
+(docs/quantize.md, "Tensors checked against the config"): the one table that ``quantize`` checks
+its input against (before writing anything) and ``verify`` its output.
 
-vLLM sizes every parameter from config.json and copies each checkpoint tensor into it; a
-tensor of another shape fails its loader (or, for a width the config leaves open such as the
-confidence head's, the checkpoint was written for a config vLLM does not read).
+``K3DSparkModel``: the shapes vLLM builds for a DSpark draft from its config.json, as the
+checkpoint must store them: the model's tensor table (:func:`qstream.model.tensors.tensor_shapes`,
+every projection, norm and head) with each quantized Linear weight replaced by the tensors its
+format stores (docs/formats.md).  vLLM sizes every parameter from config.json and copies each
+checkpoint tensor into it; a tensor of another shape fails its loader (or, for a width the
+config leaves open such as the confidence head's, the checkpoint was written for a config vLLM
+does not read), and a missing one leaves a parameter unloaded: DefaultModelLoader.load_weights
+(vllm/model_executor/model_loader/default_loader.py) refuses that only when the model has no
+quantization config, so a quantized draft would be served with whatever the parameter held.
+
+``generic``: a Hugging Face causal LM whose vLLM class qstream does not model layer by layer.
+What can be checked without it: the integer fields vLLM sizes layers from are integers, and each
+group that vLLM fuses into one matrix (serving.GENERIC_FUSED) is complete and agrees on its input
+width (the halves of a gated MLP on their whole shape).
+
+In every profile a weight with no elements is refused: no config builds a layer without inputs
+or outputs, and the formats cannot quantize one.
 
 >>> stored_shapes("nvfp4", 96, 64)
 {'weight_packed': (96, 32), 'weight_scale': (96, 4), 'weight_global_scale': (1,)}
@@ -12,11 +26,26 @@ confidence head's, the checkpoint was written for a config vLLM does not read).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Collection, Mapping
 
+from qstream.checkpoint import serving
+from qstream.checkpoint.serving import Profile
 from qstream.formats import FORMATS
 from qstream.model.config import DSparkConfig
 from qstream.model.tensors import shape_hint, tensor_shapes
+
+Shapes = Mapping[str, tuple[int, ...]]
+
+# Tensors of a DSpark draft's table that vLLM drops at load (the target's embedding is shared:
+# K3DSparkForCausalLM.hf_to_vllm_mapper, docs/vllm.md), so a draft may leave them out.
+DROPPED_BY_VLLM = ("embed_tokens.weight",)
+# config.json fields of a Hugging Face causal LM that vLLM's model classes size layers from
+# (e.g. LlamaAttention and LlamaMLP in vllm/model_executor/models/llama.py); null means unset.
+GENERIC_INT_FIELDS = (
+    "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "head_dim vocab_size max_position_embeddings"
+).split()
 
 
 def stored_shapes(fmt: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
@@ -36,14 +65,14 @@ def stored_shapes(fmt: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
 
 
 def expected_shapes(
-    config: DSparkConfig, fmt: str, quantized: set[str]
+    config: DSparkConfig, fmt: str | None, quantized: Collection[str]
 ) -> dict[str, tuple[int, ...]]:
     """Every tensor name vLLM loads for ``config`` -> the shape it must have, with the modules
-    in ``quantized`` stored as ``fmt``."""
+    in ``quantized`` stored as ``fmt`` (none: an unquantized draft)."""
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in tensor_shapes(config).items():
         module, _, suffix = name.rpartition(".")
-        if module in quantized and suffix == "weight" and len(shape) == 2:
+        if fmt and module in quantized and suffix == "weight" and len(shape) == 2:
             out.update({f"{module}.{s}": v for s, v in stored_shapes(fmt, *shape).items()})
         else:
             out[name] = shape
@@ -51,20 +80,116 @@ def expected_shapes(
 
 
 def shape_problems(
-    config_json: Mapping, stored: Mapping[str, tuple[int, ...]], fmt: str, quantized: set[str]
+    profile: Profile,
+    config_json: Mapping,
+    stored: Shapes,
+    fmt: str | None = None,
+    quantized: Collection[str] = (),
 ) -> list[str]:
-    """One line per stored tensor whose shape differs from what vLLM builds from
-    ``config_json``, naming the tensor, its stored shape and the expected one.  Tensors the
-    draft does not define are left to the other checks (vLLM drops some, e.g. the confidence
-    head of a config without one)."""
+    """One line per way the ``stored`` tensors (name -> shape) differ from what ``config_json``
+    implies under ``profile``, naming the tensor (or config.json and the field); empty when
+    they agree.  ``fmt`` and ``quantized``: how a quantized checkpoint stores its modules."""
+    empty = {n for n, shape in stored.items() if _is_weight(n) and 0 in shape}
+    problems = [
+        f"{n}: shape {list(stored[n])}, a zero-size weight (no config builds a layer "
+        "without inputs or outputs)"
+        for n in empty
+    ]
+    if profile.is_dspark:
+        rest = _dspark_problems(config_json, stored, fmt, quantized)
+    else:
+        rest = _int_field_problems(config_json) + _fused_problems(weight_shapes(stored))
+    return problems + [p for p in rest if p.split(":", 1)[0] not in empty]
+
+
+def weight_shapes(stored: Shapes) -> dict[str, tuple[int, ...]]:
+    """Each weight-holding module -> its weight's shape as the layer sees it: a 4-bit
+    ``weight_packed [N, K/2]`` holds an ``[N, K]`` weight (docs/formats.md)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in stored.items():
+        module, _, suffix = name.rpartition(".")
+        if suffix == "weight":
+            out[module] = tuple(shape)
+        elif suffix == "weight_packed" and len(shape) == 2:
+            out[module] = (shape[0], 2 * shape[1])
+    return out
+
+
+def _is_weight(name: str) -> bool:
+    return name.rpartition(".")[2] in ("weight", "weight_packed")
+
+
+def _dspark_problems(
+    config_json: Mapping, stored: Shapes, fmt: str | None, quantized: Collection[str]
+) -> list[str]:
+    """Every tensor vLLM loads for the draft's config present (a quantized module counts as
+    present; its stored tensors are verify's other checks) and of the shape vLLM builds."""
     try:
         config = DSparkConfig.from_json(dict(config_json))
     except ValueError as exc:
-        return [f"{exc}; cannot check the stored shapes against what vLLM builds from it"]
+        return [f"{exc}; cannot check the tensors against what vLLM builds from it"]
+    missing = [
+        f"{name}: missing; vLLM builds it {list(shape)} from config.json and would leave it "
+        "unloaded"
+        for name, shape in tensor_shapes(config).items()
+        if name not in stored
+        and name not in DROPPED_BY_VLLM
+        and name.rpartition(".")[0] not in quantized
+    ]
     expected = expected_shapes(config, fmt, quantized)
-    return [
+    return missing + [
         f"{name}: stored {list(shape)}, vLLM builds {list(expected[name])} from config.json"
         f"{shape_hint(config, name, shape)}"
         for name, shape in stored.items()
         if name in expected and tuple(shape) != expected[name]
+    ]
+
+
+def _int_field_problems(config_json: Mapping) -> list[str]:
+    """config.json's layer-sizing fields that are set but not positive integers."""
+    return [
+        f"config.json: {key} = {value!r} must be a positive integer"
+        for key in GENERIC_INT_FIELDS
+        if (value := config_json.get(key)) is not None
+        and (isinstance(value, bool) or not isinstance(value, int) or value <= 0)
+    ]
+
+
+def _fused_problems(weights: Shapes) -> list[str]:
+    """A fused member without the partners vLLM needs (serving.GENERIC_PARTNERS), and members
+    of one fused group that disagree on K (the halves of a gated MLP: on the whole shape)."""
+    problems = []
+    for module in weights:
+        parent, _, leaf = module.rpartition(".")
+        for partner in serving.GENERIC_PARTNERS.get(leaf, ()):
+            if f"{parent}.{partner}" not in weights:
+                problems.append(
+                    f"{module}.weight: present without {parent}.{partner}.weight; vLLM fuses "
+                    f"{leaf} with {partner} into one layer and cannot build it from part"
+                )
+    for group in serving.fused_groups(serving.PROFILES[serving.GENERIC], weights):
+        problems += _disagreeing(group, weights)
+    return problems
+
+
+def _disagreeing(group: serving.FusedGroup, weights: Shapes) -> list[str]:
+    """The members of ``group`` whose K (or, for the halves of a gated MLP, whole shape)
+    differs from the one most members have."""
+    members = [m for m in group.members if len(weights[m]) == 2]
+    whole = tuple(m.rpartition(".")[2] for m in group.members) in serving.GENERIC_EQUAL_SHAPES
+
+    def key(module: str) -> tuple[int, ...]:
+        return tuple(weights[module]) if whole else tuple(weights[module][1:])
+
+    counts = Counter(key(m) for m in members)
+    if len(counts) < 2:
+        return []
+    reference = next(m for m in members if key(m) == counts.most_common(1)[0][0])
+    what = "shapes" if whole else "input widths"
+    return [
+        f"{m}.weight: shape {list(weights[m])}, but {reference}.weight is "
+        f"{list(weights[reference])}; vLLM fuses {group.label} into one matrix, so their "
+        f"{what} must agree"
+        for m in members
+        if key(m) != key(reference)
     ]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 import qstream
+from qstream.checkpoint.built_shapes import shape_problems
 from qstream.checkpoint.files import (
     CONFIG_NAME,
     Checkpoint,
@@ -125,7 +126,7 @@ def quantize_checkpoint(
     workers = default_workers() if workers is None else workers
     model_path, output_path = _check_paths(model_dir, output_dir, overwrite)
     torch_device = _check_device(device, workers)
-    checkpoint = _refuse_quantized(open_checkpoint(model_path))
+    checkpoint = _check_against_config(_refuse_quantized(open_checkpoint(model_path)))
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
@@ -339,6 +340,22 @@ def _check_device(device: str, workers: int) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise QStreamError("--device cuda: no CUDA device is available")
     return torch.device(device)
+
+
+def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
+    """``checkpoint``, unless its tensors differ from what config.json implies under its
+    serving profile (docs/quantize.md, "Tensors checked against the config"): QStreamError
+    naming the first problem (config.json and the field, or the tensor), before any format code
+    runs or anything is written.  verify checks outputs against the same table."""
+    stored = {name: tuple(info.shape) for name, info in checkpoint.tensors.items()}
+    problems = shape_problems(profile_for(checkpoint.config), checkpoint.config, stored)
+    if not problems:
+        return checkpoint
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    where, first = checkpoint.directory, problems[0]
+    if first.startswith(f"{CONFIG_NAME}: "):  # name the file itself
+        where, first = where / CONFIG_NAME, first.removeprefix(f"{CONFIG_NAME}: ")
+    raise QStreamError(f"{where}: {first}{more}")
 
 
 def _refuse_quantized(checkpoint: Checkpoint) -> Checkpoint:

@@ -26,6 +26,20 @@ GENERIC_FUSED = (
     ("q_a_proj", "kv_a_proj_with_mqa"),
     ("w1", "w3"),
 )
+# Members vLLM cannot build without their siblings (docs/quantize.md, "Tensors checked against
+# the config"): a gate needs its up projection (gate_up_proj, a MergedColumnParallelLinear,
+# e.g. LlamaMLP in vllm/model_executor/models/llama.py), k and v need each other and q
+# (qkv_proj, a QKVParallelLinear).  Left out on purpose: up_proj without gate_proj (the ungated
+# MLPs of Nemotron and Phi-3-small), q_proj alone and kv_a_proj_with_mqa without q_a_proj (MLA
+# without a query LoRA, DeepSeek-V2-Lite), w1 without w3 (Qwen's w1/w2 MLP).
+GENERIC_PARTNERS = {
+    "gate_proj": ("up_proj",),
+    "k_proj": ("q_proj", "v_proj"),
+    "v_proj": ("q_proj", "k_proj"),
+}
+# Fused groups whose members are the two halves of one gated MLP: vLLM builds them with equal
+# output sizes ([intermediate_size] * 2), so their whole shapes agree, not only their K.
+GENERIC_EQUAL_SHAPES = (("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ For an architecture with a serving profile (the K3 DSpark draft), verify replays
 for every Linear layer vLLM builds, under its runtime name: scheme or no scheme (ignore entries
 matched exactly or as ``re:`` regexes), the parameters that scheme expects, and whether the
 checkpoint provides exactly those; plus the profile's fused and cross-layer groups, modules vLLM
-never quantizes, the tensor-parallel rules, and every stored shape against the one vLLM builds
-from config.json (:mod:`qstream.checkpoint.built_shapes`).
+never quantizes and the tensor-parallel rules.  For every profile, the tensors are checked
+against config.json as quantize checks its input (:mod:`qstream.checkpoint.built_shapes`).
 
 Malformed files (bad header, inconsistent index) raise QStreamError when the checkpoint is
 opened; everything else is collected as a list of problems, empty for a good checkpoint.
@@ -102,10 +102,10 @@ def verify_checkpoint(
         replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), replay)
         report.runtime_modules = replay.runtime_modules
         report.problems += replay.problems
-        stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
-        report.problems += shape_problems(checkpoint.config, stored, fmt, quantized)
     else:
         _check_accounting(holders, quantized, targets, ignore, report)
+    stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
+    report.problems += shape_problems(profile, checkpoint.config, stored, fmt, quantized)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
     _check_digests(checkpoint, report)

@@ -29,6 +29,7 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     data = inspect_checkpoint(directory)
     if stats:
         data["weight_stats"] = checkpoint_stats(directory)
+        _warn_non_finite(data["weight_stats"])
     if json_path != "-":
         console = make_console()
         table = Table(
@@ -65,21 +66,40 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     write_json(data, json_path)
 
 
+def _warn_non_finite(rows: list[dict]) -> None:
+    """One ``Warning:`` line naming the weights that hold NaN or Inf.  inspect reports and exits
+    0, as verify does with its warnings; quantize refuses such a weight when it is selected
+    (docs/quantize.md)."""
+    bad = [r for r in rows if r["non_finite"]]
+    if not bad:
+        return
+    named = ", ".join(f"{r['name']} ({r['non_finite']} NaN/Inf)" for r in bad[:3])
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    click.echo(
+        f"Warning: {len(bad)} weight(s) hold NaN or Inf, shown without statistics "
+        f"(quantize refuses any it is to quantize): {named}{more}",
+        err=True,
+    )
+
+
 def _stats_table(rows: list[dict]) -> Table:
     """Per module kind, the median over its tensors of each statistic (the JSON has every
-    tensor).  Kurtosis 3 is Gaussian; spreads are p99/p50 of per-channel RMS (1 = uniform)."""
+    tensor).  Kurtosis 3 is Gaussian; spreads are p99/p50 of per-channel RMS (1 = uniform).
+    A tensor holding NaN or Inf counts in "non-finite" and in no median."""
     by_kind: dict[str, list[dict]] = {}
     for row in rows:
         kind = module_kind(row["name"]).removesuffix(".weight").removeprefix("layers.*.")
         by_kind.setdefault(kind, []).append(row)
-    table = Table(title="weight statistics (median over the tensors of a kind)")
-    for col in ("module kind", "std", "kurtosis", "max/std", "row spread", "col spread"):
+    table = Table(title="weight statistics (median over the finite tensors of a kind)")
+    columns = ("module kind", "std", "kurtosis", "max/std", "row spread", "col spread")
+    for col in (*columns, "non-finite"):
         table.add_column(col, justify="left" if col == "module kind" else "right")
     keys = ("std", "kurtosis", "max_over_std", "row_spread", "col_spread")
     for kind, members in by_kind.items():
         cells = []
         for key in keys:
-            values = sorted(m[key] for m in members if key in m and m[key] == m[key])
+            values = sorted(m[key] for m in members if m.get(key) is not None and m[key] == m[key])
             cells.append(f"{values[len(values) // 2]:.3g}" if values else "-")
-        table.add_row(kind, *cells)
+        non_finite = sum(m["non_finite"] for m in members)
+        table.add_row(kind, *cells, f"[bold red]{non_finite:,}[/]" if non_finite else "0")
     return table

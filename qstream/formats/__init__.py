@@ -103,8 +103,12 @@ def quantize(
     """Quantize one ``[N, K]`` weight; returns the stored tensors keyed by suffix
     (``FORMATS[fmt].stored``).  ``global_amax`` is NVFP4's shared fused-group amax.
     ``energy`` (an :class:`Energy`) accumulates the weight SNR sums on the way, equal to
-    ``snr_sums(w, dequantize(fmt, stored, w.dtype))`` without that second pass."""
+    ``snr_sums(w, dequantize(fmt, stored, w.dtype))`` without that second pass.  A weight
+    with no elements is a ValueError naming it (no scale can be taken of nothing; quantize
+    refuses such a checkpoint before it gets here)."""
     spec = get_format(fmt)
+    if w.numel() == 0:
+        raise ValueError(f"{name}: shape {list(w.shape)} has no elements; nothing to quantize")
     out: tuple[torch.Tensor, ...]
     if fmt == "fp8":
         out = fp8.quantize(w, name, energy)

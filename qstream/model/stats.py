@@ -20,6 +20,7 @@ from qstream.units import FLOAT_DTYPE_NAMES
 # Statistics of a huge tensor use an evenly strided sample of at most this many rows, so a
 # k3 checkpoint is summarised in seconds; channel spreads use every column of those rows.
 MAX_ROWS = 4096
+NON_FINITE_SLICE = 1 << 20  # elements checked for NaN/Inf at a time
 
 
 def weight_stats(w: torch.Tensor) -> dict[str, float]:
@@ -49,7 +50,8 @@ def _spread(rms: torch.Tensor) -> float:
 
 def checkpoint_stats(directory: str | Path) -> list[dict]:
     """``weight_stats`` of every weight of a checkpoint, in checkpoint order, each row with
-    ``name``, ``shape`` and ``sampled_rows`` (rows used; see MAX_ROWS).  A quantized module is
+    ``name``, ``shape``, ``sampled_rows`` (rows used; see MAX_ROWS) and ``non_finite`` (NaN
+    and Inf elements, counted over the whole tensor; statistics are null when it is not 0).  A quantized module is
     one row for its dequantized ``.weight`` (``"dequantized": true``), never rows for its scale
     tensors: the statistics describe the weights, whatever their storage."""
     checkpoint = open_checkpoint(directory)
@@ -97,14 +99,29 @@ def _read(checkpoint, readers, name: str) -> torch.Tensor:
     return readers[checkpoint.tensor_shard[name]].tensor(name)
 
 
+def non_finite_count(w: torch.Tensor) -> int:
+    """NaN and Inf elements of ``w``, counted over every element (a row sample could miss
+    them) in slices of ``NON_FINITE_SLICE``, so that the mask stays small."""
+    flat = w.reshape(-1)
+    return sum(
+        int((~torch.isfinite(flat[i : i + NON_FINITE_SLICE])).sum())
+        for i in range(0, flat.numel(), NON_FINITE_SLICE)
+    )
+
+
 def _row(name: str, tensor: torch.Tensor, dequantized: bool = False) -> dict:
+    """One tensor's row.  A tensor holding NaN or Inf gets its count (``non_finite``) and no
+    statistics: they would be NaN, or describe a tensor quantize refuses as if it were fine."""
     shape = list(tensor.shape)
+    non_finite = non_finite_count(tensor)
     if tensor.dim() == 2 and tensor.shape[0] > MAX_ROWS:
         tensor = tensor[torch.linspace(0, tensor.shape[0] - 1, MAX_ROWS).long()]
+    stats = weight_stats(tensor)
     return {
         "name": name,
         "shape": shape,
         "sampled_rows": int(tensor.shape[0]) if tensor.dim() else 1,
         **({"dequantized": True} if dequantized else {}),
-        **weight_stats(tensor),
+        "non_finite": non_finite,
+        **(dict.fromkeys(stats) if non_finite else stats),
     }
