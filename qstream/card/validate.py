@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TypeGuard
 
 from qstream.errors import QStreamError
 
@@ -57,7 +58,8 @@ def results_problems(data: object, where: str = "", field: str = "") -> Iterator
         yield problem
 
 
-def _number(x: object) -> bool:
+def _number(x: object) -> TypeGuard[float]:
+    """A JSON number (an int or a float, not a bool)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
