@@ -9,7 +9,7 @@ so the figures survive greyscale printing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qstream.card.figure_text import (
     KL_LADDER,
@@ -21,6 +21,9 @@ from qstream.card.figure_text import (
 from qstream.card.results import ResultsSet
 from qstream.card.tables import metrics, regime_order, rollout_name, variant_order
 from qstream.eval.vocabulary import FLOOR, PREFIX_KEYS, PREFIX_LABELS, ROLLOUT_MODES
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DPI = 150
 BACKGROUND = "white"
@@ -63,7 +66,7 @@ def _save(fig, path: Path, handles, labels) -> None:
     fig.savefig(path, facecolor=BACKGROUND, transparent=False)
 
 
-def seq_agree_figure(rs: ResultsSet, path: Path):
+def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     """seq agree[k] and prefix agree[k] of each variant with their 95% bands: a column per
     regime, a row per rollout mode and quantity (POSITION_QUANTITIES).  Returns the figure;
     each panel's gid is ``regime/mode/quantity``, each line's label its variant."""
@@ -125,7 +128,7 @@ def _position_lines(ax, rs: ResultsSet, regime: str, mode: str, quantity: str, h
     return lowest
 
 
-def ceiling_figure(rs: ResultsSet, path: Path):
+def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
     """Greedy ceiling and sampled matched prefix by regime (groups) and variant (bars), 95% CI
     error bars.  Returns the figure; each panel's gid is its rollout mode."""
     from matplotlib.patheffects import withStroke
@@ -177,7 +180,7 @@ def ceiling_figure(rs: ResultsSet, path: Path):
     return fig
 
 
-def kl_figure(rs: ResultsSet, path: Path):
+def kl_figure(rs: ResultsSet, path: Path) -> Figure:
     """KL(ref‖var) per drafted token as a percentile ladder on a log axis, a panel per regime.
     The results hold percentiles, not samples: each marker is one reported percentile, the star
     the mean with its 95% CI as an error bar, labelled with the CI's half-width in percent of
@@ -279,7 +282,7 @@ def sweep_regimes(rs: ResultsSet) -> list[str]:
     return [r for r in regime_order(rs) if "context_sweep" in rs.sections.get(r, {})]
 
 
-def context_figure(rs: ResultsSet, path: Path):
+def context_figure(rs: ResultsSet, path: Path) -> Figure:
     """Greedy ceiling against context length (log axis; each bucket at its mean context) with
     95% bands, a panel per regime; the dotted line is the YaRN boundary."""
     regimes = sweep_regimes(rs)
