@@ -169,7 +169,9 @@ def test_sensitivity_without_a_suggestion_names_format_tolerance_and_gentlest_ki
     for regime in rs.regimes:
         sens = rs.sections[regime]["sensitivity"]
         assert sens["suggested"]["command"] is None  # the example suggests nothing
-        (text,) = [p for p in section.parts if isinstance(p, str) and p.startswith(regime, 7)]
+        (text,) = [
+            p for p in section.parts if isinstance(p, str) and p.startswith(f"Regime {regime}:")
+        ]
         gentlest = max(sens["single"], key=lambda e: e["ceiling_gap"])
         assert f"quantized to {sens['format']}" in text
         assert f"tolerance of {sens['tolerance']} tokens" in text
