@@ -25,6 +25,12 @@ from qstream.card.document import (
     render_html,
     render_markdown,
 )
+from qstream.card.figure_text import (
+    CEILING_CAPTION,
+    CONTEXT_CAPTION,
+    SEQ_AGREE_CAPTION,
+    kl_caption,
+)
 from qstream.card.figures import sweep_regimes, write_figures
 from qstream.card.method import evaluation_table
 from qstream.card.output import (
@@ -175,8 +181,7 @@ def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
             *figure(
                 "ceiling.png",
                 "greedy ceiling and sampled matched prefix by format and regime",
-                "Greedy acceptance ceiling (left) and sampled matched prefix, a lower bound "
-                "(right), by format (bars) and regime (groups), 95% CI error bars.",
+                CEILING_CAPTION,
             ),
         ],
     )
@@ -186,11 +191,8 @@ def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
             *(agreement_table(rs, r) for r in regime_order(rs)),
             *figure(
                 "seq_agree.png",
-                "seq agree by position, per regime",
-                "seq agree[k] of the free-running rollouts, one line per format, one panel per "
-                "regime and rollout mode; shaded bands are 95% CIs. Lines that coincide are "
-                "equal results (e.g. a checkpoint read back from disk and the same format "
-                "simulated).",
+                "seq agree and prefix agree by position, per regime and rollout mode",
+                SEQ_AGREE_CAPTION,
             ),
         ],
     )
@@ -201,9 +203,7 @@ def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
             *figure(
                 "kl.png",
                 "KL percentiles per format and regime",
-                "KL(ref‖var) per drafted token on a log axis: each marker is a percentile from "
-                "the results (median, p90, p95, p99, p99.9, max), the star the mean with its "
-                "95% CI. Percentiles, not raw samples.",
+                kl_caption(rs),
             ),
         ],
     )
@@ -252,9 +252,7 @@ def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
                     *figure(
                         "context.png",
                         "acceptance ceiling against context length",
-                        "Greedy acceptance ceiling per context-length bucket (x: the bucket's mean "
-                        "context), one line per format, 95% bands; the dotted line is the YaRN "
-                        "boundary.",
+                        CONTEXT_CAPTION,
                     ),
                 ],
             )
@@ -263,12 +261,30 @@ def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
 
 
 def suggested_command(rs: ResultsSet, regime: str) -> Part:
-    """The quantize command of the largest include list within the sensitivity tolerance."""
+    """The quantize command of the largest include list within the sensitivity tolerance, or
+    why there is none, naming the format, the tolerance and what it bounds."""
     sens = rs.sections[regime]["sensitivity"]
     best = sens["suggested"]
-    if not best["command"]:
-        return f"Regime {regime}: no module kind stays within the tolerance."
-    return Code(f"qstream quantize --quant_format {sens['format']} {best['command']}")
+    if best["command"]:
+        return Code(f"qstream quantize --quant_format {sens['format']} {best['command']}")
+    fmt, tolerance = sens["format"], sens["tolerance"]
+    keeps = (
+        f"keeps the greedy acceptance ceiling within the tolerance of {tolerance} tokens of the "
+        "bf16 floor"
+    )
+    gentlest = max(sens["single"], key=lambda e: e["ceiling_gap"], default=None)
+    if gentlest is None:
+        return f"Regime {regime}: the model has no module kind {fmt} can hold; nothing to suggest."
+    if gentlest["ceiling_gap"] < -tolerance:
+        return (
+            f"Regime {regime}: no module kind quantized to {fmt} {keeps}, even alone: the least "
+            f"harmful, {gentlest['kind']}, lowers it by {-gentlest['ceiling_gap']:.2f} tokens. "
+            "No include list is suggested."
+        )
+    return (
+        f"Regime {regime}: no step of the table (module kinds quantized to {fmt}, added one by "
+        f"one) {keeps}. No include list is suggested."
+    )
 
 
 def _checkpoint_sections(

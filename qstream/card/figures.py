@@ -9,11 +9,21 @@ so the figures survive greyscale printing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from qstream.card.figure_text import (
+    KL_LADDER,
+    KL_MEAN_LEGEND,
+    POSITION_QUANTITIES,
+    ci_percent,
+    kl_star,
+)
 from qstream.card.results import ResultsSet
 from qstream.card.tables import metrics, regime_order, rollout_name, variant_order
 from qstream.eval.vocabulary import FLOOR, PREFIX_KEYS, PREFIX_LABELS, ROLLOUT_MODES
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DPI = 150
 BACKGROUND = "white"
@@ -21,15 +31,6 @@ BACKGROUND = "white"
 PALETTE = ("#000000", "#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9")
 LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)), (0, (1, 2)))
 MARKERS = ("o", "s", "^", "D", "v", "P", "X")
-# KL percentiles of the results (llama.cpp's report), drawn as a ladder on a log axis.
-KL_LADDER = (
-    ("median", "median", "o"),
-    ("p90", "p90", "s"),
-    ("p95", "p95", "^"),
-    ("p99", "p99", "D"),
-    ("p99_9", "p99.9", "v"),
-    ("max", "max", "x"),
-)
 LADDER_STEP = 0.07  # x offset between consecutive percentiles of one variant
 
 
@@ -65,8 +66,10 @@ def _save(fig, path: Path, handles, labels) -> None:
     fig.savefig(path, facecolor=BACKGROUND, transparent=False)
 
 
-def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
-    """seq agree[k] of each variant with its 95% band: a panel per regime, a row per rollout."""
+def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
+    """seq agree[k] and prefix agree[k] of each variant with their 95% bands: a column per
+    regime, a row per rollout mode and quantity (POSITION_QUANTITIES).  Returns the figure;
+    each panel's gid is ``regime/mode/quantity``, each line's label its variant."""
     regimes, variants = regime_order(rs), variant_order(rs)
     modes = [
         m
@@ -75,48 +78,59 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> None:
             m in (metrics(rs, r, v) or {}).get("rollouts", {}) for r in regimes for v in variants
         )
     ]
-    fig, axes = _new_figure(len(modes), len(regimes), (4.2, 3.2), sharey="row")
-    positions = list(range(1, rs.block_size + 1))
+    rows = [(mode, quantity) for mode in modes for quantity in POSITION_QUANTITIES]
+    fig, axes = _new_figure(len(rows), len(regimes), (4.2, 3.2), sharey="row")
     handles: dict[str, Any] = {}
-    for row, mode in enumerate(modes):
+    for row, (mode, quantity) in enumerate(rows):
         lowest = 1.0  # the row shares one y scale, so it must span every panel's bands
         for col, regime in enumerate(regimes):
             ax = axes[row][col]
-            for i, variant in enumerate(variants):
-                m = metrics(rs, regime, variant)
-                if m is None or mode not in m["rollouts"]:
-                    continue
-                seq = m["rollouts"][mode]["seq_agree"]
-                style = _style(i)
-                (line,) = ax.plot(
-                    positions,
-                    [e["value"] for e in seq],
-                    label=variant,
-                    markersize=4,
-                    linewidth=1.5,
-                    **style,
-                )
-                lo = [e["lo"] if e["lo"] is not None else e["value"] for e in seq]
-                hi = [e["hi"] if e["hi"] is not None else e["value"] for e in seq]
-                ax.fill_between(positions, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
-                handles.setdefault(variant, line)
-                lowest = min(lowest, *lo)
+            ax.set_gid(f"{regime}/{mode}/{quantity}")
+            lowest = min(lowest, _position_lines(ax, rs, regime, mode, quantity, handles))
             ax.set_title(f"{regime} — {rollout_name(rs, mode, [regime])}", fontsize=9)
             ax.set_xlabel("drafted position k")
             if col == 0:  # the row shares its y axis
-                ax.set_ylabel("seq agree (share of blocks)")
-            ax.set_xticks(positions)
+                ax.set_ylabel(POSITION_QUANTITIES[quantity])
+            ax.set_xticks(range(1, rs.block_size + 1))
         axes[row][0].set_ylim(max(0.0, lowest - 0.03), 1.01)
     fig.suptitle(
-        "Free-running rollout agreement with the FP32 reference by position (bands: 95% CI)",
+        "Free-running rollouts against the FP32 reference by drafted position (bands: 95% CI)",
         fontsize=11,
     )
     _save(fig, path, list(handles.values()), list(handles))
+    return fig
 
 
-def ceiling_figure(rs: ResultsSet, path: Path) -> None:
+def _position_lines(ax, rs: ResultsSet, regime: str, mode: str, quantity: str, handles) -> float:
+    """One line per variant of ``rollouts.MODE.QUANTITY[k]`` with its band; the lowest bound."""
+    positions = list(range(1, rs.block_size + 1))
+    lowest = 1.0
+    for i, variant in enumerate(variant_order(rs)):
+        m = metrics(rs, regime, variant)
+        if m is None or mode not in m["rollouts"]:
+            continue
+        per_k = m["rollouts"][mode][quantity]
+        style = _style(i)
+        (line,) = ax.plot(
+            positions,
+            [e["value"] for e in per_k],
+            label=variant,
+            markersize=4,
+            linewidth=1.5,
+            **style,
+        )
+        lo = [e["lo"] if e["lo"] is not None else e["value"] for e in per_k]
+        hi = [e["hi"] if e["hi"] is not None else e["value"] for e in per_k]
+        band = ax.fill_between(positions, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+        band.set_gid(variant)
+        handles.setdefault(variant, line)
+        lowest = min(lowest, *lo)
+    return lowest
+
+
+def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
     """Greedy ceiling and sampled matched prefix by regime (groups) and variant (bars), 95% CI
-    error bars."""
+    error bars.  Returns the figure; each panel's gid is its rollout mode."""
     from matplotlib.patheffects import withStroke
 
     regimes, variants = regime_order(rs), variant_order(rs)
@@ -125,6 +139,7 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> None:
     handles: dict[str, Any] = {}
     for col, mode in enumerate(ROLLOUT_MODES):
         ax = axes[0][col]
+        ax.set_gid(mode)
         for i, variant in enumerate(variants):
             xs, values = [], []
             errs: list[list[float]] = [[], []]
@@ -162,13 +177,17 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> None:
         ax.set_title(f"{PREFIX_LABELS[mode]}\n{rollout_name(rs, mode)}", fontsize=9)
     fig.suptitle("Greedy ceiling and sampled matched prefix (error bars: 95% CI)", fontsize=11)
     _save(fig, path, list(handles.values()), list(handles))
+    return fig
 
 
-def kl_figure(rs: ResultsSet, path: Path) -> None:
+def kl_figure(rs: ResultsSet, path: Path) -> Figure:
     """KL(ref‖var) per drafted token as a percentile ladder on a log axis, a panel per regime.
     The results hold percentiles, not samples: each marker is one reported percentile, the star
-    the mean with its 95% CI.  Zero values (the reference against itself) cannot sit on a log
-    axis and are labelled instead."""
+    the mean with its 95% CI as an error bar, labelled with the CI's half-width in percent of
+    the mean (figure_text.ci_percent): an interval of a few percent is hidden by the star on a
+    log axis.  Zero values (the reference against itself) cannot sit on a log axis and are labelled
+    instead.  Returns the figure; each panel's gid is its regime, and the ladder line, the
+    mean's error bar and its label carry the variant (gid, label, gid)."""
     from matplotlib.lines import Line2D
 
     regimes, variants = regime_order(rs), variant_order(rs)
@@ -177,14 +196,17 @@ def kl_figure(rs: ResultsSet, path: Path) -> None:
     )
     for col, regime in enumerate(regimes):
         ax = axes[0][col]
+        ax.set_gid(regime)
         ax.set_yscale("log")
         for i, variant in enumerate(variants):
             m = metrics(rs, regime, variant)
             if m is None:
                 continue
-            _kl_ladder(ax, i, m["kl"], _style(i)["color"])
+            _kl_ladder(ax, i, m["kl"], _style(i)["color"], variant)
+            if (star := kl_star(m["kl"])) is not None:
+                _kl_mean(ax, i, star, _style(i)["color"], variant)
         ax.set_xticks(range(len(variants)), variants, rotation=30 if len(variants) > 4 else 0)
-        ax.set_xlim(-0.6, len(variants) - 0.4)
+        ax.set_xlim(-0.8, len(variants) - 0.4)  # room for the first star's label
         ax.set_xlabel("variant")
         if col == 0:  # panels share the y axis
             ax.set_ylabel("KL(ref‖var) per token (nats, log scale)")
@@ -195,15 +217,17 @@ def kl_figure(rs: ResultsSet, path: Path) -> None:
         for _, name, mk in KL_LADDER
     ]
     handles.append(
-        Line2D([], [], color=grey, marker="*", markersize=9, linestyle="-", label="mean ± 95% CI")
+        Line2D([], [], color=grey, marker="*", markersize=9, linestyle="-", label=KL_MEAN_LEGEND)
     )
     fig.suptitle(
         "KL divergence per drafted token: reported percentiles (not a density)", fontsize=11
     )
     _save(fig, path, handles, [h.get_label() for h in handles])
+    return fig
 
 
-def _kl_ladder(ax, x: int, kl: dict, color: str) -> None:
+def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
+    """The percentiles of one variant, or a "KL = 0" label when none is above zero."""
     points = [(kl[key], mk) for key, _, mk in KL_LADDER if kl.get(key) is not None and kl[key] > 0]
     if not points:
         ax.annotate(
@@ -218,27 +242,39 @@ def _kl_ladder(ax, x: int, kl: dict, color: str) -> None:
     # a staircase: each percentile a step to the right of the previous one, so that close
     # percentiles do not hide each other's markers on the log axis
     xs = [x - 0.1 + LADDER_STEP * j for j in range(len(points))]
-    ax.plot(xs, [y for y, _ in points], color=color, linewidth=1.0)
+    (ladder,) = ax.plot(xs, [y for y, _ in points], color=color, linewidth=1.0)
+    ladder.set_gid(variant)
     for xj, (y, mk) in zip(xs, points):
         ax.plot([xj], [y], marker=mk, color=color, linestyle="none", markersize=5)
-    mean = kl["mean"]
-    if mean.get("value") is not None and mean["value"] > 0:
-        lo, hi = mean.get("lo"), mean.get("hi")
-        yerr = (
-            None
-            if lo is None or hi is None or lo <= 0
-            else [[mean["value"] - lo], [hi - mean["value"]]]
-        )
-        ax.errorbar(
-            [x - 0.25],
-            [mean["value"]],
-            yerr=yerr,
-            color=color,
-            marker="*",
-            markersize=8,
-            capsize=2,
-            linestyle="none",
-        )
+
+
+def _kl_mean(ax, x: int, mean: dict, color: str, variant: str) -> None:
+    """The mean as a star with its 95% CI as an error bar (the part above zero, on a log axis)
+    and labelled with :func:`ci_percent`."""
+    value, lo, hi = mean["value"], mean.get("lo"), mean.get("hi")
+    yerr = None if lo is None or hi is None else [[value - max(lo, 0.0)], [hi - value]]
+    bar = ax.errorbar(
+        [x - 0.25],
+        [value],
+        yerr=yerr,
+        color=color,
+        marker="*",
+        markersize=8,
+        capsize=2,
+        linestyle="none",
+    )
+    bar.set_label(variant)
+    ax.annotate(
+        ci_percent(mean),
+        (x - 0.25, value),
+        xytext=(-6, 0),
+        textcoords="offset points",
+        ha="right",
+        va="center",
+        fontsize=6.5,
+        color=color,
+        gid=variant,
+    )
 
 
 def sweep_regimes(rs: ResultsSet) -> list[str]:
@@ -246,7 +282,7 @@ def sweep_regimes(rs: ResultsSet) -> list[str]:
     return [r for r in regime_order(rs) if "context_sweep" in rs.sections.get(r, {})]
 
 
-def context_figure(rs: ResultsSet, path: Path) -> None:
+def context_figure(rs: ResultsSet, path: Path) -> Figure:
     """Greedy ceiling against context length (log axis; each bucket at its mean context) with
     95% bands, a panel per regime; the dotted line is the YaRN boundary."""
     regimes = sweep_regimes(rs)
@@ -284,6 +320,7 @@ def context_figure(rs: ResultsSet, path: Path) -> None:
         ax.set_title(f"{regime} (dotted: YaRN boundary {sweep['yarn_boundary']})", fontsize=9)
     fig.suptitle("Acceptance ceiling by context length (bands: 95% CI)", fontsize=11)
     _save(fig, path, list(handles.values()), list(handles))
+    return fig
 
 
 FIGURES = {

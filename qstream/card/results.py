@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qstream.card.validate import check_numbers
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import SCHEMA
@@ -63,10 +64,12 @@ class ResultsSet:
 
 
 def read_results(path: str | Path, trail: list | None = None) -> dict:
-    """A results file, checked (:func:`check_results`); with ``trail``, its objects record
-    every key read into it, so that a missing or null key is reported by name."""
+    """A results file, checked (:func:`check_results`, and every number publishable:
+    :func:`qstream.card.validate.check_numbers`); with ``trail``, its objects record every key
+    read into it, so that a missing or null key is reported by name."""
     path = Path(path)
     data = check_results(read_json(path, "results file"), path)
+    check_numbers(data, str(path))
     return data if trail is None else _Traced(data, str(path), "", trail)
 
 

@@ -94,7 +94,8 @@ def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
 
 
 def agreement_table(rs: ResultsSet, regime: str) -> Table:
-    """Per-position agreement, k = 1..B: teacher-forced greedy agree and the rollouts' seq agree."""
+    """Per-position agreement, k = 1..B: teacher-forced greedy agree, and the rollouts' seq agree
+    (token k) and prefix agree (tokens 1..k), the quantities of seq_agree.png."""
     B = rs.block_size
     d = DIGITS["proportion"]
     rows = []
@@ -103,16 +104,19 @@ def agreement_table(rs: ResultsSet, regime: str) -> Table:
         if m is None:
             continue
         measures = [("greedy agree (teacher-forced)", m["greedy_agree"])]
-        measures += [
-            (f"seq agree, {rollout_name(rs, mode, [regime])}", m["rollouts"][mode]["seq_agree"])
-            for mode in ROLLOUT_MODES
-            if mode in m["rollouts"]
-        ]
+        for mode in ROLLOUT_MODES:
+            if mode in m["rollouts"]:
+                name = rollout_name(rs, mode, [regime])
+                measures.append((f"seq agree (token k), {name}", m["rollouts"][mode]["seq_agree"]))
+                measures.append(
+                    (f"prefix agree (tokens 1..k), {name}", m["rollouts"][mode]["prefix_agree"])
+                )
         for name, per_k in measures:
             rows.append([label(variant), label(name), *(fixed(e["value"], d) for e in per_k)])
     return Table(
-        f"Regime {regime}: agreement with the FP32 reference by drafted position k "
-        "(share of blocks; 95% intervals in the figure)",
+        f"Regime {regime}: agreement with the FP32 reference by drafted position k, each a share "
+        "of all blocks (point estimates; the card's seq_agree.png draws the rollouts' 95% "
+        "intervals)",
         ["variant", "measure", *(str(k) for k in range(1, B + 1))],
         rows,
         key=f"agreement_{regime}",
