@@ -1,6 +1,8 @@
 """What ``qstream capture`` writes (docs/capture.md): one safetensors file per stream, each
 written whole or not at all (a temporary name beside it, then one rename), and
-``capture.json``, the settings a resumed run must match.
+``capture.json``, the settings a resumed run must match and the sha256 of every stream file
+(``files``; ``streams`` is their count), updated as each batch's files are written, so that a
+reader can tell a deleted, added or changed file (qstream/eval/states/manifest.py).
 
 qstream's layout, ``stream-000000.safetensors`` … (docs/states.md, single stream):
 ``input_ids`` [T] int64, ``aux_hidden_states`` [T, L·H], ``target_hidden_states`` [T, H]
@@ -15,12 +17,14 @@ by the last layer's output before the final norm.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
 from qstream.publish import write_atomic, write_text_atomic
 
@@ -41,6 +45,13 @@ CHECKED = (
     "corpus",
     "corpus_sha256",
 )
+
+
+# the file names stream_file gives, with the index as group 1
+STREAM_NAMES = {
+    "qstream": re.compile(r"^stream-(\d{6,})\.safetensors$"),
+    "vllm": re.compile(r"^hs_(\d+)\.safetensors$"),
+}
 
 
 def stream_file(index: int, export: str) -> str:
@@ -86,9 +97,10 @@ def _comparable(key: str, value: Any) -> Any:
     return value
 
 
-def check_output(output: Path, record: dict[str, Any]) -> bool:
+def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     """Before any work: ``output`` must be absent, empty, or a capture with the same settings
-    (resume; one line naming the first setting that differs).  True when it is a capture."""
+    (resume; one line naming the first setting that differs).  The capture's record, or None
+    when there is none yet."""
     path = output / RECORD
     if path.is_file():
         try:
@@ -102,14 +114,14 @@ def check_output(output: Path, record: dict[str, Any]) -> bool:
                     f"--output {output} was captured with {key} = {json.dumps(was)}, this run "
                     f"has {json.dumps(now)}; use the same settings to resume, or another --output"
                 )
-        return True
+        return old if isinstance(old, dict) else {}
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(
             f"--output {output} exists and holds no {RECORD}; refusing to write into it"
         )
     if not output.parent.is_dir():
         raise QStreamError(f"--output {output}: directory {output.parent} does not exist")
-    return False
+    return None
 
 
 def start_output(output: Path, record: dict[str, Any]) -> None:
@@ -118,4 +130,35 @@ def start_output(output: Path, record: dict[str, Any]) -> None:
         output.mkdir(exist_ok=True)
     except OSError as exc:
         raise QStreamError(f"--output {output}: cannot create ({exc.strerror or exc})") from None
+    write_record(output, record)
+
+
+def present_files(output: Path, old: dict[str, Any] | None, export: str) -> dict[str, str]:
+    """``{file name: sha256}`` of the stream files already in ``output``: the digests the old
+    record holds, and those of files it lacks computed now (a capture from before qstream
+    recorded them, or a file written whole just before a run was killed)."""
+    recorded = (old or {}).get("files")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    present = {}
+    for path in sorted(output.iterdir(), key=lambda p: _index(p.name, export)):
+        if _index(path.name, export) >= 0 and path.is_file():
+            digest = recorded.get(path.name)
+            present[path.name] = digest if isinstance(digest, str) else sha256_file(path)
+    return present
+
+
+def _index(name: str, export: str) -> int:
+    """The stream index a file name of ``export``'s layout gives, or -1 for another file."""
+    match = STREAM_NAMES[export].match(name)
+    return int(match.group(1)) if match else -1
+
+
+def record_streams(output: Path, record: dict[str, Any], names: list[str]) -> None:
+    """Add the sha256 of the stream files ``names`` just written to ``record`` (``files``, and
+    ``streams`` their count) and replace ``capture.json``."""
+    files = record.setdefault("files", {})
+    for name in names:
+        files[name] = sha256_file(output / name)
+    record["files"] = dict(sorted(files.items(), key=lambda f: _index(f[0], record["layout"])))
+    record["streams"] = len(record["files"])
     write_record(output, record)

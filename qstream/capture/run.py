@@ -16,7 +16,13 @@ import torch
 
 import qstream
 from qstream.capture.hooks import LayerTap
-from qstream.capture.layout import check_output, start_output, stream_file, write_record
+from qstream.capture.layout import (
+    check_output,
+    present_files,
+    record_streams,
+    start_output,
+    stream_file,
+)
 from qstream.capture.streams import (
     CorpusDocs,
     Sampling,
@@ -125,18 +131,18 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     docs = corpus_docs(s.corpus)
     record = _record(s, ids, docs, shape)
     output = Path(s.output)
-    resuming = check_output(output, record)
+    old = check_output(output, record)
     target = load_target(s.target, DTYPES[s.dtype], s.device, s.device_map, s.trust_remote_code)
     chosen = _prompts(s, target, docs, config)
-    if not resuming:
+    if old is None:
         start_output(output, record)
-    todo = [i for i in range(len(chosen)) if not (output / stream_file(i, s.export)).exists()]
+    record["files"] = present_files(output, old, s.export)
+    record_streams(output, record, [])
+    todo = [i for i in range(len(chosen)) if stream_file(i, s.export) not in record["files"]]
     if progress is not None:
         progress(0, len(todo))
-    tokens = _capture(s, target, ids, chosen, todo, output, progress)
-    present = sum((output / stream_file(i, s.export)).exists() for i in range(len(chosen)))
-    record["streams"] = present
-    write_record(output, record)
+    tokens = _capture(s, target, ids, chosen, todo, output, record, progress)
+    present = record["streams"]
     return CaptureSummary(str(output), present, len(todo), len(chosen) - len(todo), tokens, record)
 
 
@@ -147,9 +153,11 @@ def _capture(
     chosen: list[tuple[int, list[int]]],
     todo: list[int],
     output: Path,
+    record: dict,
     progress: Progress | None,
 ) -> int:
-    """Generate (if asked) and capture the streams ``todo``, a batch at a time."""
+    """Generate (if asked) and capture the streams ``todo``, a batch at a time, recording each
+    batch's files in ``capture.json`` as they are written."""
     eos = target.tokenizer.eos_token_id
     layers, norm = decoder_parts(target.model)
     done = tokens = 0
@@ -170,6 +178,7 @@ def _capture(
             for i in streams
         ]
         write_batch(output, s.export, streams, rows, tap, meta)
+        record_streams(output, record, [stream_file(i, s.export) for i in streams])
         done += len(streams)
         tokens += sum(len(r) for r in rows)
         if progress is not None:

@@ -109,6 +109,7 @@ def build_card(
     base: str | Path | None = None,
     regime: str | None = None,
     figures_dir: str | None = "figures",
+    integrity_check: bool = True,
 ) -> Card:
     """The card as data; figures are referenced as ``figures_dir/NAME.png`` (not written here),
     or left out when ``figures_dir`` is None."""
@@ -118,7 +119,8 @@ def build_card(
     def figure(name: str, alt: str, caption: str) -> list[Figure]:
         return [] if figures_dir is None else [Figure(f"{figures_dir}/{name}", alt, caption)]
 
-    sections = _intro_sections(rs, missing) + _checkpoint_sections(checkpoints, base)
+    sections = _intro_sections(rs, missing)
+    sections += _checkpoint_sections(checkpoints, base, integrity_check)
     verifiers = acceptance_verifiers(rs)
     if verifiers:  # probabilistic drafting is judged by simulated acceptance: it leads
         sections.append(
@@ -288,12 +290,12 @@ def suggested_command(rs: ResultsSet, regime: str) -> Part:
 
 
 def _checkpoint_sections(
-    checkpoints: Sequence[str | Path], base: str | Path | None
+    checkpoints: Sequence[str | Path], base: str | Path | None, integrity_check: bool
 ) -> list[Section]:
     if not checkpoints:
         return []
     base_facts = ckpt.read_base(base) if base is not None else None
-    facts = [ckpt.read_quantized(c, base_facts) for c in checkpoints]
+    facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
     parts = []
     for f in facts:
         parts += ckpt.quantization_parts(f)
@@ -312,20 +314,21 @@ def write_card(
     fmt: str = "md",
     figures: bool = True,
     overwrite: bool = False,
+    integrity_check: bool = True,
 ) -> tuple[Card, list[Path]]:
     """Write the card (``fmt`` md, json or html) to ``output`` and, unless ``figures`` is False,
     its figures to ``<output stem>_files/`` beside it; returns the card and every path written.
     An existing ``output`` that is not a card qstream wrote needs ``overwrite``; everything is
-    written atomically (qstream/card/output.py)."""
+    written atomically (qstream/card/output.py).  Each checkpoint must match the sha256s its
+    quantize record holds unless ``integrity_check`` is False (qstream/checkpoint/integrity.py)."""
     if fmt not in FORMATS:
         raise QStreamError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     output = Path(output)
     check_card_target(output, overwrite, figures)
     rs = merge_results(list(results))
     with malformed_results_as_error(rs):
-        card = build_card(
-            rs, checkpoints, base, regime, figures_dir(output).name if figures else None
-        )
+        figures_name = figures_dir(output).name if figures else None
+        card = build_card(rs, checkpoints, base, regime, figures_name, integrity_check)
         text = _render(card, fmt)
 
     def draw(directory: Path) -> list[Path]:

@@ -5,6 +5,8 @@ Everything comes from the directories themselves: safetensors headers and file s
 ``config.json``'s ``quantization_config``, and the provenance file ``qstream_quantize.json`` that
 quantize writes beside its output (``{"command", "summary", "qstream_version"}``).  A checkpoint
 without that file gets an equivalent command reconstructed from its config, and the card says so.
+Every file that file records must still have its sha256, or the checkpoint is refused (unless
+``--no-integrity-check``); the card says what was checked.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from qstream.card.document import Cell, Code, Part, Table
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
+from qstream.checkpoint.integrity import NO_CHECK_FLAG, integrity_record
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.selection import (
     HEAD_NAMES,
@@ -47,6 +50,7 @@ class CheckpointFacts:
     # module -> (weight shape, parameters, why it is not quantized)
     command: str | None = None
     command_origin: str = ""  # a sentence: recorded, or how it was reconstructed
+    integrity: dict = field(default_factory=dict)  # the sha256 check (checkpoint/integrity.py)
 
 
 def read_base(directory: str | Path) -> CheckpointFacts:
@@ -59,8 +63,12 @@ def read_base(directory: str | Path) -> CheckpointFacts:
     return CheckpointFacts(Path(directory), None, info["bytes"], info["params"], 0)
 
 
-def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> CheckpointFacts:
-    """Size, selection, reasons and command of one quantized checkpoint."""
+def read_quantized(
+    directory: str | Path, base: CheckpointFacts | None, integrity_check: bool = True
+) -> CheckpointFacts:
+    """Size, selection, reasons and command of one quantized checkpoint, refused (one line
+    naming the file) when a file differs from the sha256 quantize recorded, unless
+    ``integrity_check`` is False (``--no-integrity-check``, which the card then states)."""
     directory = Path(directory)
     checkpoint = open_checkpoint(directory)
     qconfig = checkpoint.config.get("quantization_config")
@@ -71,6 +79,7 @@ def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> Check
             "weight-only checkpoint (config.json has no quantization_config "
             "of fp8, mxfp4 or nvfp4 format)"
         )
+    integrity = integrity_record(directory, f"--checkpoint {directory}", integrity_check)
     tensors = checkpoint.tensors
     quantized = [
         name[: -len(".weight_scale")] for name in tensors if name.endswith(".weight_scale")
@@ -92,6 +101,7 @@ def read_quantized(directory: str | Path, base: CheckpointFacts | None) -> Check
         quantized,
     )
     facts.kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
+    facts.integrity = integrity
     if provenance is not None:
         facts.command = provenance["command"]
         facts.command_origin = (
@@ -314,4 +324,18 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
         kept,
         f"The command that produced `{facts.path.name}`. {facts.command_origin}",
         Code(facts.command or ""),
+        integrity_sentence(facts),
     ]
+
+
+def integrity_sentence(facts: CheckpointFacts) -> str:
+    """Whether the checkpoint described is the one quantize wrote (docs/guarantees.md)."""
+    record = facts.integrity
+    if record.get("sha256") == "checked":
+        return f"The sha256 of its {record['files']} files match `{PROVENANCE}`."
+    if record.get("why") == NO_CHECK_FLAG:
+        return (
+            f"**`{facts.path.name}`: sha256 not checked (`{NO_CHECK_FLAG}`)**: its files may "
+            f"differ from those `{PROVENANCE}` records."
+        )
+    return f"`{facts.path.name}`: sha256 not checked: {record.get('why')}."

@@ -155,6 +155,11 @@ def file_digests(
         if known is not None and name in known:
             digests[name] = known[name]
             continue
-        with path.open("rb") as handle:
-            digests[name] = hashlib.file_digest(handle, "sha256").hexdigest()
+        digests[name] = sha256_file(path)
     return digests
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of one file, read once in chunks (a shard of any size)."""
+    with Path(path).open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()

@@ -14,7 +14,6 @@ opened; everything else is collected as a list of problems, empty for a good che
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,15 +21,16 @@ import torch
 
 from qstream.checkpoint import serving
 from qstream.checkpoint.built_shapes import shape_problems, stored_shapes
-from qstream.checkpoint.files import Checkpoint, file_digests, open_checkpoint
+from qstream.checkpoint.files import Checkpoint, open_checkpoint
+from qstream.checkpoint.integrity import Integrity, check_integrity
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.checkpoint.selection import fused_groups
 from qstream.checkpoint.serving import Profile, profile_for
+from qstream.checkpoint.verify_scope import checks_run
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
-from qstream.publish import QUANTIZE_RECORD
 from qstream.units import FLOAT_DTYPE_NAMES
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
@@ -59,6 +59,9 @@ class VerifyReport:
     # vLLM's decision per runtime Linear layer: {"module", "shards", "scheme", "why"}
     runtime_modules: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what only some vLLM versions refuse
+    # every check, whether it ran, and what it found or why not (verify_scope.py)
+    checks: dict[str, dict] = field(default_factory=dict)
+    integrity: dict = field(default_factory=dict)  # the sha256 check (integrity.py)
 
     @property
     def ok(self) -> bool:
@@ -89,6 +92,7 @@ def verify_checkpoint(
         )
     fmt = _check_config(qconfig, report)
     if fmt is None:
+        report.checks = checks_run(None, profile, 0, deep, None)
         return report
     report.quant_format = fmt
     quantized, holders = _modules(checkpoint, fmt)
@@ -108,10 +112,11 @@ def verify_checkpoint(
     report.problems += shape_problems(profile, checkpoint.config, stored, fmt, quantized)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
-    _check_digests(checkpoint, report)
+    integrity = _check_digests(checkpoint, report)
     _check_scales(checkpoint, fmt, quantized - malformed, report)
     if deep:
         _check_round_trip(checkpoint, fmt, quantized - malformed, report)
+    report.checks = checks_run(fmt, profile, len(report.runtime_modules), deep, integrity)
     return report
 
 
@@ -259,27 +264,12 @@ def _check_fused(
                 )
 
 
-def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> None:
+def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> Integrity:
     """Every file quantize recorded (sha256 in its record) is present and unchanged."""
-    record_path = checkpoint.directory / QUANTIZE_RECORD
-    if not record_path.is_file():
-        return
-    try:
-        recorded = json.loads(record_path.read_text(encoding="utf-8")).get("files")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-        report.problems.append(f"{record_path}: unreadable record ({exc})")
-        return
-    if not isinstance(recorded, dict):
-        return  # written before qstream recorded digests
-    actual = file_digests(checkpoint.directory, skip=(QUANTIZE_RECORD,))
-    for name, digest in recorded.items():
-        if name not in actual:
-            report.problems.append(f"{name}: recorded by quantize but missing")
-        elif actual[name] != digest:
-            report.problems.append(
-                f"{name}: sha256 {actual[name][:12]}... differs from "
-                f"{digest[:12]}... recorded by quantize (changed since)"
-            )
+    integrity = check_integrity(checkpoint)
+    report.problems += [m.problem() for m in integrity.mismatches]
+    report.integrity = integrity.to_json()
+    return integrity
 
 
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:

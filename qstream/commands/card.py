@@ -19,6 +19,12 @@ from qstream.eval.regimes import REGIMES
     metavar="DIR",
     help="A quantized checkpoint the card describes; repeatable (one per format).",
 )
+@option(
+    "no_integrity_check",
+    is_flag=True,
+    help="Describe a --checkpoint without checking its files against the sha256s its "
+    "qstream_quantize.json records; the card says it was not checked.",
+)
 @option("base", metavar="DIR", help="The unquantized checkpoint the others were made from.")
 @option(
     "output",
@@ -47,7 +53,9 @@ from qstream.eval.regimes import REGIMES
     help="Replace an existing --output file that is not a card qstream wrote (a card it "
     "wrote is replaced without asking).",
 )
-def card(results, checkpoint, base, output, fmt, regime, no_figures, overwrite) -> None:
+def card(
+    results, checkpoint, no_integrity_check, base, output, fmt, regime, no_figures, overwrite
+) -> None:
     """Write model-card tables and figures from eval-drift results.
 
     RESULTS are eval-drift --json files (one per regime, or one with several); they are merged,
@@ -59,7 +67,8 @@ def card(results, checkpoint, base, output, fmt, regime, no_figures, overwrite) 
     qstream card all.json --output card.html --format html --regime boot
 
     An existing --output that qstream did not write is refused unless --overwrite; the card and
-    its figures appear complete or not at all (docs/guarantees.md).
+    its figures appear complete or not at all; a --checkpoint whose files differ from the
+    sha256s its qstream_quantize.json records is refused (docs/guarantees.md).
     """
     card_doc, written = write_card(
         results,
@@ -70,6 +79,7 @@ def card(results, checkpoint, base, output, fmt, regime, no_figures, overwrite) 
         fmt=fmt,
         figures=not no_figures,
         overwrite=overwrite,
+        integrity_check=not no_integrity_check,
     )
     for line in card_doc.missing:
         click.echo(f"missing: {line}", err=True)

@@ -80,6 +80,12 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     "foreign in the JSON and the card.",
 )
 @option(
+    "no_integrity_check",
+    is_flag=True,
+    help="Evaluate a --variant without checking its files against the sha256s its "
+    "qstream_quantize.json records; the results say it was not checked.",
+)
+@option(
     "regime",
     type=click.Choice([*REGIMES, ALL_REGIMES]),
     default=None,
@@ -254,6 +260,7 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         formats=tuple(f.strip() for f in o["formats"].split(",") if f.strip()),
         variant_dirs=parse_variants(o["variant"]),
         allow_foreign_variant=o["allow_foreign_variant"],
+        integrity_check=not o["no_integrity_check"],
         include=tuple(o["include_layers"]) or QUANTIZE_INCLUDE,
         ignore=tuple(o["ignore_layers"]),
         n_blocks=o["blocks"],

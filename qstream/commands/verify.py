@@ -7,7 +7,8 @@ from dataclasses import asdict
 import click
 
 from qstream.checkpoint.files import open_checkpoint
-from qstream.checkpoint.verify import verify_checkpoint
+from qstream.checkpoint.verify import VerifyReport, verify_checkpoint
+from qstream.checkpoint.verify_scope import VLLM_LOADER
 from qstream.checkpoint.vllm_load import VLLM_VERSION, load_with_vllm, vllm_version
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.errors import QStreamError
@@ -58,7 +59,9 @@ def verify(
     shared global scale), the index, and with --deep a dequantize round trip.  For a DSpark draft, vLLM's decision is
     replayed for every runtime Linear layer at --tensor-parallel-size (docs/vllm.md).  With
     --vllm, vLLM's own loader loads it too (a plain BF16 draft as well), and the scheme vLLM chose
-    per runtime module is printed.  Exits 1 with one line per violation.
+    per runtime module is printed.  Each check that did not run is named, with why (the
+    sha256 check needs the qstream_quantize.json quantize writes).  Exits 1 with one line per
+    violation.
     Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
     """
     if vllm:
@@ -72,16 +75,35 @@ def verify(
         if json_path != "-":
             layers = f", L={report.target_layers}" if report.target_layers is not None else ""
             click.echo(
-                f"OK: {report.directory}: {report.quant_format}, "
+                f"{_ok(report)}: {report.directory}: {report.quant_format}, "
                 f"{len(report.modules_quantized)} quantized and "
                 f"{len(report.modules_ignored)} ignored modules; vLLM rules "
                 f"{report.serving_profile} at tensor_parallel_size "
                 f"{report.tensor_parallel_size}{layers}"
             )
+            _echo_checks(report)
         return
     for problem in report.problems:
         click.echo(f"  {problem}", err=True)
     raise QStreamError(f"{report.directory}: {len(report.problems)} problem(s), listed above")
+
+
+def _ok(report: VerifyReport) -> str:
+    """The verdict, saying so when the bytes were not checked against recorded sha256s (exit
+    status 0 all the same: a checkpoint another tool wrote has no record, and every check that
+    ran passed; docs/guarantees.md)."""
+    if report.integrity.get("sha256") == "checked":
+        return "OK"
+    return f"OK (sha256 not checked: {report.integrity.get('why')})"
+
+
+def _echo_checks(report: VerifyReport) -> None:
+    """The checks that ran on one line, then one line per check that did not, and why."""
+    ran = [name for name, check in report.checks.items() if check["ran"]]
+    click.echo(f"  checked: {', '.join(ran)}")
+    for name, check in report.checks.items():
+        if not check["ran"]:
+            click.echo(f"  not checked: {name} ({check['detail']})")
 
 
 def _verify_with_vllm(
@@ -101,6 +123,9 @@ def _verify_with_vllm(
     quantized = "quantization_config" in open_checkpoint(directory).config
     report = verify_checkpoint(directory, 1, target_layers, deep) if quantized else None
     loaded = load_with_vllm(directory, target_layers)
+    if report is not None:
+        detail = f"vLLM {loaded.vllm_version}'s own DSpark loader on CPU"
+        report.checks[VLLM_LOADER] = {"ran": True, "detail": detail}
     problems = (report.problems if report else []) + loaded.problems
     out = {"vllm": {**asdict(loaded), "ok": loaded.ok}, "ok": not problems}
     if report is not None:
@@ -123,3 +148,6 @@ def _verify_with_vllm(
             f"on CPU at L={loaded.target_layers}: {len(loaded.modules)} Linear modules, every "
             "stored tensor consumed, every parameter the stored bytes (kernels not run: no GPU)"
         )
+        if report is not None:
+            click.echo(f"{_ok(report)}: {report.directory}: qstream's checks")
+            _echo_checks(report)

@@ -195,10 +195,7 @@ def _run_description(
         "aux_dtype": "bf16",
         "compute": describe_device(torch.device(settings.device)),
         "selection": {"include": list(settings.include), "ignore": list(settings.ignore)},
-        "variants": {
-            v.name: {"kind": v.kind, "source": v.source, **({"foreign": True} if v.foreign else {})}
-            for v in variants
-        },
+        "variants": {v.name: {"kind": v.kind, "source": v.source, **v.checks()} for v in variants},
         "regimes": {},
     }
 

@@ -47,6 +47,9 @@ class DriftSettings:
     variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
     # compare a variant that is not derived from the model (qstream/eval/provenance.py)
     allow_foreign_variant: bool = False
+    # check each variant directory against the sha256s quantize recorded; False:
+    # --no-integrity-check, recorded in the results (qstream/checkpoint/integrity.py)
+    integrity_check: bool = True
     include: tuple[str, ...] = QUANTIZE_INCLUDE  # modules the simulated formats quantize
     ignore: tuple[str, ...] = ()
     n_blocks: int = 1024

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qstream.checkpoint.integrity import integrity_record
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
@@ -28,6 +29,15 @@ class Variant:
     include: tuple[str, ...] | None = None  # simulated: own patterns (sensitivity steps);
     # None: the settings' include list
     foreign: bool = False  # checkpoint not derived from the model (--allow-foreign-variant)
+    # checkpoint: its sha256 check, as qstream/checkpoint/integrity.py records it
+    integrity: tuple[tuple[str, object], ...] = ()
+
+    def checks(self) -> dict:
+        """What the results record of the checks of a checkpoint variant."""
+        return {
+            **({"foreign": True} if self.foreign else {}),
+            **({"integrity": dict(self.integrity)} if self.integrity else {}),
+        }
 
     @property
     def dtype(self) -> torch.dtype:
@@ -36,11 +46,16 @@ class Variant:
 
 
 def settings_variants(settings: DriftSettings) -> tuple[Variant, ...]:
-    """The simulated formats, then the checkpoint directories, in the order the user gave."""
+    """The simulated formats, then the checkpoint directories, in the order the user gave;
+    each directory checked against the sha256s quantize recorded, unless the settings say not
+    to (one line naming the first file that fails)."""
     simulated = [
         Variant(f, f if f in (REFERENCE, FLOOR) else "simulated", f) for f in settings.formats
     ]
-    checkpoints = [Variant(name, "checkpoint", path) for name, path in settings.variant_dirs]
+    checkpoints = []
+    for name, path in settings.variant_dirs:
+        record = integrity_record(path, f"--variant {name}", settings.integrity_check)
+        checkpoints.append(Variant(name, "checkpoint", path, integrity=tuple(record.items())))
     return (*simulated, *checkpoints)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from qstream.checkpoint.files import read_json
 from qstream.checkpoint.safetensors_io import read_header
 from qstream.errors import QStreamError
-from qstream.eval.states.captured import CapturedStates, files_sha256
+from qstream.eval.states.captured import CapturedStates, file_sha256s, files_sha256
 from qstream.eval.states.layers import (
     CONVENTIONS,
     HIDDEN_STATES_INDEX,
@@ -34,6 +34,7 @@ from qstream.eval.states.layers import (
     parse_ids,
     read_final_norm,
 )
+from qstream.eval.states.manifest import check_manifest
 from qstream.eval.states.qstream_layout import open_qstream_file
 from qstream.eval.states.specforge_layout import GZIP_MAGIC, ZIP_MAGIC, open_specforge_file
 from qstream.eval.states.vllm_layout import open_vllm_file
@@ -199,6 +200,8 @@ def read_states(
     files = list_files(root)
     fmt = _resolve_format(files, format)
     layers, manifest = _layers(root, fmt, config, layer_convention, layer_ids)
+    digests = file_sha256s(files, root)  # read once: checked and hashed into the identity
+    checked = None if manifest is None else check_manifest(root, manifest, digests)
     open_file = _opener(fmt, config)
     pairs = [pair for f in files for pair in open_file(f)]
     norm = _final_norm(fmt, root, config, target)
@@ -210,10 +213,11 @@ def read_states(
         "layers": layers,
         "final_state": {"tensor": FINAL_TENSOR[fmt], "normalized_with": norm.to_json()},
         "manifest": manifest,
+        **({} if checked is None else {"manifest_check": checked}),
     }
     return CapturedStates(
         name=str(root),
-        sha256=files_sha256(files, root),
+        sha256=files_sha256(digests, root),
         streams=tuple(ids for _, ids in pairs),
         tokenizer="(token ids from the states file)",
         sources=tuple(source for source, _ in pairs),

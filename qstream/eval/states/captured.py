@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.model.config import DSparkConfig
@@ -21,7 +22,6 @@ from qstream.units import FLOAT_DTYPE_NAMES, FLOAT_DTYPES
 
 ID_DTYPES = (torch.int32, torch.int64)
 AUX, TARGET = "aux", "target"  # the two kinds of rows a stream source reads
-_HASH_CHUNK = 1 << 24
 
 
 class StreamSource(Protocol):
@@ -159,19 +159,20 @@ def aux_why(config: DSparkConfig) -> str:
     )
 
 
-def files_sha256(files: list[Path], root: Path) -> str:
+def file_sha256s(files: list[Path], root: Path) -> dict[str, str]:
+    """``{name relative to root: sha256}`` of each states file (a file given alone: its name)."""
+    return {_relative(f, root): sha256_file(f) for f in files}
+
+
+def files_sha256(digests: dict[str, str], root: Path) -> str:
     """sha256 of one file, or of a directory's files (relative name and each file's sha256)."""
-    if len(files) == 1 and files[0] == root:
-        return _sha256(root)
+    if root.is_file():
+        return next(iter(digests.values()))
     digest = hashlib.sha256()
-    for f in files:
-        digest.update(f"{f.relative_to(root).as_posix()}\0{_sha256(f)}\n".encode())
+    for name, file_digest in digests.items():
+        digest.update(f"{name}\0{file_digest}\n".encode())
     return digest.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _relative(path: Path, root: Path) -> str:
+    return path.name if path == root else path.relative_to(root).as_posix()
