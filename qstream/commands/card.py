@@ -9,6 +9,7 @@ import click
 from qstream.card.build import FORMATS, write_card
 from qstream.cliutil import Command, option
 from qstream.eval.regimes import REGIMES
+from qstream.progress import step
 
 
 @click.command("card", cls=Command)
@@ -61,16 +62,17 @@ def card(results, checkpoint, base, output, fmt, regime, no_figures, overwrite) 
     An existing --output that qstream did not write is refused unless --overwrite; the card and
     its figures appear complete or not at all (docs/guarantees.md).
     """
-    card_doc, written = write_card(
-        results,
-        Path(output),
-        checkpoints=checkpoint,
-        base=base,
-        regime=regime,
-        fmt=fmt,
-        figures=not no_figures,
-        overwrite=overwrite,
-    )
+    with step(f"writing {output}" + ("" if no_figures else " and its figures")):
+        card_doc, written = write_card(
+            results,
+            Path(output),
+            checkpoints=checkpoint,
+            base=base,
+            regime=regime,
+            fmt=fmt,
+            figures=not no_figures,
+            overwrite=overwrite,
+        )
     for line in card_doc.missing:
         click.echo(f"missing: {line}", err=True)
     figures = f" and {len(written) - 1} figures in {written[1].parent}" if len(written) > 1 else ""
