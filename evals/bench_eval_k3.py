@@ -49,7 +49,7 @@ class StepTimes:
     def start(self, total, work=None):
         pass
 
-    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
+    def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = "variants") -> None:
         now = time.perf_counter()
         self.seconds[what] = self.seconds.get(what, 0.0) + now - self.last
         self.last = now

@@ -7,21 +7,11 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from qstream.errors import QStreamError
 from qstream.publish import write_text_atomic
@@ -59,69 +49,6 @@ def make_console(stderr: bool = False) -> Console:
     if out.is_terminal or "COLUMNS" in os.environ:
         return out
     return Console(stderr=stderr, width=PIPE_WIDTH)
-
-
-# A run expected to take longer than this prints, once, how --blocks and --device shorten it.
-LONG_RUN_SECONDS = 600
-
-
-class _BlocksBar:
-    """qstream.eval.settings.Progress on a rich bar, shown from the first moment (elapsed time
-    ticks while the draft and corpus load); the total arrives with ``start``.  Once the work is
-    planned the bar and its ETA run on work (FLOPs), so a sweep's long-context blocks weigh
-    what they cost; the blocks done are shown beside it."""
-
-    def __init__(self, bar: Progress):
-        self.bar = bar
-        self.task = bar.add_task("loading the draft and corpus", total=None, blocks="")
-        self.advised = False
-        self.blocks, self.by_work = 0, False
-        self.total_blocks: int | None = None
-
-    def start(self, total: int | None, work: float | None = None) -> None:
-        self.total_blocks, self.by_work = total, work is not None
-        self.bar.update(self.task, total=work if self.by_work else total)
-        self._show_blocks()
-
-    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
-        self.blocks += blocks
-        self.bar.update(self.task, advance=work if self.by_work else blocks, description=what)
-        self._show_blocks()
-        remaining = self.bar.tasks[0].time_remaining
-        if not self.advised and remaining is not None and remaining > LONG_RUN_SECONDS:
-            self.advised = True
-            self.bar.console.print(
-                f"About {remaining / 60:.0f} min left at the pace so far. The time scales with "
-                "--blocks (half the blocks: half the time, intervals about 1.4x wider); on a "
-                "GPU, --device cuda."
-            )
-
-    def _show_blocks(self) -> None:
-        total = "" if self.total_blocks is None else f"/{self.total_blocks}"
-        self.bar.update(self.task, blocks=f"{self.blocks}{total} blocks")
-
-
-@contextmanager
-def blocks_progress(console: Console, quiet: bool = False) -> Iterator[Any]:
-    """A progress bar counting drafted blocks on ``console`` when it is a terminal (stderr:
-    progress never mixes with the tables or ``--json -``); silence otherwise or when ``quiet``
-    (docs/quantize.md)."""
-    if quiet or not console.is_terminal:
-        from qstream.eval.settings import Silent  # imported here: quantize never loads eval
-
-        yield Silent()
-        return
-    columns = (
-        TextColumn("{task.description:<32}"),
-        BarColumn(),
-        TaskProgressColumn(),
-        TextColumn("{task.fields[blocks]}"),
-        TimeElapsedColumn(),
-        TextColumn("eta"),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        yield _BlocksBar(bar)
 
 
 def spellings(name: str) -> list[str]:

@@ -35,7 +35,8 @@ def _inspect(directory, *extra):
 
 
 def test_a_small_checkpoint_is_not_shown_as_zero_gib(tiny):
-    title = _inspect(tiny, "--no-stats").splitlines()[0]
+    out = _inspect(tiny, "--no-stats")
+    title = " ".join(out[: out.index("module kind")].split())  # the title may wrap
     assert "0.000 GiB" not in title and "KiB" in title, title
 
 

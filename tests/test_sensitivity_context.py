@@ -284,7 +284,7 @@ class _Count:
     def start(self, total, work=None):
         self.total, self.work = total, work
 
-    def advance(self, what, blocks, work=0.0):
+    def advance(self, what, blocks, work=0.0, kind="variants"):
         self.done += blocks
         self.work_done += work
         if blocks:
@@ -306,7 +306,7 @@ def test_a_sweeps_blocks_are_in_the_progress_total(tiny, corpus):
     )
     evaluate_drift(tiny, settings, corpus, progress=count)
     assert count.total == (16 + 2 * 8) * 2 == count.done
-    assert count.work == pytest.approx(count.work_done, rel=1e-12)
+    assert sum(count.work.values()) == pytest.approx(count.work_done, rel=1e-12)
     # per-block work of each reference batch, in order: the corpus's, then bucket [32, 64)'s
     # and bucket [64, 128)'s (one batch each): the longer contexts weigh more
     per_block = count.work_of["heavy: reference"]

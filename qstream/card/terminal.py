@@ -1,5 +1,14 @@
 """The tables ``qstream eval-drift`` prints: the card's own table objects (qstream/card/tables.py)
-built from the run's results in memory, rendered with rich for a terminal instead of markdown.
+built from the run's results in memory, laid out for a terminal instead of markdown
+(docs/guarantees.md, "Shown").  Every table fits the console's width, at most MAX_WIDTH, and is
+never split or cut:
+
+* variants are named by their bare name; when the quantized sets differ, one note says how many
+  tensors each quantizes (the card's column headers say it in each table);
+* a table with one column per variant (every metric of a regime, the context sweep) that would
+  wrap its labels becomes one row per variant: ``metric | variant | value``;
+* the agreement table is grouped by measure, so that its long labels wrap beside the variants;
+* a leading label shows once per run of rows and wraps down them (qstream/tablefit.py).
 
 >>> print_report(make_console(), evaluate_drift(model_dir, settings, corpus))
 """
@@ -11,7 +20,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from qstream.card.build import suggested_command
-from qstream.card.document import Code, Part, Table
+from qstream.card.document import Cell, Code, Part, Table
 from qstream.card.results import ResultsSet, collect_results
 from qstream.card.study_tables import (
     acceptance_tables,
@@ -19,12 +28,17 @@ from qstream.card.study_tables import (
     context_sweep_table,
     sensitivity_table,
 )
-from qstream.card.tables import agreement_table, full_metrics_table, regime_order
+from qstream.card.tables import (
+    agreement_table,
+    full_metrics_table,
+    regime_order,
+    variant_label,
+    variant_order,
+)
+from qstream.tablefit import EDGES, FRAME, Column, column_widths, fitted_table
 
 SOURCE = "(this run)"  # where in-memory results came from, for the results set's messages
-MAX_WIDTH = 100  # columns a terminal table may take; wider ones are split (--wide: not split)
-_CELL_FRAME = 3  # a rich cell's padding (1 + 1) and its left border
-LABEL_MAX = 30  # a split table's label columns wrap at this many characters
+MAX_WIDTH = 100  # columns a terminal table may take (--wide: no limit)
 
 
 def report_parts(rs: ResultsSet) -> list[Part]:
@@ -43,78 +57,132 @@ def report_parts(rs: ResultsSet) -> list[Part]:
     return parts
 
 
-def _widths(table: Table) -> list[int]:
-    """Each column's rendered width: its longest line (header or cell) plus the cell frame."""
-    return [
-        max(
-            len(line)
-            for text in (column, *(row[i].text for row in table.rows))
-            for line in (text.splitlines() or [""])
-        )
-        + _CELL_FRAME
-        for i, column in enumerate(table.columns)
-    ]
+def short_names(rs: ResultsSet) -> dict[str, str]:
+    """Each variant's label in the card (name and, where the quantized sets differ, its tensor
+    count) -> its bare name, for the variants whose label is longer than the name."""
+    labels = {variant_label(rs, v): v for v in variant_order(rs)}
+    return {label: name for label, name in labels.items() if label != name}
 
 
-def split_table(table: Table, width: int = MAX_WIDTH) -> list[Table]:
-    """``table`` as tables of at most ``width`` columns: its leading label columns (``l``)
-    repeated in each, the value columns shared out in order; one table if it fits already.
-    A single value column wider than the rest of the width stays alone (its cells wrap)."""
-    widths = _widths(table)
-    if sum(widths) + 1 <= width:
-        return [table]
-    n_labels = len(table.align) - len(table.align.lstrip("l")) or 1
-    label_width = sum(min(w, LABEL_MAX + _CELL_FRAME) for w in widths[:n_labels]) + 1
-    groups: list[list[int]] = [[]]
-    for i in range(n_labels, len(table.columns)):
-        if groups[-1] and label_width + sum(widths[j] for j in groups[-1]) + widths[i] > width:
-            groups.append([])
-        groups[-1].append(i)
-    return [
-        _subtable(
-            table, list(range(n_labels)) + group, f" ({n}/{len(groups)})" if len(groups) > 1 else ""
-        )
-        for n, group in enumerate(groups, 1)
-    ]
-
-
-def _subtable(table: Table, keep: list[int], suffix: str) -> Table:
-    return Table(
-        table.caption + suffix,
-        [table.columns[i] for i in keep],
-        [[row[i] for i in keep] for row in table.rows],
-        table.key,
-        "".join(table.align[i] for i in keep),
+def variants_note(rs: ResultsSet) -> str | None:
+    """One line saying what the bare names leave out: the variants' quantized sets differ."""
+    shortened = short_names(rs)
+    if not shortened:
+        return None
+    counts = ", ".join(
+        f"{name} {label[len(name) :].strip(' ()').split(';')[0]}"
+        for label, name in shortened.items()
+    )
+    return (
+        f"Note: the variants do not quantize the same tensors ({counts}); the tables below "
+        "name them by name only."
     )
 
 
-def rich_table(table: Table, label_max: int | None = None) -> RichTable:
-    """A card table as a rich table: same caption, columns, alignment and cell text; a cell
-    too wide for the console wraps (``fold``) rather than being cut to ``0.9…``; label
-    columns wrap at ``label_max`` characters when given."""
-    out = RichTable(title=Text(table.caption))
-    for column, align in zip(table.columns, table.align):
-        out.add_column(
-            Text(column),
-            justify="left" if align == "l" else "right",
-            overflow="fold",
-            max_width=label_max if align == "l" else None,
-        )
-    for row in table.rows:
-        out.add_row(*(Text(cell.text) for cell in row))
-    return out
+def _rename(table: Table, names: dict[str, str]) -> Table:
+    """``table`` with every variant label (a header or a cell) replaced by the bare name."""
+    return Table(
+        table.caption,
+        [names.get(c, c) for c in table.columns],
+        [[Cell(names.get(cell.text, cell.text), cell.data) for cell in row] for row in table.rows],
+        table.key,
+        table.align,
+    )
+
+
+def _n_labels(table: Table) -> int:
+    """The leading label columns: left-aligned, before the first number."""
+    return len(table.align) - len(table.align.lstrip("l"))
+
+
+def _fits_unwrapped(table: Table, width: int) -> bool:
+    """The table fits ``width`` with its label columns at their natural width."""
+    columns, rows = _columns(table), _texts(table)
+    widths = column_widths(columns, rows, width)
+    natural = column_widths(columns, rows, 10**6)
+    labels = _n_labels(table)
+    return (
+        widths[:labels] == natural[:labels] and sum(widths) + FRAME * len(widths) + EDGES <= width
+    )
+
+
+def by_variant(table: Table, variants: list[str]) -> Table:
+    """One row per label row and variant column: the columns naming a variant become a
+    ``variant`` column and a ``value`` column, the other columns are kept before them."""
+    keep = [i for i, c in enumerate(table.columns) if c not in variants]
+    melt = [i for i, c in enumerate(table.columns) if c in variants]
+    rows = [
+        [*(row[i] for i in keep), Cell(table.columns[j]), row[j]]
+        for row in table.rows
+        for j in melt
+    ]
+    align = "".join(table.align[i] for i in keep) + "lr"
+    return Table(
+        table.caption,
+        [*(table.columns[i] for i in keep), "variant", "value"],
+        rows,
+        table.key,
+        align,
+    )
+
+
+def measure_first(table: Table) -> Table:
+    """The agreement table grouped by measure (then variant, as the card orders them)."""
+    order = list(dict.fromkeys(row[1].text for row in table.rows))
+    rows = sorted(table.rows, key=lambda row: order.index(row[1].text))
+    swap = [1, 0, *range(2, len(table.columns))]
+    return Table(
+        table.caption,
+        [table.columns[i] for i in swap],
+        [[row[i] for i in swap] for row in rows],
+        table.key,
+        "".join(table.align[i] for i in swap),
+    )
+
+
+def terminal_table(table: Table, rs: ResultsSet, width: int) -> tuple[Table, int]:
+    """The card's ``table`` as the terminal shows it at ``width`` (see the module's docstring),
+    and how many of its leading columns are grouped: the labels but the last, which names the
+    row (one row per variant: every column before the variant's)."""
+    table = _rename(table, short_names(rs))
+    variants = [v for v in variant_order(rs) if v in table.columns]
+    if table.key.startswith("agreement_"):
+        table = measure_first(table)
+    elif len(variants) > 1 and not _fits_unwrapped(table, width):
+        table = by_variant(table, variants)
+        return table, len(table.columns) - 2
+    return table, max(0, _n_labels(table) - 1)
+
+
+def _columns(table: Table) -> list[Column]:
+    return [Column(c, right=a == "r") for c, a in zip(table.columns, table.align)]
+
+
+def _texts(table: Table) -> list[list[str]]:
+    return [[cell.text for cell in row] for row in table.rows]
+
+
+def render(table: Table, rs: ResultsSet, width: int) -> RichTable:
+    """The card's ``table`` as a rich table that fits ``width``, a line between the groups of
+    its first column."""
+    shown, grouped = terminal_table(table, rs, width)
+    return fitted_table(_columns(shown), _texts(shown), width, grouped=grouped)
 
 
 def print_report(console: Console, results: dict, wide: bool = False) -> None:
-    """Print :func:`report_parts` of eval-drift ``results`` held in memory; tables wider than
-    the console (at most MAX_WIDTH) are split unless ``wide``."""
-    width = min(console.width, MAX_WIDTH)
-    for part in report_parts(collect_results([(results, SOURCE)])):
+    """Print :func:`report_parts` of eval-drift ``results`` held in memory at the console's
+    width (at most MAX_WIDTH; ``wide``: every table at its natural width), a blank line before
+    each table's caption."""
+    width = console.width if wide else min(console.width, MAX_WIDTH)
+    rs = collect_results([(results, SOURCE)])
+    note = variants_note(rs)
+    if note is not None:
+        console.print(Text(note), width=width)
+    for n, part in enumerate(report_parts(rs)):
         if isinstance(part, Table):
-            pieces = [part] if wide else split_table(part, width)
-            for piece in pieces:
-                console.print(rich_table(piece, LABEL_MAX if piece is not part else None))
-        elif isinstance(part, Code):
-            console.print(Text(part.text))
+            if n or note is not None:
+                console.print()
+            console.print(Text(part.caption), width=width)
+            console.print(render(part, rs, width))
         else:
-            console.print(Text(str(part)))
+            console.print(Text(part.text if isinstance(part, Code) else str(part)), width=width)

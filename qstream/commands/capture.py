@@ -3,18 +3,9 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import click
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
 
 from qstream.capture.layout import EXPORTS
 from qstream.capture.run import CaptureSettings, run_capture
@@ -30,6 +21,7 @@ from qstream.cliutil import (
     write_json,
 )
 from qstream.model.device import resolve_device
+from qstream.progress import counter
 
 
 @click.command(cls=Command)
@@ -143,22 +135,8 @@ def capture(json_path: str | None, **o: Any) -> None:
     """
     resolve_device(o["device"])  # a bad or absent device is one line before anything loads
     settings = _settings(o)
-    if sys.stderr.isatty() and json_path != "-":
-        columns = (
-            TextColumn("capture"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("streams"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        with Progress(*columns, transient=True) as bar:
-            task = bar.add_task("capture", total=None)
-            summary = run_capture(
-                settings, lambda done, total: bar.update(task, completed=done, total=total)
-            )
-    else:
-        summary = run_capture(settings)
+    with counter("capture", "streams") as report:
+        summary = run_capture(settings, report)
     if json_path != "-":
         click.echo(
             f"wrote {summary.written} streams ({summary.tokens:,} tokens) to {summary.output}; "

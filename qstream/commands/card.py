@@ -9,6 +9,7 @@ import click
 from qstream.card.build import FORMATS, write_card
 from qstream.cliutil import Command, option
 from qstream.eval.regimes import REGIMES
+from qstream.progress import step
 
 
 @click.command("card", cls=Command)
@@ -70,17 +71,18 @@ def card(
     its figures appear complete or not at all; a --checkpoint whose files differ from the
     sha256s its qstream_quantize.json records is refused (docs/guarantees.md).
     """
-    card_doc, written = write_card(
-        results,
-        Path(output),
-        checkpoints=checkpoint,
-        base=base,
-        regime=regime,
-        fmt=fmt,
-        figures=not no_figures,
-        overwrite=overwrite,
-        integrity_check=not no_integrity_check,
-    )
+    with step(f"writing {output}" + ("" if no_figures else " and its figures")):
+        card_doc, written = write_card(
+            results,
+            Path(output),
+            checkpoints=checkpoint,
+            base=base,
+            regime=regime,
+            fmt=fmt,
+            figures=not no_figures,
+            overwrite=overwrite,
+            integrity_check=not no_integrity_check,
+        )
     for line in card_doc.missing:
         click.echo(f"missing: {line}", err=True)
     figures = f" and {len(written) - 1} figures in {written[1].parent}" if len(written) > 1 else ""

@@ -12,7 +12,6 @@ from qstream.card.terminal import print_report
 from qstream.cliutil import (
     Command,
     FiniteRange,
-    blocks_progress,
     device_option,
     greedy_option,
     json_option,
@@ -35,6 +34,7 @@ from qstream.eval.states import FORMATS as STATES_FORMATS
 from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE
+from qstream.progress import drift_progress
 
 WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 
@@ -223,8 +223,9 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 @option(
     "wide",
     is_flag=True,
-    help="Print each table whole, however wide (default: tables wider than the terminal, "
-    "at most 100 columns, are split into parts).",
+    help="Print each table at its natural width, however wide (default: tables fit the "
+    "terminal, at most 100 columns: labels wrap, and a regime's metrics are one row per "
+    "variant when the variants do not fit side by side).",
 )
 @json_option()
 def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
@@ -243,7 +244,7 @@ def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
     """
     console = make_console(stderr=json_path == "-")
     settings = _settings(options)
-    with blocks_progress(Console(stderr=True), quiet=json_path == "-") as progress:
+    with drift_progress() as progress:
         where = {k: options[k] for k in ("model", "target", "tokenizer", "corpus")}
         results = run_drift(settings, **where, context_lengths=options["context_lengths"],
                             say=console.print, progress=progress)  # fmt: skip

@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import click
 import torch
-from rich.table import Table
+from rich.table import Table as RichTable
 
 from qstream.cliutil import Command, json_option, make_console, option, write_json
 from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
+from qstream.progress import step
+from qstream.tablefit import Column, fitted_table
+
+# The table's columns; names (format, layout) wrap only when the width leaves no choice.
+FORMAT_COLUMNS = (
+    Column("format"),
+    Column("bits/weight", right=True),
+    Column("block"),
+    Column("scale"),
+    Column("vLLM layout"),
+    Column("weight SNR (dB)", right=True),
+)
 
 
 def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]:
@@ -40,29 +52,34 @@ def formats(seed: int, json_path: str | None) -> None:
     Bits per weight include the scales (FP8's per-channel scale is amortised over the
     4096-wide test row).  Example: qstream formats --json -
     """
-    records = format_table(seed=seed)
+    with step("quantizing the test tensor to each format"):
+        records = format_table(seed=seed)
     if json_path == "-":
         write_json(
             {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records},
             "-",
         )
         return
-    table = Table(title=f"qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed {seed})")
-    for col in ("format", "bits/weight", "block", "scale", "vLLM layout", "weight SNR (dB)"):
-        table.add_column(
-            col, justify="right" if col in ("bits/weight", "weight SNR (dB)") else "left"
-        )
-    for r in records:
-        table.add_row(
+    console = make_console()
+    console.print(records_table(records, seed, console.width))
+    write_json(
+        {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records},
+        json_path,
+    )
+
+
+def records_table(records: list[dict], seed: int, width: int) -> RichTable:
+    """:func:`format_table`'s records as a table that fits ``width`` columns."""
+    rows = [
+        [
             r["format"],
             f"{r['bits_per_weight']:.3f}",
             str(r["block_size"]),
             r["scale_type"],
             r["vllm_layout"],
             f"{r['weight_snr_db']:.2f}",
-        )
-    make_console().print(table)
-    write_json(
-        {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records},
-        json_path,
-    )
+        ]
+        for r in records
+    ]
+    title = f"qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed {seed})"
+    return fitted_table(FORMAT_COLUMNS, rows, width, title=title)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import click
-from rich.table import Table
+from rich.table import Table as RichTable
 
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.cliutil import Command, json_option, make_console, write_json
 from qstream.model.stats import checkpoint_stats
+from qstream.progress import step
+from qstream.tablefit import Column, fitted_table
 from qstream.units import human_size
 
 
@@ -26,31 +28,17 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
 
     Example: qstream inspect draft-fp8
     """
-    data = inspect_checkpoint(directory)
+    with step(f"reading {directory}" + (" and its weight statistics" if stats else "")):
+        data = inspect_checkpoint(directory)
+        if stats:
+            data["weight_stats"] = checkpoint_stats(directory)
     if stats:
-        data["weight_stats"] = checkpoint_stats(directory)
         _warn_non_finite(data["weight_stats"])
     if json_path != "-":
         console = make_console()
-        table = Table(
-            title=f"{data['directory']}: {data['tensors']} tensors in "
-            f"{data['shards']} shard(s), {data['params']:,} parameters, "
-            f"{human_size(data['bytes'])}"
-        )
-        for col in ("module kind", "tensors", "parameters", "dtype", "shape", "size"):
-            table.add_column(col, justify="left" if col in ("module kind", "dtype") else "right")
-        for row in data["kinds"]:
-            table.add_row(
-                row["kind"],
-                str(row["tensors"]),
-                f"{row['params']:,}",
-                ",".join(row["dtypes"]),
-                str(row["shape"] or "varies"),
-                human_size(row["bytes"]),
-            )
-        console.print(table)
+        console.print(kinds_table(data, console.width))
         if stats:
-            console.print(_stats_table(data["weight_stats"]))
+            console.print(stats_table(data["weight_stats"], console.width))
         qconfig = data["quantization_config"]
         if isinstance(qconfig, dict):
             groups = qconfig.get("config_groups") or {}
@@ -82,7 +70,45 @@ def _warn_non_finite(rows: list[dict]) -> None:
     )
 
 
-def _stats_table(rows: list[dict]) -> Table:
+def kinds_table(data: dict, width: int) -> RichTable:
+    """The tensors by module kind, fitting ``width`` columns: a long kind wraps between its
+    dotted parts, never cut short."""
+    title = (
+        f"{data['directory']}: {data['tensors']} tensors in {data['shards']} shard(s), "
+        f"{data['params']:,} parameters, {human_size(data['bytes'])}"
+    )
+    rows = [
+        [
+            row["kind"],
+            str(row["tensors"]),
+            f"{row['params']:,}",
+            ",".join(row["dtypes"]),
+            str(row["shape"] or "varies"),
+            human_size(row["bytes"]),
+        ]
+        for row in data["kinds"]
+    ]
+    return fitted_table(KIND_COLUMNS, rows, width, title=title)
+
+
+KIND_COLUMNS = (
+    Column("module kind"),
+    Column("tensors", right=True),
+    Column("params", right=True),
+    Column("dtype", wraps=False),
+    Column("shape", right=True),
+    Column("size", right=True),
+)
+STATS_COLUMNS = (
+    Column("module kind"),
+    *(
+        Column(c, right=True)
+        for c in ("std", "kurtosis", "max/std", "row spread", "col spread", "non-finite")
+    ),
+)
+
+
+def stats_table(rows: list[dict], width: int) -> RichTable:
     """Per module kind, the median over its tensors of each statistic (the JSON has every
     tensor).  Kurtosis 3 is Gaussian; spreads are p99/p50 of per-channel RMS (1 = uniform).
     A tensor holding NaN or Inf counts in "non-finite" and in no median."""
@@ -90,16 +116,14 @@ def _stats_table(rows: list[dict]) -> Table:
     for row in rows:
         kind = module_kind(row["name"]).removesuffix(".weight").removeprefix("layers.*.")
         by_kind.setdefault(kind, []).append(row)
-    table = Table(title="weight statistics (median over the finite tensors of a kind)")
-    columns = ("module kind", "std", "kurtosis", "max/std", "row spread", "col spread")
-    for col in (*columns, "non-finite"):
-        table.add_column(col, justify="left" if col == "module kind" else "right")
     keys = ("std", "kurtosis", "max_over_std", "row_spread", "col_spread")
+    table = []
     for kind, members in by_kind.items():
         cells = []
         for key in keys:
             values = sorted(m[key] for m in members if m.get(key) is not None and m[key] == m[key])
             cells.append(f"{values[len(values) // 2]:.3g}" if values else "-")
         non_finite = sum(m["non_finite"] for m in members)
-        table.add_row(kind, *cells, f"[bold red]{non_finite:,}[/]" if non_finite else "0")
-    return table
+        table.append([kind, *cells, f"{non_finite:,}"])
+    title = "weight statistics (median over the finite tensors of a kind)"
+    return fitted_table(STATS_COLUMNS, table, width, title=title)

@@ -3,19 +3,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import click
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from qstream.checkpoint import QuantizeSummary, quantize_checkpoint
@@ -28,6 +20,7 @@ from qstream.cliutil import (
     option,
     write_json,
 )
+from qstream.progress import counter
 from qstream.units import human_size
 
 
@@ -127,37 +120,12 @@ def quantize(
     write_json(summary.to_json(), json_path)
 
 
-class _progress_bar:
-    """A rich progress bar (bytes and tensors) on a terminal; nothing otherwise."""
-
-    def __enter__(self):
-        if not sys.stderr.isatty():
-            return None
-        self._progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=Console(stderr=True),
-            transient=True,
-        )
-        self._progress.start()
-        self._task = self._progress.add_task("quantizing", total=None)
-        return self.update
-
-    def update(self, done_bytes: int, total_bytes: int, done_tensors: int, total_tensors: int):
-        self._progress.update(
-            self._task,
-            completed=done_bytes,
-            total=total_bytes,
-            description=f"tensors {done_tensors}/{total_tensors}",
-        )
-
-    def __exit__(self, *exc):
-        if hasattr(self, "_progress"):
-            self._progress.stop()
-        return False
+@contextmanager
+def _progress_bar() -> Iterator[Callable[[int, int, int, int], None]]:
+    """Bytes and tensors quantized, on a bar on a terminal, in plain lines elsewhere
+    (qstream/progress.py)."""
+    with counter("quantizing", "bytes") as report:
+        yield lambda done, total, tensors, of: report(done, total, f"tensors {tensors}/{of}")
 
 
 def plan_table(summary: QuantizeSummary) -> Table:

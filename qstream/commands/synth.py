@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from functools import partial
 
 import click
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
 from qstream.cliutil import Command, device_option, json_option, option, write_json
 from qstream.model.config import PRESETS
 from qstream.model.device import resolve_device
 from qstream.model.synth import SynthSummary, synth_checkpoint
 from qstream.model.synth_target import synth_for_target
+from qstream.progress import counter
 
 
 @click.command(cls=Command)
@@ -66,25 +65,8 @@ def synth(
     """
     resolve_device(device)
     make = partial(_make, target)
-    if sys.stderr.isatty():
-        with Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            DownloadColumn(),
-            TimeRemainingColumn(),
-            transient=True,
-        ) as bar:
-            task = bar.add_task(f"synth {preset}", total=None)
-            summary = make(
-                preset,
-                output_dir,
-                seed,
-                corpus,
-                overwrite,
-                lambda done, total: bar.update(task, completed=done, total=total),
-            )
-    else:
-        summary = make(preset, output_dir, seed, corpus, overwrite)
+    with counter(f"synth {preset}", "bytes") as report:
+        summary = make(preset, output_dir, seed, corpus, overwrite, report)
     if json_path != "-":
         click.echo(
             f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "

@@ -12,6 +12,7 @@ from qstream.checkpoint.verify_scope import VLLM_LOADER
 from qstream.checkpoint.vllm_load import VLLM_VERSION, load_with_vllm, vllm_version
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.errors import QStreamError
+from qstream.progress import step
 
 
 @click.command(cls=Command)
@@ -67,7 +68,8 @@ def verify(
     if vllm:
         _verify_with_vllm(directory, tensor_parallel_size, target_layers, deep, json_path)
         return
-    report = verify_checkpoint(directory, tensor_parallel_size, target_layers, deep)
+    with step(f"verifying {directory}"):
+        report = verify_checkpoint(directory, tensor_parallel_size, target_layers, deep)
     write_json({**asdict(report), "ok": report.ok}, json_path)
     for warning in report.warnings:
         click.echo(f"Warning: {warning}", err=True)
@@ -121,8 +123,9 @@ def _verify_with_vllm(
         )
     vllm_version()  # one Error: line before any work when vLLM is absent or another version
     quantized = "quantization_config" in open_checkpoint(directory).config
-    report = verify_checkpoint(directory, 1, target_layers, deep) if quantized else None
-    loaded = load_with_vllm(directory, target_layers)
+    with step(f"verifying {directory} and loading it with vLLM"):
+        report = verify_checkpoint(directory, 1, target_layers, deep) if quantized else None
+        loaded = load_with_vllm(directory, target_layers)
     if report is not None:
         detail = f"vLLM {loaded.vllm_version}'s own DSpark loader on CPU"
         report.checks[VLLM_LOADER] = {"ran": True, "detail": detail}

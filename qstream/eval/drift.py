@@ -22,7 +22,8 @@ from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.regime import RegimeRun, evaluate_regime
 from qstream.eval.regimes import check_boot_compatible
-from qstream.eval.settings import DriftSettings, Progress, Silent
+from qstream.eval.sensitivity import module_kinds, sensitivity_format
+from qstream.eval.settings import REFERENCE, VARIANTS, DriftSettings, Progress, Silent
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
@@ -72,10 +73,7 @@ def evaluate_drift(
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
     states_plan = None if states is None else _plan(states, settings, config)
-    progress.start(
-        settings.planned_blocks(),
-        _planned_work(config, corpus, plan, states, states_plan, settings),
-    )
+    progress.start(*_planned(config, weights, corpus, plan, states, states_plan, settings))
     results = _run_description(model_dir, config, weights, corpus, plan, settings, variants, target)
 
     def run(regime: str, streams: Corpus, regime_plan: AnchorPlan) -> RegimeRun:
@@ -101,33 +99,41 @@ def evaluate_drift(
     return results
 
 
-def _planned_work(
+def _planned(
     config: DSparkConfig,
+    weights: Weights,
     corpus: Corpus,
     plan: AnchorPlan,
     states: CapturedStates | None,
     states_plan: AnchorPlan | None,
     settings: DriftSettings,
-) -> float | None:
-    """FLOPs of every pass the run will make, as its batches report them (None with
-    sensitivity, whose steps are known only as they run).  A context sweep's buckets count at
-    their length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks."""
-    if settings.sensitivity:
-        return None
+) -> tuple[int, dict[str, float]]:
+    """Blocks and FLOPs (per kind of pass) of every pass the run will make, as its batches
+    report them: per regime the reference pass, each variant's and each sensitivity step's
+    (qstream/eval/sensitivity.py: the floor, each kind alone, each kind added); per bucket of a
+    context sweep the reference's and each variant's.  A bucket counts at its length: at K3 a
+    16k-token block's context costs as much as ~200 corpus blocks."""
+    steps = 0
+    if settings.sensitivity:  # a checkpoint no kind of which the format holds fails here
+        steps = 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), settings.ignore))
+    blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS), 0.0)
 
-    def work(streams: Corpus, blocks: AnchorPlan, regime: str) -> float:
-        """The reference pass and every variant's; boot's reference also runs the causal pass."""
-        boot, n = regime == "boot", settings.n_variants
-        batches = make_batches(blocks, streams, config)
-        return sum(batch_flops(config, b, boot) + n * batch_flops(config, b) for b in batches)
+    def add(streams: Corpus, anchors: AnchorPlan, regime: str, passes: int) -> None:
+        """The reference pass (boot's also runs the causal pass) and ``passes`` others."""
+        nonlocal blocks
+        for b in make_batches(anchors, streams, config):
+            blocks += b.blocks.numel() * (1 + passes)
+            work[REFERENCE] += batch_flops(config, b, regime == "boot")
+            work[VARIANTS] += passes * batch_flops(config, b)
 
     buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
-    total = 0.0
     for regime in settings.regimes:
-        total += work(corpus, plan, regime) + sum(work(s, p, regime) for _, _, s, p in buckets)
+        add(corpus, plan, regime, settings.n_variants + steps)
+        for _, _, streams, anchors in buckets:
+            add(streams, anchors, regime, settings.n_variants)
     if states is not None and states_plan is not None:
-        total += work(states, states_plan, STATES_REGIME)
-    return total
+        add(states, states_plan, STATES_REGIME, settings.n_variants + steps)
+    return blocks, work
 
 
 def _read_states(

@@ -20,7 +20,7 @@ from qstream.eval.blockstore import BlockStore
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
-from qstream.eval.settings import DriftSettings, Progress
+from qstream.eval.settings import REFERENCE, VARIANTS, DriftSettings, Progress
 from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
@@ -178,7 +178,7 @@ def reference_pass(
             ref.confidence[idx] = greedy.confidence
         trim_heap()  # the batch's freed temporaries leave the resident set
         work = batch_flops(run.config, batch, boot=run.regime == "boot")  # boot: + causal pass
-        run.progress.advance(f"{run.regime}: reference", len(idx), work)
+        run.progress.advance(f"{run.regime}: reference", len(idx), work, REFERENCE)
     return ref
 
 
@@ -218,9 +218,8 @@ def measure_variant(
         if accepted is not None and probe is not None:
             probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
         trim_heap()
-        run.progress.advance(
-            f"{run.regime}: {variant.name}", len(idx), batch_flops(run.config, batch)
-        )
+        work = batch_flops(run.config, batch)
+        run.progress.advance(f"{run.regime}: {variant.name}", len(idx), work, VARIANTS)
     return {
         "kind": variant.kind,
         "quantized_tensors": changed,

@@ -7,6 +7,7 @@ construction, and the progress protocol the evaluator reports to.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,27 +17,30 @@ from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.model.load import QUANTIZE_INCLUDE
 
+# The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py)
+REFERENCE, VARIANTS = "reference", "variants"
+
 
 class Progress(Protocol):
     """Where the evaluator reports progress: drafted blocks, and their work by the FLOP model
-    (qstream/model/flops.py), from which an ETA is taken (a long-context block costs hundreds
-    of short ones)."""
+    (qstream/model/flops.py) per kind of pass, from which the one ETA is taken (a long-context
+    block costs hundreds of short ones; an FP32 reference pass runs at its own pace)."""
 
-    def start(self, total: int | None, work: float | None = None) -> None:
-        """Blocks the run will report (None when that is known only as it runs) and, once the
-        blocks are planned, their total work; called again when the work is known."""
+    def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
+        """Blocks the run will report (None until they are planned) and, once the blocks are
+        planned, their total work per kind (REFERENCE, VARIANTS); called again when it is."""
 
-    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
-        """``blocks`` more blocks done, ``work`` FLOPs, in the step described by ``what``."""
+    def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = VARIANTS) -> None:
+        """``blocks`` more blocks done, ``work`` FLOPs of a ``kind`` pass, in the step ``what``."""
 
 
 class Silent:
     """A :class:`Progress` that reports nothing."""
 
-    def start(self, total: int | None, work: float | None = None) -> None:
+    def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
         pass
 
-    def advance(self, what: str, blocks: int, work: float = 0.0) -> None:
+    def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = VARIANTS) -> None:
         pass
 
 
@@ -151,10 +155,10 @@ class DriftSettings:
         return len(self.formats) + len(self.variant_dirs)
 
     def planned_blocks(self) -> int | None:
-        """Blocks ``evaluate_drift`` reports to its progress: a reference pass and one pass per
-        variant, per regime, and per bucket of a context sweep (``context_blocks`` each: a long
-        bucket's blocks cost more than the corpus's, so the ETA runs low until they do); None
-        with sensitivity, whose steps are known only once they run."""
+        """Blocks ``evaluate_drift`` reports to its progress, as far as the settings tell before
+        the corpus is read: a reference pass and one pass per variant, per regime, and per
+        bucket of a context sweep; None with sensitivity, whose steps depend on the checkpoint.
+        Once the blocks are planned, ``evaluate_drift`` reports the exact count."""
         if self.sensitivity:
             return None
         buckets = max(0, len(self.context_lengths) - 1)

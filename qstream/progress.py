@@ -1,0 +1,305 @@
+"""What a command shows on stderr while it works (docs/guarantees.md, "Shown"), so that no step
+of more than a moment is silent:
+
+* on a terminal, a rich bar or spinner from the first moment, naming the step; it disappears
+  when the step ends;
+* anywhere else (a pipe, a log file, CI), one plain line every LINE_EVERY seconds, the first
+  after LINE_EVERY, so that a short command prints nothing extra.
+
+eval-drift's progress (:class:`DriftProgress`) runs on the work it planned (the FLOP model,
+qstream/model/flops.py) and has one estimate of the time left, :class:`WorkEta`: the bar's
+``eta``, the plain lines and the one-off advice for a long run all read it.
+
+>>> with step("drawing the figures"):
+...     draw()
+>>> with counter("synth tiny", "bytes") as report:
+...     write(progress=report)  # report(done, total)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
+
+# qstream.eval.settings.VARIANTS, spelt out: quantize and synth use this module without eval.
+VARIANTS = "variants"
+LINE_EVERY = 30.0  # seconds between two progress lines when stderr is not a terminal
+LONG_RUN_SECONDS = 600  # a run expected to take longer says, once, how to shorten it
+ADVICE = (
+    "About {minutes:.0f} min left at the pace so far. The time scales with --blocks (half the "
+    "blocks: half the time, intervals about 1.4x wider); on a GPU, --device cuda."
+)
+
+
+def clock_text(seconds: float | None) -> str:
+    """``0:08:34``, or ``-:--:--`` when unknown (rich's own spelling)."""
+    return "-:--:--" if seconds is None else str(timedelta(seconds=round(seconds)))
+
+
+class WorkEta:
+    """The time a run has left, from the work it planned: each kind of pass (an FP32 reference,
+    the variants) timed at its own pace so far, seconds per unit of work, and its work left
+    charged at that pace; a kind not yet run at the pace of those that have.  The time since
+    the last report counts as spent on the work left."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.planned: dict[str, float] = {}  # kind -> work planned
+        self.done: dict[str, float] = {}  # kind -> work done
+        self.seconds: dict[str, float] = {}  # kind -> seconds spent on it
+        self.since: float | None = None  # the last report (or the plan)
+
+    def plan(self, work: Mapping[str, float]) -> None:
+        self.planned = dict(work)
+        self.done = dict.fromkeys(work, 0.0)
+        self.seconds = dict.fromkeys(work, 0.0)
+        self.since = self.clock()
+
+    def report(self, kind: str, work: float) -> None:
+        """``work`` more done in a pass of ``kind``; the time since the last report was its."""
+        if self.since is None or kind not in self.planned:
+            return
+        now = self.clock()
+        self.seconds[kind] += now - self.since
+        self.done[kind] += work
+        self.since = now
+
+    @property
+    def measured(self) -> bool:
+        """Every kind with work planned has done some: the estimate is no longer borrowed."""
+        return bool(self.planned) and all(
+            self.done[k] > 0 for k, planned in self.planned.items() if planned > 0
+        )
+
+    def seconds_left(self) -> float | None:
+        """The estimate, or None before any work is done."""
+        done = sum(self.done.values())
+        if self.since is None or done <= 0:
+            return None
+        overall = sum(self.seconds.values()) / done
+        left = sum(
+            (self.seconds[k] / self.done[k] if self.done[k] > 0 else overall)
+            * max(0.0, self.planned[k] - self.done[k])
+            for k in self.planned
+        )
+        return max(0.0, left - (self.clock() - self.since))
+
+
+class Lines:
+    """Progress as plain lines: ``status()`` printed every ``every`` seconds by a daemon thread
+    until the block ends (``tick`` prints one now)."""
+
+    def __init__(self, console: Console, status: Callable[[], str], every: float | None = None):
+        self.console, self.status = console, status
+        self.every = LINE_EVERY if every is None else every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Lines:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.tick()
+
+    def tick(self) -> None:
+        self.say(self.status())
+
+    def say(self, line: str) -> None:
+        self.console.print(Text(line), soft_wrap=True)
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True)
+
+
+@contextmanager
+def step(what: str, console: Console | None = None) -> Iterator[None]:
+    """A spinner naming ``what`` while the block runs (plain lines off a terminal)."""
+    console = console or stderr_console()
+    started = time.monotonic()
+    if not console.is_terminal:
+        with Lines(console, lambda: f"{what}: {clock_text(time.monotonic() - started)} elapsed"):
+            yield
+        return
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
+
+
+class _Count:
+    """What :func:`counter` shows: ``done`` of ``total`` ``unit`` in the step ``what``."""
+
+    def __init__(self, what: str, unit: str):
+        self.what, self.unit = what, unit
+        self.done = 0
+        self.total: int | None = None
+        self.started = time.monotonic()
+        self.shown: Callable[[], None] = lambda: None  # the bar's update, on a terminal
+
+    def __call__(self, done: int, total: int, what: str | None = None) -> None:
+        self.done, self.total, self.what = done, total, what or self.what
+        self.shown()
+
+    def line(self) -> str:
+        total = "" if self.total is None else f" of {self.total:,}"
+        elapsed = clock_text(time.monotonic() - self.started)
+        return f"{self.what}: {self.done:,}{total} {self.unit}, {elapsed} elapsed"
+
+
+@contextmanager
+def counter(what: str, unit: str, console: Console | None = None) -> Iterator[Callable[..., None]]:
+    """``report(done, total)`` of ``unit`` ("bytes" shows sizes) on a bar with rich's ETA, or
+    as plain lines off a terminal; ``report(done, total, what)`` also renames the step."""
+    console = console or stderr_console()
+    count = _Count(what, unit)
+    if not console.is_terminal:
+        with Lines(console, count.line):
+            yield count
+        return
+    amount = (DownloadColumn(),) if unit == "bytes" else (MofNCompleteColumn(), TextColumn(unit))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        *amount,
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=None)
+        count.shown = lambda: bar.update(
+            task, completed=count.done, total=count.total, description=count.what
+        )
+        yield count
+
+
+# ---------------------------------------------------------------------------------------------
+# eval-drift
+
+
+class DriftProgress:
+    """eval-drift's :class:`qstream.eval.settings.Progress`: the step running, the blocks
+    drafted, the planned work done and the one ETA (:class:`WorkEta`); a run expected to
+    outlast LONG_RUN_SECONDS says once, through ``say``, how to shorten it, as soon as every
+    kind of pass has been timed (before that the estimate borrows the reference's pace)."""
+
+    def __init__(self, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
+        self.say, self.clock = say, clock
+        self.eta = WorkEta(clock)
+        self.started = clock()
+        self.what = "loading the draft and corpus"
+        self.blocks, self.work = 0, 0.0
+        self.total_blocks: int | None = None
+        self.total_work: float | None = None
+        self.advised = False
+        self.bar: Progress | None = None  # where it is shown: a rich bar on a terminal,
+        self.lines: Lines | None = None  # plain lines elsewhere
+        self.shown: Callable[[], None] = lambda: None  # the bar's update, on a terminal
+
+    def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
+        self.total_blocks = total
+        if work is not None:
+            self.total_work, self.work = sum(work.values()), 0.0
+            self.eta.plan(work)
+        self.shown()
+
+    def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = VARIANTS) -> None:
+        self.what, self.blocks = what, self.blocks + blocks
+        if self.total_work is not None:
+            self.work += work
+            self.eta.report(kind, work)
+        self.shown()
+        left = self.eta.seconds_left()
+        if not self.advised and self.eta.measured and left is not None and left > LONG_RUN_SECONDS:
+            self.advised = True
+            self.say(ADVICE.format(minutes=left / 60))
+
+    def blocks_text(self) -> str:
+        total = "" if self.total_blocks is None else f"/{self.total_blocks}"
+        return f"{self.blocks}{total} blocks"
+
+    def eta_text(self) -> str:
+        return clock_text(self.eta.seconds_left())
+
+    def line(self) -> str:
+        """The status as one plain line."""
+        parts = [self.what]
+        if self.total_work:
+            parts.append(f"{100 * self.work / self.total_work:.0f}% of the planned work")
+        parts += [self.blocks_text(), f"{clock_text(self.clock() - self.started)} elapsed"]
+        if self.total_work:
+            parts.append(f"about {self.eta_text()} left")
+        return "eval-drift: " + ", ".join(parts)
+
+
+class _EtaColumn(ProgressColumn):
+    """The bar's ``eta``: :class:`WorkEta`'s, the run's only estimate."""
+
+    def __init__(self, progress: DriftProgress):
+        super().__init__()
+        self.progress = progress
+
+    def render(self, task) -> Text:
+        return Text(f"eta {self.progress.eta_text()}", style="progress.remaining")
+
+
+@contextmanager
+def drift_progress(
+    console: Console | None = None, clock: Callable[[], float] = time.monotonic
+) -> Iterator[DriftProgress]:
+    """eval-drift's progress on ``console`` (default stderr): a bar on a terminal, shown from
+    the first moment (the draft and corpus load before the work is planned) and running on the
+    planned work once there is a plan, the blocks beside it; plain lines elsewhere."""
+    console = console or stderr_console()
+    if not console.is_terminal:
+        lines = Lines(console, lambda: progress.line())
+        progress = DriftProgress(lines.say, clock)
+        progress.lines = lines
+        with lines:
+            yield progress
+        return
+    with Progress(console=console, transient=True) as bar:
+        progress = DriftProgress(lambda text: bar.console.print(Text(text)), clock)
+        progress.bar = bar
+        bar.columns = (
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[blocks]}"),
+            TimeElapsedColumn(),
+            _EtaColumn(progress),
+            TextColumn("{task.description}"),
+        )
+        task = bar.add_task(progress.what, total=None, blocks="")
+        progress.shown = lambda: bar.update(
+            task,
+            description=progress.what,
+            blocks=progress.blocks_text(),
+            completed=progress.work if progress.total_work else progress.blocks,
+            total=progress.total_work or progress.total_blocks,
+        )
+        progress.shown()
+        yield progress

@@ -1,0 +1,166 @@
+"""Tables that fit the terminal (docs/guarantees.md): each column's width is shared out so that
+the whole table fits, label columns wrap between words (a long name between its dotted parts:
+``layers.*.self_attn.`` / ``q_b_proj.weight``), values never wrap, and no cell is ever cut
+short with an ellipsis.  A table is never split into parts.
+
+Leading columns can be *grouped*: a run of rows with the same label shows it once, its wrapped
+lines spread down the run's rows, so a long label costs no extra lines.
+
+>>> columns = [Column("module kind"), Column("size", right=True)]
+>>> console.print(fitted_table(columns, [["embed_tokens.weight", "121.88 KiB"]], 100))
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.table import Table
+from rich.text import Text
+
+# What a column adds beside its text: padding 1 + 1 and the border before the next one; the
+# table has no outer border and no padding at its edges, which gives back 3 of those.
+FRAME, EDGES = 3, -3
+NARROWEST = 8  # a wrapping column is never narrowed below this
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    right: bool = False  # right-aligned: a number, which never wraps
+    wraps: bool | None = None  # None: left-aligned columns wrap, right-aligned ones do not
+
+    @property
+    def wrapping(self) -> bool:
+        return not self.right if self.wraps is None else self.wraps
+
+
+# A name's parts, each with the separator that ends it: "layers.*.mlp" -> "layers.", "*.", "mlp"
+# (an underscore joins the words of one identifier: q_a_proj is never broken)
+_PARTS = re.compile(r"[^./-]*[./-]|[^./-]+")
+
+
+def _parts(text: str) -> list[str]:
+    return [p for word in _words(text) for p in _PARTS.findall(word)] or [""]
+
+
+# A short bracketed group, kept on one line: "[95% CI]"
+_BRACKETED = re.compile(r"\[[^\]\s]{1,6} [^\]]{1,6}\]")
+_NBSP = "\u00a0"
+
+
+def _words(text: str) -> list[str]:
+    """``text``'s words, a short bracketed group counting as one."""
+    kept = _BRACKETED.sub(lambda m: m[0].replace(" ", _NBSP), text)
+    return [w for w in re.split(r"[ \t\r\n]+", kept) if w] or [""]  # not str.split: NBSP stays
+
+
+def wrap(text: str, width: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters: broken between words; a word longer
+    than the width between its dotted (or ``/ -``) parts; a part longer still, anywhere."""
+    lines: list[str] = []
+    for paragraph in text.splitlines() or [""]:
+        joined = " ".join(_words(paragraph)) if paragraph.strip() else ""
+        for line in textwrap.wrap(
+            joined, width, break_long_words=False, break_on_hyphens=False
+        ) or [""]:
+            line = line.replace(_NBSP, " ")
+            lines += _break_name(line, width) if len(line) > width else [line]
+    return lines
+
+
+def _break_name(word: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for part in _PARTS.findall(word):
+        if line and len(line) + len(part) > width:
+            lines.append(line)
+            line = ""
+        line += part
+    lines.append(line)
+    return [piece[i : i + width] for piece in lines for i in range(0, len(piece) or 1, width)]
+
+
+def column_widths(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int
+) -> list[int]:
+    """Each column's text width: its longest cell line or header, narrowed, widest first, until
+    the table fits ``width``: first a header wraps at its words, then the wrapping columns wrap
+    at their words, then a name between its parts, then anywhere (down to NARROWEST)."""
+    cells = [[row[i] for row in rows] for i in range(len(columns))]
+
+    def longest(texts: Sequence[str], unit) -> int:
+        return max((len(u) for text in texts for u in unit(text)), default=0)
+
+    lines = [longest(col, str.splitlines) for col in cells]
+    widths = [max(n, len(c.header)) for c, n in zip(columns, lines)]
+    budget = width - FRAME * len(columns) - EDGES
+    _narrow(widths, [max(n, longest([c.header], _words)) for c, n in zip(columns, lines)], budget)
+    for unit in (_words, _parts):
+        floors = [
+            max(longest(col, unit), longest([c.header], _words)) if c.wrapping else w
+            for c, col, w in zip(columns, cells, widths)
+        ]
+        _narrow(widths, floors, budget)
+    # Last, a name is broken inside a part rather than a value squeezed (rich would fold it).
+    _narrow(
+        widths, [min(w, NARROWEST) if c.wrapping else w for c, w in zip(columns, widths)], budget
+    )
+    return widths
+
+
+def _narrow(widths: list[int], floors: list[int], budget: int) -> None:
+    """Take one column from the widest column above its floor until the widths fit ``budget``."""
+    while sum(widths) > budget:
+        above = [i for i, (w, f) in enumerate(zip(widths, floors)) if w > f]
+        if not above:
+            return
+        widths[max(above, key=lambda i: widths[i])] -= 1
+
+
+def fitted_table(
+    columns: Sequence[Column],
+    rows: Sequence[Sequence[str]],
+    width: int,
+    *,
+    title: str | None = None,
+    grouped: int = 0,
+) -> Table:
+    """A rich table of ``rows`` that fits ``width`` columns (when its values and names can: a
+    cell rich must still narrow folds rather than ending in an ellipsis).  The first ``grouped``
+    columns are grouped, with a line between the groups of the first."""
+    widths = column_widths(columns, rows, width)
+    lines = [[wrap(text, w) for text, w in zip(row, widths)] for row in rows]
+    for col in reversed(range(grouped)):
+        _spread(lines, col, widths[col], rows)
+    out = Table(title=None if title is None else Text(title), show_edge=False, pad_edge=False)
+    for column, w in zip(columns, widths):
+        out.add_column(
+            Text("\n".join(wrap(column.header, w))),
+            justify="right" if column.right else "left",
+            width=w,
+            overflow="fold",
+        )
+    for r, row_lines in enumerate(lines):
+        last_of_group = grouped > 0 and (r + 1 == len(rows) or rows[r + 1][0] != rows[r][0])
+        out.add_row(*(Text("\n".join(cell)) for cell in row_lines), end_section=last_of_group)
+    return out
+
+
+def _spread(
+    lines: list[list[list[str]]], col: int, width: int, rows: Sequence[Sequence[str]]
+) -> None:
+    """Column ``col`` of a run of rows with the same leading labels shows its label once: its
+    lines spread down the run, one row's height at a time; the run's last row takes the rest."""
+    r = 0
+    while r < len(rows):
+        end = r + 1
+        while end < len(rows) and list(rows[end][: col + 1]) == list(rows[r][: col + 1]):
+            end += 1
+        label = wrap(rows[r][col], width)
+        for i in range(r, end):
+            height = max((len(cell) for cell in lines[i][col + 1 :]), default=1)
+            take, label = (label, []) if i == end - 1 else (label[:height], label[height:])
+            lines[i][col] = take or [""]
+        r = end
