@@ -6,9 +6,8 @@ from pathlib import Path
 
 import click
 
-from qstream.card.build import FORMATS, write_card
+from qstream.clichoices import CARD_FORMATS, REGIMES
 from qstream.cliutil import Command, option
-from qstream.eval.regimes import REGIMES
 
 
 @click.command("card", cls=Command)
@@ -29,7 +28,7 @@ from qstream.eval.regimes import REGIMES
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(FORMATS),
+    type=click.Choice(CARD_FORMATS),
     default="md",
     show_default=True,
     help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
@@ -61,6 +60,9 @@ def card(results, checkpoint, base, output, fmt, regime, no_figures, overwrite) 
     An existing --output that qstream did not write is refused unless --overwrite; the card and
     its figures appear complete or not at all (docs/guarantees.md).
     """
+    # here, not above: --help loads no torch
+    from qstream.card.build import write_card
+
     card_doc, written = write_card(
         results,
         Path(output),

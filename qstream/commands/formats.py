@@ -4,15 +4,18 @@ Gaussian test tensor."""
 from __future__ import annotations
 
 import click
-import torch
 from rich.table import Table
 
 from qstream.cliutil import Command, json_option, make_console, option, write_json
-from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
 
 
 def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]:
     """One record per format: layout facts plus the SNR on a bf16 N(0, 0.02²) tensor."""
+    # here, not above: `qstream formats --help` loads no torch
+    import torch
+
+    from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
+
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16)
     records = []

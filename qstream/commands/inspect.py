@@ -5,10 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.cliutil import Command, json_option, make_console, write_json
-from qstream.model.stats import checkpoint_stats
-from qstream.units import human_size
 
 
 @click.command(cls=Command)
@@ -26,6 +23,11 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
 
     Example: qstream inspect draft-fp8
     """
+    # here, not above: `qstream inspect --help` loads no torch
+    from qstream.checkpoint.inspect import inspect_checkpoint
+    from qstream.model.stats import checkpoint_stats
+    from qstream.units import human_size
+
     data = inspect_checkpoint(directory)
     if stats:
         data["weight_stats"] = checkpoint_stats(directory)
@@ -68,6 +70,8 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
 def _stats_table(rows: list[dict]) -> Table:
     """Per module kind, the median over its tensors of each statistic (the JSON has every
     tensor).  Kurtosis 3 is Gaussian; spreads are p99/p50 of per-channel RMS (1 = uniform)."""
+    from qstream.checkpoint.inspect import module_kind
+
     by_kind: dict[str, list[dict]] = {}
     for row in rows:
         kind = module_kind(row["name"]).removesuffix(".weight").removeprefix("layers.*.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -18,8 +19,6 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from qstream.checkpoint import QuantizeSummary, quantize_checkpoint
-from qstream.checkpoint.inspect import module_kind
 from qstream.cliutil import (
     Command,
     greedy_option,
@@ -28,7 +27,9 @@ from qstream.cliutil import (
     option,
     write_json,
 )
-from qstream.units import human_size
+
+if TYPE_CHECKING:
+    from qstream.checkpoint import QuantizeSummary
 
 
 @click.command(cls=Command)
@@ -101,6 +102,9 @@ def quantize(
     qstream-quantize --model_dir draft --output_dir draft-fp8 --quant_format fp8 \\
       --include_layers mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.o_proj
     """
+    # here, not above: --help loads no torch
+    from qstream.checkpoint import quantize_checkpoint
+
     with _progress_bar() as bar:
         summary = quantize_checkpoint(
             model_dir,
@@ -162,6 +166,8 @@ class _progress_bar:
 
 def plan_table(summary: QuantizeSummary) -> Table:
     """The dry run's plan: quantized modules by kind, and any skipped ones."""
+    from qstream.checkpoint.inspect import module_kind
+
     table = Table(title=f"plan: {summary.quant_format} for {summary.model_dir}")
     table.add_column("quantized module kind")
     table.add_column("count", justify="right")
@@ -173,6 +179,8 @@ def plan_table(summary: QuantizeSummary) -> Table:
 
 
 def summary_table(summary: QuantizeSummary) -> Table:
+    from qstream.units import human_size
+
     s = summary.to_json()
     table = Table(
         title="qstream quantize"

@@ -5,15 +5,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import click
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
 from qstream.cliutil import Command, device_option, json_option, option, write_json
 from qstream.model.config import PRESETS
-from qstream.model.device import resolve_device
-from qstream.model.synth import SynthSummary, synth_checkpoint
-from qstream.model.synth_target import synth_for_target
+
+if TYPE_CHECKING:
+    from qstream.model.synth import SynthSummary
 
 
 @click.command(cls=Command)
@@ -64,6 +65,9 @@ def synth(
     qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
     qstream synth --target TARGET --output_dir draft --corpus gsm8k/train.jsonl
     """
+    # here, not above: --help loads no torch
+    from qstream.model.device import resolve_device
+
     resolve_device(device)
     make = partial(_make, target)
     if sys.stderr.isatty():
@@ -104,6 +108,9 @@ def _make(
     overwrite: bool,
     progress: Callable[[int, int], None] | None = None,
 ) -> SynthSummary:
+    from qstream.model.synth import synth_checkpoint
+    from qstream.model.synth_target import synth_for_target
+
     if target is None:
         return synth_checkpoint(preset, output_dir, seed, corpus, overwrite, progress)
     return synth_for_target(target, output_dir, preset, seed, corpus, overwrite, progress)

@@ -6,9 +6,7 @@ from dataclasses import asdict
 
 import click
 
-from qstream.checkpoint.files import open_checkpoint
-from qstream.checkpoint.verify import verify_checkpoint
-from qstream.checkpoint.vllm_load import VLLM_VERSION, load_with_vllm, vllm_version
+from qstream.clichoices import VLLM_VERSION
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.errors import QStreamError
 
@@ -61,6 +59,9 @@ def verify(
     per runtime module is printed.  Exits 1 with one line per violation.
     Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
     """
+    # here, not above: --help loads no torch
+    from qstream.checkpoint.verify import verify_checkpoint
+
     if vllm:
         _verify_with_vllm(directory, tensor_parallel_size, target_layers, deep, json_path)
         return
@@ -92,6 +93,10 @@ def _verify_with_vllm(
     json_path: str | None,
 ) -> None:
     """verify's checks where the checkpoint is quantized, then vLLM's own loader on CPU."""
+    from qstream.checkpoint.files import open_checkpoint
+    from qstream.checkpoint.verify import verify_checkpoint
+    from qstream.checkpoint.vllm_load import load_with_vllm, vllm_version
+
     if tensor_parallel_size != 1:
         raise QStreamError(
             "--vllm loads at tensor_parallel_size 1 (one CPU process); drop "
