@@ -86,12 +86,12 @@ def test_the_help_s_light_names_are_the_library_s():
     from qstream.eval.run import ALL_REGIMES, DEFAULT_EDGES
     from qstream.eval.states import AUTO, CONVENTIONS
     from qstream.eval.states import FORMATS as STATES_FORMATS
-    from qstream.eval.vocabulary import VARIANT_FORMATS
+    from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
     from qstream.formats import FORMATS
     from qstream.model.load import QUANTIZE_INCLUDE
 
     assert light.WEIGHT_FORMATS == tuple(FORMATS)
-    assert light.VARIANT_FORMATS == VARIANT_FORMATS
+    assert (light.VARIANT_FORMATS, light.EVAL_FORMATS) == (VARIANT_FORMATS, ALLOWED_FORMATS)
     assert (light.REGIMES, light.ALL_REGIMES, light.DEFAULT_EDGES) == (
         REGIMES,
         ALL_REGIMES,

@@ -11,6 +11,7 @@ from rich.console import Console
 from qstream.clichoices import (
     ALL_REGIMES,
     DEFAULT_EDGES,
+    EVAL_FORMATS,
     LAYER_CONVENTIONS,
     QUANTIZE_INCLUDE,
     REGIMES,
@@ -19,6 +20,7 @@ from qstream.clichoices import (
     VARIANT_FORMATS,
     WEIGHT_FORMATS,
 )
+from qstream.clitypes import CommaChoice, Integers, NameIsDir
 from qstream.cliutil import (
     Command,
     FiniteRange,
@@ -61,12 +63,14 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "formats",
+    type=CommaChoice(EVAL_FORMATS),
     default=",".join(VARIANT_FORMATS),
     show_default=True,
     help="Comma-separated simulated variants.",
 )
 @option(
     "variant",
+    type=NameIsDir(),
     multiple=True,
     metavar="NAME=DIR",
     help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
@@ -160,6 +164,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "states_layer_ids",
+    type=Integers(),
     metavar="IDS",
     default=None,
     help="Comma-separated layer ids the states were captured at (e.g. vLLM's "
@@ -186,6 +191,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "context_lengths",
+    type=Integers(increasing=True, keyword=DEFAULT_EDGES),
     is_flag=False,
     flag_value=DEFAULT_EDGES,
     default=None,

@@ -35,7 +35,13 @@ def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]
 
 
 @click.command(cls=Command)
-@option("seed", type=int, default=0, show_default=True, help="Seed of the Gaussian test tensor.")
+@option(
+    "seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the Gaussian test tensor.",
+)
 @json_option()
 def formats(seed: int, json_path: str | None) -> None:
     """Show the weight formats qstream writes and their weight SNR.

@@ -19,6 +19,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from qstream.clichoices import WEIGHT_FORMATS
+from qstream.clitypes import Choice
 from qstream.cliutil import (
     Command,
     greedy_option,
@@ -35,7 +37,13 @@ if TYPE_CHECKING:
 @click.command(cls=Command)
 @option("model_dir", required=True, metavar="DIR", help="Input checkpoint directory.")
 @option("output_dir", required=True, metavar="DIR", help="Output directory (must not exist).")
-@option("quant_format", required=True, metavar="{fp8,mxfp4,nvfp4}", help="Weight format.")
+@option(
+    "quant_format",
+    required=True,
+    type=Choice(WEIGHT_FORMATS),
+    metavar="{fp8,mxfp4,nvfp4}",
+    help="Weight format.",
+)
 @greedy_option(
     "include_layers",
     metavar="PAT...",
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
 @greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
 @option(
     "device",
+    type=click.Choice(["cpu", "cuda"]),
     default="cpu",
     show_default=True,
     metavar="{cpu,cuda}",
@@ -52,7 +61,7 @@ if TYPE_CHECKING:
 )
 @option(
     "workers",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Pieces quantized in parallel (default: the CPUs available).",
 )

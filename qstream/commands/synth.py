@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     help="tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 (Kimi-K3 shapes, 7.1 GB).",
 )
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
-@option("seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
+@option(
+    "seed", type=click.IntRange(min=0), default=0, show_default=True, help="Same seed, same bytes."
+)
 @option(
     "corpus",
     type=click.Path(dir_okay=False, exists=True),
