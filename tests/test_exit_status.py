@@ -11,11 +11,11 @@ Nothing is written in either case."""
 
 import pytest
 import torch
+from checkpoints import llama_tensors, write_checkpoint
 from click.testing import CliRunner
 
 from qstream.cli import cli
 from qstream.commands.quantize import quantize
-from tests.checkpoints import llama_tensors, write_checkpoint
 
 Q = ["quantize", "--model_dir", "in", "--output_dir", "out", "--quant_format", "fp8"]
 CAPTURE = ["capture", "--target", "t", "--model", "m", "--output", "o"]
