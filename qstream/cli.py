@@ -15,8 +15,11 @@ import click
 from qstream import __version__
 from qstream.cliutil import Group
 
-# name -> "module:attribute"; a command's module is imported only when that command runs, so
-# `qstream-quantize` and `qstream formats` start without loading the evaluator or the card.
+# name -> "module:attribute"; a command's module is imported only when that command runs or its
+# help is shown.  A command module imports the library (torch, scipy, ...) inside its callback
+# and takes its options' choices from qstream.clichoices, so that `qstream --help` (which
+# imports every command module for its summary) and `qstream COMMAND --help` load none of it
+# (tests/test_help.py, evals/bench_help.py).
 COMMANDS = {
     "formats": "qstream.commands.formats:formats",
     "quantize": "qstream.commands.quantize:quantize",

@@ -13,6 +13,7 @@ from typing import Any
 import click
 from rich.console import Console
 
+from qstream.clitypes import Device
 from qstream.errors import QStreamError
 from qstream.publish import write_text_atomic
 
@@ -111,8 +112,16 @@ def sampling_option(name: str, help: str):
 
 
 def device_option(help: str):
-    """``--device``, checked by :func:`qstream.model.device.resolve_device` when used."""
-    return option("device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N", help=help)
+    """``--device``: its spelling checked when parsed, its existence by
+    :func:`qstream.model.device.resolve_device` when used."""
+    return option(
+        "device",
+        type=Device(),
+        default="cpu",
+        show_default=True,
+        metavar="cpu|cuda|cuda:N",
+        help=help,
+    )
 
 
 def greedy_option(name: str, **kwargs: Any):

@@ -147,7 +147,7 @@ def test_eval_drift_json_path_is_checked_before_any_work(tmp_path, monkeypatch, 
     def no_work(*args, **kwargs):
         pytest.fail("the computation started before --json was checked")
 
-    monkeypatch.setattr("qstream.commands.eval_drift.run_drift", no_work)
+    monkeypatch.setattr("qstream.eval.run.run_drift", no_work)  # eval-drift imports it when run
     path = tmp_path / "no" / "r.json" if where == "missing parent" else tmp_path
     err = cli_error(["eval-drift", "--json", str(path)])
     assert f"--json {path}:" in err

@@ -1,9 +1,41 @@
 """Every option of every command says what it does (docs/quantize.md: the help is the
-reference a user reads first)."""
+reference a user reads first), and reading the help is instant: ``qstream --help`` and every
+``qstream COMMAND --help`` load none of the heavy libraries the commands run on
+(evals/bench_help.py measures the time)."""
+
+import json
+import subprocess
+import sys
 
 import click
+import pytest
 
-from qstream.cli import cli
+from qstream.cli import COMMANDS, cli
+
+# What a help screen must not import: each costs from a tenth of a second to seconds of CPU.
+HEAVY = ("torch", "scipy", "numpy", "safetensors", "transformers", "matplotlib")
+
+# One help screen through a console script's own entry point, in a fresh interpreter: its exit
+# status, whether it printed a usage line, and the heavy modules it loaded.
+HELP_RUNNER = """
+import contextlib, io, json, sys
+from qstream import entry
+
+sys.argv = [{script!r}, *{args!r}]
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    try:
+        getattr(entry, {script!r})()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+loaded = sorted({{m.split(".")[0] for m in sys.modules}} & set({heavy!r}))
+print(json.dumps([code, out.getvalue().startswith("Usage:"), loaded]))
+"""
+
+# (entry point, arguments): the group's help, qstream-quantize's, and every command's.
+SCREENS = [("main", ["--help"]), ("quantize_main", ["--help"])]
+SCREENS += [("main", [name, "--help"]) for name in COMMANDS]
 
 
 def _commands(group: click.Group):
@@ -25,3 +57,50 @@ def test_every_option_has_help_text():
         if isinstance(param, click.Option) and not (param.help or "").strip()
     ]
     assert missing == [], f"options without help: {', '.join(missing)}"
+
+
+SCRIPT_NAMES = {"main": "qstream", "quantize_main": "qstream-quantize"}
+
+
+@pytest.mark.parametrize(
+    "script, args", SCREENS, ids=[" ".join([SCRIPT_NAMES[s], *a]) for s, a in SCREENS]
+)
+def test_help_screens_import_nothing_heavy(script, args):
+    code = HELP_RUNNER.format(script=script, args=args, heavy=HEAVY)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    status, usage, loaded = json.loads(run.stdout)
+    assert (status, usage) == (0, True), run.stdout
+    assert loaded == [], f"{SCRIPT_NAMES[script]} {' '.join(args)} imports {', '.join(loaded)}"
+
+
+def test_the_help_s_light_names_are_the_library_s():
+    """The choices and defaults the options show come from qstream.clichoices (no heavy
+    imports); each must be the constant the library itself uses."""
+    from qstream import clichoices as light
+    from qstream.capture.layout import EXPORTS
+    from qstream.capture.target import CONVENTIONS as CAPTURE_CONVENTIONS
+    from qstream.capture.target import DTYPES
+    from qstream.card.build import FORMATS as CARD_FORMATS
+    from qstream.checkpoint.vllm_load import VLLM_VERSION
+    from qstream.eval.regimes import REGIMES
+    from qstream.eval.run import ALL_REGIMES, DEFAULT_EDGES
+    from qstream.eval.states import AUTO, CONVENTIONS
+    from qstream.eval.states import FORMATS as STATES_FORMATS
+    from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
+    from qstream.formats import FORMATS
+    from qstream.model.load import QUANTIZE_INCLUDE
+
+    assert light.WEIGHT_FORMATS == tuple(FORMATS)
+    assert (light.VARIANT_FORMATS, light.EVAL_FORMATS) == (VARIANT_FORMATS, ALLOWED_FORMATS)
+    assert (light.REGIMES, light.ALL_REGIMES, light.DEFAULT_EDGES) == (
+        REGIMES,
+        ALL_REGIMES,
+        DEFAULT_EDGES,
+    )
+    assert light.QUANTIZE_INCLUDE == QUANTIZE_INCLUDE
+    assert (light.STATES_AUTO, light.STATES_FORMATS) == (AUTO, STATES_FORMATS)
+    assert light.LAYER_CONVENTIONS == tuple(CONVENTIONS) == tuple(CAPTURE_CONVENTIONS)
+    assert light.CAPTURE_DTYPES == tuple(DTYPES)
+    assert light.CAPTURE_EXPORTS == tuple(EXPORTS)
+    assert light.CARD_FORMATS == tuple(CARD_FORMATS)
+    assert light.VLLM_VERSION == VLLM_VERSION

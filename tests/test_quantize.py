@@ -472,8 +472,6 @@ BAD_INPUTS = {
         "model.layers.1.mlp.down_proj.weight: weight contains NaN or Inf",
     ),
     "already quantized": (_already_quantized, [], "already quantized"),
-    "unknown format": (lambda src: None, ["--quant_format", "int3"], "unknown format 'int3'"),
-    "bad workers": (lambda src: None, ["--workers", "0"], "--workers 0: must be at least 1"),
     "include typo": (lambda src: None, ["--include_layers", "mlp.gate_prj"], "matches no module"),
 }
 

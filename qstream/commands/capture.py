@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from qstream.capture.layout import EXPORTS
-from qstream.capture.run import CaptureSettings, run_capture
-from qstream.capture.streams import Sampling
-from qstream.capture.target import CONVENTIONS, DTYPES
+from qstream.clichoices import CAPTURE_DTYPES, CAPTURE_EXPORTS, LAYER_CONVENTIONS
 from qstream.cliutil import (
     Command,
     device_option,
@@ -20,8 +17,10 @@ from qstream.cliutil import (
     sampling_option,
     write_json,
 )
-from qstream.model.device import resolve_device
 from qstream.progress import counter
+
+if TYPE_CHECKING:
+    from qstream.capture.run import CaptureSettings
 
 
 @click.command(cls=Command)
@@ -53,14 +52,14 @@ from qstream.progress import counter
 )
 @option(
     "layer_convention",
-    type=click.Choice(CONVENTIONS),
+    type=click.Choice(LAYER_CONVENTIONS),
     default="layer-output",
     show_default=True,
     help="The convention --layers is written in (docs/capture.md).",
 )
 @option(
     "dtype",
-    type=click.Choice(list(DTYPES)),
+    type=click.Choice(CAPTURE_DTYPES),
     default="bfloat16",
     show_default=True,
     help="The target's weights, compute and the states written.",
@@ -116,7 +115,7 @@ from qstream.progress import counter
 )
 @option(
     "export",
-    type=click.Choice(EXPORTS),
+    type=click.Choice(CAPTURE_EXPORTS),
     default="qstream",
     show_default=True,
     help="qstream's layout or vLLM's / speculators' (hs_{i}.safetensors).",
@@ -133,6 +132,10 @@ def capture(json_path: str | None, **o: Any) -> None:
         --max-tokens 32 --new-tokens 256 --temperature 1.0 --top-p 0.95
     qstream eval-drift --model DRAFT --target TARGET --states states/ --acceptance
     """
+    # here, not above: `qstream capture --help` loads no torch
+    from qstream.capture.run import run_capture
+    from qstream.model.device import resolve_device
+
     resolve_device(o["device"])  # a bad or absent device is one line before anything loads
     settings = _settings(o)
     with counter("capture", "streams") as report:
@@ -146,6 +149,9 @@ def capture(json_path: str | None, **o: Any) -> None:
 
 
 def _settings(o: dict[str, Any]) -> CaptureSettings:
+    from qstream.capture.run import CaptureSettings
+    from qstream.capture.streams import Sampling
+
     sampling = None
     if o["generate"]:
         sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])

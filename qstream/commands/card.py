@@ -6,9 +6,8 @@ from pathlib import Path
 
 import click
 
-from qstream.card.build import FORMATS, write_card
+from qstream.clichoices import CARD_FORMATS, REGIMES
 from qstream.cliutil import Command, option
-from qstream.eval.regimes import REGIMES
 from qstream.progress import step
 
 
@@ -36,7 +35,7 @@ from qstream.progress import step
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(FORMATS),
+    type=click.Choice(CARD_FORMATS),
     default="md",
     show_default=True,
     help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
@@ -71,6 +70,9 @@ def card(
     its figures appear complete or not at all; a --checkpoint whose files differ from the
     sha256s its qstream_quantize.json records is refused (docs/guarantees.md).
     """
+    # here, not above: --help loads no torch
+    from qstream.card.build import write_card
+
     with step(f"writing {output}" + ("" if no_figures else " and its figures")):
         card_doc, written = write_card(
             results,

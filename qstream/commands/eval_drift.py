@@ -3,12 +3,24 @@ are the card's (:func:`qstream.card.terminal.print_report`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 
-from qstream.card.terminal import print_report
+from qstream.clichoices import (
+    ALL_REGIMES,
+    DEFAULT_EDGES,
+    EVAL_FORMATS,
+    LAYER_CONVENTIONS,
+    QUANTIZE_INCLUDE,
+    REGIMES,
+    STATES_AUTO,
+    STATES_FORMATS,
+    VARIANT_FORMATS,
+    WEIGHT_FORMATS,
+)
+from qstream.clitypes import CommaChoice, Integers, NameIsDir
 from qstream.cliutil import (
     Command,
     FiniteRange,
@@ -20,21 +32,10 @@ from qstream.cliutil import (
     sampling_option,
     write_json,
 )
-from qstream.eval.regimes import REGIMES
-from qstream.eval.run import (
-    ALL_REGIMES,
-    DEFAULT_EDGES,
-    parse_variants,
-    resolve_regimes,
-    run_drift,
-)
-from qstream.eval.settings import DriftSettings
-from qstream.eval.states import AUTO, CONVENTIONS
-from qstream.eval.states import FORMATS as STATES_FORMATS
-from qstream.eval.vocabulary import VARIANT_FORMATS
-from qstream.formats import FORMATS
-from qstream.model.load import QUANTIZE_INCLUDE
 from qstream.progress import drift_progress
+
+if TYPE_CHECKING:
+    from qstream.eval.settings import DriftSettings
 
 WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 
@@ -62,12 +63,14 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "formats",
+    type=CommaChoice(EVAL_FORMATS),
     default=",".join(VARIANT_FORMATS),
     show_default=True,
     help="Comma-separated simulated variants.",
 )
 @option(
     "variant",
+    type=NameIsDir(),
     multiple=True,
     metavar="NAME=DIR",
     help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
@@ -152,14 +155,14 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "states_format",
-    type=click.Choice([AUTO, *STATES_FORMATS]),
-    default=AUTO,
+    type=click.Choice([STATES_AUTO, *STATES_FORMATS]),
+    default=STATES_AUTO,
     show_default=True,
     help="Layout of --states; auto tells it from the files' contents.",
 )
 @option(
     "states_layer_convention",
-    type=click.Choice(list(CONVENTIONS)),
+    type=click.Choice(LAYER_CONVENTIONS),
     default=None,
     help="How layer ids of --states are numbered: layer-output (id j = output of layer j, as "
     "the draft's target_layer_ids) or hidden-states-index (id k = output_hidden_states[k] = "
@@ -167,6 +170,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "states_layer_ids",
+    type=Integers(),
     metavar="IDS",
     default=None,
     help="Comma-separated layer ids the states were captured at (e.g. vLLM's "
@@ -180,7 +184,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "sensitivity_format",
-    type=click.Choice(list(FORMATS)),
+    type=click.Choice(WEIGHT_FORMATS),
     default=None,
     help="Format of --sensitivity. Default: nvfp4, or the first 4-bit format of --formats.",
 )
@@ -193,6 +197,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "context_lengths",
+    type=Integers(increasing=True, keyword=DEFAULT_EDGES),
     is_flag=False,
     flag_value=DEFAULT_EDGES,
     default=None,
@@ -242,6 +247,10 @@ def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
         --formats bf16,fp8,mxfp4,nvfp4 --variant shipped=FP8_DIR --regime all \\
         --blocks 1024 --seed 0 --json results.json
     """
+    # here, not above: `qstream eval-drift --help` loads no torch or scipy
+    from qstream.card.terminal import print_report
+    from qstream.eval.run import run_drift
+
     console = make_console(stderr=json_path == "-")
     settings = _settings(options)
     with drift_progress() as progress:
@@ -256,6 +265,9 @@ def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
 
 def _settings(o: dict[str, Any]) -> DriftSettings:
     """The parsed options as the library's settings."""
+    from qstream.eval.run import parse_variants, resolve_regimes
+    from qstream.eval.settings import DriftSettings
+
     return DriftSettings(
         regimes=resolve_regimes(o["regime"], o["states"]),
         formats=tuple(f.strip() for f in o["formats"].split(",") if f.strip()),

@@ -4,11 +4,9 @@ Gaussian test tensor."""
 from __future__ import annotations
 
 import click
-import torch
 from rich.table import Table as RichTable
 
 from qstream.cliutil import Command, json_option, make_console, option, write_json
-from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
 from qstream.progress import step
 from qstream.tablefit import Column, fitted_table
 
@@ -25,6 +23,11 @@ FORMAT_COLUMNS = (
 
 def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]:
     """One record per format: layout facts plus the SNR on a bf16 N(0, 0.02²) tensor."""
+    # here, not above: `qstream formats --help` loads no torch
+    import torch
+
+    from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
+
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16)
     records = []
@@ -44,7 +47,13 @@ def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]
 
 
 @click.command(cls=Command)
-@option("seed", type=int, default=0, show_default=True, help="Seed of the Gaussian test tensor.")
+@option(
+    "seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the Gaussian test tensor.",
+)
 @json_option()
 def formats(seed: int, json_path: str | None) -> None:
     """Show the weight formats qstream writes and their weight SNR.

@@ -5,12 +5,9 @@ from __future__ import annotations
 import click
 from rich.table import Table as RichTable
 
-from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.cliutil import Command, json_option, make_console, write_json
-from qstream.model.stats import checkpoint_stats
 from qstream.progress import step
 from qstream.tablefit import Column, fitted_table
-from qstream.units import human_size
 
 
 @click.command(cls=Command)
@@ -28,6 +25,10 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
 
     Example: qstream inspect draft-fp8
     """
+    # here, not above: `qstream inspect --help` loads no torch
+    from qstream.checkpoint.inspect import inspect_checkpoint
+    from qstream.model.stats import checkpoint_stats
+
     with step(f"reading {directory}" + (" and its weight statistics" if stats else "")):
         data = inspect_checkpoint(directory)
         if stats:
@@ -73,6 +74,8 @@ def _warn_non_finite(rows: list[dict]) -> None:
 def kinds_table(data: dict, width: int) -> RichTable:
     """The tensors by module kind, fitting ``width`` columns: a long kind wraps between its
     dotted parts, never cut short."""
+    from qstream.units import human_size
+
     title = (
         f"{data['directory']}: {data['tensors']} tensors in {data['shards']} shard(s), "
         f"{data['params']:,} parameters, {human_size(data['bytes'])}"
@@ -112,6 +115,8 @@ def stats_table(rows: list[dict], width: int) -> RichTable:
     """Per module kind, the median over its tensors of each statistic (the JSON has every
     tensor).  Kurtosis 3 is Gaussian; spreads are p99/p50 of per-channel RMS (1 = uniform).
     A tensor holding NaN or Inf counts in "non-finite" and in no median."""
+    from qstream.checkpoint.inspect import module_kind
+
     by_kind: dict[str, list[dict]] = {}
     for row in rows:
         kind = module_kind(row["name"]).removesuffix(".weight").removeprefix("layers.*.")

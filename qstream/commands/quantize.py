@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import click
 from rich.table import Table
 
-from qstream.checkpoint import QuantizeSummary, quantize_checkpoint
-from qstream.checkpoint.inspect import module_kind
+from qstream.clichoices import WEIGHT_FORMATS
+from qstream.clitypes import Choice
 from qstream.cliutil import (
     Command,
     greedy_option,
@@ -21,13 +22,21 @@ from qstream.cliutil import (
     write_json,
 )
 from qstream.progress import counter
-from qstream.units import human_size
+
+if TYPE_CHECKING:
+    from qstream.checkpoint import QuantizeSummary
 
 
 @click.command(cls=Command)
 @option("model_dir", required=True, metavar="DIR", help="Input checkpoint directory.")
 @option("output_dir", required=True, metavar="DIR", help="Output directory (must not exist).")
-@option("quant_format", required=True, metavar="{fp8,mxfp4,nvfp4}", help="Weight format.")
+@option(
+    "quant_format",
+    required=True,
+    type=Choice(WEIGHT_FORMATS),
+    metavar="{fp8,mxfp4,nvfp4}",
+    help="Weight format.",
+)
 @greedy_option(
     "include_layers",
     metavar="PAT...",
@@ -37,6 +46,7 @@ from qstream.units import human_size
 @greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
 @option(
     "device",
+    type=click.Choice(["cpu", "cuda"]),
     default="cpu",
     show_default=True,
     metavar="{cpu,cuda}",
@@ -44,7 +54,7 @@ from qstream.units import human_size
 )
 @option(
     "workers",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Pieces quantized in parallel (default: the CPUs available).",
 )
@@ -94,6 +104,9 @@ def quantize(
     qstream-quantize --model_dir draft --output_dir draft-fp8 --quant_format fp8 \\
       --include_layers mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.o_proj
     """
+    # here, not above: --help loads no torch
+    from qstream.checkpoint import quantize_checkpoint
+
     with _progress_bar() as bar:
         summary = quantize_checkpoint(
             model_dir,
@@ -130,6 +143,8 @@ def _progress_bar() -> Iterator[Callable[[int, int, int, int], None]]:
 
 def plan_table(summary: QuantizeSummary) -> Table:
     """The dry run's plan: quantized modules by kind, and any skipped ones."""
+    from qstream.checkpoint.inspect import module_kind
+
     table = Table(title=f"plan: {summary.quant_format} for {summary.model_dir}")
     table.add_column("quantized module kind")
     table.add_column("count", justify="right")
@@ -141,6 +156,8 @@ def plan_table(summary: QuantizeSummary) -> Table:
 
 
 def summary_table(summary: QuantizeSummary) -> Table:
+    from qstream.units import human_size
+
     s = summary.to_json()
     table = Table(
         title="qstream quantize"

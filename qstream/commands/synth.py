@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import click
 
 from qstream.cliutil import Command, device_option, json_option, option, write_json
 from qstream.model.config import PRESETS
-from qstream.model.device import resolve_device
-from qstream.model.synth import SynthSummary, synth_checkpoint
-from qstream.model.synth_target import synth_for_target
 from qstream.progress import counter
+
+if TYPE_CHECKING:
+    from qstream.model.synth import SynthSummary
 
 
 @click.command(cls=Command)
@@ -24,7 +25,9 @@ from qstream.progress import counter
     help="tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 (Kimi-K3 shapes, 7.1 GB).",
 )
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
-@option("seed", type=int, default=0, show_default=True, help="Same seed, same bytes.")
+@option(
+    "seed", type=click.IntRange(min=0), default=0, show_default=True, help="Same seed, same bytes."
+)
 @option(
     "corpus",
     type=click.Path(dir_okay=False, exists=True),
@@ -63,6 +66,9 @@ def synth(
     qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
     qstream synth --target TARGET --output_dir draft --corpus gsm8k/train.jsonl
     """
+    # here, not above: --help loads no torch
+    from qstream.model.device import resolve_device
+
     resolve_device(device)
     make = partial(_make, target)
     with counter(f"synth {preset}", "bytes") as report:
@@ -86,6 +92,9 @@ def _make(
     overwrite: bool,
     progress: Callable[[int, int], None] | None = None,
 ) -> SynthSummary:
+    from qstream.model.synth import synth_checkpoint
+    from qstream.model.synth_target import synth_for_target
+
     if target is None:
         return synth_checkpoint(preset, output_dir, seed, corpus, overwrite, progress)
     return synth_for_target(target, output_dir, preset, seed, corpus, overwrite, progress)

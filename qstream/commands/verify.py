@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import click
 
-from qstream.checkpoint.files import open_checkpoint
-from qstream.checkpoint.verify import VerifyReport, verify_checkpoint
-from qstream.checkpoint.verify_scope import VLLM_LOADER
-from qstream.checkpoint.vllm_load import VLLM_VERSION, load_with_vllm, vllm_version
+from qstream.clichoices import VLLM_VERSION
 from qstream.cliutil import Command, json_option, option, write_json
 from qstream.errors import QStreamError
 from qstream.progress import step
+
+if TYPE_CHECKING:
+    from qstream.checkpoint.verify import VerifyReport
 
 
 @click.command(cls=Command)
@@ -65,6 +66,9 @@ def verify(
     violation.
     Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
     """
+    # here, not above: --help loads no torch
+    from qstream.checkpoint.verify import verify_checkpoint
+
     if vllm:
         _verify_with_vllm(directory, tensor_parallel_size, target_layers, deep, json_path)
         return
@@ -116,6 +120,11 @@ def _verify_with_vllm(
     json_path: str | None,
 ) -> None:
     """verify's checks where the checkpoint is quantized, then vLLM's own loader on CPU."""
+    from qstream.checkpoint.files import open_checkpoint
+    from qstream.checkpoint.verify import verify_checkpoint
+    from qstream.checkpoint.verify_scope import VLLM_LOADER
+    from qstream.checkpoint.vllm_load import load_with_vllm, vllm_version
+
     if tensor_parallel_size != 1:
         raise QStreamError(
             "--vllm loads at tensor_parallel_size 1 (one CPU process); drop "
