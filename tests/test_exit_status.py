@@ -95,6 +95,7 @@ INPUT_ERRORS = {
     "verify: no directory": (["verify", "missing"], "missing"),
     "variant directory missing": (["eval-drift", "--variant", "x=missing"], "missing"),
     "draft directory missing": (["eval-drift", "--model", "missing"], "missing"),
+    "no format and no variant": (["eval-drift", "--formats", ""], "nothing to evaluate"),
     "results file missing": (["card", "missing.json", "--output", "C.md"], "missing.json"),
     "json into a missing directory": (["formats", "--json", "no/dir/f.json"], "--json"),
     "synth over a foreign directory": (["synth", "--output_dir", "{ckpt}"], "{ckpt}"),

@@ -107,6 +107,8 @@ class DriftSettings:
                     f"unknown format {fmt!r}; choose from {', '.join(ALLOWED_FORMATS)}"
                 )
         names = [*self.formats, *(name for name, _ in self.variant_dirs)]
+        if not names:
+            raise QStreamError("nothing to evaluate: --formats names no format and no --variant")
         if len(set(names)) != len(names):
             raise QStreamError(f"variant names must be unique, got {', '.join(names)}")
         if self.n_blocks < 1:
