@@ -123,9 +123,10 @@ class _Count:
         self.work_done, self.work_of = 0.0, {}
 
     def start(self, total, work=None):
-        self.work = work
+        if work is not None:  # the second call: the planned work per kind of pass
+            self.work = sum(work.values())
 
-    def advance(self, what, blocks, work=0.0):
+    def advance(self, what, blocks, work=0.0, kind=None):
         self.work_done += work
         self.work_of[what] = self.work_of.get(what, 0.0) + work
 
