@@ -261,6 +261,7 @@ def test_context_from_position_ranges_matches_the_whole_tensor(monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_with_aux_never_held_whole_is_unchanged(tiny, corpus, monkeypatch):
     """Every batch's gauss / heavy states handed over lazily (as a long-context K3 bucket's
     are): with one range per batch the arithmetic is the same, so the results are identical."""
