@@ -138,7 +138,7 @@ def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, 
 
 
 def test_same_seed_same_json(tiny, tmp_path):
-    # determinism needs two runs, not many blocks: 16 of the built-in corpus (long contexts)
+    # determinism needs two runs, not many blocks: 16 of the built-in corpus are two batches
     runner = CliRunner()
     args = [
         "eval-drift",
