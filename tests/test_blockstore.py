@@ -105,6 +105,7 @@ def states_file(tiny, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp_path, monkeypatch):
     settings = DriftSettings(
         regimes=REGIMES,

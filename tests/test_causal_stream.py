@@ -103,6 +103,7 @@ def test_boot_aux_is_computed_once_and_read_back_bit_exactly(tiny, corpus, monke
     assert again.dtype == torch.bfloat16 and torch.equal(again, expected)
 
 
+@pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_with_boot_aux_never_held_whole_is_unchanged(tiny, corpus, monkeypatch):
     """Every boot batch streamed and spilled (as a long-context K3 bucket's): with one range
     per batch the arithmetic is the causal pass's, so the results are identical."""

@@ -59,6 +59,7 @@ def test_bf16_held_reference_is_bit_identical_to_fp32_held(upcast_everything):
         assert torch.equal(a, b), (a - b).abs().max()
 
 
+@pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_unchanged_by_how_weights_are_held(tiny, corpus, monkeypatch):
     settings = DriftSettings(regimes=("gauss", "boot"), n_blocks=48, seed=4, acceptance=True)
     default = evaluate_drift(tiny, settings, corpus)

@@ -33,29 +33,44 @@ def test_reference_against_itself_is_exact(tiny, corpus):
     assert m["sched_flip_rate"]["value"] == 0.0
 
 
+# Blocks per regime for the ordering below, a statistical claim about the formats.  Measured
+# over 24 seeds at 128 blocks, every ordering held in every regime (at 64 blocks bf16 and fp8's
+# ceilings tied or swapped for some seed in each regime).  The narrowest gaps, bf16 over fp8 in
+# greedy agreement and in the greedy ceiling, stood 2.7 and 2.9 sd above zero across seeds in
+# gauss and 3.6 and 2.7 in boot, but 1.9 and 2.3 in heavy, whose seed also draws the outlier
+# channels: heavy keeps 256 blocks (over 16 seeds every ordering held, those gaps at least
+# 0.007 in agreement and 0.23 token in the ceiling).
+ORDERING_BLOCKS = {"gauss": 128, "heavy": 256, "boot": 128}
+
+
 @pytest.fixture(scope="module")
 def all_regimes(tiny, corpus):
-    settings = DriftSettings(regimes=("gauss", "heavy", "boot"), n_blocks=256, seed=3)
-    return evaluate_drift(tiny, settings, corpus)
+    return {
+        regime: evaluate_drift(
+            tiny, DriftSettings(regimes=(regime,), n_blocks=blocks, seed=3), corpus
+        )
+        for regime, blocks in ORDERING_BLOCKS.items()
+    }
 
 
-@pytest.mark.parametrize("regime", ["gauss", "heavy", "boot"])
+@pytest.mark.parametrize("regime", list(ORDERING_BLOCKS))
 def test_drift_orders_as_precision_says(all_regimes, regime):
+    results = all_regimes[regime]
     kl = {
-        v: _metrics(all_regimes, regime, v)["kl"]["mean"]["value"]
+        v: _metrics(results, regime, v)["kl"]["mean"]["value"]
         for v in ("bf16", "fp8", "mxfp4", "nvfp4")
     }
     ceiling = {
-        v: _metrics(all_regimes, regime, v)["rollouts"]["greedy"]["ceiling"]["value"] for v in kl
+        v: _metrics(results, regime, v)["rollouts"]["greedy"]["ceiling"]["value"] for v in kl
     }
-    agree = {v: _metrics(all_regimes, regime, v)["greedy_agree_overall"]["value"] for v in kl}
+    agree = {v: _metrics(results, regime, v)["greedy_agree_overall"]["value"] for v in kl}
     assert kl["bf16"] < kl["fp8"] < min(kl["mxfp4"], kl["nvfp4"]), kl
     assert ceiling["bf16"] > ceiling["fp8"] > max(ceiling["mxfp4"], ceiling["nvfp4"]), ceiling
     assert agree["bf16"] > agree["fp8"] > max(agree["mxfp4"], agree["nvfp4"]), agree
 
 
 def test_results_carry_what_reproduces_them(all_regimes):
-    r = all_regimes
+    r = all_regimes["heavy"]
     assert r["schema"] == "qstream.eval-drift/2"
     assert r["seed"] == 3 and r["blocks"] == 256 and r["block_size"] == 7
     assert len(r["model"]["config_sha256"]) == 64 and r["corpus"]["tokens"] > 0
@@ -113,8 +128,9 @@ def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, 
         ],
     )
     assert result.exit_code == 0, result.output
+    # equal metrics: the same arithmetic on the same weights, at any block count
     settings = DriftSettings(
-        regimes=("heavy",), formats=(fmt,), n_blocks=BLOCKS, variant_dirs=(("disk", str(out)),)
+        regimes=("heavy",), formats=(fmt,), n_blocks=32, variant_dirs=(("disk", str(out)),)
     )
     r = evaluate_drift(tiny, settings, corpus)
     simulated, disk = (r["regimes"]["heavy"]["variants"][v] for v in (fmt, "disk"))
@@ -123,6 +139,7 @@ def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, 
 
 
 def test_same_seed_same_json(tiny, tmp_path):
+    # determinism needs two runs, not many blocks: 16 of the built-in corpus are two batches
     runner = CliRunner()
     args = [
         "eval-drift",
@@ -131,7 +148,7 @@ def test_same_seed_same_json(tiny, tmp_path):
         "--regime",
         "gauss",
         "--blocks",
-        "64",
+        "16",
         "--formats",
         "bf16,fp8",
         "--seed",

@@ -25,6 +25,22 @@ DATA = Path(__file__).parent / "data"
 RESULTS = DATA / "card_results.json"
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    """RESULTS cut to one regime and two variants: these tests are about where the card's files
+    go, not what they say, and a card of the whole file draws its figures for ~3 s each time."""
+    data = json.loads(RESULTS.read_text())
+    keep = ("bf16", "fp8")
+    data["regimes"] = {"heavy": data["regimes"]["heavy"]}
+    data["regimes"]["heavy"]["variants"] = {
+        name: entry for name, entry in data["regimes"]["heavy"]["variants"].items() if name in keep
+    }
+    data["variants"] = {name: entry for name, entry in data["variants"].items() if name in keep}
+    path = tmp_path_factory.mktemp("results") / "results.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
 def _names(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir())
 
@@ -36,32 +52,32 @@ def _disk_full(*args, **kwargs):
 # --------------------------------------------------------------------------- card --output
 
 
-def test_card_refuses_a_user_file_without_overwrite(tmp_path):
+def test_card_refuses_a_user_file_without_overwrite(tmp_path, results):
     notes = tmp_path / "CARD.md"
     notes.write_text("my own notes\n")
-    err = cli_error(["card", str(RESULTS), "--output", str(notes)])
+    err = cli_error(["card", str(results), "--output", str(notes)])
     assert f"--output {notes} already exists and is not a card qstream wrote" in err
     assert "use --overwrite" in err
     assert notes.read_text() == "my own notes\n" and _names(tmp_path) == ["CARD.md"]
-    cli_ok(["card", str(RESULTS), "--output", str(notes), "--overwrite"])
+    cli_ok(["card", str(results), "--output", str(notes), "--overwrite"])
     assert MARKER in notes.read_text().splitlines()[0]
 
 
 @pytest.mark.parametrize("fmt", ["md", "json", "html"])
-def test_a_card_qstream_wrote_is_replaced_without_asking(tmp_path, fmt):
+def test_a_card_qstream_wrote_is_replaced_without_asking(tmp_path, results, fmt):
     out = tmp_path / f"card.{fmt}"
-    cli_ok(["card", str(RESULTS), "--output", str(out), "--format", fmt])
-    cli_ok(["card", str(RESULTS), "--output", str(out), "--format", fmt])
+    cli_ok(["card", str(results), "--output", str(out), "--format", fmt])
+    cli_ok(["card", str(results), "--output", str(out), "--format", fmt])
     assert _names(tmp_path) == sorted([out.name, "card_files"])
     if fmt == "json":
         assert json.loads(out.read_text())["generated_by"] == MARKER
 
 
-def test_card_refuses_a_user_directory_where_its_figures_go(tmp_path):
+def test_card_refuses_a_user_directory_where_its_figures_go(tmp_path, results):
     photos = tmp_path / "CARD_files"
     photos.mkdir()
     (photos / "holiday.jpg").write_bytes(b"\xff\xd8")
-    err = cli_error(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md"), "--overwrite"])
+    err = cli_error(["card", str(results), "--output", str(tmp_path / "CARD.md"), "--overwrite"])
     assert "CARD_files is in the way of the card's figures" in err and "holiday.jpg" in err
     assert _names(tmp_path) == ["CARD_files"] and _names(photos) == ["holiday.jpg"]
 
@@ -88,15 +104,15 @@ def test_card_names_the_file_and_key_of_malformed_results(tmp_path, null):
     assert broken.read_bytes() == before and _names(tmp_path) == ["broken.json"]
 
 
-def _old_card(tmp_path: Path) -> tuple[Path, dict]:
+def _old_card(tmp_path: Path, results: Path) -> tuple[Path, dict]:
     out = tmp_path / "CARD.md"
-    cli_ok(["card", str(RESULTS), "--output", str(out)])
+    cli_ok(["card", str(results), "--output", str(out)])
     files = [out, *sorted((tmp_path / "CARD_files").iterdir())]
     return out, {p: p.read_bytes() for p in files}
 
 
-def test_disk_full_while_drawing_keeps_the_old_card_and_figures(tmp_path, monkeypatch):
-    out, before = _old_card(tmp_path)
+def test_disk_full_while_drawing_keeps_the_old_card_and_figures(tmp_path, results, monkeypatch):
+    out, before = _old_card(tmp_path, results)
 
     def half_then_full(rs, directory):
         directory.mkdir()
@@ -104,32 +120,32 @@ def test_disk_full_while_drawing_keeps_the_old_card_and_figures(tmp_path, monkey
         _disk_full()
 
     monkeypatch.setattr(qstream.card.build, "write_figures", half_then_full)
-    err = cli_error(["card", str(RESULTS), "--output", str(out)])
+    err = cli_error(["card", str(results), "--output", str(out)])
     assert f"cannot write --output {out}: No space left on device" in err
     assert {p: p.read_bytes() for p in before} == before
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
 
 
-def test_disk_full_writing_the_card_publishes_nothing(tmp_path, monkeypatch):
+def test_disk_full_writing_the_card_publishes_nothing(tmp_path, results, monkeypatch):
     monkeypatch.setattr(qstream.card.output.os, "replace", _disk_full)
-    err = cli_error(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
+    err = cli_error(["card", str(results), "--output", str(tmp_path / "CARD.md")])
     assert "No space left on device" in err
     assert _names(tmp_path) == []
 
 
-def test_disk_full_publishing_the_card_puts_the_old_figures_back(tmp_path, monkeypatch):
-    out, before = _old_card(tmp_path)
+def test_disk_full_publishing_the_card_puts_the_old_figures_back(tmp_path, results, monkeypatch):
+    out, before = _old_card(tmp_path, results)
     monkeypatch.setattr(qstream.card.output.os, "replace", _disk_full)
-    assert "No space left on device" in cli_error(["card", str(RESULTS), "--output", str(out)])
+    assert "No space left on device" in cli_error(["card", str(results), "--output", str(out)])
     assert {p: p.read_bytes() for p in before} == before
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
 
 
-def test_a_killed_card_run_leaves_nothing_after_the_next_run(tmp_path, dead_pid):
+def test_a_killed_card_run_leaves_nothing_after_the_next_run(tmp_path, results, dead_pid):
     dead = dead_pid
     stale = tmp_path / f".CARD.md.qstream-partial-{dead}"  # what SIGKILL mid-card leaves
     (stale / "figures").mkdir(parents=True)
-    result = cli_ok(["card", str(RESULTS), "--output", str(tmp_path / "CARD.md")])
+    result = cli_ok(["card", str(results), "--output", str(tmp_path / "CARD.md")])
     assert f"Notice: removed {stale}" in result.stderr
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]
 

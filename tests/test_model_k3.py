@@ -1,5 +1,5 @@
-"""The k3 preset at full Kimi-K3 scale (docs/model.md).  Slow: writes ~7.1 GB.
-Run with ``pytest -m slow tests/test_model_k3.py``."""
+"""The k3 preset at full Kimi-K3 scale (docs/model.md).  Writes ~7.1 GB, so no CI lane runs it:
+run it with ``pytest -m k3 tests/test_model_k3.py``."""
 
 import pytest
 
@@ -9,7 +9,7 @@ from qstream.model.load import QUANTIZE_INCLUDE, read_draft_tensors
 from qstream.model.synth import synth_checkpoint
 
 
-@pytest.mark.slow
+@pytest.mark.k3
 def test_k3_synth_shapes_and_quantize_plan(tmp_path):
     out = tmp_path / "k3"
     summary = synth_checkpoint("k3", out, seed=0)

@@ -37,10 +37,9 @@ TOP1_BAND = (0.4, 0.8)  # the issue's required band for the draft's mean top-1 p
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("synth") / "tiny"
-    synth_checkpoint("tiny", out, seed=0)
-    return out
+def tiny(tiny):
+    """conftest's session draft (synth tiny, seed 0), as a Path."""
+    return Path(tiny)
 
 
 def _digest(directory: Path) -> dict[str, str]:

@@ -21,7 +21,12 @@ from qstream.model.config import PRESETS
 from qstream.model.dspark import DSpark
 from qstream.model.load import load_weights
 
-BLOCKS = 64
+# The sensitivity tests check structure (which tensors each step quantizes, the cumulative order
+# against the single steps' figures, the floor against bf16, the suggestion against its own
+# re-measurement), which holds at any block count; the one measured fact they need is that the
+# least harmful kind stays within 1 token of bf16: mlp.down_proj, 0.62 tokens below it at 32
+# blocks (0.73 at 64; the next kind, context_proj, 1.09 and 0.92).
+BLOCKS = 32
 # Chunked (online-softmax) against one-pass attention, fp32: the two sum the same exp terms in a
 # different order and grouping.  Higham's bound for reordering a sum of n fp32 terms is
 # (n - 1)·u relative, u = 2^-24: 9e-5 for the 1500 keys here, before the five layers; measured
@@ -163,6 +168,8 @@ def test_chunked_causal_queries_match_and_stay_bounded():
 
 
 def test_cli_sensitivity_and_sweep_json_and_card(tiny, tmp_path):
+    # the options reach the results and the card: nothing measured, so 8 blocks of the built-in
+    # corpus (whose contexts are long) do
     out = tmp_path / "r.json"
     result = CliRunner().invoke(
         cli,
@@ -175,7 +182,7 @@ def test_cli_sensitivity_and_sweep_json_and_card(tiny, tmp_path):
             "--formats",
             "bf16",
             "--blocks",
-            "16",
+            "8",
             "--sensitivity",
             "--sensitivity-format",
             "mxfp4",
@@ -184,7 +191,7 @@ def test_cli_sensitivity_and_sweep_json_and_card(tiny, tmp_path):
             "--context-lengths",
             "32,128,300",
             "--context-blocks",
-            "16",
+            "8",
             "--json",
             str(out),
         ],
@@ -261,6 +268,7 @@ def test_context_from_position_ranges_matches_the_whole_tensor(monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_with_aux_never_held_whole_is_unchanged(tiny, corpus, monkeypatch):
     """Every batch's gauss / heavy states handed over lazily (as a long-context K3 bucket's
     are): with one range per batch the arithmetic is the same, so the results are identical."""

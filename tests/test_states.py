@@ -142,6 +142,7 @@ def test_states_read_in_position_ranges_equal_the_whole(tiny, states_file):
     assert torch.equal(parts, whole.to(torch.bfloat16))
 
 
+@pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_with_states_never_held_whole_is_unchanged(
     tiny, corpus, states_file, results, monkeypatch
 ):
