@@ -145,11 +145,16 @@ def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tin
         regimes=("heavy",), formats=("bf16", "fp8", "nvfp4"), n_blocks=128, acceptance=True
     )
     results = evaluate_drift(tiny, settings, corpus)
+    # The matched prefix of one coupled draw per block is a lower bound in expectation only:
+    # its mean over the blocks is a sample, and over seeds it lands above the simulated
+    # acceptance of the same blocks now and then (by up to 0.12 tokens at 128 blocks).  So the
+    # claim is tested as a one-sided 95% test: the bottom of the prefix's own interval.
     for name, entry in results["regimes"]["heavy"]["variants"].items():
-        prefix = entry["metrics"]["rollouts"]["sampled"]["matched_prefix"]["value"]
+        prefix = entry["metrics"]["rollouts"]["sampled"]["matched_prefix"]
+        assert prefix["lo"] < prefix["value"] < prefix["hi"], prefix
         for mode in ("sampled_token_wise", "sampled_block"):
             accepted = entry["acceptance"]["reference"][mode]["emitted"]["value"] - 1
-            assert prefix <= accepted + 1e-12, (name, mode, prefix, accepted)
+            assert prefix["lo"] <= accepted, (name, mode, prefix, accepted)
         assert "ceiling" not in entry["metrics"]["rollouts"]["sampled"]
 
 

@@ -78,7 +78,7 @@ def test_eval_drift_off_a_terminal_prints_progress_lines_on_stderr(tiny, monkeyp
 
 
 def test_eval_drift_tables_fit_100_columns_unless_wide(tiny):
-    args = ["eval-drift", "--model", tiny, "--blocks", "16", "--regime", "gauss"]
+    args = ["eval-drift", "--model", tiny, "--blocks", "4", "--regime", "gauss"]
     narrow = CliRunner().invoke(cli, args)
     wide = CliRunner().invoke(cli, [*args, "--wide"])
     assert narrow.exit_code == 0 and wide.exit_code == 0, narrow.output + wide.output
