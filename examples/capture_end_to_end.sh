@@ -2,7 +2,7 @@
 # Real target states end to end (docs/capture.md): build a tiny DeepSeek-V3 target with
 # transformers, synthesize a DSpark draft shaped for it, capture the target's own samples and
 # hidden states, measure drift and acceptance against the target on them, and write the card.
-# A few minutes on two CPU cores; nothing is downloaded.
+# About half a minute on two CPU cores; nothing is downloaded.
 #
 #   examples/capture_end_to_end.sh [OUTPUT_DIR]   (default: a scratch directory, never the checkout)
 #

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qstream end to end, as a model card author runs it: synthesize a tiny DSpark draft, quantize it
 # to each format, measure each format's drift against the FP32 reference in every aux regime,
-# and write the card (markdown + PNG figures).  A few minutes on two CPU cores.
+# and write the card (markdown + PNG figures).  About 8 minutes on two CPU cores.
 #
 #   examples/card_end_to_end.sh [OUTPUT_DIR]   (default: a scratch directory, never the checkout)
 #

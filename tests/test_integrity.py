@@ -153,7 +153,7 @@ def test_card_says_the_sha256_of_a_checkpoint_was_checked(fp8, tmp_path):
     card = tmp_path / "CARD.md"
     cli_ok(["card", str(RESULTS), "--checkpoint", str(fp8), "--output", str(card), "--no-figures"])
     files = len(json.loads((fp8 / RECORD).read_text())["files"])
-    assert f"The sha256 of its {files} files match `{RECORD}`." in card.read_text()
+    assert f"The sha256s of its {files} files match `{RECORD}`." in card.read_text()
 
 
 # ---------------------------------------------------------------------------------------------

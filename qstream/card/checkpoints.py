@@ -332,7 +332,7 @@ def integrity_sentence(facts: CheckpointFacts) -> str:
     """Whether the checkpoint described is the one quantize wrote (docs/guarantees.md)."""
     record = facts.integrity
     if record.get("sha256") == "checked":
-        return f"The sha256 of its {record['files']} files match `{PROVENANCE}`."
+        return f"The sha256s of its {record['files']} files match `{PROVENANCE}`."
     if record.get("why") == NO_CHECK_FLAG:
         return (
             f"**`{facts.path.name}`: sha256 not checked (`{NO_CHECK_FLAG}`)**: its files may "
