@@ -93,7 +93,7 @@ def shape_problems(
     problems = [
         f"{n}: shape {list(stored[n])}, a zero-size weight (no config builds a layer "
         "without inputs or outputs)"
-        for n in empty
+        for n in sorted(empty)
     ]
     if profile.is_dspark:
         rest = _dspark_problems(config_json, stored, fmt, quantized)
