@@ -17,7 +17,6 @@ by the last layer's output before the final norm.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +25,9 @@ from safetensors.torch import save_file
 
 from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
+from qstream.eval.states.manifest import RECORD, STREAM_NAMES
 from qstream.publish import write_atomic, write_text_atomic
 
-RECORD = "capture.json"
 EXPORTS = ("qstream", "vllm")
 # Settings a resumed run must share with the run that started the directory: everything that
 # changes what a stream file holds.  The device, the draft's path and the stream count may
@@ -45,17 +44,6 @@ CHECKED = (
     "corpus",
     "corpus_sha256",
 )
-
-
-# the file names stream_file gives, with the index as group 1
-STREAM_NAMES = {
-    "qstream": re.compile(r"^stream-(\d{6,})\.safetensors$"),
-    "vllm": re.compile(r"^hs_(\d+)\.safetensors$"),
-}
-
-
-def stream_file(index: int, export: str) -> str:
-    return f"hs_{index}.safetensors" if export == "vllm" else f"stream-{index:06d}.safetensors"
 
 
 def stream_tensors(

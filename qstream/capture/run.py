@@ -21,7 +21,6 @@ from qstream.capture.layout import (
     present_files,
     record_streams,
     start_output,
-    stream_file,
 )
 from qstream.capture.streams import (
     CorpusDocs,
@@ -42,6 +41,7 @@ from qstream.capture.target import (
 )
 from qstream.capture.write import write_batch
 from qstream.errors import QStreamError
+from qstream.eval.states.manifest import stream_file
 from qstream.model.config import DSparkConfig
 from qstream.model.load import load_config
 from qstream.model.target import read_target_shape

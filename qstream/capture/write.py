@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from qstream.capture.hooks import LayerTap
-from qstream.capture.layout import stream_file, stream_tensors, vllm_tensors, write_stream
+from qstream.capture.layout import stream_tensors, vllm_tensors, write_stream
+from qstream.eval.states.manifest import stream_file
 
 
 def write_batch(

@@ -34,7 +34,7 @@ from qstream.eval.states.layers import (
     parse_ids,
     read_final_norm,
 )
-from qstream.eval.states.manifest import check_manifest
+from qstream.eval.states.manifest import RECORD, check_manifest
 from qstream.eval.states.qstream_layout import open_qstream_file
 from qstream.eval.states.specforge_layout import GZIP_MAGIC, ZIP_MAGIC, open_specforge_file
 from qstream.eval.states.vllm_layout import open_vllm_file
@@ -53,7 +53,7 @@ FINAL_TENSOR = {
     SPECFORGE: "target_last_hidden_states",
 }
 SUFFIXES = (".safetensors", ".ckpt", ".ckpt.gz")
-MANIFEST = "capture.json"  # what qstream capture writes beside its streams
+MANIFEST = RECORD  # what qstream capture writes beside its streams
 
 
 def _natural(path: Path) -> list:

@@ -8,10 +8,24 @@ capture written before sha256s were recorded is checked by its count and file na
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from qstream.capture.layout import RECORD, stream_file
 from qstream.errors import QStreamError
+
+# The names in a capture directory, written by ``qstream capture`` (qstream/capture/layout.py)
+# and read here: the record, and each layout's stream files (the index as group 1).
+RECORD = "capture.json"
+STREAM_NAMES = {
+    "qstream": re.compile(r"^stream-(\d{6,})\.safetensors$"),
+    "vllm": re.compile(r"^hs_(\d+)\.safetensors$"),
+}
+
+
+def stream_file(index: int, export: str) -> str:
+    """The name of stream ``index``'s file in the ``export`` layout (``STREAM_NAMES``)."""
+    return f"hs_{index}.safetensors" if export == "vllm" else f"stream-{index:06d}.safetensors"
+
 
 RESUME = "resume the capture (qstream capture, same settings)"
 
