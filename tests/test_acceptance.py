@@ -142,14 +142,20 @@ def test_verifier_verifying_itself_accepts_every_token():
         assert torch.equal(out.tokens[:, :7], draft)
 
 
-def test_greedy_drafting_reduces_both_rules_to_prefix_matching():
-    gen = torch.Generator().manual_seed(2)
-    n, B, V = 512, 5, 6
-    target_top1 = torch.randint(V, (n, B), generator=gen)
+def _top1_and_a_draft(seed: int, n: int = 512, B: int = 5, V: int = 6):
+    """A verifier's argmax path [n, B] and a draft that follows it 70% of the time, with the
+    verifier's one-hot distributions and the generator, which tests go on drawing from."""
+    gen = torch.Generator().manual_seed(seed)
+    top1 = torch.randint(V, (n, B), generator=gen)
     draft = torch.where(
-        torch.rand(n, B, generator=gen) < 0.7, target_top1, torch.randint(V, (n, B), generator=gen)
+        torch.rand(n, B, generator=gen) < 0.7, top1, torch.randint(V, (n, B), generator=gen)
     )
-    p = torch.nn.functional.one_hot(target_top1, V).double()  # greedy verifier: argmax one-hot
+    return top1, draft, torch.nn.functional.one_hot(top1, V).double(), gen
+
+
+def test_greedy_drafting_reduces_both_rules_to_prefix_matching():
+    n, V = 512, 6
+    target_top1, draft, p, gen = _top1_and_a_draft(2, n=n, V=V)  # p: a greedy verifier
     q = torch.nn.functional.one_hot(draft, V).double()  # greedy drafter
     expected = greedy_accepts(draft, target_top1)
     for rule in ("token_wise", "block"):
@@ -348,13 +354,7 @@ def test_greedy_draft_output_distribution_is_the_verifiers(verify):
 
 
 def test_greedy_draft_against_a_one_hot_verifier_is_greedy_against_greedy():
-    gen = torch.Generator().manual_seed(7)
-    n, B, V = 512, 5, 6
-    top1 = torch.randint(V, (n, B), generator=gen)
-    draft = torch.where(
-        torch.rand(n, B, generator=gen) < 0.7, top1, torch.randint(V, (n, B), generator=gen)
-    )
-    p = torch.nn.functional.one_hot(top1, V).double()  # a sampling verifier as T -> 0
+    top1, draft, p, _ = _top1_and_a_draft(7)  # p: a sampling verifier as T -> 0
     expected = greedy_accepts(draft, top1)
     for rule in ("token_wise", "block"):
         assert torch.equal(greedy_draft_probabilities(token_probs(p, draft), rule), expected)

@@ -53,7 +53,6 @@ FINAL_TENSOR = {
     SPECFORGE: "target_last_hidden_states",
 }
 SUFFIXES = (".safetensors", ".ckpt", ".ckpt.gz")
-MANIFEST = RECORD  # what qstream capture writes beside its streams
 
 
 def _natural(path: Path) -> list:
@@ -126,7 +125,7 @@ def _named_ids(
     """Layer ids the manifest and ``--states-layer-ids`` name, each checked against the draft."""
     named = []
     if manifest is not None:
-        where = str(root / MANIFEST)
+        where = str(root / RECORD)
         own = parse_convention(manifest.get("layer_convention"), f"{where}: layer_convention")
         if convention is not None and convention != own:
             raise QStreamError(
@@ -136,7 +135,7 @@ def _named_ids(
         ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
         check_layer_ids(ids, own, config, f"{where}: layer_ids")
         convention = own
-        named.append({"by": MANIFEST, "ids": list(ids)})
+        named.append({"by": RECORD, "ids": list(ids)})
     if layer_ids is not None:
         ids = parse_ids(layer_ids, "--states-layer-ids")
         check_layer_ids(ids, convention or default, config, "--states-layer-ids")
@@ -148,8 +147,8 @@ def _layers(
     root: Path, fmt: str, config: DSparkConfig, convention: str | None, layer_ids: object
 ) -> tuple[dict, dict | None]:
     """The results' ``layers`` block and the manifest (capture.json) if the directory has one."""
-    manifest_path = root / MANIFEST
-    manifest = read_json(manifest_path, MANIFEST) if manifest_path.is_file() else None
+    manifest_path = root / RECORD
+    manifest = read_json(manifest_path, RECORD) if manifest_path.is_file() else None
     if manifest is not None and not isinstance(manifest, dict):
         raise QStreamError(f"{manifest_path}: not a JSON object")
     if convention is not None:
