@@ -45,7 +45,7 @@ def build(directory: Path) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from hf_targets import make_draft_config
 
-    from qstream.model.corpus import builtin_corpus, train_tokenizer, write_tokenizer
+    from qstream.synth.corpus import builtin_corpus, train_tokenizer, write_tokenizer
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
+from qstream.arch.dspark_mla.flops import blocks_flops
+from qstream.arch.dspark_mla.forward import DSpark
+from qstream.arch.dspark_mla.load import load_config, load_weights
+from qstream.arch.dspark_mla.markov import rollout
 from qstream.eval.batches import AuxStates, draft_blocks, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.run import load_run_corpus
-from qstream.model.dspark import DSpark
-from qstream.model.flops import blocks_flops
-from qstream.model.load import load_config, load_weights
-from qstream.model.markov import rollout
-from qstream.model.synth import synth_checkpoint
+from qstream.synth.draft import synth_checkpoint
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -48,7 +48,7 @@ def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 1024, n: int = 3072)
 
 
 def useful_flops(config, plan) -> float:
-    """The plan's work by the FLOP model (qstream/model/flops.py, docs/eval-drift.md)."""
+    """The plan's work by the FLOP model (qstream/arch/dspark_mla/flops.py, docs/eval-drift.md)."""
     return blocks_flops(config, plan.stream, plan.anchor)
 
 

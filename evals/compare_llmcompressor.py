@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from checkpoints import llama_tensors, write_checkpoint  # noqa: E402
 
-from qstream.checkpoint import quantize_checkpoint  # noqa: E402
+from qstream.quant import quantize_checkpoint  # noqa: E402
 
 # llm-compressor's scheme for each qstream format; FP8 per-channel weight-only has no preset.
 LLMC_SCRIPT = r"""

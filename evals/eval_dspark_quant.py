@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from qstream.cliutil import write_json
-from qstream.eval.regimes import REGIMES
+from qstream.eval.aux_sources import REGIMES
 from qstream.eval.run import parse_variants, run_drift
 from qstream.eval.settings import DriftSettings
 from qstream.eval.vocabulary import VARIANT_FORMATS

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from qstream.model.corpus import builtin_corpus, train_tokenizer, write_tokenizer
+from qstream.synth.corpus import builtin_corpus, train_tokenizer, write_tokenizer
 
 VOCAB = 512  # tokenizer and model vocabulary
 HIDDEN = 64

@@ -9,10 +9,10 @@ from __future__ import annotations
 WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")  # qstream.formats.FORMATS
 VARIANT_FORMATS = ("bf16", *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
 EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
-REGIMES = ("gauss", "heavy", "boot")  # qstream.eval.regimes.REGIMES
+REGIMES = ("gauss", "heavy", "boot")  # qstream.eval.aux_sources.REGIMES
 ALL_REGIMES = "all"  # qstream.eval.run.ALL_REGIMES: --regime all
 DEFAULT_EDGES = "default"  # qstream.eval.run.DEFAULT_EDGES: --context-lengths given bare
-# qstream.model.load.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
+# qstream.arch.dspark_mla.load.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
 QUANTIZE_INCLUDE = (
     "mlp.gate_proj",
     "mlp.up_proj",
@@ -28,4 +28,4 @@ LAYER_CONVENTIONS = ("layer-output", "hidden-states-index")
 CAPTURE_DTYPES = ("float32", "bfloat16", "float16")  # qstream.capture.target.DTYPES
 CAPTURE_EXPORTS = ("qstream", "vllm")  # qstream.capture.layout.EXPORTS
 CARD_FORMATS = ("md", "json", "html")  # qstream.card.build.FORMATS
-VLLM_VERSION = "0.32.0"  # qstream.checkpoint.vllm_load.VLLM_VERSION
+VLLM_VERSION = "0.32.0"  # qstream.vllm.loader.VLLM_VERSION

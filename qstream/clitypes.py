@@ -26,7 +26,7 @@ class Choice(click.Choice):
 
 
 class Device(click.ParamType):
-    """``cpu``, ``cuda`` or ``cuda:N`` (qstream.model.device.resolve_device checks that the
+    """``cpu``, ``cuda`` or ``cuda:N`` (qstream.device.resolve_device checks that the
     device exists)."""
 
     name = "device"

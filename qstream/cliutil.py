@@ -113,7 +113,7 @@ def sampling_option(name: str, help: str):
 
 def device_option(help: str):
     """``--device``: its spelling checked when parsed, its existence by
-    :func:`qstream.model.device.resolve_device` when used."""
+    :func:`qstream.device.resolve_device` when used."""
     return option(
         "device",
         type=Device(),

@@ -7,7 +7,7 @@ of more than a moment is silent:
   after LINE_EVERY, so that a short command prints nothing extra.
 
 eval-drift's progress (:class:`DriftProgress`) runs on the work it planned (the FLOP model,
-qstream/model/flops.py) and has one estimate of the time left, :class:`WorkEta`: the bar's
+qstream/arch/dspark_mla/flops.py) and has one estimate of the time left, :class:`WorkEta`: the bar's
 ``eta``, the plain lines and the one-off advice for a long run all read it.
 
 >>> with step("drawing the figures"):

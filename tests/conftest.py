@@ -7,8 +7,8 @@ import pytest
 from hypothesis import settings
 
 from qstream.eval.corpus import tokenize
-from qstream.model.corpus import builtin_corpus
-from qstream.model.synth import synth_checkpoint
+from qstream.synth.corpus import builtin_corpus
+from qstream.synth.draft import synth_checkpoint
 
 # Property tests draw the same examples on every run (derandomize) and keep no example database
 # between runs, so a failure on CI is a failure here too.

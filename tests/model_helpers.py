@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import torch
 
-from qstream.model.config import PRESETS
-from qstream.model.dspark import LM_HEAD, DSpark
-from qstream.model.tensors import tensor_shapes
+from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla.forward import LM_HEAD, DSpark
+from qstream.arch.dspark_mla.tensors import tensor_shapes
 
 
 def random_model_weights(cfg, seed: int) -> dict[str, torch.Tensor]:

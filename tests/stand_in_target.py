@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from qstream.model.dspark import LM_HEAD, rms_norm
-from qstream.model.load import load_model
-from qstream.model.markov import sample, sampling_probs
+from qstream.arch.dspark_mla.forward import LM_HEAD, rms_norm
+from qstream.arch.dspark_mla.load import load_model
+from qstream.arch.dspark_mla.markov import sample, sampling_probs
 
 
 def stand_in_target(model, ids: torch.Tensor):

@@ -1,4 +1,4 @@
-"""The per-block outputs a regime keeps (qstream/eval/blockstore.py; docs/eval-drift.md,
+"""The per-block outputs a regime keeps (qstream/bounded/store.py; docs/eval-drift.md,
 "Memory"): rows round-trip bit-exactly in memory and in the scratch file, in any order; the
 scratch file has no name, so nothing is left behind, also after an error; a disk too small is
 one error line; and a whole evaluation gives the same results with its stores on disk and the
@@ -11,14 +11,14 @@ import torch
 from click.testing import CliRunner
 from stand_in_target import capture_states
 
+import qstream.arch.dspark_mla.weights as weights_module
+import qstream.bounded.store as blockstore
 import qstream.eval.batches as batches
-import qstream.eval.blockstore as blockstore
-import qstream.model.weights as weights_module
+from qstream.bounded.store import BlockStore, SpillFile
 from qstream.cli import cli
 from qstream.errors import QStreamError
-from qstream.eval.blockstore import BlockStore, SpillFile
+from qstream.eval.aux_sources import REGIMES
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.eval.regimes import REGIMES
 
 SHAPE = (11, 3, 5)  # [N, B, V]
 # non-contiguous, out of order, with a run of consecutive rows (one call per run on disk)

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from qstream.arch.dspark_mla.markov import sampling_probs
 from qstream.capture.run import CaptureSettings, run_capture
 from qstream.capture.streams import Sampling
-from qstream.model.corpus import builtin_corpus
-from qstream.model.markov import sampling_probs
+from qstream.synth.corpus import builtin_corpus
 
 IDS = (0, 2, 3)  # the draft's target_layer_ids (layer-output convention)
 # fp32 on CPU: the same model run batched with padding vs alone differs only by summation order

@@ -21,8 +21,8 @@ from click.testing import CliRunner
 from qstream.card.build import write_card
 from qstream.card.checkpoints import PROVENANCE
 from qstream.card.document import tables
-from qstream.checkpoint import quantize_checkpoint
 from qstream.cli import cli
+from qstream.quant import quantize_checkpoint
 
 DATA = Path(__file__).parent / "data"
 RESULTS = DATA / "card_results.json"

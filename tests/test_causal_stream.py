@@ -1,22 +1,22 @@
 """The boot regime at long context: the draft's causal pass streamed a range of positions at a
-time over its MLA cache (qstream/model/causal.py), and the boot and captured aux states a
+time over its MLA cache (qstream/arch/dspark_mla/causal.py), and the boot and captured aux states a
 long-context batch never holds whole (qstream/eval/batches.py, docs/context-sweep.md)."""
 
 import pytest
 import torch
 from model_helpers import long_context_model, random_model_weights
 
+import qstream.arch.dspark_mla.engine as engine
+import qstream.arch.dspark_mla.forward as dspark
 import qstream.eval.batches as batches
-import qstream.model.dspark as dspark
-import qstream.model.engine as engine
+from qstream.arch.dspark_mla.causal import CausalStream
+from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla.flops import causal_flops
+from qstream.arch.dspark_mla.forward import DSpark
+from qstream.arch.dspark_mla.load import load_config
 from qstream.eval.batches import AuxStates, batch_flops, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.model.causal import CausalStream
-from qstream.model.config import PRESETS
-from qstream.model.dspark import DSpark
-from qstream.model.flops import causal_flops
-from qstream.model.load import load_config
 
 # As tests/test_sensitivity_context.py: Higham's bound for reordering a sum of n fp32 terms,
 # (n - 1)·u relative with u = 2^-24, for the 600 keys of the longest stream here.

@@ -14,18 +14,18 @@ import torch.nn.functional as F
 from checkpoints import DSPARK_RECIPE
 from model_helpers import random_model_weights
 
-from qstream.checkpoint import quantize_checkpoint
-from qstream.checkpoint.built_shapes import stored_shapes
-from qstream.checkpoint.verify import verify_checkpoint
+from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
+from qstream.arch.dspark_mla.forward import DSpark
+from qstream.arch.dspark_mla.load import load_model
+from qstream.arch.dspark_mla.markov import confidence
+from qstream.arch.dspark_mla.tensors import tensor_shapes
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, quantize
-from qstream.model.config import PRESETS, DSparkConfig
-from qstream.model.dspark import DSpark
-from qstream.model.load import load_model
-from qstream.model.markov import confidence
-from qstream.model.synth import _small_tensors
-from qstream.model.tensors import tensor_shapes
 from qstream.publish import QUANTIZE_RECORD
+from qstream.quant import quantize_checkpoint
+from qstream.synth.draft import _small_tensors
+from qstream.vllm.shapes import stored_shapes
+from qstream.vllm.verify import verify_checkpoint
 
 TINY = PRESETS["tiny"]
 H, R = TINY.hidden_size, TINY.markov_rank

@@ -17,9 +17,9 @@ from cli_helpers import cli_error
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.checkpoint import quantize_checkpoint
 from qstream.cli import cli
 from qstream.formats import FORMATS, quantize
+from qstream.quant import quantize_checkpoint
 
 BF16 = torch.bfloat16
 LLAMA_CONFIG = {

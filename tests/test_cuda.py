@@ -5,13 +5,13 @@ and TF32 is off inside the reference.  Runs only where a GPU is present."""
 import pytest
 import torch
 
+from qstream.arch.dspark_mla.forward import DSpark
+from qstream.arch.dspark_mla.load import load_config, load_weights
+from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, draft_batch, make_batches
 from qstream.eval.corpus import sample_anchors, tokenize
-from qstream.model.corpus import builtin_corpus
-from qstream.model.device import exact_math
-from qstream.model.dspark import DSpark
-from qstream.model.load import load_config, load_weights
-from qstream.model.synth import synth_checkpoint
+from qstream.synth.corpus import builtin_corpus
+from qstream.synth.draft import synth_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"

@@ -7,16 +7,16 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import qstream.model.weights as weights_module
+import qstream.arch.dspark_mla.weights as weights_module
+from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla.forward import LM_HEAD, DSpark
+from qstream.arch.dspark_mla.load import load_weights
+from qstream.arch.dspark_mla.markov import rollout
 from qstream.cli import cli
+from qstream.device import exact_math, math_settings, resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.variants import Variant, variant_weights
-from qstream.model.config import PRESETS
-from qstream.model.device import exact_math, math_settings, resolve_device
-from qstream.model.dspark import LM_HEAD, DSpark
-from qstream.model.load import load_weights
-from qstream.model.markov import rollout
 from tests.model_helpers import random_model_weights
 
 
@@ -181,12 +181,12 @@ def test_cuda_without_cuda_is_one_error_line(tiny, tmp_path, command):
 
 
 def test_trim_heap_gives_freed_heap_pages_back():
-    """eval-drift trims the heap between batches (qstream/memory.py).  On glibc, freed chunks
+    """eval-drift trims the heap between batches (qstream/bounded/heap.py).  On glibc, freed chunks
     below the mmap threshold stay resident until trimmed; after trim_heap they are gone."""
     import ctypes
     import sys
 
-    from qstream import memory
+    from qstream.bounded import heap as memory
 
     if not sys.platform.startswith("linux") or memory._TRIM is None:
         pytest.skip("malloc_trim is glibc's")
@@ -217,7 +217,7 @@ def test_big_temporaries_are_reused_inside_reuse_freed_blocks():
     import resource
     import sys
 
-    from qstream import memory
+    from qstream.bounded import heap as memory
 
     if not sys.platform.startswith("linux") or memory._MALLOPT is None:
         pytest.skip("mallopt is glibc's")

@@ -10,13 +10,13 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from qstream.arch.dspark_mla.markov import markov_logits, sample, sampling_probs
 from qstream.card.results import collect_results
 from qstream.card.study_tables import acceptance_tables
 from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.metrics import pooled_proportion, sched_flips
 from qstream.eval.vocabulary import ACCEPTANCE_MODES
-from qstream.model.markov import markov_logits, sample, sampling_probs
 
 B = 7
 

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from qstream.arch.dspark_mla.load import QUANTIZE_INCLUDE
 from qstream.cli import cli
-from qstream.model.load import QUANTIZE_INCLUDE
 
 
 def _run(args: list[str]):

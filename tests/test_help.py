@@ -77,18 +77,18 @@ def test_the_help_s_light_names_are_the_library_s():
     """The choices and defaults the options show come from qstream.clichoices (no heavy
     imports); each must be the constant the library itself uses."""
     from qstream import clichoices as light
+    from qstream.arch.dspark_mla.load import QUANTIZE_INCLUDE
     from qstream.capture.layout import EXPORTS
     from qstream.capture.target import CONVENTIONS as CAPTURE_CONVENTIONS
     from qstream.capture.target import DTYPES
     from qstream.card.build import FORMATS as CARD_FORMATS
-    from qstream.checkpoint.vllm_load import VLLM_VERSION
-    from qstream.eval.regimes import REGIMES
+    from qstream.eval.aux_sources import REGIMES
     from qstream.eval.run import ALL_REGIMES, DEFAULT_EDGES
     from qstream.eval.states import AUTO, CONVENTIONS
     from qstream.eval.states import FORMATS as STATES_FORMATS
     from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
     from qstream.formats import FORMATS
-    from qstream.model.load import QUANTIZE_INCLUDE
+    from qstream.vllm.loader import VLLM_VERSION
 
     assert light.WEIGHT_FORMATS == tuple(FORMATS)
     assert (light.VARIANT_FORMATS, light.EVAL_FORMATS) == (VARIANT_FORMATS, ALLOWED_FORMATS)

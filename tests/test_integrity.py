@@ -16,9 +16,9 @@ from cli_helpers import cli_error, cli_ok
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from qstream.checkpoint import quantize_checkpoint
+from qstream.arch.dspark_mla.load import QUANTIZE_INCLUDE, load_config
 from qstream.cli import cli
-from qstream.model.load import QUANTIZE_INCLUDE, load_config
+from qstream.quant import quantize_checkpoint
 
 RESULTS = Path(__file__).parent / "data" / "card_results.json"
 RECORD = "qstream_quantize.json"
@@ -239,7 +239,7 @@ def test_capture_records_the_sha256_of_every_stream_file(tmp_path):
     from hf_targets import make_draft_config, make_target
 
     from qstream.capture.run import CaptureSettings, run_capture
-    from qstream.model.corpus import builtin_corpus
+    from qstream.synth.corpus import builtin_corpus
 
     target = make_target(tmp_path / "target", "llama")
     draft = make_draft_config(tmp_path / "draft")

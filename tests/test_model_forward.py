@@ -8,11 +8,17 @@ import pytest
 import torch
 from model_helpers import random_model_weights
 
+from qstream.arch.dspark_mla import engine
+from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
+from qstream.arch.dspark_mla.forward import DSpark, apply_rope
+from qstream.arch.dspark_mla.markov import (
+    markov_logits,
+    rollout,
+    sample,
+    sampling_probs,
+    teacher_forced,
+)
 from qstream.errors import QStreamError
-from qstream.model import engine
-from qstream.model.config import PRESETS, DSparkConfig
-from qstream.model.dspark import DSpark, apply_rope
-from qstream.model.markov import markov_logits, rollout, sample, sampling_probs, teacher_forced
 
 CFG = PRESETS["tiny"]
 S, T = 3, 40
@@ -158,7 +164,7 @@ def test_transposed_markov_table_is_refused(weights):
 @pytest.mark.parametrize("row_cost", [None, 100.0], ids=["cost-model", "multi-slot-rows"])
 @pytest.mark.parametrize("key_chunk", [None, 8], ids=["one-pass", "key-chunked"])
 def test_batched_engine_equals_the_plain_forward(model, key_chunk, row_cost, monkeypatch):
-    # draft() (qstream.model.engine: rows of one slot as the tiny preset's cost model packs
+    # draft() (qstream.arch.dspark_mla.engine: rows of one slot as the tiny preset's cost model packs
     # them, or, with rows made costly, packed rows of several slots and a busy stream over
     # several rows; with key_chunk=8 the online softmax over 5 key chunks) against draft_one
     if row_cost is not None:

@@ -3,10 +3,10 @@ run it with ``pytest -m k3 tests/test_model_k3.py``."""
 
 import pytest
 
+from qstream.arch.dspark_mla.load import QUANTIZE_INCLUDE, read_draft_tensors
 from qstream.checkpoint.inspect import inspect_checkpoint
-from qstream.checkpoint.quantize import quantize_checkpoint
-from qstream.model.load import QUANTIZE_INCLUDE, read_draft_tensors
-from qstream.model.synth import synth_checkpoint
+from qstream.quant.quantize import quantize_checkpoint
+from qstream.synth.draft import synth_checkpoint
 
 
 @pytest.mark.k3

@@ -10,8 +10,8 @@ from model_helpers import random_model_weights
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
-from qstream.model.config import PRESETS
-from qstream.model.dspark import DSpark, rms_norm, swiglu, yarn_inv_freq
+from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla.forward import DSpark, rms_norm, swiglu, yarn_inv_freq
 
 # float32 rounding: both implementations sit within 1.7e-6 of a float64 run of themselves on
 # these shapes (outputs up to |3.1|, i.e. ~4 ulps); 1e-5 is that doubled and rounded up.

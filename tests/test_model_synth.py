@@ -11,20 +11,20 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.checkpoint.quantize import quantize_checkpoint
-from qstream.cli import cli
-from qstream.errors import QStreamError
-from qstream.eval.builtin import builtin_corpus_docs
-from qstream.model.load import (
+from qstream.arch.dspark_mla.load import (
     QUANTIZE_INCLUDE,
     load_model,
     load_weights,
     read_target_tensors,
     simulate_format,
 )
-from qstream.model.markov import teacher_forced
-from qstream.model.stats import checkpoint_stats, weight_stats
-from qstream.model.synth import synth_checkpoint
+from qstream.arch.dspark_mla.markov import teacher_forced
+from qstream.checkpoint.stats import checkpoint_stats, weight_stats
+from qstream.cli import cli
+from qstream.errors import QStreamError
+from qstream.eval.builtin import builtin_corpus_docs
+from qstream.quant.quantize import quantize_checkpoint
+from qstream.synth.draft import synth_checkpoint
 
 # The GSM8K train split (MIT licence) beside the checkout as ../shared/data/gsm8k; only the test
 # split ships inside the package, so a clone with nothing beside it skips what needs train.

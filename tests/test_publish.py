@@ -238,6 +238,6 @@ def test_two_concurrent_quantize_runs_to_one_new_directory(tmp_path):
         pytest.fail(f"neither run published: {results}")
     loser = next(err for code, err in results if code == 1)
     assert loser.strip().startswith("Error: --output_dir ") and len(loser.strip().splitlines()) == 1
-    from qstream.checkpoint.verify import verify_checkpoint
+    from qstream.vllm.verify import verify_checkpoint
 
     assert verify_checkpoint(out).ok and _litter(tmp_path) == []

@@ -24,15 +24,15 @@ from compressed_tensors.quantization import QuantizationConfig
 from ct_reference import ct_quantize
 from safetensors.torch import load_file, save_file
 
-import qstream.checkpoint.pipeline as pipeline_module
-import qstream.checkpoint.quantize as quantize_module
-from qstream.checkpoint import quantize_checkpoint
-from qstream.checkpoint.quantize import default_workers
-from qstream.checkpoint.selection import fused_groups
+import qstream.quant.convert as pipeline_module
+import qstream.quant.quantize as quantize_module
 from qstream.cli import cli
 from qstream.commands.quantize import quantize as quantize_command
 from qstream.formats import FORMATS, dequantize, quantize
 from qstream.formats.nvfp4 import tensor_amax
+from qstream.quant import quantize_checkpoint
+from qstream.quant.quantize import default_workers
+from qstream.quant.select import fused_groups
 
 FORMAT_NAMES = list(FORMATS)
 
@@ -519,14 +519,14 @@ def test_quantize_entry_point_imports_nothing_it_does_not_use():
     import sys
 
     # the DSpark config parser and tensor table are pure Python, and quantize checks a draft's
-    # tensors against them (qstream/checkpoint/built_shapes.py); the model itself stays out
+    # tensors against them (qstream/vllm/shapes.py); the model itself stays out
     code = (
         "import sys, qstream.cli, qstream.commands.quantize; "
-        "table = ('qstream.model', 'qstream.model.config', 'qstream.model.tensors'); "
+        "table = ('qstream.arch.dspark_mla.config', 'qstream.arch.dspark_mla.tensors'); "
         "heavy = ('matplotlib', 'scipy', 'transformers', 'pandas', 'safetensors', "
         "'compressed_tensors'); "
         "print(' '.join(m for m in sys.modules if m not in table and ("
-        "m.split('.')[0] in heavy or m.startswith(('qstream.eval', 'qstream.model', "
+        "m.split('.')[0] in heavy or m.startswith(('qstream.eval', 'qstream.arch.dspark_mla.', "
         "'qstream.card')))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

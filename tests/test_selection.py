@@ -5,8 +5,8 @@ import pytest
 from checkpoints import DSPARK_RECIPE, dspark_tensors, llama_tensors, moe_tensors
 
 from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo
-from qstream.checkpoint.selection import matches, select_modules
 from qstream.errors import QStreamError
+from qstream.quant.select import matches, select_modules
 
 
 def _infos(tensors):

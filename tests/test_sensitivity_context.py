@@ -8,18 +8,18 @@ import torch
 from click.testing import CliRunner
 from model_helpers import long_context_model, random_model_weights
 
+import qstream.arch.dspark_mla.forward as dspark
 import qstream.eval.batches as batches
-import qstream.model.dspark as dspark
+from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla.forward import DSpark
+from qstream.arch.dspark_mla.load import load_weights
 from qstream.card.build import write_card
 from qstream.card.document import tables
 from qstream.cli import cli
+from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.context_sweep import default_edges, long_streams
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.eval.regimes import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.sensitivity import module_kinds
-from qstream.model.config import PRESETS
-from qstream.model.dspark import DSpark
-from qstream.model.load import load_weights
 
 # The sensitivity tests check structure (which tensors each step quantizes, the cumulative order
 # against the single steps' figures, the floor against bf16, the suggestion against its own

@@ -13,14 +13,14 @@ from safetensors.torch import load_file, save_file
 from stand_in_target import capture_states
 
 import qstream.eval.batches as batches
+from qstream.arch.dspark_mla.forward import DSpark
+from qstream.arch.dspark_mla.load import load_config
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.corpus import tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.states import read_states
-from qstream.model.corpus import builtin_corpus
-from qstream.model.dspark import DSpark
-from qstream.model.load import load_config
+from qstream.synth.corpus import builtin_corpus
 
 BLOCKS = 48
 MODES = ("sampled_token_wise", "sampled_block", "greedy")

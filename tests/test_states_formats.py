@@ -16,9 +16,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
+from qstream.arch.dspark_mla.load import load_config
 from qstream.cli import cli
 from qstream.eval.states import read_states
-from qstream.model.load import load_config
 
 N_STREAMS, LENGTHS, EPS = 4, (40, 36, 44, 40), 1e-6
 VLLM_NAMES = ("hs_0", "hs_1", "hs_2", "hs_10")  # natural order: hs_10 is the last stream

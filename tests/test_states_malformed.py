@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
+from qstream.arch.dspark_mla.load import load_config
 from qstream.cli import cli
-from qstream.model.load import load_config
 
 T = 40
 

@@ -11,9 +11,9 @@ from hf_targets import HIDDEN, LAYERS, VOCAB, make_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from qstream.model.config import PRESETS
-from qstream.model.load import TARGET_HEAD_DIR, load_model
-from qstream.model.synth_target import spread_layer_ids
+from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla.load import TARGET_HEAD_DIR, load_model
+from qstream.synth.target import spread_layer_ids
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from qstream.card.terminal import print_report
-from qstream.checkpoint import quantize_checkpoint
 from qstream.cli import cli
+from qstream.quant import quantize_checkpoint
 from qstream.tablefit import Column, fitted_table, wrap
 
 EXAMPLES = Path(__file__).parent.parent / "examples"

@@ -9,8 +9,8 @@ from checkpoints import llama_tensors, sharded_llama, write_checkpoint
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.checkpoint import quantize_checkpoint
 from qstream.cli import cli
+from qstream.quant import quantize_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import types
 import pytest
 from cli_helpers import cli_error
 
-from qstream.checkpoint.vllm_load import VLLM_VERSION
+from qstream.vllm.loader import VLLM_VERSION
 
 
 @pytest.fixture

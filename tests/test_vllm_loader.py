@@ -19,11 +19,11 @@ from checkpoints import DSPARK_RECIPE
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.checkpoint import quantize_checkpoint
-from qstream.checkpoint.verify import verify_checkpoint
-from qstream.checkpoint.vllm_load import load_with_vllm
 from qstream.cli import cli
 from qstream.formats import quantize
+from qstream.quant import quantize_checkpoint
+from qstream.vllm.loader import load_with_vllm
+from qstream.vllm.verify import verify_checkpoint
 
 pytestmark = pytest.mark.vllm
 

@@ -1,7 +1,7 @@
 """Checkpoints that vLLM's K3 DSpark draft loader serves as intended (docs/vllm.md).
 
 The test carries its own replay of vLLM's loading decision, written from vLLM's source and
-independent of ``qstream.checkpoint.serving``: the draft's runtime Linear layers
+independent of ``qstream.vllm.profiles``: the draft's runtime Linear layers
 (``model.layers.{L+i}...`` with fused q_a/kv_a and gate/up, ``model.context_proj``, and the
 cross-layer ``context_kv_proj`` that takes its scheme from layer 0's ``fused_qkv_a_proj``),
 compressed-tensors' ignore matching (equal, or ``re:`` + ``re.match``), the Markov head built
@@ -23,17 +23,17 @@ from click.testing import CliRunner
 from ct_reference import ct_quantize
 from safetensors.torch import load_file, save_file
 
-from qstream.checkpoint import quantize_checkpoint
+from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla.tensors import tensor_shapes
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter, TensorInfo
-from qstream.checkpoint.selection import select_modules
-from qstream.checkpoint.serving import K3_DSPARK, get_profile
-from qstream.checkpoint.verify import verify_checkpoint
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, quantize
 from qstream.formats.nvfp4 import tensor_amax
-from qstream.model.config import PRESETS
-from qstream.model.tensors import tensor_shapes
+from qstream.quant import quantize_checkpoint
+from qstream.quant.select import select_modules
+from qstream.vllm.profiles import K3_DSPARK, get_profile
+from qstream.vllm.verify import verify_checkpoint
 
 LAYERS = 5  # the tiny draft's
 TARGET_LAYERS = (8, 93)  # the tiny preset's target, and Kimi-K3
@@ -570,8 +570,8 @@ def test_k3_recipe_plan(tmp_path):
 
 
 def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
+    from qstream.arch.dspark_mla.load import load_weights
     from qstream.eval.sensitivity import module_kinds
-    from qstream.model.load import load_weights
 
     names = [k.name for k in module_kinds(load_weights(tiny), "nvfp4")]
     assert not any("confidence" in n or "markov" in n for n in names), names
@@ -581,7 +581,7 @@ def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
 def test_simulated_format_equals_the_read_back_checkpoint(tiny, outputs):
     """eval-drift's simulated NVFP4 (default selection: the cross-layer q_a/kv_a group with its
     shared global scale) is bit-identical to loading what quantize wrote."""
-    from qstream.model.load import load_weights, simulate_format
+    from qstream.arch.dspark_mla.load import load_weights, simulate_format
 
     simulated = simulate_format(load_weights(tiny), "nvfp4", include=None)
     read_back = load_weights(outputs["default nvfp4"], target=Path(tiny) / "target_head")

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 import qstream
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.load import load_config
 from qstream.capture.hooks import LayerTap
 from qstream.capture.layout import (
     check_output,
@@ -40,11 +42,9 @@ from qstream.capture.target import (
     load_target,
 )
 from qstream.capture.write import write_batch
+from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import stream_file
-from qstream.model.config import DSparkConfig
-from qstream.model.load import load_config
-from qstream.model.target import read_target_shape
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.checkpoint.target import TargetShape
 from qstream.errors import QStreamError
-from qstream.model.config import DSparkConfig
-from qstream.model.target import TargetShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONVENTIONS = ("layer-output", "hidden-states-index")

@@ -22,18 +22,18 @@ from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.checkpoint.integrity import NO_CHECK_FLAG, integrity_record
 from qstream.checkpoint.layout import format_of_layout
-from qstream.checkpoint.selection import (
+from qstream.errors import QStreamError
+from qstream.formats import get_format
+from qstream.publish import QUANTIZE_RECORD as PROVENANCE
+from qstream.quant.select import (
     HEAD_NAMES,
     fused_groups,
     is_embedding,
     select_modules,
     weight_modules,
 )
-from qstream.checkpoint.serving import never_quantized, profile_for
-from qstream.errors import QStreamError
-from qstream.formats import get_format
-from qstream.publish import QUANTIZE_RECORD as PROVENANCE
 from qstream.units import GIB
+from qstream.vllm.profiles import never_quantized, profile_for
 
 PACKED = "weight_packed"  # two 4-bit weights per stored byte
 

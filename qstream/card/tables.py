@@ -12,7 +12,7 @@ from functools import partial
 
 from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
-from qstream.eval.regimes import REGIMES
+from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import (
     CONFIDENCE_NOTE,
     FLOOR,
@@ -26,7 +26,7 @@ from qstream.eval.vocabulary import (
 # 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B).
 DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "snr": 1}
 
-# What each aux regime stands for (docs/eval-drift.md, qstream/eval/regimes.py).
+# What each aux regime stands for (docs/eval-drift.md, qstream/eval/aux_sources.py).
 REGIME_DESCRIPTIONS = {
     "gauss": "iid normal aux states",
     "heavy": "normal aux states times per-channel lognormal scales (a few massive channels)",

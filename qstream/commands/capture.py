@@ -134,7 +134,7 @@ def capture(json_path: str | None, **o: Any) -> None:
     """
     # here, not above: `qstream capture --help` loads no torch
     from qstream.capture.run import run_capture
-    from qstream.model.device import resolve_device
+    from qstream.device import resolve_device
 
     resolve_device(o["device"])  # a bad or absent device is one line before anything loads
     settings = _settings(o)

@@ -27,7 +27,7 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     """
     # here, not above: `qstream inspect --help` loads no torch
     from qstream.checkpoint.inspect import inspect_checkpoint
-    from qstream.model.stats import checkpoint_stats
+    from qstream.checkpoint.stats import checkpoint_stats
 
     with step(f"reading {directory}" + (" and its weight statistics" if stats else "")):
         data = inspect_checkpoint(directory)

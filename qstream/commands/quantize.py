@@ -24,7 +24,7 @@ from qstream.cliutil import (
 from qstream.progress import counter
 
 if TYPE_CHECKING:
-    from qstream.checkpoint import QuantizeSummary
+    from qstream.quant import QuantizeSummary
 
 
 @click.command(cls=Command)
@@ -105,7 +105,7 @@ def quantize(
       --include_layers mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.o_proj
     """
     # here, not above: --help loads no torch
-    from qstream.checkpoint import quantize_checkpoint
+    from qstream.quant import quantize_checkpoint
 
     with _progress_bar() as bar:
         summary = quantize_checkpoint(

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 import click
 
+from qstream.arch.dspark_mla.config import PRESETS
 from qstream.cliutil import Command, device_option, json_option, option, write_json
-from qstream.model.config import PRESETS
 from qstream.progress import counter
 
 if TYPE_CHECKING:
-    from qstream.model.synth import SynthSummary
+    from qstream.synth.draft import SynthSummary
 
 
 @click.command(cls=Command)
@@ -67,7 +67,7 @@ def synth(
     qstream synth --target TARGET --output_dir draft --corpus gsm8k/train.jsonl
     """
     # here, not above: --help loads no torch
-    from qstream.model.device import resolve_device
+    from qstream.device import resolve_device
 
     resolve_device(device)
     make = partial(_make, target)
@@ -92,8 +92,8 @@ def _make(
     overwrite: bool,
     progress: Callable[[int, int], None] | None = None,
 ) -> SynthSummary:
-    from qstream.model.synth import synth_checkpoint
-    from qstream.model.synth_target import synth_for_target
+    from qstream.synth.draft import synth_checkpoint
+    from qstream.synth.target import synth_for_target
 
     if target is None:
         return synth_checkpoint(preset, output_dir, seed, corpus, overwrite, progress)

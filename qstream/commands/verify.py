@@ -1,4 +1,4 @@
-"""``qstream verify DIR``: the click layer over :func:`qstream.checkpoint.verify.verify_checkpoint`."""
+"""``qstream verify DIR``: the click layer over :func:`qstream.vllm.verify.verify_checkpoint`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from qstream.errors import QStreamError
 from qstream.progress import step
 
 if TYPE_CHECKING:
-    from qstream.checkpoint.verify import VerifyReport
+    from qstream.vllm.verify import VerifyReport
 
 
 @click.command(cls=Command)
@@ -67,7 +67,7 @@ def verify(
     Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
     """
     # here, not above: --help loads no torch
-    from qstream.checkpoint.verify import verify_checkpoint
+    from qstream.vllm.verify import verify_checkpoint
 
     if vllm:
         _verify_with_vllm(directory, tensor_parallel_size, target_layers, deep, json_path)
@@ -121,9 +121,9 @@ def _verify_with_vllm(
 ) -> None:
     """verify's checks where the checkpoint is quantized, then vLLM's own loader on CPU."""
     from qstream.checkpoint.files import open_checkpoint
-    from qstream.checkpoint.verify import verify_checkpoint
-    from qstream.checkpoint.verify_scope import VLLM_LOADER
-    from qstream.checkpoint.vllm_load import load_with_vllm, vllm_version
+    from qstream.vllm.loader import load_with_vllm, vllm_version
+    from qstream.vllm.scope import VLLM_LOADER
+    from qstream.vllm.verify import verify_checkpoint
 
     if tensor_parallel_size != 1:
         raise QStreamError(

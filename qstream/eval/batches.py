@@ -13,16 +13,16 @@ from typing import NamedTuple
 
 import torch
 
-from qstream.eval.blockstore import SpillFile
+from qstream.arch.dspark_mla.causal import CausalStream
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.flops import causal_flops, context_flops, drafted_flops
+from qstream.arch.dspark_mla.forward import AuxChunks, Blocks, DSpark, Rollout
+from qstream.arch.dspark_mla.markov import rollout
+from qstream.bounded.heap import trim_heap
+from qstream.bounded.store import SpillFile
+from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.corpus import AnchorPlan, Corpus
-from qstream.eval.regimes import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.states import CapturedStates
-from qstream.memory import trim_heap
-from qstream.model.causal import CausalStream
-from qstream.model.config import DSparkConfig
-from qstream.model.dspark import AuxChunks, Blocks, DSpark, Rollout
-from qstream.model.flops import causal_flops, context_flops, drafted_flops
-from qstream.model.markov import rollout
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
 # every variant read the same rounded values.

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import qstream
+from qstream.arch.dspark_mla.config import PRESETS
 from qstream.errors import QStreamError
-from qstream.model.config import PRESETS
-from qstream.model.synth import synth_checkpoint
+from qstream.synth.draft import synth_checkpoint
 
 BUILTIN_PRESET, BUILTIN_SEED = "tiny", 0
 # GSM8K test split (github.com/openai/grade-school-math, MIT): question + newline + answer per

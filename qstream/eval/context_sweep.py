@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
 from qstream.eval.settings import DriftSettings
-from qstream.model.config import DSparkConfig
 
 # Default bucket edges as multiples of original_max_position_embeddings (capped at
 # max_position_embeddings): two buckets below the YaRN boundary, the rest above it.

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from qstream.errors import QStreamError
-from qstream.model.synth import read_corpus  # GSM8K JSONL or blank-line separated text
+from qstream.synth.draft import read_corpus  # GSM8K JSONL or blank-line separated text
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Drift of each variant against the FP32 reference (docs/eval-drift.md), regime by regime:
 the results file, its run description, and the regimes, captured states and context buckets it
-holds.  One regime's work is qstream/eval/regime.py's.
+holds.  One regime's work is qstream/eval/passes.py's.
 
 >>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8"), n_blocks=256)
 >>> results = evaluate_drift("DRAFT_DIR", settings, load_corpus("gsm8k/test.jsonl", TOKENIZER))
@@ -16,22 +16,22 @@ from pathlib import Path
 import torch
 
 import qstream
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.forward import LM_HEAD
+from qstream.arch.dspark_mla.load import load_config, load_weights
+from qstream.device import describe_device, resolve_device
+from qstream.eval.aux_sources import check_boot_compatible
 from qstream.eval.batches import batch_flops, make_batches
 from qstream.eval.context_sweep import bucket_plans, context_sweep
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
+from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
-from qstream.eval.regime import RegimeRun, evaluate_regime
-from qstream.eval.regimes import check_boot_compatible
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
 from qstream.eval.settings import REFERENCE, VARIANTS, DriftSettings, Progress, Silent
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
-from qstream.model.config import DSparkConfig
-from qstream.model.device import describe_device, resolve_device
-from qstream.model.dspark import LM_HEAD
-from qstream.model.load import load_config, load_weights
 
 __all__ = ["DriftSettings", "config_hash", "evaluate_drift"]
 

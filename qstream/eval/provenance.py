@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
+from qstream.arch.dspark_mla.load import load_config
 from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.eval.variants import Variant
-from qstream.model.load import load_config
 
 # Tensor suffixes that only a quantized module stores (compressed-tensors layout).
 QUANTIZED_SUFFIXES = ("weight_scale", "weight_packed", "weight_global_scale")

@@ -13,7 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.load import load_config
+from qstream.device import resolve_device
 from qstream.errors import QStreamError
+from qstream.eval.aux_sources import REGIMES
 from qstream.eval.builtin import (
     BUILTIN_CORPUS_NAME,
     builtin_corpus_docs,
@@ -22,11 +26,7 @@ from qstream.eval.builtin import (
 from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import Corpus, load_corpus, tokenize
 from qstream.eval.drift import evaluate_drift
-from qstream.eval.regimes import REGIMES
 from qstream.eval.settings import DriftSettings, Progress
-from qstream.model.config import DSparkConfig
-from qstream.model.device import resolve_device
-from qstream.model.load import load_config
 
 ALL_REGIMES = "all"  # --regime all: every aux regime
 DEFAULT_REGIME = "heavy"  # the pessimistic one (massive activation channels)

@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from qstream.arch.dspark_mla.load import QUANTIZE_INCLUDE
 from qstream.errors import QStreamError
-from qstream.eval.regimes import REGIMES
+from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
 from qstream.formats import FORMATS
-from qstream.model.load import QUANTIZE_INCLUDE
 
 # The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py)
 REFERENCE, VARIANTS = "reference", "variants"
@@ -23,7 +23,7 @@ REFERENCE, VARIANTS = "reference", "variants"
 
 class Progress(Protocol):
     """Where the evaluator reports progress: drafted blocks, and their work by the FLOP model
-    (qstream/model/flops.py) per kind of pass, from which the one ETA is taken (a long-context
+    (qstream/arch/dspark_mla/flops.py) per kind of pass, from which the one ETA is taken (a long-context
     block costs hundreds of short ones; an FP32 reference pass runs at its own pace)."""
 
     def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
@@ -90,9 +90,9 @@ class DriftSettings:
     # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens; () = no sweep
     context_lengths: tuple[int, ...] = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
-    device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/model/device.py)
+    device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/device.py)
     # where per-block outputs too big for memory are kept for a regime (None: the system's
-    # temporary directory); qstream/eval/blockstore.py.  Never in the results.
+    # temporary directory); qstream/bounded/store.py.  Never in the results.
     scratch_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.forward import LM_HEAD
+from qstream.arch.dspark_mla.load import load_config, load_weights, simulate_format
 from qstream.checkpoint.integrity import integrity_record
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.eval.vocabulary import FLOOR, REFERENCE
 from qstream.formats import snr_db, snr_sums
-from qstream.model.config import DSparkConfig
-from qstream.model.dspark import LM_HEAD
-from qstream.model.load import load_config, load_weights, simulate_format
 
 Weights = Mapping[str, torch.Tensor]
 

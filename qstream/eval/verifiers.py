@@ -1,7 +1,7 @@
 """What the verifiers accept of an evaluation's drafted blocks, batch by batch, in one regime:
 the FP32 reference on each variant's own drafted prefixes (``--acceptance``), and the captured
 target on its own stream (``--states``).  The math is qstream/eval/acceptance.py's; the regime
-loop that feeds this is qstream/eval/regime.py's."""
+loop that feeds this is qstream/eval/passes.py's."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
+from qstream.arch.dspark_mla.forward import LM_HEAD, Blocks, Rollout
+from qstream.arch.dspark_mla.markov import (
+    HeadModel,
+    markov_logits,
+    markov_table,
+    sampling_probs,
+    teacher_forced,
+)
+from qstream.arch.dspark_mla.weights import ComputeWeights
+from qstream.bounded.store import BlockStore
 from qstream.eval.acceptance import (
     AcceptanceAccumulator,
     AdaptiveBudget,
@@ -22,21 +32,11 @@ from qstream.eval.acceptance import (
     token_probs,
 )
 from qstream.eval.batches import Batch
-from qstream.eval.blockstore import BlockStore
 from qstream.eval.corpus import AnchorPlan
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import FLOOR, RULES, VERIFIERS, acceptance_mode
-from qstream.model.dspark import LM_HEAD, Blocks, Rollout
-from qstream.model.markov import (
-    HeadModel,
-    markov_logits,
-    markov_table,
-    sampling_probs,
-    teacher_forced,
-)
-from qstream.model.weights import ComputeWeights
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 
@@ -56,7 +56,7 @@ class RegimeAcceptance:
     target) measure in one regime.  Inactive (every method a no-op) when neither applies.
 
     Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in
-    a :class:`~qstream.eval.blockstore.BlockStore` (in memory when small, else in the scratch
+    a :class:`~qstream.bounded.store.BlockStore` (in memory when small, else in the scratch
     directory; :meth:`close` frees it); per variant only ``[N, B]`` float64 acceptance values
     per mode and the drafts' ``[N, B]`` confidence scores are kept (adaptive verification's
     batches span the regime).  The target's lm_head is held as stored and upcast per use, in

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.checkpoint.files import read_json
 from qstream.checkpoint.safetensors_io import read_header
 from qstream.errors import QStreamError
@@ -38,7 +39,6 @@ from qstream.eval.states.manifest import RECORD, check_manifest
 from qstream.eval.states.qstream_layout import open_qstream_file
 from qstream.eval.states.specforge_layout import GZIP_MAGIC, ZIP_MAGIC, open_specforge_file
 from qstream.eval.states.vllm_layout import open_vllm_file
-from qstream.model.config import DSparkConfig
 
 __all__ = ["AUTO", "CONVENTIONS", "FORMATS", "CapturedStates", "read_states"]
 

@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus
-from qstream.model.config import DSparkConfig
 from qstream.units import FLOAT_DTYPE_NAMES, FLOAT_DTYPES
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -65,7 +65,7 @@ class CapturedStates(Corpus):
 
     def aux_chunks(self, streams: list[int], pad_to: int, dtype: torch.dtype) -> CapturedAuxChunks:
         """The same states in ``dtype``, read a range of positions at a time (an ``AuxChunks``
-        of qstream/model/dspark.py): a long stream's states are never held whole."""
+        of qstream/arch/dspark_mla/forward.py): a long stream's states are never held whole."""
         return CapturedAuxChunks(self, streams, pad_to, dtype)
 
     def target_hidden(

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.load import read_target_tensors
 from qstream.checkpoint.files import read_config
 from qstream.errors import QStreamError
-from qstream.model.config import DSparkConfig
-from qstream.model.load import read_target_tensors
 
 LAYER_OUTPUT, HIDDEN_STATES_INDEX = "layer-output", "hidden-states-index"
 CONVENTIONS = (LAYER_OUTPUT, HIDDEN_STATES_INDEX)

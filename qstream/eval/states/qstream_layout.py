@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import (
     AUX,
@@ -26,7 +27,6 @@ from qstream.eval.states.captured import (
     check_ids,
     check_shape,
 )
-from qstream.model.config import DSparkConfig
 
 FIELDS = ("input_ids", "aux_hidden_states", "target_hidden_states")
 STREAM_NAME = re.compile(r"stream\.(\d+)\.(\w+)$")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import AUX, aux_why, check_float, check_ids, check_shape
-from qstream.model.config import DSparkConfig
 
 IDS, AUX_NAME, FINAL = "input_ids", "hidden_states", "target_last_hidden_states"
 ALLOWED = (IDS, "loss_mask", AUX_NAME, FINAL)

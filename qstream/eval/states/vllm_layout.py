@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import AUX, check_float, check_ids, check_shape
 from qstream.eval.states.layers import FinalNorm
-from qstream.model.config import DSparkConfig
 
 IDS, STATES = "token_ids", "hidden_states"
 

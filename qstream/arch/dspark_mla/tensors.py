@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.errors import QStreamError
-from qstream.model.config import DSparkConfig
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
 

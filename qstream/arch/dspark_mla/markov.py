@@ -13,9 +13,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qstream.model.config import DSparkConfig
-from qstream.model.dspark import Blocks, DSpark, Rollout
-from qstream.model.weights import ComputeWeights, embedding, held_fp32
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.forward import Blocks, DSpark, Rollout
+from qstream.arch.dspark_mla.weights import ComputeWeights, embedding, held_fp32
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
 

@@ -14,9 +14,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.forward import DSpark
+from qstream.arch.dspark_mla.markov import host_head, teacher_forced
+from qstream.bounded.heap import reuse_freed_blocks, trim_heap
+from qstream.bounded.store import BlockStore
 from qstream.checkpoint.safetensors_io import drop_resident_pages
+from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch, make_batches
-from qstream.eval.blockstore import BlockStore
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
@@ -24,18 +29,13 @@ from qstream.eval.settings import REFERENCE, VARIANTS, DriftSettings, Progress
 from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
-from qstream.memory import reuse_freed_blocks, trim_heap
-from qstream.model.config import DSparkConfig
-from qstream.model.device import exact_math
-from qstream.model.dspark import DSpark
-from qstream.model.markov import host_head, teacher_forced
 
 
 @dataclass(frozen=True)
 class RegimeRun:
     """Everything one regime's evaluation reads, fixed for the regime."""
 
-    regime: str  # an aux regime (qstream/eval/regimes.py) or vocabulary.STATES_REGIME
+    regime: str  # an aux regime (qstream/eval/aux_sources.py) or vocabulary.STATES_REGIME
     config: DSparkConfig
     weights: Weights  # the checkpoint's weights: the reference's, and every variant's source
     corpus: Corpus  # token streams (CapturedStates: the captured file's streams and states)

@@ -14,12 +14,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from qstream.checkpoint import serving
 from qstream.checkpoint.safetensors_io import TensorInfo
-from qstream.checkpoint.serving import GENERIC, PROFILES, FusedGroup, Profile
 from qstream.errors import QStreamError
 from qstream.formats import get_format
 from qstream.units import FLOAT_DTYPE_NAMES
+from qstream.vllm import profiles as serving
+from qstream.vllm.profiles import GENERIC, PROFILES, FusedGroup, Profile
 
 T = TypeVar("T")
 

@@ -6,7 +6,7 @@ for every Linear layer vLLM builds, under its runtime name: scheme or no scheme 
 matched exactly or as ``re:`` regexes), the parameters that scheme expects, and whether the
 checkpoint provides exactly those; plus the profile's fused and cross-layer groups, modules vLLM
 never quantizes and the tensor-parallel rules.  For every profile, the tensors are checked
-against config.json as quantize checks its input (:mod:`qstream.checkpoint.built_shapes`).
+against config.json as quantize checks its input (:mod:`qstream.vllm.shapes`).
 
 Malformed files (bad header, inconsistent index) raise QStreamError when the checkpoint is
 opened; everything else is collected as a list of problems, empty for a good checkpoint.
@@ -19,19 +19,19 @@ from pathlib import Path
 
 import torch
 
-from qstream.checkpoint import serving
-from qstream.checkpoint.built_shapes import shape_problems, stored_shapes
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.integrity import Integrity, check_integrity
 from qstream.checkpoint.layout import format_of_layout
-from qstream.checkpoint.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.checkpoint.safetensors_io import ShardReader
-from qstream.checkpoint.selection import fused_groups
-from qstream.checkpoint.serving import Profile, profile_for
-from qstream.checkpoint.verify_scope import checks_run
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
+from qstream.quant.select import fused_groups
 from qstream.units import FLOAT_DTYPE_NAMES
+from qstream.vllm import profiles as serving
+from qstream.vllm.profiles import Profile, profile_for
+from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
+from qstream.vllm.scope import checks_run
+from qstream.vllm.shapes import shape_problems, stored_shapes
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
 # The safetensors dtype(s) of each tensor a format stores (docs/formats.md).

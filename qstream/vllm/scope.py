@@ -9,8 +9,8 @@ it did not run (docs/guarantees.md).  verify prints the checks that did not run,
 from __future__ import annotations
 
 from qstream.checkpoint.integrity import Integrity
-from qstream.checkpoint.serving import Profile
 from qstream.publish import QUANTIZE_RECORD
+from qstream.vllm.profiles import Profile
 
 SCALES = {
     "fp8": "weight scales finite and positive",
@@ -44,7 +44,7 @@ def checks_run(
     deep: bool,
     integrity: Integrity | None,
 ) -> dict[str, dict]:
-    """Every check of :func:`qstream.checkpoint.verify.verify_checkpoint`, in order, plus vLLM's
+    """Every check of :func:`qstream.vllm.verify.verify_checkpoint`, in order, plus vLLM's
     own loader (not run unless ``--vllm``).  ``fmt`` None: the config names no format qstream
     checks, and nothing after the config was reached."""
     if fmt is None or integrity is None:

@@ -2,18 +2,18 @@
 Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes), the
 parameters that scheme expects from each checkpoint shard, and whether the checkpoint stores
 exactly those; the modules vLLM never quantizes; what it does at the tensor-parallel size.
-``qstream.checkpoint.verify`` reports what this finds."""
+``qstream.vllm.verify`` reports what this finds."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from qstream.checkpoint import serving
 from qstream.checkpoint.files import Checkpoint
-from qstream.checkpoint.selection import matches
-from qstream.checkpoint.serving import Profile, RuntimeModule
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS
+from qstream.quant.select import matches
+from qstream.vllm import profiles as serving
+from qstream.vllm.profiles import Profile, RuntimeModule
 
 
 @dataclass

@@ -12,7 +12,7 @@ computes the same arithmetic for N blocks in one pass:
 * key chunks: a context longer than the budget allows for one row is attended ``key_chunk``
   keys at a time with an online softmax, so no temporary spans the context;
 * causal mode (:meth:`DSpark.attention_causal`) takes its queries in chunks for the same reason;
-  streamed over a long stream (:class:`qstream.model.causal.CausalStream`) it attends to its
+  streamed over a long stream (:class:`qstream.arch.dspark_mla.causal.CausalStream`) it attends to its
   MLA cache in key chunks.
 
 tests/test_model_forward.py checks ``draft`` against ``draft_one`` block by block, and
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qstream.model.flops import expand_flops, position_flops
+from qstream.arch.dspark_mla.flops import expand_flops, position_flops
 
 if TYPE_CHECKING:
-    from qstream.model.config import DSparkConfig
-    from qstream.model.dspark import ContextCache, DSpark, Layer
+    from qstream.arch.dspark_mla.config import DSparkConfig
+    from qstream.arch.dspark_mla.forward import ContextCache, DSpark, Layer
 
 # Budget of one score tensor (float32 elements): draft's [rows, n, M*B, keys] and causal mode's
 # [S, n, queries, T].  Contexts longer than the budget allows for one row are attended in key

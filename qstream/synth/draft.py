@@ -27,7 +27,7 @@ How the numbers are made (see docs/model.md):
 * The network path ``U = hf @ lm_head^T`` has a per-vocab spread of ``U_STD`` nats, so numerics
   that move hf move the drafted tokens (an all-Markov draft would make drift trivially zero).
 
-The corpus and the tokenizer are :mod:`qstream.model.corpus`'s; ``builtin_corpus`` and
+The corpus and the tokenizer are :mod:`qstream.synth.corpus`'s; ``builtin_corpus`` and
 ``read_corpus`` stay importable from here, where qstream.eval imports them.
 """
 
@@ -44,16 +44,16 @@ import torch
 from tokenizers import Tokenizer
 
 import qstream
+from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig, with_tokenizer
+from qstream.arch.dspark_mla.forward import LM_HEAD
+from qstream.arch.dspark_mla.load import TARGET_HEAD_DIR
+from qstream.arch.dspark_mla.tensors import tensor_shapes
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
-from qstream.model.bigram import U_STD, bigram_logprobs, calibrate_markov_scale, markov_tables
-from qstream.model.config import PRESETS, DSparkConfig, with_tokenizer
-from qstream.model.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
-from qstream.model.dspark import LM_HEAD
-from qstream.model.load import TARGET_HEAD_DIR
-from qstream.model.tensors import tensor_shapes
 from qstream.publish import SYNTH_RECORD, check_target, publishing
+from qstream.synth.bigram import U_STD, bigram_logprobs, calibrate_markov_scale, markov_tables
+from qstream.synth.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
 
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096}  # BPE sizes (tiny: = vocab_size)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
@@ -300,7 +300,7 @@ def synth_checkpoint(
     """Write a synthetic draft checkpoint of ``preset`` ("tiny", "small", "k3") to
     ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
     end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
-    default: :func:`~qstream.model.corpus.builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
+    default: :func:`~qstream.synth.corpus.builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
     tensors are written."""
     if preset not in PRESETS:
         raise QStreamError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")

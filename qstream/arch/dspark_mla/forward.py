@@ -13,8 +13,8 @@ computed in fp32 (as FlashAttention keeps QK^T in fp32) and rounded back to ``dt
 The file reads top to bottom: the building blocks, one decoder :class:`Layer`, the model with
 :meth:`DSpark.draft_one` (the forward of one block), then the Markov head.  :meth:`DSpark.draft`
 computes ``draft_one`` for many blocks at once; how it packs, batches and chunks them is
-:mod:`qstream.model.engine`'s business.  The tensor table and its strict check are in
-:mod:`qstream.model.config`.
+:mod:`qstream.arch.dspark_mla.engine`'s business.  The tensor table and its strict check are in
+:mod:`qstream.arch.dspark_mla.config`.
 
 MLA detail: the context's per-layer cache is the kv_lora latent (after kv_a_layernorm) and the
 rotated shared rope key, as an MLA KV cache holds them; ``kv_b_proj`` expands it to per-head keys
@@ -32,10 +32,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qstream.model import engine
-from qstream.model.config import DSparkConfig
-from qstream.model.tensors import check_tensors
-from qstream.model.weights import ComputeWeights, embedding, linear
+from qstream.arch.dspark_mla import engine
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.tensors import check_tensors
+from qstream.arch.dspark_mla.weights import ComputeWeights, embedding, linear
 
 LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
@@ -231,7 +231,7 @@ class Layer:
 class DSpark:
     """A DSpark draft computing in ``dtype``.  ``weights`` maps every name of
     :func:`tensor_shapes` plus ``lm_head.weight`` [V, H] to a tensor of any float dtype; each is
-    held once (:class:`~qstream.model.weights.ComputeWeights`: a bf16 weight of the fp32
+    held once (:class:`~qstream.arch.dspark_mla.weights.ComputeWeights`: a bf16 weight of the fp32
     reference stays bf16 and is upcast per use, lm_head in row chunks).  Nothing here is
     mutated after construction."""
 

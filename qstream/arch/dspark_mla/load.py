@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.forward import LM_HEAD, DSpark
+from qstream.arch.dspark_mla.tensors import check_tensors
 from qstream.checkpoint.files import INDEX_NAME, open_checkpoint, read_config, read_json
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import (
@@ -27,15 +30,12 @@ from qstream.checkpoint.safetensors_io import (
     drop_resident_pages,
     read_header,
 )
-from qstream.checkpoint.selection import select_modules, share_group_amax
-from qstream.checkpoint.serving import K3_DSPARK, get_profile
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize, quantize
 from qstream.formats.nvfp4 import tensor_amax
-from qstream.model.config import DSparkConfig
-from qstream.model.dspark import LM_HEAD, DSpark
-from qstream.model.tensors import check_tensors
+from qstream.quant.select import select_modules, share_group_amax
 from qstream.units import FLOAT_DTYPES
+from qstream.vllm.profiles import K3_DSPARK, get_profile
 
 # Where `qstream synth` puts the stand-in target: a checkpoint directory of its own (config.json,
 # model.safetensors.index.json, one shard) holding lm_head.weight [V, H].

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qstream.model import engine
+from qstream.arch.dspark_mla import engine
 
 if TYPE_CHECKING:
-    from qstream.model.dspark import DSpark
+    from qstream.arch.dspark_mla.forward import DSpark
 
 
 class CausalStream:

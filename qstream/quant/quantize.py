@@ -4,7 +4,7 @@ checkpoint in the compressed-tensors layout out (docs/quantize.md), with no mode
 The run is planned whole before anything is written: the checkpoint's headers and index are
 validated, the selection is resolved, every output shard's header is laid out, and (NVFP4) the
 amax pre-pass gives each fused group, or tensor too large for one piece, its global scale.
-Then :mod:`qstream.checkpoint.pipeline` streams the pieces (row ranges of one tensor) through a
+Then :mod:`qstream.quant.convert` streams the pieces (row ranges of one tensor) through a
 bounded thread pool, each written at its offset in a temporary directory that is renamed into
 place at the end.
 """
@@ -23,30 +23,30 @@ from typing import Any
 import torch
 
 import qstream
-from qstream.checkpoint.built_shapes import shape_problems
 from qstream.checkpoint.files import (
     CONFIG_NAME,
     Checkpoint,
     file_digests,
     open_checkpoint,
 )
-from qstream.checkpoint.output import json_text, plan_shards, write_checkpoint, write_text
-from qstream.checkpoint.pipeline import Progress, global_amaxes
 from qstream.checkpoint.safetensors_io import (
     ShardReader,
     planned_file_size,
 )
-from qstream.checkpoint.selection import Selection, select_modules, weight_modules
-from qstream.checkpoint.serving import (
+from qstream.errors import QStreamError
+from qstream.formats import get_format
+from qstream.publish import QUANTIZE_RECORD, check_target, publishing
+from qstream.quant.convert import Progress, global_amaxes
+from qstream.quant.select import Selection, select_modules, weight_modules
+from qstream.quant.write import json_text, plan_shards, write_checkpoint, write_text
+from qstream.vllm.profiles import (
     ignore_entries,
     layer_specific_warning,
     profile_for,
     target_layers_of,
     tp_build_problem,
 )
-from qstream.errors import QStreamError
-from qstream.formats import get_format
-from qstream.publish import QUANTIZE_RECORD, check_target, publishing
+from qstream.vllm.shapes import shape_problems
 
 # Written beside config.json: the command and summary that produced the checkpoint, which
 # `qstream card` quotes (the card never has to reconstruct the command).

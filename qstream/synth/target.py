@@ -25,20 +25,20 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 import qstream
+from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
+from qstream.arch.dspark_mla.load import EMBED, read_target_tensors
+from qstream.arch.dspark_mla.tensors import tensor_shapes
+from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
-from qstream.model.config import PRESETS, DSparkConfig
-from qstream.model.corpus import builtin_corpus, read_corpus
-from qstream.model.load import EMBED, read_target_tensors
-from qstream.model.synth import (
+from qstream.publish import SYNTH_RECORD, check_target, publishing
+from qstream.synth.corpus import builtin_corpus, read_corpus
+from qstream.synth.draft import (
     SynthSummary,
     _markov_head,
     _Plan,
     _small_tensors,
     _write_tensors,
 )
-from qstream.model.target import TargetShape, read_target_shape
-from qstream.model.tensors import tensor_shapes
-from qstream.publish import SYNTH_RECORD, check_target, publishing
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -12,10 +12,10 @@ import torch
 
 from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint
 from qstream.checkpoint.layout import quantization_config, stored_tensors
-from qstream.checkpoint.pipeline import Progress, write_tensors
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
-from qstream.checkpoint.selection import Selection
 from qstream.errors import QStreamError
+from qstream.quant.convert import Progress, write_tensors
+from qstream.quant.select import Selection
 
 
 def plan_shards(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from qstream.model.config import DSparkConfig
+from qstream.arch.dspark_mla.config import DSparkConfig
 
 
 def expand_flops(c: DSparkConfig) -> float:

@@ -1,4 +1,4 @@
-"""The streaming half of :func:`~qstream.checkpoint.quantize.quantize_checkpoint`: the input cut
+"""The streaming half of :func:`~qstream.quant.quantize.quantize_checkpoint`: the input cut
 into pieces (a row range of one tensor), a bounded thread pool over them, NVFP4's amax pre-pass,
 and the loop that reads, quantizes and writes every piece at its offset.
 
@@ -18,10 +18,10 @@ import torch
 
 from qstream.checkpoint.files import Checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader, ShardWriter, TensorInfo
-from qstream.checkpoint.selection import Selection, share_group_amax
 from qstream.errors import QStreamError
 from qstream.formats import Energy, quantize, snr_db
 from qstream.formats.nvfp4 import tensor_amax
+from qstream.quant.select import Selection, share_group_amax
 
 # Largest piece of a quantized weight: 4M elements is 8 MiB of bf16 input and 2-4 MiB of
 # output; the quantizers' float32 temporaries are per cache-sized chunk, not per piece.  Pieces

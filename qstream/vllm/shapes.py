@@ -3,7 +3,7 @@
 its input against (before writing anything) and ``verify`` its output.
 
 ``K3DSparkModel``: the shapes vLLM builds for a DSpark draft from its config.json, as the
-checkpoint must store them: the model's tensor table (:func:`qstream.model.tensors.tensor_shapes`,
+checkpoint must store them: the model's tensor table (:func:`qstream.arch.dspark_mla.tensors.tensor_shapes`,
 every projection, norm and head) with each quantized Linear weight replaced by the tensors its
 format stores (docs/formats.md).  vLLM sizes every parameter from config.json and copies each
 checkpoint tensor into it; a tensor of another shape fails its loader (or, for a width the
@@ -29,11 +29,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping
 
-from qstream.checkpoint import serving
-from qstream.checkpoint.serving import Profile
+from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla.tensors import shape_hint, tensor_shapes
 from qstream.formats import FORMATS
-from qstream.model.config import DSparkConfig
-from qstream.model.tensors import shape_hint, tensor_shapes
+from qstream.vllm import profiles as serving
+from qstream.vllm.profiles import Profile
 
 Shapes = Mapping[str, tuple[int, ...]]
 

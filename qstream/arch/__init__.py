@@ -1,0 +1,1 @@
+"""Draft architectures (docs/model.md): each in a folder of its own."""

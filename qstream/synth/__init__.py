@@ -1,0 +1,2 @@
+"""``qstream synth``: synthetic draft checkpoints and the text they are built from (docs/model.md,
+"Synthetic checkpoints")."""
