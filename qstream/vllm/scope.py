@@ -2,7 +2,7 @@
 it did not run (docs/guarantees.md).  verify prints the checks that did not run, and its
 ``--json`` holds them all, so that "OK" never hides a check that was skipped.
 
->>> checks_run("fp8", profile, report, deep=False, integrity=Integrity(skipped="no ..."))
+>>> checks_run("fp8", profile, 12, deep=False, integrity=Integrity(skipped="no ..."))
 {"config": {"ran": True, "detail": ...}, ..., "sha256": {"ran": False, "detail": "no ..."}}
 """
 
@@ -25,7 +25,7 @@ def _check(ran: bool, detail: str) -> dict:
     return {"ran": ran, "detail": detail}
 
 
-def sha256_check(integrity: Integrity) -> dict:
+def _sha256_check(integrity: Integrity) -> dict:
     if integrity.skipped is not None:
         return _check(
             False,
@@ -60,7 +60,7 @@ def checks_run(
         "tensors": _check(True, "stored dtypes and shapes of every quantized module, the index"),
         "vllm_rules": _check(True, rules),
         "fused_groups": _check(True, "all members or none quantized; NVFP4: one global scale"),
-        "sha256": sha256_check(integrity),
+        "sha256": _sha256_check(integrity),
         "scales": _check(True, SCALES[fmt]),
         "round_trip": _check(True, "every quantized weight dequantized to finite values")
         if deep

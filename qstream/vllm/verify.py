@@ -59,7 +59,7 @@ class VerifyReport:
     # vLLM's decision per runtime Linear layer: {"module", "shards", "scheme", "why"}
     runtime_modules: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what only some vLLM versions refuse
-    # every check, whether it ran, and what it found or why not (verify_scope.py)
+    # every check, whether it ran, and what it found or why not (scope.py)
     checks: dict[str, dict] = field(default_factory=dict)
     integrity: dict = field(default_factory=dict)  # the sha256 check (integrity.py)
 
