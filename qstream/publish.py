@@ -48,14 +48,19 @@ def check_target(output: Path, overwrite: bool, option: str) -> None:
         if not is_qstream_output(output):
             raise QStreamError(
                 f"{option} {output} is not a directory qstream wrote "
-                f"(no {' or '.join(RECORD_FILES)}; it holds {_listing(output)}); "
+                f"(no {' or '.join(RECORD_FILES)}; it holds {_holding(output)}); "
                 "refusing to replace it"
             )
+    check_parent(output, option, "parent directory")
+
+
+def check_parent(output: Path, option: str, what: str = "directory") -> None:
+    """Refuse ``output`` whose parent is missing or not a writable directory."""
     parent = output.parent
     if not parent.is_dir():
-        raise QStreamError(f"{option} {output}: parent directory {parent} does not exist")
+        raise QStreamError(f"{option} {output}: {what} {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise QStreamError(f"{option} {output}: parent directory {parent} is not writable")
+        raise QStreamError(f"{option} {output}: {what} {parent} is not writable")
 
 
 def _empty_dir(path: Path) -> bool:
@@ -70,15 +75,18 @@ def is_qstream_output(path: Path) -> bool:
     )
 
 
-def _listing(path: Path, limit: int = 4) -> str:
+def _holding(path: Path) -> str:
     if not path.is_dir():
         return "a file" if path.is_file() else "something that is not a directory"
-    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
-    if not names:
-        return "nothing (an empty directory)"
-    return ", ".join(names[:limit]) + (
-        f" and {len(names) - limit} more" if len(names) > limit else ""
-    )
+    return listing(path) or "nothing (an empty directory)"
+
+
+def listing(directory: Path, limit: int = 4) -> str:
+    """The first ``limit`` names in ``directory`` (a directory's with a slash), and how many
+    more; empty for an empty directory."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
 
 
 def remove_stale_partials(output: Path, notice: Callable[[str], None] | None = None) -> list[Path]:
@@ -110,7 +118,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _stderr_notice(message: str) -> None:
+def stderr_notice(message: str) -> None:
     print(f"Notice: {message}", file=sys.stderr)
 
 
@@ -130,7 +138,7 @@ def publishing(
     output: Path,
     overwrite: bool,
     option: str = "--output_dir",
-    notice: Callable[[str], None] | None = _stderr_notice,
+    notice: Callable[[str], None] | None = stderr_notice,
 ) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``output``; publish it as ``output`` when the
     block ends normally, remove it otherwise (also on SIGTERM and SIGHUP)."""

@@ -58,7 +58,7 @@ from qstream.errors import QStreamError
 from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import FLOOR, ROLLOUT_MODES, VARIANT_FORMATS
 
-DEFAULT_REGIME = "heavy"  # the pessimistic regime (massive activation channels), issue 6
+DEFAULT_REGIME = "heavy"  # the pessimistic regime (massive activation channels)
 FORMATS = ("md", "json", "html")
 
 
@@ -130,7 +130,7 @@ def build_card(
             )
         )
     sections += _drift_sections(rs, full_regime, figure)
-    sections += _issue7_sections(rs, figure)
+    sections += _study_sections(rs, figure)
     sections.append(Section("How it was evaluated", [evaluation_table(rs)]))
     title = f"{Path(str(rs.model.get('path'))).name}: quantized formats and their drift"
     return Card(title, sections, missing)
@@ -226,7 +226,7 @@ def foreign_note(rs: ResultsSet) -> list[str]:
     ]
 
 
-def _issue7_sections(rs: ResultsSet, figure) -> list[Section]:
+def _study_sections(rs: ResultsSet, figure) -> list[Section]:
     """Per-module sensitivity and the long-context sweep, for the regimes that measured them."""
     sections = []
     sens = [r for r in regime_order(rs) if "sensitivity" in rs.sections.get(r, {})]

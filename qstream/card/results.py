@@ -38,7 +38,7 @@ RUN_FIELDS = (
     "aux_dtype",
     "selection",
 )
-# Per-regime sections besides the variants, carried as measured (issue 7).
+# Per-regime sections besides the variants, carried as measured (docs/eval-drift.md).
 REGIME_SECTIONS = ("sensitivity", "context_sweep")
 
 

@@ -280,11 +280,3 @@ def per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
     if len(distinct) == 1:
         return distinct[0]
     return "; ".join(f"{regime}: {value}" for regime, value in values.items())
-
-
-# ---------------------------------------------------------------------------------------------
-# Issue 7 sections: per-module sensitivity and the long-context sweep (present when measured)
-
-
-# ---------------------------------------------------------------------------------------------
-# Acceptance (eval-drift --acceptance, --states; docs/acceptance.md)
