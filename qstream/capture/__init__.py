@@ -6,7 +6,8 @@
   the final norm;
 * :mod:`qstream.capture.streams` makes the token streams: the corpus as written, or the
   target's own samples (``--generate``);
-* :mod:`qstream.capture.layout` writes them, one file per stream, in qstream's layout or
-  vLLM's / speculators' (``--export vllm``), with ``capture.json`` for resuming;
+* :mod:`qstream.capture.layout` writes each batch's tapped states, one file per stream, in
+  qstream's layout or vLLM's / speculators' (``--export vllm``), with ``capture.json`` for
+  resuming;
 * :mod:`qstream.capture.run` puts these together, a batch of streams at a time.
 """

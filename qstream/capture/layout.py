@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from qstream.capture.hooks import LayerTap
 from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
-from qstream.eval.states.manifest import RECORD, STREAM_NAMES
+from qstream.eval.states.manifest import RECORD, STREAM_NAMES, stream_file
 from qstream.publish import write_atomic, write_text_atomic
 
 EXPORTS = ("qstream", "vllm")
@@ -46,7 +47,7 @@ CHECKED = (
 )
 
 
-def stream_tensors(
+def _stream_tensors(
     ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """qstream's single-stream layout (docs/states.md)."""
@@ -57,7 +58,7 @@ def stream_tensors(
     }
 
 
-def vllm_tensors(
+def _vllm_tensors(
     ids: torch.Tensor, layers: torch.Tensor, pre_norm: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """vLLM's / speculators' layout: ``hidden_states`` [T, L+1, H] = the aux layers, then the
@@ -68,7 +69,31 @@ def vllm_tensors(
     }
 
 
-def write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+def write_batch(
+    output: Path,
+    export: str,
+    streams: list[int],
+    rows: list[list[int]],
+    tap: LayerTap,
+    metadata: list[dict[str, str]],
+) -> None:
+    """Write stream ``streams[k]`` (token ids ``rows[k]``) from row k of the tapped batch, cut
+    to the row's length (the right padding's states discarded)."""
+    if export == "vllm":
+        layers, pre_norm = tap.layer_stack(), tap.pre_norm()  # [S, T, L, H], [S, T, H]
+    else:
+        aux, final = tap.aux(), tap.final()  # [S, T, L·H], [S, T, H]
+    for k, (index, row) in enumerate(zip(streams, rows)):
+        T = len(row)
+        ids = torch.tensor(row, dtype=torch.int64)
+        if export == "vllm":
+            tensors = _vllm_tensors(ids, layers[k, :T], pre_norm[k, :T])
+        else:
+            tensors = _stream_tensors(ids, aux[k, :T], final[k, :T])
+        _write_stream(output / stream_file(index, export), tensors, metadata[k])
+
+
+def _write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """One stream's file, whole or not at all."""
     write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 

@@ -23,6 +23,7 @@ from qstream.capture.layout import (
     present_files,
     record_streams,
     start_output,
+    write_batch,
 )
 from qstream.capture.streams import (
     CorpusDocs,
@@ -41,7 +42,6 @@ from qstream.capture.target import (
     layer_output_ids,
     load_target,
 )
-from qstream.capture.write import write_batch
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import stream_file
