@@ -208,15 +208,16 @@ def _reconstruct_command(
             f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
             "checkpoint) and not checked: no `--base` was given.",
         )
-    base_tensors = open_checkpoint(base.path).tensors
+    base_checkpoint = open_checkpoint(base.path)
+    profile = profile_for(base_checkpoint.config)
     for skip in (False, True):
         try:
             selection = select_modules(
-                base_tensors,
+                base_checkpoint.tensors,
                 fmt,
                 include=patterns,
                 skip_incompatible=skip,
-                profile=profile_for(open_checkpoint(base.path).config),
+                profile=profile,
             )
         except QStreamError:
             continue
@@ -274,7 +275,7 @@ def _kept_table(facts: CheckpointFacts) -> Table:
         entry[2] += params
         if entry[1] != shape:
             entry[1] = None
-    kept = Table(
+    return Table(
         f"{facts.path.name}: modules kept unquantized, and why",
         ["module kind", "count", "weight shape", "parameters", "why"],
         [
@@ -290,7 +291,6 @@ def _kept_table(facts: CheckpointFacts) -> Table:
         key=f"kept_{facts.path.name}",
         align="lrrrl",
     )
-    return kept
 
 
 def quantization_parts(facts: CheckpointFacts) -> list[Part]:
@@ -318,10 +318,9 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
         key=f"quantized_{facts.path.name}",
         align="ll",
     )
-    kept = _kept_table(facts)
     return [
         summary,
-        kept,
+        _kept_table(facts),
         f"The command that produced `{facts.path.name}`. {facts.command_origin}",
         Code(facts.command or ""),
         integrity_sentence(facts),
