@@ -1,4 +1,4 @@
-"""``qstream card``: the click layer over :func:`qstream.card.write_card`."""
+"""``qstream card``: the click layer over :func:`qstream.card.build.write_card`."""
 
 from __future__ import annotations
 
