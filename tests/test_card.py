@@ -15,12 +15,12 @@ import struct
 from pathlib import Path
 
 import pytest
+from card_helpers import tables
 from checkpoints import DSPARK_RECIPE, dspark_tensors, write_checkpoint
 from click.testing import CliRunner
 
 from qstream.card.build import write_card
 from qstream.card.checkpoints import PROVENANCE
-from qstream.card.document import tables
 from qstream.cli import cli
 from qstream.quant import quantize_checkpoint
 

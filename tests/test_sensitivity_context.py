@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from card_helpers import tables
 from click.testing import CliRunner
 from model_helpers import long_context_model, random_model_weights
 
@@ -14,7 +15,6 @@ from qstream.arch.dspark_mla.config import PRESETS
 from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.load import load_weights
 from qstream.card.build import write_card
-from qstream.card.document import tables
 from qstream.cli import cli
 from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.context_sweep import default_edges, long_streams

@@ -216,8 +216,3 @@ def card_json(card: Card) -> dict:
         "missing": card.missing,
         "sections": sections,
     }
-
-
-def tables(card: Card) -> dict[str, Table]:
-    """Every table of the card by key."""
-    return {p.key: p for s in card.sections for p in s.parts if isinstance(p, Table)}
