@@ -3,7 +3,7 @@ and decoding.  A code is ``sign << 3 | index`` with ``index`` into ``E2M1_GRID``
 of a row goes in the low nibble of byte j, element 2j+1 in the high nibble.
 
 Rounding is done with float32 bit arithmetic rather than by bucketing (see :func:`_codes32`);
-``tests/test_formats_spec.py`` checks it against the threshold definition of docs/formats.md around
+``tests/test_formats_spec.py`` checks it (one step at a time, ``tests/e2m1_codes.py``) against the threshold definition of docs/formats.md around
 every tie, and ``tests/test_formats_vs_compressed_tensors.py`` against compressed-tensors.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qstream.formats.checks import ChunkWorkspace, chunk_rows, row_chunks
-from qstream.formats.energy import SHORT, Energy
+from qstream.formats.snr import SHORT, Energy
 from qstream.formats.spec import E2M1_GRID, FP4_MAX
 
 # code -> value, including -0.0 for code 8 so that decoding keeps the sign bit
@@ -71,43 +71,13 @@ def _pack32(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return out.copy_(packed)
 
 
-def encode_packed(y: torch.Tensor) -> torch.Tensor:
-    """Already-scaled float values ``[..., K]`` -> packed E2M1 bytes ``[..., K/2]``."""
-    y = y.float()
-    return _pack32(_codes32(y.abs(), y))
-
-
-def round_to_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round already-scaled values to E2M1 codes (uint8, same shape): round half to even,
-    saturating at +-6, sign bit from ``signbit(y)``.  NaN must be rejected beforehand."""
-    y = y.float()
-    return _codes32(y.abs(), y).to(torch.uint8)
-
-
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """``[..., K]`` codes -> ``[..., K/2]`` bytes, element 2j in the low nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"cannot pack an odd number of 4-bit codes: shape {tuple(codes.shape)}")
-    return _pack32(codes.to(torch.int32))
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``[..., K/2]`` bytes -> ``[..., K]`` codes."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
-def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """E2M1 codes -> their values (exact in any float dtype)."""
-    return _DECODE.to(device=codes.device, dtype=dtype)[codes.long()]
-
-
 # byte -> (value of its low nibble, value of its high nibble): decoding packed bytes is one
 # gather of pairs, with no unpacked code tensor in between.
 _DECODE_PAIRS = torch.stack((_DECODE.repeat(16), _DECODE.repeat_interleave(16)), dim=-1)
 
 
 def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed bytes ``[..., K/2]`` -> values ``[..., K]`` (= ``decode(unpack(packed))``)."""
+    """Packed bytes ``[..., K/2]`` -> values ``[..., K]``."""
     table = _DECODE_PAIRS.to(device=packed.device, dtype=dtype)
     return torch.nn.functional.embedding(packed.long(), table).flatten(-2)
 

@@ -1,5 +1,5 @@
-"""Weight SNR sums accumulated inside the quantizers (docs/formats.md: ``10 log10(sum w^2 /
-sum (w - w_hat)^2)`` in float64).
+"""Weight SNR (docs/formats.md): ``10 log10(sum w^2 / sum (w - w_hat)^2)`` in float64, from two
+tensors (:func:`weight_snr_db`, :func:`snr_sums`) or accumulated inside the quantizers.
 
 A quantizer that is given an :class:`Energy` adds each chunk's ``sum w^2`` and
 ``sum (w - w_hat)^2`` while the chunk is still in cache, with ``w_hat`` computed exactly as
@@ -9,6 +9,7 @@ give, without that pass.  ``tests/test_formats_properties.py`` checks the two ag
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -21,14 +22,17 @@ F64_SLICE = 1 << 16
 # w - w_hat needs fewer than float32's 24 bits (and its square fewer than float64's 53).
 SHORT = (torch.bfloat16, torch.float16)
 
-# Scratch buffers are kept per thread, not per Energy: a checkpoint run makes one Energy per
-# piece, and fresh multi-MiB buffers each time cost more in page faults than the sums.
+# Scratch buffers are kept per thread, not per Energy or call: a checkpoint run makes one Energy
+# per piece, and fresh multi-MiB buffers each time cost more in page faults than the sums.
 _scratch = threading.local()
 
 
 def _buffer(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     buf = getattr(_scratch, name, None)
-    if buf is None or buf.numel() < n or buf.device.type != device.type:
+    moved = buf is not None and (
+        buf.device.type != device.type or device.index not in (None, buf.device.index)
+    )
+    if buf is None or buf.numel() < n or moved:
         buf = torch.empty(n, dtype=dtype, device=device)
         setattr(_scratch, name, buf)
     return buf[:n]
@@ -96,3 +100,35 @@ def row_square_sums(t: torch.Tensor) -> torch.Tensor:
     if not FLOAT32_SAFE[0] <= total <= FLOAT32_SAFE[1]:  # overflow, or squares that underflowed
         return torch.linalg.vecdot(t.double(), t.double()).sum()
     return total
+
+
+# snr_sums works through a tensor in float64 slices of this many elements.
+SNR_SLICE = 1 << 20
+
+
+def snr_sums(w: torch.Tensor, w_hat: torch.Tensor) -> tuple[float, float]:
+    """``(sum w^2, sum (w - w_hat)^2)`` in float64 (exact differences, float64 squares and
+    sums), for accumulating a weight's SNR over pieces."""
+    flat, flat_hat = w.reshape(-1), w_hat.reshape(-1)
+    signal = noise = 0.0
+    for start in range(0, flat.numel(), SNR_SLICE):
+        part = flat[start : start + SNR_SLICE]
+        x = _buffer("snr", part.numel(), torch.float64, w.device).copy_(part)
+        signal += torch.dot(x, x).item()
+        x.sub_(flat_hat[start : start + SNR_SLICE])
+        noise += torch.dot(x, x).item()
+    return signal, noise
+
+
+def snr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``; inf when the error is zero, -inf for a zero signal."""
+    if noise == 0.0:
+        return float("inf")
+    if signal == 0.0:
+        return float("-inf")
+    return 10.0 * math.log10(signal / noise)
+
+
+def weight_snr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """docs/formats.md: ``10 log10(sum w^2 / sum (w - w_hat)^2)``, accumulated in float64."""
+    return snr_db(*snr_sums(w, w_hat))
