@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qstream.formats.checks import ChunkWorkspace, chunk_rows, row_chunks
-from qstream.formats.snr import SHORT, Energy
+from qstream.formats.snr import Energy
 from qstream.formats.spec import E2M1_GRID, FP4_MAX
 
 # code -> value, including -0.0 for code 8 so that decoding keeps the sign bit
@@ -134,14 +134,5 @@ def encode_blocks(
         _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
         if energy is not None and grid is not None and hat is not None:
             grid.view(-1, k // block, block).mul_(step[rows])
-            _add_energy(energy, x, grid.copysign_(x), hat)
+            energy.add(x, grid.copysign_(x), hat)
     return out
-
-
-def _add_energy(energy: Energy, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor) -> None:
-    """A chunk's SNR sums from float32 ``x`` and float32 ``w_hat`` before its rounding to the
-    weight dtype (``hat``'s), which is where dequantize rounds."""
-    if hat.dtype in SHORT:
-        energy.add_exact(x, w_hat.copy_(hat.copy_(w_hat)).sub_(x))
-    else:
-        energy.add(x, w_hat)

@@ -17,7 +17,7 @@ from qstream.formats.checks import (
     row_chunks,
 )
 from qstream.formats.format import Format
-from qstream.formats.snr import SHORT, Energy
+from qstream.formats.snr import Energy
 from qstream.formats.spec import FP8_MAX
 
 
@@ -67,12 +67,7 @@ def _add_energy(
     by 11-bit product is exact in float32 and is then rounded once to the dtype."""
     x, _, scratch = work.take(rows)
     w_hat = decode_magnitudes(codes, scratch).mul_(s.float())
-    torch.abs(x.copy_(chunk), out=x)
-    if chunk.dtype in SHORT:
-        grid, hat = work.take_hat(rows)
-        energy.add_exact(x, grid.copy_(hat.copy_(w_hat)).sub_(x))
-    else:  # float32: the difference itself needs float64
-        energy.add(x, w_hat)
+    energy.add(torch.abs(x.copy_(chunk), out=x), w_hat, work.take_hat(rows)[1])
 
 
 _MAGNITUDE_BITS = 0x7F

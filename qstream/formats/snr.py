@@ -45,32 +45,24 @@ class Energy:
         self.device = torch.device(device)
         self._sums = torch.zeros(2, dtype=torch.float64, device=self.device)
 
-    def add(self, w: torch.Tensor, w_hat: torch.Tensor) -> None:
-        """Add one chunk: ``w`` the original values (in the weight dtype or a float32 copy) and
-        ``w_hat`` the dequantized ones in the weight dtype.  Squares and sums are float64, and
-        so are the differences unless they are exact in float32 (``SHORT`` dtypes)."""
-        n = w.numel()
-        if w_hat.dtype in SHORT:
-            error = _buffer("f32", n, torch.float32, self.device).view(w.shape)
-            torch.sub(w.float() if w.dtype != torch.float32 else w, error.copy_(w_hat), out=error)
-        else:
-            error = _buffer("f64", n, torch.float64, self.device).view(w.shape).copy_(w)
-            error.sub_(w_hat)
-        self._sums[0] += self._sum_squares(w.reshape(-1))
-        self._sums[1] += self._sum_squares(error.view(-1))
-
-    def add_exact(self, w: torch.Tensor, error: torch.Tensor) -> None:
-        """Add one chunk of rows given as float32 ``w`` (or ``|w|``) and ``error = w_hat - w``
-        (or ``|w_hat| - |w|``), the caller having made sure the error is exact in float32 (see
-        ``SHORT``).  Each row's squares are summed in float32 and the rows in float64
-        (:func:`row_square_sums`)."""
-        self._sums[0] += row_square_sums(w)
-        self._sums[1] += row_square_sums(error)
+    def add(self, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor) -> None:
+        """Add one chunk of rows: float32 ``x`` (``w``, or ``|w|``) and float32 ``w_hat`` (or
+        ``|w_hat|``) before dequantize rounds it to the weight dtype, which ``hat`` (a buffer of
+        the chunk's shape) has; ``w_hat`` is overwritten.  In a ``SHORT`` dtype the rounded
+        error is exact in float32 and each row's squares are summed in float32, the rows in
+        float64 (:func:`row_square_sums`); a float32 weight's error is taken in float64."""
+        if hat.dtype in SHORT:
+            self._sums[0] += row_square_sums(x)
+            self._sums[1] += row_square_sums(w_hat.copy_(hat.copy_(w_hat)).sub_(x))
+            return
+        error = _buffer("f64", x.numel(), torch.float64, self.device).view(x.shape)
+        error.copy_(x).sub_(w_hat)
+        self._sums[0] += self._sum_squares(x.reshape(-1))
+        self._sums[1] += torch.vdot(error.view(-1), error.view(-1))
 
     def _sum_squares(self, flat: torch.Tensor) -> torch.Tensor:
+        """float32 ``flat`` squared and summed in float64, slice by slice."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if flat.dtype == torch.float64:
-            return total.add_(torch.vdot(flat, flat))
         buf = _buffer("slice", min(F64_SLICE, flat.numel()), torch.float64, self.device)
         for start in range(0, flat.numel(), F64_SLICE):
             part = buf[: min(F64_SLICE, flat.numel() - start)].copy_(
