@@ -9,25 +9,33 @@ import torch
 from qstream.formats import e2m1
 
 
+def _codes32(y: torch.Tensor) -> torch.Tensor:
+    y = y.float()
+    return e2m1._codes32(y.abs(), y, torch.empty(y.shape, dtype=torch.int32))
+
+
+def _bytes(codes: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((*codes.shape[:-1], codes.shape[-1] // 2), dtype=torch.uint8)
+    return e2m1._pack32(codes, out)
+
+
 def round_to_codes(y: torch.Tensor) -> torch.Tensor:
     """Round already-scaled values to E2M1 codes (uint8, same shape): round half to even,
     saturating at +-6, sign bit from ``signbit(y)``.  NaN must be rejected beforehand."""
-    y = y.float()
-    return e2m1._codes32(y.abs(), y).to(torch.uint8)
+    return _codes32(y).to(torch.uint8)
 
 
 def encode_packed(y: torch.Tensor) -> torch.Tensor:
     """Already-scaled float values ``[..., K]`` -> packed E2M1 bytes ``[..., K/2]``, through
     the fused path the quantizers use."""
-    y = y.float()
-    return e2m1._pack32(e2m1._codes32(y.abs(), y))
+    return _bytes(_codes32(y))
 
 
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """``[..., K]`` codes -> ``[..., K/2]`` bytes, element 2j in the low nibble."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd number of 4-bit codes: shape {tuple(codes.shape)}")
-    return e2m1._pack32(codes.to(torch.int32))
+    return _bytes(codes.to(torch.int32))
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

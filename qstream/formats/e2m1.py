@@ -27,12 +27,12 @@ _MAGIC_SHIFT = 22 << 23  # 2**22 times the binade: its ulp is the E2M1 step of t
 def _codes32(
     magnitude: torch.Tensor,
     sign_source: torch.Tensor,
-    scratch: torch.Tensor | None = None,
+    scratch: torch.Tensor,
     grid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int32 codes from float32 ``|y|`` and a float32 tensor with y's signs.  ``magnitude`` is
     consumed: the codes are written over it (viewed as int32) and returned; ``scratch`` is an
-    optional int32 buffer of the same shape; ``grid``, if given, receives the rounded
+    int32 buffer of the same shape; ``grid``, if given, receives the rounded
     magnitudes (E2M1 values, float32).  Working in place matters: a fresh 1 MiB tensor per step
     costs more in page faults than the arithmetic does.
 
@@ -47,8 +47,6 @@ def _codes32(
     4. The sign bit comes from ``signbit`` of the input, so -0 and small negatives keep it.
     """
     a = magnitude.clamp_(max=FP4_MAX)
-    if scratch is None:
-        scratch = torch.empty(a.shape, dtype=torch.int32, device=a.device)
     magic = torch.bitwise_and(a.view(torch.int32), _EXPONENT_MASK, out=scratch)
     magic.clamp_(min=_ONE_BITS).add_(_MAGIC_SHIFT)
     a.add_(magic.view(torch.float32))
@@ -60,15 +58,12 @@ def _codes32(
     return codes.bitwise_or_(signs.bitwise_and_(8))
 
 
-def _pack32(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 codes ``[..., K]`` (consumed) -> bytes ``[..., K/2]``: an int64 word holds a pair,
-    element 2j in its low half (little endian)."""
+def _pack32(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """int32 codes ``[..., K]`` (consumed) -> bytes ``out [..., K/2]`` (uint8): an int64 word
+    holds a pair, element 2j in its low half (little endian)."""
     words = codes.contiguous().view(torch.int64)
     high = (words >> 28).bitwise_and_(0xF0)
-    packed = words.bitwise_and_(0x0F).bitwise_or_(high)
-    if out is None:
-        return packed.to(torch.uint8)
-    return out.copy_(packed)
+    return out.copy_(words.bitwise_and_(0x0F).bitwise_or_(high))
 
 
 # byte -> (value of its low nibble, value of its high nibble): decoding packed bytes is one
