@@ -19,7 +19,7 @@ from qstream.units import FLOAT_DTYPE_NAMES
 
 Stored = dict[str, torch.Tensor]  # stored tensors of one weight, by suffix ("weight_scale", ...)
 # (w, name, global_amax, energy) -> the stored tensors, in ``Format.stored`` order
-Encode = Callable[[torch.Tensor, str, "torch.Tensor | None", "Energy | None"], tuple]
+Encode = Callable[[torch.Tensor, str, torch.Tensor | None, Energy | None], tuple]
 Decode = Callable[[Stored, torch.dtype], torch.Tensor]  # (stored, dtype) -> weight
 BadScales = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, str]]
 
