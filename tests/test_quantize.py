@@ -24,12 +24,12 @@ from compressed_tensors.quantization import QuantizationConfig
 from ct_reference import ct_quantize
 from safetensors.torch import load_file, save_file
 
-import qstream.quant.convert as pipeline_module
-import qstream.quant.quantize as quantize_module
+import qstream.quant.convert as convert_module
 from qstream.cli import cli
 from qstream.commands.quantize import quantize as quantize_command
 from qstream.formats import FORMATS, dequantize, quantize
 from qstream.formats.nvfp4 import tensor_amax
+from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
 from qstream.quant.quantize import default_workers
 from qstream.quant.select import fused_groups
@@ -249,8 +249,8 @@ def test_row_pieces_and_workers_give_the_same_bytes(tmp_path, fmt, monkeypatch):
     src = write_checkpoint(tmp_path / "in", llama_tensors(layers=1))
     quantize_checkpoint(src, tmp_path / "whole", fmt)
     # pieces of 5 rows (and copies of 3 KiB), out of order across 3 threads
-    monkeypatch.setattr(pipeline_module, "PIECE_ELEMENTS", 5 * 96)
-    monkeypatch.setattr(pipeline_module, "COPY_BYTES", 3 << 10)
+    monkeypatch.setattr(convert_module, "PIECE_ELEMENTS", 5 * 96)
+    monkeypatch.setattr(convert_module, "COPY_BYTES", 3 << 10)
     quantize_checkpoint(src, tmp_path / "pieces", fmt, workers=3)
     assert (tmp_path / "whole" / "model.safetensors").read_bytes() == (
         tmp_path / "pieces" / "model.safetensors"
@@ -283,7 +283,7 @@ def test_no_snr_writes_the_same_weights_and_records_the_worker_count(tmp_path, f
     assert (tmp_path / "snr" / "model.safetensors").read_bytes() == (
         tmp_path / "plain" / "model.safetensors"
     ).read_bytes()
-    provenance = json.loads((tmp_path / "plain" / quantize_module.PROVENANCE_NAME).read_text())
+    provenance = json.loads((tmp_path / "plain" / QUANTIZE_RECORD).read_text())
     assert provenance["command"].endswith("--no-snr") and "workers" not in provenance["summary"]
 
 
@@ -292,7 +292,7 @@ def test_snr_matches_the_formats_weight_snr(tmp_path, monkeypatch):
 
     tensors = llama_tensors(layers=1)
     src = write_checkpoint(tmp_path / "in", tensors)
-    monkeypatch.setattr(pipeline_module, "PIECE_ELEMENTS", 7 * 64)
+    monkeypatch.setattr(convert_module, "PIECE_ELEMENTS", 7 * 64)
     summary = quantize_checkpoint(src, tmp_path / "out", "mxfp4")
     for module, snr in summary.weight_snr_db.items():
         w = tensors[module + ".weight"]

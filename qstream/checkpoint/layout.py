@@ -14,10 +14,8 @@ from __future__ import annotations
 
 from importlib import metadata
 
-import torch
-
-from qstream.checkpoint.safetensors_io import DTYPE_NAMES, PlannedTensor, TensorInfo
-from qstream.formats import FORMATS, get_format, quantize
+from qstream.checkpoint.safetensors_io import PlannedTensor, TensorInfo
+from qstream.formats import FORMATS, Format
 
 # The compressed-tensors release qstream's formats are tested against; written as the config's
 # "version" when compressed-tensors itself is not installed.
@@ -32,9 +30,8 @@ def compressed_tensors_version() -> str:
         return TESTED_COMPRESSED_TENSORS
 
 
-def quantization_config(fmt: str, ignore: list[str]) -> dict:
-    """The ``quantization_config`` block for a weight-only ``fmt`` checkpoint."""
-    spec = get_format(fmt)
+def quantization_config(spec: Format, ignore: list[str]) -> dict:
+    """The ``quantization_config`` block for a weight-only checkpoint in format ``spec``."""
     return {
         "quant_method": "compressed-tensors",
         "format": spec.layout,
@@ -61,22 +58,10 @@ def format_of_layout(layout: str) -> str | None:
     return next((f for f, spec in FORMATS.items() if spec.layout == layout), None)
 
 
-_STORED_CACHE: dict[tuple[str, int, str], list[tuple[str, str, int | None]]] = {}
-
-
-def stored_tensors(fmt: str, module: str, weight: TensorInfo) -> list[PlannedTensor]:
-    """Names, dtypes and shapes of what ``module`` stores once quantized, as the format functions
-    produce them (found by quantizing a two-row zero weight of the same K and dtype)."""
-    n, k = weight.shape
-    key = (fmt, k, weight.dtype)
-    if key not in _STORED_CACHE:
-        probe = quantize(fmt, torch.zeros((2, k), dtype=weight.torch_dtype))
-        _STORED_CACHE[key] = [
-            # row-wise tensors have 2 rows here; a per-tensor one (NVFP4's global scale) has 1
-            (suffix, DTYPE_NAMES[t.dtype], t.shape[1] if t.ndim == 2 and t.shape[0] == 2 else None)
-            for suffix, t in probe.items()
-        ]
+def stored_tensors(spec: Format, module: str, weight: TensorInfo) -> list[PlannedTensor]:
+    """Names, dtypes and shapes of what ``module`` stores once quantized to ``spec``."""
+    shapes = spec.stored_shapes(*weight.shape)
     return [
-        PlannedTensor(f"{module}.{suffix}", dtype, (n, width) if width is not None else (1,))
-        for suffix, dtype, width in _STORED_CACHE[key]
+        PlannedTensor(f"{module}.{suffix}", dtype or weight.dtype, shapes[suffix])
+        for suffix, dtype in spec.stored_dtypes.items()
     ]

@@ -14,7 +14,7 @@ from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
-from qstream.formats import FORMATS, dequantize
+from qstream.formats import Format, get_format
 from qstream.units import FLOAT_DTYPE_NAMES
 
 # Statistics of a huge tensor use an evenly strided sample of at most this many rows, so a
@@ -51,29 +51,25 @@ def _spread(rms: torch.Tensor) -> float:
 def checkpoint_stats(directory: str | Path) -> list[dict]:
     """``weight_stats`` of every weight of a checkpoint, in checkpoint order, each row with
     ``name``, ``shape``, ``sampled_rows`` (rows used; see MAX_ROWS) and ``non_finite`` (NaN
-    and Inf elements, counted over the whole tensor; statistics are null when it is not 0).  A quantized module is
-    one row for its dequantized ``.weight`` (``"dequantized": true``), never rows for its scale
-    tensors: the statistics describe the weights, whatever their storage."""
+    and Inf elements, counted over the whole tensor; statistics are null when it is not 0).  A
+    quantized module is one row for its dequantized ``.weight`` (``"dequantized": true``), never
+    rows for its scale tensors: the statistics describe the weights, whatever their storage."""
     checkpoint = open_checkpoint(directory)
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    fmt = _format(checkpoint.config)
-    stored = set(FORMATS[fmt].stored) if fmt else set()
+    spec = _format(checkpoint.config)
+    stored = set(spec.stored) - {"weight"} if spec else set()
     quantized = {
-        n.rpartition(".")[0]
-        for n in checkpoint.tensor_shard
-        if fmt and n.rpartition(".")[2] in stored - {"weight"}
+        n.rpartition(".")[0] for n in checkpoint.tensor_shard if n.rpartition(".")[2] in stored
     }
     rows = []
     for name, shard in checkpoint.tensor_shard.items():
         module, _, suffix = name.rpartition(".")
         if module in quantized:
-            assert fmt is not None  # modules are quantized only under a known format
-            if suffix == next(iter(FORMATS[fmt].stored)):  # one row per module
-                parts = {
-                    s: _read(checkpoint, readers, f"{module}.{s}") for s in FORMATS[fmt].stored
-                }
+            assert spec is not None  # modules are quantized only under a known format
+            if suffix == spec.stored[0]:  # one row per module
+                parts = {s: _read(checkpoint, readers, f"{module}.{s}") for s in spec.stored}
                 rows.append(
-                    _row(f"{module}.weight", dequantize(fmt, parts).float(), dequantized=True)
+                    _row(f"{module}.weight", spec.dequantize(parts).float(), dequantized=True)
                 )
             continue
         info = checkpoint.info(name)
@@ -84,10 +80,11 @@ def checkpoint_stats(directory: str | Path) -> list[dict]:
     return rows
 
 
-def _format(config: dict) -> str | None:
+def _format(config: dict) -> Format | None:
     qc = config.get("quantization_config")
     layout = qc.get("format") if isinstance(qc, dict) else None
-    return format_of_layout(layout) if isinstance(layout, str) else None
+    fmt = format_of_layout(layout) if isinstance(layout, str) else None
+    return None if fmt is None else get_format(fmt)
 
 
 def _read(checkpoint, readers, name: str) -> torch.Tensor:

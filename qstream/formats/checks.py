@@ -73,7 +73,7 @@ def chunk_rows(n_rows: int, row_elements: int) -> int:
 
 
 def row_chunks(n_rows: int, row_elements: int) -> Iterator[slice]:
-    step = max(1, CHUNK_ELEMENTS // max(1, row_elements))
+    step = chunk_rows(n_rows, row_elements)
     for start in range(0, n_rows, step):
         yield slice(start, min(start + step, n_rows))
 

@@ -3,7 +3,7 @@ and decoding.  A code is ``sign << 3 | index`` with ``index`` into ``E2M1_GRID``
 of a row goes in the low nibble of byte j, element 2j+1 in the high nibble.
 
 Rounding is done with float32 bit arithmetic rather than by bucketing (see :func:`_codes32`);
-``tests/test_formats_spec.py`` checks it against the threshold definition of docs/formats.md around
+``tests/test_formats_spec.py`` checks it (one step at a time, ``tests/e2m1_codes.py``) against the threshold definition of docs/formats.md around
 every tie, and ``tests/test_formats_vs_compressed_tensors.py`` against compressed-tensors.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qstream.formats.checks import ChunkWorkspace, chunk_rows, row_chunks
-from qstream.formats.energy import SHORT, Energy
+from qstream.formats.snr import Energy
 from qstream.formats.spec import E2M1_GRID, FP4_MAX
 
 # code -> value, including -0.0 for code 8 so that decoding keeps the sign bit
@@ -27,12 +27,12 @@ _MAGIC_SHIFT = 22 << 23  # 2**22 times the binade: its ulp is the E2M1 step of t
 def _codes32(
     magnitude: torch.Tensor,
     sign_source: torch.Tensor,
-    scratch: torch.Tensor | None = None,
+    scratch: torch.Tensor,
     grid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """int32 codes from float32 ``|y|`` and a float32 tensor with y's signs.  ``magnitude`` is
     consumed: the codes are written over it (viewed as int32) and returned; ``scratch`` is an
-    optional int32 buffer of the same shape; ``grid``, if given, receives the rounded
+    int32 buffer of the same shape; ``grid``, if given, receives the rounded
     magnitudes (E2M1 values, float32).  Working in place matters: a fresh 1 MiB tensor per step
     costs more in page faults than the arithmetic does.
 
@@ -47,8 +47,6 @@ def _codes32(
     4. The sign bit comes from ``signbit`` of the input, so -0 and small negatives keep it.
     """
     a = magnitude.clamp_(max=FP4_MAX)
-    if scratch is None:
-        scratch = torch.empty(a.shape, dtype=torch.int32, device=a.device)
     magic = torch.bitwise_and(a.view(torch.int32), _EXPONENT_MASK, out=scratch)
     magic.clamp_(min=_ONE_BITS).add_(_MAGIC_SHIFT)
     a.add_(magic.view(torch.float32))
@@ -60,45 +58,12 @@ def _codes32(
     return codes.bitwise_or_(signs.bitwise_and_(8))
 
 
-def _pack32(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 codes ``[..., K]`` (consumed) -> bytes ``[..., K/2]``: an int64 word holds a pair,
-    element 2j in its low half (little endian)."""
+def _pack32(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """int32 codes ``[..., K]`` (consumed) -> bytes ``out [..., K/2]`` (uint8): an int64 word
+    holds a pair, element 2j in its low half (little endian)."""
     words = codes.contiguous().view(torch.int64)
     high = (words >> 28).bitwise_and_(0xF0)
-    packed = words.bitwise_and_(0x0F).bitwise_or_(high)
-    if out is None:
-        return packed.to(torch.uint8)
-    return out.copy_(packed)
-
-
-def encode_packed(y: torch.Tensor) -> torch.Tensor:
-    """Already-scaled float values ``[..., K]`` -> packed E2M1 bytes ``[..., K/2]``."""
-    y = y.float()
-    return _pack32(_codes32(y.abs(), y))
-
-
-def round_to_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round already-scaled values to E2M1 codes (uint8, same shape): round half to even,
-    saturating at +-6, sign bit from ``signbit(y)``.  NaN must be rejected beforehand."""
-    y = y.float()
-    return _codes32(y.abs(), y).to(torch.uint8)
-
-
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """``[..., K]`` codes -> ``[..., K/2]`` bytes, element 2j in the low nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"cannot pack an odd number of 4-bit codes: shape {tuple(codes.shape)}")
-    return _pack32(codes.to(torch.int32))
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``[..., K/2]`` bytes -> ``[..., K]`` codes."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
-def decode(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """E2M1 codes -> their values (exact in any float dtype)."""
-    return _DECODE.to(device=codes.device, dtype=dtype)[codes.long()]
+    return out.copy_(words.bitwise_and_(0x0F).bitwise_or_(high))
 
 
 # byte -> (value of its low nibble, value of its high nibble): decoding packed bytes is one
@@ -107,7 +72,7 @@ _DECODE_PAIRS = torch.stack((_DECODE.repeat(16), _DECODE.repeat_interleave(16)),
 
 
 def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed bytes ``[..., K/2]`` -> values ``[..., K]`` (= ``decode(unpack(packed))``)."""
+    """Packed bytes ``[..., K/2]`` -> values ``[..., K]``."""
     table = _DECODE_PAIRS.to(device=packed.device, dtype=dtype)
     return torch.nn.functional.embedding(packed.long(), table).flatten(-2)
 
@@ -164,14 +129,5 @@ def encode_blocks(
         _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
         if energy is not None and grid is not None and hat is not None:
             grid.view(-1, k // block, block).mul_(step[rows])
-            _add_energy(energy, x, grid.copysign_(x), hat)
+            energy.add(x, grid.copysign_(x), hat)
     return out
-
-
-def _add_energy(energy: Energy, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor) -> None:
-    """A chunk's SNR sums from float32 ``x`` and float32 ``w_hat`` before its rounding to the
-    weight dtype (``hat``'s), which is where dequantize rounds."""
-    if hat.dtype in SHORT:
-        energy.add_exact(x, w_hat.copy_(hat.copy_(w_hat)).sub_(x))
-    else:
-        energy.add(x, w_hat)

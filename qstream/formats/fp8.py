@@ -16,7 +16,8 @@ from qstream.formats.checks import (
     chunk_rows,
     row_chunks,
 )
-from qstream.formats.energy import SHORT, Energy
+from qstream.formats.format import Format
+from qstream.formats.snr import Energy
 from qstream.formats.spec import FP8_MAX
 
 
@@ -66,12 +67,7 @@ def _add_energy(
     by 11-bit product is exact in float32 and is then rounded once to the dtype."""
     x, _, scratch = work.take(rows)
     w_hat = decode_magnitudes(codes, scratch).mul_(s.float())
-    torch.abs(x.copy_(chunk), out=x)
-    if chunk.dtype in SHORT:
-        grid, hat = work.take_hat(rows)
-        energy.add_exact(x, grid.copy_(hat.copy_(w_hat)).sub_(x))
-    else:  # float32: the difference itself needs float64
-        energy.add(x, w_hat)
+    energy.add(torch.abs(x.copy_(chunk), out=x), w_hat, work.take_hat(rows)[1])
 
 
 _MAGNITUDE_BITS = 0x7F
@@ -120,3 +116,18 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         values.mul_((scale[rows] if scale.shape[0] == n else scale).float())
         out[rows] = values.masked_fill_(nan, float("nan"))
     return out
+
+
+FP8 = Format(
+    name="fp8",
+    block_size=0,
+    bits_per_weight=8.0,
+    scale_type="weight dtype, per row",
+    layout="naive-quantized",
+    weights_args=dict(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False),
+    stored_dtypes={"weight": "F8_E4M3", "weight_scale": None},
+    codes_per_byte=1,
+    scales_checked="weight scales finite and positive",
+    encode=lambda w, name, global_amax, energy: quantize(w, name, energy),
+    decode=lambda stored, dtype: dequantize(stored["weight"], stored["weight_scale"]),
+)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from qstream.formats import e2m1
 from qstream.formats.checks import all_block_abs_max, check_weight
-from qstream.formats.energy import Energy
+from qstream.formats.e2m1 import dequantize_blocks, encode_blocks
+from qstream.formats.format import Format
+from qstream.formats.snr import Energy
 from qstream.formats.spec import MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -74,10 +75,34 @@ def quantize(
     # that overflowed the dtype, e.g. an fp16 block near 65504)
     step = decode_scale(stored_scale, w.dtype).float().unsqueeze(-1)
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    e2m1.encode_blocks(w, step, MXFP4_BLOCK, packed, energy, inverse=inverse, step=step)
+    encode_blocks(w, step, MXFP4_BLOCK, packed, energy, inverse=inverse, step=step)
     return packed, stored_scale
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
     """``E2M1 * 2**(e8m0 - 127)`` in ``dtype`` (bf16 by default, as compressed-tensors returns)."""
-    return e2m1.dequantize_blocks(packed, decode_scale(scale, dtype), MXFP4_BLOCK, dtype, dtype)
+    return dequantize_blocks(packed, decode_scale(scale, dtype), MXFP4_BLOCK, dtype, dtype)
+
+
+MXFP4 = Format(
+    name="mxfp4",
+    block_size=MXFP4_BLOCK,
+    bits_per_weight=4 + 8 / MXFP4_BLOCK,
+    scale_type="E8M0 per block",
+    layout="mxfp4-pack-quantized",
+    weights_args=dict(
+        num_bits=4,
+        type="float",
+        strategy="group",
+        group_size=MXFP4_BLOCK,
+        symmetric=True,
+        dynamic=False,
+        scale_dtype="torch.uint8",
+    ),
+    stored_dtypes={"weight_packed": "U8", "weight_scale": "U8"},
+    codes_per_byte=2,
+    scales_checked="no E8M0 scale 0xFF (NaN)",
+    encode=lambda w, name, global_amax, energy: quantize(w, name, energy),
+    decode=lambda stored, dtype: dequantize(stored["weight_packed"], stored["weight_scale"], dtype),
+    bad_scales=lambda value: (value, value == 0xFF, "E8M0 0xFF (NaN)"),  # NaN in OCP MX
+)

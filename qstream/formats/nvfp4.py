@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from qstream.formats import e2m1
 from qstream.formats.checks import abs_max, all_block_abs_max, check_finite, check_weight
-from qstream.formats.energy import Energy
+from qstream.formats.e2m1 import dequantize_blocks, encode_blocks
+from qstream.formats.format import Format, Stored
+from qstream.formats.snr import Energy
 from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
 
 
@@ -66,7 +67,7 @@ def quantize(
     # float32 as compressed-tensors divides; also dequantize's step (fp8 -> any dtype is exact)
     divisor = (scales.float() / gs).unsqueeze(-1)  # [N, G, 1]
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    e2m1.encode_blocks(w, divisor, NVFP4_BLOCK, packed, energy)
+    encode_blocks(w, divisor, NVFP4_BLOCK, packed, energy)
     return packed, scales, gs
 
 
@@ -79,4 +80,33 @@ def dequantize(
     """``E2M1 * (weight_scale / weight_global_scale)`` in float32, rounded to ``dtype`` (bf16 by
     default), as compressed-tensors decompresses."""
     step = scale.to(dtype).float() / global_scale.float()  # [N, G]
-    return e2m1.dequantize_blocks(packed, step, NVFP4_BLOCK, dtype)
+    return dequantize_blocks(packed, step, NVFP4_BLOCK, dtype)
+
+
+def _decode(stored: Stored, dtype: torch.dtype) -> torch.Tensor:
+    packed, scale = stored["weight_packed"], stored["weight_scale"]
+    return dequantize(packed, scale, stored["weight_global_scale"], dtype)
+
+
+NVFP4 = Format(
+    name="nvfp4",
+    block_size=NVFP4_BLOCK,
+    bits_per_weight=4 + 8 / NVFP4_BLOCK,
+    scale_type="E4M3 per block + FP32",
+    layout="nvfp4-pack-quantized",
+    weights_args=dict(
+        num_bits=4,
+        type="float",
+        strategy="tensor_group",
+        group_size=NVFP4_BLOCK,
+        symmetric=True,
+        dynamic=False,
+        scale_dtype="torch.float8_e4m3fn",
+    ),
+    stored_dtypes={"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
+    codes_per_byte=2,
+    scales_checked="block and global scales finite and positive",
+    encode=quantize,
+    decode=_decode,
+    global_scale="weight_global_scale",
+)

@@ -1,5 +1,6 @@
-"""Quantizing a checkpoint (docs/quantize.md): which modules (``select``), each tensor converted
-(``convert``), the output's files (``write``), and the whole run (``quantize``).
+"""Quantizing a checkpoint (docs/quantize.md): the whole run (``quantize``) picks the modules
+(``select``) and lays out the output (``plan``), then hands that plan down to the output's files
+(``write``) and the streamed tensors (``convert``).
 
 >>> from qstream.quant import quantize_checkpoint
 >>> summary = quantize_checkpoint("draft", "draft-fp8", "fp8", include=["mlp.gate_proj"])

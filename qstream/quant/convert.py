@@ -1,6 +1,7 @@
 """The streaming half of :func:`~qstream.quant.quantize.quantize_checkpoint`: the input cut
-into pieces (a row range of one tensor), a bounded thread pool over them, NVFP4's amax pre-pass,
-and the loop that reads, quantizes and writes every piece at its offset.
+into pieces (a row range of one tensor), a bounded thread pool over them, the amax pre-pass of
+a format with a global scale (NVFP4), and the loop that reads, quantizes and writes every piece
+at its offset.
 
 Memory is bounded by the pieces in flight (``2 * workers``), never by a tensor, a shard or the
 model: each piece is read from a memory map, whose pages are released once it is done.
@@ -16,12 +17,12 @@ from typing import TypeVar
 
 import torch
 
-from qstream.checkpoint.files import Checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader, ShardWriter, TensorInfo
 from qstream.errors import QStreamError
-from qstream.formats import Energy, quantize, snr_db
+from qstream.formats import Energy, snr_db
 from qstream.formats.nvfp4 import tensor_amax
-from qstream.quant.select import Selection, share_group_amax
+from qstream.quant.plan import Plan, Progress, Streaming
+from qstream.quant.select import share_group_amax
 
 # Largest piece of a quantized weight: 4M elements is 8 MiB of bf16 input and 2-4 MiB of
 # output; the quantizers' float32 temporaries are per cache-sized chunk, not per piece.  Pieces
@@ -30,8 +31,6 @@ PIECE_ELEMENTS = 1 << 22
 # Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
 # until released).
 COPY_BYTES = 8 << 20
-
-Progress = Callable[[int, int, int, int], None]  # bytes done, bytes total, tensors done, total
 
 R = TypeVar("R")  # what a piece's work returns
 
@@ -61,12 +60,10 @@ def row_pieces(shard: str, info: TensorInfo, module: str | None) -> Iterator[Pie
         yield Piece(shard, info.name, rows, module, (rows.stop - rows.start) * info.row_bytes)
 
 
-def pieces(
-    checkpoint: Checkpoint, selection: Selection, modules: set[str] | None = None
-) -> Iterator[Piece]:
+def pieces(plan: Plan, modules: set[str] | None = None) -> Iterator[Piece]:
     """Every tensor's pieces in file order, or only those of the quantized ``modules``."""
-    quantized = set(selection.quantized)
-    for shard, header in checkpoint.shards.items():
+    quantized = set(plan.selection.quantized)
+    for shard, header in plan.checkpoint.shards.items():
         for name, info in header.tensors.items():
             module = name[: -len(".weight")] if name.endswith(".weight") else None
             module = module if module in quantized else None
@@ -104,25 +101,28 @@ def run_bounded(
             raise
 
 
-def needs_shared_amax(checkpoint: Checkpoint, selection: Selection) -> set[str]:
-    """NVFP4 weights whose global scale cannot come from the piece being quantized: members of
-    a fused group (one scale for the group, docs/quantize.md) and weights split into
-    several pieces.  Every other weight is one piece and takes its own amax in the kernel."""
-    grouped = {m for group in selection.fused_groups for m in group.members}
+def needs_shared_amax(plan: Plan) -> set[str]:
+    """Weights whose global scale cannot come from the piece being quantized: members of a
+    fused group (one scale for the group, docs/quantize.md) and weights split into several
+    pieces.  Every other weight is one piece and takes its own amax in the kernel."""
+    grouped = {m for group in plan.selection.fused_groups for m in group.members}
     split = {
         m
-        for m in selection.quantized
-        if len(list(row_pieces("", checkpoint.info(f"{m}.weight"), m))) > 1
+        for m in plan.selection.quantized
+        if len(list(row_pieces("", plan.checkpoint.info(f"{m}.weight"), m))) > 1
     }
     return grouped | split
 
 
 def global_amaxes(
-    checkpoint: Checkpoint, readers: dict[str, ShardReader], selection: Selection, workers: int
+    plan: Plan, readers: dict[str, ShardReader], workers: int
 ) -> dict[str, torch.Tensor]:
-    """NVFP4's pre-pass over :func:`needs_shared_amax`'s weights: each one's amax, then the max
-    over each fused group, so that a group shares one global scale even across shards.  A NaN
-    or Inf weight there is refused before anything is written."""
+    """The pre-pass of a format with a global scale (none otherwise) over
+    :func:`needs_shared_amax`'s weights: each one's amax, then the max over each fused group,
+    so that a group shares one global scale even across shards.  A NaN or Inf weight there is
+    refused before anything is written."""
+    if plan.format.global_scale is None:
+        return {}
     amax: dict[str, torch.Tensor] = {}
 
     def work(piece: Piece) -> torch.Tensor:
@@ -138,10 +138,10 @@ def global_amaxes(
         previous = amax.get(piece.module)
         amax[piece.module] = value if previous is None else torch.maximum(previous, value)
 
-    modules = needs_shared_amax(checkpoint, selection)
+    modules = needs_shared_amax(plan)
     if modules:
-        run_bounded(pieces(checkpoint, selection, modules), work, workers, done)
-    return share_group_amax(amax, selection.fused_groups)
+        run_bounded(pieces(plan, modules), work, workers, done)
+    return share_group_amax(amax, plan.selection.fused_groups)
 
 
 @dataclass
@@ -163,20 +163,16 @@ class _Tally:
 
 
 def write_tensors(
-    checkpoint: Checkpoint,
+    plan: Plan,
     readers: dict[str, ShardReader],
     writers: dict[str, ShardWriter],
-    selection: Selection,
-    fmt: str,
     amaxes: dict[str, torch.Tensor],
-    device: torch.device,
-    workers: int,
-    snr: bool,
-    progress: Progress | None,
+    run: Streaming,
 ) -> dict[str, float]:
     """Every piece read, quantized or copied, and written; returns each quantized module's
-    weight SNR in dB (empty without ``snr``)."""
-    sums = {m: [0.0, 0.0] for m in selection.quantized}
+    weight SNR in dB (empty without ``run.snr``)."""
+    checkpoint, quantized = plan.checkpoint, plan.selection.quantized
+    sums = {m: [0.0, 0.0] for m in quantized}
     tally = _Tally(
         sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
         len(checkpoint.tensor_shard),
@@ -189,8 +185,12 @@ def write_tensors(
     def work(piece: Piece):
         if piece.module is None:
             return None
-        amax = amaxes.get(piece.module)
-        return _quantize_piece(readers[piece.shard], piece, fmt, amax, device, snr)
+        energy = Energy(run.device) if run.snr else None
+        reader = readers[piece.shard]
+        w = reader.tensor(piece.name, piece.rows).to(run.device)
+        stored = plan.format.quantize(w, piece.name, amaxes.get(piece.module), energy)
+        reader.release(piece.name, piece.rows)
+        return stored, None if energy is None else energy.sums()
 
     def done(piece: Piece, result) -> None:
         writer = writers[piece.shard]
@@ -198,54 +198,35 @@ def write_tensors(
             _copy_piece(readers[piece.shard], writer, piece)
         else:
             stored, energy = result
-            _write_stored(writer, piece, stored)
+            _write_stored(writer, piece, stored, plan.format.global_scale)
             if energy is not None and piece.module is not None:
                 sums[piece.module][0] += energy[0]
                 sums[piece.module][1] += energy[1]
-        tally.count(piece, checkpoint.info(piece.name).shape[0], progress)
+        tally.count(piece, checkpoint.info(piece.name).shape[0], run.progress)
 
     # Reading (page-table population), copying and writing happen on this thread in
     # prepare / done, the quantizing on the workers: with one worker the two overlap.
-    run_bounded(pieces(checkpoint, selection), work, workers, done, prepare)
-    return {m: snr_db(*sums[m]) for m in selection.quantized} if snr else {}
+    run_bounded(pieces(plan), work, run.workers, done, prepare)
+    return {m: snr_db(*sums[m]) for m in quantized} if run.snr else {}
 
 
 def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
     info = reader.header.tensors[piece.name]
-    if piece.rows is None:
-        begin, end, row = 0, info.nbytes, 0
-    else:
-        begin, end, row = (
-            piece.rows.start * info.row_bytes,
-            piece.rows.stop * info.row_bytes,
-            piece.rows.start,
-        )
-    writer.write(piece.name, reader.raw(piece.name, begin, end), row)
+    rows = piece.rows or slice(0, 1)  # a whole 0-d / empty tensor: its bytes from 0
+    begin = rows.start * info.row_bytes
+    end = info.nbytes if piece.rows is None else rows.stop * info.row_bytes
+    writer.write(piece.name, reader.raw(piece.name, begin, end), rows.start)
     reader.release(piece.name, piece.rows)
 
 
-def _quantize_piece(
-    reader: ShardReader,
-    piece: Piece,
-    fmt: str,
-    amax: torch.Tensor | None,
-    device: torch.device,
-    snr: bool,
-) -> tuple[dict[str, torch.Tensor], tuple[float, float] | None]:
-    """One piece's stored tensors, and its SNR sums while the piece is in cache."""
-    energy = Energy(device) if snr else None
-    w = reader.tensor(piece.name, piece.rows).to(device)
-    stored = quantize(fmt, w, name=piece.name, global_amax=amax, energy=energy)
-    reader.release(piece.name, piece.rows)
-    return stored, None if energy is None else energy.sums()
-
-
-def _write_stored(writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor]) -> None:
-    """Each stored tensor's rows of one quantized piece, at their offsets."""
+def _write_stored(
+    writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor], once: str | None
+) -> None:
+    """Each stored tensor's rows of one quantized piece, at their offsets; the per-tensor
+    scale ``once`` is written with the first rows only."""
     assert piece.rows is not None  # quantized weights are 2-D, cut into row ranges
     for suffix, tensor in stored.items():
-        if suffix == "weight_global_scale":
-            if piece.rows.start == 0:
-                writer.write(f"{piece.module}.{suffix}", tensor)
-        else:
+        if suffix != once:
             writer.write(f"{piece.module}.{suffix}", tensor, piece.rows.start)
+        elif piece.rows.start == 0:
+            writer.write(f"{piece.module}.{suffix}", tensor)

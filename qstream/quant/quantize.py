@@ -2,11 +2,12 @@
 checkpoint in the compressed-tensors layout out (docs/quantize.md), with no model class.
 
 The run is planned whole before anything is written: the checkpoint's headers and index are
-validated, the selection is resolved, every output shard's header is laid out, and (NVFP4) the
-amax pre-pass gives each fused group, or tensor too large for one piece, its global scale.
-Then :mod:`qstream.quant.convert` streams the pieces (row ranges of one tensor) through a
-bounded thread pool, each written at its offset in a temporary directory that is renamed into
-place at the end.
+validated, the selection is resolved and every output shard's header is laid out (a
+:class:`~qstream.quant.plan.Plan`).  The plan goes down to :mod:`qstream.quant.write`, which
+runs the global-amax pre-pass of a format that has one (NVFP4: each fused group, or tensor too
+large for one piece, gets its global scale) and then writes the output's files, the tensors
+streamed by :mod:`qstream.quant.convert` in pieces (row ranges of one tensor) through a bounded
+thread pool, each at its offset in a temporary directory renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -16,29 +17,21 @@ import shlex
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import qstream
-from qstream.checkpoint.files import (
-    CONFIG_NAME,
-    Checkpoint,
-    file_digests,
-    open_checkpoint,
-)
-from qstream.checkpoint.safetensors_io import (
-    ShardReader,
-    planned_file_size,
-)
+from qstream.checkpoint.files import CONFIG_NAME, Checkpoint, open_checkpoint
 from qstream.errors import QStreamError
 from qstream.formats import get_format
-from qstream.publish import QUANTIZE_RECORD, check_target, publishing
-from qstream.quant.convert import Progress, global_amaxes
+from qstream.publish import check_target
+from qstream.quant.plan import Plan, Progress, Streaming, make_plan
 from qstream.quant.select import Selection, select_modules, weight_modules
-from qstream.quant.write import json_text, plan_shards, write_checkpoint, write_text
+from qstream.quant.write import write_checkpoint
 from qstream.vllm.profiles import (
     ignore_entries,
     layer_specific_warning,
@@ -47,10 +40,6 @@ from qstream.vllm.profiles import (
     tp_build_problem,
 )
 from qstream.vllm.shapes import shape_problems
-
-# Written beside config.json: the command and summary that produced the checkpoint, which
-# `qstream card` quotes (the card never has to reconstruct the command).
-PROVENANCE_NAME = QUANTIZE_RECORD
 
 
 @dataclass(frozen=True)
@@ -122,31 +111,39 @@ def quantize_checkpoint(
     written nothing, for any problem with the input, the options or the disk.
     """
     started = time.perf_counter()
-    get_format(fmt)
+    spec = get_format(fmt)
     workers = default_workers() if workers is None else workers
     model_path, output_path = _check_paths(model_dir, output_dir, overwrite)
-    torch_device = _check_device(device, workers)
+    run = Streaming(_check_device(device, workers), workers, snr, progress)
     checkpoint = _check_against_config(_refuse_quantized(open_checkpoint(model_path)))
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
-    plans = plan_shards(checkpoint, selection, fmt)
+    plan = make_plan(checkpoint, selection, spec, entries)
     summary = _plan_summary(
-        checkpoint, selection, plans, entries, warnings, dry_run=dry_run, quant_format=fmt,
-        model_dir=str(model_path), output_dir=str(output_path), workers=workers,
-        tensor_parallel_size=tensor_parallel_size,
+        plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
+        output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
     )  # fmt: skip
     if dry_run:
         return summary
     command = _equivalent_command(
         model_dir, output_dir, fmt, include, ignore, skip_incompatible, snr, tensor_parallel_size
     )
+    record = partial(_record, summary, command)
     with _one_intra_op_thread():
-        args = (checkpoint, selection, plans, summary, output_path, overwrite, command)
-        snr_db = _write_output(*args, torch_device, snr, progress)
-    return QuantizeSummary(
-        **{**asdict(summary), "weight_snr_db": snr_db, "seconds": time.perf_counter() - started}
-    )
+        snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
+    return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
+
+
+def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:
+    """The head of the run's record, which the card quotes; run-dependent fields (time, worker
+    count) are left out so that the same input and command give the same output bytes."""
+    recorded = replace(summary, weight_snr_db=snr_db).to_json()
+    return {
+        "qstream_version": qstream.__version__,
+        "command": command,
+        "summary": {k: v for k, v in recorded.items() if k not in ("seconds", "workers")},
+    }
 
 
 @contextmanager
@@ -161,16 +158,10 @@ def _one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _plan_summary(
-    checkpoint: Checkpoint,
-    selection: Selection,
-    plans: dict,
-    ignore: list[str],
-    warnings: list[str],
-    **settings: Any,
-) -> QuantizeSummary:
+def _plan_summary(plan: Plan, warnings: list[str], **settings: Any) -> QuantizeSummary:
     """What the run will do, before any byte is written; ``settings`` are the run's paths, format
     and options as QuantizeSummary fields."""
+    checkpoint, selection = plan.checkpoint, plan.selection
     return QuantizeSummary(
         params_total=sum(i.numel for i in checkpoint.tensors.values()),
         params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
@@ -178,65 +169,12 @@ def _plan_summary(
         modules_ignored=list(selection.ignored),
         modules_skipped=dict(selection.skipped),
         bytes_before=checkpoint.size_bytes,
-        bytes_after=sum(
-            planned_file_size(t, checkpoint.shards[s].metadata) for s, t in plans.items()
-        ),
+        bytes_after=plan.size_bytes,
         serving_profile=selection.profile.name,
-        ignore=ignore,
+        ignore=plan.ignore,
         warnings=warnings,
         **settings,
     )
-
-
-def _write_output(
-    checkpoint,
-    selection,
-    plans,
-    summary: QuantizeSummary,
-    output_path: Path,
-    overwrite: bool,
-    command: str,
-    device: torch.device,
-    snr: bool,
-    progress: Progress | None,
-) -> dict[str, float]:
-    """The NVFP4 pre-pass, then everything written into a temporary directory beside
-    ``output_path`` that is renamed into place; returns the weight SNR per module."""
-    fmt, workers = summary.quant_format, summary.workers
-    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    amaxes = global_amaxes(checkpoint, readers, selection, workers) if fmt == "nvfp4" else {}
-    with publishing(output_path, overwrite) as tmp:
-        snr_db, shard_digests = write_checkpoint(
-            checkpoint,
-            readers,
-            selection,
-            plans,
-            fmt,
-            amaxes,
-            summary.ignore,
-            tmp,
-            device,
-            workers,
-            snr,
-            progress,
-        )
-        # what the card quotes; run-dependent fields (time, worker count) are left out so that
-        # the same input and command give the same output bytes
-        recorded = QuantizeSummary(**{**asdict(summary), "weight_snr_db": snr_db}).to_json()
-        write_text(
-            tmp / PROVENANCE_NAME,
-            json_text(
-                {
-                    "qstream_version": qstream.__version__,
-                    "command": command,
-                    "summary": {
-                        k: v for k, v in recorded.items() if k not in ("seconds", "workers")
-                    },
-                    "files": file_digests(tmp, known=shard_digests),
-                }
-            ),
-        )
-    return snr_db
 
 
 def default_workers() -> int:

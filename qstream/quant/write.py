@@ -1,69 +1,59 @@
-"""The files of a quantized checkpoint besides the streamed tensors' bytes: the output shards'
-layout, config.json with its quantization_config, the copied tokenizer and other files, and the
-index (docs/quantize.md, "What is written")."""
+"""The output directory of a quantize run (docs/quantize.md, "What is written"): config.json with
+its quantization_config, the copied tokenizer and other files, the streamed shards
+(:mod:`qstream.quant.convert`), the index and the run's record, all written into a temporary
+directory that is renamed into place (docs/guarantees.md)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint
-from qstream.checkpoint.layout import quantization_config, stored_tensors
-from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
+from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint, file_digests
+from qstream.checkpoint.layout import quantization_config
+from qstream.checkpoint.safetensors_io import ShardReader, ShardWriter
 from qstream.errors import QStreamError
-from qstream.quant.convert import Progress, write_tensors
-from qstream.quant.select import Selection
-
-
-def plan_shards(
-    checkpoint: Checkpoint, selection: Selection, fmt: str
-) -> dict[str, list[PlannedTensor]]:
-    """Output tensors per shard: the input's, in order, each quantized weight replaced in place
-    by what its format stores."""
-    quantized = set(selection.quantized)
-    plans = {}
-    for shard, header in checkpoint.shards.items():
-        planned = []
-        for name, info in header.tensors.items():
-            module = name[: -len(".weight")] if name.endswith(".weight") else None
-            if module in quantized:
-                planned += stored_tensors(fmt, module, info)
-            else:
-                planned.append(PlannedTensor(name, info.dtype, info.shape))
-        plans[shard] = planned
-    return plans
+from qstream.publish import QUANTIZE_RECORD, publishing
+from qstream.quant.convert import global_amaxes, write_tensors
+from qstream.quant.plan import Plan, Streaming
 
 
 def write_checkpoint(
-    checkpoint,
-    readers,
-    selection,
-    plans,
-    fmt,
-    amaxes,
-    ignore,
-    tmp: Path,
-    device: torch.device,
-    workers: int,
-    snr: bool,
-    progress: Progress | None,
+    plan: Plan,
+    output_path: Path,
+    *,
+    overwrite: bool,
+    run: Streaming,
+    record: Callable[[dict[str, float]], dict],
+) -> dict[str, float]:
+    """The global-amax pre-pass (before anything is written), then every file of the output;
+    returns the weight SNR per quantized module.  ``record(snr_db)`` gives the head of the
+    run's record (QUANTIZE_RECORD), to which the sha256 of every file is added."""
+    readers = {name: ShardReader(h) for name, h in plan.checkpoint.shards.items()}
+    amaxes = global_amaxes(plan, readers, run.workers)
+    with publishing(output_path, overwrite) as tmp:
+        _copy_other_files(plan.checkpoint, tmp)
+        config = dict(plan.checkpoint.config)
+        config["quantization_config"] = quantization_config(plan.format, list(plan.ignore))
+        write_text(tmp / CONFIG_NAME, json_text(config))
+        snr_db, digests = _write_shards(plan, readers, amaxes, tmp, run)
+        files = file_digests(tmp, known=digests)
+        write_text(tmp / QUANTIZE_RECORD, json_text({**record(snr_db), "files": files}))
+    return snr_db
+
+
+def _write_shards(
+    plan: Plan, readers, amaxes, tmp: Path, run: Streaming
 ) -> tuple[dict[str, float], dict[str, str]]:
-    """config.json, the other files, every shard and the index, in ``tmp``; returns the
-    weight SNR per quantized module and each shard's sha256, hashed as it was written."""
-    _copy_other_files(checkpoint, tmp)
-    config = dict(checkpoint.config)
-    config["quantization_config"] = quantization_config(fmt, list(ignore))
-    write_text(tmp / CONFIG_NAME, json_text(config))
+    """Every shard and the index; returns the weight SNR per module and each shard's sha256,
+    hashed as it was written."""
     writers = {
-        s: ShardWriter(tmp / s, plans[s], checkpoint.shards[s].metadata, digest=True) for s in plans
+        s: ShardWriter(tmp / s, tensors, plan.checkpoint.shards[s].metadata, digest=True)
+        for s, tensors in plan.shards.items()
     }
     try:
-        snr_db = write_tensors(
-            checkpoint, readers, writers, selection, fmt, amaxes, device, workers, snr, progress
-        )
+        snr_db = write_tensors(plan, readers, writers, amaxes, run)
     except BaseException:
         for writer in writers.values():
             writer.abort()
@@ -73,7 +63,7 @@ def write_checkpoint(
         digest = writer.close()
         assert digest is not None  # made with digest=True
         digests[shard] = digest
-    _write_index(checkpoint, writers, tmp)
+    _write_index(plan.checkpoint, writers, tmp)
     return snr_db, digests
 
 

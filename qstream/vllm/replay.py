@@ -113,7 +113,7 @@ def _logical_shape(
     checkpoint: Checkpoint, fmt: str, module: str, stored_quantized: bool
 ) -> tuple[int, ...]:
     """[N, K] of ``module``'s weight as vLLM sizes its layer (FP4 packs two values a byte)."""
-    if stored_quantized and fmt != "fp8":
+    if stored_quantized and FORMATS[fmt].codes_per_byte > 1:
         name = f"{module}.weight_packed"
         if name not in checkpoint.tensor_shard:
             return ()

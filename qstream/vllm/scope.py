@@ -9,14 +9,10 @@ it did not run (docs/guarantees.md).  verify prints the checks that did not run,
 from __future__ import annotations
 
 from qstream.checkpoint.integrity import Integrity
+from qstream.formats import get_format
 from qstream.publish import QUANTIZE_RECORD
 from qstream.vllm.profiles import Profile
 
-SCALES = {
-    "fp8": "weight scales finite and positive",
-    "mxfp4": "no E8M0 scale 0xFF (NaN)",
-    "nvfp4": "block and global scales finite and positive",
-}
 CHECKS = ("config", "tensors", "vllm_rules", "fused_groups", "sha256", "scales", "round_trip")
 VLLM_LOADER = "vllm_loader"  # run by ``verify --vllm`` (qstream/commands/verify.py)
 
@@ -61,7 +57,7 @@ def checks_run(
         "vllm_rules": _check(True, rules),
         "fused_groups": _check(True, "all members or none quantized; NVFP4: one global scale"),
         "sha256": _sha256_check(integrity),
-        "scales": _check(True, SCALES[fmt]),
+        "scales": _check(True, get_format(fmt).scales_checked),
         "round_trip": _check(True, "every quantized weight dequantized to finite values")
         if deep
         else _check(False, "--deep not given"),

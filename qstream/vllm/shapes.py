@@ -53,15 +53,7 @@ def stored_shapes(fmt: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
     FP8 ``weight [N, K]``, ``weight_scale [N, 1]``; the 4-bit formats ``weight_packed
     [N, K/2]`` (two E2M1 codes a byte), ``weight_scale [N, K/block]``, NVFP4 also
     ``weight_global_scale [1]``."""
-    if fmt == "fp8":
-        return {"weight": (n, k), "weight_scale": (n, 1)}
-    shapes: dict[str, tuple[int, ...]] = {
-        "weight_packed": (n, k // 2),
-        "weight_scale": (n, k // FORMATS[fmt].block_size),
-    }
-    if fmt == "nvfp4":
-        shapes["weight_global_scale"] = (1,)
-    return shapes
+    return FORMATS[fmt].stored_shapes(n, k)
 
 
 def expected_shapes(

@@ -26,24 +26,13 @@ from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
 from qstream.quant.select import fused_groups
-from qstream.units import FLOAT_DTYPE_NAMES
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, profile_for
 from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.vllm.scope import checks_run
-from qstream.vllm.shapes import shape_problems, stored_shapes
+from qstream.vllm.shapes import shape_problems
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
-# The safetensors dtype(s) of each tensor a format stores (docs/formats.md).
-STORED_DTYPES: dict[str, dict[str, tuple[str, ...]]] = {
-    "fp8": {"weight": ("F8_E4M3",), "weight_scale": FLOAT_DTYPE_NAMES},
-    "mxfp4": {"weight_packed": ("U8",), "weight_scale": ("U8",)},
-    "nvfp4": {
-        "weight_packed": ("U8",),
-        "weight_scale": ("F8_E4M3",),
-        "weight_global_scale": ("F32",),
-    },
-}
 
 
 @dataclass
@@ -176,7 +165,7 @@ def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
         module, _, suffix = name.rpartition(".")
         if suffix == "weight" or suffix in stored:
             holders[module] = None
-        if suffix == stored[0] and (fmt != "fp8" or info.dtype == "F8_E4M3"):
+        if FORMATS[fmt].marks_quantized(suffix, info.dtype):
             quantized.add(module)
     return quantized, list(holders)
 
@@ -226,10 +215,10 @@ def checkpoint_modules(checkpoint: Checkpoint) -> list[str]:
 
 def _expected(fmt: str, infos) -> dict[str, tuple[tuple[str, ...], list[int]]]:
     """The dtype(s) and shape each stored tensor must have, from the first one's shape."""
-    n, width = infos[FORMATS[fmt].stored[0]].shape
-    k = width if fmt == "fp8" else 2 * width  # two E2M1 codes a byte
-    dtypes = STORED_DTYPES[fmt]
-    return {s: (dtypes[s], list(shape)) for s, shape in stored_shapes(fmt, n, k).items()}
+    spec = FORMATS[fmt]
+    n, width = infos[spec.stored[0]].shape
+    k = width * spec.codes_per_byte
+    return {s: (spec.accepted_dtypes(s), list(v)) for s, v in spec.stored_shapes(n, k).items()}
 
 
 def _check_fused(
@@ -245,8 +234,9 @@ def _check_fused(
                 f"(all or none: {group.rule})"
             )
             continue
-        if inside and fmt == "nvfp4":
-            names = [f"{m}.weight_global_scale" for m in group.members]
+        shared = FORMATS[fmt].global_scale
+        if inside and shared:
+            names = [f"{m}.{shared}" for m in group.members]
             if not all(n in checkpoint.tensor_shard for n in names):
                 continue
             readers: dict[str, ShardReader] = {}
@@ -277,17 +267,13 @@ def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     finite and positive (quantize never writes zero: a zero scale becomes the dtype's eps or
     0.125), NVFP4 global scales finite and positive, no E8M0 scale 0xFF (NaN in OCP MX)."""
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
-    suffixes = ("weight_scale", "weight_global_scale") if fmt == "nvfp4" else ("weight_scale",)
+    spec = FORMATS[fmt]
     for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
-        for suffix in suffixes:
+        for suffix in spec.scales:
             name = f"{module}.{suffix}"
             shard = checkpoint.tensor_shard[name]
             value = readers[shard].tensor(name)
-            if fmt == "mxfp4":
-                bad, what = value == 0xFF, "E8M0 0xFF (NaN)"
-            else:
-                value = value.float()
-                bad, what = ~(torch.isfinite(value) & (value > 0)), "non-finite or not positive"
+            value, bad, what = spec.bad_scales(value)
             if bool(bad.any()):
                 first = value[bad][0].item()
                 report.problems.append(

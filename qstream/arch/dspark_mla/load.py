@@ -117,7 +117,10 @@ def _dequantize_all(
     for name, tensor in raw.items():
         module, _, suffix = name.rpartition(".")
         if suffix in stored_suffixes or (
-            suffix == "weight" and f"{module}.weight_scale" in raw and fmt == "fp8"
+            suffix == "weight"
+            and f"{module}.weight_scale" in raw
+            and fmt is not None
+            and "weight" in FORMATS[fmt].stored
         ):
             modules.setdefault(module, {})[suffix] = tensor
         elif suffix in ("weight_packed", "weight_scale", "weight_global_scale"):
@@ -265,7 +268,7 @@ def simulate_format(
         profile=get_profile(K3_DSPARK),
     )
     amax: dict[str, torch.Tensor] = {}
-    if fmt == "nvfp4":
+    if FORMATS[fmt].global_scale:
         amax = share_group_amax(
             {m: tensor_amax(draft[f"{m}.weight"]) for m in selection.quantized},
             selection.fused_groups,

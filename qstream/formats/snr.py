@@ -1,5 +1,5 @@
-"""Weight SNR sums accumulated inside the quantizers (docs/formats.md: ``10 log10(sum w^2 /
-sum (w - w_hat)^2)`` in float64).
+"""Weight SNR (docs/formats.md): ``10 log10(sum w^2 / sum (w - w_hat)^2)`` in float64, from two
+tensors (:func:`weight_snr_db`, :func:`snr_sums`) or accumulated inside the quantizers.
 
 A quantizer that is given an :class:`Energy` adds each chunk's ``sum w^2`` and
 ``sum (w - w_hat)^2`` while the chunk is still in cache, with ``w_hat`` computed exactly as
@@ -9,6 +9,7 @@ give, without that pass.  ``tests/test_formats_properties.py`` checks the two ag
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -21,14 +22,17 @@ F64_SLICE = 1 << 16
 # w - w_hat needs fewer than float32's 24 bits (and its square fewer than float64's 53).
 SHORT = (torch.bfloat16, torch.float16)
 
-# Scratch buffers are kept per thread, not per Energy: a checkpoint run makes one Energy per
-# piece, and fresh multi-MiB buffers each time cost more in page faults than the sums.
+# Scratch buffers are kept per thread, not per Energy or call: a checkpoint run makes one Energy
+# per piece, and fresh multi-MiB buffers each time cost more in page faults than the sums.
 _scratch = threading.local()
 
 
 def _buffer(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     buf = getattr(_scratch, name, None)
-    if buf is None or buf.numel() < n or buf.device.type != device.type:
+    moved = buf is not None and (
+        buf.device.type != device.type or device.index not in (None, buf.device.index)
+    )
+    if buf is None or buf.numel() < n or moved:
         buf = torch.empty(n, dtype=dtype, device=device)
         setattr(_scratch, name, buf)
     return buf[:n]
@@ -41,32 +45,24 @@ class Energy:
         self.device = torch.device(device)
         self._sums = torch.zeros(2, dtype=torch.float64, device=self.device)
 
-    def add(self, w: torch.Tensor, w_hat: torch.Tensor) -> None:
-        """Add one chunk: ``w`` the original values (in the weight dtype or a float32 copy) and
-        ``w_hat`` the dequantized ones in the weight dtype.  Squares and sums are float64, and
-        so are the differences unless they are exact in float32 (``SHORT`` dtypes)."""
-        n = w.numel()
-        if w_hat.dtype in SHORT:
-            error = _buffer("f32", n, torch.float32, self.device).view(w.shape)
-            torch.sub(w.float() if w.dtype != torch.float32 else w, error.copy_(w_hat), out=error)
-        else:
-            error = _buffer("f64", n, torch.float64, self.device).view(w.shape).copy_(w)
-            error.sub_(w_hat)
-        self._sums[0] += self._sum_squares(w.reshape(-1))
-        self._sums[1] += self._sum_squares(error.view(-1))
-
-    def add_exact(self, w: torch.Tensor, error: torch.Tensor) -> None:
-        """Add one chunk of rows given as float32 ``w`` (or ``|w|``) and ``error = w_hat - w``
-        (or ``|w_hat| - |w|``), the caller having made sure the error is exact in float32 (see
-        ``SHORT``).  Each row's squares are summed in float32 and the rows in float64
-        (:func:`row_square_sums`)."""
-        self._sums[0] += row_square_sums(w)
-        self._sums[1] += row_square_sums(error)
+    def add(self, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor) -> None:
+        """Add one chunk of rows: float32 ``x`` (``w``, or ``|w|``) and float32 ``w_hat`` (or
+        ``|w_hat|``) before dequantize rounds it to the weight dtype, which ``hat`` (a buffer of
+        the chunk's shape) has; ``w_hat`` is overwritten.  In a ``SHORT`` dtype the rounded
+        error is exact in float32 and each row's squares are summed in float32, the rows in
+        float64 (:func:`row_square_sums`); a float32 weight's error is taken in float64."""
+        if hat.dtype in SHORT:
+            self._sums[0] += row_square_sums(x)
+            self._sums[1] += row_square_sums(w_hat.copy_(hat.copy_(w_hat)).sub_(x))
+            return
+        error = _buffer("f64", x.numel(), torch.float64, self.device).view(x.shape)
+        error.copy_(x).sub_(w_hat)
+        self._sums[0] += self._sum_squares(x.reshape(-1))
+        self._sums[1] += torch.vdot(error.view(-1), error.view(-1))
 
     def _sum_squares(self, flat: torch.Tensor) -> torch.Tensor:
+        """float32 ``flat`` squared and summed in float64, slice by slice."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if flat.dtype == torch.float64:
-            return total.add_(torch.vdot(flat, flat))
         buf = _buffer("slice", min(F64_SLICE, flat.numel()), torch.float64, self.device)
         for start in range(0, flat.numel(), F64_SLICE):
             part = buf[: min(F64_SLICE, flat.numel() - start)].copy_(
@@ -96,3 +92,35 @@ def row_square_sums(t: torch.Tensor) -> torch.Tensor:
     if not FLOAT32_SAFE[0] <= total <= FLOAT32_SAFE[1]:  # overflow, or squares that underflowed
         return torch.linalg.vecdot(t.double(), t.double()).sum()
     return total
+
+
+# snr_sums works through a tensor in float64 slices of this many elements.
+SNR_SLICE = 1 << 20
+
+
+def snr_sums(w: torch.Tensor, w_hat: torch.Tensor) -> tuple[float, float]:
+    """``(sum w^2, sum (w - w_hat)^2)`` in float64 (exact differences, float64 squares and
+    sums), for accumulating a weight's SNR over pieces."""
+    flat, flat_hat = w.reshape(-1), w_hat.reshape(-1)
+    signal = noise = 0.0
+    for start in range(0, flat.numel(), SNR_SLICE):
+        part = flat[start : start + SNR_SLICE]
+        x = _buffer("snr", part.numel(), torch.float64, w.device).copy_(part)
+        signal += torch.dot(x, x).item()
+        x.sub_(flat_hat[start : start + SNR_SLICE])
+        noise += torch.dot(x, x).item()
+    return signal, noise
+
+
+def snr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``; inf when the error is zero, -inf for a zero signal."""
+    if noise == 0.0:
+        return float("inf")
+    if signal == 0.0:
+        return float("-inf")
+    return 10.0 * math.log10(signal / noise)
+
+
+def weight_snr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """docs/formats.md: ``10 log10(sum w^2 / sum (w - w_hat)^2)``, accumulated in float64."""
+    return snr_db(*snr_sums(w, w_hat))
