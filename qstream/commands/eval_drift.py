@@ -266,7 +266,13 @@ def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
 def _settings(o: dict[str, Any]) -> DriftSettings:
     """The parsed options as the library's settings."""
     from qstream.eval.run import parse_variants, resolve_regimes
-    from qstream.eval.settings import DriftSettings
+    from qstream.eval.settings import (
+        AdaptiveBudget,
+        DriftSettings,
+        Sampling,
+        Scratch,
+        Verification,
+    )
 
     return DriftSettings(
         regimes=resolve_regimes(o["regime"], o["states"]),
@@ -278,13 +284,10 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         ignore=tuple(o["ignore_layers"]),
         n_blocks=o["blocks"],
         seed=o["seed"],
-        temperature=o["temperature"],
-        top_p=o["top_p"],
-        top_k=o["top_k"],
-        draft_top_p=o["draft_top_p"],
-        acceptance=o["acceptance"],
-        adaptive_requests=o["adaptive_requests"],
-        adaptive_budget=o["adaptive_budget"],
+        sampling=Sampling(o["temperature"], o["top_p"], o["top_k"], o["draft_top_p"]),
+        verification=Verification(
+            o["acceptance"], AdaptiveBudget(o["adaptive_requests"], o["adaptive_budget"])
+        ),
         states=o["states"],
         states_format=o["states_format"],
         states_layer_convention=o["states_layer_convention"],
@@ -294,5 +297,5 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         tolerance=o["tolerance"],
         context_blocks=o["context_blocks"],
         device=o["device"],
-        scratch_dir=o["scratch_dir"],
+        scratch=Scratch(o["scratch_dir"]),
     )

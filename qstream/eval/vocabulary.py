@@ -191,9 +191,9 @@ METRICS = {
     "acceptance.target.sampled_*": "qstream.eval.acceptance.stream_weights",
     "acceptance.target.greedy_draft_*": "qstream.eval.acceptance.greedy_draft_stream_weights",
     "acceptance.*.greedy": "qstream.eval.acceptance.greedy_accepts",
-    "acceptance.*.*_adaptive": "qstream.eval.acceptance.admitted_drafts",
-    "acceptance.*.*.emitted, prefix_accept": "qstream.eval.acceptance.summarise",
-    "acceptance.*.loss_vs_bf16": "qstream.eval.acceptance.paired_loss",
+    "acceptance.*.*_adaptive": "qstream.eval.adaptive.admitted_drafts",
+    "acceptance.*.*.emitted, prefix_accept": "qstream.eval.tally.summarise",
+    "acceptance.*.loss_vs_bf16": "qstream.eval.tally.paired_loss",
     "sensitivity": "qstream.eval.sensitivity.evaluate_sensitivity",
     "context_sweep": "qstream.eval.context_sweep.context_sweep",
 }
