@@ -25,8 +25,8 @@ from qstream.cliutil import (
     Command,
     FiniteRange,
     device_option,
-    greedy_option,
     json_option,
+    list_option,
     make_console,
     option,
     sampling_option,
@@ -104,11 +104,11 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     show_default=True,
     help="Seed of the block positions, aux states and sampling noise (same seed, same JSON).",
 )
-@greedy_option(
+@list_option(
     "include_layers",
     help=f"Modules the simulated formats quantize (default: {' '.join(QUANTIZE_INCLUDE)}).",
 )
-@greedy_option("ignore_layers", help="Modules never quantized.")
+@list_option("ignore_layers", help="Modules never quantized.")
 @sampling_option("temperature", "The request's sampling temperature (drafter and verifier).")
 @sampling_option(
     "top_p",

@@ -15,8 +15,8 @@ from qstream.clichoices import WEIGHT_FORMATS
 from qstream.clitypes import Choice
 from qstream.cliutil import (
     Command,
-    greedy_option,
     json_option,
+    list_option,
     make_console,
     option,
     write_json,
@@ -37,13 +37,13 @@ if TYPE_CHECKING:
     metavar="{fp8,mxfp4,nvfp4}",
     help="Weight format.",
 )
-@greedy_option(
+@list_option(
     "include_layers",
     metavar="PAT...",
     help="Modules to quantize (default: every 2-D Linear weight except embeddings, "
     "lm_head and MoE routers).",
 )
-@greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
+@list_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
 @option(
     "device",
     type=click.Choice(["cpu", "cuda"]),
