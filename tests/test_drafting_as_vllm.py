@@ -15,7 +15,8 @@ from qstream.card.results import collect_results
 from qstream.card.study_tables import acceptance_tables
 from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.eval.metrics import pooled_proportion, sched_flips
+from qstream.eval.estimates import pooled_proportion
+from qstream.eval.metrics import sched_flips
 from qstream.eval.settings import Sampling, Verification
 from qstream.eval.vocabulary import ACCEPTANCE_MODES
 
