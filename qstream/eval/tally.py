@@ -59,11 +59,10 @@ class AcceptanceAccumulator:
     """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
     (``vocabulary.ACCEPTANCE_MODES``), and the drafter's confidence scores per draft method, from
     which the adaptive modes are derived when the results are read (their batches span the
-    whole evaluation).  :meth:`emitted` gives the per-block values for paired comparisons."""
+    whole evaluation; ``adaptive``'s batches are shuffled by ``seed``).  :meth:`emitted` gives
+    the per-block values for paired comparisons."""
 
-    def __init__(
-        self, temperature: float, adaptive: AdaptiveBudget | None = None, seed: int = 0
-    ) -> None:
+    def __init__(self, temperature: float, adaptive: AdaptiveBudget, seed: int) -> None:
         self.temperature, self.adaptive, self.seed = temperature, adaptive, seed
         self._parts: dict[str, list[torch.Tensor]] = {}
         self._confidence: dict[str, list[torch.Tensor]] = {}
@@ -85,21 +84,19 @@ class AcceptanceAccumulator:
             self._confidence.setdefault(draft, []).append(confidence.float().cpu())
 
     def modes(self) -> list[str]:
-        """The modes held, in ACCEPTANCE_MODES order; an adaptive one when its base mode, its
-        draft's confidence scores and an adaptive budget are all there."""
+        """The modes held, in ACCEPTANCE_MODES order; an adaptive one when its base mode and its
+        draft's confidence scores are both there."""
         return [key for key in ACCEPTANCE_MODES if self._holds(key)]
 
     def _holds(self, key: str) -> bool:
         mode = ACCEPTANCE_MODES[key]
         if not mode.adaptive:
             return key in self._parts
-        held = mode.base in self._parts and mode.draft in self._confidence
-        return held and self.adaptive is not None
+        return mode.base in self._parts and mode.draft in self._confidence
 
     def admitted(self, mode: str) -> torch.Tensor:
         """``[n]`` drafted tokens each block verifies under an adaptive ``mode``."""
         if mode not in self._admitted:
-            assert self.adaptive is not None  # modes() lists adaptive modes only with it
             confidence = torch.cat(self._confidence[ACCEPTANCE_MODES[mode].draft])
             batches = request_batches(confidence.shape[0], self.adaptive.requests, self.seed)
             self._admitted[mode] = admitted_drafts(confidence, batches, self.adaptive.budget_share)
@@ -122,9 +119,8 @@ class AcceptanceAccumulator:
         spec = ACCEPTANCE_MODES[mode]
         accept = self.accept(mode)
         B = accept.shape[1]
-        adaptive = self.adaptive.to_json() if self.adaptive is not None else None
         out = {
-            "mode": spec.to_json(self.temperature, adaptive),
+            "mode": spec.to_json(self.temperature, self.adaptive.to_json()),
             **summarise(accept, outcomes=spec.base in self._outcomes).to_json(),
         }
         if spec.adaptive:

@@ -1,7 +1,8 @@
 """What the verifiers accept of an evaluation's drafted blocks, batch by batch, in one regime:
 the FP32 reference on each variant's own drafted prefixes (``--acceptance``), and the captured
-target on its own stream (``--states``).  The math is qstream/eval/acceptance.py's; the regime
-loop that feeds this is qstream/eval/passes.py's."""
+target on its own stream (``--states``), with the run's :class:`~qstream.eval.settings.Sampling`
+and :class:`~qstream.eval.settings.Verification`.  The math is qstream/eval/acceptance.py's and
+adaptive.py's, the tallies tally.py's; the regime loop that feeds this is passes.py's."""
 
 from __future__ import annotations
 
