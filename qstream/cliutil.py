@@ -1,5 +1,5 @@
-"""Small click helpers shared by the commands: both option spellings, greedy multi-value
-options, and the ``--json PATH|-`` convention.  No command logic lives here."""
+"""Small click helpers shared by the commands: both option spellings, options that take several
+values, and the ``--json PATH|-`` convention.  No command logic lives here."""
 
 from __future__ import annotations
 
@@ -30,8 +30,44 @@ class _UserErrorsExit:
             ctx.exit(1)
 
 
+class ListOption(click.Option):
+    """A repeatable option that also takes every value after it up to the next option, as
+    argparse's ``nargs="+"`` does: ``--include_layers mlp.gate_proj mlp.up_proj``.  Published
+    quantization recipes are written this way.  :class:`Command` gives it that reading."""
+
+
+def _one_value_per_flag(args: list[str], lists: dict[str, str]) -> list[str]:
+    """``args`` with each list option (``lists``: its spellings -> the one to repeat) written
+    once per value: ``--include_layers a b`` -> ``--include_layers a --include_layers b``.  The
+    value right after the flag is its own whatever it looks like (click takes it so); more
+    follow up to the next argument that starts with ``-`` (an option, or ``--``)."""
+    out: list[str] = []
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        out.append(arg)
+        if arg == "--":
+            return out + rest
+        name, eq, _ = arg.partition("=")
+        if name not in lists:
+            continue
+        if not eq and rest:
+            out.append(rest.pop(0))
+        while rest and not rest[0].startswith("-"):
+            out += [lists[name], rest.pop(0)]
+    return out
+
+
 class Command(_UserErrorsExit, click.Command):
-    pass
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Lists (:class:`ListOption`) rewritten one value per flag, then click's own parse."""
+        lists = {
+            spelling: param.opts[0]
+            for param in self.params
+            if isinstance(param, ListOption)
+            for spelling in param.opts
+        }
+        return super().parse_args(ctx, _one_value_per_flag(args, lists))
 
 
 class Group(_UserErrorsExit, click.Group):
@@ -61,29 +97,6 @@ def spellings(name: str) -> list[str]:
 def option(name: str, **kwargs: Any):
     """A click option reachable as ``--a-b`` and ``--a_b``, stored under ``a_b``."""
     return click.option(*spellings(name), name, **kwargs)
-
-
-class GreedyOption(click.Option):
-    """An option that takes every following value up to the next option, as argparse's
-    ``nargs="+"`` does: ``--include_layers mlp.gate_proj mlp.up_proj``.  Repeating the
-    flag appends.  Published quantization recipes are written this way."""
-
-    def add_to_parser(self, parser, ctx):  # noqa: D401 - click hook
-        super().add_to_parser(parser, ctx)
-        for opt_name in self.opts:
-            parser_opt = parser._long_opt.get(opt_name) or parser._short_opt.get(opt_name)
-            if parser_opt is None:
-                continue
-            original = parser_opt.process
-
-            def process(value, state, _original=original):
-                values = [value]
-                while state.rargs and not state.rargs[0].startswith("-"):
-                    values.append(state.rargs.pop(0))
-                for v in values:
-                    _original(v, state)
-
-            parser_opt.process = process
 
 
 class FiniteRange(click.FloatRange):
@@ -124,8 +137,9 @@ def device_option(help: str):
     )
 
 
-def greedy_option(name: str, **kwargs: Any):
-    return click.option(*spellings(name), name, cls=GreedyOption, multiple=True, **kwargs)
+def list_option(name: str, **kwargs: Any):
+    """A :class:`ListOption` in both spellings (a :class:`Command`'s)."""
+    return click.option(*spellings(name), name, cls=ListOption, multiple=True, **kwargs)
 
 
 def check_output_file(path: str | Path, option: str) -> None:

@@ -1,7 +1,7 @@
-"""Verification rules (qstream/eval/acceptance.py): self-verification accepts everything, block
-verification is never worse than token-wise in expectation, greedy drafting reduces both to
-prefix matching, the samplers' expectation equals the closed form, and both samplers emit the
-verifier's distribution (chi-square on a small vocabulary).  The same for the modes vLLM serves
+"""Verification rules (qstream/eval/acceptance.py, adaptive.py): self-verification accepts
+everything, block verification is never worse than token-wise in expectation, greedy drafting
+reduces both to prefix matching, the samplers' expectation (tests/verification_samplers.py)
+equals the closed form, and both samplers emit the verifier's distribution (chi-square on a small vocabulary).  The same for the modes vLLM serves
 beside them: a greedy (one-hot) draft against a sampling verifier, and adaptive verification's
 trimmed drafts (exact enumeration, Monte Carlo, chi-square)."""
 
@@ -13,21 +13,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
+from verification_samplers import Verified, verify_block, verify_token_wise, verify_truncated
 
 from qstream.eval.acceptance import (
-    AdaptiveBudget,
     accept_probabilities,
-    admitted_drafts,
     greedy_accepts,
     greedy_draft_probabilities,
     greedy_draft_stream_weights,
     stream_weights,
     token_probs,
-    truncated,
-    verify_block,
-    verify_token_wise,
-    verify_truncated,
 )
+from qstream.eval.adaptive import admitted_drafts, request_batches, truncated
 
 # The chi-square tests reject at this p-value.  With a fixed seed they are deterministic; a correct
 # sampler would fail for about 1 seed in 1000, a wrong one (the negative control) fails by far.
@@ -221,8 +217,6 @@ def _generate(verify, P, Q, start: int, length: int, n: int, B: int, gen) -> tor
 
 def _accept_all(draft, p, q, gen):
     """Negative control: a 'verifier' that accepts every draft (emits the drafter's law)."""
-    from qstream.eval.acceptance import Verified
-
     n, B = draft.shape
     bonus = torch.multinomial(p[:, B], 1, generator=gen)
     return Verified(torch.full((n,), B), torch.cat((draft, bonus), dim=1))
@@ -428,9 +422,8 @@ def test_admitted_drafts_ties_go_to_the_earlier_block_and_position():
 
 
 def test_adaptive_batches_are_a_seeded_shuffle_taken_requests_at_a_time():
-    budget = AdaptiveBudget(requests=4, budget_share=0.5, seed=3)
-    batch = budget.batches(10)
-    assert torch.equal(batch, AdaptiveBudget(4, 0.5, seed=3).batches(10))
+    batch = request_batches(10, requests=4, seed=3)
+    assert torch.equal(batch, request_batches(10, 4, seed=3))
     assert torch.bincount(batch).tolist() == [4, 4, 2]
     assert not torch.equal(batch, torch.arange(10) // 4)  # shuffled
     confidence = torch.rand(10, 7, generator=torch.Generator().manual_seed(0))

@@ -5,6 +5,7 @@ one error line; and a whole evaluation gives the same results with its stores on
 target's lm_head upcast per use as with everything in memory."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.aux_sources import REGIMES
 from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.settings import Scratch, Verification
 
 SHAPE = (11, 3, 5)  # [N, B, V]
 # non-contiguous, out of order, with a run of consecutive rows (one call per run on disk)
@@ -112,7 +114,7 @@ def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp
         formats=("bf16", "nvfp4"),
         n_blocks=24,
         seed=3,
-        acceptance=True,
+        verification=Verification(acceptance=True),
         states=str(states_file),
     )
     in_memory = evaluate_drift(tiny, settings, corpus)
@@ -132,9 +134,7 @@ def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp
     monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
     monkeypatch.setattr(weights_module, "UPCAST_CHUNK_ELEMENTS", 0)
     monkeypatch.setattr(weights_module, "UPCAST_MIN_ROWS", 40)
-    on_disk = evaluate_drift(
-        tiny, DriftSettings(**{**settings.__dict__, "scratch_dir": str(tmp_path)}), corpus
-    )
+    on_disk = evaluate_drift(tiny, replace(settings, scratch=Scratch(str(tmp_path))), corpus)
     # logits and U per regime (3 aux regimes and the states regime), and boot's aux states
     assert opened == [str(tmp_path)] * (2 * (len(REGIMES) + 1) + 1)
     assert os.listdir(tmp_path) == []

@@ -31,11 +31,11 @@ def test_formats_json_to_a_file_and_same_seed_same_numbers(tmp_path):
 def test_both_option_spellings_and_greedy_lists():
     import click
 
-    from qstream.cliutil import Command, greedy_option, option
+    from qstream.cliutil import Command, list_option, option
 
     @click.command(cls=Command)
     @option("model_dir")
-    @greedy_option("include_layers")
+    @list_option("include_layers")
     def probe(model_dir, include_layers):
         click.echo(f"{model_dir}|{','.join(include_layers)}")
 

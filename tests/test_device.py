@@ -16,6 +16,7 @@ from qstream.cli import cli
 from qstream.device import exact_math, math_settings, resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.settings import Verification
 from qstream.eval.variants import Variant, variant_weights
 from tests.model_helpers import random_model_weights
 
@@ -61,7 +62,9 @@ def test_bf16_held_reference_is_bit_identical_to_fp32_held(upcast_everything):
 
 @pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_unchanged_by_how_weights_are_held(tiny, corpus, monkeypatch):
-    settings = DriftSettings(regimes=("gauss", "boot"), n_blocks=48, seed=4, acceptance=True)
+    settings = DriftSettings(
+        regimes=("gauss", "boot"), n_blocks=48, seed=4, verification=Verification(acceptance=True)
+    )
     default = evaluate_drift(tiny, settings, corpus)
     _uneven_chunks(monkeypatch)
     chunked = []

@@ -15,7 +15,9 @@ from qstream.card.results import collect_results
 from qstream.card.study_tables import acceptance_tables
 from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.eval.metrics import pooled_proportion, sched_flips
+from qstream.eval.estimates import pooled_proportion
+from qstream.eval.metrics import sched_flips
+from qstream.eval.settings import Sampling, Verification
 from qstream.eval.vocabulary import ACCEPTANCE_MODES
 
 B = 7
@@ -51,7 +53,11 @@ def self_verified(tiny, corpus):
     out = {}
     for top_p in (1.0, 0.5):
         settings = DriftSettings(
-            regimes=("gauss",), formats=("fp32",), n_blocks=64, acceptance=True, top_p=top_p
+            regimes=("gauss",),
+            formats=("fp32",),
+            n_blocks=64,
+            sampling=Sampling(top_p=top_p),
+            verification=Verification(acceptance=True),
         )
         out[top_p] = evaluate_drift(tiny, settings, corpus)
     return out
@@ -103,8 +109,8 @@ def test_a_greedy_draft_is_not_accepted_whole_by_a_sampling_verifier(self_verifi
 @pytest.fixture(scope="module")
 def near_zero_temperature(tiny, corpus):
     settings = DriftSettings(
-        regimes=("gauss",), formats=("bf16", "nvfp4"), n_blocks=32, acceptance=True,
-        temperature=1e-6,
+        regimes=("gauss",), formats=("bf16", "nvfp4"), n_blocks=32,
+        sampling=Sampling(temperature=1e-6), verification=Verification(acceptance=True),
     )  # fmt: skip
     return evaluate_drift(tiny, settings, corpus)
 
@@ -142,7 +148,10 @@ def test_results_without_the_new_modes_still_make_tables(near_zero_temperature):
 
 def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tiny, corpus):
     settings = DriftSettings(
-        regimes=("heavy",), formats=("bf16", "fp8", "nvfp4"), n_blocks=128, acceptance=True
+        regimes=("heavy",),
+        formats=("bf16", "fp8", "nvfp4"),
+        n_blocks=128,
+        verification=Verification(acceptance=True),
     )
     results = evaluate_drift(tiny, settings, corpus)
     # The matched prefix of one coupled draw per block is a lower bound in expectation only:

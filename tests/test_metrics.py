@@ -13,22 +13,23 @@ from hypothesis import strategies as st
 from scipy import optimize, stats
 
 from qstream.eval import metrics
-from qstream.eval.metrics import (
-    KL_PERCENTILES,
+from qstream.eval.estimates import (
     Z95,
-    DriftAccumulator,
-    matched_prefix_length,
     mean_estimate,
     pearson_r,
     percentiles,
     pooled_mean,
     pooled_proportion,
-    prefix_matches,
     proportion,
+    wilson_interval,
+)
+from qstream.eval.metrics import (
+    KL_PERCENTILES,
+    DriftAccumulator,
+    prefix_matches,
     rollout_metrics,
     sched_flips,
     token_divergences,
-    wilson_interval,
 )
 
 B = 7
@@ -133,7 +134,7 @@ def test_greedy_match_uses_argmax_of_each_side():
 def test_matched_prefix_length_of_constructed_patterns(pattern, length):
     ref = torch.arange(B).unsqueeze(0)
     var = torch.where(torch.tensor(pattern, dtype=torch.bool), ref, ref + 100)  # [1, B]
-    assert matched_prefix_length(ref, var).tolist() == [length]
+    assert prefix_matches(ref, var).sum(dim=1).tolist() == [length]  # the matched prefix
 
 
 def test_seq_prefix_agree_and_ceiling_by_hand():
@@ -389,7 +390,7 @@ def test_result_summarises_the_per_token_functions():
     assert _close(m.sched_flip_rate.value, flips.sum().item() / decided.sum().item())
     assert _close(
         m.rollouts["sampled"].matched_prefix.value,
-        matched_prefix_length(ref_tok, var_tok).double().mean().item(),
+        prefix_matches(ref_tok, var_tok).sum(dim=1).double().mean().item(),
     )
     with pytest.raises(AttributeError, match="not a ceiling"):
         m.rollouts["sampled"].ceiling

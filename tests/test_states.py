@@ -19,6 +19,7 @@ from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.corpus import tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.settings import Verification
 from qstream.eval.states import read_states
 from qstream.synth.corpus import builtin_corpus
 
@@ -43,7 +44,7 @@ def _settings(states_file) -> DriftSettings:
         regimes=("gauss",),
         formats=("fp32", "bf16", "nvfp4"),
         n_blocks=BLOCKS,
-        acceptance=True,
+        verification=Verification(acceptance=True),
         states=str(states_file),
     )
 

@@ -11,8 +11,8 @@ from qstream.clichoices import CAPTURE_DTYPES, CAPTURE_EXPORTS, LAYER_CONVENTION
 from qstream.cliutil import (
     Command,
     device_option,
-    greedy_option,
     json_option,
+    list_option,
     option,
     sampling_option,
     write_json,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     type=click.Path(dir_okay=False),
     help="GSM8K-style JSONL or plain text. Default: the built-in GSM8K test split.",
 )
-@greedy_option(
+@list_option(
     "layers", type=int, help="Layer ids to capture instead of the draft's target_layer_ids."
 )
 @option(

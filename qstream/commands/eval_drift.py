@@ -25,8 +25,8 @@ from qstream.cliutil import (
     Command,
     FiniteRange,
     device_option,
-    greedy_option,
     json_option,
+    list_option,
     make_console,
     option,
     sampling_option,
@@ -104,11 +104,11 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     show_default=True,
     help="Seed of the block positions, aux states and sampling noise (same seed, same JSON).",
 )
-@greedy_option(
+@list_option(
     "include_layers",
     help=f"Modules the simulated formats quantize (default: {' '.join(QUANTIZE_INCLUDE)}).",
 )
-@greedy_option("ignore_layers", help="Modules never quantized.")
+@list_option("ignore_layers", help="Modules never quantized.")
 @sampling_option("temperature", "The request's sampling temperature (drafter and verifier).")
 @sampling_option(
     "top_p",
@@ -266,7 +266,13 @@ def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
 def _settings(o: dict[str, Any]) -> DriftSettings:
     """The parsed options as the library's settings."""
     from qstream.eval.run import parse_variants, resolve_regimes
-    from qstream.eval.settings import DriftSettings
+    from qstream.eval.settings import (
+        AdaptiveBudget,
+        DriftSettings,
+        Sampling,
+        Scratch,
+        Verification,
+    )
 
     return DriftSettings(
         regimes=resolve_regimes(o["regime"], o["states"]),
@@ -278,13 +284,10 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         ignore=tuple(o["ignore_layers"]),
         n_blocks=o["blocks"],
         seed=o["seed"],
-        temperature=o["temperature"],
-        top_p=o["top_p"],
-        top_k=o["top_k"],
-        draft_top_p=o["draft_top_p"],
-        acceptance=o["acceptance"],
-        adaptive_requests=o["adaptive_requests"],
-        adaptive_budget=o["adaptive_budget"],
+        sampling=Sampling(o["temperature"], o["top_p"], o["top_k"], o["draft_top_p"]),
+        verification=Verification(
+            o["acceptance"], AdaptiveBudget(o["adaptive_requests"], o["adaptive_budget"])
+        ),
         states=o["states"],
         states_format=o["states_format"],
         states_layer_convention=o["states_layer_convention"],
@@ -294,5 +297,5 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         tolerance=o["tolerance"],
         context_blocks=o["context_blocks"],
         device=o["device"],
-        scratch_dir=o["scratch_dir"],
+        scratch=Scratch(o["scratch_dir"]),
     )

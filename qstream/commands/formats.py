@@ -63,18 +63,11 @@ def formats(seed: int, json_path: str | None) -> None:
     """
     with step("quantizing the test tensor to each format"):
         records = format_table(seed=seed)
-    if json_path == "-":
-        write_json(
-            {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records},
-            "-",
-        )
-        return
-    console = make_console()
-    console.print(records_table(records, seed, console.width))
-    write_json(
-        {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records},
-        json_path,
-    )
+    data = {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records}
+    if json_path != "-":
+        console = make_console()
+        console.print(records_table(records, seed, console.width))
+    write_json(data, json_path)
 
 
 def records_table(records: list[dict], seed: int, width: int) -> RichTable:

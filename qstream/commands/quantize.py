@@ -1,12 +1,12 @@
 """``qstream quantize`` / ``qstream-quantize``: the click layer over
-:func:`qstream.checkpoint.quantize_checkpoint`."""
+:func:`qstream.quant.quantize_checkpoint`."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
@@ -15,8 +15,8 @@ from qstream.clichoices import WEIGHT_FORMATS
 from qstream.clitypes import Choice
 from qstream.cliutil import (
     Command,
-    greedy_option,
     json_option,
+    list_option,
     make_console,
     option,
     write_json,
@@ -37,13 +37,13 @@ if TYPE_CHECKING:
     metavar="{fp8,mxfp4,nvfp4}",
     help="Weight format.",
 )
-@greedy_option(
+@list_option(
     "include_layers",
     metavar="PAT...",
     help="Modules to quantize (default: every 2-D Linear weight except embeddings, "
     "lm_head and MoE routers).",
 )
-@greedy_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
+@list_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
 @option(
     "device",
     type=click.Choice(["cpu", "cuda"]),
@@ -79,21 +79,7 @@ if TYPE_CHECKING:
 )
 @option("no_snr", is_flag=True, help="Skip the weight SNR (a little faster).")
 @json_option()
-def quantize(
-    model_dir,
-    output_dir,
-    quant_format,
-    include_layers,
-    ignore_layers,
-    device,
-    workers,
-    dry_run,
-    overwrite,
-    skip_incompatible,
-    tensor_parallel_size,
-    no_snr,
-    json_path,
-) -> None:
+def quantize(json_path: str | None, **o: Any) -> None:
     """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
 
     Patterns match a module name (a tensor name without .weight) when equal, as a dotted
@@ -109,25 +95,25 @@ def quantize(
 
     with _progress_bar() as bar:
         summary = quantize_checkpoint(
-            model_dir,
-            output_dir,
-            quant_format,
-            include=list(include_layers) or None,
-            ignore=list(ignore_layers) or None,
-            device=device,
-            workers=workers,
-            dry_run=dry_run,
-            overwrite=overwrite,
-            skip_incompatible=skip_incompatible,
+            o["model_dir"],
+            o["output_dir"],
+            o["quant_format"],
+            include=list(o["include_layers"]) or None,
+            ignore=list(o["ignore_layers"]) or None,
+            device=o["device"],
+            workers=o["workers"],
+            dry_run=o["dry_run"],
+            overwrite=o["overwrite"],
+            skip_incompatible=o["skip_incompatible"],
             progress=bar,
-            snr=not no_snr,
-            tensor_parallel_size=tensor_parallel_size,
+            snr=not o["no_snr"],
+            tensor_parallel_size=o["tensor_parallel_size"],
         )
     for warning in summary.warnings:
         click.echo(f"Warning: {warning}", err=True)
     if json_path != "-":
         console = make_console()
-        if dry_run:
+        if o["dry_run"]:
             console.print(plan_table(summary))
         console.print(summary_table(summary))
     write_json(summary.to_json(), json_path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING
 
 import click
@@ -70,9 +69,8 @@ def synth(
     from qstream.device import resolve_device
 
     resolve_device(device)
-    make = partial(_make, target)
     with counter(f"synth {preset}", "bytes") as report:
-        summary = make(preset, output_dir, seed, corpus, overwrite, report)
+        summary = _make(target, preset, output_dir, seed, corpus, overwrite, report)
     if json_path != "-":
         click.echo(
             f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "

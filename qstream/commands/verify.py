@@ -13,6 +13,7 @@ from qstream.errors import QStreamError
 from qstream.progress import step
 
 if TYPE_CHECKING:
+    from qstream.vllm.loader import VllmLoadReport
     from qstream.vllm.verify import VerifyReport
 
 
@@ -146,20 +147,30 @@ def _verify_with_vllm(
     for warning in (report.warnings if report else []) + loaded.warnings:
         click.echo(f"Warning: {warning}", err=True)
     if json_path != "-":
-        width = max((len(m["module"]) for m in loaded.modules), default=0)
-        for module in loaded.modules:
-            alias = "" if module["name"].endswith(module["module"]) else f"  ({module['name']})"
-            click.echo(f"  {module['module']:<{width}}  {module['scheme']}{alias}")
+        _echo_schemes(loaded)
     for problem in problems:
         click.echo(f"  {problem}", err=True)
     if problems:
         raise QStreamError(f"{loaded.directory}: {len(problems)} problem(s), listed above")
     if json_path != "-":
-        click.echo(
-            f"OK: {loaded.directory}: loaded by vLLM {loaded.vllm_version}'s own DSpark loader "
-            f"on CPU at L={loaded.target_layers}: {len(loaded.modules)} Linear modules, every "
-            "stored tensor consumed, every parameter the stored bytes (kernels not run: no GPU)"
-        )
-        if report is not None:
-            click.echo(f"{_ok(report)}: {report.directory}: qstream's checks")
-            _echo_checks(report)
+        _echo_loaded(loaded, report)
+
+
+def _echo_schemes(loaded: VllmLoadReport) -> None:
+    """The scheme vLLM chose per runtime module, one line each."""
+    width = max((len(m["module"]) for m in loaded.modules), default=0)
+    for module in loaded.modules:
+        alias = "" if module["name"].endswith(module["module"]) else f"  ({module['name']})"
+        click.echo(f"  {module['module']:<{width}}  {module['scheme']}{alias}")
+
+
+def _echo_loaded(loaded: VllmLoadReport, report: VerifyReport | None) -> None:
+    """The verdict of vLLM's loader, then qstream's checks where they ran."""
+    click.echo(
+        f"OK: {loaded.directory}: loaded by vLLM {loaded.vllm_version}'s own DSpark loader "
+        f"on CPU at L={loaded.target_layers}: {len(loaded.modules)} Linear modules, every "
+        "stored tensor consumed, every parameter the stored bytes (kernels not run: no GPU)"
+    )
+    if report is not None:
+        click.echo(f"{_ok(report)}: {report.directory}: qstream's checks")
+        _echo_checks(report)

@@ -22,6 +22,7 @@ from qstream.bounded.heap import trim_heap
 from qstream.bounded.store import SpillFile
 from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.corpus import AnchorPlan, Corpus
+from qstream.eval.settings import Sampling
 from qstream.eval.states import CapturedStates
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
@@ -287,18 +288,16 @@ def draft_batch(
     batch: Batch,
     batch_index: int,
     seed: int,
-    temperature: float = 1.0,
-    draft_top_p: float = 1.0,
+    sampling: Sampling = Sampling(),
 ) -> Drafts:
     """One batch drafted by ``model``: its blocks, greedy rollout, and sampled rollout on the
     batch's shared race noise (the same for the reference and every variant), drawn from the
     full tempered distribution as vLLM's drafter draws under ``draft_sample_method:
-    probabilistic`` (``draft_top_p`` < 1: other engines)."""
+    probabilistic`` (``sampling.draft_top_p`` < 1: other engines)."""
     blocks = draft_blocks(model, aux, batch)
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
-    drafts = Drafts(
-        blocks, rollout(model, blocks), rollout(model, blocks, noise, temperature, draft_top_p)
-    )
+    sampled = rollout(model, blocks, noise, sampling.temperature, sampling.draft_top_p)
+    drafts = Drafts(blocks, rollout(model, blocks), sampled)
     return drafts if model.device.type == "cpu" else _on_host(drafts)
 
 

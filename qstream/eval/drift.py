@@ -94,7 +94,7 @@ def evaluate_drift(
     if states is not None and states_plan is not None:
         results["states"] = {**states.identity(), "anchors": states_plan.to_json()}
         results["regimes"][STATES_REGIME] = evaluate_regime(run(STATES_REGIME, states, states_plan))
-    if settings.acceptance or states is not None:
+    if settings.verification.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS
     return results
 
@@ -193,7 +193,7 @@ def _run_description(
         "blocks": settings.n_blocks,
         "block_size": config.block_size,
         "anchors": plan.to_json(),
-        "sampling": _sampling(settings),
+        "sampling": settings.sampling.to_json(),
         "reference": "fp32 weights, fp32 compute",
         "variant_compute": "bf16 weights and activations; fp32 matmul accumulation, norms, "
         "softmax; final logits = bf16 sum of base logits and Markov bias",
@@ -203,22 +203,4 @@ def _run_description(
         "selection": {"include": list(settings.include), "ignore": list(settings.ignore)},
         "variants": {v.name: {"kind": v.kind, "source": v.source, **v.checks()} for v in variants},
         "regimes": {},
-    }
-
-
-def _sampling(settings: DriftSettings) -> dict:
-    """Which side sampled what (docs/model.md, docs/vllm.md): the request's temperature on both;
-    the drafter the full tempered softmax (vLLM's probabilistic DSpark drafter has no top-p or
-    top-k: ``gumbel_sample``), the verifier its top-p and top-k."""
-    return {
-        "temperature": settings.temperature,
-        "drafter": {
-            "top_p": settings.draft_top_p,
-            "top_k": None,
-            "distribution": "softmax(logits / temperature)"
-            + ("" if settings.draft_top_p == 1 else ", top-p cut"),
-        },
-        "verifier": {"top_p": settings.top_p, "top_k": settings.top_k},
-        "noise": "common random numbers: exponential race (Gumbel-max), the same Exp(1) "
-        "variate per block, position and token for every model",
     }

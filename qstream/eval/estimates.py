@@ -17,7 +17,7 @@ interval each kind of quantity gets (metrics.py defines the quantities):
   Clipped to the quantity's range.
 * Pearson r: a percentile block bootstrap (blocks resampled with replacement, a fixed seed, so
   the interval is reproducible).  Tokens of a block share its context; the Fisher-z interval,
-  which treats them as independent, was 2.6–3.6× too narrow on real runs (issue 11).
+  which treats them as independent, was 2.6–3.6× too narrow on real runs.
 """
 
 from __future__ import annotations

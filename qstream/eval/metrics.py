@@ -64,9 +64,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-# Estimate and its intervals live in estimates.py; re-exported here, where callers met them first.
-from qstream.eval.estimates import (  # noqa: F401
-    Z95,
+from qstream.eval.estimates import (
     Estimate,
     json_number,
     mean_estimate,
@@ -76,7 +74,6 @@ from qstream.eval.estimates import (  # noqa: F401
     pooled_proportion,
     proportion,
     scaled,
-    wilson_interval,
 )
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, PREFIX_KEYS
 
@@ -150,11 +147,6 @@ def prefix_matches(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> torch.
     return (ref_tokens != var_tokens).cumsum(dim=1) == 0
 
 
-def matched_prefix_length(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> torch.Tensor:
-    """``[n]`` int64: length of the matched prefix of each block's rollouts, 0..B."""
-    return prefix_matches(ref_tokens, var_tokens).sum(dim=1)
-
-
 def sched_flips(
     ref_conf: torch.Tensor, var_conf: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +154,7 @@ def sched_flips(
     decision against the reference's per-block median confidence differs between reference and
     variant.  Positions where the reference sits exactly on the median (with B odd, the median
     position itself) make no decision and are left out (``decided`` False): counting them made
-    any upward shift of 1e-6 flip one position in B (issue 11)."""
+    any upward shift of 1e-6 flip one position in B."""
     _check_pair("confidence", ref_conf, var_conf, ndim=2)
     ref, var = ref_conf.double(), var_conf.double()
     ordered = ref.sort(dim=1).values

@@ -101,22 +101,21 @@ def evaluate_regime(run: RegimeRun) -> dict:
     s = run.settings
     with ExitStack() as kept:  # the stored per-block outputs are freed when the regime ends
         aux = kept.enter_context(
-            AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch_dir)
+            AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch.directory)
         )
         probe = kept.enter_context(
             RegimeAcceptance(
                 run.weights,
                 run.plan,
                 aux.captured,
-                against_reference=s.acceptance,
-                sampling=s,
+                settings=s,
                 block_size=run.config.block_size,
             )
         )
         logits = kept.enter_context(
             BlockStore(
                 (run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size),
-                scratch_dir=s.scratch_dir,
+                scratch_dir=s.scratch.directory,
             )
         )
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
@@ -166,8 +165,7 @@ def reference_pass(
             batch,
             number,
             s.seed,
-            s.temperature,
-            s.draft_top_p,
+            s.sampling,
         )
         idx = batch.blocks
         ref.logits[idx] = greedy.logits
@@ -206,7 +204,7 @@ def measure_variant(
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
         blocks, greedy, sampled = draft_batch(
-            model, aux.get(batch), batch, number, s.seed, s.temperature, s.draft_top_p
+            model, aux.get(batch), batch, number, s.seed, s.sampling
         )
         idx = batch.blocks
         forced = teacher_forced(head, blocks, ref.greedy_tokens[idx])

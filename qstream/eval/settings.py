@@ -1,7 +1,10 @@
-"""What one ``evaluate_drift`` run is asked to do (:class:`DriftSettings`), checked on
-construction, and the progress protocol the evaluator reports to.
+"""What one ``evaluate_drift`` run is asked to do (:class:`DriftSettings`), one frozen object
+per concern, each checked once, where it is built: how the drafter and the verifier sample
+(:class:`Sampling`), what verifies the drafts (:class:`Verification`), where outputs too big for
+memory go (:class:`Scratch`); and the progress protocol the evaluator reports to.
 
->>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8"), n_blocks=256)
+>>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8"), n_blocks=256,
+...                          sampling=Sampling(temperature=0.7, top_p=0.95))
 """
 
 from __future__ import annotations
@@ -45,6 +48,84 @@ class Silent:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """Sampling as a deployment runs it (docs/model.md, docs/vllm.md): the request's temperature
+    applies to both sides; top-p / top-k cut the verifier's (target's) distribution only.  vLLM's
+    DSpark drafter, under draft_sample_method "probabilistic" (its default is "greedy",
+    vllm/config/speculative.py), samples the full tempered softmax (gumbel_sample);
+    ``draft_top_p`` < 1 models other engines."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0  # verifier
+    top_k: int | None = None  # verifier; None: off
+    draft_top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise QStreamError(f"--temperature must be finite and > 0, got {self.temperature}")
+        for name, value in (("--top-p", self.top_p), ("--draft-top-p", self.draft_top_p)):
+            if not 0 < value <= 1:
+                raise QStreamError(f"{name} must be in (0, 1], got {value}")
+        if self.top_k is not None and self.top_k < 1:
+            raise QStreamError(f"--top-k must be >= 1 (or off), got {self.top_k}")
+
+    def to_json(self) -> dict:
+        """The results' ``sampling`` block: which side sampled what (vLLM's probabilistic DSpark
+        drafter has no top-p or top-k: ``gumbel_sample``)."""
+        return {
+            "temperature": self.temperature,
+            "drafter": {
+                "top_p": self.draft_top_p,
+                "top_k": None,
+                "distribution": "softmax(logits / temperature)"
+                + ("" if self.draft_top_p == 1 else ", top-p cut"),
+            },
+            "verifier": {"top_p": self.top_p, "top_k": self.top_k},
+            "noise": "common random numbers: exponential race (Gumbel-max), the same Exp(1) "
+            "variate per block, position and token for every model",
+        }
+
+
+@dataclass(frozen=True)
+class AdaptiveBudget:
+    """How adaptive verification is simulated (docs/acceptance.md): the blocks, shuffled by the
+    run's seed, are verified ``requests`` at a time as one batch's requests, whose verified
+    draft tokens are ``budget_share`` of those drafted (rounded to the nearest token).  vLLM
+    sizes that budget from step costs profiled on its GPU; here it is given."""
+
+    requests: int = 8
+    budget_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise QStreamError(f"--adaptive-requests must be at least 1, got {self.requests}")
+        if not (math.isfinite(self.budget_share) and 0 <= self.budget_share <= 1):
+            raise QStreamError(f"--adaptive-budget must be in [0, 1], got {self.budget_share}")
+
+    def to_json(self) -> dict:
+        return {"requests": self.requests, "budget_share": self.budget_share}
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What verifies the drafts (docs/acceptance.md).  ``acceptance``: the FP32 reference
+    verifies each variant's drafts, in every mode vLLM serves (captured states add the target
+    as a verifier whatever this says); ``adaptive``: adaptive verification's budget, for
+    either verifier."""
+
+    acceptance: bool = False
+    adaptive: AdaptiveBudget = AdaptiveBudget()
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Where per-block outputs too big for memory are kept for a regime (qstream/bounded/store.py;
+    None: the system's temporary directory).  Never in the results: it changes no number."""
+
+    directory: str | None = None
+
+
+@dataclass(frozen=True)
 class DriftSettings:
     regimes: tuple[str, ...] = ("heavy",)
     formats: tuple[str, ...] = VARIANT_FORMATS  # simulated variants; bf16 is the floor
@@ -58,23 +139,8 @@ class DriftSettings:
     ignore: tuple[str, ...] = ()
     n_blocks: int = 1024
     seed: int = 0
-    # Sampling as a deployment runs it (docs/model.md, docs/vllm.md): the request's temperature
-    # applies to both sides; top-p / top-k cut the verifier's (target's) distribution only.
-    # vLLM's DSpark drafter, under draft_sample_method "probabilistic" (its default is "greedy",
-    # vllm/config/speculative.py), samples the full tempered softmax (gumbel_sample);
-    # draft_top_p < 1 models other engines.
-    temperature: float = 1.0
-    top_p: float = 1.0  # verifier
-    top_k: int | None = None  # verifier; None: off
-    draft_top_p: float = 1.0
-    # Simulated acceptance (docs/acceptance.md): the FP32 reference verifies each variant's
-    # drafts, token-wise and by block verification
-    acceptance: bool = False
-    # Adaptive verification (docs/acceptance.md): the blocks verified ``adaptive_requests`` at a
-    # time as one batch's requests, whose verified draft tokens are ``adaptive_budget`` of those
-    # drafted (vLLM sizes that budget from step costs profiled on its GPU)
-    adaptive_requests: int = 8
-    adaptive_budget: float = 0.5
+    sampling: Sampling = Sampling()
+    verification: Verification = Verification()
     # captured target states, a file or a directory (qstream/eval/states/): regime "states";
     # its layout (auto: from the contents), the convention of the layer ids it names, and layer
     # ids to check it against (docs/states.md)
@@ -91,9 +157,7 @@ class DriftSettings:
     context_lengths: tuple[int, ...] = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
     device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/device.py)
-    # where per-block outputs too big for memory are kept for a regime (None: the system's
-    # temporary directory); qstream/bounded/store.py.  Never in the results.
-    scratch_dir: str | None = None
+    scratch: Scratch = Scratch()
 
     def __post_init__(self) -> None:
         for regime in self.regimes:
@@ -120,25 +184,9 @@ class DriftSettings:
                 f"--sensitivity-format {self.sensitivity_format!r}: choose from "
                 f"{', '.join(FORMATS)}"
             )
-        self._check_sampling()
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
         self._check_context()
-
-    def _check_sampling(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise QStreamError(f"--temperature must be finite and > 0, got {self.temperature}")
-        for name, value in (("--top-p", self.top_p), ("--draft-top-p", self.draft_top_p)):
-            if not 0 < value <= 1:
-                raise QStreamError(f"{name} must be in (0, 1], got {value}")
-        if self.top_k is not None and self.top_k < 1:
-            raise QStreamError(f"--top-k must be >= 1 (or off), got {self.top_k}")
-        if self.adaptive_requests < 1:
-            raise QStreamError(
-                f"--adaptive-requests must be at least 1, got {self.adaptive_requests}"
-            )
-        if not (math.isfinite(self.adaptive_budget) and 0 <= self.adaptive_budget <= 1):
-            raise QStreamError(f"--adaptive-budget must be in [0, 1], got {self.adaptive_budget}")
 
     def _check_context(self) -> None:
         edges = self.context_lengths

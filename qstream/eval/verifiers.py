@@ -1,7 +1,8 @@
 """What the verifiers accept of an evaluation's drafted blocks, batch by batch, in one regime:
 the FP32 reference on each variant's own drafted prefixes (``--acceptance``), and the captured
-target on its own stream (``--states``).  The math is qstream/eval/acceptance.py's; the regime
-loop that feeds this is qstream/eval/passes.py's."""
+target on its own stream (``--states``), with the run's :class:`~qstream.eval.settings.Sampling`
+and :class:`~qstream.eval.settings.Verification`.  The math is qstream/eval/acceptance.py's and
+adaptive.py's, the tallies tally.py's; the regime loop that feeds this is passes.py's."""
 
 from __future__ import annotations
 
@@ -21,13 +22,10 @@ from qstream.arch.dspark_mla.markov import (
 from qstream.arch.dspark_mla.weights import ComputeWeights
 from qstream.bounded.store import BlockStore
 from qstream.eval.acceptance import (
-    AcceptanceAccumulator,
-    AdaptiveBudget,
     accept_probabilities,
     greedy_accepts,
     greedy_draft_probabilities,
     greedy_draft_stream_weights,
-    paired_loss,
     stream_weights,
     token_probs,
 )
@@ -36,6 +34,7 @@ from qstream.eval.corpus import AnchorPlan
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
+from qstream.eval.tally import AcceptanceAccumulator, paired_loss
 from qstream.eval.vocabulary import FLOOR, RULES, VERIFIERS, acceptance_mode
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
@@ -68,18 +67,15 @@ class RegimeAcceptance:
         plan: AnchorPlan,
         captured: CapturedStates | None,
         *,
-        against_reference: bool,
-        sampling: DriftSettings,
+        settings: DriftSettings,
         block_size: int,
     ):
-        self.sampling, self.B = sampling, block_size
+        self.sampling, self.B = settings.sampling, block_size
+        self.adaptive, self.seed = settings.verification.adaptive, settings.seed
         self.states = captured
-        self.against_reference = against_reference
-        self.active = against_reference or self.states is not None
+        self.against_reference = settings.verification.acceptance
+        self.active = self.against_reference or self.states is not None
         self.variants: dict[str, dict[str, AcceptanceAccumulator]] = {}
-        self.adaptive = AdaptiveBudget(
-            sampling.adaptive_requests, sampling.adaptive_budget, sampling.seed
-        )
         self.reference_target = self._accumulator()
         self.diagnostics: dict[str, list] = {
             "stream_is_target_top1": [],
@@ -93,9 +89,9 @@ class RegimeAcceptance:
             self.lm_head = ComputeWeights({LM_HEAD: weights[LM_HEAD]}, torch.float32)
             self.plan = plan
             self.stream_tokens = self.states.block_tokens(plan, block_size)
-        if against_reference:  # last: nothing after it can fail and leave it open
+        if self.against_reference:  # last: nothing after it can fail and leave it open
             N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
-            self.U_ref = BlockStore((N, block_size, V), scratch_dir=sampling.scratch_dir)
+            self.U_ref = BlockStore((N, block_size, V), scratch_dir=settings.scratch.directory)
 
     def close(self) -> None:
         """Free the stored U (its memory or scratch file)."""
@@ -173,7 +169,7 @@ class RegimeAcceptance:
         return self.variants[name]
 
     def _accumulator(self) -> AcceptanceAccumulator:
-        return AcceptanceAccumulator(self.sampling.temperature, self.adaptive)
+        return AcceptanceAccumulator(self.sampling.temperature, self.adaptive, self.seed)
 
     def _verifiers(self) -> list[str]:
         return [

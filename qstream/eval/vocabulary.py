@@ -165,35 +165,3 @@ def rollout_label(mode: str, sampling: Mapping | None) -> str:
     if mode == "sampled":
         return f"sampled rollout ({sampling_label(sampling)})"
     raise ValueError(f"unknown rollout mode {mode!r}; choose from {', '.join(ROLLOUT_MODES)}")
-
-
-# Where each number of a variant's results entry is computed: its key (under ``metrics.`` unless
-# it starts with weight_snr, acceptance, sensitivity or context_sweep) -> module.function.
-# docs/eval-drift.md has the same table for readers; tests/test_eval_drift.py keeps the two equal
-# and checks that every function exists.
-METRICS = {
-    "greedy_agree[k]": "qstream.eval.metrics.token_divergences",
-    "greedy_agree_overall": "qstream.eval.estimates.pooled_proportion",
-    "one_minus_tv[k]": "qstream.eval.metrics.token_divergences",
-    "one_minus_tv_overall": "qstream.eval.estimates.pooled_mean",
-    "kl, reverse_kl": "qstream.eval.metrics.token_divergences",
-    "kl.mean, kl.p99, ...": "qstream.eval.metrics.kl_summary",
-    "confidence_r": "qstream.eval.estimates.pearson_r",
-    "sched_flip_rate": "qstream.eval.metrics.sched_flips",
-    "rollouts.MODE.seq_agree[k]": "qstream.eval.metrics.rollout_metrics",
-    "rollouts.MODE.prefix_agree[k]": "qstream.eval.metrics.prefix_matches",
-    "rollouts.greedy.ceiling": "qstream.eval.metrics.rollout_metrics",
-    "rollouts.sampled.matched_prefix": "qstream.eval.metrics.rollout_metrics",
-    "intervals (lo, hi) of every Estimate": "qstream.eval.estimates",
-    "weight_snr": "qstream.eval.variants.weight_snr",
-    "acceptance.reference.sampled_*": "qstream.eval.acceptance.accept_probabilities",
-    "acceptance.reference.greedy_draft_*": "qstream.eval.acceptance.greedy_draft_probabilities",
-    "acceptance.target.sampled_*": "qstream.eval.acceptance.stream_weights",
-    "acceptance.target.greedy_draft_*": "qstream.eval.acceptance.greedy_draft_stream_weights",
-    "acceptance.*.greedy": "qstream.eval.acceptance.greedy_accepts",
-    "acceptance.*.*_adaptive": "qstream.eval.acceptance.admitted_drafts",
-    "acceptance.*.*.emitted, prefix_accept": "qstream.eval.acceptance.summarise",
-    "acceptance.*.loss_vs_bf16": "qstream.eval.acceptance.paired_loss",
-    "sensitivity": "qstream.eval.sensitivity.evaluate_sensitivity",
-    "context_sweep": "qstream.eval.context_sweep.context_sweep",
-}
