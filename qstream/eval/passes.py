@@ -17,8 +17,8 @@ import torch
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.markov import host_head, teacher_forced
-from qstream.bounded.heap import reuse_freed_blocks, trim_heap
-from qstream.bounded.store import BlockStore
+from qstream.bounded.heap import heap_hygiene
+from qstream.bounded.store import Store
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch, make_batches
@@ -89,7 +89,7 @@ class RegimeRun:
 class ReferenceOutputs:
     """What every variant is compared with, for the blocks of one regime (plan order)."""
 
-    logits: BlockStore  # [N, B, V] float32: teacher-forced = its own greedy rollout's
+    logits: Store  # [n, B, V] float32 per batch: teacher-forced = its own greedy rollout's
     greedy_tokens: torch.Tensor  # [N, B]
     sampled_tokens: torch.Tensor  # [N, B]
     confidence: torch.Tensor  # [N, B] (zeros when the model has no confidence head)
@@ -113,14 +113,10 @@ def evaluate_regime(run: RegimeRun) -> dict:
                 block_size=run.config.block_size,
             )
         )
-        logits = kept.enter_context(
-            BlockStore(
-                (run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size),
-                scratch_dir=s.scratch_dir,
-            )
-        )
+        N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
+        logits = kept.enter_context(Store(s.scratch_dir, total_bytes=4 * N * B * V))
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
-            with reuse_freed_blocks():  # its fp32 temporaries reused, trimmed per batch
+            with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)
             out = {
                 "variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}
@@ -145,10 +141,10 @@ def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dic
 
 
 def reference_pass(
-    run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance, logits: BlockStore
+    run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance, logits: Store
 ) -> ReferenceOutputs:
     """The FP32 reference drafts every block once; its outputs are kept for the variants (its
-    logits in ``logits``, an [N, B, V] store the caller closes)."""
+    logits in ``logits``, by batch, a store the caller closes)."""
     reference = DSpark(run.config, run.weights, torch.float32, run.settings.device)
     head = host_head(reference)
     N, B = run.plan.anchor.numel(), run.config.block_size
@@ -160,23 +156,23 @@ def reference_pass(
     )
     s = run.settings
     for number, batch in enumerate(run.batches):
-        blocks, greedy, sampled = draft_batch(
-            reference,
-            aux.get(batch, reference),
-            batch,
-            number,
-            s.seed,
-            s.temperature,
-            s.draft_top_p,
-        )
-        idx = batch.blocks
-        ref.logits[idx] = greedy.logits
-        ref.greedy_tokens[idx] = greedy.tokens
-        ref.sampled_tokens[idx] = sampled.tokens
-        probe.add_reference(batch, head, blocks, greedy)
-        if greedy.confidence is not None:
-            ref.confidence[idx] = greedy.confidence
-        trim_heap()  # the batch's freed temporaries leave the resident set
+        with heap_hygiene():  # the batch's freed temporaries leave the resident set
+            blocks, greedy, sampled = draft_batch(
+                reference,
+                aux.get(batch, reference),
+                batch,
+                number,
+                s.seed,
+                s.temperature,
+                s.draft_top_p,
+            )
+            idx = batch.blocks
+            ref.logits.put(batch, greedy.logits)
+            ref.greedy_tokens[idx] = greedy.tokens
+            ref.sampled_tokens[idx] = sampled.tokens
+            probe.add_reference(batch, head, blocks, greedy)
+            if greedy.confidence is not None:
+                ref.confidence[idx] = greedy.confidence
         work = batch_flops(run.config, batch, boot=run.regime == "boot")  # boot: + causal pass
         run.progress.advance(f"{run.regime}: reference", len(idx), work, REFERENCE)
     return ref
@@ -205,19 +201,19 @@ def measure_variant(
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
-        blocks, greedy, sampled = draft_batch(
-            model, aux.get(batch), batch, number, s.seed, s.temperature, s.draft_top_p
-        )
-        idx = batch.blocks
-        forced = teacher_forced(head, blocks, ref.greedy_tokens[idx])
-        acc.add_teacher_forced(ref.logits[idx], forced.logits)
-        if forced.confidence is not None:
-            acc.add_confidence(ref.confidence[idx], forced.confidence)
-        acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
-        acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
-        if accepted is not None and probe is not None:
-            probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
-        trim_heap()
+        with heap_hygiene():
+            blocks, greedy, sampled = draft_batch(
+                model, aux.get(batch), batch, number, s.seed, s.temperature, s.draft_top_p
+            )
+            idx = batch.blocks
+            forced = teacher_forced(head, blocks, ref.greedy_tokens[idx])
+            acc.add_teacher_forced(ref.logits.get(batch), forced.logits)
+            if forced.confidence is not None:
+                acc.add_confidence(ref.confidence[idx], forced.confidence)
+            acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
+            acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
+            if accepted is not None and probe is not None:
+                probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
         work = batch_flops(run.config, batch)
         run.progress.advance(f"{run.regime}: {variant.name}", len(idx), work, VARIANTS)
     return {
