@@ -69,7 +69,7 @@ def batch_flops(config: DSparkConfig, batch: Batch, boot: bool = False) -> float
     return drafted_flops(config, batch.anchor) + context + causal
 
 
-def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list[Batch]:
+def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> tuple[Batch, ...]:
     """Split the plan into batches of whole streams.  Streams are taken in order of the context
     they need (their largest anchor), so a batch pads every stream to nearly the same length;
     a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
@@ -95,7 +95,7 @@ def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list
         group.append(s)
     if group:
         batches.append(_batch(group, blocks_of, plan, corpus))
-    return batches
+    return tuple(batches)
 
 
 def _batch(

@@ -21,7 +21,7 @@ from qstream.bounded.heap import heap_hygiene
 from qstream.bounded.store import Store
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.device import exact_math
-from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch, make_batches
+from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
@@ -40,49 +40,17 @@ class RegimeRun:
     weights: Weights  # the checkpoint's weights: the reference's, and every variant's source
     corpus: Corpus  # token streams (CapturedStates: the captured file's streams and states)
     plan: AnchorPlan  # the blocks to draft
-    batches: tuple[Batch, ...]  # the plan in batches of whole streams
+    batches: tuple[Batch, ...]  # the plan in batches of whole streams (make_batches)
     variants: tuple[Variant, ...]
     settings: DriftSettings
     target: str | None  # checkpoint the draft borrows lm_head (and embed_tokens) from
     progress: Progress
 
-    @classmethod
-    def planned(
-        cls,
-        regime: str,
-        corpus: Corpus,
-        plan: AnchorPlan,
-        *,
-        config: DSparkConfig,
-        weights: Weights,
-        variants: tuple[Variant, ...],
-        settings: DriftSettings,
-        target: str | None,
-        progress: Progress,
+    def replanned(
+        self, corpus: Corpus, plan: AnchorPlan, batches: tuple[Batch, ...], settings: DriftSettings
     ) -> RegimeRun:
-        """A run over ``plan``'s blocks, batched by :func:`make_batches`."""
-        return cls(
-            regime,
-            config,
-            weights,
-            corpus,
-            plan,
-            tuple(make_batches(plan, corpus, config)),
-            variants,
-            settings,
-            target,
-            progress,
-        )
-
-    def replanned(self, corpus: Corpus, plan: AnchorPlan, settings: DriftSettings) -> RegimeRun:
         """The same regime and variants over other blocks (a context-length bucket)."""
-        return replace(
-            self,
-            corpus=corpus,
-            plan=plan,
-            settings=settings,
-            batches=tuple(make_batches(plan, corpus, self.config)),
-        )
+        return replace(self, corpus=corpus, plan=plan, batches=batches, settings=settings)
 
 
 @dataclass
