@@ -26,8 +26,8 @@ import torch
 
 from qstream.errors import QStreamError
 
-# A store told its total stays in memory up to this size: the tiny draft's whole evaluation and
-# the small draft's up to ~550 blocks.  Bigger ones go to the scratch directory.
+# A store told its total stays in memory up to this size (per-block logits: the tiny draft's
+# whole evaluation, the small draft's up to ~600 blocks); a bigger one goes to the scratch file.
 MEMORY_BYTES = 512 << 20
 
 _Spilled = tuple[int, torch.Size, torch.dtype]  # offset in the scratch file, shape, dtype

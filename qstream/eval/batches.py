@@ -37,7 +37,7 @@ LOGITS_BUDGET = 1 << 25
 # reference would upcast every weight once per dozen blocks (0.6 GB of bf16 aux at K3; the
 # narrower presets' batches are unchanged).
 MIN_AUX_POSITIONS = 8192
-# Synthetic aux states kept between the reference and the variants of one regime.
+# Aux states kept in memory between the reference and the variants of one regime (AuxStates).
 AUX_CACHE_BYTES = 1 << 30
 # A batch's aux states bigger than this are never held whole (AuxStates.get): at K3's width one
 # 131,072-token stream is 9.4 GB of bf16.

@@ -4,7 +4,9 @@ states and noise, is compared, and is dropped before the next one is built, so o
 variant's weights sit beside the reference's outputs (float32, exact).
 
 Everything a regime reads is one frozen :class:`RegimeRun`; the results entry it returns is the
-``regimes.REGIME`` block of docs/eval-drift.md.
+``regimes.REGIME`` block of docs/eval-drift.md.  The pass loop is where eval meets bounded memory
+(docs/eval-drift.md, "Memory"): the reference's outputs kept in a ``qstream.bounded`` store, and
+heap hygiene around each pass and each batch.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class RegimeRun:
 
 @dataclass
 class ReferenceOutputs:
-    """What every variant is compared with, for the blocks of one regime (plan order)."""
+    """What every variant is compared with, for the blocks of one regime (tokens and confidence
+    in plan order; logits by batch)."""
 
     logits: Store  # [n, B, V] float32 per batch: teacher-forced = its own greedy rollout's
     greedy_tokens: torch.Tensor  # [N, B]
