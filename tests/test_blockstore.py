@@ -6,6 +6,7 @@ by any range; and a whole evaluation gives the same results with its stores on d
 target's lm_head upcast per use as with everything in memory."""
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -195,10 +196,11 @@ def test_spilled_tensors_round_trip_any_shape_and_dtype(tmp_path):
 
 
 class _Source:
-    """A [2, 30, 4] tensor produced in order, counting what it is asked."""
+    """A [2, 30, 4] tensor produced in order (as the streamed causal pass, which holds its
+    cache), noting what it is asked in ``asked``."""
 
-    def __init__(self, whole: torch.Tensor):
-        self.whole, self.shape, self.asked = whole, tuple(whole.shape), []
+    def __init__(self, whole: torch.Tensor, asked: list):
+        self.whole, self.shape, self.asked = whole, tuple(whole.shape), asked
 
     def rows(self, t0: int, t1: int) -> torch.Tensor:
         self.asked.append((t0, t1))
@@ -206,18 +208,23 @@ class _Source:
 
 
 def test_a_recorded_source_is_taken_once_and_read_back_by_any_range(tmp_path):
+    """...and, once taken whole, is dropped with what it holds."""
     whole = torch.randn(2, 30, 4, generator=torch.Generator().manual_seed(7)).bfloat16()
-    source = _Source(whole)
+    asked: list = []
+    source = _Source(whole, asked)
+    alive = weakref.ref(source)
     with Store(str(tmp_path), memory_bytes=0) as store:
         recorded = Recorded(source, store)
+        del source
         taken = [(0, 7), (7, 8), (8, 30)]
         for a, b in taken:
-            assert not recorded.complete
+            assert not recorded.complete and alive() is not None
             assert torch.equal(recorded.rows(a, b), whole[:, a:b])
         assert recorded.complete and store.on_disk and store.held_bytes == 0
+        assert alive() is None
         for a, b in [(0, 30), (3, 9), (7, 8), (29, 30), (5, 6)]:
             assert torch.equal(
                 recorded.rows(a, b).view(torch.int16), whole[:, a:b].view(torch.int16)
             )
-        assert source.asked == taken  # never asked again
+        assert asked == taken  # never asked again
     assert os.listdir(tmp_path) == []
