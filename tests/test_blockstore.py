@@ -1,10 +1,12 @@
-"""The per-block outputs a regime keeps (qstream/bounded/store.py; docs/eval-drift.md,
-"Memory"): rows round-trip bit-exactly in memory and in the scratch file, in any order; the
-scratch file has no name, so nothing is left behind, also after an error; a disk too small is
-one error line; and a whole evaluation gives the same results with its stores on disk and the
+"""What a regime keeps between its passes (qstream/bounded/store.py; docs/eval-drift.md,
+"Memory"): tensors round-trip bit-exactly by key in memory and in the scratch file, in any
+order; a store stays within its memory budget; the scratch file has no name, so nothing is left
+behind, also after an error; a disk too small is one error line; a recorded source reads back
+by any range; and a whole evaluation gives the same results with its stores on disk and the
 target's lm_head upcast per use as with everything in memory."""
 
 import os
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -15,7 +17,7 @@ from stand_in_target import capture_states
 import qstream.arch.dspark_mla.weights as weights_module
 import qstream.bounded.store as blockstore
 import qstream.eval.batches as batches
-from qstream.bounded.store import BlockStore, SpillFile
+from qstream.bounded.store import Recorded, Store
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.aux_sources import REGIMES
@@ -23,8 +25,9 @@ from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.settings import Scratch, Verification
 
 SHAPE = (11, 3, 5)  # [N, B, V]
-# non-contiguous, out of order, with a run of consecutive rows (one call per run on disk)
-ORDER = torch.tensor([7, 2, 3, 4, 10, 0, 9, 1, 5, 6, 8])
+TOTAL = 4 * 11 * 3 * 5
+# the blocks of a regime in batches, as make_batches gives them: out of order, of uneven sizes
+BATCHES = [torch.tensor([7, 2, 3, 4]), torch.tensor([10]), torch.tensor([0, 9, 1, 5, 6, 8])]
 
 
 def _rows(n: int) -> torch.Tensor:
@@ -35,21 +38,35 @@ def _rows(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("memory_bytes", [None, 0], ids=["memory", "disk"])
-def test_round_trip_by_index_tensors(tmp_path, memory_bytes):
+def test_round_trip_by_key_in_any_order(tmp_path, memory_bytes):
     rows = _rows(SHAPE[0])
-    with BlockStore(SHAPE, scratch_dir=str(tmp_path), memory_bytes=memory_bytes) as store:
+    with Store(str(tmp_path), memory_bytes=memory_bytes, total_bytes=TOTAL) as store:
         assert store.on_disk == (memory_bytes == 0)
-        for part in (ORDER[:4], ORDER[4:5], ORDER[5:]):  # batches, as make_batches gives them
-            store[part] = rows[part]
-        for idx in (
-            torch.arange(SHAPE[0]),
-            ORDER,
-            torch.tensor([6, 6, 1]),
-            torch.tensor([], dtype=torch.long),
-        ):
-            got = store[idx]
-            assert got.shape == (len(idx), *SHAPE[1:]) and got.dtype == torch.float32
-            assert torch.equal(got.view(torch.int32), rows[idx].view(torch.int32)), idx
+        for number, idx in enumerate(BATCHES):
+            store.put(number, rows[idx][:, :, :])  # a view of a bigger tensor, kept alone
+        assert store.held_bytes == (TOTAL if memory_bytes is None else 0)
+        for number in (2, 0, 1, 2):
+            got = store.get(number)
+            assert got.shape == (len(BATCHES[number]), *SHAPE[1:]) and got.dtype == torch.float32
+            assert torch.equal(got.view(torch.int32), rows[BATCHES[number]].view(torch.int32))
+        assert 3 not in store and 1 in store
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_store_without_a_total_holds_what_fits_and_spills_the_rest(tmp_path):
+    """The aux states kept between passes: in memory up to the budget, then the scratch file
+    (boot's, which cost a causal pass), or dropped (gauss and heavy's, drawn again)."""
+    parts = [torch.full((3, 4), float(i)).bfloat16() for i in range(4)]  # 24 bytes each
+    spilling = Store(str(tmp_path), memory_bytes=50)
+    dropping = Store(str(tmp_path), memory_bytes=50, spill=False)
+    assert [spilling.put(i, t) for i, t in enumerate(parts)] == [True] * 4
+    assert [dropping.put(i, t) for i, t in enumerate(parts)] == [True, True, False, False]
+    assert spilling.held_bytes == dropping.held_bytes == 48
+    assert spilling.on_disk and not dropping.on_disk
+    assert 2 not in dropping
+    for i, t in enumerate(parts):
+        assert torch.equal(spilling.get(i).view(torch.int16), t.view(torch.int16))
+    spilling.close()
     assert os.listdir(tmp_path) == []
 
 
@@ -61,8 +78,8 @@ def _open_fds() -> set[str]:
 def test_disk_store_leaves_nothing_behind_even_on_error(tmp_path):
     before = _open_fds()
     with pytest.raises(ValueError, match="boom"):
-        with BlockStore(SHAPE, scratch_dir=str(tmp_path), memory_bytes=0) as store:
-            store[ORDER] = _rows(SHAPE[0])
+        with Store(str(tmp_path), memory_bytes=0, total_bytes=TOTAL) as store:
+            store.put(0, _rows(SHAPE[0]))
             assert os.listdir(tmp_path) == []  # unlinked from the start
             assert len(_open_fds() - before) == 1  # the one open, nameless file
             raise ValueError("boom")
@@ -77,11 +94,10 @@ def test_full_disk_is_one_error_line(tmp_path, monkeypatch):
         return type("usage", (), {"total": free, "used": 0, "free": free})()
 
     monkeypatch.setattr(blockstore.shutil, "disk_usage", small_disk)
-    need = 4 * 11 * 3 * 5
     with pytest.raises(QStreamError) as e:
-        BlockStore(SHAPE, scratch_dir=str(tmp_path), memory_bytes=0)
+        Store(str(tmp_path), memory_bytes=0, total_bytes=TOTAL)
     assert str(e.value) == (
-        f"--scratch-dir {tmp_path}: {need} bytes needed for the per-block outputs, "
+        f"--scratch-dir {tmp_path}: {TOTAL} bytes needed for the per-block outputs, "
         f"{free} free (pass --scratch-dir on a bigger disk, or fewer --blocks)"
     )
     assert os.listdir(tmp_path) == []
@@ -160,7 +176,7 @@ def test_target_head_upcast_per_use_matches_the_fp32_copy(monkeypatch):
     )
 
 
-def test_spill_file_round_trips_any_shape_and_dtype(tmp_path):
+def test_spilled_tensors_round_trip_any_shape_and_dtype(tmp_path):
     gen = torch.Generator().manual_seed(2)
     tensors = [
         torch.randn(3, 5, 7, generator=gen).bfloat16(),  # boot's aux states are bf16
@@ -168,11 +184,47 @@ def test_spill_file_round_trips_any_shape_and_dtype(tmp_path):
         torch.empty(0, 4, dtype=torch.bfloat16),
         torch.tensor([float("nan"), -0.0, float("inf")]).bfloat16(),
     ]
-    spill = SpillFile(str(tmp_path))
-    handles = [spill.put(t) for t in tensors]
-    for t, handle in reversed(list(zip(tensors, handles))):
-        got = spill.get(handle)
+    store = Store(str(tmp_path), memory_bytes=0)
+    for i, t in enumerate(tensors):
+        store.put(i, t)
+    for i, t in reversed(list(enumerate(tensors))):
+        got = store.get(i)
         assert got.dtype == t.dtype and got.shape == t.shape
         assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
-    spill.close()
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+class _Source:
+    """A [2, 30, 4] tensor produced in order (as the streamed causal pass, which holds its
+    cache), noting what it is asked in ``asked``."""
+
+    def __init__(self, whole: torch.Tensor, asked: list):
+        self.whole, self.shape, self.asked = whole, tuple(whole.shape), asked
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        self.asked.append((t0, t1))
+        return self.whole[:, t0:t1].clone()
+
+
+def test_a_recorded_source_is_taken_once_and_read_back_by_any_range(tmp_path):
+    """...and, once taken whole, is dropped with what it holds."""
+    whole = torch.randn(2, 30, 4, generator=torch.Generator().manual_seed(7)).bfloat16()
+    asked: list = []
+    source = _Source(whole, asked)
+    alive = weakref.ref(source)
+    with Store(str(tmp_path), memory_bytes=0) as store:
+        recorded = Recorded(source, store)
+        del source
+        taken = [(0, 7), (7, 8), (8, 30)]
+        for a, b in taken:
+            assert not recorded.complete and alive() is not None
+            assert torch.equal(recorded.rows(a, b), whole[:, a:b])
+        assert recorded.complete and store.on_disk and store.held_bytes == 0
+        assert alive() is None
+        for a, b in [(0, 30), (3, 9), (7, 8), (29, 30), (5, 6)]:
+            assert torch.equal(
+                recorded.rows(a, b).view(torch.int16), whole[:, a:b].view(torch.int16)
+            )
+        assert asked == taken  # never asked again
     assert os.listdir(tmp_path) == []

@@ -8,6 +8,7 @@ from model_helpers import long_context_model, random_model_weights
 
 import qstream.arch.dspark_mla.engine as engine
 import qstream.arch.dspark_mla.forward as dspark
+import qstream.bounded.heap as heap
 import qstream.eval.batches as batches
 from qstream.arch.dspark_mla.causal import CausalStream
 from qstream.arch.dspark_mla.config import PRESETS
@@ -112,11 +113,12 @@ def test_evaluation_with_boot_aux_never_held_whole_is_unchanged(tiny, corpus, mo
     monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
     made = _counting_streams(monkeypatch)
     trims: list = []
-    monkeypatch.setattr(batches, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1))
     assert evaluate_drift(tiny, settings, corpus) == held
     assert made  # the streamed path ran
-    # the heap is trimmed after every range: the reference's and each variant's, per batch
-    assert len(trims) == 3 * len(made)
+    # the heap is trimmed after every range and after every batch, in the reference's pass and
+    # each variant's (one range per batch here), and at the end of the reference's pass
+    assert len(trims) == 2 * 3 * len(made) + 1
 
 
 class _Count:

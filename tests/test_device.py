@@ -212,10 +212,11 @@ def test_trim_heap_gives_freed_heap_pages_back():
         libc.mallopt(-3, 128 << 10)
 
 
-def test_big_temporaries_are_reused_inside_reuse_freed_blocks():
-    """eval-drift's regimes run inside memory.reuse_freed_blocks: a block above glibc's mmap
-    threshold comes from the heap, so freeing and allocating it again faults no pages (mapped
-    afresh, all 16,384 pages of 64 MiB fault in again, as they do once the block ends)."""
+def test_big_temporaries_are_reused_inside_a_reuse_freed_heap_hygiene():
+    """eval-drift's reference passes run inside heap_hygiene(reuse_freed=True): a block above
+    glibc's mmap threshold comes from the heap, so freeing and allocating it again faults no
+    pages (mapped afresh, all 16,384 pages of 64 MiB fault in again, as they do once the block
+    ends)."""
     import ctypes
     import resource
     import sys
@@ -240,7 +241,7 @@ def test_big_temporaries_are_reused_inside_reuse_freed_blocks():
         libc.free(second)
         return faults
 
-    with memory.reuse_freed_blocks():
+    with memory.heap_hygiene(reuse_freed=True):
         assert faults_of_a_second_block() < 1000
     assert faults_of_a_second_block() > 10_000
 

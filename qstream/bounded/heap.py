@@ -1,16 +1,17 @@
-"""Giving freed heap memory back to the operating system (docs/eval-drift.md, "Memory").
+"""Heap hygiene as one context manager, :func:`heap_hygiene` (docs/eval-drift.md, "Memory":
+why and what it saved).
 
-glibc's malloc serves allocations under its mmap threshold (which rises to 32 MiB as big blocks
-are freed) from the heap, and returns only the heap's free top to the system.  eval-drift at K3
-scale frees and allocates such tensors every batch (per-position logits over a 163,840-token
-vocabulary, context latents, GEMM outputs), and the free holes between longer-lived ones stayed
-resident: 4 GB of a 13.4 GB peak, of which ``malloc_trim(0)`` released 2.7 GB at once.
+glibc's malloc serves allocations under its mmap threshold from the heap and returns only the
+heap's free top to the system, so the holes freed between longer-lived tensors stay resident
+until trimmed; blocks above the threshold are mapped at each allocation and faulted in again
+page by page.  A batch (or a range of one) runs inside ``heap_hygiene()``, which trims on exit;
+the FP32 reference pass inside ``heap_hygiene(reuse_freed=True)``, which serves big blocks from
+the heap so that a freed one is reused.  A no-op on other C libraries.
 
-Blocks above the mmap threshold are mapped at each allocation and unmapped at each free, so
-every big temporary is faulted in again page by page: a 1024-block K3 evaluation took 158 M
-page faults.  :func:`reuse_freed_blocks` serves them from the heap instead, where a freed block
-is reused by the next allocation of its size within the batch, and ``trim_heap`` gives the
-pages back at the batch's end.
+>>> with heap_hygiene(reuse_freed=True):
+...     for batch in batches:
+...         with heap_hygiene():
+...             draft(batch)
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import ctypes
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
+
+from qstream.bounded.store import Ranges
 
 
 def _glibc(name: str):
@@ -39,27 +44,41 @@ SETTLED = {M_MMAP_MAX: 65536, M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 64 <
 
 
 def trim_heap() -> None:
-    """Return every whole free page of the heap to the system (glibc's ``malloc_trim(0)``; a
-    no-op on other C libraries).  Costs milliseconds; call it between batches, not per op."""
+    """Return every whole free page of the heap to the system (glibc's ``malloc_trim(0)``): what
+    :func:`heap_hygiene` does on exit.  Costs milliseconds: per batch or range, not per op."""
     if _TRIM is not None:
         _TRIM(0)
 
 
 @contextmanager
-def reuse_freed_blocks() -> Iterator[None]:
-    """Within the block, glibc serves every allocation from the heap (no per-block mmap) and
-    never trims on free; call ``trim_heap`` between batches.  At K3 a reference batch ran 3-5%
-    faster with half the system time.  On exit the thresholds are set where glibc's adaptive
-    ones settle in a run that frees big blocks (``SETTLED``): once one is set by mallopt, glibc
-    stops adapting them."""
-    if _MALLOPT is None:
-        yield
-        return
-    _MALLOPT(M_MMAP_MAX, 0)
-    _MALLOPT(M_TRIM_THRESHOLD, 2**31 - 1)  # a C int: the largest
+def heap_hygiene(reuse_freed: bool = False) -> Iterator[None]:
+    """The heap hygiene of a batch, a range or a pass: on exit its freed memory goes back to the
+    system (``trim_heap``).  With ``reuse_freed`` (around a whole pass, its batches each inside
+    a plain one) glibc serves every allocation from the heap (no per-block mmap) and never
+    trims on free, so a freed big block is reused by the next allocation of its size; on exit
+    the thresholds are set where glibc's adaptive ones settle in a run that frees big blocks
+    (``SETTLED``): once one is set by mallopt, glibc stops adapting them."""
+    reuse = reuse_freed and _MALLOPT is not None
+    if reuse:
+        _MALLOPT(M_MMAP_MAX, 0)
+        _MALLOPT(M_TRIM_THRESHOLD, 2**31 - 1)  # a C int: the largest
     try:
         yield
     finally:
-        for parameter, value in SETTLED.items():
-            _MALLOPT(parameter, value)
+        if reuse:
+            for parameter, value in SETTLED.items():
+                _MALLOPT(parameter, value)
         trim_heap()
+
+
+class Trimmed:
+    """``source``'s ranges, the heap trimmed after each: a long stream's many ranges, each
+    leaving its small context latent between big temporaries, would otherwise keep ever more
+    free holes resident (docs/context-sweep.md)."""
+
+    def __init__(self, source: Ranges):
+        self.shape, self._source = source.shape, source
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        with heap_hygiene():
+            return self._source.rows(t0, t1)

@@ -1,16 +1,15 @@
-"""Per-block float32 outputs kept for one regime, in bounded memory (docs/eval-drift.md, "Memory").
+"""Keyed tensors in bounded memory (docs/eval-drift.md, "Memory").
 
-The FP32 reference's teacher-forced logits and its U are ``[N, B, V]`` float32, kept from the
-reference pass until every variant has been compared: 4.7 GiB each at K3's 163,840-token
-vocabulary and 1024 blocks.  A :class:`BlockStore` holds such an array in memory when it is
-small (at most ``MEMORY_BYTES``) and otherwise in an unlinked temporary file in a scratch
-directory, written and read with positional file I/O (no mmap: the pages sit in the kernel's
-page cache, which it may write back and drop, never in the process's resident set).  Rows
-round-trip bit-exactly either way.
+A :class:`Store` holds tensors of any shape and dtype by key: in memory while they fit under its
+budget, the rest in an unlinked temporary file in a scratch directory, written and read with
+positional file I/O (no mmap: the pages sit in the kernel's page cache, which may write them
+back and drop them, never in the process's resident set).  Values round-trip bit-exactly either
+way.  A :class:`Recorded` source keeps the ranges a consumer takes of a tensor too big to hold
+in a store and reads them back by any range.
 
->>> with BlockStore((N, B, V), scratch_dir=None) as store:
-...     store[batch.blocks] = logits            # [n, B, V] rows, any order
-...     store[batch.blocks]                     # a new [n, B, V] tensor
+>>> with Store(scratch_dir, total_bytes=N * B * V * 4) as store:   # all in memory, or all on disk
+...     store.put(key, logits)
+...     store.get(key)                                              # the same bits
 """
 
 from __future__ import annotations
@@ -19,104 +18,142 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
 from qstream.errors import QStreamError
 
-# Stores up to this size stay in memory, exactly as before: the tiny draft's whole evaluation
-# and the small draft's up to ~550 blocks.  Bigger ones go to the scratch directory.
+# A store told its total stays in memory up to this size (per-block logits: the tiny draft's
+# whole evaluation, the small draft's up to ~600 blocks); a bigger one goes to the scratch file.
 MEMORY_BYTES = 512 << 20
 
+_Spilled = tuple[int, torch.Size, torch.dtype]  # offset in the scratch file, shape, dtype
 
-class BlockStore:
-    """A ``[N, *row]`` float32 array read and written by row index tensors (module docstring).
-    Close it (or use it as a context manager) to free its memory or file."""
+
+class Store:
+    """Tensors by key (module docstring).  Without ``total_bytes`` a put stays in memory while
+    the held total stays within ``memory_bytes`` (default ``MEMORY_BYTES``), and goes to the
+    scratch file beyond it, or with ``spill`` False is not kept (a cache whose caller makes it
+    again).  With ``total_bytes`` (what the caller will put, when it knows) everything stays in
+    memory if that fits, else everything goes to disk, whose free space is checked now.  Close
+    it (or use it as a context manager) to free its memory and file."""
 
     def __init__(
         self,
-        shape: tuple[int, ...],
-        *,
         scratch_dir: str | None = None,
+        *,
         memory_bytes: int | None = None,
+        total_bytes: int | None = None,
+        spill: bool = True,
     ):
-        self.shape = shape
-        self.row_shape = shape[1:]
-        self.row_bytes = 4 * _product(self.row_shape)
-        nbytes = shape[0] * self.row_bytes
-        limit = MEMORY_BYTES if memory_bytes is None else memory_bytes
-        self.memory: torch.Tensor | None = None
-        self.fd: int | None = None
-        if nbytes <= limit:
-            self.memory = torch.empty(shape)
-        else:
-            self.fd = _scratch_file(scratch_dir or tempfile.gettempdir(), nbytes)
         self.scratch_dir = scratch_dir or tempfile.gettempdir()
+        self.memory_bytes = MEMORY_BYTES if memory_bytes is None else memory_bytes
+        self.total_bytes, self.spill = total_bytes, spill
+        self._items: dict[Hashable, torch.Tensor | _Spilled] = {}
+        self.held_bytes = self.end = 0
+        self.fd: int | None = None
+        if total_bytes is not None and total_bytes > self.memory_bytes:
+            self.memory_bytes = 0
+            self.fd = _scratch_file(self.scratch_dir, total_bytes)
 
     @property
     def on_disk(self) -> bool:
         return self.fd is not None
 
-    def __setitem__(self, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        rows = rows.detach().to("cpu", torch.float32).contiguous()
-        if self.memory is not None:
-            self.memory[idx] = rows
-            return
-        for start, stop, first in self._runs(idx):
-            data = rows[start:stop].numpy().data.cast("B")
-            self._io(_write_all, data, first * self.row_bytes)
+    def put(self, key: Hashable, tensor: torch.Tensor) -> bool:
+        """Keep ``tensor`` under ``key``; whether it was kept (only a non-spilling store drops)."""
+        tensor = tensor.detach().cpu().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.held_bytes + nbytes <= self.memory_bytes:
+            if tensor.untyped_storage().nbytes() > nbytes:  # a view: hold its elements only
+                tensor = tensor.clone()
+            self._items[key] = tensor
+            self.held_bytes += nbytes
+            return True
+        if not self.spill:
+            return False
+        data = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        if self.fd is None:
+            self.fd = _scratch_file(self.scratch_dir, len(data))
+        what = (
+            f"{self.total_bytes} bytes needed"
+            if self.total_bytes is not None
+            else f"{self.end + len(data)} bytes written"
+        )
+        with _disk_full_is_an_error(self.scratch_dir, what):
+            _write_all(self.fd, data, self.end)
+        self._items[key] = (self.end, tensor.shape, tensor.dtype)
+        self.end += len(data)
+        return True
 
-    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.memory is not None:
-            return self.memory[idx]
-        out = torch.empty(len(idx), *self.row_shape)
-        for start, stop, first in self._runs(idx):
-            data = out[start:stop].numpy().data.cast("B")
-            _read_all(self.fd, data, first * self.row_bytes)
+    def get(self, key: Hashable) -> torch.Tensor:
+        """The tensor put under ``key`` (held in memory: that tensor itself, not to be changed)."""
+        item = self._items[key]
+        if isinstance(item, torch.Tensor):
+            return item
+        offset, shape, dtype = item
+        out = torch.empty(shape, dtype=dtype)
+        _read_all(self.fd, out.reshape(-1).view(torch.uint8).numpy().data.cast("B"), offset)
         return out
 
-    def _runs(self, idx: torch.Tensor) -> Iterator[tuple[int, int, int]]:
-        """(start, stop, first row) for each run of consecutive row numbers in ``idx``: one
-        system call per run."""
-        rows = [int(i) for i in torch.as_tensor(idx).reshape(-1)]
-        for i in rows:
-            if not 0 <= i < self.shape[0]:
-                raise IndexError(f"block store: row {i} outside 0..{self.shape[0] - 1}")
-        start = 0
-        for j in range(1, len(rows) + 1):
-            if j == len(rows) or rows[j] != rows[j - 1] + 1:
-                yield start, j, rows[start]
-                start = j
-
-    def _io(
-        self, call: Callable[[int, memoryview, int], None], data: memoryview, offset: int
-    ) -> None:
-        assert self.fd is not None
-        with _disk_full_is_an_error(
-            self.scratch_dir, f"{self.shape[0] * self.row_bytes} bytes needed"
-        ):
-            call(self.fd, data, offset)
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._items
 
     def close(self) -> None:
-        self.memory = None
+        self._items.clear()
+        self.held_bytes = 0
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
-    def __enter__(self) -> BlockStore:
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _product(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+class Ranges(Protocol):
+    """A tensor [S, T, W] too big to hold, produced a range of positions (dim 1) at a time."""
+
+    shape: tuple[int, int, int]
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        """Positions t0..t1-1: [S, t1 - t0, W]."""
+        ...
+
+
+class Recorded:
+    """``source``'s ranges put in ``store`` as a consumer takes them, in order from 0 to T; once
+    all are taken (``complete``) the source is dropped, and ``rows`` reads the same bits back by
+    any range."""
+
+    def __init__(self, source: Ranges, store: Store):
+        self.shape, self._store = source.shape, store
+        self._source: Ranges | None = source
+        self._pieces: list[tuple[int, int]] = []
+
+    @property
+    def complete(self) -> bool:
+        return bool(self._pieces) and self._pieces[-1][1] == self.shape[1]
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        if self._source is not None:
+            rows = self._source.rows(t0, t1).cpu()
+            self._store.put((self, t0, t1), rows)
+            self._pieces.append((t0, t1))
+            if self.complete:
+                self._source = None
+            return rows
+        parts = [
+            self._store.get((self, a, b))[:, max(a, t0) - a : min(b, t1) - a]
+            for a, b in self._pieces
+            if a < t1 and b > t0
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def _scratch_file(directory: str, nbytes: int) -> int:
@@ -133,40 +170,6 @@ def _scratch_file(directory: str, nbytes: int) -> int:
         )
     with tempfile.TemporaryFile(prefix="qstream-blocks-", dir=directory) as f:
         return os.dup(f.fileno())
-
-
-class SpillFile:
-    """Tensors of any shape and dtype written once and read back by handle, in an unlinked
-    scratch file created at the first write (positional I/O as :class:`BlockStore`'s): what
-    a cache holds beyond its memory cap (the boot regime's aux states)."""
-
-    def __init__(self, scratch_dir: str | None = None):
-        self.scratch_dir = scratch_dir or tempfile.gettempdir()
-        self.fd: int | None = None
-        self.end = 0
-
-    def put(self, tensor: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
-        tensor = tensor.detach().cpu().contiguous()
-        data = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-        if self.fd is None:
-            self.fd = _scratch_file(self.scratch_dir, len(data))
-        with _disk_full_is_an_error(self.scratch_dir, f"{self.end + len(data)} bytes written"):
-            _write_all(self.fd, data, self.end)
-        handle = (self.end, tensor.shape, tensor.dtype)
-        self.end += len(data)
-        return handle
-
-    def get(self, handle: tuple[int, torch.Size, torch.dtype]) -> torch.Tensor:
-        offset, shape, dtype = handle
-        assert self.fd is not None, "nothing was written"
-        out = torch.empty(shape, dtype=dtype)
-        _read_all(self.fd, out.reshape(-1).view(torch.uint8).numpy().data.cast("B"), offset)
-        return out
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:

@@ -18,8 +18,8 @@ from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.flops import causal_flops, context_flops, drafted_flops
 from qstream.arch.dspark_mla.forward import AuxChunks, Blocks, DSpark, Rollout
 from qstream.arch.dspark_mla.markov import rollout
-from qstream.bounded.heap import trim_heap
-from qstream.bounded.store import SpillFile
+from qstream.bounded.heap import Trimmed
+from qstream.bounded.store import Recorded, Store
 from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.settings import Sampling
@@ -38,7 +38,7 @@ LOGITS_BUDGET = 1 << 25
 # reference would upcast every weight once per dozen blocks (0.6 GB of bf16 aux at K3; the
 # narrower presets' batches are unchanged).
 MIN_AUX_POSITIONS = 8192
-# Synthetic aux states kept between the reference and the variants of one regime.
+# Aux states kept in memory between the reference and the variants of one regime (AuxStates).
 AUX_CACHE_BYTES = 1 << 30
 # A batch's aux states bigger than this are never held whole (AuxStates.get): at K3's width one
 # 131,072-token stream is 9.4 GB of bf16.
@@ -49,9 +49,10 @@ PAD_SLACK = 1.25
 MIN_BATCH_POSITIONS = 4096
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Batch:
-    """Blocks of whole streams, so a stream's context is computed once per batch."""
+    """Blocks of whole streams, so a stream's context is computed once per batch.  A batch is
+    its own key (by identity) in the stores that keep its outputs between passes."""
 
     blocks: torch.Tensor  # [n] indices into the plan
     streams: list[int]  # corpus stream ids in this batch
@@ -69,7 +70,7 @@ def batch_flops(config: DSparkConfig, batch: Batch, boot: bool = False) -> float
     return drafted_flops(config, batch.anchor) + context + causal
 
 
-def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list[Batch]:
+def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> tuple[Batch, ...]:
     """Split the plan into batches of whole streams.  Streams are taken in order of the context
     they need (their largest anchor), so a batch pads every stream to nearly the same length;
     a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
@@ -95,7 +96,7 @@ def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> list
         group.append(s)
     if group:
         batches.append(_batch(group, blocks_of, plan, corpus))
-    return batches
+    return tuple(batches)
 
 
 def _batch(
@@ -114,11 +115,12 @@ def _batch(
 class AuxStates:
     """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: the captured file's own
     (``corpus`` is :class:`CapturedStates`), or drawn for gauss and heavy, or (boot) the
-    reference model's own causal layer outputs, computed on the reference pass and cached.
-    gauss and heavy are cached while the cache holds under AUX_CACHE_BYTES (drawing them again
-    for every variant costs as much as a bf16 forward), else drawn again (deterministic); boot
-    states beyond that cap go to a scratch file (``scratch_dir``, as the per-block outputs) and
-    are read back bit-exactly.  Close it (or use it as a context manager) when the regime ends."""
+    reference model's own causal layer outputs, computed on the reference pass.  A batch's
+    states are kept for the later passes while the kept ones stay under AUX_CACHE_BYTES
+    (drawing gauss and heavy again costs as much as a bf16 forward); beyond that gauss and
+    heavy are drawn again (deterministic) and boot's go to a scratch file (``scratch_dir``, as
+    the per-block outputs), read back bit-exactly.  Close it (or use it as a context manager)
+    when the regime ends."""
 
     def __init__(
         self,
@@ -131,10 +133,10 @@ class AuxStates:
         self.regime, self.corpus, self.config, self.seed = regime, corpus, config, seed
         # the one place captured states are told apart from a token corpus
         self.captured = corpus if isinstance(corpus, CapturedStates) else None
-        self._cache: dict[int, torch.Tensor] = {}
-        self._spill = SpillFile(scratch_dir)
-        self._spilled: dict[int, tuple] = {}
-        self._recorded: dict[int, _Recorded] = {}
+        boot = regime == "boot"
+        self._kept = Store(scratch_dir, memory_bytes=AUX_CACHE_BYTES, spill=boot)
+        self._ranges = Store(scratch_dir, memory_bytes=0)  # boot's, never held whole
+        self._recorded: dict[Batch, Recorded] = {}
 
     def get(self, batch: Batch, reference: DSpark | None = None) -> torch.Tensor | AuxChunks:
         """The batch's aux states; boot needs ``reference`` the first time a batch is seen.
@@ -142,9 +144,9 @@ class AuxStates:
         they come as :class:`AuxChunks`, produced as the context projection takes them (gauss
         and heavy drawn, captured rows read, again for every pass; boot computed once by the
         reference's streamed causal pass and read back from the scratch file), the heap
-        trimmed after each range (:class:`_Trimming`)."""
+        trimmed after each range."""
         aux = self._get(batch, reference)
-        return aux if isinstance(aux, torch.Tensor) else _Trimming(aux)
+        return aux if isinstance(aux, torch.Tensor) else Trimmed(aux)
 
     def _get(self, batch: Batch, reference: DSpark | None) -> torch.Tensor | AuxChunks:
         T = max(batch.context_length, 1)
@@ -152,32 +154,30 @@ class AuxStates:
         if self.captured is not None:
             chunks = self.captured.aux_chunks(batch.streams, T, AUX_DTYPE)
             return chunks if lazy else chunks.rows(0, T)
-        key = id(batch)
-        if key in self._cache:
-            return self._cache[key]
-        if key in self._spilled:
-            return self._spill.get(self._spilled[key])
-        if key in self._recorded:
-            return self._recorded[key].replay()
+        if batch in self._kept:
+            return self._kept.get(batch)
+        if batch in self._recorded:
+            if not self._recorded[batch].complete:
+                raise RuntimeError(
+                    "boot aux states must be taken whole by the reference pass first"
+                )
+            return self._recorded[batch]
         if self.regime == "boot":
             if reference is None:
                 raise RuntimeError("boot aux states must come from the reference pass first")
             ids = self._ids(batch, T)
             if lazy:
-                self._recorded[key] = _Recorded(
-                    CausalStream(reference, ids, AUX_DTYPE), self._spill
-                )
-                return self._recorded[key]
+                stream = CausalStream(reference, ids, AUX_DTYPE)
+                self._recorded[batch] = Recorded(stream, self._ranges)
+                return self._recorded[batch]
             aux = reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE).cpu()  # [S, T, L*H]
-            if not self._keep(key, aux):
-                self._spilled[key] = self._spill.put(aux)
-            return aux
-        lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
-        args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
-        if lazy:
-            return SyntheticAuxChunks(*args)
-        aux = synthetic_aux(*args)
-        self._keep(key, aux)
+        else:
+            lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
+            args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
+            if lazy:
+                return SyntheticAuxChunks(*args)
+            aux = synthetic_aux(*args)
+        self._kept.put(batch, aux)
         return aux
 
     def _ids(self, batch: Batch, T: int) -> torch.Tensor:
@@ -188,74 +188,16 @@ class AuxStates:
             ids[row, : tokens.numel()] = tokens
         return ids
 
-    def _keep(self, key: int, aux: torch.Tensor) -> bool:
-        """Cache ``aux`` in memory if the cache stays under AUX_CACHE_BYTES; whether it did."""
-        held = sum(t.numel() * t.element_size() for t in self._cache.values())
-        if held + aux.numel() * aux.element_size() > AUX_CACHE_BYTES:
-            return False
-        self._cache[key] = aux
-        return True
-
     def close(self) -> None:
-        self._cache.clear()
-        self._spilled.clear()
+        self._kept.close()
+        self._ranges.close()
         self._recorded.clear()
-        self._spill.close()
 
     def __enter__(self) -> AuxStates:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Trimming:
-    """Aux states handed over a range at a time, the heap trimmed after each range: the
-    reference pass reuses freed heap blocks (``reuse_freed_blocks``), and a long stream's many
-    ranges, each leaving its small context latent between big temporaries, would otherwise
-    keep ever more free holes resident (at K3, 0.1 GB a range of the boot regime's causal
-    pass, measured with mallinfo2)."""
-
-    def __init__(self, chunks: AuxChunks):
-        self.shape, self._chunks = chunks.shape, chunks
-
-    def rows(self, t0: int, t1: int) -> torch.Tensor:
-        rows = self._chunks.rows(t0, t1)
-        trim_heap()
-        return rows
-
-
-class _Recorded:
-    """A boot batch's aux states too big to hold, as the reference's context projection takes
-    them from ``source``: each range is written to the scratch file, and :meth:`replay` reads
-    the same bits back, range by range, for every later pass."""
-
-    def __init__(self, source: AuxChunks, spill: SpillFile):
-        self.shape, self._source, self._spill = source.shape, source, spill
-        self._pieces: list[tuple[int, int, tuple]] = []
-
-    def rows(self, t0: int, t1: int) -> torch.Tensor:
-        rows = self._source.rows(t0, t1).cpu()
-        self._pieces.append((t0, t1, self._spill.put(rows)))
-        return rows
-
-    def replay(self) -> AuxChunks:
-        if not self._pieces or self._pieces[-1][1] != self.shape[1]:
-            raise RuntimeError("boot aux states must be taken whole by the reference pass first")
-        return _Replay(self.shape, self._pieces, self._spill)
-
-
-class _Replay:
-    def __init__(self, shape: tuple[int, int, int], pieces: list, spill: SpillFile):
-        self.shape, self.pieces, self.spill = shape, pieces, spill
-
-    def rows(self, t0: int, t1: int) -> torch.Tensor:
-        parts = [
-            self.spill.get(handle)[:, max(a, t0) - a : min(b, t1) - a]
-            for a, b, handle in self.pieces
-            if a < t1 and b > t0
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:

@@ -111,13 +111,16 @@ def bucket_plans(
 
 
 def context_sweep(
-    config: DSparkConfig, corpus: Corpus, settings: DriftSettings, evaluate: Evaluate
+    config: DSparkConfig,
+    settings: DriftSettings,
+    planned: list[tuple[int, int, Corpus, AnchorPlan]],
+    evaluate: Evaluate,
 ) -> dict:
-    """Evaluate ``settings.context_blocks`` blocks per bucket [edge_i, edge_i+1) of context length
-    (JSON-ready; the schema is in docs/eval-drift.md)."""
+    """Evaluate each bucket of ``planned`` (:func:`bucket_plans`' buckets) (JSON-ready; the
+    schema is in docs/eval-drift.md)."""
     boundary = config.rope_parameters.original_max_position_embeddings
     buckets = []
-    for lo, hi, streams, plan in bucket_plans(config, corpus, settings):
+    for lo, hi, streams, plan in planned:
         result = evaluate(streams, plan)
         buckets.append(
             {

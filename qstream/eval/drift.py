@@ -21,7 +21,7 @@ from qstream.arch.dspark_mla.forward import LM_HEAD
 from qstream.arch.dspark_mla.load import load_config, load_weights
 from qstream.device import describe_device, resolve_device
 from qstream.eval.aux_sources import check_boot_compatible
-from qstream.eval.batches import batch_flops, make_batches
+from qstream.eval.batches import Batch, batch_flops, make_batches
 from qstream.eval.context_sweep import bucket_plans, context_sweep
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
 from qstream.eval.passes import RegimeRun, evaluate_regime
@@ -34,6 +34,9 @@ from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
 
 __all__ = ["DriftSettings", "config_hash", "evaluate_drift"]
+
+Buckets = list[tuple[int, int, Corpus, AnchorPlan]]  # context_sweep.bucket_plans
+Batched = dict[int, tuple[Batch, ...]]  # id of a plan the run holds -> its batches
 
 
 def config_hash(model_dir: str | Path) -> str:
@@ -73,24 +76,19 @@ def evaluate_drift(
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
     states_plan = None if states is None else _plan(states, settings, config)
-    progress.start(*_planned(config, weights, corpus, plan, states, states_plan, settings))
+    steps = _sensitivity_steps(weights, settings)
+    buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
+    sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
+    batched = _batched(config, sets)
+    progress.start(*_planned(config, settings, steps, batched, plan, states_plan, buckets))
     results = _run_description(model_dir, config, weights, corpus, plan, settings, variants, target)
 
-    def run(regime: str, streams: Corpus, regime_plan: AnchorPlan) -> RegimeRun:
-        return RegimeRun.planned(
-            regime,
-            streams,
-            regime_plan,
-            config=config,
-            weights=weights,
-            variants=variants,
-            settings=settings,
-            target=target,
-            progress=progress,
-        )
+    def run(regime: str, streams: Corpus, blocks: AnchorPlan) -> RegimeRun:
+        batches, fixed = batched[id(blocks)], (variants, settings, target, progress)
+        return RegimeRun(regime, config, weights, streams, blocks, batches, *fixed)
 
     for regime in settings.regimes:
-        results["regimes"][regime] = _with_sweep(run(regime, corpus, plan))
+        results["regimes"][regime] = _with_sweep(run(regime, corpus, plan), buckets, batched)
     if states is not None and states_plan is not None:
         results["states"] = {**states.identity(), "anchors": states_plan.to_json()}
         results["regimes"][STATES_REGIME] = evaluate_regime(run(STATES_REGIME, states, states_plan))
@@ -99,40 +97,50 @@ def evaluate_drift(
     return results
 
 
+def _batched(config: DSparkConfig, sets: list[tuple[Corpus | None, AnchorPlan | None]]) -> Batched:
+    """Each set of blocks the run drafts, batched once (``make_batches``): the passes run the
+    batches the progress was planned on."""
+    return {id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None}
+
+
+def _sensitivity_steps(weights: Weights, settings: DriftSettings) -> int:
+    """The passes of the sensitivity steps per regime (qstream/eval/sensitivity.py: the floor,
+    each kind alone, each kind added); a checkpoint no kind of which the format holds fails
+    here."""
+    if not settings.sensitivity:
+        return 0
+    return 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), settings.ignore))
+
+
 def _planned(
     config: DSparkConfig,
-    weights: Weights,
-    corpus: Corpus,
-    plan: AnchorPlan,
-    states: CapturedStates | None,
-    states_plan: AnchorPlan | None,
     settings: DriftSettings,
+    steps: int,
+    batched: Batched,
+    plan: AnchorPlan,
+    states_plan: AnchorPlan | None,
+    buckets: Buckets,
 ) -> tuple[int, dict[str, float]]:
     """Blocks and FLOPs (per kind of pass) of every pass the run will make, as its batches
-    report them: per regime the reference pass, each variant's and each sensitivity step's
-    (qstream/eval/sensitivity.py: the floor, each kind alone, each kind added); per bucket of a
-    context sweep the reference's and each variant's.  A bucket counts at its length: at K3 a
-    16k-token block's context costs as much as ~200 corpus blocks."""
-    steps = 0
-    if settings.sensitivity:  # a checkpoint no kind of which the format holds fails here
-        steps = 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), settings.ignore))
+    report them: per regime the reference pass, each variant's and the ``steps`` sensitivity
+    steps'; per bucket of a context sweep the reference's and each variant's.  A bucket counts
+    at its length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks."""
     blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS), 0.0)
 
-    def add(streams: Corpus, anchors: AnchorPlan, regime: str, passes: int) -> None:
+    def add(anchors: AnchorPlan, regime: str, passes: int) -> None:
         """The reference pass (boot's also runs the causal pass) and ``passes`` others."""
         nonlocal blocks
-        for b in make_batches(anchors, streams, config):
+        for b in batched[id(anchors)]:
             blocks += b.blocks.numel() * (1 + passes)
             work[REFERENCE] += batch_flops(config, b, regime == "boot")
             work[VARIANTS] += passes * batch_flops(config, b)
 
-    buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
     for regime in settings.regimes:
-        add(corpus, plan, regime, settings.n_variants + steps)
-        for _, _, streams, anchors in buckets:
-            add(streams, anchors, regime, settings.n_variants)
-    if states is not None and states_plan is not None:
-        add(states, states_plan, STATES_REGIME, settings.n_variants + steps)
+        add(plan, regime, settings.n_variants + steps)
+        for _, _, _, anchors in buckets:
+            add(anchors, regime, settings.n_variants)
+    if states_plan is not None:
+        add(states_plan, STATES_REGIME, settings.n_variants + steps)
     return blocks, work
 
 
@@ -151,7 +159,7 @@ def _read_states(
     )
 
 
-def _with_sweep(run: RegimeRun) -> dict:
+def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
     """The regime's results and, when the settings ask, its context-length sweep: each bucket a
     full evaluation of its own blocks (without sensitivity steps or a sweep of its own)."""
     out = evaluate_regime(run)
@@ -159,9 +167,11 @@ def _with_sweep(run: RegimeRun) -> dict:
         plain = replace(run.settings, sensitivity=False, context_lengths=())
         out["context_sweep"] = context_sweep(
             run.config,
-            run.corpus,
             run.settings,
-            lambda streams, plan: evaluate_regime(run.replanned(streams, plan, plain)),
+            buckets,
+            lambda streams, plan: evaluate_regime(
+                run.replanned(streams, plan, batched[id(plan)], plain)
+            ),
         )
     return out
 

@@ -4,7 +4,9 @@ states and noise, is compared, and is dropped before the next one is built, so o
 variant's weights sit beside the reference's outputs (float32, exact).
 
 Everything a regime reads is one frozen :class:`RegimeRun`; the results entry it returns is the
-``regimes.REGIME`` block of docs/eval-drift.md.
+``regimes.REGIME`` block of docs/eval-drift.md.  The pass loop is where eval meets bounded memory
+(docs/eval-drift.md, "Memory"): the reference's outputs kept in a ``qstream.bounded`` store, and
+heap hygiene around each pass and each batch.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ import torch
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.markov import host_head, teacher_forced
-from qstream.bounded.heap import reuse_freed_blocks, trim_heap
-from qstream.bounded.store import BlockStore
+from qstream.bounded.heap import heap_hygiene
+from qstream.bounded.store import Store
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.device import exact_math
-from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch, make_batches
+from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
@@ -40,56 +42,25 @@ class RegimeRun:
     weights: Weights  # the checkpoint's weights: the reference's, and every variant's source
     corpus: Corpus  # token streams (CapturedStates: the captured file's streams and states)
     plan: AnchorPlan  # the blocks to draft
-    batches: tuple[Batch, ...]  # the plan in batches of whole streams
+    batches: tuple[Batch, ...]  # the plan in batches of whole streams (make_batches)
     variants: tuple[Variant, ...]
     settings: DriftSettings
     target: str | None  # checkpoint the draft borrows lm_head (and embed_tokens) from
     progress: Progress
 
-    @classmethod
-    def planned(
-        cls,
-        regime: str,
-        corpus: Corpus,
-        plan: AnchorPlan,
-        *,
-        config: DSparkConfig,
-        weights: Weights,
-        variants: tuple[Variant, ...],
-        settings: DriftSettings,
-        target: str | None,
-        progress: Progress,
+    def replanned(
+        self, corpus: Corpus, plan: AnchorPlan, batches: tuple[Batch, ...], settings: DriftSettings
     ) -> RegimeRun:
-        """A run over ``plan``'s blocks, batched by :func:`make_batches`."""
-        return cls(
-            regime,
-            config,
-            weights,
-            corpus,
-            plan,
-            tuple(make_batches(plan, corpus, config)),
-            variants,
-            settings,
-            target,
-            progress,
-        )
-
-    def replanned(self, corpus: Corpus, plan: AnchorPlan, settings: DriftSettings) -> RegimeRun:
         """The same regime and variants over other blocks (a context-length bucket)."""
-        return replace(
-            self,
-            corpus=corpus,
-            plan=plan,
-            settings=settings,
-            batches=tuple(make_batches(plan, corpus, self.config)),
-        )
+        return replace(self, corpus=corpus, plan=plan, batches=batches, settings=settings)
 
 
 @dataclass
 class ReferenceOutputs:
-    """What every variant is compared with, for the blocks of one regime (plan order)."""
+    """What every variant is compared with, for the blocks of one regime (tokens and confidence
+    in plan order; logits by batch)."""
 
-    logits: BlockStore  # [N, B, V] float32: teacher-forced = its own greedy rollout's
+    logits: Store  # [n, B, V] float32 per batch: teacher-forced = its own greedy rollout's
     greedy_tokens: torch.Tensor  # [N, B]
     sampled_tokens: torch.Tensor  # [N, B]
     confidence: torch.Tensor  # [N, B] (zeros when the model has no confidence head)
@@ -112,14 +83,10 @@ def evaluate_regime(run: RegimeRun) -> dict:
                 block_size=run.config.block_size,
             )
         )
-        logits = kept.enter_context(
-            BlockStore(
-                (run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size),
-                scratch_dir=s.scratch.directory,
-            )
-        )
+        N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
+        logits = kept.enter_context(Store(s.scratch.directory, total_bytes=4 * N * B * V))
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
-            with reuse_freed_blocks():  # its fp32 temporaries reused, trimmed per batch
+            with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)
             out = {
                 "variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}
@@ -144,10 +111,10 @@ def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dic
 
 
 def reference_pass(
-    run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance, logits: BlockStore
+    run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance, logits: Store
 ) -> ReferenceOutputs:
     """The FP32 reference drafts every block once; its outputs are kept for the variants (its
-    logits in ``logits``, an [N, B, V] store the caller closes)."""
+    logits in ``logits``, by batch, a store the caller closes)."""
     reference = DSpark(run.config, run.weights, torch.float32, run.settings.device)
     head = host_head(reference)
     N, B = run.plan.anchor.numel(), run.config.block_size
@@ -159,22 +126,22 @@ def reference_pass(
     )
     s = run.settings
     for number, batch in enumerate(run.batches):
-        blocks, greedy, sampled = draft_batch(
-            reference,
-            aux.get(batch, reference),
-            batch,
-            number,
-            s.seed,
-            s.sampling,
-        )
-        idx = batch.blocks
-        ref.logits[idx] = greedy.logits
-        ref.greedy_tokens[idx] = greedy.tokens
-        ref.sampled_tokens[idx] = sampled.tokens
-        probe.add_reference(batch, head, blocks, greedy)
-        if greedy.confidence is not None:
-            ref.confidence[idx] = greedy.confidence
-        trim_heap()  # the batch's freed temporaries leave the resident set
+        with heap_hygiene():  # the batch's freed temporaries leave the resident set
+            blocks, greedy, sampled = draft_batch(
+                reference,
+                aux.get(batch, reference),
+                batch,
+                number,
+                s.seed,
+                s.sampling,
+            )
+            idx = batch.blocks
+            ref.logits.put(batch, greedy.logits)
+            ref.greedy_tokens[idx] = greedy.tokens
+            ref.sampled_tokens[idx] = sampled.tokens
+            probe.add_reference(batch, head, blocks, greedy)
+            if greedy.confidence is not None:
+                ref.confidence[idx] = greedy.confidence
         work = batch_flops(run.config, batch, boot=run.regime == "boot")  # boot: + causal pass
         run.progress.advance(f"{run.regime}: reference", len(idx), work, REFERENCE)
     return ref
@@ -203,19 +170,19 @@ def measure_variant(
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
-        blocks, greedy, sampled = draft_batch(
-            model, aux.get(batch), batch, number, s.seed, s.sampling
-        )
-        idx = batch.blocks
-        forced = teacher_forced(head, blocks, ref.greedy_tokens[idx])
-        acc.add_teacher_forced(ref.logits[idx], forced.logits)
-        if forced.confidence is not None:
-            acc.add_confidence(ref.confidence[idx], forced.confidence)
-        acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
-        acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
-        if accepted is not None and probe is not None:
-            probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
-        trim_heap()
+        with heap_hygiene():
+            blocks, greedy, sampled = draft_batch(
+                model, aux.get(batch), batch, number, s.seed, s.sampling
+            )
+            idx = batch.blocks
+            forced = teacher_forced(head, blocks, ref.greedy_tokens[idx])
+            acc.add_teacher_forced(ref.logits.get(batch), forced.logits)
+            if forced.confidence is not None:
+                acc.add_confidence(ref.confidence[idx], forced.confidence)
+            acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
+            acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
+            if accepted is not None and probe is not None:
+                probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
         work = batch_flops(run.config, batch)
         run.progress.advance(f"{run.regime}: {variant.name}", len(idx), work, VARIANTS)
     return {

@@ -20,7 +20,7 @@ from qstream.arch.dspark_mla.markov import (
     teacher_forced,
 )
 from qstream.arch.dspark_mla.weights import ComputeWeights
-from qstream.bounded.store import BlockStore
+from qstream.bounded.store import Store
 from qstream.eval.acceptance import (
     accept_probabilities,
     greedy_accepts,
@@ -55,7 +55,7 @@ class RegimeAcceptance:
     target) measure in one regime.  Inactive (every method a no-op) when neither applies.
 
     Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in
-    a :class:`~qstream.bounded.store.BlockStore` (in memory when small, else in the scratch
+    a :class:`~qstream.bounded.store.Store` (in memory when small, else in the scratch
     directory; :meth:`close` frees it); per variant only ``[N, B]`` float64 acceptance values
     per mode and the drafts' ``[N, B]`` confidence scores are kept (adaptive verification's
     batches span the regime).  The target's lm_head is held as stored and upcast per use, in
@@ -81,7 +81,7 @@ class RegimeAcceptance:
             "stream_is_target_top1": [],
             "stream_outside_target_nucleus": [],
         }
-        self.U_ref: BlockStore | None = None
+        self.U_ref: Store | None = None
         if not self.active:
             return
         self.head = MarkovHead({k: weights[k].float().contiguous() for k in MARKOV_WEIGHTS})
@@ -91,7 +91,7 @@ class RegimeAcceptance:
             self.stream_tokens = self.states.block_tokens(plan, block_size)
         if self.against_reference:  # last: nothing after it can fail and leave it open
             N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
-            self.U_ref = BlockStore((N, block_size, V), scratch_dir=settings.scratch.directory)
+            self.U_ref = Store(settings.scratch.directory, total_bytes=4 * N * block_size * V)
 
     def close(self) -> None:
         """Free the stored U (its memory or scratch file)."""
@@ -160,7 +160,7 @@ class RegimeAcceptance:
     ) -> None:
         """The reference's drafted blocks of one batch (its U; its acceptance by the target)."""
         if self.U_ref is not None:
-            self.U_ref[batch.blocks] = blocks.logits_base
+            self.U_ref.put(batch, blocks.logits_base)
         if self.states is not None:
             self._add_target(self.reference_target, reference, blocks, batch, greedy, record=True)
 
@@ -210,7 +210,7 @@ class RegimeAcceptance:
         sampling distribution against the greedy draft (one-hot) and the probabilistic draft
         (the variant's full tempered softmax); the drafts' confidences for adaptive verification."""
         assert self.U_ref is not None  # kept whenever the reference verifies
-        U = self.U_ref[batch.blocks]
+        U = self.U_ref.get(batch)
         p_greedy = self._reference_logits(U, greedy.prev)
         acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
         p_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
