@@ -146,10 +146,11 @@ def never_quantized(profile: Profile, module: str) -> str | None:
     return K3_NEVER_QUANTIZED.get(module_kind(module))
 
 
-def fused_groups(profile: Profile, modules: Iterable[str]) -> list[FusedGroup]:
-    """The groups among ``modules`` that vLLM quantizes as one (members present only)."""
+def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list[FusedGroup]:
+    """The groups among ``modules`` that vLLM quantizes as one under ``profile`` (default:
+    generic), members present only."""
     modules = list(modules)
-    if profile.is_dspark:
+    if profile is not None and profile.is_dspark:
         return _k3_groups(modules)
     present = set(modules)
     parents = dict.fromkeys(m.rsplit(".", 1)[0] for m in modules if "." in m)

@@ -25,10 +25,9 @@ from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
-from qstream.quant.select import fused_groups
 from qstream.units import FLOAT_DTYPE_NAMES
 from qstream.vllm import profiles as serving
-from qstream.vllm.profiles import Profile, profile_for
+from qstream.vllm.profiles import Profile, fused_groups, profile_for
 from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.vllm.scope import checks_run
 from qstream.vllm.shapes import shape_problems, stored_shapes
