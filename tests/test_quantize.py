@@ -523,7 +523,7 @@ def test_quantize_entry_point_imports_nothing_it_does_not_use():
     code = (
         "import sys, qstream.cli, qstream.commands.quantize; "
         "table = ('qstream.arch.dspark_mla.config', 'qstream.arch.dspark_mla.tensors', "
-        "'qstream.arch.dspark_mla.architecture'); "
+        "'qstream.arch.dspark_mla.architecture', 'qstream.arch.dspark_mla.serving'); "
         "heavy = ('matplotlib', 'scipy', 'transformers', 'pandas', 'safetensors', "
         "'compressed_tensors'); "
         "print(' '.join(m for m in sys.modules if m not in table and ("

@@ -126,6 +126,8 @@ class Architecture(Protocol):
     config_type: type  # what parse_config returns
     quantize_include: tuple[str, ...]  # module kinds a shipped draft quantizes
     presets: Mapping[str, Any]  # name -> config, the sizes `qstream synth` builds
+    # vLLM's serving profile as data (qstream/vllm/profiles.py's Profile fields), or None
+    serving: Mapping[str, Any] | None
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         """Whether a config.json's contents name this architecture."""

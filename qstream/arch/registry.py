@@ -22,17 +22,6 @@ ARCHITECTURES: list[Architecture] = [DSPARK_MLA]
 DEFAULT_ARCH: Architecture = DSPARK_MLA
 
 
-def register(arch: Architecture) -> None:
-    """Add an architecture (a plugin's, or a test's); a config.json it recognises is its."""
-    if any(a.name == arch.name for a in ARCHITECTURES):
-        raise ValueError(f"architecture {arch.name!r} is registered already")
-    ARCHITECTURES.append(arch)
-
-
-def unregister(name: str) -> None:
-    ARCHITECTURES[:] = [a for a in ARCHITECTURES if a.name != name or a is DEFAULT_ARCH]
-
-
 def architecture_for(data: Mapping[str, Any]) -> Architecture:
     """The architecture a config.json's contents name (the default when none claims it, so
     that its parser names what is wrong)."""

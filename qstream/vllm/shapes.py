@@ -95,7 +95,7 @@ def shape_problems(
         "without inputs or outputs)"
         for n in sorted(empty)
     ]
-    if profile.is_dspark:
+    if profile.renames_layers:
         rest = _dspark_problems(config_json, stored, fmt, quantized)
     else:
         rest = _int_field_problems(config_json) + _fused_problems(weight_shapes(stored))

@@ -99,7 +99,7 @@ def verify_checkpoint(
     ignore = qconfig.get("ignore") or []
     report.modules_ignored = [m for m in holders if any(matches_ignore(p, m) for p in ignore)]
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
-    if profile.is_dspark:
+    if profile.renames_layers:
         report.target_layers = draft_target_layers(checkpoint, target_layers)
         replay = Replay(report.target_layers, tensor_parallel_size)
         replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), replay)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
+from qstream.arch.dspark_mla.serving import SERVING
 from qstream.arch.dspark_mla.tensors import shape_hint, tensor_shapes
 from qstream.arch.interface import Blocks, Rollout
 
@@ -34,6 +35,7 @@ class DSparkMLA:
     config_type: type = DSparkConfig
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
+    serving: Mapping[str, Any] | None = SERVING
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("architectures") == [ARCHITECTURE] or data.get("model_type") == MODEL_TYPE
