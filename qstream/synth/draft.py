@@ -1,5 +1,6 @@
-"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of docs/model.md with
-a real BPE tokenizer, realistic weight statistics and calibrated, predictable outputs.
+"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of the default architecture
+(qstream/arch/registry.py, docs/model.md) with a real BPE tokenizer, realistic weight statistics
+and calibrated, predictable outputs.
 
 >>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
 >>> model = load_model("out/tiny")       # reads out/tiny/target_head/ for lm_head
@@ -27,8 +28,7 @@ How the numbers are made (see docs/model.md):
 * The network path ``U = hf @ lm_head^T`` has a per-vocab spread of ``U_STD`` nats, so numerics
   that move hf move the drafted tokens (an all-Markov draft would make drift trivially zero).
 
-The corpus and the tokenizer are :mod:`qstream.synth.corpus`'s; ``builtin_corpus`` and
-``read_corpus`` stay importable from here, where qstream.eval imports them.
+The corpus and the tokenizer are :mod:`qstream.synth.corpus`'s.
 """
 
 from __future__ import annotations
