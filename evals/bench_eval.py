@@ -25,7 +25,7 @@ import torch
 from qstream.arch.dspark_mla.flops import blocks_flops
 from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.load import load_config, load_weights
-from qstream.arch.dspark_mla.markov import rollout
+from qstream.arch.markov import rollout
 from qstream.eval.batches import AuxStates, draft_blocks, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.run import load_run_corpus

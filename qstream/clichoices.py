@@ -12,7 +12,7 @@ EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FOR
 REGIMES = ("gauss", "heavy", "boot")  # qstream.eval.aux_sources.REGIMES
 ALL_REGIMES = "all"  # qstream.eval.run.ALL_REGIMES: --regime all
 DEFAULT_EDGES = "default"  # qstream.eval.run.DEFAULT_EDGES: --context-lengths given bare
-# qstream.arch.dspark_mla.load.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
+# qstream.arch.dspark_mla.architecture.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
 QUANTIZE_INCLUDE = (
     "mlp.gate_proj",
     "mlp.up_proj",

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from qstream.arch.dspark_mla.forward import LM_HEAD, rms_norm
 from qstream.arch.dspark_mla.load import load_model
-from qstream.arch.dspark_mla.markov import sample, sampling_probs
+from qstream.arch.markov import sample, sampling_probs
 
 
 def stand_in_target(model, ids: torch.Tensor):

@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from stand_in_target import capture_states
 
-import qstream.arch.dspark_mla.weights as weights_module
+import qstream.arch.weights as weights_module
 import qstream.bounded.store as blockstore
 import qstream.eval.batches as batches
 from qstream.bounded.store import Recorded, Store

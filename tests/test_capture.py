@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from qstream.arch.dspark_mla.markov import sampling_probs
+from qstream.arch.markov import sampling_probs
 from qstream.capture.run import CaptureSettings, run_capture
 from qstream.capture.streams import Sampling
 from qstream.synth.corpus import builtin_corpus

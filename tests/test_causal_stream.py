@@ -6,6 +6,7 @@ import pytest
 import torch
 from model_helpers import long_context_model, random_model_weights
 
+import qstream.arch.dspark_mla.causal as causal
 import qstream.arch.dspark_mla.engine as engine
 import qstream.arch.dspark_mla.forward as dspark
 import qstream.bounded.heap as heap
@@ -69,7 +70,7 @@ def _counting_streams(monkeypatch) -> list:
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr(batches, "CausalStream", Counting)
+    monkeypatch.setattr(causal, "CausalStream", Counting)  # what the architecture builds
     return made
 
 

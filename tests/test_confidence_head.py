@@ -17,8 +17,8 @@ from model_helpers import random_model_weights
 from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.load import load_model
-from qstream.arch.dspark_mla.markov import confidence
 from qstream.arch.dspark_mla.tensors import tensor_shapes
+from qstream.arch.markov import confidence
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, quantize
 from qstream.publish import QUANTIZE_RECORD

@@ -7,11 +7,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import qstream.arch.dspark_mla.weights as weights_module
+import qstream.arch.weights as weights_module
 from qstream.arch.dspark_mla.config import PRESETS
 from qstream.arch.dspark_mla.forward import LM_HEAD, DSpark
 from qstream.arch.dspark_mla.load import load_weights
-from qstream.arch.dspark_mla.markov import rollout
+from qstream.arch.markov import rollout
 from qstream.cli import cli
 from qstream.device import exact_math, math_settings, resolve_device
 from qstream.errors import QStreamError

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from qstream.arch.dspark_mla.markov import markov_logits, sample, sampling_probs
+from qstream.arch.markov import markov_logits, sample, sampling_probs
 from qstream.card.results import collect_results
 from qstream.card.study_tables import acceptance_tables
 from qstream.cli import cli

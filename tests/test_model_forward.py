@@ -11,7 +11,7 @@ from model_helpers import random_model_weights
 from qstream.arch.dspark_mla import engine
 from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.forward import DSpark, apply_rope
-from qstream.arch.dspark_mla.markov import (
+from qstream.arch.markov import (
     markov_logits,
     rollout,
     sample,

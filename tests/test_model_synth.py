@@ -11,19 +11,15 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.arch.dspark_mla.load import (
-    QUANTIZE_INCLUDE,
-    load_model,
-    load_weights,
-    read_target_tensors,
-    simulate_format,
-)
-from qstream.arch.dspark_mla.markov import teacher_forced
+from qstream.arch.dspark_mla.architecture import QUANTIZE_INCLUDE
+from qstream.arch.dspark_mla.load import load_model, load_weights, read_target_tensors
+from qstream.arch.markov import teacher_forced
 from qstream.checkpoint.stats import checkpoint_stats, weight_stats
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.builtin import builtin_corpus_docs
 from qstream.quant.quantize import quantize_checkpoint
+from qstream.quant.simulate import simulate_format
 from qstream.synth.draft import synth_checkpoint
 
 # The GSM8K train split (MIT licence) beside the checkout as ../shared/data/gsm8k; only the test
@@ -191,7 +187,7 @@ def test_quantized_checkpoint_loads_as_in_memory_quantization(tiny, tmp_path, fm
         tiny, tmp_path / fmt, fmt, include=list(QUANTIZE_INCLUDE), skip_incompatible=True
     )
     from_disk = load_weights(tmp_path / fmt)
-    in_memory = simulate_format(load_weights(tiny), fmt, skip_incompatible=True)
+    in_memory = simulate_format(load_weights(tiny), fmt, QUANTIZE_INCLUDE, skip_incompatible=True)
     assert from_disk.keys() == in_memory.keys()
     for name in from_disk:
         assert torch.equal(from_disk[name], in_memory[name]), name

@@ -32,7 +32,7 @@ from qstream.formats.nvfp4 import tensor_amax
 from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
 from qstream.quant.quantize import default_workers
-from qstream.quant.select import fused_groups
+from qstream.vllm.profiles import fused_groups
 
 FORMAT_NAMES = list(FORMATS)
 
@@ -522,7 +522,8 @@ def test_quantize_entry_point_imports_nothing_it_does_not_use():
     # tensors against them (qstream/vllm/shapes.py); the model itself stays out
     code = (
         "import sys, qstream.cli, qstream.commands.quantize; "
-        "table = ('qstream.arch.dspark_mla.config', 'qstream.arch.dspark_mla.tensors'); "
+        "table = ('qstream.arch.dspark_mla.config', 'qstream.arch.dspark_mla.tensors', "
+        "'qstream.arch.dspark_mla.architecture', 'qstream.arch.dspark_mla.serving'); "
         "heavy = ('matplotlib', 'scipy', 'transformers', 'pandas', 'safetensors', "
         "'compressed_tensors'); "
         "print(' '.join(m for m in sys.modules if m not in table and ("

@@ -1,5 +1,5 @@
 """Common random numbers for sampled rollouts (docs/eval-drift.md), on the model's own sampler
-(``qstream.arch.dspark_mla.markov.sampling_probs`` and ``sample``): the nucleus, the exponential race
+(``qstream.arch.markov.sampling_probs`` and ``sample``): the nucleus, the exponential race
 drawing exactly from the distribution, identical draws for identical models, and close models
 differing no more often than the race coupling's bound."""
 
@@ -10,7 +10,7 @@ import math
 import torch
 
 from qstream.arch.dspark_mla.config import PRESETS
-from qstream.arch.dspark_mla.markov import sample, sampling_probs
+from qstream.arch.markov import sample, sampling_probs
 from qstream.eval.batches import race_noise
 
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 import qstream
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.load import load_config
+from qstream.arch.interface import DraftConfig
+from qstream.arch.registry import load_config
 from qstream.capture.hooks import LayerTap
 from qstream.capture.layout import (
     check_output,
@@ -98,13 +98,13 @@ def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: A
     }
 
 
-def _layer_ids(s: CaptureSettings, config: DSparkConfig, depth: int) -> tuple[int, ...]:
+def _layer_ids(s: CaptureSettings, config: DraftConfig, depth: int) -> tuple[int, ...]:
     if s.layers is None:
         return config.target_layer_ids
     return layer_output_ids(list(s.layers), s.layer_convention, depth)
 
 
-def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config: DSparkConfig):
+def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config: DraftConfig):
     """``(document, ids)`` of every selected stream, before generation."""
     encoded = encode(target.tokenizer, docs.texts, s.max_tokens)
     min_tokens = 1 if s.sampling is not None else config.block_size + 2

@@ -1,7 +1,7 @@
 """The token streams a capture runs the target over (docs/capture.md): the corpus as written
 (teacher-forced), or ``--generate``: each document's first tokens as a prompt, continued by
 the target's own samples at the evaluation's temperature / top-p / top-k, drawn with the same
-functions eval-drift samples with (``qstream.arch.dspark_mla.markov``), seeded per stream.
+functions eval-drift samples with (``qstream.arch.markov``), seeded per stream.
 
 >>> docs = corpus_docs("gsm8k/test.jsonl")          # or None: the built-in GSM8K test split
 >>> prompts = select_streams(encode(tokenizer, docs.texts, 512), min_tokens=9, count=64)
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from qstream.arch.dspark_mla.markov import sample, sampling_probs
+from qstream.arch.markov import sample, sampling_probs
 from qstream.eval.builtin import BUILTIN_CORPUS_NAME, builtin_corpus_docs
 from qstream.synth.corpus import read_corpus
 

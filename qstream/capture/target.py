@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.target import TargetShape
 from qstream.errors import QStreamError
 
@@ -118,7 +118,7 @@ def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, 
     return tuple(k - shift for k in ids)
 
 
-def check_draft(config: DSparkConfig, target: TargetShape, layer_ids: tuple[int, ...]) -> None:
+def check_draft(config: DraftConfig, target: TargetShape, layer_ids: tuple[int, ...]) -> None:
     """The draft must fit the target: one line naming the first mismatch (docs/capture.md)."""
     checks = (
         ("target_hidden_size", config.target_hidden_size, "hidden_size", target.hidden_size),

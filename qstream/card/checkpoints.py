@@ -25,15 +25,9 @@ from qstream.checkpoint.layout import format_of_layout
 from qstream.errors import QStreamError
 from qstream.formats import get_format
 from qstream.publish import QUANTIZE_RECORD as PROVENANCE
-from qstream.quant.select import (
-    HEAD_NAMES,
-    fused_groups,
-    is_embedding,
-    select_modules,
-    weight_modules,
-)
+from qstream.quant.select import HEAD_NAMES, is_embedding, select_modules, weight_modules
 from qstream.units import GIB
-from qstream.vllm.profiles import never_quantized, profile_for
+from qstream.vllm.profiles import fused_groups, never_quantized, profile_for
 
 PACKED = "weight_packed"  # two 4-bit weights per stored byte
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.errors import QStreamError
 
 REGIMES = ("gauss", "heavy", "boot")
@@ -35,13 +35,13 @@ def _generator(seed: int, regime: str, stream: int) -> torch.Generator:
     )
 
 
-def channel_scales(config: DSparkConfig, seed: int) -> torch.Tensor:
+def channel_scales(config: DraftConfig, seed: int) -> torch.Tensor:
     """[A] per-channel scales of the heavy regime (fixed for a seed, shared by all streams)."""
     gen = _generator(seed, "heavy", -1)
     return torch.exp(torch.randn(config.aux_size, generator=gen) * HEAVY_SIGMA)
 
 
-def check_boot_compatible(config: DSparkConfig) -> None:
+def check_boot_compatible(config: DraftConfig) -> None:
     if (
         config.num_target_layers != config.num_hidden_layers
         or config.target_hidden_size != config.hidden_size
@@ -55,7 +55,7 @@ def check_boot_compatible(config: DSparkConfig) -> None:
 
 def synthetic_aux(
     regime: str,
-    config: DSparkConfig,
+    config: DraftConfig,
     stream_ids: list[int],
     stream_lengths: list[int],
     pad_to: int,
@@ -76,13 +76,13 @@ class SyntheticAuxChunks:
     normal sampler works in groups of 16 values and A is a multiple of 16 in every preset and
     real model; tests/test_sensitivity_context.py checks).  A batch too big to hold (a
     long-context bucket at K3 width: one 131,072-token stream is 9.4 GB of bf16) is handed to
-    ``DSpark.context`` this way (``qstream.arch.dspark_mla.forward.AuxChunks``); :func:`synthetic_aux`
+    ``DSpark.context`` this way (``qstream.arch.interface.AuxChunks``); :func:`synthetic_aux`
     takes all rows at once."""
 
     def __init__(
         self,
         regime: str,
-        config: DSparkConfig,
+        config: DraftConfig,
         stream_ids: list[int],
         stream_lengths: list[int],
         pad_to: int,

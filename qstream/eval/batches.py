@@ -13,11 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from qstream.arch.dspark_mla.causal import CausalStream
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.flops import causal_flops, context_flops, drafted_flops
-from qstream.arch.dspark_mla.forward import AuxChunks, Blocks, DSpark, Rollout
-from qstream.arch.dspark_mla.markov import rollout
+from qstream.arch.interface import AuxChunks, Blocks, DraftConfig, DraftModel, Rollout
+from qstream.arch.registry import architecture_of
 from qstream.bounded.heap import Trimmed
 from qstream.bounded.store import Recorded, Store
 from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
@@ -62,15 +59,16 @@ class Batch:
     context_length: int  # positions of aux needed: max anchor in the batch
 
 
-def batch_flops(config: DSparkConfig, batch: Batch, boot: bool = False) -> float:
+def batch_flops(config: DraftConfig, batch: Batch, boot: bool = False) -> float:
     """The work of drafting ``batch`` once (FLOP model), its context padded as computed; with
     ``boot``, also the reference's causal pass that makes the batch's aux states."""
-    context = len(batch.streams) * batch.context_length * context_flops(config)
-    causal = len(batch.streams) * causal_flops(config, max(batch.context_length, 1)) if boot else 0
-    return drafted_flops(config, batch.anchor) + context + causal
+    arch, S, T = architecture_of(config), len(batch.streams), batch.context_length
+    context = S * T * arch.context_flops(config)
+    causal = S * arch.causal_flops(config, max(T, 1)) if boot else 0
+    return arch.drafted_flops(config, batch.anchor) + context + causal
 
 
-def make_batches(plan: AnchorPlan, corpus: Corpus, config: DSparkConfig) -> tuple[Batch, ...]:
+def make_batches(plan: AnchorPlan, corpus: Corpus, config: DraftConfig) -> tuple[Batch, ...]:
     """Split the plan into batches of whole streams.  Streams are taken in order of the context
     they need (their largest anchor), so a batch pads every stream to nearly the same length;
     a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
@@ -126,7 +124,7 @@ class AuxStates:
         self,
         regime: str,
         corpus: Corpus,
-        config: DSparkConfig,
+        config: DraftConfig,
         seed: int,
         scratch_dir: str | None = None,
     ):
@@ -138,7 +136,7 @@ class AuxStates:
         self._ranges = Store(scratch_dir, memory_bytes=0)  # boot's, never held whole
         self._recorded: dict[Batch, Recorded] = {}
 
-    def get(self, batch: Batch, reference: DSpark | None = None) -> torch.Tensor | AuxChunks:
+    def get(self, batch: Batch, reference: DraftModel | None = None) -> torch.Tensor | AuxChunks:
         """The batch's aux states; boot needs ``reference`` the first time a batch is seen.
         A batch's states over LAZY_AUX_BYTES (a long-context bucket's streams) are never held:
         they come as :class:`AuxChunks`, produced as the context projection takes them (gauss
@@ -148,7 +146,7 @@ class AuxStates:
         aux = self._get(batch, reference)
         return aux if isinstance(aux, torch.Tensor) else Trimmed(aux)
 
-    def _get(self, batch: Batch, reference: DSpark | None) -> torch.Tensor | AuxChunks:
+    def _get(self, batch: Batch, reference: DraftModel | None) -> torch.Tensor | AuxChunks:
         T = max(batch.context_length, 1)
         lazy = len(batch.streams) * T * self.config.aux_size * AUX_DTYPE.itemsize > LAZY_AUX_BYTES
         if self.captured is not None:
@@ -167,7 +165,7 @@ class AuxStates:
                 raise RuntimeError("boot aux states must come from the reference pass first")
             ids = self._ids(batch, T)
             if lazy:
-                stream = CausalStream(reference, ids, AUX_DTYPE)
+                stream = architecture_of(self.config).causal_stream(reference, ids, AUX_DTYPE)
                 self._recorded[batch] = Recorded(stream, self._ranges)
                 return self._recorded[batch]
             aux = reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE).cpu()  # [S, T, L*H]
@@ -200,7 +198,7 @@ class AuxStates:
         self.close()
 
 
-def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int) -> torch.Tensor:
+def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) -> torch.Tensor:
     """Exp(1) variates [n, B, V] for the sampled rollouts of one batch, shared by the reference
     and every variant (common random numbers): the same generator seed for the same batch, as
     one vLLM request seed gives the same draws.  Drawn as ``-log(U)``, U uniform on [0, 1):
@@ -212,7 +210,7 @@ def race_noise(batch_index: int, n_blocks: int, config: DSparkConfig, seed: int)
     return torch.empty(shape).uniform_(generator=gen).log_().neg_()
 
 
-def draft_blocks(model: DSpark, aux: torch.Tensor | AuxChunks, batch: Batch) -> Blocks:
+def draft_blocks(model: DraftModel, aux: torch.Tensor | AuxChunks, batch: Batch) -> Blocks:
     """The non-causal pass over the batch's blocks (everything before the Markov head)."""
     ctx = model.context(aux)  # bf16 aux: the model converts once to its own dtype (exact)
     return model.draft(ctx, batch.local_stream, batch.anchor, batch.first_token)
@@ -225,7 +223,7 @@ class Drafts(NamedTuple):
 
 
 def draft_batch(
-    model: DSpark,
+    model: DraftModel,
     aux: torch.Tensor | AuxChunks,
     batch: Batch,
     batch_index: int,
@@ -238,8 +236,9 @@ def draft_batch(
     probabilistic`` (``sampling.draft_top_p`` < 1: other engines)."""
     blocks = draft_blocks(model, aux, batch)
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
-    sampled = rollout(model, blocks, noise, sampling.temperature, sampling.draft_top_p)
-    drafts = Drafts(blocks, rollout(model, blocks), sampled)
+    arch = architecture_of(model.config)
+    sampled = arch.rollout(model, blocks, noise, sampling.temperature, sampling.draft_top_p)
+    drafts = Drafts(blocks, arch.rollout(model, blocks), sampled)
     return drafts if model.device.type == "cpu" else _on_host(drafts)
 
 

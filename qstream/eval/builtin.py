@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import qstream
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.registry import DEFAULT_ARCH
 from qstream.errors import QStreamError
 from qstream.synth.draft import synth_checkpoint
 
@@ -36,9 +36,9 @@ def cache_root() -> Path:
 def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
     """The built-in draft's directory, synthesized (deterministically) on first use; ``say``
     tells the user when it is being built."""
-    # the preset's own hash in the name: a changed preset (issue 11 widened tiny) is rebuilt
-    # rather than read from a cache built before the change
-    preset = json.dumps(PRESETS[BUILTIN_PRESET].to_json(), sort_keys=True).encode()
+    # the preset's own hash in the name: a changed preset is rebuilt rather than read from a
+    # cache built before the change
+    preset = json.dumps(DEFAULT_ARCH.presets[BUILTIN_PRESET].to_json(), sort_keys=True).encode()
     tag = hashlib.sha256(preset).hexdigest()[:8]
     directory = (
         cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}-{tag}"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
 from qstream.eval.settings import DriftSettings
@@ -34,9 +34,9 @@ DEFAULT_MULTIPLES = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
 Evaluate = Callable[[Corpus, AnchorPlan], dict]  # (streams, plan) -> {"variants": {...}}
 
 
-def default_edges(config: DSparkConfig) -> tuple[int, ...]:
+def default_edges(config: DraftConfig) -> tuple[int, ...]:
     """Bucket edges (tokens of context) at DEFAULT_MULTIPLES x the YaRN boundary."""
-    orig = config.rope_parameters.original_max_position_embeddings
+    orig = config.original_max_position_embeddings
     cap = config.max_position_embeddings
     return tuple(sorted({min(cap, max(1, round(m * orig))) for m in DEFAULT_MULTIPLES}))
 
@@ -78,7 +78,7 @@ def _side(lo: int, hi: int, boundary: int) -> str:
 
 
 def bucket_plans(
-    config: DSparkConfig, corpus: Corpus, settings: DriftSettings
+    config: DraftConfig, corpus: Corpus, settings: DriftSettings
 ) -> list[tuple[int, int, Corpus, AnchorPlan]]:
     """Each bucket [edge_i, edge_i+1) of ``settings.context_lengths``: (lo, hi, its long
     streams, its ``context_blocks`` anchors), checked against the config."""
@@ -111,14 +111,14 @@ def bucket_plans(
 
 
 def context_sweep(
-    config: DSparkConfig,
+    config: DraftConfig,
     settings: DriftSettings,
     planned: list[tuple[int, int, Corpus, AnchorPlan]],
     evaluate: Evaluate,
 ) -> dict:
     """Evaluate each bucket of ``planned`` (:func:`bucket_plans`' buckets) (JSON-ready; the
     schema is in docs/eval-drift.md)."""
-    boundary = config.rope_parameters.original_max_position_embeddings
+    boundary = config.original_max_position_embeddings
     buckets = []
     for lo, hi, streams, plan in planned:
         result = evaluate(streams, plan)

@@ -15,7 +15,7 @@ import torch
 from tokenizers import Tokenizer
 
 from qstream.errors import QStreamError
-from qstream.synth.draft import read_corpus  # GSM8K JSONL or blank-line separated text
+from qstream.synth.corpus import read_corpus  # GSM8K JSONL or blank-line separated text
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 import qstream
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.forward import LM_HEAD
-from qstream.arch.dspark_mla.load import load_config, load_weights
+from qstream.arch.interface import LM_HEAD, DraftConfig
+from qstream.arch.registry import architecture_of, load_config
 from qstream.device import describe_device, resolve_device
 from qstream.eval.aux_sources import check_boot_compatible
 from qstream.eval.batches import Batch, batch_flops, make_batches
@@ -43,7 +42,7 @@ def config_hash(model_dir: str | Path) -> str:
     return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
 
 
-def _plan(corpus: Corpus, settings: DriftSettings, config: DSparkConfig) -> AnchorPlan:
+def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> AnchorPlan:
     return sample_anchors(
         corpus,
         settings.n_blocks,
@@ -69,7 +68,7 @@ def evaluate_drift(
         check_boot_compatible(config)
     refuse_quantized_model(model_dir)
     progress.advance("loading the draft", 0)
-    weights = load_weights(model_dir, target, config)
+    weights = architecture_of(config).load_weights(model_dir, target, config)
     variants = check_variants_derived(
         settings_variants(settings), model_dir, weights, settings.allow_foreign_variant
     )
@@ -97,7 +96,7 @@ def evaluate_drift(
     return results
 
 
-def _batched(config: DSparkConfig, sets: list[tuple[Corpus | None, AnchorPlan | None]]) -> Batched:
+def _batched(config: DraftConfig, sets: list[tuple[Corpus | None, AnchorPlan | None]]) -> Batched:
     """Each set of blocks the run drafts, batched once (``make_batches``): the passes run the
     batches the progress was planned on."""
     return {id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None}
@@ -113,7 +112,7 @@ def _sensitivity_steps(weights: Weights, settings: DriftSettings) -> int:
 
 
 def _planned(
-    config: DSparkConfig,
+    config: DraftConfig,
     settings: DriftSettings,
     steps: int,
     batched: Batched,
@@ -145,7 +144,7 @@ def _planned(
 
 
 def _read_states(
-    settings: DriftSettings, config: DSparkConfig, target: str | None
+    settings: DriftSettings, config: DraftConfig, target: str | None
 ) -> CapturedStates | None:
     if settings.states is None:
         return None
@@ -178,7 +177,7 @@ def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
 
 def _run_description(
     model_dir: str | Path,
-    config: DSparkConfig,
+    config: DraftConfig,
     weights: Weights,
     corpus: Corpus,
     plan: AnchorPlan,

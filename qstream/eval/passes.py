@@ -16,9 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.forward import DSpark
-from qstream.arch.dspark_mla.markov import host_head, teacher_forced
+from qstream.arch.interface import DraftConfig
+from qstream.arch.registry import architecture_of
 from qstream.bounded.heap import heap_hygiene
 from qstream.bounded.store import Store
 from qstream.checkpoint.safetensors_io import drop_resident_pages
@@ -38,7 +37,7 @@ class RegimeRun:
     """Everything one regime's evaluation reads, fixed for the regime."""
 
     regime: str  # an aux regime (qstream/eval/aux_sources.py) or vocabulary.STATES_REGIME
-    config: DSparkConfig
+    config: DraftConfig
     weights: Weights  # the checkpoint's weights: the reference's, and every variant's source
     corpus: Corpus  # token streams (CapturedStates: the captured file's streams and states)
     plan: AnchorPlan  # the blocks to draft
@@ -115,8 +114,9 @@ def reference_pass(
 ) -> ReferenceOutputs:
     """The FP32 reference drafts every block once; its outputs are kept for the variants (its
     logits in ``logits``, by batch, a store the caller closes)."""
-    reference = DSpark(run.config, run.weights, torch.float32, run.settings.device)
-    head = host_head(reference)
+    arch = architecture_of(run.config)
+    reference = arch.build(run.config, run.weights, torch.float32, run.settings.device)
+    head = arch.host_head(reference)
     N, B = run.plan.anchor.numel(), run.config.block_size
     ref = ReferenceOutputs(
         logits,
@@ -165,8 +165,9 @@ def measure_variant(
     snr = weight_snr(var_weights, run.weights, changed)
     if step:  # the variant is built (and its SNR taken): the time so far is that step's
         run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
-    model = DSpark(run.config, var_weights, variant.dtype, s.device)
-    head = host_head(model)
+    arch = architecture_of(run.config)
+    model = arch.build(run.config, var_weights, variant.dtype, s.device)
+    head = arch.host_head(model)
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
@@ -175,7 +176,7 @@ def measure_variant(
                 model, aux.get(batch), batch, number, s.seed, s.sampling
             )
             idx = batch.blocks
-            forced = teacher_forced(head, blocks, ref.greedy_tokens[idx])
+            forced = arch.teacher_forced(head, blocks, ref.greedy_tokens[idx])
             acc.add_teacher_forced(ref.logits.get(batch), forced.logits)
             if forced.confidence is not None:
                 acc.add_confidence(ref.confidence[idx], forced.confidence)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.load import load_config
+from qstream.arch.registry import load_config
 from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.load import load_config
+from qstream.arch.interface import DraftConfig
+from qstream.arch.registry import load_config
 from qstream.device import resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.aux_sources import REGIMES
@@ -54,13 +54,13 @@ def parse_variants(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def resolve_edges(text: str, config: DSparkConfig) -> tuple[int, ...]:
+def resolve_edges(text: str, config: DraftConfig) -> tuple[int, ...]:
     """``--context-lengths``: comma-separated edges, or ``default`` (docs/context-sweep.md)."""
     return default_edges(config) if text == DEFAULT_EDGES else parse_edges(text)
 
 
 def load_run_corpus(
-    model_dir: str | Path, corpus: str | None, tokenizer: str | None, config: DSparkConfig
+    model_dir: str | Path, corpus: str | None, tokenizer: str | None, config: DraftConfig
 ) -> Corpus:
     """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the
     draft's own tokenizer.json)."""

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.arch.dspark_mla.forward import LM_HEAD
+from qstream.arch.interface import LM_HEAD
 from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo
 from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.formats import FORMATS, get_format
-from qstream.quant.select import matches, select_modules
+from qstream.quant.select import select_modules
+from qstream.vllm.patterns import matches
 from qstream.vllm.profiles import K3_DSPARK, get_profile
 
 DEFAULT_FORMAT = "nvfp4"  # the format the published recipe ships at 4 bits

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from qstream.arch.dspark_mla.load import QUANTIZE_INCLUDE
+from qstream.arch.registry import DEFAULT_ARCH
 from qstream.errors import QStreamError
 from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
@@ -135,7 +135,9 @@ class DriftSettings:
     # check each variant directory against the sha256s quantize recorded; False:
     # --no-integrity-check, recorded in the results (qstream/checkpoint/integrity.py)
     integrity_check: bool = True
-    include: tuple[str, ...] = QUANTIZE_INCLUDE  # modules the simulated formats quantize
+    include: tuple[str, ...] = (
+        DEFAULT_ARCH.quantize_include
+    )  # modules the simulated formats quantize
     ignore: tuple[str, ...] = ()
     n_blocks: int = 1024
     seed: int = 0

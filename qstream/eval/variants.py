@@ -8,15 +8,16 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.forward import LM_HEAD
-from qstream.arch.dspark_mla.load import load_config, load_weights, simulate_format
+from qstream.arch.interface import LM_HEAD, DraftConfig
+from qstream.arch.registry import architecture_of, load_config
 from qstream.checkpoint.integrity import integrity_record
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.eval.vocabulary import FLOOR, REFERENCE
 from qstream.formats import snr_db, snr_sums
+from qstream.quant.simulate import simulate_format
+from qstream.vllm.profiles import profile_for
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -62,7 +63,7 @@ def settings_variants(settings: DriftSettings) -> tuple[Variant, ...]:
 def variant_weights(
     variant: Variant,
     reference_weights: Weights,
-    config: DSparkConfig,
+    config: DraftConfig,
     settings: DriftSettings,
     target: str | None,
 ) -> tuple[Weights, list[str]]:
@@ -79,6 +80,7 @@ def variant_weights(
             include=include,
             ignore=settings.ignore,
             skip_incompatible=True,
+            profile=profile_for(config.to_json()),
         )
     else:
         other = load_config(variant.source)
@@ -87,7 +89,7 @@ def variant_weights(
                 f"variant {variant.name}: {variant.source} is a different "
                 "architecture than the reference model (config.json differs)"
             )
-        weights = load_weights(variant.source, target, other)
+        weights = architecture_of(other).load_weights(variant.source, target, other)
     changed = [k for k, v in weights.items() if k != LM_HEAD and _differs(v, reference_weights[k])]
     return weights, changed
 

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.arch.dspark_mla.forward import LM_HEAD, Blocks, Rollout
-from qstream.arch.dspark_mla.markov import (
+from qstream.arch.interface import LM_HEAD, Blocks, Rollout
+from qstream.arch.markov import (
     HeadModel,
     markov_logits,
     markov_table,
     sampling_probs,
     teacher_forced,
 )
-from qstream.arch.dspark_mla.weights import ComputeWeights
+from qstream.arch.weights import ComputeWeights
 from qstream.bounded.store import Store
 from qstream.eval.acceptance import (
     accept_probabilities,

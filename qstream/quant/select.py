@@ -8,8 +8,6 @@ the names of its ``*.weight`` tensors.  Everything here works on names, shapes a
 
 from __future__ import annotations
 
-import fnmatch
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -19,6 +17,7 @@ from qstream.errors import QStreamError
 from qstream.formats import get_format
 from qstream.units import FLOAT_DTYPE_NAMES
 from qstream.vllm import profiles as serving
+from qstream.vllm.patterns import matches
 from qstream.vllm.profiles import GENERIC, PROFILES, FusedGroup, Profile
 
 T = TypeVar("T")
@@ -42,21 +41,6 @@ class Selection:
     profile: Profile = PROFILES[GENERIC]  # the serving rules the selection follows
 
 
-def matches(pattern: str, module: str) -> bool:
-    """docs/quantize.md: equal, dotted suffix, glob, or ``re:`` + Python regex (re.match).
-    An invalid regex is a QStreamError naming the pattern."""
-    if pattern.startswith("re:"):
-        try:
-            return re.match(pattern[3:], module) is not None
-        except re.error as exc:
-            raise QStreamError(
-                f"pattern {pattern!r} is not a valid regular expression ({exc})"
-            ) from exc
-    return (
-        module == pattern or module.endswith("." + pattern) or fnmatch.fnmatchcase(module, pattern)
-    )
-
-
 def _leaf(module: str) -> str:
     return module.rsplit(".", 1)[-1]
 
@@ -73,11 +57,6 @@ def quantizable(info: TensorInfo) -> bool:
 def weight_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
     """``{module: info of module.weight}`` in checkpoint order."""
     return {n[: -len(".weight")]: i for n, i in tensors.items() if n.endswith(".weight")}
-
-
-def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list[FusedGroup]:
-    """The fused groups among ``modules`` under ``profile`` (default: generic)."""
-    return serving.fused_groups(profile or PROFILES[GENERIC], modules)
 
 
 def _default_selection(modules: Mapping[str, TensorInfo], profile: Profile) -> set[str]:
@@ -234,7 +213,7 @@ def select_modules(
         tensor_parallel_size,
     )
     skipped.update({m: why for m, why in dropped.items() if m not in skipped})
-    groups = serving.fused_groups(profile, modules)
+    groups = serving.fused_groups(modules, profile)
     _check_fused(groups, selected, skipped)
     if not selected:
         raise QStreamError("the selection quantizes no module")

@@ -1,18 +1,19 @@
-"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of docs/model.md with
-a real BPE tokenizer, realistic weight statistics and calibrated, predictable outputs.
+"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of the default architecture
+(qstream/arch/registry.py, docs/model.md) with a real BPE tokenizer, realistic weight statistics
+and calibrated, predictable outputs.
 
 >>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
 >>> model = load_model("out/tiny")       # reads out/tiny/target_head/ for lm_head
 
 Layout written (deterministic, byte-identical for a given preset, seed and corpus)::
 
-    config.json                         DSparkConfig.to_json()
+    config.json                         config.to_json()
     model.safetensors                   the draft's tensors, bf16 (or model-0000k-of-0000n
     model.safetensors.index.json          shards plus this index when over SHARD_BYTES)
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
     target_head/config.json             the stand-in target: lm_head.weight [V, H] in
     target_head/model.safetensors.index.json   bf16, read through its index like a real
-    target_head/model-00001-of-00001.safetensors   target's (load.TARGET_HEAD_DIR)
+    target_head/model-00001-of-00001.safetensors   target's (interface.TARGET_HEAD_DIR)
 
 How the numbers are made (see docs/model.md):
 
@@ -27,8 +28,7 @@ How the numbers are made (see docs/model.md):
 * The network path ``U = hf @ lm_head^T`` has a per-vocab spread of ``U_STD`` nats, so numerics
   that move hf move the drafted tokens (an all-Markov draft would make drift trivially zero).
 
-The corpus and the tokenizer are :mod:`qstream.synth.corpus`'s; ``builtin_corpus`` and
-``read_corpus`` stay importable from here, where qstream.eval imports them.
+The corpus and the tokenizer are :mod:`qstream.synth.corpus`'s.
 """
 
 from __future__ import annotations
@@ -37,17 +37,15 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 import qstream
-from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig, with_tokenizer
-from qstream.arch.dspark_mla.forward import LM_HEAD
-from qstream.arch.dspark_mla.load import TARGET_HEAD_DIR
-from qstream.arch.dspark_mla.tensors import tensor_shapes
+from qstream.arch.interface import LM_HEAD, TARGET_HEAD_DIR, DraftConfig
+from qstream.arch.registry import DEFAULT_ARCH
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
@@ -141,23 +139,23 @@ def _linear_std(name: str, n_in: int) -> float:
 class _Plan:
     """Everything computed before any tensor is written."""
 
-    config: DSparkConfig
+    config: DraftConfig
     small: dict[str, torch.Tensor]  # tensors built whole (norms, Markov, confidence)
     head_std: float
     seed: int
 
 
-def _head_std(config: DSparkConfig, final_gain: torch.Tensor) -> float:
+def _head_std(config: DraftConfig, final_gain: torch.Tensor) -> float:
     """lm_head entry std giving ``U_STD`` per-vocab spread: var(U_v) = sum_h g_h^2 w_vh^2
     for hf_h = g_h * (unit-RMS state)."""
     return U_STD / math.sqrt(config.hidden_size * float(final_gain.pow(2).mean()))
 
 
 def _small_tensors(
-    config: DSparkConfig, seed: int, w1: torch.Tensor, w2: torch.Tensor
+    config: DraftConfig, seed: int, w1: torch.Tensor, w2: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     out = {}
-    for name, shape in tensor_shapes(config).items():
+    for name, shape in DEFAULT_ARCH.tensor_shapes(config).items():
         if len(shape) == 1 and name.endswith("norm.weight"):
             out[name] = _gains(shape[0], _generator(seed, name))
     out["markov_head.markov_w1.weight"] = w1
@@ -268,18 +266,19 @@ def _write_target_head(head: Path, plan: _Plan) -> None:
 # The whole checkpoint
 
 
-def _tokenizer_config(preset: str, tok: Tokenizer) -> DSparkConfig:
+def _tokenizer_config(preset: str, tok: Tokenizer) -> DraftConfig:
     """The preset with the tokenizer's facts: tiny takes its vocabulary size, the others keep
     theirs (and pad the tokenizer's)."""
-    base = PRESETS[preset]
+    base = DEFAULT_ARCH.presets[preset]
     vocab = tok.get_vocab_size() if preset == "tiny" else base.vocab_size
     mask = tok.token_to_id("<|mask|>")
     if mask is None:
         raise QStreamError("the synthetic tokenizer has no <|mask|> token")
-    return with_tokenizer(base, vocab, mask, None, tok.token_to_id("<|endoftext|>"))
+    eos = tok.token_to_id("<|endoftext|>")
+    return replace(base, vocab_size=vocab, mask_token_id=mask, bos_token_id=None, eos_token_id=eos)
 
 
-def _markov_head(tok: Tokenizer, texts: list[str], config: DSparkConfig, seed: int):
+def _markov_head(tok: Tokenizer, texts: list[str], config: DraftConfig, seed: int):
     """``(markov_w1, markov_w2, alpha, top1)``: the corpus's bigram factors, scaled so that
     the head's mean top-1 probability on the corpus is calibrated (``alpha`` the scale)."""
     streams = [e.ids for e in tok.encode_batch(texts)]
@@ -302,8 +301,10 @@ def synth_checkpoint(
     end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
     default: :func:`~qstream.synth.corpus.builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
     tensors are written."""
-    if preset not in PRESETS:
-        raise QStreamError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if preset not in DEFAULT_ARCH.presets:
+        raise QStreamError(
+            f"unknown preset {preset!r}; choose one of {', '.join(DEFAULT_ARCH.presets)}"
+        )
     output = Path(output_dir).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     check_target(output, overwrite, "--output_dir")
@@ -314,7 +315,7 @@ def synth_checkpoint(
     small = _small_tensors(config, seed, w1, w2)
     plan = _Plan(config, small, _head_std(config, small["final_norm.weight"]), seed)
 
-    shapes = tensor_shapes(config)
+    shapes = DEFAULT_ARCH.tensor_shapes(config)
     with publishing(output, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
         write_tokenizer(tok, tmp)

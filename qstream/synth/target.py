@@ -25,9 +25,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 import qstream
-from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.load import EMBED, read_target_tensors
-from qstream.arch.dspark_mla.tensors import tensor_shapes
+from qstream.arch.interface import DraftConfig
+from qstream.arch.registry import DEFAULT_ARCH
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
 from qstream.publish import SYNTH_RECORD, check_target, publishing
@@ -80,14 +80,14 @@ def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
     return vocab_size - 1
 
 
-def target_draft_config(shape: TargetShape, tok: Tokenizer, preset: str) -> DSparkConfig:
+def target_draft_config(shape: TargetShape, tok: Tokenizer, preset: str) -> DraftConfig:
     """The preset reshaped for the target (module docstring)."""
     if tok.get_vocab_size() > shape.vocab_size:
         raise QStreamError(
             f"{shape.path}: tokenizer.json has {tok.get_vocab_size()} tokens, more than "
             f"config.json's vocab_size {shape.vocab_size}"
         )
-    base = PRESETS[preset]
+    base = DEFAULT_ARCH.presets[preset]
     ids = spread_layer_ids(shape.num_hidden_layers, base.num_target_layers)
     return replace(
         base,
@@ -131,7 +131,7 @@ def synth_for_target(
     small[EMBED] = read_target_tensors(target, [EMBED])[EMBED].float()
     if tuple(small[EMBED].shape) != (config.vocab_size, config.hidden_size):
         raise QStreamError(f"{target}: {EMBED} has shape {list(small[EMBED].shape)}")
-    shapes = tensor_shapes(config)
+    shapes = DEFAULT_ARCH.tensor_shapes(config)
     with publishing(output, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
         for name in TOKENIZER_FILES:

@@ -7,16 +7,19 @@ ones it fuses (and so must be quantized all or none, sharing one NVFP4 global sc
 ones it never quantizes.  Every rule names, in ``docs/vllm.md``, the vLLM file and function it
 comes from.
 
-Two profiles: ``K3DSparkModel`` (vLLM's Kimi-K3 DSpark draft) and ``generic`` (a Hugging Face
-causal LM, whose vLLM model class maps names one to one and fuses siblings such as q/k/v and
-gate/up through ``packed_modules_mapping``).
+The profiles: ``generic`` (a Hugging Face causal LM, whose vLLM model class maps names one to
+one and fuses siblings such as q/k/v and gate/up through ``packed_modules_mapping``), and one per
+draft architecture that carries serving data (its descriptor's ``serving``, docs/model.md):
+``K3DSparkModel``, vLLM's Kimi-K3 DSpark draft (qstream/arch/dspark_mla/serving.py).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from qstream.arch.registry import ARCHITECTURES
 
 # Projections vLLM fuses into one matrix in Hugging Face models (docs/quantize.md, "Fused
 # groups"), by their last name component; members are siblings under one parent.
@@ -64,21 +67,31 @@ class RuntimeModule:
 
 @dataclass(frozen=True)
 class Profile:
-    """A closed description of how vLLM serves one architecture (see module docstring)."""
+    """A closed description of how vLLM serves one architecture (see module docstring): the
+    generic one, or a draft's, whose data its architecture's folder holds
+    (qstream/arch/dspark_mla/serving.py)."""
 
     name: str
     architectures: tuple[str, ...]  # config.json "architectures" values it applies to
+    # checkpoint module kind (under layers.{i}.) -> (runtime module under model.layers.{L+i}.,
+    # what tensor parallelism splits); empty: every module is its own runtime module
+    layer_modules: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False)
+    never_quantized: Mapping[str, str] = field(default_factory=dict, compare=False)  # kind: why
+    context_proj: str | None = None  # a top-level module loaded under model.
+    context_kv: str | None = None  # the runtime module every layer's cross_layer kind joins
+    cross_layer: tuple | None = None  # (kinds fused across every layer, label, rule)
 
     @property
-    def is_dspark(self) -> bool:
-        return self.name == K3_DSPARK
+    def renames_layers(self) -> bool:
+        """A draft whose layers vLLM renames and fuses by the profile's tables."""
+        return bool(self.layer_modules)
 
 
 GENERIC = "generic"
 K3_DSPARK = "K3DSparkModel"
 PROFILES = {
     GENERIC: Profile(GENERIC, ()),
-    K3_DSPARK: Profile(K3_DSPARK, ("K3DSparkModel",)),
+    **{a.serving["name"]: Profile(**a.serving) for a in ARCHITECTURES if a.serving is not None},
 }
 
 
@@ -92,40 +105,7 @@ def get_profile(name: str) -> Profile:
     return PROFILES[name]
 
 
-# --- the Kimi-K3 DSpark draft: vLLM 0.32.0's vllm/models/kimi_k3/nvidia/dspark_mla.py ----------
-
-# Checkpoint module (under layers.{i}.) -> (runtime module under model.layers.{L+i}., split).
-# q_a/kv_a load into one fused_qkv_a_proj, gate/up into gate_up_proj
-# (K3DSparkForCausalLM.hf_to_vllm_mapper's orig_to_new_stacked); the splits are those of
-# vllm/models/kimi_k3/nvidia/mla.py MultiHeadLatentAttention and model.py KimiMLP.
-K3_LAYER_MODULES = {
-    "self_attn.q_a_proj": ("self_attn.fused_qkv_a_proj", "none"),
-    "self_attn.kv_a_proj_with_mqa": ("self_attn.fused_qkv_a_proj", "none"),
-    "self_attn.q_b_proj": ("self_attn.q_b_proj", "out"),
-    "self_attn.kv_b_proj": ("self_attn.kv_b_proj", "out"),
-    "self_attn.o_proj": ("self_attn.o_proj", "in"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", "out"),
-    "mlp.up_proj": ("mlp.gate_up_proj", "out"),
-    "mlp.down_proj": ("mlp.down_proj", "in"),
-}
-K3_CONTEXT_PROJ = "context_proj"
-K3_CONTEXT_KV = "model.context_kv_proj"
-# Modules vLLM never builds quantized, with the reason (docs/vllm.md cites each).  In vLLM
-# 0.32.0, K3DSparkModel.__init__ builds DSparkMarkovHead and, when config.json sets
-# enable_confidence_head, DSparkConfidenceHead (an fp32 ReplicatedLinear, served for adaptive
-# verification) without a quant config; K3DSparkForCausalLM.hf_to_vllm_mapper drops
-# embed_tokens (the target's is shared).
-K3_NEVER_QUANTIZED = {
-    "markov_head.markov_w1": "the DSpark Markov head is built without a quant config",
-    "markov_head.markov_w2": "the DSpark Markov head is built without a quant config",
-    "confidence_head.proj": (
-        "the DSpark confidence head is built in fp32 without a quant config "
-        "(served for adaptive verification)"
-    ),
-    "embed_tokens": "the draft's embedding is an embedding table, not a Linear layer",
-}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-QKV_A = ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")
 
 
 def split_layer(module: str) -> tuple[int | None, str]:
@@ -141,16 +121,15 @@ def module_kind(module: str) -> str:
 
 def never_quantized(profile: Profile, module: str) -> str | None:
     """Why vLLM never builds ``module`` quantized under ``profile`` (None: it may)."""
-    if not profile.is_dspark:
-        return None
-    return K3_NEVER_QUANTIZED.get(module_kind(module))
+    return profile.never_quantized.get(module_kind(module))
 
 
-def fused_groups(profile: Profile, modules: Iterable[str]) -> list[FusedGroup]:
-    """The groups among ``modules`` that vLLM quantizes as one (members present only)."""
+def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list[FusedGroup]:
+    """The groups among ``modules`` that vLLM quantizes as one under ``profile`` (default:
+    generic), members present only."""
     modules = list(modules)
-    if profile.is_dspark:
-        return _k3_groups(modules)
+    if profile is not None and profile.renames_layers:
+        return _draft_groups(profile, modules)
     present = set(modules)
     parents = dict.fromkeys(m.rsplit(".", 1)[0] for m in modules if "." in m)
     groups = []
@@ -163,34 +142,35 @@ def fused_groups(profile: Profile, modules: Iterable[str]) -> list[FusedGroup]:
     return groups
 
 
-def _k3_groups(modules: list[str]) -> list[FusedGroup]:
-    """Per layer gate_proj + up_proj; and q_a_proj + kv_a_proj_with_mqa of *every* layer as one
-    group: each layer fuses its pair into fused_qkv_a_proj, and every layer's kv_a is loaded
-    again into the one cross-layer context_kv_proj."""
+def _draft_groups(profile: Profile, modules: list[str]) -> list[FusedGroup]:
+    """The profile's cross-layer group (K3: q_a_proj + kv_a_proj_with_mqa of *every* layer),
+    then per layer the kinds loaded into one runtime module (K3: gate_proj + up_proj)."""
     groups = []
-    qkv_a = tuple(m for m in modules if module_kind(m) in QKV_A)
-    if len(qkv_a) >= 2:
-        groups.append(
-            FusedGroup(
-                "self_attn.{q_a_proj, kv_a_proj_with_mqa} of every layer",
-                qkv_a,
-                "vLLM fuses each layer's pair into fused_qkv_a_proj and loads every layer's "
-                "kv_a_proj_with_mqa again into one cross-layer context_kv_proj",
-            )
-        )
-    by_layer: dict[int, list[str]] = {}
+    kinds, label, rule = profile.cross_layer or ((), "", "")
+    across = tuple(m for m in modules if module_kind(m) in kinds)
+    if len(across) >= 2:
+        groups.append(FusedGroup(label, across, rule))
+    fused: dict[str, list[str]] = {}
+    for kind, (leaf, _) in profile.layer_modules.items():
+        if kind not in kinds:
+            fused.setdefault(leaf, []).append(kind)
+    by_layer: dict[tuple[int, str], list[str]] = {}
     for m in modules:
         layer, kind = split_layer(m)
-        if layer is not None and kind in ("mlp.gate_proj", "mlp.up_proj"):
-            by_layer.setdefault(layer, []).append(m)
-    for layer, members in by_layer.items():
-        if len(members) == 2:
+        leaf = profile.layer_modules.get(kind, ("", ""))[0]
+        if layer is not None and len(fused.get(leaf, ())) > 1:
+            by_layer.setdefault((layer, leaf), []).append(m)
+    for (layer, leaf), members in by_layer.items():
+        if len(members) == len(fused[leaf]):
+            parent = leaf.rsplit(".", 1)[0]
+            leaves = ", ".join(k.rsplit(".", 1)[-1] for k in fused[leaf])
+            name = leaf.rsplit(".", 1)[-1]
             groups.append(
                 FusedGroup(
-                    f"layers.{layer}.mlp.{{gate_proj, up_proj}}",
+                    f"layers.{layer}.{parent}.{{{leaves}}}",
                     tuple(members),
-                    "vLLM fuses them into gate_up_proj",
-                )
+                    f"vLLM fuses them into {name}",
+                )  # fmt: skip
             )
     return groups
 
@@ -202,28 +182,29 @@ def runtime_modules(
     draft's names, with ``target_layers`` = L, the target's layer count, as its first index).
     ``generic``: every module is its own runtime module under its own name."""
     modules = list(modules)
-    if not profile.is_dspark:
+    if not profile.renames_layers:
         return [RuntimeModule(m, (m,), "none", m) for m in modules]
     out: dict[str, list[str]] = {}
     split: dict[str, str] = {}
     for m in modules:
         layer, kind = split_layer(m)
-        if layer is not None and kind in K3_LAYER_MODULES:
-            leaf, how = K3_LAYER_MODULES[kind]
+        if layer is not None and kind in profile.layer_modules:
+            leaf, how = profile.layer_modules[kind]
             name = f"model.layers.{target_layers + layer}.{leaf}"
-        elif m == K3_CONTEXT_PROJ:
+        elif m == profile.context_proj:
             name, how = f"model.{m}", "none"
         else:
             continue
         out.setdefault(name, []).append(m)
         split[name] = how
     result = [RuntimeModule(name, tuple(shards), split[name], name) for name, shards in out.items()]
-    kv_a = tuple(m for m in modules if module_kind(m) == QKV_A[1])
-    if kv_a:
+    kinds = profile.cross_layer[0] if profile.cross_layer else ()
+    kv_a = tuple(m for m in modules if kinds and module_kind(m) == kinds[-1])
+    if kv_a and profile.context_kv:
         first = min(layer for layer, _ in map(split_layer, kv_a) if layer is not None)
         result.append(
             RuntimeModule(
-                K3_CONTEXT_KV,
+                profile.context_kv,
                 kv_a,
                 "none",
                 f"model.layers.{target_layers + first}.self_attn.fused_qkv_a_proj",
@@ -243,7 +224,7 @@ def ignore_entries(
     in some layers only gets exact entries: the checkpoint name and the runtime name at
     ``target_layers``."""
     ignored = list(ignored)
-    if not profile.is_dspark:
+    if not profile.renames_layers:
         return ignored
     modules = list(modules)
     ignored_set = set(ignored)
@@ -256,15 +237,15 @@ def ignore_entries(
         if not inside:
             continue
         if len(inside) == len(members):
-            entry = _kind_regex(kind, ignored_set, by_kind)
+            entry = _kind_regex(profile, kind, ignored_set, by_kind)
             if entry not in entries:
                 entries.append(entry)
             continue
         for m in inside:
             entries.append(m)
             layer, _ = split_layer(m)
-            if layer is not None and kind in K3_LAYER_MODULES and target_layers is not None:
-                runtime = f"model.layers.{target_layers + layer}.{K3_LAYER_MODULES[kind][0]}"
+            if layer is not None and kind in profile.layer_modules and target_layers is not None:
+                runtime = f"model.layers.{target_layers + layer}.{profile.layer_modules[kind][0]}"
                 if runtime not in entries:
                     entries.append(runtime)
     return entries
@@ -282,7 +263,7 @@ def layer_specific_warning(
 ) -> str | None:
     """A warning when a draft's ``entries`` name single runtime layers: they hold for one L."""
     exact = [e for e in entries if not e.startswith("re:") and e.startswith("model.layers.")]
-    if not profile.is_dspark or not exact:
+    if not profile.renames_layers or not exact:
         return None
     return (
         f"{len(exact)} ignore entries name single runtime layers ({exact[0]}, ...) at "
@@ -292,13 +273,15 @@ def layer_specific_warning(
     )
 
 
-def _kind_regex(kind: str, ignored: set[str], by_kind: Mapping[str, list[str]]) -> str:
+def _kind_regex(
+    profile: Profile, kind: str, ignored: set[str], by_kind: Mapping[str, list[str]]
+) -> str:
     """``re:(.*\\.)?<kind>$``; a fused kind also names its fused runtime leaf (and, when its
     partner kind is ignored everywhere too, the partner: one entry for the pair)."""
-    if kind not in K3_LAYER_MODULES:
+    if kind not in profile.layer_modules:
         return f"re:(.*\\.)?{re.escape(kind)}$"
-    fused = K3_LAYER_MODULES[kind][0]
-    partners = [k for k, (leaf, _) in K3_LAYER_MODULES.items() if leaf == fused]
+    fused = profile.layer_modules[kind][0]
+    partners = [k for k, (leaf, _) in profile.layer_modules.items() if leaf == fused]
     if len(partners) == 1:
         return f"re:.*\\.{re.escape(kind)}$"
     whole = [k for k in partners if k in by_kind and all(m in ignored for m in by_kind[k])]
@@ -308,7 +291,7 @@ def _kind_regex(kind: str, ignored: set[str], by_kind: Mapping[str, list[str]]) 
 
 
 # --- tensor parallelism: what vLLM 0.32.0 does with the K3 draft at tensor_parallel_size N ----
-# The splits are those of K3_LAYER_MODULES: column-parallel layers split N, row-parallel ones K;
+# The splits are those of the profile's layer_modules (K3: qstream/arch/dspark_mla/serving.py): column-parallel layers split N, row-parallel ones K;
 # fused_qkv_a_proj and context_kv_proj (disable_tp) and context_proj (a ReplicatedLinear) are
 # whole on every rank.  No shape is refused for a kernel's sake: FP4 Marlin zero-pads each
 # shard's N and K to a tile family (prepare_fp4_layer_for_marlin in
@@ -322,9 +305,9 @@ def split_of(profile: Profile, module: str) -> str:
     """What tensor parallelism divides in the runtime layer ``module`` loads into: "out"
     (column-parallel), "in" (row-parallel) or "none"."""
     layer, kind = split_layer(module)
-    if not profile.is_dspark or layer is None or kind not in K3_LAYER_MODULES:
+    if layer is None or kind not in profile.layer_modules:
         return "none"
-    return K3_LAYER_MODULES[kind][1]
+    return profile.layer_modules[kind][1]
 
 
 def tp_build_problem(
@@ -336,7 +319,7 @@ def tp_build_problem(
     heads divide by tp; ColumnParallelLinear.__init__ and RowParallelLinear.__init__
     (vllm/model_executor/layers/linear.py) divide each output size, or the input size, by tp
     with ``divide``, which asserts."""
-    if not profile.is_dspark or tp <= 1:
+    if not profile.renames_layers or tp <= 1:
         return None
     reasons = []
     heads = config.get("num_attention_heads")

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from qstream.checkpoint.files import Checkpoint
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS
-from qstream.quant.select import matches
 from qstream.vllm import profiles as serving
+from qstream.vllm.patterns import matches
 from qstream.vllm.profiles import Profile, RuntimeModule
 
 

@@ -47,7 +47,7 @@ def checks_run(
         skipped = _check(False, "not reached: quantization_config names no format qstream checks")
         checks = {name: skipped for name in CHECKS}
         return {**checks, "config": _check(True, "quantization_config"), VLLM_LOADER: skipped}
-    if profile.is_dspark:
+    if profile.renames_layers:
         rules = f"vLLM's decision replayed for {runtime_layers} runtime Linear layers"
     else:
         rules = "each weight-holding module quantized or ignored (no serving profile to replay)"

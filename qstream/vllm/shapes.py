@@ -3,8 +3,8 @@
 its input against (before writing anything) and ``verify`` its output.
 
 ``K3DSparkModel``: the shapes vLLM builds for a DSpark draft from its config.json, as the
-checkpoint must store them: the model's tensor table (:func:`qstream.arch.dspark_mla.tensors.tensor_shapes`,
-every projection, norm and head) with each quantized Linear weight replaced by the tensors its
+checkpoint must store them: the architecture's tensor table (``tensor_shapes`` of
+qstream/arch/interface.py, every projection, norm and head) with each quantized Linear weight replaced by the tensors its
 format stores (docs/formats.md).  vLLM sizes every parameter from config.json and copies each
 checkpoint tensor into it; a tensor of another shape fails its loader (or, for a width the
 config leaves open such as the confidence head's, the checkpoint was written for a config vLLM
@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping
 
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.tensors import shape_hint, tensor_shapes
+from qstream.arch.interface import DraftConfig
+from qstream.arch.registry import architecture_for, architecture_of
 from qstream.formats import FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile
@@ -57,12 +57,12 @@ def stored_shapes(fmt: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
 
 
 def expected_shapes(
-    config: DSparkConfig, fmt: str | None, quantized: Collection[str]
+    config: DraftConfig, fmt: str | None, quantized: Collection[str]
 ) -> dict[str, tuple[int, ...]]:
     """Every tensor name vLLM loads for ``config`` -> the shape it must have, with the modules
     in ``quantized`` stored as ``fmt`` (none: an unquantized draft)."""
     out: dict[str, tuple[int, ...]] = {}
-    for name, shape in tensor_shapes(config).items():
+    for name, shape in architecture_of(config).tensor_shapes(config).items():
         module, _, suffix = name.rpartition(".")
         if fmt and module in quantized and suffix == "weight" and len(shape) == 2:
             out.update({f"{module}.{s}": v for s, v in stored_shapes(fmt, *shape).items()})
@@ -87,7 +87,7 @@ def shape_problems(
         "without inputs or outputs)"
         for n in sorted(empty)
     ]
-    if profile.is_dspark:
+    if profile.renames_layers:
         rest = _dspark_problems(config_json, stored, fmt, quantized)
     else:
         rest = _int_field_problems(config_json) + _fused_problems(weight_shapes(stored))
@@ -116,14 +116,15 @@ def _dspark_problems(
 ) -> list[str]:
     """Every tensor vLLM loads for the draft's config present (a quantized module counts as
     present; its stored tensors are verify's other checks) and of the shape vLLM builds."""
+    arch = architecture_for(config_json)
     try:
-        config = DSparkConfig.from_json(dict(config_json))
+        config = arch.parse_config(config_json)
     except ValueError as exc:
         return [f"{exc}; cannot check the tensors against what vLLM builds from it"]
     missing = [
         f"{name}: missing; vLLM builds it {list(shape)} from config.json and would leave it "
         "unloaded"
-        for name, shape in tensor_shapes(config).items()
+        for name, shape in arch.tensor_shapes(config).items()
         if name not in stored
         and name not in DROPPED_BY_VLLM
         and name.rpartition(".")[0] not in quantized
@@ -131,7 +132,7 @@ def _dspark_problems(
     expected = expected_shapes(config, fmt, quantized)
     return missing + [
         f"{name}: stored {list(shape)}, vLLM builds {list(expected[name])} from config.json"
-        f"{shape_hint(config, name, shape)}"
+        f"{arch.shape_hint(config, name, shape)}"
         for name, shape in stored.items()
         if name in expected and tuple(shape) != expected[name]
     ]
@@ -159,7 +160,7 @@ def _fused_problems(weights: Shapes) -> list[str]:
                     f"{module}.weight: present without {parent}.{partner}.weight; vLLM fuses "
                     f"{leaf} with {partner} into one layer and cannot build it from part"
                 )
-    for group in serving.fused_groups(serving.PROFILES[serving.GENERIC], weights):
+    for group in serving.fused_groups(weights):
         problems += _disagreeing(group, weights)
     return problems
 

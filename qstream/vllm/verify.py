@@ -25,9 +25,8 @@ from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, dequantize
-from qstream.quant.select import fused_groups
 from qstream.vllm import profiles as serving
-from qstream.vllm.profiles import Profile, profile_for
+from qstream.vllm.profiles import Profile, fused_groups, profile_for
 from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.vllm.scope import checks_run
 from qstream.vllm.shapes import shape_problems
@@ -89,7 +88,7 @@ def verify_checkpoint(
     ignore = qconfig.get("ignore") or []
     report.modules_ignored = [m for m in holders if any(matches_ignore(p, m) for p in ignore)]
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
-    if profile.is_dspark:
+    if profile.renames_layers:
         report.target_layers = draft_target_layers(checkpoint, target_layers)
         replay = Replay(report.target_layers, tensor_parallel_size)
         replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), replay)

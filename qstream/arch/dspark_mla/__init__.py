@@ -1,2 +1,2 @@
 """The DSpark draft with MLA attention (Kimi-K3's): configuration, reference forward, packed
-engine, Markov head and checkpoint loading (docs/model.md)."""
+engine and checkpoint loading; :mod:`.architecture` is its descriptor (docs/model.md)."""

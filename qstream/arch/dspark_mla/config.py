@@ -1,7 +1,5 @@
-"""The DSpark draft's configuration (docs/model.md): a frozen dataclass read from and
-written to ``config.json``, the three presets ``tiny``, ``small`` and ``k3``, and the tensor
-table a checkpoint of a config holds (:func:`tensor_shapes`, checked strictly by
-:func:`check_tensors`).
+"""The DSpark-MLA draft's configuration (docs/model.md): a frozen dataclass read from and
+written to ``config.json``, and the three presets ``tiny``, ``small`` and ``k3``.
 
 >>> cfg = PRESETS["tiny"]
 >>> DSparkConfig.from_json(cfg.to_json()) == cfg
@@ -11,7 +9,7 @@ True
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 ARCHITECTURE = "K3DSparkModel"
@@ -158,6 +156,11 @@ class DSparkConfig:
         return self.num_target_layers * self.target_hidden_size
 
     @property
+    def original_max_position_embeddings(self) -> int:
+        """The context length the rope was trained at, before YaRN extends it."""
+        return self.rope_parameters.original_max_position_embeddings
+
+    @property
     def softmax_scale(self) -> float:
         """``(nope+rope)^-0.5 * yarn_get_mscale(factor, mscale_all_dim)^2`` (DeepSeek-V3's,
         as vLLM's K3 MLA applies it to the softmax; 0.130861 for Kimi-K3)."""
@@ -273,7 +276,7 @@ def _preset(**kw: Any) -> DSparkConfig:
 PRESETS: dict[str, DSparkConfig] = {
     # docs/model.md, tiny column.  v_head_dim != qk_nope_head_dim and n*v != H on purpose;
     # every quantized input width (H, I, q_lora_rank, n*v, A) is a multiple of 32, so MXFP4,
-    # NVFP4 and FP8 quantize the same tensors and are compared on them (issue 11).
+    # NVFP4 and FP8 quantize the same tensors and are compared on them.
     "tiny": _preset(
         hidden_size=64,
         intermediate_size=96,
@@ -334,24 +337,3 @@ PRESETS: dict[str, DSparkConfig] = {
         markov_rank=256,
     ),
 }
-
-
-def with_tokenizer(
-    config: DSparkConfig,
-    vocab_size: int,
-    mask_token_id: int,
-    bos_token_id: int | None,
-    eos_token_id: int | None,
-) -> DSparkConfig:
-    """The config with a tokenizer's facts filled in (used by synth for every preset)."""
-    return replace(
-        config,
-        vocab_size=vocab_size,
-        mask_token_id=mask_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The checkpoint's tensors

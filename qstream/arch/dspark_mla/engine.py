@@ -21,23 +21,58 @@ tests/test_sensitivity_context.py the chunked paths against the one-pass ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.flops import expand_flops, position_flops
-
-if TYPE_CHECKING:
-    from qstream.arch.dspark_mla.config import DSparkConfig
-    from qstream.arch.dspark_mla.forward import ContextCache, DSpark, Layer
 
 # Budget of one score tensor (float32 elements): draft's [rows, n, M*B, keys] and causal mode's
 # [S, n, queries, T].  Contexts longer than the budget allows for one row are attended in key
 # chunks with an online softmax (draft) or in query chunks (causal mode).
 SCORE_BUDGET = 1 << 25
 MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
+
+
+class Layer(Protocol):
+    """What the engine calls of one decoder layer (qstream/arch/dspark_mla/forward.py's)."""
+
+    def input_norm(self, x: torch.Tensor) -> torch.Tensor: ...
+    def query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+    def latent(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def expand(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+    def attention_output(self, out: torch.Tensor) -> torch.Tensor: ...
+    def mlp(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DSpark(Protocol):
+    """What the engine calls of the model (forward.py's :class:`DSpark`)."""
+
+    @property
+    def config(self) -> DSparkConfig: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def layers(self) -> Sequence[Layer]: ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
+    def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class ContextCache(Protocol):
+    """Per layer, the context's MLA cache (forward.py's :class:`ContextCache`)."""
+
+    @property
+    def latent(self) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def rope_key(self) -> tuple[torch.Tensor, ...]: ...
 
 
 def draft_packed(

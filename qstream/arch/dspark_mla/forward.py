@@ -8,13 +8,14 @@ computed in fp32 (as FlashAttention keeps QK^T in fp32) and rounded back to ``dt
 >>> model = DSpark(config, weights)                      # weights: name -> tensor, incl. lm_head
 >>> ctx = model.context(aux, lengths)                    # aux [S, T, A]: once per set of streams
 >>> blocks = model.draft(ctx, stream, anchor, first_token)   # U [N, B, V], hf [N, B, H]
->>> greedy = rollout(model, blocks)                      # tokens, logits, confidence [N, B]
+>>> greedy = rollout(model, blocks)                      # qstream.arch.markov: tokens, logits
 
-The file reads top to bottom: the building blocks, one decoder :class:`Layer`, the model with
-:meth:`DSpark.draft_one` (the forward of one block), then the Markov head.  :meth:`DSpark.draft`
-computes ``draft_one`` for many blocks at once; how it packs, batches and chunks them is
+The file reads top to bottom: the building blocks, one decoder :class:`Layer`, then the model
+with :meth:`DSpark.draft_one` (the forward of one block).  :meth:`DSpark.draft` computes
+``draft_one`` for many blocks at once; how it packs, batches and chunks them is
 :mod:`qstream.arch.dspark_mla.engine`'s business.  The tensor table and its strict check are in
-:mod:`qstream.arch.dspark_mla.config`.
+:mod:`qstream.arch.dspark_mla.tensors`; the Markov and confidence heads, shared by the DSpark
+family, in :mod:`qstream.arch.markov`.
 
 MLA detail: the context's per-layer cache is the kv_lora latent (after kv_a_layernorm) and the
 rotated shared rope key, as an MLA KV cache holds them; ``kv_b_proj`` expands it to per-head keys
@@ -27,7 +28,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from qstream.arch.dspark_mla import engine
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.tensors import check_tensors
-from qstream.arch.dspark_mla.weights import ComputeWeights, embedding, linear
+from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks
+from qstream.arch.weights import ComputeWeights, embedding, linear
 
-LM_HEAD = "lm_head.weight"  # borrowed from the target; not part of the draft's own tensors
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
 
@@ -98,18 +98,7 @@ def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Outputs
-
-
-class AuxChunks(Protocol):
-    """Aux states [S, T, A] too big to hold, produced a few positions at a time:
-    :meth:`DSpark.context` calls ``rows`` once per consecutive range, in order from 0 to T."""
-
-    shape: tuple[int, int, int]
-
-    def rows(self, t0: int, t1: int) -> torch.Tensor:
-        """Positions t0..t1-1 of every stream: [S, t1 - t0, A]."""
-        ...
+# The context cache
 
 
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -123,25 +112,6 @@ class ContextCache:
     latent: tuple[torch.Tensor, ...]  # per layer [S, T, kv_lora], after kv_a_layernorm
     rope_key: tuple[torch.Tensor, ...]  # per layer [S, T, rope], rotated at positions 0..T-1
     lengths: torch.Tensor  # [S] valid context positions per stream
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """The non-causal pass over N blocks: everything before the Markov head."""
-
-    logits_base: torch.Tensor  # U [N, B, V] float32 (computed in the model's dtype)
-    hidden: torch.Tensor  # hf [N, B, H] float32: final-normed block states
-    first_token: torch.Tensor  # [N] int64: ids[p], the Markov head's prev_0
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """A Markov-head rollout of every block (greedy, sampled, or teacher-forced)."""
-
-    tokens: torch.Tensor  # [N, B] drafted tokens d_k (teacher-forced: the supplied tokens)
-    prev: torch.Tensor  # [N, B] token fed to markov_w1 at step k: [ids[p], d_0, ..., d_{B-2}]
-    logits: torch.Tensor  # [N, B, V] float32: U_k + markov_w2 . markov_w1[prev_k]
-    confidence: torch.Tensor | None  # [N, B] float32 sigmoid scores; None without the head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +201,7 @@ class Layer:
 class DSpark:
     """A DSpark draft computing in ``dtype``.  ``weights`` maps every name of
     :func:`tensor_shapes` plus ``lm_head.weight`` [V, H] to a tensor of any float dtype; each is
-    held once (:class:`~qstream.arch.dspark_mla.weights.ComputeWeights`: a bf16 weight of the fp32
+    held once (:class:`~qstream.arch.weights.ComputeWeights`: a bf16 weight of the fp32
     reference stays bf16 and is upcast per use, lm_head in row chunks).  Nothing here is
     mutated after construction."""
 
@@ -397,7 +367,3 @@ class DSpark:
             x = x + layer.mlp(x)
             outs.append(x.float())
         return torch.stack(outs, dim=2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Markov head, rollouts and confidence

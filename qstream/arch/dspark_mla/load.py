@@ -1,10 +1,9 @@
-"""Loading a DSpark draft: strict, memory-mapped, quantized checkpoints dequantized, the
-target's lm_head borrowed; and the in-memory quantize -> dequantize that simulates a format.
+"""Loading a DSpark-MLA draft: strict, memory-mapped, quantized checkpoints dequantized, the
+target's lm_head borrowed.
 
 >>> model = load_model("ckpt/", dtype=torch.float32)            # target head: ckpt/target_head/
 >>> model = load_model("ckpt-nvfp4/", target="kimi-k3/", dtype=torch.bfloat16)
 >>> weights = load_weights("ckpt/")                              # name -> tensor, lm_head included
->>> sim = simulate_format(weights, "mxfp4", include=QUANTIZE_INCLUDE)
 
 Tensors are read through the project's safetensors reader (qstream.checkpoint), which memory
 maps each shard and checks every header; a target is opened through its
@@ -19,36 +18,16 @@ from pathlib import Path
 import torch
 
 from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.forward import LM_HEAD, DSpark
+from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.tensors import check_tensors
+from qstream.arch.interface import LM_HEAD, TARGET_HEAD_DIR
 from qstream.checkpoint.files import INDEX_NAME, open_checkpoint, read_config, read_json
 from qstream.checkpoint.layout import format_of_layout
-from qstream.checkpoint.safetensors_io import (
-    DTYPE_NAMES,
-    ShardReader,
-    TensorInfo,
-    drop_resident_pages,
-    read_header,
-)
+from qstream.checkpoint.safetensors_io import ShardReader, read_header
 from qstream.errors import QStreamError
-from qstream.formats import FORMATS, dequantize, quantize
-from qstream.formats.nvfp4 import tensor_amax
-from qstream.quant.select import select_modules, share_group_amax
+from qstream.formats import FORMATS, dequantize
 from qstream.units import FLOAT_DTYPES
-from qstream.vllm.profiles import K3_DSPARK, get_profile
 
-# Where `qstream synth` puts the stand-in target: a checkpoint directory of its own (config.json,
-# model.safetensors.index.json, one shard) holding lm_head.weight [V, H].
-TARGET_HEAD_DIR = "target_head"
-# The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
-QUANTIZE_INCLUDE = (
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "self_attn.o_proj",
-    "self_attn.q_b_proj",
-    "context_proj",
-)
 EMBED = "embed_tokens.weight"
 
 
@@ -240,43 +219,3 @@ def load_model(
     """A ready :class:`DSpark` with weights and compute in ``dtype``."""
     config = load_config(model_dir)
     return DSpark(config, load_weights(model_dir, target, config), dtype)
-
-
-def simulate_format(
-    weights: Mapping[str, torch.Tensor],
-    fmt: str,
-    include: Iterable[str] | None = QUANTIZE_INCLUDE,
-    ignore: Iterable[str] | None = None,
-    skip_incompatible: bool = False,
-) -> dict[str, torch.Tensor]:
-    """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized
-    (bit-identical to loading what ``qstream quantize`` writes with the same selection).
-    ``include``/``ignore`` are docs/quantize.md patterns (``include=None``: quantize's
-    default selection); lm_head belongs to the target and is never touched.  The selection
-    follows vLLM's K3 DSpark serving rules as quantize does (docs/vllm.md): NVFP4 fused groups
-    (gate/up per layer, q_a/kv_a across all layers) share one global scale.
-    ``skip_incompatible`` leaves weights whose K is not a multiple of the block unquantized,
-    as ``qstream quantize --skip-incompatible`` does."""
-    draft = {k: v for k, v in weights.items() if k != LM_HEAD}
-    infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
-    selection = select_modules(
-        infos,
-        fmt,
-        list(include or []),
-        list(ignore or []),
-        skip_incompatible=skip_incompatible,
-        profile=get_profile(K3_DSPARK),
-    )
-    amax: dict[str, torch.Tensor] = {}
-    if FORMATS[fmt].global_scale:
-        amax = share_group_amax(
-            {m: tensor_amax(draft[f"{m}.weight"]) for m in selection.quantized},
-            selection.fused_groups,
-        )
-    out = dict(weights)
-    for module in selection.quantized:
-        w = draft[f"{module}.weight"]
-        stored = quantize(fmt, w, name=f"{module}.weight", global_amax=amax.get(module))
-        out[f"{module}.weight"] = dequantize(fmt, stored, dtype=w.dtype)
-        drop_resident_pages(w)  # a mapped original: its pages leave this process's memory
-    return out

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import read_json
 from qstream.checkpoint.safetensors_io import read_header
 from qstream.errors import QStreamError
@@ -144,7 +144,7 @@ def _named_ids(
 
 
 def _layers(
-    root: Path, fmt: str, config: DSparkConfig, convention: str | None, layer_ids: object
+    root: Path, fmt: str, config: DraftConfig, convention: str | None, layer_ids: object
 ) -> tuple[dict, dict | None]:
     """The results' ``layers`` block and the manifest (capture.json) if the directory has one."""
     manifest_path = root / RECORD
@@ -167,7 +167,7 @@ def _layers(
     return block, manifest
 
 
-def _opener(fmt: str, config: DSparkConfig) -> Callable[[Path], list]:
+def _opener(fmt: str, config: DraftConfig) -> Callable[[Path], list]:
     if fmt == VLLM:  # the final norm is attached once every file has been checked
         return lambda p: open_vllm_file(p, config, FinalNorm())
     if fmt == SPECFORGE:
@@ -175,7 +175,7 @@ def _opener(fmt: str, config: DSparkConfig) -> Callable[[Path], list]:
     return lambda p: open_qstream_file(p, config)
 
 
-def _final_norm(fmt: str, root: Path, config: DSparkConfig, target: str | None) -> FinalNorm:
+def _final_norm(fmt: str, root: Path, config: DraftConfig, target: str | None) -> FinalNorm:
     """The target's final norm when the layout's final state is taken before it (vLLM)."""
     if fmt != VLLM:
         return FinalNorm()
@@ -185,7 +185,7 @@ def _final_norm(fmt: str, root: Path, config: DSparkConfig, target: str | None) 
 
 def read_states(
     path: str | Path,
-    config: DSparkConfig,
+    config: DraftConfig,
     *,
     format: str | None = None,
     layer_convention: str | None = None,

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus
@@ -112,7 +112,7 @@ class CapturedAuxChunks:
         return out
 
 
-def check_ids(where: str, name: str, ids: torch.Tensor, config: DSparkConfig) -> torch.Tensor:
+def check_ids(where: str, name: str, ids: torch.Tensor, config: DraftConfig) -> torch.Tensor:
     """A stream's token ids: 1-D int32/int64, long enough for one block, inside the vocab."""
     if ids.dtype not in ID_DTYPES or ids.ndim != 1:
         raise QStreamError(
@@ -152,7 +152,7 @@ def check_shape(where: str, name: str, shape: list[int], expected: list[int], wh
         )
 
 
-def aux_why(config: DSparkConfig) -> str:
+def aux_why(config: DraftConfig) -> str:
     return (
         f"num_target_layers·target_hidden_size = "
         f"{config.num_target_layers}·{config.target_hidden_size}"

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.load import read_target_tensors
+from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import read_config
 from qstream.errors import QStreamError
 
@@ -62,7 +62,7 @@ def as_layer_output(ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
     return ids if convention == LAYER_OUTPUT else tuple(i - 1 for i in ids)
 
 
-def check_layer_ids(ids: tuple[int, ...], convention: str, config: DSparkConfig, where: str):
+def check_layer_ids(ids: tuple[int, ...], convention: str, config: DraftConfig, where: str):
     """Refuse ids (named by ``where``) that are not the draft's ``target_layer_ids``.  A trailing
     last layer (index N, or output N−1) names the final state and is allowed."""
     n, wanted = config.target_num_hidden_layers, tuple(config.target_layer_ids)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import (
     AUX,
@@ -79,7 +79,7 @@ def _stream_prefixes(path: Path, names: list[str]) -> tuple[str, ...]:
     return tuple(f"stream.{i}." for i in range(max(found) + 1))
 
 
-def _check_stream(path: Path, f, prefix: str, config: DSparkConfig) -> torch.Tensor:
+def _check_stream(path: Path, f, prefix: str, config: DraftConfig) -> torch.Tensor:
     """Validate one stream's three tensors (dtype, rank, shape, id range); returns its ids."""
     ids_name = prefix + "input_ids"
     ids = check_ids(str(path), ids_name, f.get_tensor(ids_name), config)
@@ -96,7 +96,7 @@ def _check_stream(path: Path, f, prefix: str, config: DSparkConfig) -> torch.Ten
     return ids
 
 
-def open_qstream_file(path: Path, config: DSparkConfig) -> list[tuple[QStreamSource, torch.Tensor]]:
+def open_qstream_file(path: Path, config: DraftConfig) -> list[tuple[QStreamSource, torch.Tensor]]:
     """Validate one qstream-layout file; its streams as (source, token ids)."""
     try:
         with safe_open(str(path), framework="pt") as f:

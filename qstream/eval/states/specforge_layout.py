@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import AUX, aux_why, check_float, check_ids, check_shape
 
@@ -80,7 +80,7 @@ class SpecForgeSource:
 
 
 def open_specforge_file(
-    path: Path, config: DSparkConfig
+    path: Path, config: DraftConfig
 ) -> list[tuple[SpecForgeSource, torch.Tensor]]:
     """Validate one sample's file; its one stream as (source, token ids)."""
     record = load_record(str(path))

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.interface import DraftConfig
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import AUX, check_float, check_ids, check_shape
 from qstream.eval.states.layers import FinalNorm
@@ -47,7 +47,7 @@ class VllmSource:
         return self.norm(states[:, self.n_aux].float())
 
 
-def _check_slots(path: Path, shape: list[int], T: int, config: DSparkConfig) -> None:
+def _check_slots(path: Path, shape: list[int], T: int, config: DraftConfig) -> None:
     """hidden_states must be [T, num_target_layers + 1, target_hidden_size]."""
     L, H = config.num_target_layers, config.target_hidden_size
     if len(shape) != 3 or shape[0] != T or shape[2] != H:
@@ -70,7 +70,7 @@ def _check_slots(path: Path, shape: list[int], T: int, config: DSparkConfig) -> 
 
 
 def open_vllm_file(
-    path: Path, config: DSparkConfig, norm: FinalNorm
+    path: Path, config: DraftConfig, norm: FinalNorm
 ) -> list[tuple[VllmSource, torch.Tensor]]:
     """Validate one request's file; its one stream as (source, token ids)."""
     try:

@@ -1,4 +1,5 @@
-"""The DSpark draft's sequential part (docs/model.md): the Markov head's per-position logits,
+"""The DSpark family's sequential part (docs/model.md), shared by every architecture whose draft
+ends in vLLM's DSparkMarkovHead and DSparkConfidenceHead: the Markov head's per-position logits,
 the confidence head, and the greedy, sampled and teacher-forced rollouts over a drafted block.
 Sampling follows vLLM's DSpark drafter: the full softmax of ``logits / T`` by an exponential
 race (docs/eval-drift.md)."""
@@ -13,15 +14,23 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.dspark_mla.forward import Blocks, DSpark, Rollout
-from qstream.arch.dspark_mla.weights import ComputeWeights, embedding, held_fp32
+from qstream.arch.interface import Blocks, Rollout
+from qstream.arch.weights import ComputeWeights, embedding, held_fp32
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
 
 
+class HeadConfig(Protocol):
+    """The config.json keys the heads read."""
+
+    @property
+    def enable_confidence_head(self) -> bool: ...
+    @property
+    def confidence_head_with_markov(self) -> bool: ...
+
+
 class MarkovWeights(Protocol):
-    """What the Markov head reads: a DSpark model, or the reference's head kept alone."""
+    """What the Markov head reads: a draft model, or the reference's head kept alone."""
 
     @property
     def w(self) -> Mapping[str, torch.Tensor]: ...
@@ -31,10 +40,20 @@ class MarkovWeights(Protocol):
 
 
 class HeadModel(MarkovWeights, Protocol):
-    """What the Markov and confidence heads read: a DSpark model, or its :class:`HostHead`."""
+    """What the Markov and confidence heads read: a draft model, or its :class:`HostHead`."""
 
     @property
-    def config(self) -> DSparkConfig: ...
+    def config(self) -> HeadConfig: ...
+
+
+class DraftWithHeads(HeadModel, Protocol):
+    """A draft model whose weights are a :class:`ComputeWeights` on ``device``."""
+
+    @property
+    def w(self) -> ComputeWeights: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 @dataclass(frozen=True)
@@ -42,12 +61,12 @@ class HostHead:
     """A model's Markov and confidence heads on the host: teacher-forced logits and the
     verifiers run on the CPU whatever device drafted the blocks (qstream/eval/batches.py)."""
 
-    config: DSparkConfig
+    config: HeadConfig
     w: ComputeWeights
     dtype: torch.dtype
 
 
-def host_head(model: DSpark) -> HeadModel:
+def host_head(model: DraftWithHeads) -> HeadModel:
     """``model`` itself on the CPU, else a copy of its heads' tensors on the host."""
     if model.device.type == "cpu":
         return model
@@ -149,7 +168,7 @@ def sample(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
 
 
 def rollout(
-    model: DSpark,
+    model: HeadModel,
     blocks: Blocks,
     noise: torch.Tensor | None = None,
     temperature: float = 1.0,

@@ -1,4 +1,4 @@
-"""A model's weights held once, read in its compute dtype (docs/model.md, "Memory").
+"""A draft's weights held once, read in its compute dtype (docs/model.md, "Memory").
 
 A DSpark checkpoint is bf16, so the FP32 reference's weights are an exact upcast of what is on
 disk.  :class:`ComputeWeights` keeps such a weight in its stored dtype (a view of the mapped
@@ -28,9 +28,7 @@ import torch.nn.functional as F
 HOLD_ELEMENTS = 1 << 24
 # A weight upcast per use is converted and multiplied in row chunks of this many elements (32 MiB
 # in fp32), but at least UPCAST_MIN_ROWS rows: a chunk is still in the last-level cache when the
-# GEMM reads it (at K3's gate shape and 203 rows of x, 136 ms instead of 165 ms whole; a held
-# fp32 weight takes 135 ms), and no chunk is so thin that the GEMM loses speed (context_proj,
-# 7168 x 35840, with 1400 rows of x: 234-row chunks took 11% longer than 1024-row ones).
+# GEMM reads it, and no chunk is so thin that the GEMM loses speed (docs/eval-drift.md, "Memory").
 UPCAST_CHUNK_ELEMENTS = 1 << 23
 UPCAST_MIN_ROWS = 1024
 # Exact widenings: every value of the first dtype is a value of the second.
@@ -109,9 +107,8 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
         return self._upcast_buffer(weight.numel()).view(weight.shape).copy_(weight)
 
     def _upcast_buffer(self, elements: int) -> torch.Tensor:
-        """The reused upcast target, grown to the largest request so far.  A fresh temporary
-        per use costs page faults on hundreds of MiB each time: at K3 shapes an upcast gate
-        projection then ran at 72% of the held-fp32 product's speed, with the buffer at 90%."""
+        """The reused upcast target, grown to the largest request so far: a fresh temporary
+        per use would cost page faults on hundreds of MiB each time."""
         if self._buffer is None or self._buffer.numel() < elements:
             self._buffer = None  # freed before its replacement is allocated
             self._buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
@@ -120,10 +117,6 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
     def upcast_per_use(self, name: str) -> bool:
         """Whether reading ``name`` converts it (the weight is held in a narrower dtype)."""
         return self.stored[name].dtype != self.dtype
-
-    def held_bytes(self) -> int:
-        """Bytes of the held tensors (a weight shared with another model counts in both)."""
-        return sum(t.numel() * t.element_size() for t in self.stored.values())
 
 
 def linear(weights: Mapping[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""The DSpark-MLA draft behind the architecture interface (docs/model.md, "Architectures"):
+:data:`ARCH` is its descriptor (qstream/arch/interface.py's ``Architecture``).  The config and
+tensor table are pure Python; the model's modules, which need torch, are imported when first
+called, so that ``qstream quantize`` checks a draft's shapes without loading them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
+from qstream.arch.dspark_mla.serving import SERVING
+from qstream.arch.dspark_mla.tensors import shape_hint, tensor_shapes
+from qstream.arch.interface import Blocks, Rollout
+
+# The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
+QUANTIZE_INCLUDE = (
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "self_attn.o_proj",
+    "self_attn.q_b_proj",
+    "context_proj",
+)
+
+
+class DSparkMLA:
+    """The descriptor: every call the rest of the package makes of this architecture."""
+
+    name = "dspark_mla"
+    config_type: type = DSparkConfig
+    quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
+    presets: Mapping[str, DSparkConfig] = PRESETS
+    serving: Mapping[str, Any] | None = SERVING
+
+    def recognises(self, data: Mapping[str, Any]) -> bool:
+        return data.get("architectures") == [ARCHITECTURE] or data.get("model_type") == MODEL_TYPE
+
+    def parse_config(self, data: Mapping[str, Any]) -> DSparkConfig:
+        return DSparkConfig.from_json(dict(data))
+
+    def tensor_shapes(self, config: DSparkConfig) -> dict[str, tuple[int, ...]]:
+        return tensor_shapes(config)
+
+    def shape_hint(self, config: DSparkConfig, name: str, shape: tuple[int, ...]) -> str:
+        return shape_hint(config, name, shape)
+
+    def load_weights(
+        self, model_dir: str | Path, target: str | Path | None, config: DSparkConfig
+    ) -> dict[str, torch.Tensor]:
+        from qstream.arch.dspark_mla.load import load_weights
+
+        return load_weights(model_dir, target, config)
+
+    def build(self, config: DSparkConfig, weights, dtype: torch.dtype, device: Any = "cpu"):
+        from qstream.arch.dspark_mla.forward import DSpark
+
+        return DSpark(config, weights, dtype, device)
+
+    def host_head(self, model):
+        from qstream.arch.markov import host_head
+
+        return host_head(model)
+
+    def rollout(
+        self, model, blocks: Blocks, noise=None, temperature: float = 1.0, top_p: float = 1.0
+    ) -> Rollout:
+        from qstream.arch.markov import rollout
+
+        return rollout(model, blocks, noise, temperature, top_p)
+
+    def teacher_forced(self, head, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
+        from qstream.arch.markov import teacher_forced
+
+        return teacher_forced(head, blocks, tokens)
+
+    def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype):
+        from qstream.arch.dspark_mla.causal import CausalStream
+
+        return CausalStream(model, ids, dtype)
+
+    def context_flops(self, config: DSparkConfig) -> float:
+        from qstream.arch.dspark_mla.flops import context_flops
+
+        return context_flops(config)
+
+    def drafted_flops(self, config: DSparkConfig, anchor: torch.Tensor) -> float:
+        from qstream.arch.dspark_mla.flops import drafted_flops
+
+        return drafted_flops(config, anchor)
+
+    def causal_flops(self, config: DSparkConfig, T: int) -> float:
+        from qstream.arch.dspark_mla.flops import causal_flops
+
+        return causal_flops(config, T)
+
+
+ARCH = DSparkMLA()

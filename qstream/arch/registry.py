@@ -1,0 +1,48 @@
+"""The draft architectures qstream knows (docs/model.md, "Architectures"): a config.json is
+recognised by each descriptor in turn, and a config object leads back to its descriptor.
+
+>>> arch = architecture_for(read_config("DRAFT_DIR"))   # recognised, else the default
+>>> config = load_config("DRAFT_DIR")                    # QStreamError naming key and value
+>>> architecture_of(config).build(config, weights, torch.float32, "cpu")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from qstream.arch.dspark_mla.architecture import ARCH as DSPARK_MLA
+from qstream.arch.interface import Architecture, DraftConfig
+from qstream.checkpoint.files import read_config
+from qstream.errors import QStreamError
+
+# The first is the default: a config.json that names no known architecture is read as its.
+ARCHITECTURES: list[Architecture] = [DSPARK_MLA]
+DEFAULT_ARCH: Architecture = DSPARK_MLA
+
+
+def architecture_for(data: Mapping[str, Any]) -> Architecture:
+    """The architecture a config.json's contents name (the default when none claims it, so
+    that its parser names what is wrong)."""
+    return next((a for a in ARCHITECTURES if a.recognises(data)), DEFAULT_ARCH)
+
+
+def architecture_of(config: DraftConfig) -> Architecture:
+    """The architecture that parsed ``config``."""
+    for arch in ARCHITECTURES:
+        if type(config) is arch.config_type:
+            return arch
+    raise TypeError(f"no registered architecture parses {type(config).__name__}")
+
+
+def load_config(directory: str | Path) -> Any:
+    """config.json of a draft checkpoint -> its architecture's config (QStreamError naming the
+    file, key and value)."""
+    path = Path(directory) / "config.json"
+    data = read_config(Path(directory))
+    try:
+        return architecture_for(data).parse_config(data)
+    except ValueError as exc:
+        message = f"{path}: {exc}".replace("config.json: config.json:", "config.json:")
+        raise QStreamError(message) from None

@@ -1,0 +1,61 @@
+"""A format simulated in memory: the selected Linear weights quantized and dequantized, exactly
+as loading what ``qstream quantize`` writes with the same selection would give them
+(docs/eval-drift.md, "Variants").
+
+>>> sim = simulate_format(weights, "mxfp4", include=arch.quantize_include, profile=profile)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from qstream.arch.interface import LM_HEAD
+from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo, drop_resident_pages
+from qstream.formats import dequantize, get_format, quantize
+from qstream.formats.nvfp4 import tensor_amax
+from qstream.quant.select import select_modules, share_group_amax
+from qstream.vllm.profiles import K3_DSPARK, Profile, get_profile
+
+
+def simulate_format(
+    weights: Mapping[str, torch.Tensor],
+    fmt: str,
+    include: Iterable[str] | None,
+    ignore: Iterable[str] | None = None,
+    skip_incompatible: bool = False,
+    profile: Profile | None = None,
+) -> dict[str, torch.Tensor]:
+    """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized
+    (bit-identical to loading what ``qstream quantize`` writes with the same selection).
+    ``include``/``ignore`` are docs/quantize.md patterns (``include=None``: quantize's
+    default selection); lm_head belongs to the target and is never touched.  The selection
+    follows ``profile``'s serving rules as quantize does (default: vLLM's K3 DSpark draft,
+    docs/vllm.md): NVFP4 fused groups (there: gate/up per layer, q_a/kv_a across all layers)
+    share one global scale.
+    ``skip_incompatible`` leaves weights whose K is not a multiple of the block unquantized,
+    as ``qstream quantize --skip-incompatible`` does."""
+    draft = {k: v for k, v in weights.items() if k != LM_HEAD}
+    infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
+    selection = select_modules(
+        infos,
+        fmt,
+        list(include or []),
+        list(ignore or []),
+        skip_incompatible=skip_incompatible,
+        profile=profile or get_profile(K3_DSPARK),
+    )
+    amax: dict[str, torch.Tensor] = {}
+    if get_format(fmt).global_scale:
+        amax = share_group_amax(
+            {m: tensor_amax(draft[f"{m}.weight"]) for m in selection.quantized},
+            selection.fused_groups,
+        )
+    out = dict(weights)
+    for module in selection.quantized:
+        w = draft[f"{module}.weight"]
+        stored = quantize(fmt, w, name=f"{module}.weight", global_amax=amax.get(module))
+        out[f"{module}.weight"] = dequantize(fmt, stored, dtype=w.dtype)
+        drop_resident_pages(w)  # a mapped original: its pages leave this process's memory
+    return out
