@@ -19,9 +19,6 @@ width (the halves of a gated MLP on their whole shape).
 
 In every profile a weight with no elements is refused: no config builds a layer without inputs
 or outputs, and the formats cannot quantize one.
-
->>> stored_shapes("nvfp4", 96, 64)
-{'weight_packed': (96, 32), 'weight_scale': (96, 4), 'weight_global_scale': (1,)}
 """
 
 from __future__ import annotations
@@ -48,14 +45,6 @@ GENERIC_INT_FIELDS = (
 ).split()
 
 
-def stored_shapes(fmt: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
-    """What a ``[n, k]`` weight quantized to ``fmt`` is stored as, by suffix (docs/formats.md):
-    FP8 ``weight [N, K]``, ``weight_scale [N, 1]``; the 4-bit formats ``weight_packed
-    [N, K/2]`` (two E2M1 codes a byte), ``weight_scale [N, K/block]``, NVFP4 also
-    ``weight_global_scale [1]``."""
-    return FORMATS[fmt].stored_shapes(n, k)
-
-
 def expected_shapes(
     config: DraftConfig, fmt: str | None, quantized: Collection[str]
 ) -> dict[str, tuple[int, ...]]:
@@ -65,7 +54,7 @@ def expected_shapes(
     for name, shape in architecture_of(config).tensor_shapes(config).items():
         module, _, suffix = name.rpartition(".")
         if fmt and module in quantized and suffix == "weight" and len(shape) == 2:
-            out.update({f"{module}.{s}": v for s, v in stored_shapes(fmt, *shape).items()})
+            out.update({f"{module}.{s}": v for s, v in FORMATS[fmt].stored_shapes(*shape).items()})
         else:
             out[name] = shape
     return out
