@@ -27,6 +27,8 @@ FORMATS: dict[str, Format] = {f.name: f for f in (FP8, MXFP4, NVFP4)}
 QUANTIZED_SUFFIXES = tuple(
     dict.fromkeys(s for f in FORMATS.values() for s in f.stored if s != "weight")
 )
+# Each format's codes suffix -> weight elements per stored element along K ("weight_packed": 2).
+CODE_SUFFIXES = {f.stored[0]: f.codes_per_byte for f in FORMATS.values()}
 
 
 def get_format(name: str) -> Format:
@@ -54,6 +56,7 @@ def dequantize(fmt: str, stored: Stored, dtype: torch.dtype = torch.bfloat16) ->
 
 __all__ = [
     "FORMATS",
+    "CODE_SUFFIXES",
     "QUANTIZED_SUFFIXES",
     "Energy",
     "Format",

@@ -18,7 +18,7 @@ import torch
 from qstream.checkpoint.files import Checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
-from qstream.formats import FORMATS, dequantize
+from qstream.formats import CODE_SUFFIXES, FORMATS, dequantize
 
 _SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
 
@@ -201,7 +201,7 @@ def _modules(model: torch.nn.Module, rec: Recorder) -> list[dict]:
         label = "unquantized" if scheme is None else type(scheme).__name__
         if getattr(scheme, "use_a16", False):
             label += "(use_a16)"
-        weight = next((p for p in ("weight", "weight_packed") if f"{name}.{p}" in rec.loads), None)
+        weight = next((p for p in CODE_SUFFIXES if f"{name}.{p}" in rec.loads), None)
         sources = [load.source for load in _ordered(rec.loads.get(f"{name}.{weight}", []))]
         out.append({"module": module.prefix, "name": name, "scheme": label, "sources": sources})
     return out

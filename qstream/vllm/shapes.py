@@ -28,7 +28,7 @@ from collections.abc import Collection, Mapping
 
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_for, architecture_of
-from qstream.formats import FORMATS
+from qstream.formats import CODE_SUFFIXES, FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile
 
@@ -91,13 +91,13 @@ def weight_shapes(stored: Shapes) -> dict[str, tuple[int, ...]]:
         module, _, suffix = name.rpartition(".")
         if suffix == "weight":
             out[module] = tuple(shape)
-        elif suffix == "weight_packed" and len(shape) == 2:
-            out[module] = (shape[0], 2 * shape[1])
+        elif suffix in CODE_SUFFIXES and len(shape) == 2:
+            out[module] = (shape[0], CODE_SUFFIXES[suffix] * shape[1])
     return out
 
 
 def _is_weight(name: str) -> bool:
-    return name.rpartition(".")[2] in ("weight", "weight_packed")
+    return name.rpartition(".")[2] in CODE_SUFFIXES
 
 
 def _dspark_problems(
