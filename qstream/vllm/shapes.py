@@ -2,23 +2,13 @@
 (docs/quantize.md, "Tensors checked against the config"): the one table that ``quantize`` checks
 its input against (before writing anything) and ``verify`` its output.
 
-``K3DSparkModel``: the shapes vLLM builds for a DSpark draft from its config.json, as the
-checkpoint must store them: the architecture's tensor table (``tensor_shapes`` of
-qstream/arch/interface.py, every projection, norm and head) with each quantized Linear weight replaced by the tensors its
-format stores (docs/formats.md).  vLLM sizes every parameter from config.json and copies each
-checkpoint tensor into it; a tensor of another shape fails its loader (or, for a width the
-config leaves open such as the confidence head's, the checkpoint was written for a config vLLM
-does not read), and a missing one leaves a parameter unloaded: DefaultModelLoader.load_weights
-(vllm/model_executor/model_loader/default_loader.py) refuses that only when the model has no
-quantization config, so a quantized draft would be served with whatever the parameter held.
-
-``generic``: a Hugging Face causal LM whose vLLM class qstream does not model layer by layer.
-What can be checked without it: the integer fields vLLM sizes layers from are integers, and each
-group that vLLM fuses into one matrix (serving.GENERIC_FUSED) is complete and agrees on its input
-width (the halves of a gated MLP on their whole shape).
-
-In every profile a weight with no elements is refused: no config builds a layer without inputs
-or outputs, and the formats cannot quantize one.
+``K3DSparkModel``: the architecture's tensor table (``tensor_shapes``, qstream/arch/interface.py)
+with each quantized Linear weight replaced by what its format stores, as vLLM builds it from
+config.json.  A missing tensor matters even where vLLM does not complain:
+DefaultModelLoader.load_weights (vllm/model_executor/model_loader/default_loader.py) refuses
+unloaded parameters only in a model without a quantization config.  ``generic``: the integer
+fields vLLM sizes layers from, and each group vLLM fuses (serving.GENERIC_FUSED) complete and
+agreeing on its input width.  In every profile a weight with no elements is refused.
 """
 
 from __future__ import annotations
