@@ -1,10 +1,6 @@
-"""qstream's bookkeeping of a vLLM load, and the checks of what vLLM built (docs/vllm.md, "vLLM's
-own loader").  vLLM tracks loaded weights only for unquantized models; :class:`Recorder` notes
-which stored tensor reached which parameter and what each parameter held before
-post-processing, and :func:`check` finds: a stored tensor that reaches no weight loader (unless
-the draft class's own name mapper drops it), a parameter left unloaded, a parameter not holding
-the stored bytes in the stored dtype, and a quantized Linear whose identity-input product after
-post-processing differs from qstream's :func:`~qstream.formats.dequantize`.
+"""qstream's bookkeeping of a vLLM load (:class:`Recorder`: which stored tensor reached which
+parameter, and what each held before post-processing; vLLM tracks this only for unquantized
+models) and the checks of what vLLM built (:func:`check`, docs/vllm.md, "The checks").
 """
 
 from __future__ import annotations
@@ -84,7 +80,7 @@ def check(
     checkpoint: Checkpoint, model: torch.nn.Module, rec: Recorder
 ) -> tuple[list[dict], list[str]]:
     """The modules vLLM built (runtime name, attribute path, scheme, stored sources) and the
-    problems found (module docstring)."""
+    problems found (docs/vllm.md, "The checks")."""
     problems: list[str] = []
     dropped = getattr(model, "hf_to_vllm_mapper", None)
     for name in rec.fed_names:
