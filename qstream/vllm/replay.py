@@ -6,12 +6,25 @@ exactly those; the modules vLLM never quantizes; what it does at the tensor-para
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from qstream.checkpoint.files import Checkpoint
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.patterns import matches
 from qstream.vllm.profiles import Profile, RuntimeModule
+
+
+@dataclass
+class Replay:
+    """What the replay found, for one L and one tensor-parallel size."""
+
+    target_layers: int  # L used for the draft's runtime names
+    tensor_parallel_size: int
+    # vLLM's decision per runtime Linear layer: {"module", "shards", "scheme", "why"}
+    runtime_modules: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
 
 
 def matches_ignore(entry: str, module: str) -> bool:
@@ -41,31 +54,28 @@ def replay_vllm(
     holders: list[str],
     quantized: set[str],
     targets_ignore: tuple[list, list],
-    target_layers: int,
-    tp: int,
-) -> tuple[list[dict], list[str]]:
-    """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), with L =
-    ``target_layers``, as ``{"module", "shards", "scheme", "why"}``; and the problems: what the
-    checkpoint stores for each shard against that, the modules vLLM never quantizes, and what
-    vLLM does at tensor-parallel size ``tp``."""
-    decisions, problems = [], []
-    for rt in serving.runtime_modules(profile, holders, target_layers):
+    report: Replay,
+) -> None:
+    """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
+    what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
+    runtime = serving.runtime_modules(profile, holders, report.target_layers)
+    for rt in runtime:
         scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
-        decisions.append(
+        report.runtime_modules.append(
             {"module": rt.name, "shards": list(rt.shards), "scheme": scheme, "why": why}
         )
         for shard in rt.shards:
             line = _shard_mismatch(checkpoint, fmt, rt, shard, scheme, why, shard in quantized)
             if line:
-                problems.append(line)
+                report.problems.append(line)
     for module in holders:
         never = serving.never_quantized(profile, module)
         if never and module in quantized:
-            problems.append(
+            report.problems.append(
                 f"{module}: stored {fmt}, but vLLM never quantizes it "
                 f"({never}); it must keep the base dtype"
             )
-    return decisions, problems + _replay_tp(checkpoint, fmt, profile, holders, quantized, tp)
+    _replay_tp(checkpoint, fmt, profile, holders, quantized, report)
 
 
 def _replay_tp(
@@ -74,17 +84,20 @@ def _replay_tp(
     profile: Profile,
     holders: list[str],
     quantized: set[str],
-    tp: int,
-) -> list[str]:
+    report: Replay,
+) -> None:
     """What vLLM 0.32.0 does with the draft at the tensor-parallel size (docs/vllm.md): it
     cannot build a draft whose heads or split dimensions do not divide by it, and it gives an
     FP4 row-parallel shard that is not a whole number of blocks the wrong block scales."""
+    tp = report.tensor_parallel_size
     shapes = {m: _logical_shape(checkpoint, fmt, m, m in quantized) for m in holders}
     cannot = serving.tp_build_problem(profile, checkpoint.config, shapes, tp)
     if cannot:
-        return [f"vLLM 0.32.0 cannot build the draft at tensor_parallel_size {tp}: {cannot}"]
+        report.problems.append(
+            f"vLLM 0.32.0 cannot build the draft at tensor_parallel_size {tp}: {cannot}"
+        )
+        return
     block = FORMATS[fmt].block_size
-    problems = []
     for module in holders:
         shape = shapes[module]
         why = (
@@ -93,8 +106,7 @@ def _replay_tp(
             else None
         )
         if why:
-            problems.append(f"{module}: stored {fmt}, but {why}")
-    return problems
+            report.problems.append(f"{module}: stored {fmt}, but {why}")
 
 
 def _logical_shape(

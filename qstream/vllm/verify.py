@@ -27,7 +27,7 @@ from qstream.errors import QStreamError
 from qstream.formats import FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, fused_groups, profile_for
-from qstream.vllm.replay import draft_target_layers, matches_ignore, replay_vllm
+from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.vllm.scope import checks_run
 from qstream.vllm.shapes import shape_problems
 
@@ -90,17 +90,10 @@ def verify_checkpoint(
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
     if profile.renames_layers:
         report.target_layers = draft_target_layers(checkpoint, target_layers)
-        report.runtime_modules, problems = replay_vllm(
-            checkpoint,
-            fmt,
-            profile,
-            holders,
-            quantized,
-            (targets, ignore),
-            report.target_layers,
-            tensor_parallel_size,
-        )
-        report.problems += problems
+        replay = Replay(report.target_layers, tensor_parallel_size)
+        replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), replay)
+        report.runtime_modules = replay.runtime_modules
+        report.problems += replay.problems
     else:
         _check_accounting(holders, quantized, targets, ignore, report)
     stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
