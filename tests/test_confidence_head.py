@@ -24,7 +24,6 @@ from qstream.formats import FORMATS, quantize
 from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
 from qstream.synth.draft import _small_tensors
-from qstream.vllm.shapes import stored_shapes
 from qstream.vllm.verify import verify_checkpoint
 
 TINY = PRESETS["tiny"]
@@ -138,7 +137,7 @@ def test_stored_shapes_are_what_the_format_stores(fmt):
     w = torch.randn(48, 96, dtype=torch.bfloat16)
     stored = quantize(fmt, w)
     assert tuple(stored) == FORMATS[fmt].stored
-    assert stored_shapes(fmt, 48, 96) == {k: tuple(v.shape) for k, v in stored.items()}
+    assert FORMATS[fmt].stored_shapes(48, 96) == {k: tuple(v.shape) for k, v in stored.items()}
 
 
 @pytest.fixture(scope="module")

@@ -224,10 +224,23 @@ def test_exactly_representable_weights_round_trip_unchanged(fmt, row):
     assert torch.equal(dequantize(fmt, quantize(fmt, w)), w)
 
 
+# Round-half-to-even decision points between neighbouring grid values, as (threshold, inclusive):
+# |y| moves up one index when |y| > t (exclusive) or |y| >= t (inclusive).  Inclusive exactly
+# where the upper neighbour has the even mantissa: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
+# 3.5->4, 5->4 (docs/formats.md; compressed-tensors' cast_to_fp4 uses the same points).
+E2M1_STEPS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
+
+
 def _threshold_codes(y: torch.Tensor) -> torch.Tensor:
     """docs/formats.md's definition, written independently: count the decision points |y| passes."""
-    from qstream.formats.spec import E2M1_STEPS
-
     a = y.abs()
     index = torch.zeros(a.shape, dtype=torch.uint8)
     for threshold, inclusive in E2M1_STEPS:

@@ -212,11 +212,15 @@ def drop_resident_pages(tensor: torch.Tensor | None = None) -> None:
             continue
         start = tensor.data_ptr() - base
         if 0 <= start < len(mapping):
-            end = min(start + tensor.numel() * tensor.element_size(), len(mapping))
-            begin = start // _PAGE * _PAGE
-            stop = min(-(-end // _PAGE) * _PAGE, len(mapping))
+            end = start + tensor.numel() * tensor.element_size()
+            begin, stop = _pages(start, end, len(mapping))
             mapping.madvise(mmap.MADV_DONTNEED, begin, stop - begin)
             return
+
+
+def _pages(begin: int, end: int, size: int) -> tuple[int, int]:
+    """The whole pages holding bytes ``begin:end`` of a mapping of ``size`` bytes."""
+    return begin // _PAGE * _PAGE, min(-(-end // _PAGE) * _PAGE, size)
 
 
 class ShardReader:
@@ -271,12 +275,8 @@ class ShardReader:
 
     def _page_range(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
         begin, end = self._span(info, rows)
-        begin = (self.header.data_offset + begin) // _PAGE * _PAGE
-        end = min(
-            -(-(self.header.data_offset + end) // _PAGE) * _PAGE,
-            len(self._map) if self._map is not None else 0,
-        )
-        return begin, end
+        offset, size = self.header.data_offset, len(self._map) if self._map is not None else 0
+        return _pages(offset + begin, offset + end, size)
 
     def release(self, name: str, rows: slice | None = None) -> None:
         """Drop the pages of a range already processed from this process's resident memory;

@@ -23,6 +23,12 @@ from qstream.formats.nvfp4 import NVFP4
 from qstream.formats.snr import Energy, snr_db, snr_sums, weight_snr_db
 
 FORMATS: dict[str, Format] = {f.name: f for f in (FP8, MXFP4, NVFP4)}
+# Every stored suffix but the plain ``weight``: a tensor so named is quantization data.
+QUANTIZED_SUFFIXES = tuple(
+    dict.fromkeys(s for f in FORMATS.values() for s in f.stored if s != "weight")
+)
+# Each format's codes suffix -> weight elements per stored element along K ("weight_packed": 2).
+CODE_SUFFIXES = {f.stored[0]: f.codes_per_byte for f in FORMATS.values()}
 
 
 def get_format(name: str) -> Format:
@@ -50,6 +56,8 @@ def dequantize(fmt: str, stored: Stored, dtype: torch.dtype = torch.bfloat16) ->
 
 __all__ = [
     "FORMATS",
+    "CODE_SUFFIXES",
+    "QUANTIZED_SUFFIXES",
     "Energy",
     "Format",
     "get_format",

@@ -63,7 +63,7 @@ def quantize(
     w: torch.Tensor, name: str = "weight", energy: Energy | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``;
-    ``energy`` accumulates the weight SNR sums (see :mod:`qstream.formats.energy`)."""
+    ``energy`` accumulates the weight SNR sums (:mod:`qstream.formats.snr`)."""
     check_weight(w, name, MXFP4_BLOCK)
     n, k = w.shape
     scale = block_scale(all_block_abs_max(w, MXFP4_BLOCK, name))  # [N, G] in w.dtype

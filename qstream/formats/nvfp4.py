@@ -13,7 +13,7 @@ import torch
 
 from qstream.formats.checks import abs_max, all_block_abs_max, check_finite, check_weight
 from qstream.formats.e2m1 import dequantize_blocks, encode_blocks
-from qstream.formats.format import Format, Stored
+from qstream.formats.format import Format
 from qstream.formats.snr import Energy
 from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
 
@@ -52,7 +52,7 @@ def quantize(
 
     ``global_amax`` (weight dtype) overrides the tensor's own amax so that the members of a fused
     group share one global scale; it must be at least the tensor's own amax.  ``energy``
-    accumulates the weight SNR sums (see :mod:`qstream.formats.energy`).
+    accumulates the weight SNR sums (:mod:`qstream.formats.snr`).
     """
     check_weight(w, name, NVFP4_BLOCK)
     n, k = w.shape
@@ -83,11 +83,6 @@ def dequantize(
     return dequantize_blocks(packed, step, NVFP4_BLOCK, dtype)
 
 
-def _decode(stored: Stored, dtype: torch.dtype) -> torch.Tensor:
-    packed, scale = stored["weight_packed"], stored["weight_scale"]
-    return dequantize(packed, scale, stored["weight_global_scale"], dtype)
-
-
 NVFP4 = Format(
     name="nvfp4",
     block_size=NVFP4_BLOCK,
@@ -107,6 +102,8 @@ NVFP4 = Format(
     codes_per_byte=2,
     scales_checked="block and global scales finite and positive",
     encode=quantize,
-    decode=_decode,
+    decode=lambda stored, dtype: dequantize(
+        stored["weight_packed"], stored["weight_scale"], stored["weight_global_scale"], dtype
+    ),
     global_scale="weight_global_scale",
 )

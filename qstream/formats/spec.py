@@ -11,20 +11,6 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest E2M1 magnitude
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of index 0..7
 
-# Round-half-to-even decision points between neighbouring grid values, as (threshold, inclusive):
-# |y| moves up one index when |y| > t (exclusive) or |y| >= t (inclusive).  Inclusive exactly
-# where the upper neighbour has the even mantissa: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
-# 3.5->4, 5->4 (docs/formats.md; compressed-tensors' cast_to_fp4 uses the same points).
-E2M1_STEPS = (
-    (0.25, False),
-    (0.75, True),
-    (1.25, False),
-    (1.75, True),
-    (2.5, False),
-    (3.5, True),
-    (5.0, False),
-)
-
 MXFP4_BLOCK = 32
 MXFP4_E8M0_BIAS = 127
 MXFP4_ELEM_EMAX = 2  # floor(log2(FP4_MAX)): the block amax maps into E2M1's top binade

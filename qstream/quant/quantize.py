@@ -27,7 +27,7 @@ import torch
 import qstream
 from qstream.checkpoint.files import CONFIG_NAME, Checkpoint, open_checkpoint
 from qstream.errors import QStreamError
-from qstream.formats import get_format
+from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.publish import check_target
 from qstream.quant.plan import Plan, Progress, Streaming, make_plan
 from qstream.quant.select import Selection, select_modules, weight_modules
@@ -306,7 +306,7 @@ def _refuse_quantized(checkpoint: Checkpoint) -> Checkpoint:
             f"quantized (quantization_config, quant_method {method!r})"
         )
     for name in checkpoint.tensor_shard:
-        if name.endswith((".weight_packed", ".weight_scale", ".weight_global_scale")):
+        if name.endswith(tuple(f".{s}" for s in QUANTIZED_SUFFIXES)):
             raise QStreamError(
                 f"tensor {name!r} in {checkpoint.tensor_shard[name]}: the "
                 "checkpoint is already quantized"

@@ -27,15 +27,10 @@ def simulate_format(
     skip_incompatible: bool = False,
     profile: Profile | None = None,
 ) -> dict[str, torch.Tensor]:
-    """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized
-    (bit-identical to loading what ``qstream quantize`` writes with the same selection).
-    ``include``/``ignore`` are docs/quantize.md patterns (``include=None``: quantize's
-    default selection); lm_head belongs to the target and is never touched.  The selection
-    follows ``profile``'s serving rules as quantize does (default: vLLM's K3 DSpark draft,
-    docs/vllm.md): NVFP4 fused groups (there: gate/up per layer, q_a/kv_a across all layers)
-    share one global scale.
-    ``skip_incompatible`` leaves weights whose K is not a multiple of the block unquantized,
-    as ``qstream quantize --skip-incompatible`` does."""
+    """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized.
+    ``include`` (None: quantize's default selection), ``ignore`` and ``skip_incompatible`` as
+    quantize takes them, under ``profile``'s serving rules (default: vLLM's K3 DSpark draft),
+    NVFP4 fused groups sharing one global scale; lm_head belongs to the target, never touched."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
     infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
     selection = select_modules(

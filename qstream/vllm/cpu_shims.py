@@ -1,21 +1,10 @@
 """The CPU shims that let vLLM 0.32.0's own DSpark loader run without an accelerator, held only
-for the duration of a load (docs/vllm.md, "vLLM's own loader").  Four things stand between vLLM's
-path and a CPU; each is bridged at the narrowest point found (:func:`cpu_shims`):
-
-- the dspark method needs model runner V2, whose config check asks for Triton
-  (``vllm/config/vllm.py``, ``VllmConfig.use_v2_model_runner``): the config is told it is there;
-- ``BaseModelLoader.load_model`` calls ``torch.accelerator.empty_cache()``, which raises with no
-  accelerator: a no-op while loading;
-- the K3 MLA layer does not flag ``kv_b_proj`` as vLLM's generic MLA does
-  (``_cpu_skip_gemm_dispatch``, ``vllm/model_executor/layers/attention/mla_attention.py``), so
-  the CPU linear would pack its weight away before MLA reads it: the flag is set;
-- the CPU platform has no linear kernel for W8A16 FP8, W4A16 NVFP4 or MXFP4: kernel *selection*
-  (``init_wfp8_a16_linear_kernel``, ``init_nvfp4_linear_kernel``, ``init_mxfp4_linear_kernel``)
-  returns :class:`_StandInKernel`, while the schemes' own ``create_weights`` and
-  ``process_weights_after_loading`` run unchanged.
-
-The same patches feed the :class:`~qstream.vllm.load_checks.Recorder` (what was fed, loaded
-and held before post-processing); :func:`vllm_log` collects what vLLM logs while loading.
+for the duration of a load (:func:`cpu_shims`): Triton reported present, ``torch.accelerator
+.empty_cache()`` a no-op, ``kv_b_proj`` flagged for the CPU linear, and a stand-in linear kernel
+for the FP8/NVFP4/MXFP4 schemes, which run their own ``create_weights`` and
+``process_weights_after_loading`` unchanged (docs/vllm.md, "Four CPU shims, and why", with
+vLLM's files).  The same patches feed the :class:`~qstream.vllm.load_checks.Recorder`;
+:func:`vllm_log` collects what vLLM logs while loading.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""qstream's bookkeeping of a vLLM load, and the checks of what vLLM built (docs/vllm.md, "vLLM's
-own loader").  vLLM tracks loaded weights only for unquantized models; :class:`Recorder` notes
-which stored tensor reached which parameter and what each parameter held before
-post-processing, and :func:`check` finds: a stored tensor that reaches no weight loader (unless
-the draft class's own name mapper drops it), a parameter left unloaded, a parameter not holding
-the stored bytes in the stored dtype, and a quantized Linear whose identity-input product after
-post-processing differs from qstream's :func:`~qstream.formats.dequantize`.
+"""qstream's bookkeeping of a vLLM load (:class:`Recorder`: which stored tensor reached which
+parameter, and what each held before post-processing; vLLM tracks this only for unquantized
+models) and the checks of what vLLM built (:func:`check`, docs/vllm.md, "The checks").
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import torch
 from qstream.checkpoint.files import Checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
-from qstream.formats import FORMATS, dequantize
+from qstream.formats import CODE_SUFFIXES, FORMATS, dequantize
 
 _SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
 
@@ -84,7 +80,7 @@ def check(
     checkpoint: Checkpoint, model: torch.nn.Module, rec: Recorder
 ) -> tuple[list[dict], list[str]]:
     """The modules vLLM built (runtime name, attribute path, scheme, stored sources) and the
-    problems found (module docstring)."""
+    problems found (docs/vllm.md, "The checks")."""
     problems: list[str] = []
     dropped = getattr(model, "hf_to_vllm_mapper", None)
     for name in rec.fed_names:
@@ -201,7 +197,7 @@ def _modules(model: torch.nn.Module, rec: Recorder) -> list[dict]:
         label = "unquantized" if scheme is None else type(scheme).__name__
         if getattr(scheme, "use_a16", False):
             label += "(use_a16)"
-        weight = next((p for p in ("weight", "weight_packed") if f"{name}.{p}" in rec.loads), None)
+        weight = next((p for p in CODE_SUFFIXES if f"{name}.{p}" in rec.loads), None)
         sources = [load.source for load in _ordered(rec.loads.get(f"{name}.{weight}", []))]
         out.append({"module": module.prefix, "name": name, "scheme": label, "sources": sources})
     return out

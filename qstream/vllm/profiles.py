@@ -29,12 +29,10 @@ GENERIC_FUSED = (
     ("q_a_proj", "kv_a_proj_with_mqa"),
     ("w1", "w3"),
 )
-# Members vLLM cannot build without their siblings (docs/quantize.md, "Tensors checked against
-# the config"): a gate needs its up projection (gate_up_proj, a MergedColumnParallelLinear,
-# e.g. LlamaMLP in vllm/model_executor/models/llama.py), k and v need each other and q
-# (qkv_proj, a QKVParallelLinear).  Left out on purpose: up_proj without gate_proj (the ungated
-# MLPs of Nemotron and Phi-3-small), q_proj alone and kv_a_proj_with_mqa without q_a_proj (MLA
-# without a query LoRA, DeepSeek-V2-Lite), w1 without w3 (Qwen's w1/w2 MLP).
+# Members vLLM cannot build without their siblings, and what is left out on purpose
+# (docs/quantize.md, "Tensors checked against the config"): gate_up_proj is a
+# MergedColumnParallelLinear, qkv_proj a QKVParallelLinear (LlamaMLP, LlamaAttention in
+# vllm/model_executor/models/llama.py).
 GENERIC_PARTNERS = {
     "gate_proj": ("up_proj",),
     "k_proj": ("q_proj", "v_proj"),
@@ -290,15 +288,11 @@ def _kind_regex(
     return f"re:.*\\.{re.escape(parent)}\\.({'|'.join(leaves)})$"
 
 
-# --- tensor parallelism: what vLLM 0.32.0 does with the K3 draft at tensor_parallel_size N ----
-# The splits are those of the profile's layer_modules (K3: qstream/arch/dspark_mla/serving.py): column-parallel layers split N, row-parallel ones K;
-# fused_qkv_a_proj and context_kv_proj (disable_tp) and context_proj (a ReplicatedLinear) are
-# whole on every rank.  No shape is refused for a kernel's sake: FP4 Marlin zero-pads each
-# shard's N and K to a tile family (prepare_fp4_layer_for_marlin in
-# vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py, marlin_padded_nk in
-# marlin_utils.py) and every other FP4 kernel's can_implement accepts any shape.  What is left:
-# the split must be even (vLLM asserts it) and, in FP4, a row-parallel shard must hold whole
-# scale blocks (vLLM does not check it).  The generic profile knows no model's splits.
+# --- tensor parallelism: what vLLM 0.32.0 does with a draft at tensor_parallel_size N ----
+# The splits are those of the profile's layer_modules; the split must be even (vLLM asserts it)
+# and, in FP4, a row-parallel shard must hold whole scale blocks (vLLM does not check it); no
+# shape is refused for a kernel's sake (docs/vllm.md, "The rules", with vLLM's files).  The
+# generic profile knows no model's splits.
 
 
 def split_of(profile: Profile, module: str) -> str:
@@ -313,12 +307,9 @@ def split_of(profile: Profile, module: str) -> str:
 def tp_build_problem(
     profile: Profile, config: Mapping, shapes: Mapping[str, tuple[int, ...]], tp: int
 ) -> str | None:
-    """Why vLLM 0.32.0 cannot build the K3 draft at tensor-parallel size ``tp``, whatever its
-    dtypes (None: it can).  ``shapes``: module -> [N, K] of the weight-holding modules.
-    MultiHeadLatentAttention.__init__ (vllm/models/kimi_k3/nvidia/mla.py) asserts that the
-    heads divide by tp; ColumnParallelLinear.__init__ and RowParallelLinear.__init__
-    (vllm/model_executor/layers/linear.py) divide each output size, or the input size, by tp
-    with ``divide``, which asserts."""
+    """Why vLLM 0.32.0 cannot build the draft at tensor-parallel size ``tp``, whatever its
+    dtypes (None: it can): heads or a split size that ``tp`` does not divide (vLLM asserts
+    both, docs/vllm.md).  ``shapes``: module -> [N, K] of the weight-holding modules."""
     if not profile.renames_layers or tp <= 1:
         return None
     reasons = []
@@ -341,11 +332,9 @@ def tp_build_problem(
 
 def tp_scale_problem(profile: Profile, module: str, k: int, block: int, tp: int) -> str | None:
     """Why vLLM 0.32.0 gives ``module`` (K inputs, quantized in blocks of ``block``) the wrong
-    block scales at tensor-parallel size ``tp`` (None: it does not).  A row-parallel shard holds
-    K / tp inputs; the FP4 schemes' create_weights size its weight_scale as (K / tp) // block
-    columns, and RowvLLMParameter.load_row_parallel_weight (vllm/model_executor/parameter.py)
-    reads that many from column rank × that of the stored scales: unless K / tp is a whole number
-    of blocks, the shard gets other inputs' scales.  vLLM checks nothing here."""
+    block scales at tensor-parallel size ``tp`` (None: it does not): a row-parallel shard of
+    K / tp inputs that is not a whole number of blocks reads other inputs' scales, unchecked
+    (RowvLLMParameter.load_row_parallel_weight, docs/vllm.md)."""
     if not block or tp <= 1 or k % tp or split_of(profile, module) != "in":
         return None
     part = k // tp

@@ -112,15 +112,17 @@ def _replay_tp(
 def _logical_shape(
     checkpoint: Checkpoint, fmt: str, module: str, stored_quantized: bool
 ) -> tuple[int, ...]:
-    """[N, K] of ``module``'s weight as vLLM sizes its layer (FP4 packs two values a byte)."""
-    if stored_quantized and FORMATS[fmt].codes_per_byte > 1:
-        name = f"{module}.weight_packed"
-        if name not in checkpoint.tensor_shard:
-            return ()
-        n, half_k = checkpoint.info(name).shape
-        return (n, 2 * half_k)
-    name = f"{module}.weight"
-    return tuple(checkpoint.info(name).shape) if name in checkpoint.tensor_shard else ()
+    """[N, K] of ``module``'s weight as vLLM sizes its layer (packed codes unpacked)."""
+    spec = FORMATS[fmt]
+    packed = stored_quantized and spec.codes_per_byte > 1
+    name = f"{module}.{spec.stored[0] if packed else 'weight'}"
+    if name not in checkpoint.tensor_shard:
+        return ()
+    shape = tuple(checkpoint.info(name).shape)
+    if not packed:
+        return shape
+    n, packed_k = shape
+    return (n, packed_k * spec.codes_per_byte)
 
 
 def _vllm_scheme(

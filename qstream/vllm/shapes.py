@@ -2,26 +2,13 @@
 (docs/quantize.md, "Tensors checked against the config"): the one table that ``quantize`` checks
 its input against (before writing anything) and ``verify`` its output.
 
-``K3DSparkModel``: the shapes vLLM builds for a DSpark draft from its config.json, as the
-checkpoint must store them: the architecture's tensor table (``tensor_shapes`` of
-qstream/arch/interface.py, every projection, norm and head) with each quantized Linear weight replaced by the tensors its
-format stores (docs/formats.md).  vLLM sizes every parameter from config.json and copies each
-checkpoint tensor into it; a tensor of another shape fails its loader (or, for a width the
-config leaves open such as the confidence head's, the checkpoint was written for a config vLLM
-does not read), and a missing one leaves a parameter unloaded: DefaultModelLoader.load_weights
-(vllm/model_executor/model_loader/default_loader.py) refuses that only when the model has no
-quantization config, so a quantized draft would be served with whatever the parameter held.
-
-``generic``: a Hugging Face causal LM whose vLLM class qstream does not model layer by layer.
-What can be checked without it: the integer fields vLLM sizes layers from are integers, and each
-group that vLLM fuses into one matrix (serving.GENERIC_FUSED) is complete and agrees on its input
-width (the halves of a gated MLP on their whole shape).
-
-In every profile a weight with no elements is refused: no config builds a layer without inputs
-or outputs, and the formats cannot quantize one.
-
->>> stored_shapes("nvfp4", 96, 64)
-{'weight_packed': (96, 32), 'weight_scale': (96, 4), 'weight_global_scale': (1,)}
+``K3DSparkModel``: the architecture's tensor table (``tensor_shapes``, qstream/arch/interface.py)
+with each quantized Linear weight replaced by what its format stores, as vLLM builds it from
+config.json.  A missing tensor matters even where vLLM does not complain:
+DefaultModelLoader.load_weights (vllm/model_executor/model_loader/default_loader.py) refuses
+unloaded parameters only in a model without a quantization config.  ``generic``: the integer
+fields vLLM sizes layers from, and each group vLLM fuses (serving.GENERIC_FUSED) complete and
+agreeing on its input width.  In every profile a weight with no elements is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from collections.abc import Collection, Mapping
 
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_for, architecture_of
-from qstream.formats import FORMATS
+from qstream.formats import CODE_SUFFIXES, FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile
 
@@ -48,14 +35,6 @@ GENERIC_INT_FIELDS = (
 ).split()
 
 
-def stored_shapes(fmt: str, n: int, k: int) -> dict[str, tuple[int, ...]]:
-    """What a ``[n, k]`` weight quantized to ``fmt`` is stored as, by suffix (docs/formats.md):
-    FP8 ``weight [N, K]``, ``weight_scale [N, 1]``; the 4-bit formats ``weight_packed
-    [N, K/2]`` (two E2M1 codes a byte), ``weight_scale [N, K/block]``, NVFP4 also
-    ``weight_global_scale [1]``."""
-    return FORMATS[fmt].stored_shapes(n, k)
-
-
 def expected_shapes(
     config: DraftConfig, fmt: str | None, quantized: Collection[str]
 ) -> dict[str, tuple[int, ...]]:
@@ -65,7 +44,7 @@ def expected_shapes(
     for name, shape in architecture_of(config).tensor_shapes(config).items():
         module, _, suffix = name.rpartition(".")
         if fmt and module in quantized and suffix == "weight" and len(shape) == 2:
-            out.update({f"{module}.{s}": v for s, v in stored_shapes(fmt, *shape).items()})
+            out.update({f"{module}.{s}": v for s, v in FORMATS[fmt].stored_shapes(*shape).items()})
         else:
             out[name] = shape
     return out
@@ -102,13 +81,13 @@ def weight_shapes(stored: Shapes) -> dict[str, tuple[int, ...]]:
         module, _, suffix = name.rpartition(".")
         if suffix == "weight":
             out[module] = tuple(shape)
-        elif suffix == "weight_packed" and len(shape) == 2:
-            out[module] = (shape[0], 2 * shape[1])
+        elif suffix in CODE_SUFFIXES and len(shape) == 2:
+            out[module] = (shape[0], CODE_SUFFIXES[suffix] * shape[1])
     return out
 
 
 def _is_weight(name: str) -> bool:
-    return name.rpartition(".")[2] in ("weight", "weight_packed")
+    return name.rpartition(".")[2] in CODE_SUFFIXES
 
 
 def _dspark_problems(

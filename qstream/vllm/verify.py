@@ -24,7 +24,7 @@ from qstream.checkpoint.integrity import Integrity, check_integrity
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
-from qstream.formats import FORMATS, dequantize
+from qstream.formats import FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, fused_groups, profile_for
 from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
@@ -262,9 +262,8 @@ def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> Integrity:
 
 
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
-    """Value-level sanity of what the kernels divide or multiply by: FP8 and NVFP4 scales
-    finite and positive (quantize never writes zero: a zero scale becomes the dtype's eps or
-    0.125), NVFP4 global scales finite and positive, no E8M0 scale 0xFF (NaN in OCP MX)."""
+    """Value-level sanity of what the kernels divide or multiply by: each format's
+    ``bad_scales`` (docs/quantize.md, "qstream verify")."""
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     spec = FORMATS[fmt]
     for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
@@ -283,28 +282,28 @@ def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Dequantize every quantized weight (in row chunks) and require finite values."""
+    spec = FORMATS[fmt]
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
         parts = {
-            s: (checkpoint.tensor_shard[f"{module}.{s}"], f"{module}.{s}")
-            for s in FORMATS[fmt].stored
+            s: (checkpoint.tensor_shard[f"{module}.{s}"], f"{module}.{s}") for s in spec.stored
         }
-        n, width = checkpoint.info(parts[FORMATS[fmt].stored[0]][1]).shape
+        n, width = checkpoint.info(f"{module}.{spec.stored[0]}").shape
         step = max(1, ROWS_PER_CHECK // max(1, width))
         for start in range(0, n, step):
             rows = slice(start, min(n, start + step))
             stored = {
-                s: readers[shard].tensor(name, None if s == "weight_global_scale" else rows)
+                s: readers[shard].tensor(name, None if s == spec.global_scale else rows)
                 for s, (shard, name) in parts.items()
             }
-            if not torch.isfinite(dequantize(fmt, stored).float()).all():
+            if not torch.isfinite(spec.dequantize(stored).float()).all():
                 report.problems.append(
                     f"{module}: dequantized weight has non-finite values "
                     f"(rows {start}..{rows.stop - 1})"
                 )
                 break
             for s, (shard, name) in parts.items():
-                readers[shard].release(name, None if s == "weight_global_scale" else rows)
+                readers[shard].release(name, None if s == spec.global_scale else rows)
 
 
 def _few(modules: list[str], limit: int = 4) -> str:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.load import read_target_tensors
 from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import read_config
+from qstream.checkpoint.read import read_target_tensors
 from qstream.errors import QStreamError
 
 LAYER_OUTPUT, HIDDEN_STATES_INDEX = "layer-output", "hidden-states-index"
