@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Shapes = dict[str, tuple[int, ...]]
 # Every draft borrows its output head from the target, under this name; it is never the draft's
@@ -99,8 +100,6 @@ class DraftModel(Protocol):
 
     @property
     def config(self) -> Any: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
     @property
     def device(self) -> torch.device: ...
     def context(self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None) -> Any:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.serving import SERVING
 from qstream.arch.dspark_mla.tensors import shape_hint, tensor_shapes
 from qstream.arch.interface import Blocks, Rollout
+
+if TYPE_CHECKING:
+    import torch
 
 # The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
 QUANTIZE_INCLUDE = (

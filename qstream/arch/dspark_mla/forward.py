@@ -1,26 +1,16 @@
-"""The DSpark draft's reference forward (docs/model.md).
-
-One code path serves every precision: the model holds its weights and runs its activations in
-``dtype`` (float32 for the reference, bfloat16 for a variant).  Matmuls accumulate in fp32 (the CPU
-bf16 GEMM does, as GPU tensor cores do); RMSNorm, RoPE, the attention scores and softmax are
-computed in fp32 (as FlashAttention keeps QK^T in fp32) and rounded back to ``dtype``.
+"""The DSpark-MLA draft's reference forward (docs/model.md), one code path for every precision:
+weights and activations in ``dtype``, matmuls accumulating in fp32, RMSNorm, RoPE, the attention
+scores and softmax in fp32, rounded back to ``dtype``.
 
 >>> model = DSpark(config, weights)                      # weights: name -> tensor, incl. lm_head
 >>> ctx = model.context(aux, lengths)                    # aux [S, T, A]: once per set of streams
 >>> blocks = model.draft(ctx, stream, anchor, first_token)   # U [N, B, V], hf [N, B, H]
->>> greedy = rollout(model, blocks)                      # qstream.arch.markov: tokens, logits
 
-The file reads top to bottom: the building blocks, one decoder :class:`Layer`, then the model
-with :meth:`DSpark.draft_one` (the forward of one block).  :meth:`DSpark.draft` computes
-``draft_one`` for many blocks at once; how it packs, batches and chunks them is
-:mod:`qstream.arch.dspark_mla.engine`'s business.  The tensor table and its strict check are in
-:mod:`qstream.arch.dspark_mla.tensors`; the Markov and confidence heads, shared by the DSpark
-family, in :mod:`qstream.arch.markov`.
-
-MLA detail: the context's per-layer cache is the kv_lora latent (after kv_a_layernorm) and the
-rotated shared rope key, as an MLA KV cache holds them; ``kv_b_proj`` expands it to per-head keys
-and values when a block attends to it (expansion, not weight absorption, so the arithmetic is
-docs/model.md's ``kv_b(RMS(latent)) -> k_nope | v`` literally).
+Top to bottom: the building blocks, one decoder :class:`Layer`, then the model with
+:meth:`DSpark.draft_one`, the forward of one block; :meth:`DSpark.draft` computes it for many
+blocks at once (:mod:`.engine`).  The context's per-layer cache is what an MLA KV cache holds
+(the normed kv_lora latent and the rotated rope key); ``kv_b_proj`` expands it when a block
+attends to it (expansion, not weight absorption: docs/model.md's ``kv_b(RMS(latent))``).
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ from qstream.arch.dspark_mla import engine
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.tensors import check_tensors
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks
-from qstream.arch.weights import ComputeWeights, embedding, linear
+from qstream.arch.weights import ComputeWeights, embedding
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
@@ -137,7 +127,7 @@ class Layer:
     def __init__(
         self,
         config: DSparkConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: ComputeWeights,
         i: int,
         inv_freq: torch.Tensor,
     ):
@@ -147,9 +137,8 @@ class Layer:
         return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
 
     def proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """``x @ W^T`` for projection ``layers.{i}.<name>.weight``; a bf16 weight of the fp32
-        reference is upcast in row chunks while it is used (:func:`weights.linear`)."""
-        return linear(self.weights, f"layers.{self.index}.{name}.weight", x)
+        """``x @ W^T`` for projection ``layers.{i}.<name>.weight`` (:meth:`ComputeWeights.linear`)."""
+        return self.weights.linear(f"layers.{self.index}.{name}.weight", x)
 
     def attention_output(self, out: torch.Tensor) -> torch.Tensor:
         """The heads' concatenated outputs [..., n*dv] -> [..., H] (o_proj)."""
