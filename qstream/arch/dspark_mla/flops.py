@@ -8,9 +8,12 @@ the seconds a pass took.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from qstream.arch.dspark_mla.config import DSparkConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def expand_flops(c: DSparkConfig) -> float:
