@@ -7,7 +7,7 @@ every product is bit-identical to holding the weight in fp32 (tests/test_device.
 tensors (norms, the confidence head) are upcast once and held.
 
 >>> w = ComputeWeights(weights, torch.float32)        # bf16 in, fp32 out, each weight held once
->>> w.linear("lm_head.weight", hf)                     # hf @ lm_head^T, upcast a row chunk a time
+>>> w.linear("lm_head.weight", hf)                     # hf @ lm_head^T, upcast in row chunks
 """
 
 from __future__ import annotations
