@@ -78,14 +78,11 @@ def draft_packed(
     key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
     keys = min(max(T_max, 1), key_chunk)
     rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
-    U, hf = [], []
-    for r0 in range(0, packing.R, rows_per_chunk):
-        u, h = _draft_rows(
-            model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk
-        )
-        U.append(u)
-        hf.append(h)
-    U_rows, hf_rows = torch.cat(U), torch.cat(hf)  # [R*M, B, V], [R*M, B, H]
+    chunks = [
+        _draft_rows(model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk)
+        for r0 in range(0, packing.R, rows_per_chunk)
+    ]
+    U_rows, hf_rows = (torch.cat(parts) for parts in zip(*chunks))  # [R*M, B, V], [R*M, B, H]
     if not packing.in_order:  # [N, B, V] gathers are costly at V = 32k: skip when possible
         slots = packing.slot_of_block.to(U_rows.device)
         U_rows, hf_rows = U_rows[slots], hf_rows[slots]
@@ -206,9 +203,7 @@ def causal_attention(
     outs = []
     for q0 in range(0, T, chunk):
         q1 = min(T, q0 + chunk)
-        future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(
-            q0 + 1
-        )  # key j > query
+        future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(q0 + 1)  # j > q
         scores = model.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
         outs.append(model.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
     return torch.cat(outs, dim=2)
