@@ -25,17 +25,8 @@ EXPORTS = ("qstream", "vllm")
 # changes what a stream file holds.  The device, the draft's path and the stream count may
 # differ (``--streams`` can grow a capture).
 CHECKED = (
-    "layout",
-    "layer_convention",
-    "layer_ids",
-    "target",
-    "source",
-    "sampling",
-    "dtype",
-    "max_tokens",
-    "corpus",
-    "corpus_sha256",
-)
+    "layout layer_convention layer_ids target source sampling dtype max_tokens corpus corpus_sha256"
+).split()
 
 
 def _stream_tensors(
