@@ -121,7 +121,6 @@ class Architecture(Protocol):
     """One draft architecture: its config.json, tensor table, serving profile, loading,
     drafting calls and FLOP model (docs/model.md, "Architectures")."""
 
-    name: str  # the folder's name under qstream/arch/
     config_type: type  # what parse_config returns
     quantize_include: tuple[str, ...]  # module kinds a shipped draft quantizes
     presets: Mapping[str, Any]  # name -> config, the sizes `qstream synth` builds

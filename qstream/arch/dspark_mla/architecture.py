@@ -32,7 +32,6 @@ QUANTIZE_INCLUDE = (
 class DSparkMLA:
     """The descriptor: every call the rest of the package makes of this architecture."""
 
-    name = "dspark_mla"
     config_type: type = DSparkConfig
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
