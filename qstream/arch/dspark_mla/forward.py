@@ -151,7 +151,7 @@ class Layer:
         q = q.unflatten(-1, (c.num_attention_heads, c.qk_head_dim))  # [..., T, n, dk]
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(
-            q_rope.transpose(-2, -3), pos[..., None, :], self.inv_freq, self.config.rope_mscale
+            q_rope.transpose(-2, -3), pos[..., None, :], self.inv_freq, c.rope_mscale
         )
         return torch.cat((q_nope, q_rope.transpose(-2, -3)), dim=-1)
 
@@ -162,7 +162,7 @@ class Layer:
         kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
-        return latent, apply_rope(k_rope, pos, self.inv_freq, self.config.rope_mscale)
+        return latent, apply_rope(k_rope, pos, self.inv_freq, c.rope_mscale)
 
     def expand(
         self, latent: torch.Tensor, k_rope: torch.Tensor
