@@ -29,7 +29,6 @@ class ToyConfig(DSparkConfig):
 
 
 class ToyArch(DSparkMLA):
-    name = "toy_dspark"
     config_type = ToyConfig
 
     def __init__(self):

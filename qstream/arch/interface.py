@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Shapes = dict[str, tuple[int, ...]]
 # Every draft borrows its output head from the target, under this name; it is never the draft's
@@ -100,8 +101,6 @@ class DraftModel(Protocol):
     @property
     def config(self) -> Any: ...
     @property
-    def dtype(self) -> torch.dtype: ...
-    @property
     def device(self) -> torch.device: ...
     def context(self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None) -> Any:
         """aux [S, T, A] -> the per-stream context every block of those streams reads."""
@@ -122,7 +121,6 @@ class Architecture(Protocol):
     """One draft architecture: its config.json, tensor table, serving profile, loading,
     drafting calls and FLOP model (docs/model.md, "Architectures")."""
 
-    name: str  # the folder's name under qstream/arch/
     config_type: type  # what parse_config returns
     quantize_include: tuple[str, ...]  # module kinds a shipped draft quantizes
     presets: Mapping[str, Any]  # name -> config, the sizes `qstream synth` builds

@@ -14,19 +14,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from qstream.arch.interface import Blocks, Rollout
+from qstream.arch.interface import Blocks, DraftConfig, Rollout
 from qstream.arch.weights import ComputeWeights, embedding, held_fp32
 
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
-
-
-class HeadConfig(Protocol):
-    """The config.json keys the heads read."""
-
-    @property
-    def enable_confidence_head(self) -> bool: ...
-    @property
-    def confidence_head_with_markov(self) -> bool: ...
 
 
 class MarkovWeights(Protocol):
@@ -43,7 +34,7 @@ class HeadModel(MarkovWeights, Protocol):
     """What the Markov and confidence heads read: a draft model, or its :class:`HostHead`."""
 
     @property
-    def config(self) -> HeadConfig: ...
+    def config(self) -> DraftConfig: ...
 
 
 class DraftWithHeads(HeadModel, Protocol):
@@ -61,7 +52,7 @@ class HostHead:
     """A model's Markov and confidence heads on the host: teacher-forced logits and the
     verifiers run on the CPU whatever device drafted the blocks (qstream/eval/batches.py)."""
 
-    config: HeadConfig
+    config: DraftConfig
     w: ComputeWeights
     dtype: torch.dtype
 
@@ -90,13 +81,11 @@ def markov_logits(
     prev: torch.Tensor,
     table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]``, the sum
-    rounded to the model's dtype as a deployment computes it (vLLM adds two bf16 tensors under a
-    bf16 model; docs/model.md), returned as fp32 (exact).  The argmax of the result is
-    torch's argmax of the rounded sum, ties included.  logits_base [..., V], prev [...];
-    ``table``: :func:`markov_table` when the caller has read it already.  Every caller takes
-    the same whole-table product, so a rollout, its teacher-forced replay and the verifier's
-    recomputation agree bit for bit."""
+    """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]`` (logits_base
+    [..., V], prev [...]), the sum rounded to the model's dtype as vLLM adds two bf16 tensors
+    (docs/model.md), returned as fp32 (exact).  ``table``: :func:`markov_table` when read
+    already; every caller takes the same whole-table product, so a rollout, its teacher-forced
+    replay and the verifier's recomputation agree bit for bit."""
     emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
     bias = F.linear(emb, markov_table(model) if table is None else table)  # [..., V]
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
@@ -104,11 +93,8 @@ def markov_logits(
 
 def confidence(model: HeadModel, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
     """``sigmoid(proj(x_k))`` per position, fp32 [...]; ``x_k = [hf_k ; markov_w1[prev_k]]``
-    with ``confidence_head_with_markov``, else ``hf_k``.  None when the config has no
-    confidence head.  Computed as vLLM 0.32 serves the head, whatever the model's dtype:
-    hf and the Markov embedding in the model's dtype, concatenated there, the result upcast to
-    fp32, times an fp32 weight and bias (the values held, upcast exactly).  The head is never
-    quantized, so a variant's confidence differs from the reference's through hf alone."""
+    with ``confidence_head_with_markov``, else ``hf_k``; None without the head.  The head is
+    never quantized, so a variant's confidence differs from the reference's through hf alone."""
     config = model.config
     if not config.enable_confidence_head:
         return None

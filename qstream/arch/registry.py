@@ -14,7 +14,6 @@ from typing import Any
 
 from qstream.arch.dspark_mla.architecture import ARCH as DSPARK_MLA
 from qstream.arch.interface import Architecture, DraftConfig
-from qstream.checkpoint.files import read_config
 from qstream.errors import QStreamError
 
 # The first is the default: a config.json that names no known architecture is read as its.
@@ -39,6 +38,8 @@ def architecture_of(config: DraftConfig) -> Architecture:
 def load_config(directory: str | Path) -> Any:
     """config.json of a draft checkpoint -> its architecture's config (QStreamError naming the
     file, key and value)."""
+    from qstream.checkpoint.files import read_config  # torch: kept out of `qstream synth --help`
+
     path = Path(directory) / "config.json"
     data = read_config(Path(directory))
     try:

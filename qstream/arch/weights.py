@@ -1,19 +1,13 @@
 """A draft's weights held once, read in its compute dtype (docs/model.md, "Memory").
 
-A DSpark checkpoint is bf16, so the FP32 reference's weights are an exact upcast of what is on
-disk.  :class:`ComputeWeights` keeps such a weight in its stored dtype (a view of the mapped
-file, shared with every variant that leaves it unquantized) and upcasts it each time it is read;
-the upcast is a temporary the size of one matrix.  Since the upcast is exact, every product is
-bit-identical to holding the weight in fp32 (tests/test_device.py).  Small tensors (norms, the
-confidence head) are upcast once and held.
+:class:`ComputeWeights` keeps a big weight that upcasts exactly (a bf16 checkpoint read by the
+fp32 reference) in its stored dtype, a view of the mapped file shared with every variant that
+leaves it unquantized, and upcasts it per use into one reused buffer; since the upcast is exact,
+every product is bit-identical to holding the weight in fp32 (tests/test_device.py).  Small
+tensors (norms, the confidence head) are upcast once and held.
 
 >>> w = ComputeWeights(weights, torch.float32)        # bf16 in, fp32 out, each weight held once
->>> w["layers.0.mlp.gate_proj.weight"].dtype            # an fp32 temporary
-torch.float32
->>> w.linear("lm_head.weight", hf)                       # hf @ lm_head^T, upcast a row chunk at a time
-
-Products go through :meth:`ComputeWeights.linear` (or :func:`linear`), which upcasts into one
-buffer reused by every projection rather than into a fresh temporary.
+>>> w.linear("lm_head.weight", hf)                     # hf @ lm_head^T, upcast in row chunks
 """
 
 from __future__ import annotations
@@ -117,13 +111,6 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
     def upcast_per_use(self, name: str) -> bool:
         """Whether reading ``name`` converts it (the weight is held in a narrower dtype)."""
         return self.stored[name].dtype != self.dtype
-
-
-def linear(weights: Mapping[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    """``x @ weights[name]^T``; of a :class:`ComputeWeights`, through its chunked upcast."""
-    if isinstance(weights, ComputeWeights):
-        return weights.linear(name, x)
-    return F.linear(x, weights[name])
 
 
 def held_fp32(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -1,17 +1,8 @@
-"""What ``qstream capture`` writes (docs/capture.md): one safetensors file per stream, each
-written whole or not at all (a temporary name beside it, then one rename), and
-``capture.json``, the settings a resumed run must match and the sha256 of every stream file
-(``files``; ``streams`` is their count), updated as each batch's files are written, so that a
-reader can tell a deleted, added or changed file (qstream/eval/states/manifest.py).
-
-qstream's layout, ``stream-000000.safetensors`` … (docs/states.md, single stream):
-``input_ids`` [T] int64, ``aux_hidden_states`` [T, L·H], ``target_hidden_states`` [T, H]
-(after the final norm), in the capture dtype.
-
-``--export vllm``, ``hs_0.safetensors`` … as vLLM's ``ExampleHiddenStatesConnector`` and
-speculators' ``data_generation_offline`` write them: ``token_ids`` [T] int64 and
-``hidden_states`` [T, L+1, H], the aux layers in the hidden-states-index convention followed
-by the last layer's output before the final norm.
+"""What ``qstream capture`` writes (docs/capture.md, "What it writes"): one safetensors file
+per stream, each written whole or not at all, in qstream's layout (``stream-000000.safetensors``
+…, docs/states.md) or vLLM's / speculators' (``--export vllm``, ``hs_0.safetensors`` …); and
+``capture.json``, the settings a resumed run must match and the sha256 of every stream file,
+rewritten as each batch's files are written (read back by qstream/eval/states/manifest.py).
 """
 
 from __future__ import annotations
@@ -34,17 +25,8 @@ EXPORTS = ("qstream", "vllm")
 # changes what a stream file holds.  The device, the draft's path and the stream count may
 # differ (``--streams`` can grow a capture).
 CHECKED = (
-    "layout",
-    "layer_convention",
-    "layer_ids",
-    "target",
-    "source",
-    "sampling",
-    "dtype",
-    "max_tokens",
-    "corpus",
-    "corpus_sha256",
-)
+    "layout layer_convention layer_ids target source sampling dtype max_tokens corpus corpus_sha256"
+).split()
 
 
 def _stream_tensors(

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.registry import DEFAULT_ARCH
 from qstream.cliutil import Command, device_option, json_option, option, write_json
 from qstream.progress import counter
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 @click.command(cls=Command)
 @option(
     "preset",
-    type=click.Choice(list(PRESETS)),
+    type=click.Choice(list(DEFAULT_ARCH.presets)),
     default="tiny",
     show_default=True,
     help="tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 (Kimi-K3 shapes, 7.1 GB).",

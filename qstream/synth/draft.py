@@ -1,34 +1,11 @@
 """Synthetic DSpark checkpoints (``qstream synth``): a complete draft of the default architecture
-(qstream/arch/registry.py, docs/model.md) with a real BPE tokenizer, realistic weight statistics
-and calibrated, predictable outputs.
+(qstream/arch/registry.py) with a real BPE tokenizer (:mod:`qstream.synth.corpus`), realistic
+weight statistics and calibrated, predictable outputs, byte-identical for a given preset, seed
+and corpus.  The layout written and how the numbers are made: docs/model.md, "Synthetic
+checkpoint layout".
 
 >>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
 >>> model = load_model("out/tiny")       # reads out/tiny/target_head/ for lm_head
-
-Layout written (deterministic, byte-identical for a given preset, seed and corpus)::
-
-    config.json                         config.to_json()
-    model.safetensors                   the draft's tensors, bf16 (or model-0000k-of-0000n
-    model.safetensors.index.json          shards plus this index when over SHARD_BYTES)
-    tokenizer.json, tokenizer_config.json, special_tokens_map.json
-    target_head/config.json             the stand-in target: lm_head.weight [V, H] in
-    target_head/model.safetensors.index.json   bf16, read through its index like a real
-    target_head/model-00001-of-00001.safetensors   target's (interface.TARGET_HEAD_DIR)
-
-How the numbers are made (see docs/model.md):
-
-* Linear weights: a Gaussian scale mixture (``z * exp(s g - s^2)``, kurtosis ~5, as trained
-  LLM weights are heavy-tailed), times lognormal per-output-row and per-input-column scales
-  (channel spread), with a few input-channel outliers (x8..x16) in ``context_proj`` and
-  ``down_proj``; RMSNorm gains lognormal around 1 with a few large channels.
-* Predictability: the Markov head is a low-rank factorisation of the corpus' bigram
-  log-probabilities (plus a unigram/bias column that also rules out the padding ids of a
-  padded vocabulary), so ``markov_w2 . markov_w1[prev]`` tracks the text; its scale is set by
-  bisection so that the mean top-1 probability on the corpus is ``TARGET_TOP1``.
-* The network path ``U = hf @ lm_head^T`` has a per-vocab spread of ``U_STD`` nats, so numerics
-  that move hf move the drafted tokens (an all-Markov draft would make drift trivially zero).
-
-The corpus and the tokenizer are :mod:`qstream.synth.corpus`'s.
 """
 
 from __future__ import annotations
@@ -75,10 +52,6 @@ class SynthSummary:
     bytes: int  # safetensors files of the draft
     markov_scale: float
     predicted_top1: float  # calibration estimate on the corpus (teacher-forced)
-
-
-# ---------------------------------------------------------------------------------------------
-# Corpus statistics -> Markov head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,13 +150,13 @@ def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.T
         yield plan.small[name]
         return
     n_out, n_in = shape
-    linear = (n_out, n_in)
     if name == "embed_tokens.weight":
-        source = _LinearSource(name, linear, plan.seed, 1.0)  # unit-RMS rows, like the stream
+        std = 1.0  # unit-RMS rows, like the stream
     elif name == LM_HEAD:
-        source = _LinearSource(name, linear, plan.seed, plan.head_std)
+        std = plan.head_std
     else:
-        source = _LinearSource(name, linear, plan.seed, _linear_std(name, n_in))
+        std = _linear_std(name, n_in)
+    source = _LinearSource(name, (n_out, n_in), plan.seed, std)
     step = max(1, CHUNK_ELEMENTS // n_in)
     for r0 in range(0, n_out, step):
         yield source.rows(min(step, n_out - r0))
@@ -332,8 +305,13 @@ def synth_checkpoint(
             alpha,
             top1,
         )
-        record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}  # relocatable
-        (tmp / SYNTH_RECORD).write_text(
-            json.dumps({"qstream_version": qstream.__version__, "summary": record}, indent=2) + "\n"
-        )
+        write_record(tmp, summary)
     return summary
+
+
+def write_record(directory: Path, summary: SynthSummary, **extra: object) -> None:
+    """SYNTH_RECORD: the version and the summary without its output path (relocatable), then
+    ``extra``."""
+    record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
+    data = {"qstream_version": qstream.__version__, "summary": record, **extra}
+    (directory / SYNTH_RECORD).write_text(json.dumps(data, indent=2) + "\n")

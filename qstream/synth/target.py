@@ -1,13 +1,8 @@
 """``qstream synth --target HF_DIR``: a synthetic DSpark draft shaped for a real Hugging Face
 target (docs/model.md, "A draft for a Hugging Face target"), so that capture → eval-drift →
-card runs end to end on that target's architecture.
-
-From the target it takes: ``hidden_size`` (the draft's H and ``target_hidden_size``, so the
-draft reads the target's ``lm_head`` and carries a copy of its ``embed_tokens``), the depth
-(``target_num_hidden_layers`` and the ``target_layer_ids`` of :func:`spread_layer_ids`), the
-vocabulary and the tokenizer (copied); the Markov statistics are the corpus's, tokenized with
-that tokenizer.  Everything else (widths of the draft's own layers, rope) is the preset's.
-The draft has no ``target_head/``: ``lm_head`` is borrowed at load time with ``--target``.
+card runs end to end on that target's architecture.  From the target it takes the width, the
+depth (:func:`spread_layer_ids`), the vocabulary, the tokenizer and a copy of ``embed_tokens``;
+the rest is the preset's.  No ``target_head/``: ``lm_head`` is borrowed with ``--target``.
 
 >>> synth_for_target("TARGET_DIR", "draft/", corpus="gsm8k/train.jsonl")
 >>> load_model("draft/", target="TARGET_DIR")
@@ -19,19 +14,18 @@ import json
 import math
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
-import qstream
 from qstream.arch.dspark_mla.load import EMBED
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import DEFAULT_ARCH
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
-from qstream.publish import SYNTH_RECORD, check_target, publishing
+from qstream.publish import check_target, publishing
 from qstream.synth.corpus import builtin_corpus, read_corpus
 from qstream.synth.draft import (
     SynthSummary,
@@ -39,6 +33,7 @@ from qstream.synth.draft import (
     _Plan,
     _small_tensors,
     _write_tensors,
+    write_record,
 )
 
 TOKENIZER_FILES = (
@@ -143,9 +138,5 @@ def synth_for_target(
             str(output), preset, seed, str(corpus) if corpus else "built-in", len(shapes),
             sum(math.prod(s) for s in shapes.values()), size, alpha, top1,
         )  # fmt: skip
-        record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
-        (tmp / SYNTH_RECORD).write_text(
-            json.dumps({"qstream_version": qstream.__version__, "summary": record,
-                        "target": shape.identity()}, indent=2) + "\n"
-        )  # fmt: skip
+        write_record(tmp, summary, target=shape.identity())
     return summary

@@ -1,21 +1,22 @@
 """The DSpark-MLA draft behind the architecture interface (docs/model.md, "Architectures"):
-:data:`ARCH` is its descriptor (qstream/arch/interface.py's ``Architecture``).  The config and
-tensor table are pure Python; the model's modules, which need torch, are imported when first
-called, so that ``qstream quantize`` checks a draft's shapes without loading them.
+:data:`ARCH` is its descriptor (qstream/arch/interface.py's ``Architecture``).  The config,
+tensor table and FLOP model are pure Python; the model's modules, which need torch, are imported
+when first called, so that ``qstream quantize`` checks a draft's shapes without loading them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from qstream.arch.dspark_mla import flops, tensors
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.serving import SERVING
-from qstream.arch.dspark_mla.tensors import shape_hint, tensor_shapes
 from qstream.arch.interface import Blocks, Rollout
+
+if TYPE_CHECKING:
+    import torch
 
 # The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
 QUANTIZE_INCLUDE = (
@@ -31,7 +32,6 @@ QUANTIZE_INCLUDE = (
 class DSparkMLA:
     """The descriptor: every call the rest of the package makes of this architecture."""
 
-    name = "dspark_mla"
     config_type: type = DSparkConfig
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
@@ -43,11 +43,11 @@ class DSparkMLA:
     def parse_config(self, data: Mapping[str, Any]) -> DSparkConfig:
         return DSparkConfig.from_json(dict(data))
 
-    def tensor_shapes(self, config: DSparkConfig) -> dict[str, tuple[int, ...]]:
-        return tensor_shapes(config)
-
-    def shape_hint(self, config: DSparkConfig, name: str, shape: tuple[int, ...]) -> str:
-        return shape_hint(config, name, shape)
+    tensor_shapes = staticmethod(tensors.tensor_shapes)
+    shape_hint = staticmethod(tensors.shape_hint)
+    context_flops = staticmethod(flops.context_flops)
+    drafted_flops = staticmethod(flops.drafted_flops)
+    causal_flops = staticmethod(flops.causal_flops)
 
     def load_weights(
         self, model_dir: str | Path, target: str | Path | None, config: DSparkConfig
@@ -82,21 +82,6 @@ class DSparkMLA:
         from qstream.arch.dspark_mla.causal import CausalStream
 
         return CausalStream(model, ids, dtype)
-
-    def context_flops(self, config: DSparkConfig) -> float:
-        from qstream.arch.dspark_mla.flops import context_flops
-
-        return context_flops(config)
-
-    def drafted_flops(self, config: DSparkConfig, anchor: torch.Tensor) -> float:
-        from qstream.arch.dspark_mla.flops import drafted_flops
-
-        return drafted_flops(config, anchor)
-
-    def causal_flops(self, config: DSparkConfig, T: int) -> float:
-        from qstream.arch.dspark_mla.flops import causal_flops
-
-        return causal_flops(config, T)
 
 
 ARCH = DSparkMLA()

@@ -1,14 +1,9 @@
-"""The draft's layers as a causal decoder streamed over a long token stream, a range of
-positions at a time, in memory that grows with the stream only by its MLA cache (the boot aux
-regime at long context, docs/context-sweep.md "Memory").
-
-:meth:`DSpark.causal_hidden` runs every layer over the whole stream at once and returns
-``[S, T, L, H]``; at K3's width one 131,072-token stream is 19 GB of fp32 outputs.  A
-:class:`CausalStream` gives the same outputs a range at a time (an ``AuxChunks`` for
-:meth:`DSpark.context`): each layer keeps what an MLA KV cache holds (its normed latent and
-rotated rope key, 576 values a position at K3) and attends to it in key chunks
-(:func:`engine.cached_causal_attention`).  It equals ``causal_hidden`` to fp32 rounding (the
-online softmax sums in another order; tests/test_causal_stream.py).
+"""The draft's layers as a causal decoder streamed over a long token stream a range of positions
+at a time (the boot aux regime at long context, docs/context-sweep.md "Memory"): where
+:meth:`DSpark.causal_hidden` returns all of ``[S, T, L, H]`` at once (19 GB of fp32 for one
+131,072-token stream at K3), a :class:`CausalStream` keeps per layer only what an MLA KV cache
+holds and attends to it in key chunks (:func:`engine.cached_causal_attention`).  It equals
+``causal_hidden`` to fp32 rounding (tests/test_causal_stream.py).
 
 >>> rows = CausalStream(model, ids).rows(0, 128)  # [S, 128, L*H]
 """

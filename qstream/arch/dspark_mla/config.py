@@ -95,9 +95,8 @@ class DSparkConfig:
     # the head reads [hf ; markov_w1[prev]] ([1, H+r]) rather than hf alone ([1, H]); vLLM
     # 0.32 builds the narrow head unless this is true (its default: false)
     confidence_head_with_markov: bool = False
-    bos_token_id: int | None = (
-        None  # tokenizer facts carried for convenience, not used by the model
-    )
+    # tokenizer facts carried for convenience, not used by the model
+    bos_token_id: int | None = None
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:

@@ -1,21 +1,9 @@
-"""How :meth:`DSpark.draft` runs many blocks at once within a memory budget.
-
-:meth:`DSpark.draft_one` is the forward of one block, written to be read.  Drafting 1024 blocks
-that way would expand a stream's context keys once per block and loop in Python; this module
-computes the same arithmetic for N blocks in one pass:
-
-* packing: blocks are laid out as R rows x M slots, each row holding blocks of one stream, so
-  that a row's context keys are expanded once for all its blocks; a per-slot mask hides the
-  keys at or after each block's anchor;
-* row chunks: rows are taken a few at a time so that one score tensor [rows, n, M*B, keys]
-  stays within ``SCORE_BUDGET`` float32 elements;
-* key chunks: a context longer than the budget allows for one row is attended ``key_chunk``
-  keys at a time with an online softmax, so no temporary spans the context;
-* causal mode (:meth:`DSpark.attention_causal`) takes its queries in chunks for the same reason;
-  streamed over a long stream (:class:`qstream.arch.dspark_mla.causal.CausalStream`) it attends to its
-  MLA cache in key chunks.
-
-tests/test_model_forward.py checks ``draft`` against ``draft_one`` block by block, and
+"""How :meth:`DSpark.draft` computes :meth:`DSpark.draft_one` for N blocks in one pass within a
+memory budget: blocks packed R rows x M slots, a row holding blocks of one stream so that its
+context keys are expanded once (a per-slot mask hides keys at or after each anchor); rows taken
+a few at a time so one score tensor stays within ``SCORE_BUDGET``; a long context attended in key
+chunks with an online softmax; causal mode in query chunks, or streamed over its MLA cache
+(:mod:`.causal`).  tests/test_model_forward.py checks ``draft`` against ``draft_one``, and
 tests/test_sensitivity_context.py the chunked paths against the one-pass ones.
 """
 
@@ -31,8 +19,7 @@ from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.flops import expand_flops, position_flops
 
 # Budget of one score tensor (float32 elements): draft's [rows, n, M*B, keys] and causal mode's
-# [S, n, queries, T].  Contexts longer than the budget allows for one row are attended in key
-# chunks with an online softmax (draft) or in query chunks (causal mode).
+# [S, n, queries, T].
 SCORE_BUDGET = 1 << 25
 MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
 
@@ -91,14 +78,11 @@ def draft_packed(
     key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
     keys = min(max(T_max, 1), key_chunk)
     rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
-    U, hf = [], []
-    for r0 in range(0, packing.R, rows_per_chunk):
-        u, h = _draft_rows(
-            model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk
-        )
-        U.append(u)
-        hf.append(h)
-    U_rows, hf_rows = torch.cat(U), torch.cat(hf)  # [R*M, B, V], [R*M, B, H]
+    chunks = [
+        _draft_rows(model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk)
+        for r0 in range(0, packing.R, rows_per_chunk)
+    ]
+    U_rows, hf_rows = (torch.cat(parts) for parts in zip(*chunks))  # [R*M, B, V], [R*M, B, H]
     if not packing.in_order:  # [N, B, V] gathers are costly at V = 32k: skip when possible
         slots = packing.slot_of_block.to(U_rows.device)
         U_rows, hf_rows = U_rows[slots], hf_rows[slots]
@@ -219,9 +203,7 @@ def causal_attention(
     outs = []
     for q0 in range(0, T, chunk):
         q1 = min(T, q0 + chunk)
-        future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(
-            q0 + 1
-        )  # key j > query
+        future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(q0 + 1)  # j > q
         scores = model.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
         outs.append(model.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
     return torch.cat(outs, dim=2)

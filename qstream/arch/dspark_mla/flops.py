@@ -8,20 +8,18 @@ the seconds a pass took.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from qstream.arch.dspark_mla.config import DSparkConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def expand_flops(c: DSparkConfig) -> float:
     """One context key expanded to every head's key and value, in every layer (kv_b_proj)."""
-    return (
-        2.0
-        * c.num_hidden_layers
-        * c.kv_lora_rank
-        * c.num_attention_heads
-        * (c.qk_nope_head_dim + c.v_head_dim)
-    )
+    L, n = c.num_hidden_layers, c.num_attention_heads
+    return 2.0 * L * c.kv_lora_rank * n * (c.qk_nope_head_dim + c.v_head_dim)
 
 
 def context_flops(c: DSparkConfig) -> float:

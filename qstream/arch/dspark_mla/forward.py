@@ -1,26 +1,16 @@
-"""The DSpark draft's reference forward (docs/model.md).
-
-One code path serves every precision: the model holds its weights and runs its activations in
-``dtype`` (float32 for the reference, bfloat16 for a variant).  Matmuls accumulate in fp32 (the CPU
-bf16 GEMM does, as GPU tensor cores do); RMSNorm, RoPE, the attention scores and softmax are
-computed in fp32 (as FlashAttention keeps QK^T in fp32) and rounded back to ``dtype``.
+"""The DSpark-MLA draft's reference forward (docs/model.md), one code path for every precision:
+weights and activations in ``dtype``, matmuls accumulating in fp32, RMSNorm, RoPE, the attention
+scores and softmax in fp32, rounded back to ``dtype``.
 
 >>> model = DSpark(config, weights)                      # weights: name -> tensor, incl. lm_head
 >>> ctx = model.context(aux, lengths)                    # aux [S, T, A]: once per set of streams
 >>> blocks = model.draft(ctx, stream, anchor, first_token)   # U [N, B, V], hf [N, B, H]
->>> greedy = rollout(model, blocks)                      # qstream.arch.markov: tokens, logits
 
-The file reads top to bottom: the building blocks, one decoder :class:`Layer`, then the model
-with :meth:`DSpark.draft_one` (the forward of one block).  :meth:`DSpark.draft` computes
-``draft_one`` for many blocks at once; how it packs, batches and chunks them is
-:mod:`qstream.arch.dspark_mla.engine`'s business.  The tensor table and its strict check are in
-:mod:`qstream.arch.dspark_mla.tensors`; the Markov and confidence heads, shared by the DSpark
-family, in :mod:`qstream.arch.markov`.
-
-MLA detail: the context's per-layer cache is the kv_lora latent (after kv_a_layernorm) and the
-rotated shared rope key, as an MLA KV cache holds them; ``kv_b_proj`` expands it to per-head keys
-and values when a block attends to it (expansion, not weight absorption, so the arithmetic is
-docs/model.md's ``kv_b(RMS(latent)) -> k_nope | v`` literally).
+Top to bottom: the building blocks, one decoder :class:`Layer`, then the model with
+:meth:`DSpark.draft_one`, the forward of one block; :meth:`DSpark.draft` computes it for many
+blocks at once (:mod:`.engine`).  The context's per-layer cache is what an MLA KV cache holds
+(the normed kv_lora latent and the rotated rope key); ``kv_b_proj`` expands it when a block
+attends to it (expansion, not weight absorption: docs/model.md's ``kv_b(RMS(latent))``).
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ from qstream.arch.dspark_mla import engine
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.tensors import check_tensors
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks
-from qstream.arch.weights import ComputeWeights, embedding, linear
+from qstream.arch.weights import ComputeWeights, embedding
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
@@ -83,9 +73,8 @@ def apply_rope(
     # layers/rotary_embedding/deepseek_scaling_rope.py) builds them for the K3 MLA: fp32 cos
     # and sin, each times the Python float mscale (by 1.0 exactly: unchanged when it is 1)
     cos, sin = angle.cos() * mscale, angle.sin() * mscale
-    pairs = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(
-        -1, (-1, 2)
-    )  # [..., T, d/2, 2]
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    pairs = xf.unflatten(-1, (-1, 2))  # [..., T, d/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
@@ -137,7 +126,7 @@ class Layer:
     def __init__(
         self,
         config: DSparkConfig,
-        weights: Mapping[str, torch.Tensor],
+        weights: ComputeWeights,
         i: int,
         inv_freq: torch.Tensor,
     ):
@@ -147,9 +136,8 @@ class Layer:
         return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
 
     def proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """``x @ W^T`` for projection ``layers.{i}.<name>.weight``; a bf16 weight of the fp32
-        reference is upcast in row chunks while it is used (:func:`weights.linear`)."""
-        return linear(self.weights, f"layers.{self.index}.{name}.weight", x)
+        """``x @ W^T`` for projection ``layers.{i}.<name>.weight``, in row chunks if upcast."""
+        return self.weights.linear(f"layers.{self.index}.{name}.weight", x)
 
     def attention_output(self, out: torch.Tensor) -> torch.Tensor:
         """The heads' concatenated outputs [..., n*dv] -> [..., H] (o_proj)."""
@@ -163,7 +151,7 @@ class Layer:
         q = q.unflatten(-1, (c.num_attention_heads, c.qk_head_dim))  # [..., T, n, dk]
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         q_rope = apply_rope(
-            q_rope.transpose(-2, -3), pos[..., None, :], self.inv_freq, self.config.rope_mscale
+            q_rope.transpose(-2, -3), pos[..., None, :], self.inv_freq, c.rope_mscale
         )
         return torch.cat((q_nope, q_rope.transpose(-2, -3)), dim=-1)
 
@@ -174,7 +162,7 @@ class Layer:
         kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
-        return latent, apply_rope(k_rope, pos, self.inv_freq, self.config.rope_mscale)
+        return latent, apply_rope(k_rope, pos, self.inv_freq, c.rope_mscale)
 
     def expand(
         self, latent: torch.Tensor, k_rope: torch.Tensor
@@ -199,11 +187,9 @@ class Layer:
 
 
 class DSpark:
-    """A DSpark draft computing in ``dtype``.  ``weights`` maps every name of
-    :func:`tensor_shapes` plus ``lm_head.weight`` [V, H] to a tensor of any float dtype; each is
-    held once (:class:`~qstream.arch.weights.ComputeWeights`: a bf16 weight of the fp32
-    reference stays bf16 and is upcast per use, lm_head in row chunks).  Nothing here is
-    mutated after construction."""
+    """A DSpark draft computing in ``dtype``: ``weights`` maps every name of :func:`tensor_shapes`
+    plus ``lm_head.weight`` [V, H] to a tensor of any float dtype, each held once
+    (:class:`~qstream.arch.weights.ComputeWeights`).  Nothing is mutated after construction."""
 
     def __init__(
         self,
@@ -231,8 +217,7 @@ class DSpark:
         return embedding(self.w, "embed_tokens.weight", tokens)
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H]); a
-        lm_head upcast per use is taken a row chunk at a time (:meth:`ComputeWeights.linear`)."""
+        """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H])."""
         hf = rms_norm(x, self.w["final_norm.weight"], self.config.rms_norm_eps)
         return self.w.linear(LM_HEAD, hf), hf
 
@@ -247,11 +232,10 @@ class DSpark:
     def context(
         self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None
     ) -> ContextCache:
-        """aux [S, T, A] (target hidden states of layers target_layer_ids, concatenated per
-        position) -> every layer's context latent and rope key at positions 0..T-1.
-        ``lengths`` [S] marks right padding (default: all T valid).  A tensor is converted and
-        projected a few streams at a time (``CONTEXT_ELEMENTS``: no fp32 copy of a whole K3
-        batch); :class:`AuxChunks`, aux too big to hold at all, a few positions at a time."""
+        """aux [S, T, A] (the target_layer_ids' hidden states, concatenated per position) ->
+        every layer's context latent and rope key at positions 0..T-1; ``lengths`` [S] marks
+        right padding (default: all T valid).  Converted and projected ``CONTEXT_ELEMENTS`` at
+        a time: a tensor a few streams at a time, :class:`AuxChunks` a few positions."""
         c = self.config
         if len(aux.shape) != 3 or aux.shape[-1] != c.aux_size:
             raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
@@ -288,8 +272,7 @@ class DSpark:
     def draft_one(self, ctx: ContextCache, stream: int, anchor: int, first_token: int) -> Blocks:
         """The forward of one block, written to be read (docs/model.md): tokens
         ``[first_token, mask, ..., mask]`` at positions p..p+B-1 (p = ``anchor``) attend to the
-        context j < p of stream ``stream`` and to the whole block, with no causal mask inside
-        it.  :meth:`draft` computes the same for many blocks at once."""
+        context j < p of stream ``stream`` and to the whole block, with no causal mask inside."""
         c, B, p = self.config, self.config.block_size, anchor
         if not 0 <= p <= int(ctx.lengths[stream]):
             raise ValueError("the anchor p must satisfy 0 <= p <= its stream's context length")
@@ -319,13 +302,10 @@ class DSpark:
         first_token: torch.Tensor,
         key_chunk: int | None = None,
     ) -> Blocks:
-        """Draft N blocks at once: block n is :meth:`draft_one` on stream ``stream[n]`` at
-        anchor ``anchor[n]`` = p from token ``first_token[n]`` = ids[p].  Blocks are packed
-        into rows of one stream each, so that all blocks of a stream share its context keys
-        (pass them grouped by stream to skip a final gather); no Python loop runs over blocks.
-        A context longer than ``key_chunk`` keys (default: what one row's scores may span
-        within :data:`engine.SCORE_BUDGET`) is attended chunk by chunk with an online softmax,
-        so no temporary spans the context."""
+        """Block n is :meth:`draft_one` on stream ``stream[n]`` at anchor ``anchor[n]`` = p from
+        token ``first_token[n]`` = ids[p], all computed at once by :mod:`.engine` (blocks given
+        grouped by stream skip a final gather); a context longer than ``key_chunk`` keys
+        (default: within :data:`engine.SCORE_BUDGET`) is attended a chunk at a time."""
         stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
         first_token = torch.as_tensor(first_token).long()
         if not (stream.shape == anchor.shape == first_token.shape) or stream.dim() != 1:
@@ -344,9 +324,8 @@ class DSpark:
     def attention_causal(
         self, i: int, h: torch.Tensor, pos: torch.Tensor, query_chunk: int | None = None
     ) -> torch.Tensor:
-        """Layer i's MLA attention as an ordinary causal decoder: h [S, T, H] (already
-        input-normed) at positions pos [T] -> o_proj output [S, T, H].  ``query_chunk``: see
-        :func:`engine.causal_attention`."""
+        """Layer i's MLA attention as an ordinary causal decoder: h [S, T, H] (input-normed) at
+        positions pos [T] -> o_proj output [S, T, H] (``query_chunk``: engine.causal_attention)."""
         layer = self.layers[i]
         q = layer.query(h, pos).transpose(1, 2)  # [S, n, T, dk]
         k, v = layer.expand(*layer.latent(h, pos))  # [S, n, T, dk], [S, n, T, dv]
@@ -354,11 +333,9 @@ class DSpark:
         return layer.attention_output(out.transpose(1, 2).flatten(2))  # [S, T, n*dv] -> [S, T, H]
 
     def causal_hidden(self, ids: torch.Tensor, query_chunk: int | None = None) -> torch.Tensor:
-        """Run the draft's layers as a causal decoder over token streams ids [S, T] (positions
-        0..T-1; right padding is harmless since nothing attends forward).  Returns every
-        layer's output [S, T, L, H] in fp32; ``.flatten(2)`` is an AUX tensor [S, T, L*H] when
-        L * H == A (the "boot" aux regime of docs/eval-drift.md).  ``query_chunk``: see
-        :meth:`attention_causal`."""
+        """The draft's layers as a causal decoder over ids [S, T] (right padding is harmless:
+        nothing attends forward) -> every layer's output [S, T, L, H] fp32, whose
+        ``.flatten(2)`` is the "boot" regime's aux (docs/eval-drift.md)."""
         pos = torch.arange(ids.shape[1], device=self.device)
         x = self.embed(ids.to(self.device))  # [S, T, H]
         outs = []
