@@ -1,4 +1,4 @@
-"""Long-context sweep (issue 7, part 3): drift in buckets of context length on both sides of the
+"""Long-context sweep: drift in buckets of context length on both sides of the
 YaRN boundary (``original_max_position_embeddings``) up to ``max_position_embeddings``.
 
 Corpus documents are short (a GSM8K problem is ~150 tokens), so each bucket draws its blocks from

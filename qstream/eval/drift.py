@@ -75,7 +75,7 @@ def evaluate_drift(
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
     states_plan = None if states is None else _plan(states, settings, config)
-    steps = _sensitivity_steps(weights, settings)
+    steps = _sensitivity_steps(weights, config, settings)
     buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
     batched = _batched(config, sets)
@@ -102,13 +102,13 @@ def _batched(config: DraftConfig, sets: list[tuple[Corpus | None, AnchorPlan | N
     return {id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None}
 
 
-def _sensitivity_steps(weights: Weights, settings: DriftSettings) -> int:
+def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSettings) -> int:
     """The passes of the sensitivity steps per regime (qstream/eval/sensitivity.py: the floor,
     each kind alone, each kind added); a checkpoint no kind of which the format holds fails
     here."""
     if not settings.sensitivity:
         return 0
-    return 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), settings.ignore))
+    return 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), config, settings.ignore))
 
 
 def _planned(

@@ -106,7 +106,7 @@ def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dic
         )
         return measure_variant(run, variant, aux, ref, probe=None)
 
-    out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.settings, step)
+    out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.config, run.settings, step)
 
 
 def reference_pass(
