@@ -117,8 +117,7 @@ class AuxStates:
     states are kept for the later passes while the kept ones stay under AUX_CACHE_BYTES
     (drawing gauss and heavy again costs as much as a bf16 forward); beyond that gauss and
     heavy are drawn again (deterministic) and boot's go to a scratch file (``scratch_dir``, as
-    the per-block outputs), read back bit-exactly.  Close it (or use it as a context manager)
-    when the regime ends."""
+    the per-block outputs), read back bit-exactly.  Close it when the regime ends."""
 
     def __init__(
         self,
@@ -190,12 +189,6 @@ class AuxStates:
         self._kept.close()
         self._ranges.close()
         self._recorded.clear()
-
-    def __enter__(self) -> AuxStates:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) -> torch.Tensor:

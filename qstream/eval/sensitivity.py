@@ -1,12 +1,7 @@
-"""Per-module sensitivity: which module kinds cost acceptance under a format,
-and the largest include list that keeps the acceptance ceiling within a tolerance of bf16.
-
-For one format, each module kind (``context_proj``, ``self_attn.q_b_proj``, ... — every kind the
-checkpoint has that the format can hold; the members of a fused group, e.g. ``mlp.gate_proj`` and
-``mlp.up_proj``, form one kind because vLLM quantizes them together) is quantized alone, then
-the kinds are added one by one, least harmful first.  Every step is a variant measured against
-the regime's one reference pass.  Harm is the drop of the greedy acceptance ceiling below the
-bf16 floor (ties: the larger KL mean is more harmful).
+"""Per-module sensitivity (docs/sensitivity.md): which module kinds cost acceptance under a
+format, and the largest include list that keeps the greedy acceptance ceiling within a tolerance
+of bf16.  Each kind (fused partners one kind) is quantized alone, then the kinds are added least
+harmful first; every step is a variant measured against the regime's one reference pass.
 
 >>> settings = DriftSettings(regimes=("heavy",), formats=("bf16",), sensitivity=True)
 >>> results = evaluate_drift("DRAFT_DIR", settings, corpus)

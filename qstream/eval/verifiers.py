@@ -98,12 +98,6 @@ class RegimeAcceptance:
         if self.U_ref is not None:
             self.U_ref.close()
 
-    def __enter__(self) -> RegimeAcceptance:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _verifier_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The verifier's distribution: tempered, then its top-k and top-p."""
         s = self.sampling

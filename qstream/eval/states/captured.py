@@ -65,7 +65,7 @@ class CapturedStates(Corpus):
 
     def aux_chunks(self, streams: list[int], pad_to: int, dtype: torch.dtype) -> CapturedAuxChunks:
         """The same states in ``dtype``, read a range of positions at a time (an ``AuxChunks``
-        of qstream/arch/dspark_mla/forward.py): a long stream's states are never held whole."""
+        of qstream/arch/interface.py): a long stream's states are never held whole."""
         return CapturedAuxChunks(self, streams, pad_to, dtype)
 
     def target_hidden(
