@@ -53,13 +53,9 @@ class MarkovHead:
 class RegimeAcceptance:
     """What ``--acceptance`` (verifier: the FP32 reference) and captured states (verifier: the
     target) measure in one regime.  Inactive (every method a no-op) when neither applies.
-
-    Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in
-    a :class:`~qstream.bounded.store.Store` (in memory when small, else in the scratch
-    directory; :meth:`close` frees it); per variant only ``[N, B]`` float64 acceptance values
-    per mode and the drafts' ``[N, B]`` confidence scores are kept (adaptive verification's
-    batches span the regime).  The target's lm_head is held as stored and upcast per use, in
-    row chunks."""
+    With ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in a
+    :class:`~qstream.bounded.store.Store` (:meth:`close` frees it); per variant only ``[N, B]``
+    values are kept (docs/eval-drift.md, "Memory")."""
 
     def __init__(
         self,
