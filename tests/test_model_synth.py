@@ -12,8 +12,9 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.dspark_mla.architecture import QUANTIZE_INCLUDE
-from qstream.arch.dspark_mla.load import load_model, load_weights, read_target_tensors
+from qstream.arch.dspark_mla.load import load_model, load_weights
 from qstream.arch.markov import teacher_forced
+from qstream.checkpoint.dequantized import read_target_tensors
 from qstream.checkpoint.stats import checkpoint_stats, weight_stats
 from qstream.cli import cli
 from qstream.errors import QStreamError

@@ -135,7 +135,7 @@ def test_states_read_in_position_ranges_equal_the_whole(tiny, states_file):
     """A long captured stream's aux rows are read a range at a time (never held whole): the
     ranges give the whole read's rows, rounded to the requested dtype."""
     states = read_states(states_file, load_config(tiny))
-    whole = states.aux([3, 1], pad_to=45)
+    whole = states.aux_chunks([3, 1], 45, torch.float32).rows(0, 45)
     chunks = states.aux_chunks([3, 1], 45, torch.bfloat16)
     assert chunks.shape == tuple(whole.shape)
     edges = [0, 1, 17, 39, 40, 41, 45]

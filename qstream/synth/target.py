@@ -25,9 +25,10 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 import qstream
-from qstream.arch.dspark_mla.load import EMBED, read_target_tensors
+from qstream.arch.dspark_mla.load import EMBED
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import DEFAULT_ARCH
+from qstream.checkpoint.dequantized import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
 from qstream.publish import SYNTH_RECORD, check_target, publishing

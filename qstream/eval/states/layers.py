@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.load import read_target_tensors
 from qstream.arch.interface import DraftConfig
+from qstream.checkpoint.dequantized import read_target_tensors
 from qstream.checkpoint.files import read_config
 from qstream.errors import QStreamError
 
