@@ -9,7 +9,6 @@ holds.  One regime's work is qstream/eval/passes.py's.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import qstream
 from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of, load_config
+from qstream.checkpoint.files import sha256_file
 from qstream.device import describe_device, resolve_device
 from qstream.eval.aux_sources import check_boot_compatible
 from qstream.eval.batches import Batch, batch_flops, make_batches
@@ -32,14 +32,10 @@ from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
 
-__all__ = ["DriftSettings", "config_hash", "evaluate_drift"]
+__all__ = ["DriftSettings", "evaluate_drift"]
 
 Buckets = list[tuple[int, int, Corpus, AnchorPlan]]  # context_sweep.bucket_plans
 Batched = dict[int, tuple[Batch, ...]]  # id of a plan the run holds -> its batches
-
-
-def config_hash(model_dir: str | Path) -> str:
-    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
 
 
 def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> AnchorPlan:
@@ -192,7 +188,7 @@ def _run_description(
         "torch_version": torch.__version__.split("+")[0],
         "model": {
             "path": str(model_dir),
-            "config_sha256": config_hash(model_dir),
+            "config_sha256": sha256_file(Path(model_dir) / "config.json"),
             "architecture": config.to_json().get("architectures", ["?"])[0],
             "parameters": sum(v.numel() for k, v in weights.items() if k != LM_HEAD),
         },
