@@ -41,7 +41,7 @@ def _rows(n: int) -> torch.Tensor:
 def test_round_trip_by_key_in_any_order(tmp_path, memory_bytes):
     rows = _rows(SHAPE[0])
     with Store(str(tmp_path), memory_bytes=memory_bytes, total_bytes=TOTAL) as store:
-        assert store.on_disk == (memory_bytes == 0)
+        assert (store.fd is not None) == (memory_bytes == 0)
         for number, idx in enumerate(BATCHES):
             store.put(number, rows[idx][:, :, :])  # a view of a bigger tensor, kept alone
         assert store.held_bytes == (TOTAL if memory_bytes is None else 0)
@@ -62,7 +62,7 @@ def test_a_store_without_a_total_holds_what_fits_and_spills_the_rest(tmp_path):
     assert [spilling.put(i, t) for i, t in enumerate(parts)] == [True] * 4
     assert [dropping.put(i, t) for i, t in enumerate(parts)] == [True, True, False, False]
     assert spilling.held_bytes == dropping.held_bytes == 48
-    assert spilling.on_disk and not dropping.on_disk
+    assert spilling.fd is not None and dropping.fd is None
     assert 2 not in dropping
     for i, t in enumerate(parts):
         assert torch.equal(spilling.get(i).view(torch.int16), t.view(torch.int16))
@@ -220,7 +220,7 @@ def test_a_recorded_source_is_taken_once_and_read_back_by_any_range(tmp_path):
         for a, b in taken:
             assert not recorded.complete and alive() is not None
             assert torch.equal(recorded.rows(a, b), whole[:, a:b])
-        assert recorded.complete and store.on_disk and store.held_bytes == 0
+        assert recorded.complete and (store.fd is not None) and store.held_bytes == 0
         assert alive() is None
         for a, b in [(0, 30), (3, 9), (7, 8), (29, 30), (5, 6)]:
             assert torch.equal(

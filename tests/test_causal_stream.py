@@ -2,6 +2,8 @@
 time over its MLA cache (qstream/arch/dspark_mla/causal.py), and the boot and captured aux states a
 long-context batch never holds whole (qstream/eval/batches.py, docs/context-sweep.md)."""
 
+from contextlib import closing
+
 import pytest
 import torch
 from model_helpers import long_context_model, random_model_weights
@@ -85,7 +87,7 @@ def test_boot_aux_is_computed_once_and_read_back_bit_exactly(tiny, corpus, monke
     reference = DSpark(cfg, random_model_weights(cfg, seed=5), torch.float32)
     batch = make_batches(sample_anchors(corpus, 12, cfg.block_size, seed=0), corpus, cfg)[0]
     T = batch.context_length
-    with AuxStates("boot", corpus, cfg, seed=0) as aux:
+    with closing(AuxStates("boot", corpus, cfg, seed=0)) as aux:
         recorded = aux.get(batch, reference)
         with pytest.raises(RuntimeError, match="reference pass first"):
             aux.get(batch)  # nothing taken yet

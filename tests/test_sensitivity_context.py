@@ -13,7 +13,7 @@ import qstream.arch.dspark_mla.forward as dspark
 import qstream.eval.batches as batches
 from qstream.arch.dspark_mla.config import PRESETS
 from qstream.arch.dspark_mla.forward import DSpark
-from qstream.arch.dspark_mla.load import load_weights
+from qstream.arch.dspark_mla.load import load_config, load_weights
 from qstream.card.build import write_card
 from qstream.cli import cli
 from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
@@ -48,7 +48,7 @@ def _ceiling(variant_result):
 
 def test_each_single_step_quantizes_exactly_its_kind(tiny, sensitivity):
     sens = sensitivity["regimes"]["heavy"]["sensitivity"]
-    kinds = module_kinds(load_weights(tiny), "nvfp4")
+    kinds = module_kinds(load_weights(tiny), "nvfp4", load_config(tiny))
     assert sens["format"] == "nvfp4"
     assert [e["kind"] for e in sens["single"]] == [k.name for k in kinds]
     for entry, kind in zip(sens["single"], kinds):

@@ -124,7 +124,7 @@ def test_the_target_verifies_greedy_drafts_and_their_adaptive_trimming(results):
 def test_states_aux_come_from_the_file(tiny, states_file):
     states = read_states(states_file, load_config(tiny))
     raw = load_file(states_file)
-    aux = states.aux([2, 0], pad_to=50)
+    aux = states.aux_chunks([2, 0], 50, torch.float32).rows(0, 50)
     assert torch.equal(aux[0, :40], raw["stream.2.aux_hidden_states"].float())
     assert torch.equal(aux[1, :40], raw["stream.0.aux_hidden_states"].float())
     assert bool((aux[:, 40:] == 0).all())
@@ -135,7 +135,7 @@ def test_states_read_in_position_ranges_equal_the_whole(tiny, states_file):
     """A long captured stream's aux rows are read a range at a time (never held whole): the
     ranges give the whole read's rows, rounded to the requested dtype."""
     states = read_states(states_file, load_config(tiny))
-    whole = states.aux([3, 1], pad_to=45)
+    whole = states.aux_chunks([3, 1], 45, torch.float32).rows(0, 45)
     chunks = states.aux_chunks([3, 1], 45, torch.bfloat16)
     assert chunks.shape == tuple(whole.shape)
     edges = [0, 1, 17, 39, 40, 41, 45]

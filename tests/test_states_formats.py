@@ -170,7 +170,7 @@ def test_pre_norm_state_matches_transformers_rms_norm(tiny, data, target, tmp_pa
     want = _hf_norm(target, last)[anchor[:, None] + torch.arange(cfg.block_size)]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(got, last.float()[anchor[:, None] + torch.arange(cfg.block_size)])
-    aux = states.aux([1], pad_to=40)[0, :36]
+    aux = states.aux_chunks([1], 40, torch.float32).rows(0, 40)[0, :36]
     assert torch.equal(aux, streams[1][1].float())
 
 

@@ -570,10 +570,10 @@ def test_k3_recipe_plan(tmp_path):
 
 
 def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
-    from qstream.arch.dspark_mla.load import load_weights
+    from qstream.arch.dspark_mla.load import load_config, load_weights
     from qstream.eval.sensitivity import module_kinds
 
-    names = [k.name for k in module_kinds(load_weights(tiny), "nvfp4")]
+    names = [k.name for k in module_kinds(load_weights(tiny), "nvfp4", load_config(tiny))]
     assert not any("confidence" in n or "markov" in n for n in names), names
     assert "self_attn.q_a_proj + self_attn.kv_a_proj_with_mqa" in names
 

@@ -6,7 +6,6 @@ race (docs/eval-drift.md)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -118,17 +117,8 @@ def sampling_probs(
     """softmax(logits / temperature), fp32 [..., V], optionally cut to the top-k tokens, then to
     the top-p nucleus (smallest sorted prefix whose mass reaches top_p; the top token is always
     kept), renormalised, in vLLM's order.  The defaults give the full distribution, which vLLM's
-    DSpark drafter samples; top-p and top-k belong to the verifier (docs/model.md)."""
-    if not (
-        math.isfinite(temperature)
-        and temperature > 0
-        and 0 < top_p <= 1
-        and (top_k is None or top_k >= 1)
-    ):
-        raise ValueError(
-            "need a finite temperature > 0, top_p in (0, 1], top_k >= 1 or None; "
-            f"got {temperature}, {top_p}, {top_k}"
-        )
+    DSpark drafter samples; top-p and top-k belong to the verifier (docs/model.md).  The values
+    are checked where they are built (qstream/eval/settings.py, qstream/cliutil.py)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p == 1 and (top_k is None or top_k >= probs.shape[-1]):
         return probs

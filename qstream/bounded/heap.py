@@ -1,12 +1,9 @@
 """Heap hygiene as one context manager, :func:`heap_hygiene` (docs/eval-drift.md, "Memory":
 why and what it saved).
 
-glibc's malloc serves allocations under its mmap threshold from the heap and returns only the
-heap's free top to the system, so the holes freed between longer-lived tensors stay resident
-until trimmed; blocks above the threshold are mapped at each allocation and faulted in again
-page by page.  A batch (or a range of one) runs inside ``heap_hygiene()``, which trims on exit;
-the FP32 reference pass inside ``heap_hygiene(reuse_freed=True)``, which serves big blocks from
-the heap so that a freed one is reused.  A no-op on other C libraries.
+A batch (or a range of one) runs inside ``heap_hygiene()``, which gives glibc's freed heap
+pages back on exit; the FP32 reference pass inside ``heap_hygiene(reuse_freed=True)``, which
+serves big blocks from the heap so that a freed one is reused.  A no-op on other C libraries.
 
 >>> with heap_hygiene(reuse_freed=True):
 ...     for batch in batches:

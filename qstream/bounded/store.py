@@ -59,10 +59,6 @@ class Store:
             self.memory_bytes = 0
             self.fd = _scratch_file(self.scratch_dir, total_bytes)
 
-    @property
-    def on_disk(self) -> bool:
-        return self.fd is not None
-
     def put(self, key: Hashable, tensor: torch.Tensor) -> bool:
         """Keep ``tensor`` under ``key``; whether it was kept (only a non-spilling store drops)."""
         tensor = tensor.detach().cpu().contiguous()

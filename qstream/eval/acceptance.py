@@ -2,55 +2,13 @@
 verification as exact per-block expectations (docs/acceptance.md).  Adaptive verification's
 trimming is qstream/eval/adaptive.py's; the tallies over a regime, qstream/eval/tally.py's.
 
-For ``n`` blocks of ``B`` drafted tokens ``x_1..x_B`` over a vocabulary of ``V``:
-
-- ``q[:, k]`` is the drafter's sampling distribution at position k (conditioned on ``x_{<k}``),
-- ``p[:, k]`` the verifier's sampling distribution at position k, conditioned on the *drafted*
-  prefix ``x_{<k}``; ``p[:, B]`` (the bonus position) is needed by a sampler only (the rules as a verifier runs
-  them: tests/verification_samplers.py, which checks these expectations against them).
-
-Rules (k counts from 1 in the formulas, from 0 in the tensors; ``r_k = p_k(x_k) / q_k(x_k)``):
-
-- **token-wise** (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-  Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"): accept
-  ``x_k`` with probability ``min(1, r_k)``, stop at the first rejection and resample that position
-  from ``norm(max(0, p_k − q_k))``; when all B are accepted, draw a bonus token from ``p_{B+1}``.
-- **block** (Sun et al. 2024, "Block Verification Accelerates Speculative Decoding", Algorithm 2;
-  vLLM's ``rejection_sample_method: "block"``): ``P_0 = 1``, ``P_k = min(1, P_{k-1} r_k)``; the
-  residual after accepting k tokens is ``max(0, P_k p_{k+1} − q_{k+1})`` with mass ``Z_{k+1}``;
-  ``h_k = Z_{k+1} / (Z_{k+1} + 1 − P_k)`` for k < B and ``h_B = P_B``; with independent uniforms
-  ``η_k``, the accepted length is ``τ = max{k : η_k ≤ h_k}`` (0 if none), followed by one token
-  from the residual of ``τ`` (``τ < B``) or from ``p_{B+1}`` (``τ = B``).
-
-Both emit ``τ + 1`` tokens per block (at most B+1) whose distribution is the verifier's.
-
-**Expectations.** Given the drafted prefix ``x_{≤k}``, the probability that the verifier accepts
-at least k tokens is, marginalising over its own uniforms and over the later drafted tokens,
-``Π_{j≤k} min(1, r_j)`` (token-wise) and ``P_k`` (block: the choice of ``h`` makes
-``P(τ ≥ k | x_{≤k}) = P_k``; Sun et al., proof of Theorem 1).  So ``1 + Σ_k P(τ ≥ k | x_{≤k})`` is
-an unbiased, lower-variance (Rao–Blackwellised) estimate of the expected number of tokens emitted
-per block, from a single drafted block and no verifier randomness.  Per draft the block value is
-never below the token-wise one, since ``min(1, P_{k-1} r_k) ≥ P_{k-1} min(1, r_k)``.
-
-**Greedy drafting against a sampling verifier** (vLLM's default ``draft_sample_method``
-"greedy" at a temperature > 0): the drafter's argmax is treated as a one-hot draft, ``q_k(x_k)
-= 1`` (vLLM 0.32, rejection_sampler_utils.py: ``_compute_global_logprobs_and_logsumexp`` and
-``_compute_global_residual_mass`` without draft logits).  Token-wise then accepts ``x_k`` with
-probability ``p_k(x_k)`` and resamples from ``p_k`` with ``x_k`` removed.  Block verification
-gets ``P_k = Π_{j≤k} p_j(x_j)`` (never capped: each factor is at most 1) and
-``Z_{k+1} = P_k (1 − p_{k+1}(x_{k+1}))``: its ``P(τ ≥ k | x) = P_k`` is the token-wise value and
-its residual is the same, so with a deterministic draft the two rules emit the same law (one
-verifier's uniforms give different outcomes under each).
-
-**Verifying on a stream the verifier sampled itself.** When the only prefixes whose verifier
-distribution is known are those of a token stream ``s`` drawn from the verifier (captured target
-states), the same expectation is ``E_{s~p}[Σ_k w_k(s)]`` with the importance weight
-``w_k = P(τ ≥ k | s_{≤k}) · q(s_{≤k}) / p(s_{≤k})``: token-wise ``Π_{j≤k} min(1, q_j/p_j)``, block
-``min(1, min_{i≤k} Π_{j≤i} q_j/p_j)`` (the running minimum of the cumulative likelihood ratio).
-Both weights lie in [0, 1], and they are unbiased because a prefix the verifier cannot produce
-(``p = 0`` somewhere) is never accepted by either rule.  A greedy draft is the one-hot
-``q_j = [s_j = x_j]`` (x_j the drafter's argmax on the stream's prefix): both weights are then
-``[s_{≤k} = x_{≤k}]``, whose expectation over the stream is ``p(x_{≤k}) = P(τ ≥ k | x)``.
+For ``n`` blocks of ``B`` drafted tokens over a vocabulary of ``V``: ``q[:, k]`` is the drafter's
+sampling distribution at position k, ``p[:, k]`` the verifier's on the *drafted* prefix
+(``p[:, B]``, the bonus position, is needed by a sampler only: tests/verification_samplers.py runs
+the rules and checks these expectations against them).  The rules, the exact per-block
+expectation ``1 + Σ_k P(τ ≥ k | x_{≤k})`` that replaces the verifier's randomness, the one-hot
+greedy draft, and the importance weights on a stream the verifier sampled itself are derived in
+docs/acceptance.md ("Rules", "What is reported").
 """
 
 from __future__ import annotations
@@ -97,7 +55,7 @@ def accept_probabilities(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) ->
 
 def stream_weights(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
     """``[n, B]`` float64 importance weights ``w_k`` for blocks read off a stream sampled from the
-    verifier (module docstring): ``E_{s~p}[w_k] = P(τ ≥ k)`` under drafting from q.  A stream
+    verifier (docs/acceptance.md): ``E_{s~p}[w_k] = P(τ ≥ k)`` under drafting from q.  A stream
     token the verifier cannot produce (``p = 0``) breaks that premise; it is given ratio +inf,
     so it neither adds nor removes acceptance on its own (see ``outside_verifier_support``)."""
     _check(p_tok, q_tok)
@@ -120,7 +78,7 @@ def greedy_accepts(draft_tokens: torch.Tensor, verifier_top1: torch.Tensor) -> t
 
 def greedy_draft_probabilities(p_tok: torch.Tensor, rule: str) -> torch.Tensor:
     """``[n, B]`` float64: P(τ ≥ k | drafted prefix) for a greedy draft (a one-hot q) verified by
-    a sampling verifier: ``Π_{j≤k} p_j(x_j)`` under either rule (module docstring)."""
+    a sampling verifier: ``Π_{j≤k} p_j(x_j)`` under either rule (docs/acceptance.md)."""
     return accept_probabilities(p_tok, torch.ones_like(p_tok), rule)
 
 

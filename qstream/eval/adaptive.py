@@ -1,15 +1,9 @@
 """Adaptive verification (vLLM 0.32, vllm/v1/worker/gpu/spec_decode/adaptive_verification.py;
-docs/acceptance.md): the drafts of the requests of one batch compete for a budget of verified
-draft tokens.  Each (request, position k) slot is scored by its survival ``Π_{j≤k} c_j`` (c:
-the confidence head's sigmoid scores) and the budget's best slots are admitted
-(``_assign_draft_token_budget``); a request verifies its first ``m`` drafted tokens and the rest
-are dropped before the target sees them.  A truncated draft is verified as a block of ``m``
-tokens, so its ``P(τ ≥ k | x)`` (qstream/eval/acceptance.py) is unchanged for ``k ≤ m`` and 0
-beyond.  Whether position k is admitted depends on ``c_{≤k}``, which read the drafted tokens
-before k only (``c_k`` reads ``markov_w1[x_{k-1}]``): the truncation is decided before the
-token it drops is verified, and the emitted tokens keep the verifier's law.  The budget's size
-comes from step costs vLLM profiles on the serving GPU (``get_num_tokens``); it is a setting
-here (:class:`qstream.eval.settings.AdaptiveBudget`).
+docs/acceptance.md, "Adaptive verification"): the drafts of one batch's requests compete for a
+budget of verified draft tokens, slots ranked by the survival ``Π_{j≤k} c_j`` of the confidence
+scores; a request verifies its first ``m`` drafted tokens as a block of ``m``, so its
+``P(τ ≥ k | x)`` (qstream/eval/acceptance.py) is unchanged for ``k ≤ m`` and 0 beyond.  The
+budget's size is a setting here (:class:`qstream.eval.settings.AdaptiveBudget`).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class SyntheticAuxChunks:
     normal sampler works in groups of 16 values and A is a multiple of 16 in every preset and
     real model; tests/test_sensitivity_context.py checks).  A batch too big to hold (a
     long-context bucket at K3 width: one 131,072-token stream is 9.4 GB of bf16) is handed to
-    ``DSpark.context`` this way (``qstream.arch.interface.AuxChunks``); :func:`synthetic_aux`
+    a model's ``context`` this way (``qstream.arch.interface.AuxChunks``); :func:`synthetic_aux`
     takes all rows at once."""
 
     def __init__(

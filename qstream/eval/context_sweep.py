@@ -1,12 +1,9 @@
-"""Long-context sweep (issue 7, part 3): drift in buckets of context length on both sides of the
+"""Long-context sweep: drift in buckets of context length on both sides of the
 YaRN boundary (``original_max_position_embeddings``) up to ``max_position_embeddings``.
 
-Corpus documents are short (a GSM8K problem is ~150 tokens), so each bucket draws its blocks from
-long streams made by concatenating the corpus documents in order, the tokenizer's EOS between
-them, cut into consecutive streams just long enough for the bucket's largest anchor.  Anchors are
-sampled per bucket with the run's seed (``sample_anchors`` with the bucket's min/max context);
-each bucket is a complete evaluation (its own reference pass, every variant), run by the
-``evaluate`` callable the evaluator hands in.
+Each bucket draws its blocks from long streams (the corpus documents concatenated, EOS between
+them; docs/context-sweep.md) and is a complete evaluation, run by the ``evaluate`` callable the
+evaluator hands in.
 
 >>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "nvfp4"),
 ...                          context_lengths=default_edges(config), context_blocks=256)

@@ -27,17 +27,13 @@ class Corpus:
     streams: tuple[torch.Tensor, ...]  # int64 token ids, one tensor per document
     tokenizer: str = ""  # the tokenizer.json the streams were encoded with
 
-    @property
-    def token_count(self) -> int:
-        return sum(int(s.numel()) for s in self.streams)
-
     def identity(self) -> dict:
         return {
             "corpus": self.name,
             "sha256": self.sha256,
             "tokenizer": self.tokenizer,
             "streams": len(self.streams),
-            "tokens": self.token_count,
+            "tokens": sum(int(s.numel()) for s in self.streams),
         }
 
 

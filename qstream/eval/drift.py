@@ -9,7 +9,6 @@ holds.  One regime's work is qstream/eval/passes.py's.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 import qstream
 from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of, load_config
+from qstream.checkpoint.files import sha256_file
 from qstream.device import describe_device, resolve_device
 from qstream.eval.aux_sources import check_boot_compatible
 from qstream.eval.batches import Batch, batch_flops, make_batches
@@ -32,14 +32,10 @@ from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
 
-__all__ = ["DriftSettings", "config_hash", "evaluate_drift"]
+__all__ = ["DriftSettings", "evaluate_drift"]
 
 Buckets = list[tuple[int, int, Corpus, AnchorPlan]]  # context_sweep.bucket_plans
 Batched = dict[int, tuple[Batch, ...]]  # id of a plan the run holds -> its batches
-
-
-def config_hash(model_dir: str | Path) -> str:
-    return hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()
 
 
 def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> AnchorPlan:
@@ -75,7 +71,7 @@ def evaluate_drift(
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
     states_plan = None if states is None else _plan(states, settings, config)
-    steps = _sensitivity_steps(weights, settings)
+    steps = _sensitivity_steps(weights, config, settings)
     buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
     batched = _batched(config, sets)
@@ -102,13 +98,13 @@ def _batched(config: DraftConfig, sets: list[tuple[Corpus | None, AnchorPlan | N
     return {id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None}
 
 
-def _sensitivity_steps(weights: Weights, settings: DriftSettings) -> int:
+def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSettings) -> int:
     """The passes of the sensitivity steps per regime (qstream/eval/sensitivity.py: the floor,
     each kind alone, each kind added); a checkpoint no kind of which the format holds fails
     here."""
     if not settings.sensitivity:
         return 0
-    return 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), settings.ignore))
+    return 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), config, settings.ignore))
 
 
 def _planned(
@@ -192,7 +188,7 @@ def _run_description(
         "torch_version": torch.__version__.split("+")[0],
         "model": {
             "path": str(model_dir),
-            "config_sha256": config_hash(model_dir),
+            "config_sha256": sha256_file(Path(model_dir) / "config.json"),
             "architecture": config.to_json().get("architectures", ["?"])[0],
             "parameters": sum(v.numel() for k, v in weights.items() if k != LM_HEAD),
         },

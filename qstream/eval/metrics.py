@@ -22,38 +22,10 @@ Example::
     metrics.rollouts["sampled"].matched_prefix                  # a lower bound, not a ceiling
     json.dumps(metrics.to_json())
 
-Only compact per-token results are kept between batches (float64 ``[n, B]``, about 56 KiB per
-quantity for 1024 blocks of 7); the ``[n, B, V]`` work is done in float64 chunks of blocks.
-
-Definitions where docs/eval-drift.md leaves a choice:
-
-- **seq agree[k]** = P(token k of the two rollouts is equal); **prefix agree[k]** = P(tokens 0..k all
-  equal), the share of blocks whose matched prefix is longer than k.  The acceptance ceiling (mean
-  matched prefix, 0..B) is exactly the sum of prefix agree over k, so listing it separately
-  from seq agree makes seq agree the per-position equality; it also shows whether rollouts
-  re-converge after a divergence.  Position 0 sees the same input on both sides, so seq agree[0] =
-  prefix agree[0] = greedy agree[0] for greedy rollouts.
-- **1−TV, KL and reverse KL** use the full temperature-1 softmax of the teacher-forced logits, in
-  float64: top-p truncation would give the two sides different supports and an infinite KL.  1−TV
-  is computed as 1 − ½·Σ|p − q|, equal to Σ min(p, q) for normalised p and q, so that it is exactly 1
-  for identical inputs.  KL is clamped at 0 (Gibbs' inequality) because rounding can leave −1e-17.
-  Tokens with zero probability on the weighting side add nothing (0·log 0 = 0), so logits masked to
-  −inf on both sides are fine.
-- **Percentiles** follow llama.cpp's ``perplexity --kl-divergence`` report: linear interpolation
-  between the sorted values at fraction·(N − 1) (numpy's default ``linear``); max is the largest.
-- **sched flip**: threshold = median of the reference's B confidences in the block (mean of the two
-  middle values when B is even); a position flips when ``(ref_c > thr) != (var_c > thr)``.
-  Positions with ``ref_c == thr`` (with B odd: the median position itself) are excluded — they
-  make no above/below decision, and counting them gave every variant a ~1/B floor.  Excluding
-  ties rather than moving the threshold off them keeps the decision the scheduler makes (above or
-  below the median) for every other position unchanged.  vLLM 0.32 loads the confidence head
-  and runs it in fp32 for adaptive verification (docs/vllm.md): r and the flip rate describe how
-  a format moves the scores that verification is sized by.
-- **matched prefix**: for greedy rollouts the mean matched prefix is the acceptance *ceiling*; for
-  sampled rollouts on common random numbers it is a lower bound on what the verifier accepts
-  (acceptance follows Σ min(p, q)) and is named ``matched_prefix``, never ceiling.
-- **95% intervals**: qstream/eval/estimates.py says which interval each kind of estimate gets, and
-  why.
+Only compact per-token results are kept between batches (float64 ``[n, B]``); the ``[n, B, V]``
+work is done in float64 chunks of blocks.  The definitions, and the choices they make (1−TV as
+1 − ½·Σ|p − q|, KL clamped at 0, llama.cpp's percentiles, the sched-flip ties, matched prefix
+against ceiling), are docs/eval-drift.md's ("Metrics"); the intervals, qstream/eval/estimates.py's.
 """
 
 from __future__ import annotations

@@ -70,18 +70,12 @@ def evaluate_regime(run: RegimeRun) -> dict:
     settings ask) the sensitivity steps: the regime's JSON-ready results entry."""
     s = run.settings
     with ExitStack() as kept:  # the stored per-block outputs are freed when the regime ends
-        aux = kept.enter_context(
-            AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch.directory)
+        aux = AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch.directory)
+        kept.callback(aux.close)
+        probe = RegimeAcceptance(
+            run.weights, run.plan, aux.captured, settings=s, block_size=run.config.block_size
         )
-        probe = kept.enter_context(
-            RegimeAcceptance(
-                run.weights,
-                run.plan,
-                aux.captured,
-                settings=s,
-                block_size=run.config.block_size,
-            )
-        )
+        kept.callback(probe.close)
         N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
         logits = kept.enter_context(Store(s.scratch.directory, total_bytes=4 * N * B * V))
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
@@ -106,7 +100,7 @@ def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dic
         )
         return measure_variant(run, variant, aux, ref, probe=None)
 
-    out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.settings, step)
+    out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.config, run.settings, step)
 
 
 def reference_pass(

@@ -1,12 +1,7 @@
-"""Per-module sensitivity (issue 7, part 2): which module kinds cost acceptance under a format,
-and the largest include list that keeps the acceptance ceiling within a tolerance of bf16.
-
-For one format, each module kind (``context_proj``, ``self_attn.q_b_proj``, ... — every kind the
-checkpoint has that the format can hold; the members of a fused group, e.g. ``mlp.gate_proj`` and
-``mlp.up_proj``, form one kind because vLLM quantizes them together) is quantized alone, then
-the kinds are added one by one, least harmful first.  Every step is a variant measured against
-the regime's one reference pass.  Harm is the drop of the greedy acceptance ceiling below the
-bf16 floor (ties: the larger KL mean is more harmful).
+"""Per-module sensitivity (docs/sensitivity.md): which module kinds cost acceptance under a
+format, and the largest include list that keeps the greedy acceptance ceiling within a tolerance
+of bf16.  Each kind (fused partners one kind) is quantized alone, then the kinds are added least
+harmful first; every step is a variant measured against the regime's one reference pass.
 
 >>> settings = DriftSettings(regimes=("heavy",), formats=("bf16",), sensitivity=True)
 >>> results = evaluate_drift("DRAFT_DIR", settings, corpus)
@@ -21,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.arch.interface import LM_HEAD
+from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo
 from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.formats import FORMATS, get_format
 from qstream.quant.select import select_modules
 from qstream.vllm.patterns import matches
-from qstream.vllm.profiles import K3_DSPARK, get_profile
+from qstream.vllm.profiles import profile_for
 
 DEFAULT_FORMAT = "nvfp4"  # the format the published recipe ships at 4 bits
 HARM = (
@@ -69,19 +64,23 @@ def _kind_key(module: str) -> str:
 
 
 def module_kinds(
-    weights: Mapping[str, torch.Tensor], fmt: str, ignore: tuple[str, ...] = ()
+    weights: Mapping[str, torch.Tensor],
+    fmt: str,
+    config: DraftConfig,
+    ignore: tuple[str, ...] = (),
 ) -> list[ModuleKind]:
     """Every kind the format can quantize and vLLM can serve quantized (quantize's default
-    selection under the K3 DSpark serving profile, docs/vllm.md: no Markov or confidence head),
-    minus ``ignore``, minus the shapes the format cannot hold; fused groups kept whole, in
+    selection under the draft's serving profile, docs/vllm.md: e.g. no Markov or confidence
+    head), minus ``ignore``, minus the shapes the format cannot hold; fused groups kept whole, in
     checkpoint order."""
     infos = {
         k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0)
         for k, v in weights.items()
         if k != LM_HEAD
     }
+    profile = profile_for(config.to_json())
     selection = select_modules(
-        infos, fmt, None, list(ignore), skip_incompatible=True, profile=get_profile(K3_DSPARK)
+        infos, fmt, None, list(ignore), skip_incompatible=True, profile=profile
     )
     by_key: dict[str, list[str]] = {}
     for module in selection.quantized:
@@ -126,11 +125,15 @@ def _harm(step: dict, floor: dict) -> tuple[float, float]:
 
 
 def evaluate_sensitivity(
-    weights: Mapping[str, torch.Tensor], fmt: str, settings: DriftSettings, step: Step
+    weights: Mapping[str, torch.Tensor],
+    fmt: str,
+    config: DraftConfig,
+    settings: DriftSettings,
+    step: Step,
 ) -> dict:
     """The floor, one step per kind alone, then the cumulative steps and the suggested list
     (JSON-ready; the schema is in docs/eval-drift.md)."""
-    kinds = module_kinds(weights, fmt, settings.ignore)
+    kinds = module_kinds(weights, fmt, config, settings.ignore)
     if not kinds:
         raise QStreamError(f"--sensitivity: {fmt} can quantize no module of this checkpoint")
     floor = _summary(step("bf16 floor", ()))

@@ -25,9 +25,10 @@ REFERENCE, VARIANTS = "reference", "variants"
 
 
 class Progress(Protocol):
-    """Where the evaluator reports progress: drafted blocks, and their work by the FLOP model
-    (qstream/arch/dspark_mla/flops.py) per kind of pass, from which the one ETA is taken (a long-context
-    block costs hundreds of short ones; an FP32 reference pass runs at its own pace)."""
+    """Where the evaluator reports progress: drafted blocks, and their work by the architecture's
+    FLOP model (docs/eval-drift.md, "FLOP model") per kind of pass, from which the one ETA is
+    taken (a long-context block costs hundreds of short ones; an FP32 reference pass runs at its
+    own pace)."""
 
     def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
         """Blocks the run will report (None until they are planned) and, once the blocks are

@@ -9,10 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from qstream.arch.interface import LM_HEAD, DraftConfig
-from qstream.arch.registry import architecture_of, load_config
+from qstream.arch.registry import architecture_of
 from qstream.checkpoint.integrity import integrity_record
 from qstream.checkpoint.safetensors_io import drop_resident_pages
-from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.eval.vocabulary import FLOOR, REFERENCE
 from qstream.formats import snr_db, snr_sums
@@ -82,14 +81,8 @@ def variant_weights(
             skip_incompatible=True,
             profile=profile_for(config.to_json()),
         )
-    else:
-        other = load_config(variant.source)
-        if other != config:
-            raise QStreamError(
-                f"variant {variant.name}: {variant.source} is a different "
-                "architecture than the reference model (config.json differs)"
-            )
-        weights = architecture_of(other).load_weights(variant.source, target, other)
+    else:  # its config.json equals the reference's (provenance.check_variants_derived)
+        weights = architecture_of(config).load_weights(variant.source, target, config)
     changed = [k for k, v in weights.items() if k != LM_HEAD and _differs(v, reference_weights[k])]
     return weights, changed
 

@@ -53,13 +53,9 @@ class MarkovHead:
 class RegimeAcceptance:
     """What ``--acceptance`` (verifier: the FP32 reference) and captured states (verifier: the
     target) measure in one regime.  Inactive (every method a no-op) when neither applies.
-
-    Memory: with ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in
-    a :class:`~qstream.bounded.store.Store` (in memory when small, else in the scratch
-    directory; :meth:`close` frees it); per variant only ``[N, B]`` float64 acceptance values
-    per mode and the drafts' ``[N, B]`` confidence scores are kept (adaptive verification's
-    batches span the regime).  The target's lm_head is held as stored and upcast per use, in
-    row chunks."""
+    With ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in a
+    :class:`~qstream.bounded.store.Store` (:meth:`close` frees it); per variant only ``[N, B]``
+    values are kept (docs/eval-drift.md, "Memory")."""
 
     def __init__(
         self,
@@ -97,12 +93,6 @@ class RegimeAcceptance:
         """Free the stored U (its memory or scratch file)."""
         if self.U_ref is not None:
             self.U_ref.close()
-
-    def __enter__(self) -> RegimeAcceptance:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _verifier_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The verifier's distribution: tempered, then its top-k and top-p."""

@@ -9,7 +9,7 @@ the expected shape.  Hidden states are read a batch of streams at a time.
 
 >>> states = read_states("captured/", config, target="kimi-k3/")
 >>> plan = sample_anchors(states, 1024, config.block_size, seed=0)
->>> aux = states.aux([0, 3], pad_to=512)                   # [2, 512, A] float32
+>>> aux = states.aux_chunks([0, 3], 512, torch.bfloat16).rows(0, 512)   # [2, 512, A]
 """
 
 from __future__ import annotations

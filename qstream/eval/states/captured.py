@@ -59,13 +59,10 @@ class CapturedStates(Corpus):
             )
         return rows
 
-    def aux(self, streams: list[int], pad_to: int) -> torch.Tensor:
-        """Aux states [S, pad_to, A] float32 of ``streams``, zero-padded (cut at ``pad_to``)."""
-        return self.aux_chunks(streams, pad_to, torch.float32).rows(0, pad_to)
-
     def aux_chunks(self, streams: list[int], pad_to: int, dtype: torch.dtype) -> CapturedAuxChunks:
-        """The same states in ``dtype``, read a range of positions at a time (an ``AuxChunks``
-        of qstream/arch/dspark_mla/forward.py): a long stream's states are never held whole."""
+        """Aux states [S, pad_to, A] in ``dtype`` of ``streams``, zero-padded, read a range of
+        positions at a time (an ``AuxChunks`` of qstream/arch/interface.py): a long stream's
+        states are never held whole."""
         return CapturedAuxChunks(self, streams, pad_to, dtype)
 
     def target_hidden(

@@ -1,18 +1,7 @@
-"""Which target layers a states file holds, in which numbering, and the target's final norm
-(docs/states.md).
-
-Two numberings of a target's hidden states are in use:
-
-* ``layer-output``: id j is the output of decoder layer j (0-based).  The draft's own
-  ``target_layer_ids`` are in this convention, as are SpecForge's (``dflash_config.target_layer_ids``).
-* ``hidden-states-index``: id k is the residual stream entering layer k, transformers'
-  ``output_hidden_states[k]`` (k = 0 the embeddings); vLLM's ``eagle_aux_hidden_state_layer_ids``
-  and speculators' ``--target-layer-ids`` are in this one.  Layer-output j is index j + 1 (vLLM
-  0.32.0 asks a DSpark draft's target for ``target_layer_ids`` + 1:
-  ``get_eagle3_aux_layers_from_config``, vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py);
-  index N (after the last of N layers) is, in vLLM, the last layer's output *before* the final
-  norm (``EagleModelMixin._maybe_add_hidden_state``, vllm/model_executor/models/interfaces.py;
-  transformers' ``output_hidden_states[N]`` is after it).
+"""Which target layers a states file holds, in which numbering, and the target's final norm.
+The two numberings (``layer-output``: id j is decoder layer j's output, the draft's own
+``target_layer_ids``; ``hidden-states-index``: id k is the residual stream entering layer k,
+vLLM's ``eagle_aux_hidden_state_layer_ids``) and their vLLM sources: docs/states.md, "Layer ids".
 """
 
 from __future__ import annotations
