@@ -54,9 +54,9 @@ def check_target(output: Path, overwrite: bool, option: str) -> None:
     check_parent(output, option, "parent directory")
 
 
-def check_parent(output: Path, option: str, what: str = "directory") -> None:
-    """Refuse ``output`` whose parent is missing or not a writable directory."""
-    parent = output.parent
+def check_parent(output: str | Path, option: str, what: str = "directory") -> None:
+    """Refuse ``output`` (named as given) whose parent is missing or not a writable directory."""
+    parent = Path(output).parent
     if not parent.is_dir():
         raise QStreamError(f"{option} {output}: {what} {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):

@@ -15,6 +15,8 @@ from qstream.clichoices import WEIGHT_FORMATS
 from qstream.clitypes import Choice
 from qstream.cliutil import (
     Command,
+    count_option,
+    flag_option,
     json_option,
     list_option,
     make_console,
@@ -52,32 +54,23 @@ if TYPE_CHECKING:
     metavar="{cpu,cuda}",
     help="Where tensors are quantized; the bytes written are the same on either.",
 )
-@option(
-    "workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Pieces quantized in parallel (default: the CPUs available).",
+@count_option("workers", None, "Pieces quantized in parallel (default: the CPUs available).")
+@flag_option("dry_run", "Print the plan and sizes; write nothing.")
+@flag_option("overwrite", "Replace an existing output directory.")
+@flag_option(
+    "skip_incompatible", "Leave weights whose K is not a multiple of the block size unquantized."
 )
-@option("dry_run", is_flag=True, help="Print the plan and sizes; write nothing.")
-@option("overwrite", is_flag=True, help="Replace an existing output directory.")
-@option(
-    "skip_incompatible",
-    is_flag=True,
-    help="Leave weights whose K is not a multiple of the block size unquantized.",
-)
-@option(
+@count_option(
     "tensor_parallel_size",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    metavar="N",
-    help="The tensor-parallel size vLLM will serve a K3 DSpark draft at "
+    1,
+    "The tensor-parallel size vLLM will serve a K3 DSpark draft at "
     "(draft_tensor_parallel_size). vLLM 0.32.0 builds the same modules quantized at "
     "every N; an N it cannot build the draft at (heads, split sizes) is refused, and in "
     "FP4 the shape rule applies to each o_proj/down_proj shard. No effect on other "
     "architectures.",
+    metavar="N",
 )
-@option("no_snr", is_flag=True, help="Skip the weight SNR (a little faster).")
+@flag_option("no_snr", "Skip the weight SNR (a little faster).")
 @json_option()
 def quantize(json_path: str | None, **o: Any) -> None:
     """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
