@@ -44,11 +44,16 @@ def sci(x: float | None) -> Cell:
 
 def estimate(e: dict | None, digits: int) -> Cell:
     """``value [lo, hi]`` of an eval-drift Estimate; a missing bound (one block) shows the value."""
-    if e is None or e.get("value") is None:
+    return Cell("n/a", e) if e is None else _interval(e, f".{digits}f")
+
+
+def _interval(e: dict, spec: str) -> Cell:
+    """:func:`estimate` of a present estimate, each number written with format ``spec``."""
+    if e.get("value") is None:
         return Cell("n/a", e)
     if e.get("lo") is None or e.get("hi") is None:
-        return Cell(f"{e['value']:.{digits}f}", e)
-    return Cell(f"{e['value']:.{digits}f} [{e['lo']:.{digits}f}, {e['hi']:.{digits}f}]", e)
+        return Cell(f"{e['value']:{spec}}", e)
+    return Cell(f"{e['value']:{spec}} [{e['lo']:{spec}}, {e['hi']:{spec}}]", e)
 
 
 def label(text: str) -> Cell:
@@ -238,9 +243,10 @@ def _divergence_rows() -> list[tuple[str, RowOf]]:
     """KL both ways, the confidence head's metrics and the weight SNR."""
     p, snr = DIGITS["proportion"], DIGITS["snr"]
     return [
-        ("KL(ref‖var) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["kl"])),
+        ("KL(ref‖var) mean [95% CI]", lambda r: _interval(r["metrics"]["kl"]["mean"], ".2e")),
         ("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"])),
-        ("reverse KL(var‖ref) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["reverse_kl"])),
+        ("reverse KL(var‖ref) mean [95% CI]",
+         lambda r: _interval(r["metrics"]["reverse_kl"]["mean"], ".2e")),
         ("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"])),
         (f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
          lambda r: estimate(r["metrics"]["confidence_r"], p)),
@@ -258,15 +264,6 @@ def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
     if rollout is None:
         return Cell("n/a")
     return estimate(rollout[what][-1] if what == "prefix_agree" else rollout[what], digits)
-
-
-def _kl_mean(kl: dict) -> Cell:
-    e = kl["mean"]
-    if e.get("value") is None:
-        return Cell("n/a", e)
-    if e.get("lo") is None or e.get("hi") is None:
-        return Cell(f"{e['value']:.2e}", e)
-    return Cell(f"{e['value']:.2e} [{e['lo']:.2e}, {e['hi']:.2e}]", e)
 
 
 # ---------------------------------------------------------------------------------------------
