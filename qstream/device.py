@@ -1,10 +1,6 @@
-"""Where a model computes, and the math settings that keep the FP32 reference FP32 on a GPU
-(docs/eval-drift.md, "Devices").
-
-On NVIDIA GPUs PyTorch may run fp32 matmuls as TF32 (10-bit mantissa) and reduce bf16/fp16
-GEMMs in reduced precision; either would make the reference something other than FP32, or the
-bf16 variants something other than what vLLM serves (bf16 GEMMs accumulating in fp32).
-:func:`exact_math` turns all of them off for the duration of a pass and restores them after.
+"""Where a model computes, and the math settings that keep the FP32 reference FP32 on a GPU:
+:func:`exact_math` turns off TF32 and reduced-precision bf16/fp16 reductions for the duration of
+a pass (docs/eval-drift.md, "Devices").
 
 >>> device = resolve_device("cuda:0")     # QStreamError, one line, when there is no such GPU
 >>> with exact_math():

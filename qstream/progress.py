@@ -1,14 +1,7 @@
-"""What a command shows on stderr while it works (docs/guarantees.md, "Shown"), so that no step
-of more than a moment is silent:
-
-* on a terminal, a rich bar or spinner from the first moment, naming the step; it disappears
-  when the step ends;
-* anywhere else (a pipe, a log file, CI), one plain line every LINE_EVERY seconds, the first
-  after LINE_EVERY, so that a short command prints nothing extra.
-
-eval-drift's progress (:class:`DriftProgress`) runs on the work it planned (the FLOP model,
-qstream/arch/dspark_mla/flops.py) and has one estimate of the time left, :class:`WorkEta`: the bar's
-``eta``, the plain lines and the one-off advice for a long run all read it.
+"""What a command shows on stderr while it works (docs/guarantees.md, "Shown"): on a terminal a
+rich bar or spinner naming the step from the first moment; elsewhere one plain line every
+LINE_EVERY seconds.  eval-drift's progress (:class:`DriftProgress`) runs on the work it planned
+and has one estimate of the time left, :class:`WorkEta`.
 
 >>> with step("drawing the figures"):
 ...     draw()

@@ -56,10 +56,6 @@ def _interval(e: dict, spec: str) -> Cell:
     return Cell(f"{e['value']:{spec}} [{e['lo']:{spec}}, {e['hi']:{spec}}]", e)
 
 
-def label(text: str) -> Cell:
-    return Cell(text)
-
-
 # ---------------------------------------------------------------------------------------------
 # Order
 
@@ -117,7 +113,7 @@ def agreement_table(rs: ResultsSet, regime: str) -> Table:
                     (f"prefix agree (tokens 1..k), {name}", m["rollouts"][mode]["prefix_agree"])
                 )
         for name, per_k in measures:
-            rows.append([label(variant), label(name), *(fixed(e["value"], d) for e in per_k)])
+            rows.append([Cell(variant), Cell(name), *(fixed(e["value"], d) for e in per_k)])
     return Table(
         f"Regime {regime}: agreement with the FP32 reference by drafted position k, each a share "
         "of all blocks (point estimates; the card's seq_agree.png draws the rollouts' 95% "
@@ -160,7 +156,7 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
         columns += [f"{regime} [95% CI]", f"{regime} gap to bf16"]
     rows = []
     for variant in variant_order(rs):
-        row = [label(variant_label(rs, variant))]
+        row = [Cell(variant_label(rs, variant))]
         for regime in regimes:
             prefix = _prefix(metrics(rs, regime, variant), mode)
             if prefix is None:
@@ -206,7 +202,7 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
     """Every headline metric of one regime, one column per variant."""
     variants = [v for v in variant_order(rs) if metrics(rs, regime, v) is not None]
     rows = [
-        [label(name), *(cell_of(rs.regimes[regime][v]) for v in variants)]
+        [Cell(name), *(cell_of(rs.regimes[regime][v]) for v in variants)]
         for name, cell_of in _agreement_rows(rs, regime) + _divergence_rows()
     ]
     return Table(
