@@ -118,26 +118,14 @@ def capture(json_path: str | None, **o: Any) -> None:
 
 
 def _settings(o: dict[str, Any]) -> CaptureSettings:
+    """The parsed options as the library's settings; most options are its fields by name."""
+    from dataclasses import fields
+
     from qstream.capture.run import CaptureSettings
     from qstream.capture.streams import Sampling
 
     sampling = None
     if o["generate"]:
         sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])
-    return CaptureSettings(
-        target=o["target"],
-        model=o["model"],
-        output=o["output"],
-        corpus=o["corpus"],
-        layers=tuple(o["layers"]) or None,
-        layer_convention=o["layer_convention"],
-        dtype=o["dtype"],
-        device=o["device"],
-        device_map=o["device_map"],
-        max_tokens=o["max_tokens"],
-        streams=o["streams"],
-        batch_size=o["batch_size"],
-        sampling=sampling,
-        export=o["export"],
-        trust_remote_code=o["trust_remote_code"],
-    )
+    same = {f.name: o[f.name] for f in fields(CaptureSettings) if f.name in o}
+    return CaptureSettings(**{**same, "layers": tuple(o["layers"]) or None, "sampling": sampling})
