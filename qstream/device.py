@@ -18,13 +18,11 @@ import torch
 
 from qstream.errors import QStreamError
 
-DEVICE_CHOICES = "cpu, cuda or cuda:N"
-
 
 def resolve_device(text: str) -> torch.device:
     """``--device`` -> a torch device that exists here; one-line QStreamError otherwise."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
-        raise QStreamError(f"--device {text!r}: expected {DEVICE_CHOICES}")
+        raise QStreamError(f"--device {text!r}: expected cpu, cuda or cuda:N")
     device = torch.device(text)
     if device.type == "cuda":
         if not torch.cuda.is_available():
