@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -86,7 +84,7 @@ def quantize(json_path: str | None, **o: Any) -> None:
     # here, not above: --help loads no torch
     from qstream.quant import quantize_checkpoint
 
-    with _progress_bar() as bar:
+    with counter("quantizing", "bytes") as report:  # bytes on the bar, tensors in its name
         summary = quantize_checkpoint(
             o["model_dir"],
             o["output_dir"],
@@ -98,7 +96,9 @@ def quantize(json_path: str | None, **o: Any) -> None:
             dry_run=o["dry_run"],
             overwrite=o["overwrite"],
             skip_incompatible=o["skip_incompatible"],
-            progress=bar,
+            progress=lambda done, total, tensors, of: report(
+                done, total, f"tensors {tensors}/{of}"
+            ),
             snr=not o["no_snr"],
             tensor_parallel_size=o["tensor_parallel_size"],
         )
@@ -110,14 +110,6 @@ def quantize(json_path: str | None, **o: Any) -> None:
             console.print(plan_table(summary))
         console.print(summary_table(summary))
     write_json(summary.to_json(), json_path)
-
-
-@contextmanager
-def _progress_bar() -> Iterator[Callable[[int, int, int, int], None]]:
-    """Bytes and tensors quantized, on a bar on a terminal, in plain lines elsewhere
-    (qstream/progress.py)."""
-    with counter("quantizing", "bytes") as report:
-        yield lambda done, total, tensors, of: report(done, total, f"tensors {tensors}/{of}")
 
 
 def plan_table(summary: QuantizeSummary) -> Table:
