@@ -312,25 +312,16 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
     return fig
 
 
-FIGURES = {
-    "seq_agree.png": seq_agree_figure,
-    "ceiling.png": ceiling_figure,
-    "kl.png": kl_figure,
-}
-# Drawn only when the results hold the data: name -> (figure, regimes that have it)
-OPTIONAL_FIGURES = {
-    "context.png": (context_figure, sweep_regimes),
-}
-
-
 def write_figures(rs: ResultsSet, directory: Path) -> list[Path]:
+    """Each figure the results hold the data for, drawn into ``directory``; their paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, draw in FIGURES.items():
+    figures = {
+        "seq_agree.png": seq_agree_figure,
+        "ceiling.png": ceiling_figure,
+        "kl.png": kl_figure,
+    }
+    if sweep_regimes(rs):
+        figures["context.png"] = context_figure
+    for name, draw in figures.items():
         draw(rs, directory / name)
-        written.append(directory / name)
-    for name, (draw, present) in OPTIONAL_FIGURES.items():
-        if present(rs):
-            draw(rs, directory / name)
-            written.append(directory / name)
-    return written
+    return [directory / name for name in figures]
