@@ -15,7 +15,7 @@ from rich.console import Console
 
 from qstream.clitypes import Device
 from qstream.errors import QStreamError
-from qstream.publish import write_text_atomic
+from qstream.publish import check_parent, write_text_atomic
 
 
 class _UserErrorsExit:
@@ -99,6 +99,22 @@ def option(name: str, **kwargs: Any):
     return click.option(*spellings(name), name, **kwargs)
 
 
+def count_option(name: str, default: int | None, help: str, minimum: int = 1, **kwargs: Any):
+    """An integer option of at least ``minimum``; its default shown unless None."""
+    return option(
+        name,
+        type=click.IntRange(min=minimum),
+        default=default,
+        show_default=default is not None,
+        help=help,
+        **kwargs,
+    )
+
+
+def flag_option(name: str, help: str):
+    return option(name, is_flag=True, help=help)
+
+
 class FiniteRange(click.FloatRange):
     """A FloatRange that also refuses nan and inf (click's lets them through)."""
 
@@ -142,25 +158,15 @@ def list_option(name: str, **kwargs: Any):
     return click.option(*spellings(name), name, cls=ListOption, multiple=True, **kwargs)
 
 
-def check_output_file(path: str | Path, option: str) -> None:
-    """Refuse an output file path before any work (docs/guarantees.md): its parent must be an
-    existing, writable directory and the path must not be a directory."""
-    target = Path(path)
-    parent = target.parent
-    if target.is_dir():
-        raise QStreamError(f"{option} {path}: is a directory, not a file")
-    if not parent.is_dir():
-        raise QStreamError(f"{option} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise QStreamError(f"{option} {path}: directory {parent} is not writable")
-
-
 def _check_json_path(ctx: click.Context, param: click.Parameter, value: str | None):
-    """``--json PATH`` is checked when the options are parsed, so that a bad path fails at once
-    rather than after the computation.  ClickException prints one ``Error:`` line, exit 1."""
+    """``--json PATH`` is refused when the options are parsed (docs/guarantees.md), so that a bad
+    path fails at once rather than after the computation: a directory, or a missing or
+    unwritable parent.  ClickException prints one ``Error:`` line, exit 1."""
     if value is not None and value != "-":
         try:
-            check_output_file(value, "--json")
+            if Path(value).is_dir():
+                raise QStreamError(f"--json {value}: is a directory, not a file")
+            check_parent(value, "--json")
         except QStreamError as exc:
             raise click.ClickException(str(exc)) from None
     return value

@@ -1,10 +1,6 @@
-"""Where a model computes, and the math settings that keep the FP32 reference FP32 on a GPU
-(docs/eval-drift.md, "Devices").
-
-On NVIDIA GPUs PyTorch may run fp32 matmuls as TF32 (10-bit mantissa) and reduce bf16/fp16
-GEMMs in reduced precision; either would make the reference something other than FP32, or the
-bf16 variants something other than what vLLM serves (bf16 GEMMs accumulating in fp32).
-:func:`exact_math` turns all of them off for the duration of a pass and restores them after.
+"""Where a model computes, and the math settings that keep the FP32 reference FP32 on a GPU:
+:func:`exact_math` turns off TF32 and reduced-precision bf16/fp16 reductions for the duration of
+a pass (docs/eval-drift.md, "Devices").
 
 >>> device = resolve_device("cuda:0")     # QStreamError, one line, when there is no such GPU
 >>> with exact_math():
@@ -22,13 +18,11 @@ import torch
 
 from qstream.errors import QStreamError
 
-DEVICE_CHOICES = "cpu, cuda or cuda:N"
-
 
 def resolve_device(text: str) -> torch.device:
     """``--device`` -> a torch device that exists here; one-line QStreamError otherwise."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
-        raise QStreamError(f"--device {text!r}: expected {DEVICE_CHOICES}")
+        raise QStreamError(f"--device {text!r}: expected cpu, cuda or cuda:N")
     device = torch.device(text)
     if device.type == "cuda":
         if not torch.cuda.is_available():

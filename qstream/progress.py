@@ -1,14 +1,7 @@
-"""What a command shows on stderr while it works (docs/guarantees.md, "Shown"), so that no step
-of more than a moment is silent:
-
-* on a terminal, a rich bar or spinner from the first moment, naming the step; it disappears
-  when the step ends;
-* anywhere else (a pipe, a log file, CI), one plain line every LINE_EVERY seconds, the first
-  after LINE_EVERY, so that a short command prints nothing extra.
-
-eval-drift's progress (:class:`DriftProgress`) runs on the work it planned (the FLOP model,
-qstream/arch/dspark_mla/flops.py) and has one estimate of the time left, :class:`WorkEta`: the bar's
-``eta``, the plain lines and the one-off advice for a long run all read it.
+"""What a command shows on stderr while it works (docs/guarantees.md, "Shown"): on a terminal a
+rich bar or spinner naming the step from the first moment; elsewhere one plain line every
+LINE_EVERY seconds.  eval-drift's progress (:class:`DriftProgress`) runs on the work it planned
+and has one estimate of the time left, :class:`WorkEta`.
 
 >>> with step("drawing the figures"):
 ...     draw()
@@ -132,14 +125,10 @@ class Lines:
         self.console.print(Text(line), soft_wrap=True)
 
 
-def stderr_console() -> Console:
-    return Console(stderr=True)
-
-
 @contextmanager
 def step(what: str, console: Console | None = None) -> Iterator[None]:
     """A spinner naming ``what`` while the block runs (plain lines off a terminal)."""
-    console = console or stderr_console()
+    console = console or Console(stderr=True)
     started = time.monotonic()
     if not console.is_terminal:
         with Lines(console, lambda: f"{what}: {clock_text(time.monotonic() - started)} elapsed"):
@@ -175,7 +164,7 @@ class _Count:
 def counter(what: str, unit: str, console: Console | None = None) -> Iterator[Callable[..., None]]:
     """``report(done, total)`` of ``unit`` ("bytes" shows sizes) on a bar with rich's ETA, or
     as plain lines off a terminal; ``report(done, total, what)`` also renames the step."""
-    console = console or stderr_console()
+    console = console or Console(stderr=True)
     count = _Count(what, unit)
     if not console.is_terminal:
         with Lines(console, count.line):
@@ -274,7 +263,7 @@ def drift_progress(
     """eval-drift's progress on ``console`` (default stderr): a bar on a terminal, shown from
     the first moment (the draft and corpus load before the work is planned) and running on the
     planned work once there is a plan, the blocks beside it; plain lines elsewhere."""
-    console = console or stderr_console()
+    console = console or Console(stderr=True)
     if not console.is_terminal:
         lines = Lines(console, lambda: progress.line())
         progress = DriftProgress(lines.say, clock)

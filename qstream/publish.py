@@ -1,18 +1,9 @@
-"""Publishing an output directory safely (docs/guarantees.md).
-
-Every command that writes a directory (``quantize``, ``synth``) builds it in a hidden temporary
-directory beside the target, ``.<name>.qstream-partial-<pid>``, and publishes it at the end with
-one rename, so the output appears complete or not at all:
-
-- **Exclusive.** Without ``overwrite`` the target must not exist (an empty directory counts as
-  absent); if another run creates it meanwhile, this run ends with one line, leaving the
-  other's output.
-- **Overwrite replaces only what qstream wrote**: a directory holding one of qstream's record
-  files (``qstream_quantize.json``, ``qstream_synth.json``).  Anything else is refused, naming
-  what is there.  The old directory is moved aside and removed only once the new one is in place.
-- **No litter.** An error, Ctrl-C, SIGTERM or SIGHUP removes the temporary directory.  SIGKILL
-  cannot be caught: the next run that writes beside it removes temporary directories whose
-  process is gone, with a one-line notice.
+"""Publishing an output directory safely (docs/guarantees.md, "Output directories"): a command
+that writes a directory (``quantize``, ``synth``) builds it in ``.<name>.qstream-partial-<pid>``
+beside the target and publishes it with one rename; without ``overwrite`` the target must not
+exist, with it only a directory holding one of qstream's record files is replaced; an error or
+a signal removes the temporary directory, and a later run removes those of dead processes.
+Also :func:`write_atomic` for single files.
 """
 
 from __future__ import annotations
@@ -54,9 +45,9 @@ def check_target(output: Path, overwrite: bool, option: str) -> None:
     check_parent(output, option, "parent directory")
 
 
-def check_parent(output: Path, option: str, what: str = "directory") -> None:
-    """Refuse ``output`` whose parent is missing or not a writable directory."""
-    parent = output.parent
+def check_parent(output: str | Path, option: str, what: str = "directory") -> None:
+    """Refuse ``output`` (named as given) whose parent is missing or not a writable directory."""
+    parent = Path(output).parent
     if not parent.is_dir():
         raise QStreamError(f"{option} {output}: {what} {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):

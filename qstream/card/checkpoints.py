@@ -184,6 +184,7 @@ def _reconstruct_command(
     """An equivalent ``qstream-quantize`` command, checked against the base when there is one:
     the selection rules applied to the base's tensors must give exactly the quantized set."""
     patterns = _include_patterns(quantized)
+    origin = f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint)"
     base_dir = str(base.path) if base is not None else "BASE_DIR"
     args = [
         "qstream-quantize",
@@ -199,8 +200,7 @@ def _reconstruct_command(
     if base is None:
         return (
             shlex.join(args),
-            f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
-            "checkpoint) and not checked: no `--base` was given.",
+            f"{origin} and not checked: no `--base` was given.",
         )
     base_checkpoint = open_checkpoint(base.path)
     profile = profile_for(base_checkpoint.config)
@@ -218,15 +218,13 @@ def _reconstruct_command(
         if sorted(selection.quantized) == sorted(quantized):
             return (
                 shlex.join(args + (["--skip-incompatible"] if skip else [])),
-                f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint): an "
-                "equivalent command, checked to select exactly the quantized modules from "
-                "the base; not necessarily the command that was typed.",
+                f"{origin}: an equivalent command, checked to select exactly the quantized "
+                "modules from the base; not necessarily the command that was typed.",
             )
     args = args[: args.index("--include_layers") + 1] + quantized
     return (
         shlex.join(args),
-        f"Reconstructed from `config.json` (no `{PROVENANCE}` in the "
-        "checkpoint) as the explicit list of quantized modules.",
+        f"{origin} as the explicit list of quantized modules.",
     )
 
 

@@ -109,23 +109,23 @@ def _position_lines(ax, rs: ResultsSet, regime: str, mode: str, quantity: str, h
         m = metrics(rs, regime, variant)
         if m is None or mode not in m["rollouts"]:
             continue
-        per_k = m["rollouts"][mode][quantity]
-        style = _style(i)
-        (line,) = ax.plot(
-            positions,
-            [e["value"] for e in per_k],
-            label=variant,
-            markersize=4,
-            linewidth=1.5,
-            **style,
-        )
-        lo = [e["lo"] if e["lo"] is not None else e["value"] for e in per_k]
-        hi = [e["hi"] if e["hi"] is not None else e["value"] for e in per_k]
-        band = ax.fill_between(positions, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
-        band.set_gid(variant)
+        line, lo = _line_with_band(ax, positions, m["rollouts"][mode][quantity], variant, i)
         handles.setdefault(variant, line)
         lowest = min(lowest, *lo)
     return lowest
+
+
+def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int):
+    """The values of ``estimates`` as the ``i``-th variant's line, their 95% intervals as a band
+    (a missing bound: the value) whose gid is ``variant``; returns the line and the lower bounds."""
+    style = _style(i)
+    values = [e["value"] for e in estimates]
+    (line,) = ax.plot(xs, values, label=variant, markersize=4, linewidth=1.5, **style)
+    lo = [e["lo"] if e["lo"] is not None else e["value"] for e in estimates]
+    hi = [e["hi"] if e["hi"] is not None else e["value"] for e in estimates]
+    band = ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+    band.set_gid(variant)
+    return line, lo
 
 
 def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
@@ -298,18 +298,7 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
                 b["variants"][variant]["metrics"]["rollouts"]["greedy"]["ceiling"]
                 for b in sweep["buckets"]
             ]
-            style = _style(i)
-            (line,) = ax.plot(
-                xs, [e["value"] for e in est], label=variant, markersize=4, linewidth=1.5, **style
-            )
-            ax.fill_between(
-                xs,
-                [e["lo"] if e["lo"] is not None else e["value"] for e in est],
-                [e["hi"] if e["hi"] is not None else e["value"] for e in est],
-                color=style["color"],
-                alpha=0.15,
-                linewidth=0,
-            )
+            line, _ = _line_with_band(ax, xs, est, variant, i)
             handles.setdefault(variant, line)
         ax.axvline(sweep["yarn_boundary"], color="#555555", linestyle=":", linewidth=1.2)
         ax.set_xscale("log", base=2)
@@ -323,25 +312,16 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
     return fig
 
 
-FIGURES = {
-    "seq_agree.png": seq_agree_figure,
-    "ceiling.png": ceiling_figure,
-    "kl.png": kl_figure,
-}
-# Drawn only when the results hold the data: name -> (figure, regimes that have it)
-OPTIONAL_FIGURES = {
-    "context.png": (context_figure, sweep_regimes),
-}
-
-
 def write_figures(rs: ResultsSet, directory: Path) -> list[Path]:
+    """Each figure the results hold the data for, drawn into ``directory``; their paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, draw in FIGURES.items():
+    figures = {
+        "seq_agree.png": seq_agree_figure,
+        "ceiling.png": ceiling_figure,
+        "kl.png": kl_figure,
+    }
+    if sweep_regimes(rs):
+        figures["context.png"] = context_figure
+    for name, draw in figures.items():
         draw(rs, directory / name)
-        written.append(directory / name)
-    for name, (draw, present) in OPTIONAL_FIGURES.items():
-        if present(rs):
-            draw(rs, directory / name)
-            written.append(directory / name)
-    return written
+    return [directory / name for name in figures]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
-from qstream.card.tables import REGIME_DESCRIPTIONS, label, per_regime, regime_order
+from qstream.card.tables import REGIME_DESCRIPTIONS, per_regime, regime_order
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, rollout_label, verifier_label
 
 
@@ -120,7 +120,7 @@ def evaluation_table(rs: ResultsSet) -> Table:
     return Table(
         "How the numbers were measured (from the results JSON)",
         ["", "value"],
-        [[label(k), Cell(v)] for k, v in rows],
+        [[Cell(k), Cell(v)] for k, v in rows],
         key="evaluation",
         align="ll",
     )

@@ -1,16 +1,7 @@
-"""Writing a card safely (docs/guarantees.md): the card and its figures appear complete or not at
-all, and only what ``qstream card`` wrote is replaced without asking.
-
-- **Marked.** Every generated card carries :data:`MARKER` (an HTML comment in markdown and HTML,
-  the ``generated_by`` key in JSON).  An existing file without it is refused unless
-  ``--overwrite``; a marked one is a previous card and is replaced.
-- **Figures** go to ``<stem>_files/``.  An existing directory there is replaced only if it holds
-  nothing but the figures a card draws; anything else is refused, even with ``--overwrite``.
-- **Atomic.** Everything is built in ``.<card name>.qstream-partial-<pid>/`` beside the card, then
-  published by renames (figures first, the card last); on any error the figures directory that
-  was there before is put back and the temporary directory removed.  A run killed outright
-  leaves that directory, which the next run writing the same card removes
-  (:func:`qstream.publish.remove_stale_partials`).
+"""Writing a card safely (docs/guarantees.md, "Atomic" and "Refused"): the card and its
+``<stem>_files/`` figures are built in ``.<card name>.qstream-partial-<pid>/`` and published by
+renames, figures first, or not at all.  An existing card file without :data:`MARKER` needs
+``--overwrite``; a figures directory holding anything but the figures a card draws is refused.
 """
 
 from __future__ import annotations

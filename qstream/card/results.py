@@ -146,11 +146,10 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
 
 
 def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
-    """One results set from (results, where they came from) pairs, e.g. a run held in memory:
-    ``collect_results([(evaluate_drift(...), "(this run)")])``."""
+    """One results set from (results, where they came from) pairs, each checked already: read by
+    :func:`read_results`, or a run held in memory, ``[(evaluate_drift(...), "(this run)")]``."""
     merged: ResultsSet | None = None
     for data, source in results:
-        check_results(data, source)
         if merged is None:
             merged = ResultsSet(model=data["model"])
         _check_same_model(merged, data, source)

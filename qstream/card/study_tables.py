@@ -9,7 +9,6 @@ from qstream.card.results import ResultsSet
 from qstream.card.tables import (
     DIGITS,
     estimate,
-    label,
     per_regime,
     regime_order,
     sci,
@@ -32,7 +31,7 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
     alone = {e["kind"]: e for e in sens["single"]}
     rows = [
         [
-            label("(nothing: bf16 floor)"),
+            Cell("(nothing: bf16 floor)"),
             Cell(""),
             estimate(sens["floor"]["ceiling"], d),
             Cell("(floor)"),
@@ -45,7 +44,7 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
         single = alone[e["add"]]
         rows.append(
             [
-                label(e["add"]),
+                Cell(e["add"]),
                 Cell(f"{single['ceiling_gap']:+.{d}f}", single["ceiling_gap"]),
                 estimate(e["ceiling"], d),
                 Cell(f"{e['ceiling_gap']:+.{d}f}", e["ceiling_gap"]),
@@ -82,8 +81,8 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
     for b in sweep["buckets"]:
         rows.append(
             [
-                label(f"[{b['lo']}, {b['hi']})"),
-                label(b["side"]),
+                Cell(f"[{b['lo']}, {b['hi']})"),
+                Cell(b["side"]),
                 Cell(
                     f"{b['anchors']['context_length_mean']:.1f}",
                     b["anchors"]["context_length_mean"],
@@ -180,9 +179,9 @@ def _acceptance_rows(
                 acc = res.get("acceptance", {}).get(verifier)
                 rows.append(
                     [
-                        label(ACCEPTANCE_MODES[mode].label),
+                        Cell(ACCEPTANCE_MODES[mode].label),
                         Cell(regime),
-                        label(variant_label(rs, variant)),
+                        Cell(variant_label(rs, variant)),
                         *cells(acc, mode),
                     ]
                 )

@@ -44,15 +44,16 @@ def sci(x: float | None) -> Cell:
 
 def estimate(e: dict | None, digits: int) -> Cell:
     """``value [lo, hi]`` of an eval-drift Estimate; a missing bound (one block) shows the value."""
-    if e is None or e.get("value") is None:
+    return Cell("n/a", e) if e is None else _interval(e, f".{digits}f")
+
+
+def _interval(e: dict, spec: str) -> Cell:
+    """:func:`estimate` of a present estimate, each number written with format ``spec``."""
+    if e.get("value") is None:
         return Cell("n/a", e)
     if e.get("lo") is None or e.get("hi") is None:
-        return Cell(f"{e['value']:.{digits}f}", e)
-    return Cell(f"{e['value']:.{digits}f} [{e['lo']:.{digits}f}, {e['hi']:.{digits}f}]", e)
-
-
-def label(text: str) -> Cell:
-    return Cell(text)
+        return Cell(f"{e['value']:{spec}}", e)
+    return Cell(f"{e['value']:{spec}} [{e['lo']:{spec}}, {e['hi']:{spec}}]", e)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def agreement_table(rs: ResultsSet, regime: str) -> Table:
                     (f"prefix agree (tokens 1..k), {name}", m["rollouts"][mode]["prefix_agree"])
                 )
         for name, per_k in measures:
-            rows.append([label(variant), label(name), *(fixed(e["value"], d) for e in per_k)])
+            rows.append([Cell(variant), Cell(name), *(fixed(e["value"], d) for e in per_k)])
     return Table(
         f"Regime {regime}: agreement with the FP32 reference by drafted position k, each a share "
         "of all blocks (point estimates; the card's seq_agree.png draws the rollouts' 95% "
@@ -155,7 +156,7 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
         columns += [f"{regime} [95% CI]", f"{regime} gap to bf16"]
     rows = []
     for variant in variant_order(rs):
-        row = [label(variant_label(rs, variant))]
+        row = [Cell(variant_label(rs, variant))]
         for regime in regimes:
             prefix = _prefix(metrics(rs, regime, variant), mode)
             if prefix is None:
@@ -201,7 +202,7 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
     """Every headline metric of one regime, one column per variant."""
     variants = [v for v in variant_order(rs) if metrics(rs, regime, v) is not None]
     rows = [
-        [label(name), *(cell_of(rs.regimes[regime][v]) for v in variants)]
+        [Cell(name), *(cell_of(rs.regimes[regime][v]) for v in variants)]
         for name, cell_of in _agreement_rows(rs, regime) + _divergence_rows()
     ]
     return Table(
@@ -238,9 +239,10 @@ def _divergence_rows() -> list[tuple[str, RowOf]]:
     """KL both ways, the confidence head's metrics and the weight SNR."""
     p, snr = DIGITS["proportion"], DIGITS["snr"]
     return [
-        ("KL(ref‖var) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["kl"])),
+        ("KL(ref‖var) mean [95% CI]", lambda r: _interval(r["metrics"]["kl"]["mean"], ".2e")),
         ("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"])),
-        ("reverse KL(var‖ref) mean [95% CI]", lambda r: _kl_mean(r["metrics"]["reverse_kl"])),
+        ("reverse KL(var‖ref) mean [95% CI]",
+         lambda r: _interval(r["metrics"]["reverse_kl"]["mean"], ".2e")),
         ("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"])),
         (f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
          lambda r: estimate(r["metrics"]["confidence_r"], p)),
@@ -258,15 +260,6 @@ def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
     if rollout is None:
         return Cell("n/a")
     return estimate(rollout[what][-1] if what == "prefix_agree" else rollout[what], digits)
-
-
-def _kl_mean(kl: dict) -> Cell:
-    e = kl["mean"]
-    if e.get("value") is None:
-        return Cell("n/a", e)
-    if e.get("lo") is None or e.get("hi") is None:
-        return Cell(f"{e['value']:.2e}", e)
-    return Cell(f"{e['value']:.2e} [{e['lo']:.2e}, {e['hi']:.2e}]", e)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,14 +1,8 @@
 """The tables ``qstream eval-drift`` prints: the card's own table objects (qstream/card/tables.py)
-built from the run's results in memory, laid out for a terminal instead of markdown
-(docs/guarantees.md, "Shown").  Every table fits the console's width, at most MAX_WIDTH, and is
-never split or cut:
-
-* variants are named by their bare name; when the quantized sets differ, one note says how many
-  tensors each quantizes (the card's column headers say it in each table);
-* a table with one column per variant (every metric of a regime, the context sweep) that would
-  wrap its labels becomes one row per variant: ``metric | variant | value``;
-* the agreement table is grouped by measure, so that its long labels wrap beside the variants;
-* a leading label shows once per run of rows and wraps down them (qstream/tablefit.py).
+built from the run's results in memory, laid out to fit a terminal of at most MAX_WIDTH columns,
+never split or cut (docs/guarantees.md, "Shown"): variants by their bare name, a table too wide
+for one column per variant turned into one row per variant, the agreement table grouped by
+measure, a leading label shown once per run of rows (qstream/tablefit.py).
 
 >>> print_report(make_console(), evaluate_drift(model_dir, settings, corpus))
 """

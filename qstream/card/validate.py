@@ -1,16 +1,7 @@
-"""Refuse a results file whose numbers cannot be published as they stand.
-
-A card prints what the results say; a number no measurement can produce must stop the card
-rather than appear in it (``nan [0.981, 0.987]``, an agreement of 1.7).  Three checks, over every
-number of the file (docs/card.md, "Inputs"):
-
-* every number is finite: eval-drift writes an undefined value (an r of a constant side, an
-  interval from one block) as null, never as NaN or an infinity (``qstream.eval.estimates``);
-* a proportion and its interval lie in [0, 1], a correlation's in [-1, 1] (``BOUNDED``);
-* a point estimate lies inside its own 95% interval (every ``{value, lo, hi, n}``).
-
-Quantities that are not shares are left unbounded: KL, tokens per step, matched prefixes and
-ceilings (lengths), weight SNR, gaps and losses against bf16 (differences, of either sign).
+"""Refuse a results file whose numbers cannot be published as they stand (docs/card.md,
+"Inputs"): a number that is not finite, a share or correlation outside its range
+(``BOUNDED``), or a point estimate outside its own 95% interval.  Quantities that are not
+shares (KL, lengths, SNR, differences against bf16) are left unbounded.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ import click
 from qstream.clichoices import CAPTURE_DTYPES, CAPTURE_EXPORTS, LAYER_CONVENTIONS
 from qstream.cliutil import (
     Command,
+    count_option,
     device_option,
+    flag_option,
     json_option,
     list_option,
     option,
@@ -71,48 +73,15 @@ if TYPE_CHECKING:
     default=None,
     help="Spread the target over the available devices (accelerate).",
 )
-@option(
-    "max_tokens",
-    type=click.IntRange(min=1),
-    default=512,
-    show_default=True,
-    help="Corpus tokens per stream (the prompt, with --generate).",
-)
-@option(
-    "streams",
-    type=click.IntRange(min=1),
-    default=None,
-    help="How many streams. Default: every document long enough.",
-)
-@option(
-    "batch_size",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Streams per forward, grouped by length.",
-)
-@option(
-    "generate",
-    is_flag=True,
-    help="Continue each prompt with the target's own samples (exact acceptance).",
-)
-@option(
-    "new_tokens",
-    type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="With --generate: tokens sampled per stream.",
-)
+@count_option("max_tokens", 512, "Corpus tokens per stream (the prompt, with --generate).")
+@count_option("streams", None, "How many streams. Default: every document long enough.")
+@count_option("batch_size", 8, "Streams per forward, grouped by length.")
+@flag_option("generate", "Continue each prompt with the target's own samples (exact acceptance).")
+@count_option("new_tokens", 256, "With --generate: tokens sampled per stream.")
 @sampling_option("temperature", "With --generate: the evaluation's temperature.")
 @sampling_option("top_p", "With --generate: the evaluation's (verifier's) top-p.")
 @sampling_option("top_k", "With --generate: the evaluation's top-k.")
-@option(
-    "seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="With --generate: same seed, same streams.",
-)
+@count_option("seed", 0, "With --generate: same seed, same streams.", minimum=0)
 @option(
     "export",
     type=click.Choice(CAPTURE_EXPORTS),
@@ -120,7 +89,7 @@ if TYPE_CHECKING:
     show_default=True,
     help="qstream's layout or vLLM's / speculators' (hs_{i}.safetensors).",
 )
-@option("trust_remote_code", is_flag=True, help="Allow the checkpoint's own model code to run.")
+@flag_option("trust_remote_code", "Allow the checkpoint's own model code to run.")
 @json_option()
 def capture(json_path: str | None, **o: Any) -> None:
     """Capture a Hugging Face target's hidden states for eval-drift --states: one file per
@@ -149,26 +118,14 @@ def capture(json_path: str | None, **o: Any) -> None:
 
 
 def _settings(o: dict[str, Any]) -> CaptureSettings:
+    """The parsed options as the library's settings; most options are its fields by name."""
+    from dataclasses import fields
+
     from qstream.capture.run import CaptureSettings
     from qstream.capture.streams import Sampling
 
     sampling = None
     if o["generate"]:
         sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])
-    return CaptureSettings(
-        target=o["target"],
-        model=o["model"],
-        output=o["output"],
-        corpus=o["corpus"],
-        layers=tuple(o["layers"]) or None,
-        layer_convention=o["layer_convention"],
-        dtype=o["dtype"],
-        device=o["device"],
-        device_map=o["device_map"],
-        max_tokens=o["max_tokens"],
-        streams=o["streams"],
-        batch_size=o["batch_size"],
-        sampling=sampling,
-        export=o["export"],
-        trust_remote_code=o["trust_remote_code"],
-    )
+    same = {f.name: o[f.name] for f in fields(CaptureSettings) if f.name in o}
+    return CaptureSettings(**{**same, "layers": tuple(o["layers"]) or None, "sampling": sampling})

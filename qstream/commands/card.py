@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from qstream.clichoices import CARD_FORMATS, REGIMES
-from qstream.cliutil import Command, option
+from qstream.cliutil import Command, flag_option, option
 from qstream.progress import step
 
 
@@ -19,10 +19,9 @@ from qstream.progress import step
     metavar="DIR",
     help="A quantized checkpoint the card describes; repeatable (one per format).",
 )
-@option(
+@flag_option(
     "no_integrity_check",
-    is_flag=True,
-    help="Describe a --checkpoint without checking its files against the sha256s its "
+    "Describe a --checkpoint without checking its files against the sha256s its "
     "qstream_quantize.json records; the card says it was not checked.",
 )
 @option("base", metavar="DIR", help="The unquantized checkpoint the others were made from.")
@@ -46,11 +45,10 @@ from qstream.progress import step
     default=None,
     help="Regime of the full metric table (default: heavy, the pessimistic one).",
 )
-@option("no_figures", is_flag=True, help="Tables only: draw and reference no figures.")
-@option(
+@flag_option("no_figures", "Tables only: draw and reference no figures.")
+@flag_option(
     "overwrite",
-    is_flag=True,
-    help="Replace an existing --output file that is not a card qstream wrote (a card it "
+    "Replace an existing --output file that is not a card qstream wrote (a card it "
     "wrote is replaced without asking).",
 )
 def card(

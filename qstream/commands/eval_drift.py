@@ -24,7 +24,9 @@ from qstream.clitypes import CommaChoice, Integers, NameIsDir
 from qstream.cliutil import (
     Command,
     FiniteRange,
+    count_option,
     device_option,
+    flag_option,
     json_option,
     list_option,
     make_console,
@@ -76,16 +78,14 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
     "from --model (its unquantized tensors bit-identical).",
 )
-@option(
+@flag_option(
     "allow_foreign_variant",
-    is_flag=True,
-    help="Compare a --variant that is not derived from --model anyway; it is labelled "
+    "Compare a --variant that is not derived from --model anyway; it is labelled "
     "foreign in the JSON and the card.",
 )
-@option(
+@flag_option(
     "no_integrity_check",
-    is_flag=True,
-    help="Evaluate a --variant without checking its files against the sha256s its "
+    "Evaluate a --variant without checking its files against the sha256s its "
     "qstream_quantize.json records; the results say it was not checked.",
 )
 @option(
@@ -94,15 +94,12 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     default=None,
     help="Aux regime. Default: heavy, or none when --states is given.",
 )
-@option(
-    "blocks", type=click.IntRange(min=1), default=1024, show_default=True, help="Blocks per regime."
-)
-@option(
+@count_option("blocks", 1024, "Blocks per regime.")
+@count_option(
     "seed",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Seed of the block positions, aux states and sampling noise (same seed, same JSON).",
+    0,
+    "Seed of the block positions, aux states and sampling noise (same seed, same JSON).",
+    minimum=0,
 )
 @list_option(
     "include_layers",
@@ -123,19 +120,16 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     show_default=True,
     help="A top-p on the drafter, for engines that cut it (vLLM does not).",
 )
-@option(
+@flag_option(
     "acceptance",
-    is_flag=True,
-    help="Also verify each variant's drafts with the FP32 reference, in every mode vLLM "
+    "Also verify each variant's drafts with the FP32 reference, in every mode vLLM "
     "serves: greedy draft (vLLM's default) and probabilistic draft under token-wise and block "
     "verification, a greedy verifier, and adaptive verification (docs/acceptance.md).",
 )
-@option(
+@count_option(
     "adaptive_requests",
-    type=click.IntRange(min=1),
-    default=8,
-    show_default=True,
-    help="Adaptive verification: blocks verified together as one batch's requests, whose "
+    8,
+    "Adaptive verification: blocks verified together as one batch's requests, whose "
     "drafts compete for the budget.",
 )
 @option(
@@ -176,10 +170,9 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     help="Comma-separated layer ids the states were captured at (e.g. vLLM's "
     "eagle_aux_hidden_state_layer_ids), checked against the draft's target_layer_ids.",
 )
-@option(
+@flag_option(
     "sensitivity",
-    is_flag=True,
-    help="Quantize one module kind at a time, then cumulatively (least harmful first), and "
+    "Quantize one module kind at a time, then cumulatively (least harmful first), and "
     "suggest the largest --include_layers list within --tolerance (docs/sensitivity.md).",
 )
 @option(
@@ -205,13 +198,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     help="Also sweep context length: comma-separated bucket edges in tokens; bare: "
     "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).",
 )
-@option(
-    "context_blocks",
-    type=click.IntRange(min=1),
-    default=256,
-    show_default=True,
-    help="Blocks per context-length bucket.",
-)
+@count_option("context_blocks", 256, "Blocks per context-length bucket.")
 @device_option(
     "Where the models compute. The FP32 reference stays FP32 on a GPU (TF32 off); "
     "metrics and verifiers run on the CPU."
@@ -225,10 +212,9 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     "N x block x vocab x 4 bytes, twice with --acceptance); default: the system's temporary "
     "directory. Does not change results.",
 )
-@option(
+@flag_option(
     "wide",
-    is_flag=True,
-    help="Print each table at its natural width, however wide (default: tables fit the "
+    "Print each table at its natural width, however wide (default: tables fit the "
     "terminal, at most 100 columns: labels wrap, and a regime's metrics are one row per "
     "variant when the variants do not fit side by side).",
 )

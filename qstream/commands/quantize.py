@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -15,6 +13,8 @@ from qstream.clichoices import WEIGHT_FORMATS
 from qstream.clitypes import Choice
 from qstream.cliutil import (
     Command,
+    count_option,
+    flag_option,
     json_option,
     list_option,
     make_console,
@@ -52,32 +52,23 @@ if TYPE_CHECKING:
     metavar="{cpu,cuda}",
     help="Where tensors are quantized; the bytes written are the same on either.",
 )
-@option(
-    "workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Pieces quantized in parallel (default: the CPUs available).",
+@count_option("workers", None, "Pieces quantized in parallel (default: the CPUs available).")
+@flag_option("dry_run", "Print the plan and sizes; write nothing.")
+@flag_option("overwrite", "Replace an existing output directory.")
+@flag_option(
+    "skip_incompatible", "Leave weights whose K is not a multiple of the block size unquantized."
 )
-@option("dry_run", is_flag=True, help="Print the plan and sizes; write nothing.")
-@option("overwrite", is_flag=True, help="Replace an existing output directory.")
-@option(
-    "skip_incompatible",
-    is_flag=True,
-    help="Leave weights whose K is not a multiple of the block size unquantized.",
-)
-@option(
+@count_option(
     "tensor_parallel_size",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    metavar="N",
-    help="The tensor-parallel size vLLM will serve a K3 DSpark draft at "
+    1,
+    "The tensor-parallel size vLLM will serve a K3 DSpark draft at "
     "(draft_tensor_parallel_size). vLLM 0.32.0 builds the same modules quantized at "
     "every N; an N it cannot build the draft at (heads, split sizes) is refused, and in "
     "FP4 the shape rule applies to each o_proj/down_proj shard. No effect on other "
     "architectures.",
+    metavar="N",
 )
-@option("no_snr", is_flag=True, help="Skip the weight SNR (a little faster).")
+@flag_option("no_snr", "Skip the weight SNR (a little faster).")
 @json_option()
 def quantize(json_path: str | None, **o: Any) -> None:
     """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
@@ -93,7 +84,7 @@ def quantize(json_path: str | None, **o: Any) -> None:
     # here, not above: --help loads no torch
     from qstream.quant import quantize_checkpoint
 
-    with _progress_bar() as bar:
+    with counter("quantizing", "bytes") as report:  # bytes on the bar, tensors in its name
         summary = quantize_checkpoint(
             o["model_dir"],
             o["output_dir"],
@@ -105,7 +96,9 @@ def quantize(json_path: str | None, **o: Any) -> None:
             dry_run=o["dry_run"],
             overwrite=o["overwrite"],
             skip_incompatible=o["skip_incompatible"],
-            progress=bar,
+            progress=lambda done, total, tensors, of: report(
+                done, total, f"tensors {tensors}/{of}"
+            ),
             snr=not o["no_snr"],
             tensor_parallel_size=o["tensor_parallel_size"],
         )
@@ -117,14 +110,6 @@ def quantize(json_path: str | None, **o: Any) -> None:
             console.print(plan_table(summary))
         console.print(summary_table(summary))
     write_json(summary.to_json(), json_path)
-
-
-@contextmanager
-def _progress_bar() -> Iterator[Callable[[int, int, int, int], None]]:
-    """Bytes and tensors quantized, on a bar on a terminal, in plain lines elsewhere
-    (qstream/progress.py)."""
-    with counter("quantizing", "bytes") as report:
-        yield lambda done, total, tensors, of: report(done, total, f"tensors {tensors}/{of}")
 
 
 def plan_table(summary: QuantizeSummary) -> Table:

