@@ -55,10 +55,9 @@ from qstream.card.tables import (
     variant_order,
 )
 from qstream.errors import QStreamError
-from qstream.eval.aux_sources import REGIMES
+from qstream.eval.aux_sources import DEFAULT_REGIME, REGIMES
 from qstream.eval.vocabulary import FLOOR, ROLLOUT_MODES, VARIANT_FORMATS
 
-DEFAULT_REGIME = "heavy"  # the pessimistic regime (massive activation channels)
 FORMATS = ("md", "json", "html")
 
 

@@ -25,6 +25,7 @@ from qstream.arch.interface import DraftConfig
 from qstream.errors import QStreamError
 
 REGIMES = ("gauss", "heavy", "boot")
+DEFAULT_REGIME = "heavy"  # the pessimistic one (massive activation channels)
 HEAVY_SIGMA = 1.5  # log-scale spread of per-channel magnitudes in the heavy regime
 _REGIME_SALT = {"gauss": 101, "heavy": 202, "boot": 303}
 

@@ -17,7 +17,7 @@ from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import load_config
 from qstream.device import resolve_device
 from qstream.errors import QStreamError
-from qstream.eval.aux_sources import REGIMES
+from qstream.eval.aux_sources import DEFAULT_REGIME, REGIMES
 from qstream.eval.builtin import (
     BUILTIN_CORPUS_NAME,
     builtin_corpus_docs,
@@ -29,7 +29,6 @@ from qstream.eval.drift import evaluate_drift
 from qstream.eval.settings import DriftSettings, Progress
 
 ALL_REGIMES = "all"  # --regime all: every aux regime
-DEFAULT_REGIME = "heavy"  # the pessimistic one (massive activation channels)
 DEFAULT_EDGES = "default"  # --context-lengths given bare
 
 
