@@ -56,7 +56,7 @@ class YarnParameters:
         return {"rope_type": "yarn", **asdict(self)}
 
 
-# config.json fields that must be positive integers (docs/model.md, "Architecture").
+# config.json fields that must be positive integers (docs/model.md, "The DSpark-MLA draft").
 POSITIVE_INT_FIELDS = (
     "hidden_size intermediate_size num_hidden_layers num_attention_heads q_lora_rank kv_lora_rank "
     "qk_nope_head_dim v_head_dim vocab_size target_hidden_size target_num_hidden_layers "
