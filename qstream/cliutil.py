@@ -36,11 +36,12 @@ class ListOption(click.Option):
     quantization recipes are written this way.  :class:`Command` gives it that reading."""
 
 
-def _one_value_per_flag(args: list[str], lists: dict[str, str]) -> list[str]:
+def _one_value_per_flag(args: list[str], lists: dict[str, str], valued: set[str]) -> list[str]:
     """``args`` with each list option (``lists``: its spellings -> the one to repeat) written
     once per value: ``--include_layers a b`` -> ``--include_layers a --include_layers b``.  The
     value right after the flag is its own whatever it looks like (click takes it so); more
-    follow up to the next argument that starts with ``-`` (an option, or ``--``)."""
+    follow up to the next argument that starts with ``-`` (an option, or ``--``).  The value of
+    any other option taking one (``valued``) is passed over as click will read it."""
     out: list[str] = []
     rest = list(args)
     while rest:
@@ -49,6 +50,8 @@ def _one_value_per_flag(args: list[str], lists: dict[str, str]) -> list[str]:
         if arg == "--":
             return out + rest
         name, eq, _ = arg.partition("=")
+        if name in valued and not eq and rest:
+            out.append(rest.pop(0))
         if name not in lists:
             continue
         if not eq and rest:
@@ -67,7 +70,17 @@ class Command(_UserErrorsExit, click.Command):
             if isinstance(param, ListOption)
             for spelling in param.opts
         }
-        return super().parse_args(ctx, _one_value_per_flag(args, lists))
+        valued = {
+            spelling
+            for param in self.params
+            if isinstance(param, click.Option) and not isinstance(param, ListOption)
+            if not param.is_flag and not param.count
+            # an option whose value is optional (``is_flag=False, flag_value=...``) takes the
+            # next argument only when it is no option, as click reads it: left to the loop
+            if not isinstance(param.flag_value, str | int | float)
+            for spelling in param.opts
+        }
+        return super().parse_args(ctx, _one_value_per_flag(args, lists, valued))
 
 
 class Group(_UserErrorsExit, click.Group):

@@ -44,6 +44,10 @@ CASES = {
         ["--model_dir", "D", "a"],
         "D|()|()|()|('a',)",
     ),
+    "a list's name as another option's value is that value": (
+        ["--model_dir", "--include_layers", "a", "b"],
+        "--include_layers|()|()|()|('a', 'b')",
+    ),
 }
 
 
@@ -78,3 +82,16 @@ def test_the_commands_take_lists_as_the_readme_writes_them(tmp_path):
     )  # fmt: skip
     # parsed (the values are not taken for extra arguments): the library's one-line error
     assert result.exit_code == 1 and "not a directory" in result.stderr, result.output
+
+
+@click.command(cls=Command)
+@click.option("--edges", is_flag=False, flag_value="default")
+@list_option("include_layers")
+def optional_value(edges, include_layers):
+    click.echo(f"{edges}|{include_layers}")
+
+
+def test_an_option_whose_value_is_optional_leaves_a_list_to_itself():
+    result = CliRunner().invoke(optional_value, ["--edges", "--include_layers", "a", "b"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "default|('a', 'b')"
