@@ -64,31 +64,6 @@ def test_an_unknown_format_names_the_choices():
         get_format("int4")
 
 
-def format_name_switches(root: Path) -> list[str]:
-    """``file:line`` of each comparison with, or dict keyed by, a format's name in a module of
-    ``root`` outside ``formats/``."""
-    names = set(FORMATS)
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).parts[0] == "formats":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            consts = []
-            if isinstance(node, ast.Compare):
-                for side in [node.left, *node.comparators]:
-                    elts = side.elts if isinstance(side, (ast.Tuple, ast.Set, ast.List)) else [side]
-                    consts += [e.value for e in elts if isinstance(e, ast.Constant)]
-            elif isinstance(node, ast.Dict):
-                consts += [k.value for k in node.keys if isinstance(k, ast.Constant)]
-            if names & {c for c in consts if isinstance(c, str)}:
-                found.append(f"{path.relative_to(root)}:{node.lineno}")
-    return found
-
-
-def test_no_module_outside_formats_switches_on_a_format_name():
-    assert format_name_switches(PACKAGE) == []
-
-
 def registry_imports_inside_formats(root: Path) -> list[str]:
     """Modules of ``root/formats`` (the registry itself aside) that import the registry,
     ``qstream.formats``: an import circle."""
