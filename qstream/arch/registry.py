@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from qstream.arch.dspark_mla.architecture import ARCH as DSPARK_MLA
+from qstream.arch.dspark_qwen3.architecture import ARCH as DSPARK_QWEN3
 from qstream.arch.interface import Architecture, DraftConfig
 from qstream.errors import QStreamError
 
 # The first is the default: a config.json that names no known architecture is read as its.
-ARCHITECTURES: list[Architecture] = [DSPARK_MLA]
+ARCHITECTURES: list[Architecture] = [DSPARK_MLA, DSPARK_QWEN3]
 DEFAULT_ARCH: Architecture = DSPARK_MLA
 
 

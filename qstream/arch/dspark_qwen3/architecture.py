@@ -1,0 +1,96 @@
+"""The Qwen3-style DSpark draft behind the architecture interface (docs/model.md,
+"Architectures"; docs/qwen3-dspark.md): :data:`ARCH` is its descriptor.  The config, tensor
+table and FLOP model are pure Python; the model's modules, which need torch, are imported when
+first called."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qstream.arch.dspark_qwen3 import flops, tensors
+from qstream.arch.dspark_qwen3.config import (
+    ARCHITECTURE,
+    PRESETS,
+    SPECULATORS_TYPE,
+    Qwen3DSparkConfig,
+)
+from qstream.arch.dspark_qwen3.serving import SERVING
+from qstream.arch.interface import Blocks, Rollout
+
+if TYPE_CHECKING:
+    import torch
+
+# The module kinds a shipped draft quantizes: the backbone's Linear layers and the context
+# projection (docs/qwen3-dspark.md, "What is quantized").
+QUANTIZE_INCLUDE = (
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "fc",
+)
+
+
+class DSparkQwen3:
+    """The descriptor: every call the rest of the package makes of this architecture."""
+
+    config_type: type = Qwen3DSparkConfig
+    quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
+    presets: Mapping[str, Qwen3DSparkConfig] = PRESETS
+    serving: Mapping[str, Any] | None = SERVING
+
+    def recognises(self, data: Mapping[str, Any]) -> bool:
+        return ARCHITECTURE in (data.get("architectures") or []) or data.get(
+            "speculators_model_type"
+        ) in (SPECULATORS_TYPE, "dflash")
+
+    def parse_config(self, data: Mapping[str, Any]) -> Qwen3DSparkConfig:
+        return Qwen3DSparkConfig.from_json(dict(data))
+
+    tensor_shapes = staticmethod(tensors.tensor_shapes)
+    shape_hint = staticmethod(tensors.shape_hint)
+    context_flops = staticmethod(flops.context_flops)
+    drafted_flops = staticmethod(flops.drafted_flops)
+    causal_flops = staticmethod(flops.causal_flops)
+
+    def load_weights(
+        self, model_dir: str | Path, target: str | Path | None, config: Qwen3DSparkConfig
+    ) -> dict[str, torch.Tensor]:
+        from qstream.arch.dspark_qwen3.load import load_weights
+
+        return load_weights(model_dir, target, config)
+
+    def build(self, config: Qwen3DSparkConfig, weights, dtype: torch.dtype, device: Any = "cpu"):
+        from qstream.arch.dspark_qwen3.forward import Qwen3DSpark
+
+        return Qwen3DSpark(config, weights, dtype, device)
+
+    def host_head(self, model):
+        from qstream.arch.markov import host_head
+
+        return host_head(model)
+
+    def rollout(
+        self, model, blocks: Blocks, noise=None, temperature: float = 1.0, top_p: float = 1.0
+    ) -> Rollout:
+        from qstream.arch.markov import rollout
+
+        return rollout(model, blocks, noise, temperature, top_p)
+
+    def teacher_forced(self, head, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
+        from qstream.arch.markov import teacher_forced
+
+        return teacher_forced(head, blocks, tokens)
+
+    def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype):
+        from qstream.arch.dspark_qwen3.forward import CausalStream
+
+        return CausalStream(model, ids, dtype)
+
+
+ARCH = DSparkQwen3()

@@ -1,0 +1,361 @@
+"""The Qwen3-style DSpark draft's configuration (docs/qwen3-dspark.md): a frozen dataclass read
+from either layout people have (vLLM's dense ``Qwen3DSparkModel`` config.json, or speculators'
+saved ``speculators_model_type: "dspark"`` config) and written in vLLM's dense layout.
+
+>>> cfg = PRESETS["qwen3-tiny"]
+>>> Qwen3DSparkConfig.from_json(cfg.to_json()) == cfg
+True
+
+Two of config.json's keys are read differently in the two layouts, as vLLM 0.32.0 reads them
+(``update_dspark`` in vllm/transformers_utils/configs/speculators/algos.py):
+speculators' ``aux_hidden_state_layer_ids`` index the target's hidden-states tuple (0 is the
+embedding), so ``target_layer_ids`` = each id - 1; and ``sample_from_anchor`` defaults to false
+there, true in the dense layout (``DSparkSpeculator.__init__``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+ARCHITECTURE = "Qwen3DSparkModel"
+MODEL_TYPE = "qwen3"
+SPECULATORS_TYPE = "dspark"
+ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeParameters:
+    """``rope_parameters`` (transformers 5's layout; a legacy ``rope_theta`` + ``rope_scaling``
+    is read into it): neox-style RoPE, plain or YaRN-extended."""
+
+    rope_theta: float
+    rope_type: str = "default"
+    factor: float = 1.0  # YaRN: context extension factor
+    original_max_position_embeddings: int | None = None  # YaRN: the pre-extension length
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.rope_type in ROPE_TYPES, "rope_parameters.rope_type", self.rope_type,
+               f"must be one of {', '.join(ROPE_TYPES)} (other scalings are not implemented)")  # fmt: skip
+        _check(_number(self.rope_theta) and self.rope_theta > 1, "rope_parameters.rope_theta",
+               self.rope_theta, "must be a number above 1")  # fmt: skip
+        if self.rope_type == "yarn":
+            orig = self.original_max_position_embeddings
+            _check(_number(self.factor) and self.factor >= 1, "rope_parameters.factor",
+                   self.factor, "must be >= 1")  # fmt: skip
+            _check(_positive_int(orig), "rope_parameters.original_max_position_embeddings",
+                   orig, "must be a positive integer for yarn")  # fmt: skip
+            _check(self.beta_fast > self.beta_slow > 0, "rope_parameters.beta_fast",
+                   self.beta_fast, f"must exceed beta_slow ({self.beta_slow}) > 0")  # fmt: skip
+
+    @property
+    def mscale(self) -> float:
+        """YaRN's factor on cos and sin, ``0.1 ln(factor) + 1`` (1 without YaRN)."""
+        if self.rope_type != "yarn" or self.factor <= 1:
+            return 1.0
+        return 0.1 * math.log(self.factor) + 1.0
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_type == "yarn":
+            out.update(factor=self.factor, beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+            out["original_max_position_embeddings"] = self.original_max_position_embeddings
+        return out
+
+
+POSITIVE_INT_FIELDS = (
+    "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
+    "head_dim vocab_size draft_vocab_size max_position_embeddings target_hidden_size block_slots"
+).split()
+
+
+@dataclass(frozen=True)
+class Qwen3DSparkConfig:
+    """One Qwen3-style DSpark (or, with ``markov_rank`` 0, DFlash) draft.  Field names are
+    config.json's, except ``block_slots``: config.json's ``block_size``, the query slots of
+    one block (``block_size`` here is the tokens a block drafts, the interface's meaning)."""
+
+    hidden_size: int  # H
+    intermediate_size: int  # I, SwiGLU width
+    num_hidden_layers: int  # draft layers
+    num_attention_heads: int  # n query heads
+    num_key_value_heads: int  # GQA key/value heads (n is a multiple)
+    head_dim: int  # d, per head (q/k RMSNorm width)
+    vocab_size: int  # V: the target's vocabulary (embed_tokens, markov_w1)
+    draft_vocab_size: int  # the draft's output vocabulary (lm_head, markov_w2); < V with d2t
+    rms_norm_eps: float
+    rope_parameters: RopeParameters
+    max_position_embeddings: int
+    target_hidden_size: int  # width of each target hidden state fed as context
+    target_layer_ids: tuple[int, ...]  # target layer outputs concatenated as context (0-based)
+    mask_token_id: int  # embedded at block slots 1..
+    block_slots: int = 7  # config.json's block_size: query slots per block
+    sample_from_anchor: bool = True  # slot 0 drafts too (else the anchor is the bonus token)
+    markov_rank: int = 0  # r; 0: no Markov head (a DFlash draft)
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False  # vLLM's default (speculators': true)
+    attention_bias: bool = False
+    target_num_hidden_layers: int | None = None  # the target's depth, when the config says it
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in POSITIVE_INT_FIELDS:
+            _check(_positive_int(getattr(self, f)), _json_key(f), getattr(self, f),
+                   "must be a positive integer")  # fmt: skip
+        _check(_number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
+               self.rms_norm_eps, "must be positive")  # fmt: skip
+        n, kv = self.num_attention_heads, self.num_key_value_heads
+        _check(n % kv == 0, "num_key_value_heads", kv,
+               f"must divide num_attention_heads ({n})")  # fmt: skip
+        _check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
+        _check(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
+               self.draft_vocab_size, f"must not exceed vocab_size ({self.vocab_size})")  # fmt: skip
+        _check(0 <= self.mask_token_id < self.vocab_size if isinstance(self.mask_token_id, int)
+               else False, "mask_token_id", self.mask_token_id,
+               f"must be a token id in [0, {self.vocab_size})")  # fmt: skip
+        self._check_target_layers()
+        self._check_heads()
+
+    def _check_target_layers(self) -> None:
+        ids, n = self.target_layer_ids, self.target_num_hidden_layers
+        top = n if n is not None else math.inf
+        ok = len(ids) > 0 and all(_int(i) and 0 <= i < top for i in ids)
+        where = f"[0, {n})" if n is not None else ">= 0"
+        _check(ok, "target_layer_ids", list(ids), f"must be layer indices in {where}")
+        _check(len(set(ids)) == len(ids), "target_layer_ids", list(ids), "must not repeat")
+        if n is not None:
+            _check(_positive_int(n), "target_num_hidden_layers", n, "must be a positive integer")
+
+    def _check_heads(self) -> None:
+        r = self.markov_rank
+        _check(_int(r) and r >= 0, "markov_rank", r, "must be an integer >= 0 (0: no head)")
+        # vLLM 0.32.0's Qwen3DSparkModel builds only the vanilla DSparkMarkovHead
+        # (vllm/model_executor/models/qwen3_dspark.py); speculators' gated and rnn heads
+        # carry tensors it has no parameter for.
+        _check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
+               "must be 'vanilla': vLLM 0.32's Qwen3DSparkModel serves no other Markov head")  # fmt: skip
+        for f in ("enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor",
+                  "attention_bias"):  # fmt: skip
+            _check(isinstance(getattr(self, f), bool), f, getattr(self, f), "must be true or false")
+        _check(not (self.confidence_head_with_markov and self.enable_confidence_head and r == 0),
+               "confidence_head_with_markov", True, "needs a Markov head (markov_rank > 0)")  # fmt: skip
+        _check(self.block_size > 0, "block_size", self.block_slots,
+               "must leave a drafted slot after the bonus anchor (sample_from_anchor false)")  # fmt: skip
+
+    # The interface's view (qstream/arch/interface.py, DraftConfig).
+    @property
+    def block_size(self) -> int:
+        """Tokens one block drafts: every slot, or every slot after the bonus anchor."""
+        return self.block_slots - (0 if self.sample_from_anchor else 1)
+
+    @property
+    def first_slot(self) -> int:
+        """The block slot whose logits predict the token after the anchor."""
+        return 0 if self.sample_from_anchor else 1
+
+    @property
+    def num_target_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def aux_size(self) -> int:
+        """A: one position's context width (every selected target layer concatenated)."""
+        return self.num_target_layers * self.target_hidden_size
+
+    @property
+    def original_max_position_embeddings(self) -> int:
+        """The context length before YaRN extends it (max_position_embeddings without it)."""
+        orig = self.rope_parameters.original_max_position_embeddings
+        return orig if orig is not None else self.max_position_embeddings
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
+        return self.draft_vocab_size < self.vocab_size
+
+    @property
+    def has_markov_head(self) -> bool:
+        return self.markov_rank > 0
+
+    def to_json(self) -> dict[str, Any]:
+        """config.json in vLLM's dense layout (what ``Qwen3DSparkForCausalLM`` reads)."""
+        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "rope_parameters":
+                value = value.to_json()
+            elif f.name == "target_layer_ids":
+                value = list(value)
+            if value is not None:
+                out[_json_key(f.name)] = value
+        out["dflash_config"] = {"mask_token_id": self.mask_token_id}
+        out.update(hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16")
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Qwen3DSparkConfig:
+        """Build from config.json contents in either layout (module docstring); keys this model
+        does not use are ignored.  Raises ValueError naming a missing or bad key."""
+        if not isinstance(data, dict):
+            raise ValueError(f"config.json must hold an object, not {type(data).__name__}")
+        flat = _from_speculators(data) if "speculators_model_type" in data else _dense(data)
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            key = _json_key(f.name)
+            if key in flat and flat[key] is not None:
+                kwargs[f.name] = flat[key]
+            elif f.default is MISSING and f.name != "draft_vocab_size":
+                raise ValueError(f"config.json: missing key {key!r}")
+        kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
+        ids = kwargs["target_layer_ids"]
+        _check(isinstance(ids, list), "target_layer_ids", ids, "must be a list")
+        kwargs["target_layer_ids"] = tuple(ids)
+        kwargs["rope_parameters"] = _rope_from_json(flat)
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:  # e.g. a string where a number belongs
+            raise ValueError(f"config.json: {exc}") from None
+
+
+def _dense(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's dense layout: the keys are the dataclass's; the mask token and target layers may
+    sit in ``dflash_config`` instead (vLLM reads both places)."""
+    arch = data.get("architectures")
+    _check(arch is None or ARCHITECTURE in arch, "architectures", arch,
+           f"must name {ARCHITECTURE!r}")  # fmt: skip
+    flat = dict(data)
+    dflash = data.get("dflash_config") or {}
+    _check(isinstance(dflash, dict), "dflash_config", dflash, "must be an object")
+    _refuse_sliding(data, dflash)
+    for key in ("mask_token_id", "target_layer_ids"):
+        if flat.get(key) is None and dflash.get(key) is not None:
+            flat[key] = dflash[key]
+    flat.setdefault("target_hidden_size", data.get("hidden_size"))
+    return flat
+
+
+def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
+    """speculators' saved layout: the backbone's keys nest in ``transformer_layer_config``."""
+    kind = data.get("speculators_model_type")
+    _check(kind in (SPECULATORS_TYPE, "dflash"), "speculators_model_type", kind,
+           "must be 'dspark' or 'dflash'")  # fmt: skip
+    layer = data.get("transformer_layer_config")
+    _check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
+    _refuse_sliding(layer, {"use_swa": bool(layer.get("layer_types") and any(
+        t == "sliding_attention" for t in layer["layer_types"]))})  # fmt: skip
+    aux = data.get("aux_hidden_state_layer_ids")
+    _check(isinstance(aux, list) and all(_int(i) and i >= 1 for i in aux),
+           "aux_hidden_state_layer_ids", aux,
+           "must list hidden-state indices >= 1 (target layer i's output is index i + 1)")  # fmt: skip
+    flat = {**layer, "target_layer_ids": [i - 1 for i in aux]}
+    for key in ("draft_vocab_size", "block_size", "mask_token_id", "target_hidden_size",
+                "markov_rank", "markov_head_type", "enable_confidence_head",
+                "confidence_head_with_markov"):  # fmt: skip
+        if data.get(key) is not None:
+            flat[key] = data[key]
+    flat["sample_from_anchor"] = data.get("sample_from_anchor", False)
+    if kind == "dflash":
+        flat["markov_rank"], flat["enable_confidence_head"] = 0, False
+    flat.setdefault("target_hidden_size", layer.get("hidden_size"))
+    return flat
+
+
+def _refuse_sliding(data: dict[str, Any], dflash: dict[str, Any]) -> None:
+    types = data.get("layer_types") or []
+    sliding = dflash.get("use_swa") or any(t == "sliding_attention" for t in types)
+    _check(not sliding, "layer_types", types,
+           "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
+
+
+def _rope_from_json(flat: dict[str, Any]) -> RopeParameters:
+    rope = flat.get("rope_parameters")
+    if rope is None:  # the legacy layout: rope_theta beside an optional rope_scaling
+        rope = {"rope_theta": flat.get("rope_theta"), **(flat.get("rope_scaling") or {})}
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+    _check(isinstance(rope, dict), "rope_parameters", rope, "must be an object")
+    if rope.get("rope_theta") is None:
+        raise ValueError("config.json: missing key 'rope_parameters.rope_theta'")
+    names = {f.name for f in fields(RopeParameters)}
+    try:
+        return RopeParameters(**{k: v for k, v in rope.items() if k in names})
+    except TypeError as exc:
+        raise ValueError(f"config.json: rope_parameters: {exc}") from None
+
+
+def _json_key(name: str) -> str:
+    return "block_size" if name == "block_slots" else name
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_int(v: Any) -> bool:
+    return _int(v) and v > 0
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ValueError(f"config.json: {key} = {value!r} {why}")
+
+
+def _preset(**kw: Any) -> Qwen3DSparkConfig:
+    theta = kw.pop("rope_theta", 1_000_000.0)
+    kw.setdefault("draft_vocab_size", kw["vocab_size"])
+    return Qwen3DSparkConfig(
+        rms_norm_eps=1e-6,
+        rope_parameters=RopeParameters(rope_theta=theta),
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,  # every checkpoint qstream writes carries the key
+        **kw,
+    )
+
+
+# qwen3-tiny's vocab_size / mask_token_id are placeholders: `qstream synth` replaces them with
+# its tokenizer's.  Every quantized input width (H, I, n*d, A, r) is a multiple of 32, so every
+# format quantizes the same tensors; GQA with 2 query heads per key/value head.
+PRESETS: dict[str, Qwen3DSparkConfig] = {
+    "qwen3-tiny": _preset(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+        target_hidden_size=64,
+        target_num_hidden_layers=8,
+        target_layer_ids=(0, 2, 4, 5, 6),
+        mask_token_id=2,
+        markov_rank=32,
+    ),
+    # The shapes of a block-7 DSpark draft for Qwen3-8B (docs/qwen3-dspark.md, "Presets"): the
+    # target's widths, vocabulary and RoPE, five draft layers over five target layers.
+    "qwen3-8b": _preset(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        target_hidden_size=4096,
+        target_num_hidden_layers=36,
+        target_layer_ids=(1, 9, 17, 25, 33),
+        mask_token_id=151669,
+        markov_rank=256,
+        eos_token_id=151645,
+    ),
+}
