@@ -23,6 +23,8 @@ Shapes = dict[str, tuple[int, ...]]
 # Every draft borrows its output head from the target, under this name; it is never the draft's
 # own tensor (never quantized, never in its tensor table).
 LM_HEAD = "lm_head.weight"
+# The token embedding: the draft's own, or the target's when the draft carries none.
+EMBED = "embed_tokens.weight"
 # Where `qstream synth` puts the stand-in target, and where a draft's loader looks for its lm_head
 # when no target is given: a checkpoint directory of its own holding lm_head.weight [V, H].
 TARGET_HEAD_DIR = "target_head"
@@ -126,6 +128,10 @@ class Architecture(Protocol):
     presets: Mapping[str, Any]  # name -> config, the sizes `qstream synth` builds
     # vLLM's serving profile as data (qstream/vllm/profiles.py's Profile fields), or None
     serving: Mapping[str, Any] | None
+    final_norm: str  # the norm whose output the lm_head reads ("norm.weight")
+    context_proj: str  # the module projecting the concatenated target states ("fc")
+    # whether the architecture's published checkpoints carry embed_tokens (else the target's)
+    ships_embed_tokens: bool
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         """Whether a config.json's contents name this architecture."""

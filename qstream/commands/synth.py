@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from qstream.arch.registry import DEFAULT_ARCH
+from qstream.arch.registry import ARCHITECTURES
 from qstream.cliutil import (
     Command,
     count_option,
@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 @click.command(cls=Command)
 @option(
     "preset",
-    type=click.Choice(list(DEFAULT_ARCH.presets)),
-    default="tiny",
-    show_default=True,
-    help="tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 (Kimi-K3 shapes, 7.1 GB).",
+    type=click.Choice([p for arch in ARCHITECTURES for p in arch.presets]),
+    default=None,
+    help="The DSpark-MLA draft: tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 "
+    "(Kimi-K3 shapes, 7.1 GB); the Qwen3-style DSpark draft: qwen3-tiny (tests) or qwen3-8b "
+    "(Qwen3-8B shapes).  [default: tiny; with --target, tiny or qwen3-tiny as the target is]",
 )
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
 @count_option("seed", 0, "Same seed, same bytes.", minimum=0)
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
     type=click.Path(file_okay=False),
     default=None,
     help="A Hugging Face target to shape the draft for (its hidden size, depth, vocabulary, "
-    "tokenizer and embed_tokens; lm_head is borrowed with --target at load time).",
+    "tokenizer and embed_tokens; lm_head is borrowed with --target at load time); a Qwen3 "
+    "target gets a Qwen3-style draft with its attention shapes and RoPE, and no embed_tokens.",
 )
 @flag_option("overwrite", "Replace an existing output directory.")
 @device_option(
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
 )
 @json_option()
 def synth(
-    preset: str,
+    preset: str | None,
     output_dir: str,
     seed: int,
     corpus: str | None,
@@ -69,13 +71,15 @@ def synth(
 
     \b
     qstream synth --preset tiny --output_dir tiny --corpus gsm8k/train.jsonl
+    qstream synth --preset qwen3-tiny --output_dir qwen3-tiny
     qstream synth --target TARGET --output_dir draft --corpus gsm8k/train.jsonl
     """
     # here, not above: --help loads no torch
     from qstream.device import resolve_device
 
     resolve_device(device)
-    with counter(f"synth {preset}", "bytes") as report:
+    label = preset or ("tiny" if target is None else "draft")
+    with counter(f"synth {label}", "bytes") as report:
         summary = _make(target, preset, output_dir, seed, corpus, overwrite, report)
     if json_path != "-":
         click.echo(
@@ -89,7 +93,7 @@ def synth(
 
 def _make(
     target: str | None,
-    preset: str,
+    preset: str | None,
     output_dir: str,
     seed: int,
     corpus: str | None,
@@ -100,5 +104,5 @@ def _make(
     from qstream.synth.target import synth_for_target
 
     if target is None:
-        return synth_checkpoint(preset, output_dir, seed, corpus, overwrite, progress)
+        return synth_checkpoint(preset or "tiny", output_dir, seed, corpus, overwrite, progress)
     return synth_for_target(target, output_dir, preset, seed, corpus, overwrite, progress)

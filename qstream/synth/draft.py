@@ -1,8 +1,8 @@
-"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of the default architecture
-(qstream/arch/registry.py) with a real BPE tokenizer (:mod:`qstream.synth.corpus`), realistic
+"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of a registered architecture
+(qstream/arch/registry.py; the preset names it) with a real BPE tokenizer (:mod:`qstream.synth.corpus`), realistic
 weight statistics and calibrated, predictable outputs, byte-identical for a given preset, seed
 and corpus.  The layout written and how the numbers are made: docs/model.md, "Synthetic
-checkpoint layout".
+checkpoint layout"; docs/qwen3-dspark.md, "Synthetic checkpoints").
 
 >>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
 >>> model = load_model("out/tiny")       # reads out/tiny/target_head/ for lm_head
@@ -14,15 +14,15 @@ import json
 import math
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 import qstream
-from qstream.arch.interface import LM_HEAD, TARGET_HEAD_DIR, DraftConfig
-from qstream.arch.registry import DEFAULT_ARCH
+from qstream.arch.interface import EMBED, LM_HEAD, TARGET_HEAD_DIR, Architecture, DraftConfig
+from qstream.arch.registry import ARCHITECTURES, architecture_of
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
@@ -30,14 +30,17 @@ from qstream.publish import SYNTH_RECORD, check_target, publishing
 from qstream.synth.bigram import U_STD, bigram_logprobs, calibrate_markov_scale, markov_tables
 from qstream.synth.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
 
-TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096}  # BPE sizes (tiny: = vocab_size)
+# BPE sizes; the presets in TOKENIZER_SIZED take the tokenizer's vocabulary, the others keep
+# their own and pad the tokenizer's.
+TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096, "qwen3-tiny": 1024, "qwen3-8b": 4096}
+TOKENIZER_SIZED = ("tiny", "qwen3-tiny")
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
 
 TAIL_S = 0.35  # lognormal scale-mixture width: weight kurtosis 3*exp(4 s^2) = 4.9
 ROW_SPREAD, COL_SPREAD = 0.25, 0.2  # log-std of per-output-row / per-input-column scales
 OUTLIER_FRACTION, OUTLIER_GAIN = 0.004, (8.0, 16.0)  # input-channel outliers (>= 2 per tensor)
-OUTLIER_MODULES = ("context_proj", "mlp.down_proj")
+OUTLIER_MLP = "mlp.down_proj"  # with the architecture's context projection
 RESIDUAL_GAIN = 0.5  # o_proj / down_proj: residual updates smaller than the stream
 
 
@@ -48,7 +51,7 @@ class SynthSummary:
     seed: int
     corpus: str  # the path, or "built-in"
     tensors: int
-    parameters: int  # including the embedding
+    parameters: int  # of the draft's tensors (the embedding when the draft carries it)
     bytes: int  # safetensors files of the draft
     markov_scale: float
     predicted_top1: float  # calibration estimate on the corpus (teacher-forced)
@@ -80,12 +83,14 @@ def _gains(n: int, gen: torch.Generator) -> torch.Tensor:
 class _LinearSource:
     """Rows of one synthetic Linear weight [out, in], produced in order."""
 
-    def __init__(self, name: str, shape: tuple[int, int], seed: int, std: float):
+    def __init__(
+        self, name: str, shape: tuple[int, int], seed: int, std: float, outliers: tuple[str, ...]
+    ):
         self.gen = _generator(seed, name)
         n_out, n_in = shape
         self.n_in, self.std = n_in, std
         col = (torch.randn(n_in, generator=self.gen) * COL_SPREAD).exp()
-        if any(name.startswith(m) or f".{m}." in name for m in OUTLIER_MODULES):
+        if any(name.startswith(m) or f".{m}." in name for m in outliers):
             k = max(2, round(OUTLIER_FRACTION * n_in))
             idx = torch.randperm(n_in, generator=self.gen)[:k]
             lo, hi = OUTLIER_GAIN
@@ -117,6 +122,11 @@ class _Plan:
     head_std: float
     seed: int
 
+    @property
+    def outliers(self) -> tuple[str, ...]:
+        """The modules whose input channels get outliers."""
+        return (architecture_of(self.config).context_proj, OUTLIER_MLP)
+
 
 def _head_std(config: DraftConfig, final_gain: torch.Tensor) -> float:
     """lm_head entry std giving ``U_STD`` per-vocab spread: var(U_v) = sum_h g_h^2 w_vh^2
@@ -128,7 +138,7 @@ def _small_tensors(
     config: DraftConfig, seed: int, w1: torch.Tensor, w2: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     out = {}
-    for name, shape in DEFAULT_ARCH.tensor_shapes(config).items():
+    for name, shape in architecture_of(config).tensor_shapes(config).items():
         if len(shape) == 1 and name.endswith("norm.weight"):
             out[name] = _gains(shape[0], _generator(seed, name))
     out["markov_head.markov_w1.weight"] = w1
@@ -150,13 +160,13 @@ def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.T
         yield plan.small[name]
         return
     n_out, n_in = shape
-    if name == "embed_tokens.weight":
+    if name == EMBED:
         std = 1.0  # unit-RMS rows, like the stream
     elif name == LM_HEAD:
         std = plan.head_std
     else:
         std = _linear_std(name, n_in)
-    source = _LinearSource(name, (n_out, n_in), plan.seed, std)
+    source = _LinearSource(name, (n_out, n_in), plan.seed, std, plan.outliers)
     step = max(1, CHUNK_ELEMENTS // n_in)
     for r0 in range(0, n_out, step):
         yield source.rows(min(step, n_out - r0))
@@ -219,36 +229,62 @@ def _write_tensors(
 
 
 def _write_target_head(head: Path, plan: _Plan) -> None:
-    """The stand-in target beside the draft: lm_head only, read through its index."""
+    """The stand-in target beside the draft, read through its index: lm_head, and
+    embed_tokens too when the architecture's drafts carry none."""
     config = plan.config
+    row = (config.vocab_size, config.hidden_size)
+    shapes: dict[str, tuple[int, ...]] = {LM_HEAD: row}
+    if not architecture_of(config).ships_embed_tokens:
+        shapes = {EMBED: row, LM_HEAD: row}  # the target's order: embedding first
     head.mkdir()
     head_config = {
         "architectures": ["SyntheticTargetHead"],
         "model_type": "qstream_target",
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "note": "stand-in target for a qstream synth draft: lm_head only",
+        "note": "stand-in target for a qstream synth draft: "
+        + ("lm_head only" if len(shapes) == 1 else "lm_head and embed_tokens"),
     }
     (head / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
-    _write_tensors(
-        head, {LM_HEAD: (config.vocab_size, config.hidden_size)}, plan, None, force_index=True
-    )
+    _write_tensors(head, shapes, plan, None, force_index=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # The whole checkpoint
 
 
+def preset_architecture(preset: str) -> Architecture:
+    """The registered architecture whose presets hold ``preset``."""
+    for arch in ARCHITECTURES:
+        if preset in arch.presets:
+            return arch
+    names = ", ".join(p for arch in ARCHITECTURES for p in arch.presets)
+    raise QStreamError(f"unknown preset {preset!r}; choose one of {names}")
+
+
 def _tokenizer_config(preset: str, tok: Tokenizer) -> DraftConfig:
-    """The preset with the tokenizer's facts: tiny takes its vocabulary size, the others keep
-    theirs (and pad the tokenizer's)."""
-    base = DEFAULT_ARCH.presets[preset]
-    vocab = tok.get_vocab_size() if preset == "tiny" else base.vocab_size
+    """The preset with the tokenizer's facts: the TOKENIZER_SIZED presets take its vocabulary
+    size (a full-vocabulary draft's output vocabulary with it), the others keep theirs."""
+    base = preset_architecture(preset).presets[preset]
+    vocab = tok.get_vocab_size() if preset in TOKENIZER_SIZED else base.vocab_size
     mask = tok.token_to_id("<|mask|>")
     if mask is None:
         raise QStreamError("the synthetic tokenizer has no <|mask|> token")
     eos = tok.token_to_id("<|endoftext|>")
-    return replace(base, vocab_size=vocab, mask_token_id=mask, bos_token_id=None, eos_token_id=eos)
+    facts = dict(vocab_size=vocab, mask_token_id=mask, bos_token_id=None, eos_token_id=eos)
+    if "draft_vocab_size" in {f.name for f in fields(base)}:
+        facts["draft_vocab_size"] = vocab
+    return replace(base, **facts)
+
+
+def draft_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors the draft itself holds: the architecture's table, less embed_tokens where
+    its published drafts leave that to the target."""
+    arch = architecture_of(config)
+    shapes = arch.tensor_shapes(config)
+    if not arch.ships_embed_tokens:
+        shapes.pop(EMBED)
+    return shapes
 
 
 def _markov_head(tok: Tokenizer, texts: list[str], config: DraftConfig, seed: int):
@@ -269,15 +305,12 @@ def synth_checkpoint(
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> SynthSummary:
-    """Write a synthetic draft checkpoint of ``preset`` ("tiny", "small", "k3") to
-    ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
+    """Write a synthetic draft checkpoint of ``preset`` (a registered architecture's: "tiny",
+    "small", "k3", "qwen3-tiny", "qwen3-8b") to ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
     end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
     default: :func:`~qstream.synth.corpus.builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
     tensors are written."""
-    if preset not in DEFAULT_ARCH.presets:
-        raise QStreamError(
-            f"unknown preset {preset!r}; choose one of {', '.join(DEFAULT_ARCH.presets)}"
-        )
+    arch = preset_architecture(preset)
     output = Path(output_dir).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     check_target(output, overwrite, "--output_dir")
@@ -286,9 +319,9 @@ def synth_checkpoint(
     config = _tokenizer_config(preset, tok)
     w1, w2, alpha, top1 = _markov_head(tok, texts, config, seed)
     small = _small_tensors(config, seed, w1, w2)
-    plan = _Plan(config, small, _head_std(config, small["final_norm.weight"]), seed)
+    plan = _Plan(config, small, _head_std(config, small[arch.final_norm]), seed)
 
-    shapes = DEFAULT_ARCH.tensor_shapes(config)
+    shapes = draft_shapes(config)
     with publishing(output, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
         write_tokenizer(tok, tmp)

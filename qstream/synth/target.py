@@ -3,6 +3,8 @@ target (docs/model.md, "A draft for a Hugging Face target"), so that capture →
 card runs end to end on that target's architecture.  From the target it takes the width, the
 depth (:func:`spread_layer_ids`), the vocabulary, the tokenizer and a copy of ``embed_tokens``;
 the rest is the preset's.  No ``target_head/``: ``lm_head`` is borrowed with ``--target``.
+A Qwen3 target gets a Qwen3-style draft instead (:mod:`qstream.synth.qwen3_target`), without
+``embed_tokens`` (borrowed from the target too, as speculators' checkpoints leave it).
 
 >>> synth_for_target("TARGET_DIR", "draft/", corpus="gsm8k/train.jsonl")
 >>> load_model("draft/", target="TARGET_DIR")
@@ -19,9 +21,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from qstream.arch.dspark_mla.load import EMBED
-from qstream.arch.interface import DraftConfig
-from qstream.arch.registry import DEFAULT_ARCH
+from qstream.arch.interface import EMBED, DraftConfig
+from qstream.arch.registry import architecture_of
+from qstream.checkpoint.files import read_config
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
@@ -33,8 +35,11 @@ from qstream.synth.draft import (
     _Plan,
     _small_tensors,
     _write_tensors,
+    draft_shapes,
+    preset_architecture,
     write_record,
 )
+from qstream.synth.qwen3_target import QWEN3_MODEL_TYPES, qwen3_draft_config
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -43,6 +48,7 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
 )
+DEFAULT_PRESET, QWEN3_PRESET = "tiny", "qwen3-tiny"  # without --preset: by the target's kind
 
 
 def spread_layer_ids(depth: int, count: int) -> tuple[int, ...]:
@@ -76,6 +82,22 @@ def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
     return vocab_size - 1
 
 
+def target_preset(shape: TargetShape, preset: str | None) -> str:
+    """``preset``, checked against the target's kind (a Qwen3 target takes a Qwen3-style
+    draft's, any other the DSpark-MLA draft's); None: that kind's tiny preset."""
+    qwen3 = shape.model_type in QWEN3_MODEL_TYPES
+    wanted = preset_architecture(QWEN3_PRESET if qwen3 else DEFAULT_PRESET)
+    if preset is None:
+        return QWEN3_PRESET if qwen3 else DEFAULT_PRESET
+    if preset_architecture(preset) is not wanted:
+        kind = "Qwen3-style" if qwen3 else "a DSpark-MLA one, not Qwen3-style"
+        raise QStreamError(
+            f"--preset {preset}: {shape.path} is a {shape.model_type or 'non-Qwen3'} target, "
+            f"whose draft is {kind}: --preset {' or '.join(wanted.presets)}"
+        )
+    return preset
+
+
 def target_draft_config(shape: TargetShape, tok: Tokenizer, preset: str) -> DraftConfig:
     """The preset reshaped for the target (module docstring)."""
     if tok.get_vocab_size() > shape.vocab_size:
@@ -83,8 +105,16 @@ def target_draft_config(shape: TargetShape, tok: Tokenizer, preset: str) -> Draf
             f"{shape.path}: tokenizer.json has {tok.get_vocab_size()} tokens, more than "
             f"config.json's vocab_size {shape.vocab_size}"
         )
-    base = DEFAULT_ARCH.presets[preset]
+    arch = preset_architecture(preset)
+    base = arch.presets[preset]
     ids = spread_layer_ids(shape.num_hidden_layers, base.num_target_layers)
+    mask = _mask_id(Path(shape.path), tok, shape.vocab_size)
+    if shape.model_type in QWEN3_MODEL_TYPES:
+        path = Path(shape.path) / "config.json"
+        try:
+            return qwen3_draft_config(read_config(Path(shape.path)), shape, base, ids, mask, arch)
+        except ValueError as exc:
+            raise QStreamError(f"{path}: {str(exc).removeprefix('config.json: ')}") from None
     return replace(
         base,
         hidden_size=shape.hidden_size,
@@ -93,7 +123,7 @@ def target_draft_config(shape: TargetShape, tok: Tokenizer, preset: str) -> Draf
         target_layer_ids=ids,
         num_target_layers=len(ids),
         vocab_size=shape.vocab_size,
-        mask_token_id=_mask_id(Path(shape.path), tok, shape.vocab_size),
+        mask_token_id=mask,
     )
 
 
@@ -108,14 +138,16 @@ def _load_tokenizer(target: Path) -> Tokenizer:
 def synth_for_target(
     target: str | Path,
     output_dir: str | Path,
-    preset: str = "tiny",
+    preset: str | None = None,
     seed: int = 0,
     corpus: str | Path | None = None,
     overwrite: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> SynthSummary:
-    """Write a draft for ``target`` to ``output_dir``, complete or not at all."""
+    """Write a draft for ``target`` to ``output_dir``, complete or not at all; ``preset``
+    None: :func:`target_preset`'s."""
     shape = read_target_shape(target)
+    preset = target_preset(shape, preset)
     output = Path(output_dir).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     check_target(output, overwrite, "--output_dir")
@@ -124,10 +156,11 @@ def synth_for_target(
     texts = read_corpus(corpus) if corpus is not None else builtin_corpus(seed=seed)
     w1, w2, alpha, top1 = _markov_head(tok, texts, config, seed)
     small = _small_tensors(config, seed, w1, w2)
-    small[EMBED] = read_target_tensors(target, [EMBED])[EMBED].float()
-    if tuple(small[EMBED].shape) != (config.vocab_size, config.hidden_size):
-        raise QStreamError(f"{target}: {EMBED} has shape {list(small[EMBED].shape)}")
-    shapes = DEFAULT_ARCH.tensor_shapes(config)
+    if architecture_of(config).ships_embed_tokens:
+        small[EMBED] = read_target_tensors(target, [EMBED])[EMBED].float()
+        if tuple(small[EMBED].shape) != (config.vocab_size, config.hidden_size):
+            raise QStreamError(f"{target}: {EMBED} has shape {list(small[EMBED].shape)}")
+    shapes = draft_shapes(config)
     with publishing(output, overwrite) as tmp:
         (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
         for name in TOKENIZER_FILES:

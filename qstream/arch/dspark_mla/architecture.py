@@ -36,6 +36,9 @@ class DSparkMLA:
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
     serving: Mapping[str, Any] | None = SERVING
+    final_norm: str = "final_norm.weight"
+    context_proj: str = "context_proj"
+    ships_embed_tokens: bool = True
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("architectures") == [ARCHITECTURE] or data.get("model_type") == MODEL_TYPE

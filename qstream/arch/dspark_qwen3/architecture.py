@@ -43,6 +43,11 @@ class DSparkQwen3:
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, Qwen3DSparkConfig] = PRESETS
     serving: Mapping[str, Any] | None = SERVING
+    final_norm: str = "norm.weight"
+    context_proj: str = "fc"
+    # speculators never saves embed_tokens; vLLM then shares the target's
+    # (Qwen3DSparkForCausalLM.load_weights in vllm/model_executor/models/qwen3_dspark.py)
+    ships_embed_tokens: bool = False
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return ARCHITECTURE in (data.get("architectures") or []) or data.get(
