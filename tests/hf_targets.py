@@ -35,3 +35,39 @@ def make_draft_config(directory: Path, layer_ids=(0, 2, 3), layers: int = LAYERS
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
     return directory
+
+
+QWEN3_ROPE_THETA = 500000.0  # not transformers' default (10000), so a copied value shows
+
+
+def make_qwen3_target(directory: Path, seed: int = 0, layers: int = LAYERS) -> Path:
+    """A tiny transformers Qwen3 target (``Qwen3ForCausalLM``, model_type ``qwen3``): GQA with
+    2 query heads per key/value head, head_dim 16, untied lm_head, random weights from
+    ``seed``, saved with ``save_pretrained`` beside the same BPE tokenizer as the others."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from qstream.synth.corpus import builtin_corpus, train_tokenizer, write_tokenizer
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": QWEN3_ROPE_THETA},
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    write_tokenizer(train_tokenizer(builtin_corpus(n=600, seed=seed), VOCAB), directory)
+    return directory
