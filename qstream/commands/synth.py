@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     default=None,
     help="The DSpark-MLA draft: tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 "
     "(Kimi-K3 shapes, 7.1 GB); the Qwen3-style DSpark draft: qwen3-tiny (tests) or qwen3-8b "
-    "(Qwen3-8B shapes).  [default: tiny; with --target, tiny or qwen3-tiny as the target is]",
+    "(Qwen3-8B shapes, 2.3 GB).  [default: tiny, or qwen3-tiny for a Qwen3 --target]",
 )
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
 @count_option("seed", 0, "Same seed, same bytes.", minimum=0)
