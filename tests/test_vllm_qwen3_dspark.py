@@ -182,21 +182,27 @@ def differing_qkv_global_scales(drafts, outputs, tmp: Path) -> Path:
 
 
 BROKEN = {
-    # case: (builder, what `qstream verify` says, what vLLM 0.32.0 did)
+    # case: (builder, what `qstream verify` says, what vLLM 0.32.0 did, what the vLLM lane
+    # reports: None when the load looks clean, so that only verify catches it)
     "checkpoint-local ignore of q/k/v": (
         checkpoint_local_ignore,
         "model.layers.8.self_attn.qkv_proj: vLLM builds it fp8",
-        "loaded silently",
+        ("loaded silently",),
+        "model.layers.8.self_attn.qkv_proj.weight: vLLM loaded layers.0.self_attn.q_proj.weight",
     ),
     "quantized markov_w2 with dspark_draft_topk": (
         gathered_markov_w2,
         "markov_head.markov_w2: stored nvfp4, but config.json sets dspark_draft_topk 8",
-        "loaded silently",
+        ("loaded silently",),
+        None,
     ),
     "differing NVFP4 global scales in q/k/v": (
         differing_qkv_global_scales,
         "fused group layers.1.self_attn.{q_proj, k_proj, v_proj}",
-        "warned",
+        # vLLM logs its warning once per process (warning_once): a load after the K3 lane's
+        # own differing-scales case is silent
+        ("warned", "loaded silently"),
+        "model.layers.9.self_attn.qkv_proj: ",
     ),
 }
 
@@ -217,10 +223,14 @@ def vllm_did(report) -> str:
 def test_broken_checkpoint_is_refused_and_vllms_own_behaviour_recorded(
     drafts, outputs, tmp_path, case
 ):
-    build, verify_says, vllm_behaviour = BROKEN[case]
+    build, verify_says, vllm_behaviour, lane_says = BROKEN[case]
     out = build(drafts, outputs, tmp_path)
     report = verify_checkpoint(out)
     assert not report.ok
     assert [p for p in report.problems if verify_says in p], report.problems
     loaded = load_with_vllm(out)
-    assert vllm_did(loaded) == vllm_behaviour, (loaded.raised, loaded.warnings)
+    assert vllm_did(loaded) in vllm_behaviour, (loaded.raised, loaded.warnings)
+    if lane_says is None:
+        assert loaded.problems == []  # only verify's replay catches it
+    else:
+        assert [p for p in loaded.problems if lane_says in p], loaded.problems
