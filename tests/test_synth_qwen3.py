@@ -249,3 +249,34 @@ TINY_SHA256 = {
 def test_k3_tiny_bytes_unchanged(tiny):
     digest = _digest(Path(tiny))
     assert {name: digest[name] for name in TINY_SHA256} == TINY_SHA256
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading what synth writes (qstream/arch/dspark_qwen3/load.py)
+
+
+def test_load_weights_borrows_embed_and_lm_head_from_target_head(q3):
+    config = load_config(q3)
+    weights = ARCH.load_weights(q3, None, config)
+    needed = {**tensor_shapes(config), LM_HEAD: (config.vocab_size, config.hidden_size)}
+    assert {k: tuple(v.shape) for k, v in weights.items()} == needed
+    head = read_target_tensors(q3 / TARGET_HEAD_DIR, [LM_HEAD, EMBED])
+    for name in (LM_HEAD, EMBED):
+        assert torch.equal(weights[name], head[name]), name
+    model = ARCH.build(config, weights, torch.float32, "cpu")  # and the forward takes them
+    aux = torch.randn(1, 16, config.aux_size, generator=torch.Generator().manual_seed(0))
+    blocks = model.draft(model.context(aux), *torch.tensor([[0], [8], [5]]))
+    rollout = ARCH.rollout(model, blocks)
+    assert rollout.logits.shape == (1, config.block_size, config.vocab_size)
+    assert rollout.confidence is not None and bool(torch.isfinite(rollout.logits).all())
+
+
+def test_load_weights_borrows_from_the_qwen3_target(qwen3_target, q3_for_target):
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(q3_for_target)
+    weights = ARCH.load_weights(q3_for_target, qwen3_target, config)
+    assert set(weights) == set(tensor_shapes(config)) | {LM_HEAD}
+    reference = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32)
+    assert torch.equal(weights[EMBED].float(), reference.model.embed_tokens.weight.detach())
+    assert torch.equal(weights[LM_HEAD].float(), reference.lm_head.weight.detach())

@@ -84,7 +84,10 @@ def markov_logits(
     [..., V], prev [...]), the sum rounded to the model's dtype as vLLM adds two bf16 tensors
     (docs/model.md), returned as fp32 (exact).  ``table``: :func:`markov_table` when read
     already; every caller takes the same whole-table product, so a rollout, its teacher-forced
-    replay and the verifier's recomputation agree bit for bit."""
+    replay and the verifier's recomputation agree bit for bit.  A draft without a Markov head
+    (DFlash) drafts ``U_k`` itself, rounded to its dtype."""
+    if MARKOV_TABLE not in model.w:
+        return logits_base.to(model.dtype).float()
     emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
     bias = F.linear(emb, markov_table(model) if table is None else table)  # [..., V]
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
@@ -163,7 +166,8 @@ def rollout(
     prev = torch.empty(N, B, dtype=torch.int64, device=device)
     tokens = torch.empty(N, B, dtype=torch.int64, device=device)
     logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32, device=device)
-    token, table = blocks.first_token, markov_table(model)
+    token = blocks.first_token
+    table = markov_table(model) if MARKOV_TABLE in model.w else None
     for k in range(B):  # sequential by definition: step k needs d_{k-1}
         prev[:, k] = token
         logits[:, k] = markov_logits(model, blocks.logits_base[:, k], token, table)

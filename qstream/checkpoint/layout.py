@@ -30,15 +30,17 @@ def compressed_tensors_version() -> str:
         return TESTED_COMPRESSED_TENSORS
 
 
-def quantization_config(spec: Format, ignore: list[str]) -> dict:
-    """The ``quantization_config`` block for a weight-only checkpoint in format ``spec``."""
+def quantization_config(spec: Format, ignore: list[str], targets: list[str] = TARGETS) -> dict:
+    """The ``quantization_config`` block for a weight-only checkpoint in format ``spec``;
+    ``targets``: ``["Linear"]``, plus the name of any quantized module vLLM builds as another
+    class (a DSpark draft's ParallelLMHead markov_w2, docs/vllm.md)."""
     return {
         "quant_method": "compressed-tensors",
         "format": spec.layout,
         "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
-                "targets": list(TARGETS),
+                "targets": list(targets),
                 "weights": dict(spec.weights_args),
                 "input_activations": None,
                 "output_activations": None,

@@ -103,7 +103,8 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @list_option(
     "include_layers",
-    help=f"Modules the simulated formats quantize (default: {' '.join(QUANTIZE_INCLUDE)}).",
+    help="Modules the simulated formats quantize (default: the draft architecture's shipped "
+    f"list; DSpark-MLA: {' '.join(QUANTIZE_INCLUDE)}).",
 )
 @list_option("ignore_layers", help="Modules never quantized.")
 @sampling_option("temperature", "The request's sampling temperature (drafter and verifier).")
@@ -266,7 +267,7 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         variant_dirs=parse_variants(o["variant"]),
         allow_foreign_variant=o["allow_foreign_variant"],
         integrity_check=not o["no_integrity_check"],
-        include=tuple(o["include_layers"]) or QUANTIZE_INCLUDE,
+        include=tuple(o["include_layers"]),
         ignore=tuple(o["ignore_layers"]),
         n_blocks=o["blocks"],
         seed=o["seed"],

@@ -19,6 +19,7 @@ from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.checkpoint.files import sha256_file
 from qstream.device import describe_device, resolve_device
+from qstream.errors import QStreamError
 from qstream.eval.aux_sources import check_boot_compatible
 from qstream.eval.batches import Batch, batch_flops, make_batches
 from qstream.eval.context_sweep import bucket_plans, context_sweep
@@ -48,6 +49,16 @@ def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> Ancho
     )
 
 
+def refuse_unevaluated(config: DraftConfig) -> None:
+    """One line for a draft the evaluation does not model yet: a reduced draft vocabulary
+    (its drafted ids map to target ids through d2t; docs/qwen3-dspark.md, "Status")."""
+    if getattr(config, "reduced_vocab", False):
+        raise QStreamError(
+            f"config.json: draft_vocab_size {config.draft_vocab_size} < vocab_size "  # type: ignore[attr-defined]
+            f"{config.vocab_size}: eval-drift does not evaluate reduced-vocabulary drafts yet"
+        )
+
+
 def evaluate_drift(
     model_dir: str | Path,
     settings: DriftSettings,
@@ -60,6 +71,9 @@ def evaluate_drift(
     resolve_device(settings.device)  # before any work: one line when there is no such GPU
     progress.start(settings.planned_blocks())
     config = load_config(model_dir)
+    if not settings.include:  # the architecture's shipped list
+        settings = replace(settings, include=architecture_of(config).quantize_include)
+    refuse_unevaluated(config)
     if "boot" in settings.regimes:
         check_boot_compatible(config)
     refuse_quantized_model(model_dir)

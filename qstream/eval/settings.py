@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from qstream.arch.registry import DEFAULT_ARCH
 from qstream.errors import QStreamError
 from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
@@ -136,9 +135,9 @@ class DriftSettings:
     # check each variant directory against the sha256s quantize recorded; False:
     # --no-integrity-check, recorded in the results (qstream/checkpoint/integrity.py)
     integrity_check: bool = True
-    include: tuple[str, ...] = (
-        DEFAULT_ARCH.quantize_include
-    )  # modules the simulated formats quantize
+    # modules the simulated formats quantize; () = the draft architecture's own shipped list
+    # (its descriptor's quantize_include), resolved by evaluate_drift once it reads config.json
+    include: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
     n_blocks: int = 1024
     seed: int = 0

@@ -28,6 +28,8 @@ class Plan:
     # output tensors per shard: the input's, in order, each quantized weight replaced in place
     # by what its format stores
     shards: dict[str, list[PlannedTensor]]
+    # the config group's targets: "Linear", and any quantized ParallelLMHead by name
+    targets: tuple[str, ...] = ("Linear",)
 
     @property
     def size_bytes(self) -> int:
@@ -37,7 +39,11 @@ class Plan:
 
 
 def make_plan(
-    checkpoint: Checkpoint, selection: Selection, spec: Format, ignore: list[str]
+    checkpoint: Checkpoint,
+    selection: Selection,
+    spec: Format,
+    ignore: list[str],
+    targets: tuple[str, ...] = ("Linear",),
 ) -> Plan:
     quantized = set(selection.quantized)
     shards = {}
@@ -50,7 +56,7 @@ def make_plan(
             else:
                 planned.append(PlannedTensor(name, info.dtype, info.shape))
         shards[shard] = planned
-    return Plan(checkpoint, selection, spec, ignore, shards)
+    return Plan(checkpoint, selection, spec, ignore, shards, targets)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from qstream.quant.plan import Plan, Progress, Streaming, make_plan
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import write_checkpoint
 from qstream.vllm.profiles import (
+    head_problem,
+    head_targets,
     ignore_entries,
     layer_specific_warning,
     profile_for,
@@ -119,7 +121,9 @@ def quantize_checkpoint(
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
-    plan = make_plan(checkpoint, selection, spec, entries)
+    profile = profile_for(checkpoint.config)
+    targets = ("Linear", *head_targets(profile, selection.quantized))
+    plan = make_plan(checkpoint, selection, spec, entries, targets)
     summary = _plan_summary(
         plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
         output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
@@ -210,12 +214,16 @@ def _select(
     selection = select_modules(
         checkpoint.tensors,
         fmt,
-        include,
+        include or list(profile.default_include),
         ignore,
         skip_incompatible,
         profile=profile,
         tensor_parallel_size=tensor_parallel_size,
     )
+    for module in selection.quantized:
+        why = head_problem(profile, module, fmt, checkpoint.config)
+        if why:
+            raise QStreamError(f"{module}: vLLM cannot serve it quantized: {why} (docs/vllm.md)")
     target_layers = target_layers_of(checkpoint.config)
     entries = ignore_entries(profile, selection.ignored, modules, target_layers)
     warnings = [w for w in [layer_specific_warning(profile, entries, target_layers)] if w]

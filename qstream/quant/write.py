@@ -35,7 +35,9 @@ def write_checkpoint(
     with publishing(output_path, overwrite) as tmp:
         _copy_other_files(plan.checkpoint, tmp)
         config = dict(plan.checkpoint.config)
-        config["quantization_config"] = quantization_config(plan.format, list(plan.ignore))
+        config["quantization_config"] = quantization_config(
+            plan.format, list(plan.ignore), list(plan.targets)
+        )
         write_text(tmp / CONFIG_NAME, json_text(config))
         snr_db, digests = _write_shards(plan, readers, amaxes, tmp, run)
         files = file_digests(tmp, known=digests)

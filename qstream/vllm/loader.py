@@ -25,6 +25,7 @@ from qstream.checkpoint.files import open_checkpoint
 from qstream.errors import QStreamError
 from qstream.vllm.cpu_shims import cpu_shims, vllm_log
 from qstream.vllm.load_checks import Recorder, check, identity_products
+from qstream.vllm.profiles import PROFILES, profile_for
 
 VLLM_VERSION = "0.32.0"  # the CPU shims reach into this version's internals
 INSTALL_HINT = (
@@ -71,10 +72,11 @@ def load_with_vllm(directory: str | Path, target_layers: int | None = None) -> V
     version = vllm_version()
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config
-    if config.get("architectures") != ["K3DSparkModel"]:
+    if not profile_for(config).renames_layers:
+        names = sorted(p.name for p in PROFILES.values() if p.renames_layers)
         raise QStreamError(
-            f"{checkpoint.directory}: verify --vllm loads K3 DSpark drafts "
-            f"(architectures ['K3DSparkModel']), not {config.get('architectures')}"
+            f"{checkpoint.directory}: verify --vllm loads DSpark drafts (architectures "
+            f"{' or '.join(names)}), not {config.get('architectures')}"
         )
     layers = target_layers if target_layers is not None else config.get("target_num_hidden_layers")
     if not isinstance(layers, int) or layers < 1:

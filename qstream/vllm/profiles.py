@@ -10,7 +10,8 @@ comes from.
 The profiles: ``generic`` (a Hugging Face causal LM, whose vLLM model class maps names one to
 one and fuses siblings such as q/k/v and gate/up through ``packed_modules_mapping``), and one per
 draft architecture that carries serving data (its descriptor's ``serving``, docs/model.md):
-``K3DSparkModel``, vLLM's Kimi-K3 DSpark draft (qstream/arch/dspark_mla/serving.py).
+``K3DSparkModel``, vLLM's Kimi-K3 DSpark draft (qstream/arch/dspark_mla/serving.py), and
+``Qwen3DSparkModel``, vLLM's Qwen3-style DSpark draft (qstream/arch/dspark_qwen3/serving.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class RuntimeModule:
     shards: tuple[str, ...]  # checkpoint modules loaded into it, in order
     split: str  # what tensor parallelism divides: "out" (column), "in" (row) or "none"
     quant_name: str  # the name vLLM matches against ignore to pick the layer's scheme
+    linear: bool = True  # a Linear class ("Linear" targets it); False: a ParallelLMHead
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,13 @@ class Profile:
     context_proj: str | None = None  # a top-level module loaded under model.
     context_kv: str | None = None  # the runtime module every layer's cross_layer kind joins
     cross_layer: tuple | None = None  # (kinds fused across every layer, label, rule)
+    # ParallelLMHeads built with the quant config: kind -> {"runtime", "target", "formats"}
+    lm_heads: Mapping[str, Mapping] = field(default_factory=dict, compare=False)
+    # quantize's default selection: the architecture's quantize_include (else every Linear)
+    default_include: tuple[str, ...] = ()
+    # attention heads: (query, key/value) config.json keys, when vLLM's QKVParallelLinear
+    # splits them at TP (key/value heads replicated when fewer than the TP size)
+    gqa_heads: tuple[str, str] | None = None
 
     @property
     def renames_layers(self) -> bool:
@@ -120,6 +129,30 @@ def module_kind(module: str) -> str:
 def never_quantized(profile: Profile, module: str) -> str | None:
     """Why vLLM never builds ``module`` quantized under ``profile`` (None: it may)."""
     return profile.never_quantized.get(module_kind(module))
+
+
+def head_problem(profile: Profile, module: str, fmt: str, config: Mapping) -> str | None:
+    """Why vLLM 0.32.0 cannot serve the ParallelLMHead ``module`` quantized in ``fmt`` for
+    this config.json (None: it can, or ``module`` is not such a head; docs/vllm.md)."""
+    head = profile.lm_heads.get(module)
+    if head is None:
+        return None
+    if fmt not in head["formats"]:
+        return f"vLLM 0.32.0 loads it quantized only as {', '.join(head['formats'])}"
+    topk = config.get("dspark_draft_topk")
+    if topk is not None:
+        return (
+            f"config.json sets dspark_draft_topk {topk}: vLLM 0.32.0's gathered Markov "
+            "projection (DSparkMarkovHead.apply_bias_gathered) needs it unquantized and "
+            "raises at the first draft step"
+        )
+    return None
+
+
+def head_targets(profile: Profile, quantized: Iterable[str]) -> list[str]:
+    """The config group targets that give the quantized ParallelLMHeads their scheme (their
+    class name holds no "linear", so the "Linear" target misses them)."""
+    return [profile.lm_heads[m]["target"] for m in quantized if m in profile.lm_heads]
 
 
 def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list[FusedGroup]:
@@ -196,6 +229,11 @@ def runtime_modules(
         out.setdefault(name, []).append(m)
         split[name] = how
     result = [RuntimeModule(name, tuple(shards), split[name], name) for name, shards in out.items()]
+    for m in modules:
+        head = profile.lm_heads.get(m)
+        if head is not None:
+            runtime = head["runtime"]
+            result.append(RuntimeModule(runtime, (m,), "none", runtime, linear=False))
     kinds = profile.cross_layer[0] if profile.cross_layer else ()
     kv_a = tuple(m for m in modules if kinds and module_kind(m) == kinds[-1])
     if kv_a and profile.context_kv:
@@ -316,10 +354,13 @@ def tp_build_problem(
     heads = config.get("num_attention_heads")
     if isinstance(heads, int) and heads % tp:
         reasons.append(f"num_attention_heads {heads} is not a multiple of {tp}")
+    reasons += _kv_heads_problem(profile, config, tp)
     shapes = {m: s for m, s in shapes.items() if len(s) == 2}
     leaves: set[str] = set()
     for rt in runtime_modules(profile, shapes, target_layers=0):
         leaf = rt.name.split(".", 3)[-1]
+        if profile.gqa_heads and leaf == "self_attn.qkv_proj":
+            continue  # split by heads, checked above (key/value heads may be replicated)
         sizes = [shapes[m][0] for m in rt.shards] if rt.split == "out" else []
         sizes += [shapes[rt.shards[0]][1]] if rt.split == "in" else []
         uneven = next((size for size in sizes if size % tp), None)
@@ -328,6 +369,17 @@ def tp_build_problem(
             what = "an output" if rt.split == "out" else "the input"
             reasons.append(f"{leaf} has {what} size {uneven}, not a multiple of {tp}")
     return "; ".join(reasons) or None
+
+
+def _kv_heads_problem(profile: Profile, config: Mapping, tp: int) -> list[str]:
+    """QKVParallelLinear (vllm/model_executor/layers/linear.py) and DFlashQwen3Attention
+    .__init__ assert that the key/value heads divide by the TP size or, when fewer, divide it."""
+    if profile.gqa_heads is None:
+        return []
+    kv = config.get(profile.gqa_heads[1])
+    if not isinstance(kv, int) or kv < 1 or (kv % tp == 0 if kv >= tp else tp % kv == 0):
+        return []
+    return [f"{profile.gqa_heads[1]} {kv} neither divides by nor divides {tp}"]
 
 
 def tp_scale_problem(profile: Profile, module: str, k: int, block: int, tp: int) -> str | None:

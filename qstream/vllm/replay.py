@@ -1,5 +1,5 @@
 """vLLM's loading decision for a DSpark draft, replayed (docs/vllm.md): for every runtime
-Linear layer, the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes), the
+Linear layer (and ParallelLMHead built with the quant config), the scheme vLLM picks (ignore entries matched exactly or as ``re:`` regexes), the
 parameters that scheme expects from each checkpoint shard, and whether the checkpoint stores
 exactly those; the modules vLLM never quantizes; what it does at the tensor-parallel size.
 ``qstream.vllm.verify`` reports what this finds."""
@@ -75,6 +75,9 @@ def replay_vllm(
                 f"{module}: stored {fmt}, but vLLM never quantizes it "
                 f"({never}); it must keep the base dtype"
             )
+        head = serving.head_problem(profile, module, fmt, checkpoint.config)
+        if head and module in quantized:
+            report.problems.append(f"{module}: stored {fmt}, but {head}")
     _replay_tp(checkpoint, fmt, profile, holders, quantized, report)
 
 
@@ -134,8 +137,12 @@ def _vllm_scheme(
     hit = next((e for e in ignore if matches_ignore(e, rt.quant_name)), None)
     if hit is not None:
         return None, f"ignore entry {hit!r} matches {rt.quant_name}"
-    if "Linear" in targets or any(matches_ignore(t, rt.quant_name) for t in targets):
+    if ("Linear" in targets and rt.linear) or any(
+        matches_ignore(t, rt.quant_name) for t in targets
+    ):
         return fmt, f"no ignore entry matches {rt.quant_name}"
+    if not rt.linear:  # CompressedTensorsConfig.get_quant_method, find_matched_target
+        return None, f"no config group target names the ParallelLMHead {rt.quant_name}"
     return None, f"no config group target matches {rt.quant_name}"
 
 

@@ -16,24 +16,15 @@ from qstream.arch.dspark_qwen3.config import (
     SPECULATORS_TYPE,
     Qwen3DSparkConfig,
 )
-from qstream.arch.dspark_qwen3.serving import SERVING
+from qstream.arch.dspark_qwen3.serving import DEFAULT_INCLUDE, SERVING
 from qstream.arch.interface import Blocks, Rollout
 
 if TYPE_CHECKING:
     import torch
 
 # The module kinds a shipped draft quantizes: the backbone's Linear layers and the context
-# projection (docs/qwen3-dspark.md, "What is quantized").
-QUANTIZE_INCLUDE = (
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "fc",
-)
+# projection (docs/qwen3-dspark.md, "What is quantized"); quantize's default for this draft.
+QUANTIZE_INCLUDE = DEFAULT_INCLUDE
 
 
 class DSparkQwen3:

@@ -244,11 +244,10 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
     kind = data.get("speculators_model_type")
     _check(kind in (SPECULATORS_TYPE, "dflash"), "speculators_model_type", kind,
            "must be 'dspark' or 'dflash'")  # fmt: skip
-    layer = data.get("transformer_layer_config")
+    layer: dict[str, Any] = data.get("transformer_layer_config")  # type: ignore[assignment]
     _check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
-    _refuse_sliding(layer, {"use_swa": bool(layer.get("layer_types") and any(
-        t == "sliding_attention" for t in layer["layer_types"]))})  # fmt: skip
-    aux = data.get("aux_hidden_state_layer_ids")
+    _refuse_sliding(layer, {})
+    aux: list[int] = data.get("aux_hidden_state_layer_ids")  # type: ignore[assignment]
     _check(isinstance(aux, list) and all(_int(i) and i >= 1 for i in aux),
            "aux_hidden_state_layer_ids", aux,
            "must list hidden-state indices >= 1 (target layer i's output is index i + 1)")  # fmt: skip

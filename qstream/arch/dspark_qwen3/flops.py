@@ -29,7 +29,9 @@ def drafted_flops(c: Qwen3DSparkConfig, anchor: torch.Tensor) -> float:
     drafted positions then run lm_head and the Markov head."""
     S, B = c.block_slots, c.block_size
     head = (c.hidden_size + c.markov_rank) * c.draft_vocab_size
-    return sum(2.0 * (S * c.num_hidden_layers * _layer(c, p + S) + B * head) for p in anchor.tolist())
+    return sum(
+        2.0 * (S * c.num_hidden_layers * _layer(c, p + S) + B * head) for p in anchor.tolist()
+    )
 
 
 def causal_flops(c: Qwen3DSparkConfig, T: int) -> float:

@@ -63,7 +63,7 @@ def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
 def allowed_extra(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
     """Tensors a checkpoint may carry beyond the table: a full-vocabulary draft's own lm_head,
     and speculators' training-only t2d."""
-    extra = {T2D: (config.vocab_size,)}
+    extra: dict[str, tuple[int, ...]] = {T2D: (config.vocab_size,)}
     if not config.reduced_vocab:
         extra[LM_HEAD] = (config.vocab_size, config.hidden_size)
     return extra

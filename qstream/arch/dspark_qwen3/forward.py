@@ -1,0 +1,297 @@
+"""The Qwen3-style DSpark draft's reference forward (docs/qwen3-dspark.md, "Forward"), one code
+path for every precision: weights and activations in ``dtype``, matmuls accumulating in fp32,
+RMSNorm, RoPE, attention scores and softmax in fp32, rounded back to ``dtype``.
+
+>>> model = Qwen3DSpark(config, weights)                  # weights: name -> tensor, + lm_head
+>>> ctx = model.context(aux, lengths)                     # aux [S, T, A]: once per stream set
+>>> blocks = model.draft(ctx, stream, anchor, first_token)  # U [N, B, Vd], hf [N, B, H]
+
+As vLLM 0.32.0 computes it (vllm/model_executor/models/qwen3_dflash.py): the context
+``x = RMS(fc(aux), hidden_norm)`` is projected by every layer's own k_proj (then k_norm and
+RoPE) and v_proj with no input_layernorm (``DFlashQwen3Model.precompute_and_store_context_kv``);
+a block of ``[ids[p], mask, ...]`` at positions p.. attends, with no causal mask, to the
+context j < p and to itself (``DFlashQwen3Attention.forward``: q/k RMSNorm per head, neox RoPE,
+GQA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from qstream.arch.dspark_mla.forward import rms_norm, swiglu
+from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
+from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, check_tensors
+from qstream.arch.interface import AuxChunks, Blocks
+from qstream.arch.weights import ComputeWeights, embedding
+
+CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
+SCORE_BUDGET = 1 << 25  # attention score elements computed at a time
+
+
+def rope_inv_freq(config: Qwen3DSparkConfig) -> torch.Tensor:
+    """Inverse frequencies [d/2] fp32: ``theta^(-2j/d)``; with YaRN, interpolated (/factor)
+    below a linear ramp between the correction dims of beta_fast and beta_slow (floored and
+    ceiled), extrapolated above it (vLLM 0.32: ``YaRNScalingRotaryEmbedding._compute_inv_freq``
+    in vllm/model_executor/layers/rotary_embedding/yarn_scaling_rope.py)."""
+    rope, d = config.rope_parameters, config.head_dim
+    base = float(rope.rope_theta)
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    if rope.rope_type != "yarn":
+        return 1.0 / pos_freqs
+    orig = rope.original_max_position_embeddings or config.max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = float(max(math.floor(correction_dim(rope.beta_fast)), 0))
+    high = float(min(math.ceil(correction_dim(rope.beta_slow)), d - 1))
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    return interpolated * ramp + extrapolated * (1 - ramp)
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscale: float):
+    """Neox RoPE: rotate the halves ``(x[:d/2], x[d/2:])`` of x [..., T, heads, d] by
+    ``pos * inv_freq``, cos and sin scaled by YaRN's ``mscale``; ``pos`` broadcasts against
+    [..., T]."""
+    angle = pos.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
+    cos, sin = (angle.cos() * mscale)[..., None, :], (angle.sin() * mscale)[..., None, :]
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class ContextKV:
+    """Per layer, the context's keys (normed, rotated) and values at positions 0..T-1."""
+
+    k: tuple[torch.Tensor, ...]  # [S, T, kv, d]
+    v: tuple[torch.Tensor, ...]  # [S, T, kv, d]
+    lengths: torch.Tensor  # [S] valid context positions per stream
+
+
+class Qwen3DSpark:
+    """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the names of
+    :func:`~qstream.arch.dspark_qwen3.tensors.tensor_shapes` (with ``embed_tokens.weight``)
+    plus ``lm_head.weight`` [draft_vocab, H] to tensors of any float dtype, each held once."""
+
+    def __init__(
+        self,
+        config: Qwen3DSparkConfig,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shapes = {k: tuple(v.shape) for k, v in weights.items()}
+        check_tensors(config, shapes, "weights")
+        for name in (EMBED, LM_HEAD):
+            if name not in shapes:
+                raise ValueError(
+                    f"weights: {name} is required (the target's, when not the draft's)"
+                )
+        self.config, self.dtype = config, dtype
+        self.w = ComputeWeights({k: v for k, v in weights.items() if k != "t2d"}, dtype, device)
+        self.device = self.w.device
+        self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.mscale = config.rope_parameters.mscale
+        self.scale = config.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+
+    # -- building blocks ------------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(self.w, EMBED, tokens)
+
+    def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T (+ b)`` for module ``name``."""
+        out = self.w.linear(f"{name}.weight", x)
+        bias = self.w.stored.get(f"{name}.bias")
+        return out if bias is None else out + bias.to(out.dtype)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, self.w[f"{name}.weight"], self.eps)
+
+    def key_value(self, i: int, h: torch.Tensor, pos: torch.Tensor):
+        """Layer i's keys (k_norm, RoPE) and values of h [..., T, H]: [..., T, kv, d] each."""
+        c, a = self.config, f"layers.{i}.self_attn."
+        k = self.proj(a + "k_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        v = self.proj(a + "v_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        return apply_rope(self.norm(k, a + "k_norm"), pos, self.inv_freq, self.mscale), v
+
+    def query(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Layer i's queries (q_norm, RoPE) [..., T, kv, group, d]."""
+        c, a = self.config, f"layers.{i}.self_attn."
+        q = self.proj(a + "q_proj", h).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        q = apply_rope(self.norm(q, a + "q_norm"), pos, self.inv_freq, self.mscale)
+        return q.unflatten(-2, (c.num_key_value_heads, -1))
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x, f"layers.{i}.post_attention_layernorm")
+        p = f"layers.{i}.mlp."
+        return swiglu(h, p + "gate_proj", p + "up_proj", p + "down_proj", self._linear)
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return self.w.linear(f"{name}.weight", x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
+        """q [..., Tq, kv, g, d] over k, v [..., Tk, kv, d] (``mask`` [..., Tq, Tk] True where
+        visible) -> [..., Tq, n*d]: fp32 scores and softmax, rounded to the model's dtype."""
+        s = torch.einsum("...qkgd,...tkd->...kgqt", q.float(), k.float()) * self.scale
+        if mask is not None:
+            s = s.masked_fill(~mask[..., None, None, :, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(self.dtype)
+        return torch.einsum("...kgqt,...tkd->...qkgd", p, v).flatten(-3)
+
+    # -- the context ----------------------------------------------------------------------
+
+    def context(self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None):
+        """aux [S, T, A] (the target_layer_ids' hidden states, concatenated per position) ->
+        every layer's context keys and values at positions 0..T-1; ``lengths`` [S] marks right
+        padding.  Projected ``CONTEXT_ELEMENTS`` at a time."""
+        c = self.config
+        if len(aux.shape) != 3 or aux.shape[-1] != c.aux_size:
+            raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
+        S, T, _ = aux.shape
+        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
+        step = max(1, CONTEXT_ELEMENTS // max(1, S * c.aux_size))
+        pieces = []
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            rows = aux[:, t0:t1] if isinstance(aux, torch.Tensor) else aux.rows(t0, t1)
+            x = self.norm(self.proj("fc", rows.to(self.device, self.dtype)), "hidden_norm")
+            pos = torch.arange(t0, t1, device=self.device)
+            pieces.append([self.key_value(i, x, pos) for i in range(c.num_hidden_layers)])
+        k, v = (
+            tuple(torch.cat([p[i][j] for p in pieces], 1) for i in range(c.num_hidden_layers))
+            for j in (0, 1)
+        )
+        return ContextKV(k, v, lengths.to(torch.int64))
+
+    # -- drafting -------------------------------------------------------------------------
+
+    def block_hidden(
+        self, ctx: ContextKV, stream: torch.Tensor, anchor: torch.Tensor, first_token: torch.Tensor
+    ) -> torch.Tensor:
+        """Every slot's final-normed state [N, block_slots, H] in the model's dtype: block n is
+        ``[first_token[n], mask, ...]`` at positions anchor[n].. of stream[n], attending to its
+        context j < anchor[n] and to the whole block.  Computed a stream at a time, in chunks
+        of blocks whose scores stay within ``SCORE_BUDGET``."""
+        c = self.config
+        stream, anchor, first_token = _check_blocks(c, ctx, stream, anchor, first_token)
+        out = torch.empty(len(stream), c.block_slots, c.hidden_size, dtype=self.dtype,
+                          device=self.device)  # fmt: skip
+        for s in stream.unique().tolist():
+            idx = (stream == s).nonzero().squeeze(1)
+            per_block = (
+                c.num_attention_heads * c.block_slots * (int(anchor[idx].max()) + c.block_slots)
+            )
+            step = max(1, SCORE_BUDGET // per_block)
+            for j in range(0, len(idx), step):
+                rows = idx[j : j + step]
+                out[rows] = self._blocks_of_stream(ctx, s, anchor[rows], first_token[rows])
+        return out
+
+    def _blocks_of_stream(self, ctx: ContextKV, s: int, anchor, first_token) -> torch.Tensor:
+        c, n, B = self.config, len(anchor), self.config.block_slots
+        anchor, first_token = anchor.to(self.device), first_token.to(self.device)
+        T = int(anchor.max())
+        tokens = torch.full((n, B), c.mask_token_id, device=self.device)
+        tokens[:, 0] = first_token
+        pos = anchor[:, None] + torch.arange(B, device=self.device)  # [n, B]
+        visible = torch.arange(T, device=self.device)[None, :] < anchor[:, None]  # [n, T]
+        mask = torch.cat((visible, visible.new_ones(n, B)), 1)[:, None, :].expand(n, B, T + B)
+        x = self.embed(tokens)  # [n, B, H]
+        for i in range(c.num_hidden_layers):
+            h = self.norm(x, f"layers.{i}.input_layernorm")
+            kb, vb = self.key_value(i, h, pos)  # [n, B, kv, d]
+            k = torch.cat((ctx.k[i][s, :T].expand(n, T, *kb.shape[2:]), kb), 1)
+            v = torch.cat((ctx.v[i][s, :T].expand(n, T, *vb.shape[2:]), vb), 1)
+            out = self.attend(self.query(i, h, pos), k, v, mask)
+            x = x + self.proj(f"layers.{i}.self_attn.o_proj", out)
+            x = x + self.mlp(i, x)
+        return self.norm(x, "norm")
+
+    def draft(
+        self, ctx: ContextKV, stream: torch.Tensor, anchor: torch.Tensor, first_token: torch.Tensor
+    ) -> Blocks:
+        """Block n on stream ``stream[n]`` at anchor p = ``anchor[n]`` from ``first_token[n]``
+        = ids[p]: the drafted slots' base logits ``U = hf @ lm_head^T`` [N, B, Vd] (row k
+        predicts ids[p+k+1]) and states hf [N, B, H], fp32."""
+        hf = self.block_hidden(ctx, stream, anchor, first_token)[:, self.config.first_slot :]
+        U = self.w.linear(LM_HEAD, hf)
+        return Blocks(U.float(), hf.float(), torch.as_tensor(first_token).long().to(self.device))
+
+    def draft_one(self, ctx: ContextKV, stream: int, anchor: int, first_token: int) -> Blocks:
+        """:meth:`draft` of one block."""
+        return self.draft(ctx, torch.tensor([stream]), torch.tensor([anchor]),
+                          torch.tensor([first_token]))  # fmt: skip
+
+    # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
+
+    def causal_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """The draft's layers as a causal decoder over ids [S, T] -> every layer's output
+        [S, T, L, H] fp32 (``.flatten(2)``: the boot regime's aux, docs/eval-drift.md)."""
+        stream = CausalStream(self, ids, torch.float32)
+        S, T, _ = stream.shape
+        return stream.rows(0, T).unflatten(-1, (self.config.num_hidden_layers, -1))
+
+
+class CausalStream:
+    """:meth:`Qwen3DSpark.causal_hidden` a range of positions at a time over a per-layer KV
+    cache: ``rows(t0, t1)`` -> [S, t1 - t0, L*H] in ``dtype``, taken in order from 0."""
+
+    def __init__(self, model: Qwen3DSpark, ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+        c = model.config
+        S, T = ids.shape
+        self.model, self.ids, self.dtype = model, ids, dtype
+        self.shape = (S, T, c.num_hidden_layers * c.hidden_size)
+        kv = (S, T, c.num_key_value_heads, c.head_dim)
+        self._k = [
+            torch.empty(kv, dtype=model.dtype, device=model.device)
+            for _ in range(c.num_hidden_layers)
+        ]
+        self._v = [torch.empty_like(k) for k in self._k]
+        self._next = 0
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        if t0 != self._next or not t0 < t1 <= self.shape[1]:
+            raise RuntimeError(f"causal rows must be taken in order: asked {t0}..{t1}")
+        self._next, m = t1, self.model
+        per_query = m.config.num_attention_heads * t1 * self.shape[0]
+        step = max(1, SCORE_BUDGET // per_query)
+        return torch.cat([self._rows(a, min(a + step, t1)) for a in range(t0, t1, step)], 1)
+
+    def _rows(self, t0: int, t1: int) -> torch.Tensor:
+        m = self.model
+        pos = torch.arange(t0, t1, device=m.device)
+        mask = torch.arange(t1, device=m.device)[None, :] <= pos[:, None]  # [t, t1]
+        x = m.embed(self.ids[:, t0:t1].to(m.device))  # [S, t, H]
+        outs = []
+        for i in range(m.config.num_hidden_layers):
+            h = m.norm(x, f"layers.{i}.input_layernorm")
+            self._k[i][:, t0:t1], self._v[i][:, t0:t1] = m.key_value(i, h, pos)
+            out = m.attend(m.query(i, h, pos), self._k[i][:, :t1], self._v[i][:, :t1], mask)
+            x = x + m.proj(f"layers.{i}.self_attn.o_proj", out)
+            x = x + m.mlp(i, x)
+            outs.append(x.to(self.dtype))
+        return torch.stack(outs, dim=2).flatten(2)
+
+
+def _check_blocks(c: Qwen3DSparkConfig, ctx: ContextKV, stream, anchor, first_token):
+    stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
+    first_token = torch.as_tensor(first_token).long()
+    if not (stream.shape == anchor.shape == first_token.shape) or stream.dim() != 1:
+        raise ValueError("stream, anchor and first_token must be 1-D of equal length")
+    if stream.numel() and bool((anchor > ctx.lengths[stream]).any() or (anchor < 0).any()):
+        raise ValueError("every anchor p must satisfy 0 <= p <= its stream's context length")
+    if first_token.numel() and not (
+        0 <= int(first_token.min()) and int(first_token.max()) < c.vocab_size
+    ):
+        raise ValueError(f"first_token ids must lie in [0, {c.vocab_size})")
+    return stream, anchor, first_token

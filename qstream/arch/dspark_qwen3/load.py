@@ -1,0 +1,98 @@
+"""Loading a Qwen3-style DSpark draft: strict, memory-mapped, quantized checkpoints
+dequantized; what the draft does not carry is borrowed from its target (docs/qwen3-dspark.md,
+"Loading"), as vLLM 0.32.0 shares it (``Qwen3DSparkForCausalLM.load_weights``).
+
+>>> weights = load_weights("draft/", None, config)   # borrowed from draft/target_head/
+>>> weights = load_weights("draft-nvfp4/", "Qwen3-8B/", config)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
+from qstream.arch.dspark_qwen3.tensors import D2T, EMBED, LM_HEAD, T2D, check_tensors
+from qstream.arch.interface import TARGET_HEAD_DIR
+from qstream.checkpoint.files import open_checkpoint, read_config
+from qstream.checkpoint.read import checkpoint_format, dequantize_all, read_target_tensors
+from qstream.checkpoint.safetensors_io import ShardReader
+from qstream.errors import QStreamError
+from qstream.units import FLOAT_DTYPES
+
+INDEX_TENSORS = {D2T: (torch.int64, torch.int32), T2D: (torch.bool, torch.uint8)}
+
+
+def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict[str, torch.Tensor]:
+    """Every tensor of the draft checkpoint, quantized ones dequantized, strictly checked
+    against the config (``embed_tokens`` may be absent; the target's is then shared)."""
+    directory = Path(directory)
+    checkpoint = open_checkpoint(directory)
+    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
+    raw = {n: readers[s].tensor(n) for n, s in checkpoint.tensor_shard.items()}
+    index = {n: raw.pop(n) for n in list(raw) if n in INDEX_TENSORS}
+    tensors = dequantize_all(raw, checkpoint_format(directory, checkpoint.config), str(directory))
+    for name, tensor in tensors.items():
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise QStreamError(
+                f"{directory}: tensor {name!r} is {tensor.dtype}, not a float weight "
+                "(quantized data the config does not declare?)"
+            )
+    for name, tensor in index.items():
+        if tensor.dtype not in INDEX_TENSORS[name]:
+            raise QStreamError(f"{directory}: tensor {name!r} is {tensor.dtype}, not an index map")
+    check_tensors(
+        config, {k: tuple(v.shape) for k, v in {**tensors, **index}.items()}, str(directory)
+    )
+    if D2T in index:
+        _check_d2t(directory, index[D2T].long(), config)
+        tensors[D2T] = index[D2T].long()
+    return tensors
+
+
+def _check_d2t(directory: Path, d2t: torch.Tensor, config: Qwen3DSparkConfig) -> None:
+    target_ids = torch.arange(len(d2t)) + d2t
+    if bool((target_ids < 0).any() or (target_ids >= config.vocab_size).any()):
+        raise QStreamError(f"{directory}: d2t maps a draft id outside [0, {config.vocab_size})")
+    if len(target_ids.unique()) != len(target_ids):
+        raise QStreamError(f"{directory}: d2t maps two draft ids to one target id")
+
+
+def load_weights(
+    model_dir: str | Path, target: str | Path | None, config: Qwen3DSparkConfig
+) -> dict[str, torch.Tensor]:
+    """Everything :class:`~qstream.arch.dspark_qwen3.forward.Qwen3DSpark` needs: the draft's
+    tensors plus, from ``target`` (default ``model_dir/target_head``), ``embed_tokens.weight``
+    when the draft has none and ``lm_head.weight`` when the draft has no lm_head of its own
+    (a target with tied embeddings lends its embedding)."""
+    model_dir = Path(model_dir)
+    tensors = read_draft_tensors(model_dir, config)
+    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
+    if not wanted:
+        return tensors
+    if target is None:
+        target = model_dir / TARGET_HEAD_DIR
+        if not target.is_dir():
+            raise QStreamError(
+                f"{model_dir}: the draft has no {' or '.join(wanted)} of its own; pass the "
+                f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
+            )
+    borrowed = _read_borrowed(Path(target), wanted)
+    expected = (config.vocab_size, config.hidden_size)
+    for name, tensor in borrowed.items():
+        if tuple(tensor.shape) != expected:
+            raise QStreamError(
+                f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
+            )
+    return {**tensors, **borrowed}
+
+
+def _read_borrowed(target: Path, wanted: list[str]) -> dict[str, torch.Tensor]:
+    """``wanted`` from the target; a target whose config.json ties its word embeddings has
+    no lm_head tensor and lends embed_tokens for it."""
+    tied = (target / "config.json").exists() and read_config(target).get("tie_word_embeddings")
+    if tied and LM_HEAD in wanted:
+        out = read_target_tensors(target, [EMBED])
+        return {n: out[EMBED] for n in wanted}
+    return read_target_tensors(target, wanted)

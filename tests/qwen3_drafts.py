@@ -1,0 +1,52 @@
+"""Qwen3-style DSpark drafts for the serving tests, written on the fly (docs/vllm.md): the
+``qwen3-tiny`` preset's tensor table (qstream/arch/dspark_qwen3/tensors.py) filled with seeded
+bf16 N(0, 0.02^2) weights with one tensor-specific outlier each (so NVFP4 global scales differ
+between tensors), ones for the norms, a valid d2t for a reduced vocabulary, and config.json in
+vLLM's dense layout.  Until ``qstream synth --preset qwen3-tiny`` exists, this is the input the
+tests quantize."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qstream.arch.dspark_qwen3.config import PRESETS, Qwen3DSparkConfig
+from qstream.arch.dspark_qwen3.tensors import D2T, EMBED, tensor_shapes
+
+TINY = PRESETS["qwen3-tiny"]
+REDUCED = replace(TINY, draft_vocab_size=512)  # a draft vocabulary half the target's
+
+
+def qwen3_tensors(config: Qwen3DSparkConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in tensor_shapes(config).items():
+        if name == D2T:  # draft id i -> target id 2i: d2t[i] = i
+            out[name] = torch.arange(shape[0], dtype=torch.int64)
+        elif len(shape) == 1:
+            out[name] = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            w = torch.randn(*shape, generator=gen) * 0.02
+            w[0, 0] = 0.02 * (1 + torch.rand((), generator=gen) * 8)
+            out[name] = w.to(torch.bfloat16)
+    return out
+
+
+def write_qwen3_draft(
+    directory: Path,
+    config: Qwen3DSparkConfig = TINY,
+    seed: int = 0,
+    embed: bool = True,
+) -> Path:
+    """A bf16 draft of ``config`` in ``directory`` (without embed_tokens: ``embed`` False)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = qwen3_tensors(config, seed)
+    if not embed:
+        del tensors[EMBED]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config.to_json(), indent=2))
+    return directory
