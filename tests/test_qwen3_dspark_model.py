@@ -208,3 +208,10 @@ def test_speculators_layout_reads_into_the_same_config():
     assert Qwen3DSparkConfig.from_json(data) == replace(t, target_num_hidden_layers=None)
     data.pop("sample_from_anchor")  # vLLM reads a missing key as false in this layout
     assert Qwen3DSparkConfig.from_json(data).sample_from_anchor is False
+
+
+def test_the_legacy_rope_layout_reads_into_rope_parameters():
+    data = {k: v for k, v in YARN.to_json().items() if k != "rope_parameters"}
+    data.update(rope_theta=1e4, rope_scaling={"type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 64})  # fmt: skip
+    assert Qwen3DSparkConfig.from_json(data) == YARN

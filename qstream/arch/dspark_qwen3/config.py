@@ -209,7 +209,7 @@ class Qwen3DSparkConfig:
             key = _json_key(f.name)
             if key in flat and flat[key] is not None:
                 kwargs[f.name] = flat[key]
-            elif f.default is MISSING and f.name != "draft_vocab_size":
+            elif f.default is MISSING and f.name not in ("draft_vocab_size", "rope_parameters"):
                 raise ValueError(f"config.json: missing key {key!r}")
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
         ids = kwargs["target_layer_ids"]
