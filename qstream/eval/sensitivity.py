@@ -23,7 +23,7 @@ from qstream.eval.settings import DriftSettings
 from qstream.formats import FORMATS, get_format
 from qstream.quant.select import select_modules
 from qstream.vllm.patterns import matches
-from qstream.vllm.profiles import profile_for
+from qstream.vllm.profiles import head_problem, profile_for
 
 DEFAULT_FORMAT = "nvfp4"  # the format the published recipe ships at 4 bits
 HARM = (
@@ -79,8 +79,16 @@ def module_kinds(
         if k != LM_HEAD
     }
     profile = profile_for(config.to_json())
+    # the heads vLLM serves quantized in this format (Qwen3-style DSpark: markov_w2) join the
+    # default selection
+    heads = [
+        m
+        for m in profile.lm_heads
+        if f"{m}.weight" in infos and head_problem(profile, m, fmt, config.to_json()) is None
+    ]
+    include = [*profile.default_include, *heads] if heads else None
     selection = select_modules(
-        infos, fmt, None, list(ignore), skip_incompatible=True, profile=profile
+        infos, fmt, include, list(ignore), skip_incompatible=True, profile=profile
     )
     by_key: dict[str, list[str]] = {}
     for module in selection.quantized:

@@ -22,9 +22,9 @@ from qstream.arch.interface import Blocks, Rollout
 if TYPE_CHECKING:
     import torch
 
-# The module kinds a shipped draft quantizes: the backbone's Linear layers and the context
-# projection (docs/qwen3-dspark.md, "What is quantized"); quantize's default for this draft.
-QUANTIZE_INCLUDE = DEFAULT_INCLUDE
+# The module kinds a shipped draft quantizes: the backbone's Linear layers and fc
+# (docs/qwen3-dspark.md, "What is quantized"); the serving profile's default selection.
+QUANTIZE_INCLUDE: tuple[str, ...] = DEFAULT_INCLUDE
 
 
 class DSparkQwen3:

@@ -180,29 +180,31 @@ class Qwen3DSpark:
     ) -> torch.Tensor:
         """Every slot's final-normed state [N, block_slots, H] in the model's dtype: block n is
         ``[first_token[n], mask, ...]`` at positions anchor[n].. of stream[n], attending to its
-        context j < anchor[n] and to the whole block.  Computed a stream at a time, in chunks
-        of blocks whose scores stay within ``SCORE_BUDGET``."""
+        context j < anchor[n] and to the whole block.  Computed in runs of consecutive blocks
+        whose scores and gathered context keys stay within ``SCORE_BUDGET`` elements."""
         c = self.config
         stream, anchor, first_token = _check_blocks(c, ctx, stream, anchor, first_token)
-        out = torch.empty(len(stream), c.block_slots, c.hidden_size, dtype=self.dtype,
-                          device=self.device)  # fmt: skip
-        for s in stream.unique().tolist():
-            idx = (stream == s).nonzero().squeeze(1)
-            per_block = (
-                c.num_attention_heads * c.block_slots * (int(anchor[idx].max()) + c.block_slots)
-            )
-            step = max(1, SCORE_BUDGET // per_block)
-            for j in range(0, len(idx), step):
-                rows = idx[j : j + step]
-                out[rows] = self._blocks_of_stream(ctx, s, anchor[rows], first_token[rows])
+        B, kv = c.block_slots, c.num_key_value_heads * c.head_dim
+        per_key = max(c.num_attention_heads * B, 2 * kv)  # score or gathered elements per key
+        out = torch.empty(len(stream), B, c.hidden_size, dtype=self.dtype, device=self.device)
+        j, keys = 0, anchor.tolist()
+        while j < len(keys):
+            k, longest = j + 1, keys[j]
+            while (
+                k < len(keys)
+                and (k + 1 - j) * per_key * (max(longest, keys[k]) + B) <= SCORE_BUDGET
+            ):
+                longest, k = max(longest, keys[k]), k + 1
+            out[j:k] = self._blocks(ctx, stream[j:k], anchor[j:k], first_token[j:k])
+            j = k
         return out
 
-    def _blocks_of_stream(self, ctx: ContextKV, s: int, anchor, first_token) -> torch.Tensor:
+    def _blocks(self, ctx: ContextKV, stream, anchor, first_token) -> torch.Tensor:
         c, n, B = self.config, len(anchor), self.config.block_slots
-        anchor, first_token = anchor.to(self.device), first_token.to(self.device)
+        stream, anchor = stream.to(ctx.k[0].device), anchor.to(self.device)
         T = int(anchor.max())
         tokens = torch.full((n, B), c.mask_token_id, device=self.device)
-        tokens[:, 0] = first_token
+        tokens[:, 0] = first_token.to(self.device)
         pos = anchor[:, None] + torch.arange(B, device=self.device)  # [n, B]
         visible = torch.arange(T, device=self.device)[None, :] < anchor[:, None]  # [n, T]
         mask = torch.cat((visible, visible.new_ones(n, B)), 1)[:, None, :].expand(n, B, T + B)
@@ -210,8 +212,8 @@ class Qwen3DSpark:
         for i in range(c.num_hidden_layers):
             h = self.norm(x, f"layers.{i}.input_layernorm")
             kb, vb = self.key_value(i, h, pos)  # [n, B, kv, d]
-            k = torch.cat((ctx.k[i][s, :T].expand(n, T, *kb.shape[2:]), kb), 1)
-            v = torch.cat((ctx.v[i][s, :T].expand(n, T, *vb.shape[2:]), vb), 1)
+            k = torch.cat((ctx.k[i][stream, :T], kb), 1)  # [n, T + B, kv, d]
+            v = torch.cat((ctx.v[i][stream, :T], vb), 1)
             out = self.attend(self.query(i, h, pos), k, v, mask)
             x = x + self.proj(f"layers.{i}.self_attn.o_proj", out)
             x = x + self.mlp(i, x)
@@ -228,9 +230,31 @@ class Qwen3DSpark:
         return Blocks(U.float(), hf.float(), torch.as_tensor(first_token).long().to(self.device))
 
     def draft_one(self, ctx: ContextKV, stream: int, anchor: int, first_token: int) -> Blocks:
-        """:meth:`draft` of one block."""
-        return self.draft(ctx, torch.tensor([stream]), torch.tensor([anchor]),
-                          torch.tensor([first_token]))  # fmt: skip
+        """The forward of one block, written to be read (docs/qwen3-dspark.md): tokens
+        ``[first_token, mask, ...]`` at positions p.. (p = ``anchor``) attend to the context
+        j < p of stream ``stream`` and to the whole block, with no causal mask inside.
+        :meth:`draft` computes the same for many blocks at once (tests check they agree)."""
+        c, p = self.config, anchor
+        if not 0 <= p <= int(ctx.lengths[stream]):
+            raise ValueError("the anchor p must satisfy 0 <= p <= its stream's context length")
+        tokens = torch.full((c.block_slots,), c.mask_token_id, device=self.device)
+        tokens[0] = first_token
+        pos = p + torch.arange(c.block_slots, device=self.device)
+        x = self.embed(tokens)  # [B, H]
+        for i in range(c.num_hidden_layers):
+            h = self.norm(x, f"layers.{i}.input_layernorm")
+            k_blk, v_blk = self.key_value(i, h, pos)  # [B, kv, d]
+            k = torch.cat((ctx.k[i][stream, :p], k_blk))  # [p + B, kv, d]: every key visible
+            v = torch.cat((ctx.v[i][stream, :p], v_blk))
+            x = x + self.proj(
+                f"layers.{i}.self_attn.o_proj", self.attend(self.query(i, h, pos), k, v)
+            )
+            x = x + self.mlp(i, x)
+        hf = self.norm(x, "norm")[c.first_slot :]
+        U = self.w.linear(LM_HEAD, hf)
+        return Blocks(
+            U[None].float(), hf[None].float(), torch.tensor([first_token], device=self.device)
+        )
 
     # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
 

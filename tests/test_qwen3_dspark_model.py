@@ -1,0 +1,210 @@
+"""The Qwen3-style DSpark draft's forward and loader (docs/qwen3-dspark.md): the batched
+``draft`` against the readable ``draft_one``, the streamed causal pass against the whole one,
+the DFlash (no Markov head) rollout, the fill-in layout, and what the loader borrows from the
+target.  Parity with speculators and transformers: tests/test_speculators_parity.py and
+tests/test_qwen3_building_blocks.py."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from qwen3_drafts import TINY, write_qwen3_draft
+from safetensors.torch import save_file
+
+from qstream.arch.dspark_qwen3 import forward
+from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig, RopeParameters
+from qstream.arch.dspark_qwen3.forward import CausalStream, Qwen3DSpark
+from qstream.arch.dspark_qwen3.load import load_weights
+from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, tensor_shapes
+from qstream.arch.markov import rollout
+from qstream.errors import QStreamError
+
+YARN = replace(
+    TINY,
+    rope_parameters=RopeParameters(1e4, "yarn", 4.0, 64),
+    max_position_embeddings=256,
+)
+
+
+def weights(config: Qwen3DSparkConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in tensor_shapes(config).items():
+        if name.endswith("norm.weight"):
+            out[name] = 1 + 0.2 * torch.randn(shape, generator=gen)
+        elif len(shape) == 2:
+            out[name] = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+        else:
+            out[name] = 0.1 * torch.randn(shape, generator=gen)
+    out[LM_HEAD] = torch.randn(config.draft_vocab_size, config.hidden_size, generator=gen) / 4
+    return out
+
+
+def blocks_setup(config: Qwen3DSparkConfig, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed + 1)
+    model = Qwen3DSpark(config, weights(config, seed))
+    aux = torch.randn(3, 90, config.aux_size, generator=gen)
+    lengths = torch.tensor([90, 40, 75])
+    stream = torch.tensor([0, 0, 1, 2, 0, 1, 2, 2])
+    anchor = torch.tensor([0, 89, 40, 3, 64, 17, 75, 74])
+    first = torch.randint(0, config.vocab_size, (8,), generator=gen)
+    return model, model.context(aux, lengths), stream, anchor, first
+
+
+@pytest.mark.parametrize("config", [TINY, YARN], ids=["rope", "yarn"])
+def test_draft_equals_one_block_at_a_time(config, monkeypatch):
+    model, ctx, stream, anchor, first = blocks_setup(config)
+    whole = model.draft(ctx, stream, anchor, first)
+    monkeypatch.setattr(forward, "SCORE_BUDGET", 1)  # every block a run of its own
+    single = model.draft(ctx, stream, anchor, first)
+    for n in range(len(stream)):
+        one = model.draft_one(ctx, int(stream[n]), int(anchor[n]), int(first[n]))
+        for got in (whole, single):
+            torch.testing.assert_close(got.logits_base[n], one.logits_base[0], rtol=0, atol=2e-5)
+            torch.testing.assert_close(got.hidden[n], one.hidden[0], rtol=0, atol=2e-5)
+    assert whole.logits_base.shape == (8, config.block_size, config.draft_vocab_size)
+
+
+def test_a_block_sees_only_its_context_before_the_anchor():
+    model, ctx, stream, anchor, first = blocks_setup(TINY)
+    gen = torch.Generator().manual_seed(5)
+    aux = torch.randn(1, 30, TINY.aux_size, generator=gen)
+    changed = aux.clone()
+    changed[0, 20:] += 1.0  # positions >= the anchor
+    a = model.draft(model.context(aux), torch.tensor([0]), torch.tensor([20]), first[:1])
+    b = model.draft(model.context(changed), torch.tensor([0]), torch.tensor([20]), first[:1])
+    assert torch.equal(a.logits_base, b.logits_base)
+    changed[0, 19] += 1.0  # the last visible position
+    c = model.draft(model.context(changed), torch.tensor([0]), torch.tensor([20]), first[:1])
+    assert not torch.equal(a.logits_base, c.logits_base)
+
+
+def test_fill_in_layout_drafts_from_slot_one():
+    fill = replace(TINY, sample_from_anchor=False)
+    assert (fill.block_size, fill.first_slot) == (TINY.block_slots - 1, 1)
+    model, ctx, stream, anchor, first = blocks_setup(fill)
+    slots = model.block_hidden(ctx, stream, anchor, first)
+    blocks = model.draft(ctx, stream, anchor, first)
+    assert torch.equal(blocks.hidden, slots[:, 1:].float())
+
+
+def test_causal_stream_in_pieces_equals_the_whole_pass():
+    model = Qwen3DSpark(TINY, weights(TINY))
+    ids = torch.randint(0, TINY.vocab_size, (2, 37), generator=torch.Generator().manual_seed(3))
+    whole = model.causal_hidden(ids)
+    assert whole.shape == (2, 37, TINY.num_hidden_layers, TINY.hidden_size)
+    stream = CausalStream(model, ids)
+    parts = torch.cat([stream.rows(0, 1), stream.rows(1, 20), stream.rows(20, 37)], 1)
+    torch.testing.assert_close(parts, whole.flatten(2), rtol=0, atol=1e-5)
+    with pytest.raises(RuntimeError, match="in order"):
+        stream.rows(0, 5)
+
+
+def test_a_dflash_draft_drafts_its_base_logits():
+    dflash = replace(TINY, markov_rank=0, enable_confidence_head=False,
+                     confidence_head_with_markov=False)  # fmt: skip
+    model, ctx, stream, anchor, first = blocks_setup(dflash)
+    blocks = model.draft(ctx, stream, anchor, first)
+    greedy = rollout(model, blocks)
+    assert torch.equal(greedy.tokens, blocks.logits_base.argmax(-1))
+    assert greedy.confidence is None
+
+
+def _target(directory, config, tied=False):
+    gen = torch.Generator().manual_seed(9)
+    shape = (config.vocab_size, config.hidden_size)
+    tensors = {"model.embed_tokens.weight": torch.randn(shape, generator=gen).bfloat16()}
+    if not tied:
+        tensors["lm_head.weight"] = torch.randn(shape, generator=gen).bfloat16()
+    directory.mkdir()
+    save_file(tensors, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    return tensors
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_loader_borrows_embedding_and_head_from_the_target(tmp_path, tied):
+    draft = write_qwen3_draft(tmp_path / "draft", embed=False)
+    lent = _target(tmp_path / "target", TINY, tied)
+    got = load_weights(draft, tmp_path / "target", TINY)
+    assert torch.equal(got[EMBED], lent["model.embed_tokens.weight"])
+    head = lent["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    assert torch.equal(got[LM_HEAD], head)
+    Qwen3DSpark(TINY, got)  # everything the forward needs
+
+
+def test_loader_without_a_target_names_what_is_missing(tmp_path):
+    draft = write_qwen3_draft(tmp_path / "draft", embed=False)
+    with pytest.raises(QStreamError, match="no embed_tokens.weight or lm_head.weight of its own"):
+        load_weights(draft, None, TINY)
+
+
+def test_loader_refuses_a_d2t_that_maps_outside_the_target_vocabulary(tmp_path):
+    reduced = replace(TINY, draft_vocab_size=512)
+    draft = write_qwen3_draft(tmp_path / "draft", reduced)
+    from safetensors.torch import load_file
+
+    tensors = load_file(draft / "model.safetensors")
+    tensors["d2t"] = torch.full((512,), TINY.vocab_size, dtype=torch.int64)
+    save_file(tensors, draft / "model.safetensors")
+    with pytest.raises(QStreamError, match="d2t maps a draft id outside"):
+        load_weights(draft, None, reduced)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_key_value_heads": 3}, "num_key_value_heads = 3 must divide num_attention_heads"),
+        ({"markov_head_type": "gated"}, "markov_head_type = 'gated' must be 'vanilla'"),
+        ({"layer_types": ["sliding_attention"] * 5}, "sliding-window layers"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type = 'llama3'"),
+        ({"target_layer_ids": [0, 8]}, r"target_layer_ids = \[0, 8\] must be layer indices"),
+        ({"hidden_size": "64"}, "hidden_size = '64' must be a positive integer"),
+    ],
+)
+def test_config_errors_name_the_key(change, message):
+    data = {**TINY.to_json(), **change}
+    with pytest.raises(ValueError, match=message):
+        Qwen3DSparkConfig.from_json(data)
+
+
+def test_speculators_layout_reads_into_the_same_config():
+    t = TINY
+    layer = {
+        k: v
+        for k, v in t.to_json().items()
+        if k
+        in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "rope_parameters",
+            "eos_token_id",
+        )  # fmt: skip
+    }
+    data = {
+        "speculators_model_type": "dspark",
+        "transformer_layer_config": {**layer, "model_type": "qwen3"},
+        "aux_hidden_state_layer_ids": [i + 1 for i in t.target_layer_ids],
+        "draft_vocab_size": t.draft_vocab_size,
+        "block_size": t.block_slots,
+        "mask_token_id": t.mask_token_id,
+        "target_hidden_size": t.target_hidden_size,
+        "markov_rank": t.markov_rank,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+        "sample_from_anchor": True,
+    }
+    assert Qwen3DSparkConfig.from_json(data) == replace(t, target_num_hidden_layers=None)
+    data.pop("sample_from_anchor")  # vLLM reads a missing key as false in this layout
+    assert Qwen3DSparkConfig.from_json(data).sample_from_anchor is False
