@@ -146,19 +146,13 @@ def test_teacher_forced_markov_logits_and_confidence_match(pair):
     assert rel(forced.confidence, torch.sigmoid(pair.spec.confidence[:, pair.drafted])) <= TOL
 
 
-def test_greedy_rollouts_are_token_identical(pair, request):
+def test_greedy_rollouts_are_token_identical(pair):
     import speculators_draft as sd
 
     from qstream.arch.markov import rollout
 
-    if pair.config.reduced_vocab:
-        # vLLM maps each drafted id to the target's (d + d2t[d]) before it is emitted and fed
-        # to markov_w1 (vllm/v1/worker/gpu/spec_decode/dspark/speculator.py, _sample_logits /
-        # _sample_sequential; map_draft_to_target in qwen3_dspark.py); qstream's rollout feeds
-        # the draft id itself, and eval-drift refuses such drafts (docs/qwen3-dspark.md).
-        request.applymarker(
-            pytest.mark.xfail(strict=True, reason="rollout does not map draft ids through d2t")
-        )
+    # a reduced vocabulary: vLLM maps each drafted id to the target's (d + d2t[d]) before it
+    # is emitted and fed to markov_w1 (map_draft_to_target in qwen3_dspark.py), as qstream does
     ours = rollout(pair.model, pair.blocks)
     tokens, logits, confidence = sd.greedy(
         pair.spec_model, pair.spec, pair.first_token, pair.config.first_slot

@@ -54,6 +54,7 @@ class HostHead:
     config: DraftConfig
     w: ComputeWeights
     dtype: torch.dtype
+    d2t: torch.Tensor | None = None
 
 
 def host_head(model: DraftWithHeads) -> HeadModel:
@@ -61,7 +62,21 @@ def host_head(model: DraftWithHeads) -> HeadModel:
     if model.device.type == "cpu":
         return model
     stored = {k: v.cpu() for k, v in model.w.stored.items() if k.startswith(HEAD_PREFIXES)}
-    return HostHead(model.config, ComputeWeights(stored, model.dtype), model.dtype)
+    d2t = draft_to_target(model)
+    return HostHead(
+        model.config,
+        ComputeWeights(stored, model.dtype),
+        model.dtype,
+        None if d2t is None else d2t.cpu(),
+    )
+
+
+def draft_to_target(model: object) -> torch.Tensor | None:
+    """A reduced-vocabulary draft's map [Vd] of draft id -> target id (``d + d2t[d]``), or
+    None: vLLM emits, and feeds back to ``markov_w1``, the target id of each drafted id
+    (``Qwen3DSparkForCausalLM.map_draft_to_target`` in
+    vllm/model_executor/models/qwen3_dspark.py)."""
+    return getattr(model, "d2t", None)
 
 
 MARKOV_TABLE = "markov_head.markov_w2.weight"
@@ -157,7 +172,9 @@ def rollout(
     ``U_k + markov_w2 . markov_w1[prev_k]`` (rounded to the model's dtype) and feed it as
     prev_{k+1}.  ``noise=None`` is greedy (argmax); otherwise noise [N, B, V] holds iid Exp(1)
     variates and d_k is drawn by :func:`sample` from :func:`sampling_probs` at ``temperature``,
-    full distribution as vLLM drafts (``top_p`` < 1: other engines)."""
+    full distribution as vLLM drafts (``top_p`` < 1: other engines).  A reduced-vocabulary
+    draft's drawn id is mapped to its target id (:func:`draft_to_target`): ``tokens`` and
+    ``prev`` hold target ids, ``logits`` the draft vocabulary."""
     N, B, V = blocks.logits_base.shape
     if noise is not None and tuple(noise.shape) != (N, B, V):
         raise ValueError(f"noise must be [{N}, {B}, {V}], got {list(noise.shape)}")
@@ -166,7 +183,8 @@ def rollout(
     prev = torch.empty(N, B, dtype=torch.int64, device=device)
     tokens = torch.empty(N, B, dtype=torch.int64, device=device)
     logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32, device=device)
-    token = blocks.first_token
+    token, to_target = blocks.first_token, draft_to_target(model)
+    to_target = None if to_target is None else to_target.to(device)
     table = markov_table(model) if MARKOV_TABLE in model.w else None
     for k in range(B):  # sequential by definition: step k needs d_{k-1}
         prev[:, k] = token
@@ -175,6 +193,8 @@ def rollout(
             token = logits[:, k].argmax(-1)
         else:
             token = sample(sampling_probs(logits[:, k], temperature, top_p), noise[:, k])
+        if to_target is not None:  # a draft id -> the target id vLLM emits and feeds back
+            token = to_target[token]
         tokens[:, k] = token
     return Rollout(tokens, prev, logits, confidence(model, blocks.hidden, prev))
 

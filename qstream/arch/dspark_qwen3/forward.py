@@ -96,8 +96,16 @@ class Qwen3DSpark:
                     f"weights: {name} is required (the target's, when not the draft's)"
                 )
         self.config, self.dtype = config, dtype
-        self.w = ComputeWeights({k: v for k, v in weights.items() if k != "t2d"}, dtype, device)
+        index = ("d2t", "t2d")  # index maps, not weights: never held in a float dtype
+        self.w = ComputeWeights({k: v for k, v in weights.items() if k not in index}, dtype, device)
         self.device = self.w.device
+        d2t = weights.get("d2t")
+        # draft id -> target id (qstream.arch.markov.draft_to_target)
+        self.d2t = (
+            None
+            if d2t is None
+            else torch.arange(len(d2t)).to(self.device) + d2t.long().to(self.device)
+        )
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self.mscale = config.rope_parameters.mscale
         self.scale = config.head_dim**-0.5
