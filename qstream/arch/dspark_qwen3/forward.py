@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from qstream.arch.dspark_mla.forward import rms_norm, swiglu
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
@@ -118,7 +119,7 @@ class Qwen3DSpark:
 
     def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T (+ b)`` for module ``name``."""
-        out = self.w.linear(f"{name}.weight", x)
+        out = self.matmul(f"{name}.weight", x)
         bias = self.w.stored.get(f"{name}.bias")
         return out if bias is None else out + bias.to(out.dtype)
 
@@ -145,7 +146,17 @@ class Qwen3DSpark:
         return swiglu(h, p + "gate_proj", p + "up_proj", p + "down_proj", self._linear)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return self.w.linear(f"{name}.weight", x)
+        return self.matmul(f"{name}.weight", x)
+
+    def matmul(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T``, accumulated in fp32 and rounded to the model's dtype.  A narrower model
+        (bf16) multiplies its operands upcast exactly to fp32 (every bf16 product is exact in
+        fp32) rather than with torch's CPU bf16 kernel, which accumulates in fp32 as well but
+        runs about 10x slower on this project's CPUs; the two differ only in the order of the
+        fp32 sums.  On a GPU, its bf16 GEMM (which accumulates in fp32) is used as it is."""
+        if self.dtype == torch.float32 or self.device.type != "cpu":
+            return self.w.linear(name, x)
+        return F.linear(x.float(), self.w.stored[name].float()).to(self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
         """q [..., Tq, kv, g, d] over k, v [..., Tk, kv, d] (``mask`` [..., Tq, Tk] True where
@@ -154,7 +165,8 @@ class Qwen3DSpark:
         if mask is not None:
             s = s.masked_fill(~mask[..., None, None, :, :], float("-inf"))
         p = torch.softmax(s, dim=-1).to(self.dtype)
-        return torch.einsum("...kgqt,...tkd->...qkgd", p, v).flatten(-3)
+        out = torch.einsum("...kgqt,...tkd->...qkgd", p.float(), v.float())  # upcasts: exact
+        return out.to(self.dtype).flatten(-3)
 
     # -- the context ----------------------------------------------------------------------
 
@@ -234,7 +246,7 @@ class Qwen3DSpark:
         = ids[p]: the drafted slots' base logits ``U = hf @ lm_head^T`` [N, B, Vd] (row k
         predicts ids[p+k+1]) and states hf [N, B, H], fp32."""
         hf = self.block_hidden(ctx, stream, anchor, first_token)[:, self.config.first_slot :]
-        U = self.w.linear(LM_HEAD, hf)
+        U = self.matmul(LM_HEAD, hf)
         return Blocks(U.float(), hf.float(), torch.as_tensor(first_token).long().to(self.device))
 
     def draft_one(self, ctx: ContextKV, stream: int, anchor: int, first_token: int) -> Blocks:
@@ -259,7 +271,7 @@ class Qwen3DSpark:
             )
             x = x + self.mlp(i, x)
         hf = self.norm(x, "norm")[c.first_slot :]
-        U = self.w.linear(LM_HEAD, hf)
+        U = self.matmul(LM_HEAD, hf)
         return Blocks(
             U[None].float(), hf[None].float(), torch.tensor([first_token], device=self.device)
         )
