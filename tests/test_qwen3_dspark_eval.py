@@ -1,0 +1,59 @@
+"""The whole study on a Qwen3-style DSpark draft (docs/qwen3-dspark.md): synth, quantize,
+verify, eval-drift in every regime with acceptance, a read-back variant and --sensitivity, then
+the card, through the command line on the qwen3-tiny preset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import cli_error, cli_ok
+from qwen3_drafts import REDUCED, write_qwen3_draft
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3") / "draft"
+    cli_ok(["synth", "--preset", "qwen3-tiny", "--output_dir", str(out)])
+    return out
+
+
+def test_quantize_verify_eval_and_card(draft, tmp_path):
+    fp8 = tmp_path / "fp8"
+    cli_ok(
+        ["quantize", "--model_dir", str(draft), "--output_dir", str(fp8), "--quant_format", "fp8"]
+    )
+    cli_ok(["verify", str(fp8)])
+    results = tmp_path / "results.json"
+    cli_ok(["eval-drift", "--model", str(draft), "--regime", "all", "--acceptance",
+            "--blocks", "24", "--formats", "bf16,nvfp4", "--variant", f"shipped={fp8}",
+            "--json", str(results)])  # fmt: skip
+    data = json.loads(results.read_text())
+    assert data["selection"]["include"] == [
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.q_proj",
+        "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "fc",
+    ]  # fmt: skip
+    assert set(data["regimes"]) == {"gauss", "heavy", "boot"}
+    for regime in data["regimes"].values():
+        assert set(regime["variants"]) == {"bf16", "nvfp4", "shipped"}
+    card = tmp_path / "card" / "CARD.md"
+    card.parent.mkdir()
+    cli_ok(["card", str(results), "--checkpoint", str(fp8), "--base", str(draft),
+            "--output", str(card)])  # fmt: skip
+    assert "Qwen3DSparkModel" in card.read_text()
+
+
+def test_sensitivity_measures_the_markov_projection(draft, tmp_path):
+    results = tmp_path / "sens.json"
+    cli_ok(["eval-drift", "--model", str(draft), "--regime", "heavy", "--blocks", "16",
+            "--formats", "bf16", "--sensitivity", "--json", str(results)])  # fmt: skip
+    text = results.read_text()
+    assert "markov_head.markov_w2" in text and "self_attn.q_proj" in text
+
+
+def test_a_reduced_vocabulary_draft_is_refused_in_one_line(draft, tmp_path):
+    write_qwen3_draft(tmp_path / "draft", REDUCED)
+    tokenizer = str(draft / "tokenizer.json")
+    message = cli_error(["eval-drift", "--model", str(tmp_path / "draft"), "--tokenizer",
+                         tokenizer, "--blocks", "4"])  # fmt: skip
+    assert "draft_vocab_size 512 < vocab_size 1024" in message
