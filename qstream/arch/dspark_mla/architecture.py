@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from qstream.arch.dspark_mla import flops, tensors
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.serving import SERVING
-from qstream.arch.interface import Blocks, Rollout
+from qstream.arch.family import DSparkFamily, shape_hint
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,7 @@ QUANTIZE_INCLUDE = (
 )
 
 
-class DSparkMLA:
+class DSparkMLA(DSparkFamily):
     """The descriptor: every call the rest of the package makes of this architecture."""
 
     config_type: type = DSparkConfig
@@ -47,7 +47,7 @@ class DSparkMLA:
         return DSparkConfig.from_json(dict(data))
 
     tensor_shapes = staticmethod(tensors.tensor_shapes)
-    shape_hint = staticmethod(tensors.shape_hint)
+    shape_hint = staticmethod(shape_hint)
     context_flops = staticmethod(flops.context_flops)
     drafted_flops = staticmethod(flops.drafted_flops)
     causal_flops = staticmethod(flops.causal_flops)
@@ -63,23 +63,6 @@ class DSparkMLA:
         from qstream.arch.dspark_mla.forward import DSpark
 
         return DSpark(config, weights, dtype, device)
-
-    def host_head(self, model):
-        from qstream.arch.markov import host_head
-
-        return host_head(model)
-
-    def rollout(
-        self, model, blocks: Blocks, noise=None, temperature: float = 1.0, top_p: float = 1.0
-    ) -> Rollout:
-        from qstream.arch.markov import rollout
-
-        return rollout(model, blocks, noise, temperature, top_p)
-
-    def teacher_forced(self, head, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
-        from qstream.arch.markov import teacher_forced
-
-        return teacher_forced(head, blocks, tokens)
 
     def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype):
         from qstream.arch.dspark_mla.causal import CausalStream

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from qstream.arch.dspark_mla import engine
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.tensors import check_tensors
+from qstream.arch.family import check_blocks
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks
 from qstream.arch.weights import ComputeWeights, embedding
 
@@ -306,16 +307,9 @@ class DSpark:
         token ``first_token[n]`` = ids[p], all computed at once by :mod:`.engine` (blocks given
         grouped by stream skip a final gather); a context longer than ``key_chunk`` keys
         (default: within :data:`engine.SCORE_BUDGET`) is attended a chunk at a time."""
-        stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
-        first_token = torch.as_tensor(first_token).long()
-        if not (stream.shape == anchor.shape == first_token.shape) or stream.dim() != 1:
-            raise ValueError("stream, anchor and first_token must be 1-D of equal length")
-        if stream.numel() and bool((anchor > ctx.lengths[stream]).any() or (anchor < 0).any()):
-            raise ValueError("every anchor p must satisfy 0 <= p <= its stream's context length")
-        if first_token.numel() and not (
-            0 <= int(first_token.min()) and int(first_token.max()) < self.config.vocab_size
-        ):
-            raise ValueError(f"first_token ids must lie in [0, {self.config.vocab_size})")
+        stream, anchor, first_token = check_blocks(
+            self.config.vocab_size, ctx.lengths, stream, anchor, first_token
+        )
         U, hf = engine.draft_packed(self, ctx, stream, anchor, first_token, key_chunk)
         return Blocks(U.float(), hf.float(), first_token.to(self.device))
 

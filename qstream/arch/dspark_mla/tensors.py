@@ -6,9 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.family import CONFIDENCE_WEIGHT, shape_hint
 from qstream.errors import QStreamError
-
-CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
 
 
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
@@ -75,23 +74,3 @@ def check_tensors(
                 f"{where}: tensor {name!r} has shape {list(shape)}, expected "
                 f"{list(expected[name])}{shape_hint(config, name, shape)}"
             )
-
-
-def shape_hint(config: DSparkConfig, name: str, shape: tuple[int, ...]) -> str:
-    """Why a confidence head of the other width does not fit (vLLM 0.32 sizes the head from
-    ``confidence_head_with_markov``, default false: a [1, H+r] head written without the key
-    fails its loader); empty for every other mismatch."""
-    H, r = config.hidden_size, config.markov_rank
-    if name != CONFIDENCE_WEIGHT or not config.enable_confidence_head:
-        return ""
-    if tuple(shape) == (1, H + r) and not config.confidence_head_with_markov:
-        return (
-            " (a [1, H+r] head: vLLM builds that width only when config.json sets "
-            "confidence_head_with_markov: true)"
-        )
-    if tuple(shape) == (1, H) and config.confidence_head_with_markov:
-        return (
-            " (a [1, H] head: vLLM builds [1, H+r] because config.json sets "
-            "confidence_head_with_markov: true)"
-        )
-    return ""

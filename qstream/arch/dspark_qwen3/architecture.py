@@ -17,7 +17,7 @@ from qstream.arch.dspark_qwen3.config import (
     Qwen3DSparkConfig,
 )
 from qstream.arch.dspark_qwen3.serving import DEFAULT_INCLUDE, SERVING
-from qstream.arch.interface import Blocks, Rollout
+from qstream.arch.family import DSparkFamily, shape_hint
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 QUANTIZE_INCLUDE: tuple[str, ...] = DEFAULT_INCLUDE
 
 
-class DSparkQwen3:
+class DSparkQwen3(DSparkFamily):
     """The descriptor: every call the rest of the package makes of this architecture."""
 
     config_type: type = Qwen3DSparkConfig
@@ -49,7 +49,7 @@ class DSparkQwen3:
         return Qwen3DSparkConfig.from_json(dict(data))
 
     tensor_shapes = staticmethod(tensors.tensor_shapes)
-    shape_hint = staticmethod(tensors.shape_hint)
+    shape_hint = staticmethod(shape_hint)
     context_flops = staticmethod(flops.context_flops)
     drafted_flops = staticmethod(flops.drafted_flops)
     causal_flops = staticmethod(flops.causal_flops)
@@ -65,23 +65,6 @@ class DSparkQwen3:
         from qstream.arch.dspark_qwen3.forward import Qwen3DSpark
 
         return Qwen3DSpark(config, weights, dtype, device)
-
-    def host_head(self, model):
-        from qstream.arch.markov import host_head
-
-        return host_head(model)
-
-    def rollout(
-        self, model, blocks: Blocks, noise=None, temperature: float = 1.0, top_p: float = 1.0
-    ) -> Rollout:
-        from qstream.arch.markov import rollout
-
-        return rollout(model, blocks, noise, temperature, top_p)
-
-    def teacher_forced(self, head, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
-        from qstream.arch.markov import teacher_forced
-
-        return teacher_forced(head, blocks, tokens)
 
     def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype):
         from qstream.arch.dspark_qwen3.forward import CausalStream

@@ -339,8 +339,10 @@ PRESETS: dict[str, Qwen3DSparkConfig] = {
         mask_token_id=2,
         markov_rank=32,
     ),
-    # The shapes of a block-7 DSpark draft for Qwen3-8B (docs/qwen3-dspark.md, "Presets"): the
-    # target's widths, vocabulary and RoPE, five draft layers over five target layers.
+    # The shapes of a block-7 DSpark draft for Qwen3-8B (docs/qwen3-dspark.md, "Synthetic
+    # checkpoints"): the target's widths, vocabulary and RoPE, five draft layers over the five
+    # target layers `synth --target` spreads over its 36; the mask is the first id past the
+    # tokenizer's 151,669 (a row of Qwen3's padded embedding).
     "qwen3-8b": _preset(
         hidden_size=4096,
         intermediate_size=12288,
@@ -352,7 +354,7 @@ PRESETS: dict[str, Qwen3DSparkConfig] = {
         max_position_embeddings=40960,
         target_hidden_size=4096,
         target_num_hidden_layers=36,
-        target_layer_ids=(1, 9, 17, 25, 33),
+        target_layer_ids=(1, 9, 18, 26, 34),
         mask_token_id=151669,
         markov_rank=256,
         eos_token_id=151645,

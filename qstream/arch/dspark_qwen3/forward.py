@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from qstream.arch.dspark_mla.forward import rms_norm, swiglu
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
 from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, check_tensors
+from qstream.arch.family import check_blocks
 from qstream.arch.interface import AuxChunks, Blocks
 from qstream.arch.weights import ComputeWeights, embedding
 
@@ -203,7 +204,9 @@ class Qwen3DSpark:
         context j < anchor[n] and to the whole block.  Computed in runs of consecutive blocks
         whose scores and gathered context keys stay within ``SCORE_BUDGET`` elements."""
         c = self.config
-        stream, anchor, first_token = _check_blocks(c, ctx, stream, anchor, first_token)
+        stream, anchor, first_token = check_blocks(
+            c.vocab_size, ctx.lengths, stream, anchor, first_token
+        )
         B, kv = c.block_slots, c.num_key_value_heads * c.head_dim
         per_key = max(c.num_attention_heads * B, 2 * kv)  # score or gathered elements per key
         out = torch.empty(len(stream), B, c.hidden_size, dtype=self.dtype, device=self.device)
@@ -325,17 +328,3 @@ class CausalStream:
             x = x + m.mlp(i, x)
             outs.append(x.to(self.dtype))
         return torch.stack(outs, dim=2).flatten(2)
-
-
-def _check_blocks(c: Qwen3DSparkConfig, ctx: ContextKV, stream, anchor, first_token):
-    stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
-    first_token = torch.as_tensor(first_token).long()
-    if not (stream.shape == anchor.shape == first_token.shape) or stream.dim() != 1:
-        raise ValueError("stream, anchor and first_token must be 1-D of equal length")
-    if stream.numel() and bool((anchor > ctx.lengths[stream]).any() or (anchor < 0).any()):
-        raise ValueError("every anchor p must satisfy 0 <= p <= its stream's context length")
-    if first_token.numel() and not (
-        0 <= int(first_token.min()) and int(first_token.max()) < c.vocab_size
-    ):
-        raise ValueError(f"first_token ids must lie in [0, {c.vocab_size})")
-    return stream, anchor, first_token

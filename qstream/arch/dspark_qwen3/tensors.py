@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
+from qstream.arch.family import CONFIDENCE_WEIGHT, shape_hint
 from qstream.errors import QStreamError
 
 EMBED = "embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
 D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id]
 T2D = "t2d"  # [vocab] bool, training only (vLLM 0.32's load_weights skips it)
-CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
 # Tensors a checkpoint may leave out: the target's embedding is shared when the draft has none
 # (Qwen3DSparkForCausalLM.load_weights; speculators never saves it).
 OPTIONAL = (EMBED,)
@@ -100,24 +100,5 @@ def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
         return (
             f"; draft_vocab_size {config.draft_vocab_size} < vocab_size {config.vocab_size}: "
             "vLLM refuses a reduced-vocabulary draft without its own lm_head and d2t"
-        )
-    return ""
-
-
-def shape_hint(config: Qwen3DSparkConfig, name: str, shape: tuple[int, ...]) -> str:
-    """Why a confidence head of the other width does not fit (vLLM 0.32 sizes it from
-    ``confidence_head_with_markov``, default false); empty for every other mismatch."""
-    H, r = config.hidden_size, config.markov_rank
-    if name != CONFIDENCE_WEIGHT or not config.enable_confidence_head or r == 0:
-        return ""
-    if tuple(shape) == (1, H + r) and not config.confidence_head_with_markov:
-        return (
-            " (a [1, H+r] head: vLLM builds that width only when config.json sets "
-            "confidence_head_with_markov: true)"
-        )
-    if tuple(shape) == (1, H) and config.confidence_head_with_markov:
-        return (
-            " (a [1, H] head: vLLM builds [1, H+r] because config.json sets "
-            "confidence_head_with_markov: true)"
         )
     return ""

@@ -56,7 +56,7 @@ def check_layer_ids(ids: tuple[int, ...], convention: str, config: DraftConfig, 
     last layer (index N, or output N−1) names the final state and is allowed."""
     n, wanted = config.target_num_hidden_layers, tuple(config.target_layer_ids)
     lo = as_layer_output(ids, convention)
-    if len(lo) == len(wanted) + 1 and lo[-1] == n - 1:
+    if len(lo) == len(wanted) + 1 and n is not None and lo[-1] == n - 1:
         lo = lo[:-1]  # speculators appends the last layer (its final state)
     if lo != wanted:
         raise QStreamError(
