@@ -50,3 +50,30 @@ def write_qwen3_draft(
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config.to_json(), indent=2))
     return directory
+
+
+def speculators_config(config: Qwen3DSparkConfig = TINY) -> dict:
+    """``config`` in speculators' saved layout (as ``DSparkSpeculatorConfig`` writes it): the
+    backbone nested in ``transformer_layer_config``, hidden-states indices for the layers."""
+    backbone = ("hidden_size intermediate_size num_hidden_layers num_attention_heads "
+                "num_key_value_heads head_dim vocab_size rms_norm_eps max_position_embeddings "
+                "rope_parameters eos_token_id").split()  # fmt: skip
+    dense = config.to_json()
+    return {
+        "architectures": ["DSparkSpeculator"],
+        "speculators_model_type": "dspark",
+        "transformer_layer_config": {
+            **{k: dense[k] for k in backbone if k in dense},
+            "model_type": "qwen3",
+        },
+        "aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "draft_vocab_size": config.draft_vocab_size,
+        "block_size": config.block_slots,
+        "mask_token_id": config.mask_token_id,
+        "target_hidden_size": config.target_hidden_size,
+        "markov_rank": config.markov_rank,
+        "markov_head_type": config.markov_head_type,
+        "enable_confidence_head": config.enable_confidence_head,
+        "confidence_head_with_markov": config.confidence_head_with_markov,
+        "sample_from_anchor": config.sample_from_anchor,
+    }

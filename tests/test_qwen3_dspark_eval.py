@@ -8,7 +8,7 @@ import json
 
 import pytest
 from cli_helpers import cli_error, cli_ok
-from qwen3_drafts import REDUCED, write_qwen3_draft
+from qwen3_drafts import REDUCED, speculators_config, write_qwen3_draft
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +47,11 @@ def test_sensitivity_measures_the_markov_projection(draft, tmp_path):
     results = tmp_path / "sens.json"
     cli_ok(["eval-drift", "--model", str(draft), "--regime", "heavy", "--blocks", "16",
             "--formats", "bf16", "--sensitivity", "--json", str(results)])  # fmt: skip
-    text = results.read_text()
-    assert "markov_head.markov_w2" in text and "self_attn.q_proj" in text
+    data = json.loads(results.read_text())
+    steps = data["regimes"]["heavy"]["sensitivity"]["single"]
+    kinds = {step["kind"] for step in steps}
+    assert "markov_head.markov_w2" in kinds
+    assert "self_attn.q_proj + self_attn.k_proj + self_attn.v_proj" in kinds
 
 
 def test_a_reduced_vocabulary_draft_is_refused_in_one_line(draft, tmp_path):
@@ -57,3 +60,23 @@ def test_a_reduced_vocabulary_draft_is_refused_in_one_line(draft, tmp_path):
     message = cli_error(["eval-drift", "--model", str(tmp_path / "draft"), "--tokenizer",
                          tokenizer, "--blocks", "4"])  # fmt: skip
     assert "draft_vocab_size 512 < vocab_size 1024" in message
+
+
+def test_a_checkpoint_in_speculators_layout_is_quantized_as_vllm_serves_it(tmp_path):
+    """vLLM serves speculators' DSpark layout as Qwen3DSparkModel (update_dspark): quantize
+    takes that profile's default list (no confidence head, no Markov head) and verify checks it
+    against the same rules."""
+    draft = write_qwen3_draft(tmp_path / "draft", embed=False)
+    (draft / "config.json").write_text(json.dumps(speculators_config()))
+    out = tmp_path / "fp8"
+    cli_ok(
+        ["quantize", "--model_dir", str(draft), "--output_dir", str(out), "--quant_format", "fp8"]
+    )
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        scaled = {k.rsplit(".", 1)[0] for k in f.keys() if k.endswith(".weight_scale")}
+    assert len(scaled) == 5 * 7 + 1 and "fc" in scaled
+    assert not any(k.startswith(("confidence_head", "markov_head")) for k in scaled)
+    result = cli_ok(["verify", str(out), "--target-layers", "8"])
+    assert "vLLM rules Qwen3DSparkModel" in result.output

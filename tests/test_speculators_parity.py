@@ -28,7 +28,7 @@ from qstream.arch.registry import architecture_of, load_config
 
 pytestmark = pytest.mark.speculators
 
-STREAMS, LENGTH = 3, 150  # positions up to 149: past YaRN's original 64
+STREAMS, LENGTH = 3, 150  # aux states over 150 positions; anchors up to 140, past YaRN's 64
 ANCHOR_STEP = 4  # 36 anchors a stream, 108 blocks, anchor 0 (no context) included
 TOL = 1e-5  # relative L2 error in fp32
 

@@ -86,7 +86,7 @@ def module_kinds(
         for m in profile.lm_heads
         if f"{m}.weight" in infos and head_problem(profile, m, fmt, config.to_json()) is None
     ]
-    include = [*profile.default_include, *heads] if heads else None
+    include = [*profile.default_include, *heads] if profile.default_include else None
     selection = select_modules(
         infos, fmt, include, list(ignore), skip_incompatible=True, profile=profile
     )

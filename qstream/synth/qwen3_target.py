@@ -1,7 +1,7 @@
 """The Qwen3-style DSpark draft ``qstream synth --target`` writes for a transformers Qwen3 target
 (docs/qwen3-dspark.md, "Synthetic checkpoints"): the draft's decoder takes the target's
 attention and MLP shapes, norm epsilon, RoPE and context length, as vLLM's
-``Qwen3DSparkModel`` drafts do; the preset gives the rest (heads, block, draft depth).
+``Qwen3DSparkModel`` drafts do; the preset gives the rest (the Markov and confidence heads, the block).
 
 >>> config = qwen3_draft_config(target_json, shape, arch.presets["qwen3-tiny"], ids, mask, arch)
 """

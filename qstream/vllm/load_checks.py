@@ -116,8 +116,8 @@ def check(
 
 
 # Parameters vLLM 0.32.0 builds but fills without the checkpoint (docs/vllm.md, "The checks"):
-# the Qwen3 DSpark/DFlash ``mask_embedding`` placeholder, dropped by the class's load_weights
-# unless a mask_embedding.pt ships (qwen3_dspark.py Qwen3DSparkForCausalLM.load_weights), and an
+# the Qwen3 DSpark ``mask_embedding`` placeholder, which Qwen3DSparkForCausalLM.load_weights
+# (qwen3_dspark.py) always drops (a mask_embedding.pt is read by the DFlash class only), and an
 # attention layer's KV-cache scales, set to 1.0 when the KV cache is not quantized
 # (vllm/model_executor/layers/quantization/kv_cache.py BaseKVCacheMethod).
 PLACEHOLDERS = ("model.mask_embedding",)

@@ -103,8 +103,10 @@ PROFILES = {
 
 
 def profile_for(config: Mapping) -> Profile:
-    """The profile whose architecture config.json names (``generic`` otherwise)."""
-    names = set(config.get("architectures") or [])
+    """The profile config.json's architecture names (``generic`` otherwise); speculators' DSpark
+    layout is served as Qwen3DSparkModel (vllm/transformers_utils/configs/speculators/algos.py)."""
+    dspark = config.get("speculators_model_type") == "dspark"  # update_dspark there
+    names = {"Qwen3DSparkModel"} if dspark else set(config.get("architectures") or [])
     return next((p for p in PROFILES.values() if names & set(p.architectures)), PROFILES[GENERIC])
 
 

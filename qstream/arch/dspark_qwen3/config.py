@@ -100,6 +100,7 @@ class Qwen3DSparkConfig:
     confidence_head_with_markov: bool = False  # vLLM's default (speculators': true)
     attention_bias: bool = False
     target_num_hidden_layers: int | None = None  # the target's depth, when the config says it
+    dspark_draft_topk: int | None = None  # vLLM's gathered Markov projection (docs/vllm.md)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
 
@@ -178,9 +179,7 @@ class Qwen3DSparkConfig:
         """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
         return self.draft_vocab_size < self.vocab_size
 
-    @property
-    def has_markov_head(self) -> bool:
-        return self.markov_rank > 0
+    has_markov_head = property(lambda self: self.markov_rank > 0)
 
     def to_json(self) -> dict[str, Any]:
         """config.json in vLLM's dense layout (what ``Qwen3DSparkForCausalLM`` reads)."""
@@ -223,18 +222,27 @@ class Qwen3DSparkConfig:
 
 
 def _dense(data: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's dense layout: the keys are the dataclass's; the mask token and target layers may
-    sit in ``dflash_config`` instead (vLLM reads both places)."""
+    """vLLM's dense layout: the keys are the dataclass's, except where vLLM 0.32.0 looks first:
+    the mask token in ``dflash_config`` (``get_parallel_drafting_token_id`` in
+    vllm/v1/worker/gpu/spec_decode/utils.py), the target layers in
+    ``eagle_aux_hidden_state_layer_ids`` (hidden-states indices), ``dflash_config``, then
+    ``dspark_target_layer_ids`` (``get_eagle3_aux_layers_from_config`` in
+    vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py)."""
     arch = data.get("architectures")
     _check(arch is None or ARCHITECTURE in arch, "architectures", arch,
            f"must name {ARCHITECTURE!r}")  # fmt: skip
     flat = dict(data)
     dflash = data.get("dflash_config") or {}
     _check(isinstance(dflash, dict), "dflash_config", dflash, "must be an object")
-    _refuse_sliding(data, dflash)
-    for key in ("mask_token_id", "target_layer_ids"):
-        if flat.get(key) is None and dflash.get(key) is not None:
-            flat[key] = dflash[key]
+    _refuse_unmodelled(data, dflash)
+    if dflash.get("mask_token_id") is not None:
+        flat["mask_token_id"] = dflash["mask_token_id"]
+    eagle = data.get("eagle_aux_hidden_state_layer_ids")
+    for ids in (eagle and [i - 1 for i in eagle if _int(i)], dflash.get("target_layer_ids"),
+                data.get("dspark_target_layer_ids")):  # fmt: skip
+        if ids:
+            flat["target_layer_ids"] = ids
+            break
     flat.setdefault("target_hidden_size", data.get("hidden_size"))
     return flat
 
@@ -246,7 +254,11 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
            "must be 'dspark' or 'dflash'")  # fmt: skip
     layer: dict[str, Any] = data.get("transformer_layer_config")  # type: ignore[assignment]
     _check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
-    _refuse_sliding(layer, {})
+    _refuse_unmodelled(layer, {})
+    # vLLM's update_dflash makes such a draft block-causal unless sliding_window_non_causal
+    _check(kind != "dflash" or data.get("sliding_window_non_causal", True) is True,
+           "sliding_window_non_causal", data.get("sliding_window_non_causal"),
+           "makes a block-causal draft, which qstream does not evaluate yet")  # fmt: skip
     aux: list[int] = data.get("aux_hidden_state_layer_ids")  # type: ignore[assignment]
     _check(isinstance(aux, list) and all(_int(i) and i >= 1 for i in aux),
            "aux_hidden_state_layer_ids", aux,
@@ -264,10 +276,33 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _refuse_sliding(data: dict[str, Any], dflash: dict[str, Any]) -> None:
+# config.json keys that change vLLM 0.32.0's forward in ways qstream does not model, with the
+# values that leave it as qstream computes it (qwen3_dflash.py: _dflash_layer_causal,
+# _resolve_layer_attention, DFlashQwen3DecoderLayer.__init__, DFlashQwen3Model.__init__;
+# qwen3_dspark.py: Qwen3DSparkForCausalLM.__init__'s logit_scale).
+UNMODELLED = (
+    ("is_causal", (None, False), "a block-causal draft"),
+    ("dflash_config.causal", (None, False), "a block-causal draft"),
+    ("dflash_config.use_swa", (None, False), "sliding-window layers"),
+    ("is_neox_style", (None, True), "interleaved RoPE"),
+    ("dflash_config.attention_value_scale", (None,), "scaled values"),
+    ("dflash_config.attention_sink_bias", (None, False), "attention sinks"),
+    ("add_swa_attention_sink_bias", (None, False), "attention sinks"),
+    ("logit_scale", (None, 1.0), "scaled logits"),
+    ("use_aux_hidden_state", (None, True), "a draft without fc"),
+    ("dflash_config.use_aux_hidden_state", (None, True), "a draft without fc"),
+)
+
+
+def _refuse_unmodelled(data: dict[str, Any], dflash: dict[str, Any]) -> None:
+    """One line for a key in :data:`UNMODELLED` at a value the forward does not compute, and
+    for sliding-window layers."""
+    for key, fine, what in UNMODELLED:
+        value = dflash.get(key[14:]) if key.startswith("dflash_config.") else data.get(key)
+        _check(any(value is v or (_number(v) and value == v) for v in fine), key, value,
+               f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
     types = data.get("layer_types") or []
-    sliding = dflash.get("use_swa") or any(t == "sliding_attention" for t in types)
-    _check(not sliding, "layer_types", types,
+    _check(not any(t == "sliding_attention" for t in types), "layer_types", types,
            "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
 
 
@@ -281,6 +316,9 @@ def _rope_from_json(flat: dict[str, Any]) -> RopeParameters:
     if rope.get("rope_theta") is None:
         raise ValueError("config.json: missing key 'rope_parameters.rope_theta'")
     names = {f.name for f in fields(RopeParameters)}
+    for key, value in rope.items():  # vLLM's get_rope reads more keys than qstream models
+        _check(key in names or value is None or (key, value) == ("truncate", True),
+               f"rope_parameters.{key}", value, "is not evaluated by qstream")  # fmt: skip
     try:
         return RopeParameters(**{k: v for k, v in rope.items() if k in names})
     except TypeError as exc:

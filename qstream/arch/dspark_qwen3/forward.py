@@ -119,10 +119,12 @@ class Qwen3DSpark:
         return embedding(self.w, EMBED, tokens)
 
     def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T (+ b)`` for module ``name``."""
-        out = self.matmul(f"{name}.weight", x)
+        """``x @ W^T (+ b)`` for module ``name``, the bias added in fp32 before the rounding to
+        the model's dtype (as a GEMM epilogue adds it)."""
         bias = self.w.stored.get(f"{name}.bias")
-        return out if bias is None else out + bias.to(out.dtype)
+        if bias is None:
+            return self.matmul(f"{name}.weight", x)
+        return (self.matmul(f"{name}.weight", x, torch.float32) + bias.float()).to(self.dtype)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.w[f"{name}.weight"], self.eps)
@@ -149,15 +151,15 @@ class Qwen3DSpark:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.matmul(f"{name}.weight", x)
 
-    def matmul(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T``, accumulated in fp32 and rounded to the model's dtype.  A narrower model
+    def matmul(self, name: str, x: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
+        """``x @ W^T``, accumulated in fp32 and rounded to ``out`` (the model's dtype).  A narrower model
         (bf16) multiplies its operands upcast exactly to fp32 (every bf16 product is exact in
         fp32) rather than with torch's CPU bf16 kernel, which accumulates in fp32 as well but
         runs about 10x slower on this project's CPUs; the two differ only in the order of the
         fp32 sums.  On a GPU, its bf16 GEMM (which accumulates in fp32) is used as it is."""
         if self.dtype == torch.float32 or self.device.type != "cpu":
             return self.w.linear(name, x)
-        return F.linear(x.float(), self.w.stored[name].float()).to(self.dtype)
+        return F.linear(x.float(), self.w.stored[name].float()).to(out or self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
         """q [..., Tq, kv, g, d] over k, v [..., Tk, kv, d] (``mask`` [..., Tq, Tk] True where
