@@ -80,3 +80,30 @@ def test_a_checkpoint_in_speculators_layout_is_quantized_as_vllm_serves_it(tmp_p
     assert not any(k.startswith(("confidence_head", "markov_head")) for k in scaled)
     result = cli_ok(["verify", str(out), "--target-layers", "8"])
     assert "vLLM rules Qwen3DSparkModel" in result.output
+
+
+def test_a_dflash_draft_without_heads_is_evaluated(draft, tmp_path):
+    """markov_rank 0 and no confidence head: the draft drafts its base logits; the confidence
+    metrics are null in the results and n/a in the card."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dflash = tmp_path / "dflash"
+    shutil.copytree(draft, dflash)
+    (dflash / "qstream_synth.json").unlink()
+    config = json.loads((dflash / "config.json").read_text())
+    config.update(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
+    (dflash / "config.json").write_text(json.dumps(config))
+    tensors = load_file(dflash / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if not k.startswith(("markov_head", "confidence"))}
+    save_file(kept, dflash / "model.safetensors", metadata={"format": "pt"})
+    results = tmp_path / "dflash.json"
+    cli_ok(["eval-drift", "--model", str(dflash), "--regime", "heavy", "--acceptance",
+            "--blocks", "16", "--formats", "bf16,nvfp4", "--json", str(results)])  # fmt: skip
+    metrics = json.loads(results.read_text())["regimes"]["heavy"]["variants"]["nvfp4"]["metrics"]
+    assert metrics["confidence_r"] is None and metrics["sched_flip_rate"] is None
+    card = tmp_path / "card" / "CARD.md"
+    card.parent.mkdir()
+    cli_ok(["card", str(results), "--output", str(card)])
+    assert "| confidence r" in card.read_text()

@@ -82,10 +82,13 @@ def draft_to_target(model: object) -> torch.Tensor | None:
 MARKOV_TABLE = "markov_head.markov_w2.weight"
 
 
-def markov_table(model: MarkovWeights) -> torch.Tensor:
+def markov_table(model: MarkovWeights) -> torch.Tensor | None:
     """markov_w2 [V, r] in the model's dtype, read once for the steps of a rollout (the fp32
-    reference's is upcast into its weights' reused buffer: valid until their next product)."""
+    reference's is upcast into its weights' reused buffer: valid until their next product);
+    None for a draft without a Markov head (DFlash)."""
     w = model.w
+    if MARKOV_TABLE not in w:
+        return None
     return w.borrow(MARKOV_TABLE) if isinstance(w, ComputeWeights) else w[MARKOV_TABLE]
 
 
@@ -104,7 +107,7 @@ def markov_logits(
     if MARKOV_TABLE not in model.w:
         return logits_base.to(model.dtype).float()
     emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
-    bias = F.linear(emb, markov_table(model) if table is None else table)  # [..., V]
+    bias = F.linear(emb, markov_table(model) if table is None else table)  # type: ignore[arg-type]
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
 
 
@@ -185,7 +188,7 @@ def rollout(
     logits = torch.empty(blocks.logits_base.shape, dtype=torch.float32, device=device)
     token, to_target = blocks.first_token, draft_to_target(model)
     to_target = None if to_target is None else to_target.to(device)
-    table = markov_table(model) if MARKOV_TABLE in model.w else None
+    table = markov_table(model)
     for k in range(B):  # sequential by definition: step k needs d_{k-1}
         prev[:, k] = token
         logits[:, k] = markov_logits(model, blocks.logits_base[:, k], token, table)

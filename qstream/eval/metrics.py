@@ -223,8 +223,8 @@ class DriftMetrics:
     one_minus_tv_overall: Estimate
     kl: KLSummary  # KL(ref ‖ var) per token
     reverse_kl: KLSummary  # KL(var ‖ ref) per token
-    confidence_r: Estimate
-    sched_flip_rate: Estimate
+    confidence_r: Estimate | None  # None: a draft without a confidence head (DFlash)
+    sched_flip_rate: Estimate | None
     rollouts: dict[str, RolloutMetrics]  # by rollout mode, e.g. "greedy", "sampled"
 
     def to_json(self) -> dict:
@@ -296,8 +296,9 @@ class DriftAccumulator:
             for mode, pairs in self._rollouts.items()
         }
         n = tf.kl.shape[0]
+        head = bool(self._confidence)  # False: a draft without a confidence head
         counts = {
-            "confidence": ref_conf.shape[0],
+            **({"confidence": ref_conf.shape[0]} if head else {}),
             **{f"{m} rollout": r[0].shape[0] for m, r in rollouts.items()},
         }
         for name, count in counts.items():
@@ -315,8 +316,8 @@ class DriftAccumulator:
             one_minus_tv_overall=pooled_mean(tf.one_minus_tv, bounds=(0.0, 1.0)),
             kl=kl_summary(tf.kl),
             reverse_kl=kl_summary(tf.reverse_kl),
-            confidence_r=pearson_r(ref_conf, var_conf),
-            sched_flip_rate=pooled_proportion(*sched_flips(ref_conf, var_conf)),
+            confidence_r=pearson_r(ref_conf, var_conf) if head else None,
+            sched_flip_rate=pooled_proportion(*sched_flips(ref_conf, var_conf)) if head else None,
             rollouts={
                 mode: rollout_metrics(ref, var, mode) for mode, (ref, var) in rollouts.items()
             },

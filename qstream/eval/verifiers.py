@@ -80,7 +80,9 @@ class RegimeAcceptance:
         self.U_ref: Store | None = None
         if not self.active:
             return
-        self.head = MarkovHead({k: weights[k].float().contiguous() for k in MARKOV_WEIGHTS})
+        # a draft without a Markov head (DFlash) drafts U itself (qstream/arch/markov.py)
+        present = [k for k in MARKOV_WEIGHTS if k in weights]
+        self.head = MarkovHead({k: weights[k].float().contiguous() for k in present})
         if self.states is not None:
             self.lm_head = ComputeWeights({LM_HEAD: weights[LM_HEAD]}, torch.float32)
             self.plan = plan
