@@ -1,0 +1,1 @@
+"""Speculative decoding with the target in the loop (docs/speculate.md)."""

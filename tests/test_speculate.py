@@ -1,0 +1,122 @@
+"""The two oracles of speculative decoding with the target in the loop (docs/speculate.md):
+under greedy verification the output is the target's own greedy decoding, token for token;
+under sampling verification the emitted tokens follow the target's distribution (a chi-square
+test against the exact law, on an 8-token vocabulary, with a broken verifier as the control
+that the test can fail).  A tiny transformers Qwen3 target and a Qwen3-style draft with random
+weights: the oracles hold whatever the draft proposes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig, RopeParameters
+from qstream.arch.dspark_qwen3.forward import Qwen3DSpark
+from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, tensor_shapes
+from qstream.errors import QStreamError
+from qstream.speculate import decode
+from qstream.speculate.decode import speculative_decode, target_greedy
+
+V, H = 8, 32
+PROMPT = [1, 2, 3, 4]
+# chi-square critical value at p = 0.001 with V - 1 = 7 degrees of freedom
+CHI2_CRITICAL = 24.32
+SAMPLES = 1200
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    target = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)  # peaked distributions: acceptance and rejection both occur
+    draft_config = Qwen3DSparkConfig(
+        hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=V, rms_norm_eps=1e-6,
+        rope_parameters=RopeParameters(10000.0), max_position_embeddings=256,
+        target_hidden_size=H, target_layer_ids=(0, 2), mask_token_id=V - 1, block_slots=3,
+        markov_rank=8, enable_confidence_head=True, confidence_head_with_markov=True,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    weights = {
+        name: torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        for name, shape in tensor_shapes(draft_config).items()
+        if name != EMBED
+    }
+    weights[EMBED] = target.model.embed_tokens.weight.detach().clone()
+    weights[LM_HEAD] = target.lm_head.weight.detach().clone()
+    return target, Qwen3DSpark(draft_config, weights)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [5, 0, 6], [2]])
+def test_greedy_verification_is_the_targets_greedy_decoding(pair, prompt):
+    target, draft = pair
+    out = speculative_decode(target, draft, prompt, 24, "greedy")
+    assert out.tokens == target_greedy(target, prompt, 24)
+    assert out.forwards == 1 + len(out.accepted)
+    assert sum(a + 1 for a in out.accepted) + 1 >= 24  # each step emits its accepted + 1
+
+
+def _target_law(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact laws of the 2nd and 3rd tokens after PROMPT under sampling at T = 1."""
+    with torch.no_grad():
+        first = torch.softmax(target(input_ids=torch.tensor([PROMPT])).logits[0, -1], -1)
+        ones = torch.tensor([PROMPT + [t] for t in range(V)])
+        second = torch.softmax(target(input_ids=ones).logits[:, -1], -1)  # [t1, t2]
+        twos = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+        third = torch.softmax(target(input_ids=twos).logits[:, -1], -1).view(V, V, V)
+    joint12 = first[:, None] * second
+    return joint12.sum(0), (joint12[:, :, None] * third).sum((0, 1))
+
+
+def _chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
+    expected = law.double() * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def _counts(target, draft, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
+    for seed in range(SAMPLES):
+        tokens = speculative_decode(target, draft, PROMPT, 3, rule, seed=seed).tokens
+        second[tokens[1]] += 1
+        third[tokens[2]] += 1
+    return second, third
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["probabilistic", "greedy-sampling"])
+def test_sampling_verification_emits_the_targets_distribution(pair, rule):
+    target, draft = pair
+    law2, law3 = _target_law(target)
+    second, third = _counts(target, draft, rule)
+    assert _chi2(second, law2) < CHI2_CRITICAL
+    assert _chi2(third, law3) < CHI2_CRITICAL
+
+
+@pytest.mark.slow
+def test_the_distribution_test_catches_a_verifier_that_accepts_every_draft(pair, monkeypatch):
+    target, draft = pair
+
+    def accept_all(logits, drafted, q, rule, temperature, gen):
+        return drafted + [decode._pick(logits[len(drafted)], rule, temperature, gen)]
+
+    monkeypatch.setattr(decode, "_verify", accept_all)
+    law2, _ = _target_law(target)
+    second, _ = _counts(target, draft, "probabilistic")
+    assert _chi2(second, law2) > CHI2_CRITICAL
+
+
+def test_an_unknown_rule_is_one_line(pair):
+    target, draft = pair
+    with pytest.raises(QStreamError, match="unknown verification rule 'block'"):
+        speculative_decode(target, draft, PROMPT, 4, "block")
