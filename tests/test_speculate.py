@@ -120,3 +120,33 @@ def test_an_unknown_rule_is_one_line(pair):
     target, draft = pair
     with pytest.raises(QStreamError, match="unknown verification rule 'block'"):
         speculative_decode(target, draft, PROMPT, 4, "block")
+
+
+def test_the_study_reports_acceptance_per_variant(pair):
+    """Per variant: the mean acceptance length equals 1 + the sum over k of the share of
+    verifications accepting at least k drafts (E[a] = sum_k P(a >= k), pooled), and the shares
+    fall with k; an NVFP4 variant of the draft is measured on the same prompts and seeds."""
+    from qstream.arch.registry import architecture_of
+    from qstream.quant.simulate import simulate_format
+    from qstream.speculate.measure import acceptance_study
+
+    target, draft = pair
+    arch = architecture_of(draft.config)
+    weights = {k: v for k, v in draft.w.stored.items()}
+    nvfp4 = arch.build(
+        draft.config,
+        simulate_format(weights, "nvfp4", include=arch.quantize_include),
+        torch.bfloat16,
+        "cpu",
+    )
+    prompts = [[1, 2, 3], [4, 5], [6, 0, 1, 2], [3], [7, 7, 2]]
+    study = acceptance_study(target, {"bf16": draft, "nvfp4": nvfp4}, prompts, 16)
+    for result in study.values():
+        assert result["prompts"] == 5
+        shares = [s["value"] for s in result["accepted_at_least"]]
+        assert len(shares) == draft.config.block_size
+        assert all(a >= b for a, b in zip(shares, shares[1:]))
+        mean = result["mean_acceptance_length"]
+        assert mean["value"] == pytest.approx(1 + sum(shares), rel=1e-12)
+        assert mean["lo"] <= mean["value"] <= mean["hi"]
+        assert 1 <= result["tokens_per_target_forward"]["value"] <= draft.config.block_size + 1
