@@ -5,18 +5,32 @@ blocks.  Pure Python at import: torch is imported where a call needs it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qstream.arch.interface import Blocks, DraftConfig, Rollout
+from qstream.arch.interface import TARGET_HEAD_DIR, Blocks, DraftConfig, Rollout
+from qstream.errors import QStreamError
 
 if TYPE_CHECKING:
     import torch
+
+Shapes = Mapping[str, tuple[int, ...]]
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
 
 
 class DSparkFamily:
-    """The descriptor methods of the Markov and confidence heads, the same in every DSpark."""
+    """The descriptor methods the same in every DSpark (config, width hint, the heads' calls)."""
+
+    config_type: type
+
+    def parse_config(self, data: Mapping[str, Any]) -> Any:
+        parse: Callable[[dict], Any] = getattr(self.config_type, "from_json")
+        return parse(dict(data))
+
+    def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str:
+        return shape_hint(config, name, shape)
 
     def host_head(self, model):
         from qstream.arch.markov import host_head
@@ -73,3 +87,61 @@ def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_
     ):
         raise ValueError(f"first_token ids must lie in [0, {vocab_size})")
     return stream, anchor, first_token
+
+
+def check_table(
+    required: Shapes,
+    allowed: Shapes,
+    shapes: Shapes,
+    where: str,
+    what: str,
+    hint: Callable[[str, tuple[int, ...]], str],
+    why_missing: Callable[[str], str] = lambda name: "",
+) -> None:
+    """Every ``required`` name present, nothing outside ``allowed``, every shape exact (``hint``
+    explains a wrong one): QStreamError naming the first offender and ``where`` it was found."""
+    for name in required:
+        if name not in shapes:
+            raise QStreamError(
+                f"{where}: missing tensor {name!r} (expected shape {list(required[name])}"
+                f"{why_missing(name)})"
+            )
+    for name, shape in shapes.items():
+        if name not in allowed:
+            raise QStreamError(
+                f"{where}: unexpected tensor {name!r} {list(shape)} "
+                f"(not part of a {what} of this config)"
+            )
+        if tuple(shape) != allowed[name]:
+            raise QStreamError(
+                f"{where}: tensor {name!r} has shape {list(shape)}, expected "
+                f"{list(allowed[name])}{hint(name, shape)}"
+            )
+
+
+def borrow_from_target(
+    model_dir: Path,
+    target: str | Path | None,
+    names: list[str],
+    expected: tuple[int, ...],
+    missing: str,
+    read: Callable[[Path, list[str]], dict] | None = None,
+) -> dict:
+    """``names`` of shape ``expected`` from ``target`` (default ``model_dir/target_head``, as synth
+    writes it), read by ``read`` (default ``read_target_tensors``)."""
+    if target is None:
+        target = model_dir / TARGET_HEAD_DIR
+        if not target.is_dir():
+            raise QStreamError(
+                f"{model_dir}: the draft has no {missing} of its own; pass the "
+                f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
+            )
+    from qstream.checkpoint.read import read_target_tensors
+
+    borrowed = (read or read_target_tensors)(Path(target), names)
+    for name, tensor in borrowed.items():
+        if tuple(tensor.shape) != expected:
+            raise QStreamError(
+                f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
+            )
+    return borrowed

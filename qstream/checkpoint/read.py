@@ -12,11 +12,12 @@ from pathlib import Path
 
 import torch
 
-from qstream.checkpoint.files import INDEX_NAME, read_config, read_json
+from qstream.checkpoint.files import INDEX_NAME, open_checkpoint, read_config, read_json
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader, read_header
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, QUANTIZED_SUFFIXES, dequantize
+from qstream.units import FLOAT_DTYPES
 
 
 def checkpoint_format(directory: Path, config: dict) -> str | None:
@@ -73,6 +74,27 @@ def dequantize_all(
         except (RuntimeError, ValueError) as exc:
             raise QStreamError(f"{where}: cannot dequantize {module!r} as {fmt}: {exc}") from None
     return out
+
+
+def read_draft_checkpoint(
+    directory: str | Path, index_names: Iterable[str] = ()
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(floats, index)``: a draft checkpoint's tensors, quantized modules dequantized, and those
+    of ``index_names`` as stored (d2t); any other non-float tensor is one line naming it."""
+    directory = Path(directory)
+    checkpoint = open_checkpoint(directory)
+    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
+    raw = {n: readers[s].tensor(n) for n, s in checkpoint.tensor_shard.items()}
+    names = set(index_names)
+    index = {n: raw.pop(n) for n in list(raw) if n in names}
+    tensors = dequantize_all(raw, checkpoint_format(directory, checkpoint.config), str(directory))
+    for name, tensor in tensors.items():
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise QStreamError(
+                f"{directory}: tensor {name!r} is {tensor.dtype}, not a float "
+                "weight (quantized data the config does not declare?)"
+            )
+    return tensors, index
 
 
 def read_target_tensors(target: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:

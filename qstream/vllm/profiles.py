@@ -87,11 +87,9 @@ class Profile:
     # attention heads: (query, key/value) config.json keys, when vLLM's QKVParallelLinear
     # splits them at TP (key/value heads replicated when fewer than the TP size)
     gqa_heads: tuple[str, str] | None = None
-
-    @property
-    def renames_layers(self) -> bool:
-        """A draft whose layers vLLM renames and fuses by the profile's tables."""
-        return bool(self.layer_modules)
+    speculators_types: tuple[str, ...] = ()  # saved speculators configs vLLM serves as this
+    # a draft whose layers vLLM renames and fuses by the profile's tables
+    renames_layers = property(lambda self: bool(self.layer_modules))
 
 
 GENERIC = "generic"
@@ -103,11 +101,13 @@ PROFILES = {
 
 
 def profile_for(config: Mapping) -> Profile:
-    """The profile config.json's architecture names (``generic`` otherwise); speculators' DSpark
-    layout is served as Qwen3DSparkModel (vllm/transformers_utils/configs/speculators/algos.py)."""
-    dspark = config.get("speculators_model_type") == "dspark"  # update_dspark there
-    names = {"Qwen3DSparkModel"} if dspark else set(config.get("architectures") or [])
-    return next((p for p in PROFILES.values() if names & set(p.architectures)), PROFILES[GENERIC])
+    """The profile config.json's architecture names, or whose ``speculators_types`` its
+    ``speculators_model_type`` is (``generic`` otherwise)."""
+    names, kind = set(config.get("architectures") or []), config.get("speculators_model_type")
+    for p in PROFILES.values():
+        if (kind in p.speculators_types) if kind else bool(names & set(p.architectures)):
+            return p
+    return PROFILES[GENERIC]
 
 
 def get_profile(name: str) -> Profile:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from qstream.arch.dspark_mla import flops, tensors
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.serving import SERVING
-from qstream.arch.family import DSparkFamily, shape_hint
+from qstream.arch.family import DSparkFamily
 
 if TYPE_CHECKING:
     import torch
@@ -43,11 +43,7 @@ class DSparkMLA(DSparkFamily):
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("architectures") == [ARCHITECTURE] or data.get("model_type") == MODEL_TYPE
 
-    def parse_config(self, data: Mapping[str, Any]) -> DSparkConfig:
-        return DSparkConfig.from_json(dict(data))
-
     tensor_shapes = staticmethod(tensors.tensor_shapes)
-    shape_hint = staticmethod(shape_hint)
     context_flops = staticmethod(flops.context_flops)
     drafted_flops = staticmethod(flops.drafted_flops)
     causal_flops = staticmethod(flops.causal_flops)

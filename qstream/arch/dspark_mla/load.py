@@ -19,12 +19,11 @@ import torch
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.tensors import check_tensors
-from qstream.arch.interface import LM_HEAD, TARGET_HEAD_DIR
-from qstream.checkpoint.files import open_checkpoint, read_config
-from qstream.checkpoint.read import checkpoint_format, dequantize_all, read_target_tensors
-from qstream.checkpoint.safetensors_io import ShardReader
+from qstream.arch.family import borrow_from_target
+from qstream.arch.interface import LM_HEAD
+from qstream.checkpoint.files import read_config
+from qstream.checkpoint.read import read_draft_checkpoint
 from qstream.errors import QStreamError
-from qstream.units import FLOAT_DTYPES
 
 EMBED = "embed_tokens.weight"
 
@@ -51,17 +50,7 @@ def read_draft_tensors(
     must come from the target)."""
     directory = Path(directory)
     config = config or load_config(directory)
-    checkpoint = open_checkpoint(directory)
-    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    raw = {n: readers[s].tensor(n) for n, s in checkpoint.tensor_shard.items()}
-    fmt = checkpoint_format(directory, checkpoint.config)
-    tensors = dequantize_all(raw, fmt, str(directory))
-    for name, tensor in tensors.items():
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise QStreamError(
-                f"{directory}: tensor {name!r} is {tensor.dtype}, not a float "
-                "weight (quantized data the config does not declare?)"
-            )
+    tensors, _ = read_draft_checkpoint(directory)
     shapes = {k: tuple(v.shape) for k, v in tensors.items()}
     if EMBED not in shapes:
         shapes[EMBED] = (config.vocab_size, config.hidden_size)  # checked when borrowed
@@ -78,21 +67,9 @@ def load_weights(
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
     tensors = read_draft_tensors(model_dir, config)
-    if target is None:
-        target = model_dir / TARGET_HEAD_DIR
-        if not target.is_dir():
-            raise QStreamError(
-                f"{model_dir}: the draft has no lm_head of its own; pass the "
-                f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
-            )
     borrowed = [LM_HEAD] + ([EMBED] if EMBED not in tensors else [])
-    from_target = read_target_tensors(target, borrowed)
     expected = (config.vocab_size, config.hidden_size)
-    for name, tensor in from_target.items():
-        if tuple(tensor.shape) != expected:
-            raise QStreamError(
-                f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
-            )
+    from_target = borrow_from_target(model_dir, target, borrowed, expected, "lm_head")
     return {**tensors, **from_target}
 
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.family import CONFIDENCE_WEIGHT, shape_hint
-from qstream.errors import QStreamError
+from qstream.arch.family import CONFIDENCE_WEIGHT, check_table, shape_hint
 
 
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
@@ -58,19 +57,5 @@ def check_tensors(
     """Strict check: exactly the expected names (plus ``extra``), each with its exact shape.
     Raises QStreamError naming the first offender and ``where`` it was found."""
     expected = {**tensor_shapes(config), **(extra or {})}
-    for name in expected:
-        if name not in shapes:
-            raise QStreamError(
-                f"{where}: missing tensor {name!r} (expected shape {list(expected[name])})"
-            )
-    for name, shape in shapes.items():
-        if name not in expected:
-            raise QStreamError(
-                f"{where}: unexpected tensor {name!r} {list(shape)} "
-                "(not part of a DSpark draft of this config)"
-            )
-        if tuple(shape) != expected[name]:
-            raise QStreamError(
-                f"{where}: tensor {name!r} has shape {list(shape)}, expected "
-                f"{list(expected[name])}{shape_hint(config, name, shape)}"
-            )
+    check_table(expected, expected, shapes, where, "DSpark draft",
+                lambda name, shape: shape_hint(config, name, shape))  # fmt: skip

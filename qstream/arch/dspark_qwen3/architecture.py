@@ -17,7 +17,7 @@ from qstream.arch.dspark_qwen3.config import (
     Qwen3DSparkConfig,
 )
 from qstream.arch.dspark_qwen3.serving import DEFAULT_INCLUDE, SERVING
-from qstream.arch.family import DSparkFamily, shape_hint
+from qstream.arch.family import DSparkFamily
 
 if TYPE_CHECKING:
     import torch
@@ -45,11 +45,7 @@ class DSparkQwen3(DSparkFamily):
             "speculators_model_type"
         ) in (SPECULATORS_TYPE, "dflash")
 
-    def parse_config(self, data: Mapping[str, Any]) -> Qwen3DSparkConfig:
-        return Qwen3DSparkConfig.from_json(dict(data))
-
     tensor_shapes = staticmethod(tensors.tensor_shapes)
-    shape_hint = staticmethod(shape_hint)
     context_flops = staticmethod(flops.context_flops)
     drafted_flops = staticmethod(flops.drafted_flops)
     causal_flops = staticmethod(flops.causal_flops)

@@ -14,12 +14,10 @@ import torch
 
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
 from qstream.arch.dspark_qwen3.tensors import D2T, EMBED, LM_HEAD, T2D, check_tensors
-from qstream.arch.interface import TARGET_HEAD_DIR
-from qstream.checkpoint.files import open_checkpoint, read_config
-from qstream.checkpoint.read import checkpoint_format, dequantize_all, read_target_tensors
-from qstream.checkpoint.safetensors_io import ShardReader
+from qstream.arch.family import borrow_from_target
+from qstream.checkpoint.files import read_config
+from qstream.checkpoint.read import read_draft_checkpoint, read_target_tensors
 from qstream.errors import QStreamError
-from qstream.units import FLOAT_DTYPES
 
 INDEX_TENSORS = {D2T: (torch.int64, torch.int32), T2D: (torch.bool, torch.uint8)}
 
@@ -28,17 +26,7 @@ def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict
     """Every tensor of the draft checkpoint, quantized ones dequantized, strictly checked
     against the config (``embed_tokens`` may be absent; the target's is then shared)."""
     directory = Path(directory)
-    checkpoint = open_checkpoint(directory)
-    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    raw = {n: readers[s].tensor(n) for n, s in checkpoint.tensor_shard.items()}
-    index = {n: raw.pop(n) for n in list(raw) if n in INDEX_TENSORS}
-    tensors = dequantize_all(raw, checkpoint_format(directory, checkpoint.config), str(directory))
-    for name, tensor in tensors.items():
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise QStreamError(
-                f"{directory}: tensor {name!r} is {tensor.dtype}, not a float weight "
-                "(quantized data the config does not declare?)"
-            )
+    tensors, index = read_draft_checkpoint(directory, INDEX_TENSORS)
     for name, tensor in index.items():
         if tensor.dtype not in INDEX_TENSORS[name]:
             raise QStreamError(f"{directory}: tensor {name!r} is {tensor.dtype}, not an index map")
@@ -71,20 +59,9 @@ def load_weights(
     wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
     if not wanted:
         return tensors
-    if target is None:
-        target = model_dir / TARGET_HEAD_DIR
-        if not target.is_dir():
-            raise QStreamError(
-                f"{model_dir}: the draft has no {' or '.join(wanted)} of its own; pass the "
-                f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
-            )
-    borrowed = _read_borrowed(Path(target), wanted)
     expected = (config.vocab_size, config.hidden_size)
-    for name, tensor in borrowed.items():
-        if tuple(tensor.shape) != expected:
-            raise QStreamError(
-                f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
-            )
+    missing = " or ".join(wanted)
+    borrowed = borrow_from_target(model_dir, target, wanted, expected, missing, _read_borrowed)
     return {**tensors, **borrowed}
 
 

@@ -68,4 +68,7 @@ SERVING: dict[str, Any] = {
     "lm_heads": LM_HEADS,
     "default_include": DEFAULT_INCLUDE,
     "gqa_heads": ("num_attention_heads", "num_key_value_heads"),
+    # vLLM 0.32.0's update_dspark (vllm/transformers_utils/configs/speculators/algos.py) serves
+    # a saved speculators DSpark config as Qwen3DSparkModel, whatever its "architectures" says
+    "speculators_types": ("dspark",),
 }

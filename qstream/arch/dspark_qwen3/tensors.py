@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
-from qstream.arch.family import CONFIDENCE_WEIGHT, shape_hint
-from qstream.errors import QStreamError
+from qstream.arch.family import CONFIDENCE_WEIGHT, check_table, shape_hint
 
 EMBED = "embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -75,24 +74,10 @@ def check_tensors(
     """Strict check: every tensor of the table (``embed_tokens`` may be left to the target),
     nothing unexplained, every shape exact.  QStreamError naming the first offender."""
     table = tensor_shapes(config)
-    expected = {**table, **allowed_extra(config)}
-    for name in table:
-        if name not in shapes and name not in OPTIONAL:
-            raise QStreamError(
-                f"{where}: missing tensor {name!r} (expected shape {list(table[name])}"
-                f"{_why_needed(config, name)})"
-            )
-    for name, shape in shapes.items():
-        if name not in expected:
-            raise QStreamError(
-                f"{where}: unexpected tensor {name!r} {list(shape)} "
-                "(not part of a Qwen3-style DSpark draft of this config)"
-            )
-        if tuple(shape) != expected[name]:
-            raise QStreamError(
-                f"{where}: tensor {name!r} has shape {list(shape)}, expected "
-                f"{list(expected[name])}{shape_hint(config, name, shape)}"
-            )
+    required = {k: v for k, v in table.items() if k not in OPTIONAL}
+    check_table(required, {**table, **allowed_extra(config)}, shapes, where,
+                "Qwen3-style DSpark draft", lambda name, shape: shape_hint(config, name, shape),
+                lambda name: _why_needed(config, name))  # fmt: skip
 
 
 def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
