@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from qwen3_drafts import REDUCED, write_qwen3_draft
 from safetensors.torch import load_file, save_file
+from test_vllm_loader import vllm_did  # what vLLM did: raised, warned, or loaded silently
 
 from qstream.arch.dspark_qwen3.serving import DEFAULT_INCLUDE
 from qstream.formats import quantize
@@ -205,18 +206,6 @@ BROKEN = {
         "model.layers.9.self_attn.qkv_proj: ",
     ),
 }
-
-
-def vllm_did(report) -> str:
-    """What vLLM 0.32.0 itself did: raised, logged a warning about these weights, or loaded
-    them without a word."""
-    if report.raised is not None:
-        return "raised"
-    if any(
-        "global scale is different" in w or "Attempted to load weight" in w for w in report.warnings
-    ):
-        return "warned"
-    return "loaded silently"
 
 
 @pytest.mark.parametrize("case", list(BROKEN))
