@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from qstream.arch.blocks import rms_norm, swiglu
 from qstream.arch.dspark_mla import engine
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.tensors import check_tensors
@@ -34,12 +34,6 @@ CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by 
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``w * x / sqrt(mean(x^2) + eps)`` in fp32 (or wider), returned in x's dtype."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 def yarn_inv_freq(config: DSparkConfig) -> torch.Tensor:
@@ -79,12 +73,6 @@ def apply_rope(
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
-
-
-def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``, each product ``linear(x, weight)`` (by default the
-    weights are tensors; :meth:`Layer.mlp` passes names and its chunked product)."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 # ---------------------------------------------------------------------------------------------

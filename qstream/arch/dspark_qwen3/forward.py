@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qstream.arch.dspark_mla.forward import rms_norm, swiglu
+from qstream.arch.blocks import rms_norm, swiglu
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
 from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, check_tensors
 from qstream.arch.family import check_blocks
