@@ -36,6 +36,7 @@ class Decoded:
     tokens: list[int] = field(default_factory=list)  # emitted after the prompt, in order
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per verification
     forwards: int = 0  # target forwards, the prefill included
+    anchors: list[int] = field(default_factory=list)  # anchor p of each verification (prompt included)
 
 
 def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...]):
@@ -84,6 +85,7 @@ def speculative_decode(
         out.forwards += 1
         emitted = _verify(logits[p:], drafted, q, rule, temperature, gen)
         out.accepted.append(len(emitted) - 1)
+        out.anchors.append(p)
         ids.extend(emitted)
     out.tokens = ids[len(prompt) : len(prompt) + new_tokens]
     return out
