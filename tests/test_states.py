@@ -246,3 +246,48 @@ def test_cli_states_and_acceptance(tiny, states_file, tmp_path):
         cli, ["eval-drift", "--model", str(tiny), "--states", str(tmp_path / "no"), "--blocks", "8"]
     )
     assert bad.exit_code == 1 and "no such file" in bad.stderr and bad.stderr.count("\n") == 1
+
+
+def test_states_anchors_file_gives_the_blocks_it_names(tiny, corpus, states_file, tmp_path):
+    """The anchors eval-drift drew, written to a file and read back, reproduce its states
+    regime exactly; a block out of range or named twice is one line naming the block."""
+    from qstream.eval.corpus import sample_anchors
+
+    config = load_config(tiny)
+    settings = _settings(states_file)
+    states = read_states(states_file, config)
+    drawn = sample_anchors(
+        states,
+        BLOCKS,
+        config.block_size,
+        settings.seed,
+        max_context=config.max_position_embeddings - config.block_size,
+    )
+    blocks = [[int(s), int(a)] for s, a in zip(drawn.stream, drawn.anchor)]
+    path = tmp_path / "anchors.json"
+    path.write_text(json.dumps({"blocks": blocks[::-1]}))  # order does not matter
+    from dataclasses import replace
+
+    named = evaluate_drift(tiny, replace(settings, regimes=(), states_anchors=str(path)), corpus)
+    uniform = evaluate_drift(tiny, replace(settings, regimes=()), corpus)
+    assert named["regimes"]["states"] == uniform["regimes"]["states"]
+    assert named["states"]["anchors"]["blocks"] == BLOCKS
+
+    length = int(states.streams[0].numel())
+    for bad, message in [
+        ([[0, length - config.block_size]], "an anchor needs 1 <= anchor <"),
+        ([[0, 0]], "an anchor needs 1 <= anchor <"),
+        ([[9, 3]], "has 4 streams"),
+        ([[0, 3], [0, 3]], "named twice"),
+    ]:
+        path.write_text(json.dumps({"blocks": bad}))
+        with pytest.raises(QStreamError, match=message):
+            evaluate_drift(tiny, replace(settings, regimes=(), states_anchors=str(path)), corpus)
+    path.write_text("{}")
+    result = CliRunner().invoke(
+        cli,
+        ["eval-drift", "--model", str(tiny), "--states", str(states_file),
+         "--states-anchors", str(path)],
+    )  # fmt: skip
+    assert result.exit_code == 1 and "expected {" in result.stderr
+    assert result.stderr.count("\n") == 1

@@ -171,6 +171,14 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     help="Comma-separated layer ids the states were captured at (e.g. vLLM's "
     "eagle_aux_hidden_state_layer_ids), checked against the draft's target_layer_ids.",
 )
+@option(
+    "states_anchors",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Evaluate the states regime at these blocks instead of --blocks uniformly drawn ones: "
+    'a JSON file {"blocks": [[stream, anchor], ...]}, e.g. the anchors.json that qstream '
+    "speculate --capture writes (the anchors its decoder visited).",
+)
 @flag_option(
     "sensitivity",
     "Quantize one module kind at a time, then cumulatively (least harmful first), and "
@@ -279,6 +287,7 @@ def _settings(o: dict[str, Any]) -> DriftSettings:
         states_format=o["states_format"],
         states_layer_convention=o["states_layer_convention"],
         states_layer_ids=o["states_layer_ids"],
+        states_anchors=o["states_anchors"],
         sensitivity=o["sensitivity"],
         sensitivity_format=o["sensitivity_format"],
         tolerance=o["tolerance"],

@@ -8,6 +8,7 @@ the draft's own tokenizer, and the anchors (block start positions) sampled acros
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,3 +114,36 @@ def sample_anchors(
     stream = torch.searchsorted(torch.cumsum(counts, 0), pick, right=True)
     anchor = pick - offsets[stream] + min_context
     return AnchorPlan(stream, anchor)
+
+
+def read_anchor_plan(path: str | Path, corpus: Corpus, block_size: int) -> AnchorPlan:
+    """The blocks a JSON file names, ``{"blocks": [[stream, anchor], ...]}`` (stream: index into
+    ``corpus.streams`` in read order), sorted, each checked as ``sample_anchors`` draws them:
+    ``1 <= anchor`` and ``anchor + block_size < len(stream)``; a pair named twice is refused."""
+    path = Path(path)
+    try:
+        blocks = json.loads(path.read_text(encoding="utf-8"))["blocks"]
+        pairs = sorted({(int(s), int(a)) for s, a in blocks})
+        if len(pairs) != len(blocks):
+            raise QStreamError(f"{path}: a block is named twice")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QStreamError(f"cannot read anchors {path}: {exc}") from None
+    except (KeyError, TypeError, ValueError):
+        raise QStreamError(f'{path}: expected {{"blocks": [[stream, anchor], ...]}}') from None
+    if not pairs:
+        raise QStreamError(f"{path}: names no block")
+    for stream, anchor in pairs:
+        if not 0 <= stream < len(corpus.streams):
+            raise QStreamError(
+                f"{path}: block ({stream}, {anchor}): {corpus.name} has "
+                f"{len(corpus.streams)} streams"
+            )
+        length = int(corpus.streams[stream].numel())
+        if not 1 <= anchor < length - block_size:
+            raise QStreamError(
+                f"{path}: block ({stream}, {anchor}): stream {stream} has {length} tokens; an "
+                f"anchor needs 1 <= anchor < {length - block_size} (a block of {block_size} "
+                "after it)"
+            )
+    stream_ids, anchors = zip(*pairs)
+    return AnchorPlan(torch.tensor(stream_ids), torch.tensor(anchors))

@@ -23,7 +23,7 @@ from qstream.errors import QStreamError
 from qstream.eval.aux_sources import check_boot_compatible
 from qstream.eval.batches import Batch, batch_flops, make_batches
 from qstream.eval.context_sweep import bucket_plans, context_sweep
-from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
+from qstream.eval.corpus import AnchorPlan, Corpus, read_anchor_plan, sample_anchors
 from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
@@ -47,6 +47,12 @@ def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> Ancho
         settings.seed,
         max_context=config.max_position_embeddings - config.block_size,
     )
+
+
+def _states_plan(states: CapturedStates, settings: DriftSettings, config: DraftConfig):
+    if settings.states_anchors is None:
+        return _plan(states, settings, config)
+    return read_anchor_plan(settings.states_anchors, states, config.block_size)
 
 
 def refuse_unevaluated(config: DraftConfig) -> None:
@@ -84,7 +90,7 @@ def evaluate_drift(
     )
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
-    states_plan = None if states is None else _plan(states, settings, config)
+    states_plan = None if states is None else _states_plan(states, settings, config)
     steps = _sensitivity_steps(weights, config, settings)
     buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]

@@ -150,6 +150,9 @@ class DriftSettings:
     states_format: str | None = None
     states_layer_convention: str | None = None
     states_layer_ids: str | None = None
+    # the blocks of the states regime, a JSON file (qstream.eval.corpus.read_anchor_plan) in
+    # place of uniformly drawn anchors: e.g. the anchors a speculative decoder visited
+    states_anchors: str | None = None
     # Per-module sensitivity (qstream/eval/sensitivity.py): one format, one module kind at a
     # time, then cumulatively; None picks nvfp4 or the first 4-bit format of ``formats``.
     sensitivity: bool = False
@@ -181,6 +184,8 @@ class DriftSettings:
             raise QStreamError(f"--blocks must be at least 1, got {self.n_blocks}")
         if not self.regimes and self.states is None:
             raise QStreamError("nothing to evaluate: no regime and no --states file")
+        if self.states_anchors is not None and self.states is None:
+            raise QStreamError("--states-anchors names blocks of --states, which is not given")
         if self.sensitivity_format is not None and self.sensitivity_format not in FORMATS:
             raise QStreamError(
                 f"--sensitivity-format {self.sensitivity_format!r}: choose from "
