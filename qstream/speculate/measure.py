@@ -46,12 +46,12 @@ def summarise(runs: list[Decoded], block_size: int) -> dict:
     """JSON-ready: ``mean_acceptance_length`` (1..B+1), ``accepted_at_least`` (k = 1..B),
     ``tokens_per_target_forward`` (the prefill included) and the counts."""
     steps = [torch.tensor(r.accepted, dtype=torch.float64) for r in runs]
-    n_steps = torch.tensor([float(len(s)) for s in steps])
+    n_steps = torch.tensor([float(len(s)) for s in steps], dtype=torch.float64)
     if not bool((n_steps > 0).all()):
         raise ValueError("every prompt needs at least one verification (more new tokens)")
     emitted = torch.stack([(s + 1).sum() for s in steps])
-    forwards = torch.tensor([float(r.forwards) for r in runs])
-    tokens = torch.tensor([float(len(r.tokens)) for r in runs])
+    forwards = torch.tensor([float(r.forwards) for r in runs], dtype=torch.float64)
+    tokens = torch.tensor([float(len(r.tokens)) for r in runs], dtype=torch.float64)
     width = int(n_steps.max())
     padded = torch.full((len(runs), width), -1.0, dtype=torch.float64)
     for i, s in enumerate(steps):
