@@ -28,6 +28,7 @@ COMMANDS = {
     "synth": "qstream.commands.synth:synth",
     "capture": "qstream.commands.capture:capture",
     "eval-drift": "qstream.commands.eval_drift:eval_drift",
+    "speculate": "qstream.commands.speculate:speculate",
     "card": "qstream.commands.card:card",
 }
 

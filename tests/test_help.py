@@ -88,6 +88,7 @@ def test_the_help_s_light_names_are_the_library_s():
     from qstream.eval.states import FORMATS as STATES_FORMATS
     from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
     from qstream.formats import FORMATS
+    from qstream.speculate.decode import RULES
     from qstream.vllm.loader import VLLM_VERSION
 
     assert light.WEIGHT_FORMATS == tuple(FORMATS)
@@ -104,3 +105,4 @@ def test_the_help_s_light_names_are_the_library_s():
     assert light.CAPTURE_EXPORTS == tuple(EXPORTS)
     assert light.CARD_FORMATS == tuple(CARD_FORMATS)
     assert light.VLLM_VERSION == VLLM_VERSION
+    assert light.SPECULATE_RULES == RULES

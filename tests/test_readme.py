@@ -37,11 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # (text, replacement), applied in order to each line: the README's sizes cut to what a test
 # affords.  eval-drift's defaults are 1024 blocks per regime and 256 per context bucket (a
 # later --blocks on the line overrides the first); capture's, every document of the corpus at
-# 512 prompt and 256 new tokens.
+# 512 prompt and 256 new tokens; speculate's, 32 prompts of 128 new tokens.
 SMALLER = (
     ("qstream eval-drift ", "qstream eval-drift --blocks 8 --context-blocks 8 "),
     ("--blocks 1024", "--blocks 8"),
     ("qstream capture ", "qstream capture --streams 2 --max-tokens 16 --new-tokens 8 "),
+    ("qstream speculate ", "qstream speculate --prompts 2 --new-tokens 8 "),
 )
 # text on a line -> the module it needs; without the module the line is left out
 NEEDS = {"--vllm": "vllm"}

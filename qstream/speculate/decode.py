@@ -36,7 +36,9 @@ class Decoded:
     tokens: list[int] = field(default_factory=list)  # emitted after the prompt, in order
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per verification
     forwards: int = 0  # target forwards, the prefill included
-    anchors: list[int] = field(default_factory=list)  # anchor p of each verification (prompt included)
+    anchors: list[int] = field(
+        default_factory=list
+    )  # anchor p of each verification (prompt included)
 
 
 def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...]):

@@ -11,7 +11,7 @@ the independent units; the verifications within one are not).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -30,28 +30,47 @@ def acceptance_study(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> dict[str, dict]:
-    """Each draft decodes every prompt (prompt i with seed ``seed + i``, the same for every
-    draft) and is summarised by :func:`summarise`."""
-    study = {}
-    for name, draft in drafts.items():
-        runs = [
-            speculative_decode(target, draft, p, new_tokens, rule, temperature, seed + i)
-            for i, p in enumerate(prompts)
-        ]
-        study[name] = summarise(runs, draft.config.block_size)
-    return study
+    """Each draft decodes every prompt (:func:`decode_prompts`) and is summarised by
+    :func:`summarise`."""
+    return {
+        name: summarise(
+            decode_prompts(target, draft, prompts, new_tokens, rule, temperature, seed),
+            draft.config.block_size,
+        )
+        for name, draft in drafts.items()
+    }
+
+
+def decode_prompts(
+    target,
+    draft,
+    prompts: list[list[int]],
+    new_tokens: int,
+    rule: str = "greedy",
+    temperature: float = 1.0,
+    seed: int = 0,
+    done: Callable[[int], None] | None = None,
+) -> list[Decoded]:
+    """Every prompt decoded by ``draft``, prompt i with seed ``seed + i`` (the same for every
+    draft, so that variants differ only by their drafts); ``done(i + 1)`` after prompt i."""
+    runs = []
+    for i, p in enumerate(prompts):
+        runs.append(speculative_decode(target, draft, p, new_tokens, rule, temperature, seed + i))
+        if done is not None:
+            done(i + 1)
+    return runs
 
 
 def summarise(runs: list[Decoded], block_size: int) -> dict:
     """JSON-ready: ``mean_acceptance_length`` (1..B+1), ``accepted_at_least`` (k = 1..B),
     ``tokens_per_target_forward`` (the prefill included) and the counts."""
     steps = [torch.tensor(r.accepted, dtype=torch.float64) for r in runs]
-    n_steps = torch.tensor([float(len(s)) for s in steps])
+    n_steps = torch.tensor([float(len(s)) for s in steps], dtype=torch.float64)
     if not bool((n_steps > 0).all()):
         raise ValueError("every prompt needs at least one verification (more new tokens)")
     emitted = torch.stack([(s + 1).sum() for s in steps])
-    forwards = torch.tensor([float(r.forwards) for r in runs])
-    tokens = torch.tensor([float(len(r.tokens)) for r in runs])
+    forwards = torch.tensor([float(r.forwards) for r in runs], dtype=torch.float64)
+    tokens = torch.tensor([float(len(r.tokens)) for r in runs], dtype=torch.float64)
     width = int(n_steps.max())
     padded = torch.full((len(runs), width), -1.0, dtype=torch.float64)
     for i, s in enumerate(steps):

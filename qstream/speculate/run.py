@@ -1,0 +1,191 @@
+"""``qstream speculate`` as one library call (docs/speculate.md, "Command"): the target loaded as
+``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt, the
+draft's variants built as ``eval-drift`` builds them, and every variant decoding every prompt
+with the target in the loop.
+
+>>> results = run_speculate(SpeculateSettings(target="TARGET", model="DRAFT", prompts=8))
+>>> results["variants"]["nvfp4"]["summary"]["mean_acceptance_length"]["value"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+import qstream
+from qstream.arch.interface import DraftConfig
+from qstream.arch.registry import architecture_of, load_config
+from qstream.capture.streams import CorpusDocs, corpus_docs
+from qstream.capture.target import DTYPES, check_draft, load_target
+from qstream.checkpoint.files import sha256_file
+from qstream.checkpoint.target import TargetShape, read_target_shape
+from qstream.errors import QStreamError
+from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
+from qstream.eval.settings import DriftSettings
+from qstream.eval.variants import Variant, settings_variants, variant_weights
+from qstream.eval.vocabulary import VARIANT_FORMATS
+from qstream.speculate.decode import RULES
+from qstream.speculate.measure import decode_prompts, summarise
+
+SCHEMA = "qstream.speculate/1"  # the "schema" field of every results file
+PROMPT = "each document up to and including its first newline (a GSM8K question), tokenized "
+PROMPT += "by the target's tokenizer without special tokens"
+
+Progress = Callable[[int, int, str], None]  # (prompts done, prompts to do, what)
+
+
+@dataclass(frozen=True)
+class SpeculateSettings:
+    target: str  # Hugging Face target directory: verifies, and lends the draft what it lacks
+    model: str  # draft directory, unquantized: the source of the simulated formats
+    corpus: str | None = None  # GSM8K JSONL or text; None: the built-in GSM8K test split
+    prompts: int = 32  # the corpus's first documents
+    new_tokens: int = 128  # emitted per prompt
+    rule: str = "greedy"  # the verification rule (decode.RULES)
+    temperature: float = 1.0
+    seed: int = 0  # prompt i decodes with seed + i, the same for every variant
+    dtype: str = "bfloat16"  # the target's weights and compute
+    # the variants, as eval-drift names them (qstream/eval/variants.py)
+    formats: tuple[str, ...] = VARIANT_FORMATS
+    variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
+    include: tuple[str, ...] = ()  # () = the draft architecture's shipped list
+    ignore: tuple[str, ...] = ()
+    allow_foreign_variant: bool = False
+    integrity_check: bool = True
+
+    def selection(self) -> DriftSettings:
+        """The variants as eval-drift's settings hold them (and check them: names unique, at
+        least one)."""
+        return DriftSettings(
+            formats=self.formats,
+            variant_dirs=self.variant_dirs,
+            include=self.include,
+            ignore=self.ignore,
+            allow_foreign_variant=self.allow_foreign_variant,
+            integrity_check=self.integrity_check,
+        )
+
+
+def _check(s: SpeculateSettings, config: DraftConfig) -> None:
+    if s.rule not in RULES:
+        raise QStreamError(f"--rule {s.rule!r}: choose one of {', '.join(RULES)}")
+    if s.dtype not in DTYPES:
+        raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
+    if s.prompts < 1 or s.new_tokens < 2:  # one token is the prefill's: no verification
+        raise QStreamError(
+            f"--prompts must be >= 1 and --new-tokens >= 2, got {s.prompts} and {s.new_tokens}"
+        )
+    if getattr(config, "reduced_vocab", False):
+        raise QStreamError(
+            f"{Path(s.model) / 'config.json'}: draft_vocab_size "
+            f"{getattr(config, 'draft_vocab_size')} < vocab_size {config.vocab_size}: "
+            "speculative decoding with a reduced-vocabulary draft is not supported yet"
+        )
+
+
+def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dict:
+    """Check everything, load the target, decode every prompt with each variant; returns the
+    JSON-ready results (docs/speculate.md)."""
+    config = load_config(s.model)
+    _check(s, config)
+    shape = read_target_shape(s.target)
+    check_draft(config, shape, config.target_layer_ids)
+    refuse_quantized_model(s.model)
+    arch = architecture_of(config)
+    selection = s.selection()
+    if not selection.include:
+        selection = replace(selection, include=arch.quantize_include)
+    weights = arch.load_weights(s.model, s.target, config)
+    variants = check_variants_derived(
+        settings_variants(selection), s.model, weights, s.allow_foreign_variant
+    )
+    docs = corpus_docs(s.corpus)
+    target = load_target(s.target, DTYPES[s.dtype])
+    prompts = _prompts(target.tokenizer, docs, s.prompts, config.vocab_size)
+    results = _description(s, selection, config, shape, docs)
+    for v in variants:
+        var_weights, changed = variant_weights(v, weights, config, selection, s.target)
+        draft = arch.build(config, var_weights, v.dtype, "cpu")
+        done = None if progress is None else _reporter(progress, len(prompts), v.name)
+        runs = decode_prompts(
+            target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, done
+        )
+        results["variants"][v.name] = {
+            **_variant_entry(v, changed),
+            "summary": summarise(runs, config.block_size),
+        }
+        results["runs"][v.name] = [
+            {"document": i, "prompt_tokens": len(p), "anchors": r.anchors,
+             "accepted": r.accepted, "tokens": r.tokens}
+            for i, (p, r) in enumerate(zip(prompts, runs))
+        ]  # fmt: skip
+    return results
+
+
+def _reporter(progress: Progress, total: int, name: str) -> Callable[[int], None]:
+    progress(0, total, f"speculate: {name}")
+    return lambda done: progress(done, total, f"speculate: {name}")
+
+
+def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[list[int]]:
+    """The first ``count`` documents' prompts (:data:`PROMPT`), as token ids."""
+    texts = [head + sep for head, sep, _ in (t.partition("\n") for t in docs.texts[:count])]
+    rows = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    for i, ids in enumerate(rows):
+        if not ids:
+            raise QStreamError(f"corpus {docs.name}: document {i} gives an empty prompt")
+        if max(ids) >= vocab_size:
+            raise QStreamError(
+                f"the target's tokenizer gives id {max(ids)} (document {i}), outside the "
+                f"draft's vocab_size {vocab_size}"
+            )
+    return rows
+
+
+def _variant_entry(v: Variant, changed: list[str]) -> dict:
+    dtype = str(v.dtype).removeprefix("torch.")
+    return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": dtype,
+            "quantized_tensors": changed}  # fmt: skip
+
+
+def _description(
+    s: SpeculateSettings,
+    selection: DriftSettings,
+    config: DraftConfig,
+    shape: TargetShape,
+    docs: CorpusDocs,
+) -> dict:
+    """The results' settings and provenance: what was decoded, by what, from what."""
+    import transformers
+
+    return {
+        "schema": SCHEMA,
+        "settings": {
+            "prompts": s.prompts,
+            "prompt": PROMPT,
+            "new_tokens": s.new_tokens,
+            "rule": s.rule,
+            "temperature": s.temperature,
+            "seed": s.seed,
+            "target_dtype": s.dtype,
+            "selection": {"include": list(selection.include), "ignore": list(selection.ignore)},
+        },
+        "provenance": {
+            "target": shape.identity(),
+            "draft": {
+                "path": str(s.model),
+                "config_sha256": sha256_file(Path(s.model) / "config.json"),
+                "architecture": config.to_json().get("architectures", ["?"])[0],
+                "block_size": config.block_size,
+            },
+            "corpus": {"name": docs.name, "sha256": docs.sha256},
+            "qstream_version": qstream.__version__,
+            "torch_version": torch.__version__.split("+")[0],
+            "transformers_version": transformers.__version__,
+        },
+        "variants": {},
+        "runs": {},
+    }

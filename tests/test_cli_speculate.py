@@ -1,0 +1,231 @@
+"""``qstream speculate`` end to end (docs/speculate.md, "Command"): a tiny transformers Qwen3
+target with a real tokenizer, a Qwen3-style DSpark draft shaped for it (``synth --target``) in
+speculators' saved layout, borrowing the target's embed_tokens and lm_head, and an NVFP4
+checkpoint of it written by ``qstream quantize``.  The JSON is whole and consistent, greedy
+verification emits the target's own greedy decoding, the read-back checkpoint decodes as its
+simulated format does, the same seed gives the same JSON, and bad inputs are one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import cli_error, cli_ok
+from hf_targets import VOCAB, make_qwen3_target
+from qwen3_drafts import speculators_config
+from safetensors.torch import load_file, save_file
+
+from qstream.arch.registry import load_config
+
+QUESTIONS = (
+    "Tom has 3 apples and buys 4 more. How many apples does he have?",
+    "A box holds 12 pens. How many pens are in 3 boxes?",
+    "Sara reads 5 pages a day. How many pages does she read in a week?",
+)
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """These models are tiny: on a busy machine torch's intra-op threads cost far more than they
+    gain (minutes instead of seconds on two shared cores).  torch's setting is restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _shared_direction(target: Path) -> None:
+    """Add to every lm_head row one direction, scaled per token: target and draft read the same
+    lm_head, so both then favour the same few tokens and some drafts are accepted (with the
+    random weights alone none is)."""
+    path = target / "model.safetensors"
+    tensors = load_file(path)
+    head = tensors["lm_head.weight"]
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(head.shape[1], generator=gen)
+    scale = 3 * torch.randn(head.shape[0], generator=gen)
+    tensors["lm_head.weight"] = (head.float() + scale[:, None] * (u / u.norm())).to(head.dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target, draft, its NVFP4 checkpoint, corpus)."""
+    root = tmp_path_factory.mktemp("speculate")
+    target = make_qwen3_target(root / "target")
+    _shared_direction(target)
+    draft = root / "draft"
+    cli_ok(["synth", "--target", str(target), "--output_dir", str(draft)])
+    config = load_config(draft)
+    (draft / "config.json").write_text(json.dumps(speculators_config(config), indent=2))
+    nvfp4 = root / "draft-nvfp4"
+    cli_ok(["quantize", "--model_dir", str(draft), "--output_dir", str(nvfp4),
+            "--quant_format", "nvfp4"])  # fmt: skip
+    corpus = root / "questions.jsonl"
+    rows = [{"question": q, "answer": "It is done.\n#### 0"} for q in QUESTIONS]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target, draft, nvfp4, corpus
+
+
+def _args(pair, *extra: str) -> list[str]:
+    target, draft, _, corpus = pair
+    return ["speculate", "--target", str(target), "--model", str(draft), "--corpus", str(corpus),
+            "--prompts", "3", "--new-tokens", str(NEW_TOKENS), "--dtype", "float32", *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "spec.json"
+    run = cli_ok(_args(pair, "--formats", "bf16,nvfp4", "--variant", f"shipped={pair[2]}",
+                       "--json", str(out)))  # fmt: skip
+    assert "mean acceptance length" in run.stdout and "shipped" in run.stdout
+    return json.loads(out.read_text())
+
+
+def test_the_json_is_whole_and_consistent(pair, results):
+    target, draft, _, corpus = pair
+    assert results["schema"] == "qstream.speculate/1"
+    settings = results["settings"]
+    assert (settings["prompts"], settings["new_tokens"], settings["rule"]) == (3, 16, "greedy")
+    where = results["provenance"]
+    sha = hashlib.sha256((target / "config.json").read_bytes()).hexdigest()
+    assert where["target"]["config_sha256"] == sha
+    assert where["draft"]["path"] == str(draft) and where["draft"]["block_size"] == 7
+    assert where["corpus"]["name"] == str(corpus) and len(where["corpus"]["sha256"]) == 64
+    assert where["qstream_version"]
+    assert list(results["variants"]) == list(results["runs"]) == ["bf16", "nvfp4", "shipped"]
+    for name, entry in results["variants"].items():
+        summary, runs = entry["summary"], results["runs"][name]
+        shares = [s["value"] for s in summary["accepted_at_least"]]
+        mean = summary["mean_acceptance_length"]["value"]
+        assert mean == pytest.approx(1 + sum(shares), rel=1e-12)
+        assert summary["prompts"] == len(runs) == 3
+        assert summary["verifications"] == sum(len(r["accepted"]) for r in runs)
+        emitted = sum(a + 1 for r in runs for a in r["accepted"])
+        assert mean == pytest.approx(emitted / summary["verifications"], rel=1e-12)
+        forwards = sum(1 + len(r["accepted"]) for r in runs)
+        per_forward = summary["tokens_per_target_forward"]["value"]
+        assert per_forward == pytest.approx(3 * NEW_TOKENS / forwards, rel=1e-12)
+        for i, run in enumerate(runs):
+            assert run["document"] == i and len(run["tokens"]) == NEW_TOKENS
+            # the first anchor is the prefill's token; each step moves it by what it emitted
+            anchors, accepted = run["anchors"], run["accepted"]
+            assert anchors[0] == run["prompt_tokens"] and len(anchors) == len(accepted)
+            assert all(b - a == n + 1 for a, b, n in zip(anchors, anchors[1:], accepted))
+    assert any(r["accepted"] != [0] * len(r["accepted"]) for r in results["runs"]["bf16"])
+
+
+def test_greedy_verification_emits_the_targets_greedy_decoding(pair, results):
+    from qstream.capture.target import load_target
+    from qstream.speculate.decode import target_greedy
+
+    target = load_target(pair[0], torch.float32)
+    for i, question in enumerate(QUESTIONS):
+        prompt = target.tokenizer(question + "\n", add_special_tokens=False)["input_ids"]
+        greedy = target_greedy(target.model, prompt, NEW_TOKENS)
+        for name, runs in results["runs"].items():
+            assert runs[i]["prompt_tokens"] == len(prompt)
+            assert runs[i]["tokens"] == greedy, name
+
+
+def test_the_read_back_checkpoint_decodes_as_its_simulated_format(pair, results):
+    """quantize writes exactly the weights the simulation makes (36 tensors, bit for bit), so the
+    checkpoint drafts the same blocks: the same summary and the same runs."""
+    from qstream.arch.registry import architecture_of
+    from qstream.eval.settings import DriftSettings
+    from qstream.eval.variants import Variant, variant_weights
+
+    target, draft, checkpoint, _ = pair
+    config = load_config(draft)
+    arch = architecture_of(config)
+    weights = arch.load_weights(draft, target, config)
+    selection = DriftSettings(include=arch.quantize_include)
+    simulated, _ = variant_weights(Variant("nvfp4", "simulated", "nvfp4"), weights, config,
+                                   selection, str(target))  # fmt: skip
+    read_back, _ = variant_weights(Variant("shipped", "checkpoint", str(checkpoint)), weights,
+                                   config, selection, str(target))  # fmt: skip
+    assert simulated.keys() == read_back.keys()
+    for name, w in simulated.items():
+        assert w.dtype == read_back[name].dtype and torch.equal(w, read_back[name]), name
+    shipped, nvfp4 = results["variants"]["shipped"], results["variants"]["nvfp4"]
+    assert (shipped["kind"], nvfp4["kind"]) == ("checkpoint", "simulated")
+    assert "integrity" in shipped
+    assert shipped["quantized_tensors"] == nvfp4["quantized_tensors"]
+    assert len(nvfp4["quantized_tensors"]) == 36
+    assert shipped["summary"] == nvfp4["summary"]
+    assert results["runs"]["shipped"] == results["runs"]["nvfp4"]
+    assert results["runs"]["nvfp4"] != results["runs"]["bf16"], "the formats must differ"
+
+
+def test_the_same_seed_gives_the_same_json(pair):
+    args = _args(pair, "--formats", "bf16", "--rule", "probabilistic", "--new-tokens", "8",
+                 "--temperature", "0.7", "--json", "-")  # fmt: skip
+    first, second = (json.loads(cli_ok(args).stdout) for _ in range(2))
+    assert first == second and first["settings"]["rule"] == "probabilistic"
+    other = json.loads(cli_ok([*args, "--seed", "5"]).stdout)
+    assert other["runs"] != first["runs"]
+
+
+def _target_with(tmp_path: Path, target: Path, **changes) -> Path:
+    """A target directory holding only its config.json, with ``changes``: the draft is checked
+    against it before anything is loaded."""
+    fake = tmp_path / "fake-target"
+    fake.mkdir()
+    config = json.loads((target / "config.json").read_text())
+    (fake / "config.json").write_text(json.dumps({**config, **changes}))
+    return fake
+
+
+def test_bad_inputs_are_one_line_and_write_nothing(pair, tmp_path):
+    target, draft, nvfp4, corpus = pair
+    out = tmp_path / "spec.json"
+
+    def error(*args: str) -> str:
+        return cli_error([*args, "--json", str(out)])
+
+    def run(target=target, model=draft, *extra: str) -> list[str]:
+        return ["speculate", "--target", str(target), "--model", str(model),
+                "--corpus", str(corpus), *extra]  # fmt: skip
+
+    wide = _target_with(tmp_path, target, vocab_size=VOCAB + 64)
+    assert f"draft vocab_size = {VOCAB} does not match the target's vocab_size = {VOCAB + 64}" in (
+        error(*run(wide))
+    )
+    (wide / "config.json").write_text(
+        json.dumps({**json.loads((target / "config.json").read_text()), "hidden_size": 32})
+    )
+    assert "draft target_hidden_size = 64 does not match the target's hidden_size = 32" in (
+        error(*run(wide))
+    )
+    assert f"--model {nvfp4} is a quantized checkpoint" in error(*run(model=nvfp4))
+    reduced = tmp_path / "reduced"
+    reduced.mkdir()
+    config = replace(load_config(draft), draft_vocab_size=VOCAB // 2)
+    (reduced / "config.json").write_text(json.dumps(speculators_config(config)))
+    assert f"draft_vocab_size {VOCAB // 2} < vocab_size {VOCAB}" in error(*run(model=reduced))
+    assert "--variant x: " in error(*run(target, draft, "--variant", f"x={tmp_path / 'none'}"))
+    assert "variant names must be unique" in error(
+        *run(target, draft, "--formats", "nvfp4", "--variant", f"nvfp4={nvfp4}")
+    )
+    assert "nothing to evaluate" in error(*run(target, draft, "--formats", ""))
+    assert "cannot read corpus" in error(*run(target, draft, "--corpus", str(tmp_path / "no.txt")))
+    assert not out.exists()
+
+
+def test_bad_option_values_are_usage_errors(pair, tmp_path):
+    from click.testing import CliRunner
+
+    from qstream.cli import cli
+
+    out = tmp_path / "spec.json"
+    for extra in (["--new-tokens", "1"], ["--prompts", "0"], ["--rule", "nucleus"],
+                  ["--formats", "int4"], ["--temperature", "0"]):  # fmt: skip
+        result = CliRunner().invoke(cli, _args(pair, *extra, "--json", str(out)))
+        assert result.exit_code == 2, result.output
+        assert extra[0] in result.stderr and "Traceback" not in result.output
+    assert not out.exists()
