@@ -229,3 +229,30 @@ def test_bad_option_values_are_usage_errors(pair, tmp_path):
         assert result.exit_code == 2, result.output
         assert extra[0] in result.stderr and "Traceback" not in result.output
     assert not out.exists()
+
+
+def test_eval_drift_at_the_decoders_anchors_measures_what_it_measured(pair, tmp_path):
+    """``--capture``: eval-drift's greedy acceptance against the target, at the anchors each
+    variant's decoder visited, is the decoder's mean acceptance length (the same blocks, the
+    same draft, the same target): the two agree block for block."""
+    target, draft, _, _ = pair
+    out, capture = tmp_path / "spec.json", tmp_path / "capture"
+    cli_ok(_args(pair, "--formats", "bf16,nvfp4", "--capture", str(capture), "--json", str(out)))
+    measured = json.loads(out.read_text())
+    assert sorted(p.name for p in capture.glob("anchors-*.json")) == [
+        "anchors-bf16.json", "anchors-nvfp4.json"]  # fmt: skip
+    for name in ("bf16", "nvfp4"):
+        drift = tmp_path / f"drift-{name}.json"
+        cli_ok(["eval-drift", "--model", str(draft), "--target", str(target),
+                "--states", str(capture), "--states-anchors", str(capture / f"anchors-{name}.json"),
+                "--formats", name, "--acceptance", "--json", str(drift)])  # fmt: skip
+        regime = json.loads(drift.read_text())["regimes"]["states"]
+        emitted = regime["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]
+        summary = measured["variants"][name]["summary"]
+        assert emitted["value"] == pytest.approx(
+            summary["mean_acceptance_length"]["value"], abs=1e-9
+        ), name
+    refused = cli_error(_args(pair, "--rule", "probabilistic", "--capture", str(tmp_path / "c2")))
+    assert "--capture needs --rule greedy" in refused
+    refused = cli_error(_args(pair, "--capture", str(capture)))
+    assert "is not an empty directory" in refused

@@ -94,6 +94,14 @@ if TYPE_CHECKING:
     show_default=True,
     help="The target's weights and compute (the variants compute in bf16, fp32 in fp32).",
 )
+@option(
+    "capture",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="With --rule greedy: also write the decoded streams' target states (qstream's capture "
+    "layout) and, per variant, anchors-NAME.json, the blocks its decoder drafted, for "
+    "eval-drift --states DIR --states-anchors DIR/anchors-NAME.json (docs/speculate.md).",
+)
 @json_option()
 def speculate(json_path: str | None, **o: Any) -> None:
     """Decode with the target in the loop, once per draft variant, and measure acceptance:

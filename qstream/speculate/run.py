@@ -27,6 +27,7 @@ from qstream.eval.provenance import check_variants_derived, refuse_quantized_mod
 from qstream.eval.settings import DriftSettings
 from qstream.eval.variants import Variant, settings_variants, variant_weights
 from qstream.eval.vocabulary import VARIANT_FORMATS
+from qstream.speculate.capture import check_capture_dir, write_capture
 from qstream.speculate.decode import RULES
 from qstream.speculate.measure import decode_prompts, summarise
 
@@ -55,6 +56,7 @@ class SpeculateSettings:
     ignore: tuple[str, ...] = ()
     allow_foreign_variant: bool = False
     integrity_check: bool = True
+    capture: str | None = None  # greedy only: the streams' states and each variant's anchors
 
     def selection(self) -> DriftSettings:
         """The variants as eval-drift's settings hold them (and check them: names unique, at
@@ -94,6 +96,8 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     shape = read_target_shape(s.target)
     check_draft(config, shape, config.target_layer_ids)
     refuse_quantized_model(s.model)
+    if s.capture is not None:
+        check_capture_dir(Path(s.capture), s.rule)
     arch = architecture_of(config)
     selection = s.selection()
     if not selection.include:
@@ -106,11 +110,12 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     target = load_target(s.target, DTYPES[s.dtype])
     prompts = _prompts(target.tokenizer, docs, s.prompts, config.vocab_size)
     results = _description(s, selection, config, shape, docs)
+    decoded = {}
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, selection, s.target)
         draft = arch.build(config, var_weights, v.dtype, "cpu")
         done = None if progress is None else _reporter(progress, len(prompts), v.name)
-        runs = decode_prompts(
+        runs = decoded[v.name] = decode_prompts(
             target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, done
         )
         results["variants"][v.name] = {
@@ -122,7 +127,31 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
              "accepted": r.accepted, "tokens": r.tokens}
             for i, (p, r) in enumerate(zip(prompts, runs))
         ]  # fmt: skip
+    if s.capture is not None:
+        record = {**_capture_record(s, config, shape, docs), "files": {}}
+        ids = config.target_layer_ids
+        write_capture(Path(s.capture), target, ids, config.block_size, prompts, decoded, record)
+        results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
+
+
+def _capture_record(s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs) -> dict:
+    """capture.json of ``--capture`` (docs/capture.md's keys; source ``speculate``)."""
+    return {
+        "layout": "qstream",
+        "layer_convention": "layer-output",
+        "layer_ids": list(config.target_layer_ids),
+        "target": shape.identity(),
+        "source": "speculate",
+        "sampling": {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts},
+        "dtype": s.dtype,
+        "max_tokens": None,
+        "corpus": docs.name,
+        "corpus_sha256": docs.sha256,
+        "device": "cpu",
+        "draft": str(Path(s.model).resolve()),
+        "qstream_version": qstream.__version__,
+    }
 
 
 def _reporter(progress: Progress, total: int, name: str) -> Callable[[int], None]:
