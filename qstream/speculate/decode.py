@@ -11,8 +11,12 @@ Rules (vLLM's ``rejection_sampler``; docs/acceptance.md): ``greedy`` — the dra
 accepted while it equals the target's argmax, then the target's argmax; ``greedy-sampling`` —
 the draft's argmax against a sampling verifier (accepted with probability p(d), else a token
 from p without d); ``probabilistic`` — a token drawn from the draft's full tempered softmax q,
-accepted with probability min(1, p(d)/q(d)), else one from max(0, p − q) renormalised.  After a
-whole accepted block the bonus token is the target's (argmax, or a draw from p).
+accepted with probability min(1, p(d)/q(d)), else one from max(0, p − q) renormalised;
+``block`` — the same draft, verified as a block (Sun et al. 2024, vLLM's ``rejection_sample_method:
+block``): with P_0 = 1, P_k = min(1, P_{k−1}·p_k(d_k)/q_k(d_k)), the accepted length is the largest
+k with u_k ≤ h_k, h_k = Z_{k+1}/(Z_{k+1} + 1 − P_k) (Z_{k+1} the mass of max(0, P_k·p_{k+1} −
+q_{k+1}); h_B = P_B), then a token from that residual renormalised.  After a whole accepted block
+the bonus token is the target's (argmax, or a draw from p).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from qstream.arch.registry import architecture_of
 from qstream.capture.hooks import LayerTap
 from qstream.errors import QStreamError
 
-RULES = ("greedy", "greedy-sampling", "probabilistic")
+RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
 
 
 @dataclass
@@ -36,7 +40,9 @@ class Decoded:
     tokens: list[int] = field(default_factory=list)  # emitted after the prompt, in order
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per verification
     forwards: int = 0  # target forwards, the prefill included
-    anchors: list[int] = field(default_factory=list)  # anchor p of each verification (prompt included)
+    anchors: list[int] = field(
+        default_factory=list
+    )  # anchor p of each verification (prompt included)
 
 
 def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...]):
@@ -105,7 +111,7 @@ def _draft(draft, aux: torch.Tensor, anchor_token: int, rule: str, temperature: 
     p = aux.shape[1]
     blocks = draft.draft(draft.context(aux), torch.tensor([0]), torch.tensor([p]),
                          torch.tensor([anchor_token]))  # fmt: skip
-    if rule != "probabilistic":
+    if rule not in ("probabilistic", "block"):
         return arch.rollout(draft, blocks).tokens[0].tolist(), None
     shape = blocks.logits_base.shape
     noise = torch.empty(shape).exponential_(generator=torch.Generator().manual_seed(seed))
@@ -116,6 +122,8 @@ def _draft(draft, aux: torch.Tensor, anchor_token: int, rule: str, temperature: 
 def _verify(logits, drafted: list[int], q, rule: str, temperature: float, gen) -> list[int]:
     """The emitted tokens of one step: the accepted drafts, then the correction or bonus token.
     ``logits`` [B + 1, V]: the target's at the anchor and at each drafted position."""
+    if rule == "block":
+        return _verify_block(logits, drafted, q, temperature, gen)
     for k, d in enumerate(drafted):
         if rule == "greedy":
             top = int(logits[k].argmax())
@@ -133,3 +141,28 @@ def _verify(logits, drafted: list[int], q, rule: str, temperature: float, gen) -
         residual = residual if float(residual.sum()) > 0 else probs
         return drafted[:k] + [int(torch.multinomial(residual, 1, generator=gen))]
     return drafted + [_pick(logits[len(drafted)], rule, temperature, gen)]
+
+
+def _verify_block(logits, drafted: list[int], q, temperature: float, gen) -> list[int]:
+    """Block verification of a probabilistic draft (q [B, V]), as vLLM 0.32.0's kernels run it
+    (docs/speculate.md): every position draws u_k and the last k with u_k ≤ h_k is kept."""
+    probs = sampling_probs(logits, temperature)  # [B + 1, V]: p_1 .. p_B and the bonus p
+    B = len(drafted)
+    P = [1.0]  # P_0 .. P_B
+    for k, d in enumerate(drafted):
+        P.append(min(1.0, P[-1] * float(probs[k, d]) / max(float(q[k, d]), 1e-30)))
+    tau = 0
+    for k in range(1, B + 1):
+        if k == B:
+            h = P[B]
+        else:
+            mass = float((P[k] * probs[k] - q[k]).clamp(min=0.0).sum())  # Z_{k+1}
+            denom = mass + 1.0 - P[k]
+            h = mass / denom if denom > 0 else 1.0
+        if float(torch.rand((), generator=gen)) <= h:
+            tau = k
+    if tau == B:
+        return drafted + [_pick(logits[B], "block", temperature, gen)]
+    residual = (P[tau] * probs[tau] - q[tau]).clamp(min=0.0)
+    residual = residual if float(residual.sum()) > 0 else probs[tau]
+    return drafted[:tau] + [int(torch.multinomial(residual, 1, generator=gen))]
