@@ -67,6 +67,18 @@ def test_greedy_verification_is_the_targets_greedy_decoding(pair, prompt):
     assert sum(a + 1 for a in out.accepted) + 1 >= 24  # each step emits its accepted + 1
 
 
+@pytest.mark.parametrize("rule", decode.RULES)
+def test_the_kv_cache_changes_nothing(pair, rule):
+    """With the target's KV cache (each verification reads the anchor and the block only) the
+    decoder emits the same tokens, accepts the same drafts at the same anchors, as when the
+    target reruns the whole sequence at every step (fp32, fixed seeds)."""
+    target, draft = pair
+    for seed, prompt in enumerate([PROMPT, [5, 0, 6], [2]]):
+        cached = speculative_decode(target, draft, prompt, 24, rule, seed=seed)
+        full = speculative_decode(target, draft, prompt, 24, rule, seed=seed, cache=False)
+        assert cached == full  # tokens, accepted, forwards, anchors
+
+
 def _target_law(target) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact laws of the 2nd and 3rd tokens after PROMPT under sampling at T = 1."""
     with torch.no_grad():

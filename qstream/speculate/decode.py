@@ -5,8 +5,10 @@ vLLM 0.32.0's rules, and the accepted tokens plus the target's bonus token are e
 >>> out = speculative_decode(target, draft, prompt_ids, new_tokens=64, rule="greedy")
 >>> out.tokens, out.accepted          # emitted ids; drafted tokens accepted per target forward
 
-The target is a transformers causal LM (``model.model.layers``, ``model.model.norm``); every
-forward reruns the whole sequence (no KV cache: exact, and small at the sizes this is run at).
+The target is a transformers causal LM (``model.model.layers``, ``model.model.norm``) run with
+its KV cache: each verification forward reads only the anchor and the drafted block, the cache
+is cropped to the kept positions after it, and the hidden states the draft reads are kept
+across forwards the same way (``cache=False`` reruns the whole sequence every time).
 Rules (vLLM's ``rejection_sampler``; docs/acceptance.md): ``greedy`` — the draft's argmax,
 accepted while it equals the target's argmax, then the target's argmax; ``greedy-sampling`` —
 the draft's argmax against a sampling verifier (accepted with probability p(d), else a token
@@ -21,6 +23,7 @@ the bonus token is the target's (argmax, or a draw from p).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -45,12 +48,22 @@ class Decoded:
     )  # anchor p of each verification (prompt included)
 
 
-def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...]):
-    """The target over ids [1, T]: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
+def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict | None = None):
+    """The target over ids [1, T], after the positions cached in ``kv`` (:func:`new_cache`) when
+    given, which it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
     inner = target.model
     with torch.no_grad(), LayerTap(inner.layers, inner.norm, layer_ids) as tap:
-        logits = target(input_ids=ids, use_cache=False).logits
+        logits = target(input_ids=ids, use_cache=kv is not None, **(kv or {})).logits
     return tap.aux(), logits[0].float()
+
+
+def new_cache(target) -> dict:
+    """An empty KV cache as the keyword the target's forward takes it under (transformers 5
+    names it ``cache``, earlier versions ``past_key_values``)."""
+    from transformers import DynamicCache
+
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: DynamicCache()}
 
 
 def target_greedy(target, prompt: list[int], new_tokens: int) -> list[int]:
@@ -71,25 +84,37 @@ def speculative_decode(
     rule: str = "greedy",
     temperature: float = 1.0,
     seed: int = 0,
+    cache: bool = True,
 ) -> Decoded:
     """``new_tokens`` tokens after ``prompt``: the target's first, then draft-and-verify steps
-    (module docstring).  ``draft`` is a built draft model (``arch.build``)."""
+    (module docstring).  ``draft`` is a built draft model (``arch.build``); ``cache=False``
+    reruns the target over the whole sequence at every step (the same tokens, slower)."""
     if rule not in RULES:
         raise QStreamError(f"unknown verification rule {rule!r}; choose one of {', '.join(RULES)}")
     config = draft.config
     if getattr(config, "reduced_vocab", False):
         raise QStreamError("speculative decoding with a reduced-vocabulary draft is not supported")
     gen = torch.Generator().manual_seed(seed)
-    ids, out = list(prompt), Decoded()
-    aux, logits = target_pass(target, torch.tensor([ids]), config.target_layer_ids)
+    ids, out, layer_ids = list(prompt), Decoded(), config.target_layer_ids
+    kv = new_cache(target) if cache else None
+    aux, logits = target_pass(target, torch.tensor([ids]), layer_ids, kv)
     out.forwards += 1
     ids.append(_pick(logits[-1], rule, temperature, gen))
     while len(ids) - len(prompt) < new_tokens:
         p = len(ids) - 1  # the anchor: the newest token, which the target has not yet read
         drafted, q = _draft(draft, aux[:, :p], ids[p], rule, temperature, seed + len(ids))
-        aux, logits = target_pass(target, torch.tensor([ids + drafted]), config.target_layer_ids)
+        if kv is None:
+            aux, logits = target_pass(target, torch.tensor([ids + drafted]), layer_ids)
+        else:  # the cache holds positions 0..p-1: read the anchor and the block only
+            new_aux, logits = target_pass(target, torch.tensor([ids[p:] + drafted]), layer_ids, kv)
         out.forwards += 1
-        emitted = _verify(logits[p:], drafted, q, rule, temperature, gen)
+        emitted = _verify(logits[-len(drafted) - 1 :], drafted, q, rule, temperature, gen)
+        if kv is not None:  # keep the anchor and the accepted drafts: positions 0..p + accepted
+            aux = torch.cat([aux[:, :p], new_aux[:, : len(emitted)]], dim=1)
+            rejected = len(drafted) + 1 - len(emitted)  # read by the forward, not kept
+            if rejected:  # (transformers 4 reads crop(0) as "crop to length 0")
+                (past,) = kv.values()
+                past.crop(-rejected)
         out.accepted.append(len(emitted) - 1)
         out.anchors.append(p)
         ids.extend(emitted)
