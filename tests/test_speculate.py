@@ -1,9 +1,9 @@
 """The two oracles of speculative decoding with the target in the loop (docs/speculate.md):
 under greedy verification the output is the target's own greedy decoding, token for token;
-under sampling verification the emitted tokens follow the target's distribution (a chi-square
-test against the exact law, on an 8-token vocabulary, with a broken verifier as the control
-that the test can fail).  A tiny transformers Qwen3 target and a Qwen3-style draft with random
-weights: the oracles hold whatever the draft proposes."""
+under sampling verification, block verification included, the emitted tokens follow the
+target's distribution (a chi-square test against the exact law, on an 8-token vocabulary, with a
+broken verifier as the control that the test can fail).  A tiny transformers Qwen3 target and a
+Qwen3-style draft with random weights: the oracles hold whatever the draft proposes."""
 
 from __future__ import annotations
 
@@ -67,6 +67,18 @@ def test_greedy_verification_is_the_targets_greedy_decoding(pair, prompt):
     assert sum(a + 1 for a in out.accepted) + 1 >= 24  # each step emits its accepted + 1
 
 
+@pytest.mark.parametrize("rule", decode.RULES)
+def test_the_kv_cache_changes_nothing(pair, rule):
+    """With the target's KV cache (each verification reads the anchor and the block only) the
+    decoder emits the same tokens, accepts the same drafts at the same anchors, as when the
+    target reruns the whole sequence at every step (fp32, fixed seeds)."""
+    target, draft = pair
+    for seed, prompt in enumerate([PROMPT, [5, 0, 6], [2]]):
+        cached = speculative_decode(target, draft, prompt, 24, rule, seed=seed)
+        full = speculative_decode(target, draft, prompt, 24, rule, seed=seed, cache=False)
+        assert cached == full  # tokens, accepted, forwards, anchors
+
+
 def _target_law(target) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact laws of the 2nd and 3rd tokens after PROMPT under sampling at T = 1."""
     with torch.no_grad():
@@ -94,7 +106,7 @@ def _counts(target, draft, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", ["probabilistic", "greedy-sampling"])
+@pytest.mark.parametrize("rule", ["probabilistic", "greedy-sampling", "block"])
 def test_sampling_verification_emits_the_targets_distribution(pair, rule):
     target, draft = pair
     law2, law3 = _target_law(target)
@@ -116,10 +128,39 @@ def test_the_distribution_test_catches_a_verifier_that_accepts_every_draft(pair,
     assert _chi2(second, law2) > CHI2_CRITICAL
 
 
+def test_block_verification_accepts_as_eval_drifts_block_rule():
+    """The decoder's block rule is eval-drift's: over blocks drafted from q, the share of
+    verifications accepting at least k drafted tokens is E_x[P_k(x)] (P_k from
+    qstream/eval/acceptance.py), here well apart from token-wise's.  A verifier whose p does not
+    depend on the prefix, 4 tokens, B = 3; the exact values by enumerating the 64 drafts."""
+    from qstream.eval.acceptance import accept_probabilities, token_probs
+
+    p = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25] * 4])
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
+    drafts = torch.cartesian_prod(*[torch.arange(4)] * 3)  # [64, 3]
+    p_tok, q_tok = (
+        token_probs(p[:3].expand(64, 3, 4), drafts),
+        token_probs(q.expand(64, 3, 4), drafts),
+    )
+    weight = q_tok.double().prod(1)[:, None]
+    exact = {
+        r: (weight * accept_probabilities(p_tok, q_tok, r)).sum(0) for r in ("block", "token_wise")
+    }
+    gen, n = torch.Generator().manual_seed(0), 2000
+    accepted = []
+    for _ in range(n):
+        drafted = torch.multinomial(q, 1, generator=gen).squeeze(1).tolist()
+        accepted.append(len(decode._verify(p.log(), drafted, q, "block", 1.0, gen)) - 1)
+    shares = (torch.tensor(accepted)[:, None] >= torch.arange(1, 4)).double().mean(0)
+    se = (exact["block"] * (1 - exact["block"]) / n).sqrt()
+    assert ((shares - exact["block"]).abs() <= 5 * se).all()
+    assert ((exact["token_wise"] - exact["block"]).abs() > 8 * se).any()  # tells them apart
+
+
 def test_an_unknown_rule_is_one_line(pair):
     target, draft = pair
-    with pytest.raises(QStreamError, match="unknown verification rule 'block'"):
-        speculative_decode(target, draft, PROMPT, 4, "block")
+    with pytest.raises(QStreamError, match="unknown verification rule 'typical'"):
+        speculative_decode(target, draft, PROMPT, 4, "typical")
 
 
 def test_the_study_reports_acceptance_per_variant(pair):

@@ -83,7 +83,8 @@ if TYPE_CHECKING:
     default=SPECULATE_RULES[0],
     show_default=True,
     help="Verification rule (docs/speculate.md): greedy, a greedy draft against a sampling "
-    "verifier, or a sampled draft under the rejection sampler.",
+    "verifier, a sampled draft under the token-wise rejection sampler, or under block "
+    "verification.",
 )
 @sampling_option("temperature", "Temperature of the drafter and the verifier (greedy ignores it).")
 @count_option("seed", 0, "Prompt i decodes with seed + i, for every variant.", minimum=0)

@@ -5,18 +5,25 @@ vLLM 0.32.0's rules, and the accepted tokens plus the target's bonus token are e
 >>> out = speculative_decode(target, draft, prompt_ids, new_tokens=64, rule="greedy")
 >>> out.tokens, out.accepted          # emitted ids; drafted tokens accepted per target forward
 
-The target is a transformers causal LM (``model.model.layers``, ``model.model.norm``); every
-forward reruns the whole sequence (no KV cache: exact, and small at the sizes this is run at).
+The target is a transformers causal LM (``model.model.layers``, ``model.model.norm``) run with
+its KV cache: each verification forward reads only the anchor and the drafted block, the cache
+is cropped to the kept positions after it, and the hidden states the draft reads are kept
+across forwards the same way (``cache=False`` reruns the whole sequence every time).
 Rules (vLLM's ``rejection_sampler``; docs/acceptance.md): ``greedy`` — the draft's argmax,
 accepted while it equals the target's argmax, then the target's argmax; ``greedy-sampling`` —
 the draft's argmax against a sampling verifier (accepted with probability p(d), else a token
 from p without d); ``probabilistic`` — a token drawn from the draft's full tempered softmax q,
-accepted with probability min(1, p(d)/q(d)), else one from max(0, p − q) renormalised.  After a
-whole accepted block the bonus token is the target's (argmax, or a draw from p).
+accepted with probability min(1, p(d)/q(d)), else one from max(0, p − q) renormalised;
+``block`` — the same draft, verified as a block (Sun et al. 2024, vLLM's ``rejection_sample_method:
+block``): with P_0 = 1, P_k = min(1, P_{k−1}·p_k(d_k)/q_k(d_k)), the accepted length is the largest
+k with u_k ≤ h_k, h_k = Z_{k+1}/(Z_{k+1} + 1 − P_k) (Z_{k+1} the mass of max(0, P_k·p_{k+1} −
+q_{k+1}); h_B = P_B), then a token from that residual renormalised.  After a whole accepted block
+the bonus token is the target's (argmax, or a draw from p).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +33,7 @@ from qstream.arch.registry import architecture_of
 from qstream.capture.hooks import LayerTap
 from qstream.errors import QStreamError
 
-RULES = ("greedy", "greedy-sampling", "probabilistic")
+RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
 
 
 @dataclass
@@ -41,12 +48,22 @@ class Decoded:
     )  # anchor p of each verification (prompt included)
 
 
-def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...]):
-    """The target over ids [1, T]: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
+def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict | None = None):
+    """The target over ids [1, T], after the positions cached in ``kv`` (:func:`new_cache`) when
+    given, which it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
     inner = target.model
     with torch.no_grad(), LayerTap(inner.layers, inner.norm, layer_ids) as tap:
-        logits = target(input_ids=ids, use_cache=False).logits
+        logits = target(input_ids=ids, use_cache=kv is not None, **(kv or {})).logits
     return tap.aux(), logits[0].float()
+
+
+def new_cache(target) -> dict:
+    """An empty KV cache as the keyword the target's forward takes it under (transformers 5
+    names it ``cache``, earlier versions ``past_key_values``)."""
+    from transformers import DynamicCache
+
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: DynamicCache()}
 
 
 def target_greedy(target, prompt: list[int], new_tokens: int) -> list[int]:
@@ -67,25 +84,37 @@ def speculative_decode(
     rule: str = "greedy",
     temperature: float = 1.0,
     seed: int = 0,
+    cache: bool = True,
 ) -> Decoded:
     """``new_tokens`` tokens after ``prompt``: the target's first, then draft-and-verify steps
-    (module docstring).  ``draft`` is a built draft model (``arch.build``)."""
+    (module docstring).  ``draft`` is a built draft model (``arch.build``); ``cache=False``
+    reruns the target over the whole sequence at every step (the same tokens, slower)."""
     if rule not in RULES:
         raise QStreamError(f"unknown verification rule {rule!r}; choose one of {', '.join(RULES)}")
     config = draft.config
     if getattr(config, "reduced_vocab", False):
         raise QStreamError("speculative decoding with a reduced-vocabulary draft is not supported")
     gen = torch.Generator().manual_seed(seed)
-    ids, out = list(prompt), Decoded()
-    aux, logits = target_pass(target, torch.tensor([ids]), config.target_layer_ids)
+    ids, out, layer_ids = list(prompt), Decoded(), config.target_layer_ids
+    kv = new_cache(target) if cache else None
+    aux, logits = target_pass(target, torch.tensor([ids]), layer_ids, kv)
     out.forwards += 1
     ids.append(_pick(logits[-1], rule, temperature, gen))
     while len(ids) - len(prompt) < new_tokens:
         p = len(ids) - 1  # the anchor: the newest token, which the target has not yet read
         drafted, q = _draft(draft, aux[:, :p], ids[p], rule, temperature, seed + len(ids))
-        aux, logits = target_pass(target, torch.tensor([ids + drafted]), config.target_layer_ids)
+        if kv is None:
+            aux, logits = target_pass(target, torch.tensor([ids + drafted]), layer_ids)
+        else:  # the cache holds positions 0..p-1: read the anchor and the block only
+            new_aux, logits = target_pass(target, torch.tensor([ids[p:] + drafted]), layer_ids, kv)
         out.forwards += 1
-        emitted = _verify(logits[p:], drafted, q, rule, temperature, gen)
+        emitted = _verify(logits[-len(drafted) - 1 :], drafted, q, rule, temperature, gen)
+        if kv is not None:  # keep the anchor and the accepted drafts: positions 0..p + accepted
+            aux = torch.cat([aux[:, :p], new_aux[:, : len(emitted)]], dim=1)
+            rejected = len(drafted) + 1 - len(emitted)  # read by the forward, not kept
+            if rejected:  # (transformers 4 reads crop(0) as "crop to length 0")
+                (past,) = kv.values()
+                past.crop(-rejected)
         out.accepted.append(len(emitted) - 1)
         out.anchors.append(p)
         ids.extend(emitted)
@@ -107,7 +136,7 @@ def _draft(draft, aux: torch.Tensor, anchor_token: int, rule: str, temperature: 
     p = aux.shape[1]
     blocks = draft.draft(draft.context(aux), torch.tensor([0]), torch.tensor([p]),
                          torch.tensor([anchor_token]))  # fmt: skip
-    if rule != "probabilistic":
+    if rule not in ("probabilistic", "block"):
         return arch.rollout(draft, blocks).tokens[0].tolist(), None
     shape = blocks.logits_base.shape
     noise = torch.empty(shape).exponential_(generator=torch.Generator().manual_seed(seed))
@@ -118,6 +147,8 @@ def _draft(draft, aux: torch.Tensor, anchor_token: int, rule: str, temperature: 
 def _verify(logits, drafted: list[int], q, rule: str, temperature: float, gen) -> list[int]:
     """The emitted tokens of one step: the accepted drafts, then the correction or bonus token.
     ``logits`` [B + 1, V]: the target's at the anchor and at each drafted position."""
+    if rule == "block":
+        return _verify_block(logits, drafted, q, temperature, gen)
     for k, d in enumerate(drafted):
         if rule == "greedy":
             top = int(logits[k].argmax())
@@ -135,3 +166,28 @@ def _verify(logits, drafted: list[int], q, rule: str, temperature: float, gen) -
         residual = residual if float(residual.sum()) > 0 else probs
         return drafted[:k] + [int(torch.multinomial(residual, 1, generator=gen))]
     return drafted + [_pick(logits[len(drafted)], rule, temperature, gen)]
+
+
+def _verify_block(logits, drafted: list[int], q, temperature: float, gen) -> list[int]:
+    """Block verification of a probabilistic draft (q [B, V]), as vLLM 0.32.0's kernels run it
+    (docs/speculate.md): every position draws u_k and the last k with u_k ≤ h_k is kept."""
+    probs = sampling_probs(logits, temperature)  # [B + 1, V]: p_1 .. p_B and the bonus p
+    B = len(drafted)
+    P = [1.0]  # P_0 .. P_B
+    for k, d in enumerate(drafted):
+        P.append(min(1.0, P[-1] * float(probs[k, d]) / max(float(q[k, d]), 1e-30)))
+    tau = 0
+    for k in range(1, B + 1):
+        if k == B:
+            h = P[B]
+        else:
+            mass = float((P[k] * probs[k] - q[k]).clamp(min=0.0).sum())  # Z_{k+1}
+            denom = mass + 1.0 - P[k]
+            h = mass / denom if denom > 0 else 1.0
+        if float(torch.rand((), generator=gen)) <= h:
+            tau = k
+    if tau == B:
+        return drafted + [_pick(logits[B], "block", temperature, gen)]
+    residual = (P[tau] * probs[tau] - q[tau]).clamp(min=0.0)
+    residual = residual if float(residual.sum()) > 0 else probs[tau]
+    return drafted[:tau] + [int(torch.multinomial(residual, 1, generator=gen))]
