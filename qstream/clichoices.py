@@ -28,10 +28,6 @@ LAYER_CONVENTIONS = ("layer-output", "hidden-states-index")
 CAPTURE_DTYPES = ("float32", "bfloat16", "float16")  # qstream.capture.target.DTYPES
 CAPTURE_EXPORTS = ("qstream", "vllm")  # qstream.capture.layout.EXPORTS
 CARD_FORMATS = ("md", "json", "html")  # qstream.card.build.FORMATS
-SPECULATE_RULES = (
-    "greedy",
-    "greedy-sampling",
-    "probabilistic",
-    "block",
-)  # qstream.speculate.decode.RULES
+# qstream.speculate.decode.RULES
+SPECULATE_RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
 VLLM_VERSION = "0.32.0"  # qstream.vllm.loader.VLLM_VERSION
