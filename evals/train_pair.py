@@ -98,6 +98,7 @@ def main() -> int:
     draft.config.speculators_config.verifier.name_or_path = None
     round_to_bf16(draft)
     draft.to(torch.bfloat16).save_pretrained(out / "draft")
+    drop_remote_code(out / "draft")
     record["seconds"] = round(time.perf_counter() - clock, 1)
     record["sha256"] = {
         str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -116,6 +117,16 @@ def encode(tok, doc: str) -> tuple[list[int], int]:
     question, _, answer = doc.partition("\n")
     prompt = tok.encode(question + "\n").ids
     return prompt + tok.encode(answer).ids + [EOS], len(prompt)
+
+
+def drop_remote_code(directory: Path) -> None:
+    """``save_pretrained`` copies speculators' config class beside the config (config.py, named
+    by ``auto_map``); the project does not ship others' code, and speculators, vLLM and qstream
+    read the config through their own registries."""
+    (directory / "config.py").unlink(missing_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("auto_map", None)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # --- the target -----------------------------------------------------------------------------

@@ -162,3 +162,21 @@ def test_greedy_rollouts_are_token_identical(pair):
     assert rel(ours.logits, logits) <= TOL
     assert ours.confidence is not None
     assert rel(ours.confidence, torch.sigmoid(confidence)) <= TOL
+
+
+def test_speculators_loads_the_shipped_trained_draft():
+    """examples/gsm8k-pair/draft is speculators' own layout: its from_pretrained reads every
+    tensor the file holds (embed_tokens and the full-vocabulary lm_head are the target's)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from speculators.models.dspark import DSparkDraftModel
+
+    draft = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair" / "draft"
+    model = DSparkDraftModel.from_pretrained(draft, dtype=torch.float32)
+    with safe_open(draft / "model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    params = dict(model.named_parameters())
+    for name, tensor in stored.items():
+        assert torch.equal(params[name].detach(), tensor.float()), name
+    assert model.config.block_size == 7 and model.config.markov_rank == 64

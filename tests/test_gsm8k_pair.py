@@ -1,0 +1,71 @@
+"""The trained pair shipped in examples/gsm8k-pair/ (docs/calibration.md): its files are the
+ones evals/train_pair.py recorded, qstream reads the draft in speculators' layout as the
+Qwen3-style DSpark draft it is, and speculative decoding with the real target in the loop emits
+exactly the target's own greedy decoding while the draft's blocks are accepted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from qstream.arch.registry import architecture_of, load_config
+from qstream.capture.streams import corpus_docs
+from qstream.capture.target import load_target
+from qstream.speculate.decode import speculative_decode, target_greedy
+
+PAIR = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_the_shipped_weights_are_the_recorded_ones():
+    record = json.loads((PAIR / "train.json").read_text())
+    assert sorted(record["sha256"]) == ["draft/model.safetensors", "target/model.safetensors"]
+    for name, digest in record["sha256"].items():
+        assert hashlib.sha256((PAIR / name).read_bytes()).hexdigest() == digest, name
+    size = sum(p.stat().st_size for p in PAIR.rglob("*") if p.is_file())
+    assert size < 25 * 2**20
+
+
+def test_the_draft_reads_as_speculators_wrote_it():
+    config = load_config(PAIR / "draft")
+    assert type(config).__name__ == "Qwen3DSparkConfig"
+    assert (config.block_size, len(config.target_layer_ids)) == (7, 5)
+    assert config.target_layer_ids == (0, 1, 2, 3, 4)  # speculators' ids 1..5, minus one
+    assert not getattr(config, "reduced_vocab", False)
+
+
+@pytest.fixture(scope="module")
+def decoded():
+    config = load_config(PAIR / "draft")
+    arch = architecture_of(config)
+    weights = arch.load_weights(PAIR / "draft", PAIR / "target", config)
+    draft = arch.build(config, weights, torch.bfloat16)
+    target = load_target(PAIR / "target", torch.float32)
+    texts = corpus_docs(None).texts[:2]
+    prompts = [target.tokenizer(t.partition("\n")[0] + "\n")["input_ids"] for t in texts]
+    runs = [speculative_decode(target.model, draft, p, 48) for p in prompts]
+    return target, prompts, runs
+
+
+def test_greedy_verification_is_the_targets_greedy_decoding(decoded):
+    target, prompts, runs = decoded
+    for prompt, run in zip(prompts, runs):
+        assert run.tokens == target_greedy(target.model, prompt, 48)
+
+
+def test_the_trained_draft_is_accepted(decoded):
+    _, _, runs = decoded
+    accepted = [a for r in runs for a in r.accepted]
+    # an untrained draft is almost never accepted (1.0 tokens per verification); this one is
+    assert 1 + sum(accepted) / len(accepted) > 2.0
