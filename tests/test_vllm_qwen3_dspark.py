@@ -223,3 +223,18 @@ def test_broken_checkpoint_is_refused_and_vllms_own_behaviour_recorded(
         assert loaded.problems == []  # only verify's replay catches it
     else:
         assert [p for p in loaded.problems if lane_says in p], loaded.problems
+
+
+@pytest.mark.parametrize("fmt", [None, "nvfp4"])
+def test_the_shipped_trained_draft_loads(fmt, tmp_path):
+    """examples/gsm8k-pair/draft, speculators' own layout, as it ships and quantized: vLLM's
+    loader consumes every stored tensor beside a 6-layer target."""
+    draft = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair" / "draft"
+    if fmt is not None:
+        draft = Path(quantize_checkpoint(draft, tmp_path / fmt, fmt).output_dir)
+        assert verify_checkpoint(draft, target_layers=6).problems == []
+    report = load_with_vllm(draft, target_layers=6)
+    assert report.raised is None, report.raised
+    assert report.problems == []
+    schemes = {m["module"].rsplit(".", 1)[-1]: m["scheme"] for m in report.modules}
+    assert schemes["qkv_proj"] == (SCHEME[fmt] if fmt else "unquantized")

@@ -102,7 +102,9 @@ def load_with_vllm(directory: str | Path, target_layers: int | None = None) -> V
 
 def _write_target(directory: Path, draft: dict, layers: int) -> None:
     """A config-only target: vLLM reads the target's depth (which offsets the draft's runtime
-    layer names), vocabulary and width; its weights are never read."""
+    layer names), vocabulary and width; its weights are never read.  A config in speculators'
+    layout nests the draft's own widths in ``transformer_layer_config``."""
+    draft = {**draft.get("transformer_layer_config", {}), **draft}
     hidden = int(draft.get("target_hidden_size") or draft["hidden_size"])
     target = {
         "architectures": ["LlamaForCausalLM"],
