@@ -18,7 +18,8 @@ Every number comes from the qstream commands it runs (each is printed before it 
    acceptance against the target (boot needs a draft with as many layers as aux layers).
 
 It writes OUT/*.json, OUT/calibration.png and, with --doc, the tables into that markdown file
-between its ``<!-- calibration:begin -->`` and ``<!-- calibration:end -->`` markers.
+between its ``<!-- calibration:begin -->`` and ``<!-- calibration:end -->`` markers and the
+figure beside it (docs/calibration.png).
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def main() -> int:
     ap.add_argument("--doc", type=Path, default=None)
     args = ap.parse_args()
     target, draft, out = args.pair / "target", args.pair / "draft", args.out
+    if out.exists() and any(out.iterdir()):
+        print(f"Error: {out} exists and is not empty", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
     for fmt in FORMATS:
-        if not (out / f"draft-{fmt}").exists():
-            qstream("quantize", "--model_dir", str(draft), "--output_dir", str(out / f"draft-{fmt}"),
-                    "--quant_format", fmt)  # fmt: skip
+        qstream("quantize", "--model_dir", str(draft), "--output_dir", str(out / f"draft-{fmt}"),
+                "--quant_format", fmt)  # fmt: skip
     readback = [f"{fmt}-ckpt={out / f'draft-{fmt}'}" for fmt in FORMATS]
     names = ["bf16", *FORMATS, *(f"{fmt}-ckpt" for fmt in FORMATS)]
     common = ["--model", str(draft), "--target", str(target)]
@@ -82,6 +85,10 @@ def main() -> int:
         states = ["--states", str(out / "capture")] if regime == "gauss" else []
         qstream("eval-drift", *common, *tokenizer, *states, "--regime", regime, *variants,
                 "--acceptance", "--blocks", str(args.blocks), "--json", str(out / f"uniform-{regime}.json"))  # fmt: skip
+    continuation_anchors(out, args.blocks)
+    qstream("eval-drift", *common, *tokenizer, "--states", str(out / "capture"), "--states-anchors",
+            str(out / "anchors-continuation.json"), *variants, "--acceptance",
+            "--json", str(out / "uniform-continuation.json"))  # fmt: skip
     table = study(out, names)
     table["seconds"] = round(time.perf_counter() - clock, 1)
     (out / "calibration.json").write_text(json.dumps(table, indent=2) + "\n")
@@ -90,7 +97,46 @@ def main() -> int:
     print(text)
     if args.doc is not None:
         splice(args.doc, text)
+        figure(table, args.doc.with_suffix(".png"))
     return 0
+
+
+def continuation_anchors(out: Path, blocks: int, seed: int = 0) -> None:
+    """``blocks`` distinct anchors drawn uniformly over the decoded part of the streams (where a
+    decoder drafts; eval-drift's own draw also takes anchors in the prompts)."""
+    import random
+
+    spec = json.loads((out / "speculate.json").read_text())
+    block = spec["provenance"]["draft"]["block_size"]
+    runs = spec["runs"]["bf16"]
+    # stream i: the prompt, the decoded tokens, then one block more (qstream speculate --capture)
+    pool = [(i, p) for i, r in enumerate(runs)
+            for p in range(r["prompt_tokens"], r["prompt_tokens"] + len(r["tokens"]))
+            if p + block < r["prompt_tokens"] + len(r["tokens"]) + block + 1]  # fmt: skip
+    chosen = random.Random(seed).sample(pool, min(blocks, len(pool)))
+    text = json.dumps({"blocks": sorted([list(b) for b in chosen])})
+    (out / "anchors-continuation.json").write_text(text + "\n")
+
+
+def paired_loss(spec: dict, name: str, draws: int = 2000, seed: int = 0) -> dict:
+    """bf16's mean acceptance length minus ``name``'s, with a 95% bootstrap interval over
+    prompts, resampled in pairs (every variant decodes the same prompts)."""
+    import random
+
+    def ratio(runs, idx):
+        emitted = sum(a + 1 for i in idx for a in runs[i]["accepted"])
+        return emitted / sum(len(runs[i]["accepted"]) for i in idx)
+
+    base, other = spec["runs"]["bf16"], spec["runs"][name]
+    n = len(base)
+    every = list(range(n))
+    rng = random.Random(seed)
+    boot = sorted(
+        ratio(base, idx) - ratio(other, idx)
+        for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(draws))
+    )
+    value = ratio(base, every) - ratio(other, every)
+    return {"value": value, "lo": boot[int(0.025 * draws)], "hi": boot[int(0.975 * draws) - 1]}
 
 
 def _est(entry: dict) -> dict:
@@ -104,6 +150,7 @@ def study(out: Path, names: list[str]) -> dict:
     uniform = {}
     for regime in ("gauss", "heavy"):
         uniform.update(json.loads((out / f"uniform-{regime}.json").read_text())["regimes"])
+    continuation = json.loads((out / "uniform-continuation.json").read_text())["regimes"]["states"]
     rows = {}
     for name in names:
         measured = spec["variants"][name]["summary"]
@@ -115,6 +162,10 @@ def study(out: Path, names: list[str]) -> dict:
             "accepted_at_least": [s["value"] for s in measured["accepted_at_least"]],
             "visited": _est(visited["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]),
             "uniform": _est(states["acceptance"]["target"]["greedy"]["emitted"]),
+            "continuation": _est(
+                continuation["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]
+            ),
+            "measured_loss": paired_loss(spec, name),
             "ceiling": {
                 r: _est(uniform[r]["variants"][name]["metrics"]["rollouts"]["greedy"]["ceiling"])
                 for r in REGIMES
@@ -139,26 +190,32 @@ def markdown(table: dict, args) -> str:
         "",
         "**Acceptance, tokens per verification (≤ 8), greedy verification, 95% intervals.**",
         "",
-        "| variant | measured (decoder) | eval-drift at the visited anchors | eval-drift at uniform anchors | tokens per target forward |",
-        "|---|---|---|---|---|",
+        "| variant | measured (decoder) | eval-drift at the visited anchors | eval-drift, uniform anchors in the decoded text | eval-drift, uniform anchors (prompts too) | tokens per target forward |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         lines.append(f"| {name} | {_fmt(r['measured'])} | {_fmt(r['visited'])} | "
-                     f"{_fmt(r['uniform'])} | {_fmt(r['tokens_per_target_forward'])} |")  # fmt: skip
+                     f"{_fmt(r['continuation'])} | {_fmt(r['uniform'])} | "
+                     f"{_fmt(r['tokens_per_target_forward'])} |")  # fmt: skip
     lines += [
         "",
         "**Greedy ceiling against the FP32 reference draft (tokens, ≤ 7), per regime, and the "
         "acceptance each format loses against bf16.**",
         "",
-        "| variant | " + " | ".join(REGIMES) + " | measured loss vs bf16 | uniform loss vs bf16 |",
+        "| variant | "
+        + " | ".join(REGIMES)
+        + " | measured loss vs bf16 (paired) | eval-drift's loss vs bf16, decoded text |",
         "|---|" + "---|" * (len(REGIMES) + 2),
     ]
     base = rows["bf16"]
     for name, r in rows.items():
-        loss = base["measured"]["value"] - r["measured"]["value"]
-        uloss = base["uniform"]["value"] - r["uniform"]["value"]
+        loss = r["measured_loss"]
+        uloss = base["continuation"]["value"] - r["continuation"]["value"]
         cells = " | ".join(_fmt(r["ceiling"][g]) for g in REGIMES)
-        lines.append(f"| {name} | {cells} | {loss:+.3f} | {uloss:+.3f} |")
+        lines.append(
+            f"| {name} | {cells} | {loss['value']:+.3f} [{loss['lo']:+.3f}, "
+            f"{loss['hi']:+.3f}] | {uloss:+.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -166,13 +223,14 @@ def figure(table: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     rows = table["variants"]
-    fig = Figure(figsize=(7, 3.6))
+    fig = Figure(figsize=(9, 3.6))
     ax = fig.add_subplot()
     names = list(rows)
     for k, (key, label) in enumerate([("measured", "measured (decoder)"),
                                       ("visited", "eval-drift, visited anchors"),
-                                      ("uniform", "eval-drift, uniform anchors")]):  # fmt: skip
-        xs = [i + (k - 1) * 0.25 for i in range(len(names))]
+                                      ("continuation", "eval-drift, uniform (decoded text)"),
+                                      ("uniform", "eval-drift, uniform (prompts too)")]):  # fmt: skip
+        xs = [i + (k - 1.5) * 0.2 for i in range(len(names))]
         ys = [rows[n][key]["value"] for n in names]
         err = [[rows[n][key]["value"] - rows[n][key]["lo"] for n in names],
                [rows[n][key]["hi"] - rows[n][key]["value"] for n in names]]  # fmt: skip
@@ -180,7 +238,7 @@ def figure(table: dict, path: Path) -> None:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("tokens per verification")
     ax.set_title("Acceptance under greedy verification, 95% intervals")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
