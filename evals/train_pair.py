@@ -77,6 +77,7 @@ def main() -> int:
         "test": sum(len(d) for d, _ in test),
     }
 
+    torch.manual_seed(args.seed)  # the target's initial weights
     target = build_target()
     record["target_loss"] = train_target(
         target, [d for d, _ in train], args.target_epochs, args.seed
