@@ -13,7 +13,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from qstream.clitypes import Device
+from qstream.clitypes import Device, NameIsDir
 from qstream.errors import QStreamError
 from qstream.publish import check_parent, write_text_atomic
 
@@ -163,6 +163,18 @@ def device_option(help: str):
         show_default=True,
         metavar="cpu|cuda|cuda:N",
         help=help,
+    )
+
+
+def variant_option():
+    """``--variant NAME=DIR``, a read-back checkpoint, as eval-drift and speculate share it."""
+    return option(
+        "variant",
+        type=NameIsDir(),
+        multiple=True,
+        metavar="NAME=DIR",
+        help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
+        "from --model (its unquantized tensors bit-identical).",
     )
 
 

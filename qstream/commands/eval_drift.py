@@ -20,7 +20,7 @@ from qstream.clichoices import (
     VARIANT_FORMATS,
     WEIGHT_FORMATS,
 )
-from qstream.clitypes import CommaChoice, Integers, NameIsDir
+from qstream.clitypes import CommaChoice, Integers
 from qstream.cliutil import (
     Command,
     FiniteRange,
@@ -32,6 +32,7 @@ from qstream.cliutil import (
     make_console,
     option,
     sampling_option,
+    variant_option,
     write_json,
 )
 from qstream.progress import drift_progress
@@ -70,14 +71,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     show_default=True,
     help="Comma-separated simulated variants.",
 )
-@option(
-    "variant",
-    type=NameIsDir(),
-    multiple=True,
-    metavar="NAME=DIR",
-    help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
-    "from --model (its unquantized tensors bit-identical).",
-)
+@variant_option()
 @flag_option(
     "allow_foreign_variant",
     "Compare a --variant that is not derived from --model anyway; it is labelled "

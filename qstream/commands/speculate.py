@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from qstream.clichoices import CAPTURE_DTYPES, EVAL_FORMATS, SPECULATE_RULES, VARIANT_FORMATS
-from qstream.clitypes import CommaChoice, NameIsDir
+from qstream.clitypes import CommaChoice
 from qstream.cliutil import (
     Command,
     count_option,
@@ -18,6 +18,7 @@ from qstream.cliutil import (
     make_console,
     option,
     sampling_option,
+    variant_option,
     write_json,
 )
 from qstream.progress import counter
@@ -58,14 +59,7 @@ if TYPE_CHECKING:
     show_default=True,
     help="Comma-separated simulated variants, as eval-drift builds them.",
 )
-@option(
-    "variant",
-    type=NameIsDir(),
-    multiple=True,
-    metavar="NAME=DIR",
-    help="A quantized checkpoint to read back from disk; repeatable. It must be derived "
-    "from --model (its unquantized tensors bit-identical).",
-)
+@variant_option()
 @flag_option("allow_foreign_variant", "Decode with a --variant not derived from --model anyway.")
 @flag_option(
     "no_integrity_check",
