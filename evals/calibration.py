@@ -107,12 +107,11 @@ def continuation_anchors(out: Path, blocks: int, seed: int = 0) -> None:
     import random
 
     spec = json.loads((out / "speculate.json").read_text())
-    block = spec["provenance"]["draft"]["block_size"]
     runs = spec["runs"]["bf16"]
-    # stream i: the prompt, the decoded tokens, then one block more (qstream speculate --capture)
+    # stream i: the prompt, the decoded tokens, then one block more (speculate --capture), so
+    # every decoded position has its block in the stream
     pool = [(i, p) for i, r in enumerate(runs)
-            for p in range(r["prompt_tokens"], r["prompt_tokens"] + len(r["tokens"]))
-            if p + block < r["prompt_tokens"] + len(r["tokens"]) + block + 1]  # fmt: skip
+            for p in range(r["prompt_tokens"], r["prompt_tokens"] + len(r["tokens"]))]  # fmt: skip
     chosen = random.Random(seed).sample(pool, min(blocks, len(pool)))
     text = json.dumps({"blocks": sorted([list(b) for b in chosen])})
     (out / "anchors-continuation.json").write_text(text + "\n")

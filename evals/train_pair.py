@@ -160,14 +160,29 @@ def batches(docs: list[list[int]], size: int, gen: torch.Generator | None):
     if gen is not None:
         chunks = [chunks[i] for i in torch.randperm(len(chunks), generator=gen).tolist()]
     for chunk in chunks:
-        rows = [docs[i] for i in chunk]
-        width = max(map(len, rows))
-        ids = torch.full((len(rows), width), PAD)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, row in enumerate(rows):
-            ids[r, : len(row)] = torch.tensor(row)
-            mask[r, : len(row)] = 1
+        ids, mask = pad_right([docs[i] for i in chunk])
         yield ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def pad_right(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows right-padded with PAD to the longest: (ids, attention mask)."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(row)
+        mask[r, : len(row)] = 1
+    return ids, mask
+
+
+def update(opt, params, loss: torch.Tensor, lr: float) -> None:
+    """One optimiser step at ``lr``, gradients clipped to norm 1."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def schedule(step: int, total: int, warmup: int) -> float:
@@ -187,13 +202,8 @@ def train_target(model, docs: list[list[int]], epochs: int, seed: int) -> list[f
     model.train()
     for epoch in range(epochs):
         for ids, mask, labels in batches(docs, size, gen):
-            for group in opt.param_groups:
-                group["lr"] = 3e-3 * schedule(step, total, 50)
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            update(opt, model.parameters(), loss, 3e-3 * schedule(step, total, 50))
             losses.append(float(loss.detach()))
             step += 1
             if step % 20 == 0:
@@ -278,12 +288,8 @@ def target_states(target, docs: list[tuple[list[int], int]]):
     """One packed sequence's draft inputs: its documents run through the target as one
     right-padded batch (each document attends only to itself); the loss mask covers the
     answers, where the decoder drafts."""
-    width = max(len(row) for row, _ in docs)
-    ids = torch.full((len(docs), width), PAD)
-    mask = torch.zeros((len(docs), width), dtype=torch.long)
-    for d, (row, _) in enumerate(docs):
-        ids[d, : len(row)] = torch.tensor(row)
-        mask[d, : len(row)] = 1
+    ids, mask = pad_right([row for row, _ in docs])
+    width = ids.shape[1]
     captured: dict = {}
     hook = target.model.norm.register_forward_hook(lambda m, a, o: captured.update(x=a[0]))
     with torch.no_grad():
@@ -321,16 +327,11 @@ def train_draft(
     draft.train()
     for epoch in range(epochs):
         for i in torch.randperm(len(cache), generator=gen).tolist():
-            for group in opt.param_groups:
-                group["lr"] = 2e-3 * schedule(step, total, 100)
             batch = {
                 k: (v.float() if v.dtype == torch.bfloat16 else v) for k, v in cache[i].items()
             }
             _, loss, _ = draft(**batch, **loss_kwargs)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            update(opt, params, loss, 2e-3 * schedule(step, total, 100))
             losses.append(float(loss.detach()))
             step += 1
             if step % 200 == 0:
