@@ -56,6 +56,25 @@ def test_streamed_causal_pass_matches_and_stays_bounded(monkeypatch):
         stream.rows(0, 10)
 
 
+def test_a_deeper_causal_pass_repeats_the_stack():
+    """The boot regime for a draft with fewer layers than aux layers: ``depth`` steps run the
+    layers in order and again (qstream.arch.interface.causal_layers); the first L steps are
+    the plain pass, step L runs layer 0 on step L - 1's output, and the streamed pass (one
+    range) equals the whole one bit for bit."""
+    model, config = long_context_model()
+    L = config.num_hidden_layers
+    ids = torch.randint(0, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(6))
+    deep = model.causal_hidden(ids, depth=L + 1)
+    assert deep.shape == (2, 40, L + 1, config.hidden_size)
+    assert torch.equal(deep[:, :, :L], model.causal_hidden(ids))
+    layer = model.layers[0]
+    x = deep[:, :, L - 1]
+    pos = torch.arange(40)
+    x = x + model.attention_causal(0, layer.input_norm(x), pos)
+    assert torch.equal(deep[:, :, L], x + layer.mlp(x))
+    assert torch.equal(CausalStream(model, ids, depth=L + 1).rows(0, 40), deep.flatten(2))
+
+
 def test_causal_rows_come_in_the_requested_dtype():
     model, config = long_context_model()
     ids = torch.randint(0, config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(4))

@@ -69,3 +69,17 @@ def test_the_trained_draft_is_accepted(decoded):
     accepted = [a for r in runs for a in r.accepted]
     # an untrained draft is almost never accepted (1.0 tokens per verification); this one is
     assert 1 + sum(accepted) / len(accepted) > 2.0
+
+
+def test_the_boot_regime_runs_the_two_layer_draft_for_five_aux_layers(tmp_path):
+    """The shipped draft has 2 layers and reads 5 target layers: the boot regime runs its
+    stack again on its own output (steps 0, 1, 0, 1, 0), so its reference aux states carry
+    the real token stream's correlation and a bf16 variant stays close to it."""
+    from cli_helpers import cli_ok
+
+    out = tmp_path / "boot.json"
+    cli_ok(["eval-drift", "--model", str(PAIR / "draft"), "--target", str(PAIR / "target"),
+            "--tokenizer", str(PAIR / "target" / "tokenizer.json"), "--regime", "boot",
+            "--formats", "bf16", "--blocks", "32", "--json", str(out)])  # fmt: skip
+    metrics = json.loads(out.read_text())["regimes"]["boot"]["variants"]["bf16"]["metrics"]
+    assert metrics["greedy_agree_overall"]["value"] > 0.9

@@ -20,6 +20,7 @@ from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig, RopeParameters
 from qstream.arch.dspark_qwen3.forward import CausalStream, Qwen3DSpark
 from qstream.arch.dspark_qwen3.load import load_weights
 from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, tensor_shapes
+from qstream.arch.interface import causal_layers
 from qstream.arch.markov import rollout
 from qstream.errors import QStreamError
 
@@ -112,6 +113,39 @@ def test_causal_stream_in_pieces_equals_the_whole_pass():
     assert rel(parts, whole.flatten(2)) <= ORDER_REL
     with pytest.raises(RuntimeError, match="in order"):
         stream.rows(0, 5)
+
+
+def test_a_deeper_causal_pass_runs_the_stack_again_on_its_own_output():
+    """The boot regime on a draft with fewer layers than aux layers (the shipped GSM8K pair:
+    2 for 5): ``depth`` steps run the layers in order and again, which is exactly a draft of
+    ``depth`` layers whose upper layers copy the lower ones; the first L steps are the plain
+    pass, and the streamed pass in pieces equals the whole one."""
+    shallow = replace(TINY, num_hidden_layers=2)
+    deep = replace(TINY, num_hidden_layers=5)
+    w = weights(shallow)
+    copied = dict(w)
+    for name, tensor in w.items():
+        for src, copies in (("layers.0.", (2, 4)), ("layers.1.", (3,))):
+            if name.startswith(src):
+                copied.update({name.replace(src, f"layers.{j}.", 1): tensor for j in copies})
+    ids = torch.randint(0, TINY.vocab_size, (2, 29), generator=torch.Generator().manual_seed(5))
+    model = Qwen3DSpark(shallow, w)
+    got = model.causal_hidden(ids, depth=5)
+    assert got.shape == (2, 29, 5, TINY.hidden_size)
+    assert torch.equal(got, Qwen3DSpark(deep, copied).causal_hidden(ids))
+    assert torch.equal(got[:, :, :2], model.causal_hidden(ids))
+    stream = CausalStream(model, ids, depth=5)
+    assert stream.shape == (2, 29, 5 * TINY.hidden_size)
+    parts = torch.cat([stream.rows(0, 4), stream.rows(4, 29)], 1)
+    assert rel(parts, got.flatten(2)) <= ORDER_REL
+
+
+def test_causal_layers_repeat_the_stack_in_order():
+    assert causal_layers(5) == [0, 1, 2, 3, 4]
+    assert causal_layers(2, 5) == [0, 1, 0, 1, 0]
+    assert causal_layers(5, 3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="layers and steps"):
+        causal_layers(2, 0)
 
 
 def test_a_dflash_draft_drafts_its_base_logits():

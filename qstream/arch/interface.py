@@ -30,6 +30,18 @@ EMBED = "embed_tokens.weight"
 TARGET_HEAD_DIR = "target_head"
 
 
+def causal_layers(num_layers: int, depth: int | None = None) -> list[int]:
+    """Which of a draft's ``num_layers`` layers runs at each of ``depth`` steps of its causal
+    pass (``causal_hidden``): its layers in order, repeated until there are ``depth`` (default:
+    each once).  The boot regime asks for one output per target aux layer, so a draft with fewer
+    layers than the target has aux layers runs its stack again on its own output
+    (docs/eval-drift.md, "Regimes")."""
+    steps = num_layers if depth is None else depth
+    if num_layers < 1 or steps < 1:
+        raise ValueError(f"a causal pass needs layers and steps, got {num_layers} and {steps}")
+    return [j % num_layers for j in range(steps)]
+
+
 @dataclass(frozen=True)
 class Blocks:
     """The non-causal pass over N blocks: everything before the Markov head."""
@@ -114,8 +126,9 @@ class DraftModel(Protocol):
         """N blocks at once: block n on stream[n] at anchor[n] from token first_token[n]."""
         ...
 
-    def causal_hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        """The draft's layers as a causal decoder over ids [S, T] -> [S, T, L, H] fp32."""
+    def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """The draft's layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32:
+        every layer's output, the layers taken as :func:`causal_layers` orders them."""
         ...
 
 
@@ -174,7 +187,9 @@ class Architecture(Protocol):
 
     def teacher_forced(self, head: Any, blocks: Blocks, tokens: torch.Tensor) -> Rollout: ...
 
-    def causal_stream(self, model: Any, ids: torch.Tensor, dtype: torch.dtype) -> AuxChunks:
+    def causal_stream(
+        self, model: Any, ids: torch.Tensor, dtype: torch.dtype, depth: int | None = None
+    ) -> AuxChunks:
         """:meth:`DraftModel.causal_hidden` a range of positions at a time, flattened."""
         ...
 

@@ -9,7 +9,9 @@ them (context projection, context K/V) each model computes itself.
   of real LLMs do (Sun et al., "Massive Activations in Large Language Models", 2024).
 - ``boot``: the draft's own layers run causally over the real token stream (the reference model,
   fp32); each layer's output stands in for one target layer, so the aux states carry the real
-  token correlation of the corpus.
+  token correlation of the corpus.  A draft with fewer layers than the target has aux layers
+  runs its stack again on its own output until there is one output per aux layer
+  (``qstream.arch.interface.causal_layers``).
 
 Every regime is deterministic for a seed: gauss/heavy draw each stream's noise from a generator
 seeded by (seed, regime, stream index), so any subset of streams can be regenerated alone.
@@ -43,14 +45,11 @@ def channel_scales(config: DraftConfig, seed: int) -> torch.Tensor:
 
 
 def check_boot_compatible(config: DraftConfig) -> None:
-    if (
-        config.num_target_layers != config.num_hidden_layers
-        or config.target_hidden_size != config.hidden_size
-    ):
+    if config.target_hidden_size != config.hidden_size:
         raise QStreamError(
-            f"the boot regime stands the draft's {config.num_hidden_layers} layers of width "
-            f"{config.hidden_size} in for {config.num_target_layers} target layers of width "
-            f"{config.target_hidden_size}; this config does not match, use gauss or heavy"
+            f"the boot regime stands the draft's layers of width {config.hidden_size} in for "
+            f"target layers of width {config.target_hidden_size}; the widths differ, use gauss "
+            "or heavy"
         )
 
 

@@ -164,10 +164,13 @@ class AuxStates:
                 raise RuntimeError("boot aux states must come from the reference pass first")
             ids = self._ids(batch, T)
             if lazy:
-                stream = architecture_of(self.config).causal_stream(reference, ids, AUX_DTYPE)
+                stream = architecture_of(self.config).causal_stream(
+                    reference, ids, AUX_DTYPE, self.config.num_target_layers
+                )
                 self._recorded[batch] = Recorded(stream, self._ranges)
                 return self._recorded[batch]
-            aux = reference.causal_hidden(ids).flatten(2).to(AUX_DTYPE).cpu()  # [S, T, L*H]
+            depth = self.config.num_target_layers  # one step per aux layer
+            aux = reference.causal_hidden(ids, depth).flatten(2).to(AUX_DTYPE).cpu()  # [S,T,A]
         else:
             lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
             args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)

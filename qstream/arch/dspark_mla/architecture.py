@@ -60,10 +60,10 @@ class DSparkMLA(DSparkFamily):
 
         return DSpark(config, weights, dtype, device)
 
-    def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype):
+    def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype, depth=None):
         from qstream.arch.dspark_mla.causal import CausalStream
 
-        return CausalStream(model, ids, dtype)
+        return CausalStream(model, ids, dtype, depth)
 
 
 ARCH = DSparkMLA()

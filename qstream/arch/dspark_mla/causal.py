@@ -15,22 +15,31 @@ from typing import TYPE_CHECKING
 import torch
 
 from qstream.arch.dspark_mla import engine
+from qstream.arch.interface import causal_layers
 
 if TYPE_CHECKING:
     from qstream.arch.dspark_mla.forward import DSpark
 
 
 class CausalStream:
-    """Every layer's output of the causal pass over ids [S, T], as ``rows(t0, t1)`` ->
-    [S, t1 - t0, L*H] in ``dtype``, taken in order from position 0 (``shape`` [S, T, L*H])."""
+    """Every step's output of the causal pass over ids [S, T] (the layers in
+    :func:`causal_layers`' order, ``depth`` of them), as ``rows(t0, t1)`` -> [S, t1 - t0,
+    depth*H] in ``dtype``, taken in order from position 0 (``shape`` [S, T, depth*H])."""
 
-    def __init__(self, model: DSpark, ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: DSpark,
+        ids: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+        depth: int | None = None,
+    ):
         c = model.config
         S, T = ids.shape
         self.model, self.ids, self.dtype = model, ids, dtype
-        self.shape = (S, T, c.num_hidden_layers * c.hidden_size)
+        self.layers = causal_layers(len(model.layers), depth)
+        self.shape = (S, T, len(self.layers) * c.hidden_size)
         self._latent, self._rope_key = (
-            [torch.empty(S, T, d, device=model.device, dtype=model.dtype) for _ in model.layers]
+            [torch.empty(S, T, d, device=model.device, dtype=model.dtype) for _ in self.layers]
             for d in (c.kv_lora_rank, c.qk_rope_head_dim)
         )
         self._next = 0
@@ -43,7 +52,8 @@ class CausalStream:
         pos = torch.arange(t0, t1, device=model.device)
         x = model.embed(self.ids[:, t0:t1].to(model.device))  # [S, t, H]
         outs = []
-        for layer, latent, rope_key in zip(model.layers, self._latent, self._rope_key):
+        for i, latent, rope_key in zip(self.layers, self._latent, self._rope_key, strict=True):
+            layer = model.layers[i]
             h = layer.input_norm(x)
             latent[:, t0:t1], rope_key[:, t0:t1] = layer.latent(h, pos)
             q = layer.query(h, pos).transpose(1, 2)  # [S, n, t, dk]

@@ -38,10 +38,11 @@ def position_flops(c: DSparkConfig, keys: int) -> float:
 
 
 def causal_flops(c: DSparkConfig, T: int) -> float:
-    """One stream's causal pass over T positions (the boot regime's aux states): every layer at
-    every position, position t attending to the t + 1 keys up to itself."""
+    """One stream's causal pass over T positions (the boot regime's aux states, one layer step
+    per target aux layer): every step at every position, position t attending to the t + 1 keys
+    up to itself."""
     per_key = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
-    return 2.0 * c.num_hidden_layers * (T * _layer(c, 0) + per_key * T * (T + 1) // 2)
+    return 2.0 * c.num_target_layers * (T * _layer(c, 0) + per_key * T * (T + 1) // 2)
 
 
 def _layer(c: DSparkConfig, keys: int) -> int:

@@ -26,7 +26,7 @@ from qstream.arch.dspark_mla import engine
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.dspark_mla.tensors import check_tensors
 from qstream.arch.family import check_blocks
-from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks
+from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import ComputeWeights, embedding
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
@@ -314,14 +314,18 @@ class DSpark:
         out = engine.causal_attention(self, q, k, v, query_chunk)  # [S, n, T, dv]
         return layer.attention_output(out.transpose(1, 2).flatten(2))  # [S, T, n*dv] -> [S, T, H]
 
-    def causal_hidden(self, ids: torch.Tensor, query_chunk: int | None = None) -> torch.Tensor:
+    def causal_hidden(
+        self, ids: torch.Tensor, depth: int | None = None, query_chunk: int | None = None
+    ) -> torch.Tensor:
         """The draft's layers as a causal decoder over ids [S, T] (right padding is harmless:
-        nothing attends forward) -> every layer's output [S, T, L, H] fp32, whose
+        nothing attends forward) -> every layer's output [S, T, depth, H] fp32, the layers in
+        :func:`causal_layers`' order (default: each once); at the target's aux depth,
         ``.flatten(2)`` is the "boot" regime's aux (docs/eval-drift.md)."""
         pos = torch.arange(ids.shape[1], device=self.device)
         x = self.embed(ids.to(self.device))  # [S, T, H]
         outs = []
-        for i, layer in enumerate(self.layers):
+        for i in causal_layers(len(self.layers), depth):
+            layer = self.layers[i]
             x = x + self.attention_causal(i, layer.input_norm(x), pos, query_chunk)
             x = x + layer.mlp(x)
             outs.append(x.float())

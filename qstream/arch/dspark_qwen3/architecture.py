@@ -62,10 +62,10 @@ class DSparkQwen3(DSparkFamily):
 
         return Qwen3DSpark(config, weights, dtype, device)
 
-    def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype):
+    def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype, depth=None):
         from qstream.arch.dspark_qwen3.forward import CausalStream
 
-        return CausalStream(model, ids, dtype)
+        return CausalStream(model, ids, dtype, depth)
 
 
 ARCH = DSparkQwen3()

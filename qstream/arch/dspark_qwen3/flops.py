@@ -35,7 +35,8 @@ def drafted_flops(c: Qwen3DSparkConfig, anchor: torch.Tensor) -> float:
 
 
 def causal_flops(c: Qwen3DSparkConfig, T: int) -> float:
-    """One stream's causal pass over T positions (the boot regime): every layer at every
-    position, position t attending to the t + 1 keys up to itself."""
+    """One stream's causal pass over T positions (the boot regime: one layer step per target
+    aux layer): every step at every position, position t attending to the t + 1 keys up to
+    itself."""
     q = c.num_attention_heads * c.head_dim
-    return 2.0 * c.num_hidden_layers * (T * _layer(c, 0) + 2 * q * T * (T + 1) // 2)
+    return 2.0 * c.num_target_layers * (T * _layer(c, 0) + 2 * q * T * (T + 1) // 2)

@@ -27,7 +27,7 @@ from qstream.arch.blocks import rms_norm, swiglu
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
 from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, check_tensors
 from qstream.arch.family import check_blocks
-from qstream.arch.interface import AuxChunks, Blocks
+from qstream.arch.interface import AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import ComputeWeights, embedding
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
@@ -283,28 +283,33 @@ class Qwen3DSpark:
 
     # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
 
-    def causal_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+    def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """The draft's layers as a causal decoder over ids [S, T] -> every layer's output
-        [S, T, L, H] fp32 (``.flatten(2)``: the boot regime's aux, docs/eval-drift.md)."""
-        stream = CausalStream(self, ids, torch.float32)
+        [S, T, depth, H] fp32, the layers in :func:`causal_layers`' order (default: each once;
+        ``.flatten(2)`` at the target's aux depth: the boot regime's aux, docs/eval-drift.md)."""
+        stream = CausalStream(self, ids, torch.float32, depth)
         S, T, _ = stream.shape
-        return stream.rows(0, T).unflatten(-1, (self.config.num_hidden_layers, -1))
+        return stream.rows(0, T).unflatten(-1, (len(stream.layers), -1))
 
 
 class CausalStream:
-    """:meth:`Qwen3DSpark.causal_hidden` a range of positions at a time over a per-layer KV
-    cache: ``rows(t0, t1)`` -> [S, t1 - t0, L*H] in ``dtype``, taken in order from 0."""
+    """:meth:`Qwen3DSpark.causal_hidden` a range of positions at a time over a KV cache per
+    step: ``rows(t0, t1)`` -> [S, t1 - t0, depth*H] in ``dtype``, taken in order from 0."""
 
-    def __init__(self, model: Qwen3DSpark, ids: torch.Tensor, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        model: Qwen3DSpark,
+        ids: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+        depth: int | None = None,
+    ):
         c = model.config
         S, T = ids.shape
         self.model, self.ids, self.dtype = model, ids, dtype
-        self.shape = (S, T, c.num_hidden_layers * c.hidden_size)
+        self.layers = causal_layers(c.num_hidden_layers, depth)
+        self.shape = (S, T, len(self.layers) * c.hidden_size)
         kv = (S, T, c.num_key_value_heads, c.head_dim)
-        self._k = [
-            torch.empty(kv, dtype=model.dtype, device=model.device)
-            for _ in range(c.num_hidden_layers)
-        ]
+        self._k = [torch.empty(kv, dtype=model.dtype, device=model.device) for _ in self.layers]
         self._v = [torch.empty_like(k) for k in self._k]
         self._next = 0
 
@@ -322,10 +327,11 @@ class CausalStream:
         mask = torch.arange(t1, device=m.device)[None, :] <= pos[:, None]  # [t, t1]
         x = m.embed(self.ids[:, t0:t1].to(m.device))  # [S, t, H]
         outs = []
-        for i in range(m.config.num_hidden_layers):
+        for step, i in enumerate(self.layers):
+            k, v = self._k[step], self._v[step]
             h = m.norm(x, f"layers.{i}.input_layernorm")
-            self._k[i][:, t0:t1], self._v[i][:, t0:t1] = m.key_value(i, h, pos)
-            out = m.attend(m.query(i, h, pos), self._k[i][:, :t1], self._v[i][:, :t1], mask)
+            k[:, t0:t1], v[:, t0:t1] = m.key_value(i, h, pos)
+            out = m.attend(m.query(i, h, pos), k[:, :t1], v[:, :t1], mask)
             x = x + m.proj(f"layers.{i}.self_attn.o_proj", out)
             x = x + m.mlp(i, x)
             outs.append(x.to(self.dtype))
