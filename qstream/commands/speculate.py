@@ -143,17 +143,20 @@ MEAN_COLUMNS = (
     Column("variant"),
     Column("mean acceptance length", right=True),
     Column("tokens / target forward", right=True),
+    Column("loss vs bf16", right=True),
 )
 
 
-def _with_interval(estimate: dict) -> str:
+def _with_interval(estimate: dict, spec: str = ".2f") -> str:
     value, lo, hi = (estimate[k] for k in ("value", "lo", "hi"))
-    return f"{value:.2f}" if lo is None or hi is None else f"{value:.2f} [{lo:.2f}, {hi:.2f}]"
+    if lo is None or hi is None:
+        return f"{value:{spec}}"
+    return f"{value:{spec}} [{lo:{spec}}, {hi:{spec}}]"
 
 
 def acceptance_tables(results: dict, width: int) -> list[Table]:
-    """Per variant its mean acceptance length and tokens per target forward with their 95%
-    intervals; then per k (a row each, so that any block size fits) every variant's share of
+    """Per variant its mean acceptance length, tokens per target forward and loss against bf16
+    (paired over the prompts; n/a without a bf16 variant) with their 95% intervals; then per k (a row each, so that any block size fits) every variant's share of
     verifications accepting at least k drafted tokens."""
     summaries = {name: entry["summary"] for name, entry in results["variants"].items()}
     s, prompts = results["settings"], next(iter(summaries.values()))["prompts"]
@@ -162,6 +165,7 @@ def acceptance_tables(results: dict, width: int) -> list[Table]:
             name,
             _with_interval(x["mean_acceptance_length"]),
             _with_interval(x["tokens_per_target_forward"]),
+            _with_interval(x["loss_vs_bf16"], "+.3f") if "loss_vs_bf16" in x else "n/a",
         ]
         for name, x in summaries.items()
     ]

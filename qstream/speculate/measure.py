@@ -2,7 +2,8 @@
 variant, the mean acceptance length (tokens emitted per verification: the accepted drafts plus
 the bonus or correction token), the share of verifications that accept at least k drafted
 tokens, and tokens per target forward, each with a 95% interval over prompts (the prompts are
-the independent units; the verifications within one are not).
+the independent units; the verifications within one are not), and each variant's loss against
+bf16, paired over the same prompts.
 
 >>> study = acceptance_study(target, {"bf16": bf16_draft, "nvfp4": nvfp4_draft}, prompts, 64)
 >>> study["nvfp4"]["mean_acceptance_length"]["value"]
@@ -97,3 +98,29 @@ def ratio_estimate(y: torch.Tensor, m: torch.Tensor) -> Estimate:
     var = float(((y - r * m) ** 2).sum()) / (n * (n - 1) * m_bar**2)
     half = float(stats.t.ppf(0.975, n - 1)) * math.sqrt(var)
     return Estimate(r, r - half, r + half, n)
+
+
+def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
+    """``base``'s mean acceptance length minus ``runs``', both decoded from the same prompts in
+    the same order, with a Student-t 95% interval from the linearised variance of the
+    difference of the two ratio estimates, per prompt (the pairing cancels what the prompts
+    share: a hard prompt is hard for both)."""
+    if len(base) != len(runs):
+        raise ValueError(f"paired over the same prompts: {len(base)} and {len(runs)} runs")
+
+    def terms(decoded: list[Decoded]) -> tuple[float, torch.Tensor]:
+        y = torch.tensor([float(sum(a + 1 for a in r.accepted)) for r in decoded],
+                         dtype=torch.float64)  # fmt: skip
+        m = torch.tensor([float(len(r.accepted)) for r in decoded], dtype=torch.float64)
+        r = float(y.sum() / m.sum())
+        return r, (y - r * m) / float(m.mean())  # the ratio's influence per prompt
+
+    (r_base, z_base), (r_runs, z_runs) = terms(base), terms(runs)
+    n, diff = len(base), r_base - r_runs
+    if n < 2:
+        return Estimate(diff, math.nan, math.nan, n)
+    z = z_base - z_runs
+    half = float(stats.t.ppf(0.975, n - 1)) * math.sqrt(
+        float(((z - z.mean()) ** 2).sum()) / (n * (n - 1))
+    )
+    return Estimate(diff, diff - half, diff + half, n)

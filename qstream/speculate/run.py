@@ -26,10 +26,10 @@ from qstream.errors import QStreamError
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.settings import DriftSettings
 from qstream.eval.variants import Variant, settings_variants, variant_weights
-from qstream.eval.vocabulary import VARIANT_FORMATS
+from qstream.eval.vocabulary import FLOOR, VARIANT_FORMATS
 from qstream.speculate.capture import check_capture_dir, write_capture
 from qstream.speculate.decode import RULES
-from qstream.speculate.measure import decode_prompts, summarise
+from qstream.speculate.measure import decode_prompts, paired_loss, summarise
 
 SCHEMA = "qstream.speculate/1"  # the "schema" field of every results file
 PROMPT = "each document up to and including its first newline (a GSM8K question), tokenized "
@@ -127,6 +127,10 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
              "accepted": r.accepted, "tokens": r.tokens}
             for i, (p, r) in enumerate(zip(prompts, runs))
         ]  # fmt: skip
+    if FLOOR in decoded:  # every variant's loss against bf16, over the same prompts
+        for name, runs in decoded.items():
+            loss = paired_loss(decoded[FLOOR], runs).to_json()
+            results["variants"][name]["summary"]["loss_vs_bf16"] = loss
     if s.capture is not None:
         record = {**_capture_record(s, config, shape, docs), "files": {}}
         ids = config.target_layer_ids
