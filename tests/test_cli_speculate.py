@@ -118,6 +118,13 @@ def test_the_json_is_whole_and_consistent(pair, results):
             assert anchors[0] == run["prompt_tokens"] and len(anchors) == len(accepted)
             assert all(b - a == n + 1 for a, b, n in zip(anchors, anchors[1:], accepted))
     assert any(r["accepted"] != [0] * len(r["accepted"]) for r in results["runs"]["bf16"])
+    means = {n: e["summary"]["mean_acceptance_length"]["value"]
+             for n, e in results["variants"].items()}  # fmt: skip
+    for name, entry in results["variants"].items():
+        loss = entry["summary"]["loss_vs_bf16"]
+        assert loss["value"] == pytest.approx(means["bf16"] - means[name], abs=1e-12)
+    assert results["variants"]["bf16"]["summary"]["loss_vs_bf16"] == {
+        "value": 0.0, "lo": 0.0, "hi": 0.0, "n": 3}  # fmt: skip
 
 
 def test_greedy_verification_emits_the_targets_greedy_decoding(pair, results):
@@ -246,7 +253,12 @@ def test_eval_drift_at_the_decoders_anchors_measures_what_it_measured(pair, tmp_
         cli_ok(["eval-drift", "--model", str(draft), "--target", str(target),
                 "--states", str(capture), "--states-anchors", str(capture / f"anchors-{name}.json"),
                 "--formats", name, "--acceptance", "--json", str(drift)])  # fmt: skip
-        regime = json.loads(drift.read_text())["regimes"]["states"]
+        data = json.loads(drift.read_text())
+        plan = capture / f"anchors-{name}.json"
+        recorded = data["states"]["anchors"]  # named blocks: the results say which file
+        assert recorded["file"] == str(plan)
+        assert recorded["file_sha256"] == hashlib.sha256(plan.read_bytes()).hexdigest()
+        regime = data["regimes"]["states"]
         emitted = regime["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]
         summary = measured["variants"][name]["summary"]
         assert emitted["value"] == pytest.approx(
@@ -256,3 +268,59 @@ def test_eval_drift_at_the_decoders_anchors_measures_what_it_measured(pair, tmp_
     assert "--capture needs --rule greedy" in refused
     refused = cli_error(_args(pair, "--capture", str(capture)))
     assert "is not an empty directory" in refused
+
+
+def test_the_card_puts_measured_acceptance_beside_what_eval_drift_predicted(pair, tmp_path):
+    """``card --speculate``: the measured table is speculate's numbers, and the calibration
+    table's losses are differences of the eval-drift results' numbers (docs/card.md,
+    "Measured acceptance"); speculate results of another draft are refused in one line."""
+    target, draft, _, _ = pair
+    spec, capture, drift = tmp_path / "spec.json", tmp_path / "capture", tmp_path / "drift.json"
+    cli_ok(_args(pair, "--formats", "bf16,nvfp4", "--capture", str(capture), "--json", str(spec)))
+    cli_ok(["eval-drift", "--model", str(draft), "--target", str(target), "--states",
+            str(capture), "--regime", "gauss", "--formats", "bf16,nvfp4", "--blocks", "48",
+            "--acceptance", "--json", str(drift)])  # fmt: skip
+    card = tmp_path / "tables.json"
+    cli_ok(["card", str(drift), "--speculate", str(spec), "--output", str(card),
+            "--format", "json", "--no-figures"])  # fmt: skip
+    tables = {t["key"]: t for section in json.loads(card.read_text())["sections"]
+              for t in section["tables"]}  # fmt: skip
+    measured, results = json.loads(spec.read_text()), json.loads(drift.read_text())["regimes"]
+    rows = {row["variant"]: row for row in tables["measured_acceptance"]["rows"]}
+    for name in ("bf16", "nvfp4"):
+        summary = measured["variants"][name]["summary"]
+        assert rows[name]["tokens per verification"] == summary["mean_acceptance_length"]
+        assert rows[name]["loss vs bf16"] == summary["loss_vs_bf16"]
+    (row,) = tables["calibration"]["rows"]
+    assert list(row) == ["variant", "measured loss", "simulated loss (states)",
+                         "ceiling gap, gauss", "ceiling gap, states"]  # fmt: skip
+
+    def value(regime, name, *keys):
+        node = results[regime]["variants"][name]
+        for key in keys:
+            node = node[key]
+        return node["value"]
+
+    emitted = ("acceptance", "target", "greedy", "emitted")
+    ceiling = ("metrics", "rollouts", "greedy", "ceiling")
+    assert row["measured loss"] == measured["variants"]["nvfp4"]["summary"]["loss_vs_bf16"]
+    simulated = value("states", "bf16", *emitted) - value("states", "nvfp4", *emitted)
+    assert row["simulated loss (states)"] == simulated
+    for regime in ("gauss", "states"):
+        gap = value(regime, "bf16", *ceiling) - value(regime, "nvfp4", *ceiling)
+        assert row[f"ceiling gap, {regime}"] == gap
+    md = tmp_path / "card.md"
+    cli_ok(["card", str(drift), "--speculate", str(spec), "--output", str(md)])
+    text = md.read_text()
+    assert "## Acceptance with the target in the loop (measured)" in text
+    assert (
+        "(card_files/calibration.png)" in text
+        and (tmp_path / "card_files" / "calibration.png").is_file()
+    )
+    other = json.loads(spec.read_text())
+    other["provenance"]["draft"]["config_sha256"] = "0" * 64
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    refused = cli_error(["card", str(drift), "--speculate", str(tmp_path / "other.json"),
+                         "--output", str(tmp_path / "x.md")])  # fmt: skip
+    assert "speculate results of another draft" in refused and "other.json" in refused
+    assert not (tmp_path / "x.md").exists()

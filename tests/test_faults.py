@@ -114,7 +114,7 @@ def _old_card(tmp_path: Path, results: Path) -> tuple[Path, dict]:
 def test_disk_full_while_drawing_keeps_the_old_card_and_figures(tmp_path, results, monkeypatch):
     out, before = _old_card(tmp_path, results)
 
-    def half_then_full(rs, directory):
+    def half_then_full(rs, directory, speculate=None):
         directory.mkdir()
         (directory / "seq_agree.png").write_bytes(b"half")
         _disk_full()

@@ -32,6 +32,7 @@ from qstream.card.figure_text import (
     kl_caption,
 )
 from qstream.card.figures import sweep_regimes, write_figures
+from qstream.card.measured import measured_sections, read_speculate
 from qstream.card.method import evaluation_table
 from qstream.card.output import (
     card_json_text,
@@ -109,9 +110,11 @@ def build_card(
     regime: str | None = None,
     figures_dir: str | None = "figures",
     integrity_check: bool = True,
+    speculate: dict | None = None,
 ) -> Card:
     """The card as data; figures are referenced as ``figures_dir/NAME.png`` (not written here),
-    or left out when ``figures_dir`` is None."""
+    or left out when ``figures_dir`` is None.  ``speculate``: ``qstream speculate`` results of
+    the same draft (:func:`qstream.card.measured.read_speculate`), shown first."""
     missing = find_missing(rs, [str(c) for c in checkpoints], None if base is None else str(base))
     full_regime = _full_metric_regime(rs, regime, missing)
 
@@ -120,6 +123,8 @@ def build_card(
 
     sections = _intro_sections(rs, missing)
     sections += _checkpoint_sections(checkpoints, base, integrity_check)
+    if speculate is not None:  # measured acceptance is what the rest predicts: it leads
+        sections += measured_sections(speculate, rs, figure)
     verifiers = acceptance_verifiers(rs)
     if verifiers:  # probabilistic drafting is judged by simulated acceptance: it leads
         sections.append(
@@ -314,25 +319,29 @@ def write_card(
     figures: bool = True,
     overwrite: bool = False,
     integrity_check: bool = True,
+    speculate: str | Path | None = None,
 ) -> tuple[Card, list[Path]]:
     """Write the card (``fmt`` md, json or html) to ``output`` and, unless ``figures`` is False,
     its figures to ``<output stem>_files/`` beside it; returns the card and every path written.
     An existing ``output`` that is not a card qstream wrote needs ``overwrite``; everything is
     written atomically (qstream/card/output.py).  Each checkpoint must match the sha256s its
-    quantize record holds unless ``integrity_check`` is False (qstream/checkpoint/integrity.py)."""
+    quantize record holds unless ``integrity_check`` is False (qstream/checkpoint/integrity.py).
+    ``speculate``: a ``qstream speculate --json`` file of the same draft, whose measured
+    acceptance the card shows beside eval-drift's predictions (docs/card.md)."""
     if fmt not in FORMATS:
         raise QStreamError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     output = Path(output)
     check_card_target(output, overwrite, figures)
     rs = merge_results(list(results))
+    spec = None if speculate is None else read_speculate(Path(speculate), rs)
     with malformed_results_as_error(rs):
         figures_name = figures_dir(output).name if figures else None
-        card = build_card(rs, checkpoints, base, regime, figures_name, integrity_check)
+        card = build_card(rs, checkpoints, base, regime, figures_name, integrity_check, spec)
         text = _render(card, fmt)
 
     def draw(directory: Path) -> list[Path]:
         with malformed_results_as_error(rs):
-            return write_figures(rs, directory)
+            return write_figures(rs, directory, spec)
 
     return card, publish_card(output, text, draw if figures else None)
 

@@ -1,4 +1,5 @@
-"""The card's figures (PNG, matplotlib's Agg backend), drawn only from numbers of the results JSON.
+"""The card's figures (PNG, matplotlib's Agg backend), drawn only from numbers of the results JSON
+and, for calibration.png, of `qstream speculate`'s.
 
 Readable on light and dark pages: every figure has an opaque white background of its own, dark
 text, and the Okabe–Ito colour-blind-safe palette (Okabe & Ito, "Color Universal Design", 2008)
@@ -8,6 +9,7 @@ so the figures survive greyscale printing.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ from qstream.card.figure_text import (
     ci_percent,
     kl_star,
 )
+from qstream.card.measured import calibration_rows
 from qstream.card.results import ResultsSet
 from qstream.card.tables import metrics, regime_order, rollout_name, variant_order
 from qstream.eval.vocabulary import FLOOR, PREFIX_KEYS, PREFIX_LABELS, ROLLOUT_MODES
@@ -312,8 +315,44 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
     return fig
 
 
-def write_figures(rs: ResultsSet, directory: Path) -> list[Path]:
-    """Each figure the results hold the data for, drawn into ``directory``; their paths."""
+def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
+    """Per format a group: the measured loss with its interval, the simulated loss and each
+    regime's ceiling gap, all in tokens against bf16.  Returns the figure."""
+    rows = calibration_rows(spec, rs)
+    names = list(rows)
+    regimes = regime_order(rs)
+    series = [("measured (target in the loop)", lambda r: r["measured"]),
+              ("simulated (eval-drift, states)", lambda r: r["simulated"]),
+              *((f"ceiling gap, {g}", lambda r, g=g: r["ceiling"][g]) for g in regimes)]  # fmt: skip
+    fig, axes = _new_figure(1, 1, (max(5.0, 1.2 * len(names) + 2.5), 3.6))
+    ax = axes[0][0]
+    step = 0.8 / len(series)
+    for k, (label, pick) in enumerate(series):
+        xs, ys, lo, hi = [], [], [], []
+        for i, name in enumerate(names):
+            e = pick(rows[name])
+            if e is None:
+                continue
+            xs.append(i - 0.4 + step * (k + 0.5))
+            ys.append(e["value"])
+            lo.append(e["value"] - e["lo"] if e.get("lo") is not None else 0.0)
+            hi.append(e["hi"] - e["value"] if e.get("hi") is not None else 0.0)
+        style = _style(k)
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style["marker"], color=style["color"],
+                    capsize=3, label=label)  # fmt: skip
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("tokens lost against bf16")
+    ax.set_xlabel("variant")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=8)
+    fig.savefig(path, facecolor=BACKGROUND, transparent=False)
+    return fig
+
+
+def write_figures(rs: ResultsSet, directory: Path, speculate: dict | None = None) -> list[Path]:
+    """Each figure the results (and ``speculate``'s measured acceptance under greedy
+    verification) hold the data for, drawn into ``directory``; their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     figures = {
         "seq_agree.png": seq_agree_figure,
@@ -322,6 +361,8 @@ def write_figures(rs: ResultsSet, directory: Path) -> list[Path]:
     }
     if sweep_regimes(rs):
         figures["context.png"] = context_figure
+    if speculate is not None and speculate["settings"]["rule"] == "greedy":
+        figures["calibration.png"] = partial(calibration_figure, speculate)
     for name, draw in figures.items():
         draw(rs, directory / name)
     return [directory / name for name in figures]

@@ -21,8 +21,13 @@ def _corpus(run: dict) -> str:
 
 def _anchors(run: dict) -> str:
     a = run["anchors"] or {}
+    source = (
+        f"the blocks {a['file']} names (sha256 {a.get('file_sha256')}); "
+        if a.get("file")
+        else "drawn uniformly; "
+    )
     return (
-        f"context length mean {a.get('context_length_mean'):.1f}, min "
+        f"{source}context length mean {a.get('context_length_mean'):.1f}, min "
         f"{a.get('context_length_min')}, max {a.get('context_length_max')} tokens"
     )
 

@@ -30,7 +30,10 @@ DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "snr": 1}
 REGIME_DESCRIPTIONS = {
     "gauss": "iid normal aux states",
     "heavy": "normal aux states times per-channel lognormal scales (a few massive channels)",
-    "boot": "the draft's own layers run causally over the real token stream",
+    "boot": "the draft's own layers run causally over the real token stream (repeated until "
+    "one per aux layer)",
+    "states": "the target's own hidden states, captured (qstream capture or speculate "
+    "--capture, or files vLLM, speculators or SpecForge wrote)",
 }
 
 
@@ -44,10 +47,10 @@ def sci(x: float | None) -> Cell:
 
 def estimate(e: dict | None, digits: int) -> Cell:
     """``value [lo, hi]`` of an eval-drift Estimate; a missing bound (one block) shows the value."""
-    return Cell("n/a", e) if e is None else _interval(e, f".{digits}f")
+    return Cell("n/a", e) if e is None else interval(e, f".{digits}f")
 
 
-def _interval(e: dict, spec: str) -> Cell:
+def interval(e: dict, spec: str) -> Cell:
     """:func:`estimate` of a present estimate, each number written with format ``spec``."""
     if e.get("value") is None:
         return Cell("n/a", e)
@@ -239,10 +242,10 @@ def _divergence_rows() -> list[tuple[str, RowOf]]:
     """KL both ways, the confidence head's metrics and the weight SNR."""
     p, snr = DIGITS["proportion"], DIGITS["snr"]
     return [
-        ("KL(ref‖var) mean [95% CI]", lambda r: _interval(r["metrics"]["kl"]["mean"], ".2e")),
+        ("KL(ref‖var) mean [95% CI]", lambda r: interval(r["metrics"]["kl"]["mean"], ".2e")),
         ("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"])),
         ("reverse KL(var‖ref) mean [95% CI]",
-         lambda r: _interval(r["metrics"]["reverse_kl"]["mean"], ".2e")),
+         lambda r: interval(r["metrics"]["reverse_kl"]["mean"], ".2e")),
         ("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"])),
         (f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
          lambda r: estimate(r["metrics"]["confidence_r"], p)),

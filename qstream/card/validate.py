@@ -25,6 +25,7 @@ BOUNDED = {
     "seq_agree": _PROPORTION,  # rollouts' token k equal
     "prefix_agree": _PROPORTION,  # rollouts' tokens 1..k all equal
     "prefix_accept": _PROPORTION,  # acceptance rate of drafted position k (docs/acceptance.md)
+    "accepted_at_least": _PROPORTION,  # qstream speculate: verifications accepting >= k
     "confidence_r": (-1.0, 1.0),  # Pearson r
 }
 ESTIMATE_KEYS = ("value", "lo", "hi")

@@ -26,6 +26,13 @@ from qstream.progress import step
 )
 @option("base", metavar="DIR", help="The unquantized checkpoint the others were made from.")
 @option(
+    "speculate",
+    metavar="FILE",
+    type=click.Path(dir_okay=False),
+    help="qstream speculate --json results of the same draft: the card shows the acceptance "
+    "measured with the target in the loop beside what eval-drift predicted.",
+)
+@option(
     "output",
     required=True,
     metavar="PATH",
@@ -52,7 +59,16 @@ from qstream.progress import step
     "wrote is replaced without asking).",
 )
 def card(
-    results, checkpoint, no_integrity_check, base, output, fmt, regime, no_figures, overwrite
+    results,
+    checkpoint,
+    no_integrity_check,
+    base,
+    speculate,
+    output,
+    fmt,
+    regime,
+    no_figures,
+    overwrite,
 ) -> None:
     """Write model-card tables and figures from eval-drift results.
 
@@ -82,6 +98,7 @@ def card(
             figures=not no_figures,
             overwrite=overwrite,
             integrity_check=not no_integrity_check,
+            speculate=speculate,
         )
     for line in card_doc.missing:
         click.echo(f"missing: {line}", err=True)

@@ -105,7 +105,11 @@ def evaluate_drift(
     for regime in settings.regimes:
         results["regimes"][regime] = _with_sweep(run(regime, corpus, plan), buckets, batched)
     if states is not None and states_plan is not None:
-        results["states"] = {**states.identity(), "anchors": states_plan.to_json()}
+        anchors = states_plan.to_json()
+        if settings.states_anchors is not None:  # named blocks, not drawn ones
+            path = Path(settings.states_anchors)
+            anchors.update(file=str(path), file_sha256=sha256_file(path))
+        results["states"] = {**states.identity(), "anchors": anchors}
         results["regimes"][STATES_REGIME] = evaluate_regime(run(STATES_REGIME, states, states_plan))
     if settings.verification.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS

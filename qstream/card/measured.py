@@ -1,0 +1,224 @@
+"""The card's measured acceptance: ``qstream speculate`` results (the target in the loop,
+docs/speculate.md) beside what eval-drift predicted from the same draft (docs/card.md,
+"Measured acceptance"; the study behind it is docs/calibration.md).
+
+>>> spec = read_speculate(Path("speculate.json"), rs)    # refused if another draft's
+>>> sections = measured_sections(spec, rs, figure)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qstream.card.document import Cell, Section, Table
+from qstream.card.results import ResultsSet
+from qstream.card.tables import DIGITS, estimate, interval, regime_order
+from qstream.card.validate import check_numbers
+from qstream.checkpoint.files import read_json
+from qstream.errors import QStreamError
+from qstream.eval.vocabulary import FLOOR
+
+SPECULATE_SCHEMA = "qstream.speculate/1"
+STATES = "states"  # eval-drift's regime on captured target states
+CALIBRATION_CAPTION = (
+    "What each format loses against bf16, in tokens: measured with the target in the loop "
+    "(`qstream speculate`, 95% interval paired over prompts), simulated by eval-drift against "
+    "the target on its captured states, and the greedy ceiling's gap against the FP32 reference "
+    "draft in each aux regime (drafted tokens matched, not accepted). Points above the measured "
+    "interval overstate what the format costs."
+)
+
+
+def read_speculate(path: Path, rs: ResultsSet) -> dict:
+    """``qstream speculate --json`` results of the draft ``rs`` describes, with publishable
+    numbers; QStreamError naming the file otherwise."""
+    data = read_json(path, "speculate results")
+    if not isinstance(data, dict) or data.get("schema") != SPECULATE_SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise QStreamError(
+            f"{path}: not speculate results (schema {found!r}, expected {SPECULATE_SCHEMA!r})"
+        )
+    try:
+        draft_sha = data["provenance"]["draft"]["config_sha256"]
+        for name, entry in data["variants"].items():
+            entry["summary"]["mean_acceptance_length"]["value"]
+        data["settings"]["rule"]
+    except (KeyError, TypeError) as exc:
+        raise QStreamError(f"{path}: speculate results lack {exc}") from None
+    model_sha = rs.model.get("config_sha256")
+    if draft_sha != model_sha:
+        raise QStreamError(
+            f"{path}: speculate results of another draft (config sha256 {draft_sha}; the "
+            f"eval-drift results' is {model_sha})"
+        )
+    check_numbers({"variants": data["variants"]}, str(path))
+    return data
+
+
+def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
+    """The measured acceptance, then (greedy verification) the calibration against eval-drift;
+    ``figure(name, alt, caption)`` gives the figure parts (none without figures)."""
+    s = spec["settings"]
+    block = spec["provenance"]["draft"]["block_size"]
+    summaries = {name: v["summary"] for name, v in spec["variants"].items()}
+    prompts = next(iter(summaries.values()))["prompts"]
+    target = spec["provenance"]["target"]
+    intro = (
+        f"`qstream speculate` decoded the first {prompts} prompts of "
+        f"`{spec['provenance']['corpus']['name']}`, {s['new_tokens']} new tokens each, with the "
+        f"target `{target['path']}` ({target['model_type']}, {s['target_dtype']}) verifying "
+        f"every block by its own forward under {s['rule']} verification as vLLM 0.32.0 runs it "
+        "(docs/speculate.md). Tokens per verification are the accepted drafts plus the bonus or "
+        f"correction token (1..{block + 1}); intervals are 95% over prompts, the independent "
+        "units."
+    )
+    parts: list[Any] = [intro, measured_table(spec), shares_table(spec)]
+    sections = [Section("Acceptance with the target in the loop (measured)", parts)]
+    if s["rule"] != "greedy":
+        return sections
+    sections.append(
+        Section(
+            "Does drift predict the acceptance a format loses?",
+            [
+                "The same draft's formats, three ways: the acceptance each loses against bf16 "
+                "as measured above; as eval-drift simulated it against the target on captured "
+                "target states (regime states; uniformly drawn anchors, which a decoder does "
+                "not visit uniformly: docs/calibration.md); and the greedy ceiling's gap, "
+                "against the FP32 reference draft, in each aux regime. Losses are bf16's value "
+                "minus the variant's: positive is worse.",
+                calibration_table(spec, rs),
+                *figure(
+                    "calibration.png",
+                    "acceptance lost against bf16: measured, simulated and ceiling gaps",
+                    CALIBRATION_CAPTION,
+                ),
+            ],
+        )
+    )
+    return sections
+
+
+def measured_table(spec: dict) -> Table:
+    d = DIGITS["ceiling"]
+    rows = []
+    for name, v in spec["variants"].items():
+        x = v["summary"]
+        loss = x.get("loss_vs_bf16")
+        rows.append(
+            [
+                Cell(name),
+                Cell(v.get("kind", "")),
+                estimate(x["mean_acceptance_length"], d),
+                Cell("n/a") if loss is None else interval(loss, "+.3f"),
+                estimate(x["tokens_per_target_forward"], d),
+                Cell(str(x["verifications"]), x["verifications"]),
+            ]
+        )
+    return Table(
+        "Measured acceptance per variant (the loss against bf16 is paired over the same "
+        "prompts, as `qstream speculate` reports it)",
+        [
+            "variant",
+            "kind",
+            "tokens per verification",
+            "loss vs bf16",
+            "tokens per target forward",
+            "verifications",
+        ],  # fmt: skip
+        rows,
+        "measured_acceptance",
+        align="llrrrr",
+    )
+
+
+def shares_table(spec: dict) -> Table:
+    block = spec["provenance"]["draft"]["block_size"]
+    names = list(spec["variants"])
+    d = DIGITS["proportion"]
+    rows = []
+    for k in range(1, block + 1):
+        row = [Cell(str(k), k)]
+        for name in names:
+            e = spec["variants"][name]["summary"]["accepted_at_least"][k - 1]
+            row.append(Cell(f"{e['value']:.{d}f}", e["value"]))
+        rows.append(row)
+    return Table(
+        "Share of verifications accepting at least k drafted tokens (measured)",
+        ["k", *names],
+        rows,
+        "measured_accepted_at_least",
+    )
+
+
+def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
+    """Per speculate variant other than bf16: its measured loss (an estimate), eval-drift's
+    simulated loss on captured states and each regime's ceiling gap (differences of two
+    results numbers; None where either is missing)."""
+    sim = _simulated(rs)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, v in spec["variants"].items():
+        if name == FLOOR:
+            continue
+        rows[name] = {
+            "measured": v["summary"].get("loss_vs_bf16"),
+            "simulated": _gap(sim.get(FLOOR), sim.get(name)),
+            "ceiling": {
+                r: _gap(_ceiling(rs, r, FLOOR), _ceiling(rs, r, name)) for r in regime_order(rs)
+            },  # fmt: skip
+        }
+    return rows
+
+
+def calibration_table(spec: dict, rs: ResultsSet) -> Table:
+    regimes = regime_order(rs)
+    rows = []
+    for name, r in calibration_rows(spec, rs).items():
+        rows.append(
+            [
+                Cell(name),
+                Cell("n/a") if r["measured"] is None else interval(r["measured"], "+.3f"),
+                _difference(r["simulated"]),
+                *(_difference(r["ceiling"][g]) for g in regimes),
+            ]
+        )
+    return Table(
+        "Acceptance lost against bf16 (tokens; positive is worse): measured, eval-drift's "
+        "simulation against the target (regime states), and the greedy ceiling's gap per "
+        "regime. The simulated and ceiling columns are differences of two numbers of the "
+        "eval-drift results; n/a where the results lack one",
+        [
+            "variant",
+            "measured loss",
+            "simulated loss (states)",
+            *(f"ceiling gap, {g}" for g in regimes),
+        ],  # fmt: skip
+        rows,
+        "calibration",
+    )
+
+
+def _simulated(rs: ResultsSet) -> dict[str, dict]:
+    """eval-drift's greedy acceptance against the target on captured states, per variant."""
+    out = {}
+    for name, result in rs.regimes.get(STATES, {}).items():
+        target = (result.get("acceptance") or {}).get("target")
+        if target and "greedy" in target:
+            out[name] = target["greedy"]["emitted"]
+    return out
+
+
+def _ceiling(rs: ResultsSet, regime: str, variant: str) -> dict | None:
+    result = rs.regimes.get(regime, {}).get(variant)
+    return None if result is None else result["metrics"]["rollouts"]["greedy"]["ceiling"]
+
+
+def _gap(base: dict | None, other: dict | None) -> dict | None:
+    """bf16's value minus the variant's, a plain difference (no interval)."""
+    if base is None or other is None:
+        return None
+    return {"value": base["value"] - other["value"], "lo": None, "hi": None}
+
+
+def _difference(e: dict | None) -> Cell:
+    return Cell("n/a") if e is None else Cell(f"{e['value']:+.3f}", e["value"])
