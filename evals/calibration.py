@@ -3,7 +3,8 @@ and eval-drift's simulated acceptance, predict the acceptance a format loses whe
 itself verifies every block?  Run on the trained pair shipped in examples/gsm8k-pair/.
 
     python evals/calibration.py [--pair examples/gsm8k-pair] [--prompts 32] [--new-tokens 128] \
-        [--blocks 1024] --out calibration/ [--doc docs/calibration.md]
+        [--blocks 1024] --out calibration/ [--doc docs/calibration.md] \
+        [--card examples/card_gsm8k_pair]
 
 Every number comes from the qstream commands it runs (each is printed before it runs):
 
@@ -13,13 +14,16 @@ Every number comes from the qstream commands it runs (each is printed before it 
    decoded streams' states with every variant's visited anchors.
 3. ``qstream eval-drift --states-anchors`` per variant: eval-drift at the anchors its decoder
    visited (there it must agree with step 2: the same blocks).
-4. ``qstream eval-drift --regime all --states --acceptance`` at uniformly drawn anchors: the
-   drift ceilings in gauss, heavy and on the target's real states, and the simulated
-   acceptance against the target (boot needs a draft with as many layers as aux layers).
+4. ``qstream eval-drift --acceptance`` at uniformly drawn anchors: the drift ceilings in the
+   gauss, heavy and boot regimes (``--regime all``), and on the target's real states, with
+   the simulated acceptance against the target, at anchors over every position of the
+   streams (eval-drift's default) and over their decoded part only.
+5. ``qstream card`` from those results, the checkpoints and step 2's measured acceptance.
 
 It writes OUT/*.json, OUT/calibration.png and, with --doc, the tables into that markdown file
 between its ``<!-- calibration:begin -->`` and ``<!-- calibration:end -->`` markers and the
-figure beside it (docs/calibration.png).
+figure beside it (docs/calibration.png); with --card, the model card into that directory
+(CARD.md and CARD_files/).
 """
 
 from __future__ import annotations
@@ -27,15 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 FORMATS = ("fp8", "mxfp4", "nvfp4")
-# boot stands the draft's own layers in for the target's aux layers, which needs as many draft
-# layers as aux layers; the shipped draft has 2 for 5 (eval-drift refuses it: docs/calibration.md)
-REGIMES = ("gauss", "heavy", "states")
+# the ceiling's regimes; "states" is taken at anchors in the decoded text, as the card shows it
+REGIMES = ("gauss", "heavy", "boot", "states")
 BEGIN, END = "<!-- calibration:begin -->", "<!-- calibration:end -->"
 
 
@@ -53,11 +57,13 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--doc", type=Path, default=None)
+    ap.add_argument("--card", type=Path, default=None, help="directory for the model card")
     args = ap.parse_args()
     target, draft, out = args.pair / "target", args.pair / "draft", args.out
-    if out.exists() and any(out.iterdir()):
-        print(f"Error: {out} exists and is not empty", file=sys.stderr)
-        return 2
+    for directory in (out, args.card):
+        if directory is not None and directory.exists() and any(directory.iterdir()):
+            print(f"Error: {directory} exists and is not empty", file=sys.stderr)
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
     for fmt in FORMATS:
@@ -81,14 +87,25 @@ def main() -> int:
         "bf16," + ",".join(FORMATS),
         *(x for v in readback for x in ("--variant", v)),
     ]
-    for regime in ("gauss", "heavy"):  # the states regime runs with the first
-        states = ["--states", str(out / "capture")] if regime == "gauss" else []
-        qstream("eval-drift", *common, *tokenizer, *states, "--regime", regime, *variants,
-                "--acceptance", "--blocks", str(args.blocks), "--json", str(out / f"uniform-{regime}.json"))  # fmt: skip
+    blocks = ["--acceptance", "--blocks", str(args.blocks)]
+    qstream("eval-drift", *common, *tokenizer, "--regime", "all", *variants, *blocks,
+            "--json", str(out / "uniform-synthetic.json"))  # fmt: skip
+    qstream("eval-drift", *common, *tokenizer, "--states", str(out / "capture"), *variants,
+            *blocks, "--json", str(out / "uniform-states.json"))  # fmt: skip
     continuation_anchors(out, args.blocks)
     qstream("eval-drift", *common, *tokenizer, "--states", str(out / "capture"), "--states-anchors",
             str(out / "anchors-continuation.json"), *variants, "--acceptance",
             "--json", str(out / "uniform-continuation.json"))  # fmt: skip
+    if args.card is not None:  # the card's inputs are kept beside it (tests/test_example_cards.py)
+        card = args.card
+        card.mkdir(parents=True, exist_ok=True)
+        for source, name in (("uniform-synthetic", "results-synthetic"),
+                             ("uniform-continuation", "results-states"), ("speculate", "speculate")):  # fmt: skip
+            shutil.copyfile(out / f"{source}.json", card / f"{name}.json")
+        qstream("card", str(card / "results-synthetic.json"), str(card / "results-states.json"),
+                *(x for fmt in FORMATS for x in ("--checkpoint", str(out / f"draft-{fmt}"))),
+                "--base", str(draft), "--speculate", str(card / "speculate.json"),
+                "--output", str(card / "CARD.md"))  # fmt: skip
     table = study(out, names)
     table["seconds"] = round(time.perf_counter() - clock, 1)
     (out / "calibration.json").write_text(json.dumps(table, indent=2) + "\n")
@@ -117,27 +134,6 @@ def continuation_anchors(out: Path, blocks: int, seed: int = 0) -> None:
     (out / "anchors-continuation.json").write_text(text + "\n")
 
 
-def paired_loss(spec: dict, name: str, draws: int = 2000, seed: int = 0) -> dict:
-    """bf16's mean acceptance length minus ``name``'s, with a 95% bootstrap interval over
-    prompts, resampled in pairs (every variant decodes the same prompts)."""
-    import random
-
-    def ratio(runs, idx):
-        emitted = sum(a + 1 for i in idx for a in runs[i]["accepted"])
-        return emitted / sum(len(runs[i]["accepted"]) for i in idx)
-
-    base, other = spec["runs"]["bf16"], spec["runs"][name]
-    n = len(base)
-    every = list(range(n))
-    rng = random.Random(seed)
-    boot = sorted(
-        ratio(base, idx) - ratio(other, idx)
-        for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(draws))
-    )
-    value = ratio(base, every) - ratio(other, every)
-    return {"value": value, "lo": boot[int(0.025 * draws)], "hi": boot[int(0.975 * draws) - 1]}
-
-
 def _est(entry: dict) -> dict:
     return {k: entry[k] for k in ("value", "lo", "hi")}
 
@@ -147,9 +143,10 @@ def study(out: Path, names: list[str]) -> dict:
     uniform anchors (simulated against the target), and each regime's drift ceiling."""
     spec = json.loads((out / "speculate.json").read_text())
     uniform = {}
-    for regime in ("gauss", "heavy"):
-        uniform.update(json.loads((out / f"uniform-{regime}.json").read_text())["regimes"])
+    for part in ("synthetic", "states"):
+        uniform.update(json.loads((out / f"uniform-{part}.json").read_text())["regimes"])
     continuation = json.loads((out / "uniform-continuation.json").read_text())["regimes"]["states"]
+    ceilings = {**{r: uniform[r] for r in REGIMES if r != "states"}, "states": continuation}
     rows = {}
     for name in names:
         measured = spec["variants"][name]["summary"]
@@ -164,10 +161,10 @@ def study(out: Path, names: list[str]) -> dict:
             "continuation": _est(
                 continuation["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]
             ),
-            "measured_loss": paired_loss(spec, name),
+            "measured_loss": _est(measured["loss_vs_bf16"]),
             "ceiling": {
-                r: _est(uniform[r]["variants"][name]["metrics"]["rollouts"]["greedy"]["ceiling"])
-                for r in REGIMES
+                r: _est(block["variants"][name]["metrics"]["rollouts"]["greedy"]["ceiling"])
+                for r, block in ceilings.items()
             },  # fmt: skip
         }
     return {
@@ -185,7 +182,8 @@ def markdown(table: dict, args) -> str:
     rows = table["variants"]
     lines = [
         f"Measured by `python evals/calibration.py --prompts {args.prompts} --new-tokens "
-        f"{args.new_tokens} --blocks {args.blocks}` in {table['seconds']:.0f} s (two CPU cores).",
+        f"{args.new_tokens} --blocks {args.blocks}` in {table['seconds']:.0f} s (two CPU cores, "
+        f"{time.strftime('%Y-%m-%d')}).",
         "",
         "**Acceptance, tokens per verification (≤ 8), greedy verification, 95% intervals.**",
         "",
@@ -202,7 +200,7 @@ def markdown(table: dict, args) -> str:
         "acceptance each format loses against bf16.**",
         "",
         "| variant | "
-        + " | ".join(REGIMES)
+        + " | ".join("states (decoded text)" if g == "states" else g for g in REGIMES)
         + " | measured loss vs bf16 (paired) | eval-drift's loss vs bf16, decoded text |",
         "|---|" + "---|" * (len(REGIMES) + 2),
     ]
