@@ -313,6 +313,7 @@ def test_the_card_puts_measured_acceptance_beside_what_eval_drift_predicted(pair
     cli_ok(["card", str(drift), "--speculate", str(spec), "--output", str(md)])
     text = md.read_text()
     assert "## Acceptance with the target in the loop (measured)" in text
+    assert "comes from `qstream speculate` results of the same draft" in text
     assert (
         "(card_files/calibration.png)" in text
         and (tmp_path / "card_files" / "calibration.png").is_file()

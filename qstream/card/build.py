@@ -121,7 +121,7 @@ def build_card(
     def figure(name: str, alt: str, caption: str) -> list[Figure]:
         return [] if figures_dir is None else [Figure(f"{figures_dir}/{name}", alt, caption)]
 
-    sections = _intro_sections(rs, missing)
+    sections = _intro_sections(rs, missing, speculate)
     sections += _checkpoint_sections(checkpoints, base, integrity_check)
     if speculate is not None:  # measured acceptance is what the rest predicts: it leads
         sections += measured_sections(speculate, rs, figure)
@@ -140,8 +140,18 @@ def build_card(
     return Card(title, sections, missing)
 
 
-def _intro_sections(rs: ResultsSet, missing: list[str]) -> list[Section]:
+def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) -> list[Section]:
     """What the numbers are, and what the results set lacks."""
+    measured = (
+        []
+        if speculate is None
+        else [
+            "The acceptance measured with the target in the loop comes from `qstream speculate` "
+            f"results of the same draft ({speculate['settings']['rule']} verification by "
+            f"`{speculate['provenance']['target']['path']}`), copied as they stand; the losses "
+            "it is compared with are differences of two eval-drift numbers."
+        ]
+    )
     n_files = len({path for paths in rs.sources.values() for path in paths})
     sections = [
         Section(
@@ -160,6 +170,7 @@ def _intro_sections(rs: ResultsSet, missing: list[str]) -> list[Section]:
                 "head, which vLLM 0.32 runs in fp32 to size adaptive verification. Every number is "
                 "copied from the results JSON or the checkpoint directories; gaps to bf16 are "
                 "differences of two numbers shown beside them.",
+                *measured,
                 *foreign_note(rs),
             ],
         )
