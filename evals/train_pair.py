@@ -209,8 +209,19 @@ def train_target(model, docs: list[list[int]], epochs: int, seed: int) -> list[f
             if step % 20 == 0:
                 print(f"target epoch {epoch} step {step}/{total} loss {loss:.3f}", flush=True)
     model.eval()
-    return [round(sum(losses[i : i + 50]) / len(losses[i : i + 50]), 4)
-            for i in range(0, len(losses), 50)]  # fmt: skip
+    return window_means(losses, 50)
+
+
+def window_means(losses: list[float], window: int) -> list[float]:
+    """The mean loss of each run of ``window`` steps (the last one may be shorter), as
+    train.json records the training curves."""
+    return [round(sum(losses[i : i + window]) / len(losses[i : i + window]), 4)
+            for i in range(0, len(losses), window)]  # fmt: skip
+
+
+def as_float(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The target's captured states with its bf16 tensors upcast: the draft trains in fp32."""
+    return {k: (v.float() if v.dtype == torch.bfloat16 else v) for k, v in states.items()}
 
 
 def round_to_bf16(model) -> None:
@@ -327,18 +338,14 @@ def train_draft(
     draft.train()
     for epoch in range(epochs):
         for i in torch.randperm(len(cache), generator=gen).tolist():
-            batch = {
-                k: (v.float() if v.dtype == torch.bfloat16 else v) for k, v in cache[i].items()
-            }
-            _, loss, _ = draft(**batch, **loss_kwargs)
+            _, loss, _ = draft(**as_float(cache[i]), **loss_kwargs)
             update(opt, params, loss, 2e-3 * schedule(step, total, 100))
             losses.append(float(loss.detach()))
             step += 1
             if step % 200 == 0:
                 print(f"draft epoch {epoch} step {step}/{total} loss {loss:.4f}", flush=True)
     draft.eval()
-    return [round(sum(losses[i : i + 200]) / len(losses[i : i + 200]), 4)
-            for i in range(0, len(losses), 200)]  # fmt: skip
+    return window_means(losses, 200)
 
 
 def teacher_forced_top1(draft, target, docs: list[tuple[list[int], int]], seed: int) -> dict:
@@ -352,9 +359,7 @@ def teacher_forced_top1(draft, target, docs: list[tuple[list[int], int]], seed: 
     sums: dict[str, float] = {}
     with torch.no_grad():
         for rows in packs(docs, PACK, torch.Generator().manual_seed(seed + 3)):
-            batch = {k: (v.float() if v.dtype == torch.bfloat16 else v)
-                     for k, v in target_states(target, rows).items()}  # fmt: skip
-            _, _, metrics = draft(**batch, **loss_kwargs)
+            _, _, metrics = draft(**as_float(target_states(target, rows)), **loss_kwargs)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
     ratio = lambda name: round(sums[f"{name}_sum"] / sums[f"{name}_total"], 4)  # noqa: E731

@@ -13,7 +13,7 @@ from typing import Any
 
 from qstream.card.document import Cell, Section, Table
 from qstream.card.results import ResultsSet
-from qstream.card.tables import DIGITS, estimate, interval, regime_order
+from qstream.card.tables import DIGITS, estimate, interval, metrics, regime_order
 from qstream.card.validate import check_numbers
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
@@ -39,11 +39,10 @@ def read_speculate(path: Path, rs: ResultsSet) -> dict:
         raise QStreamError(
             f"{path}: not speculate results (schema {found!r}, expected {SPECULATE_SCHEMA!r})"
         )
-    try:
+    try:  # what the card reads before anything else: the draft, the rule, every summary
         draft_sha = data["provenance"]["draft"]["config_sha256"]
-        for name, entry in data["variants"].items():
-            entry["summary"]["mean_acceptance_length"]["value"]
         data["settings"]["rule"]
+        [v["summary"]["mean_acceptance_length"] for v in data["variants"].values()]
     except (KeyError, TypeError) as exc:
         raise QStreamError(f"{path}: speculate results lack {exc}") from None
     model_sha = rs.model.get("config_sha256")
@@ -125,7 +124,7 @@ def measured_table(spec: dict) -> Table:
             "loss vs bf16",
             "tokens per target forward",
             "verifications",
-        ],  # fmt: skip
+        ],
         rows,
         "measured_acceptance",
         align="llrrrr",
@@ -165,7 +164,7 @@ def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
             "simulated": _gap(sim.get(FLOOR), sim.get(name)),
             "ceiling": {
                 r: _gap(_ceiling(rs, r, FLOOR), _ceiling(rs, r, name)) for r in regime_order(rs)
-            },  # fmt: skip
+            },
         }
     return rows
 
@@ -192,7 +191,7 @@ def calibration_table(spec: dict, rs: ResultsSet) -> Table:
             "measured loss",
             "simulated loss (states)",
             *(f"ceiling gap, {g}" for g in regimes),
-        ],  # fmt: skip
+        ],
         rows,
         "calibration",
     )
@@ -209,8 +208,8 @@ def _simulated(rs: ResultsSet) -> dict[str, dict]:
 
 
 def _ceiling(rs: ResultsSet, regime: str, variant: str) -> dict | None:
-    result = rs.regimes.get(regime, {}).get(variant)
-    return None if result is None else result["metrics"]["rollouts"]["greedy"]["ceiling"]
+    m = metrics(rs, regime, variant)
+    return None if m is None else m["rollouts"]["greedy"]["ceiling"]
 
 
 def _gap(base: dict | None, other: dict | None) -> dict | None:

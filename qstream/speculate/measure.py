@@ -66,10 +66,9 @@ def summarise(runs: list[Decoded], block_size: int) -> dict:
     """JSON-ready: ``mean_acceptance_length`` (1..B+1), ``accepted_at_least`` (k = 1..B),
     ``tokens_per_target_forward`` (the prefill included) and the counts."""
     steps = [torch.tensor(r.accepted, dtype=torch.float64) for r in runs]
-    n_steps = torch.tensor([float(len(s)) for s in steps], dtype=torch.float64)
+    emitted, n_steps = _emitted_per_verification(runs)
     if not bool((n_steps > 0).all()):
         raise ValueError("every prompt needs at least one verification (more new tokens)")
-    emitted = torch.stack([(s + 1).sum() for s in steps])
     forwards = torch.tensor([float(r.forwards) for r in runs], dtype=torch.float64)
     tokens = torch.tensor([float(len(r.tokens)) for r in runs], dtype=torch.float64)
     width = int(n_steps.max())
@@ -91,13 +90,7 @@ def summarise(runs: list[Decoded], block_size: int) -> dict:
 def ratio_estimate(y: torch.Tensor, m: torch.Tensor) -> Estimate:
     """``sum(y) / sum(m)`` over independent units i (y_i, m_i > 0), with a Student-t 95%
     interval from the ratio estimator's linearised variance."""
-    n, r = y.numel(), float(y.sum() / m.sum())
-    if n < 2:
-        return Estimate(r, math.nan, math.nan, n)
-    m_bar = float(m.mean())
-    var = float(((y - r * m) ** 2).sum()) / (n * (n - 1) * m_bar**2)
-    half = float(stats.t.ppf(0.975, n - 1)) * math.sqrt(var)
-    return Estimate(r, r - half, r + half, n)
+    return _t_interval(*_influence(y, m))
 
 
 def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
@@ -107,20 +100,28 @@ def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
     share: a hard prompt is hard for both)."""
     if len(base) != len(runs):
         raise ValueError(f"paired over the same prompts: {len(base)} and {len(runs)} runs")
+    r_base, z_base = _influence(*_emitted_per_verification(base))
+    r_runs, z_runs = _influence(*_emitted_per_verification(runs))
+    return _t_interval(r_base - r_runs, z_base - z_runs)
 
-    def terms(decoded: list[Decoded]) -> tuple[float, torch.Tensor]:
-        y = torch.tensor([float(sum(a + 1 for a in r.accepted)) for r in decoded],
-                         dtype=torch.float64)  # fmt: skip
-        m = torch.tensor([float(len(r.accepted)) for r in decoded], dtype=torch.float64)
-        r = float(y.sum() / m.sum())
-        return r, (y - r * m) / float(m.mean())  # the ratio's influence per prompt
 
-    (r_base, z_base), (r_runs, z_runs) = terms(base), terms(runs)
-    n, diff = len(base), r_base - r_runs
+def _emitted_per_verification(runs: list[Decoded]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per prompt, in float64: tokens its verifications emitted (accepted + 1 each), and how many."""
+    y = [float(sum(a + 1 for a in r.accepted)) for r in runs]
+    m = [float(len(r.accepted)) for r in runs]
+    return torch.tensor(y, dtype=torch.float64), torch.tensor(m, dtype=torch.float64)
+
+
+def _influence(y: torch.Tensor, m: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """r = ``sum(y) / sum(m)`` and each unit's zero-mean influence (y_i - r m_i) / mean(m)."""
+    r = float(y.sum() / m.sum())
+    return r, (y - r * m) / float(m.mean())
+
+
+def _t_interval(value: float, z: torch.Tensor) -> Estimate:
+    """``value`` with a Student-t 95% interval from zero-mean influences ``z`` of n units."""
+    n = z.numel()
     if n < 2:
-        return Estimate(diff, math.nan, math.nan, n)
-    z = z_base - z_runs
-    half = float(stats.t.ppf(0.975, n - 1)) * math.sqrt(
-        float(((z - z.mean()) ** 2).sum()) / (n * (n - 1))
-    )
-    return Estimate(diff, diff - half, diff + half, n)
+        return Estimate(value, math.nan, math.nan, n)
+    half = float(stats.t.ppf(0.975, n - 1)) * math.sqrt(float((z**2).sum()) / (n * (n - 1)))
+    return Estimate(value, value - half, value + half, n)
