@@ -11,6 +11,7 @@ import torch
 TARGET_TOP1 = 0.55  # the real U is not iid: measured top-1 on GSM8K lands ~0.07 above this
 CALIBRATION_SAMPLES = 4096  # corpus transitions used to set the Markov scale (+-0.01 top-1)
 BIGRAM_FLOOR = 0.03  # best rank-16 top-1 accuracy on GSM8K among 1e-4 .. 0.1 (12.8%)
+DEGENERATE = 1e-9  # singular values closer than this (relative to the largest) are one eigenspace
 U_STD = 1.5  # nats: per-vocab spread of the network logits U (as synth's lm_head gives it)
 
 
@@ -24,7 +25,7 @@ def bigram_logprobs(streams: list[list[int]], vocab: int) -> tuple[torch.Tensor,
     unigram = torch.bincount(torch.cat(seqs), minlength=vocab).double()
     p_uni = (unigram + 0.5) / (unigram.sum() + 0.5 * vocab)
     p = (counts + p_uni) / (counts.sum(1, keepdim=True) + 1.0)
-    return p.clamp(min=BIGRAM_FLOOR).log().float(), counts.sum(1).float()
+    return p.clamp(min=BIGRAM_FLOOR).log(), counts.sum(1)
 
 
 def markov_tables(
@@ -41,19 +42,53 @@ def markov_tables(
     col_mean = (centred * weight).sum(0) / weight.sum()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        u, s, v = torch.svd_lowrank(
+        u, s, v = torch.svd_lowrank(  # float64: the same factors on every CPU (synth/draft.py)
             (centred - col_mean) * weight.sqrt(), q=min(rank - 1 + 16, vt), niter=6
         )
+    u, v = _canonical(u, s, v)
     root = s[: rank - 1].sqrt()
     gen = torch.Generator().manual_seed(seed + 17)
-    w1 = torch.randn(vocab, rank, generator=gen) * 0.1
-    w2 = torch.randn(vocab, rank, generator=gen) * 0.1
+    w1 = torch.randn(vocab, rank, generator=gen, dtype=torch.float64) * 0.1
+    w2 = torch.randn(vocab, rank, generator=gen, dtype=torch.float64) * 0.1
     w1[:vt, : rank - 1] = u[:, : rank - 1] * root / weight.sqrt()
     w2[:vt, : rank - 1] = v[:, : rank - 1] * root
     w1[:, rank - 1] = 1.0
     w2[:vt, rank - 1] = col_mean
     w2[vt:, rank - 1] = -30.0  # padding ids are never predicted
     return w1, w2
+
+
+def _canonical(
+    u: torch.Tensor, s: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Singular vectors fixed by the matrix alone, not by the routine that found them.  Where
+    singular values repeat (GSM8K-like corpora give exact repeats: tokens seen in the same
+    contexts), any rotation of their vectors is as good, and which one LAPACK returns follows the
+    thread count; each such eigenspace is rotated onto the eigenvectors of a fixed generic
+    operator, diag(0..n-1), restricted to it.  Every sign is then set by a fixed generic vector
+    (never by the largest entry: structured vectors such as (e_a - e_b)/sqrt(2) tie)."""
+    u, v = u.clone(), v.clone()
+    n, k = u.shape
+    ramp = torch.arange(n, dtype=u.dtype)[:, None]  # [n, 1]
+    start = 0
+    while start < k:
+        end = start + 1
+        while end < k and float(s[end - 1] - s[end]) <= DEGENERATE * float(s[0]):
+            end += 1
+        if end - start > 1:
+            block = u[:, start:end]  # [n, m]
+            _, w = torch.linalg.eigh(block.T @ (ramp * block))  # [m, m]
+            u[:, start:end], v[:, start:end] = block @ w, v[:, start:end] @ w
+        start = end
+    weights = torch.arange(1, n + 1, dtype=u.dtype)[:, None].sqrt()  # [n, 1]
+    sign = torch.where((u * weights).sum(0) < 0, -1.0, 1.0)
+    return _flush(u * sign), _flush(v * sign)
+
+
+def _flush(x: torch.Tensor) -> torch.Tensor:
+    """Entries that are zero in exact arithmetic (rows of tokens never seen) come out of the SVD
+    as 1e-13-sized noise, different on every CPU, which bf16 would keep; they become 0."""
+    return torch.where(x.abs() < DEGENERATE * x.abs().amax(0, keepdim=True), 0.0, x)
 
 
 def calibrate_markov_scale(
@@ -72,7 +107,7 @@ def calibrate_markov_scale(
     prev = torch.tensor([t for ids in streams for t in ids[:-1]], dtype=torch.int64)
     pick = torch.randint(0, prev.numel(), (min(CALIBRATION_SAMPLES, prev.numel()),), generator=gen)
     bias = w1[prev[pick]] @ w2[:tokenizer_vocab].T  # [n, V_tokenizer]
-    noise = torch.randn(bias.shape, generator=gen) * U_STD
+    noise = torch.randn(bias.shape, generator=gen, dtype=torch.float64) * U_STD
 
     def top1(alpha: float) -> float:
         return float(torch.softmax(alpha * bias + noise, -1).amax(-1).mean())

@@ -65,6 +65,15 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
 
 
+# Every random draw and every statistic is float64, rounded to bf16 only when written: float32
+# draws and reductions follow the CPU's instruction set and thread count (torch's float32
+# ``normal_`` has an AVX2-only kernel; BLAS and reductions split work by thread), and a 1-ulp
+# float32 difference moves about one bf16 value in 40,000.  In float64 the differences left are
+# ~1e-16 relative, which reach a bf16 rounding boundary about once in 1e13 values, so the bytes
+# are the same on every x86-64 machine (docs/model.md, "Synthetic checkpoint layout").
+F64 = torch.float64
+
+
 def _heavy(z: torch.Tensor, g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Fill z with a unit-variance Gaussian scale mixture ``z * exp(s g - s^2)`` (heavy-tailed),
     using g as scratch; reusing the two buffers keeps a k3 run free of page-fault churn."""
@@ -75,9 +84,9 @@ def _heavy(z: torch.Tensor, g: torch.Tensor, gen: torch.Generator) -> torch.Tens
 
 def _gains(n: int, gen: torch.Generator) -> torch.Tensor:
     """RMSNorm gains: lognormal around 1 with ~1% of channels x2..x4."""
-    gain = (torch.randn(n, generator=gen) * 0.15).exp()
-    big = torch.rand(n, generator=gen) < 0.01
-    return torch.where(big, gain * (2 + 2 * torch.rand(n, generator=gen)), gain)
+    gain = (torch.randn(n, generator=gen, dtype=F64) * 0.15).exp()
+    big = torch.rand(n, generator=gen, dtype=F64) < 0.01
+    return torch.where(big, gain * (2 + 2 * torch.rand(n, generator=gen, dtype=F64)), gain)
 
 
 class _LinearSource:
@@ -89,12 +98,12 @@ class _LinearSource:
         self.gen = _generator(seed, name)
         n_out, n_in = shape
         self.n_in, self.std = n_in, std
-        col = (torch.randn(n_in, generator=self.gen) * COL_SPREAD).exp()
+        col = (torch.randn(n_in, generator=self.gen, dtype=F64) * COL_SPREAD).exp()
         if any(name.startswith(m) or f".{m}." in name for m in outliers):
             k = max(2, round(OUTLIER_FRACTION * n_in))
             idx = torch.randperm(n_in, generator=self.gen)[:k]
             lo, hi = OUTLIER_GAIN
-            col[idx] *= lo + (hi - lo) * torch.rand(k, generator=self.gen)
+            col[idx] *= lo + (hi - lo) * torch.rand(k, generator=self.gen, dtype=F64)
         self.col = col / col.pow(2).mean().sqrt()  # keep the overall variance at std^2
         self._z: torch.Tensor | None = None
         self._g: torch.Tensor | None = None
@@ -102,8 +111,9 @@ class _LinearSource:
     def rows(self, count: int) -> torch.Tensor:
         """The next ``count`` rows (a view of a buffer reused by the next call)."""
         if self._z is None or self._g is None or self._z.shape[0] < count:
-            self._z, self._g = torch.empty(count, self.n_in), torch.empty(count, self.n_in)
-        row = (torch.randn(count, 1, generator=self.gen) * ROW_SPREAD).exp()
+            self._z = torch.empty(count, self.n_in, dtype=F64)
+            self._g = torch.empty(count, self.n_in, dtype=F64)
+        row = (torch.randn(count, 1, generator=self.gen, dtype=F64) * ROW_SPREAD).exp()
         z = _heavy(self._z[:count], self._g[:count], self.gen)
         return z.mul_(row * self.std).mul_(self.col)
 
@@ -146,16 +156,17 @@ def _small_tensors(
     if config.enable_confidence_head:
         gen = _generator(seed, "confidence_head")
         H, r = config.hidden_size, config.markov_rank
-        parts = [torch.randn(H, generator=gen) / math.sqrt(H)]
+        parts = [torch.randn(H, generator=gen, dtype=F64) / math.sqrt(H)]
         if config.confidence_head_with_markov:  # the Markov embedding's columns
-            parts.append(torch.randn(r, generator=gen) / (math.sqrt(r) * float(w1.std())))
+            std = float(w1.std())
+            parts.append(torch.randn(r, generator=gen, dtype=F64) / (math.sqrt(r) * std))
         out["confidence_head.proj.weight"] = (2.0 * torch.cat(parts))[None]  # [1, H (+ r)]
-        out["confidence_head.proj.bias"] = torch.zeros(1)
+        out["confidence_head.proj.bias"] = torch.zeros(1, dtype=F64)
     return out
 
 
 def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.Tensor]:
-    """The tensor's rows in chunks of about CHUNK_ELEMENTS, fp32."""
+    """The tensor's rows in chunks of about CHUNK_ELEMENTS, float64."""
     if name in plan.small:
         yield plan.small[name]
         return
