@@ -72,8 +72,8 @@ def exact_math() -> Iterator[None]:
 
 
 def describe_device(device: torch.device) -> dict:
-    """The results' ``compute`` block: device, its name, torch and CUDA versions, and the math
-    settings every pass ran under (:func:`exact_math`)."""
+    """The results' ``compute`` block: device, its name, torch and CUDA versions, threads, the
+    CPU kernels torch chose, and the math settings every pass ran under (:func:`exact_math`)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -86,5 +86,7 @@ def describe_device(device: torch.device) -> dict:
         "torch_version": torch.__version__.split("+")[0],
         "cuda_version": torch.version.cuda,
         "threads": torch.get_num_threads(),
+        # the kernels torch picked (AVX512, AVX2, DEFAULT): float results follow them
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "math": settings,
     }

@@ -78,6 +78,22 @@ def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
     ]
 
 
+def _computed_on(rs: ResultsSet, regimes: list[str]) -> str:
+    """Device, torch's CPU kernels and threads of every file: float results follow all three."""
+    seen = [c for r in regimes for c in rs.computed.get(r, {}).values()]
+    return "; ".join(dict.fromkeys(_compute_text(c) for c in seen)) or "not recorded"
+
+
+def _compute_text(compute: dict | None) -> str:
+    if not compute:
+        return "not recorded in the results"
+    where = f"{compute['device']} ({compute['device_name']})"
+    if compute["device"] != "cpu":
+        return where
+    kernels = compute.get("cpu_capability") or "not recorded"
+    return f"{where}, torch CPU kernels {kernels}, {compute['threads']} threads"
+
+
 def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
     """What it was measured on, and how: corpus, blocks, sampling, intervals, versions."""
     return [
@@ -111,6 +127,7 @@ def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
                 rs, regimes, lambda r: f"qstream {r['qstream_version']}, torch {r['torch_version']}"
             ),
         ),
+        ("computed on", _computed_on(rs, regimes)),
         (
             "results files",
             "; ".join(f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}" for r in regimes),

@@ -52,6 +52,7 @@ class ResultsSet:
     variants: dict[str, dict] = field(default_factory=dict)  # variant -> {"kind", "source"}
     sources: dict[str, list[str]] = field(default_factory=dict)  # regime -> files it came from
     sections: dict[str, dict] = field(default_factory=dict)  # regime -> {REGIME_SECTIONS key: data}
+    computed: dict[str, dict] = field(default_factory=dict)  # regime -> {file: its "compute"}
     # (file, dotted key) last read from the results, to name a missing or null key
     trail: list = field(default_factory=lambda: [None, None], repr=False, compare=False)
 
@@ -194,6 +195,7 @@ def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path
         variants[name] = result
     if path not in merged.sources[regime]:
         merged.sources[regime].append(path)
+    merged.computed.setdefault(regime, {})[path] = data.get("compute")
     for key in REGIME_SECTIONS:
         if key in block:
             merged.sections.setdefault(regime, {})[key] = block[key]
