@@ -14,7 +14,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -54,6 +54,19 @@ def check_parent(output: str | Path, option: str, what: str = "directory") -> No
         raise QStreamError(f"{option} {output}: {what} {parent} is not writable")
 
 
+def check_outside(output: str | Path, option: str, inputs: Mapping[str, str | Path]) -> None:
+    """Refuse ``output`` inside one of ``inputs`` (option -> directory), or containing one."""
+    out = Path(output).resolve()
+    for name, given in inputs.items():
+        source = Path(given).resolve()
+        if out == source or source in out.parents:
+            raise QStreamError(
+                f"{option} {output} is inside {name} {given}; the input is never modified"
+            )
+        if out in source.parents:
+            raise QStreamError(f"{option} {output} contains {name} {given}")
+
+
 def _empty_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
 
@@ -81,16 +94,27 @@ def listing(directory: Path, limit: int = 4) -> str:
 
 
 def remove_stale_partials(output: Path, notice: Callable[[str], None] | None = None) -> list[Path]:
-    """Remove ``.<output name>.qstream-partial-<pid>`` (and ``-old-``) directories beside
-    ``output`` whose process no longer exists."""
+    """Remove ``.<output name>.qstream-partial-<pid>`` (and ``-old-``) directories or files
+    beside ``output`` whose process no longer exists."""
+    return remove_stale_partials_in(output.parent, notice, output.name)
+
+
+def remove_stale_partials_in(
+    directory: Path, notice: Callable[[str], None] | None = None, name: str | None = None
+) -> list[Path]:
+    """Remove the partials in ``directory`` (of every name, or of ``name``) whose process no
+    longer exists: what SIGKILL left of a directory, or of a file written by :func:`write_atomic`."""
     removed: list[Path] = []
-    if not output.parent.is_dir():
+    if not directory.is_dir():
         return removed
-    for entry in output.parent.iterdir():
+    for entry in sorted(directory.iterdir()):
         m = _PARTIAL.match(entry.name)
-        if not m or m.group("name") != output.name or _alive(int(m.group("pid"))):
+        if not m or name not in (None, m.group("name")) or _alive(int(m.group("pid"))):
             continue
-        shutil.rmtree(entry, ignore_errors=True)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
         removed.append(entry)
         if notice is not None:
             notice(f"removed {entry}, left by an interrupted run (process {m.group('pid')})")
@@ -139,9 +163,16 @@ def publishing(
     existed = output.exists() and not _empty_dir(output)
     tmp = partial_dir(output, option)
     try:
-        with _terminate_as_interrupt():
+        with signals_as_interrupt():
             yield tmp
             _publish(tmp, output, existed, option)
+    except QStreamError as exc:  # a file that could not be written, named as it would be published
+        shutil.rmtree(tmp, ignore_errors=True)
+        if str(tmp) not in str(exc):
+            raise
+        raise QStreamError(
+            f"{str(exc).replace(str(tmp), str(output))}; nothing was written"
+        ) from exc
     except OSError as exc:  # disk full, permissions, I/O error: one line, nothing left
         shutil.rmtree(tmp, ignore_errors=True)
         where = exc.filename or tmp
@@ -185,7 +216,9 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
+def signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`Terminated` (a KeyboardInterrupt) while the block runs:
+    clean-up runs as for Ctrl-C, and click ends the command with ``Aborted!`` and exit 1."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -228,10 +261,15 @@ def write_atomic(path: str | Path, write: Callable[[Path], None], option: str = 
 
 def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
     """Write ``text`` to ``path`` whole or not at all (:func:`write_atomic`), synced to disk."""
+    write_bytes_atomic(path, text.encode("utf-8"), option)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes, option: str = "") -> None:
+    """Write ``data`` to ``path`` whole or not at all (:func:`write_atomic`), synced to disk."""
 
     def write(tmp: Path) -> None:
-        with open(tmp, "x", encoding="utf-8") as handle:
-            handle.write(text)
+        with open(tmp, "xb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
 

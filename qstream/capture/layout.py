@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors import safe_open
+from safetensors.torch import save
 
 from qstream.capture.hooks import LayerTap
 from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import RECORD, STREAM_NAMES, stream_file
-from qstream.publish import write_atomic, write_text_atomic
+from qstream.publish import write_bytes_atomic, write_text_atomic
 
 EXPORTS = ("qstream", "vllm")
 # Settings a resumed run must share with the run that started the directory: everything that
@@ -76,8 +77,8 @@ def write_batch(
 
 
 def _write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """One stream's file, whole or not at all."""
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    """One stream's file, whole or not at all (serialized here: a full disk is an OSError)."""
+    write_bytes_atomic(path, save(tensors, metadata=metadata))
 
 
 def write_record(output: Path, record: dict[str, Any]) -> None:
@@ -98,18 +99,15 @@ def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     when there is none yet."""
     path = output / RECORD
     if path.is_file():
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise QStreamError(f"{path}: cannot read ({exc})") from None
+        old = _read_record(path)
         for key in CHECKED:
-            was, now = _comparable(key, old.get(key)), _comparable(key, record.get(key))
+            was, now = _comparable(key, old[key]), _comparable(key, record.get(key))
             if was != now:
                 raise QStreamError(
                     f"--output {output} was captured with {key} = {json.dumps(was)}, this run "
                     f"has {json.dumps(now)}; use the same settings to resume, or another --output"
                 )
-        return old if isinstance(old, dict) else {}
+        return old
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(
             f"--output {output} exists and holds no {RECORD}; refusing to write into it"
@@ -117,6 +115,23 @@ def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     if not output.parent.is_dir():
         raise QStreamError(f"--output {output}: directory {output.parent} does not exist")
     return None
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    """A capture.json to resume: an object with every setting a run must match, and ``files``
+    (if any) a map of file name -> sha256."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise QStreamError(f"{path}: cannot read ({exc})") from None
+    if not isinstance(old, dict):
+        raise QStreamError(f"{path}: holds a JSON {type(old).__name__}, not a capture's record")
+    if missing := [key for key in CHECKED if key not in old]:
+        raise QStreamError(f"{path}: no {missing[0]!r}, a setting a resumed run must match")
+    files = old.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise QStreamError(f"{path}: 'files' is not a map of file name -> sha256")
+    return old
 
 
 def start_output(output: Path, record: dict[str, Any]) -> None:
@@ -128,18 +143,46 @@ def start_output(output: Path, record: dict[str, Any]) -> None:
     write_record(output, record)
 
 
-def present_files(output: Path, old: dict[str, Any] | None, export: str) -> dict[str, str]:
-    """``{file name: sha256}`` of the stream files already in ``output``: the digests the old
-    record holds, and those of files it lacks computed now (a capture from before qstream
-    recorded them, or a file written whole just before a run was killed)."""
-    recorded = (old or {}).get("files")
-    recorded = recorded if isinstance(recorded, dict) else {}
+def present_files(
+    output: Path, old: dict[str, Any] | None, export: str, expected: dict[str, dict[str, str]]
+) -> dict[str, str]:
+    """``{file name: sha256}`` of the stream files in ``output``: one the old record holds has
+    the sha256 it records; one it lacks (written whole just before a run was killed, or by a
+    qstream that did not record sha256s) is one of this run's streams with the metadata this
+    run writes (``expected``: name -> metadata).  Anything else is one line naming the file."""
+    recorded = (old or {}).get("files", {})
     present = {}
     for path in sorted(output.iterdir(), key=lambda p: _index(p.name, export)):
-        if _index(path.name, export) >= 0 and path.is_file():
-            digest = recorded.get(path.name)
-            present[path.name] = digest if isinstance(digest, str) else sha256_file(path)
+        if _index(path.name, export) < 0 or not path.is_file():
+            continue
+        digest, want = sha256_file(path), recorded.get(path.name)
+        if want is not None and digest != want:
+            raise QStreamError(
+                f"{path}: sha256 {digest[:12]}... differs from {want[:12]}... recorded in "
+                f"{output / RECORD} (changed since); move it out to capture it again"
+            )
+        if want is None or path.name in expected:
+            _check_stream(path, expected.get(path.name))
+        present[path.name] = digest
     return present
+
+
+def _check_stream(path: Path, meta: dict[str, str] | None) -> None:
+    """``path`` is a safetensors file with the metadata ``meta`` (None: not this run's)."""
+    if meta is None:
+        raise QStreamError(f"{path}: not in {RECORD} nor one of this run's streams; move it out")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            found = f.metadata() or {}
+    except Exception as exc:  # safetensors reports a bad header with its own exception types
+        raise QStreamError(
+            f"{path}: not a readable safetensors file ({exc}); move it out"
+        ) from None
+    if any(found.get(k) != v for k, v in meta.items()):
+        raise QStreamError(
+            f"{path}: its metadata says document {found.get('document')!r}, prompt_tokens "
+            f"{found.get('prompt_tokens')!r}, not this run's {meta}; move it out"
+        )
 
 
 def _index(name: str, export: str) -> int:

@@ -45,6 +45,7 @@ from qstream.capture.target import (
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import stream_file
+from qstream.publish import remove_stale_partials_in, stderr_notice
 
 
 @dataclass(frozen=True)
@@ -132,11 +133,13 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     record = _record(s, ids, docs, shape)
     output = Path(s.output)
     old = check_output(output, record)
+    remove_stale_partials_in(output, stderr_notice)  # what killed runs left
     target = load_target(s.target, DTYPES[s.dtype], s.device, s.device_map, s.trust_remote_code)
     chosen = _prompts(s, target, docs, config)
     if old is None:
         start_output(output, record)
-    record["files"] = present_files(output, old, s.export)
+    expected = {stream_file(i, s.export): _metadata(chosen[i]) for i in range(len(chosen))}
+    record["files"] = present_files(output, old, s.export, expected)
     record_streams(output, record, [])
     todo = [i for i in range(len(chosen)) if stream_file(i, s.export) not in record["files"]]
     if progress is not None:
@@ -173,10 +176,7 @@ def _capture(
             rows = prompts
         with LayerTap(layers, norm, ids) as tap:
             _forward(target, rows)
-        meta = [
-            {"document": str(chosen[i][0]), "prompt_tokens": str(len(chosen[i][1]))}
-            for i in streams
-        ]
+        meta = [_metadata(chosen[i]) for i in streams]
         write_batch(output, s.export, streams, rows, tap, meta)
         record_streams(output, record, [stream_file(i, s.export) for i in streams])
         done += len(streams)
@@ -184,6 +184,11 @@ def _capture(
         if progress is not None:
             progress(done, len(todo))
     return tokens
+
+
+def _metadata(stream: tuple[int, list[int]]) -> dict[str, str]:
+    """What a stream's file says of it: its corpus document and its prompt's length."""
+    return {"document": str(stream[0]), "prompt_tokens": str(len(stream[1]))}
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from qstream.cliutil import (
     write_json,
 )
 from qstream.progress import counter
+from qstream.publish import signals_as_interrupt
 
 if TYPE_CHECKING:
     from qstream.capture.run import CaptureSettings
@@ -107,7 +108,7 @@ def capture(json_path: str | None, **o: Any) -> None:
 
     resolve_device(o["device"])  # a bad or absent device is one line before anything loads
     settings = _settings(o)
-    with counter("capture", "streams") as report:
+    with signals_as_interrupt(), counter("capture", "streams") as report:
         summary = run_capture(settings, report)
     if json_path != "-":
         click.echo(

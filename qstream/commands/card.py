@@ -9,6 +9,7 @@ import click
 from qstream.clichoices import CARD_FORMATS, REGIMES
 from qstream.cliutil import Command, flag_option, option
 from qstream.progress import step
+from qstream.publish import signals_as_interrupt
 
 
 @click.command("card", cls=Command)
@@ -87,7 +88,8 @@ def card(
     # here, not above: --help loads no torch
     from qstream.card.build import write_card
 
-    with step(f"writing {output}" + ("" if no_figures else " and its figures")):
+    what = f"writing {output}" + ("" if no_figures else " and its figures")
+    with signals_as_interrupt(), step(what):
         card_doc, written = write_card(
             results,
             Path(output),

@@ -22,6 +22,7 @@ from qstream.cliutil import (
     write_json,
 )
 from qstream.progress import counter
+from qstream.publish import signals_as_interrupt
 from qstream.tablefit import Column, fitted_table
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ def speculate(json_path: str | None, **o: Any) -> None:
     # here, not above: `qstream speculate --help` loads no torch
     from qstream.speculate.run import run_speculate
 
-    with counter("speculate", "prompts") as report:
+    with signals_as_interrupt(), counter("speculate", "prompts") as report:
         results = run_speculate(_settings(o), report)
     if json_path != "-":
         console = make_console()

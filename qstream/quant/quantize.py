@@ -28,7 +28,7 @@ import qstream
 from qstream.checkpoint.files import CONFIG_NAME, Checkpoint, open_checkpoint
 from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
-from qstream.publish import check_target
+from qstream.publish import check_outside, check_target
 from qstream.quant.plan import Plan, Progress, Streaming, make_plan
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import write_checkpoint
@@ -267,13 +267,7 @@ def _check_paths(model_dir, output_dir, overwrite: bool) -> tuple[Path, Path]:
     model_path, output_path = Path(model_dir).resolve(), Path(output_dir).resolve()
     if not model_path.is_dir():
         raise QStreamError(f"--model_dir {model_dir}: not a directory")
-    if output_path == model_path or model_path in output_path.parents:
-        raise QStreamError(
-            f"--output_dir {output_dir} is inside --model_dir {model_dir}; the "
-            "input is never modified"
-        )
-    if output_path in model_path.parents:
-        raise QStreamError(f"--output_dir {output_dir} contains --model_dir {model_dir}")
+    check_outside(output_dir, "--output_dir", {"--model_dir": model_dir})
     check_target(output_path, overwrite, "--output_dir")
     return model_path, output_path
 

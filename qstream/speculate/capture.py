@@ -22,12 +22,13 @@ from qstream.capture.layout import record_streams, start_output, write_batch
 from qstream.capture.target import LoadedTarget, decoder_parts
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import stream_file
-from qstream.publish import write_text_atomic
+from qstream.publish import check_outside, check_parent, publishing, write_text_atomic
 from qstream.speculate.decode import Decoded, target_greedy
 
 
-def check_capture_dir(output: Path, rule: str) -> None:
-    """Before any decoding: a greedy run, and a directory that is absent or empty."""
+def check_capture_dir(output: Path, rule: str, inputs: dict[str, str]) -> None:
+    """Before any decoding: a greedy run, and a directory that is absent or empty, outside the
+    ``inputs`` (option -> directory), in a writable directory."""
     if rule != "greedy":
         raise QStreamError(
             f"--capture needs --rule greedy (got {rule}): only then is one stream every "
@@ -35,6 +36,8 @@ def check_capture_dir(output: Path, rule: str) -> None:
         )
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(f"--capture {output}: exists and is not an empty directory")
+    check_outside(output, "--capture", inputs)
+    check_parent(output, "--capture", "parent directory")
 
 
 def write_capture(
@@ -46,7 +49,8 @@ def write_capture(
     runs: dict[str, list[Decoded]],
     record: dict[str, Any],
 ) -> None:
-    """The streams, their states and capture.json, then one anchors file per variant."""
+    """The streams, their states and capture.json, then one anchors file per variant: built in
+    a temporary directory beside ``output`` and published with one rename, or not at all."""
     first, *others = runs
     for name in others:
         for i, (a, b) in enumerate(zip(runs[first], runs[name])):
@@ -56,17 +60,18 @@ def write_capture(
                     f"prompt {i}: variants {first} and {name} emitted different tokens at "
                     f"{t} under greedy verification, where both must be the target's own"
                 )
-    start_output(output, record)
-    layers, norm = decoder_parts(target.model)
-    for i, (prompt, run) in enumerate(zip(prompts, runs[first])):
-        head = prompt + run.tokens
-        row = head + target_greedy(target.model, head, block_size + 1)
-        with torch.no_grad(), LayerTap(layers, norm, layer_ids) as tap:
-            target.model.model(input_ids=torch.tensor([row], device=target.device))
-        meta = {"document": str(i), "prompt_tokens": str(len(prompt))}
-        write_batch(output, "qstream", [i], [row], tap, [meta])
-        record_streams(output, record, [stream_file(i, "qstream")])
-    for name, decoded in runs.items():
-        blocks = [[i, p] for i, r in enumerate(decoded) for p in r.anchors]
-        text = json.dumps({"variant": name, "blocks": blocks}) + "\n"
-        write_text_atomic(output / f"anchors-{name}.json", text)
+    with publishing(output, False, "--capture") as tmp:
+        start_output(tmp, record)
+        layers, norm = decoder_parts(target.model)
+        for i, (prompt, run) in enumerate(zip(prompts, runs[first])):
+            head = prompt + run.tokens
+            row = head + target_greedy(target.model, head, block_size + 1)
+            with torch.no_grad(), LayerTap(layers, norm, layer_ids) as tap:
+                target.model.model(input_ids=torch.tensor([row], device=target.device))
+            meta = {"document": str(i), "prompt_tokens": str(len(prompt))}
+            write_batch(tmp, "qstream", [i], [row], tap, [meta])
+            record_streams(tmp, record, [stream_file(i, "qstream")])
+        for name, decoded in runs.items():
+            blocks = [[i, p] for i, r in enumerate(decoded) for p in r.anchors]
+            text = json.dumps({"variant": name, "blocks": blocks}) + "\n"
+            write_text_atomic(tmp / f"anchors-{name}.json", text)

@@ -97,7 +97,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     check_draft(config, shape, config.target_layer_ids)
     refuse_quantized_model(s.model)
     if s.capture is not None:
-        check_capture_dir(Path(s.capture), s.rule)
+        check_capture_dir(Path(s.capture), s.rule, {"--model": s.model, "--target": s.target})
     arch = architecture_of(config)
     selection = s.selection()
     if not selection.include:
