@@ -14,7 +14,7 @@ from typing import Any
 from qstream.card.document import Cell, Section, Table
 from qstream.card.results import ResultsSet
 from qstream.card.tables import DIGITS, estimate, interval, metrics, regime_order
-from qstream.card.validate import check_numbers
+from qstream.card.validate import check_numbers, summary_problems
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import FLOOR
@@ -39,20 +39,64 @@ def read_speculate(path: Path, rs: ResultsSet) -> dict:
         raise QStreamError(
             f"{path}: not speculate results (schema {found!r}, expected {SPECULATE_SCHEMA!r})"
         )
-    try:  # what the card reads before anything else: the draft, the rule, every summary
-        draft_sha = data["provenance"]["draft"]["config_sha256"]
-        data["settings"]["rule"]
-        [v["summary"]["mean_acceptance_length"] for v in data["variants"].values()]
-    except (KeyError, TypeError) as exc:
-        raise QStreamError(f"{path}: speculate results lack {exc}") from None
+    lacking = next((p for p in _read_paths(data) if _at(data, p) is None), None)
+    if lacking is not None:
+        raise QStreamError(f"{path}: speculate results lack {_dotted(lacking)}")
+    if not isinstance(data["variants"], dict):
+        raise QStreamError(f"{path}: variants = {data['variants']!r:.60} is not an object")
+    draft_sha = data["provenance"]["draft"]["config_sha256"]
     model_sha = rs.model.get("config_sha256")
     if draft_sha != model_sha:
         raise QStreamError(
             f"{path}: speculate results of another draft (config sha256 {draft_sha}; the "
             f"eval-drift results' is {model_sha})"
         )
+    block = data["provenance"]["draft"]["block_size"]
+    if type(block) is not int or block != rs.block_size:
+        raise QStreamError(
+            f"{path}: provenance.draft.block_size = {block!r}, but the eval-drift results' "
+            f"block size is {rs.block_size}"
+        )
     check_numbers({"variants": data["variants"]}, str(path))
+    problem = next(summary_problems(data["variants"], block), None)
+    if problem is not None:
+        raise QStreamError(f"{path}: {problem}")
     return data
+
+
+# What the card reads of speculate results besides the variants' summaries (SUMMARY).
+READ = ("settings.rule", "settings.new_tokens", "settings.target_dtype",
+        "provenance.draft.config_sha256", "provenance.draft.block_size", "provenance.target.path",
+        "provenance.target.model_type", "provenance.corpus.name", "variants")  # fmt: skip
+SUMMARY = ("prompts", "verifications", "mean_acceptance_length.value",
+           "tokens_per_target_forward.value", "accepted_at_least")  # fmt: skip
+
+
+def _read_paths(data: dict) -> list[tuple]:
+    """Every key path the card reads of ``data``, each a tuple of keys and list indices."""
+    paths = [tuple(p.split(".")) for p in READ]
+    variants = data.get("variants")
+    for name in variants if isinstance(variants, dict) else ():
+        summary = ("variants", name, "summary")
+        paths += [summary, *((*summary, *key.split(".")) for key in SUMMARY)]
+        shares = _at(data, (*summary, "accepted_at_least"))
+        paths += [(*summary, "accepted_at_least", i, "value")
+                  for i in range(len(shares) if isinstance(shares, list) else 1)]  # fmt: skip
+    return paths
+
+
+def _at(node: Any, path: tuple) -> Any:
+    """The value at ``path`` (keys and list indices), None where there is none."""
+    for key in path:
+        if isinstance(key, int):
+            node = node[key] if isinstance(node, list) and key < len(node) else None
+        else:
+            node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _dotted(path: tuple) -> str:
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
 
 
 def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
