@@ -175,4 +175,4 @@ def test_sensitivity_without_a_suggestion_names_format_tolerance_and_gentlest_ki
         gentlest = max(sens["single"], key=lambda e: e["ceiling_gap"])
         assert f"quantized to {sens['format']}" in text
         assert f"tolerance of {sens['tolerance']} tokens" in text
-        assert f"{gentlest['kind']}, lowers it by {-gentlest['ceiling_gap']:.2f} tokens" in text
+        assert f"{gentlest['kind']}, lowers it by {-gentlest['ceiling_gap']:.3f} tokens" in text

@@ -317,13 +317,13 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
 
 def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
     """Per format a group: the measured loss with its interval, the simulated loss and each
-    regime's ceiling gap, all in tokens against bf16.  Returns the figure."""
+    regime's ceiling loss, all in tokens against bf16.  Returns the figure."""
     rows = calibration_rows(spec, rs)
     names = list(rows)
     regimes = regime_order(rs)
     series = [("measured (target in the loop)", lambda r: r["measured"]),
               ("simulated (eval-drift, states)", lambda r: r["simulated"]),
-              *((f"ceiling gap, {g}", lambda r, g=g: r["ceiling"][g]) for g in regimes)]  # fmt: skip
+              *((f"ceiling loss, {g}", lambda r, g=g: r["ceiling"][g]) for g in regimes)]  # fmt: skip
     fig, axes = _new_figure(1, 1, (max(5.0, 1.2 * len(names) + 2.5), 3.6))
     ax = axes[0][0]
     step = 0.8 / len(series)
