@@ -75,7 +75,7 @@ SUMMARY = ("prompts", "verifications", "mean_acceptance_length.value",
 
 def _read_paths(data: dict) -> list[tuple]:
     """Every key path the card reads of ``data``, each a tuple of keys and list indices."""
-    paths = [tuple(p.split(".")) for p in READ]
+    paths: list[tuple] = [tuple(p.split(".")) for p in READ]
     variants = data.get("variants")
     for name in variants if isinstance(variants, dict) else ():
         summary = ("variants", name, "summary")
