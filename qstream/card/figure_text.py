@@ -55,11 +55,6 @@ def coinciding(rs: ResultsSet, rows: list[tuple[str, str]]) -> dict[str, str]:
     return twins
 
 
-def coinciding_label(variant: str, twin: str) -> str:
-    """seq_agree.png's legend entry of a variant whose lines coincide with ``twin``'s."""
-    return f"{variant} (same as {twin}: the lines coincide)"
-
-
 CEILING_CAPTION = (
     "Greedy acceptance ceiling (left) and sampled matched prefix, a lower bound (right), by "
     "format (bars) and regime (groups), 95% CI error bars."

@@ -19,7 +19,6 @@ from qstream.card.figure_text import (
     POSITION_QUANTITIES,
     ci_percent,
     coinciding,
-    coinciding_label,
     kl_star,
 )
 from qstream.card.measured import calibration_rows
@@ -103,7 +102,7 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
         "Free-running rollouts against the FP32 reference by drafted position (bands: 95% CI)",
         fontsize=11,
     )
-    labels = [coinciding_label(v, twins[v]) if v in twins else v for v in handles]
+    labels = [f"{v} (same as {twins[v]}: the lines coincide)" if v in twins else v for v in handles]
     _save(fig, path, list(handles.values()), labels)
     return fig
 
