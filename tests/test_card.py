@@ -109,7 +109,7 @@ def test_ceiling_table_values_and_gaps(card_md):
             if row[0].text != "bf16":
                 floor = data[regime]["variants"]["bf16"]["metrics"]["rollouts"]["greedy"]
                 gap = e["value"] - floor["ceiling"]["value"]
-                assert row[2 + 2 * i].text == f"{gap:+.2f}"
+                assert row[2 + 2 * i].text == f"{gap:+.3f}"
     assert "difference computed for this card" in table.caption
 
 

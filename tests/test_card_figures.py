@@ -16,7 +16,13 @@ from matplotlib.container import BarContainer
 
 from qstream.card.build import build_card
 from qstream.card.document import Figure
-from qstream.card.figures import ceiling_figure, kl_figure, seq_agree_figure
+from qstream.card.figures import (
+    calibration_figure,
+    ceiling_figure,
+    kl_figure,
+    seq_agree_figure,
+)
+from qstream.card.measured import read_speculate
 from qstream.card.results import merge_results
 from qstream.card.tables import rollout_name
 from qstream.eval.vocabulary import PREFIX_KEYS, ROLLOUT_MODES
@@ -175,4 +181,87 @@ def test_sensitivity_without_a_suggestion_names_format_tolerance_and_gentlest_ki
         gentlest = max(sens["single"], key=lambda e: e["ceiling_gap"])
         assert f"quantized to {sens['format']}" in text
         assert f"tolerance of {sens['tolerance']} tokens" in text
-        assert f"{gentlest['kind']}, lowers it by {-gentlest['ceiling_gap']:.2f} tokens" in text
+        assert f"{gentlest['kind']}, lowers it by {-gentlest['ceiling_gap']:.3f} tokens" in text
+
+
+def _coinciding(data: dict) -> dict[str, str]:
+    """Each variant whose rollout curves equal an earlier variant's in every regime -> the
+    first such variant."""
+    names = list(data["variants"])
+
+    def curves(v):
+        return [
+            {m: (r[m]["seq_agree"], r[m]["prefix_agree"]) for m in r}
+            for regime in data["regimes"].values()
+            for r in [regime["variants"][v]["metrics"]["rollouts"]]
+        ]
+
+    firsts = [v for i, v in enumerate(names) if all(curves(u) != curves(v) for u in names[:i])]
+    return {v: next(u for u in firsts if curves(u) == curves(v)) for v in names if v not in firsts}
+
+
+def test_seq_agree_legend_names_lines_that_coincide_and_draws_them_apart(rs, data, tmp_path):
+    """A line exactly under another (a checkpoint read back and the same format simulated) is
+    named in the legend as coinciding, and drawn with hollow, larger markers so that both show."""
+    fig = seq_agree_figure(rs, tmp_path / "seq_agree.png")
+    twins = _coinciding(data)
+    assert twins == {"shipped-fp8": "fp8"}  # the data this test rests on
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [
+        f"{v} (same as {twins[v]}: the lines coincide)" if v in twins else v
+        for v in data["variants"]
+    ]
+    for gid, ax in _panels(fig).items():
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        for v, u in twins.items():
+            assert lines[v].get_markerfacecolor() == "none", gid
+            assert lines[v].get_markersize() > lines[u].get_markersize() + 2, gid
+            assert lines[u].get_markerfacecolor() != "none", gid
+
+
+PAIR = ROOT / "examples" / "card_gsm8k_pair"
+
+
+def _calibration(tmp_path: Path, results: list[str], keep: tuple[str, ...] | None = None):
+    rs = merge_results([PAIR / name for name in results])
+    spec = read_speculate(PAIR / "speculate.json", rs)
+    if keep is not None:
+        spec["variants"] = {k: v for k, v in spec["variants"].items() if k in keep}
+    return calibration_figure(spec, rs, tmp_path / "calibration.png")
+
+
+def _series(fig) -> dict:
+    """Each error-bar series of calibration.png: label -> (xs, ys, the bars' ends)."""
+    out = {}
+    for c in fig.axes[0].containers:
+        line, _, bars = c.lines
+        ends = [y for col in bars for seg in col.get_segments() for _, y in seg]
+        out[c.get_label()] = (list(line.get_xdata()), list(line.get_ydata()), ends)
+    return out
+
+
+def test_calibration_legend_lists_only_series_with_points(tmp_path):
+    """Without the states regime nothing is simulated: no legend entry for it."""
+    fig = _calibration(tmp_path, ["results-synthetic.json"], ("bf16", "nvfp4"))
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [label for label, (xs, _, _) in _series(fig).items() if xs]
+    assert legend == ["measured (target in the loop)"] + [
+        f"ceiling loss, {g}" for g in ("gauss", "heavy", "boot")
+    ]
+
+
+@pytest.mark.parametrize(
+    "results, keep",
+    [(["results-synthetic.json"], ("bf16", "nvfp4")),
+     (["results-synthetic.json", "results-states.json"], None)],
+)  # fmt: skip
+def test_calibration_axes_hold_every_point_with_a_margin(tmp_path, results, keep):
+    """No marker at the edge: every point and error-bar end is inside the axes by at least 5%
+    of the y span, and a tenth of a variant's slot (x: one unit per variant)."""
+    fig = _calibration(tmp_path, results, keep)
+    ax = fig.axes[0]
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    mx, my = 0.1, 0.05 * (y1 - y0)
+    for label, (xs, ys, ends) in _series(fig).items():
+        assert all(x0 + mx <= x <= x1 - mx for x in xs), (label, xs, (x0, x1))
+        assert all(y0 + my <= y <= y1 - my for y in ys + ends), (label, ys, (y0, y1))

@@ -293,7 +293,7 @@ def test_the_card_puts_measured_acceptance_beside_what_eval_drift_predicted(pair
         assert rows[name]["loss vs bf16"] == summary["loss_vs_bf16"]
     (row,) = tables["calibration"]["rows"]
     assert list(row) == ["variant", "measured loss", "simulated loss (states)",
-                         "ceiling gap, gauss", "ceiling gap, states"]  # fmt: skip
+                         "ceiling loss, gauss", "ceiling loss, states"]  # fmt: skip
 
     def value(regime, name, *keys):
         node = results[regime]["variants"][name]
@@ -308,7 +308,7 @@ def test_the_card_puts_measured_acceptance_beside_what_eval_drift_predicted(pair
     assert row["simulated loss (states)"] == simulated
     for regime in ("gauss", "states"):
         gap = value(regime, "bf16", *ceiling) - value(regime, "nvfp4", *ceiling)
-        assert row[f"ceiling gap, {regime}"] == gap
+        assert row[f"ceiling loss, {regime}"] == gap
     md = tmp_path / "card.md"
     cli_ok(["card", str(drift), "--speculate", str(spec), "--output", str(md)])
     text = md.read_text()

@@ -49,6 +49,7 @@ from qstream.card.study_tables import (
     sensitivity_table,
 )
 from qstream.card.tables import (
+    DIGITS,
     agreement_table,
     ceiling_table,
     full_metrics_table,
@@ -295,7 +296,8 @@ def suggested_command(rs: ResultsSet, regime: str) -> Part:
     if gentlest["ceiling_gap"] < -tolerance:
         return (
             f"Regime {regime}: no module kind quantized to {fmt} {keeps}, even alone: the least "
-            f"harmful, {gentlest['kind']}, lowers it by {-gentlest['ceiling_gap']:.2f} tokens. "
+            f"harmful, {gentlest['kind']}, lowers it by "
+            f"{-gentlest['ceiling_gap']:.{DIGITS['difference']}f} tokens. "
             "No include list is suggested."
         )
     return (

@@ -293,7 +293,9 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
         ["", "value"],
         [
             [
-                Cell("parameters quantized / total"),
+                Cell(
+                    "parameters quantized / total in its files (tensors borrowed from the target not counted)"
+                ),
                 Cell(
                     f"{facts.params_quantized:,} / {facts.params_total:,} "
                     f"({100.0 * facts.params_quantized / facts.params_total:.1f}%)",

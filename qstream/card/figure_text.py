@@ -27,8 +27,33 @@ SEQ_AGREE_CAPTION = (
     "curve can rise with k. The lower row is prefix agree[k], the share of all blocks whose "
     "tokens 1..k all match: the run a verifier accepts, where drift compounds, so it can only "
     "fall with k (its sum over k is the mean matched prefix). Lines that coincide are equal "
-    "results (e.g. a checkpoint read back from disk and the same format simulated)."
+    "results (e.g. a checkpoint read back from disk and the same format simulated): the legend "
+    "says which, and the later one's open markers ring the other's."
 )
+
+
+def coinciding(rs: ResultsSet, rows: list[tuple[str, str]]) -> dict[str, str]:
+    """Each variant whose seq_agree.png lines (``rows``: rollout mode, quantity) equal an
+    earlier variant's in every regime -> the first such variant, whose line would hide it."""
+
+    def curves(v: str) -> list:
+        return [
+            ((metrics(rs, r, v) or {}).get("rollouts", {}).get(mode) or {}).get(quantity)
+            for r in regime_order(rs)
+            for mode, quantity in rows
+        ]
+
+    firsts: list[tuple[str, list]] = []
+    twins = {}
+    for v in variant_order(rs):
+        mine = curves(v)
+        twin = next((u for u, theirs in firsts if theirs == mine), None)
+        if twin is None:
+            firsts.append((v, mine))
+        else:
+            twins[v] = twin
+    return twins
+
 
 CEILING_CAPTION = (
     "Greedy acceptance ceiling (left) and sampled matched prefix, a lower bound (right), by "

@@ -18,6 +18,7 @@ from qstream.card.figure_text import (
     KL_MEAN_LEGEND,
     POSITION_QUANTITIES,
     ci_percent,
+    coinciding,
     kl_star,
 )
 from qstream.card.measured import calibration_rows
@@ -82,6 +83,7 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
         )
     ]
     rows = [(mode, quantity) for mode in modes for quantity in POSITION_QUANTITIES]
+    twins = coinciding(rs, rows)  # drawn hollow over their twin's line, and said so
     fig, axes = _new_figure(len(rows), len(regimes), (4.2, 3.2), sharey="row")
     handles: dict[str, Any] = {}
     for row, (mode, quantity) in enumerate(rows):
@@ -89,7 +91,7 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
         for col, regime in enumerate(regimes):
             ax = axes[row][col]
             ax.set_gid(f"{regime}/{mode}/{quantity}")
-            lowest = min(lowest, _position_lines(ax, rs, regime, mode, quantity, handles))
+            lowest = min(lowest, _position_lines(ax, rs, (regime, mode, quantity), handles, twins))
             ax.set_title(f"{regime} — {rollout_name(rs, mode, [regime])}", fontsize=9)
             ax.set_xlabel("drafted position k")
             if col == 0:  # the row shares its y axis
@@ -100,30 +102,37 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
         "Free-running rollouts against the FP32 reference by drafted position (bands: 95% CI)",
         fontsize=11,
     )
-    _save(fig, path, list(handles.values()), list(handles))
+    labels = [f"{v} (same as {twins[v]}: the lines coincide)" if v in twins else v for v in handles]
+    _save(fig, path, list(handles.values()), labels)
     return fig
 
 
-def _position_lines(ax, rs: ResultsSet, regime: str, mode: str, quantity: str, handles) -> float:
-    """One line per variant of ``rollouts.MODE.QUANTITY[k]`` with its band; the lowest bound."""
+def _position_lines(ax, rs: ResultsSet, panel: tuple, handles, twins: dict) -> float:
+    """One line per variant of ``rollouts.MODE.QUANTITY[k]`` (``panel``: regime, mode,
+    quantity) with its band, hollow for ``twins``; the lowest bound."""
+    regime, mode, quantity = panel
     positions = list(range(1, rs.block_size + 1))
     lowest = 1.0
     for i, variant in enumerate(variant_order(rs)):
         m = metrics(rs, regime, variant)
         if m is None or mode not in m["rollouts"]:
             continue
-        line, lo = _line_with_band(ax, positions, m["rollouts"][mode][quantity], variant, i)
+        per_k = m["rollouts"][mode][quantity]
+        line, lo = _line_with_band(ax, positions, per_k, variant, i, hollow=variant in twins)
         handles.setdefault(variant, line)
         lowest = min(lowest, *lo)
     return lowest
 
 
-def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int):
+def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, hollow=False):
     """The values of ``estimates`` as the ``i``-th variant's line, their 95% intervals as a band
-    (a missing bound: the value) whose gid is ``variant``; returns the line and the lower bounds."""
-    style = _style(i)
+    (a missing bound: the value) whose gid is ``variant``; returns the line and the lower bounds.
+    ``hollow``: large open markers, a ring around those of an equal line drawn before."""
+    style = {"markersize": 4, "linewidth": 1.5, **_style(i)}
+    if hollow:
+        style |= {"markersize": 8, "markerfacecolor": "none", "markeredgewidth": 1.3}
     values = [e["value"] for e in estimates]
-    (line,) = ax.plot(xs, values, label=variant, markersize=4, linewidth=1.5, **style)
+    (line,) = ax.plot(xs, values, label=variant, **style)
     lo = [e["lo"] if e["lo"] is not None else e["value"] for e in estimates]
     hi = [e["hi"] if e["hi"] is not None else e["value"] for e in estimates]
     band = ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
@@ -317,30 +326,37 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
 
 def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
     """Per format a group: the measured loss with its interval, the simulated loss and each
-    regime's ceiling gap, all in tokens against bf16.  Returns the figure."""
+    regime's ceiling loss, all in tokens against bf16.  Returns the figure."""
     rows = calibration_rows(spec, rs)
     names = list(rows)
     regimes = regime_order(rs)
     series = [("measured (target in the loop)", lambda r: r["measured"]),
               ("simulated (eval-drift, states)", lambda r: r["simulated"]),
-              *((f"ceiling gap, {g}", lambda r, g=g: r["ceiling"][g]) for g in regimes)]  # fmt: skip
+              *((f"ceiling loss, {g}", lambda r, g=g: r["ceiling"][g]) for g in regimes)]  # fmt: skip
     fig, axes = _new_figure(1, 1, (max(5.0, 1.2 * len(names) + 2.5), 3.6))
     ax = axes[0][0]
-    step = 0.8 / len(series)
-    for k, (label, pick) in enumerate(series):
+    # only series with a point (e.g. no states regime: nothing simulated) get a slot and a legend
+    kept = [(k, *s) for k, s in enumerate(series) if any(s[1](rows[n]) for n in names)]
+    step = 0.8 / max(len(kept), 1)
+    ends = [0.0]  # every point and interval end, for limits that clip no marker
+    for j, (k, label, pick) in enumerate(kept):  # k: the series' own style, j: its slot
         xs, ys, lo, hi = [], [], [], []
         for i, name in enumerate(names):
             e = pick(rows[name])
             if e is None:
                 continue
-            xs.append(i - 0.4 + step * (k + 0.5))
+            xs.append(i - 0.4 + step * (j + 0.5))
             ys.append(e["value"])
             lo.append(e["value"] - e["lo"] if e.get("lo") is not None else 0.0)
             hi.append(e["hi"] - e["value"] if e.get("hi") is not None else 0.0)
+        ends += [y + d for y, dl, dh in zip(ys, lo, hi) for d in (-dl, 0.0, dh)]
         style = _style(k)
         ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style["marker"], color=style["color"],
                     capsize=3, label=label)  # fmt: skip
     ax.axhline(0.0, color="black", linewidth=0.8)
+    pad = 0.08 * (max(ends) - min(ends)) or 0.1
+    ax.set_ylim(min(ends) - pad, max(ends) + pad)
+    ax.set_xlim(-0.5, max(len(names), 1) - 0.5)  # a variant's slot is 1 wide, its points 0.8
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("tokens lost against bf16")
     ax.set_xlabel("variant")

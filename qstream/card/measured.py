@@ -13,8 +13,8 @@ from typing import Any
 
 from qstream.card.document import Cell, Section, Table
 from qstream.card.results import ResultsSet
-from qstream.card.tables import DIGITS, estimate, interval, metrics, regime_order
-from qstream.card.validate import check_numbers
+from qstream.card.tables import DIGITS, difference, estimate, metrics, regime_order
+from qstream.card.validate import check_numbers, summary_problems
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import FLOOR
@@ -24,8 +24,9 @@ STATES = "states"  # eval-drift's regime on captured target states
 CALIBRATION_CAPTION = (
     "What each format loses against bf16, in tokens: measured with the target in the loop "
     "(`qstream speculate`, 95% interval paired over prompts), simulated by eval-drift against "
-    "the target on its captured states, and the greedy ceiling's gap against the FP32 reference "
-    "draft in each aux regime (drafted tokens matched, not accepted). Points above the measured "
+    "the target on its captured states, and what the greedy ceiling against the FP32 reference "
+    "draft loses in each aux regime (drafted tokens matched, not accepted; the ceiling "
+    "table's gap to bf16 with the sign turned). Points above the measured "
     "interval overstate what the format costs."
 )
 
@@ -39,20 +40,64 @@ def read_speculate(path: Path, rs: ResultsSet) -> dict:
         raise QStreamError(
             f"{path}: not speculate results (schema {found!r}, expected {SPECULATE_SCHEMA!r})"
         )
-    try:  # what the card reads before anything else: the draft, the rule, every summary
-        draft_sha = data["provenance"]["draft"]["config_sha256"]
-        data["settings"]["rule"]
-        [v["summary"]["mean_acceptance_length"] for v in data["variants"].values()]
-    except (KeyError, TypeError) as exc:
-        raise QStreamError(f"{path}: speculate results lack {exc}") from None
+    lacking = next((p for p in _read_paths(data) if _at(data, p) is None), None)
+    if lacking is not None:
+        raise QStreamError(f"{path}: speculate results lack {_dotted(lacking)}")
+    if not isinstance(data["variants"], dict):
+        raise QStreamError(f"{path}: variants = {data['variants']!r:.60} is not an object")
+    draft_sha = data["provenance"]["draft"]["config_sha256"]
     model_sha = rs.model.get("config_sha256")
     if draft_sha != model_sha:
         raise QStreamError(
             f"{path}: speculate results of another draft (config sha256 {draft_sha}; the "
             f"eval-drift results' is {model_sha})"
         )
+    block = data["provenance"]["draft"]["block_size"]
+    if type(block) is not int or block != rs.block_size:
+        raise QStreamError(
+            f"{path}: provenance.draft.block_size = {block!r}, but the eval-drift results' "
+            f"block size is {rs.block_size}"
+        )
     check_numbers({"variants": data["variants"]}, str(path))
+    problem = next(summary_problems(data["variants"], block), None)
+    if problem is not None:
+        raise QStreamError(f"{path}: {problem}")
     return data
+
+
+# What the card reads of speculate results besides the variants' summaries (SUMMARY).
+READ = ("settings.rule", "settings.new_tokens", "settings.target_dtype",
+        "provenance.draft.config_sha256", "provenance.draft.block_size", "provenance.target.path",
+        "provenance.target.model_type", "provenance.corpus.name", "variants")  # fmt: skip
+SUMMARY = ("prompts", "verifications", "mean_acceptance_length.value",
+           "tokens_per_target_forward.value", "accepted_at_least")  # fmt: skip
+
+
+def _read_paths(data: dict) -> list[tuple]:
+    """Every key path the card reads of ``data``, each a tuple of keys and list indices."""
+    paths: list[tuple] = [tuple(p.split(".")) for p in READ]
+    variants = data.get("variants")
+    for name in variants if isinstance(variants, dict) else ():
+        summary = ("variants", name, "summary")
+        paths += [summary, *((*summary, *key.split(".")) for key in SUMMARY)]
+        shares = _at(data, (*summary, "accepted_at_least"))
+        paths += [(*summary, "accepted_at_least", i, "value")
+                  for i in range(len(shares) if isinstance(shares, list) else 1)]  # fmt: skip
+    return paths
+
+
+def _at(node: Any, path: tuple) -> Any:
+    """The value at ``path`` (keys and list indices), None where there is none."""
+    for key in path:
+        if isinstance(key, int):
+            node = node[key] if isinstance(node, list) and key < len(node) else None
+        else:
+            node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _dotted(path: tuple) -> str:
+    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
 
 
 def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
@@ -83,13 +128,14 @@ def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
                 "The same draft's formats, three ways: the acceptance each loses against bf16 "
                 "as measured above; as eval-drift simulated it against the target on captured "
                 "target states (regime states; uniformly drawn anchors, which a decoder does "
-                "not visit uniformly: docs/calibration.md); and the greedy ceiling's gap, "
-                "against the FP32 reference draft, in each aux regime. Losses are bf16's value "
-                "minus the variant's: positive is worse.",
+                "not visit uniformly: docs/calibration.md); and what the greedy ceiling, "
+                "against the FP32 reference draft, loses in each aux regime. Losses are bf16's "
+                "value minus the variant's: positive is worse (a ceiling loss is the ceiling "
+                "table's gap to bf16 with the sign turned).",
                 calibration_table(spec, rs),
                 *figure(
                     "calibration.png",
-                    "acceptance lost against bf16: measured, simulated and ceiling gaps",
+                    "acceptance lost against bf16: measured, simulated and ceiling losses",
                     CALIBRATION_CAPTION,
                 ),
             ],
@@ -109,7 +155,7 @@ def measured_table(spec: dict) -> Table:
                 Cell(name),
                 Cell(v.get("kind", "")),
                 estimate(x["mean_acceptance_length"], d),
-                Cell("n/a") if loss is None else interval(loss, "+.3f"),
+                difference(loss),
                 estimate(x["tokens_per_target_forward"], d),
                 Cell(str(x["verifications"]), x["verifications"]),
             ]
@@ -152,7 +198,7 @@ def shares_table(spec: dict) -> Table:
 
 def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
     """Per speculate variant other than bf16: its measured loss (an estimate), eval-drift's
-    simulated loss on captured states and each regime's ceiling gap (differences of two
+    simulated loss on captured states and each regime's ceiling loss (differences of two
     results numbers; None where either is missing)."""
     sim = _simulated(rs)
     rows: dict[str, dict[str, Any]] = {}
@@ -161,9 +207,9 @@ def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
             continue
         rows[name] = {
             "measured": v["summary"].get("loss_vs_bf16"),
-            "simulated": _gap(sim.get(FLOOR), sim.get(name)),
+            "simulated": _loss(sim.get(FLOOR), sim.get(name)),
             "ceiling": {
-                r: _gap(_ceiling(rs, r, FLOOR), _ceiling(rs, r, name)) for r in regime_order(rs)
+                r: _loss(_ceiling(rs, r, FLOOR), _ceiling(rs, r, name)) for r in regime_order(rs)
             },
         }
     return rows
@@ -176,21 +222,21 @@ def calibration_table(spec: dict, rs: ResultsSet) -> Table:
         rows.append(
             [
                 Cell(name),
-                Cell("n/a") if r["measured"] is None else interval(r["measured"], "+.3f"),
-                _difference(r["simulated"]),
-                *(_difference(r["ceiling"][g]) for g in regimes),
+                difference(r["measured"]),
+                _value(r["simulated"]),
+                *(_value(r["ceiling"][g]) for g in regimes),
             ]
         )
     return Table(
         "Acceptance lost against bf16 (tokens; positive is worse): measured, eval-drift's "
-        "simulation against the target (regime states), and the greedy ceiling's gap per "
+        "simulation against the target (regime states), and the greedy ceiling's loss per "
         "regime. The simulated and ceiling columns are differences of two numbers of the "
         "eval-drift results; n/a where the results lack one",
         [
             "variant",
             "measured loss",
             "simulated loss (states)",
-            *(f"ceiling gap, {g}" for g in regimes),
+            *(f"ceiling loss, {g}" for g in regimes),
         ],
         rows,
         "calibration",
@@ -212,12 +258,13 @@ def _ceiling(rs: ResultsSet, regime: str, variant: str) -> dict | None:
     return None if m is None else m["rollouts"]["greedy"]["ceiling"]
 
 
-def _gap(base: dict | None, other: dict | None) -> dict | None:
+def _loss(base: dict | None, other: dict | None) -> dict | None:
     """bf16's value minus the variant's, a plain difference (no interval)."""
     if base is None or other is None:
         return None
     return {"value": base["value"] - other["value"], "lo": None, "hi": None}
 
 
-def _difference(e: dict | None) -> Cell:
-    return Cell("n/a") if e is None else Cell(f"{e['value']:+.3f}", e["value"])
+def _value(e: dict | None) -> Cell:
+    """A :func:`_loss` by its value (it has no interval)."""
+    return difference(None if e is None else e["value"])

@@ -47,12 +47,15 @@ def _selection(run: dict) -> str:
 
 def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
     """What was compared: the model, the reference, the variants and the regimes."""
-    model = rs.model
+    model, params = rs.model, rs.model.get("parameters")
+    params = f"{params:,}" if isinstance(params, int) else params
     return [
         (
             "model",
-            f"{model.get('path')} ({model.get('architecture')}, {model.get('parameters')} "
-            f"parameters, config.json sha256 {model.get('config_sha256')})",
+            f"{model.get('path')} ({model.get('architecture')}, {params} "
+            "parameters as eval-drift loads it: its own tensors and the embed_tokens it borrows "
+            "from the target, if any, without lm_head; config.json sha256 "
+            f"{model.get('config_sha256')})",
         ),
         ("target head from", per_regime(rs, regimes, lambda r: r["target"] or "not given")),
         ("reference", per_regime(rs, regimes, lambda r: r["reference"])),

@@ -8,6 +8,7 @@ from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
 from qstream.card.tables import (
     DIGITS,
+    difference,
     estimate,
     per_regime,
     regime_order,
@@ -45,9 +46,9 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
         rows.append(
             [
                 Cell(e["add"]),
-                Cell(f"{single['ceiling_gap']:+.{d}f}", single["ceiling_gap"]),
+                difference(single["ceiling_gap"]),
                 estimate(e["ceiling"], d),
-                Cell(f"{e['ceiling_gap']:+.{d}f}", e["ceiling_gap"]),
+                difference(e["ceiling_gap"]),
                 sci(e["kl_p99"]),
                 Cell(str(len(e["quantized_tensors"])), len(e["quantized_tensors"])),
                 Cell("yes" if e["within_tolerance"] else "no"),
@@ -198,7 +199,7 @@ def _emitted_and_loss(acc: dict | None, mode: str) -> list[Cell]:
     loss = acc.get("loss_vs_bf16")
     if loss is None:
         return [estimate(acc[mode]["emitted"], d), Cell("(floor)")]
-    return [estimate(acc[mode]["emitted"], d), estimate(loss.get(mode), d)]
+    return [estimate(acc[mode]["emitted"], d), difference(loss.get(mode))]
 
 
 _COLUMNS = ["mode", "regime", "variant", "tokens/step [95% CI]", "loss vs bf16"]

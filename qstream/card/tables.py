@@ -2,7 +2,8 @@
 
 Every number shown is a number of the results JSON, printed with a fixed number of decimals
 (``DIGITS``); the one exception is the gap to the bf16 floor, a difference of two values shown in
-the same table, and its column header says so.
+the same table, and its column header says so.  Every difference against bf16 in tokens, a gap
+or a loss, copied or computed, is printed by :func:`difference`: signed, one format card-wide.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from qstream.eval.vocabulary import (
 )
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
-# 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B).
-DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "snr": 1}
+# 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B); a
+# difference against bf16 in tokens (small next to the lengths it compares) gets one more.
+DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "difference": 3, "snr": 1}
 
 # What each aux regime stands for (docs/eval-drift.md, qstream/eval/aux_sources.py).
 REGIME_DESCRIPTIONS = {
@@ -57,6 +59,15 @@ def interval(e: dict, spec: str) -> Cell:
     if e.get("lo") is None or e.get("hi") is None:
         return Cell(f"{e['value']:{spec}}", e)
     return Cell(f"{e['value']:{spec}} [{e['lo']:{spec}}, {e['hi']:{spec}}]", e)
+
+
+def difference(e: dict | float | None) -> Cell:
+    """A difference against bf16 in tokens (a gap or a loss) with its sign: a number, or an
+    estimate with its interval."""
+    spec = f"+.{DIGITS['difference']}f"
+    if isinstance(e, dict):
+        return interval(e, spec)
+    return Cell("n/a" if e is None else f"{e:{spec}}", e)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,11 +139,8 @@ def agreement_table(rs: ResultsSet, regime: str) -> Table:
     )
 
 
-def _gap(value: float | None, floor: float | None, digits: int) -> Cell:
-    if value is None or floor is None:
-        return Cell("n/a")
-    gap = value - floor
-    return Cell(f"{gap:+.{digits}f}", gap)
+def _gap(value: float | None, floor: float | None) -> Cell:
+    return difference(None if value is None or floor is None else value - floor)
 
 
 def _prefix(m: dict | None, mode: str) -> dict | None:
@@ -170,7 +178,7 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
                 row.append(Cell("(floor)"))
             else:
                 floor = _prefix(metrics(rs, regime, FLOOR), mode)
-                row.append(_gap(prefix["value"], None if floor is None else floor["value"], d))
+                row.append(_gap(prefix["value"], None if floor is None else floor["value"]))
         rows.append(row)
     return Table(
         f"{PREFIX_CAPTIONS[mode]}, {rollout_name(rs, mode)}: mean matched prefix of the "

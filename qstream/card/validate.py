@@ -96,3 +96,49 @@ def check_numbers(data: dict, source: str) -> None:
     if problems:
         more = f" ({len(problems) - 1} more such numbers)" if len(problems) > 1 else ""
         raise QStreamError(f"{source}: {problems[0]}{more}")
+
+
+def summary_problems(variants: dict, block: int) -> Iterator[str]:
+    """What cannot be published in ``qstream speculate``'s per-variant summaries, block size
+    ``block`` (docs/speculate.md, "Measured acceptance"): an estimate that is not ``{value, lo,
+    hi}`` numbers, tokens per verification or per target forward outside [1, B+1], a loss
+    against bf16 outside [-B, B] (a t interval's bounds may reach past those ranges), not B
+    shares or shares growing with k, a count that is not a non-negative integer.  Finiteness,
+    intervals and the shares' [0, 1] are check_numbers'."""
+    ranges = {"mean_acceptance_length": (1, block + 1), "tokens_per_target_forward": (1, block + 1),
+              "loss_vs_bf16": (-block, block)}  # fmt: skip
+    if not variants:
+        yield "variants = {} names no variant"
+    for name, v in variants.items():
+        where, s = f"variants.{name}.summary", v["summary"]
+        for key in ("prompts", "verifications"):
+            if not (isinstance(s[key], int) and not isinstance(s[key], bool) and s[key] >= 0):
+                yield f"{where}.{key} = {s[key]!r} is not a non-negative integer"
+        shares = s["accepted_at_least"]
+        named = [(key, s.get(key)) for key in ranges] + [
+            (f"accepted_at_least[{k}]", e) for k, e in enumerate(shares)
+        ]
+        for key, e in named:  # a null loss_vs_bf16 (no bf16 run) is shown as n/a
+            if e is not None and not _is_estimate(e):
+                yield f"{where}.{key} = {e!r:.80} is not a {{value, lo, hi}} estimate of numbers"
+        for key, (low, high) in ranges.items():
+            e = s.get(key)
+            value = e.get("value") if isinstance(e, dict) else None
+            if _number(value) and not low <= value <= high:
+                yield f"{where}.{key}.value = {value!r} is outside [{low}, {high}] (B = {block})"
+        if len(shares) != block:
+            yield f"{where}.accepted_at_least holds {len(shares)} entries, not one per k = 1..{block}"
+        values = [e["value"] for e in shares]
+        for k in range(1, len(values)):
+            if _number(values[k]) and _number(values[k - 1]) and values[k] > values[k - 1]:
+                yield (f"{where}.accepted_at_least[{k}].value = {values[k]!r} exceeds the share "
+                       f"of k = {k}: at least k+1 accepted is at least k accepted")  # fmt: skip
+
+
+def _is_estimate(e: object) -> bool:
+    """``{value, lo, hi}``: a number, and bounds that are numbers or null (no interval)."""
+    return (
+        isinstance(e, dict)
+        and _number(e.get("value"))
+        and all(_number(e.get(x)) or e.get(x) is None for x in ("lo", "hi"))
+    )
