@@ -141,3 +141,21 @@ def test_the_shipped_file_and_null_intervals_are_accepted(tmp_path, spec):
 def test_an_estimate_that_is_not_numbers_is_refused(tmp_path, spec, key, value):
     expected = f"{FP8}.{key} = {value!r} is not a {{value, lo, hi}} estimate of numbers"
     _refused(tmp_path, _with(spec, f"{FP8}.{key}", value), expected)
+
+
+def test_a_card_with_measured_acceptance_is_rewritten_in_place(tmp_path, spec):
+    """calibration.png is one of the card's own figures: writing the card again over itself
+    replaces it instead of calling its figures folder someone else's."""
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    args = [
+        "card",
+        *map(str, RESULTS),
+        "--speculate",
+        str(path),
+        "--output",
+        str(tmp_path / "CARD.md"),
+    ]
+    cli_ok(args)
+    assert (tmp_path / "CARD_files" / "calibration.png").is_file()
+    cli_ok(args)
