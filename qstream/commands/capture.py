@@ -17,6 +17,7 @@ from qstream.cliutil import (
     list_option,
     option,
     sampling_option,
+    seed_option,
     write_json,
 )
 from qstream.progress import counter
@@ -81,7 +82,7 @@ if TYPE_CHECKING:
 @sampling_option("temperature", "With --generate: the evaluation's temperature.")
 @sampling_option("top_p", "With --generate: the evaluation's (verifier's) top-p.")
 @sampling_option("top_k", "With --generate: the evaluation's top-k.")
-@count_option("seed", 0, "With --generate: same seed, same streams.", minimum=0)
+@seed_option("With --generate: same seed, same streams.")
 @option(
     "export",
     type=click.Choice(CAPTURE_EXPORTS),

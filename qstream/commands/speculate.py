@@ -18,6 +18,7 @@ from qstream.cliutil import (
     make_console,
     option,
     sampling_option,
+    seed_option,
     variant_option,
     write_json,
 )
@@ -81,7 +82,7 @@ if TYPE_CHECKING:
     "verification.",
 )
 @sampling_option("temperature", "Temperature of the drafter and the verifier (greedy ignores it).")
-@count_option("seed", 0, "Prompt i decodes with seed + i, for every variant.", minimum=0)
+@seed_option("Prompt i decodes with seed + i, for every variant.")
 @option(
     "dtype",
     type=click.Choice(CAPTURE_DTYPES),
