@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import cli_ok
+from cli_helpers import cli_error, cli_ok
 from click.testing import CliRunner
 from hf_targets import make_qwen3_target
 from safetensors.torch import load_file, save_file
@@ -79,6 +79,35 @@ def _poke(name: str, value: float):
     return edit
 
 
+def test_a_non_finite_target_weight_is_refused_naming_it(pair, tmp_path):
+    for name, value in (("model.layers.2.mlp.down_proj.weight", float("nan")),
+                        ("model.norm.weight", float("inf"))):  # fmt: skip
+        target = _copy(pair[0], tmp_path, name)
+        _edit(target, _poke(name, value))
+        error = cli_error(_speculate(pair, target, None, "--dtype", "float32"))
+        assert name in error and "NaN or Inf" in error and str(target) in error
+        assert name in cli_error(_capture(pair, tmp_path / "out", target))
+        assert not (tmp_path / "out").exists()
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_refused(pair, tmp_path):
+    missing = _copy(pair[0], tmp_path, "missing")
+    _edit(missing, lambda t: t.pop("model.layers.5.mlp.down_proj.weight"))
+    error = cli_error(_speculate(pair, missing, None, "--dtype", "float32"))
+    assert "model.layers.5.mlp.down_proj.weight" in error and WEIGHTS in error
+    assert "missing" in error
+    extra = _copy(pair[0], tmp_path, "extra")
+    _edit(extra, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2, 2)}))
+    error = cli_error(_capture(pair, tmp_path / "out", extra))
+    assert "model.layers.0.mlp.extra.weight" in error and WEIGHTS in error
+    shape = _copy(pair[0], tmp_path, "shape")
+    name = "model.layers.1.self_attn.q_proj.weight"
+    _edit(shape, lambda t: t.update({name: t[name][:40].clone()}))
+    error = cli_error(_speculate(pair, shape))
+    assert name in error and "(40, 64)" in error and "(64, 64)" in error and WEIGHTS in error
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_largest_seed_decodes_and_one_more_is_a_usage_error(pair, tmp_path):
     assert SEED_MAX == 2**63 - 1
     args = [*_speculate(pair), "--rule", "probabilistic", "--json", "-"]
@@ -92,3 +121,20 @@ def test_the_largest_seed_decodes_and_one_more_is_a_usage_error(pair, tmp_path):
         assert result.exit_code == 2 and "--seed" in result.stderr, result.output
         assert "Traceback" not in result.output
     assert not (tmp_path / "no").exists()
+
+
+def test_a_target_without_its_tokenizer_is_named(pair, tmp_path):
+    target = _copy(pair[0], tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (target / name).unlink()
+    error = cli_error(_speculate(pair, target))
+    assert "tokenizer.json" in error and str(target) in error and "corpus" not in error
+    error = cli_error(_capture(pair, tmp_path / "out", target))
+    assert "tokenizer.json" in error and "no document" not in error
+
+
+def test_transformers_own_loading_output_stays_out(pair, tmp_path):
+    """transformers' "Loading weights" bar and load report would interleave with qstream's."""
+    for args in (_speculate(pair), _capture(pair, tmp_path / "states")):
+        stderr = cli_ok(args).stderr
+        assert "Loading weights" not in stderr and "LOAD REPORT" not in stderr, args[0]
