@@ -90,6 +90,45 @@ def test_a_non_finite_target_weight_is_refused_naming_it(pair, tmp_path):
         assert not (tmp_path / "out").exists()
 
 
+def test_non_finite_target_states_stop_the_decode_naming_the_position(pair, tmp_path):
+    """Finite weights whose float16 activations overflow: the decode stops at the first
+    position whose hidden states or logits are not finite."""
+    target = _copy(pair[0], tmp_path)
+    mlp = "model.layers.0.mlp"
+    _edit(target, lambda t: t.update({f"{mlp}.{n}_proj.weight": t[f"{mlp}.{n}_proj.weight"] * 1e3
+                                      for n in ("gate", "up")}))  # fmt: skip
+    error = cli_error(_speculate(pair, target, None, "--dtype", "float16"))
+    assert "prompt 0: the target's hidden states at position 0 are not finite" in error
+
+
+def test_the_decode_names_the_first_non_finite_logit(pair):
+    """The check runs at every verification, not only at the prefill: a NaN the final norm
+    gives at the second position of the first verification is named by its position."""
+    from qstream.arch.registry import architecture_of, load_config
+    from qstream.capture.target import load_target
+    from qstream.errors import QStreamError
+    from qstream.speculate.decode import speculative_decode
+
+    target = load_target(pair[0], torch.float32).model
+    config = load_config(pair[1])
+    arch = architecture_of(config)
+    draft = arch.build(config, arch.load_weights(pair[1], pair[0], config), torch.float32, "cpu")
+    calls = []
+
+    def poison(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:
+            output[:, 1] = float("nan")
+
+    prompt = [5, 6, 7, 8]
+    handle = target.model.norm.register_forward_hook(poison)
+    try:
+        with pytest.raises(QStreamError, match=rf"logits at position {len(prompt) + 1} "):
+            speculative_decode(target, draft, prompt, 8)
+    finally:
+        handle.remove()
+
+
 def test_missing_unexpected_and_misshapen_tensors_are_refused(pair, tmp_path):
     missing = _copy(pair[0], tmp_path, "missing")
     _edit(missing, lambda t: t.pop("model.layers.5.mlp.down_proj.weight"))
