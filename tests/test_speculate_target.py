@@ -147,6 +147,43 @@ def test_missing_unexpected_and_misshapen_tensors_are_refused(pair, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_non_finite_draft_weight_is_refused_in_every_format(pair, tmp_path):
+    draft = _copy(pair[1], tmp_path)
+    _edit(draft, _poke("layers.0.mlp.down_proj.weight", float("nan")))
+    for formats in ("bf16", "fp32", "nvfp4"):
+        error = cli_error(_speculate(pair, None, draft, "--formats", formats))
+        assert "layers.0.mlp.down_proj.weight" in error and "NaN or Inf" in error, formats
+
+
+def test_more_prompts_than_the_corpus_holds_are_refused(pair):
+    error = cli_error([*_speculate(pair), "--prompts", "5"])
+    assert "--prompts 5" in error and "1 document" in error and str(pair[2]) in error
+
+
+def test_a_decode_past_the_targets_positions_is_refused(pair, tmp_path):
+    """The longest sequence the target reads is the prompt, the new tokens but the last, and one
+    draft block: at max_position_embeddings it decodes, one more is refused before decoding
+    (with --capture, whose streams run on for a block and a token, two fewer)."""
+    from transformers import AutoTokenizer
+
+    from qstream.arch.registry import load_config
+
+    prompt = len(AutoTokenizer.from_pretrained(pair[0])(QUESTION + "\n")["input_ids"])
+    block = load_config(pair[1]).block_size
+    target = _copy(pair[0], tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(
+        json.dumps({**config, "max_position_embeddings": prompt + 4 + block - 1})
+    )
+    cli_ok([*_speculate(pair, target), "--new-tokens", "4"])
+    error = cli_error([*_speculate(pair, target), "--new-tokens", "5"])
+    assert f"max_position_embeddings {prompt + 4 + block - 1}" in error
+    assert f"{prompt + 5 + block - 1} positions" in error
+    capture = cli_error([*_speculate(pair, target), "--capture", str(tmp_path / "states")])
+    assert f"{prompt + 4 + block + 1} positions" in capture  # its streams run on a block and one
+    assert "1100" in cli_error([*_speculate(pair), "--new-tokens", "1100"])
+
+
 def test_the_largest_seed_decodes_and_one_more_is_a_usage_error(pair, tmp_path):
     assert SEED_MAX == 2**63 - 1
     args = [*_speculate(pair), "--rule", "probabilistic", "--json", "-"]

@@ -19,7 +19,7 @@ import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.capture.streams import CorpusDocs, corpus_docs
-from qstream.capture.target import DTYPES, check_draft, load_target
+from qstream.capture.target import DTYPES, check_draft, check_finite, load_target
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
@@ -103,12 +103,12 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     if not selection.include:
         selection = replace(selection, include=arch.quantize_include)
     weights = arch.load_weights(s.model, s.target, config)
+    check_finite(weights.items(), f"--model {s.model}: draft tensor")
     variants = check_variants_derived(
         settings_variants(selection), s.model, weights, s.allow_foreign_variant
     )
     docs = corpus_docs(s.corpus)
-    target = load_target(s.target, DTYPES[s.dtype])
-    prompts = _prompts(target.tokenizer, docs, s.prompts, config.vocab_size)
+    target, prompts = _target_and_prompts(s, docs, config)
     results = _description(s, selection, config, shape, docs)
     decoded = {}
     for v in variants:
@@ -156,6 +156,28 @@ def _capture_record(s: SpeculateSettings, config: DraftConfig, shape: TargetShap
         "draft": str(Path(s.model).resolve()),
         "qstream_version": qstream.__version__,
     }
+
+
+def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig):
+    """The target, loaded once the corpus is known to hold --prompts documents, and the prompts,
+    refused before decoding when the target would read past its max_position_embeddings: the
+    longest prompt, all new tokens but the last, and one drafted block (--capture: its stream
+    runs on for a block and one token more, read by one forward)."""
+    if len(docs.texts) < s.prompts:
+        raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
+                           f"{len(docs.texts)} document(s)")  # fmt: skip
+    target = load_target(s.target, DTYPES[s.dtype])
+    prompts = _prompts(target.tokenizer, docs, s.prompts, config.vocab_size)
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    prompt = max(len(p) for p in prompts)
+    longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
+    if limit is not None and longest > limit:
+        raise QStreamError(
+            f"--new-tokens {s.new_tokens}: the longest prompt ({prompt} tokens), the new tokens "
+            f"and a draft block ({config.block_size}) need {longest} positions, more than the "
+            f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
+        )
+    return target, prompts
 
 
 def _reporter(progress: Progress, total: int, name: str) -> Callable[[int], None]:
