@@ -214,3 +214,28 @@ def test_transformers_own_loading_output_stays_out(pair, tmp_path):
     for args in (_speculate(pair), _capture(pair, tmp_path / "states")):
         stderr = cli_ok(args).stderr
         assert "Loading weights" not in stderr and "LOAD REPORT" not in stderr, args[0]
+
+
+def test_on_a_cpu_the_target_defaults_to_float32(pair, tmp_path):
+    result = cli_ok([*_speculate(pair), "--json", "-"])
+    assert json.loads(result.stdout)["settings"]["target_dtype"] == "float32"
+    out = tmp_path / "states"
+    cli_ok(_capture(pair, out))
+    assert json.loads((out / "capture.json").read_text())["dtype"] == "float32"
+    for command in ("speculate", "capture"):
+        help_text = " ".join(cli_ok([command, "--help"]).stdout.split())
+        assert "float32 on a CPU, bfloat16 on CUDA" in help_text, command
+
+
+def test_speculate_runs_the_target_on_the_device_asked_for(pair):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: test_the_target_on_cuda_decodes_as_on_the_cpu")
+    assert "CUDA is not available" in cli_error([*_speculate(pair), "--device", "cuda"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_target_on_cuda_decodes_as_on_the_cpu(pair):
+    args = [*_speculate(pair), "--dtype", "float32", "--new-tokens", "16", "--json", "-"]
+    cpu = json.loads(cli_ok(args).stdout)
+    cuda = json.loads(cli_ok([*args, "--device", "cuda"]).stdout)
+    assert cuda["settings"]["device"] == "cuda" and cuda["runs"] == cpu["runs"]

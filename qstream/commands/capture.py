@@ -63,9 +63,8 @@ if TYPE_CHECKING:
 @option(
     "dtype",
     type=click.Choice(CAPTURE_DTYPES),
-    default="bfloat16",
-    show_default=True,
-    help="The target's weights, compute and the states written.",
+    help="The target's weights, compute and the states written. Default: float32 on a CPU, "
+    "bfloat16 on CUDA (and with --device-map).",
 )
 @device_option("Where the target runs (one device; see --device-map).")
 @option(

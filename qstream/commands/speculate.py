@@ -12,6 +12,7 @@ from qstream.clitypes import CommaChoice
 from qstream.cliutil import (
     Command,
     count_option,
+    device_option,
     flag_option,
     json_option,
     list_option,
@@ -86,10 +87,10 @@ if TYPE_CHECKING:
 @option(
     "dtype",
     type=click.Choice(CAPTURE_DTYPES),
-    default="bfloat16",
-    show_default=True,
-    help="The target's weights and compute (the variants compute in bf16, fp32 in fp32).",
+    help="The target's weights and compute (the variants compute in bf16, fp32 in fp32). "
+    "Default: float32 on a CPU, bfloat16 on CUDA.",
 )
+@device_option("Where the target runs (the draft drafts on the CPU).")
 @option(
     "capture",
     type=click.Path(file_okay=False),

@@ -53,8 +53,8 @@ def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict 
     given, which it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
     inner = target.model
     with torch.no_grad(), LayerTap(inner.layers, inner.norm, layer_ids) as tap:
-        logits = target(input_ids=ids, use_cache=kv is not None, **(kv or {})).logits
-    return tap.aux(), logits[0].float()
+        logits = target(input_ids=ids.to(target.device), use_cache=kv is not None, **(kv or {}))
+    return tap.aux(), logits.logits[0].float().cpu()
 
 
 def new_cache(target) -> dict:
@@ -71,8 +71,8 @@ def target_greedy(target, prompt: list[int], new_tokens: int) -> list[int]:
     ids = list(prompt)
     for _ in range(new_tokens):
         with torch.no_grad():
-            logits = target(input_ids=torch.tensor([ids]), use_cache=False).logits
-        ids.append(int(logits[0, -1].float().argmax()))
+            logits = target(input_ids=torch.tensor([ids], device=target.device), use_cache=False)
+        ids.append(int(logits.logits[0, -1].float().argmax()))
     return ids[len(prompt) :]
 
 
