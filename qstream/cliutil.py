@@ -124,6 +124,17 @@ def count_option(name: str, default: int | None, help: str, minimum: int = 1, **
     )
 
 
+# torch's generators take seeds up to 2**64 - 1: a run adds small offsets to its seed (prompt i
+# decodes with seed + i) or folds what it derives into that range (capture's stream_seed)
+SEED_MAX = 2**63 - 1
+
+
+def seed_option(help: str):
+    """``--seed``: 0 .. SEED_MAX; outside, a usage error rather than an overflow inside torch."""
+    type_ = click.IntRange(0, SEED_MAX)
+    return option("seed", type=type_, default=0, show_default=True, help=help)
+
+
 def flag_option(name: str, help: str):
     return option(name, is_flag=True, help=help)
 

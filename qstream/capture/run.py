@@ -8,7 +8,7 @@ positions' states discarded), writing each stream's file as its batch completes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from qstream.capture.target import (
     LoadedTarget,
     check_draft,
     decoder_parts,
+    default_dtype,
     layer_output_ids,
     load_target,
 )
@@ -56,7 +57,7 @@ class CaptureSettings:
     corpus: str | None = None  # GSM8K JSONL or text; None: the built-in GSM8K test split
     layers: tuple[int, ...] | None = None  # overrides the draft's target_layer_ids
     layer_convention: str = "layer-output"  # the convention --layers is written in
-    dtype: str = "bfloat16"  # the target's weights, compute and the files' states
+    dtype: str | None = None  # the target's weights, compute and the states; None: default_dtype
     device: str = "cpu"
     device_map: str | None = None  # "auto": accelerate spreads the target over devices
     max_tokens: int = 512  # corpus tokens per stream (the prompt, with --generate)
@@ -123,6 +124,7 @@ def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config:
 
 def run_capture(s: CaptureSettings, progress: Progress | None = None) -> CaptureSummary:
     """Capture (or resume capturing) ``s.output``; returns what was written."""
+    s = replace(s, dtype=s.dtype or default_dtype(s.device, s.device_map))
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
     config = load_config(s.model)

@@ -63,7 +63,7 @@ def select_streams(
 
 def stream_seed(seed: int, index: int) -> int:
     """Each stream's own seed, so that a stream's sample does not depend on which others ran."""
-    return seed * 1_000_003 + index
+    return (seed * 1_000_003 + index) % 2**64  # torch's generators take 0 .. 2**64 - 1
 
 
 @torch.no_grad()

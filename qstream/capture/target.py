@@ -9,6 +9,8 @@ with a checkpoint runs only with ``trust_remote_code``.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,12 @@ from qstream.errors import QStreamError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONVENTIONS = ("layer-output", "hidden-states-index")
+# a file transformers builds a tokenizer from (without one it builds an empty vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "vocab.*", "*.model", "*.tiktoken")
+# the file a tensor of the checkpoint is looked up in: the shard index or the one weights file
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                "pytorch_model.bin")  # fmt: skip
+CHUNK = 1 << 24  # elements per finiteness check
 
 
 @dataclass
@@ -53,6 +61,58 @@ def check_remote_code(target: str | Path, trust_remote_code: bool) -> None:
         )
 
 
+def default_dtype(device: str, device_map: str | None = None) -> str:
+    """``--dtype`` left out: float32 on a CPU (bf16 matmuls there are several times slower),
+    bfloat16 on CUDA and under ``--device-map``."""
+    return "float32" if device == "cpu" and device_map is None else "bfloat16"
+
+
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+    """One line naming the first floating-point tensor holding NaN or Inf (``what`` says whose),
+    checked in chunks so that a large target needs little extra memory."""
+    for name, t in tensors:
+        flat = t.detach().reshape(-1)
+        if t.is_floating_point() and t.device.type != "meta":
+            chunks = (flat[i : i + CHUNK].float() for i in range(0, flat.numel(), CHUNK))
+            if not all(bool(c.isfinite().all()) for c in chunks):
+                raise QStreamError(f"{what} {name} holds NaN or Inf")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' loading bar and load report left out: qstream reports what matters."""
+    from transformers.utils import logging
+
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
+
+
+def _check_loaded(target: str | Path, model: Any, info: dict) -> None:
+    """Every tensor the model has, read from the checkpoint with its shape, and no other, and
+    all finite: transformers would fill a missing one with random values."""
+    where = next((n for n in WEIGHT_FILES if (Path(target) / n).is_file()), "its weights")
+    name = type(model).__name__
+    problems = [f"{where} is missing tensor {key} of {name}" for key in info["missing_keys"]]
+    problems += [
+        f"{where} holds tensor {key}, unknown to {name}" for key in info["unexpected_keys"]
+    ]
+    problems += [
+        f"tensor {key} in {where} has shape {tuple(stored)}, {name} expects {tuple(expected)}"
+        for key, stored, expected in info["mismatched_keys"]
+    ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise QStreamError(f"--target {target}: {min(problems)}{more}")
+    check_finite(model.named_parameters(), f"--target {target}: weight")
+
+
 def load_target(
     target: str | Path,
     dtype: torch.dtype,
@@ -60,24 +120,33 @@ def load_target(
     device_map: str | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedTarget:
-    """The target model (eval mode, no gradients) and its tokenizer, from local files."""
+    """The target model (eval mode, no gradients) and its tokenizer, from local files; a
+    checkpoint that does not fill the model exactly, or holds NaN or Inf, is refused."""
     check_remote_code(target, trust_remote_code)
+    if not any(next(Path(target).glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise QStreamError(f"--target {target}: no tokenizer.json (nor vocab.*, *.model): "
+                           "the target's tokenizer is missing")  # fmt: skip
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     common = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(target), **common)
+        with _quiet():
+            tokenizer = AutoTokenizer.from_pretrained(str(target), **common)
     except (OSError, ValueError, KeyError) as exc:
         raise QStreamError(f"--target {target}: cannot load its tokenizer: {_first_line(exc)}")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(target), dtype=dtype, device_map=device_map, **common
-        )
-    except (OSError, ValueError, KeyError, ImportError) as exc:
+        with _quiet():
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                str(target), dtype=dtype, device_map=device_map, output_loading_info=True,
+                ignore_mismatched_sizes=True, **common
+            )  # fmt: skip
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as exc:
         raise QStreamError(f"--target {target}: cannot load the model: {_first_line(exc)}")
+    model, info = loaded
     module: torch.nn.Module = model  # transformers' own typing of .to() confuses mypy
     if device_map is None:
         module.to(torch.device(device))
+    _check_loaded(target, model, info)
     module.eval().requires_grad_(False)
     layers, _ = decoder_parts(model)
     first = next(layers[0].parameters(), None)

@@ -17,6 +17,7 @@ from qstream.cliutil import (
     list_option,
     option,
     sampling_option,
+    seed_option,
     write_json,
 )
 from qstream.progress import counter
@@ -63,9 +64,8 @@ if TYPE_CHECKING:
 @option(
     "dtype",
     type=click.Choice(CAPTURE_DTYPES),
-    default="bfloat16",
-    show_default=True,
-    help="The target's weights, compute and the states written.",
+    help="The target's weights, compute and the states written. Default: float32 on a CPU, "
+    "bfloat16 on CUDA (and with --device-map).",
 )
 @device_option("Where the target runs (one device; see --device-map).")
 @option(
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 @sampling_option("temperature", "With --generate: the evaluation's temperature.")
 @sampling_option("top_p", "With --generate: the evaluation's (verifier's) top-p.")
 @sampling_option("top_k", "With --generate: the evaluation's top-k.")
-@count_option("seed", 0, "With --generate: same seed, same streams.", minimum=0)
+@seed_option("With --generate: same seed, same streams.")
 @option(
     "export",
     type=click.Choice(CAPTURE_EXPORTS),

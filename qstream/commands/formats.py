@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 from rich.table import Table as RichTable
 
-from qstream.cliutil import Command, count_option, json_option, make_console, write_json
+from qstream.cliutil import Command, json_option, make_console, seed_option, write_json
 from qstream.progress import step
 from qstream.tablefit import Column, fitted_table
 
@@ -47,7 +47,7 @@ def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]
 
 
 @click.command(cls=Command)
-@count_option("seed", 0, "Seed of the Gaussian test tensor.", minimum=0)
+@seed_option("Seed of the Gaussian test tensor.")
 @json_option()
 def formats(seed: int, json_path: str | None) -> None:
     """Show the weight formats qstream writes and their weight SNR.

@@ -12,12 +12,14 @@ from qstream.clitypes import CommaChoice
 from qstream.cliutil import (
     Command,
     count_option,
+    device_option,
     flag_option,
     json_option,
     list_option,
     make_console,
     option,
     sampling_option,
+    seed_option,
     variant_option,
     write_json,
 )
@@ -82,14 +84,14 @@ if TYPE_CHECKING:
     "verification.",
 )
 @sampling_option("temperature", "Temperature of the drafter and the verifier (greedy ignores it).")
-@count_option("seed", 0, "Prompt i decodes with seed + i, for every variant.", minimum=0)
+@seed_option("Prompt i decodes with seed + i, for every variant.")
 @option(
     "dtype",
     type=click.Choice(CAPTURE_DTYPES),
-    default="bfloat16",
-    show_default=True,
-    help="The target's weights and compute (the variants compute in bf16, fp32 in fp32).",
+    help="The target's weights and compute (the variants compute in bf16, fp32 in fp32). "
+    "Default: float32 on a CPU, bfloat16 on CUDA.",
 )
+@device_option("Where the target runs (the draft drafts on the CPU).")
 @option(
     "capture",
     type=click.Path(file_okay=False),

@@ -53,8 +53,8 @@ def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict 
     given, which it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
     inner = target.model
     with torch.no_grad(), LayerTap(inner.layers, inner.norm, layer_ids) as tap:
-        logits = target(input_ids=ids, use_cache=kv is not None, **(kv or {})).logits
-    return tap.aux(), logits[0].float()
+        logits = target(input_ids=ids.to(target.device), use_cache=kv is not None, **(kv or {}))
+    return tap.aux(), logits.logits[0].float().cpu()
 
 
 def new_cache(target) -> dict:
@@ -71,8 +71,8 @@ def target_greedy(target, prompt: list[int], new_tokens: int) -> list[int]:
     ids = list(prompt)
     for _ in range(new_tokens):
         with torch.no_grad():
-            logits = target(input_ids=torch.tensor([ids]), use_cache=False).logits
-        ids.append(int(logits[0, -1].float().argmax()))
+            logits = target(input_ids=torch.tensor([ids], device=target.device), use_cache=False)
+        ids.append(int(logits.logits[0, -1].float().argmax()))
     return ids[len(prompt) :]
 
 
@@ -98,6 +98,7 @@ def speculative_decode(
     ids, out, layer_ids = list(prompt), Decoded(), config.target_layer_ids
     kv = new_cache(target) if cache else None
     aux, logits = target_pass(target, torch.tensor([ids]), layer_ids, kv)
+    _check_finite(aux, logits, 0)
     out.forwards += 1
     ids.append(_pick(logits[-1], rule, temperature, gen))
     while len(ids) - len(prompt) < new_tokens:
@@ -107,6 +108,7 @@ def speculative_decode(
             aux, logits = target_pass(target, torch.tensor([ids + drafted]), layer_ids)
         else:  # the cache holds positions 0..p-1: read the anchor and the block only
             new_aux, logits = target_pass(target, torch.tensor([ids[p:] + drafted]), layer_ids, kv)
+        _check_finite(aux if kv is None else new_aux, logits, 0 if kv is None else p)
         out.forwards += 1
         emitted = _verify(logits[-len(drafted) - 1 :], drafted, q, rule, temperature, gen)
         if kv is not None:  # keep the anchor and the accepted drafts: positions 0..p + accepted
@@ -120,6 +122,17 @@ def speculative_decode(
         ids.extend(emitted)
     out.tokens = ids[len(prompt) : len(prompt) + new_tokens]
     return out
+
+
+def _check_finite(aux: torch.Tensor, logits: torch.Tensor, start: int) -> None:
+    """A forward's hidden states (aux [1, T, A]) and logits [T, V], of positions start..,
+    finite: NaN or Inf would be decoded as a token (argmax) and counted as acceptance."""
+    for what, rows in (("hidden states", aux[0]), ("logits", logits)):
+        bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()
+        if len(bad):
+            raise QStreamError(
+                f"the target's {what} at position {start + int(bad[0])} are not finite (NaN or Inf)"
+            )
 
 
 def _pick(logits: torch.Tensor, rule: str, temperature: float, gen: torch.Generator) -> int:

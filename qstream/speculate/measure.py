@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from scipy import stats
 
+from qstream.errors import QStreamError
 from qstream.eval.estimates import Estimate, pooled_proportion
 from qstream.speculate.decode import Decoded, speculative_decode
 
@@ -56,7 +57,11 @@ def decode_prompts(
     draft, so that variants differ only by their drafts); ``done(i + 1)`` after prompt i."""
     runs = []
     for i, p in enumerate(prompts):
-        runs.append(speculative_decode(target, draft, p, new_tokens, rule, temperature, seed + i))
+        try:
+            run = speculative_decode(target, draft, p, new_tokens, rule, temperature, seed + i)
+        except QStreamError as exc:  # which prompt: the decode knows only the position
+            raise QStreamError(f"prompt {i}: {exc}") from None
+        runs.append(run)
         if done is not None:
             done(i + 1)
     return runs

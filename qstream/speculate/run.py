@@ -19,9 +19,10 @@ import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.capture.streams import CorpusDocs, corpus_docs
-from qstream.capture.target import DTYPES, check_draft, load_target
+from qstream.capture.target import DTYPES, check_draft, check_finite, default_dtype, load_target
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.target import TargetShape, read_target_shape
+from qstream.device import resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.settings import DriftSettings
@@ -48,7 +49,8 @@ class SpeculateSettings:
     rule: str = "greedy"  # the verification rule (decode.RULES)
     temperature: float = 1.0
     seed: int = 0  # prompt i decodes with seed + i, the same for every variant
-    dtype: str = "bfloat16"  # the target's weights and compute
+    dtype: str | None = None  # the target's weights and compute; None: default_dtype(device)
+    device: str = "cpu"  # where the target runs (the draft drafts on the CPU)
     # the variants, as eval-drift names them (qstream/eval/variants.py)
     formats: tuple[str, ...] = VARIANT_FORMATS
     variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
@@ -74,6 +76,7 @@ class SpeculateSettings:
 def _check(s: SpeculateSettings, config: DraftConfig) -> None:
     if s.rule not in RULES:
         raise QStreamError(f"--rule {s.rule!r}: choose one of {', '.join(RULES)}")
+    resolve_device(s.device)
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
     if s.prompts < 1 or s.new_tokens < 2:  # one token is the prefill's: no verification
@@ -92,6 +95,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     """Check everything, load the target, decode every prompt with each variant; returns the
     JSON-ready results (docs/speculate.md)."""
     config = load_config(s.model)
+    s = replace(s, dtype=s.dtype or default_dtype(s.device))
     _check(s, config)
     shape = read_target_shape(s.target)
     check_draft(config, shape, config.target_layer_ids)
@@ -103,12 +107,12 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     if not selection.include:
         selection = replace(selection, include=arch.quantize_include)
     weights = arch.load_weights(s.model, s.target, config)
+    check_finite(weights.items(), f"--model {s.model}: draft tensor")
     variants = check_variants_derived(
         settings_variants(selection), s.model, weights, s.allow_foreign_variant
     )
     docs = corpus_docs(s.corpus)
-    target = load_target(s.target, DTYPES[s.dtype])
-    prompts = _prompts(target.tokenizer, docs, s.prompts, config.vocab_size)
+    target, prompts = _target_and_prompts(s, docs, config)
     results = _description(s, selection, config, shape, docs)
     decoded = {}
     for v in variants:
@@ -152,10 +156,32 @@ def _capture_record(s: SpeculateSettings, config: DraftConfig, shape: TargetShap
         "max_tokens": None,
         "corpus": docs.name,
         "corpus_sha256": docs.sha256,
-        "device": "cpu",
+        "device": s.device,
         "draft": str(Path(s.model).resolve()),
         "qstream_version": qstream.__version__,
     }
+
+
+def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig):
+    """The target, loaded once the corpus is known to hold --prompts documents, and the prompts,
+    refused before decoding when the target would read past its max_position_embeddings: the
+    longest prompt, all new tokens but the last, and one drafted block (--capture: its stream
+    runs on for a block and one token more, read by one forward)."""
+    if len(docs.texts) < s.prompts:
+        raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
+                           f"{len(docs.texts)} document(s)")  # fmt: skip
+    target = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
+    prompts = _prompts(target.tokenizer, docs, s.prompts, config.vocab_size)
+    limit = getattr(target.model.config, "max_position_embeddings", None)
+    prompt = max(len(p) for p in prompts)
+    longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
+    if limit is not None and longest > limit:
+        raise QStreamError(
+            f"--new-tokens {s.new_tokens}: the longest prompt ({prompt} tokens), the new tokens "
+            f"and a draft block ({config.block_size}) need {longest} positions, more than the "
+            f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
+        )
+    return target, prompts
 
 
 def _reporter(progress: Progress, total: int, name: str) -> Callable[[int], None]:
@@ -204,6 +230,7 @@ def _description(
             "temperature": s.temperature,
             "seed": s.seed,
             "target_dtype": s.dtype,
+            "device": s.device,
             "selection": {"include": list(selection.include), "ignore": list(selection.ignore)},
         },
         "provenance": {
