@@ -32,6 +32,7 @@ from qstream.cliutil import (
     make_console,
     option,
     sampling_option,
+    seed_option,
     variant_option,
     write_json,
 )
@@ -89,12 +90,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     help="Aux regime. Default: heavy, or none when --states is given.",
 )
 @count_option("blocks", 1024, "Blocks per regime.")
-@count_option(
-    "seed",
-    0,
-    "Seed of the block positions, aux states and sampling noise (same seed, same JSON).",
-    minimum=0,
-)
+@seed_option("Seed of the block positions, aux states and sampling noise (same seed, same JSON).")
 @list_option(
     "include_layers",
     help="Modules the simulated formats quantize (default: the draft architecture's shipped "

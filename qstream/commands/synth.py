@@ -10,11 +10,11 @@ import click
 from qstream.arch.registry import ARCHITECTURES
 from qstream.cliutil import (
     Command,
-    count_option,
     device_option,
     flag_option,
     json_option,
     option,
+    seed_option,
     write_json,
 )
 from qstream.progress import counter
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     "(Qwen3-8B shapes, 2.3 GB).  [default: tiny, or qwen3-tiny for a Qwen3 --target]",
 )
 @option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
-@count_option("seed", 0, "Same seed, same bytes.", minimum=0)
+@seed_option("Same seed, same bytes.")
 @option(
     "corpus",
     type=click.Path(dir_okay=False, exists=True),

@@ -34,7 +34,7 @@ _REGIME_SALT = {"gauss": 101, "heavy": 202, "boot": 303}
 
 def _generator(seed: int, regime: str, stream: int) -> torch.Generator:
     return torch.Generator().manual_seed(
-        (seed * 1_000_003 + _REGIME_SALT[regime]) * 65_537 + stream
+        ((seed * 1_000_003 + _REGIME_SALT[regime]) * 65_537 + stream) % 2**64  # torch's range
     )
 
 

@@ -200,7 +200,7 @@ def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) 
     one vLLM request seed gives the same draws.  Drawn as ``-log(U)``, U uniform on [0, 1)
     (cheaper than torch's ``exponential_``): U = 0 gives +inf, a race its token cannot win, as
     Exp(1)'s far tail; no race is 0, since U < 1."""
-    gen = torch.Generator().manual_seed((seed * 7919 + 17) * 1_000_003 + batch_index)
+    gen = torch.Generator().manual_seed(((seed * 7919 + 17) * 1_000_003 + batch_index) % 2**64)
     shape = (n_blocks, config.block_size, config.vocab_size)
     return torch.empty(shape).uniform_(generator=gen).log_().neg_()
 

@@ -62,7 +62,8 @@ class SynthSummary:
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    # torch's generators take 0 .. 2**64 - 1: a large --seed folds into that range
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
 
 
 # Every random draw and every statistic is float64, rounded to bf16 only when written: float32
