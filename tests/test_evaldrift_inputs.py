@@ -12,6 +12,9 @@ import json
 
 import pytest
 import torch
+from cli_helpers import cli_error, cli_ok
+from qwen3_drafts import REDUCED, TINY, qwen3_tensors, write_qwen3_draft
+from safetensors.torch import save_file
 
 from qstream.errors import QStreamError
 from qstream.eval.corpus import Corpus, read_anchor_plan
@@ -38,3 +41,46 @@ def test_an_anchor_that_is_not_an_integer_is_refused(tmp_path, entry, named):
         read_anchor_plan(path, corpus, 7)
     message = str(refused.value)
     assert message.startswith(f"{path}: block 1 ") and f"{named} is not an integer" in message
+
+
+@pytest.mark.parametrize(
+    ("d2t", "message"),
+    [
+        (torch.full((512,), 5000), "d2t[0] = 5000 maps draft id 0 to target id 5000, outside"),
+        (torch.full((512,), -1), "d2t[0] = -1 maps draft id 0 to target id -1, outside"),
+        (torch.tensor([0, -1] + [0] * 510), "d2t[1] = -1 maps draft id 1 to target id 0, as "
+                                            "d2t[0] = 0"),
+        (torch.arange(512).float(), "tensor 'd2t' is float32, expected int64"),
+    ],
+)  # fmt: skip
+def test_a_d2t_that_maps_no_draft_id_to_its_own_target_id_is_refused(tmp_path, d2t, message):
+    """quantize refuses the input, verify the output and loading the draft: one check."""
+    from qstream.arch.dspark_qwen3.load import load_weights
+    from qstream.vllm.verify import verify_checkpoint
+
+    draft = write_qwen3_draft(tmp_path / "draft", REDUCED)
+    good = tmp_path / "good-fp8"
+    cli_ok(["quantize", "--model_dir", str(draft), "--output_dir", str(good),
+            "--quant_format", "fp8"])  # fmt: skip
+    tensors = {**qwen3_tensors(REDUCED), "d2t": d2t}
+    save_file(tensors, draft / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "fp8"
+    refused = cli_error(["quantize", "--model_dir", str(draft), "--output_dir", str(out),
+                         "--quant_format", "fp8"])  # fmt: skip
+    assert refused.startswith(f"Error: {draft}: {message}") and not out.exists()
+    with pytest.raises(QStreamError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_weights(draft, None, REDUCED)
+    shard = good / "model.safetensors"  # the output with d2t changed after quantize
+    from safetensors.torch import load_file
+
+    save_file({**load_file(shard), "d2t": d2t}, shard, metadata={"format": "pt"})
+    assert any(p.startswith(message) for p in verify_checkpoint(good).problems)
+
+
+def test_a_draft_vocabulary_larger_than_the_targets_is_refused(tmp_path):
+    draft = write_qwen3_draft(tmp_path / "draft", TINY)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 2048}))
+    refused = cli_error(["quantize", "--model_dir", str(draft), "--output_dir",
+                         str(tmp_path / "out"), "--quant_format", "fp8"])  # fmt: skip
+    assert "draft_vocab_size = 2048 must not exceed vocab_size (1024)" in refused

@@ -29,7 +29,7 @@ from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, fused_groups, profile_for
 from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.vllm.scope import checks_run
-from qstream.vllm.shapes import shape_problems
+from qstream.vllm.shapes import d2t_problems, shape_problems
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
 
@@ -98,6 +98,7 @@ def verify_checkpoint(
         _check_accounting(holders, quantized, targets, ignore, report)
     stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
     report.problems += shape_problems(profile, checkpoint.config, stored, fmt, quantized)
+    report.problems += d2t_problems(checkpoint)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
     integrity = _check_digests(checkpoint, report)
