@@ -9,6 +9,7 @@ architecture's serving rules through the public call."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from safetensors.torch import save_file
 
 from qstream.errors import QStreamError
 from qstream.eval.corpus import Corpus, read_anchor_plan
+
+PAIR = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,3 +87,24 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused(tmp_path):
     refused = cli_error(["quantize", "--model_dir", str(draft), "--output_dir",
                          str(tmp_path / "out"), "--quant_format", "fp8"])  # fmt: skip
     assert "draft_vocab_size = 2048 must not exceed vocab_size (1024)" in refused
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"speculators_model_type": "eagle9"},
+         "speculators_model_type = 'eagle9' is not a speculators draft qstream knows (known: "
+         "'dspark', 'dflash')"),
+        ({"transformer_layer_config": None}, "missing key 'transformer_layer_config'"),
+    ],
+)  # fmt: skip
+def test_a_speculators_config_is_named_by_its_own_keys(tmp_path, change, message):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config = {**json.loads((PAIR / "draft" / "config.json").read_text()), **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    (draft / "config.json").write_text(json.dumps(config))
+    (draft / "model.safetensors").symlink_to(PAIR / "draft" / "model.safetensors")
+    refused = cli_error(["eval-drift", "--model", str(draft), "--target", str(PAIR / "target")])
+    assert refused.startswith(f"Error: {draft / 'config.json'}: {message}")
+    assert "k3" not in refused.lower()
