@@ -108,3 +108,17 @@ def test_a_speculators_config_is_named_by_its_own_keys(tmp_path, change, message
     refused = cli_error(["eval-drift", "--model", str(draft), "--target", str(PAIR / "target")])
     assert refused.startswith(f"Error: {draft / 'config.json'}: {message}")
     assert "k3" not in refused.lower()
+
+
+def test_the_pairs_vllm_export_reads_back_with_the_targets_depth_and_tokenizer(tmp_path):
+    """The draft has no tokenizer and no target_num_hidden_layers: --target lends both."""
+    states, out = tmp_path / "hs", tmp_path / "r.json"
+    cli_ok(["capture", "--target", str(PAIR / "target"), "--model", str(PAIR / "draft"),
+            "--output", str(states), "--streams", "2", "--max-tokens", "24",
+            "--export", "vllm"])  # fmt: skip
+    cli_ok(["eval-drift", "--model", str(PAIR / "draft"), "--target", str(PAIR / "target"),
+            "--states", str(states), "--blocks", "4", "--formats", "bf16",
+            "--json", str(out)])  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["corpus"]["tokenizer"] == str(PAIR / "target" / "tokenizer.json")
+    assert results["states"]["layers"]["named_by"][0]["ids"] == [1, 2, 3, 4, 5, 6]
