@@ -122,3 +122,14 @@ def test_the_pairs_vllm_export_reads_back_with_the_targets_depth_and_tokenizer(t
     results = json.loads(out.read_text())
     assert results["corpus"]["tokenizer"] == str(PAIR / "target" / "tokenizer.json")
     assert results["states"]["layers"]["named_by"][0]["ids"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_verify_takes_the_targets_layer_count_from_target(tmp_path):
+    out = tmp_path / "nvfp4"
+    cli_ok(["quantize", "--model_dir", str(PAIR / "draft"), "--output_dir", str(out),
+            "--quant_format", "nvfp4"])  # fmt: skip
+    refused = cli_error(["verify", str(out)])
+    assert "pass the target checkpoint (--target DIR)" in refused
+    assert ", L=6" in cli_ok(["verify", str(out), "--target", str(PAIR / "target")]).output
+    both = ["verify", str(out), "--target", str(PAIR / "target"), "--target-layers", "6"]
+    assert "--target-layers and --target" in cli_error(both)

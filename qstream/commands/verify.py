@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 
 from qstream.clichoices import VLLM_VERSION
-from qstream.cliutil import Command, count_option, flag_option, json_option, write_json
+from qstream.cliutil import Command, count_option, flag_option, json_option, option, write_json
 from qstream.errors import QStreamError
 from qstream.progress import step
 
@@ -30,9 +30,17 @@ if TYPE_CHECKING:
     "target_layers",
     None,
     "The target's layer count, which offsets a draft's runtime layer names "
-    "(default: config.json's target_num_hidden_layers).",
+    "(default: --target's, else config.json's target_num_hidden_layers).",
     minimum=0,
     metavar="L",
+)
+@option(
+    "target",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="The target checkpoint: --target-layers is its config.json's num_hidden_layers, as "
+    "vLLM reads it (needed for a speculators-layout draft, whose config.json has no "
+    "target_num_hidden_layers).",
 )
 @flag_option(
     "deep",
@@ -49,6 +57,7 @@ def verify(
     directory: str,
     tensor_parallel_size: int,
     target_layers: int | None,
+    target: str | None,
     deep: bool,
     vllm: bool,
     json_path: str | None,
@@ -66,6 +75,7 @@ def verify(
     # here, not above: --help loads no torch
     from qstream.vllm.verify import verify_checkpoint
 
+    target_layers = _target_layers(target_layers, target)
     if vllm:
         _verify_with_vllm(directory, tensor_parallel_size, target_layers, deep, json_path)
         return
@@ -89,6 +99,17 @@ def verify(
     for problem in report.problems:
         click.echo(f"  {problem}", err=True)
     raise QStreamError(f"{report.directory}: {len(report.problems)} problem(s), listed above")
+
+
+def _target_layers(target_layers: int | None, target: str | None) -> int | None:
+    """L from --target-layers or --target (the target's config.json), None when neither."""
+    if target is None:
+        return target_layers
+    if target_layers is not None:
+        raise QStreamError("--target-layers and --target both give the target's layer count")
+    from qstream.checkpoint.target import read_target_shape
+
+    return read_target_shape(target).num_hidden_layers
 
 
 def _ok(report: VerifyReport) -> str:
