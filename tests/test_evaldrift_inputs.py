@@ -133,3 +133,23 @@ def test_verify_takes_the_targets_layer_count_from_target(tmp_path):
     assert ", L=6" in cli_ok(["verify", str(out), "--target", str(PAIR / "target")]).output
     both = ["verify", str(out), "--target", str(PAIR / "target"), "--target-layers", "6"]
     assert "--target-layers and --target" in cli_error(both)
+
+
+def test_simulated_nvfp4_shares_one_global_scale_across_q_k_v_of_a_qwen3_draft():
+    """vLLM fuses a Qwen3-style layer's q/k/v into one layer with one global scale: the public
+    call follows the draft's own architecture, not the K3 draft's rules."""
+    from qstream.arch.registry import architecture_of
+    from qstream.formats import dequantize, quantize
+    from qstream.formats.nvfp4 import tensor_amax
+    from qstream.quant.simulate import simulate_format
+
+    weights = qwen3_tensors(TINY)
+    arch = architecture_of(TINY)
+    simulated = simulate_format(weights, "nvfp4", arch.quantize_include, config=TINY)
+    names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    amaxes = [tensor_amax(weights[n]) for n in names]
+    assert len({float(a) for a in amaxes}) == 3  # one shared scale differs from each own one
+    shared = torch.stack(amaxes).max()
+    for name in names:
+        stored = quantize("nvfp4", weights[name], name=name, global_amax=shared)
+        assert torch.equal(simulated[name], dequantize("nvfp4", stored, dtype=torch.bfloat16))
