@@ -95,7 +95,7 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused(tmp_path):
         ({"speculators_model_type": "eagle9"},
          "speculators_model_type = 'eagle9' is not a speculators draft qstream knows (known: "
          "'dspark', 'dflash')"),
-        ({"transformer_layer_config": None}, "missing key 'transformer_layer_config'"),
+        ({"transformer_layer_config": None}, "transformer_layer_config = None must be an object"),
     ],
 )  # fmt: skip
 def test_a_speculators_config_is_named_by_its_own_keys(tmp_path, change, message):

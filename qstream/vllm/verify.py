@@ -98,7 +98,6 @@ def verify_checkpoint(
         _check_accounting(holders, quantized, targets, ignore, report)
     stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
     report.problems += shape_problems(profile, checkpoint.config, stored, fmt, quantized)
-    report.problems += d2t_problems(checkpoint)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
     integrity = _check_digests(checkpoint, report)
@@ -264,7 +263,8 @@ def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> Integrity:
 
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Value-level sanity of what the kernels divide or multiply by: each format's
-    ``bad_scales`` (docs/quantize.md, "qstream verify")."""
+    ``bad_scales`` (docs/quantize.md, "qstream verify"); and of a draft's d2t index map."""
+    report.problems += d2t_problems(checkpoint)
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     spec = FORMATS[fmt]
     for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
