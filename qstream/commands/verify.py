@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import click
 
 from qstream.clichoices import VLLM_VERSION
-from qstream.cliutil import Command, count_option, flag_option, json_option, option, write_json
+from qstream.cliutil import (
+    Command,
+    count_option,
+    flag_option,
+    json_option,
+    make_console,
+    option,
+    write_json,
+)
 from qstream.errors import QStreamError
 from qstream.progress import step
 
@@ -87,7 +96,7 @@ def verify(
     if report.ok:
         if json_path != "-":
             layers = f", L={report.target_layers}" if report.target_layers is not None else ""
-            click.echo(
+            _echo_wrapped(
                 f"{_ok(report)}: {report.directory}: {report.quant_format}, "
                 f"{len(report.modules_quantized)} quantized and "
                 f"{len(report.modules_ignored)} ignored modules; vLLM rules "
@@ -110,6 +119,13 @@ def _target_layers(target_layers: int | None, target: str | None) -> int | None:
     from qstream.checkpoint.target import read_target_shape
 
     return read_target_shape(target).num_hidden_layers
+
+
+def _echo_wrapped(text: str) -> None:
+    """``text`` wrapped between words at the terminal's width (COLUMNS), the lines after the
+    first indented; a path longer than a line is kept whole."""
+    width = make_console().width
+    click.echo(textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False))
 
 
 def _ok(report: VerifyReport) -> str:
@@ -183,7 +199,7 @@ def _echo_schemes(loaded: VllmLoadReport) -> None:
 
 def _echo_loaded(loaded: VllmLoadReport, report: VerifyReport | None) -> None:
     """The verdict of vLLM's loader, then qstream's checks where they ran."""
-    click.echo(
+    _echo_wrapped(
         f"OK: {loaded.directory}: loaded by vLLM {loaded.vllm_version}'s own DSpark loader "
         f"on CPU at L={loaded.target_layers}: {len(loaded.modules)} Linear modules, every "
         "stored tensor consumed, every parameter the stored bytes (kernels not run: no GPU)"
