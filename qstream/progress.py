@@ -113,10 +113,10 @@ class WorkEta:
         if self.since is None or not known:
             return None
         borrowed = max(known)  # a kind not yet run: the slowest pace so far
-        left = sum(
-            (borrowed if paces[k] is None else paces[k]) * max(0.0, planned - self.done[k])
-            for k, planned in self.planned.items()
-        )
+        left = 0.0
+        for k, planned in self.planned.items():
+            pace = paces[k]
+            left += (borrowed if pace is None else pace) * max(0.0, planned - self.done[k])
         return max(0.0, left - (self.clock() - self.since))
 
 

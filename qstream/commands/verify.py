@@ -9,15 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from qstream.clichoices import VLLM_VERSION
-from qstream.cliutil import (
-    Command,
-    count_option,
-    flag_option,
-    json_option,
-    make_console,
-    option,
-    write_json,
-)
+from qstream.cliutil import Command, count_option, flag_option, json_option, option, write_json
 from qstream.errors import QStreamError
 from qstream.progress import step
 
@@ -124,6 +116,8 @@ def _target_layers(target_layers: int | None, target: str | None) -> int | None:
 def _echo_wrapped(text: str) -> None:
     """``text`` wrapped between words at the terminal's width (COLUMNS), the lines after the
     first indented; a path longer than a line is kept whole."""
+    from qstream.cliutil import make_console  # the console's width: COLUMNS, else 200 in a pipe
+
     width = make_console().width
     click.echo(textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False))
 
