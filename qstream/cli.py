@@ -52,7 +52,7 @@ def cli() -> None:
 
     \b
     qstream quantize --model_dir IN --output_dir OUT --quant_format fp8
-    qstream eval-drift --regime heavy          drift of each format, built-in demo draft
+    qstream eval-drift --regime heavy     each format's drift, built-in draft
     qstream card results.json --output CARD.md
     """
 

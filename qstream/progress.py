@@ -49,50 +49,74 @@ def clock_text(seconds: float | None) -> str:
 
 class WorkEta:
     """The time a run has left, from the work it planned: each kind of pass (an FP32 reference,
-    the variants) timed at its own pace so far, seconds per unit of work, and its work left
-    charged at that pace; a kind not yet run at the pace of those that have.  The time since
-    the last report counts as spent on the work left."""
+    the variants, the sensitivity steps) timed at its own pace, seconds per unit of work, and
+    its work left charged at that pace; a kind not yet timed at the pace of those that have.
+    A kind's pace is taken after its first pass (``step``), whose one-off start-up (kernels
+    and shapes met for the first time, pages read, lazy set-up) would otherwise be
+    extrapolated over the whole run; until then, with it.  The time since the last report
+    counts as spent on the work left."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.planned: dict[str, float] = {}  # kind -> work planned
         self.done: dict[str, float] = {}  # kind -> work done
         self.seconds: dict[str, float] = {}  # kind -> seconds spent on it
+        self.paced: dict[str, list[float]] = {}  # kind -> [work, seconds] after its first pass
+        self.first: dict[str, str] = {}  # kind -> its first pass's step, while it runs
         self.since: float | None = None  # the last report (or the plan)
 
     def plan(self, work: Mapping[str, float]) -> None:
         self.planned = dict(work)
         self.done = dict.fromkeys(work, 0.0)
         self.seconds = dict.fromkeys(work, 0.0)
+        self.paced, self.first = {}, {}
         self.since = self.clock()
 
-    def report(self, kind: str, work: float) -> None:
-        """``work`` more done in a pass of ``kind``; the time since the last report was its."""
+    def report(self, kind: str, work: float, step: str = "") -> None:
+        """``work`` more done in a pass of ``kind`` named ``step``; the time since the last
+        report was its."""
         if self.since is None or kind not in self.planned:
             return
-        now = self.clock()
-        self.seconds[kind] += now - self.since
+        now, first = self.clock(), self.first.get(kind)
+        if first is None and work > 0 and kind not in self.paced:
+            self.first[kind] = step
+        elif first is not None and step != first:  # its second pass begins
+            self.paced[kind] = [0.0, 0.0]
+            del self.first[kind]
+        if kind in self.paced:
+            self.paced[kind][0] += work
+            self.paced[kind][1] += now - self.since
         self.done[kind] += work
+        self.seconds[kind] += now - self.since
         self.since = now
+
+    def _pace(self, kind: str) -> float | None:
+        """Seconds per unit of ``kind``'s work: after its first pass, else with it."""
+        work, seconds = self.paced.get(kind, (0.0, 0.0))
+        if work > 0:
+            return seconds / work
+        return self.seconds[kind] / self.done[kind] if self.done[kind] > 0 else None
 
     @property
     def measured(self) -> bool:
-        """Every kind with work planned has done some: the estimate is no longer borrowed."""
+        """Every kind with work left is timed past its first pass (or, a kind run in one long
+        pass, over half its work): the estimate is neither borrowed nor dominated by start-up."""
+        left = [k for k, planned in self.planned.items() if self.done[k] < planned * (1 - 1e-9)]
         return bool(self.planned) and all(
-            self.done[k] > 0 for k, planned in self.planned.items() if planned > 0
+            self.paced.get(k, (0.0,))[0] > 0 or self.done[k] >= self.planned[k] / 2 for k in left
         )
 
     def seconds_left(self) -> float | None:
         """The estimate, or None before any work is done."""
-        done = sum(self.done.values())
-        if self.since is None or done <= 0:
+        paces = {k: self._pace(k) for k in self.planned}
+        known = [p for p in paces.values() if p is not None]
+        if self.since is None or not known:
             return None
-        overall = sum(self.seconds.values()) / done
-        left = sum(
-            (self.seconds[k] / self.done[k] if self.done[k] > 0 else overall)
-            * max(0.0, self.planned[k] - self.done[k])
-            for k in self.planned
-        )
+        borrowed = max(known)  # a kind not yet run: the slowest pace so far
+        left = 0.0
+        for k, planned in self.planned.items():
+            pace = paces[k]
+            left += (borrowed if pace is None else pace) * max(0.0, planned - self.done[k])
         return max(0.0, left - (self.clock() - self.since))
 
 
@@ -194,7 +218,7 @@ class DriftProgress:
     """eval-drift's :class:`qstream.eval.settings.Progress`: the step running, the blocks
     drafted, the planned work done and the one ETA (:class:`WorkEta`); a run expected to
     outlast LONG_RUN_SECONDS says once, through ``say``, how to shorten it, as soon as every
-    kind of pass has been timed (before that the estimate borrows the reference's pace)."""
+    kind of pass with work left has been timed past its first pass (:attr:`WorkEta.measured`)."""
 
     def __init__(self, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
         self.say, self.clock = say, clock
@@ -220,7 +244,7 @@ class DriftProgress:
         self.what, self.blocks = what, self.blocks + blocks
         if self.total_work is not None:
             self.work += work
-            self.eta.report(kind, work)
+            self.eta.report(kind, work, what)
         self.shown()
         left = self.eta.seconds_left()
         if not self.advised and self.eta.measured and left is not None and left > LONG_RUN_SECONDS:

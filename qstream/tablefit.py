@@ -131,6 +131,10 @@ def fitted_table(
     cell rich must still narrow folds rather than ending in an ellipsis).  The first ``grouped``
     columns are grouped, with a line between the groups of the first."""
     widths = column_widths(columns, rows, width)
+    melted = None if _whole(columns, rows, widths, width) else _melt(columns, rows)
+    if melted is not None and _whole(*melted, column_widths(*melted, width), width):
+        (columns, rows), grouped = melted, len(melted[0]) - 2
+        widths = column_widths(columns, rows, width)
     lines = [[wrap(text, w) for text, w in zip(row, widths)] for row in rows]
     for col in reversed(range(grouped)):
         _spread(lines, col, widths[col], rows)
@@ -146,6 +150,34 @@ def fitted_table(
         last_of_group = grouped > 0 and (r + 1 == len(rows) or rows[r + 1][0] != rows[r][0])
         out.add_row(*(Text("\n".join(cell)) for cell in row_lines), end_section=last_of_group)
     return out
+
+
+def _whole(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]], widths: list[int], width: int
+) -> bool:
+    """At ``widths`` the table fits ``width`` with no word split (a name only between its parts)
+    and no value wrapped."""
+    for i, (c, w) in enumerate(zip(columns, widths)):
+        unit = _parts if c.wrapping else str.splitlines  # a header wraps at its words
+        cells = [len(u) for row in rows for u in unit(row[i])] + [len(u) for u in _words(c.header)]
+        if w < max(cells):
+            return False
+    return sum(widths) + FRAME * len(widths) + EDGES <= width
+
+
+def _melt(
+    columns: Sequence[Column], rows: Sequence[Sequence[str]]
+) -> tuple[list[Column], list[list[str]]] | None:
+    """The table with one row per row and value column, when its values do not fit side by
+    side: the leading labels, then a ``measure`` column naming the value's column and a
+    ``value`` column (None without labels and two columns after them)."""
+    k = next((i for i, c in enumerate(columns) if c.right), len(columns))
+    if k == 0 or len(columns) - k < 2:
+        return None
+    melted = [*columns[:k], Column("measure"), Column("value", right=True)]
+    return melted, [
+        [*row[:k], c.header, row[j]] for row in rows for j, c in enumerate(columns) if j >= k
+    ]
 
 
 def _spread(

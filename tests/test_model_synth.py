@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.dspark_mla.architecture import QUANTIZE_INCLUDE
-from qstream.arch.dspark_mla.load import load_model, load_weights
+from qstream.arch.dspark_mla.load import load_config, load_model, load_weights
 from qstream.arch.markov import teacher_forced
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.stats import checkpoint_stats, weight_stats
@@ -188,7 +188,9 @@ def test_quantized_checkpoint_loads_as_in_memory_quantization(tiny, tmp_path, fm
         tiny, tmp_path / fmt, fmt, include=list(QUANTIZE_INCLUDE), skip_incompatible=True
     )
     from_disk = load_weights(tmp_path / fmt)
-    in_memory = simulate_format(load_weights(tiny), fmt, QUANTIZE_INCLUDE, skip_incompatible=True)
+    in_memory = simulate_format(
+        load_weights(tiny), fmt, QUANTIZE_INCLUDE, skip_incompatible=True, config=load_config(tiny)
+    )
     assert from_disk.keys() == in_memory.keys()
     for name in from_disk:
         assert torch.equal(from_disk[name], in_memory[name]), name

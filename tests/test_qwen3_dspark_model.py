@@ -195,7 +195,9 @@ def test_loader_refuses_a_d2t_that_maps_outside_the_target_vocabulary(tmp_path):
     tensors = load_file(draft / "model.safetensors")
     tensors["d2t"] = torch.full((512,), TINY.vocab_size, dtype=torch.int64)
     save_file(tensors, draft / "model.safetensors")
-    with pytest.raises(QStreamError, match="d2t maps a draft id outside"):
+    with pytest.raises(
+        QStreamError, match=r"d2t\[0\] = 1024 maps draft id 0 to target id 1024, outside"
+    ):
         load_weights(draft, None, reduced)
 
 

@@ -176,7 +176,7 @@ def test_the_study_reports_acceptance_per_variant(pair):
     weights = {k: v for k, v in draft.w.stored.items()}
     nvfp4 = arch.build(
         draft.config,
-        simulate_format(weights, "nvfp4", include=arch.quantize_include),
+        simulate_format(weights, "nvfp4", arch.quantize_include, config=draft.config),
         torch.bfloat16,
         "cpu",
     )

@@ -183,3 +183,59 @@ def test_every_metric_of_a_regime_is_one_row_per_variant_when_the_variants_do_no
     text = _report(_results("card_tiny"), 100)
     header = next(line for line in _lines(text) if line.startswith("metric"))
     assert [c.strip() for c in header.split("┃")] == ["metric", "variant", "value"]
+
+
+# -- at 80 columns: no word or value split ----------------------------------------------------
+
+
+def _split_cells(results: dict, text: str) -> list[str]:
+    """The cells of the report's tables that no printed line shows whole: a value (a number
+    and its interval) whole, a label part by part (a name wraps only between its words and
+    dotted parts)."""
+    from qstream.card.document import Table
+    from qstream.card.results import collect_results
+    from qstream.card.terminal import SOURCE, report_parts, short_names
+    from qstream.tablefit import _parts
+
+    rs = collect_results([(results, SOURCE)])
+    names, lines = short_names(rs), _lines(text)
+    split = []
+    for part in report_parts(rs):
+        if not isinstance(part, Table):
+            continue
+        for row in part.rows:
+            for cell, align in zip(row, part.align):
+                label = names.get(cell.text, cell.text)
+                pieces = (
+                    [label]
+                    if align == "r"
+                    else [p.replace("\xa0", " ").strip() for p in _parts(label)]
+                )
+                split += [p for p in pieces if p and not any(p in line for line in lines)]
+    return split
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("example", ["card_tiny", "capture_tiny"])
+def test_no_table_splits_a_word_or_a_value(example, width):
+    """At 80 columns the adaptive-verification table's values and its mode labels do not fit
+    side by side: the table gives one row per value (its column named beside it) instead of
+    splitting "probabilistic" or "1.75 [1.72, 1.78]"."""
+    results = _results(example)
+    text = _report(results, width)
+    _assert_fits(text, width)
+    assert _split_cells(results, text) == []
+    assert "probabilistic × block, adaptive" in grouped_labels(text)
+
+
+def test_help_fits_80_columns():
+    result = CliRunner().invoke(cli, ["--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    _assert_fits(result.stdout, 80)
+
+
+def test_verify_ok_line_wraps_at_80_columns(nvfp4_tiny):
+    result = CliRunner().invoke(cli, ["verify", nvfp4_tiny], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    _assert_fits(result.stdout, 80)
+    assert result.stdout.startswith("OK: ") and "tensor_parallel_size 1" in result.stdout

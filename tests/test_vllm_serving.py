@@ -581,10 +581,10 @@ def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
 def test_simulated_format_equals_the_read_back_checkpoint(tiny, outputs):
     """eval-drift's simulated NVFP4 (default selection: the cross-layer q_a/kv_a group with its
     shared global scale) is bit-identical to loading what quantize wrote."""
-    from qstream.arch.dspark_mla.load import load_weights
+    from qstream.arch.dspark_mla.load import load_config, load_weights
     from qstream.quant.simulate import simulate_format
 
-    simulated = simulate_format(load_weights(tiny), "nvfp4", include=None)
+    simulated = simulate_format(load_weights(tiny), "nvfp4", None, config=load_config(tiny))
     read_back = load_weights(outputs["default nvfp4"], target=Path(tiny) / "target_head")
     assert simulated.keys() == read_back.keys()
     for name, w in simulated.items():

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 Shapes = Mapping[str, tuple[int, ...]]
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
+D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id] (vLLM's draft_id_to_target_id)
 
 
 class DSparkFamily:
@@ -145,3 +146,24 @@ def borrow_from_target(
                 f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
             )
     return borrowed
+
+
+def d2t_problem(d2t: Any, vocab_size: int) -> str | None:
+    """Why the stored ``d2t`` tensor is not a map of every draft id ``d`` to its own target id
+    ``d + d2t[d]`` in [0, vocab_size) (None: it is).  The one check of a d2t: loading, quantize
+    and verify all make it."""
+    if str(d2t.dtype) not in ("torch.int64", "torch.int32"):
+        return f"tensor {D2T!r} is {str(d2t.dtype).removeprefix('torch.')}, expected int64 offsets"
+    target = d2t.long() + d2t.new_tensor(range(len(d2t))).long()
+    bad = ((target < 0) | (target >= vocab_size)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        return (f"{D2T}[{i}] = {int(d2t[i])} maps draft id {i} to target id {int(target[i])}, "
+                f"outside the target vocabulary [0, {vocab_size})")  # fmt: skip
+    ids, order = target.sort(stable=True)
+    same = (ids[1:] == ids[:-1]).nonzero()
+    if len(same):
+        i, j = int(order[int(same[0])]), int(order[int(same[0]) + 1])
+        return (f"{D2T}[{j}] = {int(d2t[j])} maps draft id {j} to target id {int(target[j])}, "
+                f"as {D2T}[{i}] = {int(d2t[i])} maps draft id {i}: each draft id needs its own")  # fmt: skip
+    return None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import click
 
 from qstream.clichoices import VLLM_VERSION
-from qstream.cliutil import Command, count_option, flag_option, json_option, write_json
+from qstream.cliutil import Command, count_option, flag_option, json_option, option, write_json
 from qstream.errors import QStreamError
 from qstream.progress import step
 
@@ -30,9 +31,17 @@ if TYPE_CHECKING:
     "target_layers",
     None,
     "The target's layer count, which offsets a draft's runtime layer names "
-    "(default: config.json's target_num_hidden_layers).",
+    "(default: --target's, else config.json's target_num_hidden_layers).",
     minimum=0,
     metavar="L",
+)
+@option(
+    "target",
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="The target checkpoint: --target-layers is its config.json's num_hidden_layers, as "
+    "vLLM reads it (needed for a speculators-layout draft, whose config.json has no "
+    "target_num_hidden_layers).",
 )
 @flag_option(
     "deep",
@@ -49,6 +58,7 @@ def verify(
     directory: str,
     tensor_parallel_size: int,
     target_layers: int | None,
+    target: str | None,
     deep: bool,
     vllm: bool,
     json_path: str | None,
@@ -66,6 +76,7 @@ def verify(
     # here, not above: --help loads no torch
     from qstream.vllm.verify import verify_checkpoint
 
+    target_layers = _target_layers(target_layers, target)
     if vllm:
         _verify_with_vllm(directory, tensor_parallel_size, target_layers, deep, json_path)
         return
@@ -77,7 +88,7 @@ def verify(
     if report.ok:
         if json_path != "-":
             layers = f", L={report.target_layers}" if report.target_layers is not None else ""
-            click.echo(
+            _echo_wrapped(
                 f"{_ok(report)}: {report.directory}: {report.quant_format}, "
                 f"{len(report.modules_quantized)} quantized and "
                 f"{len(report.modules_ignored)} ignored modules; vLLM rules "
@@ -89,6 +100,26 @@ def verify(
     for problem in report.problems:
         click.echo(f"  {problem}", err=True)
     raise QStreamError(f"{report.directory}: {len(report.problems)} problem(s), listed above")
+
+
+def _target_layers(target_layers: int | None, target: str | None) -> int | None:
+    """L from --target-layers or --target (the target's config.json), None when neither."""
+    if target is None:
+        return target_layers
+    if target_layers is not None:
+        raise QStreamError("--target-layers and --target both give the target's layer count")
+    from qstream.checkpoint.target import read_target_shape
+
+    return read_target_shape(target).num_hidden_layers
+
+
+def _echo_wrapped(text: str) -> None:
+    """``text`` wrapped between words at the terminal's width (COLUMNS), the lines after the
+    first indented; a path longer than a line is kept whole."""
+    from qstream.cliutil import make_console  # the console's width: COLUMNS, else 200 in a pipe
+
+    width = make_console().width
+    click.echo(textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False))
 
 
 def _ok(report: VerifyReport) -> str:
@@ -162,7 +193,7 @@ def _echo_schemes(loaded: VllmLoadReport) -> None:
 
 def _echo_loaded(loaded: VllmLoadReport, report: VerifyReport | None) -> None:
     """The verdict of vLLM's loader, then qstream's checks where they ran."""
-    click.echo(
+    _echo_wrapped(
         f"OK: {loaded.directory}: loaded by vLLM {loaded.vllm_version}'s own DSpark loader "
         f"on CPU at L={loaded.target_layers}: {len(loaded.modules)} Linear modules, every "
         "stored tensor consumed, every parameter the stored bytes (kernels not run: no GPU)"

@@ -123,7 +123,14 @@ def read_anchor_plan(path: str | Path, corpus: Corpus, block_size: int) -> Ancho
     path = Path(path)
     try:
         blocks = json.loads(path.read_text(encoding="utf-8"))["blocks"]
-        pairs = sorted({(int(s), int(a)) for s, a in blocks})
+        for i, (s, a) in enumerate(blocks):
+            for what, v in (("stream", s), ("anchor", a)):
+                if type(v) is not int:  # 5.5 or true names no position
+                    raise QStreamError(
+                        f"{path}: block {i} {json.dumps([s, a])}: {what} {json.dumps(v)} is "
+                        "not an integer"
+                    )
+        pairs = sorted({(s, a) for s, a in blocks})
         if len(pairs) != len(blocks):
             raise QStreamError(f"{path}: a block is named twice")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

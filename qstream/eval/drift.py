@@ -27,7 +27,7 @@ from qstream.eval.corpus import AnchorPlan, Corpus, read_anchor_plan, sample_anc
 from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
-from qstream.eval.settings import REFERENCE, VARIANTS, DriftSettings, Progress, Silent
+from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Progress, Silent
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
@@ -141,25 +141,27 @@ def _planned(
     buckets: Buckets,
 ) -> tuple[int, dict[str, float]]:
     """Blocks and FLOPs (per kind of pass) of every pass the run will make, as its batches
-    report them: per regime the reference pass, each variant's and the ``steps`` sensitivity
-    steps'; per bucket of a context sweep the reference's and each variant's.  A bucket counts
+    report them, per kind of pass: per regime the reference pass, each variant's and the
+    ``steps`` sensitivity steps'; per bucket of a context sweep the reference's and each variant's.  A bucket counts
     at its length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks."""
-    blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS), 0.0)
+    blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS, STEPS), 0.0)
 
-    def add(anchors: AnchorPlan, regime: str, passes: int) -> None:
-        """The reference pass (boot's also runs the causal pass) and ``passes`` others."""
+    def add(anchors: AnchorPlan, regime: str, steps: int) -> None:
+        """The reference pass (boot's also runs the causal pass), each variant's and ``steps``
+        sensitivity steps'."""
         nonlocal blocks
         for b in batched[id(anchors)]:
-            blocks += b.blocks.numel() * (1 + passes)
+            blocks += b.blocks.numel() * (1 + settings.n_variants + steps)
             work[REFERENCE] += batch_flops(config, b, regime == "boot")
-            work[VARIANTS] += passes * batch_flops(config, b)
+            work[VARIANTS] += settings.n_variants * batch_flops(config, b)
+            work[STEPS] += steps * batch_flops(config, b)
 
     for regime in settings.regimes:
-        add(plan, regime, settings.n_variants + steps)
+        add(plan, regime, steps)
         for _, _, _, anchors in buckets:
-            add(anchors, regime, settings.n_variants)
+            add(anchors, regime, 0)
     if states_plan is not None:
-        add(states_plan, STATES_REGIME, settings.n_variants + steps)
+        add(states_plan, STATES_REGIME, steps)
     return blocks, work
 
 

@@ -26,7 +26,7 @@ from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
-from qstream.eval.settings import REFERENCE, VARIANTS, DriftSettings, Progress
+from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Progress
 from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
@@ -151,14 +151,15 @@ def measure_variant(
     """One variant against the regime's reference: its results entry.  ``probe`` None skips the
     verifiers (sensitivity steps report drift only)."""
     s = run.settings
+    kind = VARIANTS if probe is not None else STEPS  # a sensitivity step: drift only
     step = {"simulated": "simulating", "checkpoint": "loading"}.get(variant.kind)
     if step:  # seconds to minutes at K3 scale: say so before the first block
-        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
+        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0, kind=kind)
     drop_resident_pages()  # the previous pass's weights; this one maps back what it reads
     var_weights, changed = variant_weights(variant, run.weights, run.config, s, run.target)
     snr = weight_snr(var_weights, run.weights, changed)
     if step:  # the variant is built (and its SNR taken): the time so far is that step's
-        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0)
+        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0, kind=kind)
     arch = architecture_of(run.config)
     model = arch.build(run.config, var_weights, variant.dtype, s.device)
     head = arch.host_head(model)
@@ -179,7 +180,7 @@ def measure_variant(
             if accepted is not None and probe is not None:
                 probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
         work = batch_flops(run.config, batch)
-        run.progress.advance(f"{run.regime}: {variant.name}", len(idx), work, VARIANTS)
+        run.progress.advance(f"{run.regime}: {variant.name}", len(idx), work, kind)
     return {
         "kind": variant.kind,
         "quantized_tensors": changed,

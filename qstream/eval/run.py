@@ -59,11 +59,18 @@ def resolve_edges(text: str, config: DraftConfig) -> tuple[int, ...]:
 
 
 def load_run_corpus(
-    model_dir: str | Path, corpus: str | None, tokenizer: str | None, config: DraftConfig
+    model_dir: str | Path,
+    corpus: str | None,
+    tokenizer: str | None,
+    config: DraftConfig,
+    target: str | None = None,
 ) -> Corpus:
     """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the
-    draft's own tokenizer.json)."""
+    draft's own tokenizer.json, else ``target``'s, as speculate uses; the path used is
+    recorded in the results' ``corpus.tokenizer``)."""
     tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
+    if not tokenizer and target is not None and not tok.is_file():
+        tok = Path(target) / "tokenizer.json"
     if corpus is None:
         return tokenize(builtin_corpus_docs(), tok, config.vocab_size, name=BUILTIN_CORPUS_NAME)
     return load_corpus(corpus, tok, config.vocab_size)
@@ -93,5 +100,5 @@ def run_drift(
     config = load_config(model)
     if context_lengths is not None:
         settings = replace(settings, context_lengths=resolve_edges(context_lengths, config))
-    text = load_run_corpus(model, corpus, tokenizer, config)
+    text = load_run_corpus(model, corpus, tokenizer, config, target)
     return evaluate_drift(model, settings, text, target, progress)

@@ -19,8 +19,10 @@ from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
 from qstream.formats import FORMATS
 
-# The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py)
-REFERENCE, VARIANTS = "reference", "variants"
+# The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py).
+# STEPS: the sensitivity steps, which measure drift only (no verifier), so run at a pace of
+# their own beside the variants' when --acceptance or captured states verify those.
+REFERENCE, VARIANTS, STEPS = "reference", "variants", "steps"
 
 
 class Progress(Protocol):
@@ -31,7 +33,7 @@ class Progress(Protocol):
 
     def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
         """Blocks the run will report (None until they are planned) and, once the blocks are
-        planned, their total work per kind (REFERENCE, VARIANTS); called again when it is."""
+        planned, their total work per kind (REFERENCE, VARIANTS, STEPS); called again when it is."""
 
     def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = VARIANTS) -> None:
         """``blocks`` more blocks done, ``work`` FLOPs of a ``kind`` pass, in the step ``what``."""

@@ -16,7 +16,6 @@ from qstream.eval.settings import DriftSettings
 from qstream.eval.vocabulary import FLOOR, REFERENCE
 from qstream.formats import snr_db, snr_sums
 from qstream.quant.simulate import simulate_format
-from qstream.vllm.profiles import profile_for
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -79,7 +78,7 @@ def variant_weights(
             include=include,
             ignore=settings.ignore,
             skip_incompatible=True,
-            profile=profile_for(config.to_json()),
+            config=config,
         )
     else:  # its config.json equals the reference's (provenance.check_variants_derived)
         weights = architecture_of(config).load_weights(variant.source, target, config)

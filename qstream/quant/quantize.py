@@ -41,7 +41,7 @@ from qstream.vllm.profiles import (
     target_layers_of,
     tp_build_problem,
 )
-from qstream.vllm.shapes import shape_problems
+from qstream.vllm.shapes import d2t_problems, shape_problems
 
 
 @dataclass(frozen=True)
@@ -289,6 +289,7 @@ def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
     runs or anything is written.  verify checks outputs against the same table."""
     stored = {name: tuple(info.shape) for name, info in checkpoint.tensors.items()}
     problems = shape_problems(profile_for(checkpoint.config), checkpoint.config, stored)
+    problems = problems or d2t_problems(checkpoint)
     if not problems:
         return checkpoint
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

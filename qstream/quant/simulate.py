@@ -2,7 +2,7 @@
 as loading what ``qstream quantize`` writes with the same selection would give them
 (docs/eval-drift.md, "Variants").
 
->>> sim = simulate_format(weights, "mxfp4", include=arch.quantize_include, profile=profile)
+>>> sim = simulate_format(weights, "mxfp4", arch.quantize_include, config=config)
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from qstream.arch.interface import LM_HEAD
+from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo, drop_resident_pages
 from qstream.formats import dequantize, get_format, quantize
 from qstream.formats.nvfp4 import tensor_amax
 from qstream.quant.select import select_modules, share_group_amax
-from qstream.vllm.profiles import K3_DSPARK, Profile, get_profile
+from qstream.vllm.profiles import profile_for
 
 
 def simulate_format(
@@ -25,21 +25,24 @@ def simulate_format(
     include: Iterable[str] | None,
     ignore: Iterable[str] | None = None,
     skip_incompatible: bool = False,
-    profile: Profile | None = None,
+    *,
+    config: DraftConfig,
 ) -> dict[str, torch.Tensor]:
     """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized.
     ``include`` (None: quantize's default selection), ``ignore`` and ``skip_incompatible`` as
-    quantize takes them, under ``profile``'s serving rules (default: vLLM's K3 DSpark draft),
-    NVFP4 fused groups sharing one global scale; lm_head belongs to the target, never touched."""
+    quantize takes them, under the serving rules of ``config``'s architecture (the draft's
+    config, as ``load_config`` reads it: which groups vLLM fuses), NVFP4 fused groups sharing
+    one global scale; lm_head belongs to the target, never touched."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
     infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
+    profile = profile_for(config.to_json())
     selection = select_modules(
         infos,
         fmt,
-        list(include or []),
+        list(include or profile.default_include),
         list(ignore or []),
         skip_incompatible=skip_incompatible,
-        profile=profile or get_profile(K3_DSPARK),
+        profile=profile,
     )
     amax: dict[str, torch.Tensor] = {}
     if get_format(fmt).global_scale:

@@ -82,7 +82,7 @@ def load_with_vllm(directory: str | Path, target_layers: int | None = None) -> V
     if not isinstance(layers, int) or layers < 1:
         raise QStreamError(
             f"{checkpoint.directory}: config.json has no target_num_hidden_layers; pass "
-            "--target-layers L"
+            "the target checkpoint (--target DIR) or its layer count (--target-layers L)"
         )
     report = VllmLoadReport(str(checkpoint.directory), version, layers)
     recorder = Recorder()

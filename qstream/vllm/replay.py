@@ -41,8 +41,8 @@ def draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
     if value is None:
         raise QStreamError(
             f"{checkpoint.directory / 'config.json'}: no integer "
-            "target_num_hidden_layers; give the target's layer count with "
-            "--target-layers"
+            "target_num_hidden_layers; pass the target checkpoint (--target DIR) or its "
+            "layer count (--target-layers L)"
         )
     return value
 

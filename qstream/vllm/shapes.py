@@ -15,12 +15,17 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
+from qstream.arch.family import D2T, d2t_problem
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_for, architecture_of
 from qstream.formats import CODE_SUFFIXES, FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile
+
+if TYPE_CHECKING:
+    from qstream.checkpoint.files import Checkpoint
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -71,6 +76,23 @@ def shape_problems(
     else:
         rest = _int_field_problems(config_json) + _fused_problems(weight_shapes(stored))
     return problems + [p for p in rest if p.split(":", 1)[0] not in empty]
+
+
+def d2t_problems(checkpoint: Checkpoint) -> list[str]:
+    """The draft's stored ``d2t``, unless it maps every draft id to its own id in the target
+    vocabulary (config.json's ``vocab_size``): one line from the check loading makes
+    (:func:`qstream.arch.family.d2t_problem`).  None without a d2t or a readable config."""
+    from qstream.checkpoint.safetensors_io import ShardReader  # torch: kept out of --help
+
+    if D2T not in checkpoint.tensor_shard:
+        return []
+    try:
+        vocab = architecture_for(checkpoint.config).parse_config(checkpoint.config).vocab_size
+    except ValueError:  # shape_problems names it
+        return []
+    shard = checkpoint.tensor_shard[D2T]
+    problem = d2t_problem(ShardReader(checkpoint.shards[shard]).tensor(D2T), vocab)
+    return [] if problem is None else [f"{problem} (in {shard})"]
 
 
 def weight_shapes(stored: Shapes) -> dict[str, tuple[int, ...]]:

@@ -29,7 +29,7 @@ from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, fused_groups, profile_for
 from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
 from qstream.vllm.scope import checks_run
-from qstream.vllm.shapes import shape_problems
+from qstream.vllm.shapes import d2t_problems, shape_problems
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
 
@@ -263,7 +263,8 @@ def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> Integrity:
 
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Value-level sanity of what the kernels divide or multiply by: each format's
-    ``bad_scales`` (docs/quantize.md, "qstream verify")."""
+    ``bad_scales`` (docs/quantize.md, "qstream verify"); and of a draft's d2t index map."""
+    report.problems += d2t_problems(checkpoint)
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     spec = FORMATS[fmt]
     for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:

@@ -13,7 +13,6 @@ from qstream.arch.dspark_qwen3 import flops, tensors
 from qstream.arch.dspark_qwen3.config import (
     ARCHITECTURE,
     PRESETS,
-    SPECULATORS_TYPE,
     Qwen3DSparkConfig,
 )
 from qstream.arch.dspark_qwen3.serving import DEFAULT_INCLUDE, SERVING
@@ -41,9 +40,8 @@ class DSparkQwen3(DSparkFamily):
     ships_embed_tokens: bool = False
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
-        return ARCHITECTURE in (data.get("architectures") or []) or data.get(
-            "speculators_model_type"
-        ) in (SPECULATORS_TYPE, "dflash")
+        # every speculators config: its parser names a speculators_model_type it does not know
+        return ARCHITECTURE in (data.get("architectures") or []) or "speculators_model_type" in data
 
     tensor_shapes = staticmethod(tensors.tensor_shapes)
     context_flops = staticmethod(flops.context_flops)

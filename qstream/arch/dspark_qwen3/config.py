@@ -251,7 +251,7 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
     """speculators' saved layout: the backbone's keys nest in ``transformer_layer_config``."""
     kind = data.get("speculators_model_type")
     _check(kind in (SPECULATORS_TYPE, "dflash"), "speculators_model_type", kind,
-           "must be 'dspark' or 'dflash'")  # fmt: skip
+           "is not a speculators draft qstream knows (known: 'dspark', 'dflash')")  # fmt: skip
     layer: dict[str, Any] = data.get("transformer_layer_config")  # type: ignore[assignment]
     _check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
     _refuse_unmodelled(layer, {})

@@ -7,11 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
-from qstream.arch.family import CONFIDENCE_WEIGHT, check_table, shape_hint
+from qstream.arch.family import CONFIDENCE_WEIGHT, D2T, check_table, shape_hint
 
 EMBED = "embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
-D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id]
 T2D = "t2d"  # [vocab] bool, training only (vLLM 0.32's load_weights skips it)
 # Tensors a checkpoint may leave out: the target's embedding is shared when the draft has none
 # (Qwen3DSparkForCausalLM.load_weights; speculators never saves it).

@@ -34,6 +34,7 @@ from qstream.eval.states.layers import (
     parse_convention,
     parse_ids,
     read_final_norm,
+    target_depth,
 )
 from qstream.eval.states.manifest import RECORD, check_manifest
 from qstream.eval.states.qstream_layout import open_qstream_file
@@ -120,9 +121,16 @@ def _resolve_format(files: list[Path], format: str | None) -> str:
 
 
 def _named_ids(
-    root: Path, manifest: dict | None, convention: str | None, layer_ids: object, config, default
+    root: Path,
+    manifest: dict | None,
+    convention: str | None,
+    layer_ids: object,
+    config,
+    default,
+    n: int | None,
 ) -> tuple[str, list[dict]]:
-    """Layer ids the manifest and ``--states-layer-ids`` name, each checked against the draft."""
+    """Layer ids the manifest and ``--states-layer-ids`` name, each checked against the draft
+    (``n``: the target's layer count, when known)."""
     named = []
     if manifest is not None:
         where = str(root / RECORD)
@@ -133,18 +141,23 @@ def _named_ids(
                 f"says {convention}"
             )
         ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
-        check_layer_ids(ids, own, config, f"{where}: layer_ids")
+        check_layer_ids(ids, own, config, f"{where}: layer_ids", n)
         convention = own
         named.append({"by": RECORD, "ids": list(ids)})
     if layer_ids is not None:
         ids = parse_ids(layer_ids, "--states-layer-ids")
-        check_layer_ids(ids, convention or default, config, "--states-layer-ids")
+        check_layer_ids(ids, convention or default, config, "--states-layer-ids", n)
         named.append({"by": "--states-layer-ids", "ids": list(ids)})
     return convention or default, named
 
 
 def _layers(
-    root: Path, fmt: str, config: DraftConfig, convention: str | None, layer_ids: object
+    root: Path,
+    fmt: str,
+    config: DraftConfig,
+    convention: str | None,
+    layer_ids: object,
+    target: str | None,
 ) -> tuple[dict, dict | None]:
     """The results' ``layers`` block and the manifest (capture.json) if the directory has one."""
     manifest_path = root / RECORD
@@ -154,7 +167,8 @@ def _layers(
     if convention is not None:
         convention = parse_convention(convention, "--states-layer-convention")
     default = DEFAULT_CONVENTION[fmt]
-    convention, named = _named_ids(root, manifest, convention, layer_ids, config, default)
+    n = target_depth(config, target)
+    convention, named = _named_ids(root, manifest, convention, layer_ids, config, default, n)
     draft = tuple(config.target_layer_ids)
     in_convention = draft if convention == LAYER_OUTPUT else tuple(i + 1 for i in draft)
     assert as_layer_output(in_convention, convention) == draft
@@ -198,7 +212,7 @@ def read_states(
     root = Path(path)
     files = list_files(root)
     fmt = _resolve_format(files, format)
-    layers, manifest = _layers(root, fmt, config, layer_convention, layer_ids)
+    layers, manifest = _layers(root, fmt, config, layer_convention, layer_ids, target)
     digests = file_sha256s(files, root)  # read once: checked and hashed into the identity
     checked = None if manifest is None else check_manifest(root, manifest, digests)
     open_file = _opener(fmt, config)

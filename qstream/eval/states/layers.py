@@ -14,6 +14,7 @@ import torch
 from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import read_config
 from qstream.checkpoint.read import read_target_tensors
+from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 
 LAYER_OUTPUT, HIDDEN_STATES_INDEX = "layer-output", "hidden-states-index"
@@ -51,10 +52,22 @@ def as_layer_output(ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
     return ids if convention == LAYER_OUTPUT else tuple(i - 1 for i in ids)
 
 
-def check_layer_ids(ids: tuple[int, ...], convention: str, config: DraftConfig, where: str):
+def target_depth(config: DraftConfig, target: str | None) -> int | None:
+    """N, the target's layer count: the draft's ``target_num_hidden_layers``, else (a
+    speculators-layout draft's config has none) ``num_hidden_layers`` of ``target``'s
+    config.json."""
+    if config.target_num_hidden_layers is not None or target is None:
+        return config.target_num_hidden_layers
+    return read_target_shape(target).num_hidden_layers
+
+
+def check_layer_ids(
+    ids: tuple[int, ...], convention: str, config: DraftConfig, where: str, n: int | None
+):
     """Refuse ids (named by ``where``) that are not the draft's ``target_layer_ids``.  A trailing
-    last layer (index N, or output N−1) names the final state and is allowed."""
-    n, wanted = config.target_num_hidden_layers, tuple(config.target_layer_ids)
+    last layer (index N, or output N−1; ``n``: N, from :func:`target_depth`) names the final
+    state and is allowed."""
+    wanted = tuple(config.target_layer_ids)
     lo = as_layer_output(ids, convention)
     if len(lo) == len(wanted) + 1 and n is not None and lo[-1] == n - 1:
         lo = lo[:-1]  # speculators appends the last layer (its final state)
@@ -62,7 +75,12 @@ def check_layer_ids(ids: tuple[int, ...], convention: str, config: DraftConfig, 
         raise QStreamError(
             f"{where}: layer ids {list(ids)} ({convention}) are layers {list(lo)} in the "
             f"layer-output convention; the draft's target_layer_ids are {list(wanted)} "
-            f"(target_num_hidden_layers = {n})"
+            + (
+                f"(the target's {n} layers)"
+                if n
+                else "(the target's layer count unknown: pass "
+                "--target, whose config.json has num_hidden_layers)"
+            )
         )
 
 
