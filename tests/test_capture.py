@@ -4,6 +4,7 @@ nothing, resume skips and refuses, ``--generate`` is seeded and samples the targ
 export is vLLM's / speculators' layout, and bad inputs are one line, exit 1 (docs/capture.md)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,14 @@ def test_device_map_auto_gives_the_same_states(target, draft, corpus, tmp_path):
         assert plain.keys() == auto.keys()
         for key in plain:
             assert torch.equal(plain[key], auto[key]), key
+
+
+@pytest.mark.parametrize("inside", ["--target", "--model"])
+def test_an_output_inside_an_input_is_refused(inside, target, draft, tmp_path):
+    """As quantize and speculate --capture refuse it: the inputs are never written into."""
+    target, draft = shutil.copytree(target, tmp_path / "t"), shutil.copytree(draft, tmp_path / "d")
+    parent = target if inside == "--target" else draft
+    before = sorted(p.name for p in parent.iterdir())
+    error = cli_error(_args(target, draft, parent / "states"))
+    assert f"--output {parent / 'states'} is inside {inside}" in error, error
+    assert sorted(p.name for p in parent.iterdir()) == before

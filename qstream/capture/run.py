@@ -46,7 +46,7 @@ from qstream.capture.target import (
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import stream_file
-from qstream.publish import remove_stale_partials_in, stderr_notice
+from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,7 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     docs = corpus_docs(s.corpus)
     record = _record(s, ids, docs, shape)
     output = Path(s.output)
+    check_outside(output, "--output", {"--target": s.target, "--model": s.model})
     old = check_output(output, record)
     remove_stale_partials_in(output, stderr_notice)  # what killed runs left
     target = load_target(s.target, DTYPES[s.dtype], s.device, s.device_map, s.trust_remote_code)
