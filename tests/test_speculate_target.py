@@ -99,6 +99,10 @@ def test_non_finite_target_states_stop_the_decode_naming_the_position(pair, tmp_
                                       for n in ("gate", "up")}))  # fmt: skip
     error = cli_error(_speculate(pair, target, None, "--dtype", "float16"))
     assert "prompt 0: the target's hidden states at position 0 are not finite" in error
+    # capture writes no such states: eval-drift would refuse them only on reading
+    error = cli_error(_capture(pair, tmp_path / "out", target, "--dtype", "float16"))
+    assert "stream 0: the target's" in error and "not finite" in error, error
+    assert not list((tmp_path / "out").glob("stream-*")), "no stream file written"
 
 
 def test_the_decode_names_the_first_non_finite_logit(pair):

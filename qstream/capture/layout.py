@@ -73,6 +73,12 @@ def write_batch(
             tensors = _vllm_tensors(ids, layers[k, :T], pre_norm[k, :T])
         else:
             tensors = _stream_tensors(ids, aux[k, :T], final[k, :T])
+        for name, tensor in tensors.items():  # eval-drift refuses them: never write them
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise QStreamError(
+                    f"stream {index}: the target's {name} are not finite (NaN or Inf); "
+                    "try --dtype float32"
+                )
         _write_stream(output / stream_file(index, export), tensors, metadata[k])
 
 
