@@ -294,3 +294,16 @@ def test_load_weights_borrows_from_the_qwen3_target(qwen3_target, q3_for_target)
     reference = AutoModelForCausalLM.from_pretrained(qwen3_target, dtype=torch.float32)
     assert torch.equal(weights[EMBED].float(), reference.model.embed_tokens.weight.detach())
     assert torch.equal(weights[LM_HEAD].float(), reference.lm_head.weight.detach())
+
+
+def test_the_builtin_draft_is_built_by_todays_synth(tmp_path, monkeypatch):
+    """The built-in draft's cache directory names synth's recipe, so a cache built by an older
+    synth is never read as today's; what it holds is the pinned tiny draft."""
+    from qstream.eval.builtin import builtin_model_dir
+    from qstream.synth.draft import RECIPE
+
+    monkeypatch.setenv("QSTREAM_CACHE", str(tmp_path))
+    directory = builtin_model_dir()
+    assert f"-r{RECIPE}-" in directory.name
+    digest = _digest(directory)
+    assert digest["model.safetensors"] == SYNTH_SHA256["tiny"]["model.safetensors"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import qstream
 from qstream.arch.registry import DEFAULT_ARCH
 from qstream.errors import QStreamError
-from qstream.synth.draft import synth_checkpoint
+from qstream.synth.draft import RECIPE, synth_checkpoint
 
 BUILTIN_PRESET, BUILTIN_SEED = "tiny", 0
 # GSM8K test split (github.com/openai/grade-school-math, MIT): question + newline + answer per
@@ -36,12 +36,13 @@ def cache_root() -> Path:
 def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
     """The built-in draft's directory, synthesized (deterministically) on first use; ``say``
     tells the user when it is being built."""
-    # the preset's own hash in the name: a changed preset is rebuilt rather than read from a
-    # cache built before the change
+    # the preset's own hash and synth's recipe in the name: a changed preset or synth is
+    # rebuilt rather than read from a cache built before the change
     preset = json.dumps(DEFAULT_ARCH.presets[BUILTIN_PRESET].to_json(), sort_keys=True).encode()
     tag = hashlib.sha256(preset).hexdigest()[:8]
     directory = (
-        cache_root() / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}-{tag}"
+        cache_root()
+        / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}-r{RECIPE}-{tag}"
     )
     if not (directory / "config.json").is_file():
         if say is not None:

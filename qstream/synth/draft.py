@@ -34,6 +34,7 @@ from qstream.synth.corpus import builtin_corpus, read_corpus, train_tokenizer, w
 # their own and pad the tokenizer's.
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096, "qwen3-tiny": 1024, "qwen3-8b": 4096}
 TOKENIZER_SIZED = ("tiny", "qwen3-tiny")
+RECIPE = 2  # raised whenever synth's bytes change (2: float64, the same bytes on every CPU)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
 
