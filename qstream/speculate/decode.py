@@ -58,7 +58,7 @@ def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict 
 
 
 def new_cache(target) -> dict:
-    """An empty KV cache under the keyword the target's forward takes it by (:func:`cache_keyword`)."""
+    """An empty KV cache under the keyword the target's forward takes it by (cache_keyword)."""
     from transformers import DynamicCache
 
     return {cache_keyword(target): DynamicCache()}
