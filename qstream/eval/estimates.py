@@ -131,9 +131,8 @@ def mean_estimate(
 
 
 def t_interval(value: float, n: int, scale: float, divisor: float = 1.0) -> tuple[float, float]:
-    """The Student-t 95% interval around ``value`` from ``n`` >= 2 independent units whose
-    standard error is ``scale / divisor``: the t quantile times ``scale``, then divided, in that
-    order (every reported bound keeps its last bit; dividing by 1.0 is exact)."""
+    """The Student-t 95% interval around ``value`` from ``n`` >= 2 units of standard error
+    ``scale / divisor``, computed t · scale / divisor in that order (the bounds keep every bit)."""
     half = float(stats.t.ppf(0.975, n - 1)) * scale / divisor
     return value - half, value + half
 
