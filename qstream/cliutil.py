@@ -3,7 +3,6 @@ values, and the ``--json PATH|-`` convention.  No command logic lives here."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -15,7 +14,7 @@ from rich.console import Console
 
 from qstream.clitypes import Device, NameIsDir
 from qstream.errors import QStreamError
-from qstream.publish import check_parent, write_text_atomic
+from qstream.publish import check_parent, json_text, write_json_atomic
 
 
 class _UserErrorsExit:
@@ -220,11 +219,8 @@ def json_option():
 
 
 def write_json(data: Any, path: str | None) -> None:
-    """Write ``data`` to ``path`` ('-' = stdout), whole or not at all (write_text_atomic)."""
-    if path is None:
-        return
-    text = json.dumps(data, indent=2, sort_keys=False) + "\n"
+    """Write ``data`` to ``path`` ('-' = stdout), whole or not at all (write_json_atomic)."""
     if path == "-":
-        sys.stdout.write(text)
-        return
-    write_text_atomic(path, text, "--json")
+        sys.stdout.write(json_text(data))
+    elif path is not None:
+        write_json_atomic(path, data, "--json")

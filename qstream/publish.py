@@ -3,11 +3,12 @@ that writes a directory (``quantize``, ``synth``) builds it in ``.<name>.qstream
 beside the target and publishes it with one rename; without ``overwrite`` the target must not
 exist, with it only a directory holding one of qstream's record files is replaced; an error or
 a signal removes the temporary directory, and a later run removes those of dead processes.
-Also :func:`write_atomic` for single files.
+Also :func:`write_atomic` for single files; every JSON file qstream writes: write_json_atomic.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from qstream.errors import QStreamError
 
@@ -262,6 +264,18 @@ def write_atomic(path: str | Path, write: Callable[[Path], None], option: str = 
 def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
     """Write ``text`` to ``path`` whole or not at all (:func:`write_atomic`), synced to disk."""
     write_bytes_atomic(path, text.encode("utf-8"), option)
+
+
+def json_text(data: Any, indent: int | None = 2, end: str = "\n") -> str:
+    """``data`` as qstream writes JSON: ``json.dumps`` (the dicts' key order, ASCII) + ``end``."""
+    return json.dumps(data, indent=indent) + end
+
+
+def write_json_atomic(
+    path: str | Path, data: Any, option: str = "", indent: int | None = 2, end: str = "\n"
+) -> None:
+    """:func:`json_text` of ``data`` to ``path``, whole or not at all (write_text_atomic)."""
+    write_text_atomic(path, json_text(data, indent, end), option)
 
 
 def write_bytes_atomic(path: str | Path, data: bytes, option: str = "") -> None:

@@ -6,6 +6,7 @@ export is vLLM's / speculators' layout, and bad inputs are one line, exit 1 (doc
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from qstream.arch.markov import sampling_probs
 from qstream.capture.run import CaptureSettings, run_capture
-from qstream.capture.streams import Sampling
+from qstream.capture.streams import Sampling, generate
+from qstream.capture.target import cache_keyword
+from qstream.speculate.decode import new_cache
 from qstream.synth.corpus import builtin_corpus
 
 IDS = (0, 2, 3)  # the draft's target_layer_ids (layer-output convention)
@@ -153,6 +156,36 @@ def test_generate_is_seeded_and_samples_the_targets_nucleus(target, draft, corpu
         assert bool((probs.gather(1, ids[6:, None]) > 0).all())
     record = json.loads((tmp_path / "a" / "capture.json").read_text())
     assert record["source"] == "generate" and record["sampling"]["top_p"] == 0.5
+
+
+class _PastKeyValues(torch.nn.Module):
+    """A causal LM as transformers 4 calls one: the KV cache is ``past_key_values``, in and out
+    (the cache here is the number of forwards so far)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, input_ids, past_key_values=None, use_cache=False, logits_to_keep=0):
+        self.seen.append(past_key_values)
+        return SimpleNamespace(logits=torch.zeros(1, 1, 5), past_key_values=len(self.seen))
+
+
+class _Cache(_PastKeyValues):
+    """The same as transformers 5 calls it: ``cache``, in and out."""
+
+    def forward(self, input_ids, cache=None, use_cache=False, logits_to_keep=0):
+        self.seen.append(cache)
+        return SimpleNamespace(logits=torch.zeros(1, 1, 5), cache=len(self.seen))
+
+
+@pytest.mark.parametrize("toy, keyword", [(_Cache, "cache"), (_PastKeyValues, "past_key_values")])
+def test_the_kv_cache_goes_by_the_keyword_the_forward_names(toy, keyword):
+    """capture --generate and speculate's decoder: one shim, read from the forward's signature."""
+    model = toy()
+    assert cache_keyword(model) == keyword and list(new_cache(model)) == [keyword]
+    generate(model, torch.device("cpu"), [1, 2], Sampling(3, 1.0, 1.0, None, 0), 0, eos=None)
+    assert model.seen == [None, 1, 2, 3]  # each step is handed the previous output's cache
 
 
 def test_vllm_export_is_speculators_layout(target, draft, corpus, tmp_path):

@@ -21,6 +21,7 @@ from qstream.eval.estimates import (
     pooled_mean,
     pooled_proportion,
     proportion,
+    t_interval,
     wilson_interval,
 )
 from qstream.eval.metrics import (
@@ -240,6 +241,14 @@ def test_mean_estimate_is_student_t():
     assert clipped.lo == 1.0 and clipped.hi == 3.0
     single = mean_estimate(torch.tensor([1.0]))
     assert math.isnan(single.lo) and single.to_json()["lo"] is None
+
+
+@pytest.mark.parametrize("n", [2, 3, 7, 40])
+def test_the_one_t_interval_is_scipys(n):
+    """eval's mean_estimate and speculate's paired loss both take their bounds from t_interval."""
+    lo, hi = stats.t.interval(0.95, n - 1, loc=0.3, scale=1.7 / math.sqrt(n))
+    assert t_interval(0.3, n, 1.7, math.sqrt(n)) == pytest.approx((lo, hi), rel=1e-12)
+    assert t_interval(0.3, n, 1.7 / math.sqrt(n)) == pytest.approx((lo, hi), rel=1e-12)
 
 
 def test_pooled_mean_intervals_over_block_means():

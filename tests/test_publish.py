@@ -1,6 +1,8 @@
 """qstream.publish: output directories appear complete or not at all, exclusively, replace only
 what qstream wrote, and leave no litter on errors and signals (docs/guarantees.md)."""
 
+import errno
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +14,7 @@ import pytest
 from checkpoints import tree_digest
 
 from qstream.errors import QStreamError
-from qstream.publish import is_qstream_output, publishing, remove_stale_partials
+from qstream.publish import is_qstream_output, publishing, remove_stale_partials, write_json_atomic
 
 
 def _home_like(path):
@@ -241,3 +243,32 @@ def test_two_concurrent_quantize_runs_to_one_new_directory(tmp_path):
     from qstream.vllm.verify import verify_checkpoint
 
     assert verify_checkpoint(out).ok and _litter(tmp_path) == []
+
+
+DATA = {"b": [1, 2.5, None], "a": {"text": "dé", "nan": float("nan")}}
+
+
+@pytest.mark.parametrize(
+    "form, text",
+    [
+        ({}, json.dumps(DATA, indent=2) + "\n"),  # records, configs, indexes, --json
+        ({"indent": None}, json.dumps(DATA) + "\n"),  # speculate --capture's anchors files
+        ({"indent": None, "end": ""}, json.dumps(DATA)),  # the config vLLM's loader reads
+    ],
+)
+def test_every_json_file_is_json_dumps_in_the_dicts_order(tmp_path, form, text):
+    write_json_atomic(tmp_path / "x.json", DATA, **form)
+    assert (tmp_path / "x.json").read_bytes() == text.encode("ascii")
+
+
+def test_a_failed_json_write_keeps_the_old_file_and_leaves_no_litter(tmp_path, monkeypatch):
+    old = tmp_path / "config.json"
+    old.write_text("{}\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(QStreamError, match=f"cannot write --x {old}: No space left"):
+        write_json_atomic(old, {"new": 1}, "--x")
+    assert old.read_text() == "{}\n" and _litter(tmp_path) == []

@@ -19,7 +19,7 @@ from qstream.capture.hooks import LayerTap
 from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import RECORD, STREAM_NAMES, stream_file
-from qstream.publish import write_bytes_atomic, write_text_atomic
+from qstream.publish import write_bytes_atomic, write_json_atomic
 
 EXPORTS = ("qstream", "vllm")
 # Settings a resumed run must share with the run that started the directory: everything that
@@ -89,7 +89,7 @@ def _write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
 
 def write_record(output: Path, record: dict[str, Any]) -> None:
     """``capture.json``, replaced in one rename."""
-    write_text_atomic(output / RECORD, json.dumps(record, indent=2) + "\n")
+    write_json_atomic(output / RECORD, record)
 
 
 def _comparable(key: str, value: Any) -> Any:

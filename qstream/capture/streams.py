@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from qstream.arch.markov import sample, sampling_probs
+from qstream.capture.target import cache_keyword
 from qstream.eval.builtin import BUILTIN_CORPUS_NAME, builtin_corpus_docs
 from qstream.synth.corpus import read_corpus
 
@@ -79,7 +80,7 @@ def generate(
     ``sampling_probs`` of the last position's logits, then ``sample`` with an Exp(1) race from
     the stream's generator, stopping after ``new_tokens`` or at ``eos`` (kept)."""
     gen = torch.Generator().manual_seed(stream_seed(sampling.seed, index))
-    ids = list(prompt)
+    ids, cache = list(prompt), cache_keyword(model)
     out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
     for _ in range(sampling.new_tokens):
         logits = out.logits[0, -1].float().cpu()
@@ -89,21 +90,9 @@ def generate(
         ids.append(token)
         if token == eos:
             break
-        out = _step(model, torch.tensor([[token]], device=device), out)
+        step, kv = torch.tensor([[token]], device=device), {cache: getattr(out, cache)}
+        out = model(input_ids=step, use_cache=True, logits_to_keep=1, **kv)
     return ids
-
-
-def _step(model: Any, token: torch.Tensor, previous: Any) -> Any:
-    """One decoding step on the previous output's KV cache (transformers 5 names it ``cache``,
-    earlier versions ``past_key_values``)."""
-    if "cache" in previous:
-        return model(input_ids=token, cache=previous["cache"], use_cache=True, logits_to_keep=1)
-    return model(
-        input_ids=token,
-        past_key_values=previous.past_key_values,
-        use_cache=True,
-        logits_to_keep=1,
-    )
 
 
 def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:

@@ -8,6 +8,7 @@ with a checkpoint runs only with ``trust_remote_code``.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -168,6 +169,12 @@ def decoder_parts(model: Any) -> tuple[Any, Any]:
             "DeepSeek-V3-style models"
         )
     return layers, norm
+
+
+def cache_keyword(model: Any) -> str:
+    """The name a causal LM's forward takes its KV cache under, and its output returns it under:
+    ``cache`` in transformers 5, ``past_key_values`` in earlier versions."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, ...]:

@@ -125,9 +125,16 @@ def mean_estimate(
     mean = x.mean().item()
     lo = hi = math.nan
     if n > 1:
-        half = float(stats.t.ppf(0.975, n - 1)) * x.std().item() / math.sqrt(n)
-        lo, hi = max(bounds[0], mean - half), min(bounds[1], mean + half)
+        lo, hi = t_interval(mean, n, x.std().item(), math.sqrt(n))
+        lo, hi = max(bounds[0], lo), min(bounds[1], hi)
     return Estimate(mean, lo, hi, n if n_obs is None else n_obs)
+
+
+def t_interval(value: float, n: int, scale: float, divisor: float = 1.0) -> tuple[float, float]:
+    """The Student-t 95% interval around ``value`` from ``n`` >= 2 units of standard error
+    ``scale / divisor``, computed t · scale / divisor in that order (the bounds keep every bit)."""
+    half = float(stats.t.ppf(0.975, n - 1)) * scale / divisor
+    return value - half, value + half
 
 
 def pooled_mean(

@@ -5,7 +5,6 @@ directory that is renamed into place (docs/guarantees.md)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint, file_d
 from qstream.checkpoint.layout import quantization_config
 from qstream.checkpoint.safetensors_io import ShardReader, ShardWriter
 from qstream.errors import QStreamError
-from qstream.publish import QUANTIZE_RECORD, publishing
+from qstream.publish import QUANTIZE_RECORD, publishing, write_json_atomic
 from qstream.quant.convert import global_amaxes, write_tensors
 from qstream.quant.plan import Plan, Streaming
 
@@ -38,10 +37,10 @@ def write_checkpoint(
         config["quantization_config"] = quantization_config(
             plan.format, list(plan.ignore), list(plan.targets)
         )
-        write_text(tmp / CONFIG_NAME, json_text(config))
+        write_json_atomic(tmp / CONFIG_NAME, config)
         snr_db, digests = _write_shards(plan, readers, amaxes, tmp, run)
         files = file_digests(tmp, known=digests)
-        write_text(tmp / QUANTIZE_RECORD, json_text({**record(snr_db), "files": files}))
+        write_json_atomic(tmp / QUANTIZE_RECORD, {**record(snr_db), "files": files})
     return snr_db
 
 
@@ -91,12 +90,4 @@ def _write_index(checkpoint: Checkpoint, writers: dict[str, ShardWriter], tmp: P
     weight_map = {name: shard for shard, w in writers.items() for name in w.infos}
     total = sum(i.nbytes for w in writers.values() for i in w.infos.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_text(tmp / INDEX_NAME, json_text(index))
-
-
-def json_text(data) -> str:
-    return json.dumps(data, indent=2) + "\n"
-
-
-def write_text(path: Path, text: str) -> None:
-    path.write_text(text, encoding="utf-8")
+    write_json_atomic(tmp / INDEX_NAME, index)

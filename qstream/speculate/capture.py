@@ -11,7 +11,6 @@ from one teacher-forced target forward, written in qstream's layout (docs/captur
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from qstream.capture.layout import record_streams, start_output, write_batch
 from qstream.capture.target import LoadedTarget, decoder_parts
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import stream_file
-from qstream.publish import check_outside, check_parent, publishing, write_text_atomic
+from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
 from qstream.speculate.decode import Decoded, target_greedy
 
 
@@ -73,5 +72,5 @@ def write_capture(
             record_streams(tmp, record, [stream_file(i, "qstream")])
         for name, decoded in runs.items():
             blocks = [[i, p] for i, r in enumerate(decoded) for p in r.anchors]
-            text = json.dumps({"variant": name, "blocks": blocks}) + "\n"
-            write_text_atomic(tmp / f"anchors-{name}.json", text)
+            record = {"variant": name, "blocks": blocks}
+            write_json_atomic(tmp / f"anchors-{name}.json", record, indent=None)

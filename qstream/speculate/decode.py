@@ -23,7 +23,6 @@ the bonus token is the target's (argmax, or a draw from p).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from qstream.arch.markov import sampling_probs
 from qstream.arch.registry import architecture_of
 from qstream.capture.hooks import LayerTap
+from qstream.capture.target import cache_keyword
 from qstream.errors import QStreamError
 
 RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
@@ -58,12 +58,10 @@ def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict 
 
 
 def new_cache(target) -> dict:
-    """An empty KV cache as the keyword the target's forward takes it under (transformers 5
-    names it ``cache``, earlier versions ``past_key_values``)."""
+    """An empty KV cache under the keyword the target's forward takes it by (cache_keyword)."""
     from transformers import DynamicCache
 
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    return {name: DynamicCache()}
+    return {cache_keyword(target): DynamicCache()}
 
 
 def target_greedy(target, prompt: list[int], new_tokens: int) -> list[int]:

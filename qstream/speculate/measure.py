@@ -16,10 +16,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from scipy import stats
 
 from qstream.errors import QStreamError
-from qstream.eval.estimates import Estimate, pooled_proportion
+from qstream.eval.estimates import Estimate, pooled_proportion, t_interval
 from qstream.speculate.decode import Decoded, speculative_decode
 
 
@@ -95,7 +94,7 @@ def summarise(runs: list[Decoded], block_size: int) -> dict:
 def ratio_estimate(y: torch.Tensor, m: torch.Tensor) -> Estimate:
     """``sum(y) / sum(m)`` over independent units i (y_i, m_i > 0), with a Student-t 95%
     interval from the ratio estimator's linearised variance."""
-    return _t_interval(*_influence(y, m))
+    return _influence_estimate(*_influence(y, m))
 
 
 def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
@@ -107,7 +106,7 @@ def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
         raise ValueError(f"paired over the same prompts: {len(base)} and {len(runs)} runs")
     r_base, z_base = _influence(*_emitted_per_verification(base))
     r_runs, z_runs = _influence(*_emitted_per_verification(runs))
-    return _t_interval(r_base - r_runs, z_base - z_runs)
+    return _influence_estimate(r_base - r_runs, z_base - z_runs)
 
 
 def _emitted_per_verification(runs: list[Decoded]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,10 +122,9 @@ def _influence(y: torch.Tensor, m: torch.Tensor) -> tuple[float, torch.Tensor]:
     return r, (y - r * m) / float(m.mean())
 
 
-def _t_interval(value: float, z: torch.Tensor) -> Estimate:
+def _influence_estimate(value: float, z: torch.Tensor) -> Estimate:
     """``value`` with a Student-t 95% interval from zero-mean influences ``z`` of n units."""
     n = z.numel()
     if n < 2:
         return Estimate(value, math.nan, math.nan, n)
-    half = float(stats.t.ppf(0.975, n - 1)) * math.sqrt(float((z**2).sum()) / (n * (n - 1)))
-    return Estimate(value, value - half, value + half, n)
+    return Estimate(value, *t_interval(value, n, math.sqrt(float((z**2).sum()) / (n * (n - 1)))), n)

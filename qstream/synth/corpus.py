@@ -14,6 +14,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from qstream.errors import QStreamError
+from qstream.publish import write_json_atomic, write_text_atomic
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>")  # ids 0, 1, 2
 
@@ -112,7 +113,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 def write_tokenizer(tok: Tokenizer, directory: Path) -> None:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json in ``directory``."""
-    (directory / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    write_text_atomic(directory / "tokenizer.json", tok.to_str(pretty=True) + "\n")
     eos, pad, mask = SPECIAL_TOKENS
     special = {"eos_token": eos, "pad_token": pad, "mask_token": mask}
     config = {
@@ -121,5 +122,5 @@ def write_tokenizer(tok: Tokenizer, directory: Path) -> None:
         "clean_up_tokenization_spaces": False,
         **special,
     }
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    write_json_atomic(directory / "tokenizer_config.json", config)
+    write_json_atomic(directory / "special_tokens_map.json", special)

@@ -10,7 +10,6 @@ checkpoint layout"; docs/qwen3-dspark.md, "Synthetic checkpoints").
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from qstream.arch.registry import ARCHITECTURES, architecture_of
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
-from qstream.publish import SYNTH_RECORD, check_target, publishing
+from qstream.publish import SYNTH_RECORD, check_target, publishing, write_json_atomic
 from qstream.synth.bigram import U_STD, bigram_logprobs, calibrate_markov_scale, markov_tables
 from qstream.synth.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
 
@@ -237,7 +236,7 @@ def _write_tensors(
             "metadata": {"total_size": total},
             "weight_map": {k: files[s] for k, s in zip(names, shard_of)},
         }
-        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        write_json_atomic(directory / INDEX_NAME, index)
     return total
 
 
@@ -258,7 +257,7 @@ def _write_target_head(head: Path, plan: _Plan) -> None:
         "note": "stand-in target for a qstream synth draft: "
         + ("lm_head only" if len(shapes) == 1 else "lm_head and embed_tokens"),
     }
-    (head / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
+    write_json_atomic(head / "config.json", head_config)
     _write_tensors(head, shapes, plan, None, force_index=True)
 
 
@@ -336,7 +335,7 @@ def synth_checkpoint(
 
     shapes = draft_shapes(config)
     with publishing(output, overwrite) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+        write_json_atomic(tmp / "config.json", config.to_json())
         write_tokenizer(tok, tmp)
         size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
         _write_target_head(tmp / TARGET_HEAD_DIR, plan)
@@ -360,4 +359,4 @@ def write_record(directory: Path, summary: SynthSummary, **extra: object) -> Non
     ``extra``."""
     record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
     data = {"qstream_version": qstream.__version__, "summary": record, **extra}
-    (directory / SYNTH_RECORD).write_text(json.dumps(data, indent=2) + "\n")
+    write_json_atomic(directory / SYNTH_RECORD, data)

@@ -27,7 +27,7 @@ from qstream.checkpoint.files import read_config
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
-from qstream.publish import check_target, publishing
+from qstream.publish import check_target, publishing, write_json_atomic
 from qstream.synth.corpus import builtin_corpus, read_corpus
 from qstream.synth.draft import (
     SynthSummary,
@@ -162,7 +162,7 @@ def synth_for_target(
             raise QStreamError(f"{target}: {EMBED} has shape {list(small[EMBED].shape)}")
     shapes = draft_shapes(config)
     with publishing(output, overwrite) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+        write_json_atomic(tmp / "config.json", config.to_json())
         for name in TOKENIZER_FILES:
             if (Path(target) / name).is_file():
                 shutil.copyfile(Path(target) / name, tmp / name)

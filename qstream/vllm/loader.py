@@ -13,7 +13,6 @@ per module, and the bytes every parameter holds — but no GPU kernel and no Mar
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ import torch
 
 from qstream.checkpoint.files import open_checkpoint
 from qstream.errors import QStreamError
+from qstream.publish import write_json_atomic
 from qstream.vllm.cpu_shims import cpu_shims, vllm_log
 from qstream.vllm.load_checks import Recorder, check, identity_products
 from qstream.vllm.profiles import PROFILES, profile_for
@@ -119,7 +119,7 @@ def _write_target(directory: Path, draft: dict, layers: int) -> None:
         "rms_norm_eps": 1e-5,
         "torch_dtype": "bfloat16",
     }
-    (directory / "config.json").write_text(json.dumps(target))
+    write_json_atomic(directory / "config.json", target, indent=None, end="")
 
 
 class _StandTarget(torch.nn.Module):
