@@ -257,3 +257,39 @@ def test_dropped_pages_leave_memory_and_come_back_unchanged(tmp_path):
     anonymous = weight.clone()
     drop_resident_pages(anonymous)
     assert torch.equal(anonymous, weight)
+
+
+SERIALIZE = """
+import hashlib, sys, torch
+from qstream.checkpoint.safetensors_io import serialize
+tensors = {"ids": torch.arange(5), "aux": torch.linspace(-1, 1, 12).reshape(3, 4).bfloat16()}
+meta = {"document": "3", "prompt_tokens": "2", "z": "1", "a": "0"}
+sys.stdout.write(hashlib.sha256(serialize(tensors, meta)).hexdigest())
+"""
+
+
+def test_serialize_is_the_same_bytes_in_every_process_and_safetensors_reads_it(tmp_path):
+    """capture's stream files: safetensors' own save orders metadata keys by a per-process hash
+    seed, so two captures of one stream differed in their sha256s."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    from qstream.checkpoint.safetensors_io import serialize
+
+    digests = {
+        subprocess.run([sys.executable, "-c", SERIALIZE], capture_output=True, text=True,
+                       check=True, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout
+        for seed in range(4)
+    }  # fmt: skip
+    assert len(digests) == 1
+    tensors = {"ids": torch.arange(5), "aux": torch.linspace(-1, 1, 12).reshape(3, 4).bfloat16()}
+    path = tmp_path / "s.safetensors"
+    path.write_bytes(serialize(tensors, {"document": "3", "prompt_tokens": "2"}))
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"document": "3", "prompt_tokens": "2"}
+        for name, tensor in tensors.items():
+            assert (
+                torch.equal(f.get_tensor(name), tensor) and f.get_tensor(name).dtype == tensor.dtype
+            )

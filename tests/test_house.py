@@ -34,7 +34,7 @@ FORMAT_NAMES = set(FORMATS)  # every registered format
 # eval's pass loop: the one place per-block outputs are held and the heap is tidied.
 BOUNDED_USERS = {"eval/passes.py", "eval/batches.py", "eval/verifiers.py"}
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 50
-MAX_PACKAGE_LINES = 20813  # measured; raised only by a fix that needs the lines, said in its commit
+MAX_PACKAGE_LINES = 20822  # measured; raised only by a fix that needs the lines, said in its commit
 
 
 @cache

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save
 
 from qstream.capture.hooks import LayerTap
 from qstream.checkpoint.files import sha256_file
+from qstream.checkpoint.safetensors_io import serialize
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import RECORD, STREAM_NAMES, stream_file
 from qstream.publish import write_bytes_atomic, write_json_atomic
@@ -84,7 +84,7 @@ def write_batch(
 
 def _write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """One stream's file, whole or not at all (serialized here: a full disk is an OSError)."""
-    write_bytes_atomic(path, save(tensors, metadata=metadata))
+    write_bytes_atomic(path, serialize(tensors, metadata))
 
 
 def write_record(output: Path, record: dict[str, Any]) -> None:

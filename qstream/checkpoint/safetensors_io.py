@@ -312,6 +312,15 @@ def header_bytes(
     return raw, infos
 
 
+def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A whole safetensors file in memory, the same bytes in every process (safetensors' own
+    ``save`` orders the metadata keys by a hash map seeded per process)."""
+    planned = [PlannedTensor(k, DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in tensors.items()]
+    raw, _ = header_bytes(planned, dict(sorted(metadata.items())))
+    data = (v.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for v in tensors.values())
+    return struct.pack("<Q", len(raw)) + raw + b"".join(d.numpy().tobytes() for d in data)
+
+
 def planned_file_size(tensors: list[PlannedTensor], metadata: dict[str, str] | None) -> int:
     raw, infos = header_bytes(tensors, metadata)
     return 8 + len(raw) + sum(i.nbytes for i in infos.values())
