@@ -16,7 +16,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "qstream"
 
 # Lowest first: a module imports from its own layer or a lower one.
 LAYERS = [
-    {"units", "errors", "publish", "progress", "tablefit", "clichoices", "clitypes", "device"},
+    {
+        "units",
+        "errors",
+        "publish",
+        "progress",
+        "tablefit",
+        "clichoices",
+        "clitypes",
+        "device",
+        "regimes",
+    },
     {"bounded", "formats"},
     {"checkpoint"},
     {"arch"},
