@@ -29,6 +29,7 @@ from qstream.arch.markov import rollout
 from qstream.eval.batches import AuxStates, draft_blocks, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.run import load_run_corpus
+from qstream.regimes import GAUSS
 from qstream.synth.draft import synth_checkpoint
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
@@ -73,7 +74,7 @@ def main() -> None:
         plan = sample_anchors(corpus, args.blocks, config.block_size, seed=0)
         batches = make_batches(plan, corpus, config)
         weights = load_weights(model_dir, None, config)
-        gauss = AuxStates("gauss", corpus, config, seed=0)
+        gauss = AuxStates(GAUSS, corpus, config, seed=0)
         aux = [gauss.get(b) for b in batches]
         flops = useful_flops(config, plan)
         print(

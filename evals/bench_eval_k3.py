@@ -36,6 +36,7 @@ from qstream.eval.context_sweep import parse_edges  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
 from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
 from qstream.eval.settings import DriftSettings  # noqa: E402
+from qstream.regimes import AUX_REGIMES, REGIMES  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -71,7 +72,7 @@ def main() -> None:
         help="also run a long-context sweep with these edges (then only peak RSS is reported)",
     )
     parser.add_argument("--context-blocks", type=int, default=2)
-    parser.add_argument("--regime", choices=("gauss", "heavy", "boot"), default="gauss")
+    parser.add_argument("--regime", choices=AUX_REGIMES, default="gauss")
     args = parser.parse_args()
     formats = tuple(args.formats.split(","))
     sweep = parse_edges(args.context_lengths) if args.context_lengths else ()
@@ -100,7 +101,8 @@ def main() -> None:
                           max_context=config.max_position_embeddings - config.block_size)  # fmt: skip
     flops = useful_flops(config, plan)
     longest = longest_anchors(plan.stream, plan.anchor)  # boot: + the causal pass per stream
-    causal = sum(causal_flops(config, T) for T in longest.values()) if args.regime == "boot" else 0
+    boot = REGIMES[args.regime].causal
+    causal = sum(causal_flops(config, T) for T in longest.values()) if boot else 0
     weight_bytes = sum(p.stat().st_size for p in Path(args.model).rglob("*.safetensors"))
     rates = {dtype: max(before[dtype], _rate(dtype)) for dtype in DTYPES}  # the stricter
     print(f"k3 preset, {args.blocks} blocks, {args.regime}, reference + {', '.join(formats)}; "

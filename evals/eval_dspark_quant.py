@@ -16,10 +16,10 @@ import argparse
 from pathlib import Path
 
 from qstream.cliutil import write_json
-from qstream.eval.aux_sources import REGIMES
 from qstream.eval.run import parse_variants, run_drift
 from qstream.eval.settings import DriftSettings
 from qstream.eval.vocabulary import VARIANT_FORMATS
+from qstream.regimes import AUX_REGIMES
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -38,7 +38,7 @@ def main() -> None:
     variants = parse_variants(args.variant)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for regime in REGIMES:
+    for regime in AUX_REGIMES:
         settings = DriftSettings(
             regimes=(regime,),
             formats=VARIANT_FORMATS,

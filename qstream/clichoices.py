@@ -9,8 +9,6 @@ from __future__ import annotations
 WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")  # qstream.formats.FORMATS
 VARIANT_FORMATS = ("bf16", *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
 EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
-REGIMES = ("gauss", "heavy", "boot")  # qstream.eval.aux_sources.REGIMES
-ALL_REGIMES = "all"  # qstream.eval.run.ALL_REGIMES: --regime all
 DEFAULT_EDGES = "default"  # qstream.eval.run.DEFAULT_EDGES: --context-lengths given bare
 # qstream.arch.dspark_mla.architecture.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
 QUANTIZE_INCLUDE = (

@@ -21,6 +21,7 @@ from qstream.arch.dspark_mla.load import load_config
 from qstream.eval.batches import AuxStates, batch_flops, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.regimes import BOOT
 
 # As tests/test_sensitivity_context.py: Higham's bound for reordering a sum of n fp32 terms,
 # (n - 1)·u relative with u = 2^-24, for the 600 keys of the longest stream here.
@@ -106,7 +107,7 @@ def test_boot_aux_is_computed_once_and_read_back_bit_exactly(tiny, corpus, monke
     reference = DSpark(cfg, random_model_weights(cfg, seed=5), torch.float32)
     batch = make_batches(sample_anchors(corpus, 12, cfg.block_size, seed=0), corpus, cfg)[0]
     T = batch.context_length
-    with closing(AuxStates("boot", corpus, cfg, seed=0)) as aux:
+    with closing(AuxStates(BOOT, corpus, cfg, seed=0)) as aux:
         recorded = aux.get(batch, reference)
         with pytest.raises(RuntimeError, match="reference pass first"):
             aux.get(batch)  # nothing taken yet

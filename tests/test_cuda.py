@@ -10,6 +10,7 @@ from qstream.arch.dspark_mla.load import load_config, load_weights
 from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, draft_batch, make_batches
 from qstream.eval.corpus import sample_anchors, tokenize
+from qstream.regimes import HEAVY
 from qstream.synth.corpus import builtin_corpus
 from qstream.synth.draft import synth_checkpoint
 
@@ -34,7 +35,7 @@ def _reference_outputs(model_dir, device):
     corpus = tokenize(builtin_corpus(seed=1), f"{model_dir}/tokenizer.json", config.vocab_size)
     plan = sample_anchors(corpus, BLOCKS, config.block_size, seed=0)
     model = DSpark(config, load_weights(model_dir), torch.float32, device)
-    aux = AuxStates("heavy", corpus, config, seed=0)
+    aux = AuxStates(HEAVY, corpus, config, seed=0)
     out = []
     with exact_math():
         for number, batch in enumerate(make_batches(plan, corpus, config)):

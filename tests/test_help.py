@@ -82,8 +82,7 @@ def test_the_help_s_light_names_are_the_library_s():
     from qstream.capture.target import CONVENTIONS as CAPTURE_CONVENTIONS
     from qstream.capture.target import DTYPES
     from qstream.card.build import FORMATS as CARD_FORMATS
-    from qstream.eval.aux_sources import REGIMES
-    from qstream.eval.run import ALL_REGIMES, DEFAULT_EDGES
+    from qstream.eval.run import DEFAULT_EDGES
     from qstream.eval.states import AUTO, CONVENTIONS
     from qstream.eval.states import FORMATS as STATES_FORMATS
     from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
@@ -93,11 +92,7 @@ def test_the_help_s_light_names_are_the_library_s():
 
     assert light.WEIGHT_FORMATS == tuple(FORMATS)
     assert (light.VARIANT_FORMATS, light.EVAL_FORMATS) == (VARIANT_FORMATS, ALLOWED_FORMATS)
-    assert (light.REGIMES, light.ALL_REGIMES, light.DEFAULT_EDGES) == (
-        REGIMES,
-        ALL_REGIMES,
-        DEFAULT_EDGES,
-    )
+    assert light.DEFAULT_EDGES == DEFAULT_EDGES
     assert light.QUANTIZE_INCLUDE == QUANTIZE_INCLUDE
     assert (light.STATES_AUTO, light.STATES_FORMATS) == (AUTO, STATES_FORMATS)
     assert light.LAYER_CONVENTIONS == tuple(CONVENTIONS) == tuple(CAPTURE_CONVENTIONS)

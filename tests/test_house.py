@@ -1,7 +1,8 @@
 """The house rules, read from the package's own source (docs/model.md, "Layout"): each folder one
 stage, imports running one way down the layers, no circle, a format's name switched on only in
-formats/, memory machinery only in eval's pass loop, small files and functions, no tracker
-numbers in code.  A test fails with the file, line and rule it found broken."""
+formats/ and a regime's only in regimes.py, memory machinery only in eval's pass loop, small
+files and functions, no tracker numbers in code.  A test fails with the file, line and rule it
+found broken."""
 
 from __future__ import annotations
 
@@ -11,12 +12,23 @@ from functools import cache
 from pathlib import Path
 
 from qstream.formats import FORMATS
+from qstream.regimes import REGIMES
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qstream"
 
 # Lowest first: a module imports from its own layer or a lower one.
 LAYERS = [
-    {"units", "errors", "publish", "progress", "tablefit", "clichoices", "clitypes", "device"},
+    {
+        "units",
+        "errors",
+        "publish",
+        "progress",
+        "tablefit",
+        "clichoices",
+        "clitypes",
+        "device",
+        "regimes",
+    },
     {"bounded", "formats"},
     {"checkpoint"},
     {"arch"},
@@ -86,10 +98,12 @@ def test_package_size():
     assert total <= MAX_PACKAGE_LINES, f"qstream/ is {total} lines"
 
 
-def test_format_names_are_switched_on_only_in_formats():
+def switches_on(names: set[str], home: str) -> list[str]:
+    """Where a module outside ``home`` (a room or a module) compares one of ``names`` as a
+    literal, keys a dict literal by one, or matches one."""
     switches = []
     for module, (path, tree) in modules().items():
-        if room(module) == "formats":
+        if home in (room(module), module):
             continue
         for node in ast.walk(tree):
             values = []
@@ -103,9 +117,20 @@ def test_format_names_are_switched_on_only_in_formats():
                 values = [k.value for k in node.keys if isinstance(k, ast.Constant)]
             elif isinstance(node, ast.MatchValue) and isinstance(node.value, ast.Constant):
                 values = [node.value.value]
-            if FORMAT_NAMES & {v for v in values if isinstance(v, str)}:
+            if names & {v for v in values if isinstance(v, str)}:
                 switches.append(where(path, node))
+    return switches
+
+
+def test_format_names_are_switched_on_only_in_formats():
+    switches = switches_on(FORMAT_NAMES, "formats")
     assert not switches, "switches on a format's name:\n" + "\n".join(switches)
+
+
+def test_regime_names_are_switched_on_only_in_regimes():
+    """Code asks a regime's object (``regime.causal``); only qstream/regimes.py knows names."""
+    switches = switches_on(set(REGIMES), "qstream.regimes")
+    assert not switches, "switches on a regime's name:\n" + "\n".join(switches)
 
 
 def test_imports_run_down_the_layers():

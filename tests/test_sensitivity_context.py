@@ -16,10 +16,11 @@ from qstream.arch.dspark_mla.forward import DSpark
 from qstream.arch.dspark_mla.load import load_config, load_weights
 from qstream.card.build import write_card
 from qstream.cli import cli
-from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
+from qstream.eval.aux_sources import SyntheticAuxChunks
 from qstream.eval.context_sweep import default_edges, long_streams
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.sensitivity import module_kinds
+from qstream.regimes import HEAVY, REGIMES
 
 # The sensitivity tests check structure (which tensors each step quantizes, the cumulative order
 # against the single steps' figures, the floor against bf16, the suggestion against its own
@@ -239,8 +240,9 @@ def test_aux_drawn_in_position_ranges_equals_the_whole_draw(regime):
     the batch, ranges that cut streams anywhere)."""
     cfg = PRESETS["tiny"]
     streams, lengths, T = [3, 8, 11], [50, 17, 64], 57
-    whole = synthetic_aux(regime, cfg, streams, lengths, T, 5, torch.bfloat16)
-    chunks = SyntheticAuxChunks(regime, cfg, streams, lengths, T, 5, torch.bfloat16)
+    whole = SyntheticAuxChunks(REGIMES[regime], cfg, streams, lengths, T, 5, torch.bfloat16)
+    whole = whole.rows(0, T)  # all at once
+    chunks = SyntheticAuxChunks(REGIMES[regime], cfg, streams, lengths, T, 5, torch.bfloat16)
     assert chunks.shape == tuple(whole.shape)
     edges = [0, 1, 9, 17, 18, 40, 57]
     parts = [chunks.rows(a, b) for a, b in zip(edges, edges[1:])]
@@ -255,9 +257,10 @@ def test_context_from_position_ranges_matches_the_whole_tensor(monkeypatch):
     cfg = PRESETS["tiny"]
     model = DSpark(cfg, random_model_weights(cfg, seed=2), torch.float32)
     streams, lengths, T = [0, 1], [40, 33], 40
-    whole = model.context(synthetic_aux("heavy", cfg, streams, lengths, T, 1, torch.bfloat16))
+    drawn = SyntheticAuxChunks(HEAVY, cfg, streams, lengths, T, 1, torch.bfloat16).rows(0, T)
+    whole = model.context(drawn)
     monkeypatch.setattr(dspark, "CONTEXT_ELEMENTS", 7 * 2 * cfg.aux_size)  # 7 positions a time
-    chunks = SyntheticAuxChunks("heavy", cfg, streams, lengths, T, 1, torch.bfloat16)
+    chunks = SyntheticAuxChunks(HEAVY, cfg, streams, lengths, T, 1, torch.bfloat16)
     taken = []
     monkeypatch.setattr(
         chunks, "rows", lambda t0, t1, rows=chunks.rows: taken.append(t0) or rows(t0, t1)

@@ -57,15 +57,15 @@ from qstream.card.tables import (
     variant_order,
 )
 from qstream.errors import QStreamError
-from qstream.eval.aux_sources import DEFAULT_REGIME, REGIMES
 from qstream.eval.vocabulary import FLOOR, ROLLOUT_MODES, VARIANT_FORMATS
+from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
 
 FORMATS = ("md", "json", "html")
 
 
 def find_missing(rs: ResultsSet, checkpoints: Sequence[str], base: str | None) -> list[str]:
     """One sentence per gap in the results set (nothing is estimated in its place)."""
-    missing = [f"regime {r}: not in the results" for r in REGIMES if r not in rs.regimes]
+    missing = [f"regime {r}: not in the results" for r in AUX_REGIMES if r not in rs.regimes]
     present = variant_order(rs)
     missing += [f"format {f}: not in any results file" for f in VARIANT_FORMATS if f not in present]
     for variant in present:
@@ -94,11 +94,11 @@ def _full_metric_regime(rs: ResultsSet, regime: str | None, missing: list[str]) 
                 f"--regime {regime}: not in the results (they hold {', '.join(regime_order(rs))})"
             )
         return regime
-    if DEFAULT_REGIME in rs.regimes:
-        return DEFAULT_REGIME
+    if DEFAULT_REGIME.name in rs.regimes:
+        return DEFAULT_REGIME.name
     chosen = regime_order(rs)[0]
     missing.append(
-        f"the full metric set shows regime {chosen}: the default, {DEFAULT_REGIME}, "
+        f"the full metric set shows regime {chosen}: the default, {DEFAULT_REGIME.name}, "
         "is not in the results"
     )
     return chosen

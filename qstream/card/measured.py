@@ -18,9 +18,9 @@ from qstream.card.validate import check_numbers, summary_problems
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import FLOOR
+from qstream.regimes import STATES
 
 SPECULATE_SCHEMA = "qstream.speculate/1"
-STATES = "states"  # eval-drift's regime on captured target states
 CALIBRATION_CAPTION = (
     "What each format loses against bf16, in tokens: measured with the target in the loop "
     "(`qstream speculate`, 95% interval paired over prompts), simulated by eval-drift against "
@@ -246,7 +246,7 @@ def calibration_table(spec: dict, rs: ResultsSet) -> Table:
 def _simulated(rs: ResultsSet) -> dict[str, dict]:
     """eval-drift's greedy acceptance against the target on captured states, per variant."""
     out = {}
-    for name, result in rs.regimes.get(STATES, {}).items():
+    for name, result in rs.regimes.get(STATES.name, {}).items():
         target = (result.get("acceptance") or {}).get("target")
         if target and "greedy" in target:
             out[name] = target["greedy"]["emitted"]

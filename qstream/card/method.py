@@ -7,8 +7,9 @@ from pathlib import Path
 
 from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
-from qstream.card.tables import REGIME_DESCRIPTIONS, per_regime, regime_order
+from qstream.card.tables import per_regime, regime_order
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, rollout_label, verifier_label
+from qstream.regimes import REGIMES
 
 
 def _corpus(run: dict) -> str:
@@ -76,7 +77,10 @@ def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
         ),
         (
             "regimes",
-            "; ".join(f"{r}: {REGIME_DESCRIPTIONS.get(r, 'see the results')}" for r in regimes),
+            "; ".join(
+                f"{r}: {REGIMES[r].description if r in REGIMES else 'see the results'}"
+                for r in regimes
+            ),
         ),
     ]
 

@@ -18,7 +18,8 @@ from typing import Any
 from qstream.card.validate import check_numbers
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
-from qstream.eval.vocabulary import SCHEMA, STATES_REGIME
+from qstream.eval.vocabulary import SCHEMA
+from qstream.regimes import REGIMES
 
 # Top-level fields describing how a file's regimes were evaluated (reported per regime when the
 # merged files disagree).
@@ -174,7 +175,8 @@ def _check_same_model(merged: ResultsSet, data: dict, path) -> None:
 
 def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path: str) -> None:
     run = {key: data.get(key) for key in RUN_FIELDS}
-    if regime == STATES_REGIME and data.get("states"):  # its streams and anchors are its own
+    captured = regime in REGIMES and REGIMES[regime].captured
+    if captured and data.get("states"):  # its streams and anchors are its own
         run.update(corpus=data["states"], anchors=data["states"].get("anchors"))
     variants = merged.regimes.setdefault(regime, {})
     merged.runs.setdefault(regime, run)

@@ -13,7 +13,6 @@ from functools import partial
 
 from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
-from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import (
     CONFIDENCE_NOTE,
     FLOOR,
@@ -22,21 +21,12 @@ from qstream.eval.vocabulary import (
     ROLLOUT_MODES,
     rollout_label,
 )
+from qstream.regimes import AUX_REGIMES
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
 # 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B); a
 # difference against bf16 in tokens (small next to the lengths it compares) gets one more.
 DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "difference": 3, "snr": 1}
-
-# What each aux regime stands for (docs/eval-drift.md, qstream/eval/aux_sources.py).
-REGIME_DESCRIPTIONS = {
-    "gauss": "iid normal aux states",
-    "heavy": "normal aux states times per-channel lognormal scales (a few massive channels)",
-    "boot": "the draft's own layers run causally over the real token stream (repeated until "
-    "one per aux layer)",
-    "states": "the target's own hidden states, captured (qstream capture or speculate "
-    "--capture, or files vLLM, speculators or SpecForge wrote)",
-}
 
 
 def fixed(x: float | None, digits: int) -> Cell:
@@ -76,7 +66,8 @@ def difference(e: dict | float | None) -> Cell:
 
 def regime_order(rs: ResultsSet) -> list[str]:
     """Regimes present, in docs/eval-drift.md's order (gauss, heavy, boot), any other after."""
-    return [r for r in REGIMES if r in rs.regimes] + [r for r in rs.regimes if r not in REGIMES]
+    known = [r for r in AUX_REGIMES if r in rs.regimes]
+    return known + [r for r in rs.regimes if r not in AUX_REGIMES]
 
 
 def variant_order(rs: ResultsSet) -> list[str]:

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import click
 
-from qstream.clichoices import CARD_FORMATS, REGIMES
+from qstream.clichoices import CARD_FORMATS
 from qstream.cliutil import Command, flag_option, option
 from qstream.progress import step
 from qstream.publish import signals_as_interrupt
+from qstream.regimes import AUX_REGIMES
 
 
 @click.command("card", cls=Command)
@@ -49,7 +50,7 @@ from qstream.publish import signals_as_interrupt
 )
 @option(
     "regime",
-    type=click.Choice(REGIMES),
+    type=click.Choice(AUX_REGIMES),
     default=None,
     help="Regime of the full metric table (default: heavy, the pessimistic one).",
 )

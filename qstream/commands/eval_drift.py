@@ -9,12 +9,10 @@ import click
 from rich.console import Console
 
 from qstream.clichoices import (
-    ALL_REGIMES,
     DEFAULT_EDGES,
     EVAL_FORMATS,
     LAYER_CONVENTIONS,
     QUANTIZE_INCLUDE,
-    REGIMES,
     STATES_AUTO,
     STATES_FORMATS,
     VARIANT_FORMATS,
@@ -37,6 +35,7 @@ from qstream.cliutil import (
     write_json,
 )
 from qstream.progress import drift_progress
+from qstream.regimes import ALL_REGIMES, AUX_REGIMES
 
 if TYPE_CHECKING:
     from qstream.eval.settings import DriftSettings
@@ -85,7 +84,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "regime",
-    type=click.Choice([*REGIMES, ALL_REGIMES]),
+    type=click.Choice([*AUX_REGIMES, ALL_REGIMES]),
     default=None,
     help="Aux regime. Default: heavy, or none when --states is given.",
 )

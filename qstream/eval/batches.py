@@ -2,7 +2,7 @@
 batch reads, the shared race noise, and one batch drafted by one model.
 
 >>> batches = make_batches(plan, corpus, config)
->>> aux = AuxStates("gauss", corpus, config, seed=0)
+>>> aux = AuxStates(GAUSS, corpus, config, seed=0)
 >>> drafts = draft_batch(model, aux.get(batches[0]), batches[0], 0, seed=0)
 """
 
@@ -17,10 +17,11 @@ from qstream.arch.interface import AuxChunks, Blocks, DraftConfig, DraftModel, R
 from qstream.arch.registry import architecture_of
 from qstream.bounded.heap import Trimmed
 from qstream.bounded.store import Recorded, Store
-from qstream.eval.aux_sources import SyntheticAuxChunks, synthetic_aux
+from qstream.eval.aux_sources import SyntheticAuxChunks
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.settings import Sampling
 from qstream.eval.states import CapturedStates
+from qstream.regimes import Regime
 
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
 # every variant read the same rounded values.
@@ -59,13 +60,13 @@ class Batch:
     context_length: int  # positions of aux needed: max anchor in the batch
 
 
-def batch_flops(config: DraftConfig, batch: Batch, boot: bool = False) -> float:
+def batch_flops(config: DraftConfig, batch: Batch, causal: bool = False) -> float:
     """The work of drafting ``batch`` once (FLOP model), its context padded as computed; with
-    ``boot``, also the reference's causal pass that makes the batch's aux states."""
+    ``causal`` (boot), also the reference's causal pass that makes the batch's aux states."""
     arch, S, T = architecture_of(config), len(batch.streams), batch.context_length
     context = S * T * arch.context_flops(config)
-    causal = S * arch.causal_flops(config, max(T, 1)) if boot else 0
-    return arch.drafted_flops(config, batch.anchor) + context + causal
+    made = S * arch.causal_flops(config, max(T, 1)) if causal else 0
+    return arch.drafted_flops(config, batch.anchor) + context + made
 
 
 def make_batches(plan: AnchorPlan, corpus: Corpus, config: DraftConfig) -> tuple[Batch, ...]:
@@ -121,7 +122,7 @@ class AuxStates:
 
     def __init__(
         self,
-        regime: str,
+        regime: Regime,
         corpus: Corpus,
         config: DraftConfig,
         seed: int,
@@ -130,8 +131,7 @@ class AuxStates:
         self.regime, self.corpus, self.config, self.seed = regime, corpus, config, seed
         # the one place captured states are told apart from a token corpus
         self.captured = corpus if isinstance(corpus, CapturedStates) else None
-        boot = regime == "boot"
-        self._kept = Store(scratch_dir, memory_bytes=AUX_CACHE_BYTES, spill=boot)
+        self._kept = Store(scratch_dir, memory_bytes=AUX_CACHE_BYTES, spill=regime.causal)
         self._ranges = Store(scratch_dir, memory_bytes=0)  # boot's, never held whole
         self._recorded: dict[Batch, Recorded] = {}
 
@@ -159,7 +159,7 @@ class AuxStates:
                     "boot aux states must be taken whole by the reference pass first"
                 )
             return self._recorded[batch]
-        if self.regime == "boot":
+        if self.regime.causal:
             if reference is None:
                 raise RuntimeError("boot aux states must come from the reference pass first")
             ids = self._ids(batch, T)
@@ -176,7 +176,7 @@ class AuxStates:
             args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
             if lazy:
                 return SyntheticAuxChunks(*args)
-            aux = synthetic_aux(*args)
+            aux = SyntheticAuxChunks(*args).rows(0, T)
         self._kept.put(batch, aux)
         return aux
 

@@ -31,7 +31,8 @@ from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Pro
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
-from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA, STATES_REGIME
+from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
+from qstream.regimes import REGIMES, STATES, Regime
 
 __all__ = ["DriftSettings", "evaluate_drift"]
 
@@ -80,7 +81,7 @@ def evaluate_drift(
     if not settings.include:  # the architecture's shipped list
         settings = replace(settings, include=architecture_of(config).quantize_include)
     refuse_unevaluated(config)
-    if "boot" in settings.regimes:
+    if any(REGIMES[r].causal for r in settings.regimes):
         check_boot_compatible(config)
     refuse_quantized_model(model_dir)
     progress.advance("loading the draft", 0)
@@ -98,19 +99,19 @@ def evaluate_drift(
     progress.start(*_planned(config, settings, steps, batched, plan, states_plan, buckets))
     results = _run_description(model_dir, config, weights, corpus, plan, settings, variants, target)
 
-    def run(regime: str, streams: Corpus, blocks: AnchorPlan) -> RegimeRun:
+    def run(regime: Regime, streams: Corpus, blocks: AnchorPlan) -> RegimeRun:
         batches, fixed = batched[id(blocks)], (variants, settings, target, progress)
         return RegimeRun(regime, config, weights, streams, blocks, batches, *fixed)
 
-    for regime in settings.regimes:
-        results["regimes"][regime] = _with_sweep(run(regime, corpus, plan), buckets, batched)
+    for name in settings.regimes:
+        results["regimes"][name] = _with_sweep(run(REGIMES[name], corpus, plan), buckets, batched)
     if states is not None and states_plan is not None:
         anchors = states_plan.to_json()
         if settings.states_anchors is not None:  # named blocks, not drawn ones
             path = Path(settings.states_anchors)
             anchors.update(file=str(path), file_sha256=sha256_file(path))
         results["states"] = {**states.identity(), "anchors": anchors}
-        results["regimes"][STATES_REGIME] = evaluate_regime(run(STATES_REGIME, states, states_plan))
+        results["regimes"][STATES.name] = evaluate_regime(run(STATES, states, states_plan))
     if settings.verification.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS
     return results
@@ -146,22 +147,22 @@ def _planned(
     at its length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks."""
     blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS, STEPS), 0.0)
 
-    def add(anchors: AnchorPlan, regime: str, steps: int) -> None:
+    def add(anchors: AnchorPlan, regime: Regime, steps: int) -> None:
         """The reference pass (boot's also runs the causal pass), each variant's and ``steps``
         sensitivity steps'."""
         nonlocal blocks
         for b in batched[id(anchors)]:
             blocks += b.blocks.numel() * (1 + settings.n_variants + steps)
-            work[REFERENCE] += batch_flops(config, b, regime == "boot")
+            work[REFERENCE] += batch_flops(config, b, regime.causal)
             work[VARIANTS] += settings.n_variants * batch_flops(config, b)
             work[STEPS] += steps * batch_flops(config, b)
 
-    for regime in settings.regimes:
+    for regime in (REGIMES[name] for name in settings.regimes):
         add(plan, regime, steps)
         for _, _, _, anchors in buckets:
             add(anchors, regime, 0)
     if states_plan is not None:
-        add(states_plan, STATES_REGIME, steps)
+        add(states_plan, STATES, steps)
     return blocks, work
 
 

@@ -30,13 +30,14 @@ from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Pro
 from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
+from qstream.regimes import Regime
 
 
 @dataclass(frozen=True)
 class RegimeRun:
     """Everything one regime's evaluation reads, fixed for the regime."""
 
-    regime: str  # an aux regime (qstream/eval/aux_sources.py) or vocabulary.STATES_REGIME
+    regime: Regime  # qstream/regimes.py: an aux regime or captured states
     config: DraftConfig
     weights: Weights  # the checkpoint's weights: the reference's, and every variant's source
     corpus: Corpus  # token streams (CapturedStates: the captured file's streams and states)
@@ -136,8 +137,8 @@ def reference_pass(
             probe.add_reference(batch, head, blocks, greedy)
             if greedy.confidence is not None:
                 ref.confidence[idx] = greedy.confidence
-        work = batch_flops(run.config, batch, boot=run.regime == "boot")  # boot: + causal pass
-        run.progress.advance(f"{run.regime}: reference", len(idx), work, REFERENCE)
+        work = batch_flops(run.config, batch, run.regime.causal)  # boot: + causal pass
+        run.progress.advance(f"{run.regime.name}: reference", len(idx), work, REFERENCE)
     return ref
 
 
@@ -154,12 +155,12 @@ def measure_variant(
     kind = VARIANTS if probe is not None else STEPS  # a sensitivity step: drift only
     step = {"simulated": "simulating", "checkpoint": "loading"}.get(variant.kind)
     if step:  # seconds to minutes at K3 scale: say so before the first block
-        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0, kind=kind)
+        run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     drop_resident_pages()  # the previous pass's weights; this one maps back what it reads
     var_weights, changed = variant_weights(variant, run.weights, run.config, s, run.target)
     snr = weight_snr(var_weights, run.weights, changed)
     if step:  # the variant is built (and its SNR taken): the time so far is that step's
-        run.progress.advance(f"{run.regime}: {step} {variant.name}", 0, kind=kind)
+        run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     arch = architecture_of(run.config)
     model = arch.build(run.config, var_weights, variant.dtype, s.device)
     head = arch.host_head(model)
@@ -180,7 +181,7 @@ def measure_variant(
             if accepted is not None and probe is not None:
                 probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
         work = batch_flops(run.config, batch)
-        run.progress.advance(f"{run.regime}: {variant.name}", len(idx), work, kind)
+        run.progress.advance(f"{run.regime.name}: {variant.name}", len(idx), work, kind)
     return {
         "kind": variant.kind,
         "quantized_tensors": changed,

@@ -17,7 +17,6 @@ from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import load_config
 from qstream.device import resolve_device
 from qstream.errors import QStreamError
-from qstream.eval.aux_sources import DEFAULT_REGIME, REGIMES
 from qstream.eval.builtin import (
     BUILTIN_CORPUS_NAME,
     builtin_corpus_docs,
@@ -27,17 +26,16 @@ from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import Corpus, load_corpus, tokenize
 from qstream.eval.drift import evaluate_drift
 from qstream.eval.settings import DriftSettings, Progress
+from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
 
-ALL_REGIMES = "all"  # --regime all: every aux regime
 DEFAULT_EDGES = "default"  # --context-lengths given bare
 
 
 def resolve_regimes(regime: str | None, states: str | None) -> tuple[str, ...]:
-    """``--regime``: one regime, ``all``, or (None) heavy, or none when captured states are
-    given."""
+    """``--regime``: one regime, ``all``, or (None) heavy; none when captured states are given."""
     if regime is None:
-        return () if states else (DEFAULT_REGIME,)
-    return tuple(REGIMES) if regime == ALL_REGIMES else (regime,)
+        return () if states else (DEFAULT_REGIME.name,)
+    return AUX_REGIMES if regime == ALL_REGIMES else (regime,)
 
 
 def parse_variants(values: Sequence[str]) -> tuple[tuple[str, str], ...]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from qstream.errors import QStreamError
-from qstream.eval.aux_sources import REGIMES
 from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
 from qstream.formats import FORMATS
+from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
 
 # The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py).
 # STEPS: the sensitivity steps, which measure drift only (no verifier), so run at a pace of
@@ -129,7 +129,7 @@ class Scratch:
 
 @dataclass(frozen=True)
 class DriftSettings:
-    regimes: tuple[str, ...] = ("heavy",)
+    regimes: tuple[str, ...] = (DEFAULT_REGIME.name,)  # AUX_REGIMES names
     formats: tuple[str, ...] = VARIANT_FORMATS  # simulated variants; bf16 is the floor
     variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
     # compare a variant that is not derived from the model (qstream/eval/provenance.py)
@@ -168,9 +168,9 @@ class DriftSettings:
 
     def __post_init__(self) -> None:
         for regime in self.regimes:
-            if regime not in REGIMES:
+            if regime not in AUX_REGIMES:
                 raise QStreamError(
-                    f"unknown regime {regime!r}; choose from {', '.join(REGIMES)} or all"
+                    f"unknown regime {regime!r}; choose from {', '.join(AUX_REGIMES)} or all"
                 )
         for fmt in self.formats:
             if fmt not in ALLOWED_FORMATS:

@@ -24,9 +24,6 @@ FLOOR = "bf16"
 VARIANT_FORMATS = (FLOOR, *FORMATS)  # the default set of simulated variants
 ALLOWED_FORMATS = (REFERENCE, *VARIANT_FORMATS)
 
-# The regime of captured target states (``--states``); the aux regimes are aux_sources.py's.
-STATES_REGIME = "states"
-
 # Rollout modes of ``metrics.rollouts``: free-running greedy, and sampled on common random numbers.
 ROLLOUT_MODES = ("greedy", "sampled")
 
