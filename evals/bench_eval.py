@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.flops import blocks_flops
-from qstream.arch.dspark_mla.forward import DSpark
-from qstream.arch.dspark_mla.load import load_config, load_weights
+from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
+from qstream.arch.dspark_mla.model import DSpark, blocks_flops
 from qstream.arch.markov import rollout
 from qstream.eval.batches import AuxStates, draft_blocks, make_batches
 from qstream.eval.corpus import sample_anchors
@@ -49,7 +48,7 @@ def matmul_rate(dtype: torch.dtype, m: int = 2048, k: int = 1024, n: int = 3072)
 
 
 def useful_flops(config, plan) -> float:
-    """The plan's work by the FLOP model (qstream/arch/dspark_mla/flops.py, docs/eval-drift.md)."""
+    """The plan's work by the FLOP model (qstream/arch/dspark_mla/model.py, docs/eval-drift.md)."""
     return blocks_flops(config, plan.stream, plan.anchor)
 
 

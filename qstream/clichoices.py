@@ -10,7 +10,7 @@ WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")  # qstream.formats.FORMATS
 VARIANT_FORMATS = ("bf16", *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
 EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
 DEFAULT_EDGES = "default"  # qstream.eval.run.DEFAULT_EDGES: --context-lengths given bare
-# qstream.arch.dspark_mla.architecture.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
+# qstream.arch.dspark_mla.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
 QUANTIZE_INCLUDE = (
     "mlp.gate_proj",
     "mlp.up_proj",

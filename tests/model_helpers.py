@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import torch
 
+from qstream.arch.dspark_mla.checkpoint import tensor_shapes
 from qstream.arch.dspark_mla.config import PRESETS
-from qstream.arch.dspark_mla.forward import LM_HEAD, DSpark
-from qstream.arch.dspark_mla.tensors import tensor_shapes
+from qstream.arch.dspark_mla.model import LM_HEAD, DSpark
 
 
 def random_model_weights(cfg, seed: int) -> dict[str, torch.Tensor]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
-from qstream.arch.dspark_mla.forward import LM_HEAD, rms_norm
-from qstream.arch.dspark_mla.load import load_model
+from qstream.arch.dspark_mla.model import LM_HEAD, load_model, rms_norm
 from qstream.arch.markov import sample, sampling_probs
 
 

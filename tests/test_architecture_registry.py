@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from qstream.arch import registry
-from qstream.arch.dspark_mla.architecture import DSparkMLA
+from qstream.arch.dspark_mla import DSparkMLA
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.errors import QStreamError
 from qstream.eval.drift import DriftSettings, evaluate_drift

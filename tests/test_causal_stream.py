@@ -1,5 +1,5 @@
 """The boot regime at long context: the draft's causal pass streamed a range of positions at a
-time over its MLA cache (qstream/arch/dspark_mla/causal.py), and the boot and captured aux states a
+time over its MLA cache (qstream/arch/dspark_mla/model.py's CausalStream), and the boot and captured aux states a
 long-context batch never holds whole (qstream/eval/batches.py, docs/context-sweep.md)."""
 
 from contextlib import closing
@@ -8,16 +8,12 @@ import pytest
 import torch
 from model_helpers import long_context_model, random_model_weights
 
-import qstream.arch.dspark_mla.causal as causal
-import qstream.arch.dspark_mla.engine as engine
-import qstream.arch.dspark_mla.forward as dspark
+import qstream.arch.dspark_mla.model as mla
 import qstream.bounded.heap as heap
 import qstream.eval.batches as batches
-from qstream.arch.dspark_mla.causal import CausalStream
+from qstream.arch.dspark_mla.checkpoint import load_config
 from qstream.arch.dspark_mla.config import PRESETS
-from qstream.arch.dspark_mla.flops import causal_flops
-from qstream.arch.dspark_mla.forward import DSpark
-from qstream.arch.dspark_mla.load import load_config
+from qstream.arch.dspark_mla.model import CausalStream, DSpark, causal_flops
 from qstream.eval.batches import AuxStates, batch_flops, make_batches
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.drift import DriftSettings, evaluate_drift
@@ -42,8 +38,8 @@ def test_streamed_causal_pass_matches_and_stays_bounded(monkeypatch):
     model, config = long_context_model()
     ids = torch.randint(0, config.vocab_size, (2, 600), generator=torch.Generator().manual_seed(2))
     whole = model.causal_hidden(ids).flatten(2)
-    monkeypatch.setattr(engine, "SCORE_BUDGET", 1)
-    monkeypatch.setattr(engine, "MIN_KEY_CHUNK", 40)
+    monkeypatch.setattr(mla, "SCORE_BUDGET", 1)
+    monkeypatch.setattr(mla, "MIN_KEY_CHUNK", 40)
     model.widest = model.tallest = 0
     stream = CausalStream(model, ids)
     assert stream.shape == tuple(whole.shape)
@@ -92,7 +88,7 @@ def _counting_streams(monkeypatch) -> list:
             super().__init__(*args)
             made.append(self)
 
-    monkeypatch.setattr(causal, "CausalStream", Counting)  # what the architecture builds
+    monkeypatch.setattr(mla, "CausalStream", Counting)  # what the architecture builds
     return made
 
 
@@ -102,7 +98,7 @@ def test_boot_aux_is_computed_once_and_read_back_bit_exactly(tiny, corpus, monke
     the same bits back, in whatever ranges it asks."""
     cfg = PRESETS["tiny"]
     monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
-    monkeypatch.setattr(dspark, "CONTEXT_ELEMENTS", 13 * cfg.aux_size)  # 13 positions a range
+    monkeypatch.setattr(mla, "CONTEXT_ELEMENTS", 13 * cfg.aux_size)  # 13 positions a range
     made = _counting_streams(monkeypatch)
     reference = DSpark(cfg, random_model_weights(cfg, seed=5), torch.float32)
     batch = make_batches(sample_anchors(corpus, 12, cfg.block_size, seed=0), corpus, cfg)[0]

@@ -14,10 +14,9 @@ import torch.nn.functional as F
 from checkpoints import DSPARK_RECIPE
 from model_helpers import random_model_weights
 
+from qstream.arch.dspark_mla.checkpoint import tensor_shapes
 from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
-from qstream.arch.dspark_mla.forward import DSpark
-from qstream.arch.dspark_mla.load import load_model
-from qstream.arch.dspark_mla.tensors import tensor_shapes
+from qstream.arch.dspark_mla.model import DSpark, load_model
 from qstream.arch.markov import confidence
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, quantize

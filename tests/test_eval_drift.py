@@ -109,7 +109,7 @@ def test_a_perturbed_variant_is_detected(tiny, corpus, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, fmt):
-    from qstream.arch.dspark_mla.architecture import QUANTIZE_INCLUDE
+    from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
 
     out = tmp_path / fmt
     runner = CliRunner()

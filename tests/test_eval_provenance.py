@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.arch.dspark_mla.architecture import QUANTIZE_INCLUDE
+from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
 from qstream.cli import cli
 
 

@@ -77,7 +77,7 @@ def test_the_help_s_light_names_are_the_library_s():
     """The choices and defaults the options show come from qstream.clichoices (no heavy
     imports); each must be the constant the library itself uses."""
     from qstream import clichoices as light
-    from qstream.arch.dspark_mla.architecture import QUANTIZE_INCLUDE
+    from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
     from qstream.capture.layout import EXPORTS
     from qstream.capture.target import CONVENTIONS as CAPTURE_CONVENTIONS
     from qstream.capture.target import DTYPES

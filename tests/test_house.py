@@ -45,8 +45,10 @@ LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 FORMAT_NAMES = set(FORMATS)  # every registered format
 # eval's pass loop: the one place per-block outputs are held and the heap is tidied.
 BOUNDED_USERS = {"eval/passes.py", "eval/batches.py", "eval/verifiers.py"}
-MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 50
-MAX_PACKAGE_LINES = 20822  # measured; raised only by a fix that needs the lines, said in its commit
+# A file is as long as its one concept needs (an architecture's whole forward is one file,
+# docs/model.md); the file cap catches a runaway file, the function cap keeps each piece short.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 50
+MAX_PACKAGE_LINES = 20782  # measured; raised only by a fix that needs the lines, said in its commit
 
 
 @cache

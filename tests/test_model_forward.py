@@ -8,9 +8,9 @@ import pytest
 import torch
 from model_helpers import random_model_weights
 
-from qstream.arch.dspark_mla import engine
+from qstream.arch.dspark_mla import model as mla
 from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
-from qstream.arch.dspark_mla.forward import DSpark, apply_rope
+from qstream.arch.dspark_mla.model import DSpark, apply_rope
 from qstream.arch.markov import (
     markov_logits,
     rollout,
@@ -164,11 +164,11 @@ def test_transposed_markov_table_is_refused(weights):
 @pytest.mark.parametrize("row_cost", [None, 100.0], ids=["cost-model", "multi-slot-rows"])
 @pytest.mark.parametrize("key_chunk", [None, 8], ids=["one-pass", "key-chunked"])
 def test_batched_engine_equals_the_plain_forward(model, key_chunk, row_cost, monkeypatch):
-    # draft() (qstream.arch.dspark_mla.engine: rows of one slot as the tiny preset's cost model packs
+    # draft() (qstream.arch.dspark_mla.model's draft_packed: rows of one slot as the tiny preset's cost model packs
     # them, or, with rows made costly, packed rows of several slots and a busy stream over
     # several rows; with key_chunk=8 the online softmax over 5 key chunks) against draft_one
     if row_cost is not None:
-        monkeypatch.setattr(engine, "_row_cost", lambda config, T: row_cost)
+        monkeypatch.setattr(mla, "_row_cost", lambda config, T: row_cost)
     aux = _aux()
     gen = torch.Generator().manual_seed(9)
     stream = torch.randint(0, S, (24,), generator=gen)
@@ -281,7 +281,7 @@ def test_packing_minimises_padding_plus_row_work(counts, row_cost, M):
     stream = torch.tensor([s for s, c in enumerate(counts) for _ in range(c)])
     stream = stream[torch.randperm(stream.numel(), generator=torch.Generator().manual_seed(0))]
     anchor = torch.arange(stream.numel()) + 1
-    packing = engine._pack(stream, anchor, row_cost)
+    packing = mla._pack(stream, anchor, row_cost)
     assert packing.M == M
     # every block in exactly one slot of a row of its own stream, at its own anchor
     slots = packing.slot_of_block
@@ -295,6 +295,6 @@ def test_packing_minimises_padding_plus_row_work(counts, row_cost, M):
 def test_row_cost_at_k3_makes_padding_dear():
     # a K3 padding slot (7 positions through 5 layers and a 163,840-token lm_head) costs more
     # than expanding 300 context keys in every layer for one more row (about 0.55 of a slot)
-    costs = [engine._row_cost(PRESETS["k3"], T) for T in (0, 128, 300, 1000)]
+    costs = [mla._row_cost(PRESETS["k3"], T) for T in (0, 128, 300, 1000)]
     assert costs[0] == 0 and costs == sorted(costs)
     assert costs[1] < 0.25 and costs[2] < 1 < costs[3]

@@ -11,7 +11,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
 from qstream.arch.dspark_mla.config import PRESETS
-from qstream.arch.dspark_mla.forward import DSpark, rms_norm, swiglu, yarn_inv_freq
+from qstream.arch.dspark_mla.model import DSpark, rms_norm, swiglu, yarn_inv_freq
 
 # float32 rounding: both implementations sit within 1.7e-6 of a float64 run of themselves on
 # these shapes (outputs up to |3.1|, i.e. ~4 ulps); 1e-5 is that doubled and rounded up.

@@ -518,13 +518,11 @@ def test_quantize_entry_point_imports_nothing_it_does_not_use():
     import subprocess
     import sys
 
-    # the DSpark config parser, tensor table and FLOP model are pure Python, and quantize checks a
-    # draft's tensors against them (qstream/vllm/shapes.py); the model itself stays out
+    # the DSpark config parser and tensor table are pure Python, and quantize checks a draft's
+    # tensors against them (qstream/vllm/shapes.py); the model itself stays out
     code = (
         "import sys, qstream.cli, qstream.commands.quantize; "
-        "table = ('qstream.arch.dspark_mla.config', 'qstream.arch.dspark_mla.tensors', "
-        "'qstream.arch.dspark_mla.architecture', 'qstream.arch.dspark_mla.serving', "
-        "'qstream.arch.dspark_mla.flops'); "
+        "table = ('qstream.arch.dspark_mla.config', 'qstream.arch.dspark_mla.checkpoint'); "
         "heavy = ('matplotlib', 'scipy', 'transformers', 'pandas', 'safetensors', "
         "'compressed_tensors'); "
         "print(' '.join(m for m in sys.modules if m not in table and ("

@@ -9,11 +9,11 @@ from card_helpers import tables
 from click.testing import CliRunner
 from model_helpers import long_context_model, random_model_weights
 
-import qstream.arch.dspark_mla.forward as dspark
+import qstream.arch.dspark_mla.model as mla
 import qstream.eval.batches as batches
+from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
 from qstream.arch.dspark_mla.config import PRESETS
-from qstream.arch.dspark_mla.forward import DSpark
-from qstream.arch.dspark_mla.load import load_config, load_weights
+from qstream.arch.dspark_mla.model import DSpark
 from qstream.card.build import write_card
 from qstream.cli import cli
 from qstream.eval.aux_sources import SyntheticAuxChunks
@@ -259,7 +259,7 @@ def test_context_from_position_ranges_matches_the_whole_tensor(monkeypatch):
     streams, lengths, T = [0, 1], [40, 33], 40
     drawn = SyntheticAuxChunks(HEAVY, cfg, streams, lengths, T, 1, torch.bfloat16).rows(0, T)
     whole = model.context(drawn)
-    monkeypatch.setattr(dspark, "CONTEXT_ELEMENTS", 7 * 2 * cfg.aux_size)  # 7 positions a time
+    monkeypatch.setattr(mla, "CONTEXT_ELEMENTS", 7 * 2 * cfg.aux_size)  # 7 positions a time
     chunks = SyntheticAuxChunks(HEAVY, cfg, streams, lengths, T, 1, torch.bfloat16)
     taken = []
     monkeypatch.setattr(

@@ -1,2 +1,76 @@
-"""The DSpark draft with MLA attention (Kimi-K3's): configuration, reference forward, packed
-engine and checkpoint loading; :mod:`.architecture` is its descriptor (docs/model.md)."""
+"""The DSpark draft with MLA attention (Kimi-K3's), behind the architecture interface
+(docs/model.md, "Architectures"): :mod:`.config` its configuration, :mod:`.model` its forward
+(reference, batched and causal) and FLOP model, :mod:`.checkpoint` its tensor table, loading
+and serving profile; :data:`ARCH` is its descriptor (qstream/arch/interface.py's
+``Architecture``).  The config and checkpoint modules are pure Python; the model, which needs
+torch, is imported when first called, so that ``qstream quantize`` checks a draft's shapes
+without loading it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from qstream.arch.dspark_mla import checkpoint
+from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
+from qstream.arch.family import DSparkFamily
+
+if TYPE_CHECKING:
+    import torch
+
+# The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
+QUANTIZE_INCLUDE = (
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "self_attn.o_proj",
+    "self_attn.q_b_proj",
+    "context_proj",
+)
+
+
+class DSparkMLA(DSparkFamily):
+    """The descriptor: every call the rest of the package makes of this architecture."""
+
+    config_type: type = DSparkConfig
+    quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
+    presets: Mapping[str, DSparkConfig] = PRESETS
+    serving: Mapping[str, Any] | None = checkpoint.SERVING
+    final_norm: str = "final_norm.weight"
+    context_proj: str = "context_proj"
+    ships_embed_tokens: bool = True
+
+    def recognises(self, data: Mapping[str, Any]) -> bool:
+        return data.get("architectures") == [ARCHITECTURE] or data.get("model_type") == MODEL_TYPE
+
+    tensor_shapes = staticmethod(checkpoint.tensor_shapes)
+    load_weights = staticmethod(checkpoint.load_weights)
+
+    def build(self, config: DSparkConfig, weights, dtype: torch.dtype, device: Any = "cpu"):
+        from qstream.arch.dspark_mla.model import DSpark
+
+        return DSpark(config, weights, dtype, device)
+
+    def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype, depth=None):
+        from qstream.arch.dspark_mla.model import CausalStream
+
+        return CausalStream(model, ids, dtype, depth)
+
+    def context_flops(self, config: DSparkConfig) -> float:
+        from qstream.arch.dspark_mla.model import context_flops
+
+        return context_flops(config)
+
+    def drafted_flops(self, config: DSparkConfig, anchor: torch.Tensor) -> float:
+        from qstream.arch.dspark_mla.model import drafted_flops
+
+        return drafted_flops(config, anchor)
+
+    def causal_flops(self, config: DSparkConfig, T: int) -> float:
+        from qstream.arch.dspark_mla.model import causal_flops
+
+        return causal_flops(config, T)
+
+
+ARCH = DSparkMLA()
