@@ -38,3 +38,16 @@ def dead_pid() -> str:
     return subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """Tiny models: on a busy machine torch's intra-op threads cost far more than they gain
+    (minutes instead of seconds on two shared cores); torch's setting is restored.  A module
+    opts in with ``pytestmark = pytest.mark.usefixtures("one_intra_op_thread")``."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

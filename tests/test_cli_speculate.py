@@ -29,14 +29,7 @@ QUESTIONS = (
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """These models are tiny: on a busy machine torch's intra-op threads cost far more than they
-    gain (minutes instead of seconds on two shared cores).  torch's setting is restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _shared_direction(target: Path) -> None:

@@ -23,12 +23,7 @@ from qstream.eval.corpus import Corpus, read_anchor_plan
 PAIR = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.mark.parametrize(

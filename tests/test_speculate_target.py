@@ -26,13 +26,7 @@ QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 WEIGHTS = "model.safetensors"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_intra_op_thread():
-    """Tiny models: torch's intra-op threads cost more than they gain on a shared machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
