@@ -20,11 +20,10 @@ QUANTIZE_INCLUDE = (
     "context_proj",
 )
 STATES_AUTO = "auto"  # qstream.eval.states.AUTO
-STATES_FORMATS = ("qstream", "vllm", "specforge")  # qstream.eval.states.FORMATS
-# qstream.eval.states.CONVENTIONS and qstream.capture.target.CONVENTIONS
-LAYER_CONVENTIONS = ("layer-output", "hidden-states-index")
+STATES_FORMATS = ("qstream", "vllm", "specforge")  # qstream.eval.states.LAYOUTS
+LAYER_CONVENTIONS = ("layer-output", "hidden-states-index")  # qstream.eval.states.CONVENTIONS
 CAPTURE_DTYPES = ("float32", "bfloat16", "float16")  # qstream.capture.target.DTYPES
-CAPTURE_EXPORTS = ("qstream", "vllm")  # qstream.capture.layout.EXPORTS
+CAPTURE_EXPORTS = ("qstream", "vllm")  # qstream.eval.states.layouts.EXPORTS
 CARD_FORMATS = ("md", "json", "html")  # qstream.card.build.FORMATS
 # qstream.speculate.decode.RULES
 SPECULATE_RULES = ("greedy", "greedy-sampling", "probabilistic", "block")

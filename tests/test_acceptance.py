@@ -1,4 +1,4 @@
-"""Verification rules (qstream/eval/acceptance.py, adaptive.py): self-verification accepts
+"""Verification rules (qstream/eval/acceptance.py): self-verification accepts
 everything, block verification is never worse than token-wise in expectation, greedy drafting
 reduces both to prefix matching, the samplers' expectation (tests/verification_samplers.py)
 equals the closed form, and both samplers emit the verifier's distribution (chi-square on a small vocabulary).  The same for the modes vLLM serves
@@ -17,13 +17,15 @@ from verification_samplers import Verified, verify_block, verify_token_wise, ver
 
 from qstream.eval.acceptance import (
     accept_probabilities,
+    admitted_drafts,
     greedy_accepts,
     greedy_draft_probabilities,
     greedy_draft_stream_weights,
+    request_batches,
     stream_weights,
     token_probs,
+    truncated,
 )
-from qstream.eval.adaptive import admitted_drafts, request_batches, truncated
 
 # The chi-square tests reject at this p-value.  With a fixed seed they are deterministic; a correct
 # sampler would fail for about 1 seed in 1000, a wrong one (the negative control) fails by far.

@@ -146,7 +146,7 @@ def test_an_allowed_foreign_variant_is_labelled_in_json_and_card(tiny, foreign, 
 
 
 def test_the_builtin_corpus_is_the_shipped_gsm8k_test_split():
-    from qstream.eval.builtin import BUILTIN_CORPUS, builtin_corpus_docs
+    from qstream.eval.corpus import BUILTIN_CORPUS, builtin_corpus_docs
 
     docs = builtin_corpus_docs()
     assert len(docs) == 1319 and "\n#### " in docs[0]  # GSM8K test: 1,319 problems

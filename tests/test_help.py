@@ -78,13 +78,11 @@ def test_the_help_s_light_names_are_the_library_s():
     imports); each must be the constant the library itself uses."""
     from qstream import clichoices as light
     from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
-    from qstream.capture.layout import EXPORTS
-    from qstream.capture.target import CONVENTIONS as CAPTURE_CONVENTIONS
     from qstream.capture.target import DTYPES
     from qstream.card.build import FORMATS as CARD_FORMATS
     from qstream.eval.run import DEFAULT_EDGES
-    from qstream.eval.states import AUTO, CONVENTIONS
-    from qstream.eval.states import FORMATS as STATES_FORMATS
+    from qstream.eval.states import AUTO, CONVENTIONS, LAYOUTS
+    from qstream.eval.states.layouts import EXPORTS
     from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
     from qstream.formats import FORMATS
     from qstream.speculate.decode import RULES
@@ -94,8 +92,8 @@ def test_the_help_s_light_names_are_the_library_s():
     assert (light.VARIANT_FORMATS, light.EVAL_FORMATS) == (VARIANT_FORMATS, ALLOWED_FORMATS)
     assert light.DEFAULT_EDGES == DEFAULT_EDGES
     assert light.QUANTIZE_INCLUDE == QUANTIZE_INCLUDE
-    assert (light.STATES_AUTO, light.STATES_FORMATS) == (AUTO, STATES_FORMATS)
-    assert light.LAYER_CONVENTIONS == tuple(CONVENTIONS) == tuple(CAPTURE_CONVENTIONS)
+    assert (light.STATES_AUTO, light.STATES_FORMATS) == (AUTO, tuple(LAYOUTS))
+    assert light.LAYER_CONVENTIONS == tuple(CONVENTIONS)
     assert light.CAPTURE_DTYPES == tuple(DTYPES)
     assert light.CAPTURE_EXPORTS == tuple(EXPORTS)
     assert light.CARD_FORMATS == tuple(CARD_FORMATS)

@@ -7,9 +7,9 @@ import math
 import numpy as np
 import torch
 
+from qstream.eval.acceptance import summarise
 from qstream.eval.estimates import pearson_r, pooled_proportion, proportion, wilson_interval
 from qstream.eval.metrics import rollout_metrics
-from qstream.eval.tally import summarise
 
 B = 7
 REPLICATES = 200  # coverage ± ~1.5% (binomial sd at 0.95): 90% is 3 sd below nominal

@@ -19,7 +19,7 @@ from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.stats import checkpoint_stats, weight_stats
 from qstream.cli import cli
 from qstream.errors import QStreamError
-from qstream.eval.builtin import builtin_corpus_docs
+from qstream.eval.corpus import builtin_corpus_docs
 from qstream.quant.quantize import quantize_checkpoint
 from qstream.quant.simulate import simulate_format
 from qstream.synth.draft import synth_checkpoint

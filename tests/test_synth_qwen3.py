@@ -299,7 +299,7 @@ def test_load_weights_borrows_from_the_qwen3_target(qwen3_target, q3_for_target)
 def test_the_builtin_draft_is_built_by_todays_synth(tmp_path, monkeypatch):
     """The built-in draft's cache directory names synth's recipe, so a cache built by an older
     synth is never read as today's; what it holds is the pinned tiny draft."""
-    from qstream.eval.builtin import builtin_model_dir
+    from qstream.eval.corpus import builtin_model_dir
     from qstream.synth.draft import RECIPE
 
     monkeypatch.setenv("QSTREAM_CACHE", str(tmp_path))

@@ -2,7 +2,8 @@
 per stream, each written whole or not at all, in qstream's layout (``stream-000000.safetensors``
 …, docs/states.md) or vLLM's / speculators' (``--export vllm``, ``hs_0.safetensors`` …); and
 ``capture.json``, the settings a resumed run must match and the sha256 of every stream file,
-rewritten as each batch's files are written (read back by qstream/eval/states/manifest.py).
+rewritten as each batch's files are written (read back by qstream/eval/states/layouts.py, whose
+:class:`Layout` objects name the files and build their tensors).
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from qstream.capture.hooks import LayerTap
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.safetensors_io import serialize
 from qstream.errors import QStreamError
-from qstream.eval.states.manifest import RECORD, STREAM_NAMES, stream_file
+from qstream.eval.states.layouts import LAYOUTS, RECORD, Layout
 from qstream.publish import write_bytes_atomic, write_json_atomic
 
-EXPORTS = ("qstream", "vllm")
 # Settings a resumed run must share with the run that started the directory: everything that
 # changes what a stream file holds.  The device, the draft's path and the stream count may
 # differ (``--streams`` can grow a capture).
@@ -30,31 +30,9 @@ CHECKED = (
 ).split()
 
 
-def _stream_tensors(
-    ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """qstream's single-stream layout (docs/states.md)."""
-    return {
-        "input_ids": ids.to(torch.int64).contiguous(),
-        "aux_hidden_states": aux.contiguous(),  # [T, L·H]
-        "target_hidden_states": final.contiguous(),  # [T, H] after the final norm
-    }
-
-
-def _vllm_tensors(
-    ids: torch.Tensor, layers: torch.Tensor, pre_norm: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """vLLM's / speculators' layout: ``hidden_states`` [T, L+1, H] = the aux layers, then the
-    last layer's output before the final norm."""
-    return {
-        "hidden_states": torch.cat((layers, pre_norm[:, None]), dim=1).contiguous(),
-        "token_ids": ids.to(torch.int64).contiguous(),
-    }
-
-
 def write_batch(
     output: Path,
-    export: str,
+    layout: Layout,
     streams: list[int],
     rows: list[list[int]],
     tap: LayerTap,
@@ -62,24 +40,22 @@ def write_batch(
 ) -> None:
     """Write stream ``streams[k]`` (token ids ``rows[k]``) from row k of the tapped batch, cut
     to the row's length (the right padding's states discarded)."""
-    if export == "vllm":
-        layers, pre_norm = tap.layer_stack(), tap.pre_norm()  # [S, T, L, H], [S, T, H]
+    assert layout.tensors is not None, f"capture does not export the {layout.name} layout"
+    if layout.final_before_norm:
+        aux, final = tap.layer_stack(), tap.pre_norm()  # [S, T, L, H], [S, T, H]
     else:
         aux, final = tap.aux(), tap.final()  # [S, T, L·H], [S, T, H]
     for k, (index, row) in enumerate(zip(streams, rows)):
         T = len(row)
         ids = torch.tensor(row, dtype=torch.int64)
-        if export == "vllm":
-            tensors = _vllm_tensors(ids, layers[k, :T], pre_norm[k, :T])
-        else:
-            tensors = _stream_tensors(ids, aux[k, :T], final[k, :T])
+        tensors = layout.tensors(ids, aux[k, :T], final[k, :T])
         for name, tensor in tensors.items():  # eval-drift refuses them: never write them
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 raise QStreamError(
                     f"stream {index}: the target's {name} are not finite (NaN or Inf); "
                     "try --dtype float32"
                 )
-        _write_stream(output / stream_file(index, export), tensors, metadata[k])
+        _write_stream(output / layout.stream_file(index), tensors, metadata[k])
 
 
 def _write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -150,7 +126,7 @@ def start_output(output: Path, record: dict[str, Any]) -> None:
 
 
 def present_files(
-    output: Path, old: dict[str, Any] | None, export: str, expected: dict[str, dict[str, str]]
+    output: Path, old: dict[str, Any] | None, layout: Layout, expected: dict[str, dict[str, str]]
 ) -> dict[str, str]:
     """``{file name: sha256}`` of the stream files in ``output``: one the old record holds has
     the sha256 it records; one it lacks (written whole just before a run was killed, or by a
@@ -158,8 +134,8 @@ def present_files(
     run writes (``expected``: name -> metadata).  Anything else is one line naming the file."""
     recorded = (old or {}).get("files", {})
     present = {}
-    for path in sorted(output.iterdir(), key=lambda p: _index(p.name, export)):
-        if _index(path.name, export) < 0 or not path.is_file():
+    for path in sorted(output.iterdir(), key=lambda p: layout.stream_index(p.name)):
+        if layout.stream_index(path.name) < 0 or not path.is_file():
             continue
         digest, want = sha256_file(path), recorded.get(path.name)
         if want is not None and digest != want:
@@ -191,18 +167,13 @@ def _check_stream(path: Path, meta: dict[str, str] | None) -> None:
         )
 
 
-def _index(name: str, export: str) -> int:
-    """The stream index a file name of ``export``'s layout gives, or -1 for another file."""
-    match = STREAM_NAMES[export].match(name)
-    return int(match.group(1)) if match else -1
-
-
 def record_streams(output: Path, record: dict[str, Any], names: list[str]) -> None:
     """Add the sha256 of the stream files ``names`` just written to ``record`` (``files``, and
     ``streams`` their count) and replace ``capture.json``."""
     files = record.setdefault("files", {})
     for name in names:
         files[name] = sha256_file(output / name)
-    record["files"] = dict(sorted(files.items(), key=lambda f: _index(f[0], record["layout"])))
+    layout = LAYOUTS[record["layout"]]
+    record["files"] = dict(sorted(files.items(), key=lambda f: layout.stream_index(f[0])))
     record["streams"] = len(record["files"])
     write_record(output, record)

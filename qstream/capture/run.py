@@ -45,7 +45,8 @@ from qstream.capture.target import (
 )
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
-from qstream.eval.states.manifest import stream_file
+from qstream.eval.states.layers import LAYER_OUTPUT
+from qstream.eval.states.layouts import EXPORTS, LAYOUTS, QSTREAM, Layout
 from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice
 
 
@@ -56,7 +57,7 @@ class CaptureSettings:
     output: str  # directory of per-stream files plus capture.json
     corpus: str | None = None  # GSM8K JSONL or text; None: the built-in GSM8K test split
     layers: tuple[int, ...] | None = None  # overrides the draft's target_layer_ids
-    layer_convention: str = "layer-output"  # the convention --layers is written in
+    layer_convention: str = LAYER_OUTPUT.name  # the convention --layers is written in
     dtype: str | None = None  # the target's weights, compute and the states; None: default_dtype
     device: str = "cpu"
     device_map: str | None = None  # "auto": accelerate spreads the target over devices
@@ -64,7 +65,7 @@ class CaptureSettings:
     streams: int | None = None  # how many streams (default: every long enough document)
     batch_size: int = 8  # streams per forward
     sampling: Sampling | None = None  # --generate: continue each prompt with target samples
-    export: str = "qstream"  # or "vllm": vLLM's / speculators' layout
+    export: str = QSTREAM.name  # or "vllm": vLLM's / speculators' layout
     trust_remote_code: bool = False
 
 
@@ -81,12 +82,18 @@ class CaptureSummary:
 Progress = Callable[[int, int], None]  # (streams done, streams to do)
 
 
+def _layout(s: CaptureSettings) -> Layout:
+    if s.export not in EXPORTS:
+        raise QStreamError(f"--export {s.export!r}: choose {' or '.join(EXPORTS)}")
+    return LAYOUTS[s.export]
+
+
 def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
-    vllm = s.export == "vllm"
+    layout = LAYOUTS[s.export]
     return {
-        "layout": s.export,
-        "layer_convention": "hidden-states-index" if vllm else "layer-output",
-        "layer_ids": [j + 1 for j in ids] + [shape.num_hidden_layers] if vllm else list(ids),
+        "layout": layout.name,
+        "layer_convention": layout.convention.name,
+        "layer_ids": layout.layer_ids(ids, shape.num_hidden_layers),
         "target": shape.identity(),
         "source": "corpus" if s.sampling is None else "generate",
         "sampling": None if s.sampling is None else asdict(s.sampling),
@@ -127,6 +134,7 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     s = replace(s, dtype=s.dtype or default_dtype(s.device, s.device_map))
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
+    layout = _layout(s)
     config = load_config(s.model)
     shape = read_target_shape(s.target)
     ids = _layer_ids(s, config, shape.num_hidden_layers)
@@ -141,10 +149,10 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     chosen = _prompts(s, target, docs, config)
     if old is None:
         start_output(output, record)
-    expected = {stream_file(i, s.export): _metadata(chosen[i]) for i in range(len(chosen))}
-    record["files"] = present_files(output, old, s.export, expected)
+    expected = {layout.stream_file(i): _metadata(chosen[i]) for i in range(len(chosen))}
+    record["files"] = present_files(output, old, layout, expected)
     record_streams(output, record, [])
-    todo = [i for i in range(len(chosen)) if stream_file(i, s.export) not in record["files"]]
+    todo = [i for i in range(len(chosen)) if layout.stream_file(i) not in record["files"]]
     if progress is not None:
         progress(0, len(todo))
     tokens = _capture(s, target, ids, chosen, todo, output, record, progress)
@@ -180,8 +188,9 @@ def _capture(
         with LayerTap(layers, norm, ids) as tap:
             _forward(target, rows)
         meta = [_metadata(chosen[i]) for i in streams]
-        write_batch(output, s.export, streams, rows, tap, meta)
-        record_streams(output, record, [stream_file(i, s.export) for i in streams])
+        layout = LAYOUTS[s.export]
+        write_batch(output, layout, streams, rows, tap, meta)
+        record_streams(output, record, [layout.stream_file(i) for i in streams])
         done += len(streams)
         tokens += sum(len(r) for r in rows)
         if progress is not None:

@@ -17,7 +17,7 @@ import torch
 
 from qstream.arch.markov import sample, sampling_probs
 from qstream.capture.target import cache_keyword
-from qstream.eval.builtin import BUILTIN_CORPUS_NAME, builtin_corpus_docs
+from qstream.eval.corpus import BUILTIN_CORPUS_NAME, builtin_corpus_docs
 from qstream.synth.corpus import read_corpus
 
 

@@ -21,9 +21,9 @@ import torch
 from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.target import TargetShape
 from qstream.errors import QStreamError
+from qstream.eval.states.layers import CONVENTIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CONVENTIONS = ("layer-output", "hidden-states-index")
 # a file transformers builds a tokenizer from (without one it builds an empty vocabulary)
 TOKENIZER_FILES = ("tokenizer.json", "vocab.*", "*.model", "*.tiktoken")
 # the file a tensor of the checkpoint is looked up in: the shard index or the one weights file
@@ -183,7 +183,7 @@ def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, 
     output of layer k−1 (docs/capture.md), so k = 0 (the embeddings) has no layer-output id."""
     if convention not in CONVENTIONS:
         raise QStreamError(f"--layer-convention {convention!r}: choose {' or '.join(CONVENTIONS)}")
-    shift = 1 if convention == "hidden-states-index" else 0
+    shift = CONVENTIONS[convention].shift
     lo, hi = shift, depth - 1 + shift
     for k in ids:
         if not lo <= k <= hi:

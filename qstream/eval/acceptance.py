@@ -1,6 +1,6 @@
-"""Speculative-decoding verification of drafted blocks: token-wise rejection sampling and block
-verification as exact per-block expectations (docs/acceptance.md).  Adaptive verification's
-trimming is qstream/eval/adaptive.py's; the tallies over a regime, qstream/eval/tally.py's.
+"""Acceptance (docs/acceptance.md): speculative-decoding verification of drafted blocks as exact
+per-block expectations (token-wise rejection sampling, block verification), adaptive
+verification's trimming, and the tallies of one drafter against one verifier over a regime.
 
 For ``n`` blocks of ``B`` drafted tokens over a vocabulary of ``V``: ``q[:, k]`` is the drafter's
 sampling distribution at position k, ``p[:, k]`` the verifier's on the *drafted* prefix
@@ -9,21 +9,38 @@ the rules and checks these expectations against them).  The rules, the exact per
 expectation ``1 + Σ_k P(τ ≥ k | x_{≤k})`` that replaces the verifier's randomness, the one-hot
 greedy draft, and the importance weights on a stream the verifier sampled itself are derived in
 docs/acceptance.md ("Rules", "What is reported").
+
+Adaptive verification (vLLM 0.32, vllm/v1/worker/gpu/spec_decode/adaptive_verification.py;
+docs/acceptance.md, "Adaptive verification"): the drafts of one batch's requests compete for a
+budget of verified draft tokens, slots ranked by the survival ``Π_{j≤k} c_j`` of the confidence
+scores; a request verifies its first ``m`` drafted tokens as a block of ``m``, so its
+``P(τ ≥ k | x)`` is unchanged for ``k ≤ m`` and 0 beyond.  The budget's size is a setting here
+(:class:`qstream.eval.settings.AdaptiveBudget`).
+
+The tallies (:class:`AcceptanceAccumulator`), per mode (``vocabulary.ACCEPTANCE_MODES``): expected
+tokens emitted per block and ``P(τ ≥ k)`` per position with their intervals, the adaptive modes
+derived from the drafts' confidence scores, and the paired loss against bf16.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from qstream.eval.vocabulary import RULES
+from qstream.eval.estimates import Estimate, mean_estimate, pooled_proportion, proportion, scaled
+from qstream.eval.settings import AdaptiveBudget
+from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
 
 
-def _check(p_tok: torch.Tensor, q_tok: torch.Tensor) -> None:
+def _checked(p_tok: torch.Tensor, q_tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if p_tok.ndim != 2 or p_tok.shape != q_tok.shape:
         raise ValueError(
             f"token probabilities must be two equal [n, B] tensors, got "
             f"{tuple(p_tok.shape)} and {tuple(q_tok.shape)}"
         )
+    return p_tok.double(), q_tok.double()
 
 
 def _guarded_product(ratio: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -40,17 +57,23 @@ def _guarded_product(ratio: torch.Tensor, cap: float | None) -> torch.Tensor:
     return out
 
 
+def _by_rule(ratio: torch.Tensor, rule: str, stream: bool) -> torch.Tensor:
+    """``[n, B]`` from per-position ratios: token-wise ``Π_{j≤k} min(1, r_j)``; block, the
+    running product capped at 1 (drafting) or ``min_{i≤k} min(1, Π_{j≤i} r_j)`` (``stream``)."""
+    if rule == "token_wise":
+        return ratio.clamp(max=1.0).cumprod(dim=1)
+    if rule == "block" and not stream:
+        return _guarded_product(ratio, cap=1.0)
+    if rule == "block":
+        return torch.cummin(_guarded_product(ratio, cap=None).clamp(max=1.0), dim=1).values
+    raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+
+
 def accept_probabilities(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
     """``[n, B]`` float64: P(τ ≥ k | drafted prefix x_{≤k}) for k = 1..B, from the verifier's
     and the drafter's probabilities of the drafted tokens (``p_tok[:, k] = p_k(x_k)``)."""
-    _check(p_tok, q_tok)
-    p, q = p_tok.double(), q_tok.double()
-    ratio = torch.where(q > 0, p / q, torch.where(p > 0, torch.inf, 0.0))
-    if rule == "token_wise":
-        return ratio.clamp(max=1.0).cumprod(dim=1)
-    if rule == "block":
-        return _guarded_product(ratio, cap=1.0)
-    raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+    p, q = _checked(p_tok, q_tok)
+    return _by_rule(torch.where(q > 0, p / q, torch.where(p > 0, torch.inf, 0.0)), rule, False)
 
 
 def stream_weights(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
@@ -58,14 +81,8 @@ def stream_weights(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch
     verifier (docs/acceptance.md): ``E_{s~p}[w_k] = P(τ ≥ k)`` under drafting from q.  A stream
     token the verifier cannot produce (``p = 0``) breaks that premise; it is given ratio +inf,
     so it neither adds nor removes acceptance on its own (see ``outside_verifier_support``)."""
-    _check(p_tok, q_tok)
-    p, q = p_tok.double(), q_tok.double()
-    ratio = torch.where(p > 0, q / p, torch.where(q > 0, torch.inf, 1.0))
-    if rule == "token_wise":
-        return ratio.clamp(max=1.0).cumprod(dim=1)
-    if rule == "block":
-        return torch.cummin(_guarded_product(ratio, cap=None).clamp(max=1.0), dim=1).values
-    raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+    p, q = _checked(p_tok, q_tok)
+    return _by_rule(torch.where(p > 0, q / p, torch.where(q > 0, torch.inf, 1.0)), rule, True)
 
 
 def greedy_accepts(draft_tokens: torch.Tensor, verifier_top1: torch.Tensor) -> torch.Tensor:
@@ -93,3 +110,177 @@ def greedy_draft_stream_weights(
 def token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``probs[..., tokens]``: [n, B, V], [n, B] -> [n, B]."""
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def request_batches(n: int, requests: int, seed: int) -> torch.Tensor:
+    """``[n]`` the batch each of ``n`` blocks is verified in: a shuffle seeded by ``seed``, then
+    ``requests`` at a time (the last batch may be smaller)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    batch = torch.empty(n, dtype=torch.int64)
+    batch[order] = torch.arange(n) // requests
+    return batch
+
+
+def admitted_drafts(
+    confidence: torch.Tensor, batch: torch.Tensor, budget_share: float
+) -> torch.Tensor:
+    """``[n]`` int64: how many of its drafted tokens each block verifies when the blocks of each
+    batch (``batch[i]``: block i's batch) share a budget of ``round(budget_share · B ·
+    requests)`` tokens, as ``_assign_draft_token_budget`` admits them: every (block, position k)
+    slot scored by its survival ``cumprod(c)[k]`` in float32, the batch's highest scores win, and
+    a block verifies as many tokens as it has winners (a prefix: survival never increases along
+    a block).  Ties, which vLLM's ``topk`` breaks as it may, go to the earlier block of the batch
+    and the earlier position, so that a slot's admission depends on its own block's earlier
+    scores only."""
+    n, B = confidence.shape
+    survival = confidence.float().cumprod(dim=1)  # [n, B]
+    _, batch_of, sizes = torch.unique(batch, return_inverse=True, return_counts=True)
+    order = torch.argsort(batch_of, stable=True)  # blocks by batch, in block order within one
+    g = batch_of[order]
+    slot = torch.arange(n) - (sizes.cumsum(0) - sizes)[g]  # [n] place within the batch
+    grid = torch.full((sizes.numel(), int(sizes.max()), B), -math.inf)  # [G, R, B]
+    grid[g, slot] = survival[order]  # a smaller batch's missing requests score -inf
+    flat = grid.flatten(1)  # [G, R·B] request-major: earlier block, then earlier position
+    ranked = torch.sort(-flat, dim=1, stable=True).indices  # best first, ties in that order
+    rank = torch.empty_like(ranked).scatter_(
+        1, ranked, torch.arange(flat.shape[1]).expand_as(ranked)
+    )
+    budget = torch.floor(budget_share * B * sizes.double() + 0.5).long()  # [G]
+    wins = (rank < budget[:, None]).view_as(grid).sum(dim=-1)  # [G, R]
+    admitted = torch.empty(n, dtype=torch.int64)
+    admitted[order] = wins[g, slot]
+    return admitted
+
+
+def truncated(accept: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """``accept`` [n, B] with the positions past each block's ``admitted`` count zeroed: a
+    draft cut to m tokens is verified as a block of m (module docstring)."""
+    keep = torch.arange(accept.shape[1]) < admitted[:, None]
+    return torch.where(keep, accept, 0.0)
+
+
+def estimated_emitted(confidence: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """``[n]`` what vLLM's budget rule expects each block to emit, ``1 + Σ_{k≤m} Π_{j≤k} c_j``
+    over its admitted positions (``get_num_tokens``: the request's sampled token plus the
+    survival of its admitted slots, in float64): the confidence head's prediction of the
+    target's acceptance."""
+    survival = confidence.double().cumprod(dim=1)
+    return 1 + truncated(survival, admitted).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class AcceptanceSummary:
+    """Expected tokens emitted per block (accepted + one resampled or bonus token, 1..B+1) and
+    P(τ ≥ k) per position, each a mean over blocks with its 95% interval."""
+
+    emitted: Estimate
+    prefix_accept: tuple[Estimate, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "emitted": self.emitted.to_json(),
+            "prefix_accept": [e.to_json() for e in self.prefix_accept],
+        }
+
+
+def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary:
+    """``[n, B]`` per-block P(τ ≥ k) -> :class:`AcceptanceSummary` (Student t over blocks).
+    ``outcomes``: the values are 0/1 outcomes (greedy), which get Wilson intervals instead —
+    per position over blocks, and for the emitted tokens ``1 + B ·`` the pooled share on the
+    design-effect sample size — so that a run where every block is accepted does not report
+    the zero-width interval Student t gives there."""
+    B = accept.shape[1]
+    if outcomes:
+        hits = accept > 0.5
+        return AcceptanceSummary(
+            emitted=scaled(pooled_proportion(hits), B, offset=1.0),
+            prefix_accept=tuple(proportion(hits[:, k]) for k in range(B)),
+        )
+    return AcceptanceSummary(
+        emitted=mean_estimate(1 + accept.sum(dim=1), bounds=(1.0, B + 1.0)),
+        prefix_accept=tuple(mean_estimate(accept[:, k], bounds=(0.0, 1.0)) for k in range(B)),
+    )
+
+
+class AcceptanceAccumulator:
+    """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
+    (``vocabulary.ACCEPTANCE_MODES``), and the drafter's confidence scores per draft method, from
+    which the adaptive modes are derived when the results are read (their batches span the
+    whole evaluation; ``adaptive``'s batches are shuffled by ``seed``).  :meth:`emitted` gives
+    the per-block values for paired comparisons."""
+
+    def __init__(self, temperature: float, adaptive: AdaptiveBudget, seed: int) -> None:
+        self.temperature, self.adaptive, self.seed = temperature, adaptive, seed
+        self._parts: dict[str, list[torch.Tensor]] = {}
+        self._confidence: dict[str, list[torch.Tensor]] = {}
+        self._outcomes: set[str] = set()  # modes whose values are 0/1 outcomes
+        self._admitted: dict[str, torch.Tensor] = {}
+
+    def add(self, mode: str, accept: torch.Tensor, outcomes: bool = False) -> None:
+        """One batch's ``[n, B]`` P(τ ≥ k) of a non-adaptive mode; ``outcomes``: they are 0/1."""
+        if ACCEPTANCE_MODES[mode].adaptive:
+            raise ValueError(f"{mode} is derived from its base mode, not added")
+        self._parts.setdefault(mode, []).append(accept.double().cpu())
+        if outcomes:
+            self._outcomes.add(mode)
+
+    def add_confidence(self, draft: str, confidence: torch.Tensor | None) -> None:
+        """One batch's ``[n, B]`` confidence scores of the drafts made by ``draft`` (None: the
+        model has no confidence head, and no adaptive mode is simulated)."""
+        if confidence is not None:
+            self._confidence.setdefault(draft, []).append(confidence.float().cpu())
+
+    def modes(self) -> list[str]:
+        """The modes held, in ACCEPTANCE_MODES order; an adaptive one when its base mode and its
+        draft's confidence scores are both there."""
+        return [key for key in ACCEPTANCE_MODES if self._holds(key)]
+
+    def _holds(self, key: str) -> bool:
+        mode = ACCEPTANCE_MODES[key]
+        if not mode.adaptive:
+            return key in self._parts
+        return mode.base in self._parts and mode.draft in self._confidence
+
+    def admitted(self, mode: str) -> torch.Tensor:
+        """``[n]`` drafted tokens each block verifies under an adaptive ``mode``."""
+        if mode not in self._admitted:
+            confidence = torch.cat(self._confidence[ACCEPTANCE_MODES[mode].draft])
+            batches = request_batches(confidence.shape[0], self.adaptive.requests, self.seed)
+            self._admitted[mode] = admitted_drafts(confidence, batches, self.adaptive.budget_share)
+        return self._admitted[mode]
+
+    def accept(self, mode: str) -> torch.Tensor:
+        spec = ACCEPTANCE_MODES[mode]
+        if spec.adaptive:
+            return truncated(self.accept(spec.base), self.admitted(mode))
+        return torch.cat(self._parts[mode])
+
+    def emitted(self, mode: str) -> torch.Tensor:
+        """``[n]`` expected tokens emitted per block, in the order the batches were added."""
+        return 1 + self.accept(mode).sum(dim=1)
+
+    def to_json(self) -> dict:
+        return {mode: self._mode_json(mode) for mode in self.modes()}
+
+    def _mode_json(self, mode: str) -> dict:
+        spec = ACCEPTANCE_MODES[mode]
+        accept = self.accept(mode)
+        B = accept.shape[1]
+        out = {
+            "mode": spec.to_json(self.temperature, self.adaptive.to_json()),
+            **summarise(accept, outcomes=spec.base in self._outcomes).to_json(),
+        }
+        if spec.adaptive:
+            admitted = self.admitted(mode)
+            confidence = torch.cat(self._confidence[spec.draft])
+            out["verified"] = admitted.double().mean().item()
+            out["estimated_emitted"] = mean_estimate(
+                estimated_emitted(confidence, admitted), bounds=(1.0, B + 1.0)
+            ).to_json()
+        return out
+
+
+def paired_loss(floor: torch.Tensor, other: torch.Tensor, block_size: int) -> dict:
+    """Mean per-block loss ``floor − other`` of emitted tokens (same blocks, same noise), with a
+    Student-t 95% interval over blocks: the loss against bf16."""
+    return mean_estimate(floor - other, bounds=(-block_size, block_size)).to_json()

@@ -22,10 +22,8 @@ from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.eval.variants import Variant
-from qstream.formats import FORMATS
+from qstream.formats import QUANTIZED_SUFFIXES  # only a quantized module stores these
 
-# Tensor suffixes that only a quantized module stores: every format's stored names but weight.
-QUANTIZED_SUFFIXES = {s for f in FORMATS.values() for s in f.stored} - {"weight"}
 FOREIGN_FLAG = "--allow-foreign-variant"
 
 

@@ -17,13 +17,15 @@ from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import load_config
 from qstream.device import resolve_device
 from qstream.errors import QStreamError
-from qstream.eval.builtin import (
+from qstream.eval.context_sweep import default_edges, parse_edges
+from qstream.eval.corpus import (
     BUILTIN_CORPUS_NAME,
+    Corpus,
     builtin_corpus_docs,
     builtin_model_dir,
+    load_corpus,
+    tokenize,
 )
-from qstream.eval.context_sweep import default_edges, parse_edges
-from qstream.eval.corpus import Corpus, load_corpus, tokenize
 from qstream.eval.drift import evaluate_drift
 from qstream.eval.settings import DriftSettings, Progress
 from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME

@@ -1,8 +1,8 @@
 """What the verifiers accept of an evaluation's drafted blocks, batch by batch, in one regime:
 the FP32 reference on each variant's own drafted prefixes (``--acceptance``), and the captured
 target on its own stream (``--states``), with the run's :class:`~qstream.eval.settings.Sampling`
-and :class:`~qstream.eval.settings.Verification`.  The math is qstream/eval/acceptance.py's and
-adaptive.py's, the tallies tally.py's; the regime loop that feeds this is passes.py's."""
+and :class:`~qstream.eval.settings.Verification`.  The math and the tallies are
+qstream/eval/acceptance.py's; the regime loop that feeds this is passes.py's."""
 
 from __future__ import annotations
 
@@ -22,10 +22,12 @@ from qstream.arch.markov import (
 from qstream.arch.weights import ComputeWeights
 from qstream.bounded.store import Store
 from qstream.eval.acceptance import (
+    AcceptanceAccumulator,
     accept_probabilities,
     greedy_accepts,
     greedy_draft_probabilities,
     greedy_draft_stream_weights,
+    paired_loss,
     stream_weights,
     token_probs,
 )
@@ -34,7 +36,6 @@ from qstream.eval.corpus import AnchorPlan
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
-from qstream.eval.tally import AcceptanceAccumulator, paired_loss
 from qstream.eval.vocabulary import FLOOR, RULES, VERIFIERS, acceptance_mode
 
 MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")

@@ -20,7 +20,7 @@ from qstream.capture.hooks import LayerTap
 from qstream.capture.layout import record_streams, start_output, write_batch
 from qstream.capture.target import LoadedTarget, decoder_parts
 from qstream.errors import QStreamError
-from qstream.eval.states.manifest import stream_file
+from qstream.eval.states.layouts import QSTREAM
 from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
 from qstream.speculate.decode import Decoded, target_greedy
 
@@ -68,8 +68,8 @@ def write_capture(
             with torch.no_grad(), LayerTap(layers, norm, layer_ids) as tap:
                 target.model.model(input_ids=torch.tensor([row], device=target.device))
             meta = {"document": str(i), "prompt_tokens": str(len(prompt))}
-            write_batch(tmp, "qstream", [i], [row], tap, [meta])
-            record_streams(tmp, record, [stream_file(i, "qstream")])
+            write_batch(tmp, QSTREAM, [i], [row], tap, [meta])
+            record_streams(tmp, record, [QSTREAM.stream_file(i)])
         for name, decoded in runs.items():
             blocks = [[i, p] for i, r in enumerate(decoded) for p in r.anchors]
             record = {"variant": name, "blocks": blocks}

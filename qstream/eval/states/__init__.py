@@ -15,44 +15,27 @@ the expected shape.  Hidden states are read a batch of streams at a time.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import read_json
-from qstream.checkpoint.safetensors_io import read_header
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import CapturedStates, file_sha256s, files_sha256
 from qstream.eval.states.layers import (
     CONVENTIONS,
-    HIDDEN_STATES_INDEX,
-    LAYER_OUTPUT,
+    Convention,
     FinalNorm,
-    as_layer_output,
     check_layer_ids,
     parse_convention,
     parse_ids,
     read_final_norm,
     target_depth,
 )
-from qstream.eval.states.manifest import RECORD, check_manifest
-from qstream.eval.states.qstream_layout import open_qstream_file
-from qstream.eval.states.specforge_layout import GZIP_MAGIC, ZIP_MAGIC, open_specforge_file
-from qstream.eval.states.vllm_layout import open_vllm_file
+from qstream.eval.states.layouts import LAYOUTS, RECORD, Layout, check_manifest, sniff
 
-__all__ = ["AUTO", "CONVENTIONS", "FORMATS", "CapturedStates", "read_states"]
+__all__ = ["AUTO", "CONVENTIONS", "LAYOUTS", "CapturedStates", "read_states"]
 
-QSTREAM, VLLM, SPECFORGE = "qstream", "vllm", "specforge"
-FORMATS = (QSTREAM, VLLM, SPECFORGE)
 AUTO = "auto"
-# The convention each layout's layer ids are written in, when nothing else says (docs/states.md).
-DEFAULT_CONVENTION = {QSTREAM: LAYER_OUTPUT, VLLM: HIDDEN_STATES_INDEX, SPECFORGE: LAYER_OUTPUT}
-FINAL_TENSOR = {
-    QSTREAM: "target_hidden_states",
-    VLLM: "hidden_states[:, -1] (last layer, before the final norm)",
-    SPECFORGE: "target_last_hidden_states",
-}
 SUFFIXES = (".safetensors", ".ckpt", ".ckpt.gz")
 
 
@@ -82,39 +65,20 @@ def list_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: _natural(p.relative_to(root)))
 
 
-def sniff(path: Path) -> str:
-    """The layout of one file, from its first bytes and (safetensors) its tensor names."""
-    with path.open("rb") as fh:
-        head = fh.read(4)
-    if head == ZIP_MAGIC or head[:2] == GZIP_MAGIC or head[:1] == b"\x80":
-        return SPECFORGE  # a torch.save zip or pickle, plain or gzip-compressed
-    names = set(read_header(path).tensors)
-    if names & {"token_ids", "hidden_states"}:
-        return VLLM
-    if "input_ids" in names or any(n.startswith("stream.") for n in names):
-        return QSTREAM
-    shown = ", ".join(sorted(names)[:4]) or "none"
-    raise QStreamError(
-        f"{path}: not a states file qstream knows (tensors: {shown}); expected qstream's "
-        "input_ids/aux_hidden_states/target_hidden_states, vLLM's token_ids/hidden_states, "
-        "or a SpecForge .ckpt (docs/states.md)"
-    )
-
-
-def _resolve_format(files: list[Path], format: str | None) -> str:
+def _resolve_format(files: list[Path], format: str | None) -> Layout:
     if format not in (None, AUTO):
-        if format not in FORMATS:
+        if format not in LAYOUTS:
             raise QStreamError(
-                f"--states-format {format!r}: choose from auto, {', '.join(FORMATS)}"
+                f"--states-format {format!r}: choose from auto, {', '.join(LAYOUTS)}"
             )
-        return format
-    found: dict[str, Path] = {}
+        return LAYOUTS[format]
+    found: dict[Layout, Path] = {}
     for path in files:
         found.setdefault(sniff(path), path)
     if len(found) > 1:
         (a, pa), (b, pb) = list(found.items())[:2]
         raise QStreamError(
-            f"--states: mixed layouts in one directory: {pa} is {a}, {pb} is {b}; keep "
+            f"--states: mixed layouts in one directory: {pa} is {a.name}, {pb} is {b.name}; keep "
             "one layout per directory"
         )
     return next(iter(found))
@@ -123,12 +87,12 @@ def _resolve_format(files: list[Path], format: str | None) -> str:
 def _named_ids(
     root: Path,
     manifest: dict | None,
-    convention: str | None,
+    convention: Convention | None,
     layer_ids: object,
     config,
-    default,
+    default: Convention,
     n: int | None,
-) -> tuple[str, list[dict]]:
+) -> tuple[Convention, list[dict]]:
     """Layer ids the manifest and ``--states-layer-ids`` name, each checked against the draft
     (``n``: the target's layer count, when known)."""
     named = []
@@ -137,8 +101,8 @@ def _named_ids(
         own = parse_convention(manifest.get("layer_convention"), f"{where}: layer_convention")
         if convention is not None and convention != own:
             raise QStreamError(
-                f"{where}: layer_convention is {own}, but --states-layer-convention "
-                f"says {convention}"
+                f"{where}: layer_convention is {own.name}, but --states-layer-convention "
+                f"says {convention.name}"
             )
         ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
         check_layer_ids(ids, own, config, f"{where}: layer_ids", n)
@@ -153,7 +117,7 @@ def _named_ids(
 
 def _layers(
     root: Path,
-    fmt: str,
+    layout: Layout,
     config: DraftConfig,
     convention: str | None,
     layer_ids: object,
@@ -164,16 +128,15 @@ def _layers(
     manifest = read_json(manifest_path, RECORD) if manifest_path.is_file() else None
     if manifest is not None and not isinstance(manifest, dict):
         raise QStreamError(f"{manifest_path}: not a JSON object")
+    given = None
     if convention is not None:
-        convention = parse_convention(convention, "--states-layer-convention")
-    default = DEFAULT_CONVENTION[fmt]
+        given = parse_convention(convention, "--states-layer-convention")
     n = target_depth(config, target)
-    convention, named = _named_ids(root, manifest, convention, layer_ids, config, default, n)
+    used, named = _named_ids(root, manifest, given, layer_ids, config, layout.convention, n)
     draft = tuple(config.target_layer_ids)
-    in_convention = draft if convention == LAYER_OUTPUT else tuple(i + 1 for i in draft)
-    assert as_layer_output(in_convention, convention) == draft
+    in_convention = used.from_layer_output(draft)
     block = {
-        "convention": convention,
+        "convention": used.name,
         "ids": list(in_convention),
         "named_by": named,  # [] when no file or option names its layers: only shapes are checked
         "draft_target_layer_ids": list(draft),
@@ -181,19 +144,11 @@ def _layers(
     return block, manifest
 
 
-def _opener(fmt: str, config: DraftConfig) -> Callable[[Path], list]:
-    if fmt == VLLM:  # the final norm is attached once every file has been checked
-        return lambda p: open_vllm_file(p, config, FinalNorm())
-    if fmt == SPECFORGE:
-        return lambda p: open_specforge_file(p, config)
-    return lambda p: open_qstream_file(p, config)
-
-
-def _final_norm(fmt: str, root: Path, config: DraftConfig, target: str | None) -> FinalNorm:
+def _final_norm(layout: Layout, root: Path, config: DraftConfig, target: str | None) -> FinalNorm:
     """The target's final norm when the layout's final state is taken before it (vLLM)."""
-    if fmt != VLLM:
+    if not layout.final_before_norm:
         return FinalNorm()
-    why = f"--states {root} (vLLM / speculators layout)"
+    why = f"--states {root} ({layout.title} layout)"
     return read_final_norm(target, config.target_hidden_size, why)
 
 
@@ -211,20 +166,17 @@ def read_states(
     ``target``: the target checkpoint, whose final norm normalizes a pre-norm final state."""
     root = Path(path)
     files = list_files(root)
-    fmt = _resolve_format(files, format)
-    layers, manifest = _layers(root, fmt, config, layer_convention, layer_ids, target)
+    layout = _resolve_format(files, format)
+    layers, manifest = _layers(root, layout, config, layer_convention, layer_ids, target)
     digests = file_sha256s(files, root)  # read once: checked and hashed into the identity
     checked = None if manifest is None else check_manifest(root, manifest, digests)
-    open_file = _opener(fmt, config)
-    pairs = [pair for f in files for pair in open_file(f)]
-    norm = _final_norm(fmt, root, config, target)
-    if norm.weight is not None:
-        pairs = [(replace(source, norm=norm), ids) for source, ids in pairs]
+    pairs = [pair for f in files for pair in layout.open(f, config)]
+    norm = _final_norm(layout, root, config, target)  # once every file has been checked
     details = {
-        "format": fmt,
+        "format": layout.name,
         "files": len(files),
         "layers": layers,
-        "final_state": {"tensor": FINAL_TENSOR[fmt], "normalized_with": norm.to_json()},
+        "final_state": {"tensor": layout.final_tensor, "normalized_with": norm.to_json()},
         "manifest": manifest,
         **({} if checked is None else {"manifest_check": checked}),
     }
@@ -236,4 +188,5 @@ def read_states(
         sources=tuple(source for source, _ in pairs),
         details=details,
         aux_size=config.aux_size,
+        norm=norm,
     )

@@ -2,7 +2,8 @@
 the layouts provide (:class:`StreamSource`), and the checks all layouts share (docs/states.md).
 
 A stream's rows are read only when a batch asks for them: ``aux`` rows [n, A] and ``target``
-rows [n, H] (the target's final hidden state after its final norm), both float32.
+rows [n, H] (the target's final hidden state, after its final norm: the corpus's ``norm`` where
+a layout takes it before), both float32.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import sha256_file
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus
+from qstream.eval.states.layers import FinalNorm
 from qstream.units import FLOAT_DTYPE_NAMES, FLOAT_DTYPES
 
 ID_DTYPES = (torch.int32, torch.int64)
@@ -27,7 +29,10 @@ AUX, TARGET = "aux", "target"  # the two kinds of rows a stream source reads
 class StreamSource(Protocol):
     """One stream of a states file: where it lives and how to read a range of its rows."""
 
-    where: str  # the file (for messages)
+    @property
+    def where(self) -> str:
+        """The file (for messages)."""
+        ...
 
     def tensor_name(self, kind: str) -> str:
         """The tensor (as the file names it) that ``kind`` rows come from, for messages."""
@@ -45,6 +50,7 @@ class CapturedStates(Corpus):
     sources: tuple[StreamSource, ...] = ()
     details: dict = field(default_factory=dict)  # format, files, layers, final state, manifest
     aux_size: int = 0  # A: the width of every stream's aux rows (checked when read)
+    norm: FinalNorm = FinalNorm()  # applied to target rows (identity: already normalized)
 
     def identity(self) -> dict:
         return {**super().identity(), **self.details}
@@ -52,6 +58,8 @@ class CapturedStates(Corpus):
     def _rows(self, stream: int, kind: str, start: int, stop: int) -> torch.Tensor:
         source = self.sources[stream]
         rows = source.rows(kind, start, stop)
+        if kind == TARGET:
+            rows = self.norm(rows)
         if not bool(torch.isfinite(rows).all()):
             raise QStreamError(
                 f"{source.where}: tensor {source.tensor_name(kind)!r} holds "

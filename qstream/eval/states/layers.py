@@ -1,7 +1,8 @@
 """Which target layers a states file holds, in which numbering, and the target's final norm.
-The two numberings (``layer-output``: id j is decoder layer j's output, the draft's own
+The two numberings as :class:`Convention` objects and their registry, the one place their names
+are spelled (``layer-output``: id j is decoder layer j's output, the draft's own
 ``target_layer_ids``; ``hidden-states-index``: id k is the residual stream entering layer k,
-vLLM's ``eagle_aux_hidden_state_layer_ids``) and their vLLM sources: docs/states.md, "Layer ids".
+vLLM's ``eagle_aux_hidden_state_layer_ids``); their vLLM sources: docs/states.md, "Layer ids".
 """
 
 from __future__ import annotations
@@ -17,19 +18,35 @@ from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 
-LAYER_OUTPUT, HIDDEN_STATES_INDEX = "layer-output", "hidden-states-index"
-CONVENTIONS = (LAYER_OUTPUT, HIDDEN_STATES_INDEX)
+
+@dataclass(frozen=True)
+class Convention:
+    """A numbering of the target's layers: id = layer-output id + ``shift``."""
+
+    name: str
+    shift: int
+
+    def to_layer_output(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i - self.shift for i in ids)
+
+    def from_layer_output(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i + self.shift for i in ids)
+
+
+LAYER_OUTPUT = Convention("layer-output", 0)
+HIDDEN_STATES_INDEX = Convention("hidden-states-index", 1)
+CONVENTIONS = {c.name: c for c in (LAYER_OUTPUT, HIDDEN_STATES_INDEX)}
 FINAL_NORM = "model.norm.weight"  # the final norm of a transformers decoder (not a layer's norm)
 
 
-def parse_convention(value: object, where: str) -> str:
-    """A convention name (``layer_output`` is accepted for ``layer-output``)."""
-    name = value.replace("_", "-") if isinstance(value, str) else value
+def parse_convention(value: object, where: str) -> Convention:
+    """A convention by name (``layer_output`` is accepted for ``layer-output``)."""
+    name = value.replace("_", "-") if isinstance(value, str) else None
     if name not in CONVENTIONS:
         raise QStreamError(
             f"{where}: layer convention {value!r} is not one of {', '.join(CONVENTIONS)}"
         )
-    return str(name)
+    return CONVENTIONS[name]
 
 
 def parse_ids(value: object, where: str) -> tuple[int, ...]:
@@ -48,10 +65,6 @@ def parse_ids(value: object, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def as_layer_output(ids: tuple[int, ...], convention: str) -> tuple[int, ...]:
-    return ids if convention == LAYER_OUTPUT else tuple(i - 1 for i in ids)
-
-
 def target_depth(config: DraftConfig, target: str | None) -> int | None:
     """N, the target's layer count: the draft's ``target_num_hidden_layers``, else (a
     speculators-layout draft's config has none) ``num_hidden_layers`` of ``target``'s
@@ -62,18 +75,18 @@ def target_depth(config: DraftConfig, target: str | None) -> int | None:
 
 
 def check_layer_ids(
-    ids: tuple[int, ...], convention: str, config: DraftConfig, where: str, n: int | None
+    ids: tuple[int, ...], convention: Convention, config: DraftConfig, where: str, n: int | None
 ):
     """Refuse ids (named by ``where``) that are not the draft's ``target_layer_ids``.  A trailing
     last layer (index N, or output N−1; ``n``: N, from :func:`target_depth`) names the final
     state and is allowed."""
     wanted = tuple(config.target_layer_ids)
-    lo = as_layer_output(ids, convention)
+    lo = convention.to_layer_output(ids)
     if len(lo) == len(wanted) + 1 and n is not None and lo[-1] == n - 1:
         lo = lo[:-1]  # speculators appends the last layer (its final state)
     if lo != wanted:
         raise QStreamError(
-            f"{where}: layer ids {list(ids)} ({convention}) are layers {list(lo)} in the "
+            f"{where}: layer ids {list(ids)} ({convention.name}) are layers {list(lo)} in the "
             f"layer-output convention; the draft's target_layer_ids are {list(wanted)} "
             + (
                 f"(the target's {n} layers)"
