@@ -7,7 +7,6 @@ positions' states discarded), writing each stream's file as its batch completes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from qstream.capture.target import (
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.states.manifest import stream_file
+from qstream.progress import Progress
 from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice
 
 
@@ -76,9 +76,6 @@ class CaptureSummary:
     skipped: int  # already there (resumed)
     tokens: int  # in the streams this run wrote
     record: dict[str, Any] = field(default_factory=dict)
-
-
-Progress = Callable[[int, int], None]  # (streams done, streams to do)
 
 
 def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
@@ -146,7 +143,7 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     record_streams(output, record, [])
     todo = [i for i in range(len(chosen)) if stream_file(i, s.export) not in record["files"]]
     if progress is not None:
-        progress(0, len(todo))
+        progress.start(len(todo))
     tokens = _capture(s, target, ids, chosen, todo, output, record, progress)
     present = record["streams"]
     return CaptureSummary(str(output), present, len(todo), len(chosen) - len(todo), tokens, record)
@@ -166,7 +163,7 @@ def _capture(
     batch's files in ``capture.json`` as they are written."""
     eos = target.tokenizer.eos_token_id
     layers, norm = decoder_parts(target.model)
-    done = tokens = 0
+    tokens = 0
     for batch in length_batches([len(chosen[i][1]) for i in todo], s.batch_size):
         streams = [todo[k] for k in batch]
         prompts = [chosen[i][1] for i in streams]
@@ -182,10 +179,9 @@ def _capture(
         meta = [_metadata(chosen[i]) for i in streams]
         write_batch(output, s.export, streams, rows, tap, meta)
         record_streams(output, record, [stream_file(i, s.export) for i in streams])
-        done += len(streams)
         tokens += sum(len(r) for r in rows)
         if progress is not None:
-            progress(done, len(todo))
+            progress.advance("", len(streams))
     return tokens
 
 

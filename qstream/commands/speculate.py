@@ -115,8 +115,8 @@ def speculate(json_path: str | None, **o: Any) -> None:
     # here, not above: `qstream speculate --help` loads no torch
     from qstream.speculate.run import run_speculate
 
-    with signals_as_interrupt(), counter("speculate", "prompts") as report:
-        results = run_speculate(_settings(o), report)
+    with signals_as_interrupt(), counter("speculate", "prompts") as progress:
+        results = run_speculate(_settings(o), progress)
     if json_path != "-":
         console = make_console()
         for table in acceptance_tables(results, console.width):

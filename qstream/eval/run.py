@@ -25,7 +25,8 @@ from qstream.eval.builtin import (
 from qstream.eval.context_sweep import default_edges, parse_edges
 from qstream.eval.corpus import Corpus, load_corpus, tokenize
 from qstream.eval.drift import evaluate_drift
-from qstream.eval.settings import DriftSettings, Progress
+from qstream.eval.settings import DriftSettings
+from qstream.progress import Progress
 from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
 
 DEFAULT_EDGES = "default"  # --context-lengths given bare
