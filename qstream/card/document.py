@@ -1,47 +1,16 @@
 """The card as data (sections of paragraphs, tables, figures and code) and its three renderings:
-GitHub-flavoured markdown, a standalone HTML page, and JSON.
-
-Every table cell keeps the text shown and, where it shows a measured number, that number as it
-stands in the results JSON (``data``), so ``--format json`` gives the tables as data and tests can
-check each printed number against its source.
-"""
+GitHub-flavoured markdown, a standalone HTML page, and JSON.  Its tables are
+:class:`qstream.tablefit.Table`, each cell keeping the number it shows."""
 
 from __future__ import annotations
 
 import html
 import re
 from dataclasses import dataclass, field
-from typing import Any
+
+from qstream.tablefit import Table
 
 CARD_SCHEMA = "qstream.card/1"
-
-
-@dataclass(frozen=True)
-class Cell:
-    text: str
-    data: Any = None  # the JSON value(s) the text shows; None for labels
-
-
-@dataclass
-class Table:
-    caption: str
-    columns: list[str]
-    rows: list[list[Cell]]
-    key: str  # stable identifier in --format json
-    align: str = ""  # "l"/"r" per column; default: the first left, the rest (numbers) right
-
-    def __post_init__(self) -> None:
-        if not self.align:
-            self.align = "l" + "r" * (len(self.columns) - 1)
-        if len(self.align) != len(self.columns) or set(self.align) - {"l", "r"}:
-            raise ValueError(
-                f"table {self.key}: align {self.align!r} for {len(self.columns)} columns"
-            )
-        for row in self.rows:
-            if len(row) != len(self.columns):
-                raise ValueError(
-                    f"table {self.key}: row of {len(row)} cells, {len(self.columns)} columns"
-                )
 
 
 @dataclass(frozen=True)
@@ -81,28 +50,13 @@ class Card:
 # Markdown
 
 
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _md_table(table: Table) -> str:
-    lines = [
-        f"**{table.caption}**",
-        "",
-        "| " + " | ".join(_md_cell(c) for c in table.columns) + " |",
-        "|" + "|".join("---" if a == "l" else "---:" for a in table.align) + "|",
-    ]
-    lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in table.rows]
-    return "\n".join(lines)
-
-
 def render_markdown(card: Card) -> str:
     out = [f"# {card.title}"]
     for section in card.sections:
         out.append(f"## {section.title}")
         for part in section.parts:
             if isinstance(part, Table):
-                out.append(_md_table(part))
+                out.append(part.markdown())
             elif isinstance(part, Figure):
                 out.append(f"![{part.alt}]({part.path})\n\n*{part.caption}*")
             elif isinstance(part, Code):
@@ -178,21 +132,6 @@ def render_html(card: Card) -> str:
 # JSON
 
 
-def _table_json(table: Table) -> dict:
-    return {
-        "key": table.key,
-        "caption": table.caption,
-        "columns": table.columns,
-        "rows": [
-            {
-                col: (cell.data if cell.data is not None else cell.text)
-                for col, cell in zip(table.columns, row)
-            }
-            for row in table.rows
-        ],
-    }
-
-
 def card_json(card: Card) -> dict:
     sections = []
     for section in card.sections:
@@ -201,7 +140,7 @@ def card_json(card: Card) -> dict:
                 "title": section.title,
                 "text": [p for p in section.parts if isinstance(p, str)],
                 "items": [i for p in section.parts if isinstance(p, Bullets) for i in p.items],
-                "tables": [_table_json(p) for p in section.parts if isinstance(p, Table)],
+                "tables": [p.to_json() for p in section.parts if isinstance(p, Table)],
                 "figures": [
                     {"path": p.path, "caption": p.caption}
                     for p in section.parts

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
 from qstream.card.tables import per_regime, regime_order
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, rollout_label, verifier_label
 from qstream.regimes import REGIMES
+from qstream.tablefit import Cell, Table
 
 
 def _corpus(run: dict) -> str:

@@ -4,7 +4,6 @@ come from :mod:`qstream.card.tables`."""
 
 from __future__ import annotations
 
-from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
 from qstream.card.tables import (
     DIGITS,
@@ -23,6 +22,7 @@ from qstream.eval.vocabulary import (
     VERIFIERS,
     verifier_label,
 )
+from qstream.tablefit import Cell, Table
 
 
 def sensitivity_table(rs: ResultsSet, regime: str) -> Table:

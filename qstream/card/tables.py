@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from qstream.card.document import Cell, Table
 from qstream.card.results import ResultsSet
 from qstream.eval.vocabulary import (
     CONFIDENCE_NOTE,
@@ -22,6 +21,7 @@ from qstream.eval.vocabulary import (
     rollout_label,
 )
 from qstream.regimes import AUX_REGIMES
+from qstream.tablefit import Cell, Table
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
 # 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B); a
