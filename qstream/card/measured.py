@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from qstream.card.document import Section
-from qstream.card.results import ResultsSet
+from qstream.card.results import ResultsSet, check_numbers, summary_problems
 from qstream.card.tables import DIGITS, difference, estimate, metrics, regime_order
-from qstream.card.validate import check_numbers, summary_problems
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import FLOOR

@@ -16,16 +16,14 @@ from rich.text import Text
 from qstream.card.build import suggested_command
 from qstream.card.document import Code, Part
 from qstream.card.results import ResultsSet, collect_results
-from qstream.card.study_tables import (
+from qstream.card.tables import (
     acceptance_tables,
     acceptance_verifiers,
-    context_sweep_table,
-    sensitivity_table,
-)
-from qstream.card.tables import (
     agreement_table,
+    context_sweep_table,
     full_metrics_table,
     regime_order,
+    sensitivity_table,
     variant_label,
     variant_order,
 )
