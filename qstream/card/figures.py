@@ -180,9 +180,14 @@ def _new_figure(n_rows: int, n_cols: int, panel: tuple[float, float], sharey=Fal
     return fig, axes
 
 
-def _save(fig, path: Path, handles, labels) -> None:
+def _save(fig: Figure, path: Path, title: str, handles, labels=None) -> Figure:
+    """``fig`` titled, its legend below (``handles`` a dict: its keys the labels), saved."""
+    if isinstance(handles, dict):
+        handles, labels = list(handles.values()), labels or list(handles)
+    fig.suptitle(title, fontsize=11)
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8), frameon=False)
     fig.savefig(path, facecolor=BACKGROUND, transparent=False)
+    return fig
 
 
 def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
@@ -213,13 +218,9 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
                 ax.set_ylabel(POSITION_QUANTITIES[quantity])
             ax.set_xticks(range(1, rs.block_size + 1))
         axes[row][0].set_ylim(max(0.0, lowest - 0.03), 1.01)
-    fig.suptitle(
-        "Free-running rollouts against the FP32 reference by drafted position (bands: 95% CI)",
-        fontsize=11,
-    )
     labels = [f"{v} (same as {twins[v]}: the lines coincide)" if v in twins else v for v in handles]
-    _save(fig, path, list(handles.values()), labels)
-    return fig
+    title = "Free-running rollouts against the FP32 reference by drafted position (bands: 95% CI)"
+    return _save(fig, path, title, handles, labels)
 
 
 def _position_lines(ax, rs: ResultsSet, panel: tuple, handles, twins: dict) -> float:
@@ -302,9 +303,9 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
         ax.set_ylabel(f"mean matched prefix (tokens, 0..{rs.block_size})")
         ax.set_ylim(0, rs.block_size)
         ax.set_title(f"{PREFIX_LABELS[mode]}\n{rollout_name(rs, mode)}", fontsize=9)
-    fig.suptitle("Greedy ceiling and sampled matched prefix (error bars: 95% CI)", fontsize=11)
-    _save(fig, path, list(handles.values()), list(handles))
-    return fig
+    return _save(
+        fig, path, "Greedy ceiling and sampled matched prefix (error bars: 95% CI)", handles
+    )
 
 
 def kl_figure(rs: ResultsSet, path: Path) -> Figure:
@@ -346,11 +347,8 @@ def kl_figure(rs: ResultsSet, path: Path) -> Figure:
     handles.append(
         Line2D([], [], color=grey, marker="*", markersize=9, linestyle="-", label=KL_MEAN_LEGEND)
     )
-    fig.suptitle(
-        "KL divergence per drafted token: reported percentiles (not a density)", fontsize=11
-    )
-    _save(fig, path, handles, [h.get_label() for h in handles])
-    return fig
+    title = "KL divergence per drafted token: reported percentiles (not a density)"
+    return _save(fig, path, title, handles, [h.get_label() for h in handles])
 
 
 def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
@@ -434,9 +432,7 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
             ax.set_ylabel(f"ceiling, greedy (tokens, 0..{rs.block_size})")
         ax.set_ylim(0, rs.block_size)
         ax.set_title(f"{regime} (dotted: YaRN boundary {sweep['yarn_boundary']})", fontsize=9)
-    fig.suptitle("Acceptance ceiling by context length (bands: 95% CI)", fontsize=11)
-    _save(fig, path, list(handles.values()), list(handles))
-    return fig
+    return _save(fig, path, "Acceptance ceiling by context length (bands: 95% CI)", handles)
 
 
 def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
