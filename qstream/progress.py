@@ -270,10 +270,6 @@ class DriftProgress(Shown):
 
     counts_work = False
 
-    @property
-    def blocks(self) -> int:
-        return self.done
-
     def advance(self, what: str, done: int, work: float = 0.0, kind: str = VARIANTS) -> None:
         super().advance(what, done, work, kind)
         left = self.eta.seconds_left()
