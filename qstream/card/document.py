@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from qstream.tablefit import Table
@@ -46,25 +47,28 @@ class Card:
     missing: list[str]  # what the results set lacks, one sentence each
 
 
+def _sections(card: Card, heading: Callable[[str], str], render: dict[type, Callable]) -> list[str]:
+    """Each section's heading, then each of its parts rendered by its type's ``render``."""
+    out = []
+    for section in card.sections:
+        out += [heading(section.title), *(render[type(part)](part) for part in section.parts)]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Markdown
 
+MARKDOWN: dict[type, Callable] = {
+    Table: Table.markdown,
+    Figure: lambda part: f"![{part.alt}]({part.path})\n\n*{part.caption}*",
+    Code: lambda part: f"```\n{part.text}\n```",
+    Bullets: lambda part: "\n".join(f"- {item}" for item in part.items),
+    str: lambda part: part,
+}
+
 
 def render_markdown(card: Card) -> str:
-    out = [f"# {card.title}"]
-    for section in card.sections:
-        out.append(f"## {section.title}")
-        for part in section.parts:
-            if isinstance(part, Table):
-                out.append(part.markdown())
-            elif isinstance(part, Figure):
-                out.append(f"![{part.alt}]({part.path})\n\n*{part.caption}*")
-            elif isinstance(part, Code):
-                out.append(f"```\n{part.text}\n```")
-            elif isinstance(part, Bullets):
-                out.append("\n".join(f"- {item}" for item in part.items))
-            else:
-                out.append(part)
+    out = [f"# {card.title}", *_sections(card, lambda title: f"## {title}", MARKDOWN)]
     return "\n\n".join(out) + "\n"
 
 
@@ -100,31 +104,27 @@ def _html_table(table: Table) -> str:
     )
 
 
+HTML: dict[type, Callable] = {
+    Table: _html_table,
+    Figure: lambda part: (
+        f'<figure><img src="{html.escape(part.path)}" alt="{html.escape(part.alt)}">'
+        f"<figcaption>{_inline(part.caption)}</figcaption></figure>"
+    ),
+    Code: lambda part: f"<pre><code>{html.escape(part.text)}</code></pre>",
+    Bullets: lambda part: "<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in part.items) + "</ul>",
+    str: lambda part: f"<p>{_inline(part)}</p>",
+}
+
+
 def render_html(card: Card) -> str:
     out = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(card.title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{html.escape(card.title)}</h1>",
+        *_sections(card, lambda title: f"<h2>{html.escape(title)}</h2>", HTML),
+        "</body></html>",
     ]
-    for section in card.sections:
-        out.append(f"<h2>{html.escape(section.title)}</h2>")
-        for part in section.parts:
-            if isinstance(part, Table):
-                out.append(_html_table(part))
-            elif isinstance(part, Figure):
-                out.append(
-                    f'<figure><img src="{html.escape(part.path)}" '
-                    f'alt="{html.escape(part.alt)}"><figcaption>'
-                    f"{_inline(part.caption)}</figcaption></figure>"
-                )
-            elif isinstance(part, Code):
-                out.append(f"<pre><code>{html.escape(part.text)}</code></pre>")
-            elif isinstance(part, Bullets):
-                out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in part.items) + "</ul>")
-            else:
-                out.append(f"<p>{_inline(part)}</p>")
-    out.append("</body></html>")
     return "\n".join(out) + "\n"
 
 
