@@ -1,12 +1,13 @@
 """What a command shows on stderr while it works (docs/guarantees.md, "Shown"): on a terminal a
 rich bar or spinner naming the step from the first moment; elsewhere one plain line every
-LINE_EVERY seconds.  eval-drift's progress (:class:`DriftProgress`) runs on the work it planned
-and has one estimate of the time left, :class:`WorkEta`.
+LINE_EVERY seconds.  Every long-running piece (capture, synth, quantize, speculate, eval-drift)
+reports to one protocol, :class:`Progress`, and every bar has one estimate of the time left,
+:class:`WorkEta`, taken from the work planned.
 
 >>> with step("drawing the figures"):
 ...     draw()
->>> with counter("synth tiny", "bytes") as report:
-...     write(progress=report)  # report(done, total)
+>>> with counter("synth tiny", "bytes") as progress:
+...     write(progress=progress)  # progress.start(total); progress.advance(what, done)
 """
 
 from __future__ import annotations
@@ -14,22 +15,22 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
+from typing import Protocol, TypeVar
 
 from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
     MofNCompleteColumn,
-    Progress,
     ProgressColumn,
     SpinnerColumn,
     TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
+from rich.progress import Progress as Bar
 from rich.text import Text
 
 # qstream.eval.settings.VARIANTS, spelt out: quantize and synth use this module without eval.
@@ -40,6 +41,32 @@ ADVICE = (
     "About {minutes:.0f} min left at the pace so far. The time scales with --blocks (half the "
     "blocks: half the time, intervals about 1.4x wider); on a GPU, --device cuda."
 )
+
+
+class Progress(Protocol):
+    """Where a long-running piece reports how far it is: the units it does (streams, bytes,
+    prompts, drafted blocks) and, where its passes differ in cost, their work per kind of
+    pass, from which the one ETA is taken.  eval-drift plans its work by the architecture's
+    FLOP model (docs/eval-drift.md, "FLOP model"): a long-context block costs hundreds of
+    short ones, an FP32 reference pass runs at its own pace."""
+
+    def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
+        """Units the piece will report (None until they are known), and their total work per
+        kind of pass once planned; called again when it is (counting restarts)."""
+
+    def advance(self, what: str, done: int, work: float = 0.0, kind: str = VARIANTS) -> None:
+        """``done`` more units, ``work`` of a ``kind`` pass, in the step ``what`` ("": the
+        step named before)."""
+
+
+class Silent:
+    """A :class:`Progress` that reports nothing."""
+
+    def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
+        pass
+
+    def advance(self, what: str, done: int, work: float = 0.0, kind: str = VARIANTS) -> None:
+        pass
 
 
 def clock_text(seconds: float | None) -> str:
@@ -159,160 +186,172 @@ def step(what: str, console: Console | None = None) -> Iterator[None]:
             yield
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
+    with Bar(*columns, console=console, transient=True) as bar:
         bar.add_task(what, total=None)
         yield
 
 
-class _Count:
-    """What :func:`counter` shows: ``done`` of ``total`` ``unit`` in the step ``what``."""
+class Shown:
+    """A :class:`Progress` shown on a console: the step running, the units done of their total,
+    the planned work done and the one ETA (:class:`WorkEta`).  A piece that plans no work by
+    kind (``start(total)``, a counter's) has its units as its work.  Where it is shown: a rich
+    bar on a terminal (``bar``, updated by ``shown``), plain lines elsewhere (``lines``)."""
 
-    def __init__(self, what: str, unit: str):
-        self.what, self.unit = what, unit
-        self.done = 0
-        self.total: int | None = None
-        self.started = time.monotonic()
-        self.shown: Callable[[], None] = lambda: None  # the bar's update, on a terminal
+    counts_work = True  # ``start(total)`` plans the units as the work (eval-drift's: no plan)
 
-    def __call__(self, done: int, total: int, what: str | None = None) -> None:
-        self.done, self.total, self.what = done, total, what or self.what
-        self.shown()
-
-    def line(self) -> str:
-        total = "" if self.total is None else f" of {self.total:,}"
-        elapsed = clock_text(time.monotonic() - self.started)
-        return f"{self.what}: {self.done:,}{total} {self.unit}, {elapsed} elapsed"
-
-
-@contextmanager
-def counter(what: str, unit: str, console: Console | None = None) -> Iterator[Callable[..., None]]:
-    """``report(done, total)`` of ``unit`` ("bytes" shows sizes) on a bar with rich's ETA, or
-    as plain lines off a terminal; ``report(done, total, what)`` also renames the step."""
-    console = console or Console(stderr=True)
-    count = _Count(what, unit)
-    if not console.is_terminal:
-        with Lines(console, count.line):
-            yield count
-        return
-    amount = (DownloadColumn(),) if unit == "bytes" else (MofNCompleteColumn(), TextColumn(unit))
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        *amount,
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(what, total=None)
-        count.shown = lambda: bar.update(
-            task, completed=count.done, total=count.total, description=count.what
-        )
-        yield count
-
-
-# ---------------------------------------------------------------------------------------------
-# eval-drift
-
-
-class DriftProgress:
-    """eval-drift's :class:`qstream.eval.settings.Progress`: the step running, the blocks
-    drafted, the planned work done and the one ETA (:class:`WorkEta`); a run expected to
-    outlast LONG_RUN_SECONDS says once, through ``say``, how to shorten it, as soon as every
-    kind of pass with work left has been timed past its first pass (:attr:`WorkEta.measured`)."""
-
-    def __init__(self, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
-        self.say, self.clock = say, clock
+    def __init__(self, what: str, unit: str, clock: Callable[[], float] = time.monotonic):
+        self.what, self.unit, self.clock = what, unit, clock
         self.eta = WorkEta(clock)
         self.started = clock()
-        self.what = "loading the draft and corpus"
-        self.blocks, self.work = 0, 0.0
-        self.total_blocks: int | None = None
+        self.done, self.work = 0, 0.0
+        self.total: int | None = None
         self.total_work: float | None = None
-        self.advised = False
-        self.bar: Progress | None = None  # where it is shown: a rich bar on a terminal,
-        self.lines: Lines | None = None  # plain lines elsewhere
-        self.shown: Callable[[], None] = lambda: None  # the bar's update, on a terminal
+        self.units_are_work = False  # set by start: no work planned by kind
+        self.say: Callable[[str], None] = lambda text: None
+        self.bar: Bar | None = None
+        self.lines: Lines | None = None
+        self.shown: Callable[[], None] = lambda: None
 
     def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
-        self.total_blocks = total
+        self.total, self.done = total, 0
+        self.units_are_work = work is None and self.counts_work and total is not None
+        if self.units_are_work:
+            work = {VARIANTS: float(total or 0)}
         if work is not None:
             self.total_work, self.work = sum(work.values()), 0.0
             self.eta.plan(work)
         self.shown()
 
-    def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = VARIANTS) -> None:
-        self.what, self.blocks = what, self.blocks + blocks
+    def advance(self, what: str, done: int, work: float = 0.0, kind: str = VARIANTS) -> None:
+        self.what, self.done = what or self.what, self.done + done
+        if self.units_are_work:
+            work, kind = float(done), VARIANTS
         if self.total_work is not None:
             self.work += work
-            self.eta.report(kind, work, what)
+            self.eta.report(kind, work, self.what)
         self.shown()
+
+    def eta_text(self) -> str:
+        return clock_text(self.eta.seconds_left())
+
+    def elapsed_text(self) -> str:
+        return clock_text(self.clock() - self.started)
+
+    def line(self) -> str:
+        """The status as one plain line."""
+        total = "" if self.total is None else f" of {self.total:,}"
+        return f"{self.what}: {self.done:,}{total} {self.unit}, {self.elapsed_text()} elapsed"
+
+    def update(self, bar: Bar, task) -> None:
+        """Show the status on ``bar``: the work done of the work planned, else the units."""
+        planned = bool(self.total_work) and not self.units_are_work
+        bar.update(
+            task,
+            description=self.what,
+            blocks=self.blocks_text(),
+            completed=self.work if planned else self.done,
+            total=self.total_work if planned else self.total,
+        )
+
+    def blocks_text(self) -> str:
+        total = "" if self.total is None else f"/{self.total}"
+        return f"{self.done}{total} {self.unit}"
+
+
+class DriftProgress(Shown):
+    """eval-drift's :class:`Progress`: :class:`Shown` with its line, and the advice a run
+    expected to outlast LONG_RUN_SECONDS gives once, through ``say``, how to shorten it, as
+    soon as every kind of pass with work left has been timed past its first pass
+    (:attr:`WorkEta.measured`)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        super().__init__("loading the draft and corpus", "blocks", clock)
+        self.advised = False
+
+    counts_work = False
+
+    def advance(self, what: str, done: int, work: float = 0.0, kind: str = VARIANTS) -> None:
+        super().advance(what, done, work, kind)
         left = self.eta.seconds_left()
         if not self.advised and self.eta.measured and left is not None and left > LONG_RUN_SECONDS:
             self.advised = True
             self.say(ADVICE.format(minutes=left / 60))
 
-    def blocks_text(self) -> str:
-        total = "" if self.total_blocks is None else f"/{self.total_blocks}"
-        return f"{self.blocks}{total} blocks"
-
-    def eta_text(self) -> str:
-        return clock_text(self.eta.seconds_left())
-
     def line(self) -> str:
-        """The status as one plain line."""
         parts = [self.what]
         if self.total_work:
             parts.append(f"{100 * self.work / self.total_work:.0f}% of the planned work")
-        parts += [self.blocks_text(), f"{clock_text(self.clock() - self.started)} elapsed"]
+        parts += [self.blocks_text(), f"{self.elapsed_text()} elapsed"]
         if self.total_work:
             parts.append(f"about {self.eta_text()} left")
         return "eval-drift: " + ", ".join(parts)
 
 
 class _EtaColumn(ProgressColumn):
-    """The bar's ``eta``: :class:`WorkEta`'s, the run's only estimate."""
+    """The bar's time left: :class:`WorkEta`'s, the run's only estimate (``label`` before it)."""
 
-    def __init__(self, progress: DriftProgress):
+    def __init__(self, progress: Shown, label: str = "eta "):
         super().__init__()
-        self.progress = progress
+        self.progress, self.label = progress, label
 
     def render(self, task) -> Text:
-        return Text(f"eta {self.progress.eta_text()}", style="progress.remaining")
+        return Text(f"{self.label}{self.progress.eta_text()}", style="progress.remaining")
+
+
+S = TypeVar("S", bound=Shown)
 
 
 @contextmanager
-def drift_progress(
-    console: Console | None = None, clock: Callable[[], float] = time.monotonic
-) -> Iterator[DriftProgress]:
-    """eval-drift's progress on ``console`` (default stderr): a bar on a terminal, shown from
-    the first moment (the draft and corpus load before the work is planned) and running on the
-    planned work once there is a plan, the blocks beside it; plain lines elsewhere."""
-    console = console or Console(stderr=True)
+def shown(
+    progress: S, console: Console, columns: Callable[[Shown], tuple[ProgressColumn, ...]]
+) -> Iterator[S]:
+    """``progress`` on ``console``: a transient bar of ``columns`` on a terminal, shown from
+    the first moment; plain lines (``progress.line``) elsewhere."""
     if not console.is_terminal:
-        lines = Lines(console, lambda: progress.line())
-        progress = DriftProgress(lines.say, clock)
-        progress.lines = lines
-        with lines:
+        progress.lines = Lines(console, progress.line)
+        progress.say = progress.lines.say
+        with progress.lines:
             yield progress
         return
-    with Progress(console=console, transient=True) as bar:
-        progress = DriftProgress(lambda text: bar.console.print(Text(text)), clock)
-        progress.bar = bar
-        bar.columns = (
-            BarColumn(),
-            TaskProgressColumn(),
-            TextColumn("{task.fields[blocks]}"),
-            TimeElapsedColumn(),
-            _EtaColumn(progress),
-            TextColumn("{task.description}"),
-        )
+    with Bar(*columns(progress), console=console, transient=True) as bar:
+        progress.bar, progress.say = bar, lambda text: bar.console.print(Text(text))
         task = bar.add_task(progress.what, total=None, blocks="")
-        progress.shown = lambda: bar.update(
-            task,
-            description=progress.what,
-            blocks=progress.blocks_text(),
-            completed=progress.work if progress.total_work else progress.blocks,
-            total=progress.total_work or progress.total_blocks,
-        )
+        progress.shown = lambda: progress.update(bar, task)
         progress.shown()
         yield progress
+
+
+def _counter_columns(unit: str) -> Callable[[Shown], tuple[ProgressColumn, ...]]:
+    amount = (DownloadColumn(),) if unit == "bytes" else (MofNCompleteColumn(), TextColumn(unit))
+    return lambda progress: (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        *amount,
+        TimeElapsedColumn(),
+        _EtaColumn(progress, label=""),
+    )
+
+
+def counter(what: str, unit: str, console: Console | None = None) -> AbstractContextManager[Shown]:
+    """A :class:`Progress` counting ``unit`` ("bytes" shows sizes) in the step ``what``: a bar
+    on a terminal, plain lines elsewhere."""
+    return shown(Shown(what, unit), console or Console(stderr=True), _counter_columns(unit))
+
+
+def _drift_columns(progress: Shown) -> tuple[ProgressColumn, ...]:
+    return (
+        BarColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[blocks]}"),
+        TimeElapsedColumn(),
+        _EtaColumn(progress),
+        TextColumn("{task.description}"),
+    )
+
+
+def drift_progress(
+    console: Console | None = None, clock: Callable[[], float] = time.monotonic
+) -> AbstractContextManager[DriftProgress]:
+    """eval-drift's progress on ``console`` (default stderr): the bar runs on the planned work
+    once there is a plan (the draft and corpus load before), the blocks beside it."""
+    return shown(DriftProgress(clock), console or Console(stderr=True), _drift_columns)

@@ -1,13 +1,15 @@
-"""Tables that fit the terminal (docs/guarantees.md): each column's width is shared out so that
-the whole table fits, label columns wrap between words (a long name between its dotted parts:
-``layers.*.self_attn.`` / ``q_b_proj.weight``), values never wrap, and no cell is ever cut
-short with an ellipsis.  A table is never split into parts.
+"""qstream's one kind of table, :class:`Table`: a caption, headers and cells each keeping the
+text shown and the JSON value it shows, rendered as the card's markdown (:meth:`Table.markdown`)
+or as a table that fits the terminal (:meth:`Table.fitted`, docs/guarantees.md): each column's
+width is shared out so that the whole table fits, label columns wrap between words (a long name
+between its dotted parts: ``layers.*.self_attn.`` / ``q_b_proj.weight``), values never wrap,
+and no cell is ever cut short with an ellipsis.  A table is never split into parts.
 
 Leading columns can be *grouped*: a run of rows with the same label shows it once, its wrapped
 lines spread down the run's rows, so a long label costs no extra lines.
 
->>> columns = [Column("module kind"), Column("size", right=True)]
->>> console.print(fitted_table(columns, [["embed_tokens.weight", "121.88 KiB"]], 100))
+>>> table = Table.of("sizes", ["module kind", "size"], [["embed_tokens.weight", "121.88 KiB"]])
+>>> console.print(table.fitted(100))
 """
 
 from __future__ import annotations
@@ -16,14 +18,97 @@ import re
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from rich.table import Table
+from rich.table import Table as RichTable
 from rich.text import Text
 
 # What a column adds beside its text: padding 1 + 1 and the border before the next one; the
 # table has no outer border and no padding at its edges, which gives back 3 of those.
 FRAME, EDGES = 3, -3
 NARROWEST = 8  # a wrapping column is never narrowed below this
+ALIGNS = {"l": "left", "r": "right", "k": "left, kept on one line"}
+
+
+@dataclass(frozen=True)
+class Cell:
+    text: str
+    data: Any = None  # the JSON value(s) the text shows; None for labels
+
+
+@dataclass
+class Table:
+    """Every cell keeps the text shown and, where it shows a measured number, that number as it
+    stands in the results JSON (``data``), so a card's ``--format json`` gives the tables as
+    data and tests can check each printed number against its source."""
+
+    caption: str
+    columns: list[str]
+    rows: list[list[Cell]]
+    key: str = ""  # stable identifier in a card's --format json
+    align: str = ""  # ALIGNS per column; default: the first left, the rest (numbers) right
+
+    def __post_init__(self) -> None:
+        if not self.align:
+            self.align = "l" + "r" * (len(self.columns) - 1)
+        if len(self.align) != len(self.columns) or set(self.align) - set(ALIGNS):
+            raise ValueError(
+                f"table {self.key}: align {self.align!r} for {len(self.columns)} columns"
+            )
+        for row in self.rows:
+            if len(row) != len(self.columns):
+                raise ValueError(
+                    f"table {self.key}: row of {len(row)} cells, {len(self.columns)} columns"
+                )
+
+    @classmethod
+    def of(
+        cls, caption: str, columns: Sequence[str], rows: Sequence[Sequence[str]], align: str = ""
+    ) -> Table:
+        """A table of texts only (no JSON values behind them)."""
+        return cls(caption, list(columns), [[Cell(t) for t in row] for row in rows], align=align)
+
+    def texts(self) -> list[list[str]]:
+        return [[cell.text for cell in row] for row in self.rows]
+
+    def layout(self) -> list[Column]:
+        """How :func:`column_widths` sees the columns."""
+        return [Column(c, right=a == "r", wraps=False if a == "k" else None)
+                for c, a in zip(self.columns, self.align)]  # fmt: skip
+
+    def markdown(self) -> str:
+        """GitHub-flavoured markdown, the caption in bold above."""
+        lines = [
+            f"**{self.caption}**",
+            "",
+            "| " + " | ".join(_md_cell(c) for c in self.columns) + " |",
+            "|" + "|".join("---:" if a == "r" else "---" for a in self.align) + "|",
+        ]
+        lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in self.rows]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """The table as data: each cell its JSON value, a label its text."""
+        return {
+            "key": self.key,
+            "caption": self.caption,
+            "columns": self.columns,
+            "rows": [
+                {col: (cell.data if cell.data is not None else cell.text)
+                 for col, cell in zip(self.columns, row)}
+                for row in self.rows
+            ],
+        }  # fmt: skip
+
+    def fitted(self, width: int, grouped: int = 0, titled: bool = True) -> RichTable:
+        """A rich table that fits ``width`` (:func:`fitted_table`), the caption its title
+        unless not ``titled`` (the caller prints it)."""
+        title = self.caption if titled else None
+        return fitted_table(self.layout(), self.texts(), width, title=title, grouped=grouped)
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 @dataclass(frozen=True)
@@ -126,7 +211,7 @@ def fitted_table(
     *,
     title: str | None = None,
     grouped: int = 0,
-) -> Table:
+) -> RichTable:
     """A rich table of ``rows`` that fits ``width`` columns (when its values and names can: a
     cell rich must still narrow folds rather than ending in an ellipsis).  The first ``grouped``
     columns are grouped, with a line between the groups of the first."""
@@ -138,7 +223,7 @@ def fitted_table(
     lines = [[wrap(text, w) for text, w in zip(row, widths)] for row in rows]
     for col in reversed(range(grouped)):
         _spread(lines, col, widths[col], rows)
-    out = Table(title=None if title is None else Text(title), show_edge=False, pad_edge=False)
+    out = RichTable(title=None if title is None else Text(title), show_edge=False, pad_edge=False)
     for column, w in zip(columns, widths):
         out.add_column(
             Text("\n".join(wrap(column.header, w))),

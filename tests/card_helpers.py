@@ -1,6 +1,7 @@
 """Reading a built card in tests: its tables by key."""
 
-from qstream.card.document import Card, Table
+from qstream.card.document import Card
+from qstream.tablefit import Table
 
 
 def tables(card: Card) -> dict[str, Table]:

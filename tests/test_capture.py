@@ -20,6 +20,7 @@ from qstream.arch.markov import sampling_probs
 from qstream.capture.run import CaptureSettings, run_capture
 from qstream.capture.streams import Sampling, generate
 from qstream.capture.target import cache_keyword
+from qstream.progress import Silent
 from qstream.speculate.decode import new_cache
 from qstream.synth.corpus import builtin_corpus
 
@@ -119,14 +120,14 @@ def test_resume_skips_written_streams_and_refuses_changed_settings(target, draft
 def test_an_interrupted_run_leaves_only_complete_files(target, draft, corpus, tmp_path):
     out = tmp_path / "out"
 
-    def stop_after_first_batch(done, total):
-        if done:
+    class StopAfterFirstBatch(Silent):
+        def advance(self, what, done, work=0.0, kind=""):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         run_capture(CaptureSettings(str(target), str(draft), str(out), corpus=corpus,
                                     dtype="float32", streams=4, batch_size=2, max_tokens=24),
-                    stop_after_first_batch)  # fmt: skip
+                    StopAfterFirstBatch())  # fmt: skip
     names = sorted(p.name for p in out.iterdir())
     assert names == ["capture.json", "stream-000000.safetensors", "stream-000001.safetensors"]
     resumed = _capture(target, draft, corpus, out, streams=4, batch_size=2)

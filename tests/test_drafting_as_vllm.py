@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from qstream.arch.markov import markov_logits, sample, sampling_probs
 from qstream.card.results import collect_results
-from qstream.card.study_tables import acceptance_tables
+from qstream.card.tables import acceptance_tables
 from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.estimates import pooled_proportion

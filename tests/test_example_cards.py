@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from qstream.card.build import build_card
-from qstream.card.document import Table, _md_table
 from qstream.card.measured import read_speculate
 from qstream.card.results import merge_results
+from qstream.tablefit import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = Path("examples") / "card_gsm8k_pair"  # relative: the card records the paths it read
@@ -29,7 +29,7 @@ def test_every_table_of_the_pairs_card_is_what_the_card_writes(monkeypatch):
     keys = {t.key for t in tables}
     assert {"measured_acceptance", "measured_accepted_at_least", "calibration"} <= keys
     for table in tables:
-        assert _md_table(table) in text, table.key
+        assert table.markdown() in text, table.key
     for name in ("calibration.png", "ceiling.png", "seq_agree.png", "kl.png"):
         assert f"(CARD_files/{name})" in text and (EXAMPLE / "CARD_files" / name).is_file()
 

@@ -29,6 +29,7 @@ from qstream.cli import cli
 from qstream.commands.quantize import quantize as quantize_command
 from qstream.formats import FORMATS, dequantize, quantize
 from qstream.formats.nvfp4 import tensor_amax
+from qstream.progress import Silent
 from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
 from qstream.quant.quantize import default_workers
@@ -365,12 +366,13 @@ def test_overwrite_replaces_and_existing_output_is_refused(tmp_path):
 def test_interrupt_leaves_no_output_and_no_temporary_directory(tmp_path):
     src = write_checkpoint(tmp_path / "in", llama_tensors())
 
-    def interrupt(done_bytes, total_bytes, done_tensors, total_tensors):
-        if done_tensors >= 3:
-            raise KeyboardInterrupt
+    class Interrupt(Silent):
+        def advance(self, what, done, work=0.0, kind=""):
+            if what.startswith("tensors 3/"):
+                raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=interrupt)
+        quantize_checkpoint(src, tmp_path / "out", "nvfp4", progress=Interrupt())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 

@@ -192,10 +192,9 @@ def _split_cells(results: dict, text: str) -> list[str]:
     """The cells of the report's tables that no printed line shows whole: a value (a number
     and its interval) whole, a label part by part (a name wraps only between its words and
     dotted parts)."""
-    from qstream.card.document import Table
     from qstream.card.results import collect_results
     from qstream.card.terminal import SOURCE, report_parts, short_names
-    from qstream.tablefit import _parts
+    from qstream.tablefit import Table, _parts
 
     rs = collect_results([(results, SOURCE)])
     names, lines = short_names(rs), _lines(text)

@@ -7,7 +7,6 @@ positions' states discarded), writing each stream's file as its batch completes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.states.layers import LAYER_OUTPUT
 from qstream.eval.states.layouts import EXPORTS, LAYOUTS, QSTREAM, Layout
+from qstream.progress import Progress
 from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice
 
 
@@ -77,9 +77,6 @@ class CaptureSummary:
     skipped: int  # already there (resumed)
     tokens: int  # in the streams this run wrote
     record: dict[str, Any] = field(default_factory=dict)
-
-
-Progress = Callable[[int, int], None]  # (streams done, streams to do)
 
 
 def _layout(s: CaptureSettings) -> Layout:
@@ -154,7 +151,7 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     record_streams(output, record, [])
     todo = [i for i in range(len(chosen)) if layout.stream_file(i) not in record["files"]]
     if progress is not None:
-        progress(0, len(todo))
+        progress.start(len(todo))
     tokens = _capture(s, target, ids, chosen, todo, output, record, progress)
     present = record["streams"]
     return CaptureSummary(str(output), present, len(todo), len(chosen) - len(todo), tokens, record)
@@ -174,7 +171,7 @@ def _capture(
     batch's files in ``capture.json`` as they are written."""
     eos = target.tokenizer.eos_token_id
     layers, norm = decoder_parts(target.model)
-    done = tokens = 0
+    tokens = 0
     for batch in length_batches([len(chosen[i][1]) for i in todo], s.batch_size):
         streams = [todo[k] for k in batch]
         prompts = [chosen[i][1] for i in streams]
@@ -191,10 +188,9 @@ def _capture(
         layout = LAYOUTS[s.export]
         write_batch(output, layout, streams, rows, tap, meta)
         record_streams(output, record, [layout.stream_file(i) for i in streams])
-        done += len(streams)
         tokens += sum(len(r) for r in rows)
         if progress is not None:
-            progress(done, len(todo))
+            progress.advance("", len(streams))
     return tokens
 
 

@@ -25,15 +25,15 @@ from qstream.card.document import (
     render_html,
     render_markdown,
 )
-from qstream.card.figure_text import (
+from qstream.card.figures import (
     CEILING_CAPTION,
     CONTEXT_CAPTION,
     SEQ_AGREE_CAPTION,
     kl_caption,
+    sweep_regimes,
+    write_figures,
 )
-from qstream.card.figures import sweep_regimes, write_figures
 from qstream.card.measured import measured_sections, read_speculate
-from qstream.card.method import evaluation_table
 from qstream.card.output import (
     card_json_text,
     check_card_target,
@@ -42,18 +42,17 @@ from qstream.card.output import (
     publish_card,
 )
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
-from qstream.card.study_tables import (
-    acceptance_tables,
-    acceptance_verifiers,
-    context_sweep_table,
-    sensitivity_table,
-)
 from qstream.card.tables import (
     DIGITS,
+    acceptance_tables,
+    acceptance_verifiers,
     agreement_table,
     ceiling_table,
+    context_sweep_table,
+    evaluation_table,
     full_metrics_table,
     regime_order,
+    sensitivity_table,
     variant_order,
 )
 from qstream.errors import QStreamError

@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qstream.card.document import Cell, Code, Part, Table
+from qstream.card.document import Code, Part
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.inspect import inspect_checkpoint, module_kind
 from qstream.checkpoint.integrity import NO_CHECK_FLAG, integrity_record
@@ -26,6 +26,7 @@ from qstream.errors import QStreamError
 from qstream.formats import get_format
 from qstream.publish import QUANTIZE_RECORD as PROVENANCE
 from qstream.quant.select import HEAD_NAMES, is_embedding, select_modules, weight_modules
+from qstream.tablefit import Cell, Table
 from qstream.units import GIB
 from qstream.vllm.profiles import fused_groups, never_quantized, profile_for
 

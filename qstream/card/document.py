@@ -1,47 +1,17 @@
 """The card as data (sections of paragraphs, tables, figures and code) and its three renderings:
-GitHub-flavoured markdown, a standalone HTML page, and JSON.
-
-Every table cell keeps the text shown and, where it shows a measured number, that number as it
-stands in the results JSON (``data``), so ``--format json`` gives the tables as data and tests can
-check each printed number against its source.
-"""
+GitHub-flavoured markdown, a standalone HTML page, and JSON.  Its tables are
+:class:`qstream.tablefit.Table`, each cell keeping the number it shows."""
 
 from __future__ import annotations
 
 import html
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+
+from qstream.tablefit import Table
 
 CARD_SCHEMA = "qstream.card/1"
-
-
-@dataclass(frozen=True)
-class Cell:
-    text: str
-    data: Any = None  # the JSON value(s) the text shows; None for labels
-
-
-@dataclass
-class Table:
-    caption: str
-    columns: list[str]
-    rows: list[list[Cell]]
-    key: str  # stable identifier in --format json
-    align: str = ""  # "l"/"r" per column; default: the first left, the rest (numbers) right
-
-    def __post_init__(self) -> None:
-        if not self.align:
-            self.align = "l" + "r" * (len(self.columns) - 1)
-        if len(self.align) != len(self.columns) or set(self.align) - {"l", "r"}:
-            raise ValueError(
-                f"table {self.key}: align {self.align!r} for {len(self.columns)} columns"
-            )
-        for row in self.rows:
-            if len(row) != len(self.columns):
-                raise ValueError(
-                    f"table {self.key}: row of {len(row)} cells, {len(self.columns)} columns"
-                )
 
 
 @dataclass(frozen=True)
@@ -77,40 +47,28 @@ class Card:
     missing: list[str]  # what the results set lacks, one sentence each
 
 
+def _sections(card: Card, heading: Callable[[str], str], render: dict[type, Callable]) -> list[str]:
+    """Each section's heading, then each of its parts rendered by its type's ``render``."""
+    out = []
+    for section in card.sections:
+        out += [heading(section.title), *(render[type(part)](part) for part in section.parts)]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Markdown
 
-
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _md_table(table: Table) -> str:
-    lines = [
-        f"**{table.caption}**",
-        "",
-        "| " + " | ".join(_md_cell(c) for c in table.columns) + " |",
-        "|" + "|".join("---" if a == "l" else "---:" for a in table.align) + "|",
-    ]
-    lines += ["| " + " | ".join(_md_cell(c.text) for c in row) + " |" for row in table.rows]
-    return "\n".join(lines)
+MARKDOWN: dict[type, Callable] = {
+    Table: Table.markdown,
+    Figure: lambda part: f"![{part.alt}]({part.path})\n\n*{part.caption}*",
+    Code: lambda part: f"```\n{part.text}\n```",
+    Bullets: lambda part: "\n".join(f"- {item}" for item in part.items),
+    str: lambda part: part,
+}
 
 
 def render_markdown(card: Card) -> str:
-    out = [f"# {card.title}"]
-    for section in card.sections:
-        out.append(f"## {section.title}")
-        for part in section.parts:
-            if isinstance(part, Table):
-                out.append(_md_table(part))
-            elif isinstance(part, Figure):
-                out.append(f"![{part.alt}]({part.path})\n\n*{part.caption}*")
-            elif isinstance(part, Code):
-                out.append(f"```\n{part.text}\n```")
-            elif isinstance(part, Bullets):
-                out.append("\n".join(f"- {item}" for item in part.items))
-            else:
-                out.append(part)
+    out = [f"# {card.title}", *_sections(card, lambda title: f"## {title}", MARKDOWN)]
     return "\n\n".join(out) + "\n"
 
 
@@ -146,51 +104,32 @@ def _html_table(table: Table) -> str:
     )
 
 
+HTML: dict[type, Callable] = {
+    Table: _html_table,
+    Figure: lambda part: (
+        f'<figure><img src="{html.escape(part.path)}" alt="{html.escape(part.alt)}">'
+        f"<figcaption>{_inline(part.caption)}</figcaption></figure>"
+    ),
+    Code: lambda part: f"<pre><code>{html.escape(part.text)}</code></pre>",
+    Bullets: lambda part: "<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in part.items) + "</ul>",
+    str: lambda part: f"<p>{_inline(part)}</p>",
+}
+
+
 def render_html(card: Card) -> str:
     out = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(card.title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{html.escape(card.title)}</h1>",
+        *_sections(card, lambda title: f"<h2>{html.escape(title)}</h2>", HTML),
+        "</body></html>",
     ]
-    for section in card.sections:
-        out.append(f"<h2>{html.escape(section.title)}</h2>")
-        for part in section.parts:
-            if isinstance(part, Table):
-                out.append(_html_table(part))
-            elif isinstance(part, Figure):
-                out.append(
-                    f'<figure><img src="{html.escape(part.path)}" '
-                    f'alt="{html.escape(part.alt)}"><figcaption>'
-                    f"{_inline(part.caption)}</figcaption></figure>"
-                )
-            elif isinstance(part, Code):
-                out.append(f"<pre><code>{html.escape(part.text)}</code></pre>")
-            elif isinstance(part, Bullets):
-                out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in part.items) + "</ul>")
-            else:
-                out.append(f"<p>{_inline(part)}</p>")
-    out.append("</body></html>")
     return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
 # JSON
-
-
-def _table_json(table: Table) -> dict:
-    return {
-        "key": table.key,
-        "caption": table.caption,
-        "columns": table.columns,
-        "rows": [
-            {
-                col: (cell.data if cell.data is not None else cell.text)
-                for col, cell in zip(table.columns, row)
-            }
-            for row in table.rows
-        ],
-    }
 
 
 def card_json(card: Card) -> dict:
@@ -201,7 +140,7 @@ def card_json(card: Card) -> dict:
                 "title": section.title,
                 "text": [p for p in section.parts if isinstance(p, str)],
                 "items": [i for p in section.parts if isinstance(p, Bullets) for i in p.items],
-                "tables": [_table_json(p) for p in section.parts if isinstance(p, Table)],
+                "tables": [p.to_json() for p in section.parts if isinstance(p, Table)],
                 "figures": [
                     {"path": p.path, "caption": p.caption}
                     for p in section.parts

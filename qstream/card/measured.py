@@ -8,17 +8,18 @@ docs/speculate.md) beside what eval-drift predicted from the same draft (docs/ca
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from qstream.card.document import Cell, Section, Table
-from qstream.card.results import ResultsSet
+from qstream.card.document import Section
+from qstream.card.results import ResultsSet, check_numbers, summary_problems
 from qstream.card.tables import DIGITS, difference, estimate, metrics, regime_order
-from qstream.card.validate import check_numbers, summary_problems
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import FLOOR
 from qstream.regimes import STATES
+from qstream.tablefit import Cell, Table
 
 SPECULATE_SCHEMA = "qstream.speculate/1"
 CALIBRATION_CAPTION = (
@@ -194,6 +195,30 @@ def shares_table(spec: dict) -> Table:
         rows,
         "measured_accepted_at_least",
     )
+
+
+def speculate_tables(results: dict) -> list[Table]:
+    """What ``qstream speculate`` prints of its ``results``: per variant its mean acceptance
+    length, tokens per target forward and loss against bf16 (paired over the prompts; n/a
+    without a bf16 variant) with their 95% intervals; then :func:`shares_table`."""
+    s, d = results["settings"], DIGITS["ceiling"]
+    summaries = {name: entry["summary"] for name, entry in results["variants"].items()}
+    prompts = next(iter(summaries.values()))["prompts"]
+    rows = [
+        [Cell(name), estimate(x["mean_acceptance_length"], d),
+         estimate(x["tokens_per_target_forward"], d), difference(x.get("loss_vs_bf16"))]
+        for name, x in summaries.items()
+    ]  # fmt: skip
+    means = Table(
+        f"{s['rule']} verification, {prompts} prompts x {s['new_tokens']} new tokens (95% "
+        "intervals over prompts)",
+        ["variant", "mean acceptance length", "tokens / target forward", "loss vs bf16"],
+        rows,
+        "speculate_acceptance",
+    )
+    shares = shares_table(results)
+    caption = "share of verifications accepting at least k drafted tokens"
+    return [means, replace(shares, caption=caption, align="r" * len(shares.columns))]
 
 
 def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:

@@ -14,22 +14,20 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from qstream.card.build import suggested_command
-from qstream.card.document import Cell, Code, Part, Table
+from qstream.card.document import Code, Part
 from qstream.card.results import ResultsSet, collect_results
-from qstream.card.study_tables import (
+from qstream.card.tables import (
     acceptance_tables,
     acceptance_verifiers,
-    context_sweep_table,
-    sensitivity_table,
-)
-from qstream.card.tables import (
     agreement_table,
+    context_sweep_table,
     full_metrics_table,
     regime_order,
+    sensitivity_table,
     variant_label,
     variant_order,
 )
-from qstream.tablefit import EDGES, FRAME, Column, column_widths, fitted_table
+from qstream.tablefit import EDGES, FRAME, Cell, Table, column_widths
 
 SOURCE = "(this run)"  # where in-memory results came from, for the results set's messages
 MAX_WIDTH = 100  # columns a terminal table may take (--wide: no limit)
@@ -91,7 +89,7 @@ def _n_labels(table: Table) -> int:
 
 def _fits_unwrapped(table: Table, width: int) -> bool:
     """The table fits ``width`` with its label columns at their natural width."""
-    columns, rows = _columns(table), _texts(table)
+    columns, rows = table.layout(), table.texts()
     widths = column_widths(columns, rows, width)
     natural = column_widths(columns, rows, 10**6)
     labels = _n_labels(table)
@@ -148,19 +146,11 @@ def terminal_table(table: Table, rs: ResultsSet, width: int) -> tuple[Table, int
     return table, max(0, _n_labels(table) - 1)
 
 
-def _columns(table: Table) -> list[Column]:
-    return [Column(c, right=a == "r") for c, a in zip(table.columns, table.align)]
-
-
-def _texts(table: Table) -> list[list[str]]:
-    return [[cell.text for cell in row] for row in table.rows]
-
-
 def render(table: Table, rs: ResultsSet, width: int) -> RichTable:
     """The card's ``table`` as a rich table that fits ``width``, a line between the groups of
     its first column."""
     shown, grouped = terminal_table(table, rs, width)
-    return fitted_table(_columns(shown), _texts(shown), width, grouped=grouped)
+    return shown.fitted(width, grouped, titled=False)
 
 
 def print_report(console: Console, results: dict, wide: bool = False) -> None:

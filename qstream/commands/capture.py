@@ -108,8 +108,8 @@ def capture(json_path: str | None, **o: Any) -> None:
 
     resolve_device(o["device"])  # a bad or absent device is one line before anything loads
     settings = _settings(o)
-    with signals_as_interrupt(), counter("capture", "streams") as report:
-        summary = run_capture(settings, report)
+    with signals_as_interrupt(), counter("capture", "streams") as progress:
+        summary = run_capture(settings, progress)
     if json_path != "-":
         click.echo(
             f"wrote {summary.written} streams ({summary.tokens:,} tokens) to {summary.output}; "

@@ -8,17 +8,10 @@ from rich.table import Table as RichTable
 
 from qstream.cliutil import Command, json_option, make_console, seed_option, write_json
 from qstream.progress import step
-from qstream.tablefit import Column, fitted_table
+from qstream.tablefit import Table
 
 # The table's columns; names (format, layout) wrap only when the width leaves no choice.
-FORMAT_COLUMNS = (
-    Column("format"),
-    Column("bits/weight", right=True),
-    Column("block"),
-    Column("scale"),
-    Column("vLLM layout"),
-    Column("weight SNR (dB)", right=True),
-)
+FORMAT_COLUMNS = ("format", "bits/weight", "block", "scale", "vLLM layout", "weight SNR (dB)")
 
 
 def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]:
@@ -78,4 +71,4 @@ def records_table(records: list[dict], seed: int, width: int) -> RichTable:
         for r in records
     ]
     title = f"qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed {seed})"
-    return fitted_table(FORMAT_COLUMNS, rows, width, title=title)
+    return Table.of(title, FORMAT_COLUMNS, rows, align="lrlllr").fitted(width)

@@ -7,7 +7,7 @@ from rich.table import Table as RichTable
 
 from qstream.cliutil import Command, json_option, make_console, write_json
 from qstream.progress import step
-from qstream.tablefit import Column, fitted_table
+from qstream.tablefit import Table
 
 
 @click.command(cls=Command)
@@ -91,24 +91,12 @@ def kinds_table(data: dict, width: int) -> RichTable:
         ]
         for row in data["kinds"]
     ]
-    return fitted_table(KIND_COLUMNS, rows, width, title=title)
+    return Table.of(title, KIND_COLUMNS, rows, align="lrrkrr").fitted(width)
 
 
-KIND_COLUMNS = (
-    Column("module kind"),
-    Column("tensors", right=True),
-    Column("params", right=True),
-    Column("dtype", wraps=False),
-    Column("shape", right=True),
-    Column("size", right=True),
-)
-STATS_COLUMNS = (
-    Column("module kind"),
-    *(
-        Column(c, right=True)
-        for c in ("std", "kurtosis", "max/std", "row spread", "col spread", "non-finite")
-    ),
-)
+KIND_COLUMNS = ("module kind", "tensors", "params", "dtype", "shape", "size")
+STATS_COLUMNS = ("module kind", "std", "kurtosis", "max/std", "row spread", "col spread",
+                 "non-finite")  # fmt: skip
 
 
 def stats_table(rows: list[dict], width: int) -> RichTable:
@@ -131,4 +119,4 @@ def stats_table(rows: list[dict], width: int) -> RichTable:
         non_finite = sum(m["non_finite"] for m in members)
         table.append([kind, *cells, f"{non_finite:,}"])
     title = "weight statistics (median over the finite tensors of a kind)"
-    return fitted_table(STATS_COLUMNS, table, width, title=title)
+    return Table.of(title, STATS_COLUMNS, table).fitted(width)

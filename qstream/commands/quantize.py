@@ -84,7 +84,7 @@ def quantize(json_path: str | None, **o: Any) -> None:
     # here, not above: --help loads no torch
     from qstream.quant import quantize_checkpoint
 
-    with counter("quantizing", "bytes") as report:  # bytes on the bar, tensors in its name
+    with counter("quantizing", "bytes") as progress:  # bytes on the bar, tensors in its name
         summary = quantize_checkpoint(
             o["model_dir"],
             o["output_dir"],
@@ -96,9 +96,7 @@ def quantize(json_path: str | None, **o: Any) -> None:
             dry_run=o["dry_run"],
             overwrite=o["overwrite"],
             skip_incompatible=o["skip_incompatible"],
-            progress=lambda done, total, tensors, of: report(
-                done, total, f"tensors {tensors}/{of}"
-            ),
+            progress=progress,
             snr=not o["no_snr"],
             tensor_parallel_size=o["tensor_parallel_size"],
         )

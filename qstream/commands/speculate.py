@@ -25,11 +25,8 @@ from qstream.cliutil import (
 )
 from qstream.progress import counter
 from qstream.publish import signals_as_interrupt
-from qstream.tablefit import Column, fitted_table
 
 if TYPE_CHECKING:
-    from rich.table import Table
-
     from qstream.speculate.run import SpeculateSettings
 
 
@@ -113,14 +110,15 @@ def speculate(json_path: str | None, **o: Any) -> None:
     qstream speculate --target TARGET --model DRAFT --rule probabilistic --temperature 0.7
     """
     # here, not above: `qstream speculate --help` loads no torch
+    from qstream.card.measured import speculate_tables
     from qstream.speculate.run import run_speculate
 
-    with signals_as_interrupt(), counter("speculate", "prompts") as report:
-        results = run_speculate(_settings(o), report)
+    with signals_as_interrupt(), counter("speculate", "prompts") as progress:
+        results = run_speculate(_settings(o), progress)
     if json_path != "-":
         console = make_console()
-        for table in acceptance_tables(results, console.width):
-            console.print(table)
+        for table in speculate_tables(results):
+            console.print(table.fitted(console.width))
     write_json(results, json_path)
 
 
@@ -140,50 +138,3 @@ def _settings(o: dict[str, Any]) -> SpeculateSettings:
     }
     same = {f.name: o[f.name] for f in fields(SpeculateSettings) if f.name in o}
     return SpeculateSettings(**{**same, **parsed})
-
-
-MEAN_COLUMNS = (
-    Column("variant"),
-    Column("mean acceptance length", right=True),
-    Column("tokens / target forward", right=True),
-    Column("loss vs bf16", right=True),
-)
-
-
-def _with_interval(estimate: dict, spec: str = ".2f") -> str:
-    value, lo, hi = (estimate[k] for k in ("value", "lo", "hi"))
-    if lo is None or hi is None:
-        return f"{value:{spec}}"
-    return f"{value:{spec}} [{lo:{spec}}, {hi:{spec}}]"
-
-
-def acceptance_tables(results: dict, width: int) -> list[Table]:
-    """Per variant its mean acceptance length, tokens per target forward and loss against bf16
-    (paired over the prompts; n/a without a bf16 variant) with their 95% intervals; then per k (a row each, so that any block size fits) every variant's share of
-    verifications accepting at least k drafted tokens."""
-    summaries = {name: entry["summary"] for name, entry in results["variants"].items()}
-    s, prompts = results["settings"], next(iter(summaries.values()))["prompts"]
-    means = [
-        [
-            name,
-            _with_interval(x["mean_acceptance_length"]),
-            _with_interval(x["tokens_per_target_forward"]),
-            _with_interval(x["loss_vs_bf16"], "+.3f") if "loss_vs_bf16" in x else "n/a",
-        ]
-        for name, x in summaries.items()
-    ]
-    title = f"{s['rule']} verification, {prompts} prompts x {s['new_tokens']} new tokens"
-    block = results["provenance"]["draft"]["block_size"]
-    shares = [
-        [str(k), *(f"{x['accepted_at_least'][k - 1]['value']:.3f}" for x in summaries.values())]
-        for k in range(1, block + 1)
-    ]
-    return [
-        fitted_table(MEAN_COLUMNS, means, width, title=title + " (95% intervals over prompts)"),
-        fitted_table(
-            [Column("k", right=True), *(Column(name, right=True) for name in summaries)],
-            shares,
-            width,
-            title="share of verifications accepting at least k drafted tokens",
-        ),
-    ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import click
@@ -17,7 +16,7 @@ from qstream.cliutil import (
     seed_option,
     write_json,
 )
-from qstream.progress import counter
+from qstream.progress import Progress, counter
 
 if TYPE_CHECKING:
     from qstream.synth.draft import SynthSummary
@@ -79,8 +78,8 @@ def synth(
 
     resolve_device(device)
     label = preset or ("tiny" if target is None else "draft")
-    with counter(f"synth {label}", "bytes") as report:
-        summary = _make(target, preset, output_dir, seed, corpus, overwrite, report)
+    with counter(f"synth {label}", "bytes") as progress:
+        summary = _make(target, preset, output_dir, seed, corpus, overwrite, progress)
     if json_path != "-":
         click.echo(
             f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "
@@ -98,7 +97,7 @@ def _make(
     seed: int,
     corpus: str | None,
     overwrite: bool,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> SynthSummary:
     from qstream.synth.draft import synth_checkpoint
     from qstream.synth.target import synth_for_target

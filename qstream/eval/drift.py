@@ -27,11 +27,12 @@ from qstream.eval.corpus import AnchorPlan, Corpus, read_anchor_plan, sample_anc
 from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
-from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Progress, Silent
+from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
+from qstream.progress import Progress, Silent
 from qstream.regimes import REGIMES, STATES, Regime
 
 __all__ = ["DriftSettings", "evaluate_drift"]

@@ -26,10 +26,11 @@ from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
-from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Progress
+from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings
 from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.eval.vocabulary import FLOOR
+from qstream.progress import Progress
 from qstream.regimes import Regime
 
 

@@ -27,7 +27,8 @@ from qstream.eval.corpus import (
     tokenize,
 )
 from qstream.eval.drift import evaluate_drift
-from qstream.eval.settings import DriftSettings, Progress
+from qstream.eval.settings import DriftSettings
+from qstream.progress import Progress
 from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
 
 DEFAULT_EDGES = "default"  # --context-lengths given bare

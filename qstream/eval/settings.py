@@ -1,7 +1,7 @@
 """What one ``evaluate_drift`` run is asked to do (:class:`DriftSettings`), one frozen object
 per concern, each checked once, where it is built: how the drafter and the verifier sample
 (:class:`Sampling`), what verifies the drafts (:class:`Verification`), where outputs too big for
-memory go (:class:`Scratch`); and the progress protocol the evaluator reports to.
+memory go (:class:`Scratch`).
 
 >>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8"), n_blocks=256,
 ...                          sampling=Sampling(temperature=0.7, top_p=0.95))
@@ -10,9 +10,7 @@ memory go (:class:`Scratch`); and the progress protocol the evaluator reports to
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
@@ -23,30 +21,6 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
 # STEPS: the sensitivity steps, which measure drift only (no verifier), so run at a pace of
 # their own beside the variants' when --acceptance or captured states verify those.
 REFERENCE, VARIANTS, STEPS = "reference", "variants", "steps"
-
-
-class Progress(Protocol):
-    """Where the evaluator reports progress: drafted blocks, and their work by the architecture's
-    FLOP model (docs/eval-drift.md, "FLOP model") per kind of pass, from which the one ETA is
-    taken (a long-context block costs hundreds of short ones; an FP32 reference pass runs at its
-    own pace)."""
-
-    def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
-        """Blocks the run will report (None until they are planned) and, once the blocks are
-        planned, their total work per kind (REFERENCE, VARIANTS, STEPS); called again when it is."""
-
-    def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = VARIANTS) -> None:
-        """``blocks`` more blocks done, ``work`` FLOPs of a ``kind`` pass, in the step ``what``."""
-
-
-class Silent:
-    """A :class:`Progress` that reports nothing."""
-
-    def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
-        pass
-
-    def advance(self, what: str, blocks: int, work: float = 0.0, kind: str = VARIANTS) -> None:
-        pass
 
 
 @dataclass(frozen=True)

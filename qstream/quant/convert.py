@@ -21,7 +21,8 @@ from qstream.checkpoint.safetensors_io import ShardReader, ShardWriter, TensorIn
 from qstream.errors import QStreamError
 from qstream.formats import Energy, snr_db
 from qstream.formats.nvfp4 import tensor_amax
-from qstream.quant.plan import Plan, Progress, Streaming
+from qstream.progress import Progress
+from qstream.quant.plan import Plan, Streaming
 from qstream.quant.select import share_group_amax
 
 # Largest piece of a quantized weight: 4M elements is 8 MiB of bf16 input and 2-4 MiB of
@@ -150,16 +151,14 @@ class _Tally:
 
     bytes_total: int
     tensors_total: int
-    bytes_done: int = 0
     tensors_done: int = 0
 
     def count(self, piece: Piece, tensor_rows: int, progress: Progress | None) -> None:
         """Count a finished piece (a tensor is done with its last rows) and report progress."""
-        self.bytes_done += piece.nbytes
         if piece.rows is None or piece.rows.stop == tensor_rows:
             self.tensors_done += 1
         if progress is not None:
-            progress(self.bytes_done, self.bytes_total, self.tensors_done, self.tensors_total)
+            progress.advance(f"tensors {self.tensors_done}/{self.tensors_total}", piece.nbytes)
 
 
 def write_tensors(
@@ -177,6 +176,8 @@ def write_tensors(
         sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
         len(checkpoint.tensor_shard),
     )
+    if run.progress is not None:
+        run.progress.start(tally.bytes_total)
 
     def prepare(piece: Piece) -> None:
         if piece.module is not None:

@@ -5,7 +5,6 @@ settings of the run (docs/quantize.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +13,8 @@ from qstream.checkpoint.files import Checkpoint
 from qstream.checkpoint.layout import stored_tensors
 from qstream.checkpoint.safetensors_io import PlannedTensor, planned_file_size
 from qstream.formats import Format
+from qstream.progress import Progress
 from qstream.quant.select import Selection
-
-Progress = Callable[[int, int, int, int], None]  # bytes done, bytes total, tensors done, total
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ import qstream
 from qstream.checkpoint.files import CONFIG_NAME, Checkpoint, open_checkpoint
 from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
+from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.plan import Plan, Progress, Streaming, make_plan
+from qstream.quant.plan import Plan, Streaming, make_plan
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import write_checkpoint
 from qstream.vllm.profiles import (

@@ -12,13 +12,14 @@ bf16, paired over the same prompts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from qstream.errors import QStreamError
 from qstream.eval.estimates import Estimate, pooled_proportion, t_interval
+from qstream.progress import Progress
 from qstream.speculate.decode import Decoded, speculative_decode
 
 
@@ -50,10 +51,10 @@ def decode_prompts(
     rule: str = "greedy",
     temperature: float = 1.0,
     seed: int = 0,
-    done: Callable[[int], None] | None = None,
+    progress: Progress | None = None,
 ) -> list[Decoded]:
     """Every prompt decoded by ``draft``, prompt i with seed ``seed + i`` (the same for every
-    draft, so that variants differ only by their drafts); ``done(i + 1)`` after prompt i."""
+    draft, so that variants differ only by their drafts), each reported to ``progress``."""
     runs = []
     for i, p in enumerate(prompts):
         try:
@@ -61,8 +62,8 @@ def decode_prompts(
         except QStreamError as exc:  # which prompt: the decode knows only the position
             raise QStreamError(f"prompt {i}: {exc}") from None
         runs.append(run)
-        if done is not None:
-            done(i + 1)
+        if progress is not None:
+            progress.advance("", 1)
     return runs
 
 

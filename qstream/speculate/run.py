@@ -9,7 +9,6 @@ with the target in the loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from qstream.eval.provenance import check_variants_derived, refuse_quantized_mod
 from qstream.eval.settings import DriftSettings
 from qstream.eval.variants import Variant, settings_variants, variant_weights
 from qstream.eval.vocabulary import FLOOR, VARIANT_FORMATS
+from qstream.progress import Progress
 from qstream.speculate.capture import check_capture_dir, write_capture
 from qstream.speculate.decode import RULES
 from qstream.speculate.measure import decode_prompts, paired_loss, summarise
@@ -35,8 +35,6 @@ from qstream.speculate.measure import decode_prompts, paired_loss, summarise
 SCHEMA = "qstream.speculate/1"  # the "schema" field of every results file
 PROMPT = "each document up to and including its first newline (a GSM8K question), tokenized "
 PROMPT += "by the target's tokenizer without special tokens"
-
-Progress = Callable[[int, int, str], None]  # (prompts done, prompts to do, what)
 
 
 @dataclass(frozen=True)
@@ -118,9 +116,9 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, selection, s.target)
         draft = arch.build(config, var_weights, v.dtype, "cpu")
-        done = None if progress is None else _reporter(progress, len(prompts), v.name)
+        _started(progress, len(prompts), v.name)
         runs = decoded[v.name] = decode_prompts(
-            target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, done
+            target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
         )
         results["variants"][v.name] = {
             **_variant_entry(v, changed),
@@ -184,9 +182,11 @@ def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftCon
     return target, prompts
 
 
-def _reporter(progress: Progress, total: int, name: str) -> Callable[[int], None]:
-    progress(0, total, f"speculate: {name}")
-    return lambda done: progress(done, total, f"speculate: {name}")
+def _started(progress: Progress | None, total: int, name: str) -> None:
+    """The progress counts ``name``'s prompts from none."""
+    if progress is not None:
+        progress.start(total)
+        progress.advance(f"speculate: {name}", 0)
 
 
 def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[list[int]]:

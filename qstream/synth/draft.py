@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from qstream.arch.registry import ARCHITECTURES, architecture_of
 from qstream.checkpoint.files import INDEX_NAME
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter
 from qstream.errors import QStreamError
+from qstream.progress import Progress
 from qstream.publish import SYNTH_RECORD, check_target, publishing, write_json_atomic
 from qstream.synth.bigram import U_STD, bigram_logprobs, calibrate_markov_scale, markov_tables
 from qstream.synth.corpus import builtin_corpus, read_corpus, train_tokenizer, write_tokenizer
@@ -199,7 +200,7 @@ def _write_tensors(
     directory: Path,
     shapes: dict[str, tuple[int, ...]],
     plan: _Plan,
-    progress: Callable[[int, int], None] | None,
+    progress: Progress | None,
     force_index: bool,
 ) -> int:
     """Stream every tensor into bf16 safetensors shards; returns bytes written."""
@@ -212,7 +213,9 @@ def _write_tensors(
         else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     )
     names = list(shapes)
-    total, done = sum(sizes), 0
+    total = sum(sizes)
+    if progress is not None:
+        progress.start(total)
     for i, file in enumerate(files):
         mine = [k for k, s in zip(names, shard_of) if s == i]
         writer = ShardWriter(
@@ -224,9 +227,8 @@ def _write_tensors(
                 for chunk in _rows_of(name, shapes[name], plan):
                     writer.write(name, chunk.to(torch.bfloat16), row)
                     row += chunk.shape[0] if chunk.dim() > 1 else 0
-                    done += 2 * chunk.numel()
                     if progress is not None:
-                        progress(done, total)
+                        progress.advance("", 2 * chunk.numel())
         except BaseException:
             writer.abort()
             raise
@@ -315,13 +317,13 @@ def synth_checkpoint(
     seed: int = 0,
     corpus: str | Path | None = None,
     overwrite: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> SynthSummary:
     """Write a synthetic draft checkpoint of ``preset`` (a registered architecture's: "tiny",
     "small", "k3", "qwen3-tiny", "qwen3-8b") to ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
     end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
-    default: :func:`~qstream.synth.corpus.builtin_corpus`.  ``progress(bytes_done, bytes_total)`` is called while
-    tensors are written."""
+    default: :func:`~qstream.synth.corpus.builtin_corpus`.  ``progress`` hears of the
+    bytes written."""
     arch = preset_architecture(preset)
     output = Path(output_dir).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)

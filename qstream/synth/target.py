@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from qstream.checkpoint.files import read_config
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
+from qstream.progress import Progress
 from qstream.publish import check_target, publishing, write_json_atomic
 from qstream.synth.corpus import builtin_corpus, read_corpus
 from qstream.synth.draft import (
@@ -142,7 +142,7 @@ def synth_for_target(
     seed: int = 0,
     corpus: str | Path | None = None,
     overwrite: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
 ) -> SynthSummary:
     """Write a draft for ``target`` to ``output_dir``, complete or not at all; ``preset``
     None: :func:`target_preset`'s."""
