@@ -19,9 +19,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from qstream.arch.dspark_qwen3.checkpoint import tensor_shapes
 from qstream.arch.dspark_qwen3.config import PRESETS, Qwen3DSparkConfig, RopeParameters
-from qstream.arch.dspark_qwen3.forward import Qwen3DSpark, apply_rope, rope_inv_freq
-from qstream.arch.dspark_qwen3.tensors import tensor_shapes
+from qstream.arch.dspark_qwen3.model import Qwen3DSpark, apply_rope, rope_inv_freq
 from qstream.arch.interface import LM_HEAD
 
 TOL = 1e-5

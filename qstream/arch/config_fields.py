@@ -74,7 +74,8 @@ def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
 def head_shapes(config: Any, markov_w2_rows: int) -> dict[str, tuple[int, ...]]:
     """The Markov head's tables (when ``markov_rank`` > 0) and the confidence head (when
     enabled): [1, H+r] with ``confidence_head_with_markov``, else [1, H]; its bias [1]."""
-    H, r, shapes = config.hidden_size, config.markov_rank, {}
+    H, r = config.hidden_size, config.markov_rank
+    shapes: dict[str, tuple[int, ...]] = {}
     if r > 0:
         shapes["markov_head.markov_w1.weight"] = (config.vocab_size, r)
         shapes["markov_head.markov_w2.weight"] = (markov_w2_rows, r)

@@ -18,15 +18,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qstream.arch.config_fields import head_shapes
 from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.family import CONFIDENCE_WEIGHT, borrow_from_target, check_table, shape_hint
-from qstream.arch.interface import LM_HEAD
+from qstream.arch.family import borrow_from_target, check_table, shape_hint
+from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.errors import QStreamError
 
 if TYPE_CHECKING:
     import torch
-
-EMBED = "embed_tokens.weight"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -36,9 +35,9 @@ EMBED = "embed_tokens.weight"
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     """The draft checkpoint's tensors and shapes, in checkpoint order (docs/model.md's tensor table)."""
     c = config
-    n, H, r = c.num_attention_heads, c.hidden_size, c.markov_rank
+    n, H = c.num_attention_heads, c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (c.vocab_size, H),
+        EMBED: (c.vocab_size, H),
         "context_proj.weight": (H, c.aux_size),
         "context_norm.weight": (H,),
     }
@@ -64,12 +63,7 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     shapes["final_norm.weight"] = (H,)
-    shapes["markov_head.markov_w1.weight"] = (c.vocab_size, r)
-    shapes["markov_head.markov_w2.weight"] = (c.vocab_size, r)
-    if c.enable_confidence_head:
-        shapes[CONFIDENCE_WEIGHT] = (1, H + (r if c.confidence_head_with_markov else 0))
-        shapes["confidence_head.proj.bias"] = (1,)
-    return shapes
+    return {**shapes, **head_shapes(c, c.vocab_size)}
 
 
 def check_tensors(

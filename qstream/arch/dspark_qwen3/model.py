@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from qstream.arch.blocks import rms_norm, swiglu
+from qstream.arch.dspark_qwen3.checkpoint import check_tensors
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
-from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, check_tensors
 from qstream.arch.family import check_blocks
-from qstream.arch.interface import AuxChunks, Blocks, causal_layers
+from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import ComputeWeights, embedding
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
@@ -80,7 +80,7 @@ class ContextKV:
 
 class Qwen3DSpark:
     """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the names of
-    :func:`~qstream.arch.dspark_qwen3.tensors.tensor_shapes` (with ``embed_tokens.weight``)
+    :func:`~qstream.arch.dspark_qwen3.checkpoint.tensor_shapes` (with ``embed_tokens.weight``)
     plus ``lm_head.weight`` [draft_vocab, H] to tensors of any float dtype, each held once."""
 
     def __init__(
@@ -336,3 +336,39 @@ class CausalStream:
             x = x + m.mlp(i, x)
             outs.append(x.to(self.dtype))
         return torch.stack(outs, dim=2).flatten(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FLOP model (docs/eval-drift.md, "FLOP model"): 2 FLOPs per multiply-add of the work the
+# draft must do; norms, softmax, masking and sampling not counted.
+
+
+def context_flops(c: Qwen3DSparkConfig) -> float:
+    """One context position: fc, then every layer's key and value projections."""
+    kv = 2 * c.num_key_value_heads * c.head_dim
+    return 2.0 * (c.aux_size * c.hidden_size + c.num_hidden_layers * c.hidden_size * kv)
+
+
+def _layer(c: Qwen3DSparkConfig, keys: int) -> int:
+    """Multiply-adds of one layer at one position attending to ``keys`` keys."""
+    H, q = c.hidden_size, c.num_attention_heads * c.head_dim
+    kv = 2 * c.num_key_value_heads * c.head_dim
+    return H * (q + kv) + q * H + 3 * H * c.intermediate_size + 2 * keys * q
+
+
+def drafted_flops(c: Qwen3DSparkConfig, anchor: torch.Tensor) -> float:
+    """Blocks at ``anchor`` [N]: every slot of each attends to its context and the block; the
+    drafted positions then run lm_head and the Markov head."""
+    S, B = c.block_slots, c.block_size
+    head = (c.hidden_size + c.markov_rank) * c.draft_vocab_size
+    return sum(
+        2.0 * (S * c.num_hidden_layers * _layer(c, p + S) + B * head) for p in anchor.tolist()
+    )
+
+
+def causal_flops(c: Qwen3DSparkConfig, T: int) -> float:
+    """One stream's causal pass over T positions (the boot regime: one layer step per target
+    aux layer): every step at every position, position t attending to the t + 1 keys up to
+    itself."""
+    q = c.num_attention_heads * c.head_dim
+    return 2.0 * c.num_target_layers * (T * _layer(c, 0) + 2 * q * T * (T + 1) // 2)
