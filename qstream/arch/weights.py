@@ -150,7 +150,7 @@ def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
-def rope_inv_freq(d: int, base: float, yarn: Any = None) -> torch.Tensor:
+def inv_freq(d: int, base: float, yarn: Any = None) -> torch.Tensor:
     """RoPE's inverse frequencies of ``d`` rotary dims, fp32 [d/2]: ``base^(-2j/d)``.  With
     ``yarn`` (its factor, original_max_position_embeddings, beta_fast and beta_slow), YaRN's:
     interpolated (``/factor``) below a linear ramp between the correction dims of beta_fast

@@ -15,25 +15,18 @@ from typing import TYPE_CHECKING, Any
 from qstream.arch.dspark_mla import checkpoint
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
 from qstream.arch.family import DSparkFamily
+from qstream.clichoices import QUANTIZE_INCLUDE
 
 if TYPE_CHECKING:
     import torch
-
-# The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
-QUANTIZE_INCLUDE = (
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "self_attn.o_proj",
-    "self_attn.q_b_proj",
-    "context_proj",
-)
 
 
 class DSparkMLA(DSparkFamily):
     """The descriptor: every call the rest of the package makes of this architecture."""
 
     config_type: type = DSparkConfig
+    # the module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters):
+    # --include_layers' default, one tuple defined with the options' names (light for --help)
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
     serving: Mapping[str, Any] | None = checkpoint.SERVING

@@ -36,14 +36,7 @@ from qstream.arch.dspark_mla.checkpoint import check_tensors, load_config, load_
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.family import check_blocks
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
-from qstream.arch.weights import (
-    CausalRows,
-    ComputeWeights,
-    embedding,
-    rms_norm,
-    rope_inv_freq,
-    swiglu,
-)
+from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
@@ -193,9 +186,7 @@ class DSpark:
         self.w = ComputeWeights(weights, dtype, device)
         self.device = self.w.device
         yarn = config.rope_parameters
-        self.inv_freq = rope_inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(
-            self.device
-        )
+        self.inv_freq = inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(self.device)
         self.scale = config.softmax_scale
         self.layers = tuple(
             Layer(config, self.w, i, self.inv_freq) for i in range(config.num_hidden_layers)

@@ -26,14 +26,7 @@ from qstream.arch.dspark_qwen3.checkpoint import check_tensors
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
 from qstream.arch.family import check_blocks
 from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks
-from qstream.arch.weights import (
-    CausalRows,
-    ComputeWeights,
-    embedding,
-    rms_norm,
-    rope_inv_freq,
-    swiglu,
-)
+from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
 SCORE_BUDGET = 1 << 25  # attention score elements computed at a time
@@ -91,7 +84,7 @@ class Qwen3DSpark:
         )
         rope = config.rope_parameters
         yarn = rope if rope.rope_type == "yarn" else None
-        self.inv_freq = rope_inv_freq(config.head_dim, float(rope.rope_theta), yarn).to(self.device)
+        self.inv_freq = inv_freq(config.head_dim, float(rope.rope_theta), yarn).to(self.device)
         self.mscale = config.rope_parameters.mscale
         self.scale = config.head_dim**-0.5
         self.eps = config.rms_norm_eps
