@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 from qstream.arch.family import CONFIDENCE_WEIGHT
+from qstream.errors import QStreamError
 
 
 def check(ok: bool, key: str, value: Any, why: str) -> None:
@@ -133,3 +135,17 @@ def construct(cls: type, kwargs: Mapping[str, Any], where: str = "") -> Any:
         return cls(**kwargs)
     except TypeError as exc:
         raise ValueError(f"config.json: {where}{exc}") from None
+
+
+def load_config(directory: str | Path, parse: Callable[[dict], Any]) -> Any:
+    """``parse`` of a draft checkpoint's config.json: its ValueError a QStreamError naming the
+    file, key and value."""
+    from qstream.checkpoint.files import read_config  # torch-free, kept out of --help
+
+    path = Path(directory) / "config.json"
+    data = read_config(Path(directory))
+    try:
+        return parse(data)
+    except ValueError as exc:
+        message = f"{path}: {exc}".replace("config.json: config.json:", "config.json:")
+        raise QStreamError(message) from None

@@ -18,11 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qstream.arch.config_fields import head_shapes
+from qstream.arch import config_fields
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.family import borrow_from_target, check_table, shape_hint
 from qstream.arch.interface import EMBED, LM_HEAD
-from qstream.errors import QStreamError
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +62,7 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     shapes["final_norm.weight"] = (H,)
-    return {**shapes, **head_shapes(c, c.vocab_size)}
+    return {**shapes, **config_fields.head_shapes(c, c.vocab_size)}
 
 
 def check_tensors(
@@ -85,17 +84,7 @@ def check_tensors(
 
 def load_config(directory: str | Path) -> DSparkConfig:
     """config.json of a draft checkpoint -> DSparkConfig (QStreamError naming key and value)."""
-    from qstream.checkpoint.files import read_config
-
-    directory = Path(directory)
-    try:
-        return DSparkConfig.from_json(read_config(directory))
-    except ValueError as exc:
-        raise QStreamError(
-            f"{directory / 'config.json'}: {exc}".replace(
-                "config.json: config.json:", "config.json:"
-            )
-        ) from None
+    return config_fields.load_config(directory, DSparkConfig.from_json)
 
 
 def read_draft_tensors(
