@@ -175,12 +175,11 @@ def inv_freq(d: int, base: float, yarn: Any = None) -> torch.Tensor:
 
 
 class CausalRows:
-    """The bookkeeping of a model's causal stream (qstream/arch/interface.py's ``AuxChunks``):
-    every step's output of the causal pass over ids [S, T] (the layers in
-    :func:`causal_layers`' order, ``depth`` of them), as ``rows(t0, t1)`` -> [S, t1 - t0,
-    depth*H] in ``dtype``, taken in order from position 0 (``shape`` [S, T, depth*H]).  A
-    subclass names the per-position shapes of its cache (:meth:`cache_dims`: one [S, T, ...]
-    tensor each per step, in ``_cache``) and computes the rows (:meth:`compute`)."""
+    """A model's causal stream (interface.py's ``AuxChunks``): every step's output of the
+    causal pass over ids [S, T] (``depth`` steps in :func:`causal_layers`' order) as
+    ``rows(t0, t1)`` -> [S, t1 - t0, depth*H] in ``dtype``, taken in order from position 0.  A
+    subclass names its cache's per-position shapes (:meth:`cache_dims`; ``_cache`` holds one
+    [S, T, ...] tensor of each per step) and computes the rows (:meth:`compute`)."""
 
     def __init__(
         self, model: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32, depth=None

@@ -6,10 +6,6 @@ torch and the checkpoint reader are imported where a call needs them.
 
 >>> weights = load_weights("ckpt/")          # name -> tensor, lm_head from ckpt/target_head/
 >>> weights = load_weights("ckpt-nvfp4/", target="kimi-k3/")
-
-Tensors are read through the project's safetensors reader (qstream.checkpoint), which memory
-maps each shard and checks every header; a target is opened through its
-``model.safetensors.index.json`` and only the shard holding the borrowed tensors is touched.
 """
 
 from __future__ import annotations

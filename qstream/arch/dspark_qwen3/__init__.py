@@ -19,9 +19,7 @@ from qstream.arch.family import DSparkFamily
 if TYPE_CHECKING:
     import torch
 
-# The module kinds a shipped draft quantizes: the backbone's Linear layers and fc
-# (docs/qwen3-dspark.md, "What is quantized"); the serving profile's default selection.
-QUANTIZE_INCLUDE: tuple[str, ...] = checkpoint.DEFAULT_INCLUDE
+QUANTIZE_INCLUDE: tuple[str, ...] = checkpoint.DEFAULT_INCLUDE  # the serving profile's default
 
 
 class DSparkQwen3(DSparkFamily):
