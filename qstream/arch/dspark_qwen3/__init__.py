@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from qstream.arch import FlopModel
 from qstream.arch.dspark_qwen3 import checkpoint
 from qstream.arch.dspark_qwen3.config import ARCHITECTURE, PRESETS, Qwen3DSparkConfig
 from qstream.arch.family import DSparkFamily
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
 QUANTIZE_INCLUDE: tuple[str, ...] = checkpoint.DEFAULT_INCLUDE  # the serving profile's default
 
 
-class DSparkQwen3(DSparkFamily):
+class DSparkQwen3(FlopModel, DSparkFamily):
     """The descriptor: every call the rest of the package makes of this architecture."""
 
+    model_module = "qstream.arch.dspark_qwen3.model"  # forward and FLOP model, torch
     config_type: type = Qwen3DSparkConfig
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, Qwen3DSparkConfig] = PRESETS
@@ -51,21 +53,6 @@ class DSparkQwen3(DSparkFamily):
         from qstream.arch.dspark_qwen3.model import CausalStream
 
         return CausalStream(model, ids, dtype, depth)
-
-    def context_flops(self, config: Qwen3DSparkConfig) -> float:
-        from qstream.arch.dspark_qwen3.model import context_flops
-
-        return context_flops(config)
-
-    def drafted_flops(self, config: Qwen3DSparkConfig, anchor: torch.Tensor) -> float:
-        from qstream.arch.dspark_qwen3.model import drafted_flops
-
-        return drafted_flops(config, anchor)
-
-    def causal_flops(self, config: Qwen3DSparkConfig, T: int) -> float:
-        from qstream.arch.dspark_qwen3.model import causal_flops
-
-        return causal_flops(config, T)
 
 
 ARCH = DSparkQwen3()
