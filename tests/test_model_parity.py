@@ -11,7 +11,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
 from qstream.arch.dspark_mla.config import PRESETS
-from qstream.arch.dspark_mla.model import DSpark, rms_norm, swiglu, yarn_inv_freq
+from qstream.arch.dspark_mla.model import DSpark
+from qstream.arch.weights import inv_freq, rms_norm, swiglu
 
 # float32 rounding: both implementations sit within 1.7e-6 of a float64 run of themselves on
 # these shapes (outputs up to |3.1|, i.e. ~4 ulps); 1e-5 is that doubled and rounded up.
@@ -62,7 +63,8 @@ def test_yarn_inv_freq_matches_transformers():
         cfg = PRESETS[name]
         rotary = ds.DeepseekV3RotaryEmbedding(_hf_config(cfg))
         assert rotary.attention_scaling == 1.0  # cos/sin factor 1: mscale == mscale_all_dim
-        torch.testing.assert_close(yarn_inv_freq(cfg), rotary.inv_freq, rtol=0, atol=0)
+        ours = inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_parameters)
+        torch.testing.assert_close(ours, rotary.inv_freq, rtol=0, atol=0)
 
 
 def _scaled_mscale(cfg):

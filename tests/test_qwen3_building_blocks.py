@@ -19,9 +19,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from qstream.arch.dspark_qwen3.checkpoint import tensor_shapes
 from qstream.arch.dspark_qwen3.config import PRESETS, Qwen3DSparkConfig, RopeParameters
-from qstream.arch.dspark_qwen3.forward import Qwen3DSpark, apply_rope, rope_inv_freq
-from qstream.arch.dspark_qwen3.tensors import tensor_shapes
+from qstream.arch.dspark_qwen3.model import Qwen3DSpark, apply_rope
 from qstream.arch.interface import LM_HEAD
 
 TOL = 1e-5
@@ -117,9 +117,9 @@ def test_causal_hidden_equals_transformers_qwen3_layer_by_layer(pair):
 
 
 def test_rope_equals_qwen3_rotary_embedding(pair):
-    config, _, hf = pair
+    config, model, hf = pair
     rotary = Qwen3RotaryEmbedding(hf.config)
-    assert rel(rope_inv_freq(config), rotary.inv_freq) <= TOL
+    assert rel(model.inv_freq, rotary.inv_freq) <= TOL
     assert config.rope_parameters.mscale == pytest.approx(rotary.attention_scaling, rel=1e-12)
     g = torch.Generator().manual_seed(2)
     heads, d = config.num_attention_heads, config.head_dim
@@ -127,7 +127,7 @@ def test_rope_equals_qwen3_rotary_embedding(pair):
     pos = torch.arange(POSITIONS)
     cos, sin = rotary(x, pos[None])
     theirs, _ = apply_rotary_pos_emb(x.transpose(1, 2), x.transpose(1, 2), cos, sin)
-    ours = apply_rope(x, pos, rope_inv_freq(config), config.rope_parameters.mscale)
+    ours = apply_rope(x, pos, model.inv_freq, config.rope_parameters.mscale)
     assert rel(ours, theirs.transpose(1, 2)) <= TOL
 
 

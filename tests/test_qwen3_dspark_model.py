@@ -15,11 +15,10 @@ import torch
 from qwen3_drafts import TINY, speculators_config, write_qwen3_draft
 from safetensors.torch import save_file
 
-from qstream.arch.dspark_qwen3 import forward
+from qstream.arch.dspark_qwen3 import model as qwen3_model
+from qstream.arch.dspark_qwen3.checkpoint import EMBED, LM_HEAD, load_weights, tensor_shapes
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig, RopeParameters
-from qstream.arch.dspark_qwen3.forward import CausalStream, Qwen3DSpark
-from qstream.arch.dspark_qwen3.load import load_weights
-from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, tensor_shapes
+from qstream.arch.dspark_qwen3.model import CausalStream, Qwen3DSpark
 from qstream.arch.interface import causal_layers
 from qstream.arch.markov import rollout
 from qstream.errors import QStreamError
@@ -70,7 +69,7 @@ def blocks_setup(config: Qwen3DSparkConfig, seed: int = 0):
 def test_draft_equals_one_block_at_a_time(config, monkeypatch):
     model, ctx, stream, anchor, first = blocks_setup(config)
     whole = model.draft(ctx, stream, anchor, first)
-    monkeypatch.setattr(forward, "SCORE_BUDGET", 1)  # every block a run of its own
+    monkeypatch.setattr(qwen3_model, "SCORE_BUDGET", 1)  # every block a run of its own
     single = model.draft(ctx, stream, anchor, first)
     for n in range(len(stream)):
         one = model.draft_one(ctx, int(stream[n]), int(anchor[n]), int(first[n]))

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
+from qstream.arch.dspark_qwen3.checkpoint import EMBED, LM_HEAD, tensor_shapes
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig, RopeParameters
-from qstream.arch.dspark_qwen3.forward import Qwen3DSpark
-from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, tensor_shapes
+from qstream.arch.dspark_qwen3.model import Qwen3DSpark
 from qstream.errors import QStreamError
 from qstream.speculate import decode
 from qstream.speculate.decode import speculative_decode, target_greedy

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qstream.arch.dspark_mla import ARCH as DSPARK_MLA
-from qstream.arch.dspark_qwen3.architecture import ARCH as DSPARK_QWEN3
+from qstream.arch.dspark_qwen3 import ARCH as DSPARK_QWEN3
 from qstream.arch.interface import Architecture, DraftConfig
 from qstream.errors import QStreamError
 

@@ -1,4 +1,6 @@
-"""A draft's weights held once, read in its compute dtype (docs/model.md, "Memory").
+"""What every draft architecture's forward computes the same way (docs/model.md, "API",
+"Memory"): its weights held once and read in its compute dtype, RMSNorm in fp32, the SwiGLU
+MLP, RoPE's (YaRN) inverse frequencies, and the bookkeeping of a causal stream.
 
 :class:`ComputeWeights` keeps a big weight that upcasts exactly (a bf16 checkpoint read by the
 fp32 reference) in its stored dtype, a view of the mapped file shared with every variant that
@@ -12,10 +14,14 @@ tensors (norms, the confidence head) are upcast once and held.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from qstream.arch.interface import causal_layers
 
 # A weight whose compute-dtype copy has at most this many elements is converted once and held
 # (64 MiB in fp32); a bigger one that upcasts exactly is held in its stored dtype.
@@ -130,3 +136,76 @@ def embedding(weights: Mapping[str, torch.Tensor], name: str, ids: torch.Tensor)
     if isinstance(weights, ComputeWeights):
         return F.embedding(ids, weights.stored[name]).to(weights.dtype)
     return F.embedding(ids, weights[name])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * x / sqrt(mean(x^2) + eps)`` in fp32 (or wider), returned in x's dtype."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))``, each product ``linear(x, weight)`` (by default the
+    weights are tensors; the forwards pass weight names and their own products)."""
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+
+
+def inv_freq(d: int, base: float, yarn: Any = None) -> torch.Tensor:
+    """RoPE's inverse frequencies of ``d`` rotary dims, fp32 [d/2]: ``base^(-2j/d)``.  With
+    ``yarn`` (its factor, original_max_position_embeddings, beta_fast and beta_slow), YaRN's:
+    interpolated (``/factor``) below a linear ramp between the correction dims of beta_fast
+    (floored) and beta_slow (ceiled), extrapolated above it, as DeepSeek-V3 and vLLM 0.32's
+    ``YaRNScalingRotaryEmbedding._compute_inv_freq`` compute them
+    (vllm/model_executor/layers/rotary_embedding/yarn_scaling_rope.py)."""
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    if yarn is None:
+        return 1.0 / pos_freqs
+    orig = yarn.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = float(max(math.floor(correction_dim(yarn.beta_fast)), 0))
+    high = float(min(math.ceil(correction_dim(yarn.beta_slow)), d - 1))
+    if low == high:
+        high += 0.001  # DeepSeek's guard against a zero-width ramp
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (yarn.factor * pos_freqs)
+    return interpolated * ramp + extrapolated * (1 - ramp)
+
+
+class CausalRows:
+    """A model's causal stream (interface.py's ``AuxChunks``): every step's output of the
+    causal pass over ids [S, T] (``depth`` steps in :func:`causal_layers`' order) as
+    ``rows(t0, t1)`` -> [S, t1 - t0, depth*H] in ``dtype``, taken in order from position 0.  A
+    subclass names its cache's per-position shapes (:meth:`cache_dims`; ``_cache`` holds one
+    [S, T, ...] tensor of each per step) and computes the rows (:meth:`compute`)."""
+
+    def __init__(
+        self, model: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32, depth=None
+    ):
+        c = model.config
+        S, T = ids.shape
+        self.model, self.ids, self.dtype = model, ids, dtype
+        self.layers = causal_layers(c.num_hidden_layers, depth)
+        self.shape = (S, T, len(self.layers) * c.hidden_size)
+        self._cache = [
+            [
+                torch.empty(S, T, *d, dtype=model.dtype, device=model.device)
+                for d in self.cache_dims(c)
+            ]
+            for _ in self.layers
+        ]
+        self._next = 0
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        if t0 != self._next or not t0 < t1 <= self.shape[1]:
+            raise RuntimeError(f"causal rows must be taken in order: asked {t0}..{t1}")
+        self._next = t1
+        return self.compute(t0, t1)
+
+    def cache_dims(self, config: Any) -> tuple[tuple[int, ...], ...]:
+        raise NotImplementedError
+
+    def compute(self, t0: int, t1: int) -> torch.Tensor:
+        raise NotImplementedError

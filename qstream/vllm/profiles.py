@@ -11,7 +11,7 @@ The profiles: ``generic`` (a Hugging Face causal LM, whose vLLM model class maps
 one and fuses siblings such as q/k/v and gate/up through ``packed_modules_mapping``), and one per
 draft architecture that carries serving data (its descriptor's ``serving``, docs/model.md):
 ``K3DSparkModel``, vLLM's Kimi-K3 DSpark draft (qstream/arch/dspark_mla/checkpoint.py), and
-``Qwen3DSparkModel``, vLLM's Qwen3-style DSpark draft (qstream/arch/dspark_qwen3/serving.py).
+``Qwen3DSparkModel``, vLLM's Qwen3-style DSpark draft (qstream/arch/dspark_qwen3/checkpoint.py).
 """
 
 from __future__ import annotations

@@ -12,28 +12,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from qstream.arch import FlopModel
 from qstream.arch.dspark_mla import checkpoint
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
 from qstream.arch.family import DSparkFamily
+from qstream.clichoices import QUANTIZE_INCLUDE
 
 if TYPE_CHECKING:
     import torch
 
-# The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
-QUANTIZE_INCLUDE = (
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "self_attn.o_proj",
-    "self_attn.q_b_proj",
-    "context_proj",
-)
 
-
-class DSparkMLA(DSparkFamily):
+class DSparkMLA(FlopModel, DSparkFamily):
     """The descriptor: every call the rest of the package makes of this architecture."""
 
+    model_module = "qstream.arch.dspark_mla.model"  # forward and FLOP model, torch
     config_type: type = DSparkConfig
+    # the module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters):
+    # --include_layers' default, one tuple defined with the options' names (light for --help)
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
     serving: Mapping[str, Any] | None = checkpoint.SERVING
@@ -56,21 +51,6 @@ class DSparkMLA(DSparkFamily):
         from qstream.arch.dspark_mla.model import CausalStream
 
         return CausalStream(model, ids, dtype, depth)
-
-    def context_flops(self, config: DSparkConfig) -> float:
-        from qstream.arch.dspark_mla.model import context_flops
-
-        return context_flops(config)
-
-    def drafted_flops(self, config: DSparkConfig, anchor: torch.Tensor) -> float:
-        from qstream.arch.dspark_mla.model import drafted_flops
-
-        return drafted_flops(config, anchor)
-
-    def causal_flops(self, config: DSparkConfig, T: int) -> float:
-        from qstream.arch.dspark_mla.model import causal_flops
-
-        return causal_flops(config, T)
 
 
 ARCH = DSparkMLA()

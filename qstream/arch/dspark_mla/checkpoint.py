@@ -6,10 +6,6 @@ torch and the checkpoint reader are imported where a call needs them.
 
 >>> weights = load_weights("ckpt/")          # name -> tensor, lm_head from ckpt/target_head/
 >>> weights = load_weights("ckpt-nvfp4/", target="kimi-k3/")
-
-Tensors are read through the project's safetensors reader (qstream.checkpoint), which memory
-maps each shard and checks every header; a target is opened through its
-``model.safetensors.index.json`` and only the shard holding the borrowed tensors is touched.
 """
 
 from __future__ import annotations
@@ -18,15 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qstream.arch import config_fields
 from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.family import CONFIDENCE_WEIGHT, borrow_from_target, check_table, shape_hint
-from qstream.arch.interface import LM_HEAD
-from qstream.errors import QStreamError
+from qstream.arch.family import borrow_from_target, check_table, shape_hint
+from qstream.arch.interface import EMBED, LM_HEAD
 
 if TYPE_CHECKING:
     import torch
-
-EMBED = "embed_tokens.weight"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -36,9 +30,9 @@ EMBED = "embed_tokens.weight"
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     """The draft checkpoint's tensors and shapes, in checkpoint order (docs/model.md's tensor table)."""
     c = config
-    n, H, r = c.num_attention_heads, c.hidden_size, c.markov_rank
+    n, H = c.num_attention_heads, c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (c.vocab_size, H),
+        EMBED: (c.vocab_size, H),
         "context_proj.weight": (H, c.aux_size),
         "context_norm.weight": (H,),
     }
@@ -64,12 +58,7 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
             }
         )
     shapes["final_norm.weight"] = (H,)
-    shapes["markov_head.markov_w1.weight"] = (c.vocab_size, r)
-    shapes["markov_head.markov_w2.weight"] = (c.vocab_size, r)
-    if c.enable_confidence_head:
-        shapes[CONFIDENCE_WEIGHT] = (1, H + (r if c.confidence_head_with_markov else 0))
-        shapes["confidence_head.proj.bias"] = (1,)
-    return shapes
+    return {**shapes, **config_fields.head_shapes(c, c.vocab_size)}
 
 
 def check_tensors(
@@ -91,17 +80,7 @@ def check_tensors(
 
 def load_config(directory: str | Path) -> DSparkConfig:
     """config.json of a draft checkpoint -> DSparkConfig (QStreamError naming key and value)."""
-    from qstream.checkpoint.files import read_config
-
-    directory = Path(directory)
-    try:
-        return DSparkConfig.from_json(read_config(directory))
-    except ValueError as exc:
-        raise QStreamError(
-            f"{directory / 'config.json'}: {exc}".replace(
-                "config.json: config.json:", "config.json:"
-            )
-        ) from None
+    return config_fields.load_config(directory, DSparkConfig.from_json)
 
 
 def read_draft_tensors(

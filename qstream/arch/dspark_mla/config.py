@@ -8,9 +8,11 @@ True
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from qstream.arch import config_fields
+from qstream.arch.config_fields import check, yarn_get_mscale
 
 ARCHITECTURE = "K3DSparkModel"
 MODEL_TYPE = "k3_dspark"
@@ -31,26 +33,15 @@ class YarnParameters:
     mscale_all_dim: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.factor >= 1.0, "rope_parameters.factor", self.factor, "must be >= 1")
-        _check(
-            self.original_max_position_embeddings > 0,
-            "rope_parameters.original_max_position_embeddings",
-            self.original_max_position_embeddings,
-            "must be positive",
-        )
-        _check(
-            self.beta_fast > self.beta_slow > 0,
-            "rope_parameters.beta_fast",
-            self.beta_fast,
-            f"must exceed beta_slow ({self.beta_slow}) > 0",
-        )
-        _check(self.mscale > 0, "rope_parameters.mscale", self.mscale, "must be positive")
-        _check(
-            self.mscale_all_dim >= 0,
-            "rope_parameters.mscale_all_dim",
-            self.mscale_all_dim,
-            "must be >= 0",
-        )
+        orig = self.original_max_position_embeddings
+        check(self.factor >= 1.0, "rope_parameters.factor", self.factor, "must be >= 1")
+        check(orig > 0, "rope_parameters.original_max_position_embeddings", orig,
+              "must be positive")  # fmt: skip
+        check(self.beta_fast > self.beta_slow > 0, "rope_parameters.beta_fast", self.beta_fast,
+              f"must exceed beta_slow ({self.beta_slow}) > 0")  # fmt: skip
+        check(self.mscale > 0, "rope_parameters.mscale", self.mscale, "must be positive")
+        check(self.mscale_all_dim >= 0, "rope_parameters.mscale_all_dim", self.mscale_all_dim,
+              "must be >= 0")  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return {"rope_type": "yarn", **asdict(self)}
@@ -100,49 +91,25 @@ class DSparkConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for f in POSITIVE_INT_FIELDS:
-            value = getattr(self, f)
-            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-            _check(ok, f, value, "must be a positive integer")
+        config_fields.check_positive_ints(self, POSITIVE_INT_FIELDS)
         rope = self.qk_rope_head_dim
-        _check(
-            isinstance(rope, int) and rope > 0 and rope % 2 == 0,
-            "qk_rope_head_dim",
-            rope,
-            "must be a positive even integer (RoPE rotates pairs)",
-        )
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be positive")
-        _check(self.rope_theta > 1, "rope_theta", self.rope_theta, "must exceed 1")
-        expected_max = self.rope_parameters.factor * (
-            self.rope_parameters.original_max_position_embeddings
-        )
-        _check(
-            self.max_position_embeddings == expected_max,
-            "max_position_embeddings",
-            self.max_position_embeddings,
-            f"must equal rope_parameters.factor x original_max_position_embeddings "
-            f"({expected_max:g})",
-        )
-        self._check_target_layers()
-        self._check_heads()
-
-    def _check_target_layers(self) -> None:
-        ids, n = self.target_layer_ids, self.target_num_hidden_layers
-        in_range = all(isinstance(i, int) and 0 <= i < n for i in ids)
-        _check(len(ids) > 0 and in_range, "target_layer_ids", list(ids),
-               f"must be layer indices in [0, {n})")  # fmt: skip
-        _check(len(set(ids)) == len(ids), "target_layer_ids", list(ids), "must not repeat")
-        _check(self.num_target_layers == len(ids), "num_target_layers", self.num_target_layers,
-               f"must equal len(target_layer_ids) = {len(ids)}")  # fmt: skip
-
-    def _check_heads(self) -> None:
-        mask, vocab = self.mask_token_id, self.vocab_size
-        _check(isinstance(mask, int) and 0 <= mask < vocab, "mask_token_id", mask,
-               f"must be a token id in [0, {vocab})")  # fmt: skip
-        _check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
-               "must be 'vanilla'")  # fmt: skip
-        for f in ("enable_confidence_head", "confidence_head_with_markov"):
-            _check(isinstance(getattr(self, f), bool), f, getattr(self, f), "must be true or false")
+        check(isinstance(rope, int) and rope > 0 and rope % 2 == 0, "qk_rope_head_dim", rope,
+              "must be a positive even integer (RoPE rotates pairs)")  # fmt: skip
+        check(self.rms_norm_eps > 0, "rms_norm_eps", self.rms_norm_eps, "must be positive")
+        check(self.rope_theta > 1, "rope_theta", self.rope_theta, "must exceed 1")
+        yarn = self.rope_parameters
+        expected_max = yarn.factor * yarn.original_max_position_embeddings
+        check(self.max_position_embeddings == expected_max, "max_position_embeddings",
+              self.max_position_embeddings, "must equal rope_parameters.factor x "
+              f"original_max_position_embeddings ({expected_max:g})")  # fmt: skip
+        ids = self.target_layer_ids
+        config_fields.check_target_layers(ids, self.target_num_hidden_layers)
+        check(self.num_target_layers == len(ids), "num_target_layers", self.num_target_layers,
+              f"must equal len(target_layer_ids) = {len(ids)}")  # fmt: skip
+        config_fields.check_mask_token(self)
+        check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
+              "must be 'vanilla'")  # fmt: skip
+        config_fields.check_flags(self, ("enable_confidence_head", "confidence_head_with_markov"))
 
     # Derived sizes: names follow docs/model.md's tensor table.
     @property
@@ -179,93 +146,43 @@ class DSparkConfig:
 
     def to_json(self) -> dict[str, Any]:
         """config.json contents (every field, plus architectures/model_type)."""
-        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "rope_parameters":
-                value = value.to_json()
-            elif f.name == "target_layer_ids":
-                value = list(value)
-            out[f.name] = value
-        out["torch_dtype"] = "bfloat16"
-        return out
+        head = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        return {**head, **config_fields.fields_json(self), "torch_dtype": "bfloat16"}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DSparkConfig:
         """Build from config.json contents; keys this model does not use (quantization_config,
         transformers_version, ...) are ignored.  Raises ValueError naming a missing or bad key."""
-        if not isinstance(data, dict):
-            raise ValueError(f"config.json must hold an object, not {type(data).__name__}")
+        config_fields.check_object(data)
         arch = data.get("architectures")
-        _check(
-            arch is None or arch == [ARCHITECTURE],
-            "architectures",
-            arch,
-            f"must be [{ARCHITECTURE!r}]",
+        check(arch is None or arch == [ARCHITECTURE], "architectures", arch,
+              f"must be [{ARCHITECTURE!r}]")  # fmt: skip
+        check(data.get("model_type", MODEL_TYPE) == MODEL_TYPE, "model_type",
+              data.get("model_type"), f"must be {MODEL_TYPE!r}")  # fmt: skip
+        kwargs = config_fields.read_fields(cls, data)
+        yarn = kwargs["rope_parameters"]
+        check(isinstance(yarn, dict), "rope_parameters", yarn, "must be an object")
+        check(yarn.get("rope_type") == "yarn", "rope_parameters.rope_type",
+              yarn.get("rope_type"), "must be 'yarn'")  # fmt: skip
+        names = {f.name for f in fields(YarnParameters)}
+        if missing := sorted(names - set(yarn)):
+            raise ValueError(f"config.json: missing key 'rope_parameters.{missing[0]}'")
+        kwargs["rope_parameters"] = config_fields.construct(
+            YarnParameters, {k: yarn[k] for k in names}, "rope_parameters: "
         )
-        _check(
-            data.get("model_type", MODEL_TYPE) == MODEL_TYPE,
-            "model_type",
-            data.get("model_type"),
-            f"must be {MODEL_TYPE!r}",
-        )
-        kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in data:
-                if f.default is MISSING:
-                    raise ValueError(f"config.json: missing key {f.name!r}")
-                continue
-            kwargs[f.name] = data[f.name]
-        kwargs["rope_parameters"] = _yarn_from_json(kwargs["rope_parameters"])
-        ids = kwargs["target_layer_ids"]
-        _check(isinstance(ids, list), "target_layer_ids", ids, "must be a list")
-        kwargs["target_layer_ids"] = tuple(ids)
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:  # e.g. a string where a number belongs
-            raise ValueError(f"config.json: {exc}") from None
-
-
-def _yarn_from_json(data: Any) -> YarnParameters:
-    _check(isinstance(data, dict), "rope_parameters", data, "must be an object")
-    _check(
-        data.get("rope_type") == "yarn",
-        "rope_parameters.rope_type",
-        data.get("rope_type"),
-        "must be 'yarn'",
-    )
-    names = {f.name for f in fields(YarnParameters)}
-    missing = sorted(names - set(data))
-    if missing:
-        raise ValueError(f"config.json: missing key 'rope_parameters.{missing[0]}'")
-    try:
-        return YarnParameters(**{k: data[k] for k in names})
-    except TypeError as exc:
-        raise ValueError(f"config.json: rope_parameters: {exc}") from None
-
-
-def yarn_get_mscale(factor: float, mscale: float) -> float:
-    """YaRN's magnitude correction, DeepSeek-V3's form: 1 for ``factor <= 1``, else
-    ``0.1 * mscale * ln(factor) + 1`` (vLLM 0.32's yarn_get_mscale in
-    vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py)."""
-    if factor <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(factor) + 1.0
-
-
-def _check(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ValueError(f"config.json: {key} = {value!r} {why}")
+        return config_fields.construct(cls, kwargs)
 
 
 def _preset(**kw: Any) -> DSparkConfig:
     yarn = YarnParameters(factor=32.0, original_max_position_embeddings=kw.pop("original_max"))
     return DSparkConfig(
+        num_hidden_layers=5,
         confidence_head_with_markov=True,  # the presets' head reads hf and the Markov embedding
         rms_norm_eps=1e-5,
         rope_parameters=yarn,
         max_position_embeddings=int(32 * yarn.original_max_position_embeddings),
         num_target_layers=len(kw["target_layer_ids"]),
+        mask_token_id=2,
         **kw,
     )
 
@@ -277,62 +194,20 @@ PRESETS: dict[str, DSparkConfig] = {
     # every quantized input width (H, I, q_lora_rank, n*v, A) is a multiple of 32, so MXFP4,
     # NVFP4 and FP8 quantize the same tensors and are compared on them.
     "tiny": _preset(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        vocab_size=1024,
-        rope_theta=10000.0,
-        original_max=128,
-        target_hidden_size=64,
-        target_num_hidden_layers=8,
-        target_layer_ids=(0, 2, 4, 5, 6),
-        mask_token_id=2,
-        markov_rank=16,
-    ),
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, vocab_size=1024,
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8,
+        rope_theta=10000.0, original_max=128, markov_rank=16,
+        target_hidden_size=64, target_num_hidden_layers=8, target_layer_ids=(0, 2, 4, 5, 6)),
     # CPU benchmark size: realistic matrix shapes (H 1024, V 32k), about 90 M parameters.
     "small": _preset(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=5,
-        num_attention_heads=8,
-        q_lora_rank=384,
-        kv_lora_rank=256,
-        qk_nope_head_dim=64,
-        qk_rope_head_dim=32,
-        v_head_dim=64,
-        vocab_size=32000,
-        rope_theta=10000.0,
-        original_max=4096,
-        target_hidden_size=1024,
-        target_num_hidden_layers=24,
-        target_layer_ids=(1, 6, 12, 17, 22),
-        mask_token_id=2,
-        markov_rank=64,
-    ),
+        hidden_size=1024, intermediate_size=3072, num_attention_heads=8, vocab_size=32000,
+        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, rope_theta=10000.0, original_max=4096, markov_rank=64,
+        target_hidden_size=1024, target_num_hidden_layers=24, target_layer_ids=(1, 6, 12, 17, 22)),
     # docs/model.md, Kimi-K3 column: 68 tensors, 3,562,312,961 parameters.
     "k3": _preset(
-        hidden_size=7168,
-        intermediate_size=14336,
-        num_hidden_layers=5,
-        num_attention_heads=64,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        vocab_size=163840,
-        rope_theta=50000.0,
-        original_max=32768,
-        target_hidden_size=7168,
-        target_num_hidden_layers=93,
-        target_layer_ids=(2, 23, 47, 71, 89),
-        mask_token_id=2,
-        markov_rank=256,
-    ),
-}
+        hidden_size=7168, intermediate_size=14336, num_attention_heads=64, vocab_size=163840,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, rope_theta=50000.0, original_max=32768, markov_rank=256,
+        target_hidden_size=7168, target_num_hidden_layers=93, target_layer_ids=(2, 23, 47, 71, 89)),
+}  # fmt: skip

@@ -26,45 +26,23 @@ tests/test_causal_stream.py the stream against ``causal_hidden``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qstream.arch.blocks import rms_norm, swiglu
 from qstream.arch.dspark_mla.checkpoint import check_tensors, load_config, load_weights
 from qstream.arch.dspark_mla.config import DSparkConfig
 from qstream.arch.family import check_blocks
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
-from qstream.arch.weights import ComputeWeights, embedding
+from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
-
-
-def yarn_inv_freq(config: DSparkConfig) -> torch.Tensor:
-    """YaRN inverse frequencies of the rope dims (fp32, [rope/2]), as DeepSeek-V3 computes them:
-    interpolated (``/factor``) below a linear ramp between ``low`` and ``high``, extrapolated
-    above it."""
-    yarn, d, base = config.rope_parameters, config.qk_rope_head_dim, config.rope_theta
-    orig = yarn.original_max_position_embeddings
-
-    def correction_dim(rotations: float) -> float:
-        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = float(max(math.floor(correction_dim(yarn.beta_fast)), 0))
-    high = float(min(math.ceil(correction_dim(yarn.beta_slow)), d - 1))
-    if low == high:
-        high += 0.001  # DeepSeek's guard against a zero-width ramp
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (yarn.factor * pos_freqs)
-    return interpolated * ramp + extrapolated * (1 - ramp)
 
 
 def apply_rope(
@@ -207,7 +185,8 @@ class DSpark:
         self.config, self.dtype = config, dtype
         self.w = ComputeWeights(weights, dtype, device)
         self.device = self.w.device
-        self.inv_freq = yarn_inv_freq(config).to(self.device)
+        yarn = config.rope_parameters
+        self.inv_freq = inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(self.device)
         self.scale = config.softmax_scale
         self.layers = tuple(
             Layer(config, self.w, i, self.inv_freq) for i in range(config.num_hidden_layers)
@@ -628,45 +607,24 @@ def cached_causal_attention(
     return softmax.result()
 
 
-class CausalStream:
+class CausalStream(CausalRows):
     """The draft's layers as a causal decoder streamed over a long token stream a range of
     positions at a time (the boot aux regime at long context, docs/context-sweep.md "Memory"):
     where :meth:`DSpark.causal_hidden` returns all of ``[S, T, L, H]`` at once (19 GB of fp32
     for one 131,072-token stream at K3), this keeps per layer only what an MLA KV cache holds
     and attends to it in key chunks (:func:`cached_causal_attention`), equal to
-    ``causal_hidden`` to fp32 rounding (tests/test_causal_stream.py).
+    ``causal_hidden`` to fp32 rounding (tests/test_causal_stream.py).  ``rows(t0, t1)``:
+    :class:`~qstream.arch.weights.CausalRows`."""
 
-    Every step's output of the causal pass over ids [S, T] (the layers in
-    :func:`causal_layers`' order, ``depth`` of them), as ``rows(t0, t1)`` -> [S, t1 - t0,
-    depth*H] in ``dtype``, taken in order from position 0 (``shape`` [S, T, depth*H])."""
+    def cache_dims(self, c: DSparkConfig) -> tuple[tuple[int, ...], ...]:
+        return (c.kv_lora_rank,), (c.qk_rope_head_dim,)  # the latent and the rope key
 
-    def __init__(
-        self,
-        model: DSpark,
-        ids: torch.Tensor,
-        dtype: torch.dtype = torch.float32,
-        depth: int | None = None,
-    ):
-        c = model.config
-        S, T = ids.shape
-        self.model, self.ids, self.dtype = model, ids, dtype
-        self.layers = causal_layers(len(model.layers), depth)
-        self.shape = (S, T, len(self.layers) * c.hidden_size)
-        self._latent, self._rope_key = (
-            [torch.empty(S, T, d, device=model.device, dtype=model.dtype) for _ in self.layers]
-            for d in (c.kv_lora_rank, c.qk_rope_head_dim)
-        )
-        self._next = 0
-
-    def rows(self, t0: int, t1: int) -> torch.Tensor:
-        if t0 != self._next or not t0 < t1 <= self.shape[1]:
-            raise RuntimeError(f"causal rows must be taken in order: asked {t0}..{t1}")
-        self._next = t1
+    def compute(self, t0: int, t1: int) -> torch.Tensor:
         model = self.model
         pos = torch.arange(t0, t1, device=model.device)
         x = model.embed(self.ids[:, t0:t1].to(model.device))  # [S, t, H]
         outs = []
-        for i, latent, rope_key in zip(self.layers, self._latent, self._rope_key, strict=True):
+        for i, (latent, rope_key) in zip(self.layers, self._cache, strict=True):
             layer = model.layers[i]
             h = layer.input_norm(x)
             latent[:, t0:t1], rope_key[:, t0:t1] = layer.latent(h, pos)

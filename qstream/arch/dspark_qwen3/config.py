@@ -15,9 +15,11 @@ there, true in the dense layout (``DSparkSpeculator.__init__``).
 
 from __future__ import annotations
 
-import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
+
+from qstream.arch import config_fields
+from qstream.arch.config_fields import check, is_int, number, positive_int, yarn_get_mscale
 
 ARCHITECTURE = "Qwen3DSparkModel"
 MODEL_TYPE = "qwen3"
@@ -38,25 +40,23 @@ class RopeParameters:
     beta_slow: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self.rope_type in ROPE_TYPES, "rope_parameters.rope_type", self.rope_type,
-               f"must be one of {', '.join(ROPE_TYPES)} (other scalings are not implemented)")  # fmt: skip
-        _check(_number(self.rope_theta) and self.rope_theta > 1, "rope_parameters.rope_theta",
-               self.rope_theta, "must be a number above 1")  # fmt: skip
+        check(self.rope_type in ROPE_TYPES, "rope_parameters.rope_type", self.rope_type,
+              f"must be one of {', '.join(ROPE_TYPES)} (other scalings are not implemented)")  # fmt: skip
+        check(number(self.rope_theta) and self.rope_theta > 1, "rope_parameters.rope_theta",
+              self.rope_theta, "must be a number above 1")  # fmt: skip
         if self.rope_type == "yarn":
             orig = self.original_max_position_embeddings
-            _check(_number(self.factor) and self.factor >= 1, "rope_parameters.factor",
-                   self.factor, "must be >= 1")  # fmt: skip
-            _check(_positive_int(orig), "rope_parameters.original_max_position_embeddings",
-                   orig, "must be a positive integer for yarn")  # fmt: skip
-            _check(self.beta_fast > self.beta_slow > 0, "rope_parameters.beta_fast",
-                   self.beta_fast, f"must exceed beta_slow ({self.beta_slow}) > 0")  # fmt: skip
+            check(number(self.factor) and self.factor >= 1, "rope_parameters.factor",
+                  self.factor, "must be >= 1")  # fmt: skip
+            check(positive_int(orig), "rope_parameters.original_max_position_embeddings",
+                  orig, "must be a positive integer for yarn")  # fmt: skip
+            check(self.beta_fast > self.beta_slow > 0, "rope_parameters.beta_fast",
+                  self.beta_fast, f"must exceed beta_slow ({self.beta_slow}) > 0")  # fmt: skip
 
     @property
     def mscale(self) -> float:
         """YaRN's factor on cos and sin, ``0.1 ln(factor) + 1`` (1 without YaRN)."""
-        if self.rope_type != "yarn" or self.factor <= 1:
-            return 1.0
-        return 0.1 * math.log(self.factor) + 1.0
+        return yarn_get_mscale(self.factor) if self.rope_type == "yarn" else 1.0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
@@ -105,48 +105,34 @@ class Qwen3DSparkConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for f in POSITIVE_INT_FIELDS:
-            _check(_positive_int(getattr(self, f)), _json_key(f), getattr(self, f),
-                   "must be a positive integer")  # fmt: skip
-        _check(_number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
-               self.rms_norm_eps, "must be positive")  # fmt: skip
+        config_fields.check_positive_ints(self, POSITIVE_INT_FIELDS, _json_key)
+        check(number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
+              self.rms_norm_eps, "must be positive")  # fmt: skip
         n, kv = self.num_attention_heads, self.num_key_value_heads
-        _check(n % kv == 0, "num_key_value_heads", kv,
-               f"must divide num_attention_heads ({n})")  # fmt: skip
-        _check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
-        _check(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
-               self.draft_vocab_size, f"must not exceed vocab_size ({self.vocab_size})")  # fmt: skip
-        _check(0 <= self.mask_token_id < self.vocab_size if isinstance(self.mask_token_id, int)
-               else False, "mask_token_id", self.mask_token_id,
-               f"must be a token id in [0, {self.vocab_size})")  # fmt: skip
-        self._check_target_layers()
+        check(n % kv == 0, "num_key_value_heads", kv, f"must divide num_attention_heads ({n})")
+        check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
+        check(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
+              self.draft_vocab_size, f"must not exceed vocab_size ({self.vocab_size})")  # fmt: skip
+        config_fields.check_mask_token(self)
+        config_fields.check_target_layers(self.target_layer_ids, self.target_num_hidden_layers)
+        if (top := self.target_num_hidden_layers) is not None:
+            check(positive_int(top), "target_num_hidden_layers", top, "must be a positive integer")
         self._check_heads()
-
-    def _check_target_layers(self) -> None:
-        ids, n = self.target_layer_ids, self.target_num_hidden_layers
-        top = n if n is not None else math.inf
-        ok = len(ids) > 0 and all(_int(i) and 0 <= i < top for i in ids)
-        where = f"[0, {n})" if n is not None else ">= 0"
-        _check(ok, "target_layer_ids", list(ids), f"must be layer indices in {where}")
-        _check(len(set(ids)) == len(ids), "target_layer_ids", list(ids), "must not repeat")
-        if n is not None:
-            _check(_positive_int(n), "target_num_hidden_layers", n, "must be a positive integer")
 
     def _check_heads(self) -> None:
         r = self.markov_rank
-        _check(_int(r) and r >= 0, "markov_rank", r, "must be an integer >= 0 (0: no head)")
+        check(is_int(r) and r >= 0, "markov_rank", r, "must be an integer >= 0 (0: no head)")
         # vLLM 0.32.0's Qwen3DSparkModel builds only the vanilla DSparkMarkovHead
         # (vllm/model_executor/models/qwen3_dspark.py); speculators' gated and rnn heads
         # carry tensors it has no parameter for.
-        _check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
-               "must be 'vanilla': vLLM 0.32's Qwen3DSparkModel serves no other Markov head")  # fmt: skip
-        for f in ("enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor",
-                  "attention_bias"):  # fmt: skip
-            _check(isinstance(getattr(self, f), bool), f, getattr(self, f), "must be true or false")
-        _check(not (self.confidence_head_with_markov and self.enable_confidence_head and r == 0),
-               "confidence_head_with_markov", True, "needs a Markov head (markov_rank > 0)")  # fmt: skip
-        _check(self.block_size > 0, "block_size", self.block_slots,
-               "must leave a drafted slot after the bonus anchor (sample_from_anchor false)")  # fmt: skip
+        check(self.markov_head_type == "vanilla", "markov_head_type", self.markov_head_type,
+              "must be 'vanilla': vLLM 0.32's Qwen3DSparkModel serves no other Markov head")  # fmt: skip
+        config_fields.check_flags(self, ("enable_confidence_head", "confidence_head_with_markov",
+                           "sample_from_anchor", "attention_bias"))  # fmt: skip
+        check(not (self.confidence_head_with_markov and self.enable_confidence_head and r == 0),
+              "confidence_head_with_markov", True, "needs a Markov head (markov_rank > 0)")  # fmt: skip
+        check(self.block_size > 0, "block_size", self.block_slots,
+              "must leave a drafted slot after the bonus anchor (sample_from_anchor false)")  # fmt: skip
 
     # The interface's view (qstream/arch/interface.py, DraftConfig).
     @property
@@ -183,42 +169,22 @@ class Qwen3DSparkConfig:
 
     def to_json(self) -> dict[str, Any]:
         """config.json in vLLM's dense layout (what ``Qwen3DSparkForCausalLM`` reads)."""
-        out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "rope_parameters":
-                value = value.to_json()
-            elif f.name == "target_layer_ids":
-                value = list(value)
-            if value is not None:
-                out[_json_key(f.name)] = value
-        out["dflash_config"] = {"mask_token_id": self.mask_token_id}
-        out.update(hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16")
-        return out
+        head = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        return {**head, **config_fields.fields_json(self, _json_key, skip_none=True),
+                "dflash_config": {"mask_token_id": self.mask_token_id}, "hidden_act": "silu",
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Qwen3DSparkConfig:
         """Build from config.json contents in either layout (module docstring); keys this model
         does not use are ignored.  Raises ValueError naming a missing or bad key."""
-        if not isinstance(data, dict):
-            raise ValueError(f"config.json must hold an object, not {type(data).__name__}")
+        config_fields.check_object(data)
         flat = _from_speculators(data) if "speculators_model_type" in data else _dense(data)
-        kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            key = _json_key(f.name)
-            if key in flat and flat[key] is not None:
-                kwargs[f.name] = flat[key]
-            elif f.default is MISSING and f.name not in ("draft_vocab_size", "rope_parameters"):
-                raise ValueError(f"config.json: missing key {key!r}")
+        optional = ("draft_vocab_size", "rope_parameters")
+        kwargs = config_fields.read_fields(cls, flat, _json_key, optional, skip_none=True)
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
-        ids = kwargs["target_layer_ids"]
-        _check(isinstance(ids, list), "target_layer_ids", ids, "must be a list")
-        kwargs["target_layer_ids"] = tuple(ids)
         kwargs["rope_parameters"] = _rope_from_json(flat)
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:  # e.g. a string where a number belongs
-            raise ValueError(f"config.json: {exc}") from None
+        return config_fields.construct(cls, kwargs)
 
 
 def _dense(data: dict[str, Any]) -> dict[str, Any]:
@@ -229,16 +195,16 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
     ``dspark_target_layer_ids`` (``get_eagle3_aux_layers_from_config`` in
     vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py)."""
     arch = data.get("architectures")
-    _check(arch is None or ARCHITECTURE in arch, "architectures", arch,
-           f"must name {ARCHITECTURE!r}")  # fmt: skip
+    check(arch is None or ARCHITECTURE in arch, "architectures", arch,
+          f"must name {ARCHITECTURE!r}")  # fmt: skip
     flat = dict(data)
     dflash = data.get("dflash_config") or {}
-    _check(isinstance(dflash, dict), "dflash_config", dflash, "must be an object")
+    check(isinstance(dflash, dict), "dflash_config", dflash, "must be an object")
     _refuse_unmodelled(data, dflash)
     if dflash.get("mask_token_id") is not None:
         flat["mask_token_id"] = dflash["mask_token_id"]
     eagle = data.get("eagle_aux_hidden_state_layer_ids")
-    for ids in (eagle and [i - 1 for i in eagle if _int(i)], dflash.get("target_layer_ids"),
+    for ids in (eagle and [i - 1 for i in eagle if is_int(i)], dflash.get("target_layer_ids"),
                 data.get("dspark_target_layer_ids")):  # fmt: skip
         if ids:
             flat["target_layer_ids"] = ids
@@ -250,19 +216,19 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
 def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
     """speculators' saved layout: the backbone's keys nest in ``transformer_layer_config``."""
     kind = data.get("speculators_model_type")
-    _check(kind in (SPECULATORS_TYPE, "dflash"), "speculators_model_type", kind,
-           "is not a speculators draft qstream knows (known: 'dspark', 'dflash')")  # fmt: skip
+    check(kind in (SPECULATORS_TYPE, "dflash"), "speculators_model_type", kind,
+          "is not a speculators draft qstream knows (known: 'dspark', 'dflash')")  # fmt: skip
     layer: dict[str, Any] = data.get("transformer_layer_config")  # type: ignore[assignment]
-    _check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
+    check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
     _refuse_unmodelled(layer, {})
     # vLLM's update_dflash makes such a draft block-causal unless sliding_window_non_causal
-    _check(kind != "dflash" or data.get("sliding_window_non_causal", True) is True,
-           "sliding_window_non_causal", data.get("sliding_window_non_causal"),
-           "makes a block-causal draft, which qstream does not evaluate yet")  # fmt: skip
+    check(kind != "dflash" or data.get("sliding_window_non_causal", True) is True,
+          "sliding_window_non_causal", data.get("sliding_window_non_causal"),
+          "makes a block-causal draft, which qstream does not evaluate yet")  # fmt: skip
     aux: list[int] = data.get("aux_hidden_state_layer_ids")  # type: ignore[assignment]
-    _check(isinstance(aux, list) and all(_int(i) and i >= 1 for i in aux),
-           "aux_hidden_state_layer_ids", aux,
-           "must list hidden-state indices >= 1 (target layer i's output is index i + 1)")  # fmt: skip
+    check(isinstance(aux, list) and all(is_int(i) and i >= 1 for i in aux),
+          "aux_hidden_state_layer_ids", aux,
+          "must list hidden-state indices >= 1 (target layer i's output is index i + 1)")  # fmt: skip
     flat = {**layer, "target_layer_ids": [i - 1 for i in aux]}
     for key in ("draft_vocab_size", "block_size", "mask_token_id", "target_hidden_size",
                 "markov_rank", "markov_head_type", "enable_confidence_head",
@@ -299,11 +265,11 @@ def _refuse_unmodelled(data: dict[str, Any], dflash: dict[str, Any]) -> None:
     for sliding-window layers."""
     for key, fine, what in UNMODELLED:
         value = dflash.get(key[14:]) if key.startswith("dflash_config.") else data.get(key)
-        _check(any(value is v or (_number(v) and value == v) for v in fine), key, value,
-               f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
+        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
+              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
     types = data.get("layer_types") or []
-    _check(not any(t == "sliding_attention" for t in types), "layer_types", types,
-           "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
+    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
+          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
 
 
 def _rope_from_json(flat: dict[str, Any]) -> RopeParameters:
@@ -312,44 +278,27 @@ def _rope_from_json(flat: dict[str, Any]) -> RopeParameters:
         rope = {"rope_theta": flat.get("rope_theta"), **(flat.get("rope_scaling") or {})}
         if "type" in rope and "rope_type" not in rope:
             rope["rope_type"] = rope.pop("type")
-    _check(isinstance(rope, dict), "rope_parameters", rope, "must be an object")
+    check(isinstance(rope, dict), "rope_parameters", rope, "must be an object")
     if rope.get("rope_theta") is None:
         raise ValueError("config.json: missing key 'rope_parameters.rope_theta'")
     names = {f.name for f in fields(RopeParameters)}
     for key, value in rope.items():  # vLLM's get_rope reads more keys than qstream models
-        _check(key in names or value is None or (key, value) == ("truncate", True),
-               f"rope_parameters.{key}", value, "is not evaluated by qstream")  # fmt: skip
-    try:
-        return RopeParameters(**{k: v for k, v in rope.items() if k in names})
-    except TypeError as exc:
-        raise ValueError(f"config.json: rope_parameters: {exc}") from None
+        check(key in names or value is None or (key, value) == ("truncate", True),
+              f"rope_parameters.{key}", value, "is not evaluated by qstream")  # fmt: skip
+    return config_fields.construct(
+        RopeParameters, {k: v for k, v in rope.items() if k in names}, "rope_parameters: "
+    )
 
 
 def _json_key(name: str) -> str:
     return "block_size" if name == "block_slots" else name
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _positive_int(v: Any) -> bool:
-    return _int(v) and v > 0
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _check(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ValueError(f"config.json: {key} = {value!r} {why}")
-
-
 def _preset(**kw: Any) -> Qwen3DSparkConfig:
     theta = kw.pop("rope_theta", 1_000_000.0)
     kw.setdefault("draft_vocab_size", kw["vocab_size"])
     return Qwen3DSparkConfig(
+        num_hidden_layers=5,
         rms_norm_eps=1e-6,
         rope_parameters=RopeParameters(rope_theta=theta),
         enable_confidence_head=True,
@@ -363,38 +312,17 @@ def _preset(**kw: Any) -> Qwen3DSparkConfig:
 # format quantizes the same tensors; GQA with 2 query heads per key/value head.
 PRESETS: dict[str, Qwen3DSparkConfig] = {
     "qwen3-tiny": _preset(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=1024,
-        max_position_embeddings=4096,
-        target_hidden_size=64,
-        target_num_hidden_layers=8,
-        target_layer_ids=(0, 2, 4, 5, 6),
-        mask_token_id=2,
-        markov_rank=32,
-    ),
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=1024, max_position_embeddings=4096, mask_token_id=2,
+        markov_rank=32, target_hidden_size=64, target_num_hidden_layers=8,
+        target_layer_ids=(0, 2, 4, 5, 6)),
     # The shapes of a block-7 DSpark draft for Qwen3-8B (docs/qwen3-dspark.md, "Synthetic
     # checkpoints"): the target's widths, vocabulary and RoPE, five draft layers over the five
     # target layers `synth --target` spreads over its 36; the mask is the first id past the
     # tokenizer's 151,669 (a row of Qwen3's padded embedding).
     "qwen3-8b": _preset(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=5,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        target_hidden_size=4096,
-        target_num_hidden_layers=36,
-        target_layer_ids=(1, 9, 18, 26, 34),
-        mask_token_id=151669,
-        markov_rank=256,
-        eos_token_id=151645,
-    ),
-}
+        hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, max_position_embeddings=40960, mask_token_id=151669,
+        markov_rank=256, target_hidden_size=4096, target_num_hidden_layers=36,
+        target_layer_ids=(1, 9, 18, 26, 34), eos_token_id=151645),
+}  # fmt: skip

@@ -16,46 +16,20 @@ GQA).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from qstream.arch.blocks import rms_norm, swiglu
+from qstream.arch.dspark_qwen3.checkpoint import check_tensors
 from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
-from qstream.arch.dspark_qwen3.tensors import EMBED, LM_HEAD, check_tensors
 from qstream.arch.family import check_blocks
-from qstream.arch.interface import AuxChunks, Blocks, causal_layers
-from qstream.arch.weights import ComputeWeights, embedding
+from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks
+from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
 SCORE_BUDGET = 1 << 25  # attention score elements computed at a time
-
-
-def rope_inv_freq(config: Qwen3DSparkConfig) -> torch.Tensor:
-    """Inverse frequencies [d/2] fp32: ``theta^(-2j/d)``; with YaRN, interpolated (/factor)
-    below a linear ramp between the correction dims of beta_fast and beta_slow (floored and
-    ceiled), extrapolated above it (vLLM 0.32: ``YaRNScalingRotaryEmbedding._compute_inv_freq``
-    in vllm/model_executor/layers/rotary_embedding/yarn_scaling_rope.py)."""
-    rope, d = config.rope_parameters, config.head_dim
-    base = float(rope.rope_theta)
-    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    if rope.rope_type != "yarn":
-        return 1.0 / pos_freqs
-    orig = rope.original_max_position_embeddings or config.max_position_embeddings
-
-    def correction_dim(rotations: float) -> float:
-        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = float(max(math.floor(correction_dim(rope.beta_fast)), 0))
-    high = float(min(math.ceil(correction_dim(rope.beta_slow)), d - 1))
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
-    return interpolated * ramp + extrapolated * (1 - ramp)
 
 
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscale: float):
@@ -80,7 +54,7 @@ class ContextKV:
 
 class Qwen3DSpark:
     """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the names of
-    :func:`~qstream.arch.dspark_qwen3.tensors.tensor_shapes` (with ``embed_tokens.weight``)
+    :func:`~qstream.arch.dspark_qwen3.checkpoint.tensor_shapes` (with ``embed_tokens.weight``)
     plus ``lm_head.weight`` [draft_vocab, H] to tensors of any float dtype, each held once."""
 
     def __init__(
@@ -108,7 +82,9 @@ class Qwen3DSpark:
             if d2t is None
             else torch.arange(len(d2t)).to(self.device) + d2t.long().to(self.device)
         )
-        self.inv_freq = rope_inv_freq(config).to(self.device)
+        rope = config.rope_parameters
+        yarn = rope if rope.rope_type == "yarn" else None
+        self.inv_freq = inv_freq(config.head_dim, float(rope.rope_theta), yarn).to(self.device)
         self.mscale = config.rope_parameters.mscale
         self.scale = config.head_dim**-0.5
         self.eps = config.rms_norm_eps
@@ -292,32 +268,16 @@ class Qwen3DSpark:
         return stream.rows(0, T).unflatten(-1, (len(stream.layers), -1))
 
 
-class CausalStream:
+class CausalStream(CausalRows):
     """:meth:`Qwen3DSpark.causal_hidden` a range of positions at a time over a KV cache per
-    step: ``rows(t0, t1)`` -> [S, t1 - t0, depth*H] in ``dtype``, taken in order from 0."""
+    step (``rows(t0, t1)``: :class:`~qstream.arch.weights.CausalRows`), queries taken a few at
+    a time within ``SCORE_BUDGET``."""
 
-    def __init__(
-        self,
-        model: Qwen3DSpark,
-        ids: torch.Tensor,
-        dtype: torch.dtype = torch.float32,
-        depth: int | None = None,
-    ):
-        c = model.config
-        S, T = ids.shape
-        self.model, self.ids, self.dtype = model, ids, dtype
-        self.layers = causal_layers(c.num_hidden_layers, depth)
-        self.shape = (S, T, len(self.layers) * c.hidden_size)
-        kv = (S, T, c.num_key_value_heads, c.head_dim)
-        self._k = [torch.empty(kv, dtype=model.dtype, device=model.device) for _ in self.layers]
-        self._v = [torch.empty_like(k) for k in self._k]
-        self._next = 0
+    def cache_dims(self, c: Qwen3DSparkConfig) -> tuple[tuple[int, ...], ...]:
+        return (c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim)
 
-    def rows(self, t0: int, t1: int) -> torch.Tensor:
-        if t0 != self._next or not t0 < t1 <= self.shape[1]:
-            raise RuntimeError(f"causal rows must be taken in order: asked {t0}..{t1}")
-        self._next, m = t1, self.model
-        per_query = m.config.num_attention_heads * t1 * self.shape[0]
+    def compute(self, t0: int, t1: int) -> torch.Tensor:
+        per_query = self.model.config.num_attention_heads * t1 * self.shape[0]
         step = max(1, SCORE_BUDGET // per_query)
         return torch.cat([self._rows(a, min(a + step, t1)) for a in range(t0, t1, step)], 1)
 
@@ -327,8 +287,7 @@ class CausalStream:
         mask = torch.arange(t1, device=m.device)[None, :] <= pos[:, None]  # [t, t1]
         x = m.embed(self.ids[:, t0:t1].to(m.device))  # [S, t, H]
         outs = []
-        for step, i in enumerate(self.layers):
-            k, v = self._k[step], self._v[step]
+        for i, (k, v) in zip(self.layers, self._cache, strict=True):
             h = m.norm(x, f"layers.{i}.input_layernorm")
             k[:, t0:t1], v[:, t0:t1] = m.key_value(i, h, pos)
             out = m.attend(m.query(i, h, pos), k[:, :t1], v[:, :t1], mask)
@@ -336,3 +295,39 @@ class CausalStream:
             x = x + m.mlp(i, x)
             outs.append(x.to(self.dtype))
         return torch.stack(outs, dim=2).flatten(2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FLOP model (docs/eval-drift.md, "FLOP model"): 2 FLOPs per multiply-add of the work the
+# draft must do; norms, softmax, masking and sampling not counted.
+
+
+def context_flops(c: Qwen3DSparkConfig) -> float:
+    """One context position: fc, then every layer's key and value projections."""
+    kv = 2 * c.num_key_value_heads * c.head_dim
+    return 2.0 * (c.aux_size * c.hidden_size + c.num_hidden_layers * c.hidden_size * kv)
+
+
+def _layer(c: Qwen3DSparkConfig, keys: int) -> int:
+    """Multiply-adds of one layer at one position attending to ``keys`` keys."""
+    H, q = c.hidden_size, c.num_attention_heads * c.head_dim
+    kv = 2 * c.num_key_value_heads * c.head_dim
+    return H * (q + kv) + q * H + 3 * H * c.intermediate_size + 2 * keys * q
+
+
+def drafted_flops(c: Qwen3DSparkConfig, anchor: torch.Tensor) -> float:
+    """Blocks at ``anchor`` [N]: every slot of each attends to its context and the block; the
+    drafted positions then run lm_head and the Markov head."""
+    S, B = c.block_slots, c.block_size
+    head = (c.hidden_size + c.markov_rank) * c.draft_vocab_size
+    return sum(
+        2.0 * (S * c.num_hidden_layers * _layer(c, p + S) + B * head) for p in anchor.tolist()
+    )
+
+
+def causal_flops(c: Qwen3DSparkConfig, T: int) -> float:
+    """One stream's causal pass over T positions (the boot regime: one layer step per target
+    aux layer): every step at every position, position t attending to the t + 1 keys up to
+    itself."""
+    q = c.num_attention_heads * c.head_dim
+    return 2.0 * c.num_target_layers * (T * _layer(c, 0) + 2 * q * T * (T + 1) // 2)
