@@ -24,8 +24,6 @@ LAYERS = [
         "publish",
         "progress",
         "tablefit",
-        "clichoices",
-        "clitypes",
         "device",
         "regimes",
     },
@@ -39,7 +37,7 @@ LAYERS = [
     {"capture"},
     {"speculate"},
     {"card"},
-    {"cliutil", "commands", "cli", "entry"},
+    {"commands", "cli", "entry"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 FORMAT_NAMES = set(FORMATS)  # every registered format
