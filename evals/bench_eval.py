@@ -27,7 +27,7 @@ from qstream.arch.dspark_mla.model import DSpark, blocks_flops
 from qstream.arch.markov import rollout
 from qstream.eval.batches import AuxStates, draft_blocks, make_batches
 from qstream.eval.corpus import sample_anchors
-from qstream.eval.run import load_run_corpus
+from qstream.eval.drift import load_run_corpus
 from qstream.regimes import GAUSS
 from qstream.synth.draft import synth_checkpoint
 

@@ -32,10 +32,8 @@ from bench_eval import GSM8K, matmul_rate, useful_flops  # noqa: E402
 
 from qstream.arch.dspark_mla.checkpoint import load_config  # noqa: E402
 from qstream.arch.dspark_mla.model import causal_flops, longest_anchors  # noqa: E402
-from qstream.eval.context_sweep import parse_edges  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
-from qstream.eval.run import load_run_corpus, run_drift  # noqa: E402
-from qstream.eval.settings import DriftSettings  # noqa: E402
+from qstream.eval.drift import DriftSettings, evaluate_drift, load_run_corpus  # noqa: E402
 from qstream.regimes import AUX_REGIMES, REGIMES  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -75,17 +73,19 @@ def main() -> None:
     parser.add_argument("--regime", choices=AUX_REGIMES, default="gauss")
     args = parser.parse_args()
     formats = tuple(args.formats.split(","))
-    sweep = parse_edges(args.context_lengths) if args.context_lengths else ()
     settings = DriftSettings(
-        regimes=(args.regime,),
+        model=args.model,
+        corpus=args.corpus,
+        regime=args.regime,
         formats=formats,
-        n_blocks=args.blocks,
-        context_lengths=sweep,
+        blocks=args.blocks,
+        context_lengths=args.context_lengths or (),
         context_blocks=args.context_blocks,
     )
+    sweep = settings.edges
     before = {dtype: _rate(dtype) for dtype in DTYPES}  # the machine's rate, before and after
     steps, start = StepTimes(), time.perf_counter()
-    run_drift(settings, model=args.model, corpus=args.corpus, progress=steps)
+    evaluate_drift(settings, progress=steps)
     wall = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if sweep:

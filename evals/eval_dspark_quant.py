@@ -15,9 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qstream.cliutil import write_json
-from qstream.eval.run import parse_variants, run_drift
-from qstream.eval.settings import DriftSettings
+from qstream.cli import write_json
+from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.regimes import AUX_REGIMES
 
@@ -35,18 +34,20 @@ def main() -> None:
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
 
-    variants = parse_variants(args.variant)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for regime in AUX_REGIMES:
         settings = DriftSettings(
-            regimes=(regime,),
+            model=args.model,
+            target=args.target,
+            corpus=args.corpus,
+            regime=regime,
             formats=VARIANT_FORMATS,
-            variant_dirs=variants,
-            n_blocks=args.blocks,
+            variant=tuple(args.variant),
+            blocks=args.blocks,
             seed=args.seed,
         )
-        results = run_drift(settings, model=args.model, target=args.target, corpus=args.corpus)
+        results = evaluate_drift(settings)
         path = out / f"drift_{regime}.json"
         write_json(results, str(path))
         ceilings = {

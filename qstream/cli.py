@@ -1,25 +1,357 @@
-"""The ``qstream`` command line: a thin click layer over the library.
+"""The ``qstream`` command line: a thin click layer over the library, and what its commands
+share.  Every command lives in ``qstream/commands/<name>.py`` and is registered in
+:data:`COMMANDS`; an option more than one command takes is declared once, in :data:`OPTIONS`.
 
-Every command lives in ``qstream/commands/<name>.py`` and is registered below.  Commands use
-``cliutil.Command``, whose ``invoke`` is the one place where a
-:class:`~qstream.errors.QStreamError` becomes ``Error: <message>`` on stderr and exit status 1
-(docs/quantize.md): commands never print tracebacks for user mistakes.
+This module imports no heavy library (torch, scipy, ...): ``qstream --help`` and every
+``qstream COMMAND --help`` read their choices and defaults from the plain names below, each equal
+to the library's own (tests/test_help.py checks them one by one), and a command imports the
+library inside its callback (evals/bench_help.py).
+
+:class:`Command`'s ``invoke`` is the one place where a :class:`~qstream.errors.QStreamError`
+becomes ``Error: <message>`` on stderr and exit status 1 (docs/quantize.md): commands never print
+tracebacks for user mistakes.  A value malformed on its own (a device name, a list, ``NAME=DIR``)
+is refused by its parameter type when the command line is parsed: a usage error, exit status 2,
+click's message naming the option, like an out-of-range number (docs/guarantees.md, "Exit
+statuses"); what depends on more than the value (a directory that must exist, a device this
+machine must have) is the library's to check.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import click
+from rich.console import Console
 
 from qstream import __version__
-from qstream.cliutil import Group
+from qstream.errors import QStreamError
+from qstream.publish import check_parent, json_text, write_json_atomic
+
+# --------------------------------------------------------------------------- the library's names
+
+WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")  # qstream.formats.FORMATS
+VARIANT_FORMATS = ("bf16", *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
+EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
+SENSITIVITY_FORMAT = "nvfp4"  # qstream.eval.sensitivity.DEFAULT_FORMAT
+DEFAULT_EDGES = "default"  # qstream.eval.settings.DEFAULT_EDGES: --context-lengths given bare
+STATES_AUTO = "auto"  # qstream.eval.states.AUTO
+STATES_FORMATS = ("qstream", "vllm", "specforge")  # qstream.eval.states.LAYOUTS
+LAYER_CONVENTIONS = ("layer-output", "hidden-states-index")  # qstream.eval.states.CONVENTIONS
+CAPTURE_DTYPES = ("float32", "bfloat16", "float16")  # qstream.capture.target.DTYPES
+CAPTURE_EXPORTS = ("qstream", "vllm")  # qstream.eval.states.layouts.EXPORTS
+CARD_FORMATS = ("md", "json", "html")  # qstream.card.build.FORMATS
+# qstream.speculate.decode.RULES
+SPECULATE_RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
+VLLM_VERSION = "0.32.0"  # qstream.vllm.loader.VLLM_VERSION
+
+# --------------------------------------------------------------------------- parameter types
+
+DIRECTORY = click.Path(file_okay=False)  # a directory, or where one is to be
+FILE = click.Path(dir_okay=False)  # a file, or where one is to be
+
+
+class Choice(click.Choice):
+    """click's Choice, except that a required option left out is, like every other usage
+    error, one ``Error:`` line: "Choose from fp8, mxfp4, nvfp4." (click lists the choices one
+    per line)."""
+
+    def get_missing_message(self, param, ctx):
+        return f"Choose from {', '.join(map(str, self.choices))}."
+
+
+class Device(click.ParamType):
+    """``cpu``, ``cuda`` or ``cuda:N`` (qstream.device.resolve_device checks that the
+    device exists)."""
+
+    name = "device"
+
+    def convert(self, value, param, ctx):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+            self.fail(f"{value!r} is not cpu, cuda or cuda:N.", param, ctx)
+        return value
+
+
+class CommaChoice(click.ParamType):
+    """Comma-separated names, each one of ``choices``: the tuple of names given."""
+
+    name = "names"
+
+    def __init__(self, choices: Sequence[str]):
+        self.choices = tuple(choices)
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        names = tuple(n for n in (p.strip() for p in value.split(",")) if n)
+        unknown = [n for n in names if n not in self.choices]
+        if unknown:
+            self.fail(f"{unknown[0]!r} is not one of {', '.join(self.choices)}.", param, ctx)
+        return names
+
+
+class Integers(click.ParamType):
+    """Comma-separated non-negative integers (layer ids, token counts), returned as given; with
+    ``increasing``, at least two, each at least 1 and larger than the one before (bucket
+    edges).  ``keyword``, if given, is accepted as it is (``--context-lengths`` given bare)."""
+
+    name = "integers"
+
+    def __init__(self, increasing: bool = False, keyword: str | None = None):
+        self.increasing, self.keyword = increasing, keyword
+
+    def convert(self, value, param, ctx):
+        if value == self.keyword:
+            return value
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() for p in parts):
+            self.fail(f"{value!r} is not comma-separated integers.", param, ctx)
+        numbers = [int(p) for p in parts]
+        if self.increasing and (
+            len(numbers) < 2 or numbers[0] < 1 or any(a >= b for a, b in zip(numbers, numbers[1:]))
+        ):
+            self.fail(f"{value!r} is not two or more increasing numbers >= 1.", param, ctx)
+        return value
+
+
+class NameIsDir(click.ParamType):
+    """``NAME=DIR``, both parts non-empty, returned as given (qstream.eval.settings.Selection
+    checks DIR)."""
+
+    name = "NAME=DIR"
+
+    def convert(self, value, param, ctx):
+        name, sep, path = value.partition("=")
+        if not (name and sep and path):
+            self.fail(f"{value!r} is not NAME=DIR.", param, ctx)
+        return value
+
+
+class FiniteRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (click's lets them through)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+# --------------------------------------------------------------------------- commands
+
+
+class _UserErrorsExit:
+    """Mixin for click commands: turn QStreamError into one line on stderr and exit status 1.
+    This is the only place that happens (docs/quantize.md)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)  # type: ignore[misc]  # click.Command's, by the MRO
+        except QStreamError as exc:
+            click.echo(f"Error: {exc}", err=True)
+            ctx.exit(1)
+
+
+class ListOption(click.Option):
+    """A repeatable option that also takes every value after it up to the next option, as
+    argparse's ``nargs="+"`` does: ``--include_layers mlp.gate_proj mlp.up_proj``.  Published
+    quantization recipes are written this way.  :class:`Command` gives it that reading."""
+
+
+def _one_value_per_flag(args: list[str], lists: dict[str, str], valued: set[str]) -> list[str]:
+    """``args`` with each list option (``lists``: its spellings -> the one to repeat) written
+    once per value: ``--include_layers a b`` -> ``--include_layers a --include_layers b``.  The
+    value right after the flag is its own whatever it looks like (click takes it so); more
+    follow up to the next argument that starts with ``-`` (an option, or ``--``).  The value of
+    any other option taking one (``valued``) is passed over as click will read it."""
+    out: list[str] = []
+    rest = list(args)
+    while rest:
+        arg = rest.pop(0)
+        out.append(arg)
+        if arg == "--":
+            return out + rest
+        name, eq, _ = arg.partition("=")
+        if name in valued and not eq and rest:
+            out.append(rest.pop(0))
+        if name not in lists:
+            continue
+        if not eq and rest:
+            out.append(rest.pop(0))
+        while rest and not rest[0].startswith("-"):
+            out += [lists[name], rest.pop(0)]
+    return out
+
+
+class Command(_UserErrorsExit, click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Lists (:class:`ListOption`) rewritten one value per flag, then click's own parse."""
+        lists = {
+            spelling: param.opts[0]
+            for param in self.params
+            if isinstance(param, ListOption)
+            for spelling in param.opts
+        }
+        valued = {
+            spelling
+            for param in self.params
+            if isinstance(param, click.Option) and not isinstance(param, ListOption)
+            if not param.is_flag and not param.count
+            # an option whose value is optional (``is_flag=False, flag_value=...``) takes the
+            # next argument only when it is no option, as click reads it: left to the loop
+            if not isinstance(param.flag_value, str | int | float)
+            for spelling in param.opts
+        }
+        return super().parse_args(ctx, _one_value_per_flag(args, lists, valued))
+
+
+class Group(_UserErrorsExit, click.Group):
+    command_class = Command
+
+
+# --------------------------------------------------------------------------- options
+
+# torch's generators take seeds up to 2**64 - 1: a run adds small offsets to its seed (prompt i
+# decodes with seed + i) or folds what it derives into that range (capture's stream_seed)
+SEED_MAX = 2**63 - 1
+
+# The options more than one command takes, each declared once: its type, default and, where
+# every command says the same, its help.  A command gives its own help (and overrides) by name
+# (:func:`option`).  The sampling settings are one declaration for eval-drift, which evaluates
+# at them, and capture --generate, which samples at them: a capture made with the defaults is
+# the target's own sample at the evaluation's defaults (docs/capture.md).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "model": {"type": DIRECTORY},
+    "target": {"type": DIRECTORY},
+    "corpus": {"type": FILE},
+    "formats": {
+        "type": CommaChoice(EVAL_FORMATS),
+        "default": ",".join(VARIANT_FORMATS),
+        "show_default": True,
+    },
+    "variant": {
+        "type": NameIsDir(),
+        "multiple": True,
+        "metavar": "NAME=DIR",
+        "help": "A quantized checkpoint to read back from disk; repeatable. It must be derived "
+        "from --model (its unquantized tensors bit-identical).",
+    },
+    "allow_foreign_variant": {"is_flag": True},
+    "no_integrity_check": {"is_flag": True},
+    "include_layers": {"cls": ListOption, "multiple": True},
+    "ignore_layers": {"cls": ListOption, "multiple": True, "help": "Modules never quantized."},
+    "overwrite": {"is_flag": True},
+    "dtype": {"type": click.Choice(CAPTURE_DTYPES)},
+    # checked in spelling when parsed; that the device exists, by qstream.device.resolve_device
+    "device": {
+        "type": Device(),
+        "default": "cpu",
+        "show_default": True,
+        "metavar": "cpu|cuda|cuda:N",
+    },
+    # 0 .. SEED_MAX; outside, a usage error rather than an overflow inside torch
+    "seed": {"type": click.IntRange(0, SEED_MAX), "default": 0, "show_default": True},
+    "temperature": {"type": FiniteRange(0, min_open=True), "default": 1.0, "show_default": True},
+    "top_p": {"type": FiniteRange(0, 1, min_open=True), "default": 1.0, "show_default": True},
+    "top_k": {"type": click.IntRange(min=1), "default": None},
+}
+
+
+def spellings(name: str) -> list[str]:
+    """``model_dir`` -> ``["--model-dir", "--model_dir"]`` (docs/quantize.md: both are accepted)."""
+    dashed, underscored = "--" + name.replace("_", "-"), "--" + name
+    return [dashed] if dashed == underscored else [dashed, underscored]
+
+
+def option(name: str, help: str | None = None, **kwargs: Any):
+    """A click option reachable as ``--a-b`` and ``--a_b``, stored under ``a_b``: its
+    :data:`OPTIONS` declaration when it has one, with this command's ``help`` and ``kwargs``."""
+    declared = {**OPTIONS.get(name, {}), **kwargs}
+    if help is not None:
+        declared["help"] = help
+    return click.option(*spellings(name), name, **declared)
+
+
+def count_option(name: str, default: int | None, help: str, minimum: int = 1, **kwargs: Any):
+    """An integer option of at least ``minimum``; its default shown unless None."""
+    type_ = click.IntRange(min=minimum)
+    return option(
+        name, help, type=type_, default=default, show_default=default is not None, **kwargs
+    )
+
+
+def choice_option(name: str, choices: Sequence[str], default: str | None, help: str):
+    """One of ``choices``; its default shown unless None."""
+    type_ = click.Choice(choices)
+    return option(name, help, type=type_, default=default, show_default=default is not None)
+
+
+def flag_option(name: str, help: str):
+    return option(name, help, is_flag=True)
+
+
+def list_option(name: str, **kwargs: Any):
+    """A :class:`ListOption` in both spellings (a :class:`Command`'s)."""
+    return option(name, cls=ListOption, multiple=True, **kwargs)
+
+
+def _check_json_path(ctx: click.Context, param: click.Parameter, value: str | None):
+    """``--json PATH`` is refused when the options are parsed (docs/guarantees.md), so that a bad
+    path fails at once rather than after the computation: a directory, or a missing or
+    unwritable parent.  ClickException prints one ``Error:`` line, exit 1."""
+    if value is not None and value != "-":
+        try:
+            if Path(value).is_dir():
+                raise QStreamError(f"--json {value}: is a directory, not a file")
+            check_parent(value, "--json")
+        except QStreamError as exc:
+            raise click.ClickException(str(exc)) from None
+    return value
+
+
+def json_option():
+    return click.option(
+        "--json",
+        "json_path",
+        default=None,
+        metavar="PATH",
+        callback=_check_json_path,
+        help="Also write the results as JSON to PATH ('-' for standard output).",
+    )
+
+
+def write_json(data: Any, path: str | None) -> None:
+    """Write ``data`` to ``path`` ('-' = stdout), whole or not at all (write_json_atomic)."""
+    if path == "-":
+        sys.stdout.write(json_text(data))
+    elif path is not None:
+        write_json_atomic(path, data, "--json")
+
+
+# Width of tables written to a file or a pipe: rich would otherwise assume 80 columns and cut
+# every cell short; a terminal keeps its own width.
+PIPE_WIDTH = 200
+
+
+def make_console(stderr: bool = False) -> Console:
+    """A rich console for a command's tables: the terminal's width, or PIPE_WIDTH when the
+    output is redirected (set COLUMNS to choose another)."""
+    out = Console(stderr=stderr)
+    if out.is_terminal or "COLUMNS" in os.environ:
+        return out
+    return Console(stderr=stderr, width=PIPE_WIDTH)
+
+
+# --------------------------------------------------------------------------- the group
 
 # name -> "module:attribute"; a command's module is imported only when that command runs or its
-# help is shown.  A command module imports the library (torch, scipy, ...) inside its callback
-# and takes its options' choices from qstream.clichoices, so that `qstream --help` (which
-# imports every command module for its summary) and `qstream COMMAND --help` load none of it
-# (tests/test_help.py, evals/bench_help.py).
+# help is shown (`qstream --help` imports every one for its summary).
 COMMANDS = {
     "formats": "qstream.commands.formats:formats",
     "quantize": "qstream.commands.quantize:quantize",
@@ -33,16 +365,17 @@ COMMANDS = {
 }
 
 
+def _load(name: str) -> click.Command:
+    module, attribute = COMMANDS[name].split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 class LazyGroup(Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
-        if target is None:
-            return None
-        module, attribute = target.split(":")
-        return getattr(importlib.import_module(module), attribute)
+        return _load(name) if name in COMMANDS else None
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,6 +396,4 @@ def main() -> None:
 
 def quantize_main() -> None:
     """Entry point of ``qstream-quantize``: the quantize command on its own."""
-    from qstream.commands.quantize import quantize
-
-    quantize(prog_name="qstream-quantize")
+    _load("quantize")(prog_name="qstream-quantize")

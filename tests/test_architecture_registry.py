@@ -4,7 +4,7 @@ here is the DSpark-MLA forward under another name and model_type, registered fro
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -68,11 +68,11 @@ def test_eval_drift_runs_a_second_architecture_through_the_interface(toy, tiny, 
     """Same forward, same weights: the toy's results equal the DSpark draft's, built by the
     toy's own descriptor (the reference once, then each variant)."""
     arch, directory = toy
-    settings = DriftSettings(regimes=("gauss",), formats=("bf16", "fp8"), n_blocks=16)
-    results = evaluate_drift(directory, settings, corpus)
+    settings = DriftSettings(regime=("gauss",), formats=("bf16", "fp8"), blocks=16)
+    results = evaluate_drift(replace(settings, model=directory), corpus)
     assert results["model"]["architecture"] == TOY
     assert len(arch.built) == 3  # the FP32 reference, bf16, fp8
-    assert results["regimes"] == evaluate_drift(tiny, settings, corpus)["regimes"]
+    assert results["regimes"] == evaluate_drift(replace(settings, model=tiny), corpus)["regimes"]
 
 
 def test_an_unrecognised_config_is_read_by_the_default_and_named(tmp_path):

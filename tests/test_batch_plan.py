@@ -2,6 +2,8 @@
 and FLOPs) and the passes read the same batches, for every regime, context bucket and the
 captured states' regime."""
 
+from dataclasses import replace
+
 import pytest
 from stand_in_target import capture_states
 
@@ -29,14 +31,14 @@ def test_every_set_of_blocks_is_batched_once(tiny, corpus, states_file, monkeypa
     for module in (drift, passes):  # wherever the run batches
         monkeypatch.setattr(module, "make_batches", counted, raising=False)
     settings = DriftSettings(
-        regimes=("gauss", "heavy"),
+        regime=("gauss", "heavy"),
         formats=("bf16",),
-        n_blocks=8,
+        blocks=8,
         context_lengths=(32, 64, 128),
         context_blocks=2,
         states=str(states_file),
     )
-    results = evaluate_drift(tiny, settings, corpus)
+    results = evaluate_drift(replace(settings, model=tiny), corpus)
     # the corpus blocks, the states' blocks and two buckets' blocks, each once
     assert len(batched) == len({id(plan) for plan in batched}) == 4
     assert [

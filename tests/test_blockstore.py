@@ -21,7 +21,6 @@ from qstream.bounded.store import Recorded, Store
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.eval.settings import Scratch, Verification
 from qstream.regimes import AUX_REGIMES
 
 SHAPE = (11, 3, 5)  # [N, B, V]
@@ -127,14 +126,14 @@ def states_file(tiny, tmp_path_factory):
 @pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp_path, monkeypatch):
     settings = DriftSettings(
-        regimes=AUX_REGIMES,
+        regime=AUX_REGIMES,
         formats=("bf16", "nvfp4"),
-        n_blocks=24,
+        blocks=24,
         seed=3,
-        verification=Verification(acceptance=True),
+        acceptance=True,
         states=str(states_file),
     )
-    in_memory = evaluate_drift(tiny, settings, corpus)
+    in_memory = evaluate_drift(replace(settings, model=tiny), corpus)
 
     opened = []
     scratch_file = blockstore._scratch_file
@@ -151,7 +150,7 @@ def test_evaluation_unchanged_with_stores_on_disk(tiny, corpus, states_file, tmp
     monkeypatch.setattr(weights_module, "HOLD_ELEMENTS", 0)
     monkeypatch.setattr(weights_module, "UPCAST_CHUNK_ELEMENTS", 0)
     monkeypatch.setattr(weights_module, "UPCAST_MIN_ROWS", 40)
-    on_disk = evaluate_drift(tiny, replace(settings, scratch=Scratch(str(tmp_path))), corpus)
+    on_disk = evaluate_drift(replace(settings, model=tiny, scratch_dir=str(tmp_path)), corpus)
     # logits and U per regime (3 aux regimes and the states regime), and boot's aux states
     assert opened == [str(tmp_path)] * (2 * (len(AUX_REGIMES) + 1) + 1)
     assert os.listdir(tmp_path) == []

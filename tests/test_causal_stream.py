@@ -3,6 +3,7 @@ time over its MLA cache (qstream/arch/dspark_mla/model.py's CausalStream), and t
 long-context batch never holds whole (qstream/eval/batches.py, docs/context-sweep.md)."""
 
 from contextlib import closing
+from dataclasses import replace
 
 import pytest
 import torch
@@ -127,13 +128,13 @@ def test_boot_aux_is_computed_once_and_read_back_bit_exactly(tiny, corpus, monke
 def test_evaluation_with_boot_aux_never_held_whole_is_unchanged(tiny, corpus, monkeypatch):
     """Every boot batch streamed and spilled (as a long-context K3 bucket's): with one range
     per batch the arithmetic is the causal pass's, so the results are identical."""
-    settings = DriftSettings(regimes=("boot",), formats=("bf16", "nvfp4"), n_blocks=32)
-    held = evaluate_drift(tiny, settings, corpus)
+    settings = DriftSettings(regime=("boot",), formats=("bf16", "nvfp4"), blocks=32)
+    held = evaluate_drift(replace(settings, model=tiny), corpus)
     monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
     made = _counting_streams(monkeypatch)
     trims: list = []
     monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1))
-    assert evaluate_drift(tiny, settings, corpus) == held
+    assert evaluate_drift(replace(settings, model=tiny), corpus) == held
     assert made  # the streamed path ran
     # the heap is trimmed after every range and after every batch, in the reference's pass and
     # each variant's (one range per batch here), and at the end of the reference's pass
@@ -158,8 +159,8 @@ def test_boot_reference_pass_counts_its_causal_pass_in_the_work(tiny, corpus):
     batch's streams, so it weighs more than a variant's by exactly that, and the plan made
     before the run is what the run reports."""
     count = _Count()
-    settings = DriftSettings(regimes=("boot",), formats=("bf16",), n_blocks=24)
-    evaluate_drift(tiny, settings, corpus, progress=count)
+    settings = DriftSettings(regime=("boot",), formats=("bf16",), blocks=24)
+    evaluate_drift(replace(settings, model=tiny), corpus, progress=count)
     assert count.work == pytest.approx(count.work_done, rel=1e-12)
     cfg = load_config(tiny)
     max_context = cfg.max_position_embeddings - cfg.block_size

@@ -31,7 +31,7 @@ def test_formats_json_to_a_file_and_same_seed_same_numbers(tmp_path):
 def test_both_option_spellings_and_greedy_lists():
     import click
 
-    from qstream.cliutil import Command, list_option, option
+    from qstream.cli import Command, list_option, option
 
     @click.command(cls=Command)
     @option("model_dir")

@@ -1,12 +1,12 @@
 """Options that take several values, as published recipes write them (``--include_layers
 mlp.gate_proj mlp.up_proj``, argparse's ``nargs="+"``): every value up to the next option, the
-flag repeatable, in either spelling, on every command that has one (qstream/cliutil.py)."""
+flag repeatable, in either spelling, on every command that has one (qstream/cli.py)."""
 
 import click
 import pytest
 from click.testing import CliRunner
 
-from qstream.cliutil import Command, list_option, option
+from qstream.cli import Command, list_option, option
 
 
 @click.command(cls=Command)

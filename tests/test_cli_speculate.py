@@ -137,14 +137,14 @@ def test_the_read_back_checkpoint_decodes_as_its_simulated_format(pair, results)
     """quantize writes exactly the weights the simulation makes (36 tensors, bit for bit), so the
     checkpoint drafts the same blocks: the same summary and the same runs."""
     from qstream.arch.registry import architecture_of
-    from qstream.eval.settings import DriftSettings
+    from qstream.eval.settings import Selection
     from qstream.eval.variants import Variant, variant_weights
 
     target, draft, checkpoint, _ = pair
     config = load_config(draft)
     arch = architecture_of(config)
     weights = arch.load_weights(draft, target, config)
-    selection = DriftSettings(include=arch.quantize_include)
+    selection = Selection(include_layers=arch.quantize_include)
     simulated, _ = variant_weights(Variant("nvfp4", "simulated", "nvfp4"), weights, config,
                                    selection, str(target))  # fmt: skip
     read_back, _ = variant_weights(Variant("shipped", "checkpoint", str(checkpoint)), weights,

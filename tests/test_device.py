@@ -3,6 +3,8 @@ bf16 and upcast per use gives bit-identical results to the same weight held in f
 reference runs with TF32 and reduced-precision reductions off and the settings are restored
 after; ``--device cuda`` without CUDA is one error line.  tests/test_cuda.py runs on a GPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -16,7 +18,6 @@ from qstream.cli import cli
 from qstream.device import exact_math, math_settings, resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.eval.settings import Verification
 from qstream.eval.variants import Variant, variant_weights
 from tests.model_helpers import random_model_weights
 
@@ -62,10 +63,8 @@ def test_bf16_held_reference_is_bit_identical_to_fp32_held(upcast_everything):
 
 @pytest.mark.slow  # two whole evaluations: CI's slow lane (pyproject.toml)
 def test_evaluation_unchanged_by_how_weights_are_held(tiny, corpus, monkeypatch):
-    settings = DriftSettings(
-        regimes=("gauss", "boot"), n_blocks=48, seed=4, verification=Verification(acceptance=True)
-    )
-    default = evaluate_drift(tiny, settings, corpus)
+    settings = DriftSettings(regime=("gauss", "boot"), blocks=48, seed=4, acceptance=True)
+    default = evaluate_drift(replace(settings, model=tiny), corpus)
     _uneven_chunks(monkeypatch)
     chunked = []
     linear = weights_module.ComputeWeights.linear
@@ -76,13 +75,13 @@ def test_evaluation_unchanged_by_how_weights_are_held(tiny, corpus, monkeypatch)
         return linear(self, name, x)
 
     monkeypatch.setattr(weights_module.ComputeWeights, "linear", spy)
-    assert evaluate_drift(tiny, settings, corpus) == default
+    assert evaluate_drift(replace(settings, model=tiny), corpus) == default
     assert any(chunked)  # the patched constants steered some product to row chunks
 
 
 def test_variants_share_unquantized_tensors(tiny):
     reference = load_weights(tiny)
-    settings = DriftSettings(regimes=("gauss",), formats=("fp8",))
+    settings = DriftSettings(regime=("gauss",), formats=("fp8",))
     cfg = PRESETS["tiny"]
     weights, changed = variant_weights(
         Variant("fp8", "simulated", "fp8"), reference, cfg, settings, None
@@ -131,8 +130,8 @@ def test_reference_pass_runs_with_tf32_off(tiny, corpus, permissive_math, monkey
         return draft(self, *args, **kwargs)
 
     monkeypatch.setattr(DSpark, "draft", spy)
-    settings = DriftSettings(regimes=("gauss",), formats=("bf16",), n_blocks=8)
-    results = evaluate_drift(tiny, settings, corpus)
+    settings = DriftSettings(regime=("gauss",), formats=("bf16",), blocks=8)
+    results = evaluate_drift(replace(settings, model=tiny), corpus)
     assert {dtype for dtype, *_ in seen} == {torch.float32, torch.bfloat16}
     assert all(precision == "ieee" and not reduced for _, precision, reduced in seen)
     assert _flags() == permissive_math

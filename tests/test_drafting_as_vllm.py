@@ -4,6 +4,7 @@ serving dtype, a flip rate without the median tie, and what the sampled matched 
 acceptance of every mode vLLM serves, each labelled (docs/acceptance.md)."""
 
 import copy
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,6 @@ from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.metrics import sched_flips
-from qstream.eval.settings import Sampling, Verification
 from qstream.eval.vocabulary import ACCEPTANCE_MODES
 
 B = 7
@@ -53,13 +53,13 @@ def self_verified(tiny, corpus):
     out = {}
     for top_p in (1.0, 0.5):
         settings = DriftSettings(
-            regimes=("gauss",),
+            regime=("gauss",),
             formats=("fp32",),
-            n_blocks=64,
-            sampling=Sampling(top_p=top_p),
-            verification=Verification(acceptance=True),
+            blocks=64,
+            top_p=top_p,
+            acceptance=True,
         )
-        out[top_p] = evaluate_drift(tiny, settings, corpus)
+        out[top_p] = evaluate_drift(replace(settings, model=tiny), corpus)
     return out
 
 
@@ -109,10 +109,10 @@ def test_a_greedy_draft_is_not_accepted_whole_by_a_sampling_verifier(self_verifi
 @pytest.fixture(scope="module")
 def near_zero_temperature(tiny, corpus):
     settings = DriftSettings(
-        regimes=("gauss",), formats=("bf16", "nvfp4"), n_blocks=32,
-        sampling=Sampling(temperature=1e-6), verification=Verification(acceptance=True),
+        regime=("gauss",), formats=("bf16", "nvfp4"), blocks=32,
+        temperature=1e-6, acceptance=True,
     )  # fmt: skip
-    return evaluate_drift(tiny, settings, corpus)
+    return evaluate_drift(replace(settings, model=tiny), corpus)
 
 
 def test_greedy_draft_against_a_near_greedy_verifier_is_greedy_against_greedy(
@@ -148,12 +148,12 @@ def test_results_without_the_new_modes_still_make_tables(near_zero_temperature):
 
 def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tiny, corpus):
     settings = DriftSettings(
-        regimes=("heavy",),
+        regime=("heavy",),
         formats=("bf16", "fp8", "nvfp4"),
-        n_blocks=128,
-        verification=Verification(acceptance=True),
+        blocks=128,
+        acceptance=True,
     )
-    results = evaluate_drift(tiny, settings, corpus)
+    results = evaluate_drift(replace(settings, model=tiny), corpus)
     # The matched prefix of one coupled draw per block is a lower bound in expectation only:
     # its mean over the blocks is a sample, and over seeds it lands above the simulated
     # acceptance of the same blocks now and then (by up to 0.12 tokens at 128 blocks).  So the

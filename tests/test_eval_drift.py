@@ -3,6 +3,7 @@ physical ordering of the formats, on-disk variants equal to simulated ones, bad 
 
 import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,8 +23,8 @@ def _metrics(results, regime, variant):
 
 
 def test_reference_against_itself_is_exact(tiny, corpus):
-    settings = DriftSettings(regimes=("gauss",), formats=("fp32",), n_blocks=BLOCKS)
-    m = _metrics(evaluate_drift(tiny, settings, corpus), "gauss", "fp32")
+    settings = DriftSettings(regime=("gauss",), formats=("fp32",), blocks=BLOCKS)
+    m = _metrics(evaluate_drift(replace(settings, model=tiny), corpus), "gauss", "fp32")
     assert all(e["value"] == 1.0 for e in m["greedy_agree"])
     assert m["one_minus_tv_overall"]["value"] == 1.0
     assert m["kl"]["max"] == 0.0 and m["reverse_kl"]["max"] == 0.0
@@ -47,7 +48,7 @@ ORDERING_BLOCKS = {"gauss": 128, "heavy": 256, "boot": 128}
 def all_regimes(tiny, corpus):
     return {
         regime: evaluate_drift(
-            tiny, DriftSettings(regimes=(regime,), n_blocks=blocks, seed=3), corpus
+            DriftSettings(model=tiny, regime=(regime,), blocks=blocks, seed=3), corpus
         )
         for regime, blocks in ORDERING_BLOCKS.items()
     }
@@ -92,13 +93,13 @@ def test_a_perturbed_variant_is_detected(tiny, corpus, tmp_path):
     save_file(tensors, bad / "model.safetensors")
     # not a quantization of the model (an unquantized tensor differs): allowed, labelled foreign
     settings = DriftSettings(
-        regimes=("gauss",),
+        regime=("gauss",),
         formats=("bf16",),
-        n_blocks=BLOCKS,
-        variant_dirs=(("perturbed", str(bad)),),
+        blocks=BLOCKS,
+        variant=(f"perturbed={bad}",),
         allow_foreign_variant=True,
     )
-    r = evaluate_drift(tiny, settings, corpus)
+    r = evaluate_drift(replace(settings, model=tiny), corpus)
     assert r["variants"]["perturbed"]["foreign"] is True
     floor = _metrics(r, "gauss", "bf16")
     hit = _metrics(r, "gauss", "perturbed")
@@ -129,10 +130,8 @@ def test_checkpoint_variant_equals_the_simulated_format(tiny, corpus, tmp_path, 
     )
     assert result.exit_code == 0, result.output
     # equal metrics: the same arithmetic on the same weights, at any block count
-    settings = DriftSettings(
-        regimes=("heavy",), formats=(fmt,), n_blocks=32, variant_dirs=(("disk", str(out)),)
-    )
-    r = evaluate_drift(tiny, settings, corpus)
+    settings = DriftSettings(regime=("heavy",), formats=(fmt,), blocks=32, variant=(f"disk={out}",))
+    r = evaluate_drift(replace(settings, model=tiny), corpus)
     simulated, disk = (r["regimes"]["heavy"]["variants"][v] for v in (fmt, "disk"))
     assert disk["metrics"] == simulated["metrics"]
     assert disk["quantized_tensors"] == simulated["quantized_tensors"]
@@ -180,11 +179,9 @@ def test_variant_of_another_architecture_is_refused(tiny, corpus, tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (other / "config.json").write_text(json.dumps(cfg))
-    settings = DriftSettings(
-        regimes=("gauss",), formats=(), n_blocks=8, variant_dirs=(("other", str(other)),)
-    )
+    settings = DriftSettings(regime=("gauss",), formats=(), blocks=8, variant=(f"other={other}",))
     with pytest.raises(QStreamError, match="different architecture"):
-        evaluate_drift(tiny, settings, corpus)
+        evaluate_drift(replace(settings, model=tiny), corpus)
 
 
 def test_tokenizer_larger_than_the_vocabulary_is_refused(tiny):

@@ -17,7 +17,7 @@ from cli_helpers import cli_error, cli_ok
 
 import qstream.card.build
 import qstream.card.output
-import qstream.cliutil
+import qstream.cli
 import qstream.errors
 from qstream.card.output import MARKER
 
@@ -163,7 +163,9 @@ def test_eval_drift_json_path_is_checked_before_any_work(tmp_path, monkeypatch, 
     def no_work(*args, **kwargs):
         pytest.fail("the computation started before --json was checked")
 
-    monkeypatch.setattr("qstream.eval.run.run_drift", no_work)  # eval-drift imports it when run
+    monkeypatch.setattr(
+        "qstream.eval.drift.evaluate_drift", no_work
+    )  # eval-drift imports it when run
     path = tmp_path / "no" / "r.json" if where == "missing parent" else tmp_path
     err = cli_error(["eval-drift", "--json", str(path)])
     assert f"--json {path}:" in err
@@ -173,7 +175,7 @@ def test_json_to_an_unwritable_directory_is_refused(tmp_path, monkeypatch):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
     if os.geteuid() == 0:  # root writes anywhere: simulate what an unprivileged user meets
-        monkeypatch.setattr(qstream.cliutil.os, "access", lambda path, mode: False)
+        monkeypatch.setattr(qstream.cli.os, "access", lambda path, mode: False)
     err = cli_error(["formats", "--json", str(locked / "r.json")])
     assert f"--json {locked / 'r.json'}: directory {locked} is not writable" in err
     assert _names(locked) == []
@@ -187,9 +189,9 @@ def test_write_json_fault_keeps_the_old_file_and_leaves_no_litter(tmp_path, monk
     def failing(*args, **kwargs):
         raise OSError(fault, os.strerror(fault))
 
-    monkeypatch.setattr(qstream.cliutil.os, "fsync", failing)
+    monkeypatch.setattr(qstream.cli.os, "fsync", failing)
     with pytest.raises(
         qstream.errors.QStreamError, match=f"cannot write --json {old}: {os.strerror(fault)}"
     ):
-        qstream.cliutil.write_json({"new": [1, 2]}, str(old))
+        qstream.cli.write_json({"new": [1, 2]}, str(old))
     assert old.read_text() == '{"old": true}\n' and _names(tmp_path) == ["r.json"]

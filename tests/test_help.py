@@ -74,13 +74,13 @@ def test_help_screens_import_nothing_heavy(script, args):
 
 
 def test_the_help_s_light_names_are_the_library_s():
-    """The choices and defaults the options show come from qstream.clichoices (no heavy
-    imports); each must be the constant the library itself uses."""
-    from qstream import clichoices as light
-    from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
+    """The choices and defaults the options show come from qstream.cli (no heavy imports);
+    each must be the constant the library itself uses."""
+    from qstream import cli as light
     from qstream.capture.target import DTYPES
     from qstream.card.build import FORMATS as CARD_FORMATS
-    from qstream.eval.run import DEFAULT_EDGES
+    from qstream.eval.sensitivity import DEFAULT_FORMAT
+    from qstream.eval.settings import DEFAULT_EDGES
     from qstream.eval.states import AUTO, CONVENTIONS, LAYOUTS
     from qstream.eval.states.layouts import EXPORTS
     from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
@@ -91,7 +91,7 @@ def test_the_help_s_light_names_are_the_library_s():
     assert light.WEIGHT_FORMATS == tuple(FORMATS)
     assert (light.VARIANT_FORMATS, light.EVAL_FORMATS) == (VARIANT_FORMATS, ALLOWED_FORMATS)
     assert light.DEFAULT_EDGES == DEFAULT_EDGES
-    assert light.QUANTIZE_INCLUDE == QUANTIZE_INCLUDE
+    assert light.SENSITIVITY_FORMAT == DEFAULT_FORMAT
     assert (light.STATES_AUTO, light.STATES_FORMATS) == (AUTO, tuple(LAYOUTS))
     assert light.LAYER_CONVENTIONS == tuple(CONVENTIONS)
     assert light.CAPTURE_DTYPES == tuple(DTYPES)
@@ -99,3 +99,27 @@ def test_the_help_s_light_names_are_the_library_s():
     assert light.CARD_FORMATS == tuple(CARD_FORMATS)
     assert light.VLLM_VERSION == VLLM_VERSION
     assert light.SPECULATE_RULES == RULES
+
+
+def test_a_default_regime_or_format_in_a_help_text_is_read_from_its_registry():
+    """ "Default: heavy" is written from qstream.regimes.DEFAULT_REGIME (and a default format
+    from the names qstream.cli holds), never spelled in a command's source."""
+    import ast
+    from pathlib import Path
+
+    from qstream import cli as light
+    from qstream.regimes import DEFAULT_REGIME, REGIMES
+
+    names = {*REGIMES, *light.EVAL_FORMATS}
+    spelled = [
+        f"{path.name}:{node.lineno}: {node.value!r}"
+        for path in sorted((Path(light.__file__).parent / "commands").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if any(f"default: {name}" in node.value.lower() for name in names)
+    ]
+    assert spelled == []
+    ctx = click.Context(cli)
+    helps = {p.name: p.help for p in cli.get_command(ctx, "eval-drift").params}
+    assert f"Default: {DEFAULT_REGIME.name}, or none" in helps["regime"]
+    assert f"Default: {light.SENSITIVITY_FORMAT}, or" in helps["sensitivity_format"]

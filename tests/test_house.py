@@ -24,8 +24,6 @@ LAYERS = [
         "publish",
         "progress",
         "tablefit",
-        "clichoices",
-        "clitypes",
         "device",
         "regimes",
     },
@@ -39,7 +37,7 @@ LAYERS = [
     {"capture"},
     {"speculate"},
     {"card"},
-    {"cliutil", "commands", "cli", "entry"},
+    {"commands", "cli", "entry"},
 ]
 LAYER = {name: depth for depth, names in enumerate(LAYERS) for name in names}
 FORMAT_NAMES = set(FORMATS)  # every registered format
@@ -48,7 +46,7 @@ BOUNDED_USERS = {"eval/passes.py", "eval/batches.py", "eval/verifiers.py"}
 # A file is as long as its one concept needs (an architecture's whole forward is one file,
 # docs/model.md); the file cap catches a runaway file, the function cap keeps each piece short.
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 50
-MAX_PACKAGE_LINES = 20584  # measured; raised only by a fix that needs the lines, said in its commit
+MAX_PACKAGE_LINES = 20445  # measured; raised only by a fix that needs the lines, said in its commit
 
 
 @cache

@@ -4,6 +4,7 @@ run all read it, so they cannot disagree; and the plan is exactly the work the r
 
 import io
 import re
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -177,14 +178,14 @@ def test_the_plan_is_the_work_the_run_reports_sensitivity_steps_included(tiny, c
     bucket's, each kind of pass on its own account."""
     record = _Record()
     settings = DriftSettings(
-        regimes=("gauss",),
+        regime=("gauss",),
         formats=("bf16", "nvfp4"),
-        n_blocks=8,
+        blocks=8,
         sensitivity=True,
         context_lengths=(32, 64),
         context_blocks=4,
     )
-    evaluate_drift(tiny, settings, corpus, progress=record)
+    evaluate_drift(replace(settings, model=tiny), corpus, progress=record)
     assert record.planned_blocks == record.blocks
     assert record.planned_work == pytest.approx(record.work, rel=1e-12)
     assert record.work[REFERENCE] > 0 and record.work[VARIANTS] > record.work[REFERENCE]

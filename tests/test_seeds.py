@@ -8,8 +8,7 @@ import pytest
 from cli_helpers import cli_ok
 from click.testing import CliRunner
 
-from qstream.cli import cli
-from qstream.cliutil import SEED_MAX
+from qstream.cli import SEED_MAX, cli
 
 
 def test_synth_takes_the_largest_seed(tmp_path):

@@ -2,6 +2,7 @@
 tiny draft, and the chunked attention that keeps long contexts in bounded memory."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,9 +39,9 @@ ONLINE_SOFTMAX_RTOL = 1500 * 2.0**-24
 @pytest.fixture(scope="module")
 def sensitivity(tiny, corpus):
     settings = DriftSettings(
-        regimes=("heavy",), formats=("bf16",), n_blocks=BLOCKS, sensitivity=True, tolerance=1.0
+        regime=("heavy",), formats=("bf16",), blocks=BLOCKS, sensitivity=True, tolerance=1.0
     )
-    return evaluate_drift(tiny, settings, corpus)
+    return evaluate_drift(replace(settings, model=tiny), corpus)
 
 
 def _ceiling(variant_result):
@@ -86,12 +87,11 @@ def test_suggested_include_list_satisfies_the_tolerance(tiny, corpus, sensitivit
     assert best["steps"] == within[-1] + 1 and len(best["include"]) >= 1
     assert best["command"] == "--include_layers " + " ".join(best["include"])
     # measured again as an ordinary variant with that include list: same ceiling, within tolerance
+    include = tuple(best["include"])
     settings = DriftSettings(
-        regimes=("heavy",), formats=("nvfp4",), n_blocks=BLOCKS, include=tuple(best["include"])
+        model=tiny, regime="heavy", formats=("nvfp4",), blocks=BLOCKS, include_layers=include
     )
-    again = _ceiling(
-        evaluate_drift(tiny, settings, corpus)["regimes"]["heavy"]["variants"]["nvfp4"]
-    )
+    again = _ceiling(evaluate_drift(settings, corpus)["regimes"]["heavy"]["variants"]["nvfp4"])
     assert again == best["ceiling"]
     assert again["value"] >= sens["floor"]["ceiling"]["value"] - sens["tolerance"]
 
@@ -115,13 +115,14 @@ def test_long_streams_concatenate_documents_with_eos(corpus):
 
 def test_context_sweep_reports_every_bucket(tiny, corpus):
     settings = DriftSettings(
-        regimes=("heavy",),
+        model=tiny,
+        regime="heavy",
         formats=("bf16",),
-        n_blocks=16,
+        blocks=16,
         context_lengths=(32, 128, 600),
         context_blocks=16,
     )
-    sweep = evaluate_drift(tiny, settings, corpus)["regimes"]["heavy"]["context_sweep"]
+    sweep = evaluate_drift(settings, corpus)["regimes"]["heavy"]["context_sweep"]
     assert [(b["lo"], b["hi"], b["side"]) for b in sweep["buckets"]] == [
         (32, 128, "below"),
         (128, 600, "above"),
@@ -275,15 +276,15 @@ def test_context_from_position_ranges_matches_the_whole_tensor(monkeypatch):
 def test_evaluation_with_aux_never_held_whole_is_unchanged(tiny, corpus, monkeypatch):
     """Every batch's gauss / heavy states handed over lazily (as a long-context K3 bucket's
     are): with one range per batch the arithmetic is the same, so the results are identical."""
-    settings = DriftSettings(regimes=("gauss", "heavy"), formats=("bf16", "nvfp4"), n_blocks=48)
-    held = evaluate_drift(tiny, settings, corpus)
+    settings = DriftSettings(regime=("gauss", "heavy"), formats=("bf16", "nvfp4"), blocks=48)
+    held = evaluate_drift(replace(settings, model=tiny), corpus)
     monkeypatch.setattr(batches, "LAZY_AUX_BYTES", 0)
     handed = []
     get = batches.AuxStates.get
     monkeypatch.setattr(
         batches.AuxStates, "get", lambda self, *a: handed.append(get(self, *a)) or handed[-1]
     )
-    assert evaluate_drift(tiny, settings, corpus) == held
+    assert evaluate_drift(replace(settings, model=tiny), corpus) == held
     # the patched budget steered every batch's states to the lazy path
     assert handed and not any(isinstance(aux, torch.Tensor) for aux in handed)
 
@@ -309,13 +310,13 @@ def test_a_sweeps_blocks_are_in_the_progress_total(tiny, corpus):
     weighing more."""
     count = _Count()
     settings = DriftSettings(
-        regimes=("heavy",),
+        regime=("heavy",),
         formats=("bf16",),
-        n_blocks=16,
+        blocks=16,
         context_lengths=(32, 64, 128),
         context_blocks=8,
     )
-    evaluate_drift(tiny, settings, corpus, progress=count)
+    evaluate_drift(replace(settings, model=tiny), corpus, progress=count)
     assert count.total == (16 + 2 * 8) * 2 == count.done
     assert sum(count.work.values()) == pytest.approx(count.work_done, rel=1e-12)
     # per-block work of each reference batch, in order: the corpus's, then bucket [32, 64)'s

@@ -19,8 +19,7 @@ from click.testing import CliRunner
 from hf_targets import make_qwen3_target
 from safetensors.torch import load_file, save_file
 
-from qstream.cli import cli
-from qstream.cliutil import SEED_MAX
+from qstream.cli import SEED_MAX, cli
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 WEIGHTS = "model.safetensors"

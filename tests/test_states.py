@@ -4,6 +4,7 @@ regime reads its aux states from the file and reports acceptance against the tar
 reference verifying itself accepts every token; greedy acceptance is the matched prefix + 1."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,6 @@ from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.corpus import tokenize
 from qstream.eval.drift import DriftSettings, evaluate_drift
-from qstream.eval.settings import Verification
 from qstream.eval.states import read_states
 from qstream.synth.corpus import builtin_corpus
 
@@ -41,17 +41,17 @@ def states_file(tiny, tmp_path_factory):
 
 def _settings(states_file) -> DriftSettings:
     return DriftSettings(
-        regimes=("gauss",),
+        regime=("gauss",),
         formats=("fp32", "bf16", "nvfp4"),
-        n_blocks=BLOCKS,
-        verification=Verification(acceptance=True),
+        blocks=BLOCKS,
+        acceptance=True,
         states=str(states_file),
     )
 
 
 @pytest.fixture(scope="module")
 def results(tiny, corpus, states_file):
-    return evaluate_drift(tiny, _settings(states_file), corpus)
+    return evaluate_drift(replace(_settings(states_file), model=tiny), corpus)
 
 
 def test_reference_verifying_itself_accepts_every_token(results):
@@ -156,7 +156,7 @@ def test_evaluation_with_states_never_held_whole_is_unchanged(
         return original(self, aux, *args)
 
     monkeypatch.setattr(DSpark, "context", recorded)
-    assert evaluate_drift(tiny, _settings(states_file), corpus) == results
+    assert evaluate_drift(replace(_settings(states_file), model=tiny), corpus) == results
     assert taken and torch.Tensor not in taken  # every batch's states handed over by range
 
 
@@ -268,8 +268,10 @@ def test_states_anchors_file_gives_the_blocks_it_names(tiny, corpus, states_file
     path.write_text(json.dumps({"blocks": blocks[::-1]}))  # order does not matter
     from dataclasses import replace
 
-    named = evaluate_drift(tiny, replace(settings, regimes=(), states_anchors=str(path)), corpus)
-    uniform = evaluate_drift(tiny, replace(settings, regimes=()), corpus)
+    named = evaluate_drift(
+        replace(settings, model=tiny, regime=(), states_anchors=str(path)), corpus
+    )
+    uniform = evaluate_drift(replace(settings, model=tiny, regime=()), corpus)
     assert named["regimes"]["states"] == uniform["regimes"]["states"]
     assert named["states"]["anchors"]["blocks"] == BLOCKS
 
@@ -282,7 +284,9 @@ def test_states_anchors_file_gives_the_blocks_it_names(tiny, corpus, states_file
     ]:
         path.write_text(json.dumps({"blocks": bad}))
         with pytest.raises(QStreamError, match=message):
-            evaluate_drift(tiny, replace(settings, regimes=(), states_anchors=str(path)), corpus)
+            evaluate_drift(
+                replace(settings, model=tiny, regime=(), states_anchors=str(path)), corpus
+            )
     path.write_text("{}")
     result = CliRunner().invoke(
         cli,

@@ -139,7 +139,7 @@ def sampling_probs(
     the top-p nucleus (smallest sorted prefix whose mass reaches top_p; the top token is always
     kept), renormalised, in vLLM's order.  The defaults give the full distribution, which vLLM's
     DSpark drafter samples; top-p and top-k belong to the verifier (docs/model.md).  The values
-    are checked where they are built (qstream/eval/settings.py, qstream/cliutil.py)."""
+    are checked where they are built (qstream/eval/settings.py, qstream/cli.py)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p == 1 and (top_k is None or top_k >= probs.shape[-1]):
         return probs

@@ -4,7 +4,7 @@ never split or cut (docs/guarantees.md, "Shown"): variants by their bare name, a
 for one column per variant turned into one row per variant, the agreement table grouped by
 measure, a leading label shown once per run of rows (qstream/tablefit.py).
 
->>> print_report(make_console(), evaluate_drift(model_dir, settings, corpus))
+>>> print_report(make_console(), evaluate_drift(settings))
 """
 
 from __future__ import annotations

@@ -7,17 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from qstream.clichoices import CAPTURE_DTYPES, CAPTURE_EXPORTS, LAYER_CONVENTIONS
-from qstream.cliutil import (
+from qstream.cli import (
+    CAPTURE_EXPORTS,
+    DIRECTORY,
+    LAYER_CONVENTIONS,
     Command,
+    choice_option,
     count_option,
-    device_option,
     flag_option,
     json_option,
     list_option,
     option,
-    sampling_option,
-    seed_option,
     write_json,
 )
 from qstream.progress import counter
@@ -28,67 +28,42 @@ if TYPE_CHECKING:
 
 
 @click.command(cls=Command)
-@option(
-    "target",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Hugging Face target directory (local).",
-)
-@option(
-    "model",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Draft directory: its target_layer_ids, widths and block size.",
-)
-@option(
-    "output",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Directory to write (or resume).",
-)
-@option(
-    "corpus",
-    type=click.Path(dir_okay=False),
-    help="GSM8K-style JSONL or plain text. Default: the built-in GSM8K test split.",
-)
+@option("target", "Hugging Face target directory (local).", required=True)
+@option("model", "Draft directory: its target_layer_ids, widths and block size.", required=True)
+@option("output", "Directory to write (or resume).", type=DIRECTORY, required=True)
+@option("corpus", "GSM8K-style JSONL or plain text. Default: the built-in GSM8K test split.")
 @list_option(
     "layers", type=int, help="Layer ids to capture instead of the draft's target_layer_ids."
 )
-@option(
+@choice_option(
     "layer_convention",
-    type=click.Choice(LAYER_CONVENTIONS),
-    default="layer-output",
-    show_default=True,
-    help="The convention --layers is written in (docs/capture.md).",
+    LAYER_CONVENTIONS,
+    LAYER_CONVENTIONS[0],
+    "The convention --layers is written in (docs/capture.md).",
 )
 @option(
     "dtype",
-    type=click.Choice(CAPTURE_DTYPES),
-    help="The target's weights, compute and the states written. Default: float32 on a CPU, "
+    "The target's weights, compute and the states written. Default: float32 on a CPU, "
     "bfloat16 on CUDA (and with --device-map).",
 )
-@device_option("Where the target runs (one device; see --device-map).")
-@option(
-    "device_map",
-    type=click.Choice(["auto"]),
-    default=None,
-    help="Spread the target over the available devices (accelerate).",
+@option("device", "Where the target runs (one device; see --device-map).")
+@choice_option(
+    "device_map", ["auto"], None, "Spread the target over the available devices (accelerate)."
 )
 @count_option("max_tokens", 512, "Corpus tokens per stream (the prompt, with --generate).")
 @count_option("streams", None, "How many streams. Default: every document long enough.")
 @count_option("batch_size", 8, "Streams per forward, grouped by length.")
 @flag_option("generate", "Continue each prompt with the target's own samples (exact acceptance).")
 @count_option("new_tokens", 256, "With --generate: tokens sampled per stream.")
-@sampling_option("temperature", "With --generate: the evaluation's temperature.")
-@sampling_option("top_p", "With --generate: the evaluation's (verifier's) top-p.")
-@sampling_option("top_k", "With --generate: the evaluation's top-k.")
-@seed_option("With --generate: same seed, same streams.")
-@option(
+@option("temperature", "With --generate: the evaluation's temperature.")
+@option("top_p", "With --generate: the evaluation's (verifier's) top-p.")
+@option("top_k", "With --generate: the evaluation's top-k.")
+@option("seed", "With --generate: same seed, same streams.")
+@choice_option(
     "export",
-    type=click.Choice(CAPTURE_EXPORTS),
-    default="qstream",
-    show_default=True,
-    help="qstream's layout or vLLM's / speculators' (hs_{i}.safetensors).",
+    CAPTURE_EXPORTS,
+    CAPTURE_EXPORTS[0],
+    "qstream's layout or vLLM's / speculators' (hs_{i}.safetensors).",
 )
 @flag_option("trust_remote_code", "Allow the checkpoint's own model code to run.")
 @json_option()

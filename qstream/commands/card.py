@@ -6,22 +6,21 @@ from pathlib import Path
 
 import click
 
-from qstream.clichoices import CARD_FORMATS
-from qstream.cliutil import Command, flag_option, option
+from qstream.cli import CARD_FORMATS, FILE, Command, choice_option, flag_option, option
 from qstream.progress import step
 from qstream.publish import signals_as_interrupt
-from qstream.regimes import AUX_REGIMES
+from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
 
 
 @click.command("card", cls=Command)
-@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.argument("results", nargs=-1, required=True, type=FILE)
 @option(
     "checkpoint",
     multiple=True,
     metavar="DIR",
     help="A quantized checkpoint the card describes; repeatable (one per format).",
 )
-@flag_option(
+@option(
     "no_integrity_check",
     "Describe a --checkpoint without checking its files against the sha256s its "
     "qstream_quantize.json records; the card says it was not checked.",
@@ -30,7 +29,7 @@ from qstream.regimes import AUX_REGIMES
 @option(
     "speculate",
     metavar="FILE",
-    type=click.Path(dir_okay=False),
+    type=FILE,
     help="qstream speculate --json results of the same draft: the card shows the acceptance "
     "measured with the target in the loop beside what eval-drift predicted.",
 )
@@ -44,18 +43,18 @@ from qstream.regimes import AUX_REGIMES
     "--format",
     "fmt",
     type=click.Choice(CARD_FORMATS),
-    default="md",
+    default=CARD_FORMATS[0],
     show_default=True,
     help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
 )
-@option(
+@choice_option(
     "regime",
-    type=click.Choice(AUX_REGIMES),
-    default=None,
-    help="Regime of the full metric table (default: heavy, the pessimistic one).",
+    AUX_REGIMES,
+    None,
+    f"Regime of the full metric table (default: {DEFAULT_REGIME.name}, the pessimistic one).",
 )
 @flag_option("no_figures", "Tables only: draw and reference no figures.")
-@flag_option(
+@option(
     "overwrite",
     "Replace an existing --output file that is not a card qstream wrote (a card it "
     "wrote is replaced without asking).",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 from rich.table import Table as RichTable
 
-from qstream.cliutil import Command, json_option, make_console, seed_option, write_json
+from qstream.cli import Command, json_option, make_console, option, write_json
 from qstream.progress import step
 from qstream.tablefit import Table
 
@@ -40,7 +40,7 @@ def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]
 
 
 @click.command(cls=Command)
-@seed_option("Seed of the Gaussian test tensor.")
+@option("seed", "Seed of the Gaussian test tensor.")
 @json_option()
 def formats(seed: int, json_path: str | None) -> None:
     """Show the weight formats qstream writes and their weight SNR.

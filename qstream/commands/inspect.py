@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table as RichTable
 
-from qstream.cliutil import Command, json_option, make_console, write_json
+from qstream.cli import Command, json_option, make_console, write_json
 from qstream.progress import step
 from qstream.tablefit import Table
 

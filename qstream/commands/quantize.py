@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.table import Table
 
-from qstream.clichoices import WEIGHT_FORMATS
-from qstream.clitypes import Choice
-from qstream.cliutil import (
+from qstream.cli import (
+    WEIGHT_FORMATS,
+    Choice,
     Command,
     count_option,
     flag_option,

@@ -7,15 +7,7 @@ from typing import TYPE_CHECKING
 import click
 
 from qstream.arch.registry import ARCHITECTURES
-from qstream.cliutil import (
-    Command,
-    device_option,
-    flag_option,
-    json_option,
-    option,
-    seed_option,
-    write_json,
-)
+from qstream.cli import DIRECTORY, Command, json_option, option, write_json
 from qstream.progress import Progress, counter
 
 if TYPE_CHECKING:
@@ -31,27 +23,25 @@ if TYPE_CHECKING:
     "(Kimi-K3 shapes, 7.1 GB); the Qwen3-style DSpark draft: qwen3-tiny (tests) or qwen3-8b "
     "(Qwen3-8B shapes, 2.3 GB).  [default: tiny, or qwen3-tiny for a Qwen3 --target]",
 )
-@option("output_dir", required=True, type=click.Path(file_okay=False), help="Where to write.")
-@seed_option("Same seed, same bytes.")
+@option("output_dir", "Where to write.", required=True, type=DIRECTORY)
+@option("seed", "Same seed, same bytes.")
 @option(
     "corpus",
     type=click.Path(dir_okay=False, exists=True),
-    default=None,
     help="GSM8K JSONL or text to train the tokenizer and Markov statistics on "
     "(default: a built-in generated corpus of arithmetic word problems).",
 )
 @option(
     "target",
-    type=click.Path(file_okay=False),
-    default=None,
     help="A Hugging Face target to shape the draft for (its hidden size, depth, vocabulary, "
     "tokenizer and embed_tokens; lm_head is borrowed with --target at load time); a Qwen3 "
     "target gets a Qwen3-style draft with its attention shapes and RoPE, and no embed_tokens.",
 )
-@flag_option("overwrite", "Replace an existing output directory.")
-@device_option(
+@option("overwrite", "Replace an existing output directory.")
+@option(
+    "device",
     "Checked like eval-drift's; the weights are drawn on the CPU whatever it says, so that "
-    "the same seed writes the same bytes on every machine."
+    "the same seed writes the same bytes on every machine.",
 )
 @json_option()
 def synth(

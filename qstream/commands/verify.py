@@ -8,8 +8,16 @@ from typing import TYPE_CHECKING
 
 import click
 
-from qstream.clichoices import VLLM_VERSION
-from qstream.cliutil import Command, count_option, flag_option, json_option, option, write_json
+from qstream.cli import (
+    VLLM_VERSION,
+    Command,
+    count_option,
+    flag_option,
+    json_option,
+    make_console,
+    option,
+    write_json,
+)
 from qstream.errors import QStreamError
 from qstream.progress import step
 
@@ -37,7 +45,6 @@ if TYPE_CHECKING:
 )
 @option(
     "target",
-    type=click.Path(file_okay=False),
     metavar="DIR",
     help="The target checkpoint: --target-layers is its config.json's num_hidden_layers, as "
     "vLLM reads it (needed for a speculators-layout draft, whose config.json has no "
@@ -116,9 +123,7 @@ def _target_layers(target_layers: int | None, target: str | None) -> int | None:
 def _echo_wrapped(text: str) -> None:
     """``text`` wrapped between words at the terminal's width (COLUMNS), the lines after the
     first indented; a path longer than a line is kept whole."""
-    from qstream.cliutil import make_console  # the console's width: COLUMNS, else 200 in a pipe
-
-    width = make_console().width
+    width = make_console().width  # COLUMNS, else 200 in a pipe
     click.echo(textwrap.fill(text, width, subsequent_indent="  ", break_long_words=False))
 
 

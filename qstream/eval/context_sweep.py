@@ -5,9 +5,9 @@ Each bucket draws its blocks from long streams (the corpus documents concatenate
 them; docs/context-sweep.md) and is a complete evaluation, run by the ``evaluate`` callable the
 evaluator hands in.
 
->>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "nvfp4"),
+>>> settings = DriftSettings(model="DRAFT_DIR", regime="heavy", formats=("bf16", "nvfp4"),
 ...                          context_lengths=default_edges(config), context_blocks=256)
->>> results = evaluate_drift("DRAFT_DIR", settings, corpus)
+>>> results = evaluate_drift(settings)
 >>> [b["variants"]["nvfp4"]["metrics"]["rollouts"]["greedy"]["ceiling"]
 ...  for b in results["regimes"]["heavy"]["context_sweep"]["buckets"]]
 """
@@ -36,16 +36,6 @@ def default_edges(config: DraftConfig) -> tuple[int, ...]:
     orig = config.original_max_position_embeddings
     cap = config.max_position_embeddings
     return tuple(sorted({min(cap, max(1, round(m * orig))) for m in DEFAULT_MULTIPLES}))
-
-
-def parse_edges(text: str) -> tuple[int, ...]:
-    """``"32,64,128,4096"`` -> (32, 64, 128, 4096); order and range are DriftSettings' checks."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise QStreamError(
-            f"--context-lengths expects comma-separated token counts, got {text!r}"
-        ) from None
 
 
 def long_streams(corpus: Corpus, eos_token_id: int, length: int) -> Corpus:
@@ -79,7 +69,7 @@ def bucket_plans(
 ) -> list[tuple[int, int, Corpus, AnchorPlan]]:
     """Each bucket [edge_i, edge_i+1) of ``settings.context_lengths``: (lo, hi, its long
     streams, its ``context_blocks`` anchors), checked against the config."""
-    edges, B = settings.context_lengths, config.block_size
+    edges, B = settings.edges, config.block_size
     max_anchor = config.max_position_embeddings - B  # the block's positions stay inside the range
     if edges[-1] > config.max_position_embeddings:
         raise QStreamError(
@@ -130,7 +120,7 @@ def context_sweep(
             }
         )
     return {
-        "edges": list(settings.context_lengths),
+        "edges": list(settings.edges),
         "yarn_boundary": boundary,
         "max_position_embeddings": config.max_position_embeddings,
         "buckets_per": "context length p of the block (tokens before its anchor), lo <= p < hi",

@@ -1,14 +1,18 @@
 """Drift of each variant against the FP32 reference (docs/eval-drift.md), regime by regime:
-the results file, its run description, and the regimes, captured states and context buckets it
-holds.  One regime's work is qstream/eval/passes.py's.
+``qstream eval-drift`` as one library call, :func:`evaluate_drift`.  It resolves the command's
+defaults (the built-in draft and corpus, the draft's own tokenizer, the default context buckets),
+loads the corpus and writes the results file, its run description, and the regimes, captured
+states and context buckets it holds.  One regime's work is qstream/eval/passes.py's.
+``evals/eval_dspark_quant.py`` uses the same call.
 
->>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8"), n_blocks=256)
->>> results = evaluate_drift("DRAFT_DIR", settings, load_corpus("gsm8k/test.jsonl", TOKENIZER))
+>>> settings = DriftSettings(model="DRAFT", regime="heavy", formats=("bf16", "fp8"), blocks=256)
+>>> results = evaluate_drift(settings, say=print)
 >>> results["regimes"]["heavy"]["variants"]["fp8"]["metrics"]["rollouts"]["greedy"]["ceiling"]
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,12 +26,28 @@ from qstream.device import describe_device, resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.aux_sources import check_boot_compatible
 from qstream.eval.batches import Batch, batch_flops, make_batches
-from qstream.eval.context_sweep import bucket_plans, context_sweep
-from qstream.eval.corpus import AnchorPlan, Corpus, read_anchor_plan, sample_anchors
+from qstream.eval.context_sweep import bucket_plans, context_sweep, default_edges
+from qstream.eval.corpus import (
+    BUILTIN_CORPUS_NAME,
+    AnchorPlan,
+    Corpus,
+    builtin_corpus_docs,
+    builtin_model_dir,
+    load_corpus,
+    read_anchor_plan,
+    sample_anchors,
+    tokenize,
+)
 from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
-from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings
+from qstream.eval.settings import (
+    DEFAULT_EDGES,
+    REFERENCE,
+    STEPS,
+    VARIANTS,
+    DriftSettings,
+)
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import Variant, Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
@@ -44,7 +64,7 @@ Batched = dict[int, tuple[Batch, ...]]  # id of a plan the run holds -> its batc
 def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> AnchorPlan:
     return sample_anchors(
         corpus,
-        settings.n_blocks,
+        settings.blocks,
         config.block_size,
         settings.seed,
         max_context=config.max_position_embeddings - config.block_size,
@@ -67,20 +87,62 @@ def refuse_unevaluated(config: DraftConfig) -> None:
         )
 
 
-def evaluate_drift(
+def load_run_corpus(
     model_dir: str | Path,
-    settings: DriftSettings,
-    corpus: Corpus,
+    corpus: str | None,
+    tokenizer: str | None,
+    config: DraftConfig,
     target: str | None = None,
+) -> Corpus:
+    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the
+    draft's own tokenizer.json, else ``target``'s, as speculate uses; the path used is
+    recorded in the results' ``corpus.tokenizer``)."""
+    tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
+    if not tokenizer and target is not None and not tok.is_file():
+        tok = Path(target) / "tokenizer.json"
+    if corpus is None:
+        return tokenize(builtin_corpus_docs(), tok, config.vocab_size, name=BUILTIN_CORPUS_NAME)
+    return load_corpus(corpus, tok, config.vocab_size)
+
+
+def _resolved(
+    settings: DriftSettings, corpus: Corpus | None, say: Callable[[str], None] | None
+) -> tuple[DriftSettings, DraftConfig, Corpus]:
+    """The command's defaults resolved: the built-in draft for no ``model`` (built on first
+    use, announced through ``say``), the draft's default context buckets, the architecture's
+    shipped include list; and the corpus, read unless given already loaded."""
+    model = settings.model
+    if model is None:
+        model = str(builtin_model_dir(say))
+        where = " on the GSM8K test split shipped with qstream." if settings.corpus is None else "."
+        if say is not None:
+            say(f"No --model given: evaluating the built-in synthetic tiny draft ({model}){where}")
+    config = load_config(model)
+    edges = settings.context_lengths
+    if edges == DEFAULT_EDGES:
+        edges = default_edges(config)
+    if corpus is None:
+        s = settings
+        corpus = load_run_corpus(model, s.corpus, s.tokenizer, config, s.target)
+    include = settings.include_layers or architecture_of(config).quantize_include
+    settings = replace(settings, model=model, context_lengths=edges, include_layers=include)
+    return settings, config, corpus
+
+
+def evaluate_drift(
+    settings: DriftSettings,
+    corpus: Corpus | None = None,
+    say: Callable[[str], None] | None = None,
     progress: Progress | None = None,
 ) -> dict:
-    """Run every regime of ``settings``; returns the JSON-ready results (schema in docs/)."""
-    progress = progress or Silent()
+    """Run every regime of ``settings``; returns the JSON-ready results (schema in docs/).
+    ``corpus``: an already loaded :class:`~qstream.eval.corpus.Corpus` in place of
+    ``settings.corpus``."""
     resolve_device(settings.device)  # before any work: one line when there is no such GPU
+    settings, config, corpus = _resolved(settings, corpus, say)
+    model_dir, target = str(settings.model), settings.target
+    progress = progress or Silent()
     progress.start(settings.planned_blocks())
-    config = load_config(model_dir)
-    if not settings.include:  # the architecture's shipped list
-        settings = replace(settings, include=architecture_of(config).quantize_include)
     refuse_unevaluated(config)
     if any(REGIMES[r].causal for r in settings.regimes):
         check_boot_compatible(config)
@@ -98,7 +160,7 @@ def evaluate_drift(
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
     batched = _batched(config, sets)
     progress.start(*_planned(config, settings, steps, batched, plan, states_plan, buckets))
-    results = _run_description(model_dir, config, weights, corpus, plan, settings, variants, target)
+    results = _run_description(config, weights, corpus, plan, settings, variants)
 
     def run(regime: Regime, streams: Corpus, blocks: AnchorPlan) -> RegimeRun:
         batches, fixed = batched[id(blocks)], (variants, settings, target, progress)
@@ -113,7 +175,7 @@ def evaluate_drift(
             anchors.update(file=str(path), file_sha256=sha256_file(path))
         results["states"] = {**states.identity(), "anchors": anchors}
         results["regimes"][STATES.name] = evaluate_regime(run(STATES, states, states_plan))
-    if settings.verification.acceptance or states is not None:
+    if settings.acceptance or states is not None:
         results["acceptance"] = ACCEPTANCE_DEFINITIONS
     return results
 
@@ -130,7 +192,8 @@ def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSet
     here."""
     if not settings.sensitivity:
         return 0
-    return 1 + 2 * len(module_kinds(weights, sensitivity_format(settings), config, settings.ignore))
+    kinds = module_kinds(weights, sensitivity_format(settings), config, settings.ignore_layers)
+    return 1 + 2 * len(kinds)
 
 
 def _planned(
@@ -200,16 +263,15 @@ def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
 
 
 def _run_description(
-    model_dir: str | Path,
     config: DraftConfig,
     weights: Weights,
     corpus: Corpus,
     plan: AnchorPlan,
     settings: DriftSettings,
     variants: tuple[Variant, ...],
-    target: str | None,
 ) -> dict:
     """The results' top-level fields: how the numbers were measured (docs/eval-drift.md)."""
+    model_dir, target = str(settings.model), settings.target
     return {
         "schema": SCHEMA,
         "qstream_version": qstream.__version__,
@@ -223,7 +285,7 @@ def _run_description(
         "target": str(target) if target else None,
         "corpus": corpus.identity(),
         "seed": settings.seed,
-        "blocks": settings.n_blocks,
+        "blocks": settings.blocks,
         "block_size": config.block_size,
         "anchors": plan.to_json(),
         "sampling": settings.sampling.to_json(),
@@ -233,7 +295,10 @@ def _run_description(
         "confidence_head": CONFIDENCE_NOTE,
         "aux_dtype": "bf16",
         "compute": describe_device(torch.device(settings.device)),
-        "selection": {"include": list(settings.include), "ignore": list(settings.ignore)},
+        "selection": {
+            "include": list(settings.include_layers),
+            "ignore": list(settings.ignore_layers),
+        },
         "variants": {v.name: {"kind": v.kind, "source": v.source, **v.checks()} for v in variants},
         "regimes": {},
     }

@@ -72,14 +72,14 @@ def evaluate_regime(run: RegimeRun) -> dict:
     settings ask) the sensitivity steps: the regime's JSON-ready results entry."""
     s = run.settings
     with ExitStack() as kept:  # the stored per-block outputs are freed when the regime ends
-        aux = AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch.directory)
+        aux = AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch_dir)
         kept.callback(aux.close)
         probe = RegimeAcceptance(
             run.weights, run.plan, aux.captured, settings=s, block_size=run.config.block_size
         )
         kept.callback(probe.close)
         N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
-        logits = kept.enter_context(Store(s.scratch.directory, total_bytes=4 * N * B * V))
+        logits = kept.enter_context(Store(s.scratch_dir, total_bytes=4 * N * B * V))
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
             with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)

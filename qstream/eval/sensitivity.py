@@ -3,8 +3,8 @@ format, and the largest include list that keeps the greedy acceptance ceiling wi
 of bf16.  Each kind (fused partners one kind) is quantized alone, then the kinds are added least
 harmful first; every step is a variant measured against the regime's one reference pass.
 
->>> settings = DriftSettings(regimes=("heavy",), formats=("bf16",), sensitivity=True)
->>> results = evaluate_drift("DRAFT_DIR", settings, corpus)
+>>> settings = DriftSettings(model="DRAFT_DIR", regime="heavy", formats=("bf16",), sensitivity=True)
+>>> results = evaluate_drift(settings)
 >>> results["regimes"]["heavy"]["sensitivity"]["suggested"]["command"]
 '--include_layers context_proj self_attn.o_proj ...'
 """
@@ -141,7 +141,7 @@ def evaluate_sensitivity(
 ) -> dict:
     """The floor, one step per kind alone, then the cumulative steps and the suggested list
     (JSON-ready; the schema is in docs/eval-drift.md)."""
-    kinds = module_kinds(weights, fmt, config, settings.ignore)
+    kinds = module_kinds(weights, fmt, config, settings.ignore_layers)
     if not kinds:
         raise QStreamError(f"--sensitivity: {fmt} can quantize no module of this checkpoint")
     floor = _summary(step("bf16 floor", ()))
@@ -173,11 +173,11 @@ def evaluate_sensitivity(
         "format": fmt,
         "tolerance": settings.tolerance,
         "harm": HARM,
-        "ignore": list(settings.ignore),
+        "ignore": list(settings.ignore_layers),
         "floor": floor,
         "single": single,
         "cumulative": cumulative,
-        "suggested": _suggest(cumulative, settings.ignore),
+        "suggested": _suggest(cumulative, settings.ignore_layers),
     }
 
 

@@ -1,21 +1,29 @@
-"""What one ``evaluate_drift`` run is asked to do (:class:`DriftSettings`), one frozen object
-per concern, each checked once, where it is built: how the drafter and the verifier sample
-(:class:`Sampling`), what verifies the drafts (:class:`Verification`), where outputs too big for
-memory go (:class:`Scratch`).
+"""What one ``evaluate_drift`` or ``run_speculate`` run is asked to do: frozen objects whose
+fields are the command's options by name (click's parameter names), so that a command builds one
+from its options as they are (``DriftSettings(**options)``), and a library caller writes what a
+user types.  Each value is checked once, where the object is built, with the message the command
+prints.  :class:`Selection` (the variants and the modules they quantize) is what eval-drift and
+speculate share; :class:`DriftSettings` adds the rest of eval-drift's options, and holds how the
+drafter and the verifier sample (:class:`Sampling`) and adaptive verification's budget
+(:class:`AdaptiveBudget`) as objects built from them.
 
->>> settings = DriftSettings(regimes=("heavy",), formats=("bf16", "fp8"), n_blocks=256,
-...                          sampling=Sampling(temperature=0.7, top_p=0.95))
+>>> settings = DriftSettings(model="DRAFT", regime="heavy", formats=("bf16", "fp8"), blocks=256,
+...                          temperature=0.7, top_p=0.95, acceptance=True)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
 from qstream.formats import FORMATS
-from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
+from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
+
+DEFAULT_EDGES = "default"  # --context-lengths given bare: context_sweep.default_edges(config)
 
 # The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py).
 # STEPS: the sensitivity steps, which measure drift only (no verifier), so run at a pace of
@@ -82,43 +90,78 @@ class AdaptiveBudget:
         return {"requests": self.requests, "budget_share": self.budget_share}
 
 
-@dataclass(frozen=True)
-class Verification:
-    """What verifies the drafts (docs/acceptance.md).  ``acceptance``: the FP32 reference
-    verifies each variant's drafts, in every mode vLLM serves (captured states add the target
-    as a verifier whatever this says); ``adaptive``: adaptive verification's budget, for
-    either verifier."""
-
-    acceptance: bool = False
-    adaptive: AdaptiveBudget = AdaptiveBudget()
-
-
-@dataclass(frozen=True)
-class Scratch:
-    """Where per-block outputs too big for memory are kept for a regime (qstream/bounded/store.py;
-    None: the system's temporary directory).  Never in the results: it changes no number."""
-
-    directory: str | None = None
+def parse_variants(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """``NAME=DIR`` values (``--variant``) -> ((name, dir), ...), each dir checked to exist."""
+    out = []
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise QStreamError(f"--variant expects NAME=DIR, got {value!r}")
+        if not Path(path).is_dir():
+            raise QStreamError(f"--variant {name}: {path} is not a directory")
+        out.append((name, path))
+    return tuple(out)
 
 
-@dataclass(frozen=True)
-class DriftSettings:
-    regimes: tuple[str, ...] = (DEFAULT_REGIME.name,)  # AUX_REGIMES names
-    formats: tuple[str, ...] = VARIANT_FORMATS  # simulated variants; bf16 is the floor
-    variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
-    # compare a variant that is not derived from the model (qstream/eval/provenance.py)
+@dataclass(frozen=True, kw_only=True)
+class Selection:
+    """The variants a run builds and what they quantize, as eval-drift and speculate take them:
+    simulated ``formats`` (bf16 is the floor), quantized checkpoints read back (``variant``,
+    ``NAME=DIR``; ``variant_dirs`` holds them parsed), whether one not derived from the model is
+    compared anyway (qstream/eval/provenance.py) and whether its files are checked against the
+    sha256s quantize recorded (qstream/checkpoint/integrity.py, recorded in the results); the
+    modules the simulated formats quantize (() = the draft architecture's own shipped list, its
+    descriptor's quantize_include, resolved once config.json is read) and never quantize."""
+
+    formats: tuple[str, ...] = VARIANT_FORMATS
+    variant: tuple[str, ...] = ()
     allow_foreign_variant: bool = False
-    # check each variant directory against the sha256s quantize recorded; False:
-    # --no-integrity-check, recorded in the results (qstream/checkpoint/integrity.py)
-    integrity_check: bool = True
-    # modules the simulated formats quantize; () = the draft architecture's own shipped list
-    # (its descriptor's quantize_include), resolved by evaluate_drift once it reads config.json
-    include: tuple[str, ...] = ()
-    ignore: tuple[str, ...] = ()
-    n_blocks: int = 1024
+    no_integrity_check: bool = False
+    include_layers: tuple[str, ...] = ()
+    ignore_layers: tuple[str, ...] = ()
+    variant_dirs: tuple[tuple[str, str], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variant_dirs", parse_variants(self.variant))
+        for fmt in self.formats:
+            if fmt not in ALLOWED_FORMATS:
+                raise QStreamError(
+                    f"unknown format {fmt!r}; choose from {', '.join(ALLOWED_FORMATS)}"
+                )
+        names = [*self.formats, *(name for name, _ in self.variant_dirs)]
+        if not names:
+            raise QStreamError("nothing to evaluate: --formats names no format and no --variant")
+        if len(set(names)) != len(names):
+            raise QStreamError(f"variant names must be unique, got {', '.join(names)}")
+
+    @property
+    def n_variants(self) -> int:
+        return len(self.formats) + len(self.variant_dirs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DriftSettings(Selection):
+    """eval-drift's options (docs/eval-drift.md), by name.  ``model`` None: the built-in
+    synthetic draft; ``tokenizer`` None: the draft's own (else the target's); ``corpus`` None:
+    the built-in GSM8K test split.  ``regime``: a regime's name, ``all``, several names, or
+    None: the default regime (none when ``states`` is given); ``regimes`` holds the names."""
+
+    model: str | None = None
+    target: str | None = None  # the target whose lm_head (and embed_tokens) the draft borrows
+    tokenizer: str | None = None
+    corpus: str | None = None
+    regime: str | tuple[str, ...] | None = None
+    blocks: int = 1024
     seed: int = 0
-    sampling: Sampling = Sampling()
-    verification: Verification = Verification()
+    temperature: float = 1.0
+    top_p: float = 1.0  # verifier
+    top_k: int | None = None  # verifier; None: off
+    draft_top_p: float = 1.0
+    # the FP32 reference verifies each variant's drafts, in every mode vLLM serves (captured
+    # states add the target as a verifier whatever this says; docs/acceptance.md)
+    acceptance: bool = False
+    adaptive_requests: int = 8
+    adaptive_budget: float = 0.5
     # captured target states, a file or a directory (qstream/eval/states/): regime "states";
     # its layout (auto: from the contents), the convention of the layer ids it names, and layer
     # ids to check it against (docs/states.md)
@@ -134,30 +177,28 @@ class DriftSettings:
     sensitivity: bool = False
     sensitivity_format: str | None = None
     tolerance: float = 0.1  # greedy ceiling (tokens) below bf16 the include list may lose
-    # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens; () = no sweep
-    context_lengths: tuple[int, ...] = ()
+    # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens, or
+    # DEFAULT_EDGES (resolved by evaluate_drift from the draft's config); () = no sweep
+    context_lengths: tuple[int, ...] | str = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
     device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/device.py)
-    scratch: Scratch = Scratch()
+    # where per-block outputs too big for memory go (qstream/bounded/store.py; None: the
+    # system's temporary directory); never in the results: it changes no number
+    scratch_dir: str | None = None
+    regimes: tuple[str, ...] = field(init=False)
+    sampling: Sampling = field(init=False)
+    adaptive: AdaptiveBudget = field(init=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "regimes", _regimes(self.regime, self.states))
         for regime in self.regimes:
             if regime not in AUX_REGIMES:
                 raise QStreamError(
                     f"unknown regime {regime!r}; choose from {', '.join(AUX_REGIMES)} or all"
                 )
-        for fmt in self.formats:
-            if fmt not in ALLOWED_FORMATS:
-                raise QStreamError(
-                    f"unknown format {fmt!r}; choose from {', '.join(ALLOWED_FORMATS)}"
-                )
-        names = [*self.formats, *(name for name, _ in self.variant_dirs)]
-        if not names:
-            raise QStreamError("nothing to evaluate: --formats names no format and no --variant")
-        if len(set(names)) != len(names):
-            raise QStreamError(f"variant names must be unique, got {', '.join(names)}")
-        if self.n_blocks < 1:
-            raise QStreamError(f"--blocks must be at least 1, got {self.n_blocks}")
+        if self.blocks < 1:
+            raise QStreamError(f"--blocks must be at least 1, got {self.blocks}")
         if not self.regimes and self.states is None:
             raise QStreamError("nothing to evaluate: no regime and no --states file")
         if self.states_anchors is not None and self.states is None:
@@ -170,9 +211,20 @@ class DriftSettings:
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
         self._check_context()
+        sampling = Sampling(self.temperature, self.top_p, self.top_k, self.draft_top_p)
+        object.__setattr__(self, "sampling", sampling)
+        adaptive = AdaptiveBudget(self.adaptive_requests, self.adaptive_budget)
+        object.__setattr__(self, "adaptive", adaptive)
 
     def _check_context(self) -> None:
+        if self.context_lengths is None:  # the command's value when --context-lengths is absent
+            object.__setattr__(self, "context_lengths", ())
         edges = self.context_lengths
+        if isinstance(edges, str):
+            if edges == DEFAULT_EDGES:
+                return
+            edges = parse_edges(edges)
+            object.__setattr__(self, "context_lengths", edges)
         if edges and (
             len(edges) < 2 or edges[0] < 1 or any(a >= b for a, b in zip(edges, edges[1:]))
         ):
@@ -184,8 +236,9 @@ class DriftSettings:
             raise QStreamError(f"--context-blocks must be at least 1, got {self.context_blocks}")
 
     @property
-    def n_variants(self) -> int:
-        return len(self.formats) + len(self.variant_dirs)
+    def edges(self) -> tuple[int, ...]:
+        """The sweep's bucket edges, once ``evaluate_drift`` has resolved DEFAULT_EDGES."""
+        return () if isinstance(self.context_lengths, str) else self.context_lengths
 
     def planned_blocks(self) -> int | None:
         """Blocks ``evaluate_drift`` reports to its progress, as far as the settings tell before
@@ -194,7 +247,26 @@ class DriftSettings:
         Once the blocks are planned, ``evaluate_drift`` reports the exact count."""
         if self.sensitivity:
             return None
-        buckets = max(0, len(self.context_lengths) - 1)
-        synthetic = len(self.regimes) * (self.n_blocks + buckets * self.context_blocks)
-        states = self.n_blocks if self.states is not None else 0
+        buckets = max(0, len(self.edges) - 1)
+        synthetic = len(self.regimes) * (self.blocks + buckets * self.context_blocks)
+        states = self.blocks if self.states is not None else 0
         return (synthetic + states) * (1 + self.n_variants)
+
+
+def _regimes(regime: str | tuple[str, ...] | None, states: str | None) -> tuple[str, ...]:
+    """``--regime``: one regime, ``all``, or (None) the default; none when states are given."""
+    if regime is None:
+        return () if states else (DEFAULT_REGIME.name,)
+    if isinstance(regime, str):
+        return AUX_REGIMES if regime == ALL_REGIMES else (regime,)
+    return tuple(regime)
+
+
+def parse_edges(text: str) -> tuple[int, ...]:
+    """``"32,64,128,4096"`` -> (32, 64, 128, 4096); order and range are DriftSettings' checks."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise QStreamError(
+            f"--context-lengths expects comma-separated token counts, got {text!r}"
+        ) from None

@@ -12,7 +12,7 @@ from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of
 from qstream.checkpoint.integrity import integrity_record
 from qstream.checkpoint.safetensors_io import drop_resident_pages
-from qstream.eval.settings import DriftSettings
+from qstream.eval.settings import Selection
 from qstream.eval.vocabulary import FLOOR, REFERENCE
 from qstream.formats import snr_db, snr_sums
 from qstream.quant.simulate import simulate_format
@@ -44,7 +44,7 @@ class Variant:
         return torch.float32 if self.kind == REFERENCE else torch.bfloat16
 
 
-def settings_variants(settings: DriftSettings) -> tuple[Variant, ...]:
+def settings_variants(settings: Selection) -> tuple[Variant, ...]:
     """The simulated formats, then the checkpoint directories, in the order the user gave;
     each directory checked against the sha256s quantize recorded, unless the settings say not
     to (one line naming the first file that fails)."""
@@ -53,7 +53,7 @@ def settings_variants(settings: DriftSettings) -> tuple[Variant, ...]:
     ]
     checkpoints = []
     for name, path in settings.variant_dirs:
-        record = integrity_record(path, f"--variant {name}", settings.integrity_check)
+        record = integrity_record(path, f"--variant {name}", not settings.no_integrity_check)
         checkpoints.append(Variant(name, "checkpoint", path, integrity=tuple(record.items())))
     return (*simulated, *checkpoints)
 
@@ -62,7 +62,7 @@ def variant_weights(
     variant: Variant,
     reference_weights: Weights,
     config: DraftConfig,
-    settings: DriftSettings,
+    settings: Selection,
     target: str | None,
 ) -> tuple[Weights, list[str]]:
     """The variant's weights and the names of the tensors its format changed."""
@@ -71,12 +71,12 @@ def variant_weights(
     if variant.kind == "simulated":
         # Shapes a block format cannot hold stay bf16, as --skip-incompatible writes them; the
         # results list which tensors were quantized (quantized_tensors, weight_snr.tensors).
-        include = settings.include if variant.include is None else variant.include
+        include = settings.include_layers if variant.include is None else variant.include
         weights = simulate_format(
             reference_weights,
             variant.source,
             include=include,
-            ignore=settings.ignore,
+            ignore=settings.ignore_layers,
             skip_incompatible=True,
             config=config,
         )

@@ -1,7 +1,7 @@
 """What the verifiers accept of an evaluation's drafted blocks, batch by batch, in one regime:
 the FP32 reference on each variant's own drafted prefixes (``--acceptance``), and the captured
 target on its own stream (``--states``), with the run's :class:`~qstream.eval.settings.Sampling`
-and :class:`~qstream.eval.settings.Verification`.  The math and the tallies are
+and :class:`~qstream.eval.settings.AdaptiveBudget`.  The math and the tallies are
 qstream/eval/acceptance.py's; the regime loop that feeds this is passes.py's."""
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ class RegimeAcceptance:
         block_size: int,
     ):
         self.sampling, self.B = settings.sampling, block_size
-        self.adaptive, self.seed = settings.verification.adaptive, settings.seed
+        self.adaptive, self.seed = settings.adaptive, settings.seed
         self.states = captured
-        self.against_reference = settings.verification.acceptance
+        self.against_reference = settings.acceptance
         self.active = self.against_reference or self.states is not None
         self.variants: dict[str, dict[str, AcceptanceAccumulator]] = {}
         self.reference_target = self._accumulator()
@@ -90,7 +90,7 @@ class RegimeAcceptance:
             self.stream_tokens = self.states.block_tokens(plan, block_size)
         if self.against_reference:  # last: nothing after it can fail and leave it open
             N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
-            self.U_ref = Store(settings.scratch.directory, total_bytes=4 * N * block_size * V)
+            self.U_ref = Store(settings.scratch_dir, total_bytes=4 * N * block_size * V)
 
     def close(self) -> None:
         """Free the stored U (its memory or scratch file)."""

@@ -24,9 +24,9 @@ from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.device import resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
-from qstream.eval.settings import DriftSettings
+from qstream.eval.settings import Selection
 from qstream.eval.variants import Variant, settings_variants, variant_weights
-from qstream.eval.vocabulary import FLOOR, VARIANT_FORMATS
+from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
 from qstream.speculate.capture import check_capture_dir, write_capture
 from qstream.speculate.decode import RULES
@@ -37,8 +37,11 @@ PROMPT = "each document up to and including its first newline (a GSM8K question)
 PROMPT += "by the target's tokenizer without special tokens"
 
 
-@dataclass(frozen=True)
-class SpeculateSettings:
+@dataclass(frozen=True, kw_only=True)
+class SpeculateSettings(Selection):
+    """speculate's options by name; the variants (:class:`~qstream.eval.settings.Selection`)
+    as eval-drift names and checks them."""
+
     target: str  # Hugging Face target directory: verifies, and lends the draft what it lacks
     model: str  # draft directory, unquantized: the source of the simulated formats
     corpus: str | None = None  # GSM8K JSONL or text; None: the built-in GSM8K test split
@@ -49,26 +52,7 @@ class SpeculateSettings:
     seed: int = 0  # prompt i decodes with seed + i, the same for every variant
     dtype: str | None = None  # the target's weights and compute; None: default_dtype(device)
     device: str = "cpu"  # where the target runs (the draft drafts on the CPU)
-    # the variants, as eval-drift names them (qstream/eval/variants.py)
-    formats: tuple[str, ...] = VARIANT_FORMATS
-    variant_dirs: tuple[tuple[str, str], ...] = ()  # (name, quantized checkpoint directory)
-    include: tuple[str, ...] = ()  # () = the draft architecture's shipped list
-    ignore: tuple[str, ...] = ()
-    allow_foreign_variant: bool = False
-    integrity_check: bool = True
     capture: str | None = None  # greedy only: the streams' states and each variant's anchors
-
-    def selection(self) -> DriftSettings:
-        """The variants as eval-drift's settings hold them (and check them: names unique, at
-        least one)."""
-        return DriftSettings(
-            formats=self.formats,
-            variant_dirs=self.variant_dirs,
-            include=self.include,
-            ignore=self.ignore,
-            allow_foreign_variant=self.allow_foreign_variant,
-            integrity_check=self.integrity_check,
-        )
 
 
 def _check(s: SpeculateSettings, config: DraftConfig) -> None:
@@ -101,20 +85,18 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     if s.capture is not None:
         check_capture_dir(Path(s.capture), s.rule, {"--model": s.model, "--target": s.target})
     arch = architecture_of(config)
-    selection = s.selection()
-    if not selection.include:
-        selection = replace(selection, include=arch.quantize_include)
+    s = replace(s, include_layers=s.include_layers or arch.quantize_include)
     weights = arch.load_weights(s.model, s.target, config)
     check_finite(weights.items(), f"--model {s.model}: draft tensor")
     variants = check_variants_derived(
-        settings_variants(selection), s.model, weights, s.allow_foreign_variant
+        settings_variants(s), s.model, weights, s.allow_foreign_variant
     )
     docs = corpus_docs(s.corpus)
     target, prompts = _target_and_prompts(s, docs, config)
-    results = _description(s, selection, config, shape, docs)
+    results = _description(s, config, shape, docs)
     decoded = {}
     for v in variants:
-        var_weights, changed = variant_weights(v, weights, config, selection, s.target)
+        var_weights, changed = variant_weights(v, weights, config, s, s.target)
         draft = arch.build(config, var_weights, v.dtype, "cpu")
         _started(progress, len(prompts), v.name)
         runs = decoded[v.name] = decode_prompts(
@@ -211,11 +193,7 @@ def _variant_entry(v: Variant, changed: list[str]) -> dict:
 
 
 def _description(
-    s: SpeculateSettings,
-    selection: DriftSettings,
-    config: DraftConfig,
-    shape: TargetShape,
-    docs: CorpusDocs,
+    s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs: CorpusDocs
 ) -> dict:
     """The results' settings and provenance: what was decoded, by what, from what."""
     import transformers
@@ -231,7 +209,7 @@ def _description(
             "seed": s.seed,
             "target_dtype": s.dtype,
             "device": s.device,
-            "selection": {"include": list(selection.include), "ignore": list(selection.ignore)},
+            "selection": {"include": list(s.include_layers), "ignore": list(s.ignore_layers)},
         },
         "provenance": {
             "target": shape.identity(),

@@ -16,10 +16,19 @@ from qstream.arch import FlopModel
 from qstream.arch.dspark_mla import checkpoint
 from qstream.arch.dspark_mla.config import ARCHITECTURE, MODEL_TYPE, PRESETS, DSparkConfig
 from qstream.arch.family import DSparkFamily
-from qstream.clichoices import QUANTIZE_INCLUDE
 
 if TYPE_CHECKING:
     import torch
+
+# The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
+QUANTIZE_INCLUDE = (
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "self_attn.o_proj",
+    "self_attn.q_b_proj",
+    "context_proj",
+)
 
 
 class DSparkMLA(FlopModel, DSparkFamily):
@@ -27,8 +36,7 @@ class DSparkMLA(FlopModel, DSparkFamily):
 
     model_module = "qstream.arch.dspark_mla.model"  # forward and FLOP model, torch
     config_type: type = DSparkConfig
-    # the module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters):
-    # --include_layers' default, one tuple defined with the options' names (light for --help)
+    # --include_layers' default (pure Python here: --help reads it)
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
     serving: Mapping[str, Any] | None = checkpoint.SERVING
