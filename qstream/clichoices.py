@@ -6,9 +6,11 @@ constant equals the library's own: tests/test_help.py checks them one by one."""
 
 from __future__ import annotations
 
+from qstream.serving import FLOOR, REFERENCE
+
 WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")  # qstream.formats.FORMATS
-VARIANT_FORMATS = ("bf16", *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
-EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
+VARIANT_FORMATS = (FLOOR, *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
+EVAL_FORMATS = (REFERENCE, *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
 DEFAULT_EDGES = "default"  # qstream.eval.run.DEFAULT_EDGES: --context-lengths given bare
 # qstream.arch.dspark_mla.QUANTIZE_INCLUDE: the module kinds a shipped DSpark quantizes
 QUANTIZE_INCLUDE = (

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from qstream.serving import Variant
+
 Shapes = dict[str, tuple[int, ...]]
 # Every draft borrows its output head from the target, under this name; it is never the draft's
 # own tensor (never quantized, never in its tensor table).
@@ -167,8 +169,10 @@ class Architecture(Protocol):
         ...
 
     def build(
-        self, config: Any, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: Any
-    ) -> DraftModel: ...
+        self, config: Any, weights: Mapping[str, torch.Tensor], variant: Variant, device: Any
+    ) -> DraftModel:
+        """The draft served as ``variant`` (qstream/serving.py) says, on ``device``."""
+        ...
 
     def host_head(self, model: Any) -> Any:
         """What :meth:`teacher_forced` reads, on the host whatever device drafted."""

@@ -29,10 +29,11 @@ from qstream.eval.provenance import check_variants_derived, refuse_quantized_mod
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
 from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Progress, Silent
 from qstream.eval.states import CapturedStates, read_states
-from qstream.eval.variants import Variant, Weights, settings_variants
+from qstream.eval.variants import Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
 from qstream.regimes import REGIMES, STATES, Regime
+from qstream.serving import Variant
 
 __all__ = ["DriftSettings", "evaluate_drift"]
 

@@ -27,10 +27,10 @@ from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
 from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings, Progress
-from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
+from qstream.eval.variants import Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
-from qstream.eval.vocabulary import FLOOR
 from qstream.regimes import Regime
+from qstream.serving import FLOOR, REFERENCE_VARIANT, Variant
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,7 @@ def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dic
     fmt = sensitivity_format(run.settings)
 
     def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
-        variant = (
-            Variant(name, "simulated", fmt, include) if include else Variant(name, FLOOR, FLOOR)
-        )
+        variant = Variant.of_format(fmt if include else FLOOR, name, include or None)
         return measure_variant(run, variant, aux, ref, probe=None)
 
     out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.config, run.settings, step)
@@ -110,7 +108,7 @@ def reference_pass(
     """The FP32 reference drafts every block once; its outputs are kept for the variants (its
     logits in ``logits``, by batch, a store the caller closes)."""
     arch = architecture_of(run.config)
-    reference = arch.build(run.config, run.weights, torch.float32, run.settings.device)
+    reference = arch.build(run.config, run.weights, REFERENCE_VARIANT, run.settings.device)
     head = arch.host_head(reference)
     N, B = run.plan.anchor.numel(), run.config.block_size
     ref = ReferenceOutputs(
@@ -153,7 +151,7 @@ def measure_variant(
     verifiers (sensitivity steps report drift only)."""
     s = run.settings
     kind = VARIANTS if probe is not None else STEPS  # a sensitivity step: drift only
-    step = {"simulated": "simulating", "checkpoint": "loading"}.get(variant.kind)
+    step = variant.weights.making
     if step:  # seconds to minutes at K3 scale: say so before the first block
         run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     drop_resident_pages()  # the previous pass's weights; this one maps back what it reads
@@ -162,7 +160,7 @@ def measure_variant(
     if step:  # the variant is built (and its SNR taken): the time so far is that step's
         run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     arch = architecture_of(run.config)
-    model = arch.build(run.config, var_weights, variant.dtype, s.device)
+    model = arch.build(run.config, var_weights, variant, s.device)
     head = arch.host_head(model)
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None

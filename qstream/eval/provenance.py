@@ -21,8 +21,8 @@ from qstream.arch.registry import load_config
 from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
-from qstream.eval.variants import Variant
 from qstream.formats import FORMATS
+from qstream.serving import Variant
 
 # Tensor suffixes that only a quantized module stores: every format's stored names but weight.
 QUANTIZED_SUFFIXES = {s for f in FORMATS.values() for s in f.stored} - {"weight"}
@@ -80,7 +80,7 @@ def check_variants_derived(
     config = load_config(model_dir)
     out = []
     for variant in variants:
-        if variant.kind != "checkpoint":
+        if not variant.checkpoint:
             out.append(variant)
             continue
         if load_config(variant.source) != config:

@@ -21,6 +21,8 @@ from qstream.arch.family import DSparkFamily
 if TYPE_CHECKING:
     import torch
 
+    from qstream.serving import Variant
+
 # The module kinds a shipped draft quantizes: the backbone's Linear layers and fc
 # (docs/qwen3-dspark.md, "What is quantized"); the serving profile's default selection.
 QUANTIZE_INCLUDE: tuple[str, ...] = DEFAULT_INCLUDE
@@ -55,10 +57,10 @@ class DSparkQwen3(DSparkFamily):
 
         return load_weights(model_dir, target, config)
 
-    def build(self, config: Qwen3DSparkConfig, weights, dtype: torch.dtype, device: Any = "cpu"):
+    def build(self, config: Qwen3DSparkConfig, weights, variant: Variant, device: Any = "cpu"):
         from qstream.arch.dspark_qwen3.forward import Qwen3DSpark
 
-        return Qwen3DSpark(config, weights, dtype, device)
+        return Qwen3DSpark(config, weights, variant.dtype, device)
 
     def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype, depth=None):
         from qstream.arch.dspark_qwen3.forward import CausalStream
