@@ -280,8 +280,7 @@ def test_load_weights_borrows_embed_and_lm_head_from_target_head(q3):
         assert torch.equal(weights[name], head[name]), name
     model = ARCH.build(config, weights, REFERENCE_VARIANT, "cpu")  # and the forward takes them
     aux = torch.randn(1, 16, config.aux_size, generator=torch.Generator().manual_seed(0))
-    blocks = model.draft(model.context(aux), *torch.tensor([[0], [8], [5]]))
-    rollout = ARCH.rollout(model, blocks)
+    rollout = ARCH.drafter.rollout(ARCH.drafter.propose(model, aux, *torch.tensor([[0], [8], [5]])))
     assert rollout.logits.shape == (1, config.block_size, config.vocab_size)
     assert rollout.confidence is not None and bool(torch.isfinite(rollout.logits).all())
 

@@ -74,8 +74,9 @@ def evaluate_regime(run: RegimeRun) -> dict:
         aux = AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch.directory)
         kept.callback(aux.close)
         probe = RegimeAcceptance(
-            run.weights, run.plan, aux.captured, settings=s, block_size=run.config.block_size
-        )
+            architecture_of(run.config).drafter, run.weights, run.plan, aux.captured, settings=s,
+            block_size=run.config.block_size,
+        )  # fmt: skip
         kept.callback(probe.close)
         N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
         logits = kept.enter_context(Store(s.scratch.directory, total_bytes=4 * N * B * V))
@@ -109,7 +110,6 @@ def reference_pass(
     logits in ``logits``, by batch, a store the caller closes)."""
     arch = architecture_of(run.config)
     reference = arch.build(run.config, run.weights, REFERENCE_VARIANT, run.settings.device)
-    head = arch.host_head(reference)
     N, B = run.plan.anchor.numel(), run.config.block_size
     ref = ReferenceOutputs(
         logits,
@@ -120,19 +120,14 @@ def reference_pass(
     s = run.settings
     for number, batch in enumerate(run.batches):
         with heap_hygiene():  # the batch's freed temporaries leave the resident set
-            blocks, greedy, sampled = draft_batch(
-                reference,
-                aux.get(batch, reference),
-                batch,
-                number,
-                s.seed,
-                s.sampling,
+            state, greedy, sampled = draft_batch(
+                reference, aux.get(batch, reference), batch, number, s.seed, s.sampling
             )
             idx = batch.blocks
             ref.logits.put(batch, greedy.logits)
             ref.greedy_tokens[idx] = greedy.tokens
             ref.sampled_tokens[idx] = sampled.tokens
-            probe.add_reference(batch, head, blocks, greedy)
+            probe.add_reference(batch, state, greedy)
             if greedy.confidence is not None:
                 ref.confidence[idx] = greedy.confidence
         work = batch_flops(run.config, batch, run.regime.causal)  # boot: + causal pass
@@ -161,23 +156,22 @@ def measure_variant(
         run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     arch = architecture_of(run.config)
     model = arch.build(run.config, var_weights, variant, s.device)
-    head = arch.host_head(model)
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
         with heap_hygiene():
-            blocks, greedy, sampled = draft_batch(
+            state, greedy, sampled = draft_batch(
                 model, aux.get(batch), batch, number, s.seed, s.sampling
             )
             idx = batch.blocks
-            forced = arch.teacher_forced(head, blocks, ref.greedy_tokens[idx])
+            forced = arch.drafter.teacher_forced(state, ref.greedy_tokens[idx])
             acc.add_teacher_forced(ref.logits.get(batch), forced.logits)
             if forced.confidence is not None:
                 acc.add_confidence(ref.confidence[idx], forced.confidence)
             acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
             acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
             if accepted is not None and probe is not None:
-                probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
+                probe.add_variant(accepted, batch, state, greedy, sampled)
         work = batch_flops(run.config, batch)
         run.progress.advance(f"{run.regime.name}: {variant.name}", len(idx), work, kind)
     return {
