@@ -24,8 +24,8 @@ import torch
 
 from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
 from qstream.arch.dspark_mla.model import DSpark, blocks_flops
-from qstream.arch.markov import rollout
-from qstream.eval.batches import AuxStates, draft_blocks, make_batches
+from qstream.arch.markov import BLOCK_DRAFTER
+from qstream.eval.batches import AuxStates, make_batches, propose
 from qstream.eval.corpus import sample_anchors
 from qstream.eval.drift import load_run_corpus
 from qstream.regimes import GAUSS
@@ -56,7 +56,7 @@ def run_pass(model: DSpark, batches, aux) -> float:
     """One greedy drafting pass over every batch (aux states drawn beforehand, untimed)."""
     start = time.perf_counter()
     for batch, states in zip(batches, aux):
-        rollout(model, draft_blocks(model, states, batch))
+        BLOCK_DRAFTER.rollout(propose(model, states, batch))
     return time.perf_counter() - start
 
 

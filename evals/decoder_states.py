@@ -29,6 +29,7 @@ from safetensors.torch import load_file
 
 from qstream.arch.registry import architecture_of, load_config
 from qstream.capture.target import load_target
+from qstream.serving import FLOOR_VARIANT
 from qstream.speculate import decode
 
 
@@ -42,7 +43,7 @@ def main() -> int:
     config = load_config(args.pair / "draft")
     arch = architecture_of(config)
     weights = arch.load_weights(args.pair / "draft", args.pair / "target", config)
-    draft = arch.build(config, weights, torch.bfloat16)
+    draft = arch.build(config, weights, FLOOR_VARIANT)
     target = load_target(args.pair / "target", torch.float32)
     runs = json.loads((args.out / "speculate.json").read_text())["runs"]["bf16"]
 

@@ -40,9 +40,9 @@ class ToyArch(DSparkMLA):
     def parse_config(self, data):
         return ToyConfig.from_json(dict(data))
 
-    def build(self, config, weights, dtype, device="cpu"):
-        self.built.append(dtype)
-        return super().build(config, weights, dtype, device)
+    def build(self, config, weights, variant, device="cpu"):
+        self.built.append(variant.dtype)
+        return super().build(config, weights, variant, device)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import torch
 from qstream.arch.registry import architecture_of, load_config
 from qstream.capture.streams import corpus_docs
 from qstream.capture.target import load_target
+from qstream.serving import FLOOR_VARIANT
 from qstream.speculate.decode import speculative_decode, target_greedy
 
 PAIR = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair"
@@ -45,7 +46,7 @@ def decoded():
     config = load_config(PAIR / "draft")
     arch = architecture_of(config)
     weights = arch.load_weights(PAIR / "draft", PAIR / "target", config)
-    draft = arch.build(config, weights, torch.bfloat16)
+    draft = arch.build(config, weights, FLOOR_VARIANT)
     target = load_target(PAIR / "target", torch.float32)
     texts = corpus_docs(None).texts[:2]
     prompts = [target.tokenizer(t.partition("\n")[0] + "\n")["input_ids"] for t in texts]

@@ -169,6 +169,7 @@ def test_the_study_reports_acceptance_per_variant(pair):
     fall with k; an NVFP4 variant of the draft is measured on the same prompts and seeds."""
     from qstream.arch.registry import architecture_of
     from qstream.quant.simulate import simulate_format
+    from qstream.serving import Variant
     from qstream.speculate.measure import acceptance_study
 
     target, draft = pair
@@ -177,7 +178,7 @@ def test_the_study_reports_acceptance_per_variant(pair):
     nvfp4 = arch.build(
         draft.config,
         simulate_format(weights, "nvfp4", arch.quantize_include, config=draft.config),
-        torch.bfloat16,
+        Variant.of_format("nvfp4"),
         "cpu",
     )
     prompts = [[1, 2, 3], [4, 5], [6, 0, 1, 2], [3], [7, 7, 2]]

@@ -20,6 +20,7 @@ from hf_targets import make_qwen3_target
 from safetensors.torch import load_file, save_file
 
 from qstream.cli import SEED_MAX, cli
+from qstream.serving import REFERENCE_VARIANT
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 WEIGHTS = "model.safetensors"
@@ -109,7 +110,9 @@ def test_the_decode_names_the_first_non_finite_logit(pair):
     target = load_target(pair[0], torch.float32).model
     config = load_config(pair[1])
     arch = architecture_of(config)
-    draft = arch.build(config, arch.load_weights(pair[1], pair[0], config), torch.float32, "cpu")
+    draft = arch.build(
+        config, arch.load_weights(pair[1], pair[0], config), REFERENCE_VARIANT, "cpu"
+    )
     calls = []
 
     def poison(module, args, output):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from qstream.arch.interface import LM_HEAD, Blocks, Rollout
 from qstream.arch.registry import architecture_of, load_config
+from qstream.serving import REFERENCE_VARIANT
 
 pytestmark = pytest.mark.speculators
 
@@ -87,7 +88,7 @@ def pair(request, tmp_path_factory) -> Pair:
     config = load_config(draft_dir)
     arch = architecture_of(config)
     weights = arch.load_weights(draft_dir, head_dir, config)
-    model = arch.build(config, weights, torch.float32, "cpu")
+    model = arch.build(config, weights, REFERENCE_VARIANT, "cpu")
 
     g = torch.Generator().manual_seed(1)
     aux = torch.randn(STREAMS, LENGTH, config.aux_size, generator=g)

@@ -22,6 +22,7 @@ from qstream.arch.registry import load_config
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.stats import weight_stats
 from qstream.checkpoint.target import TargetShape
+from qstream.serving import REFERENCE_VARIANT
 from qstream.synth.bigram import TARGET_TOP1
 from qstream.synth.corpus import builtin_corpus
 from qstream.synth.draft import _markov_head, draft_shapes, synth_checkpoint
@@ -277,10 +278,9 @@ def test_load_weights_borrows_embed_and_lm_head_from_target_head(q3):
     head = read_target_tensors(q3 / TARGET_HEAD_DIR, [LM_HEAD, EMBED])
     for name in (LM_HEAD, EMBED):
         assert torch.equal(weights[name], head[name]), name
-    model = ARCH.build(config, weights, torch.float32, "cpu")  # and the forward takes them
+    model = ARCH.build(config, weights, REFERENCE_VARIANT, "cpu")  # and the forward takes them
     aux = torch.randn(1, 16, config.aux_size, generator=torch.Generator().manual_seed(0))
-    blocks = model.draft(model.context(aux), *torch.tensor([[0], [8], [5]]))
-    rollout = ARCH.rollout(model, blocks)
+    rollout = ARCH.drafter.rollout(ARCH.drafter.propose(model, aux, *torch.tensor([[0], [8], [5]])))
     assert rollout.logits.shape == (1, config.block_size, config.vocab_size)
     assert rollout.confidence is not None and bool(torch.isfinite(rollout.logits).all())
 

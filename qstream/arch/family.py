@@ -1,7 +1,7 @@
-"""What every DSpark-family architecture shares (docs/model.md, "Architectures"): the
-descriptor calls that run vLLM's DSparkMarkovHead and DSparkConfidenceHead
-(qstream/arch/markov.py), the confidence head's width hint, and the checks of a batch of
-blocks.  Pure Python at import: torch is imported where a call needs it."""
+"""What every DSpark-family architecture shares (docs/model.md, "Architectures"): its drafter
+kind, the block drafter (qstream/arch/markov.py), the confidence head's width hint, and the
+checks of a batch of blocks and of a tensor table.  Pure Python at import: torch is imported
+where a call needs it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qstream.arch.interface import TARGET_HEAD_DIR, Blocks, DraftConfig, Rollout
+from qstream.arch.interface import TARGET_HEAD_DIR, DraftConfig, Drafter
 from qstream.errors import QStreamError
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -33,22 +33,12 @@ class DSparkFamily:
     def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str:
         return shape_hint(config, name, shape)
 
-    def host_head(self, model):
-        from qstream.arch.markov import host_head
+    @property
+    def drafter(self) -> Drafter:
+        """The block drafter (qstream/arch/markov.py), imported with torch when first asked."""
+        from qstream.arch.markov import BLOCK_DRAFTER
 
-        return host_head(model)
-
-    def rollout(
-        self, model, blocks: Blocks, noise=None, temperature: float = 1.0, top_p: float = 1.0
-    ) -> Rollout:
-        from qstream.arch.markov import rollout
-
-        return rollout(model, blocks, noise, temperature, top_p)
-
-    def teacher_forced(self, head, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
-        from qstream.arch.markov import teacher_forced
-
-        return teacher_forced(head, blocks, tokens)
+        return BLOCK_DRAFTER
 
 
 def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:

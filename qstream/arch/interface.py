@@ -1,12 +1,12 @@
-"""The architecture interface (docs/model.md, "Architectures"): what eval, capture, synth and
-vLLM's shape checks ask of a draft architecture, and the drafting outputs they read.  An
-architecture is a folder under ``qstream/arch/`` whose descriptor satisfies
-:class:`Architecture`; ``qstream/arch/registry.py`` lists the descriptors.
+"""The architecture interface (docs/model.md, "Architectures"): what eval, capture, speculate,
+synth and vLLM's shape checks ask of a draft architecture and of its drafter kind, and the
+rollouts they read.  An architecture is a folder under ``qstream/arch/`` whose descriptor
+satisfies :class:`Architecture`; ``qstream/arch/registry.py`` lists the descriptors.
 
 >>> arch = architecture_of(config)                   # qstream.arch.registry
->>> model = arch.build(config, weights, torch.float32, "cpu")
->>> blocks = model.draft(model.context(aux), stream, anchor, first_token)
->>> greedy = arch.rollout(model, blocks)
+>>> model = arch.build(config, weights, REFERENCE_VARIANT, "cpu")   # qstream.serving
+>>> state = arch.drafter.propose(model, aux, stream, anchor, first_token)   # opaque
+>>> greedy = arch.drafter.rollout(state)             # Rollout: tokens, prev, logits, confidence
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from qstream.serving import Variant
 
 Shapes = dict[str, tuple[int, ...]]
 # Every draft borrows its output head from the target, under this name; it is never the draft's
@@ -44,7 +46,8 @@ def causal_layers(num_layers: int, depth: int | None = None) -> list[int]:
 
 @dataclass(frozen=True)
 class Blocks:
-    """The non-causal pass over N blocks: everything before the Markov head."""
+    """A block drafter's non-causal pass over N blocks, everything before the Markov head
+    (qstream/arch/markov.py); read inside qstream/arch/ only."""
 
     logits_base: torch.Tensor  # U [N, B, V] float32 (computed in the model's dtype)
     hidden: torch.Tensor  # hf [N, B, H] float32: final-normed block states
@@ -53,11 +56,12 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Rollout:
-    """A Markov-head rollout of every block (greedy, sampled, or teacher-forced)."""
+    """The k tokens drafted at each of N anchors, as a drafter rolled them out (greedy, sampled,
+    or teacher-forced), and what it computed for them."""
 
     tokens: torch.Tensor  # [N, B] drafted tokens d_k (teacher-forced: the supplied tokens)
-    prev: torch.Tensor  # [N, B] token fed to markov_w1 at step k: [ids[p], d_0, ..., d_{B-2}]
-    logits: torch.Tensor  # [N, B, V] float32: U_k + markov_w2 . markov_w1[prev_k]
+    prev: torch.Tensor  # [N, B] token fed back before step k: [ids[p], d_0, ..., d_{B-2}]
+    logits: torch.Tensor  # [N, B, V] float32 (block drafter: U_k + markov_w2 . markov_w1[prev_k])
     confidence: torch.Tensor | None  # [N, B] float32 sigmoid scores; None without the head
 
 
@@ -110,7 +114,8 @@ class DraftConfig(Protocol):
 
 
 class DraftModel(Protocol):
-    """A draft built with its weights, computing in ``dtype`` on ``device``."""
+    """A draft built with its weights for a serving configuration, on ``device``; what its
+    drafter kind calls besides (a block drafter's ``draft``) is the kind's business."""
 
     @property
     def config(self) -> Any: ...
@@ -120,21 +125,50 @@ class DraftModel(Protocol):
         """aux [S, T, A] -> the per-stream context every block of those streams reads."""
         ...
 
-    def draft(
-        self, ctx: Any, stream: torch.Tensor, anchor: torch.Tensor, first_token: torch.Tensor
-    ) -> Blocks:
-        """N blocks at once: block n on stream[n] at anchor[n] from token first_token[n]."""
-        ...
-
     def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """The draft's layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32:
         every layer's output, the layers taken as :func:`causal_layers` orders them."""
         ...
 
 
+class Drafter(Protocol):
+    """A drafter kind: how a built draft proposes k tokens at each of N anchors from the
+    target's states and its context, and the rollouts eval and speculate read.  The state is
+    the kind's own, opaque to its callers.  The block drafter (one parallel pass, then a
+    sequential head: DSpark, DFlash) is qstream/arch/markov.py's; a token-by-token drafter
+    with its own KV cache (EAGLE-3) would be another (docs/model.md, "Architectures")."""
+
+    def propose(
+        self, model: Any, aux: torch.Tensor | AuxChunks, stream: Any, anchor: Any, first_token: Any
+    ) -> Any:
+        """The state of N proposals: proposal n on stream[n] of aux [S, T, A] at anchor[n],
+        from first_token[n] (ids[p])."""
+        ...
+
+    def rollout(
+        self, state: Any, noise: torch.Tensor | None = None, temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> Rollout:  # fmt: skip
+        """Greedy (``noise`` None) or sampled (Exp(1) race noise [N, B, V]) rollout."""
+        ...
+
+    def teacher_forced(self, state: Any, tokens: torch.Tensor) -> Rollout:
+        """The rollout when the drafted tokens are given (e.g. the reference's)."""
+        ...
+
+    def on_host(self, state: Any) -> Any: ...  # the state where the metrics and verifiers run
+
+    # The FP32 reference verifier (--acceptance): what it keeps of the reference's state between
+    # passes, and of the reference itself instead of the model; the reference's logits
+    # [N, B, V] on another rollout's drafted prefixes, exactly as its own rollout computes them.
+    def keep(self, state: Any) -> torch.Tensor: ...
+    def reference_head(self, weights: Mapping[str, torch.Tensor]) -> Any: ...
+    def replay(self, head: Any, kept: torch.Tensor, drafted: Rollout) -> torch.Tensor: ...
+
+
 class Architecture(Protocol):
-    """One draft architecture: its config.json, tensor table, serving profile, loading,
-    drafting calls and FLOP model (docs/model.md, "Architectures")."""
+    """One draft architecture: its config.json, tensor table, serving profile, loading, drafter
+    kind and FLOP model (docs/model.md, "Architectures")."""
 
     config_type: type  # what parse_config returns
     quantize_include: tuple[str, ...]  # module kinds a shipped draft quantizes
@@ -167,25 +201,15 @@ class Architecture(Protocol):
         ...
 
     def build(
-        self, config: Any, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device: Any
-    ) -> DraftModel: ...
-
-    def host_head(self, model: Any) -> Any:
-        """What :meth:`teacher_forced` reads, on the host whatever device drafted."""
+        self, config: Any, weights: Mapping[str, torch.Tensor], variant: Variant, device: Any
+    ) -> DraftModel:
+        """The draft served as ``variant`` (qstream/serving.py) says, on ``device``."""
         ...
 
-    def rollout(
-        self,
-        model: Any,
-        blocks: Blocks,
-        noise: torch.Tensor | None = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-    ) -> Rollout:
-        """Greedy (``noise`` None) or sampled (Exp(1) race noise [N, B, V]) rollout."""
+    @property
+    def drafter(self) -> Drafter:
+        """The architecture's drafter kind."""
         ...
-
-    def teacher_forced(self, head: Any, blocks: Blocks, tokens: torch.Tensor) -> Rollout: ...
 
     def causal_stream(
         self, model: Any, ids: torch.Tensor, dtype: torch.dtype, depth: int | None = None

@@ -1,14 +1,17 @@
-"""The DSpark family's sequential part (docs/model.md), shared by every architecture whose draft
-ends in vLLM's DSparkMarkovHead and DSparkConfidenceHead: the Markov head's per-position logits,
-the confidence head, and the greedy, sampled and teacher-forced rollouts over a drafted block.
-Sampling follows vLLM's DSpark drafter: the full softmax of ``logits / T`` by an exponential
-race (docs/eval-drift.md)."""
+"""The block drafter kind (docs/model.md, "Architectures"): a draft that proposes a block of B
+tokens in one non-causal pass (``draft`` -> :class:`Blocks`), then rolls it out through vLLM's
+DSparkMarkovHead and DSparkConfidenceHead (DSpark; DFlash has no Markov head).  Here are the
+heads' per-position logits and confidence, the greedy, sampled and teacher-forced rollouts, and
+:data:`BLOCK_DRAFTER`, the kind's calls as eval and speculate make them.  Sampling follows
+vLLM's DSpark drafter: the full softmax of ``logits / T`` by an exponential race
+(docs/eval-drift.md)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -57,18 +60,24 @@ class HostHead:
     d2t: torch.Tensor | None = None
 
 
+_HOST_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its HostHead
+
+
 def host_head(model: DraftWithHeads) -> HeadModel:
-    """``model`` itself on the CPU, else a copy of its heads' tensors on the host."""
+    """``model`` itself on the CPU, else a copy of its heads' tensors on the host, made once
+    per model (every batch's drafts go to the host with it)."""
     if model.device.type == "cpu":
         return model
-    stored = {k: v.cpu() for k, v in model.w.stored.items() if k.startswith(HEAD_PREFIXES)}
-    d2t = draft_to_target(model)
-    return HostHead(
-        model.config,
-        ComputeWeights(stored, model.dtype),
-        model.dtype,
-        None if d2t is None else d2t.cpu(),
-    )
+    if model not in _HOST_HEADS:
+        stored = {k: v.cpu() for k, v in model.w.stored.items() if k.startswith(HEAD_PREFIXES)}
+        d2t = draft_to_target(model)
+        _HOST_HEADS[model] = HostHead(
+            model.config,
+            ComputeWeights(stored, model.dtype),
+            model.dtype,
+            None if d2t is None else d2t.cpu(),
+        )
+    return _HOST_HEADS[model]
 
 
 def draft_to_target(model: object) -> torch.Tensor | None:
@@ -80,6 +89,7 @@ def draft_to_target(model: object) -> torch.Tensor | None:
 
 
 MARKOV_TABLE = "markov_head.markov_w2.weight"
+MARKOV_EMBED = "markov_head.markov_w1.weight"
 
 
 def markov_table(model: MarkovWeights) -> torch.Tensor | None:
@@ -106,7 +116,7 @@ def markov_logits(
     (DFlash) drafts ``U_k`` itself, rounded to its dtype."""
     if MARKOV_TABLE not in model.w:
         return logits_base.to(model.dtype).float()
-    emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
+    emb = embedding(model.w, MARKOV_EMBED, prev)  # [..., r]
     bias = F.linear(emb, markov_table(model) if table is None else table)  # type: ignore[arg-type]
     return (logits_base.to(model.dtype) + bias.to(model.dtype)).float()
 
@@ -120,7 +130,7 @@ def confidence(model: HeadModel, hidden: torch.Tensor, prev: torch.Tensor) -> to
         return None
     feats = hidden.to(model.dtype)  # [..., H]
     if config.confidence_head_with_markov:
-        emb = embedding(model.w, "markov_head.markov_w1.weight", prev)  # [..., r]
+        emb = embedding(model.w, MARKOV_EMBED, prev)  # [..., r]
         feats = torch.cat((feats, emb), dim=-1)  # [..., H + r], in the model's dtype
     # vLLM 0.32: DSparkConfidenceHead in vllm/model_executor/models/qwen3_dspark.py, which
     # K3DSparkModel (vllm/models/kimi_k3/nvidia/dspark_mla.py) builds: proj is a
@@ -212,3 +222,65 @@ def teacher_forced(model: HeadModel, blocks: Blocks, tokens: torch.Tensor) -> Ro
         markov_logits(model, blocks.logits_base, prev),
         confidence(model, blocks.hidden, prev),
     )
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """The block drafter's proposal state for one batch (opaque outside qstream/arch/): the
+    non-causal pass's :class:`Blocks` and the heads that roll them out (the model, or its
+    :class:`HostHead` once on the host)."""
+
+    blocks: Blocks
+    head: Any  # a DraftWithHeads, or its HostHead once on the host
+
+
+@dataclass(frozen=True)
+class ReferenceHead:
+    """The FP32 reference's Markov head, kept for a regime instead of the model: with the
+    reference's stored U [N, B, V] it gives its logits on any drafted prefix (``markov_logits``
+    reads only ``w``)."""
+
+    w: dict[str, torch.Tensor]
+    dtype: torch.dtype = torch.float32  # the reference's: its final sum stays fp32
+
+
+class BlockDrafter:
+    """The block drafter kind's calls (qstream/arch/interface.py's ``Drafter``)."""
+
+    def propose(self, model: Any, aux: Any, stream, anchor, first_token) -> Drafted:
+        """N blocks: block n on ``stream[n]`` of ``aux`` at ``anchor[n]`` from ``first_token[n]``."""
+        ctx = model.context(aux)  # bf16 aux: the model converts once to its own dtype (exact)
+        return Drafted(model.draft(ctx, stream, anchor, first_token), model)
+
+    def rollout(
+        self, state: Drafted, noise=None, temperature: float = 1.0, top_p: float = 1.0
+    ) -> Rollout:
+        return rollout(state.head, state.blocks, noise, temperature, top_p)
+
+    def teacher_forced(self, state: Drafted, tokens: torch.Tensor) -> Rollout:
+        return teacher_forced(state.head, state.blocks, tokens)
+
+    def on_host(self, state: Drafted) -> Drafted:
+        b = state.blocks
+        blocks = Blocks(b.logits_base.cpu(), b.hidden.cpu(), b.first_token.cpu())
+        return Drafted(blocks, host_head(state.head))
+
+    def keep(self, state: Drafted) -> torch.Tensor:
+        return state.blocks.logits_base
+
+    def reference_head(self, weights: Mapping[str, torch.Tensor]) -> ReferenceHead:
+        present = [k for k in (MARKOV_EMBED, MARKOV_TABLE) if k in weights]  # none: DFlash
+        return ReferenceHead({k: weights[k].float().contiguous() for k in present})
+
+    def replay(self, head: ReferenceHead, kept: torch.Tensor, drafted: Rollout) -> torch.Tensor:
+        """Position by position, exactly as the reference's own rollout computes them (so that
+        the reference verifying itself is bit-exact)."""
+        table = markov_table(head)
+        prev = drafted.prev
+        return torch.stack(
+            [markov_logits(head, kept[:, k], prev[:, k], table) for k in range(kept.shape[1])],
+            dim=1,
+        )
+
+
+BLOCK_DRAFTER = BlockDrafter()

@@ -3,7 +3,7 @@ recognised by each descriptor in turn, and a config object leads back to its des
 
 >>> arch = architecture_for(read_config("DRAFT_DIR"))   # recognised, else the default
 >>> config = load_config("DRAFT_DIR")                    # QStreamError naming key and value
->>> architecture_of(config).build(config, weights, torch.float32, "cpu")
+>>> architecture_of(config).build(config, weights, REFERENCE_VARIANT, "cpu")  # qstream.serving
 """
 
 from __future__ import annotations

@@ -4,16 +4,17 @@ batch reads, the shared race noise, and one batch drafted by one model.
 >>> batches = make_batches(plan, corpus, config)
 >>> aux = AuxStates(GAUSS, corpus, config, seed=0)
 >>> drafts = draft_batch(model, aux.get(batches[0]), batches[0], 0, seed=0)
+>>> drafts.greedy.tokens                             # [n, B]; drafts.state: the drafter kind's
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from qstream.arch.interface import AuxChunks, Blocks, DraftConfig, DraftModel, Rollout
+from qstream.arch.interface import AuxChunks, DraftConfig, DraftModel, Rollout
 from qstream.arch.registry import architecture_of
 from qstream.bounded.heap import Trimmed
 from qstream.bounded.store import Recorded, Store
@@ -205,14 +206,14 @@ def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) 
     return torch.empty(shape).uniform_(generator=gen).log_().neg_()
 
 
-def draft_blocks(model: DraftModel, aux: torch.Tensor | AuxChunks, batch: Batch) -> Blocks:
-    """The non-causal pass over the batch's blocks (everything before the Markov head)."""
-    ctx = model.context(aux)  # bf16 aux: the model converts once to its own dtype (exact)
-    return model.draft(ctx, batch.local_stream, batch.anchor, batch.first_token)
+def propose(model: DraftModel, aux: torch.Tensor | AuxChunks, batch: Batch) -> Any:
+    """The batch's proposals (its drafter kind's state, opaque here)."""
+    drafter = architecture_of(model.config).drafter
+    return drafter.propose(model, aux, batch.local_stream, batch.anchor, batch.first_token)
 
 
 class Drafts(NamedTuple):
-    blocks: Blocks
+    state: Any  # the drafter kind's, on the host
     greedy: Rollout
     sampled: Rollout
 
@@ -225,28 +226,20 @@ def draft_batch(
     seed: int,
     sampling: Sampling = Sampling(),
 ) -> Drafts:
-    """One batch drafted by ``model``: its blocks, greedy rollout, and sampled rollout on the
-    batch's shared race noise (the same for the reference and every variant), drawn from the
-    full tempered distribution as vLLM's drafter draws under ``draft_sample_method:
-    probabilistic`` (``sampling.draft_top_p`` < 1: other engines)."""
-    blocks = draft_blocks(model, aux, batch)
+    """One batch drafted by ``model``: its proposal state, greedy rollout, and sampled rollout
+    on the batch's shared race noise (the same for the reference and every variant), drawn from
+    the full tempered distribution as vLLM's drafter draws under ``draft_sample_method:
+    probabilistic`` (``sampling.draft_top_p`` < 1: other engines); all on the host, where the
+    metrics and verifiers run."""
+    state, drafter = propose(model, aux, batch), architecture_of(model.config).drafter
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
-    arch = architecture_of(model.config)
-    sampled = arch.rollout(model, blocks, noise, sampling.temperature, sampling.draft_top_p)
-    drafts = Drafts(blocks, arch.rollout(model, blocks), sampled)
-    return drafts if model.device.type == "cpu" else _on_host(drafts)
-
-
-def _on_host(drafts: Drafts) -> Drafts:
-    """A GPU's drafts copied to the host, where the metrics and verifiers run."""
-
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.cpu()
-
-    b = drafts.blocks
-    blocks = Blocks(b.logits_base.cpu(), b.hidden.cpu(), b.first_token.cpu())
+    sampled = drafter.rollout(state, noise, sampling.temperature, sampling.draft_top_p)
+    greedy = drafter.rollout(state)
+    if model.device.type == "cpu":
+        return Drafts(state, greedy, sampled)
     greedy, sampled = (
-        Rollout(r.tokens.cpu(), r.prev.cpu(), r.logits.cpu(), host(r.confidence))
-        for r in (drafts.greedy, drafts.sampled)
-    )
-    return Drafts(blocks, greedy, sampled)
+        Rollout(r.tokens.cpu(), r.prev.cpu(), r.logits.cpu(),
+                None if r.confidence is None else r.confidence.cpu())
+        for r in (greedy, sampled)
+    )  # fmt: skip
+    return Drafts(drafter.on_host(state), greedy, sampled)

@@ -49,11 +49,12 @@ from qstream.eval.settings import (
     DriftSettings,
 )
 from qstream.eval.states import CapturedStates, read_states
-from qstream.eval.variants import Variant, Weights, settings_variants
+from qstream.eval.variants import Weights, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
 from qstream.progress import Progress, Silent
 from qstream.regimes import REGIMES, STATES, Regime
+from qstream.serving import Variant
 
 __all__ = ["DriftSettings", "evaluate_drift"]
 

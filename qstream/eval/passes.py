@@ -27,11 +27,11 @@ from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
 from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings
-from qstream.eval.variants import Variant, Weights, variant_weights, weight_snr
+from qstream.eval.variants import Weights, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
-from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
 from qstream.regimes import Regime
+from qstream.serving import FLOOR, REFERENCE_VARIANT, Variant
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,9 @@ def evaluate_regime(run: RegimeRun) -> dict:
         aux = AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch_dir)
         kept.callback(aux.close)
         probe = RegimeAcceptance(
-            run.weights, run.plan, aux.captured, settings=s, block_size=run.config.block_size
-        )
+            architecture_of(run.config).drafter, run.weights, run.plan, aux.captured, settings=s,
+            block_size=run.config.block_size,
+        )  # fmt: skip
         kept.callback(probe.close)
         N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
         logits = kept.enter_context(Store(s.scratch_dir, total_bytes=4 * N * B * V))
@@ -97,9 +98,7 @@ def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dic
     fmt = sensitivity_format(run.settings)
 
     def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
-        variant = (
-            Variant(name, "simulated", fmt, include) if include else Variant(name, FLOOR, FLOOR)
-        )
+        variant = Variant.of_format(fmt if include else FLOOR, name, include or None)
         return measure_variant(run, variant, aux, ref, probe=None)
 
     out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.config, run.settings, step)
@@ -111,8 +110,7 @@ def reference_pass(
     """The FP32 reference drafts every block once; its outputs are kept for the variants (its
     logits in ``logits``, by batch, a store the caller closes)."""
     arch = architecture_of(run.config)
-    reference = arch.build(run.config, run.weights, torch.float32, run.settings.device)
-    head = arch.host_head(reference)
+    reference = arch.build(run.config, run.weights, REFERENCE_VARIANT, run.settings.device)
     N, B = run.plan.anchor.numel(), run.config.block_size
     ref = ReferenceOutputs(
         logits,
@@ -123,19 +121,14 @@ def reference_pass(
     s = run.settings
     for number, batch in enumerate(run.batches):
         with heap_hygiene():  # the batch's freed temporaries leave the resident set
-            blocks, greedy, sampled = draft_batch(
-                reference,
-                aux.get(batch, reference),
-                batch,
-                number,
-                s.seed,
-                s.sampling,
+            state, greedy, sampled = draft_batch(
+                reference, aux.get(batch, reference), batch, number, s.seed, s.sampling
             )
             idx = batch.blocks
             ref.logits.put(batch, greedy.logits)
             ref.greedy_tokens[idx] = greedy.tokens
             ref.sampled_tokens[idx] = sampled.tokens
-            probe.add_reference(batch, head, blocks, greedy)
+            probe.add_reference(batch, state, greedy)
             if greedy.confidence is not None:
                 ref.confidence[idx] = greedy.confidence
         work = batch_flops(run.config, batch, run.regime.causal)  # boot: + causal pass
@@ -154,7 +147,7 @@ def measure_variant(
     verifiers (sensitivity steps report drift only)."""
     s = run.settings
     kind = VARIANTS if probe is not None else STEPS  # a sensitivity step: drift only
-    step = {"simulated": "simulating", "checkpoint": "loading"}.get(variant.kind)
+    step = variant.weights.making
     if step:  # seconds to minutes at K3 scale: say so before the first block
         run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     drop_resident_pages()  # the previous pass's weights; this one maps back what it reads
@@ -163,24 +156,23 @@ def measure_variant(
     if step:  # the variant is built (and its SNR taken): the time so far is that step's
         run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     arch = architecture_of(run.config)
-    model = arch.build(run.config, var_weights, variant.dtype, s.device)
-    head = arch.host_head(model)
+    model = arch.build(run.config, var_weights, variant, s.device)
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
         with heap_hygiene():
-            blocks, greedy, sampled = draft_batch(
+            state, greedy, sampled = draft_batch(
                 model, aux.get(batch), batch, number, s.seed, s.sampling
             )
             idx = batch.blocks
-            forced = arch.teacher_forced(head, blocks, ref.greedy_tokens[idx])
+            forced = arch.drafter.teacher_forced(state, ref.greedy_tokens[idx])
             acc.add_teacher_forced(ref.logits.get(batch), forced.logits)
             if forced.confidence is not None:
                 acc.add_confidence(ref.confidence[idx], forced.confidence)
             acc.add_rollout("greedy", ref.greedy_tokens[idx], greedy.tokens)
             acc.add_rollout("sampled", ref.sampled_tokens[idx], sampled.tokens)
             if accepted is not None and probe is not None:
-                probe.add_variant(accepted, batch, head, blocks, greedy, sampled)
+                probe.add_variant(accepted, batch, state, greedy, sampled)
         work = batch_flops(run.config, batch)
         run.progress.advance(f"{run.regime.name}: {variant.name}", len(idx), work, kind)
     return {

@@ -21,8 +21,8 @@ from qstream.arch.registry import load_config
 from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
-from qstream.eval.variants import Variant
 from qstream.formats import QUANTIZED_SUFFIXES  # only a quantized module stores these
+from qstream.serving import Variant
 
 FOREIGN_FLAG = "--allow-foreign-variant"
 
@@ -78,7 +78,7 @@ def check_variants_derived(
     config = load_config(model_dir)
     out = []
     for variant in variants:
-        if variant.kind != "checkpoint":
+        if not variant.checkpoint:
             out.append(variant)
             continue
         if load_config(variant.source) != config:

@@ -1,10 +1,10 @@
-"""The variants an evaluation compares with the FP32 reference: what each one is, its weights, and
-the weight SNR of the tensors its format changed (docs/eval-drift.md)."""
+"""The variants an evaluation compares with the FP32 reference (each a serving configuration,
+qstream/serving.py): the settings' variants, each one's weights, and the weight SNR of the
+tensors its format changed (docs/eval-drift.md)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -13,48 +13,22 @@ from qstream.arch.registry import architecture_of
 from qstream.checkpoint.integrity import integrity_record
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.eval.settings import Selection
-from qstream.eval.vocabulary import FLOOR, REFERENCE
 from qstream.formats import snr_db, snr_sums
 from qstream.quant.simulate import simulate_format
+from qstream.serving import Variant
 
 Weights = Mapping[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    kind: str  # "fp32", "bf16", "simulated" or "checkpoint"
-    source: str  # the format, or the checkpoint directory
-    include: tuple[str, ...] | None = None  # simulated: own patterns (sensitivity steps);
-    # None: the settings' include list
-    foreign: bool = False  # checkpoint not derived from the model (--allow-foreign-variant)
-    # checkpoint: its sha256 check, as qstream/checkpoint/integrity.py records it
-    integrity: tuple[tuple[str, object], ...] = ()
-
-    def checks(self) -> dict:
-        """What the results record of the checks of a checkpoint variant."""
-        return {
-            **({"foreign": True} if self.foreign else {}),
-            **({"integrity": dict(self.integrity)} if self.integrity else {}),
-        }
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype: fp32 for the reference itself, bf16 for every other variant."""
-        return torch.float32 if self.kind == REFERENCE else torch.bfloat16
 
 
 def settings_variants(settings: Selection) -> tuple[Variant, ...]:
     """The simulated formats, then the checkpoint directories, in the order the user gave;
     each directory checked against the sha256s quantize recorded, unless the settings say not
     to (one line naming the first file that fails)."""
-    simulated = [
-        Variant(f, f if f in (REFERENCE, FLOOR) else "simulated", f) for f in settings.formats
-    ]
+    simulated = [Variant.of_format(f) for f in settings.formats]
     checkpoints = []
     for name, path in settings.variant_dirs:
         record = integrity_record(path, f"--variant {name}", not settings.no_integrity_check)
-        checkpoints.append(Variant(name, "checkpoint", path, integrity=tuple(record.items())))
+        checkpoints.append(Variant.of_checkpoint(name, path, tuple(record.items())))
     return (*simulated, *checkpoints)
 
 
@@ -66,9 +40,9 @@ def variant_weights(
     target: str | None,
 ) -> tuple[Weights, list[str]]:
     """The variant's weights and the names of the tensors its format changed."""
-    if variant.kind in (REFERENCE, FLOOR):
+    if variant.stored:
         return reference_weights, []
-    if variant.kind == "simulated":
+    if variant.simulated:
         # Shapes a block format cannot hold stay bf16, as --skip-incompatible writes them; the
         # results list which tensors were quantized (quantized_tensors, weight_snr.tensors).
         include = settings.include_layers if variant.include is None else variant.include

@@ -7,18 +7,12 @@ qstream/eval/acceptance.py's; the regime loop that feeds this is passes.py's."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from qstream.arch.interface import LM_HEAD, Blocks, Rollout
-from qstream.arch.markov import (
-    HeadModel,
-    markov_logits,
-    markov_table,
-    sampling_probs,
-    teacher_forced,
-)
+from qstream.arch.interface import LM_HEAD, Drafter, Rollout
+from qstream.arch.markov import sampling_probs
 from qstream.arch.weights import ComputeWeights
 from qstream.bounded.store import Store
 from qstream.eval.acceptance import (
@@ -38,28 +32,19 @@ from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
 from qstream.eval.vocabulary import FLOOR, RULES, VERIFIERS, acceptance_mode
 
-MARKOV_WEIGHTS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
-
-
-@dataclass(frozen=True)
-class MarkovHead:
-    """The FP32 reference's Markov head: with the reference's stored U [N, B, V] it gives the
-    reference's logits on any drafted prefix (``markov_logits`` reads only ``w``), so the
-    reference model itself need not be kept beside the variants."""
-
-    w: dict[str, torch.Tensor]
-    dtype: torch.dtype = torch.float32  # the reference's: its final sum stays fp32
-
 
 class RegimeAcceptance:
     """What ``--acceptance`` (verifier: the FP32 reference) and captured states (verifier: the
     target) measure in one regime.  Inactive (every method a no-op) when neither applies.
-    With ``--acceptance`` the reference's U [N, B, V] float32 is kept for the regime in a
-    :class:`~qstream.bounded.store.Store` (:meth:`close` frees it); per variant only ``[N, B]``
-    values are kept (docs/eval-drift.md, "Memory")."""
+    With ``--acceptance`` what the drafter kind keeps of the reference's state (the block
+    drafter's U [N, B, V] float32) is kept for the regime in a
+    :class:`~qstream.bounded.store.Store` (:meth:`close` frees it), beside the reference's
+    head (not the model); per variant only ``[N, B]`` values are kept (docs/eval-drift.md,
+    "Memory")."""
 
     def __init__(
         self,
+        drafter: Drafter,
         weights: Mapping[str, torch.Tensor],
         plan: AnchorPlan,
         captured: CapturedStates | None,
@@ -67,7 +52,7 @@ class RegimeAcceptance:
         settings: DriftSettings,
         block_size: int,
     ):
-        self.sampling, self.B = settings.sampling, block_size
+        self.drafter, self.sampling, self.B = drafter, settings.sampling, block_size
         self.adaptive, self.seed = settings.adaptive, settings.seed
         self.states = captured
         self.against_reference = settings.acceptance
@@ -78,24 +63,23 @@ class RegimeAcceptance:
             "stream_is_target_top1": [],
             "stream_outside_target_nucleus": [],
         }
-        self.U_ref: Store | None = None
+        self.kept: Store | None = None
         if not self.active:
             return
-        # a draft without a Markov head (DFlash) drafts U itself (qstream/arch/markov.py)
-        present = [k for k in MARKOV_WEIGHTS if k in weights]
-        self.head = MarkovHead({k: weights[k].float().contiguous() for k in present})
+        self.head = drafter.reference_head(weights)
         if self.states is not None:
             self.lm_head = ComputeWeights({LM_HEAD: weights[LM_HEAD]}, torch.float32)
             self.plan = plan
             self.stream_tokens = self.states.block_tokens(plan, block_size)
         if self.against_reference:  # last: nothing after it can fail and leave it open
             N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
-            self.U_ref = Store(settings.scratch_dir, total_bytes=4 * N * block_size * V)
+            # the block drafter keeps U [N, B, V] float32
+            self.kept = Store(settings.scratch_dir, total_bytes=4 * N * block_size * V)
 
     def close(self) -> None:
-        """Free the stored U (its memory or scratch file)."""
-        if self.U_ref is not None:
-            self.U_ref.close()
+        """Free what is kept of the reference (its memory or scratch file)."""
+        if self.kept is not None:
+            self.kept.close()
 
     def _verifier_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The verifier's distribution: tempered, then its top-k and top-p."""
@@ -116,8 +100,7 @@ class RegimeAcceptance:
     def _add_target(
         self,
         acc: AcceptanceAccumulator,
-        model: HeadModel,
-        blocks: Blocks,
+        state: Any,
         batch: Batch,
         greedy: Rollout,
         record: bool,
@@ -130,7 +113,7 @@ class RegimeAcceptance:
         probabilistic draft's trimming depends on the other requests' drafts, which the
         target's streams do not sample, so it is not simulated here (docs/acceptance.md)."""
         target_logits, stream = self._target(batch)
-        forced = teacher_forced(model, blocks, stream).logits
+        forced = self.drafter.teacher_forced(state, stream).logits
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
         q_tok = token_probs(self._drafter_probs(forced), stream)
         drafted_is_stream = forced.argmax(-1) == stream
@@ -148,14 +131,13 @@ class RegimeAcceptance:
             self.diagnostics["stream_is_target_top1"].append(stream == target_top1)
             self.diagnostics["stream_outside_target_nucleus"].append(p_tok == 0)
 
-    def add_reference(
-        self, batch: Batch, reference: HeadModel, blocks: Blocks, greedy: Rollout
-    ) -> None:
-        """The reference's drafted blocks of one batch (its U; its acceptance by the target)."""
-        if self.U_ref is not None:
-            self.U_ref.put(batch, blocks.logits_base)
+    def add_reference(self, batch: Batch, state: Any, greedy: Rollout) -> None:
+        """The reference's drafts of one batch (what the verifier keeps; their acceptance by
+        the target)."""
+        if self.kept is not None:
+            self.kept.put(batch, self.drafter.keep(state))
         if self.states is not None:
-            self._add_target(self.reference_target, reference, blocks, batch, greedy, record=True)
+            self._add_target(self.reference_target, state, batch, greedy, record=True)
 
     def variant(self, name: str) -> dict[str, AcceptanceAccumulator]:
         self.variants[name] = {v: self._accumulator() for v in self._verifiers()}
@@ -173,8 +155,7 @@ class RegimeAcceptance:
         self,
         accs: dict[str, AcceptanceAccumulator],
         batch: Batch,
-        model: HeadModel,
-        blocks: Blocks,
+        state: Any,
         greedy: Rollout,
         sampled: Rollout,
     ) -> None:
@@ -185,16 +166,7 @@ class RegimeAcceptance:
         if self.against_reference:
             self._add_reference_verified(accs["reference"], batch, greedy, sampled)
         if self.states is not None:
-            self._add_target(accs["target"], model, blocks, batch, greedy, record=False)
-
-    def _reference_logits(self, U: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """The reference's logits on a drafted prefix, position by position exactly as its own
-        rollout computes them (so that the reference verifying itself is bit-exact)."""
-        table = markov_table(self.head)
-        return torch.stack(
-            [markov_logits(self.head, U[:, k], prev[:, k], table) for k in range(U.shape[1])],
-            dim=1,
-        )
+            self._add_target(accs["target"], state, batch, greedy, record=False)
 
     def _add_reference_verified(
         self, acc: AcceptanceAccumulator, batch: Batch, greedy: Rollout, sampled: Rollout
@@ -202,15 +174,15 @@ class RegimeAcceptance:
         """The reference on the variant's own prefixes: its argmax (greedy verifier) and its
         sampling distribution against the greedy draft (one-hot) and the probabilistic draft
         (the variant's full tempered softmax); the drafts' confidences for adaptive verification."""
-        assert self.U_ref is not None  # kept whenever the reference verifies
-        U = self.U_ref.get(batch)
-        p_greedy = self._reference_logits(U, greedy.prev)
+        assert self.kept is not None  # kept whenever the reference verifies
+        kept = self.kept.get(batch)
+        p_greedy = self.drafter.replay(self.head, kept, greedy)
         acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
         p_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
         for rule in RULES:
             acc.add(acceptance_mode("greedy", rule), greedy_draft_probabilities(p_tok, rule))
         p_tok = token_probs(
-            self._verifier_probs(self._reference_logits(U, sampled.prev)), sampled.tokens
+            self._verifier_probs(self.drafter.replay(self.head, kept, sampled)), sampled.tokens
         )
         q_tok = token_probs(self._drafter_probs(sampled.logits), sampled.tokens)
         for rule in RULES:

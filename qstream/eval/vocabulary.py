@@ -14,13 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from qstream.formats import FORMATS
+from qstream.serving import FLOOR, REFERENCE
 
 SCHEMA = "qstream.eval-drift/2"  # the "schema" field of every results file
 
-# Variants.  "fp32" is the reference itself (a self-check that must report exact agreement);
-# "bf16" is the numerical floor every format is compared with (docs/eval-drift.md).
-REFERENCE = "fp32"
-FLOOR = "bf16"
+# Variants: the reference and the floor (qstream/serving.py), and the formats.
 VARIANT_FORMATS = (FLOOR, *FORMATS)  # the default set of simulated variants
 ALLOWED_FORMATS = (REFERENCE, *VARIANT_FORMATS)
 

@@ -143,15 +143,14 @@ def _pick(logits: torch.Tensor, rule: str, temperature: float, gen: torch.Genera
 def _draft(draft, aux: torch.Tensor, anchor_token: int, rule: str, temperature: float, seed: int):
     """One block at anchor p = aux's length: its tokens and the drafter's distributions q
     [B, V] (None for a greedy draft)."""
-    arch = architecture_of(draft.config)
-    p = aux.shape[1]
-    blocks = draft.draft(draft.context(aux), torch.tensor([0]), torch.tensor([p]),
-                         torch.tensor([anchor_token]))  # fmt: skip
+    drafter, config = architecture_of(draft.config).drafter, draft.config
+    at = (torch.tensor([0]), torch.tensor([aux.shape[1]]), torch.tensor([anchor_token]))
+    state = drafter.propose(draft, aux, *at)
     if rule not in ("probabilistic", "block"):
-        return arch.rollout(draft, blocks).tokens[0].tolist(), None
-    shape = blocks.logits_base.shape
+        return drafter.rollout(state).tokens[0].tolist(), None
+    shape = (1, config.block_size, config.vocab_size)  # a full-vocabulary draft (checked)
     noise = torch.empty(shape).exponential_(generator=torch.Generator().manual_seed(seed))
-    rolled = arch.rollout(draft, blocks, noise, temperature)
+    rolled = drafter.rollout(state, noise, temperature)
     return rolled.tokens[0].tolist(), sampling_probs(rolled.logits[0], temperature)
 
 

@@ -25,9 +25,10 @@ from qstream.device import resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.settings import Selection
-from qstream.eval.variants import Variant, settings_variants, variant_weights
+from qstream.eval.variants import settings_variants, variant_weights
 from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
+from qstream.serving import Variant
 from qstream.speculate.capture import check_capture_dir, write_capture
 from qstream.speculate.decode import RULES
 from qstream.speculate.measure import decode_prompts, paired_loss, summarise
@@ -97,7 +98,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     decoded = {}
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
-        draft = arch.build(config, var_weights, v.dtype, "cpu")
+        draft = arch.build(config, var_weights, v, "cpu")
         _started(progress, len(prompts), v.name)
         runs = decoded[v.name] = decode_prompts(
             target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
@@ -187,8 +188,7 @@ def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[l
 
 
 def _variant_entry(v: Variant, changed: list[str]) -> dict:
-    dtype = str(v.dtype).removeprefix("torch.")
-    return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": dtype,
+    return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
             "quantized_tensors": changed}  # fmt: skip
 
 

@@ -20,6 +20,8 @@ from qstream.arch.family import DSparkFamily
 if TYPE_CHECKING:
     import torch
 
+    from qstream.serving import Variant
+
 # The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
 QUANTIZE_INCLUDE = (
     "mlp.gate_proj",
@@ -50,10 +52,10 @@ class DSparkMLA(FlopModel, DSparkFamily):
     tensor_shapes = staticmethod(checkpoint.tensor_shapes)
     load_weights = staticmethod(checkpoint.load_weights)
 
-    def build(self, config: DSparkConfig, weights, dtype: torch.dtype, device: Any = "cpu"):
+    def build(self, config: DSparkConfig, weights, variant: Variant, device: Any = "cpu"):
         from qstream.arch.dspark_mla.model import DSpark
 
-        return DSpark(config, weights, dtype, device)
+        return DSpark(config, weights, variant.dtype, device)
 
     def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype, depth=None):
         from qstream.arch.dspark_mla.model import CausalStream

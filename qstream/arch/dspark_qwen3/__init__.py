@@ -20,6 +20,8 @@ from qstream.arch.family import DSparkFamily
 if TYPE_CHECKING:
     import torch
 
+    from qstream.serving import Variant
+
 QUANTIZE_INCLUDE: tuple[str, ...] = checkpoint.DEFAULT_INCLUDE  # the serving profile's default
 
 
@@ -44,10 +46,10 @@ class DSparkQwen3(FlopModel, DSparkFamily):
     tensor_shapes = staticmethod(checkpoint.tensor_shapes)
     load_weights = staticmethod(checkpoint.load_weights)
 
-    def build(self, config: Qwen3DSparkConfig, weights, dtype: torch.dtype, device: Any = "cpu"):
+    def build(self, config: Qwen3DSparkConfig, weights, variant: Variant, device: Any = "cpu"):
         from qstream.arch.dspark_qwen3.model import Qwen3DSpark
 
-        return Qwen3DSpark(config, weights, dtype, device)
+        return Qwen3DSpark(config, weights, variant.dtype, device)
 
     def causal_stream(self, model, ids: torch.Tensor, dtype: torch.dtype, depth=None):
         from qstream.arch.dspark_qwen3.model import CausalStream
