@@ -162,7 +162,9 @@ def publishing(
     output = Path(output)
     check_target(output, overwrite, option)
     remove_stale_partials(output, notice)
-    existed = output.exists() and not _empty_dir(output)
+    # what --overwrite replaces: without it, a directory that appears after check_target is
+    # another run's, which _publish refuses to replace
+    existed = overwrite and output.exists() and not _empty_dir(output)
     tmp = partial_dir(output, option)
     try:
         with signals_as_interrupt():

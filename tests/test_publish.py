@@ -272,3 +272,24 @@ def test_a_failed_json_write_keeps_the_old_file_and_leaves_no_litter(tmp_path, m
     with pytest.raises(QStreamError, match=f"cannot write --x {old}: No space left"):
         write_json_atomic(old, {"new": 1}, "--x")
     assert old.read_text() == "{}\n" and _litter(tmp_path) == []
+
+
+def test_a_directory_another_run_publishes_after_the_check_is_never_replaced(tmp_path, monkeypatch):
+    """Without --overwrite, a qstream output that appears between the up-front check and the
+    run's start (another run published it) is refused at publishing, never moved aside: the
+    window the concurrent-runs test hits only sometimes, opened every time."""
+    import qstream.publish as publish
+
+    out = tmp_path / "out"
+
+    def other_run_publishes(output, notice=None):
+        out.mkdir()
+        (out / publish.RECORD_FILES[0]).write_text("{}")
+        return []
+
+    monkeypatch.setattr(publish, "remove_stale_partials", other_run_publishes)
+    with pytest.raises(QStreamError, match="created by someone else during the run"):
+        with publishing(out, overwrite=False) as tmp:
+            (tmp / "x").write_text("mine")
+    assert sorted(p.name for p in out.iterdir()) == [publish.RECORD_FILES[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
