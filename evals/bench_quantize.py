@@ -12,7 +12,7 @@ pass over every weight, which neither model_free_ptq nor the floor makes).
     .venv/bin/python evals/bench_quantize.py --llmc-python /path/to/venv-llmc/bin/python
 
 (the llm-compressor venv: ``python3 -m venv venv-llmc && venv-llmc/bin/pip install
-llmcompressor``).  Targets (same worker count): FP8 >= 5x and MXFP4 / NVFP4 >= 6x
+llmcompressor``); ``--no-peer`` skips model_free_ptq and measures qstream against the floor only.  Targets (same worker count): FP8 >= 5x and MXFP4 / NVFP4 >= 6x
 faster than model_free_ptq, peak RSS <= 0.2 of its, and qstream <= 1.5x the I/O floor for FP8,
 <= 2x for the 4-bit formats.
 """
@@ -174,7 +174,8 @@ def bench_round(args, src: Path, work: Path, fmt: str, workers: int) -> dict:
     shutil.rmtree(q_out)
     q = run(qstream)
     out_bytes = _dir_bytes(q_out)
-    lc = run([args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(l_out), fmt, str(workers)])
+    peer = [args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(l_out), fmt, str(workers)]
+    lc = (float("nan"), 0) if args.no_peer else run(peer)
     inputs = [str(p) for p in sorted(src.iterdir()) if p.is_file()]
     floor = run([sys.executable, "-c", FLOOR_SCRIPT, str(f_out), str(out_bytes), *inputs])
     for d in (q_out, l_out):
@@ -198,6 +199,7 @@ def summarize(fmt: str, workers: int, rounds: list[dict]) -> dict:
         k: min(r[k] for r in rounds) for k in ("qstream_s", "qstream_nosnr_s", "llmc_s", "floor_s")
     }
     rss = {k: statistics.median(r[k] for r in rounds) for k in ("qstream_rss", "llmc_rss")}
+    peer_rss = rss["llmc_rss"] or float("nan")  # 0: model_free_ptq was not run (--no-peer)
     return {
         "format": fmt,
         "workers": workers,
@@ -206,7 +208,7 @@ def summarize(fmt: str, workers: int, rounds: list[dict]) -> dict:
         "qstream_rss_gib": rss["qstream_rss"] / 2**30,
         "llmc_rss_gib": rss["llmc_rss"] / 2**30,
         "speedup": best["llmc_s"] / best["qstream_s"],
-        "rss_ratio": rss["qstream_rss"] / rss["llmc_rss"],
+        "rss_ratio": rss["qstream_rss"] / peer_rss,
         "over_floor": best["qstream_s"] / best["floor_s"],
         "nosnr_over_floor": best["qstream_nosnr_s"] / best["floor_s"],
         # each round's own ratio, the median: robust to a round whose floor ran unusually fast
@@ -234,6 +236,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llmc-python", default="/work/venv-llmc/bin/python")
     parser.add_argument("--qstream", default=str(Path(sys.executable).parent / "qstream-quantize"))
+    parser.add_argument(
+        "--no-peer", action="store_true", help="skip model_free_ptq (no llm-compressor needed)"
+    )
     parser.add_argument("--formats", default="fp8,mxfp4,nvfp4")
     parser.add_argument("--workers", default="1,2", help="worker counts, both tools alike")
     parser.add_argument("--repeat", type=int, default=3, help="rounds: best time, median peak RSS")

@@ -8,7 +8,7 @@ import torch
 
 from qstream import QStreamError
 from qstream.formats import FORMATS, dequantize, e2m1, fp8, mxfp4, nvfp4, quantize, weight_snr_db
-from qstream.formats.spec import E2M1_GRID
+from qstream.formats.format import E2M1_GRID
 
 # --- E2M1 core --------------------------------------------------------------------------------
 

@@ -15,8 +15,8 @@ from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
 from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
 from qstream.arch.dspark_mla.model import load_model
 from qstream.arch.markov import teacher_forced
+from qstream.checkpoint.inspect import checkpoint_stats, weight_stats
 from qstream.checkpoint.read import read_target_tensors
-from qstream.checkpoint.stats import checkpoint_stats, weight_stats
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.corpus import builtin_corpus_docs

@@ -24,7 +24,7 @@ from compressed_tensors.quantization import QuantizationConfig
 from ct_reference import ct_quantize
 from safetensors.torch import load_file, save_file
 
-import qstream.quant.convert as convert_module
+import qstream.quant.write as convert_module
 from qstream.cli import cli
 from qstream.commands.quantize import quantize as quantize_command
 from qstream.formats import FORMATS, dequantize, quantize

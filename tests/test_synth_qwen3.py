@@ -19,8 +19,8 @@ from qstream.arch.dspark_qwen3.checkpoint import check_tensors, tensor_shapes
 from qstream.arch.dspark_qwen3.config import PRESETS, Qwen3DSparkConfig
 from qstream.arch.interface import EMBED, LM_HEAD, TARGET_HEAD_DIR
 from qstream.arch.registry import load_config
+from qstream.checkpoint.inspect import weight_stats
 from qstream.checkpoint.read import read_target_tensors
-from qstream.checkpoint.stats import weight_stats
 from qstream.checkpoint.target import TargetShape
 from qstream.serving import REFERENCE_VARIANT
 from qstream.synth.bigram import TARGET_TOP1

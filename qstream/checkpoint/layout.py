@@ -60,6 +60,13 @@ def format_of_layout(layout: str) -> str | None:
     return next((f for f, spec in FORMATS.items() if spec.layout == layout), None)
 
 
+def config_format(config: dict) -> str | None:
+    """The qstream format ``config``'s quantization_config names (None: none of ours)."""
+    qc = config.get("quantization_config")
+    layout = qc.get("format") if isinstance(qc, dict) else None
+    return format_of_layout(layout) if isinstance(layout, str) else None
+
+
 def stored_tensors(spec: Format, module: str, weight: TensorInfo) -> list[PlannedTensor]:
     """Names, dtypes and shapes of what ``module`` stores once quantized to ``spec``."""
     shapes = spec.stored_shapes(*weight.shape)

@@ -26,8 +26,7 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     Example: qstream inspect draft-fp8
     """
     # here, not above: `qstream inspect --help` loads no torch
-    from qstream.checkpoint.inspect import inspect_checkpoint
-    from qstream.checkpoint.stats import checkpoint_stats
+    from qstream.checkpoint.inspect import checkpoint_stats, inspect_checkpoint
 
     with step(f"reading {directory}" + (" and its weight statistics" if stats else "")):
         data = inspect_checkpoint(directory)

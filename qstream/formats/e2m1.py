@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from qstream.formats.checks import ChunkWorkspace, chunk_rows, row_chunks
+from qstream.formats.format import (
+    E2M1_GRID,
+    FP4_MAX,
+    ChunkWorkspace,
+    Format,
+    chunk_rows,
+    row_chunks,
+)
 from qstream.formats.snr import Energy
-from qstream.formats.spec import E2M1_GRID, FP4_MAX
 
 # code -> value, including -0.0 for code 8 so that decoding keeps the sign bit
 _DECODE = torch.tensor([*E2M1_GRID, *(-v for v in E2M1_GRID)], dtype=torch.float32)
@@ -58,12 +64,22 @@ def _codes32(
     return codes.bitwise_or_(signs.bitwise_and_(8))
 
 
-def _pack32(codes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """int32 codes ``[..., K]`` (consumed) -> bytes ``out [..., K/2]`` (uint8): an int64 word
-    holds a pair, element 2j in its low half (little endian)."""
-    words = codes.contiguous().view(torch.int64)
-    high = (words >> 28).bitwise_and_(0xF0)
-    return out.copy_(words.bitwise_and_(0x0F).bitwise_or_(high))
+def _pack32(
+    codes: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """int32 codes ``[..., K]`` (consumed) -> bytes ``out [..., K/2]`` (uint8): the codes
+    narrowed to bytes, then each little-endian int16 pair holds element 2j in its low byte.
+    ``scratch``: a free int32 buffer of the codes' shape (two bytes of it per code are used)."""
+    n = codes.numel()
+    if scratch is None:
+        scratch = torch.empty(n, dtype=torch.int32, device=codes.device)
+    space = scratch.view(torch.uint8).view(-1)
+    pairs = space[:n].view(codes.shape).copy_(codes).view(torch.int16)
+    high = torch.bitwise_right_shift(
+        pairs, 4, out=space[n : 2 * n].view(torch.int16).view(pairs.shape)
+    )
+    high.bitwise_and_(0xF0)
+    return out.copy_(pairs.bitwise_and_(0x0F).bitwise_or_(high))
 
 
 # byte -> (value of its low nibble, value of its high nibble): decoding packed bytes is one
@@ -126,8 +142,38 @@ def encode_blocks(
         else:
             blocks.mul_(inverse[rows])
         grid, hat = (None, None) if energy is None else work.take_hat(rows)
-        _pack32(_codes32(magnitude, x, scratch, grid), out[rows])
+        _pack32(_codes32(magnitude, x, scratch, grid), out[rows], scratch)
         if energy is not None and grid is not None and hat is not None:
             grid.view(-1, k // block, block).mul_(step[rows])
-            energy.add(x, grid.copysign_(x), hat)
+            energy.add(w[rows], x, grid.copysign_(x), hat)
     return out
+
+
+_SCALE_DTYPES = {"U8": "torch.uint8", "F8_E4M3": "torch.float8_e4m3fn"}  # safetensors -> config
+
+
+def fp4_format(name: str, block: int, strategy: str, scale: str, **facts) -> Format:
+    """A 4-bit :class:`Format` over this core: two E2M1 codes per byte (``weight_packed``), one
+    ``scale`` (safetensors dtype) per ``block`` elements along K, and, with a ``global_scale``
+    in ``facts``, one float32 scale per tensor."""
+    stored: dict[str, str | None] = {"weight_packed": "U8", "weight_scale": scale}
+    if facts.get("global_scale"):
+        stored[facts["global_scale"]] = "F32"
+    return Format(
+        name=name,
+        block_size=block,
+        bits_per_weight=4 + 8 / block,
+        layout=f"{name}-pack-quantized",
+        weights_args=dict(
+            num_bits=4,
+            type="float",
+            strategy=strategy,
+            group_size=block,
+            symmetric=True,
+            dynamic=False,
+            scale_dtype=_SCALE_DTYPES[scale],
+        ),
+        stored_dtypes=stored,
+        codes_per_byte=2,
+        **facts,
+    )

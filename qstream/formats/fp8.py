@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from qstream.formats.checks import (
+from qstream.formats.format import (
+    FP8_MAX,
     ChunkWorkspace,
+    Format,
     block_abs_max,
     check_finite,
     check_weight,
     chunk_rows,
     row_chunks,
 )
-from qstream.formats.format import Format
 from qstream.formats.snr import Energy
-from qstream.formats.spec import FP8_MAX
 
 
 def channel_scale(w: torch.Tensor) -> torch.Tensor:
@@ -36,46 +36,57 @@ def quantize(
     ``energy`` accumulates the weight SNR sums against :func:`dequantize`'s ``q * scale``,
     taken chunk by chunk while the chunk is in cache."""
     check_weight(w, name)
+    n, k = w.shape
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-    scale = torch.empty((w.shape[0], 1), dtype=w.dtype, device=w.device)
-    work = (
-        None
-        if energy is None
-        else ChunkWorkspace(chunk_rows(*w.shape), w.shape[1], w.device, w.dtype)
-    )
-    for rows in row_chunks(*w.shape):
-        chunk = w[rows]
+    scale = torch.empty((n, 1), dtype=w.dtype, device=w.device)
+    rows_max = chunk_rows(n, k)
+    y = torch.empty((rows_max, k), dtype=w.dtype, device=w.device)  # reused: no page faults
+    work = None if energy is None else ChunkWorkspace(rows_max, k, w.device, w.dtype)
+    for rows in row_chunks(n, k):
+        chunk, codes = w[rows], q[rows]
         scale[rows] = s = channel_scale(chunk)
         check_finite(s, name)
-        y = (chunk / s).clamp_(-FP8_MAX, FP8_MAX)
-        q[rows] = codes = y.to(torch.float8_e4m3fn)
+        quotient = torch.div(chunk, s, out=y[: rows.stop - rows.start])
+        codes.copy_(quotient.clamp_(-FP8_MAX, FP8_MAX))  # round to nearest even
         if energy is not None and work is not None:
             _add_energy(energy, chunk, codes, s, work, rows)
     return q, scale
 
 
-def _add_energy(
-    energy: Energy,
-    chunk: torch.Tensor,
-    codes: torch.Tensor,
-    s: torch.Tensor,
-    work: ChunkWorkspace,
-    rows: slice,
-) -> None:
+def _add_energy(energy: Energy, chunk, codes, s, work: ChunkWorkspace, rows: slice) -> None:
     """The SNR sums of one chunk in magnitudes (w_hat has w's sign or is 0), from the codes just
     stored: ``|w_hat| = dtype(|fp8| * s)``, which is :func:`dequantize`'s value, since a 4-bit
     by 11-bit product is exact in float32 and is then rounded once to the dtype."""
     x, _, scratch = work.take(rows)
-    w_hat = decode_magnitudes(codes, scratch).mul_(s.float())
-    energy.add(torch.abs(x.copy_(chunk), out=x), w_hat, work.take_hat(rows)[1])
+    torch.abs(x.copy_(chunk), out=x)
+    _, hat = work.take_hat(rows)
+    if hat.dtype in _SHORT_DECODE and _scaled_magnitudes(codes, s, hat) is not None:
+        energy.add_rounded(chunk, x, hat, scratch.view(torch.float32))
+    else:
+        energy.add(chunk, x, decode_magnitudes(codes, scratch).mul_(s.float()), hat)
 
 
-_MAGNITUDE_BITS = 0x7F
-_SIGN_BIT = 0x80
-# A code's magnitude bits shifted into float32's exponent and mantissa fields read as
-# ``|value| * 2**-120`` (E4M3's exponent bias is 7, float32's 127; E4M3 subnormals land on
-# float32 subnormals), so one exact multiplication by 2**120 decodes every finite code.
+_MAGNITUDE_BITS, _SIGN_BIT = 0x7F, 0x80
+# A code's magnitude bits shifted into a float's exponent and mantissa fields read as
+# ``|value| * 2**-p`` (E4M3's exponent bias is 7: float32's and bf16's 127, fp16's 15; E4M3
+# subnormals land on the float's subnormals), so one exact multiplication by 2**p decodes every
+# finite code: float32 by 2**120 (_BIAS_SHIFT), and the 16-bit floats: dtype -> (shift, 2**p).
 _BIAS_SHIFT = 2.0**120
+_SHORT_DECODE = {torch.bfloat16: (4, 2.0**120), torch.float16: (7, 2.0**8)}
+
+
+def _scaled_magnitudes(codes: torch.Tensor, s: torch.Tensor, out: torch.Tensor):
+    """``dtype(|fp8| * s)`` into ``out`` (a bf16 / fp16 buffer of the codes' shape): the code
+    bits as ``|fp8| * 2**-p`` times ``s * 2**p`` (exact), which torch multiplies in float32
+    and rounds once, as :func:`dequantize` does; one pass over 16-bit data.  None, with ``out``
+    untouched, where ``s * 2**p`` overflows the dtype (a bf16 scale of 2**8 or more)."""
+    shift, power = _SHORT_DECODE[s.dtype]
+    scaled = s * power
+    if not torch.isfinite(scaled).all():
+        return None
+    bits = out.view(torch.int16).copy_(codes.view(torch.uint8))
+    bits.bitwise_and_(_MAGNITUDE_BITS).bitwise_left_shift_(shift)
+    return out.mul_(scaled)
 
 
 def decode_magnitudes(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

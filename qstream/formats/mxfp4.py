@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from qstream.formats.checks import all_block_abs_max, check_weight
-from qstream.formats.e2m1 import dequantize_blocks, encode_blocks
-from qstream.formats.format import Format
+from qstream.formats.e2m1 import dequantize_blocks, encode_blocks, fp4_format
+from qstream.formats.format import (
+    MXFP4_BLOCK,
+    MXFP4_E8M0_BIAS,
+    MXFP4_ELEM_EMAX,
+    all_block_abs_max,
+    check_weight,
+)
 from qstream.formats.snr import Energy
-from qstream.formats.spec import MXFP4_BLOCK, MXFP4_E8M0_BIAS, MXFP4_ELEM_EMAX
 
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
@@ -84,23 +88,12 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return dequantize_blocks(packed, decode_scale(scale, dtype), MXFP4_BLOCK, dtype, dtype)
 
 
-MXFP4 = Format(
-    name="mxfp4",
-    block_size=MXFP4_BLOCK,
-    bits_per_weight=4 + 8 / MXFP4_BLOCK,
+MXFP4 = fp4_format(
+    "mxfp4",
+    MXFP4_BLOCK,
+    "group",
+    "U8",
     scale_type="E8M0 per block",
-    layout="mxfp4-pack-quantized",
-    weights_args=dict(
-        num_bits=4,
-        type="float",
-        strategy="group",
-        group_size=MXFP4_BLOCK,
-        symmetric=True,
-        dynamic=False,
-        scale_dtype="torch.uint8",
-    ),
-    stored_dtypes={"weight_packed": "U8", "weight_scale": "U8"},
-    codes_per_byte=2,
     scales_checked="no E8M0 scale 0xFF (NaN)",
     encode=lambda w, name, global_amax, energy: quantize(w, name, energy),
     decode=lambda stored, dtype: dequantize(stored["weight_packed"], stored["weight_scale"], dtype),

@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from qstream.formats.checks import abs_max, all_block_abs_max, check_finite, check_weight
-from qstream.formats.e2m1 import dequantize_blocks, encode_blocks
-from qstream.formats.format import Format
+from qstream.formats.e2m1 import dequantize_blocks, encode_blocks, fp4_format
+from qstream.formats.format import (
+    FP4_MAX,
+    FP8_MAX,
+    NVFP4_BLOCK,
+    NVFP4_ZERO_BLOCK_SCALE,
+    abs_max,
+    all_block_abs_max,
+    check_finite,
+    check_weight,
+)
+from qstream.formats.fp8 import _MAGNITUDE_BITS, decode_magnitudes
 from qstream.formats.snr import Energy
-from qstream.formats.spec import FP4_MAX, FP8_MAX, NVFP4_BLOCK, NVFP4_ZERO_BLOCK_SCALE
 
 
 def tensor_amax(w: torch.Tensor) -> torch.Tensor:
@@ -34,11 +42,16 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def block_scale(block_amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """Block amax (weight dtype) and global scale -> float8_e4m3fn block scale."""
+    """Block amax (weight dtype) and global scale -> float8_e4m3fn block scale.  A zero scale
+    (code 0x00 or 0x80) becomes 0.125's code, with no round trip through float (torch's float8
+    to float conversion costs more than the rest of the scale)."""
     local = block_amax / torch.tensor(FP4_MAX, dtype=block_amax.dtype)
-    scale = (gs * local).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    scale = torch.where(scale == 0, NVFP4_ZERO_BLOCK_SCALE, scale)
-    return scale.to(torch.float8_e4m3fn)
+    scale = (gs * local).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    zero = torch.bitwise_and(scale, _MAGNITUDE_BITS) == 0
+    return scale.masked_fill_(zero, _ZERO_BLOCK_CODE).view(torch.float8_e4m3fn)
+
+
+_ZERO_BLOCK_CODE = torch.tensor(NVFP4_ZERO_BLOCK_SCALE).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
 def quantize(
@@ -65,7 +78,7 @@ def quantize(
     gs = global_scale(amax)
     scales = block_scale(block_amax, gs)  # [N, G] float8_e4m3fn
     # float32 as compressed-tensors divides; also dequantize's step (fp8 -> any dtype is exact)
-    divisor = (scales.float() / gs).unsqueeze(-1)  # [N, G, 1]
+    divisor = (decode_magnitudes(scales) / gs).unsqueeze(-1)  # [N, G, 1]; scales are > 0
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
     encode_blocks(w, divisor, NVFP4_BLOCK, packed, energy)
     return packed, scales, gs
@@ -83,23 +96,12 @@ def dequantize(
     return dequantize_blocks(packed, step, NVFP4_BLOCK, dtype)
 
 
-NVFP4 = Format(
-    name="nvfp4",
-    block_size=NVFP4_BLOCK,
-    bits_per_weight=4 + 8 / NVFP4_BLOCK,
+NVFP4 = fp4_format(
+    "nvfp4",
+    NVFP4_BLOCK,
+    "tensor_group",
+    "F8_E4M3",
     scale_type="E4M3 per block + FP32",
-    layout="nvfp4-pack-quantized",
-    weights_args=dict(
-        num_bits=4,
-        type="float",
-        strategy="tensor_group",
-        group_size=NVFP4_BLOCK,
-        symmetric=True,
-        dynamic=False,
-        scale_dtype="torch.float8_e4m3fn",
-    ),
-    stored_dtypes={"weight_packed": "U8", "weight_scale": "F8_E4M3", "weight_global_scale": "F32"},
-    codes_per_byte=2,
     scales_checked="block and global scales finite and positive",
     encode=quantize,
     decode=lambda stored, dtype: dequantize(

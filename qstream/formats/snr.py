@@ -39,26 +39,35 @@ def _buffer(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torc
 
 
 class Energy:
-    """Running ``(sum w^2, sum (w - w_hat)^2)`` in float64, on the weight's device."""
+    """Running ``(sum w^2, sum (w - w_hat)^2)`` in float64 (Python floats: the same IEEE double
+    additions as a float64 tensor, without its per-chunk ops)."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self._sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self.signal = self.noise = 0.0
 
-    def add(self, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor) -> None:
-        """Add one chunk of rows: float32 ``x`` (``w``, or ``|w|``) and float32 ``w_hat`` (or
-        ``|w_hat|``) before dequantize rounds it to the weight dtype, which ``hat`` (a buffer of
-        the chunk's shape) has; ``w_hat`` is overwritten.  In a ``SHORT`` dtype the rounded
-        error is exact in float32 and each row's squares are summed in float32, the rows in
-        float64 (:func:`row_square_sums`); a float32 weight's error is taken in float64."""
+    def add(self, w: torch.Tensor, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor):
+        """Add one chunk of rows ``w``: float32 ``x`` (``w``, or ``|w|``) and float32 ``w_hat``
+        (or ``|w_hat|``) before dequantize rounds it to the dtype of ``hat`` (a buffer of the
+        chunk's shape); ``x`` and ``w_hat`` are overwritten.  A float32 weight's error is taken
+        in float64."""
         if hat.dtype in SHORT:
-            self._sums[0] += row_square_sums(x)
-            self._sums[1] += row_square_sums(w_hat.copy_(hat.copy_(w_hat)).sub_(x))
-            return
+            return self.add_rounded(w, x, hat.copy_(w_hat), w_hat)
         error = _buffer("f64", x.numel(), torch.float64, self.device).view(x.shape)
         error.copy_(x).sub_(w_hat)
-        self._sums[0] += self._sum_squares(x.reshape(-1))
-        self._sums[1] += torch.vdot(error.view(-1), error.view(-1))
+        self.signal += self._sum_squares(x.reshape(-1)).item()
+        self.noise += torch.vdot(error.view(-1), error.view(-1)).item()
+
+    def add_rounded(self, w: torch.Tensor, x: torch.Tensor, hat: torch.Tensor, error: torch.Tensor):
+        """Add one chunk of rows ``w`` (a ``SHORT`` dtype): ``hat`` its dequantized values in
+        its dtype, ``x`` in float32 (or both as magnitudes); the error ``hat - x``, exact in
+        float32, goes through ``error`` (float32), and ``x`` is overwritten too."""
+        noise = row_square_sums(error.copy_(hat).sub_(x))
+        if noise is None:
+            noise = _square_sum64(error.copy_(hat).sub_(x))
+        signal = row_square_sums(x)
+        self.noise += noise
+        self.signal += _square_sum64(w) if signal is None else signal
 
     def _sum_squares(self, flat: torch.Tensor) -> torch.Tensor:
         """float32 ``flat`` squared and summed in float64, slice by slice."""
@@ -72,8 +81,7 @@ class Energy:
         return total
 
     def sums(self) -> tuple[float, float]:
-        signal, noise = self._sums.tolist()
-        return signal, noise
+        return self.signal, self.noise
 
 
 # Totals float32 row sums are trusted for: below, underflowed squares (< 2**-126 each) could
@@ -81,17 +89,21 @@ class Energy:
 FLOAT32_SAFE = (2.0**-60, 2.0**120)
 
 
-def row_square_sums(t: torch.Tensor) -> torch.Tensor:
-    """``sum t^2`` of a float32 chunk ``[rows, K]``: float32 within each row (torch's cascaded
-    reduction; every term is non-negative, so there is no cancellation and the relative error
-    stays within a few float32 ulps for any K met in practice), float64 across rows.  A chunk
-    whose float32 sums overflow, or are so small that squares below float32's range (|w| under
-    ~1e-19, which bf16 can hold) could matter, is summed again in float64.  Three times cheaper
-    than float64 throughout, which costs a conversion pass per element (docs/formats.md)."""
-    total = torch.linalg.vecdot(t, t).sum(dtype=torch.float64)
-    if not FLOAT32_SAFE[0] <= total <= FLOAT32_SAFE[1]:  # overflow, or squares that underflowed
-        return torch.linalg.vecdot(t.double(), t.double()).sum()
-    return total
+def row_square_sums(t: torch.Tensor) -> float | None:
+    """``sum t^2`` of a float32 chunk ``[rows, K]``, squared in place: float32 within each row
+    (torch's cascaded reduction, as ``torch.linalg.vecdot`` sums; every term is non-negative,
+    so there is no cancellation and the relative error stays within a few float32 ulps for any
+    K met in practice), float64 across rows: three times cheaper than float64 throughout
+    (docs/formats.md).  None for a chunk whose float32 sums overflow, or are so small that
+    squares below float32's range (|w| under ~1e-19) could matter: sum it with
+    :func:`_square_sum64`."""
+    total = t.mul_(t).sum(-1).sum(dtype=torch.float64).item()
+    return total if FLOAT32_SAFE[0] <= total <= FLOAT32_SAFE[1] else None
+
+
+def _square_sum64(t: torch.Tensor) -> float:
+    """``sum t^2`` of a chunk ``[rows, K]`` in float64 (row sums, then their sum)."""
+    return torch.linalg.vecdot(t.double(), t.double()).sum().item()
 
 
 # snr_sums works through a tensor in float64 slices of this many elements.

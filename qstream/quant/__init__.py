@@ -1,6 +1,5 @@
 """Quantizing a checkpoint (docs/quantize.md): the whole run (``quantize``) picks the modules
-(``select``) and lays out the output (``plan``), then hands that plan down to the output's files
-(``write``) and the streamed tensors (``convert``).
+(``select``), then plans and writes the output (``write``: its files and the streamed tensors).
 
 >>> from qstream.quant import quantize_checkpoint
 >>> summary = quantize_checkpoint("draft", "draft-fp8", "fp8", include=["mlp.gate_proj"])

@@ -3,11 +3,7 @@ checkpoint in the compressed-tensors layout out (docs/quantize.md), with no mode
 
 The run is planned whole before anything is written: the checkpoint's headers and index are
 validated, the selection is resolved and every output shard's header is laid out (a
-:class:`~qstream.quant.plan.Plan`).  The plan goes down to :mod:`qstream.quant.write`, which
-runs the global-amax pre-pass of a format that has one (NVFP4: each fused group, or tensor too
-large for one piece, gets its global scale) and then writes the output's files, the tensors
-streamed by :mod:`qstream.quant.convert` in pieces (row ranges of one tensor) through a bounded
-thread pool, each at its offset in a temporary directory renamed into place at the end.
+:class:`~qstream.quant.write.Plan`), which :mod:`qstream.quant.write` then writes.
 """
 
 from __future__ import annotations
@@ -30,9 +26,8 @@ from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.plan import Plan, Streaming, make_plan
 from qstream.quant.select import Selection, select_modules, weight_modules
-from qstream.quant.write import write_checkpoint
+from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
     head_problem,
     head_targets,
@@ -191,35 +186,25 @@ def default_workers() -> int:
 
 
 def _select(
-    checkpoint: Checkpoint,
-    fmt: str,
-    include,
-    ignore,
-    skip_incompatible: bool,
-    tensor_parallel_size: int,
+    checkpoint: Checkpoint, fmt: str, include, ignore, skip_incompatible: bool, tp_size: int
 ) -> tuple[Selection, list[str], list[str]]:
     """The selection under config.json's serving profile, the ``ignore`` entries that make
     vLLM's matcher resolve it, and warnings about how vLLM will read them (docs/vllm.md).  A
-    K3 draft that vLLM cannot build at ``tensor_parallel_size`` is an error."""
-    if tensor_parallel_size < 1:
-        raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
+    K3 draft that vLLM cannot build at ``tp_size`` is an error."""
+    if tp_size < 1:
+        raise QStreamError(f"--tensor-parallel-size {tp_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
     modules = weight_modules(checkpoint.tensors)
     shapes = {m: tuple(info.shape) for m, info in modules.items()}
-    cannot = tp_build_problem(profile, checkpoint.config, shapes, tensor_parallel_size)
+    cannot = tp_build_problem(profile, checkpoint.config, shapes, tp_size)
     if cannot:
         raise QStreamError(
-            f"--tensor-parallel-size {tensor_parallel_size}: vLLM 0.32.0 cannot build this "
+            f"--tensor-parallel-size {tp_size}: vLLM 0.32.0 cannot build this "
             f"draft at it: {cannot} (docs/vllm.md)"
         )
+    include = include or list(profile.default_include)
     selection = select_modules(
-        checkpoint.tensors,
-        fmt,
-        include or list(profile.default_include),
-        ignore,
-        skip_incompatible,
-        profile=profile,
-        tensor_parallel_size=tensor_parallel_size,
+        checkpoint.tensors, fmt, include, ignore, skip_incompatible, profile, tp_size
     )
     for module in selection.quantized:
         why = head_problem(profile, module, fmt, checkpoint.config)
@@ -242,15 +227,8 @@ def _equivalent_command(
     tensor_parallel_size: int = 1,
 ) -> str:
     """The qstream-quantize command line that makes this output (recorded for model cards)."""
-    args = [
-        "qstream-quantize",
-        "--model_dir",
-        str(model_dir),
-        "--output_dir",
-        str(output_dir),
-        "--quant_format",
-        fmt,
-    ]
+    args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir)]
+    args += ["--quant_format", fmt]
     if include:
         args += ["--include_layers", *include]
     if ignore:

@@ -1,21 +1,301 @@
-"""The output directory of a quantize run (docs/quantize.md, "What is written"): config.json with
-its quantization_config, the copied tokenizer and other files, the streamed shards
-(:mod:`qstream.quant.convert`), the index and the run's record, all written into a temporary
-directory that is renamed into place (docs/guarantees.md)."""
+"""What a quantize run writes (docs/quantize.md, "What is written"), decided before any byte
+is and then written: the :class:`Plan` that :mod:`~qstream.quant.quantize` builds (every output
+shard's header laid out), the global-amax pre-pass of a format that has one (NVFP4), the input
+cut into pieces (a row range of one tensor) streamed through a bounded thread pool, each read,
+quantized or copied and written at its offset, and the output directory around them: config.json
+with its quantization_config, the copied tokenizer and other files, the index and the run's
+record, all written into a temporary directory that is renamed into place (docs/guarantees.md).
+
+Memory is bounded by the pieces in flight (``2 * workers``), never by a tensor, a shard or the
+model: each piece is read from a memory map, whose pages are released once it is done.
+"""
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+import torch
 
 from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint, file_digests
-from qstream.checkpoint.layout import quantization_config
-from qstream.checkpoint.safetensors_io import ShardReader, ShardWriter
+from qstream.checkpoint.layout import quantization_config, stored_tensors
+from qstream.checkpoint.safetensors_io import (
+    PlannedTensor,
+    ShardReader,
+    ShardWriter,
+    TensorInfo,
+    planned_file_size,
+)
 from qstream.errors import QStreamError
+from qstream.formats import Energy, Format, snr_db
+from qstream.formats.nvfp4 import tensor_amax
+from qstream.progress import Progress
 from qstream.publish import QUANTIZE_RECORD, publishing, write_json_atomic
-from qstream.quant.convert import global_amaxes, write_tensors
-from qstream.quant.plan import Plan, Streaming
+from qstream.quant.select import Selection, share_group_amax
+
+
+@dataclass(frozen=True)
+class Plan:
+    checkpoint: Checkpoint
+    selection: Selection
+    format: Format
+    ignore: list[str]  # the config's ignore entries, as written
+    # output tensors per shard: the input's, in order, each quantized weight replaced in place
+    # by what its format stores
+    shards: dict[str, list[PlannedTensor]]
+    # the config group's targets: "Linear", and any quantized ParallelLMHead by name
+    targets: tuple[str, ...] = ("Linear",)
+
+    @property
+    def size_bytes(self) -> int:
+        """The output's safetensors files, exactly."""
+        meta = {s: h.metadata for s, h in self.checkpoint.shards.items()}
+        return sum(planned_file_size(t, meta[s]) for s, t in self.shards.items())
+
+
+def make_plan(
+    checkpoint: Checkpoint,
+    selection: Selection,
+    spec: Format,
+    ignore: list[str],
+    targets: tuple[str, ...] = ("Linear",),
+) -> Plan:
+    quantized = set(selection.quantized)
+    shards = {}
+    for shard, header in checkpoint.shards.items():
+        planned = []
+        for name, info in header.tensors.items():
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and module in quantized:
+                planned += stored_tensors(spec, module, info)
+            else:
+                planned.append(PlannedTensor(name, info.dtype, info.shape))
+        shards[shard] = planned
+    return Plan(checkpoint, selection, spec, ignore, shards, targets)
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """How the tensors are streamed: where quantized, by how many threads, whether the weight
+    SNR is accumulated, and who hears of progress."""
+
+    device: torch.device
+    workers: int
+    snr: bool = True
+    progress: Progress | None = None
+
+
+# Largest piece of a quantized weight: 4M elements is 8 MiB of bf16 input and 2-4 MiB of
+# output; the quantizers' float32 temporaries are per cache-sized chunk, not per piece.  Pieces
+# this large keep most weights whole, so NVFP4 needs no amax pre-pass for them.
+PIECE_ELEMENTS = 1 << 22
+# Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
+# until released).
+COPY_BYTES = 8 << 20
+
+R = TypeVar("R")  # what a piece's work returns
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One unit of work: rows ``rows`` of tensor ``name`` of input shard ``shard``."""
+
+    shard: str
+    name: str
+    rows: slice | None  # None: a whole 0-d / empty tensor
+    module: str | None  # set when the tensor is a weight being quantized
+    nbytes: int
+
+
+def row_pieces(shard: str, info: TensorInfo, module: str | None) -> Iterator[Piece]:
+    if not info.shape or info.numel == 0:
+        yield Piece(shard, info.name, None, module, info.nbytes)
+        return
+    row_elements = max(1, info.numel // info.shape[0])
+    limit = (
+        COPY_BYTES // max(1, info.row_bytes) if module is None else PIECE_ELEMENTS // row_elements
+    )
+    step = max(1, limit)
+    for start in range(0, info.shape[0], step):
+        rows = slice(start, min(start + step, info.shape[0]))
+        yield Piece(shard, info.name, rows, module, (rows.stop - rows.start) * info.row_bytes)
+
+
+def pieces(plan: Plan, modules: set[str] | None = None) -> Iterator[Piece]:
+    """Every tensor's pieces in file order, or only those of the quantized ``modules``."""
+    quantized = set(plan.selection.quantized)
+    for shard, header in plan.checkpoint.shards.items():
+        for name, info in header.tensors.items():
+            module = name[: -len(".weight")] if name.endswith(".weight") else None
+            module = module if module in quantized else None
+            if modules is None or module in modules:
+                yield from row_pieces(shard, info, module)
+
+
+def run_bounded(
+    work_items: Iterator[Piece],
+    work: Callable[[Piece], R],
+    workers: int,
+    done: Callable[[Piece, R], None],
+    prepare: Callable[[Piece], None] | None = None,
+) -> None:
+    """``work`` on every piece in a thread pool (torch releases the GIL), with at most
+    ``2 * workers`` pieces in flight so that memory stays bounded.  ``prepare`` (before a piece
+    is submitted) and ``done`` (in piece order) run on the calling thread, so that I/O put
+    there overlaps the workers' computing."""
+    in_flight: deque[tuple[Piece, Future]] = deque()
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qstream") as pool:
+        try:
+            for piece in work_items:
+                if prepare is not None:
+                    prepare(piece)
+                in_flight.append((piece, pool.submit(work, piece)))
+                if len(in_flight) >= 2 * workers:
+                    p, fut = in_flight.popleft()
+                    done(p, fut.result())
+            while in_flight:
+                p, fut = in_flight.popleft()
+                done(p, fut.result())
+        except BaseException:
+            for _, fut in in_flight:
+                fut.cancel()
+            raise
+
+
+def needs_shared_amax(plan: Plan) -> set[str]:
+    """Weights whose global scale cannot come from the piece being quantized: members of a
+    fused group (one scale for the group, docs/quantize.md) and weights split into several
+    pieces.  Every other weight is one piece and takes its own amax in the kernel."""
+    grouped = {m for group in plan.selection.fused_groups for m in group.members}
+    split = {
+        m
+        for m in plan.selection.quantized
+        if len(list(row_pieces("", plan.checkpoint.info(f"{m}.weight"), m))) > 1
+    }
+    return grouped | split
+
+
+def global_amaxes(
+    plan: Plan, readers: dict[str, ShardReader], workers: int
+) -> dict[str, torch.Tensor]:
+    """The pre-pass of a format with a global scale (none otherwise) over
+    :func:`needs_shared_amax`'s weights: each one's amax, then the max over each fused group,
+    so that a group shares one global scale even across shards.  A NaN or Inf weight there is
+    refused before anything is written."""
+    if plan.format.global_scale is None:
+        return {}
+    amax: dict[str, torch.Tensor] = {}
+
+    def work(piece: Piece) -> torch.Tensor:
+        reader = readers[piece.shard]
+        value = tensor_amax(reader.tensor(piece.name, piece.rows))
+        reader.release(piece.name, piece.rows)
+        return value
+
+    def done(piece: Piece, value: torch.Tensor) -> None:
+        if not torch.isfinite(value):
+            raise QStreamError(f"{piece.name}: weight contains NaN or Inf")
+        assert piece.module is not None  # the pre-pass reads quantized weights only
+        previous = amax.get(piece.module)
+        amax[piece.module] = value if previous is None else torch.maximum(previous, value)
+
+    modules = needs_shared_amax(plan)
+    if modules:
+        run_bounded(pieces(plan, modules), work, workers, done)
+    return share_group_amax(amax, plan.selection.fused_groups)
+
+
+@dataclass
+class _Tally:
+    """Progress, updated in piece order by ``run_bounded``'s done."""
+
+    bytes_total: int
+    tensors_total: int
+    tensors_done: int = 0
+
+    def count(self, piece: Piece, tensor_rows: int, progress: Progress | None) -> None:
+        """Count a finished piece (a tensor is done with its last rows) and report progress."""
+        if piece.rows is None or piece.rows.stop == tensor_rows:
+            self.tensors_done += 1
+        if progress is not None:
+            progress.advance(f"tensors {self.tensors_done}/{self.tensors_total}", piece.nbytes)
+
+
+def write_tensors(
+    plan: Plan,
+    readers: dict[str, ShardReader],
+    writers: dict[str, ShardWriter],
+    amaxes: dict[str, torch.Tensor],
+    run: Streaming,
+) -> dict[str, float]:
+    """Every piece read, quantized or copied, and written; returns each quantized module's
+    weight SNR in dB (empty without ``run.snr``)."""
+    checkpoint, quantized = plan.checkpoint, plan.selection.quantized
+    sums = {m: [0.0, 0.0] for m in quantized}
+    tally = _Tally(
+        sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
+        len(checkpoint.tensor_shard),
+    )
+    if run.progress is not None:
+        run.progress.start(tally.bytes_total)
+
+    def prepare(piece: Piece) -> None:
+        if piece.module is not None:
+            readers[piece.shard].prefetch(piece.name, piece.rows)
+
+    def work(piece: Piece):
+        if piece.module is None:
+            return None
+        energy = Energy(run.device) if run.snr else None
+        reader = readers[piece.shard]
+        w = reader.tensor(piece.name, piece.rows).to(run.device)
+        stored = plan.format.quantize(w, piece.name, amaxes.get(piece.module), energy)
+        reader.release(piece.name, piece.rows)
+        return stored, None if energy is None else energy.sums()
+
+    def done(piece: Piece, result) -> None:
+        writer = writers[piece.shard]
+        if result is None:
+            _copy_piece(readers[piece.shard], writer, piece)
+        else:
+            stored, energy = result
+            _write_stored(writer, piece, stored, plan.format.global_scale)
+            if energy is not None and piece.module is not None:
+                sums[piece.module][0] += energy[0]
+                sums[piece.module][1] += energy[1]
+        tally.count(piece, checkpoint.info(piece.name).shape[0], run.progress)
+
+    # Reading (page-table population), copying and writing happen on this thread in
+    # prepare / done, the quantizing on the workers: with one worker the two overlap.
+    run_bounded(pieces(plan), work, run.workers, done, prepare)
+    return {m: snr_db(*sums[m]) for m in quantized} if run.snr else {}
+
+
+def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
+    info = reader.header.tensors[piece.name]
+    rows = piece.rows or slice(0, 1)  # a whole 0-d / empty tensor: its bytes from 0
+    begin = rows.start * info.row_bytes
+    end = info.nbytes if piece.rows is None else rows.stop * info.row_bytes
+    writer.write(piece.name, reader.raw(piece.name, begin, end), rows.start)
+    reader.release(piece.name, piece.rows)
+
+
+def _write_stored(
+    writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor], once: str | None
+) -> None:
+    """Each stored tensor's rows of one quantized piece, at their offsets; the per-tensor
+    scale ``once`` is written with the first rows only."""
+    assert piece.rows is not None  # quantized weights are 2-D, cut into row ranges
+    for suffix, tensor in stored.items():
+        if suffix != once:
+            writer.write(f"{piece.module}.{suffix}", tensor, piece.rows.start)
+        elif piece.rows.start == 0:
+            writer.write(f"{piece.module}.{suffix}", tensor)
 
 
 def write_checkpoint(
