@@ -112,15 +112,17 @@ def quantize(json_path: str | None, **o: Any) -> None:
 
 def plan_table(summary: QuantizeSummary) -> Table:
     """The dry run's plan: quantized modules by kind, and any skipped ones."""
+    from rich.markup import escape  # a cell is rich markup: "[skipped]" would be a style tag
+
     from qstream.checkpoint.inspect import module_kind
 
-    table = Table(title=f"plan: {summary.quant_format} for {summary.model_dir}")
+    table = Table(title=escape(f"plan: {summary.quant_format} for {summary.model_dir}"))
     table.add_column("quantized module kind")
     table.add_column("count", justify="right")
     for kind, count in Counter(module_kind(m) for m in summary.modules_quantized).items():
-        table.add_row(kind, str(count))
+        table.add_row(escape(kind), str(count))
     for module, reason in summary.modules_skipped.items():
-        table.add_row(f"[skipped] {module}: {reason}", "")
+        table.add_row(escape(f"[skipped] {module}: {reason}"), "")
     return table
 
 
