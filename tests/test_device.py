@@ -183,7 +183,7 @@ def test_cuda_without_cuda_is_one_error_line(tiny, tmp_path, command):
 
 
 def test_trim_heap_gives_freed_heap_pages_back():
-    """eval-drift trims the heap between batches (qstream/bounded/heap.py).  On glibc, freed chunks
+    """eval-drift trims the heap between batches (qstream/bounded.py).  On glibc, freed chunks
     below the mmap threshold stay resident until trimmed; after trim_heap they are gone."""
     import ctypes
     import sys
