@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from qstream.capture.hooks import LayerTap
+from qstream.capture.target import LayerTap
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.safetensors_io import serialize
 from qstream.errors import QStreamError

@@ -16,7 +16,6 @@ import torch
 import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import load_config
-from qstream.capture.hooks import LayerTap
 from qstream.capture.layout import (
     check_output,
     present_files,
@@ -35,6 +34,7 @@ from qstream.capture.streams import (
 )
 from qstream.capture.target import (
     DTYPES,
+    LayerTap,
     LoadedTarget,
     check_draft,
     decoder_parts,

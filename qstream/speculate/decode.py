@@ -29,8 +29,7 @@ import torch
 
 from qstream.arch.markov import sampling_probs
 from qstream.arch.registry import architecture_of
-from qstream.capture.hooks import LayerTap
-from qstream.capture.target import cache_keyword
+from qstream.capture.target import LayerTap, cache_keyword
 from qstream.errors import QStreamError
 
 RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
