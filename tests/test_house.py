@@ -136,12 +136,12 @@ def test_regime_names_are_switched_on_only_in_regimes():
 
 def test_states_layouts_and_conventions_are_switched_on_only_in_their_registries():
     """Code asks a states layout's object (``layout.final_before_norm``) or a layer convention's
-    (``convention.shift``); only qstream/eval/states/layouts.py and layers.py know names.  Not
+    (``convention.shift``); only qstream/eval/states/layouts.py and captured.py know names.  Not
     dict keys: "vllm" also keys what vLLM's loader reported."""
     from qstream.eval.states import CONVENTIONS, LAYOUTS
 
     switches = switches_on(set(LAYOUTS), "qstream.eval.states.layouts", keys=False)
-    switches += switches_on(set(CONVENTIONS), "qstream.eval.states.layers", keys=False)
+    switches += switches_on(set(CONVENTIONS), "qstream.eval.states.captured", keys=False)
     assert not switches, "switches on a layout's or convention's name:\n" + "\n".join(switches)
 
 

@@ -44,7 +44,7 @@ from qstream.capture.target import (
 )
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
-from qstream.eval.states.layers import LAYER_OUTPUT
+from qstream.eval.states.captured import LAYER_OUTPUT
 from qstream.eval.states.layouts import EXPORTS, LAYOUTS, QSTREAM, Layout
 from qstream.progress import Progress
 from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice

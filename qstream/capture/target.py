@@ -25,7 +25,7 @@ import torch
 from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.target import TargetShape
 from qstream.errors import QStreamError
-from qstream.eval.states.layers import CONVENTIONS
+from qstream.eval.states.captured import CONVENTIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # a file transformers builds a tokenizer from (without one it builds an empty vocabulary)

@@ -20,12 +20,14 @@ from pathlib import Path
 from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
-from qstream.eval.states.captured import CapturedStates, file_sha256s, files_sha256
-from qstream.eval.states.layers import (
+from qstream.eval.states.captured import (
     CONVENTIONS,
+    CapturedStates,
     Convention,
     FinalNorm,
     check_layer_ids,
+    file_sha256s,
+    files_sha256,
     parse_convention,
     parse_ids,
     read_final_norm,

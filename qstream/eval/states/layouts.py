@@ -27,13 +27,15 @@ from qstream.checkpoint.safetensors_io import read_header
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import (
     AUX,
+    HIDDEN_STATES_INDEX,
+    LAYER_OUTPUT,
+    Convention,
     StreamSource,
     aux_why,
     check_float,
     check_ids,
     check_shape,
 )
-from qstream.eval.states.layers import HIDDEN_STATES_INDEX, LAYER_OUTPUT, Convention
 
 RECORD = "capture.json"  # written by ``qstream capture`` (qstream/capture/layout.py), read here
 Opened = list[tuple[StreamSource, torch.Tensor]]  # a file's streams: (source, token ids)
