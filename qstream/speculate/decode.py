@@ -6,19 +6,8 @@ vLLM 0.32.0's rules, and the accepted tokens plus the target's bonus token are e
 >>> out.tokens, out.accepted          # emitted ids; drafted tokens accepted per target forward
 
 The target is a transformers causal LM (``model.model.layers``, ``model.model.norm``) run with
-its KV cache: each verification forward reads only the anchor and the drafted block, the cache
-is cropped to the kept positions after it, and the hidden states the draft reads are kept
-across forwards the same way (``cache=False`` reruns the whole sequence every time).
-Rules (vLLM's ``rejection_sampler``; docs/acceptance.md): ``greedy`` — the draft's argmax,
-accepted while it equals the target's argmax, then the target's argmax; ``greedy-sampling`` —
-the draft's argmax against a sampling verifier (accepted with probability p(d), else a token
-from p without d); ``probabilistic`` — a token drawn from the draft's full tempered softmax q,
-accepted with probability min(1, p(d)/q(d)), else one from max(0, p − q) renormalised;
-``block`` — the same draft, verified as a block (Sun et al. 2024, vLLM's ``rejection_sample_method:
-block``): with P_0 = 1, P_k = min(1, P_{k−1}·p_k(d_k)/q_k(d_k)), the accepted length is the largest
-k with u_k ≤ h_k, h_k = Z_{k+1}/(Z_{k+1} + 1 − P_k) (Z_{k+1} the mass of max(0, P_k·p_{k+1} −
-q_{k+1}); h_B = P_B), then a token from that residual renormalised.  After a whole accepted block
-the bonus token is the target's (argmax, or a draw from p).
+its KV cache, cropped to the kept positions after each verification (``cache=False`` reruns the
+whole sequence).  The rules are vLLM's ``rejection_sampler``'s, each stated in docs/speculate.md.
 """
 
 from __future__ import annotations
@@ -42,9 +31,8 @@ class Decoded:
     tokens: list[int] = field(default_factory=list)  # emitted after the prompt, in order
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per verification
     forwards: int = 0  # target forwards, the prefill included
-    anchors: list[int] = field(
-        default_factory=list
-    )  # anchor p of each verification (prompt included)
+    # anchor p of each verification (prompt included)
+    anchors: list[int] = field(default_factory=list)
 
 
 def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict | None = None):
