@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import load_config
 from qstream.capture.layout import (
+    capture_record,
     check_output,
     present_files,
     record_streams,
@@ -86,22 +86,10 @@ def _layout(s: CaptureSettings) -> Layout:
 
 
 def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
-    layout = LAYOUTS[s.export]
-    return {
-        "layout": layout.name,
-        "layer_convention": layout.convention.name,
-        "layer_ids": layout.layer_ids(ids, shape.num_hidden_layers),
-        "target": shape.identity(),
-        "source": "corpus" if s.sampling is None else "generate",
-        "sampling": None if s.sampling is None else asdict(s.sampling),
-        "dtype": s.dtype,
-        "max_tokens": s.max_tokens,
-        "corpus": docs.name,
-        "corpus_sha256": docs.sha256,
-        "device": s.device_map or s.device,
-        "draft": str(Path(s.model).resolve()),
-        "qstream_version": qstream.__version__,
-    }
+    sampling = None if s.sampling is None else asdict(s.sampling)
+    source = "corpus" if sampling is None else "generate"
+    return capture_record(LAYOUTS[s.export], ids, shape, docs, s.model, s.device_map or s.device,
+                          source=source, sampling=sampling, dtype=s.dtype, max_tokens=s.max_tokens)  # fmt: skip
 
 
 def _layer_ids(s: CaptureSettings, config: DraftConfig, depth: int) -> tuple[int, ...]:

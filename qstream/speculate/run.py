@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
-from qstream.capture.layout import record_streams, start_output, write_batch
+from qstream.capture.layout import capture_record, record_streams, start_output, write_batch
 from qstream.capture.streams import CorpusDocs, corpus_docs
 from qstream.capture.target import (
     DTYPES,
@@ -132,30 +131,9 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
             loss = paired_loss(decoded[FLOOR], runs).to_json()
             results["variants"][name]["summary"]["loss_vs_bf16"] = loss
     if s.capture is not None:
-        record = {**_capture_record(s, config, shape, docs), "files": {}}
-        ids = config.target_layer_ids
-        write_capture(Path(s.capture), target, ids, config.block_size, prompts, decoded, record)
+        write_capture(s, config, shape, docs, target, prompts, decoded)
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
-
-
-def _capture_record(s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs) -> dict:
-    """capture.json of ``--capture`` (docs/capture.md's keys; source ``speculate``)."""
-    return {
-        "layout": "qstream",
-        "layer_convention": "layer-output",
-        "layer_ids": list(config.target_layer_ids),
-        "target": shape.identity(),
-        "source": "speculate",
-        "sampling": {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts},
-        "dtype": s.dtype,
-        "max_tokens": None,
-        "corpus": docs.name,
-        "corpus_sha256": docs.sha256,
-        "device": s.device,
-        "draft": str(Path(s.model).resolve()),
-        "qstream_version": qstream.__version__,
-    }
 
 
 def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig):
@@ -259,16 +237,22 @@ def check_capture_dir(output: Path, rule: str, inputs: dict[str, str]) -> None:
 
 
 def write_capture(
-    output: Path,
+    s: SpeculateSettings,
+    config: DraftConfig,
+    shape: TargetShape,
+    docs: CorpusDocs,
     target: LoadedTarget,
-    layer_ids: tuple[int, ...],
-    block_size: int,
     prompts: list[list[int]],
     runs: dict[str, list[Decoded]],
-    record: dict[str, Any],
 ) -> None:
     """The streams, their states and capture.json, then one anchors file per variant: built in
-    a temporary directory beside ``output`` and published with one rename, or not at all."""
+    a temporary directory beside ``--capture`` and published with one rename, or not at all."""
+    assert s.capture is not None
+    layer_ids, block_size, output = config.target_layer_ids, config.block_size, Path(s.capture)
+    sampling = {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts}
+    record = capture_record(QSTREAM, layer_ids, shape, docs, s.model, s.device, source="speculate",
+                            sampling=sampling, dtype=s.dtype, max_tokens=None)  # fmt: skip
+    record["files"] = {}
     first, *others = runs
     for name in others:
         for i, (a, b) in enumerate(zip(runs[first], runs[name])):
