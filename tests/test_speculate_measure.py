@@ -9,8 +9,7 @@ import random
 import pytest
 from scipy import stats
 
-from qstream.speculate.decode import Decoded
-from qstream.speculate.measure import paired_loss, summarise
+from qstream.speculate.decode import Decoded, paired_loss, summarise
 
 
 def decodes(seed: int, steps, block: int = 7) -> list[Decoded]:

@@ -44,8 +44,14 @@ from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
 from qstream.serving import Variant
-from qstream.speculate.decode import RULES, Decoded, target_greedy
-from qstream.speculate.measure import decode_prompts, paired_loss, summarise
+from qstream.speculate.decode import (
+    RULES,
+    Decoded,
+    decode_prompts,
+    paired_loss,
+    summarise,
+    target_greedy,
+)
 
 SCHEMA = "qstream.speculate/1"  # the "schema" field of every results file
 PROMPT = "each document up to and including its first newline (a GSM8K question), tokenized "
