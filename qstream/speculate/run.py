@@ -21,7 +21,7 @@ import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.capture.layout import capture_record, record_streams, start_output, write_batch
-from qstream.capture.streams import CorpusDocs, corpus_docs
+from qstream.capture.run import CorpusDocs, corpus_docs
 from qstream.capture.target import (
     DTYPES,
     LayerTap,
