@@ -188,7 +188,7 @@ def test_trim_heap_gives_freed_heap_pages_back():
     import ctypes
     import sys
 
-    from qstream.bounded import heap as memory
+    import qstream.bounded as memory
 
     if not sys.platform.startswith("linux") or memory._TRIM is None:
         pytest.skip("malloc_trim is glibc's")
@@ -220,7 +220,7 @@ def test_big_temporaries_are_reused_inside_a_reuse_freed_heap_hygiene():
     import resource
     import sys
 
-    from qstream.bounded import heap as memory
+    import qstream.bounded as memory
 
     if not sys.platform.startswith("linux") or memory._MALLOPT is None:
         pytest.skip("mallopt is glibc's")
