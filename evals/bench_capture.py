@@ -62,8 +62,7 @@ def build(directory: Path) -> None:
 def child(mode: str, directory: Path, args: argparse.Namespace) -> dict:
     import torch
 
-    from qstream.capture.run import CaptureSettings, run_capture
-    from qstream.capture.streams import corpus_docs, encode
+    from qstream.capture.run import CaptureSettings, corpus_docs, encode, run_capture
     from qstream.capture.target import load_target
 
     base = _rss_now()

@@ -1,19 +1,12 @@
-"""The ``qstream`` command line: a thin click layer over the library, and what its commands
-share.  Every command lives in ``qstream/commands/<name>.py`` and is registered in
-:data:`COMMANDS`; an option more than one command takes is declared once, in :data:`OPTIONS`.
+"""The ``qstream`` command line: a thin click layer over the library.  Each command lives in
+``qstream/commands/<name>.py`` and is registered in :data:`COMMANDS`; an option more than one
+command takes is declared once, in :data:`OPTIONS`.
 
-This module imports no heavy library (torch, scipy, ...): ``qstream --help`` and every
-``qstream COMMAND --help`` read their choices and defaults from the plain names below, each equal
-to the library's own (tests/test_help.py checks them one by one), and a command imports the
-library inside its callback (evals/bench_help.py).
-
-:class:`Command`'s ``invoke`` is the one place where a :class:`~qstream.errors.QStreamError`
-becomes ``Error: <message>`` on stderr and exit status 1 (docs/quantize.md): commands never print
-tracebacks for user mistakes.  A value malformed on its own (a device name, a list, ``NAME=DIR``)
-is refused by its parameter type when the command line is parsed: a usage error, exit status 2,
-click's message naming the option, like an out-of-range number (docs/guarantees.md, "Exit
-statuses"); what depends on more than the value (a directory that must exist, a device this
-machine must have) is the library's to check.
+No heavy library (torch, scipy) is imported here: help screens read the plain names below, each
+equal to the library's own (tests/test_help.py), and a command imports the library inside its
+callback.  :class:`Command`'s ``invoke`` is the one place a :class:`~qstream.errors.QStreamError`
+becomes ``Error: <message>`` and exit status 1; a value malformed on its own is refused by its
+parameter type, a usage error with exit status 2 (docs/guarantees.md, "Exit statuses").
 """
 
 from __future__ import annotations
@@ -147,8 +140,7 @@ class FiniteRange(click.FloatRange):
 
 
 class _UserErrorsExit:
-    """Mixin for click commands: turn QStreamError into one line on stderr and exit status 1.
-    This is the only place that happens (docs/quantize.md)."""
+    """Mixin for click commands: QStreamError becomes one line on stderr and exit status 1."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -166,10 +158,8 @@ class ListOption(click.Option):
 
 def _one_value_per_flag(args: list[str], lists: dict[str, str], valued: set[str]) -> list[str]:
     """``args`` with each list option (``lists``: its spellings -> the one to repeat) written
-    once per value: ``--include_layers a b`` -> ``--include_layers a --include_layers b``.  The
-    value right after the flag is its own whatever it looks like (click takes it so); more
-    follow up to the next argument that starts with ``-`` (an option, or ``--``).  The value of
-    any other option taking one (``valued``) is passed over as click will read it."""
+    once per value: ``--include_layers a b`` -> ``--include_layers a --include_layers b``, up to
+    the next argument starting with ``-``; a ``valued`` option's value is passed over."""
     out: list[str] = []
     rest = list(args)
     while rest:
@@ -302,9 +292,8 @@ def list_option(name: str, **kwargs: Any):
 
 
 def _check_json_path(ctx: click.Context, param: click.Parameter, value: str | None):
-    """``--json PATH`` is refused when the options are parsed (docs/guarantees.md), so that a bad
-    path fails at once rather than after the computation: a directory, or a missing or
-    unwritable parent.  ClickException prints one ``Error:`` line, exit 1."""
+    """A bad ``--json PATH`` (a directory, a missing or unwritable parent) fails when the options
+    are parsed, not after the computation: one ``Error:`` line, exit 1 (docs/guarantees.md)."""
     if value is not None and value != "-":
         try:
             if Path(value).is_dir():

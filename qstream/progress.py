@@ -1,8 +1,6 @@
 """What a command shows on stderr while it works (docs/guarantees.md, "Shown"): on a terminal a
-rich bar or spinner naming the step from the first moment; elsewhere one plain line every
-LINE_EVERY seconds.  Every long-running piece (capture, synth, quantize, speculate, eval-drift)
-reports to one protocol, :class:`Progress`, and every bar has one estimate of the time left,
-:class:`WorkEta`, taken from the work planned.
+rich bar or spinner naming the step, elsewhere one plain line every LINE_EVERY seconds.  Every
+long-running piece reports to :class:`Progress`; every bar's one ETA is :class:`WorkEta`'s.
 
 >>> with step("drawing the figures"):
 ...     draw()
@@ -44,11 +42,9 @@ ADVICE = (
 
 
 class Progress(Protocol):
-    """Where a long-running piece reports how far it is: the units it does (streams, bytes,
-    prompts, drafted blocks) and, where its passes differ in cost, their work per kind of
-    pass, from which the one ETA is taken.  eval-drift plans its work by the architecture's
-    FLOP model (docs/eval-drift.md, "FLOP model"): a long-context block costs hundreds of
-    short ones, an FP32 reference pass runs at its own pace."""
+    """Where a long-running piece reports its units done (streams, bytes, prompts, blocks) and,
+    where its passes differ in cost, their work per kind of pass, from which the one ETA is
+    taken (eval-drift's by the FLOP model: docs/eval-drift.md, "FLOP model")."""
 
     def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
         """Units the piece will report (None until they are known), and their total work per
@@ -75,13 +71,9 @@ def clock_text(seconds: float | None) -> str:
 
 
 class WorkEta:
-    """The time a run has left, from the work it planned: each kind of pass (an FP32 reference,
-    the variants, the sensitivity steps) timed at its own pace, seconds per unit of work, and
-    its work left charged at that pace; a kind not yet timed at the pace of those that have.
-    A kind's pace is taken after its first pass (``step``), whose one-off start-up (kernels
-    and shapes met for the first time, pages read, lazy set-up) would otherwise be
-    extrapolated over the whole run; until then, with it.  The time since the last report
-    counts as spent on the work left."""
+    """The time a run has left: each kind of pass's work left at its own pace (seconds per unit
+    of work), a kind not yet timed at the slowest pace so far.  A pace is taken after the kind's
+    first pass, whose one-off start-up would otherwise be extrapolated over the whole run."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -192,10 +184,8 @@ def step(what: str, console: Console | None = None) -> Iterator[None]:
 
 
 class Shown:
-    """A :class:`Progress` shown on a console: the step running, the units done of their total,
-    the planned work done and the one ETA (:class:`WorkEta`).  A piece that plans no work by
-    kind (``start(total)``, a counter's) has its units as its work.  Where it is shown: a rich
-    bar on a terminal (``bar``, updated by ``shown``), plain lines elsewhere (``lines``)."""
+    """A :class:`Progress` shown on a console (a rich bar on a terminal, else plain lines): the
+    step, the units done, the planned work done (a counter's units) and the one ETA."""
 
     counts_work = True  # ``start(total)`` plans the units as the work (eval-drift's: no plan)
 
@@ -259,10 +249,8 @@ class Shown:
 
 
 class DriftProgress(Shown):
-    """eval-drift's :class:`Progress`: :class:`Shown` with its line, and the advice a run
-    expected to outlast LONG_RUN_SECONDS gives once, through ``say``, how to shorten it, as
-    soon as every kind of pass with work left has been timed past its first pass
-    (:attr:`WorkEta.measured`)."""
+    """eval-drift's :class:`Progress`: its line, and once the ETA is :attr:`WorkEta.measured`
+    and over LONG_RUN_SECONDS, the advice (once) on how to shorten the run."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         super().__init__("loading the draft and corpus", "blocks", clock)

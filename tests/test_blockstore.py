@@ -1,4 +1,4 @@
-"""What a regime keeps between its passes (qstream/bounded/store.py; docs/eval-drift.md,
+"""What a regime keeps between its passes (qstream/bounded.py; docs/eval-drift.md,
 "Memory"): tensors round-trip bit-exactly by key in memory and in the scratch file, in any
 order; a store stays within its memory budget; the scratch file has no name, so nothing is left
 behind, also after an error; a disk too small is one error line; a recorded source reads back
@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from stand_in_target import capture_states
 
 import qstream.arch.weights as weights_module
-import qstream.bounded.store as blockstore
+import qstream.bounded as blockstore
 import qstream.eval.batches as batches
-from qstream.bounded.store import Recorded, Store
+from qstream.bounded import Recorded, Store
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.eval.drift import DriftSettings, evaluate_drift

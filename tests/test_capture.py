@@ -17,8 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from qstream.arch.markov import sampling_probs
-from qstream.capture.run import CaptureSettings, run_capture
-from qstream.capture.streams import Sampling, generate
+from qstream.capture.run import CaptureSettings, Sampling, generate, run_capture
 from qstream.capture.target import cache_keyword
 from qstream.progress import Silent
 from qstream.speculate.decode import new_cache

@@ -10,7 +10,7 @@ import torch
 from model_helpers import long_context_model, random_model_weights
 
 import qstream.arch.dspark_mla.model as mla
-import qstream.bounded.heap as heap
+import qstream.bounded as heap
 import qstream.eval.batches as batches
 from qstream.arch.dspark_mla.checkpoint import load_config
 from qstream.arch.dspark_mla.config import PRESETS

@@ -183,12 +183,12 @@ def test_cuda_without_cuda_is_one_error_line(tiny, tmp_path, command):
 
 
 def test_trim_heap_gives_freed_heap_pages_back():
-    """eval-drift trims the heap between batches (qstream/bounded/heap.py).  On glibc, freed chunks
+    """eval-drift trims the heap between batches (qstream/bounded.py).  On glibc, freed chunks
     below the mmap threshold stay resident until trimmed; after trim_heap they are gone."""
     import ctypes
     import sys
 
-    from qstream.bounded import heap as memory
+    import qstream.bounded as memory
 
     if not sys.platform.startswith("linux") or memory._TRIM is None:
         pytest.skip("malloc_trim is glibc's")
@@ -220,7 +220,7 @@ def test_big_temporaries_are_reused_inside_a_reuse_freed_heap_hygiene():
     import resource
     import sys
 
-    from qstream.bounded import heap as memory
+    import qstream.bounded as memory
 
     if not sys.platform.startswith("linux") or memory._MALLOPT is None:
         pytest.skip("mallopt is glibc's")

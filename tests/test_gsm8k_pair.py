@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qstream.arch.registry import architecture_of, load_config
-from qstream.capture.streams import corpus_docs
+from qstream.capture.run import corpus_docs
 from qstream.capture.target import load_target
 from qstream.serving import FLOOR_VARIANT
 from qstream.speculate.decode import speculative_decode, target_greedy

@@ -123,7 +123,7 @@ SIGNALS = [signal.SIGTERM, signal.SIGHUP, signal.SIGINT]
 @pytest.mark.parametrize("signum", SIGNALS)
 def test_a_signal_while_speculate_writes_its_capture_leaves_nothing(pair, tmp_path, signum):
     pause = """
-        import qstream.speculate.capture as sc
+        import qstream.speculate.run as sc
         real = sc.write_batch
         def write_batch(*args, **kwargs):
             real(*args, **kwargs)

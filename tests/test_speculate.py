@@ -170,7 +170,7 @@ def test_the_study_reports_acceptance_per_variant(pair):
     from qstream.arch.registry import architecture_of
     from qstream.quant.simulate import simulate_format
     from qstream.serving import Variant
-    from qstream.speculate.measure import acceptance_study
+    from qstream.speculate.decode import acceptance_study
 
     target, draft = pair
     arch = architecture_of(draft.config)

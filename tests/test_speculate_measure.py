@@ -1,4 +1,4 @@
-"""The measures of qstream/speculate/measure.py on hand-made decodes (docs/speculate.md,
+"""The measures of qstream/speculate/decode.py on hand-made decodes (docs/speculate.md,
 "Measured acceptance"): the mean acceptance length and the loss against bf16, paired over the
 same prompts, against scipy's own estimators where the two coincide."""
 
@@ -9,8 +9,7 @@ import random
 import pytest
 from scipy import stats
 
-from qstream.speculate.decode import Decoded
-from qstream.speculate.measure import paired_loss, summarise
+from qstream.speculate.decode import Decoded, paired_loss, summarise
 
 
 def decodes(seed: int, steps, block: int = 7) -> list[Decoded]:

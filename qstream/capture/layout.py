@@ -1,9 +1,7 @@
-"""What ``qstream capture`` writes (docs/capture.md, "What it writes"): one safetensors file
-per stream, each written whole or not at all, in qstream's layout (``stream-000000.safetensors``
-…, docs/states.md) or vLLM's / speculators' (``--export vllm``, ``hs_0.safetensors`` …); and
-``capture.json``, the settings a resumed run must match and the sha256 of every stream file,
-rewritten as each batch's files are written (read back by qstream/eval/states/layouts.py, whose
-:class:`Layout` objects name the files and build their tensors).
+"""What ``qstream capture`` writes (docs/capture.md, "What it writes"): one safetensors file per
+stream, whole or not at all, in a :class:`Layout` (qstream/eval/states/layouts.py names the files
+and builds their tensors), and ``capture.json``, the settings a resumed run must match and every
+stream file's sha256, rewritten as each batch's files are written.
 """
 
 from __future__ import annotations
@@ -15,7 +13,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from qstream.capture.hooks import LayerTap
+import qstream
+from qstream.capture.target import LayerTap
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.safetensors_io import serialize
 from qstream.errors import QStreamError
@@ -28,6 +27,25 @@ from qstream.publish import write_bytes_atomic, write_json_atomic
 CHECKED = (
     "layout layer_convention layer_ids target source sampling dtype max_tokens corpus corpus_sha256"
 ).split()
+
+
+def capture_record(
+    layout: Layout, ids: tuple[int, ...], shape: Any, docs: Any, model: str, device: str, **settings
+) -> dict[str, Any]:
+    """capture.json's keys (docs/capture.md), ``settings`` being source, sampling, dtype and
+    max_tokens; ``ids`` in the layer-output convention, ``shape`` the target's."""
+    return {
+        "layout": layout.name,
+        "layer_convention": layout.convention.name,
+        "layer_ids": layout.layer_ids(ids, shape.num_hidden_layers),
+        "target": shape.identity(),
+        **settings,
+        "corpus": docs.name,
+        "corpus_sha256": docs.sha256,
+        "device": device,
+        "draft": str(Path(model).resolve()),
+        "qstream_version": qstream.__version__,
+    }
 
 
 def write_batch(
@@ -55,12 +73,8 @@ def write_batch(
                     f"stream {index}: the target's {name} are not finite (NaN or Inf); "
                     "try --dtype float32"
                 )
-        _write_stream(output / layout.stream_file(index), tensors, metadata[k])
-
-
-def _write_stream(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """One stream's file, whole or not at all (serialized here: a full disk is an OSError)."""
-    write_bytes_atomic(path, serialize(tensors, metadata))
+        # whole or not at all (serialized here: a full disk is an OSError)
+        write_bytes_atomic(output / layout.stream_file(index), serialize(tensors, metadata[k]))
 
 
 def write_record(output: Path, record: dict[str, Any]) -> None:

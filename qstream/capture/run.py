@@ -1,41 +1,39 @@
 """``qstream capture`` as a library call (docs/capture.md): check everything, load the target,
 then run it over the streams a batch at a time (grouped by length, right-padded, the padded
-positions' states discarded), writing each stream's file as its batch completes.
+positions' states discarded), writing each stream's file as its batch completes.  The streams
+are the corpus as written, or with ``--generate`` each document's first tokens continued by the
+target's own samples, drawn with eval-drift's sampling functions (``qstream.arch.markov``) and
+seeded per stream.
 
 >>> summary = run_capture(CaptureSettings(target="T", model="DRAFT", output="states/"))
+>>> docs = corpus_docs("gsm8k/test.jsonl")          # or None: the built-in GSM8K test split
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import qstream
 from qstream.arch.interface import DraftConfig
+from qstream.arch.markov import sample, sampling_probs
 from qstream.arch.registry import load_config
-from qstream.capture.hooks import LayerTap
 from qstream.capture.layout import (
+    capture_record,
     check_output,
     present_files,
     record_streams,
     start_output,
     write_batch,
 )
-from qstream.capture.streams import (
-    CorpusDocs,
-    Sampling,
-    corpus_docs,
-    encode,
-    generate,
-    length_batches,
-    select_streams,
-)
 from qstream.capture.target import (
     DTYPES,
+    LayerTap,
     LoadedTarget,
+    cache_keyword,
     check_draft,
     decoder_parts,
     default_dtype,
@@ -44,10 +42,93 @@ from qstream.capture.target import (
 )
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
-from qstream.eval.states.layers import LAYER_OUTPUT
+from qstream.eval.corpus import BUILTIN_CORPUS_NAME, builtin_corpus_docs
+from qstream.eval.states.captured import LAYER_OUTPUT
 from qstream.eval.states.layouts import EXPORTS, LAYOUTS, QSTREAM, Layout
 from qstream.progress import Progress
 from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice
+from qstream.synth.corpus import read_corpus
+
+
+@dataclass(frozen=True)
+class CorpusDocs:
+    name: str  # the path given, or eval-drift's built-in name
+    sha256: str  # of the text as read, as eval-drift records it (qstream.eval.corpus.tokenize)
+    texts: list[str]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How ``--generate`` continues a prompt: the evaluation's sampling settings."""
+
+    new_tokens: int  # tokens sampled after the prompt (fewer when the target samples EOS)
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int  # stream i draws from a generator seeded with stream_seed(seed, i)
+
+
+def corpus_docs(corpus: str | None) -> CorpusDocs:
+    """The corpus's documents as eval-drift reads them (default: the built-in GSM8K test split)."""
+    texts = builtin_corpus_docs() if corpus is None else read_corpus(corpus)
+    digest = hashlib.sha256("\n\n".join(texts).encode()).hexdigest()
+    return CorpusDocs(BUILTIN_CORPUS_NAME if corpus is None else str(corpus), digest, texts)
+
+
+def encode(tokenizer: Any, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Token ids of each document with no special tokens added (as eval-drift tokenizes),
+    cut to ``max_tokens``."""
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [list(row[:max_tokens]) for row in ids]
+
+
+def select_streams(
+    encoded: list[list[int]], min_tokens: int, count: int | None
+) -> list[tuple[int, list[int]]]:
+    """``(document index, ids)`` of the first ``count`` documents with at least ``min_tokens``
+    tokens, numbered in corpus order (the same on every run, so a resumed run picks the same)."""
+    chosen = [(i, ids) for i, ids in enumerate(encoded) if len(ids) >= min_tokens]
+    return chosen if count is None else chosen[:count]
+
+
+def stream_seed(seed: int, index: int) -> int:
+    """Each stream's own seed, so that a stream's sample does not depend on which others ran."""
+    return (seed * 1_000_003 + index) % 2**64  # torch's generators take 0 .. 2**64 - 1
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    device: torch.device,
+    prompt: list[int],
+    sampling: Sampling,
+    index: int,
+    eos: int | None,
+) -> list[int]:
+    """``prompt`` continued by the target's own samples (one stream, with the model's KV cache):
+    ``sampling_probs`` of the last position's logits, then ``sample`` with an Exp(1) race from
+    the stream's generator, stopping after ``new_tokens`` or at ``eos`` (kept)."""
+    gen = torch.Generator().manual_seed(stream_seed(sampling.seed, index))
+    ids, cache = list(prompt), cache_keyword(model)
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+    for _ in range(sampling.new_tokens):
+        logits = out.logits[0, -1].float().cpu()
+        probs = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+        race = torch.empty(probs.shape).exponential_(generator=gen)
+        token = int(sample(probs, race))
+        ids.append(token)
+        if token == eos:
+            break
+        step, kv = torch.tensor([[token]], device=device), {cache: getattr(out, cache)}
+        out = model(input_ids=step, use_cache=True, logits_to_keep=1, **kv)
+    return ids
+
+
+def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Positions of ``lengths`` grouped ``batch_size`` at a time in order of length, so that a
+    batch pads little."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 @dataclass(frozen=True)
@@ -86,22 +167,10 @@ def _layout(s: CaptureSettings) -> Layout:
 
 
 def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
-    layout = LAYOUTS[s.export]
-    return {
-        "layout": layout.name,
-        "layer_convention": layout.convention.name,
-        "layer_ids": layout.layer_ids(ids, shape.num_hidden_layers),
-        "target": shape.identity(),
-        "source": "corpus" if s.sampling is None else "generate",
-        "sampling": None if s.sampling is None else asdict(s.sampling),
-        "dtype": s.dtype,
-        "max_tokens": s.max_tokens,
-        "corpus": docs.name,
-        "corpus_sha256": docs.sha256,
-        "device": s.device_map or s.device,
-        "draft": str(Path(s.model).resolve()),
-        "qstream_version": qstream.__version__,
-    }
+    sampling = None if s.sampling is None else asdict(s.sampling)
+    source = "corpus" if sampling is None else "generate"
+    return capture_record(LAYOUTS[s.export], ids, shape, docs, s.model, s.device_map or s.device,
+                          source=source, sampling=sampling, dtype=s.dtype, max_tokens=s.max_tokens)  # fmt: skip
 
 
 def _layer_ids(s: CaptureSettings, config: DraftConfig, depth: int) -> tuple[int, ...]:

@@ -97,8 +97,7 @@ def _settings(o: dict[str, Any]) -> CaptureSettings:
     """The parsed options as the library's settings; most options are its fields by name."""
     from dataclasses import fields
 
-    from qstream.capture.run import CaptureSettings
-    from qstream.capture.streams import Sampling
+    from qstream.capture.run import CaptureSettings, Sampling
 
     sampling = None
     if o["generate"]:

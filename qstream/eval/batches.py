@@ -16,8 +16,7 @@ import torch
 
 from qstream.arch.interface import AuxChunks, DraftConfig, DraftModel, Rollout
 from qstream.arch.registry import architecture_of
-from qstream.bounded.heap import Trimmed
-from qstream.bounded.store import Recorded, Store
+from qstream.bounded import Recorded, Store, Trimmed
 from qstream.eval.aux_sources import SyntheticAuxChunks
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.settings import Sampling

@@ -18,8 +18,7 @@ import torch
 
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of
-from qstream.bounded.heap import heap_hygiene
-from qstream.bounded.store import Store
+from qstream.bounded import Store, heap_hygiene
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch

@@ -182,7 +182,7 @@ class DriftSettings(Selection):
     context_lengths: tuple[int, ...] | str = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
     device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/device.py)
-    # where per-block outputs too big for memory go (qstream/bounded/store.py; None: the
+    # where per-block outputs too big for memory go (qstream/bounded.py; None: the
     # system's temporary directory); never in the results: it changes no number
     scratch_dir: str | None = None
     regimes: tuple[str, ...] = field(init=False)

@@ -14,7 +14,7 @@ import torch
 from qstream.arch.interface import LM_HEAD, Drafter, Rollout
 from qstream.arch.markov import sampling_probs
 from qstream.arch.weights import ComputeWeights
-from qstream.bounded.store import Store
+from qstream.bounded import Store
 from qstream.eval.acceptance import (
     AcceptanceAccumulator,
     accept_probabilities,
@@ -38,7 +38,7 @@ class RegimeAcceptance:
     target) measure in one regime.  Inactive (every method a no-op) when neither applies.
     With ``--acceptance`` what the drafter kind keeps of the reference's state (the block
     drafter's U [N, B, V] float32) is kept for the regime in a
-    :class:`~qstream.bounded.store.Store` (:meth:`close` frees it), beside the reference's
+    :class:`~qstream.bounded.Store` (:meth:`close` frees it), beside the reference's
     head (not the model); per variant only ``[N, B]`` values are kept (docs/eval-drift.md,
     "Memory")."""
 

@@ -1,7 +1,10 @@
 """``qstream speculate`` as one library call (docs/speculate.md, "Command"): the target loaded as
 ``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt, the
 draft's variants built as ``eval-drift`` builds them, and every variant decoding every prompt
-with the target in the loop.
+with the target in the loop.  With ``--capture DIR`` (greedy only: every variant then emits the
+target's own continuation), the decoded streams' states in qstream's layout and
+``anchors-NAME.json``, the blocks variant NAME drafted (docs/speculate.md, "At the anchors the
+decoder visited").
 
 >>> results = run_speculate(SpeculateSettings(target="TARGET", model="DRAFT", prompts=8))
 >>> results["variants"]["nvfp4"]["summary"]["mean_acceptance_length"]["value"]
@@ -17,21 +20,38 @@ import torch
 import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
-from qstream.capture.streams import CorpusDocs, corpus_docs
-from qstream.capture.target import DTYPES, check_draft, check_finite, default_dtype, load_target
+from qstream.capture.layout import capture_record, record_streams, start_output, write_batch
+from qstream.capture.run import CorpusDocs, corpus_docs
+from qstream.capture.target import (
+    DTYPES,
+    LayerTap,
+    LoadedTarget,
+    check_draft,
+    check_finite,
+    decoder_parts,
+    default_dtype,
+    load_target,
+)
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.device import resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.settings import Selection
+from qstream.eval.states.layouts import QSTREAM
 from qstream.eval.variants import settings_variants, variant_weights
 from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
+from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
 from qstream.serving import Variant
-from qstream.speculate.capture import check_capture_dir, write_capture
-from qstream.speculate.decode import RULES
-from qstream.speculate.measure import decode_prompts, paired_loss, summarise
+from qstream.speculate.decode import (
+    RULES,
+    Decoded,
+    decode_prompts,
+    paired_loss,
+    summarise,
+    target_greedy,
+)
 
 SCHEMA = "qstream.speculate/1"  # the "schema" field of every results file
 PROMPT = "each document up to and including its first newline (a GSM8K question), tokenized "
@@ -117,30 +137,9 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
             loss = paired_loss(decoded[FLOOR], runs).to_json()
             results["variants"][name]["summary"]["loss_vs_bf16"] = loss
     if s.capture is not None:
-        record = {**_capture_record(s, config, shape, docs), "files": {}}
-        ids = config.target_layer_ids
-        write_capture(Path(s.capture), target, ids, config.block_size, prompts, decoded, record)
+        write_capture(s, config, shape, docs, target, prompts, decoded)
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
-
-
-def _capture_record(s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs) -> dict:
-    """capture.json of ``--capture`` (docs/capture.md's keys; source ``speculate``)."""
-    return {
-        "layout": "qstream",
-        "layer_convention": "layer-output",
-        "layer_ids": list(config.target_layer_ids),
-        "target": shape.identity(),
-        "source": "speculate",
-        "sampling": {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts},
-        "dtype": s.dtype,
-        "max_tokens": None,
-        "corpus": docs.name,
-        "corpus_sha256": docs.sha256,
-        "device": s.device,
-        "draft": str(Path(s.model).resolve()),
-        "qstream_version": qstream.__version__,
-    }
 
 
 def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig):
@@ -227,3 +226,60 @@ def _description(
         "variants": {},
         "runs": {},
     }
+
+
+def check_capture_dir(output: Path, rule: str, inputs: dict[str, str]) -> None:
+    """Before any decoding: a greedy run, and a directory that is absent or empty, outside the
+    ``inputs`` (option -> directory), in a writable directory."""
+    if rule != "greedy":
+        raise QStreamError(
+            f"--capture needs --rule greedy (got {rule}): only then is one stream every "
+            "variant's output"
+        )
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise QStreamError(f"--capture {output}: exists and is not an empty directory")
+    check_outside(output, "--capture", inputs)
+    check_parent(output, "--capture", "parent directory")
+
+
+def write_capture(
+    s: SpeculateSettings,
+    config: DraftConfig,
+    shape: TargetShape,
+    docs: CorpusDocs,
+    target: LoadedTarget,
+    prompts: list[list[int]],
+    runs: dict[str, list[Decoded]],
+) -> None:
+    """The streams, their states and capture.json, then one anchors file per variant: built in
+    a temporary directory beside ``--capture`` and published with one rename, or not at all."""
+    assert s.capture is not None
+    layer_ids, block_size, output = config.target_layer_ids, config.block_size, Path(s.capture)
+    sampling = {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts}
+    record = capture_record(QSTREAM, layer_ids, shape, docs, s.model, s.device, source="speculate",
+                            sampling=sampling, dtype=s.dtype, max_tokens=None)  # fmt: skip
+    record["files"] = {}
+    first, *others = runs
+    for name in others:
+        for i, (a, b) in enumerate(zip(runs[first], runs[name])):
+            if a.tokens != b.tokens:
+                t = next(k for k, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+                raise QStreamError(
+                    f"prompt {i}: variants {first} and {name} emitted different tokens at "
+                    f"{t} under greedy verification, where both must be the target's own"
+                )
+    with publishing(output, False, "--capture") as tmp:
+        start_output(tmp, record)
+        layers, norm = decoder_parts(target.model)
+        for i, (prompt, run) in enumerate(zip(prompts, runs[first])):
+            head = prompt + run.tokens
+            row = head + target_greedy(target.model, head, block_size + 1)
+            with torch.no_grad(), LayerTap(layers, norm, layer_ids) as tap:
+                target.model.model(input_ids=torch.tensor([row], device=target.device))
+            meta = {"document": str(i), "prompt_tokens": str(len(prompt))}
+            write_batch(tmp, QSTREAM, [i], [row], tap, [meta])
+            record_streams(tmp, record, [QSTREAM.stream_file(i)])
+        for name, decoded in runs.items():
+            blocks = [[i, p] for i, r in enumerate(decoded) for p in r.anchors]
+            record = {"variant": name, "blocks": blocks}
+            write_json_atomic(tmp / f"anchors-{name}.json", record, indent=None)

@@ -1,11 +1,8 @@
 """Captured target states (``qstream eval-drift --states PATH``): token streams with the target's
 aux hidden states and its final hidden state, read from a file or a directory in qstream's own
 layout, vLLM's / speculators' (one safetensors per request) or SpecForge's (one ``torch.save``
-per sample); docs/states.md describes each.
-
-The layout is told from the files' contents (``format`` overrides); every file's header and
-shapes are checked before anything runs, each mismatch one line naming the file, the tensor and
-the expected shape.  Hidden states are read a batch of streams at a time.
+per sample); docs/states.md describes each.  The layout is told from the files' contents
+(``format`` overrides); every file is checked before anything runs.
 
 >>> states = read_states("captured/", config, target="kimi-k3/")
 >>> plan = sample_anchors(states, 1024, config.block_size, seed=0)
@@ -20,12 +17,14 @@ from pathlib import Path
 from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
-from qstream.eval.states.captured import CapturedStates, file_sha256s, files_sha256
-from qstream.eval.states.layers import (
+from qstream.eval.states.captured import (
     CONVENTIONS,
+    CapturedStates,
     Convention,
     FinalNorm,
     check_layer_ids,
+    file_sha256s,
+    files_sha256,
     parse_convention,
     parse_ids,
     read_final_norm,

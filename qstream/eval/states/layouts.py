@@ -1,12 +1,7 @@
-"""The states layouts (docs/states.md) as :class:`Layout` objects, and the registry: the one place
-a layout's name is spelled.  Each object holds its facts (the layer convention its ids are in,
-where its final state comes from, the stream files ``qstream capture`` names) and its operations
-(open and validate one file; for a layout capture exports, one stream file's tensors).  Code asks
-the object; capture.json and the results write the name.  Also the check of a capture directory
-against its ``capture.json``, whose stream file names the layouts give.
-
-Only headers and token ids are read when a file is opened; hidden states are read (memory-mapped)
-a batch of streams at a time, through each layout's :class:`StreamSource`.
+"""The states layouts (docs/states.md) as :class:`Layout` objects and their registry, the one
+place a layout's name is spelled; and the check of a capture directory against its
+``capture.json``.  Opening a file reads headers and token ids only; hidden states are read
+(memory-mapped) a batch of streams at a time, through each layout's :class:`StreamSource`.
 """
 
 from __future__ import annotations
@@ -27,13 +22,15 @@ from qstream.checkpoint.safetensors_io import read_header
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import (
     AUX,
+    HIDDEN_STATES_INDEX,
+    LAYER_OUTPUT,
+    Convention,
     StreamSource,
     aux_why,
     check_float,
     check_ids,
     check_shape,
 )
-from qstream.eval.states.layers import HIDDEN_STATES_INDEX, LAYER_OUTPUT, Convention
 
 RECORD = "capture.json"  # written by ``qstream capture`` (qstream/capture/layout.py), read here
 Opened = list[tuple[StreamSource, torch.Tensor]]  # a file's streams: (source, token ids)

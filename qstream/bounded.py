@@ -1,22 +1,20 @@
-"""Keyed tensors in bounded memory (docs/eval-drift.md, "Memory").
+"""Bounded memory (docs/eval-drift.md, "Memory"); knows nothing of models, regimes or metrics.
 
-A :class:`Store` holds tensors of any shape and dtype by key: in memory while they fit under its
-budget, the rest in an unlinked temporary file in a scratch directory, written and read with
-positional file I/O (no mmap: the pages sit in the kernel's page cache, which may write them
-back and drop them, never in the process's resident set).  Values round-trip bit-exactly either
-way.  A :class:`Recorded` source keeps the ranges a consumer takes of a tensor too big to hold
-in a store and reads them back by any range.
-
->>> with Store(scratch_dir, total_bytes=N * B * V * 4) as store:   # all in memory, or all on disk
-...     store.put(key, logits)
-...     store.get(key)                                              # the same bits
+A :class:`Store` holds tensors by key: in memory while they fit under its budget, the rest in an
+unlinked scratch file read and written with positional I/O (no mmap: the pages stay in the
+kernel's page cache, never in the resident set), bit-exactly either way; :class:`Recorded` keeps
+the ranges a consumer takes of a tensor too big to hold.  :func:`heap_hygiene` gives glibc's
+freed heap pages back after a batch, or around the FP32 reference pass serves big blocks from the
+heap so that a freed one is reused (a no-op on other C libraries).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
@@ -34,7 +32,7 @@ _Spilled = tuple[int, torch.Size, torch.dtype]  # offset in the scratch file, sh
 
 
 class Store:
-    """Tensors by key (module docstring).  Without ``total_bytes`` a put stays in memory while
+    """Tensors by key.  Without ``total_bytes`` a put stays in memory while
     the held total stays within ``memory_bytes`` (default ``MEMORY_BYTES``), and goes to the
     scratch file beyond it, or with ``spill`` False is not kept (a cache whose caller makes it
     again).  With ``total_bytes`` (what the caller will put, when it knows) everything stays in
@@ -194,3 +192,57 @@ def _disk_full_is_an_error(directory: str, what: str) -> Iterator[None]:
                 f"--scratch-dir {directory}: no space left for the per-block outputs ({what})"
             ) from e
         raise
+
+
+def _glibc(name: str):
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_TRIM, _MALLOPT = _glibc("malloc_trim"), _glibc("mallopt")
+# mallopt parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+# Where glibc's adaptive thresholds settle once big blocks have been freed (the mmap threshold
+# rises to at most 32 MiB, the trim threshold to twice it); mallopt fixes them there on exit.
+SETTLED = {M_MMAP_MAX: 65536, M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 64 << 20}
+
+
+def trim_heap() -> None:
+    """Return every whole free page of the heap to the system (glibc's ``malloc_trim(0)``): what
+    :func:`heap_hygiene` does on exit.  Costs milliseconds: per batch or range, not per op."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+@contextmanager
+def heap_hygiene(reuse_freed: bool = False) -> Iterator[None]:
+    """On exit, freed memory goes back to the system (``trim_heap``).  With ``reuse_freed``
+    (around a whole pass) glibc serves every allocation from the heap and never trims on free,
+    so a freed big block is reused; on exit the thresholds are fixed at ``SETTLED``."""
+    reuse = reuse_freed and _MALLOPT is not None
+    if reuse:
+        _MALLOPT(M_MMAP_MAX, 0)
+        _MALLOPT(M_TRIM_THRESHOLD, 2**31 - 1)  # a C int: the largest
+    try:
+        yield
+    finally:
+        if reuse:
+            for parameter, value in SETTLED.items():
+                _MALLOPT(parameter, value)
+        trim_heap()
+
+
+class Trimmed:
+    """``source``'s ranges, the heap trimmed after each (else a long stream's many ranges keep
+    ever more free holes resident: docs/context-sweep.md)."""
+
+    def __init__(self, source: Ranges):
+        self.shape, self._source = source.shape, source
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        with heap_hygiene():
+            return self._source.rows(t0, t1)
