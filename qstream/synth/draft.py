@@ -1,8 +1,8 @@
 """Synthetic DSpark checkpoints (``qstream synth``): a complete draft of a registered architecture
-(qstream/arch/registry.py; the preset names it) with a real BPE tokenizer (:mod:`qstream.synth.corpus`), realistic
-weight statistics and calibrated, predictable outputs, byte-identical for a given preset, seed
-and corpus.  The layout written and how the numbers are made: docs/model.md, "Synthetic
-checkpoint layout"; docs/qwen3-dspark.md, "Synthetic checkpoints").
+(the preset names it) with a real BPE tokenizer (:mod:`qstream.synth.corpus`), realistic weight
+statistics and a Markov head calibrated on the corpus, byte-identical for a given preset, seed
+and corpus (docs/model.md, "Synthetic checkpoint layout"; docs/qwen3-dspark.md, "Synthetic
+checkpoints").
 
 >>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
 >>> model = load_model("out/tiny")       # reads out/tiny/target_head/ for lm_head
@@ -433,11 +433,9 @@ def synth_checkpoint(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> SynthSummary:
-    """Write a synthetic draft checkpoint of ``preset`` (a registered architecture's: "tiny",
-    "small", "k3", "qwen3-tiny", "qwen3-8b") to ``output_dir``, complete or not at all (a temporary directory beside it is renamed at the
-    end).  ``corpus`` (GSM8K JSONL or text) trains the tokenizer and the Markov statistics;
-    default: :func:`~qstream.synth.corpus.builtin_corpus`.  ``progress`` hears of the
-    bytes written."""
+    """Write a draft of ``preset`` to ``output_dir``, complete or not at all.  ``corpus`` (GSM8K
+    JSONL or text; default :func:`~qstream.synth.corpus.builtin_corpus`) trains the tokenizer
+    and the Markov statistics; ``progress`` hears of the bytes written."""
     arch = preset_architecture(preset)
     output = Path(output_dir).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -455,19 +453,20 @@ def synth_checkpoint(
         write_tokenizer(tok, tmp)
         size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
         _write_target_head(tmp / TARGET_HEAD_DIR, plan)
-        summary = SynthSummary(
-            str(output),
-            preset,
-            seed,
-            str(corpus) if corpus else "built-in",
-            len(shapes),
-            sum(math.prod(s) for s in shapes.values()),
-            size,
-            alpha,
-            top1,
-        )
+        summary = _summary(output, preset, seed, corpus, shapes, size, alpha, top1)
         write_record(tmp, summary)
     return summary
+
+
+def _summary(
+    output: Path, preset: str, seed: int, corpus: str | Path | None, shapes: dict,
+    size: int, alpha: float, top1: float,
+) -> SynthSummary:  # fmt: skip
+    corpus_name = str(corpus) if corpus else "built-in"
+    parameters = sum(math.prod(s) for s in shapes.values())
+    return SynthSummary(
+        str(output), preset, seed, corpus_name, len(shapes), parameters, size, alpha, top1
+    )
 
 
 def write_record(directory: Path, summary: SynthSummary, **extra: object) -> None:

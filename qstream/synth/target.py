@@ -2,10 +2,9 @@
 target (docs/model.md, "A draft for a Hugging Face target"), so that capture → eval-drift →
 card runs end to end on that target's architecture.  From the target it takes the width, the
 depth (:func:`spread_layer_ids`), the vocabulary, the tokenizer and a copy of ``embed_tokens``;
-the rest is the preset's.  No ``target_head/``: ``lm_head`` is borrowed with ``--target``.
-A Qwen3 target gets a Qwen3-style draft instead (:func:`qwen3_draft_config`; docs/qwen3-dspark.md,
-"Synthetic checkpoints"), without ``embed_tokens`` (borrowed from the target too, as
-speculators' checkpoints leave it).
+the rest is the preset's; ``lm_head`` is borrowed with ``--target``.  A Qwen3 target gets a
+Qwen3-style draft (:func:`qwen3_draft_config`; docs/qwen3-dspark.md, "Synthetic checkpoints")
+without ``embed_tokens``, borrowed too, as speculators' checkpoints leave it.
 
 >>> synth_for_target("TARGET_DIR", "draft/", corpus="gsm8k/train.jsonl")
 >>> load_model("draft/", target="TARGET_DIR")
@@ -37,6 +36,7 @@ from qstream.synth.draft import (
     _markov_head,
     _Plan,
     _small_tensors,
+    _summary,
     _write_tensors,
     draft_shapes,
     preset_architecture,
@@ -232,9 +232,6 @@ def synth_for_target(
             if (Path(target) / name).is_file():
                 shutil.copyfile(Path(target) / name, tmp / name)
         size = _write_tensors(tmp, shapes, _Plan(config, small, 0.0, seed), progress, False)
-        summary = SynthSummary(
-            str(output), preset, seed, str(corpus) if corpus else "built-in", len(shapes),
-            sum(math.prod(s) for s in shapes.values()), size, alpha, top1,
-        )  # fmt: skip
+        summary = _summary(output, preset, seed, corpus, shapes, size, alpha, top1)
         write_record(tmp, summary, target=shape.identity())
     return summary

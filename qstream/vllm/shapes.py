@@ -60,7 +60,9 @@ def shape_problems(
 ) -> list[str]:
     """One line per way the ``stored`` tensors (name -> shape) differ from what ``config_json``
     implies under ``profile`` (``fmt``, ``quantized``: how its modules are stored)."""
-    empty = {n for n, shape in stored.items() if _is_weight(n) and 0 in shape}
+    empty = {
+        n for n, shape in stored.items() if n.rpartition(".")[2] in CODE_SUFFIXES and 0 in shape
+    }
     problems = [
         f"{n}: shape {list(stored[n])}, a zero-size weight (no config builds a layer "
         "without inputs or outputs)"
@@ -100,10 +102,6 @@ def weight_shapes(stored: Shapes) -> dict[str, tuple[int, ...]]:
         elif suffix in CODE_SUFFIXES and len(shape) == 2:
             out[module] = (shape[0], CODE_SUFFIXES[suffix] * shape[1])
     return out
-
-
-def _is_weight(name: str) -> bool:
-    return name.rpartition(".")[2] in CODE_SUFFIXES
 
 
 def _dspark_problems(
