@@ -228,12 +228,9 @@ def _check_fused(
             names = [f"{m}.{shared}" for m in group.members]
             if not all(n in checkpoint.tensor_shard for n in names):
                 continue
-            readers: dict[str, ShardReader] = {}
-            values = []
-            for n in names:
-                shard = checkpoint.tensor_shard[n]
-                readers.setdefault(shard, ShardReader(checkpoint.shards[shard]))
-                values.append(readers[shard].tensor(n).item())
+            shards = [checkpoint.tensor_shard[n] for n in names]
+            readers = {s: ShardReader(checkpoint.shards[s]) for s in set(shards)}
+            values = [readers[s].tensor(n).item() for n, s in zip(names, shards)]
             if len(set(values)) != 1:
                 report.problems.append(
                     f"fused group {group.label} has {len(set(values))} "
