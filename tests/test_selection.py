@@ -7,7 +7,7 @@ from checkpoints import DSPARK_RECIPE, dspark_tensors, llama_tensors, moe_tensor
 from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo
 from qstream.errors import QStreamError
 from qstream.quant.select import select_modules
-from qstream.vllm.patterns import matches
+from qstream.vllm.profiles import matches
 
 
 def _infos(tensors):

@@ -23,11 +23,9 @@ from qstream.checkpoint.inspect import weight_stats
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape
 from qstream.serving import REFERENCE_VARIANT
-from qstream.synth.bigram import TARGET_TOP1
 from qstream.synth.corpus import builtin_corpus
-from qstream.synth.draft import _markov_head, draft_shapes, synth_checkpoint
-from qstream.synth.qwen3_target import qwen3_draft_config
-from qstream.synth.target import spread_layer_ids
+from qstream.synth.draft import TARGET_TOP1, _markov_head, draft_shapes, synth_checkpoint
+from qstream.synth.target import qwen3_draft_config, spread_layer_ids
 
 
 def _digest(directory: Path) -> dict[str, str]:
@@ -235,7 +233,7 @@ def test_a_bad_qwen3_target_config_names_file_and_key(tmp_path):
 # The same bytes on every CPU
 
 # sha256 of `qstream synth --preset P --seed 0` (built-in corpus).  synth draws and reduces in
-# float64 and fixes the Markov factors' basis (qstream/synth/bigram.py, _canonical), so these
+# float64 and fixes the Markov factors' basis (qstream/synth/draft.py, _canonical), so these
 # hold on any x86-64 CPU, instruction set (ATEN_CPU_CAPABILITY default / avx2 / avx512) and
 # thread count: .ci/run runs this test again under OMP_NUM_THREADS=1 and
 # ATEN_CPU_CAPABILITY=default.  tokenizers' BPE trainer feeds them too: a change there changes

@@ -155,8 +155,7 @@ def _verify_with_vllm(
     """verify's checks where the checkpoint is quantized, then vLLM's own loader on CPU."""
     from qstream.checkpoint.files import open_checkpoint
     from qstream.vllm.loader import load_with_vllm, vllm_version
-    from qstream.vllm.scope import VLLM_LOADER
-    from qstream.vllm.verify import verify_checkpoint
+    from qstream.vllm.verify import VLLM_LOADER, verify_checkpoint
 
     if tensor_parallel_size != 1:
         raise QStreamError(

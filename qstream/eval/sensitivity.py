@@ -22,8 +22,7 @@ from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.formats import FORMATS, get_format
 from qstream.quant.select import select_modules
-from qstream.vllm.patterns import matches
-from qstream.vllm.profiles import head_problem, profile_for
+from qstream.vllm.profiles import head_problem, matches, profile_for
 
 DEFAULT_FORMAT = "nvfp4"  # the format the published recipe ships at 4 bits
 HARM = (

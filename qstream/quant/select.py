@@ -17,8 +17,7 @@ from qstream.errors import QStreamError
 from qstream.formats import get_format
 from qstream.units import FLOAT_DTYPE_NAMES
 from qstream.vllm import profiles as serving
-from qstream.vllm.patterns import matches
-from qstream.vllm.profiles import GENERIC, PROFILES, FusedGroup, Profile
+from qstream.vllm.profiles import GENERIC, PROFILES, FusedGroup, Profile, matches
 
 T = TypeVar("T")
 

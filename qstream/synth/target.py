@@ -2,9 +2,9 @@
 target (docs/model.md, "A draft for a Hugging Face target"), so that capture → eval-drift →
 card runs end to end on that target's architecture.  From the target it takes the width, the
 depth (:func:`spread_layer_ids`), the vocabulary, the tokenizer and a copy of ``embed_tokens``;
-the rest is the preset's.  No ``target_head/``: ``lm_head`` is borrowed with ``--target``.
-A Qwen3 target gets a Qwen3-style draft instead (:mod:`qstream.synth.qwen3_target`), without
-``embed_tokens`` (borrowed from the target too, as speculators' checkpoints leave it).
+the rest is the preset's; ``lm_head`` is borrowed with ``--target``.  A Qwen3 target gets a
+Qwen3-style draft (:func:`qwen3_draft_config`; docs/qwen3-dspark.md, "Synthetic checkpoints")
+without ``embed_tokens``, borrowed too, as speculators' checkpoints leave it.
 
 >>> synth_for_target("TARGET_DIR", "draft/", corpus="gsm8k/train.jsonl")
 >>> load_model("draft/", target="TARGET_DIR")
@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
-from qstream.arch.interface import EMBED, DraftConfig
+from qstream.arch.interface import EMBED, Architecture, DraftConfig
 from qstream.arch.registry import architecture_of
 from qstream.checkpoint.files import read_config
 from qstream.checkpoint.read import read_target_tensors
@@ -34,12 +36,75 @@ from qstream.synth.draft import (
     _markov_head,
     _Plan,
     _small_tensors,
+    _summary,
     _write_tensors,
     draft_shapes,
     preset_architecture,
     write_record,
 )
-from qstream.synth.qwen3_target import QWEN3_MODEL_TYPES, qwen3_draft_config
+
+QWEN3_MODEL_TYPES = ("qwen3",)  # transformers' Qwen3ForCausalLM
+# config.json keys the draft copies as they are from the target (RoPE: _rope)
+COPIED = (
+    "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
+    "rms_norm_eps max_position_embeddings vocab_size attention_bias"
+).split()
+
+
+def qwen3_draft_config(
+    target: Mapping[str, Any],
+    shape: TargetShape,
+    preset: DraftConfig,
+    layer_ids: tuple[int, ...],
+    mask_token_id: int,
+    arch: Architecture,
+) -> DraftConfig:
+    """``preset`` reshaped for the Qwen3 target ``shape`` whose config.json holds ``target``:
+    the target's widths, heads, norm epsilon, RoPE, context length and vocabulary (the draft's
+    output vocabulary is the whole of it); ``min(preset's, target's)`` draft layers over
+    ``layer_ids``; the target's bos/eos ids.  ValueError naming a key the target lacks or
+    holds a bad value in."""
+    data = {k: v for k, v in preset.to_json().items() if k != "rope_parameters"}
+    data.update({k: target[k] for k in COPIED if k in target})
+    data["rope_parameters"] = _rope(target)
+    heads = target.get("num_attention_heads")
+    if "head_dim" not in target and isinstance(heads, int) and heads > 0:
+        data["head_dim"] = shape.hidden_size // heads  # transformers' default without one
+    data.update(
+        draft_vocab_size=shape.vocab_size,
+        target_hidden_size=shape.hidden_size,
+        target_num_hidden_layers=shape.num_hidden_layers,
+        target_layer_ids=list(layer_ids),
+        num_hidden_layers=min(preset.num_hidden_layers, shape.num_hidden_layers),
+        mask_token_id=mask_token_id,
+        dflash_config={"mask_token_id": mask_token_id},
+        bos_token_id=_token(target.get("bos_token_id")),
+        eos_token_id=_token(target.get("eos_token_id")),
+    )
+    return arch.parse_config(data)
+
+
+def _token(value: Any) -> int | None:
+    """A single special-token id (a list of eos ids keeps its first)."""
+    if isinstance(value, list) and value:
+        value = value[0]
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _rope(target: Mapping[str, Any]) -> Any:
+    """The target's ``rope_parameters`` (transformers 5), else its legacy ``rope_theta`` with
+    ``rope_scaling`` folded in (transformers 4, as Qwen3-8B's config.json has it)."""
+    if target.get("rope_parameters") is not None:
+        return target["rope_parameters"]
+    scaling = target.get("rope_scaling")
+    rope = {
+        "rope_theta": target.get("rope_theta"),
+        **(scaling if isinstance(scaling, dict) else {}),
+    }
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    return rope
+
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -167,9 +232,6 @@ def synth_for_target(
             if (Path(target) / name).is_file():
                 shutil.copyfile(Path(target) / name, tmp / name)
         size = _write_tensors(tmp, shapes, _Plan(config, small, 0.0, seed), progress, False)
-        summary = SynthSummary(
-            str(output), preset, seed, str(corpus) if corpus else "built-in", len(shapes),
-            sum(math.prod(s) for s in shapes.values()), size, alpha, top1,
-        )  # fmt: skip
+        summary = _summary(output, preset, seed, corpus, shapes, size, alpha, top1)
         write_record(tmp, summary, target=shape.identity())
     return summary

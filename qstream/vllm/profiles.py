@@ -1,26 +1,37 @@
-"""How vLLM builds the layers of a checkpoint it serves: a *serving profile* per architecture.
-
-vLLM is the ground truth for a checkpoint: a module is useful quantized only if vLLM's loader
-builds a quantized layer for it, under vLLM's *runtime* module name, fed by the checkpoint tensors
-we wrote.  A profile is data: which checkpoint modules vLLM loads into which runtime module, which
-ones it fuses (and so must be quantized all or none, sharing one NVFP4 global scale) and which
-ones it never quantizes.  Every rule names, in ``docs/vllm.md``, the vLLM file and function it
-comes from.
-
-The profiles: ``generic`` (a Hugging Face causal LM, whose vLLM model class maps names one to
-one and fuses siblings such as q/k/v and gate/up through ``packed_modules_mapping``), and one per
-draft architecture that carries serving data (its descriptor's ``serving``, docs/model.md):
-``K3DSparkModel``, vLLM's Kimi-K3 DSpark draft (qstream/arch/dspark_mla/checkpoint.py), and
-``Qwen3DSparkModel``, vLLM's Qwen3-style DSpark draft (qstream/arch/dspark_qwen3/checkpoint.py).
-"""
+"""How vLLM 0.32.0 builds the layers of a checkpoint it serves: a *serving profile* per
+architecture, as data (docs/vllm.md names the vLLM file and function of every rule): which
+checkpoint modules load into which runtime module, which are fused (quantized all or none, one
+NVFP4 global scale) and which are never quantized.  ``generic`` is a Hugging Face causal LM
+(names one to one, siblings fused through ``packed_modules_mapping``); each draft architecture
+with ``serving`` data (docs/model.md; qstream/arch/*/checkpoint.py) has its own."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from qstream.arch.registry import ARCHITECTURES
+from qstream.errors import QStreamError
+
+
+def matches(pattern: str, module: str) -> bool:
+    """Module-name patterns (docs/quantize.md, "Which modules are quantized"), the rule of
+    quantize's ``--include_layers``/``--ignore_layers`` and of vLLM's ``re:`` ignore entries:
+    equal, dotted suffix, glob, or ``re:`` + Python regex (re.match).  An invalid regex is a
+    QStreamError naming the pattern."""
+    if pattern.startswith("re:"):
+        try:
+            return re.match(pattern[3:], module) is not None
+        except re.error as exc:
+            raise QStreamError(
+                f"pattern {pattern!r} is not a valid regular expression ({exc})"
+            ) from exc
+    return (
+        module == pattern or module.endswith("." + pattern) or fnmatch.fnmatchcase(module, pattern)
+    )
+
 
 # Projections vLLM fuses into one matrix in Hugging Face models (docs/quantize.md, "Fused
 # groups"), by their last name component; members are siblings under one parent.
@@ -67,9 +78,7 @@ class RuntimeModule:
 
 @dataclass(frozen=True)
 class Profile:
-    """A closed description of how vLLM serves one architecture (see module docstring): the
-    generic one, or a draft's, whose data its architecture's folder holds
-    (qstream/arch/dspark_mla/checkpoint.py)."""
+    """How vLLM serves one architecture (module docstring)."""
 
     name: str
     architectures: tuple[str, ...]  # config.json "architectures" values it applies to
@@ -198,13 +207,8 @@ def _draft_groups(profile: Profile, modules: list[str]) -> list[FusedGroup]:
             parent = leaf.rsplit(".", 1)[0]
             leaves = ", ".join(k.rsplit(".", 1)[-1] for k in fused[leaf])
             name = leaf.rsplit(".", 1)[-1]
-            groups.append(
-                FusedGroup(
-                    f"layers.{layer}.{parent}.{{{leaves}}}",
-                    tuple(members),
-                    f"vLLM fuses them into {name}",
-                )  # fmt: skip
-            )
+            label = f"layers.{layer}.{parent}.{{{leaves}}}"
+            groups.append(FusedGroup(label, tuple(members), f"vLLM fuses them into {name}"))
     return groups
 
 
@@ -240,14 +244,8 @@ def runtime_modules(
     kv_a = tuple(m for m in modules if kinds and module_kind(m) == kinds[-1])
     if kv_a and profile.context_kv:
         first = min(layer for layer, _ in map(split_layer, kv_a) if layer is not None)
-        result.append(
-            RuntimeModule(
-                profile.context_kv,
-                kv_a,
-                "none",
-                f"model.layers.{target_layers + first}.self_attn.fused_qkv_a_proj",
-            )
-        )
+        quant_name = f"model.layers.{target_layers + first}.self_attn.fused_qkv_a_proj"
+        result.append(RuntimeModule(profile.context_kv, kv_a, "none", quant_name))
     return result
 
 

@@ -1,15 +1,11 @@
 """The shapes a checkpoint's tensors must have for what its config.json says, per serving profile
-(docs/quantize.md, "Tensors checked against the config"): the one table that ``quantize`` checks
-its input against (before writing anything) and ``verify`` its output.
-
-``K3DSparkModel``: the architecture's tensor table (``tensor_shapes``, qstream/arch/interface.py)
-with each quantized Linear weight replaced by what its format stores, as vLLM builds it from
-config.json.  A missing tensor matters even where vLLM does not complain:
-DefaultModelLoader.load_weights (vllm/model_executor/model_loader/default_loader.py) refuses
-unloaded parameters only in a model without a quantization config.  ``generic``: the integer
-fields vLLM sizes layers from, and each group vLLM fuses (serving.GENERIC_FUSED) complete and
-agreeing on its input width.  In every profile a weight with no elements is refused.
-"""
+(docs/quantize.md, "Tensors checked against the config"): the one table ``quantize`` checks its
+input against and ``verify`` its output.  A draft's: the architecture's ``tensor_shapes`` with
+each quantized weight replaced by what its format stores; a missing tensor matters even where
+vLLM does not complain (DefaultModelLoader.load_weights, default_loader.py, refuses unloaded
+parameters only without a quantization config).  ``generic``: the integer fields vLLM sizes
+layers from, and each fused group complete and agreeing on K.  A weight with no elements is
+refused in every profile."""
 
 from __future__ import annotations
 
@@ -63,9 +59,10 @@ def shape_problems(
     quantized: Collection[str] = (),
 ) -> list[str]:
     """One line per way the ``stored`` tensors (name -> shape) differ from what ``config_json``
-    implies under ``profile``, naming the tensor (or config.json and the field); empty when
-    they agree.  ``fmt`` and ``quantized``: how a quantized checkpoint stores its modules."""
-    empty = {n for n, shape in stored.items() if _is_weight(n) and 0 in shape}
+    implies under ``profile`` (``fmt``, ``quantized``: how its modules are stored)."""
+    empty = {
+        n for n, shape in stored.items() if n.rpartition(".")[2] in CODE_SUFFIXES and 0 in shape
+    }
     problems = [
         f"{n}: shape {list(stored[n])}, a zero-size weight (no config builds a layer "
         "without inputs or outputs)"
@@ -79,9 +76,8 @@ def shape_problems(
 
 
 def d2t_problems(checkpoint: Checkpoint) -> list[str]:
-    """The draft's stored ``d2t``, unless it maps every draft id to its own id in the target
-    vocabulary (config.json's ``vocab_size``): one line from the check loading makes
-    (:func:`qstream.arch.family.d2t_problem`).  None without a d2t or a readable config."""
+    """The check loading makes of a stored ``d2t`` (:func:`qstream.arch.family.d2t_problem`)
+    against config.json's ``vocab_size``; none without a d2t or a readable config."""
     from qstream.checkpoint.safetensors_io import ShardReader  # torch: kept out of --help
 
     if D2T not in checkpoint.tensor_shard:
@@ -108,15 +104,11 @@ def weight_shapes(stored: Shapes) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _is_weight(name: str) -> bool:
-    return name.rpartition(".")[2] in CODE_SUFFIXES
-
-
 def _dspark_problems(
     config_json: Mapping, stored: Shapes, fmt: str | None, quantized: Collection[str]
 ) -> list[str]:
-    """Every tensor vLLM loads for the draft's config present (a quantized module counts as
-    present; its stored tensors are verify's other checks) and of the shape vLLM builds."""
+    """Every tensor vLLM loads present (a quantized module's are verify's other checks) and
+    of the shape vLLM builds."""
     arch = architecture_for(config_json)
     try:
         config = arch.parse_config(config_json)
@@ -167,8 +159,7 @@ def _fused_problems(weights: Shapes) -> list[str]:
 
 
 def _disagreeing(group: serving.FusedGroup, weights: Shapes) -> list[str]:
-    """The members of ``group`` whose K (or, for the halves of a gated MLP, whole shape)
-    differs from the one most members have."""
+    """The members of ``group`` whose K (halves of a gated MLP: whole shape) differs from most."""
     members = [m for m in group.members if len(weights[m]) == 2]
     whole = tuple(m.rpartition(".")[2] for m in group.members) in serving.GENERIC_EQUAL_SHAPES
 

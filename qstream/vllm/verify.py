@@ -1,16 +1,10 @@
-"""``verify_checkpoint``: the checks of a quantized checkpoint that vLLM would otherwise
-discover at load time (docs/quantize.md, docs/vllm.md), plus a dequantize round trip.
-
-For an architecture with a serving profile (the K3 DSpark draft), verify replays vLLM's decision
-for every Linear layer vLLM builds, under its runtime name: scheme or no scheme (ignore entries
-matched exactly or as ``re:`` regexes), the parameters that scheme expects, and whether the
-checkpoint provides exactly those; plus the profile's fused and cross-layer groups, modules vLLM
-never quantizes and the tensor-parallel rules.  For every profile, the tensors are checked
-against config.json as quantize checks its input (:mod:`qstream.vllm.shapes`).
-
-Malformed files (bad header, inconsistent index) raise QStreamError when the checkpoint is
-opened; everything else is collected as a list of problems, empty for a good checkpoint.
-"""
+"""``verify_checkpoint``: what vLLM would otherwise find at load time (docs/quantize.md,
+"qstream verify"; docs/vllm.md), a dequantize round trip, and :func:`checks_run`, what one run
+covered (docs/guarantees.md: "OK" never hides a skipped check).  For a draft, vLLM's decision is
+replayed per runtime Linear layer (and quantized ParallelLMHead): the scheme it picks, the
+parameters that scheme expects from each shard against what is stored, the fused and cross-layer
+groups, the modules it never quantizes and the tensor-parallel rules.  Malformed files raise
+QStreamError when the checkpoint is opened; everything else is a list of problems."""
 
 from __future__ import annotations
 
@@ -24,11 +18,10 @@ from qstream.checkpoint.integrity import Integrity, check_integrity
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
-from qstream.formats import FORMATS
+from qstream.formats import FORMATS, get_format
+from qstream.publish import QUANTIZE_RECORD
 from qstream.vllm import profiles as serving
-from qstream.vllm.profiles import Profile, fused_groups, profile_for
-from qstream.vllm.replay import Replay, draft_target_layers, matches_ignore, replay_vllm
-from qstream.vllm.scope import checks_run
+from qstream.vllm.profiles import Profile, RuntimeModule, fused_groups, matches, profile_for
 from qstream.vllm.shapes import d2t_problems, shape_problems
 
 ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
@@ -47,7 +40,7 @@ class VerifyReport:
     # vLLM's decision per runtime Linear layer: {"module", "shards", "scheme", "why"}
     runtime_modules: list[dict] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what only some vLLM versions refuse
-    # every check, whether it ran, and what it found or why not (scope.py)
+    # every check, whether it ran, and what it found or why not (checks_run)
     checks: dict[str, dict] = field(default_factory=dict)
     integrity: dict = field(default_factory=dict)  # the sha256 check (integrity.py)
 
@@ -89,11 +82,8 @@ def verify_checkpoint(
     report.modules_ignored = [m for m in holders if any(matches_ignore(p, m) for p in ignore)]
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
     if profile.renames_layers:
-        report.target_layers = draft_target_layers(checkpoint, target_layers)
-        replay = Replay(report.target_layers, tensor_parallel_size)
-        replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), replay)
-        report.runtime_modules = replay.runtime_modules
-        report.problems += replay.problems
+        report.target_layers = layers = draft_target_layers(checkpoint, target_layers)
+        replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), layers, report)
     else:
         _check_accounting(holders, quantized, targets, ignore, report)
     stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
@@ -238,12 +228,9 @@ def _check_fused(
             names = [f"{m}.{shared}" for m in group.members]
             if not all(n in checkpoint.tensor_shard for n in names):
                 continue
-            readers: dict[str, ShardReader] = {}
-            values = []
-            for n in names:
-                shard = checkpoint.tensor_shard[n]
-                readers.setdefault(shard, ShardReader(checkpoint.shards[shard]))
-                values.append(readers[shard].tensor(n).item())
+            shards = [checkpoint.tensor_shard[n] for n in names]
+            readers = {s: ShardReader(checkpoint.shards[s]) for s in set(shards)}
+            values = [readers[s].tensor(n).item() for n, s in zip(names, shards)]
             if len(set(values)) != 1:
                 report.problems.append(
                     f"fused group {group.label} has {len(set(values))} "
@@ -310,3 +297,204 @@ def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> No
 def _few(modules: list[str], limit: int = 4) -> str:
     shown = ", ".join(modules[:limit])
     return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
+
+
+def matches_ignore(entry: str, module: str) -> bool:
+    """compressed-tensors / vLLM semantics for ignore entries: equal, or ``re:`` regex."""
+    return matches(entry, module) if entry.startswith("re:") else entry == module
+
+
+def draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
+    if given is not None:
+        if given < 0:
+            raise QStreamError(f"--target-layers {given}: must be at least 0")
+        return given
+    value = serving.target_layers_of(checkpoint.config)
+    if value is None:
+        raise QStreamError(
+            f"{checkpoint.directory / 'config.json'}: no integer "
+            "target_num_hidden_layers; pass the target checkpoint (--target DIR) or its "
+            "layer count (--target-layers L)"
+        )
+    return value
+
+
+def replay_vllm(
+    checkpoint: Checkpoint,
+    fmt: str,
+    profile: Profile,
+    holders: list[str],
+    quantized: set[str],
+    targets_ignore: tuple[list, list],
+    target_layers: int,
+    report: VerifyReport,
+) -> None:
+    """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
+    what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
+    runtime = serving.runtime_modules(profile, holders, target_layers)
+    for rt in runtime:
+        scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
+        report.runtime_modules.append(
+            {"module": rt.name, "shards": list(rt.shards), "scheme": scheme, "why": why}
+        )
+        for shard in rt.shards:
+            line = _shard_mismatch(checkpoint, fmt, rt, shard, scheme, why, shard in quantized)
+            if line:
+                report.problems.append(line)
+    for module in holders:
+        never = serving.never_quantized(profile, module)
+        if never and module in quantized:
+            report.problems.append(
+                f"{module}: stored {fmt}, but vLLM never quantizes it "
+                f"({never}); it must keep the base dtype"
+            )
+        head = serving.head_problem(profile, module, fmt, checkpoint.config)
+        if head and module in quantized:
+            report.problems.append(f"{module}: stored {fmt}, but {head}")
+    _replay_tp(checkpoint, fmt, profile, holders, quantized, report)
+
+
+def _replay_tp(
+    checkpoint: Checkpoint,
+    fmt: str,
+    profile: Profile,
+    holders: list[str],
+    quantized: set[str],
+    report: VerifyReport,
+) -> None:
+    """What vLLM 0.32.0 does with the draft at the tensor-parallel size (docs/vllm.md): it
+    cannot build a draft whose heads or split dimensions do not divide by it, and it gives an
+    FP4 row-parallel shard that is not a whole number of blocks the wrong block scales."""
+    tp = report.tensor_parallel_size
+    shapes = {m: _logical_shape(checkpoint, fmt, m, m in quantized) for m in holders}
+    cannot = serving.tp_build_problem(profile, checkpoint.config, shapes, tp)
+    if cannot:
+        report.problems.append(
+            f"vLLM 0.32.0 cannot build the draft at tensor_parallel_size {tp}: {cannot}"
+        )
+        return
+    block = FORMATS[fmt].block_size
+    for module in holders:
+        shape = shapes[module]
+        why = (
+            serving.tp_scale_problem(profile, module, shape[1], block, tp)
+            if module in quantized and len(shape) == 2
+            else None
+        )
+        if why:
+            report.problems.append(f"{module}: stored {fmt}, but {why}")
+
+
+def _logical_shape(
+    checkpoint: Checkpoint, fmt: str, module: str, stored_quantized: bool
+) -> tuple[int, ...]:
+    """[N, K] of ``module``'s weight as vLLM sizes its layer (packed codes unpacked)."""
+    spec = FORMATS[fmt]
+    packed = stored_quantized and spec.codes_per_byte > 1
+    name = f"{module}.{spec.stored[0] if packed else 'weight'}"
+    if name not in checkpoint.tensor_shard:
+        return ()
+    shape = tuple(checkpoint.info(name).shape)
+    if not packed:
+        return shape
+    n, packed_k = shape
+    return (n, packed_k * spec.codes_per_byte)
+
+
+def _vllm_scheme(
+    rt: RuntimeModule, fmt: str, targets: list, ignore: list
+) -> tuple[str | None, str]:
+    """compressed-tensors in vLLM: a Linear layer is ignored iff an ignore entry equals its
+    name or is ``re:`` + a regex that re.match-es it; otherwise it takes the group's scheme if a
+    target names its class ("Linear" matches every Linear class) or matches its name."""
+    hit = next((e for e in ignore if matches_ignore(e, rt.quant_name)), None)
+    if hit is not None:
+        return None, f"ignore entry {hit!r} matches {rt.quant_name}"
+    if ("Linear" in targets and rt.linear) or any(
+        matches_ignore(t, rt.quant_name) for t in targets
+    ):
+        return fmt, f"no ignore entry matches {rt.quant_name}"
+    if not rt.linear:  # CompressedTensorsConfig.get_quant_method, find_matched_target
+        return None, f"no config group target names the ParallelLMHead {rt.quant_name}"
+    return None, f"no config group target matches {rt.quant_name}"
+
+
+def _shard_mismatch(
+    checkpoint: Checkpoint,
+    fmt: str,
+    rt: RuntimeModule,
+    shard: str,
+    scheme: str | None,
+    why: str,
+    stored_quantized: bool,
+) -> str | None:
+    expects = ", ".join(FORMATS[fmt].stored)
+    if scheme is not None and not stored_quantized:
+        name = f"{shard}.weight"
+        have = (
+            f"{checkpoint.info(name).dtype} {list(checkpoint.info(name).shape)} {name}"
+            if name in checkpoint.tensor_shard
+            else "no weight"
+        )
+        return (
+            f"{rt.name}: vLLM builds it {fmt} ({why}) and expects {shard}.{{{expects}}}, "
+            f"but the checkpoint has {have}"
+        )
+    if scheme is None and stored_quantized:
+        return (
+            f"{rt.name}: vLLM builds it unquantized ({why}) and expects {shard}.weight in "
+            f"the base dtype, but the checkpoint stores {shard}.{{{expects}}}"
+        )
+    return None
+
+
+CHECKS = ("config", "tensors", "vllm_rules", "fused_groups", "sha256", "scales", "round_trip")
+VLLM_LOADER = "vllm_loader"  # run by ``verify --vllm`` (qstream/commands/verify.py)
+
+
+def _check(ran: bool, detail: str) -> dict:
+    return {"ran": ran, "detail": detail}
+
+
+def _sha256_check(integrity: Integrity) -> dict:
+    if integrity.skipped is not None:
+        return _check(
+            False,
+            f"{integrity.skipped}: byte-level integrity not checked; a changed weight byte "
+            "that still decodes to a finite value is not detected",
+        )
+    differ = len(integrity.mismatches)
+    found = f"{differ} differ from" if differ else "match"
+    return _check(True, f"{integrity.files} files {found} {QUANTIZE_RECORD}")
+
+
+def checks_run(
+    fmt: str | None,
+    profile: Profile,
+    runtime_layers: int,
+    deep: bool,
+    integrity: Integrity | None,
+) -> dict[str, dict]:
+    """Every check of :func:`qstream.vllm.verify.verify_checkpoint`, in order, plus vLLM's
+    own loader (not run unless ``--vllm``).  ``fmt`` None: the config names no format qstream
+    checks, and nothing after the config was reached."""
+    if fmt is None or integrity is None:
+        skipped = _check(False, "not reached: quantization_config names no format qstream checks")
+        checks = {name: skipped for name in CHECKS}
+        return {**checks, "config": _check(True, "quantization_config"), VLLM_LOADER: skipped}
+    if profile.renames_layers:
+        rules = f"vLLM's decision replayed for {runtime_layers} runtime Linear layers"
+    else:
+        rules = "each weight-holding module quantized or ignored (no serving profile to replay)"
+    return {
+        "config": _check(True, f"one config group, {fmt} weight arguments, weight-only"),
+        "tensors": _check(True, "stored dtypes and shapes of every quantized module, the index"),
+        "vllm_rules": _check(True, rules),
+        "fused_groups": _check(True, "all members or none quantized; NVFP4: one global scale"),
+        "sha256": _sha256_check(integrity),
+        "scales": _check(True, get_format(fmt).scales_checked),
+        "round_trip": _check(True, "every quantized weight dequantized to finite values")
+        if deep
+        else _check(False, "--deep not given"),
+        VLLM_LOADER: _check(False, "--vllm not given"),
+    }
