@@ -21,9 +21,10 @@ from qstream.card.document import (
     Figure,
     Part,
     Section,
-    card_json,
-    render_html,
-    render_markdown,
+    check_card_target,
+    figures_dir,
+    publish_card,
+    render,
 )
 from qstream.card.figures import (
     CEILING_CAPTION,
@@ -34,13 +35,6 @@ from qstream.card.figures import (
     write_figures,
 )
 from qstream.card.measured import measured_sections, read_speculate
-from qstream.card.output import (
-    card_json_text,
-    check_card_target,
-    figures_dir,
-    marker_comment,
-    publish_card,
-)
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
 from qstream.card.tables import (
     DIGITS,
@@ -336,10 +330,9 @@ def write_card(
     """Write the card (``fmt`` md, json or html) to ``output`` and, unless ``figures`` is False,
     its figures to ``<output stem>_files/`` beside it; returns the card and every path written.
     An existing ``output`` that is not a card qstream wrote needs ``overwrite``; everything is
-    written atomically (qstream/card/output.py).  Each checkpoint must match the sha256s its
-    quantize record holds unless ``integrity_check`` is False (qstream/checkpoint/integrity.py).
-    ``speculate``: a ``qstream speculate --json`` file of the same draft, whose measured
-    acceptance the card shows beside eval-drift's predictions (docs/card.md)."""
+    written atomically (qstream/card/document.py).  Each checkpoint must match the sha256s its
+    quantize record holds unless ``integrity_check`` is False.  ``speculate``: a
+    ``qstream speculate --json`` file of the same draft (docs/card.md)."""
     if fmt not in FORMATS:
         raise QStreamError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     output = Path(output)
@@ -349,20 +342,10 @@ def write_card(
     with malformed_results_as_error(rs):
         figures_name = figures_dir(output).name if figures else None
         card = build_card(rs, checkpoints, base, regime, figures_name, integrity_check, spec)
-        text = _render(card, fmt)
+        text = render(card, fmt)
 
     def draw(directory: Path) -> list[Path]:
         with malformed_results_as_error(rs):
             return write_figures(rs, directory, spec)
 
     return card, publish_card(output, text, draw if figures else None)
-
-
-def _render(card: Card, fmt: str) -> str:
-    """The card's text with the generated-card marker (qstream/card/output.py)."""
-    if fmt == "json":
-        return card_json_text(card_json(card))
-    if fmt == "html":
-        doctype, _, rest = render_html(card).partition("\n")
-        return f"{doctype}\n{marker_comment()}\n{rest}"
-    return f"{marker_comment()}\n{render_markdown(card)}"
