@@ -1,10 +1,7 @@
-"""The card's tables built from a merged results set: the results, how they were evaluated,
-and the optional studies (sensitivity, context sweep, simulated acceptance).
-
-Every number shown is a number of the results JSON, printed with a fixed number of decimals
-(``DIGITS``); the one exception is the gap to the bf16 floor, a difference of two values shown in
-the same table, and its column header says so.  Every difference against bf16 in tokens, a gap
-or a loss, copied or computed, is printed by :func:`difference`: signed, one format card-wide.
+"""The card's tables from a merged results set: the results, how they were evaluated, and the
+optional studies (sensitivity, context sweep, simulated acceptance); docs/card.md.  Every number
+is one of the results JSON at ``DIGITS`` decimals, except the gap to bf16 (a difference of two
+shown values, its header says so); every difference against bf16 is printed by :func:`difference`.
 """
 
 from __future__ import annotations
@@ -50,7 +47,6 @@ def estimate(e: dict | None, digits: int) -> Cell:
 
 
 def interval(e: dict, spec: str) -> Cell:
-    """:func:`estimate` of a present estimate, each number written with format ``spec``."""
     if e.get("value") is None:
         return Cell("n/a", e)
     if e.get("lo") is None or e.get("hi") is None:
@@ -59,8 +55,7 @@ def interval(e: dict, spec: str) -> Cell:
 
 
 def difference(e: dict | float | None) -> Cell:
-    """A difference against bf16 in tokens (a gap or a loss) with its sign: a number, or an
-    estimate with its interval."""
+    """A signed difference against bf16 in tokens: a number, or an estimate with its interval."""
     spec = f"+.{DIGITS['difference']}f"
     if isinstance(e, dict):
         return interval(e, spec)
@@ -84,16 +79,12 @@ def variant_order(rs: ResultsSet) -> list[str]:
 
 
 def rollout_name(rs: ResultsSet, mode: str, regimes: list[str] | None = None) -> str:
-    """The rollout mode's label with the sampling settings the runs of ``regimes`` (default:
-    all) recorded; when they differ, the label says so instead of picking one."""
-    names = list(
-        dict.fromkeys(
-            rollout_label(mode, rs.runs[r].get("sampling"))
-            for r in (regimes if regimes is not None else regime_order(rs))
-        )
-    )
+    """The rollout mode's label with the sampling settings of the runs of ``regimes`` (default:
+    all); when they differ, the label says so instead of picking one."""
+    regimes = regime_order(rs) if regimes is None else regimes
+    names = {rollout_label(mode, rs.runs[r].get("sampling")) for r in regimes}
     if len(names) == 1:
-        return names[0]
+        return names.pop()
     return f"{mode} rollout (settings differ by regime: see how it was evaluated)"
 
 
@@ -108,7 +99,7 @@ def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
 
 def agreement_table(rs: ResultsSet, regime: str) -> Table:
     """Per-position agreement, k = 1..B: teacher-forced greedy agree, and the rollouts' seq agree
-    (token k) and prefix agree (tokens 1..k), the quantities of seq_agree.png."""
+    and prefix agree (seq_agree.png's quantities)."""
     B = rs.block_size
     d = DIGITS["proportion"]
     rows = []
@@ -156,8 +147,7 @@ PREFIX_CAPTIONS = {
 
 
 def ceiling_table(rs: ResultsSet, mode: str) -> Table:
-    """The mean matched prefix of one rollout mode (greedy: the ceiling), variants × regimes,
-    with the 95% CI and the gap to the bf16 floor."""
+    """One rollout mode's mean matched prefix, variants × regimes, with the gap to bf16."""
     d = DIGITS["ceiling"]
     regimes = regime_order(rs)
     columns = ["variant"]
@@ -190,8 +180,8 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
 
 
 def variant_label(rs: ResultsSet, variant: str) -> str:
-    """The variant's name, and how many tensors it quantized when the quantized variants of the
-    results did not all quantize the same tensors (then they are not compared like for like)."""
+    """The variant's name, and its count of quantized tensors when the quantized variants did
+    not all quantize the same tensors (then they are not compared like for like)."""
     changed = {
         name: {
             tuple(r.get("quantized_tensors") or ())
@@ -227,7 +217,6 @@ RowOf = Callable[[dict], Cell]  # a variant's results entry -> its cell in one r
 
 
 def _agreement_rows(rs: ResultsSet, regime: str) -> list[tuple[str, RowOf]]:
-    """Greedy agreement, 1−TV and, per rollout mode, the matched prefix and whole blocks."""
     p, tv, c = DIGITS["proportion"], DIGITS["one_minus_tv"], DIGITS["ceiling"]
     rows: list[tuple[str, RowOf]] = [
         ("greedy agree, all positions [95% CI]",
@@ -245,7 +234,6 @@ def _agreement_rows(rs: ResultsSet, regime: str) -> list[tuple[str, RowOf]]:
 
 
 def _divergence_rows() -> list[tuple[str, RowOf]]:
-    """KL both ways, the confidence head's metrics and the weight SNR."""
     p, snr = DIGITS["proportion"], DIGITS["snr"]
     return [
         ("KL(ref‖var) mean [95% CI]", lambda r: interval(r["metrics"]["kl"]["mean"], ".2e")),
@@ -272,8 +260,7 @@ def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
 
 
 # ---------------------------------------------------------------------------------------------
-# How it was evaluated: the card's "How the numbers were measured" table (reference, regimes,
-# corpus, blocks, sampling, intervals, seed and versions, every entry read from the results)
+# How the numbers were measured (every entry read from the results)
 
 
 def per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
@@ -320,7 +307,6 @@ def _selection(run: dict) -> str:
 
 
 def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
-    """What was compared: the model, the reference, the variants and the regimes."""
     model, params = rs.model, rs.model.get("parameters")
     params = f"{params:,}" if isinstance(params, int) else params
     return [
@@ -375,7 +361,6 @@ def _compute_text(compute: dict | None) -> str:
 
 
 def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
-    """What it was measured on, and how: corpus, blocks, sampling, intervals, versions."""
     return [
         ("corpus", per_regime(rs, regimes, _corpus)),
         (
@@ -416,7 +401,6 @@ def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
 
 
 def evaluation_table(rs: ResultsSet) -> Table:
-    """Reference, regimes, corpus, blocks, intervals, seed, versions: all from the results."""
     regimes = regime_order(rs)
     rows = _setup_rows(rs, regimes) + _data_rows(rs, regimes)
     return Table(
@@ -429,8 +413,11 @@ def evaluation_table(rs: ResultsSet) -> Table:
 
 
 # ---------------------------------------------------------------------------------------------
-# The optional studies: per-module sensitivity, the context-length sweep and simulated
-# acceptance under vLLM's verification rules (docs/card.md)
+# The optional studies (docs/card.md)
+
+
+SENSITIVITY_COLUMNS = ["+ module kind", "gap alone", "ceiling, greedy [95% CI]", "gap to bf16",
+                       "KL p99", "tensors", "within"]  # fmt: skip
 
 
 def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
@@ -438,44 +425,20 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
     sens = rs.sections[regime]["sensitivity"]
     d = DIGITS["ceiling"]
     alone = {e["kind"]: e for e in sens["single"]}
-    rows = [
-        [
-            Cell("(nothing: bf16 floor)"),
-            Cell(""),
-            estimate(sens["floor"]["ceiling"], d),
-            Cell("(floor)"),
-            sci(sens["floor"]["kl_p99"]),
-            Cell(""),
-            Cell(""),
-        ]
-    ]
+    floor = sens["floor"]
+    rows = [[Cell("(nothing: bf16 floor)"), Cell(""), estimate(floor["ceiling"], d),
+             Cell("(floor)"), sci(floor["kl_p99"]), Cell(""), Cell("")]]  # fmt: skip
     for e in sens["cumulative"]:
-        single = alone[e["add"]]
-        rows.append(
-            [
-                Cell(e["add"]),
-                difference(single["ceiling_gap"]),
-                estimate(e["ceiling"], d),
-                difference(e["ceiling_gap"]),
-                sci(e["kl_p99"]),
-                Cell(str(len(e["quantized_tensors"])), len(e["quantized_tensors"])),
-                Cell("yes" if e["within_tolerance"] else "no"),
-            ]
-        )
+        n = len(e["quantized_tensors"])
+        rows.append([Cell(e["add"]), difference(alone[e["add"]]["ceiling_gap"]),
+                     estimate(e["ceiling"], d), difference(e["ceiling_gap"]), sci(e["kl_p99"]),
+                     Cell(str(n), n), Cell("yes" if e["within_tolerance"] else "no")])  # fmt: skip
     return Table(
         f"Regime {regime}: {sens['format']} quantized one module kind more per row, least "
         f"harmful first (harm: {sens['harm']}). 'alone' is the kind's gap when quantized "
         f"by itself; 'within' compares the cumulative gap with the tolerance of "
         f"{sens['tolerance']} tokens",
-        [
-            "+ module kind",
-            "gap alone",
-            "ceiling, greedy [95% CI]",
-            "gap to bf16",
-            "KL p99",
-            "tensors",
-            "within",
-        ],
+        SENSITIVITY_COLUMNS,
         rows,
         key=f"sensitivity_{regime}",
         align="lrrrrrl",
@@ -486,25 +449,13 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
     """Greedy ceiling per context-length bucket (rows) and variant (columns)."""
     sweep = rs.sections[regime]["context_sweep"]
     names = [v for v in variant_order(rs) if v in sweep["buckets"][0]["variants"]]
-    rows = []
-    for b in sweep["buckets"]:
-        rows.append(
-            [
-                Cell(f"[{b['lo']}, {b['hi']})"),
-                Cell(b["side"]),
-                Cell(
-                    f"{b['anchors']['context_length_mean']:.1f}",
-                    b["anchors"]["context_length_mean"],
-                ),
-                *(
-                    estimate(
-                        b["variants"][v]["metrics"]["rollouts"]["greedy"]["ceiling"],
-                        DIGITS["ceiling"],
-                    )
-                    for v in names
-                ),
-            ]
-        )
+    rows = [
+        [Cell(f"[{b['lo']}, {b['hi']})"), Cell(b["side"]),
+         Cell(f"{(mean := b['anchors']['context_length_mean']):.1f}", mean),
+         *(estimate(b["variants"][v]["metrics"]["rollouts"]["greedy"]["ceiling"], DIGITS["ceiling"])
+           for v in names)]
+        for b in sweep["buckets"]
+    ]  # fmt: skip
     return Table(
         f"Regime {regime}: acceptance ceiling (greedy rollout, 95% CI) by context length "
         f"of the block; YaRN boundary (original_max_position_embeddings) "
@@ -531,9 +482,8 @@ def acceptance_verifiers(rs: ResultsSet) -> list[str]:
 
 
 def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
-    """The acceptance by ``verifier``, one row per variant and regime: vLLM's default mode beside
-    the published card's, then the other modes, then adaptive verification (the last only where
-    some result simulated it)."""
+    """The acceptance by ``verifier``: vLLM's default mode beside the published card's, the other
+    modes, then adaptive verification (where some result simulated it)."""
     tables = [
         _modes_table(rs, verifier, HEADLINE_MODES, "headline"),
         _modes_table(rs, verifier, OTHER_MODES, "other"),
@@ -565,7 +515,6 @@ def _acceptance_regimes(rs: ResultsSet, verifier: str) -> list[str]:
 
 
 def _entries(rs: ResultsSet, verifier: str, mode: str) -> list[dict]:
-    """Every result's entry of ``mode`` under ``verifier``."""
     return [
         acc[mode]
         for block in rs.regimes.values()
@@ -577,22 +526,17 @@ def _entries(rs: ResultsSet, verifier: str, mode: str) -> list[dict]:
 def _acceptance_rows(
     rs: ResultsSet, verifier: str, modes: tuple[str, ...], cells
 ) -> list[list[Cell]]:
-    """One row per mode, regime and variant (in that order, so that a mode's variants sit
-    together); ``cells(acc, mode)`` the value cells from a variant's ``acceptance.VERIFIER``
-    block (None: not evaluated)."""
+    """One row per mode, regime and variant (so that a mode's variants sit together);
+    ``cells(acc, mode)``: the value cells of a variant's ``acceptance.VERIFIER`` (None: absent)."""
     rows = []
     for mode in modes:
         for regime in _acceptance_regimes(rs, verifier):
             for variant in variant_order(rs):
                 res = rs.regimes[regime].get(variant) or {}
                 acc = res.get("acceptance", {}).get(verifier)
+                label = ACCEPTANCE_MODES[mode].label
                 rows.append(
-                    [
-                        Cell(ACCEPTANCE_MODES[mode].label),
-                        Cell(regime),
-                        Cell(variant_label(rs, variant)),
-                        *cells(acc, mode),
-                    ]
+                    [Cell(label), Cell(regime), Cell(variant_label(rs, variant)), *cells(acc, mode)]
                 )
     return rows
 
@@ -628,8 +572,7 @@ def _modes_table(rs: ResultsSet, verifier: str, modes: tuple[str, ...], which: s
 
 
 def _adaptive_table(rs: ResultsSet, verifier: str) -> Table:
-    """Each adaptive mode's expected tokens and loss, the drafted tokens it verifies, and what
-    vLLM's budget rule expects from the confidence head."""
+    """Each adaptive mode's expected tokens and loss, and what vLLM's budget rule expects."""
     d = DIGITS["ceiling"]
 
     def cells(acc: dict | None, mode: str) -> list[Cell]:
@@ -655,7 +598,6 @@ def _adaptive_table(rs: ResultsSet, verifier: str) -> Table:
 
 
 def _adaptive_setting(rs: ResultsSet, verifier: str) -> str:
-    """The adaptive budget the results ran with, in words (every distinct one)."""
     settings = {
         (a["requests"], a["budget_share"])
         for mode in ADAPTIVE_MODES
