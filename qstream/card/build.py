@@ -1,11 +1,8 @@
-"""Assemble the card from results files and checkpoint directories, and write it.
+"""Assemble the card from results files and checkpoint directories, and write it (docs/card.md).
+What the results set lacks is listed in the card and in ``Card.missing``; no gap is filled.
 
 >>> card, written = write_card(["heavy.json", "gauss.json"], Path("CARD.md"),
 ...                            checkpoints=["draft-fp8"], base="draft")
->>> card.missing        # what the results set lacks, also printed by the command on stderr
-
-What the results set lacks (a regime, a format, the bf16 floor of a regime, the checkpoints) is
-listed in the card and in ``Card.missing``; the tables show what exists and never fill a gap.
 """
 
 from __future__ import annotations
@@ -17,9 +14,7 @@ from qstream.card import checkpoints as ckpt
 from qstream.card.document import (
     Bullets,
     Card,
-    Code,
     Figure,
-    Part,
     Section,
     check_card_target,
     figures_dir,
@@ -37,7 +32,6 @@ from qstream.card.figures import (
 from qstream.card.measured import measured_sections, read_speculate
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
 from qstream.card.tables import (
-    DIGITS,
     acceptance_tables,
     acceptance_verifiers,
     agreement_table,
@@ -47,6 +41,7 @@ from qstream.card.tables import (
     full_metrics_table,
     regime_order,
     sensitivity_table,
+    suggested_command,
     variant_order,
 )
 from qstream.errors import QStreamError
@@ -106,9 +101,8 @@ def build_card(
     integrity_check: bool = True,
     speculate: dict | None = None,
 ) -> Card:
-    """The card as data; figures are referenced as ``figures_dir/NAME.png`` (not written here),
-    or left out when ``figures_dir`` is None.  ``speculate``: ``qstream speculate`` results of
-    the same draft (:func:`qstream.card.measured.read_speculate`), shown first."""
+    """The card as data, its figures referenced as ``figures_dir/NAME.png`` (None: left out);
+    ``speculate``: :func:`qstream.card.measured.read_speculate`'s results, shown first."""
     missing = find_missing(rs, [str(c) for c in checkpoints], None if base is None else str(base))
     full_regime = _full_metric_regime(rs, regime, missing)
 
@@ -135,7 +129,6 @@ def build_card(
 
 
 def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) -> list[Section]:
-    """What the numbers are, and what the results set lacks."""
     measured = (
         []
         if speculate is None
@@ -184,7 +177,6 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
 
 
 def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
-    """The ceiling, agreement by position and every metric of one regime, with their figures."""
     ceiling = Section(
         "Greedy acceptance ceiling and sampled matched prefix",
         [
@@ -211,19 +203,14 @@ def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
         f"All metrics, regime {full_regime}",
         [
             full_metrics_table(rs, full_regime),
-            *figure(
-                "kl.png",
-                "KL percentiles per format and regime",
-                kl_caption(rs),
-            ),
+            *figure("kl.png", "KL percentiles per format and regime", kl_caption(rs)),
         ],
     )
     return [ceiling, agreement, everything]
 
 
 def foreign_note(rs: ResultsSet) -> list[str]:
-    """A warning naming the variants eval-drift compared although they are not derived from the
-    model (``--allow-foreign-variant``)."""
+    """A warning naming the variants compared with ``--allow-foreign-variant``."""
     foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
     if not foreign:
         return []
@@ -240,9 +227,7 @@ def _study_sections(rs: ResultsSet, figure) -> list[Section]:
     sections = []
     sens = [r for r in regime_order(rs) if "sensitivity" in rs.sections.get(r, {})]
     if sens:
-        parts = []
-        for r in sens:
-            parts += [sensitivity_table(rs, r), suggested_command(rs, r)]
+        parts = [p for r in sens for p in (sensitivity_table(rs, r), suggested_command(rs, r))]
         sections.append(
             Section(
                 "Which modules may be quantized",
@@ -261,42 +246,12 @@ def _study_sections(rs: ResultsSet, figure) -> list[Section]:
                 [
                     *(context_sweep_table(rs, r) for r in sweep),
                     *figure(
-                        "context.png",
-                        "acceptance ceiling against context length",
-                        CONTEXT_CAPTION,
+                        "context.png", "acceptance ceiling against context length", CONTEXT_CAPTION
                     ),
                 ],
             )
         )
     return sections
-
-
-def suggested_command(rs: ResultsSet, regime: str) -> Part:
-    """The quantize command of the largest include list within the sensitivity tolerance, or
-    why there is none, naming the format, the tolerance and what it bounds."""
-    sens = rs.sections[regime]["sensitivity"]
-    best = sens["suggested"]
-    if best["command"]:
-        return Code(f"qstream quantize --quant_format {sens['format']} {best['command']}")
-    fmt, tolerance = sens["format"], sens["tolerance"]
-    keeps = (
-        f"keeps the greedy acceptance ceiling within the tolerance of {tolerance} tokens of the "
-        "bf16 floor"
-    )
-    gentlest = max(sens["single"], key=lambda e: e["ceiling_gap"], default=None)
-    if gentlest is None:
-        return f"Regime {regime}: the model has no module kind {fmt} can hold; nothing to suggest."
-    if gentlest["ceiling_gap"] < -tolerance:
-        return (
-            f"Regime {regime}: no module kind quantized to {fmt} {keeps}, even alone: the least "
-            f"harmful, {gentlest['kind']}, lowers it by "
-            f"{-gentlest['ceiling_gap']:.{DIGITS['difference']}f} tokens. "
-            "No include list is suggested."
-        )
-    return (
-        f"Regime {regime}: no step of the table (module kinds quantized to {fmt}, added one by "
-        f"one) {keeps}. No include list is suggested."
-    )
 
 
 def _checkpoint_sections(
@@ -306,9 +261,7 @@ def _checkpoint_sections(
         return []
     base_facts = ckpt.read_base(base) if base is not None else None
     facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
-    parts = []
-    for f in facts:
-        parts += ckpt.quantization_parts(f)
+    parts = [p for f in facts for p in ckpt.quantization_parts(f)]
     return [
         Section("Size", [ckpt.size_table(base_facts, facts)]),
         Section("What is quantized to what", parts),

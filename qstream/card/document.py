@@ -148,22 +148,15 @@ def render_html(card: Card) -> str:
 
 
 def card_json(card: Card) -> dict:
-    sections = []
-    for section in card.sections:
-        sections.append(
-            {
-                "title": section.title,
-                "text": [p for p in section.parts if isinstance(p, str)],
-                "items": [i for p in section.parts if isinstance(p, Bullets) for i in p.items],
-                "tables": [p.to_json() for p in section.parts if isinstance(p, Table)],
-                "figures": [
-                    {"path": p.path, "caption": p.caption}
-                    for p in section.parts
-                    if isinstance(p, Figure)
-                ],
-                "code": [p.text for p in section.parts if isinstance(p, Code)],
-            }
-        )
+    sections = [
+        {"title": s.title,
+         "text": [p for p in s.parts if isinstance(p, str)],
+         "items": [i for p in s.parts if isinstance(p, Bullets) for i in p.items],
+         "tables": [p.to_json() for p in s.parts if isinstance(p, Table)],
+         "figures": [{"path": p.path, "caption": p.caption} for p in s.parts if isinstance(p, Figure)],
+         "code": [p.text for p in s.parts if isinstance(p, Code)]}
+        for s in card.sections
+    ]  # fmt: skip
     return {
         "schema": CARD_SCHEMA,
         "title": card.title,
@@ -174,8 +167,8 @@ def card_json(card: Card) -> dict:
 
 def render(card: Card, fmt: str) -> str:
     """The card's text in ``fmt`` (md, json or html) with the generated-card marker."""
-    if fmt == "json":
-        return card_json_text(card_json(card))
+    if fmt == "json":  # the marker as the first key
+        return json_text({"generated_by": MARKER, **card_json(card)})
     if fmt == "html":
         doctype, _, rest = render_html(card).partition("\n")
         return f"{doctype}\n{marker_comment()}\n{rest}"
@@ -245,8 +238,7 @@ def check_card_target(output: Path, overwrite: bool, figures: bool) -> None:
 
 
 def publish_card(output: Path, text: str, draw: Callable[[Path], list[Path]] | None) -> list[Path]:
-    """Write the card text and (``draw`` given) its figures atomically; returns the paths
-    written.  ``draw(directory)`` draws the figures into ``directory``."""
+    """Write the card text and (``draw(directory)`` given) its figures atomically; the paths."""
     remove_stale_partials(output, stderr_notice)
     tmp = partial_dir(output, "--output")
     try:
@@ -281,9 +273,3 @@ def _publish(tmp: Path, output: Path, drawn: list[Path]) -> list[Path]:
             old.rename(fig)
         raise QStreamError(f"cannot write --output {output}: {exc.strerror or exc}") from exc
     return [fig / p.name for p in drawn]
-
-
-def card_json_text(data: dict) -> str:
-    """A JSON card with the marker as its first key, serialized as every JSON file qstream
-    writes (:func:`qstream.publish.json_text`; the card is published with its figures)."""
-    return json_text({"generated_by": MARKER, **data})

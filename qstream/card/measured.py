@@ -111,12 +111,8 @@ def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
         f"correction token (1..{block + 1}); intervals are 95% over prompts, the independent "
         "units."
     )
-    sections = [
-        Section(
-            "Acceptance with the target in the loop (measured)",
-            [intro, measured_table(spec), shares_table(spec)],
-        )
-    ]
+    title = "Acceptance with the target in the loop (measured)"
+    sections = [Section(title, [intro, measured_table(spec), shares_table(spec)])]
     if s["rule"] != "greedy":
         return sections
     sections.append(
@@ -151,17 +147,12 @@ def measured_table(spec: dict) -> Table:
         for name, v in spec["variants"].items()
         for x in [v["summary"]]
     ]  # fmt: skip
+    columns = ["variant", "kind", "tokens per verification", "loss vs bf16",
+               "tokens per target forward", "verifications"]  # fmt: skip
     return Table(
         "Measured acceptance per variant (the loss against bf16 is paired over the same "
         "prompts, as `qstream speculate` reports it)",
-        [
-            "variant",
-            "kind",
-            "tokens per verification",
-            "loss vs bf16",
-            "tokens per target forward",
-            "verifications",
-        ],  # fmt: skip
+        columns,
         rows,
         "measured_acceptance",
         align="llrrrr",
