@@ -129,16 +129,14 @@ def build_card(
 
 
 def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) -> list[Section]:
-    measured = (
-        []
-        if speculate is None
-        else [
+    measured = []
+    if speculate is not None:
+        measured.append(
             "The acceptance measured with the target in the loop comes from `qstream speculate` "
             f"results of the same draft ({speculate['settings']['rule']} verification by "
             f"`{speculate['provenance']['target']['path']}`), copied as they stand; the losses "
             "it is compared with are differences of two eval-drift numbers."
-        ]
-    )
+        )
     n_files = len({path for paths in rs.sources.values() for path in paths})
     sections = [
         Section(

@@ -81,25 +81,15 @@ def read_quantized(
     )
     provenance = _read_provenance(directory)
     skipped = (provenance or {}).get("summary", {}).get("modules_skipped") or {}
-    facts = CheckpointFacts(
-        directory,
-        fmt,
-        checkpoint.size_bytes,
-        inspect_checkpoint(directory)["params"],
-        params_quantized,
-        quantized,
-    )
-    facts.kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
-    facts.integrity = integrity
+    params = inspect_checkpoint(directory)["params"]
+    kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
     if provenance is not None:
-        facts.command = provenance["command"]
-        facts.command_origin = (
-            f"Recorded in `{PROVENANCE}` by qstream "
-            f"{provenance.get('qstream_version', '(version not recorded)')}."
-        )
+        version = provenance.get("qstream_version", "(version not recorded)")
+        command, origin = provenance["command"], f"Recorded in `{PROVENANCE}` by qstream {version}."
     else:
-        facts.command, facts.command_origin = _reconstruct_command(directory, fmt, quantized, base)
-    return facts
+        command, origin = _reconstruct_command(directory, fmt, quantized, base)
+    return CheckpointFacts(directory, fmt, checkpoint.size_bytes, params, params_quantized,
+                           quantized, kept, command, origin, integrity)  # fmt: skip
 
 
 def _kept_modules(

@@ -457,15 +457,13 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
 
 def acceptance_verifiers(rs: ResultsSet) -> list[str]:
     """Verifiers present in some variant's results, in VERIFIERS order."""
-    return [
+    found = {
         v
-        for v in VERIFIERS
-        if any(
-            v in result.get("acceptance", {})
-            for block in rs.regimes.values()
-            for result in block.values()
-        )
-    ]
+        for block in rs.regimes.values()
+        for res in block.values()
+        for v in res.get("acceptance", {})
+    }
+    return [v for v in VERIFIERS if v in found]
 
 
 def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
