@@ -1,9 +1,7 @@
-"""Publishing an output directory safely (docs/guarantees.md, "Output directories"): a command
-that writes a directory (``quantize``, ``synth``) builds it in ``.<name>.qstream-partial-<pid>``
-beside the target and publishes it with one rename; without ``overwrite`` the target must not
-exist, with it only a directory holding one of qstream's record files is replaced; an error or
-a signal removes the temporary directory, and a later run removes those of dead processes.
-Also :func:`write_atomic` for single files; every JSON file qstream writes: write_json_atomic.
+"""Publishing outputs safely (docs/guarantees.md, "Output directories"): a directory is built in
+``.<name>.qstream-partial-<pid>`` beside the target and published with one rename (only a
+directory holding a qstream record file is replaced, with ``overwrite``); :func:`write_atomic`
+for single files, :func:`write_json_atomic` for every JSON file qstream writes.
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from typing import Any
 
 from qstream.errors import QStreamError
 
-# Files whose presence marks a directory as written by qstream (quantize's provenance, synth's
-# record); --overwrite replaces nothing else.
+# Files marking a directory qstream wrote; --overwrite replaces nothing else.
 QUANTIZE_RECORD = "qstream_quantize.json"  # quantize's provenance: command, summary, sha256s
 SYNTH_RECORD = "qstream_synth.json"
 RECORD_FILES = (QUANTIZE_RECORD, SYNTH_RECORD)
@@ -31,8 +28,8 @@ _PARTIAL = re.compile(r"^\.(?P<name>.+)\.qstream-(?:partial|old)-(?P<pid>\d+)$")
 
 
 def check_target(output: Path, overwrite: bool, option: str) -> None:
-    """Refuse ``output`` before any work: an existing path without ``overwrite``, or one that
-    qstream did not write; a missing or unwritable parent."""
+    """Refuse ``output`` before any work: an existing path without ``overwrite``, one qstream
+    did not write, a missing or unwritable parent."""
     if _empty_dir(output):
         pass  # nothing to lose: replaced as if it did not exist
     elif output.exists() or output.is_symlink():
@@ -105,7 +102,7 @@ def remove_stale_partials_in(
     directory: Path, notice: Callable[[str], None] | None = None, name: str | None = None
 ) -> list[Path]:
     """Remove the partials in ``directory`` (of every name, or of ``name``) whose process no
-    longer exists: what SIGKILL left of a directory, or of a file written by :func:`write_atomic`."""
+    longer exists (what SIGKILL left); the paths removed."""
     removed: list[Path] = []
     if not directory.is_dir():
         return removed
@@ -130,8 +127,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, another user's
+        pass
     return True
 
 
@@ -247,8 +244,7 @@ def signals_as_interrupt() -> Iterator[None]:
 
 def write_atomic(path: str | Path, write: Callable[[Path], None], option: str = "") -> None:
     """``write(tmp)`` into a temporary file beside ``path``, then one rename: the file is whole
-    or not there.  Any OSError (disk full, permission denied) becomes a QStreamError naming the
-    path, and the temporary file is removed."""
+    or not there; an OSError becomes a QStreamError naming the path."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.qstream-partial-{os.getpid()}")
     label = f"{option} {path}" if option else str(path)

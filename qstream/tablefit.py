@@ -1,12 +1,8 @@
-"""qstream's one kind of table, :class:`Table`: a caption, headers and cells each keeping the
-text shown and the JSON value it shows, rendered as the card's markdown (:meth:`Table.markdown`)
-or as a table that fits the terminal (:meth:`Table.fitted`, docs/guarantees.md): each column's
-width is shared out so that the whole table fits, label columns wrap between words (a long name
-between its dotted parts: ``layers.*.self_attn.`` / ``q_b_proj.weight``), values never wrap,
-and no cell is ever cut short with an ellipsis.  A table is never split into parts.
-
-Leading columns can be *grouped*: a run of rows with the same label shows it once, its wrapped
-lines spread down the run's rows, so a long label costs no extra lines.
+"""qstream's one kind of table, :class:`Table`: a caption, headers and cells keeping the text
+shown and the JSON value behind it, rendered as the card's markdown or fitted to the terminal
+(docs/guarantees.md, "Shown"): label columns wrap between words (a long name between its dotted
+parts), values never wrap, no cell is cut short, no table is split.  *Grouped* leading columns
+show a label once per run of rows with it, its lines spread down the run.
 
 >>> table = Table.of("sizes", ["module kind", "size"], [["embed_tokens.weight", "121.88 KiB"]])
 >>> console.print(table.fitted(100))
@@ -38,9 +34,8 @@ class Cell:
 
 @dataclass
 class Table:
-    """Every cell keeps the text shown and, where it shows a measured number, that number as it
-    stands in the results JSON (``data``), so a card's ``--format json`` gives the tables as
-    data and tests can check each printed number against its source."""
+    """Each cell keeps its text and, for a measured number, that number as the results JSON
+    holds it (``data``): the card's ``--format json`` and the tests read it."""
 
     caption: str
     columns: list[str]
@@ -101,8 +96,7 @@ class Table:
         }  # fmt: skip
 
     def fitted(self, width: int, grouped: int = 0, titled: bool = True) -> RichTable:
-        """A rich table that fits ``width`` (:func:`fitted_table`), the caption its title
-        unless not ``titled`` (the caller prints it)."""
+        """:func:`fitted_table` of this table, the caption its title if ``titled``."""
         title = self.caption if titled else None
         return fitted_table(self.layout(), self.texts(), width, title=title, grouped=grouped)
 
@@ -170,9 +164,9 @@ def _break_name(word: str, width: int) -> list[str]:
 def column_widths(
     columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int
 ) -> list[int]:
-    """Each column's text width: its longest cell line or header, narrowed, widest first, until
-    the table fits ``width``: first a header wraps at its words, then the wrapping columns wrap
-    at their words, then a name between its parts, then anywhere (down to NARROWEST)."""
+    """Each column's text width, its longest line narrowed, widest first, until the table fits
+    ``width``: headers wrap at words, then wrapping columns at words, at a name's parts, anywhere
+    (down to NARROWEST)."""
     cells = [[row[i] for row in rows] for i in range(len(columns))]
 
     def longest(texts: Sequence[str], unit) -> int:
@@ -212,9 +206,8 @@ def fitted_table(
     title: str | None = None,
     grouped: int = 0,
 ) -> RichTable:
-    """A rich table of ``rows`` that fits ``width`` columns (when its values and names can: a
-    cell rich must still narrow folds rather than ending in an ellipsis).  The first ``grouped``
-    columns are grouped, with a line between the groups of the first."""
+    """A rich table of ``rows`` that fits ``width`` where its values and names can (rich folds a
+    cell rather than cut it); the first ``grouped`` columns grouped, a line between groups."""
     widths = column_widths(columns, rows, width)
     melted = None if _whole(columns, rows, widths, width) else _melt(columns, rows)
     if melted is not None and _whole(*melted, column_widths(*melted, width), width):
@@ -253,9 +246,8 @@ def _whole(
 def _melt(
     columns: Sequence[Column], rows: Sequence[Sequence[str]]
 ) -> tuple[list[Column], list[list[str]]] | None:
-    """The table with one row per row and value column, when its values do not fit side by
-    side: the leading labels, then a ``measure`` column naming the value's column and a
-    ``value`` column (None without labels and two columns after them)."""
+    """One row per row and value column: the labels, a ``measure`` column naming the value's
+    column and a ``value`` column (None without labels and two values)."""
     k = next((i for i, c in enumerate(columns) if c.right), len(columns))
     if k == 0 or len(columns) - k < 2:
         return None
@@ -268,8 +260,8 @@ def _melt(
 def _spread(
     lines: list[list[list[str]]], col: int, width: int, rows: Sequence[Sequence[str]]
 ) -> None:
-    """Column ``col`` of a run of rows with the same leading labels shows its label once: its
-    lines spread down the run, one row's height at a time; the run's last row takes the rest."""
+    """Column ``col`` of a run of rows with the same leading labels shows its label once, its
+    lines spread down the run; the run's last row takes the rest."""
     r = 0
     while r < len(rows):
         end = r + 1

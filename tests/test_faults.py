@@ -16,10 +16,10 @@ import pytest
 from cli_helpers import cli_error, cli_ok
 
 import qstream.card.build
-import qstream.card.output
+import qstream.card.document
 import qstream.cli
 import qstream.errors
-from qstream.card.output import MARKER
+from qstream.card.document import MARKER
 
 DATA = Path(__file__).parent / "data"
 RESULTS = DATA / "card_results.json"
@@ -127,7 +127,7 @@ def test_disk_full_while_drawing_keeps_the_old_card_and_figures(tmp_path, result
 
 
 def test_disk_full_writing_the_card_publishes_nothing(tmp_path, results, monkeypatch):
-    monkeypatch.setattr(qstream.card.output.os, "replace", _disk_full)
+    monkeypatch.setattr(qstream.card.document.os, "replace", _disk_full)
     err = cli_error(["card", str(results), "--output", str(tmp_path / "CARD.md")])
     assert "No space left on device" in err
     assert _names(tmp_path) == []
@@ -135,7 +135,7 @@ def test_disk_full_writing_the_card_publishes_nothing(tmp_path, results, monkeyp
 
 def test_disk_full_publishing_the_card_puts_the_old_figures_back(tmp_path, results, monkeypatch):
     out, before = _old_card(tmp_path, results)
-    monkeypatch.setattr(qstream.card.output.os, "replace", _disk_full)
+    monkeypatch.setattr(qstream.card.document.os, "replace", _disk_full)
     assert "No space left on device" in cli_error(["card", str(results), "--output", str(out)])
     assert {p: p.read_bytes() for p in before} == before
     assert _names(tmp_path) == ["CARD.md", "CARD_files"]

@@ -150,7 +150,7 @@ def test_sigterm_while_speculate_decodes_is_aborted(pair, tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_while_card_writes_leaves_nothing(tmp_path, signum):
     pause = """
-        import qstream.card.output as co
+        import qstream.card.document as co
         real = co._build
         def _build(*args, **kwargs):
             written = real(*args, **kwargs)

@@ -1,11 +1,8 @@
-"""Assemble the card from results files and checkpoint directories, and write it.
+"""Assemble the card from results files and checkpoint directories, and write it (docs/card.md).
+What the results set lacks is listed in the card and in ``Card.missing``; no gap is filled.
 
 >>> card, written = write_card(["heavy.json", "gauss.json"], Path("CARD.md"),
 ...                            checkpoints=["draft-fp8"], base="draft")
->>> card.missing        # what the results set lacks, also printed by the command on stderr
-
-What the results set lacks (a regime, a format, the bf16 floor of a regime, the checkpoints) is
-listed in the card and in ``Card.missing``; the tables show what exists and never fill a gap.
 """
 
 from __future__ import annotations
@@ -17,13 +14,12 @@ from qstream.card import checkpoints as ckpt
 from qstream.card.document import (
     Bullets,
     Card,
-    Code,
     Figure,
-    Part,
     Section,
-    card_json,
-    render_html,
-    render_markdown,
+    check_card_target,
+    figures_dir,
+    publish_card,
+    render,
 )
 from qstream.card.figures import (
     CEILING_CAPTION,
@@ -34,16 +30,8 @@ from qstream.card.figures import (
     write_figures,
 )
 from qstream.card.measured import measured_sections, read_speculate
-from qstream.card.output import (
-    card_json_text,
-    check_card_target,
-    figures_dir,
-    marker_comment,
-    publish_card,
-)
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
 from qstream.card.tables import (
-    DIGITS,
     acceptance_tables,
     acceptance_verifiers,
     agreement_table,
@@ -53,6 +41,7 @@ from qstream.card.tables import (
     full_metrics_table,
     regime_order,
     sensitivity_table,
+    suggested_command,
     variant_order,
 )
 from qstream.errors import QStreamError
@@ -112,9 +101,8 @@ def build_card(
     integrity_check: bool = True,
     speculate: dict | None = None,
 ) -> Card:
-    """The card as data; figures are referenced as ``figures_dir/NAME.png`` (not written here),
-    or left out when ``figures_dir`` is None.  ``speculate``: ``qstream speculate`` results of
-    the same draft (:func:`qstream.card.measured.read_speculate`), shown first."""
+    """The card as data, its figures referenced as ``figures_dir/NAME.png`` (None: left out);
+    ``speculate``: :func:`qstream.card.measured.read_speculate`'s results, shown first."""
     missing = find_missing(rs, [str(c) for c in checkpoints], None if base is None else str(base))
     full_regime = _full_metric_regime(rs, regime, missing)
 
@@ -141,17 +129,14 @@ def build_card(
 
 
 def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) -> list[Section]:
-    """What the numbers are, and what the results set lacks."""
-    measured = (
-        []
-        if speculate is None
-        else [
+    measured = []
+    if speculate is not None:
+        measured.append(
             "The acceptance measured with the target in the loop comes from `qstream speculate` "
             f"results of the same draft ({speculate['settings']['rule']} verification by "
             f"`{speculate['provenance']['target']['path']}`), copied as they stand; the losses "
             "it is compared with are differences of two eval-drift numbers."
-        ]
-    )
+        )
     n_files = len({path for paths in rs.sources.values() for path in paths})
     sections = [
         Section(
@@ -190,7 +175,6 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
 
 
 def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
-    """The ceiling, agreement by position and every metric of one regime, with their figures."""
     ceiling = Section(
         "Greedy acceptance ceiling and sampled matched prefix",
         [
@@ -217,19 +201,14 @@ def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
         f"All metrics, regime {full_regime}",
         [
             full_metrics_table(rs, full_regime),
-            *figure(
-                "kl.png",
-                "KL percentiles per format and regime",
-                kl_caption(rs),
-            ),
+            *figure("kl.png", "KL percentiles per format and regime", kl_caption(rs)),
         ],
     )
     return [ceiling, agreement, everything]
 
 
 def foreign_note(rs: ResultsSet) -> list[str]:
-    """A warning naming the variants eval-drift compared although they are not derived from the
-    model (``--allow-foreign-variant``)."""
+    """A warning naming the variants compared with ``--allow-foreign-variant``."""
     foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
     if not foreign:
         return []
@@ -246,9 +225,7 @@ def _study_sections(rs: ResultsSet, figure) -> list[Section]:
     sections = []
     sens = [r for r in regime_order(rs) if "sensitivity" in rs.sections.get(r, {})]
     if sens:
-        parts = []
-        for r in sens:
-            parts += [sensitivity_table(rs, r), suggested_command(rs, r)]
+        parts = [p for r in sens for p in (sensitivity_table(rs, r), suggested_command(rs, r))]
         sections.append(
             Section(
                 "Which modules may be quantized",
@@ -267,42 +244,12 @@ def _study_sections(rs: ResultsSet, figure) -> list[Section]:
                 [
                     *(context_sweep_table(rs, r) for r in sweep),
                     *figure(
-                        "context.png",
-                        "acceptance ceiling against context length",
-                        CONTEXT_CAPTION,
+                        "context.png", "acceptance ceiling against context length", CONTEXT_CAPTION
                     ),
                 ],
             )
         )
     return sections
-
-
-def suggested_command(rs: ResultsSet, regime: str) -> Part:
-    """The quantize command of the largest include list within the sensitivity tolerance, or
-    why there is none, naming the format, the tolerance and what it bounds."""
-    sens = rs.sections[regime]["sensitivity"]
-    best = sens["suggested"]
-    if best["command"]:
-        return Code(f"qstream quantize --quant_format {sens['format']} {best['command']}")
-    fmt, tolerance = sens["format"], sens["tolerance"]
-    keeps = (
-        f"keeps the greedy acceptance ceiling within the tolerance of {tolerance} tokens of the "
-        "bf16 floor"
-    )
-    gentlest = max(sens["single"], key=lambda e: e["ceiling_gap"], default=None)
-    if gentlest is None:
-        return f"Regime {regime}: the model has no module kind {fmt} can hold; nothing to suggest."
-    if gentlest["ceiling_gap"] < -tolerance:
-        return (
-            f"Regime {regime}: no module kind quantized to {fmt} {keeps}, even alone: the least "
-            f"harmful, {gentlest['kind']}, lowers it by "
-            f"{-gentlest['ceiling_gap']:.{DIGITS['difference']}f} tokens. "
-            "No include list is suggested."
-        )
-    return (
-        f"Regime {regime}: no step of the table (module kinds quantized to {fmt}, added one by "
-        f"one) {keeps}. No include list is suggested."
-    )
 
 
 def _checkpoint_sections(
@@ -312,9 +259,7 @@ def _checkpoint_sections(
         return []
     base_facts = ckpt.read_base(base) if base is not None else None
     facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
-    parts = []
-    for f in facts:
-        parts += ckpt.quantization_parts(f)
+    parts = [p for f in facts for p in ckpt.quantization_parts(f)]
     return [
         Section("Size", [ckpt.size_table(base_facts, facts)]),
         Section("What is quantized to what", parts),
@@ -336,10 +281,9 @@ def write_card(
     """Write the card (``fmt`` md, json or html) to ``output`` and, unless ``figures`` is False,
     its figures to ``<output stem>_files/`` beside it; returns the card and every path written.
     An existing ``output`` that is not a card qstream wrote needs ``overwrite``; everything is
-    written atomically (qstream/card/output.py).  Each checkpoint must match the sha256s its
-    quantize record holds unless ``integrity_check`` is False (qstream/checkpoint/integrity.py).
-    ``speculate``: a ``qstream speculate --json`` file of the same draft, whose measured
-    acceptance the card shows beside eval-drift's predictions (docs/card.md)."""
+    written atomically (qstream/card/document.py).  Each checkpoint must match the sha256s its
+    quantize record holds unless ``integrity_check`` is False.  ``speculate``: a
+    ``qstream speculate --json`` file of the same draft (docs/card.md)."""
     if fmt not in FORMATS:
         raise QStreamError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     output = Path(output)
@@ -349,20 +293,10 @@ def write_card(
     with malformed_results_as_error(rs):
         figures_name = figures_dir(output).name if figures else None
         card = build_card(rs, checkpoints, base, regime, figures_name, integrity_check, spec)
-        text = _render(card, fmt)
+        text = render(card, fmt)
 
     def draw(directory: Path) -> list[Path]:
         with malformed_results_as_error(rs):
             return write_figures(rs, directory, spec)
 
     return card, publish_card(output, text, draw if figures else None)
-
-
-def _render(card: Card, fmt: str) -> str:
-    """The card's text with the generated-card marker (qstream/card/output.py)."""
-    if fmt == "json":
-        return card_json_text(card_json(card))
-    if fmt == "html":
-        doctype, _, rest = render_html(card).partition("\n")
-        return f"{doctype}\n{marker_comment()}\n{rest}"
-    return f"{marker_comment()}\n{render_markdown(card)}"

@@ -1,12 +1,7 @@
-"""What the shipped checkpoints are: their size against the base, what is quantized to what,
-why the rest stays in the base dtype, and the ``qstream-quantize`` command that produced them.
-
-Everything comes from the directories themselves: safetensors headers and file sizes,
-``config.json``'s ``quantization_config``, and the provenance file ``qstream_quantize.json`` that
-quantize writes beside its output (``{"command", "summary", "qstream_version"}``).  A checkpoint
-without that file gets an equivalent command reconstructed from its config, and the card says so.
-Every file that file records must still have its sha256, or the checkpoint is refused (unless
-``--no-integrity-check``); the card says what was checked.
+"""What the shipped checkpoints are (docs/card.md): size against the base, what is quantized to
+what, why the rest is kept, and the ``qstream-quantize`` command, all read from the directories
+(safetensors headers, ``quantization_config``, and quantize's record ``qstream_quantize.json``:
+``{"command", "summary", "qstream_version"}``).  Without a record the command is reconstructed.
 """
 
 from __future__ import annotations
@@ -61,9 +56,8 @@ def read_base(directory: str | Path) -> CheckpointFacts:
 def read_quantized(
     directory: str | Path, base: CheckpointFacts | None, integrity_check: bool = True
 ) -> CheckpointFacts:
-    """Size, selection, reasons and command of one quantized checkpoint, refused (one line
-    naming the file) when a file differs from the sha256 quantize recorded, unless
-    ``integrity_check`` is False (``--no-integrity-check``, which the card then states)."""
+    """Size, selection, reasons and command of one quantized checkpoint; QStreamError naming a
+    file that differs from the sha256 quantize recorded, unless not ``integrity_check``."""
     directory = Path(directory)
     checkpoint = open_checkpoint(directory)
     qconfig = checkpoint.config.get("quantization_config")
@@ -87,33 +81,21 @@ def read_quantized(
     )
     provenance = _read_provenance(directory)
     skipped = (provenance or {}).get("summary", {}).get("modules_skipped") or {}
-    facts = CheckpointFacts(
-        directory,
-        fmt,
-        checkpoint.size_bytes,
-        inspect_checkpoint(directory)["params"],
-        params_quantized,
-        quantized,
-    )
-    facts.kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
-    facts.integrity = integrity
+    params = inspect_checkpoint(directory)["params"]
+    kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
     if provenance is not None:
-        facts.command = provenance["command"]
-        facts.command_origin = (
-            f"Recorded in `{PROVENANCE}` by qstream "
-            f"{provenance.get('qstream_version', '(version not recorded)')}."
-        )
+        version = provenance.get("qstream_version", "(version not recorded)")
+        command, origin = provenance["command"], f"Recorded in `{PROVENANCE}` by qstream {version}."
     else:
-        facts.command, facts.command_origin = _reconstruct_command(directory, fmt, quantized, base)
-    return facts
+        command, origin = _reconstruct_command(directory, fmt, quantized, base)
+    return CheckpointFacts(directory, fmt, checkpoint.size_bytes, params, params_quantized,
+                           quantized, kept, command, origin, integrity)  # fmt: skip
 
 
 def _kept_modules(
     checkpoint: Checkpoint, fmt: str, quantized: set[str], skipped: dict[str, str]
 ) -> dict[str, tuple[tuple[int, ...], int, str]]:
-    """Every weight-holding module that is not quantized, with its shape, size and reason (the
-    config's ignore list may spell them as re: patterns over vLLM's runtime names,
-    docs/vllm.md)."""
+    """Every weight-holding module that is not quantized, with its shape, size and reason."""
     modules = weight_modules(checkpoint.tensors)
     profile = profile_for(checkpoint.config)
     # the group's label with layer indices as "*", so that a kind's rows share one reason
@@ -187,33 +169,16 @@ def _reconstruct_command(
     patterns = _include_patterns(quantized)
     origin = f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint)"
     base_dir = str(base.path) if base is not None else "BASE_DIR"
-    args = [
-        "qstream-quantize",
-        "--model_dir",
-        base_dir,
-        "--output_dir",
-        str(directory),
-        "--quant_format",
-        fmt,
-        "--include_layers",
-        *patterns,
-    ]
+    args = ["qstream-quantize", "--model_dir", base_dir, "--output_dir", str(directory),
+            "--quant_format", fmt, "--include_layers", *patterns]  # fmt: skip
     if base is None:
-        return (
-            shlex.join(args),
-            f"{origin} and not checked: no `--base` was given.",
-        )
+        return shlex.join(args), f"{origin} and not checked: no `--base` was given."
     base_checkpoint = open_checkpoint(base.path)
     profile = profile_for(base_checkpoint.config)
     for skip in (False, True):
         try:
-            selection = select_modules(
-                base_checkpoint.tensors,
-                fmt,
-                include=patterns,
-                skip_incompatible=skip,
-                profile=profile,
-            )
+            selection = select_modules(base_checkpoint.tensors, fmt, include=patterns,
+                                       skip_incompatible=skip, profile=profile)  # fmt: skip
         except QStreamError:
             continue
         if sorted(selection.quantized) == sorted(quantized):
@@ -223,10 +188,7 @@ def _reconstruct_command(
                 "modules from the base; not necessarily the command that was typed.",
             )
     args = args[: args.index("--include_layers") + 1] + quantized
-    return (
-        shlex.join(args),
-        f"{origin} as the explicit list of quantized modules.",
-    )
+    return shlex.join(args), f"{origin} as the explicit list of quantized modules."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,17 +201,13 @@ def _pct(part: int, whole: int) -> Cell:
 
 
 def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts]) -> Table:
-    rows = []
-    for facts in ([base] if base else []) + checkpoints:
-        rows.append(
-            [
-                Cell(facts.path.name),
-                Cell(facts.fmt or "base (unquantized)"),
-                Cell(f"{facts.size_bytes:,}", facts.size_bytes),
-                Cell(f"{facts.size_bytes / GIB:.3f}", facts.size_bytes / GIB),
-                _pct(facts.size_bytes, base.size_bytes) if base else Cell("n/a (no --base)"),
-            ]
-        )
+    rows = [
+        [Cell(f.path.name), Cell(f.fmt or "base (unquantized)"), Cell(f"{n:,}", n),
+         Cell(f"{n / GIB:.3f}", n / GIB),
+         _pct(n, base.size_bytes) if base else Cell("n/a (no --base)")]
+        for f in ([base] if base else []) + checkpoints
+        for n in [f.size_bytes]
+    ]  # fmt: skip
     return Table(
         "Size on disk: the safetensors files of each checkpoint directory",
         ["checkpoint", "format", "bytes", "GiB", "% of base"],
@@ -268,19 +226,16 @@ def _kept_table(facts: CheckpointFacts) -> Table:
         entry[2] += params
         if entry[1] != shape:
             entry[1] = None
+    rows = [
+        [Cell(kind), Cell(str(n), n),
+         Cell("various" if shape is None else "×".join(map(str, shape))),
+         Cell(f"{params:,}", params), Cell(why)]
+        for (kind, why), (n, shape, params) in grouped.items()
+    ]  # fmt: skip
     return Table(
         f"{facts.path.name}: modules kept unquantized, and why",
         ["module kind", "count", "weight shape", "parameters", "why"],
-        [
-            [
-                Cell(kind),
-                Cell(str(n), n),
-                Cell("various" if shape is None else "×".join(map(str, shape))),
-                Cell(f"{params:,}", params),
-                Cell(why),
-            ]
-            for (kind, why), (n, shape, params) in grouped.items()
-        ],
+        rows,
         key=f"kept_{facts.path.name}",
         align="lrrrl",
     )
@@ -289,30 +244,18 @@ def _kept_table(facts: CheckpointFacts) -> Table:
 def quantization_parts(facts: CheckpointFacts) -> list[Part]:
     """What is quantized to what in one checkpoint, why the rest is kept, and the command."""
     kinds = Counter(module_kind(m) for m in facts.quantized)
-    summary = Table(
-        f"{facts.path.name}: {facts.fmt} weights",
-        ["", "value"],
-        [
-            [
-                Cell(
-                    "parameters quantized / total in its files (tensors borrowed from the target not counted)"
-                ),
-                Cell(
-                    f"{facts.params_quantized:,} / {facts.params_total:,} "
-                    f"({100.0 * facts.params_quantized / facts.params_total:.1f}%)",
-                    {"quantized": facts.params_quantized, "total": facts.params_total},
-                ),
-            ],
-            [Cell("modules quantized"), Cell(str(len(facts.quantized)), len(facts.quantized))],
-            [
-                Cell(f"module kinds quantized to {facts.fmt}"),
-                Cell(", ".join(f"{k} ×{n}" for k, n in kinds.items())),
-            ],
-            [Cell("modules kept unquantized"), Cell(str(len(facts.kept)), len(facts.kept))],
-        ],
-        key=f"quantized_{facts.path.name}",
-        align="ll",
-    )
+    q, total = facts.params_quantized, facts.params_total
+    rows = [
+        [Cell("parameters quantized / total in its files (tensors borrowed from the target not "
+              "counted)"),
+         Cell(f"{q:,} / {total:,} ({100.0 * q / total:.1f}%)", {"quantized": q, "total": total})],
+        [Cell("modules quantized"), Cell(str(len(facts.quantized)), len(facts.quantized))],
+        [Cell(f"module kinds quantized to {facts.fmt}"),
+         Cell(", ".join(f"{k} ×{n}" for k, n in kinds.items()))],
+        [Cell("modules kept unquantized"), Cell(str(len(facts.kept)), len(facts.kept))],
+    ]  # fmt: skip
+    summary = Table(f"{facts.path.name}: {facts.fmt} weights", ["", "value"], rows,
+                    key=f"quantized_{facts.path.name}", align="ll")  # fmt: skip
     return [
         summary,
         _kept_table(facts),

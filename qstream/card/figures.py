@@ -1,10 +1,7 @@
-"""The card's figures (PNG, matplotlib's Agg backend), drawn only from numbers of the results JSON
-and, for calibration.png, of `qstream speculate`'s.
-
-Readable on light and dark pages: every figure has an opaque white background of its own, dark
-text, and the Okabe–Ito colour-blind-safe palette (Okabe & Ito, "Color Universal Design", 2008)
-without its yellow, which vanishes on white; each variant also has its own line style and marker,
-so the figures survive greyscale printing.
+"""The card's figures (PNG, matplotlib's Agg backend) from numbers of the results JSON and, for
+calibration.png, of `qstream speculate`'s (docs/card.md, "Figures").  Each has an opaque white
+background, dark text and the Okabe–Ito palette ("Color Universal Design", 2008) without its
+yellow; each variant also has its own line style and marker, for greyscale printing.
 """
 
 from __future__ import annotations
@@ -31,15 +28,11 @@ LADDER_STEP = 0.07  # x offset between consecutive percentiles of one variant
 
 
 # ---------------------------------------------------------------------------------------------
-# The words of the figures: the names of the quantities on their axes, their legends' special
-# entries and the captions the card prints under them (docs/card.md, "Figures"), built from the
-# same results as the drawing so that tests/test_card_figures.py can hold each caption against
-# the data the figure plots.
+# The words of the figures: axis names, special legend entries and captions, built from the same
+# results as the drawing (tests/test_card_figures.py holds each caption against the data).
 
-# The per-position quantities of the rollouts (docs/eval-drift.md), a row each in seq_agree.png:
-# results key -> the y axis's words.  Both count every block; seq agree asks about token k alone,
-# so rollouts that parted earlier and draw the same token again count as agreeing there, while
-# prefix agree asks for tokens 1..k all equal, the run a verifier accepts, and only falls with k.
+# The rollouts' per-position quantities (docs/eval-drift.md), a row each in seq_agree.png:
+# results key -> the y axis's words (SEQ_AGREE_CAPTION says how they differ).
 POSITION_QUANTITIES = {
     "seq_agree": "seq agree[k]: token k equal\n(share of all blocks)",
     "prefix_agree": "prefix agree[k]: tokens 1..k equal\n(share of all blocks)",
@@ -115,8 +108,7 @@ def kl_star(kl: dict) -> dict | None:
 
 
 def ci_half_width(e: dict) -> float | None:
-    """The half-width of an estimate's interval in percent of its value, the larger side; None
-    when the results hold no interval."""
+    """The larger half of an estimate's interval in percent of its value; None without one."""
     if e.get("lo") is None or e.get("hi") is None:
         return None
     return 100 * max(e["value"] - e["lo"], e["hi"] - e["value"]) / e["value"]
@@ -125,9 +117,7 @@ def ci_half_width(e: dict) -> float | None:
 def ci_percent(e: dict) -> str:
     """The label kl.png writes beside a mean: ``±2.4%``, or ``no CI``."""
     half = ci_half_width(e)
-    if half is None:
-        return "no CI"
-    return f"±{half:.1f}%"
+    return "no CI" if half is None else f"±{half:.1f}%"
 
 
 def kl_caption(rs: ResultsSet) -> str:
@@ -162,8 +152,7 @@ def _style(index: int) -> dict:
 
 
 def _new_figure(n_rows: int, n_cols: int, panel: tuple[float, float], sharey=False):
-    """Panels on an opaque white figure; ``sharey`` ("row" or True) puts regimes side by side
-    on one scale so that panels compare at a glance."""
+    """Panels on an opaque white figure; ``sharey``: "row" or True."""
     from matplotlib.figure import Figure
 
     fig = Figure(
@@ -191,9 +180,8 @@ def _save(fig: Figure, path: Path, title: str, handles, labels=None) -> Figure:
 
 
 def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
-    """seq agree[k] and prefix agree[k] of each variant with their 95% bands: a column per
-    regime, a row per rollout mode and quantity (POSITION_QUANTITIES).  Returns the figure;
-    each panel's gid is ``regime/mode/quantity``, each line's label its variant."""
+    """seq agree[k] and prefix agree[k] per variant with 95% bands, a column per regime, a row
+    per rollout mode and quantity; each panel's gid is ``regime/mode/quantity``."""
     regimes, variants = regime_order(rs), variant_order(rs)
     modes = [
         m
@@ -241,9 +229,8 @@ def _position_lines(ax, rs: ResultsSet, panel: tuple, handles, twins: dict) -> f
 
 
 def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, hollow=False):
-    """The values of ``estimates`` as the ``i``-th variant's line, their 95% intervals as a band
-    (a missing bound: the value) whose gid is ``variant``; returns the line and the lower bounds.
-    ``hollow``: large open markers, a ring around those of an equal line drawn before."""
+    """``estimates`` as the ``i``-th variant's line with their intervals as a band (gid
+    ``variant``); the line and the lower bounds.  ``hollow``: open markers ringing a twin's."""
     style = {"markersize": 4, "linewidth": 1.5, **_style(i)}
     if hollow:
         style |= {"markersize": 8, "markerfacecolor": "none", "markeredgewidth": 1.3}
@@ -258,7 +245,7 @@ def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, h
 
 def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
     """Greedy ceiling and sampled matched prefix by regime (groups) and variant (bars), 95% CI
-    error bars.  Returns the figure; each panel's gid is its rollout mode."""
+    error bars; each panel's gid is its rollout mode."""
     from matplotlib.patheffects import withStroke
 
     regimes, variants = regime_order(rs), variant_order(rs)
@@ -281,19 +268,11 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
                 errs[0].append(e["value"] - e["lo"] if e["lo"] is not None else 0.0)
                 errs[1].append(e["hi"] - e["value"] if e["hi"] is not None else 0.0)
             style = _style(i)
-            bars = ax.bar(
-                xs,
-                values,
-                width * 0.92,
-                yerr=errs,
-                capsize=2,
-                color=style["color"],
-                edgecolor="black",
-                linewidth=0.5,
-                hatch=None if variant == FLOOR else ("", "//", "..", "xx", "\\\\")[i % 5],
-                error_kw={"ecolor": "black", "elinewidth": 1.2},
-                label=variant,
-            )
+            hatch = None if variant == FLOOR else ("", "//", "..", "xx", "\\\\")[i % 5]
+            error_kw = {"ecolor": "black", "elinewidth": 1.2}
+            bars = ax.bar(xs, values, width * 0.92, yerr=errs, capsize=2, color=style["color"],
+                          edgecolor="black", linewidth=0.5, hatch=hatch, error_kw=error_kw,
+                          label=variant)  # fmt: skip
             # a white halo keeps the error bar visible over a dark (e.g. black bf16) bar
             for line in bars.errorbar.lines[1] + bars.errorbar.lines[2]:
                 line.set_path_effects([withStroke(linewidth=3, foreground="white")])
@@ -309,13 +288,9 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
 
 
 def kl_figure(rs: ResultsSet, path: Path) -> Figure:
-    """KL(ref‖var) per drafted token as a percentile ladder on a log axis, a panel per regime.
-    The results hold percentiles, not samples: each marker is one reported percentile, the star
-    the mean with its 95% CI as an error bar, labelled with the CI's half-width in percent of
-    the mean (:func:`ci_percent`): an interval of a few percent is hidden by the star on a
-    log axis.  Zero values (the reference against itself) cannot sit on a log axis and are labelled
-    instead.  Returns the figure; each panel's gid is its regime, and the ladder line, the
-    mean's error bar and its label carry the variant (gid, label, gid)."""
+    """KL(ref‖var) per drafted token as a percentile ladder on a log axis, a panel per regime
+    (gid: the regime), the mean a star labelled :func:`ci_percent`; zero KL is labelled instead.
+    The ladder line, the mean's error bar and its label carry the variant (gid, label, gid)."""
     from matplotlib.lines import Line2D
 
     regimes, variants = regime_order(rs), variant_order(rs)
@@ -355,14 +330,8 @@ def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
     """The percentiles of one variant, or a "KL = 0" label when none is above zero."""
     points = [(kl[key], mk) for key, _, mk in KL_LADDER if kl.get(key) is not None and kl[key] > 0]
     if not points:
-        ax.annotate(
-            "KL = 0",
-            (x, 0.02),
-            xycoords=("data", "axes fraction"),
-            ha="center",
-            fontsize=8,
-            color=color,
-        )
+        ax.annotate("KL = 0", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
+                    fontsize=8, color=color)  # fmt: skip
         return
     # a staircase: each percentile a step to the right of the previous one, so that close
     # percentiles do not hide each other's markers on the log axis
@@ -378,28 +347,11 @@ def _kl_mean(ax, x: int, mean: dict, color: str, variant: str) -> None:
     and labelled with :func:`ci_percent`."""
     value, lo, hi = mean["value"], mean.get("lo"), mean.get("hi")
     yerr = None if lo is None or hi is None else [[value - max(lo, 0.0)], [hi - value]]
-    bar = ax.errorbar(
-        [x - 0.25],
-        [value],
-        yerr=yerr,
-        color=color,
-        marker="*",
-        markersize=8,
-        capsize=2,
-        linestyle="none",
-    )
+    bar = ax.errorbar([x - 0.25], [value], yerr=yerr, color=color, marker="*", markersize=8,
+                      capsize=2, linestyle="none")  # fmt: skip
     bar.set_label(variant)
-    ax.annotate(
-        ci_percent(mean),
-        (x - 0.25, value),
-        xytext=(-6, 0),
-        textcoords="offset points",
-        ha="right",
-        va="center",
-        fontsize=6.5,
-        color=color,
-        gid=variant,
-    )
+    ax.annotate(ci_percent(mean), (x - 0.25, value), xytext=(-6, 0), textcoords="offset points",
+                ha="right", va="center", fontsize=6.5, color=color, gid=variant)  # fmt: skip
 
 
 def sweep_regimes(rs: ResultsSet) -> list[str]:
@@ -408,8 +360,7 @@ def sweep_regimes(rs: ResultsSet) -> list[str]:
 
 
 def context_figure(rs: ResultsSet, path: Path) -> Figure:
-    """Greedy ceiling against context length (log axis; each bucket at its mean context) with
-    95% bands, a panel per regime; the dotted line is the YaRN boundary."""
+    """Greedy ceiling against context length (each bucket at its mean), a panel per regime."""
     regimes = sweep_regimes(rs)
     fig, axes = _new_figure(1, len(regimes), (5.2, 3.6), sharey=True)
     handles: dict[str, Any] = {}
@@ -436,8 +387,7 @@ def context_figure(rs: ResultsSet, path: Path) -> Figure:
 
 
 def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
-    """Per format a group: the measured loss with its interval, the simulated loss and each
-    regime's ceiling loss, all in tokens against bf16.  Returns the figure."""
+    """Per format: the measured, simulated and each regime's ceiling loss against bf16."""
     rows = calibration_rows(spec, rs)
     names = list(rows)
     regimes = regime_order(rs)
@@ -478,8 +428,8 @@ def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
 
 
 def write_figures(rs: ResultsSet, directory: Path, speculate: dict | None = None) -> list[Path]:
-    """Each figure the results (and ``speculate``'s measured acceptance under greedy
-    verification) hold the data for, drawn into ``directory``; their paths."""
+    """Each figure the results (and greedy ``speculate`` results) hold the data for, drawn
+    into ``directory``; their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     figures = {
         "seq_agree.png": seq_agree_figure,

@@ -1,9 +1,5 @@
-"""The card's measured acceptance: ``qstream speculate`` results (the target in the loop,
-docs/speculate.md) beside what eval-drift predicted from the same draft (docs/card.md,
-"Measured acceptance"; the study behind it is docs/calibration.md).
-
->>> spec = read_speculate(Path("speculate.json"), rs)    # refused if another draft's
->>> sections = measured_sections(spec, rs, figure)
+"""The card's measured acceptance: ``qstream speculate`` results (docs/speculate.md) beside what
+eval-drift predicted from the same draft (docs/card.md, "Measured acceptance"; docs/calibration.md).
 """
 
 from __future__ import annotations
@@ -104,10 +100,7 @@ def _dotted(path: tuple) -> str:
 def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
     """The measured acceptance, then (greedy verification) the calibration against eval-drift;
     ``figure(name, alt, caption)`` gives the figure parts (none without figures)."""
-    s = spec["settings"]
-    block = spec["provenance"]["draft"]["block_size"]
-    summaries = {name: v["summary"] for name, v in spec["variants"].items()}
-    prompts = next(iter(summaries.values()))["prompts"]
+    s, block, prompts = _settings(spec)
     target = spec["provenance"]["target"]
     intro = (
         f"`qstream speculate` decoded the first {prompts} prompts of "
@@ -118,8 +111,8 @@ def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
         f"correction token (1..{block + 1}); intervals are 95% over prompts, the independent "
         "units."
     )
-    parts: list[Any] = [intro, measured_table(spec), shares_table(spec)]
-    sections = [Section("Acceptance with the target in the loop (measured)", parts)]
+    title = "Acceptance with the target in the loop (measured)"
+    sections = [Section(title, [intro, measured_table(spec), shares_table(spec)])]
     if s["rule"] != "greedy":
         return sections
     sections.append(
@@ -147,31 +140,19 @@ def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
 
 def measured_table(spec: dict) -> Table:
     d = DIGITS["ceiling"]
-    rows = []
-    for name, v in spec["variants"].items():
-        x = v["summary"]
-        loss = x.get("loss_vs_bf16")
-        rows.append(
-            [
-                Cell(name),
-                Cell(v.get("kind", "")),
-                estimate(x["mean_acceptance_length"], d),
-                difference(loss),
-                estimate(x["tokens_per_target_forward"], d),
-                Cell(str(x["verifications"]), x["verifications"]),
-            ]
-        )
+    rows = [
+        [Cell(name), Cell(v.get("kind", "")), estimate(x["mean_acceptance_length"], d),
+         difference(x.get("loss_vs_bf16")), estimate(x["tokens_per_target_forward"], d),
+         Cell(str(x["verifications"]), x["verifications"])]
+        for name, v in spec["variants"].items()
+        for x in [v["summary"]]
+    ]  # fmt: skip
+    columns = ["variant", "kind", "tokens per verification", "loss vs bf16",
+               "tokens per target forward", "verifications"]  # fmt: skip
     return Table(
         "Measured acceptance per variant (the loss against bf16 is paired over the same "
         "prompts, as `qstream speculate` reports it)",
-        [
-            "variant",
-            "kind",
-            "tokens per verification",
-            "loss vs bf16",
-            "tokens per target forward",
-            "verifications",
-        ],
+        columns,
         rows,
         "measured_acceptance",
         align="llrrrr",
@@ -179,35 +160,29 @@ def measured_table(spec: dict) -> Table:
 
 
 def shares_table(spec: dict) -> Table:
-    block = spec["provenance"]["draft"]["block_size"]
-    names = list(spec["variants"])
+    shares = [v["summary"]["accepted_at_least"] for v in spec["variants"].values()]
     d = DIGITS["proportion"]
-    rows = []
-    for k in range(1, block + 1):
-        row = [Cell(str(k), k)]
-        for name in names:
-            e = spec["variants"][name]["summary"]["accepted_at_least"][k - 1]
-            row.append(Cell(f"{e['value']:.{d}f}", e["value"]))
-        rows.append(row)
+    rows = [
+        [Cell(str(k), k), *(Cell(f"{s[k - 1]['value']:.{d}f}", s[k - 1]["value"]) for s in shares)]
+        for k in range(1, spec["provenance"]["draft"]["block_size"] + 1)
+    ]
     return Table(
         "Share of verifications accepting at least k drafted tokens (measured)",
-        ["k", *names],
+        ["k", *spec["variants"]],
         rows,
         "measured_accepted_at_least",
     )
 
 
 def speculate_tables(results: dict) -> list[Table]:
-    """What ``qstream speculate`` prints of its ``results``: per variant its mean acceptance
-    length, tokens per target forward and loss against bf16 (paired over the prompts; n/a
-    without a bf16 variant) with their 95% intervals; then :func:`shares_table`."""
-    s, d = results["settings"], DIGITS["ceiling"]
-    summaries = {name: entry["summary"] for name, entry in results["variants"].items()}
-    prompts = next(iter(summaries.values()))["prompts"]
+    """What ``qstream speculate`` prints of its ``results``: per variant the mean acceptance
+    length, tokens per target forward and loss against bf16 (n/a without bf16); the shares."""
+    (s, _, prompts), d = _settings(results), DIGITS["ceiling"]
     rows = [
         [Cell(name), estimate(x["mean_acceptance_length"], d),
          estimate(x["tokens_per_target_forward"], d), difference(x.get("loss_vs_bf16"))]
-        for name, x in summaries.items()
+        for name, v in results["variants"].items()
+        for x in [v["summary"]]
     ]  # fmt: skip
     means = Table(
         f"{s['rule']} verification, {prompts} prompts x {s['new_tokens']} new tokens (95% "
@@ -219,6 +194,12 @@ def speculate_tables(results: dict) -> list[Table]:
     shares = shares_table(results)
     caption = "share of verifications accepting at least k drafted tokens"
     return [means, replace(shares, caption=caption, align="r" * len(shares.columns))]
+
+
+def _settings(spec: dict) -> tuple[dict, int, int]:
+    """Speculate results' settings, block size and prompt count (every variant's the same)."""
+    prompts = next(iter(spec["variants"].values()))["summary"]["prompts"]
+    return spec["settings"], spec["provenance"]["draft"]["block_size"], prompts
 
 
 def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
@@ -242,16 +223,11 @@ def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
 
 def calibration_table(spec: dict, rs: ResultsSet) -> Table:
     regimes = regime_order(rs)
-    rows = []
-    for name, r in calibration_rows(spec, rs).items():
-        rows.append(
-            [
-                Cell(name),
-                difference(r["measured"]),
-                _value(r["simulated"]),
-                *(_value(r["ceiling"][g]) for g in regimes),
-            ]
-        )
+    rows = [
+        [Cell(name), difference(r["measured"]), _value(r["simulated"]),
+         *(_value(r["ceiling"][g]) for g in regimes)]
+        for name, r in calibration_rows(spec, rs).items()
+    ]  # fmt: skip
     return Table(
         "Acceptance lost against bf16 (tokens; positive is worse): measured, eval-drift's "
         "simulation against the target (regime states), and the greedy ceiling's loss per "

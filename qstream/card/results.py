@@ -1,13 +1,7 @@
-"""Read eval-drift results files and merge them into one results set.
-
-A card is usually built from several files: ``evals/eval_dspark_quant.py`` writes one JSON per
-regime, ``qstream eval-drift --regime all`` one with every regime.  Merging keeps each regime's
-numbers exactly as measured and refuses what cannot be merged honestly: results of different
-models (``model.config_sha256`` differs), or the same regime and variant measured twice with
-different numbers.  A results file whose numbers cannot be published as they stand is refused
-(docs/card.md, "Inputs"): a number that is not finite, a share or correlation outside its range
-(``BOUNDED``), or a point estimate outside its own 95% interval; quantities that are not shares
-(KL, lengths, SNR, differences against bf16) are left unbounded.
+"""Read eval-drift results files and merge them into one results set, each regime's numbers as
+measured; refused (docs/card.md, "Inputs"): results of different models, a regime and variant
+measured twice with different numbers, and a number that cannot be published as it stands (not
+finite, a share or correlation outside its range ``BOUNDED``, a value outside its own interval).
 """
 
 from __future__ import annotations
@@ -24,24 +18,10 @@ from qstream.errors import QStreamError
 from qstream.eval.vocabulary import SCHEMA
 from qstream.regimes import REGIMES
 
-# Top-level fields describing how a file's regimes were evaluated (reported per regime when the
-# merged files disagree).
-RUN_FIELDS = (
-    "qstream_version",
-    "torch_version",
-    "model",
-    "target",
-    "corpus",
-    "seed",
-    "blocks",
-    "block_size",
-    "anchors",
-    "sampling",
-    "reference",
-    "variant_compute",
-    "aux_dtype",
-    "selection",
-)
+# Top-level fields saying how a file's regimes were evaluated (shown per regime where they differ).
+RUN_FIELDS = ("qstream_version", "torch_version", "model", "target", "corpus", "seed", "blocks",
+              "block_size", "anchors", "sampling", "reference", "variant_compute", "aux_dtype",
+              "selection")  # fmt: skip
 # Per-regime sections besides the variants, carried as measured (docs/eval-drift.md).
 REGIME_SECTIONS = ("sensitivity", "context_sweep")
 
@@ -69,9 +49,8 @@ class ResultsSet:
 
 
 def read_results(path: str | Path, trail: list | None = None) -> dict:
-    """A results file, checked (:func:`check_results`, and every number publishable:
-    :func:`check_numbers`); with ``trail``, its objects record every key
-    read into it, so that a missing or null key is reported by name."""
+    """A checked results file; with ``trail``, its objects record each key read from them, so
+    that a missing or null key is reported by name."""
     path = Path(path)
     data = check_results(read_json(path, "results file"), path)
     check_numbers(data, str(path))
@@ -230,8 +209,8 @@ ESTIMATE_KEYS = ("value", "lo", "hi")
 
 
 def results_problems(data: object, where: str = "", field: str = "") -> Iterator[str]:
-    """Each number of ``data`` that cannot be published, as ``PATH = VALUE is ...`` (PATH in
-    the dotted form of docs/eval-drift.md); ``field`` is the results key the value sits under."""
+    """Each number of ``data`` that cannot be published, as ``PATH = VALUE is ...``; ``field``:
+    the results key the value sits under."""
     if isinstance(data, dict):
         estimate = all(key in data for key in ESTIMATE_KEYS)
         if estimate:
@@ -254,9 +233,8 @@ def _number(x: object) -> TypeGuard[float]:
 
 
 def _estimate_problems(e: dict, where: str, field: str) -> Iterator[str]:
-    """A ``{value, lo, hi}`` estimate: finite numbers, the value inside its interval, and the
-    interval inside the quantity's range (one problem per estimate).  A null bound (no
-    interval) is not checked."""
+    """At most one problem of a ``{value, lo, hi}`` estimate: not finite, the value outside its
+    interval, or outside the quantity's range (a null bound is not checked)."""
     value, lo, hi = (e[key] for key in ESTIMATE_KEYS)
     numbers = [(key, e[key]) for key in ESTIMATE_KEYS if _number(e[key])]
     bad = [
@@ -277,7 +255,6 @@ def _estimate_problems(e: dict, where: str, field: str) -> Iterator[str]:
 
 
 def _range_problem(x: float, where: str, field: str) -> str | None:
-    """The problem with ``x`` if ``field`` is bounded and ``x`` outside its range."""
     if field not in BOUNDED:
         return None
     low, high = BOUNDED[field]
@@ -288,8 +265,7 @@ def _range_problem(x: float, where: str, field: str) -> str | None:
 
 
 def check_numbers(data: dict, source: str) -> None:
-    """QStreamError naming ``source``, the first unpublishable number and how many more there
-    are; nothing when every number can be published."""
+    """QStreamError naming ``source``, the first unpublishable number and how many more."""
     problems = list(results_problems(data))
     if problems:
         more = f" ({len(problems) - 1} more such numbers)" if len(problems) > 1 else ""
@@ -297,12 +273,9 @@ def check_numbers(data: dict, source: str) -> None:
 
 
 def summary_problems(variants: dict, block: int) -> Iterator[str]:
-    """What cannot be published in ``qstream speculate``'s per-variant summaries, block size
-    ``block`` (docs/speculate.md, "Measured acceptance"): an estimate that is not ``{value, lo,
-    hi}`` numbers, tokens per verification or per target forward outside [1, B+1], a loss
-    against bf16 outside [-B, B] (a t interval's bounds may reach past those ranges), not B
-    shares or shares growing with k, a count that is not a non-negative integer.  Finiteness,
-    intervals and the shares' [0, 1] are check_numbers'."""
+    """What cannot be published in ``qstream speculate``'s per-variant summaries of block size
+    ``block`` (docs/speculate.md, "Measured acceptance"; a t interval's bounds may leave the
+    ranges, its value may not); finiteness and intervals are check_numbers'."""
     ranges = {"mean_acceptance_length": (1, block + 1), "tokens_per_target_forward": (1, block + 1),
               "loss_vs_bf16": (-block, block)}  # fmt: skip
     if not variants:

@@ -1,19 +1,29 @@
-"""The card's tables built from a merged results set: the results, how they were evaluated,
-and the optional studies (sensitivity, context sweep, simulated acceptance).
+"""The card's tables from a merged results set: the results, how they were evaluated, and the
+optional studies (sensitivity, context sweep, simulated acceptance); docs/card.md.  Every number
+is one of the results JSON at ``DIGITS`` decimals, except the gap to bf16 (a difference of two
+shown values, its header says so); every difference against bf16 is printed by :func:`difference`.
 
-Every number shown is a number of the results JSON, printed with a fixed number of decimals
-(``DIGITS``); the one exception is the gap to the bf16 floor, a difference of two values shown in
-the same table, and its column header says so.  Every difference against bf16 in tokens, a gap
-or a loss, copied or computed, is printed by :func:`difference`: signed, one format card-wide.
+The same tables are what ``qstream eval-drift`` prints (:func:`print_report`), fitted to at most
+MAX_WIDTH columns, never split or cut (docs/guarantees.md, "Shown"): variants by their bare name,
+a table too wide for a column per variant turned into a row per variant, the agreement table
+grouped by measure.
+
+>>> print_report(make_console(), evaluate_drift(settings))
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from qstream.card.results import ResultsSet
+from rich.console import Console
+from rich.table import Table as RichTable
+from rich.text import Text
+
+from qstream.card.document import Code, Part
+from qstream.card.results import ResultsSet, collect_results
 from qstream.eval.vocabulary import (
     ACCEPTANCE_MODES,
     ADAPTIVE_MODES,
@@ -28,7 +38,7 @@ from qstream.eval.vocabulary import (
     verifier_label,
 )
 from qstream.regimes import AUX_REGIMES, REGIMES
-from qstream.tablefit import Cell, Table
+from qstream.tablefit import EDGES, FRAME, Cell, Table, column_widths
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
 # 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B); a
@@ -50,7 +60,6 @@ def estimate(e: dict | None, digits: int) -> Cell:
 
 
 def interval(e: dict, spec: str) -> Cell:
-    """:func:`estimate` of a present estimate, each number written with format ``spec``."""
     if e.get("value") is None:
         return Cell("n/a", e)
     if e.get("lo") is None or e.get("hi") is None:
@@ -59,8 +68,7 @@ def interval(e: dict, spec: str) -> Cell:
 
 
 def difference(e: dict | float | None) -> Cell:
-    """A difference against bf16 in tokens (a gap or a loss) with its sign: a number, or an
-    estimate with its interval."""
+    """A signed difference against bf16 in tokens: a number, or an estimate with its interval."""
     spec = f"+.{DIGITS['difference']}f"
     if isinstance(e, dict):
         return interval(e, spec)
@@ -84,16 +92,12 @@ def variant_order(rs: ResultsSet) -> list[str]:
 
 
 def rollout_name(rs: ResultsSet, mode: str, regimes: list[str] | None = None) -> str:
-    """The rollout mode's label with the sampling settings the runs of ``regimes`` (default:
-    all) recorded; when they differ, the label says so instead of picking one."""
-    names = list(
-        dict.fromkeys(
-            rollout_label(mode, rs.runs[r].get("sampling"))
-            for r in (regimes if regimes is not None else regime_order(rs))
-        )
-    )
+    """The rollout mode's label with the sampling settings of the runs of ``regimes`` (default:
+    all); when they differ, the label says so instead of picking one."""
+    regimes = regime_order(rs) if regimes is None else regimes
+    names = {rollout_label(mode, rs.runs[r].get("sampling")) for r in regimes}
     if len(names) == 1:
-        return names[0]
+        return names.pop()
     return f"{mode} rollout (settings differ by regime: see how it was evaluated)"
 
 
@@ -108,7 +112,7 @@ def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
 
 def agreement_table(rs: ResultsSet, regime: str) -> Table:
     """Per-position agreement, k = 1..B: teacher-forced greedy agree, and the rollouts' seq agree
-    (token k) and prefix agree (tokens 1..k), the quantities of seq_agree.png."""
+    and prefix agree (seq_agree.png's quantities)."""
     B = rs.block_size
     d = DIGITS["proportion"]
     rows = []
@@ -156,8 +160,7 @@ PREFIX_CAPTIONS = {
 
 
 def ceiling_table(rs: ResultsSet, mode: str) -> Table:
-    """The mean matched prefix of one rollout mode (greedy: the ceiling), variants × regimes,
-    with the 95% CI and the gap to the bf16 floor."""
+    """One rollout mode's mean matched prefix, variants × regimes, with the gap to bf16."""
     d = DIGITS["ceiling"]
     regimes = regime_order(rs)
     columns = ["variant"]
@@ -190,8 +193,8 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
 
 
 def variant_label(rs: ResultsSet, variant: str) -> str:
-    """The variant's name, and how many tensors it quantized when the quantized variants of the
-    results did not all quantize the same tensors (then they are not compared like for like)."""
+    """The variant's name, and its count of quantized tensors when the quantized variants did
+    not all quantize the same tensors (then they are not compared like for like)."""
     changed = {
         name: {
             tuple(r.get("quantized_tensors") or ())
@@ -227,7 +230,6 @@ RowOf = Callable[[dict], Cell]  # a variant's results entry -> its cell in one r
 
 
 def _agreement_rows(rs: ResultsSet, regime: str) -> list[tuple[str, RowOf]]:
-    """Greedy agreement, 1−TV and, per rollout mode, the matched prefix and whole blocks."""
     p, tv, c = DIGITS["proportion"], DIGITS["one_minus_tv"], DIGITS["ceiling"]
     rows: list[tuple[str, RowOf]] = [
         ("greedy agree, all positions [95% CI]",
@@ -245,7 +247,6 @@ def _agreement_rows(rs: ResultsSet, regime: str) -> list[tuple[str, RowOf]]:
 
 
 def _divergence_rows() -> list[tuple[str, RowOf]]:
-    """KL both ways, the confidence head's metrics and the weight SNR."""
     p, snr = DIGITS["proportion"], DIGITS["snr"]
     return [
         ("KL(ref‖var) mean [95% CI]", lambda r: interval(r["metrics"]["kl"]["mean"], ".2e")),
@@ -272,8 +273,7 @@ def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
 
 
 # ---------------------------------------------------------------------------------------------
-# How it was evaluated: the card's "How the numbers were measured" table (reference, regimes,
-# corpus, blocks, sampling, intervals, seed and versions, every entry read from the results)
+# How the numbers were measured (every entry read from the results)
 
 
 def per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
@@ -319,43 +319,32 @@ def _selection(run: dict) -> str:
     )
 
 
-def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
-    """What was compared: the model, the reference, the variants and the regimes."""
+# A row's value: a text, or a run's text (run -> text) shown by per_regime.
+Described = str | Callable[[dict], str]
+
+
+def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]]:
     model, params = rs.model, rs.model.get("parameters")
     params = f"{params:,}" if isinstance(params, int) else params
+    variants = (
+        f"{name}: {info.get('kind')} ({info.get('source')})" for name, info in rs.variants.items()
+    )
+    described = (
+        f"{r}: {REGIMES[r].description if r in REGIMES else 'see the results'}" for r in regimes
+    )
     return [
-        (
-            "model",
-            f"{model.get('path')} ({model.get('architecture')}, {params} "
-            "parameters as eval-drift loads it: its own tensors and the embed_tokens it borrows "
-            "from the target, if any, without lm_head; config.json sha256 "
-            f"{model.get('config_sha256')})",
-        ),
-        ("target head from", per_regime(rs, regimes, lambda r: r["target"] or "not given")),
-        ("reference", per_regime(rs, regimes, lambda r: r["reference"])),
-        (
-            "variants",
-            "; ".join(
-                f"{name}: {info.get('kind')} ({info.get('source')})"
-                for name, info in rs.variants.items()
-            ),
-        ),
-        ("variant compute", per_regime(rs, regimes, lambda r: r["variant_compute"])),
+        ("model", f"{model.get('path')} ({model.get('architecture')}, {params} parameters as "
+                  "eval-drift loads it: its own tensors and the embed_tokens it borrows from the "
+                  "target, if any, without lm_head; config.json sha256 "
+                  f"{model.get('config_sha256')})"),
+        ("target head from", lambda r: r["target"] or "not given"),
+        ("reference", lambda r: r["reference"]),
+        ("variants", "; ".join(variants)),
+        ("variant compute", lambda r: r["variant_compute"]),
         ("confidence head", CONFIDENCE_NOTE),
-        (
-            "aux states",
-            per_regime(
-                rs, regimes, lambda r: f"shared by reference and variants, {r['aux_dtype']}"
-            ),
-        ),
-        (
-            "regimes",
-            "; ".join(
-                f"{r}: {REGIMES[r].description if r in REGIMES else 'see the results'}"
-                for r in regimes
-            ),
-        ),
-    ]
+        ("aux states", lambda r: f"shared by reference and variants, {r['aux_dtype']}"),
+        ("regimes", "; ".join(described)),
+    ]  # fmt: skip
 
 
 def _computed_on(rs: ResultsSet, regimes: list[str]) -> str:
@@ -374,51 +363,33 @@ def _compute_text(compute: dict | None) -> str:
     return f"{where}, torch CPU kernels {kernels}, {compute['threads']} threads"
 
 
-def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, str]]:
-    """What it was measured on, and how: corpus, blocks, sampling, intervals, versions."""
+def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]]:
+    files = (f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}" for r in regimes)
     return [
-        ("corpus", per_regime(rs, regimes, _corpus)),
-        (
-            "tokenizer",
-            per_regime(
-                rs,
-                regimes,
-                lambda r: (r.get("corpus") or {}).get("tokenizer") or "not recorded in the results",
-            ),
-        ),
-        (
-            "blocks per regime",
-            per_regime(rs, regimes, lambda r: f"{r['blocks']} blocks of {r['block_size']} tokens"),
-        ),
-        ("anchors", per_regime(rs, regimes, _anchors)),
-        ("sampled rollouts", per_regime(rs, regimes, _sampling)),
-        ("modules the simulated formats quantize", per_regime(rs, regimes, _selection)),
-        ("seed", per_regime(rs, regimes, lambda r: str(r["seed"]))),
-        (
-            "intervals",
-            "95%, two-sided: Wilson score for per-position proportions; Wilson on "
-            "Kish's effective sample size for pooled proportions and B times them "
-            "(matched prefix, greedy acceptance); Student-t over blocks for other "
-            "means; a seeded block bootstrap for r",
-        ),
-        (
-            "versions",
-            per_regime(
-                rs, regimes, lambda r: f"qstream {r['qstream_version']}, torch {r['torch_version']}"
-            ),
-        ),
+        ("corpus", _corpus),
+        ("tokenizer",
+         lambda r: (r.get("corpus") or {}).get("tokenizer") or "not recorded in the results"),
+        ("blocks per regime", lambda r: f"{r['blocks']} blocks of {r['block_size']} tokens"),
+        ("anchors", _anchors),
+        ("sampled rollouts", _sampling),
+        ("modules the simulated formats quantize", _selection),
+        ("seed", lambda r: str(r["seed"])),
+        ("intervals", "95%, two-sided: Wilson score for per-position proportions; Wilson on "
+                      "Kish's effective sample size for pooled proportions and B times them "
+                      "(matched prefix, greedy acceptance); Student-t over blocks for other "
+                      "means; a seeded block bootstrap for r"),
+        ("versions", lambda r: f"qstream {r['qstream_version']}, torch {r['torch_version']}"),
         ("computed on", _computed_on(rs, regimes)),
-        (
-            "results files",
-            "; ".join(f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}" for r in regimes),
-        ),
-    ]
+        ("results files", "; ".join(files)),
+    ]  # fmt: skip
 
 
 def evaluation_table(rs: ResultsSet) -> Table:
-    """Reference, regimes, corpus, blocks, intervals, seed, versions: all from the results."""
     regimes = regime_order(rs)
-    rows = _setup_rows(rs, regimes) + _data_rows(rs, regimes)
+    rows = [
+        (k, v if isinstance(v, str) else per_regime(rs, regimes, v))
+        for k, v in _setup_rows(rs, regimes) + _data_rows(rs, regimes)
+    ]
     return Table(
         "How the numbers were measured (from the results JSON)",
         ["", "value"],
@@ -429,8 +400,11 @@ def evaluation_table(rs: ResultsSet) -> Table:
 
 
 # ---------------------------------------------------------------------------------------------
-# The optional studies: per-module sensitivity, the context-length sweep and simulated
-# acceptance under vLLM's verification rules (docs/card.md)
+# The optional studies (docs/card.md)
+
+
+SENSITIVITY_COLUMNS = ["+ module kind", "gap alone", "ceiling, greedy [95% CI]", "gap to bf16",
+                       "KL p99", "tensors", "within"]  # fmt: skip
 
 
 def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
@@ -438,44 +412,20 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
     sens = rs.sections[regime]["sensitivity"]
     d = DIGITS["ceiling"]
     alone = {e["kind"]: e for e in sens["single"]}
-    rows = [
-        [
-            Cell("(nothing: bf16 floor)"),
-            Cell(""),
-            estimate(sens["floor"]["ceiling"], d),
-            Cell("(floor)"),
-            sci(sens["floor"]["kl_p99"]),
-            Cell(""),
-            Cell(""),
-        ]
-    ]
+    floor = sens["floor"]
+    rows = [[Cell("(nothing: bf16 floor)"), Cell(""), estimate(floor["ceiling"], d),
+             Cell("(floor)"), sci(floor["kl_p99"]), Cell(""), Cell("")]]  # fmt: skip
     for e in sens["cumulative"]:
-        single = alone[e["add"]]
-        rows.append(
-            [
-                Cell(e["add"]),
-                difference(single["ceiling_gap"]),
-                estimate(e["ceiling"], d),
-                difference(e["ceiling_gap"]),
-                sci(e["kl_p99"]),
-                Cell(str(len(e["quantized_tensors"])), len(e["quantized_tensors"])),
-                Cell("yes" if e["within_tolerance"] else "no"),
-            ]
-        )
+        n = len(e["quantized_tensors"])
+        rows.append([Cell(e["add"]), difference(alone[e["add"]]["ceiling_gap"]),
+                     estimate(e["ceiling"], d), difference(e["ceiling_gap"]), sci(e["kl_p99"]),
+                     Cell(str(n), n), Cell("yes" if e["within_tolerance"] else "no")])  # fmt: skip
     return Table(
         f"Regime {regime}: {sens['format']} quantized one module kind more per row, least "
         f"harmful first (harm: {sens['harm']}). 'alone' is the kind's gap when quantized "
         f"by itself; 'within' compares the cumulative gap with the tolerance of "
         f"{sens['tolerance']} tokens",
-        [
-            "+ module kind",
-            "gap alone",
-            "ceiling, greedy [95% CI]",
-            "gap to bf16",
-            "KL p99",
-            "tensors",
-            "within",
-        ],
+        SENSITIVITY_COLUMNS,
         rows,
         key=f"sensitivity_{regime}",
         align="lrrrrrl",
@@ -486,25 +436,13 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
     """Greedy ceiling per context-length bucket (rows) and variant (columns)."""
     sweep = rs.sections[regime]["context_sweep"]
     names = [v for v in variant_order(rs) if v in sweep["buckets"][0]["variants"]]
-    rows = []
-    for b in sweep["buckets"]:
-        rows.append(
-            [
-                Cell(f"[{b['lo']}, {b['hi']})"),
-                Cell(b["side"]),
-                Cell(
-                    f"{b['anchors']['context_length_mean']:.1f}",
-                    b["anchors"]["context_length_mean"],
-                ),
-                *(
-                    estimate(
-                        b["variants"][v]["metrics"]["rollouts"]["greedy"]["ceiling"],
-                        DIGITS["ceiling"],
-                    )
-                    for v in names
-                ),
-            ]
-        )
+    rows = [
+        [Cell(f"[{b['lo']}, {b['hi']})"), Cell(b["side"]),
+         Cell(f"{(mean := b['anchors']['context_length_mean']):.1f}", mean),
+         *(estimate(b["variants"][v]["metrics"]["rollouts"]["greedy"]["ceiling"], DIGITS["ceiling"])
+           for v in names)]
+        for b in sweep["buckets"]
+    ]  # fmt: skip
     return Table(
         f"Regime {regime}: acceptance ceiling (greedy rollout, 95% CI) by context length "
         f"of the block; YaRN boundary (original_max_position_embeddings) "
@@ -519,21 +457,18 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
 
 def acceptance_verifiers(rs: ResultsSet) -> list[str]:
     """Verifiers present in some variant's results, in VERIFIERS order."""
-    return [
+    found = {
         v
-        for v in VERIFIERS
-        if any(
-            v in result.get("acceptance", {})
-            for block in rs.regimes.values()
-            for result in block.values()
-        )
-    ]
+        for block in rs.regimes.values()
+        for res in block.values()
+        for v in res.get("acceptance", {})
+    }
+    return [v for v in VERIFIERS if v in found]
 
 
 def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
-    """The acceptance by ``verifier``, one row per variant and regime: vLLM's default mode beside
-    the published card's, then the other modes, then adaptive verification (the last only where
-    some result simulated it)."""
+    """The acceptance by ``verifier``: vLLM's default mode beside the published card's, the other
+    modes, then adaptive verification (where some result simulated it)."""
     tables = [
         _modes_table(rs, verifier, HEADLINE_MODES, "headline"),
         _modes_table(rs, verifier, OTHER_MODES, "other"),
@@ -565,7 +500,6 @@ def _acceptance_regimes(rs: ResultsSet, verifier: str) -> list[str]:
 
 
 def _entries(rs: ResultsSet, verifier: str, mode: str) -> list[dict]:
-    """Every result's entry of ``mode`` under ``verifier``."""
     return [
         acc[mode]
         for block in rs.regimes.values()
@@ -577,22 +511,17 @@ def _entries(rs: ResultsSet, verifier: str, mode: str) -> list[dict]:
 def _acceptance_rows(
     rs: ResultsSet, verifier: str, modes: tuple[str, ...], cells
 ) -> list[list[Cell]]:
-    """One row per mode, regime and variant (in that order, so that a mode's variants sit
-    together); ``cells(acc, mode)`` the value cells from a variant's ``acceptance.VERIFIER``
-    block (None: not evaluated)."""
+    """One row per mode, regime and variant (so that a mode's variants sit together);
+    ``cells(acc, mode)``: the value cells of a variant's ``acceptance.VERIFIER`` (None: absent)."""
     rows = []
     for mode in modes:
         for regime in _acceptance_regimes(rs, verifier):
             for variant in variant_order(rs):
                 res = rs.regimes[regime].get(variant) or {}
                 acc = res.get("acceptance", {}).get(verifier)
+                label = ACCEPTANCE_MODES[mode].label
                 rows.append(
-                    [
-                        Cell(ACCEPTANCE_MODES[mode].label),
-                        Cell(regime),
-                        Cell(variant_label(rs, variant)),
-                        *cells(acc, mode),
-                    ]
+                    [Cell(label), Cell(regime), Cell(variant_label(rs, variant)), *cells(acc, mode)]
                 )
     return rows
 
@@ -628,8 +557,7 @@ def _modes_table(rs: ResultsSet, verifier: str, modes: tuple[str, ...], which: s
 
 
 def _adaptive_table(rs: ResultsSet, verifier: str) -> Table:
-    """Each adaptive mode's expected tokens and loss, the drafted tokens it verifies, and what
-    vLLM's budget rule expects from the confidence head."""
+    """Each adaptive mode's expected tokens and loss, and what vLLM's budget rule expects."""
     d = DIGITS["ceiling"]
 
     def cells(acc: dict | None, mode: str) -> list[Cell]:
@@ -655,7 +583,6 @@ def _adaptive_table(rs: ResultsSet, verifier: str) -> Table:
 
 
 def _adaptive_setting(rs: ResultsSet, verifier: str) -> str:
-    """The adaptive budget the results ran with, in words (every distinct one)."""
     settings = {
         (a["requests"], a["budget_share"])
         for mode in ADAPTIVE_MODES
@@ -671,3 +598,162 @@ def _adaptive_setting(rs: ResultsSet, verifier: str) -> str:
 
 def _verifier_sampling(rs: ResultsSet) -> str:
     return per_regime(rs, regime_order(rs), lambda r: verifier_label(r.get("sampling")))
+
+
+def suggested_command(rs: ResultsSet, regime: str) -> Part:
+    """The quantize command of the largest include list within the sensitivity tolerance, or
+    why there is none."""
+    sens = rs.sections[regime]["sensitivity"]
+    best = sens["suggested"]
+    if best["command"]:
+        return Code(f"qstream quantize --quant_format {sens['format']} {best['command']}")
+    fmt, tolerance = sens["format"], sens["tolerance"]
+    keeps = (
+        f"keeps the greedy acceptance ceiling within the tolerance of {tolerance} tokens of the "
+        "bf16 floor"
+    )
+    gentlest = max(sens["single"], key=lambda e: e["ceiling_gap"], default=None)
+    if gentlest is None:
+        return f"Regime {regime}: the model has no module kind {fmt} can hold; nothing to suggest."
+    if gentlest["ceiling_gap"] < -tolerance:
+        return (
+            f"Regime {regime}: no module kind quantized to {fmt} {keeps}, even alone: the least "
+            f"harmful, {gentlest['kind']}, lowers it by "
+            f"{-gentlest['ceiling_gap']:.{DIGITS['difference']}f} tokens. "
+            "No include list is suggested."
+        )
+    return (
+        f"Regime {regime}: no step of the table (module kinds quantized to {fmt}, added one by "
+        f"one) {keeps}. No include list is suggested."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The terminal
+
+SOURCE = "(this run)"  # where in-memory results came from, for the results set's messages
+MAX_WIDTH = 100  # columns a terminal table may take (--wide: no limit)
+
+
+def report_parts(rs: ResultsSet) -> list[Part]:
+    """Per regime every metric and the agreement by position, the sensitivity steps and context
+    buckets where measured; then the acceptance per verifier."""
+    parts: list[Part] = []
+    for regime in regime_order(rs):
+        parts += [full_metrics_table(rs, regime), agreement_table(rs, regime)]
+        sections = rs.sections.get(regime, {})
+        if "sensitivity" in sections:
+            parts += [sensitivity_table(rs, regime), suggested_command(rs, regime)]
+        if "context_sweep" in sections:
+            parts.append(context_sweep_table(rs, regime))
+    for verifier in acceptance_verifiers(rs):
+        parts += acceptance_tables(rs, verifier)
+    return parts
+
+
+def short_names(rs: ResultsSet) -> dict[str, str]:
+    """Each variant's card label -> its bare name, where the two differ."""
+    labels = {variant_label(rs, v): v for v in variant_order(rs)}
+    return {label: name for label, name in labels.items() if label != name}
+
+
+def variants_note(rs: ResultsSet) -> str | None:
+    """One line saying what the bare names leave out: the variants' quantized sets differ."""
+    shortened = short_names(rs)
+    if not shortened:
+        return None
+    counts = ", ".join(
+        f"{name} {label[len(name) :].strip(' ()').split(';')[0]}"
+        for label, name in shortened.items()
+    )
+    return (
+        f"Note: the variants do not quantize the same tensors ({counts}); the tables below "
+        "name them by name only."
+    )
+
+
+def _rename(table: Table, names: dict[str, str]) -> Table:
+    """``table`` with every variant label (a header or a cell) replaced by the bare name."""
+    rows = [
+        [Cell(names.get(cell.text, cell.text), cell.data) for cell in row] for row in table.rows
+    ]
+    return replace(table, columns=[names.get(c, c) for c in table.columns], rows=rows)
+
+
+def _n_labels(table: Table) -> int:
+    """The leading label columns: left-aligned, before the first number."""
+    return len(table.align) - len(table.align.lstrip("l"))
+
+
+def _fits_unwrapped(table: Table, width: int) -> bool:
+    """The table fits ``width`` with its label columns at their natural width."""
+    columns, rows = table.layout(), table.texts()
+    widths = column_widths(columns, rows, width)
+    natural = column_widths(columns, rows, 10**6)
+    labels = _n_labels(table)
+    return (
+        widths[:labels] == natural[:labels] and sum(widths) + FRAME * len(widths) + EDGES <= width
+    )
+
+
+def by_variant(table: Table, variants: list[str]) -> Table:
+    """One row per label row and variant column: the columns naming a variant become a
+    ``variant`` column and a ``value`` column, the other columns are kept before them."""
+    keep = [i for i, c in enumerate(table.columns) if c not in variants]
+    melt = [i for i, c in enumerate(table.columns) if c in variants]
+    rows = [
+        [*(row[i] for i in keep), Cell(table.columns[j]), row[j]]
+        for row in table.rows
+        for j in melt
+    ]
+    columns = [*(table.columns[i] for i in keep), "variant", "value"]
+    return replace(
+        table, columns=columns, rows=rows, align="".join(table.align[i] for i in keep) + "lr"
+    )
+
+
+def measure_first(table: Table) -> Table:
+    """The agreement table grouped by measure (then variant, as the card orders them)."""
+    order = list(dict.fromkeys(row[1].text for row in table.rows))
+    rows = sorted(table.rows, key=lambda row: order.index(row[1].text))
+    swap = [1, 0, *range(2, len(table.columns))]
+    return replace(table, columns=[table.columns[i] for i in swap],
+                   rows=[[row[i] for i in swap] for row in rows],
+                   align="".join(table.align[i] for i in swap))  # fmt: skip
+
+
+def terminal_table(table: Table, rs: ResultsSet, width: int) -> tuple[Table, int]:
+    """The card's ``table`` as the terminal shows it at ``width``, and how many leading columns
+    are grouped: the labels but the last (one row per variant: every column before it)."""
+    table = _rename(table, short_names(rs))
+    variants = [v for v in variant_order(rs) if v in table.columns]
+    if table.key.startswith("agreement_"):
+        table = measure_first(table)
+    elif len(variants) > 1 and not _fits_unwrapped(table, width):
+        table = by_variant(table, variants)
+        return table, len(table.columns) - 2
+    return table, max(0, _n_labels(table) - 1)
+
+
+def render(table: Table, rs: ResultsSet, width: int) -> RichTable:
+    """The card's ``table`` as a rich table that fits ``width``."""
+    shown, grouped = terminal_table(table, rs, width)
+    return shown.fitted(width, grouped, titled=False)
+
+
+def print_report(console: Console, results: dict, wide: bool = False) -> None:
+    """Print :func:`report_parts` of eval-drift ``results`` at the console's width (at most
+    MAX_WIDTH; ``wide``: the console's), a blank line before each table's caption."""
+    width = console.width if wide else min(console.width, MAX_WIDTH)
+    rs = collect_results([(results, SOURCE)])
+    note = variants_note(rs)
+    if note is not None:
+        console.print(Text(note), width=width)
+    for n, part in enumerate(report_parts(rs)):
+        if isinstance(part, Table):
+            if n or note is not None:
+                console.print()
+            console.print(Text(part.caption), width=width)
+            console.print(render(part, rs, width))
+        else:
+            console.print(Text(part.text if isinstance(part, Code) else str(part)), width=width)
