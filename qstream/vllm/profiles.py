@@ -10,8 +10,8 @@ comes from.
 The profiles: ``generic`` (a Hugging Face causal LM, whose vLLM model class maps names one to
 one and fuses siblings such as q/k/v and gate/up through ``packed_modules_mapping``), and one per
 draft architecture that carries serving data (its descriptor's ``serving``, docs/model.md):
-``K3DSparkModel``, vLLM's Kimi-K3 DSpark draft (qstream/arch/dspark_mla/checkpoint.py), and
-``Qwen3DSparkModel``, vLLM's Qwen3-style DSpark draft (qstream/arch/dspark_qwen3/checkpoint.py).
+``K3DSparkModel``, vLLM's Kimi-K3 DSpark draft (qstream/arch/dspark_mla/__init__.py), and
+``Qwen3DSparkModel``, vLLM's Qwen3-style DSpark draft (qstream/arch/dspark_qwen3/__init__.py).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class RuntimeModule:
 class Profile:
     """A closed description of how vLLM serves one architecture (see module docstring): the
     generic one, or a draft's, whose data its architecture's folder holds
-    (qstream/arch/dspark_mla/checkpoint.py)."""
+    (qstream/arch/dspark_mla/__init__.py)."""
 
     name: str
     architectures: tuple[str, ...]  # config.json "architectures" values it applies to

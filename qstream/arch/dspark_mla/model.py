@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.checkpoint import check_tensors, load_config, load_weights
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
 from qstream.arch.family import check_blocks
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu

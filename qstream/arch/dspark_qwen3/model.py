@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qstream.arch.dspark_qwen3.checkpoint import check_tensors
-from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
+from qstream.arch.dspark_qwen3 import Qwen3DSparkConfig, check_tensors
 from qstream.arch.family import check_blocks
 from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks
 from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
@@ -54,7 +53,7 @@ class ContextKV:
 
 class Qwen3DSpark:
     """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the names of
-    :func:`~qstream.arch.dspark_qwen3.checkpoint.tensor_shapes` (with ``embed_tokens.weight``)
+    :func:`~qstream.arch.dspark_qwen3.tensor_shapes` (with ``embed_tokens.weight``)
     plus ``lm_head.weight`` [draft_vocab, H] to tensors of any float dtype, each held once."""
 
     def __init__(
