@@ -65,9 +65,8 @@ class DSparkFamily:
 
 
 def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:
-    """Why a confidence head of the other width does not fit (vLLM 0.32 sizes the head from
-    ``confidence_head_with_markov``, default false: a [1, H+r] head written without the key
-    fails its loader); empty for every other mismatch."""
+    """Why a confidence head of the other width does not fit (vLLM 0.32 sizes it from
+    ``confidence_head_with_markov``, default false); empty for every other mismatch."""
     H, r = config.hidden_size, config.markov_rank
     if name != CONFIDENCE_WEIGHT or not config.enable_confidence_head or r == 0:
         return ""
@@ -85,9 +84,8 @@ def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:
 
 
 def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_token: Any):
-    """``(stream, anchor, first_token)`` as 1-D int64 tensors of one length, every anchor
-    within its stream's context ``lengths`` and every first token a vocabulary id (ValueError
-    otherwise): the arguments of a model's ``draft``."""
+    """A model's ``draft`` arguments as 1-D int64 tensors of one length (ValueError unless every
+    anchor is within its stream's context ``lengths`` and every first token an id)."""
     import torch
 
     stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
@@ -103,6 +101,18 @@ def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_
     return stream, anchor, first_token
 
 
+def context_lengths(aux_size: int, aux: Any, lengths: Any) -> tuple[int, int, Any]:
+    """S, T and ``lengths`` [S] int64 on the CPU (default: all T) of aux [S, T, aux_size]
+    (ValueError for another shape)."""
+    import torch
+
+    if len(aux.shape) != 3 or aux.shape[-1] != aux_size:
+        raise ValueError(f"aux must be [S, T, {aux_size}], got {list(aux.shape)}")
+    S, T, _ = aux.shape
+    lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
+    return S, T, lengths.to(torch.int64)
+
+
 def check_table(
     required: Shapes,
     allowed: Shapes,
@@ -112,8 +122,8 @@ def check_table(
     hint: Callable[[str, tuple[int, ...]], str],
     why_missing: Callable[[str], str] = lambda name: "",
 ) -> None:
-    """Every ``required`` name present, nothing outside ``allowed``, every shape exact (``hint``
-    explains a wrong one): QStreamError naming the first offender and ``where`` it was found."""
+    """QStreamError naming the first tensor of ``shapes`` missing from ``required``, outside
+    ``allowed`` or misshapen (``hint`` explains), and ``where`` it was found."""
     for name in required:
         if name not in shapes:
             raise QStreamError(
@@ -141,8 +151,7 @@ def borrow_from_target(
     missing: str,
     read: Callable[[Path, list[str]], dict] | None = None,
 ) -> dict:
-    """``names`` of shape ``expected`` from ``target`` (default ``model_dir/target_head``, as synth
-    writes it), read by ``read`` (default ``read_target_tensors``)."""
+    """``names`` of shape ``expected`` read from ``target`` (default ``model_dir/target_head``)."""
     if target is None:
         target = model_dir / TARGET_HEAD_DIR
         if not target.is_dir():
@@ -162,9 +171,8 @@ def borrow_from_target(
 
 
 def d2t_problem(d2t: Any, vocab_size: int) -> str | None:
-    """Why the stored ``d2t`` tensor is not a map of every draft id ``d`` to its own target id
-    ``d + d2t[d]`` in [0, vocab_size) (None: it is).  The one check of a d2t: loading, quantize
-    and verify all make it."""
+    """Why ``d2t`` does not map every draft id ``d`` to its own target id ``d + d2t[d]`` in
+    [0, vocab_size), else None: the one check loading, quantize and verify make."""
     if str(d2t.dtype) not in ("torch.int64", "torch.int32"):
         return f"tensor {D2T!r} is {str(d2t.dtype).removeprefix('torch.')}, expected int64 offsets"
     target = d2t.long() + d2t.new_tensor(range(len(d2t))).long()
@@ -201,7 +209,6 @@ def number(v: Any) -> bool:
 
 
 def check_positive_ints(config: Any, names: Iterable[str], key=lambda name: name) -> None:
-    """Each field of ``names`` a positive integer (``key``: its config.json key)."""
     for f in names:
         check(positive_int(getattr(config, f)), key(f), getattr(config, f),
               "must be a positive integer")  # fmt: skip
@@ -213,7 +220,6 @@ def check_flags(config: Any, names: Iterable[str]) -> None:
 
 
 def check_target_layers(ids: tuple[Any, ...], n: int | None) -> None:
-    """``target_layer_ids``: distinct indices of the target's ``n`` layers (any when None)."""
     top = n if n is not None else math.inf
     where = f"[0, {n})" if n is not None else ">= 0"
     check(len(ids) > 0 and all(is_int(i) and 0 <= i < top for i in ids), "target_layer_ids",
@@ -228,17 +234,15 @@ def check_mask_token(config: Any) -> None:
 
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction, DeepSeek-V3's form: 1 for ``factor <= 1``, else
-    ``0.1 * mscale * ln(factor) + 1`` (vLLM 0.32's yarn_get_mscale in
-    vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py)."""
+    """YaRN's magnitude correction, as vLLM 0.32's yarn_get_mscale
+    (vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py)."""
     if factor <= 1:
         return 1.0
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
 def head_shapes(config: Any, markov_w2_rows: int) -> dict[str, tuple[int, ...]]:
-    """The Markov head's tables (when ``markov_rank`` > 0) and the confidence head (when
-    enabled): [1, H+r] with ``confidence_head_with_markov``, else [1, H]; its bias [1]."""
+    """The Markov head's tables (``markov_rank`` > 0) and the confidence head (when enabled)."""
     H, r = config.hidden_size, config.markov_rank
     shapes: dict[str, tuple[int, ...]] = {}
     if r > 0:
@@ -251,8 +255,7 @@ def head_shapes(config: Any, markov_w2_rows: int) -> dict[str, tuple[int, ...]]:
 
 
 def fields_json(config: Any, key=lambda name: name, skip_none: bool = False) -> dict[str, Any]:
-    """Every field under its config.json ``key``, in field order: ``rope_parameters`` as its
-    ``to_json()``, tuples as lists (with ``skip_none``, a None field is left out)."""
+    """Every field under its config.json ``key``, in field order (``skip_none``: None left out)."""
     out: dict[str, Any] = {}
     for f in fields(config):
         value = getattr(config, f.name)
@@ -277,9 +280,8 @@ def read_fields(
     optional: tuple[str, ...] = (),
     skip_none: bool = False,
 ) -> dict[str, Any]:
-    """``cls``'s fields read from ``data`` under their config.json ``key``: ValueError naming
-    the first missing key of a field with no default and not ``optional`` (with ``skip_none``,
-    a null counts as missing); ``target_layer_ids`` must be a list, returned as a tuple."""
+    """``cls``'s fields read from ``data`` under their config.json ``key`` (ValueError naming the
+    first missing required key; ``skip_none``: a null is missing)."""
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
         if key(f.name) in data and not (skip_none and data[key(f.name)] is None):
@@ -293,7 +295,7 @@ def read_fields(
 
 
 def construct(cls: type, kwargs: Mapping[str, Any], where: str = "") -> Any:
-    """``cls(**kwargs)``, a TypeError (a string where a number belongs) as a ValueError."""
+    """``cls(**kwargs)``, a TypeError as a ValueError."""
     try:
         return cls(**kwargs)
     except TypeError as exc:
@@ -301,8 +303,7 @@ def construct(cls: type, kwargs: Mapping[str, Any], where: str = "") -> Any:
 
 
 def load_config(directory: str | Path, parse: Callable[[dict], Any]) -> Any:
-    """``parse`` of a draft checkpoint's config.json: its ValueError a QStreamError naming the
-    file, key and value."""
+    """``parse`` of a draft checkpoint's config.json, its ValueError a QStreamError."""
     from qstream.checkpoint.files import read_config  # torch-free, kept out of --help
 
     path = Path(directory) / "config.json"

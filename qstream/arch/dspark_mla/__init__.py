@@ -235,7 +235,7 @@ PRESETS: dict[str, DSparkConfig] = {
 
 
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
-    """The draft checkpoint's tensors and shapes, in checkpoint order (docs/model.md's tensor table)."""
+    """docs/model.md's tensor table: name -> shape, in checkpoint order."""
     c = config
     n, H = c.num_attention_heads, c.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
@@ -274,8 +274,7 @@ def check_tensors(
     where: str,
     extra: Mapping[str, tuple[int, ...]] | None = None,
 ) -> None:
-    """Strict check: exactly the expected names (plus ``extra``), each with its exact shape.
-    Raises QStreamError naming the first offender and ``where`` it was found."""
+    """QStreamError naming the first tensor missing, unexpected (beyond ``extra``) or misshapen."""
     expected = {**tensor_shapes(config), **(extra or {})}
     check_table(expected, expected, shapes, where, "DSpark draft",
                 lambda name, shape: shape_hint(config, name, shape))  # fmt: skip
@@ -286,17 +285,15 @@ def check_tensors(
 
 
 def load_config(directory: str | Path) -> DSparkConfig:
-    """config.json of a draft checkpoint -> DSparkConfig (QStreamError naming key and value)."""
+    """config.json of a draft checkpoint (QStreamError naming key and value)."""
     return family.load_config(directory, DSparkConfig.from_json)
 
 
 def read_draft_tensors(
     directory: str | Path, config: DSparkConfig | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the draft checkpoint, quantized ones dequantized (4-bit formats to
-    bf16, FP8 to its scale's dtype), strictly checked against the config: nothing missing,
-    nothing unexplained, every shape exact.  ``embed_tokens.weight`` may be absent (then it
-    must come from the target)."""
+    """Every tensor of the draft checkpoint, dequantized (4-bit formats to bf16, FP8 to its
+    scale's dtype) and checked (``embed_tokens.weight`` may be left to the target)."""
     from qstream.checkpoint.read import read_draft_checkpoint
 
     directory = Path(directory)
@@ -312,9 +309,8 @@ def read_draft_tensors(
 def load_weights(
     model_dir: str | Path, target: str | Path | None = None, config: DSparkConfig | None = None
 ) -> dict[str, torch.Tensor]:
-    """Everything the model (:class:`.model.DSpark`) needs: the draft's tensors (dequantized) plus
-    ``lm_head.weight`` (and ``embed_tokens.weight`` if the draft has none) from ``target``,
-    which defaults to ``model_dir/target_head`` as written by ``qstream synth``."""
+    """The draft's tensors plus ``lm_head.weight`` (and ``embed_tokens.weight`` if the draft has
+    none) from ``target`` (default ``model_dir/target_head``, as ``qstream synth`` writes it)."""
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
     tensors = read_draft_tensors(model_dir, config)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
-from qstream.arch.family import check_blocks
+from qstream.arch.family import check_blocks, context_lengths
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
@@ -177,10 +177,7 @@ class DSpark:
         """aux [S, T, A] -> every layer's context latent and rope key at positions 0..T-1;
         ``lengths`` [S] marks right padding.  Projected ``CONTEXT_ELEMENTS`` at a time."""
         c = self.config
-        if len(aux.shape) != 3 or aux.shape[-1] != c.aux_size:
-            raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
-        S, T, _ = aux.shape
-        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
+        S, T, lengths = context_lengths(c.aux_size, aux, lengths)
         if isinstance(aux, torch.Tensor):
             group, dim = max(1, CONTEXT_ELEMENTS // max(1, T * c.aux_size)), 0
             pieces = [self._context_piece(aux[s0 : s0 + group], 0, T) for s0 in range(0, S, group)]
@@ -194,7 +191,7 @@ class DSpark:
             tuple(_cat([piece[i][j] for piece in pieces], dim) for i in range(len(self.layers)))
             for j in (0, 1)
         )
-        return ContextCache(latent, rope_key, lengths.to(torch.int64))
+        return ContextCache(latent, rope_key, lengths)
 
     def _context_piece(
         self, aux: torch.Tensor, t0: int, t1: int

@@ -98,9 +98,9 @@ POSITIVE_INT_FIELDS = (
 
 @dataclass(frozen=True)
 class Qwen3DSparkConfig:
-    """One Qwen3-style DSpark (or, with ``markov_rank`` 0, DFlash) draft.  Field names are
-    config.json's, except ``block_slots``: config.json's ``block_size``, the query slots of
-    one block (``block_size`` here is the tokens a block drafts, the interface's meaning)."""
+    """One Qwen3-style DSpark (``markov_rank`` 0: DFlash) draft.  Field names are config.json's,
+    except ``block_slots``: its ``block_size``, the query slots of a block (``block_size``
+    here: the tokens a block drafts, the interface's meaning)."""
 
     hidden_size: int  # H
     intermediate_size: int  # I, SwiGLU width
@@ -158,7 +158,6 @@ class Qwen3DSparkConfig:
         check(self.block_size > 0, "block_size", self.block_slots,
               "must leave a drafted slot after the bonus anchor (sample_from_anchor false)")  # fmt: skip
 
-    # The interface's view (qstream/arch/interface.py, DraftConfig).
     @property
     def block_size(self) -> int:
         """Tokens one block drafts: every slot, or every slot after the bonus anchor."""
@@ -175,7 +174,6 @@ class Qwen3DSparkConfig:
 
     @property
     def aux_size(self) -> int:
-        """A: one position's context width (every selected target layer concatenated)."""
         return self.num_target_layers * self.target_hidden_size
 
     @property
@@ -189,8 +187,6 @@ class Qwen3DSparkConfig:
         """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
         return self.draft_vocab_size < self.vocab_size
 
-    has_markov_head = property(lambda self: self.markov_rank > 0)
-
     def to_json(self) -> dict[str, Any]:
         """config.json in vLLM's dense layout (what ``Qwen3DSparkForCausalLM`` reads)."""
         head = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
@@ -200,8 +196,7 @@ class Qwen3DSparkConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Qwen3DSparkConfig:
-        """Build from config.json contents in either layout (module docstring); keys this model
-        does not use are ignored.  Raises ValueError naming a missing or bad key."""
+        """config.json contents in either layout (unused keys ignored); ValueError naming a key."""
         family.check_object(data)
         flat = _from_speculators(data) if "speculators_model_type" in data else _dense(data)
         optional = ("draft_vocab_size", "rope_parameters")
@@ -285,8 +280,7 @@ UNMODELLED = (
 
 
 def _refuse_unmodelled(data: dict[str, Any], dflash: dict[str, Any]) -> None:
-    """One line for a key in :data:`UNMODELLED` at a value the forward does not compute, and
-    for sliding-window layers."""
+    """ValueError for a key of :data:`UNMODELLED` at a value not computed, or sliding windows."""
     for key, fine, what in UNMODELLED:
         value = dflash.get(key[14:]) if key.startswith("dflash_config.") else data.get(key)
         check(any(value is v or (number(v) and value == v) for v in fine), key, value,
@@ -365,9 +359,8 @@ INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch
 
 
 def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor vLLM builds for ``config``, in checkpoint order.  ``lm_head.weight`` and
-    ``d2t`` belong to a reduced-vocabulary draft only (a full-vocabulary one may still carry
-    its own lm_head: :func:`check_tensors` accepts it)."""
+    """Every tensor vLLM builds for ``config``, in checkpoint order (``lm_head.weight`` and
+    ``d2t``: a reduced-vocabulary draft's)."""
     c = config
     H, d = c.hidden_size, c.head_dim
     q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
@@ -399,9 +392,8 @@ def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
 def check_tensors(
     config: Qwen3DSparkConfig, shapes: Mapping[str, tuple[int, ...]], where: str
 ) -> None:
-    """Strict check: every tensor of the table (``embed_tokens`` may be left to the target),
-    nothing unexplained beyond a full-vocabulary draft's own lm_head and speculators'
-    training-only t2d, every shape exact.  QStreamError naming the first offender."""
+    """QStreamError naming the first tensor missing (``embed_tokens`` may be the target's),
+    unexplained (beyond a full-vocabulary draft's own lm_head and t2d) or of a wrong shape."""
     table = tensor_shapes(config)
     extra: dict[str, tuple[int, ...]] = {T2D: (config.vocab_size,)}
     if not config.reduced_vocab:
@@ -426,8 +418,7 @@ def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
 
 
 def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict[str, torch.Tensor]:
-    """Every tensor of the draft checkpoint, quantized ones dequantized, strictly checked
-    against the config (``embed_tokens`` may be absent; the target's is then shared)."""
+    """Every tensor of the draft checkpoint, dequantized and checked (:func:`check_tensors`)."""
     from qstream.checkpoint.read import read_draft_checkpoint
 
     directory = Path(directory)
@@ -448,10 +439,8 @@ def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict
 def load_weights(
     model_dir: str | Path, target: str | Path | None, config: Qwen3DSparkConfig
 ) -> dict[str, torch.Tensor]:
-    """Everything :class:`~qstream.arch.dspark_qwen3.model.Qwen3DSpark` needs: the draft's
-    tensors plus, from ``target`` (default ``model_dir/target_head``), ``embed_tokens.weight``
-    when the draft has none and ``lm_head.weight`` when the draft has no lm_head of its own
-    (a target with tied embeddings lends its embedding)."""
+    """The draft's tensors plus those it lacks of ``embed_tokens.weight`` and ``lm_head.weight``,
+    from ``target`` (default ``model_dir/target_head``)."""
     model_dir = Path(model_dir)
     tensors = read_draft_tensors(model_dir, config)
     wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
@@ -464,8 +453,7 @@ def load_weights(
 
 
 def _read_borrowed(target: Path, wanted: list[str]) -> dict[str, torch.Tensor]:
-    """``wanted`` from the target; a target whose config.json ties its word embeddings has
-    no lm_head tensor and lends embed_tokens for it."""
+    """``wanted`` from the target (one with tied word embeddings lends embed_tokens for lm_head)."""
     from qstream.checkpoint.files import read_config
     from qstream.checkpoint.read import read_target_tensors
 
