@@ -238,6 +238,7 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     """docs/model.md's tensor table: name -> shape, in checkpoint order."""
     c = config
     n, H = c.num_attention_heads, c.hidden_size
+    nkv = n * (c.qk_nope_head_dim + c.v_head_dim)
     shapes: dict[str, tuple[int, ...]] = {
         EMBED: (c.vocab_size, H),
         "context_proj.weight": (H, c.aux_size),
@@ -245,25 +246,18 @@ def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": (H,),
-                p + "self_attn.q_a_proj.weight": (c.q_lora_rank, H),
-                p + "self_attn.q_a_layernorm.weight": (c.q_lora_rank,),
-                p + "self_attn.q_b_proj.weight": (n * c.qk_head_dim, c.q_lora_rank),
-                p + "self_attn.kv_a_proj_with_mqa.weight": (c.kv_lora_rank + c.qk_rope_head_dim, H),
-                p + "self_attn.kv_a_layernorm.weight": (c.kv_lora_rank,),
-                p + "self_attn.kv_b_proj.weight": (
-                    n * (c.qk_nope_head_dim + c.v_head_dim),
-                    c.kv_lora_rank,
-                ),
-                p + "self_attn.o_proj.weight": (H, n * c.v_head_dim),
-                p + "post_attention_layernorm.weight": (H,),
-                p + "mlp.gate_proj.weight": (c.intermediate_size, H),
-                p + "mlp.up_proj.weight": (c.intermediate_size, H),
-                p + "mlp.down_proj.weight": (H, c.intermediate_size),
-            }
-        )
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "self_attn.q_a_proj.weight"] = (c.q_lora_rank, H)
+        shapes[p + "self_attn.q_a_layernorm.weight"] = (c.q_lora_rank,)
+        shapes[p + "self_attn.q_b_proj.weight"] = (n * c.qk_head_dim, c.q_lora_rank)
+        shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, H)
+        shapes[p + "self_attn.kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+        shapes[p + "self_attn.kv_b_proj.weight"] = (nkv, c.kv_lora_rank)
+        shapes[p + "self_attn.o_proj.weight"] = (H, n * c.v_head_dim)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, H)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, H)
+        shapes[p + "mlp.down_proj.weight"] = (H, c.intermediate_size)
     shapes["final_norm.weight"] = (H,)
     return {**shapes, **family.head_shapes(c, c.vocab_size)}
 

@@ -25,7 +25,7 @@ import torch
 
 from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
 from qstream.arch.family import check_blocks, context_lengths
-from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
+from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
@@ -139,12 +139,8 @@ class DSpark:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        check_tensors(
-            config,
-            {k: tuple(v.shape) for k, v in weights.items()},
-            "weights",
-            extra={LM_HEAD: (config.vocab_size, config.hidden_size)},
-        )
+        shapes = {k: tuple(v.shape) for k, v in weights.items()}
+        check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
         self.config, self.dtype = config, dtype
         self.w = ComputeWeights(weights, dtype, device)
         self.device = self.w.device
@@ -156,7 +152,7 @@ class DSpark:
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embedding(self.w, "embed_tokens.weight", tokens)
+        return embedding(self.w, EMBED, tokens)
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H])."""
