@@ -23,8 +23,7 @@ DEFAULT_ARCH: Architecture = DSPARK_MLA
 
 
 def architecture_for(data: Mapping[str, Any]) -> Architecture:
-    """The architecture a config.json's contents name (the default when none claims it, so
-    that its parser names what is wrong)."""
+    """The architecture a config.json's contents name (else the default, whose parser says why)."""
     return next((a for a in ARCHITECTURES if a.recognises(data)), DEFAULT_ARCH)
 
 

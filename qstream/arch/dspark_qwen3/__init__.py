@@ -1,10 +1,8 @@
 """The Qwen3-style DSpark draft (and DFlash, without a Markov head) behind the architecture
-interface (docs/qwen3-dspark.md): its config.json read from either layout people have (vLLM's
-dense ``Qwen3DSparkModel`` config.json, or speculators' saved ``speculators_model_type:
-"dspark"`` config) and written in vLLM's; its tensor table, loading (what the draft does not carry
-borrowed from its target, as vLLM 0.32.0's ``Qwen3DSparkForCausalLM.load_weights`` shares it)
-and vLLM serving profile; :data:`ARCH`, its descriptor.  Pure Python: the forward (:mod:`.model`,
-torch) is imported when first called.
+interface (docs/qwen3-dspark.md): its config.json read from vLLM's dense layout or speculators'
+saved one and written in vLLM's; its tensor table, loading (as vLLM 0.32.0's
+``Qwen3DSparkForCausalLM.load_weights`` borrows from the target) and vLLM serving profile;
+:data:`ARCH`, its descriptor.  Pure Python: the forward (:mod:`.model`) is imported when called.
 
 >>> cfg = PRESETS["qwen3-tiny"]
 >>> Qwen3DSparkConfig.from_json(cfg.to_json()) == cfg
