@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
+from qstream.arch.dspark_mla import load_config, load_weights
 from qstream.arch.dspark_mla.model import DSpark, blocks_flops
 from qstream.arch.markov import BLOCK_DRAFTER
 from qstream.eval.batches import AuxStates, make_batches, propose

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_eval import GSM8K, matmul_rate, useful_flops  # noqa: E402
 
-from qstream.arch.dspark_mla.checkpoint import load_config  # noqa: E402
+from qstream.arch.dspark_mla import load_config  # noqa: E402
 from qstream.arch.dspark_mla.model import causal_flops, longest_anchors  # noqa: E402
 from qstream.eval.corpus import sample_anchors  # noqa: E402
 from qstream.eval.drift import DriftSettings, evaluate_drift, load_run_corpus  # noqa: E402

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS
 
 H, I, V = 64, 96, 128  # noqa: E741 - hidden, intermediate, vocab
 

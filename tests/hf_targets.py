@@ -9,7 +9,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS
 
 _EXAMPLE = Path(__file__).parent.parent / "examples" / "make_tiny_target.py"
 _spec = importlib.util.spec_from_file_location("make_tiny_target", _EXAMPLE)

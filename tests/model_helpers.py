@@ -4,8 +4,7 @@ from dataclasses import replace
 
 import torch
 
-from qstream.arch.dspark_mla.checkpoint import tensor_shapes
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS, tensor_shapes
 from qstream.arch.dspark_mla.model import LM_HEAD, DSpark
 
 

@@ -1,5 +1,5 @@
 """Qwen3-style DSpark drafts for the serving tests, written on the fly (docs/vllm.md): the
-``qwen3-tiny`` preset's tensor table (qstream/arch/dspark_qwen3/checkpoint.py) filled with seeded
+``qwen3-tiny`` preset's tensor table (qstream/arch/dspark_qwen3/__init__.py) filled with seeded
 bf16 N(0, 0.02^2) weights with one tensor-specific outlier each (so NVFP4 global scales differ
 between tensors), ones for the norms, a valid d2t for a reduced vocabulary, and config.json in
 vLLM's dense layout.  Until ``qstream synth --preset qwen3-tiny`` exists, this is the input the
@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qstream.arch.dspark_qwen3.checkpoint import D2T, EMBED, tensor_shapes
-from qstream.arch.dspark_qwen3.config import PRESETS, Qwen3DSparkConfig
+from qstream.arch.dspark_qwen3 import D2T, EMBED, PRESETS, Qwen3DSparkConfig, tensor_shapes
 
 TINY = PRESETS["qwen3-tiny"]
 REDUCED = replace(TINY, draft_vocab_size=512)  # a draft vocabulary half the target's

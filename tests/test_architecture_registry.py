@@ -9,8 +9,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from qstream.arch import registry
-from qstream.arch.dspark_mla import DSparkMLA
-from qstream.arch.dspark_mla.config import DSparkConfig
+from qstream.arch.dspark_mla import DSparkConfig, DSparkMLA
 from qstream.errors import QStreamError
 from qstream.eval.drift import DriftSettings, evaluate_drift
 

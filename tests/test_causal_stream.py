@@ -12,8 +12,7 @@ from model_helpers import long_context_model, random_model_weights
 import qstream.arch.dspark_mla.model as mla
 import qstream.bounded as heap
 import qstream.eval.batches as batches
-from qstream.arch.dspark_mla.checkpoint import load_config
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS, load_config
 from qstream.arch.dspark_mla.model import CausalStream, DSpark, causal_flops
 from qstream.eval.batches import AuxStates, batch_flops, make_batches
 from qstream.eval.corpus import sample_anchors

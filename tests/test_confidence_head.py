@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from checkpoints import DSPARK_RECIPE
 from model_helpers import random_model_weights
 
-from qstream.arch.dspark_mla.checkpoint import tensor_shapes
-from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
+from qstream.arch.dspark_mla import PRESETS, DSparkConfig, tensor_shapes
 from qstream.arch.dspark_mla.model import DSpark, load_model
 from qstream.arch.markov import confidence
 from qstream.errors import QStreamError

@@ -5,7 +5,7 @@ and TF32 is off inside the reference.  Runs only where a GPU is present."""
 import pytest
 import torch
 
-from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
+from qstream.arch.dspark_mla import load_config, load_weights
 from qstream.arch.dspark_mla.model import DSpark
 from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, draft_batch, make_batches

@@ -10,8 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import qstream.arch.weights as weights_module
-from qstream.arch.dspark_mla.checkpoint import load_weights
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS, load_weights
 from qstream.arch.dspark_mla.model import LM_HEAD, DSpark
 from qstream.arch.markov import rollout
 from qstream.cli import cli

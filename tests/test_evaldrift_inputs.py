@@ -53,7 +53,7 @@ def test_an_anchor_that_is_not_an_integer_is_refused(tmp_path, entry, named):
 )  # fmt: skip
 def test_a_d2t_that_maps_no_draft_id_to_its_own_target_id_is_refused(tmp_path, d2t, message):
     """quantize refuses the input, verify the output and loading the draft: one check."""
-    from qstream.arch.dspark_qwen3.checkpoint import load_weights
+    from qstream.arch.dspark_qwen3 import load_weights
     from qstream.vllm.verify import verify_checkpoint
 
     draft = write_qwen3_draft(tmp_path / "draft", REDUCED)

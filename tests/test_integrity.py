@@ -16,8 +16,7 @@ from cli_helpers import cli_error, cli_ok
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
-from qstream.arch.dspark_mla.checkpoint import load_config
+from qstream.arch.dspark_mla import QUANTIZE_INCLUDE, load_config
 from qstream.cli import cli
 from qstream.quant import quantize_checkpoint
 

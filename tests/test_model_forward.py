@@ -8,8 +8,8 @@ import pytest
 import torch
 from model_helpers import random_model_weights
 
+from qstream.arch.dspark_mla import PRESETS, DSparkConfig
 from qstream.arch.dspark_mla import model as mla
-from qstream.arch.dspark_mla.config import PRESETS, DSparkConfig
 from qstream.arch.dspark_mla.model import DSpark, apply_rope
 from qstream.arch.markov import (
     markov_logits,

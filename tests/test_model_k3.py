@@ -3,8 +3,7 @@ run it with ``pytest -m k3 tests/test_model_k3.py``."""
 
 import pytest
 
-from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
-from qstream.arch.dspark_mla.checkpoint import read_draft_tensors
+from qstream.arch.dspark_mla import QUANTIZE_INCLUDE, read_draft_tensors
 from qstream.checkpoint.inspect import inspect_checkpoint
 from qstream.quant.quantize import quantize_checkpoint
 from qstream.synth.draft import synth_checkpoint

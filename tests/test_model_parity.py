@@ -10,7 +10,7 @@ from model_helpers import random_model_weights
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
 
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS
 from qstream.arch.dspark_mla.model import DSpark
 from qstream.arch.weights import inv_freq, rms_norm, swiglu
 

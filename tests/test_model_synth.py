@@ -11,8 +11,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
-from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
+from qstream.arch.dspark_mla import QUANTIZE_INCLUDE, load_config, load_weights
 from qstream.arch.dspark_mla.model import load_model
 from qstream.arch.markov import teacher_forced
 from qstream.checkpoint.inspect import checkpoint_stats, weight_stats

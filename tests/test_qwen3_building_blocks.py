@@ -19,8 +19,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from qstream.arch.dspark_qwen3.checkpoint import tensor_shapes
-from qstream.arch.dspark_qwen3.config import PRESETS, Qwen3DSparkConfig, RopeParameters
+from qstream.arch.dspark_qwen3 import PRESETS, Qwen3DSparkConfig, RopeParameters, tensor_shapes
 from qstream.arch.dspark_qwen3.model import Qwen3DSpark, apply_rope
 from qstream.arch.interface import LM_HEAD
 

@@ -15,9 +15,15 @@ import torch
 from qwen3_drafts import TINY, speculators_config, write_qwen3_draft
 from safetensors.torch import save_file
 
+from qstream.arch.dspark_qwen3 import (
+    EMBED,
+    LM_HEAD,
+    Qwen3DSparkConfig,
+    RopeParameters,
+    load_weights,
+    tensor_shapes,
+)
 from qstream.arch.dspark_qwen3 import model as qwen3_model
-from qstream.arch.dspark_qwen3.checkpoint import EMBED, LM_HEAD, load_weights, tensor_shapes
-from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig, RopeParameters
 from qstream.arch.dspark_qwen3.model import CausalStream, Qwen3DSpark
 from qstream.arch.interface import causal_layers
 from qstream.arch.markov import rollout

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS
 from qstream.arch.markov import sample, sampling_probs
 from qstream.eval.batches import race_noise
 

@@ -12,8 +12,7 @@ from model_helpers import long_context_model, random_model_weights
 
 import qstream.arch.dspark_mla.model as mla
 import qstream.eval.batches as batches
-from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS, load_config, load_weights
 from qstream.arch.dspark_mla.model import DSpark
 from qstream.card.build import write_card
 from qstream.cli import cli

@@ -12,8 +12,13 @@ import math
 import pytest
 import torch
 
-from qstream.arch.dspark_qwen3.checkpoint import EMBED, LM_HEAD, tensor_shapes
-from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig, RopeParameters
+from qstream.arch.dspark_qwen3 import (
+    EMBED,
+    LM_HEAD,
+    Qwen3DSparkConfig,
+    RopeParameters,
+    tensor_shapes,
+)
 from qstream.arch.dspark_qwen3.model import Qwen3DSpark
 from qstream.errors import QStreamError
 from qstream.speculate import decode

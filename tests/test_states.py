@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from stand_in_target import capture_states
 
 import qstream.eval.batches as batches
-from qstream.arch.dspark_mla.checkpoint import load_config
+from qstream.arch.dspark_mla import load_config
 from qstream.arch.dspark_mla.model import DSpark
 from qstream.cli import cli
 from qstream.errors import QStreamError

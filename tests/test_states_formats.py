@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from qstream.arch.dspark_mla.checkpoint import load_config
+from qstream.arch.dspark_mla import load_config
 from qstream.cli import cli
 from qstream.eval.states import read_states
 

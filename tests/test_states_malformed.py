@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from qstream.arch.dspark_mla.checkpoint import load_config
+from qstream.arch.dspark_mla import load_config
 from qstream.cli import cli
 
 T = 40

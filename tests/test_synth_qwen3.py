@@ -14,9 +14,7 @@ from hf_targets import HIDDEN, LAYERS, QWEN3_ROPE_THETA, VOCAB, make_qwen3_targe
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from qstream.arch.dspark_qwen3 import ARCH
-from qstream.arch.dspark_qwen3.checkpoint import check_tensors, tensor_shapes
-from qstream.arch.dspark_qwen3.config import PRESETS, Qwen3DSparkConfig
+from qstream.arch.dspark_qwen3 import ARCH, PRESETS, Qwen3DSparkConfig, check_tensors, tensor_shapes
 from qstream.arch.interface import EMBED, LM_HEAD, TARGET_HEAD_DIR
 from qstream.arch.registry import load_config
 from qstream.checkpoint.inspect import weight_stats
@@ -265,7 +263,7 @@ def test_synth_bytes_are_pinned(preset, tiny, q3):
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading what synth writes (qstream/arch/dspark_qwen3/checkpoint.py)
+# Loading what synth writes (qstream/arch/dspark_qwen3/__init__.py)
 
 
 def test_load_weights_borrows_embed_and_lm_head_from_target_head(q3):

@@ -11,7 +11,7 @@ from hf_targets import HIDDEN, LAYERS, VOCAB, make_target
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS
 from qstream.arch.dspark_mla.model import load_model
 from qstream.arch.interface import TARGET_HEAD_DIR
 from qstream.synth.target import spread_layer_ids

@@ -21,7 +21,7 @@ from qwen3_drafts import REDUCED, write_qwen3_draft
 from safetensors.torch import load_file, save_file
 from test_vllm_loader import vllm_did  # what vLLM did: raised, warned, or loaded silently
 
-from qstream.arch.dspark_qwen3.checkpoint import DEFAULT_INCLUDE
+from qstream.arch.dspark_qwen3 import DEFAULT_INCLUDE
 from qstream.formats import quantize
 from qstream.quant import quantize_checkpoint
 from qstream.vllm.loader import load_with_vllm

@@ -23,8 +23,7 @@ from click.testing import CliRunner
 from ct_reference import ct_quantize
 from safetensors.torch import load_file, save_file
 
-from qstream.arch.dspark_mla.checkpoint import tensor_shapes
-from qstream.arch.dspark_mla.config import PRESETS
+from qstream.arch.dspark_mla import PRESETS, tensor_shapes
 from qstream.checkpoint.safetensors_io import PlannedTensor, ShardWriter, TensorInfo
 from qstream.cli import cli
 from qstream.errors import QStreamError
@@ -570,7 +569,7 @@ def test_k3_recipe_plan(tmp_path):
 
 
 def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
-    from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
+    from qstream.arch.dspark_mla import load_config, load_weights
     from qstream.eval.sensitivity import module_kinds
 
     names = [k.name for k in module_kinds(load_weights(tiny), "nvfp4", load_config(tiny))]
@@ -581,7 +580,7 @@ def test_sensitivity_considers_only_kinds_vllm_can_serve_quantized(tiny):
 def test_simulated_format_equals_the_read_back_checkpoint(tiny, outputs):
     """eval-drift's simulated NVFP4 (default selection: the cross-layer q_a/kv_a group with its
     shared global scale) is bit-identical to loading what quantize wrote."""
-    from qstream.arch.dspark_mla.checkpoint import load_config, load_weights
+    from qstream.arch.dspark_mla import load_config, load_weights
     from qstream.quant.simulate import simulate_format
 
     simulated = simulate_format(load_weights(tiny), "nvfp4", None, config=load_config(tiny))

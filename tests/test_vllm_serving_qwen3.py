@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from qwen3_drafts import REDUCED, TINY, write_qwen3_draft
 from safetensors.torch import load_file, save_file
 
-from qstream.arch.dspark_qwen3.checkpoint import DEFAULT_INCLUDE
+from qstream.arch.dspark_qwen3 import DEFAULT_INCLUDE
 from qstream.cli import cli
 from qstream.errors import QStreamError
 from qstream.formats import quantize
@@ -59,7 +59,7 @@ def test_runtime_modules_are_vllms_names_at_every_L():
 
 
 def _shapes():
-    from qstream.arch.dspark_qwen3.checkpoint import tensor_shapes
+    from qstream.arch.dspark_qwen3 import tensor_shapes
 
     return tensor_shapes(TINY)
 

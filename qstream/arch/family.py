@@ -1,19 +1,23 @@
-"""What every DSpark-family architecture shares (docs/model.md, "Architectures"): its drafter
-kind, the block drafter (qstream/arch/markov.py), the confidence head's width hint, and the
-checks of a batch of blocks and of a tensor table.  Pure Python at import: torch is imported
-where a call needs it."""
+"""What every DSpark-family architecture shares (docs/model.md, "Architectures"): the
+descriptor's common calls, the config.json fields read and checked the same way, and the checks
+of a batch of blocks, a tensor table and a d2t map.  Pure Python at import (``qstream quantize``
+checks a draft's shapes without torch): torch is imported where a call needs it.
+
+>>> kwargs = read_fields(DSparkConfig, data)      # ValueError naming a missing key
+>>> config = construct(DSparkConfig, kwargs)       # ValueError naming a bad value
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import importlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import MISSING, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qstream.arch.interface import TARGET_HEAD_DIR, DraftConfig, Drafter
 from qstream.errors import QStreamError
-
-if TYPE_CHECKING:
-    pass
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -22,13 +26,16 @@ D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id] (vLLM's
 
 
 class DSparkFamily:
-    """The descriptor methods the same in every DSpark (config, width hint, the heads' calls)."""
+    """The descriptor calls the same in every DSpark.  ``build``, ``causal_stream`` and the FLOP
+    calls (docs/eval-drift.md, "FLOP model") are ``model_module``'s, imported with torch when
+    first called."""
 
     config_type: type
+    model_module: str  # the forward and FLOP model
+    model_class: str  # the module's draft model class
 
     def parse_config(self, data: Mapping[str, Any]) -> Any:
-        parse: Callable[[dict], Any] = getattr(self.config_type, "from_json")
-        return parse(dict(data))
+        return self.config_type.from_json(dict(data))  # type: ignore[attr-defined]
 
     def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str:
         return shape_hint(config, name, shape)
@@ -40,11 +47,26 @@ class DSparkFamily:
 
         return BLOCK_DRAFTER
 
+    def build(self, config: Any, weights: Any, variant: Any, device: Any = "cpu") -> Any:
+        model = getattr(importlib.import_module(self.model_module), self.model_class)
+        return model(config, weights, variant.dtype, device)
+
+    def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
+        return importlib.import_module(self.model_module).CausalStream(model, ids, dtype, depth)
+
+    def context_flops(self, config: Any) -> float:
+        return importlib.import_module(self.model_module).context_flops(config)
+
+    def drafted_flops(self, config: Any, anchor: Any) -> float:
+        return importlib.import_module(self.model_module).drafted_flops(config, anchor)
+
+    def causal_flops(self, config: Any, T: int) -> float:
+        return importlib.import_module(self.model_module).causal_flops(config, T)
+
 
 def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:
-    """Why a confidence head of the other width does not fit (vLLM 0.32 sizes the head from
-    ``confidence_head_with_markov``, default false: a [1, H+r] head written without the key
-    fails its loader); empty for every other mismatch."""
+    """Why a confidence head of the other width does not fit (vLLM 0.32 sizes it from
+    ``confidence_head_with_markov``, default false); empty for every other mismatch."""
     H, r = config.hidden_size, config.markov_rank
     if name != CONFIDENCE_WEIGHT or not config.enable_confidence_head or r == 0:
         return ""
@@ -62,9 +84,8 @@ def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:
 
 
 def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_token: Any):
-    """``(stream, anchor, first_token)`` as 1-D int64 tensors of one length, every anchor
-    within its stream's context ``lengths`` and every first token a vocabulary id (ValueError
-    otherwise): the arguments of a model's ``draft``."""
+    """A model's ``draft`` arguments as 1-D int64 tensors of one length (ValueError unless every
+    anchor is within its stream's context ``lengths`` and every first token an id)."""
     import torch
 
     stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
@@ -80,6 +101,18 @@ def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_
     return stream, anchor, first_token
 
 
+def context_lengths(aux_size: int, aux: Any, lengths: Any) -> tuple[int, int, Any]:
+    """S, T and ``lengths`` [S] int64 on the CPU (default: all T) of aux [S, T, aux_size]
+    (ValueError for another shape)."""
+    import torch
+
+    if len(aux.shape) != 3 or aux.shape[-1] != aux_size:
+        raise ValueError(f"aux must be [S, T, {aux_size}], got {list(aux.shape)}")
+    S, T, _ = aux.shape
+    lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
+    return S, T, lengths.to(torch.int64)
+
+
 def check_table(
     required: Shapes,
     allowed: Shapes,
@@ -89,8 +122,8 @@ def check_table(
     hint: Callable[[str, tuple[int, ...]], str],
     why_missing: Callable[[str], str] = lambda name: "",
 ) -> None:
-    """Every ``required`` name present, nothing outside ``allowed``, every shape exact (``hint``
-    explains a wrong one): QStreamError naming the first offender and ``where`` it was found."""
+    """QStreamError naming the first tensor of ``shapes`` missing from ``required``, outside
+    ``allowed`` or misshapen (``hint`` explains), and ``where`` it was found."""
     for name in required:
         if name not in shapes:
             raise QStreamError(
@@ -118,8 +151,7 @@ def borrow_from_target(
     missing: str,
     read: Callable[[Path, list[str]], dict] | None = None,
 ) -> dict:
-    """``names`` of shape ``expected`` from ``target`` (default ``model_dir/target_head``, as synth
-    writes it), read by ``read`` (default ``read_target_tensors``)."""
+    """``names`` of shape ``expected`` read from ``target`` (default ``model_dir/target_head``)."""
     if target is None:
         target = model_dir / TARGET_HEAD_DIR
         if not target.is_dir():
@@ -139,9 +171,8 @@ def borrow_from_target(
 
 
 def d2t_problem(d2t: Any, vocab_size: int) -> str | None:
-    """Why the stored ``d2t`` tensor is not a map of every draft id ``d`` to its own target id
-    ``d + d2t[d]`` in [0, vocab_size) (None: it is).  The one check of a d2t: loading, quantize
-    and verify all make it."""
+    """Why ``d2t`` does not map every draft id ``d`` to its own target id ``d + d2t[d]`` in
+    [0, vocab_size), else None: the one check loading, quantize and verify make."""
     if str(d2t.dtype) not in ("torch.int64", "torch.int32"):
         return f"tensor {D2T!r} is {str(d2t.dtype).removeprefix('torch.')}, expected int64 offsets"
     target = d2t.long() + d2t.new_tensor(range(len(d2t))).long()
@@ -157,3 +188,128 @@ def d2t_problem(d2t: Any, vocab_size: int) -> str | None:
         return (f"{D2T}[{j}] = {int(d2t[j])} maps draft id {j} to target id {int(target[j])}, "
                 f"as {D2T}[{i}] = {int(d2t[i])} maps draft id {i}: each draft id needs its own")  # fmt: skip
     return None
+
+
+def check(ok: bool, key: str, value: Any, why: str) -> None:
+    """ValueError ``config.json: key = value why`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"config.json: {key} = {value!r} {why}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def positive_int(v: Any) -> bool:
+    return is_int(v) and v > 0
+
+
+def number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def check_positive_ints(config: Any, names: Iterable[str], key=lambda name: name) -> None:
+    for f in names:
+        check(positive_int(getattr(config, f)), key(f), getattr(config, f),
+              "must be a positive integer")  # fmt: skip
+
+
+def check_flags(config: Any, names: Iterable[str]) -> None:
+    for f in names:
+        check(isinstance(getattr(config, f), bool), f, getattr(config, f), "must be true or false")
+
+
+def check_target_layers(ids: tuple[Any, ...], n: int | None) -> None:
+    top = n if n is not None else math.inf
+    where = f"[0, {n})" if n is not None else ">= 0"
+    check(len(ids) > 0 and all(is_int(i) and 0 <= i < top for i in ids), "target_layer_ids",
+          list(ids), f"must be layer indices in {where}")  # fmt: skip
+    check(len(set(ids)) == len(ids), "target_layer_ids", list(ids), "must not repeat")
+
+
+def check_mask_token(config: Any) -> None:
+    mask, vocab = config.mask_token_id, config.vocab_size
+    check(isinstance(mask, int) and 0 <= mask < vocab, "mask_token_id", mask,
+          f"must be a token id in [0, {vocab})")  # fmt: skip
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, as vLLM 0.32's yarn_get_mscale
+    (vllm/model_executor/layers/rotary_embedding/deepseek_scaling_rope.py)."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def head_shapes(config: Any, markov_w2_rows: int) -> dict[str, tuple[int, ...]]:
+    """The Markov head's tables (``markov_rank`` > 0) and the confidence head (when enabled)."""
+    H, r = config.hidden_size, config.markov_rank
+    shapes: dict[str, tuple[int, ...]] = {}
+    if r > 0:
+        shapes["markov_head.markov_w1.weight"] = (config.vocab_size, r)
+        shapes["markov_head.markov_w2.weight"] = (markov_w2_rows, r)
+    if config.enable_confidence_head:
+        shapes[CONFIDENCE_WEIGHT] = (1, H + (r if config.confidence_head_with_markov else 0))
+        shapes["confidence_head.proj.bias"] = (1,)
+    return shapes
+
+
+def fields_json(config: Any, key=lambda name: name, skip_none: bool = False) -> dict[str, Any]:
+    """Every field under its config.json ``key``, in field order (``skip_none``: None left out)."""
+    out: dict[str, Any] = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.name == "rope_parameters":
+            value = value.to_json()
+        elif isinstance(value, tuple):
+            value = list(value)
+        if value is not None or not skip_none:
+            out[key(f.name)] = value
+    return out
+
+
+def check_object(data: Any) -> None:
+    if not isinstance(data, dict):
+        raise ValueError(f"config.json must hold an object, not {type(data).__name__}")
+
+
+def read_fields(
+    cls: type,
+    data: Mapping[str, Any],
+    key: Callable[[str], str] = lambda name: name,
+    optional: tuple[str, ...] = (),
+    skip_none: bool = False,
+) -> dict[str, Any]:
+    """``cls``'s fields read from ``data`` under their config.json ``key`` (ValueError naming the
+    first missing required key; ``skip_none``: a null is missing)."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if key(f.name) in data and not (skip_none and data[key(f.name)] is None):
+            kwargs[f.name] = data[key(f.name)]
+        elif f.default is MISSING and f.name not in optional:
+            raise ValueError(f"config.json: missing key {key(f.name)!r}")
+    ids = kwargs["target_layer_ids"]
+    check(isinstance(ids, list), "target_layer_ids", ids, "must be a list")
+    kwargs["target_layer_ids"] = tuple(ids)
+    return kwargs
+
+
+def construct(cls: type, kwargs: Mapping[str, Any], where: str = "") -> Any:
+    """``cls(**kwargs)``, a TypeError as a ValueError."""
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"config.json: {where}{exc}") from None
+
+
+def load_config(directory: str | Path, parse: Callable[[dict], Any]) -> Any:
+    """``parse`` of a draft checkpoint's config.json, its ValueError a QStreamError."""
+    from qstream.checkpoint.files import read_config  # torch-free, kept out of --help
+
+    path = Path(directory) / "config.json"
+    data = read_config(Path(directory))
+    try:
+        return parse(data)
+    except ValueError as exc:
+        message = f"{path}: {exc}".replace("config.json: config.json:", "config.json:")
+        raise QStreamError(message) from None

@@ -1,7 +1,6 @@
-"""The architecture interface (docs/model.md, "Architectures"): what eval, capture, speculate,
-synth and vLLM's shape checks ask of a draft architecture and of its drafter kind, and the
-rollouts they read.  An architecture is a folder under ``qstream/arch/`` whose descriptor
-satisfies :class:`Architecture`; ``qstream/arch/registry.py`` lists the descriptors.
+"""The architecture interface (docs/model.md, "Architectures"): what the package asks of a draft
+architecture (:class:`Architecture`, listed in qstream/arch/registry.py) and of its drafter kind,
+and the rollouts it reads.
 
 >>> arch = architecture_of(config)                   # qstream.arch.registry
 >>> model = arch.build(config, weights, REFERENCE_VARIANT, "cpu")   # qstream.serving
@@ -22,22 +21,16 @@ if TYPE_CHECKING:
     from qstream.serving import Variant
 
 Shapes = dict[str, tuple[int, ...]]
-# Every draft borrows its output head from the target, under this name; it is never the draft's
-# own tensor (never quantized, never in its tensor table).
-LM_HEAD = "lm_head.weight"
-# The token embedding: the draft's own, or the target's when the draft carries none.
-EMBED = "embed_tokens.weight"
-# Where `qstream synth` puts the stand-in target, and where a draft's loader looks for its lm_head
-# when no target is given: a checkpoint directory of its own holding lm_head.weight [V, H].
+LM_HEAD = "lm_head.weight"  # the output head, borrowed from the target unless the draft has its own
+EMBED = "embed_tokens.weight"  # the draft's own, or the target's when the draft carries none
+# Where `qstream synth` puts the stand-in target (lm_head.weight [V, H]), and where a draft's
+# loader looks for its lm_head when no target is given.
 TARGET_HEAD_DIR = "target_head"
 
 
 def causal_layers(num_layers: int, depth: int | None = None) -> list[int]:
-    """Which of a draft's ``num_layers`` layers runs at each of ``depth`` steps of its causal
-    pass (``causal_hidden``): its layers in order, repeated until there are ``depth`` (default:
-    each once).  The boot regime asks for one output per target aux layer, so a draft with fewer
-    layers than the target has aux layers runs its stack again on its own output
-    (docs/eval-drift.md, "Regimes")."""
+    """The layer run at each of ``depth`` steps of a causal pass: the layers in order, repeated
+    (default: each once; the boot regime asks one step per target aux layer, docs/eval-drift.md)."""
     steps = num_layers if depth is None else depth
     if num_layers < 1 or steps < 1:
         raise ValueError(f"a causal pass needs layers and steps, got {num_layers} and {steps}")
@@ -46,8 +39,7 @@ def causal_layers(num_layers: int, depth: int | None = None) -> list[int]:
 
 @dataclass(frozen=True)
 class Blocks:
-    """A block drafter's non-causal pass over N blocks, everything before the Markov head
-    (qstream/arch/markov.py); read inside qstream/arch/ only."""
+    """A block drafter's non-causal pass over N blocks (qstream/arch/markov.py reads it)."""
 
     logits_base: torch.Tensor  # U [N, B, V] float32 (computed in the model's dtype)
     hidden: torch.Tensor  # hf [N, B, H] float32: final-normed block states
@@ -56,8 +48,7 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Rollout:
-    """The k tokens drafted at each of N anchors, as a drafter rolled them out (greedy, sampled,
-    or teacher-forced), and what it computed for them."""
+    """The k tokens drafted at each of N anchors (greedy, sampled or teacher-forced)."""
 
     tokens: torch.Tensor  # [N, B] drafted tokens d_k (teacher-forced: the supplied tokens)
     prev: torch.Tensor  # [N, B] token fed back before step k: [ids[p], d_0, ..., d_{B-2}]
@@ -66,8 +57,7 @@ class Rollout:
 
 
 class AuxChunks(Protocol):
-    """Aux states [S, T, A] too big to hold, produced a few positions at a time: a model's
-    ``context`` calls ``rows`` once per consecutive range, in order from 0 to T."""
+    """Aux states [S, T, A] too big to hold: ``context`` calls ``rows`` on consecutive ranges."""
 
     shape: tuple[int, int, int]
 
@@ -77,8 +67,7 @@ class AuxChunks(Protocol):
 
 
 class DraftConfig(Protocol):
-    """What the package reads of any DSpark-family draft's config.json (field names are
-    config.json's; the Markov and confidence heads are the family's, qstream/arch/markov.py)."""
+    """What the package reads of any DSpark-family draft's config.json (its field names)."""
 
     @property
     def hidden_size(self) -> int: ...
@@ -114,8 +103,7 @@ class DraftConfig(Protocol):
 
 
 class DraftModel(Protocol):
-    """A draft built with its weights for a serving configuration, on ``device``; what its
-    drafter kind calls besides (a block drafter's ``draft``) is the kind's business."""
+    """A draft built with its weights for a serving configuration, on ``device``."""
 
     @property
     def config(self) -> Any: ...
@@ -126,23 +114,18 @@ class DraftModel(Protocol):
         ...
 
     def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-        """The draft's layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32:
-        every layer's output, the layers taken as :func:`causal_layers` orders them."""
+        """The layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32."""
         ...
 
 
 class Drafter(Protocol):
-    """A drafter kind: how a built draft proposes k tokens at each of N anchors from the
-    target's states and its context, and the rollouts eval and speculate read.  The state is
-    the kind's own, opaque to its callers.  The block drafter (one parallel pass, then a
-    sequential head: DSpark, DFlash) is qstream/arch/markov.py's; a token-by-token drafter
-    with its own KV cache (EAGLE-3) would be another (docs/model.md, "Architectures")."""
+    """A drafter kind: how a built draft proposes k tokens at each of N anchors, in a state
+    opaque to its callers, and the rollouts read of it (docs/model.md, "Architectures")."""
 
     def propose(
         self, model: Any, aux: torch.Tensor | AuxChunks, stream: Any, anchor: Any, first_token: Any
     ) -> Any:
-        """The state of N proposals: proposal n on stream[n] of aux [S, T, A] at anchor[n],
-        from first_token[n] (ids[p])."""
+        """Proposal n on stream[n] of aux [S, T, A] at anchor[n], from first_token[n] (ids[p])."""
         ...
 
     def rollout(
@@ -167,8 +150,7 @@ class Drafter(Protocol):
 
 
 class Architecture(Protocol):
-    """One draft architecture: its config.json, tensor table, serving profile, loading, drafter
-    kind and FLOP model (docs/model.md, "Architectures")."""
+    """One draft architecture (docs/model.md, "Architectures")."""
 
     config_type: type  # what parse_config returns
     quantize_include: tuple[str, ...]  # module kinds a shipped draft quantizes

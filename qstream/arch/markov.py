@@ -1,10 +1,8 @@
-"""The block drafter kind (docs/model.md, "Architectures"): a draft that proposes a block of B
-tokens in one non-causal pass (``draft`` -> :class:`Blocks`), then rolls it out through vLLM's
-DSparkMarkovHead and DSparkConfidenceHead (DSpark; DFlash has no Markov head).  Here are the
-heads' per-position logits and confidence, the greedy, sampled and teacher-forced rollouts, and
-:data:`BLOCK_DRAFTER`, the kind's calls as eval and speculate make them.  Sampling follows
-vLLM's DSpark drafter: the full softmax of ``logits / T`` by an exponential race
-(docs/eval-drift.md)."""
+"""The block drafter kind (docs/model.md, "Architectures"): one non-causal pass drafts a block
+of B tokens (``draft`` -> :class:`Blocks`), then vLLM's DSparkMarkovHead and
+DSparkConfidenceHead roll it out (DFlash has no Markov head): greedy, sampled (vLLM's full
+softmax of ``logits / T`` by an exponential race, docs/eval-drift.md) or teacher-forced.
+:data:`BLOCK_DRAFTER` is the kind's ``Drafter``."""
 
 from __future__ import annotations
 
@@ -23,36 +21,24 @@ HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs
 
 
 class MarkovWeights(Protocol):
-    """What the Markov head reads: a draft model, or the reference's head kept alone."""
+    """What the Markov head reads: a draft model, its :class:`HostHead`, a :class:`ReferenceHead`."""
 
     @property
     def w(self) -> Mapping[str, torch.Tensor]: ...
-
     @property
     def dtype(self) -> torch.dtype: ...
 
 
 class HeadModel(MarkovWeights, Protocol):
-    """What the Markov and confidence heads read: a draft model, or its :class:`HostHead`."""
+    """What the confidence head reads besides: a draft model, or its :class:`HostHead`."""
 
     @property
     def config(self) -> DraftConfig: ...
 
 
-class DraftWithHeads(HeadModel, Protocol):
-    """A draft model whose weights are a :class:`ComputeWeights` on ``device``."""
-
-    @property
-    def w(self) -> ComputeWeights: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-
 @dataclass(frozen=True)
 class HostHead:
-    """A model's Markov and confidence heads on the host: teacher-forced logits and the
-    verifiers run on the CPU whatever device drafted the blocks (qstream/eval/batches.py)."""
+    """A model's heads on the host, where the verifiers run (qstream/eval/batches.py)."""
 
     config: DraftConfig
     w: ComputeWeights
@@ -63,9 +49,8 @@ class HostHead:
 _HOST_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its HostHead
 
 
-def host_head(model: DraftWithHeads) -> HeadModel:
-    """``model`` itself on the CPU, else a copy of its heads' tensors on the host, made once
-    per model (every batch's drafts go to the host with it)."""
+def host_head(model: Any) -> HeadModel:
+    """``model`` itself on the CPU, else a copy of its heads' tensors on the host, made once."""
     if model.device.type == "cpu":
         return model
     if model not in _HOST_HEADS:
@@ -81,9 +66,8 @@ def host_head(model: DraftWithHeads) -> HeadModel:
 
 
 def draft_to_target(model: object) -> torch.Tensor | None:
-    """A reduced-vocabulary draft's map [Vd] of draft id -> target id (``d + d2t[d]``), or
-    None: vLLM emits, and feeds back to ``markov_w1``, the target id of each drafted id
-    (``Qwen3DSparkForCausalLM.map_draft_to_target`` in
+    """A reduced-vocabulary draft's map [Vd] draft id -> target id (``d + d2t[d]``), else None:
+    vLLM emits, and feeds back to ``markov_w1``, the target id (``map_draft_to_target`` in
     vllm/model_executor/models/qwen3_dspark.py)."""
     return getattr(model, "d2t", None)
 
@@ -93,9 +77,8 @@ MARKOV_EMBED = "markov_head.markov_w1.weight"
 
 
 def markov_table(model: MarkovWeights) -> torch.Tensor | None:
-    """markov_w2 [V, r] in the model's dtype, read once for the steps of a rollout (the fp32
-    reference's is upcast into its weights' reused buffer: valid until their next product);
-    None for a draft without a Markov head (DFlash)."""
+    """markov_w2 [V, r] in the model's dtype, read once per rollout (an upcast one lives in the
+    weights' reused buffer until their next product); None without a Markov head (DFlash)."""
     w = model.w
     if MARKOV_TABLE not in w:
         return None
@@ -108,12 +91,10 @@ def markov_logits(
     prev: torch.Tensor,
     table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Teacher-forced per-position logits ``U_k + markov_w2 . markov_w1[prev_k]`` (logits_base
-    [..., V], prev [...]), the sum rounded to the model's dtype as vLLM adds two bf16 tensors
-    (docs/model.md), returned as fp32 (exact).  ``table``: :func:`markov_table` when read
-    already; every caller takes the same whole-table product, so a rollout, its teacher-forced
-    replay and the verifier's recomputation agree bit for bit.  A draft without a Markov head
-    (DFlash) drafts ``U_k`` itself, rounded to its dtype."""
+    """``U_k + markov_w2 . markov_w1[prev_k]`` (logits_base [..., V], prev [...]) rounded to the
+    model's dtype as vLLM adds two bf16 tensors, as fp32; ``U_k`` rounded without a Markov head.
+    Every caller takes the same whole-table product, so a rollout, its teacher-forced replay and
+    the verifier's recomputation agree bit for bit."""
     if MARKOV_TABLE not in model.w:
         return logits_base.to(model.dtype).float()
     emb = embedding(model.w, MARKOV_EMBED, prev)  # [..., r]
@@ -123,8 +104,7 @@ def markov_logits(
 
 def confidence(model: HeadModel, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
     """``sigmoid(proj(x_k))`` per position, fp32 [...]; ``x_k = [hf_k ; markov_w1[prev_k]]``
-    with ``confidence_head_with_markov``, else ``hf_k``; None without the head.  The head is
-    never quantized, so a variant's confidence differs from the reference's through hf alone."""
+    with ``confidence_head_with_markov``, else ``hf_k``; None without the head."""
     config = model.config
     if not config.enable_confidence_head:
         return None
@@ -145,11 +125,8 @@ def confidence(model: HeadModel, hidden: torch.Tensor, prev: torch.Tensor) -> to
 def sampling_probs(
     logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = None
 ) -> torch.Tensor:
-    """softmax(logits / temperature), fp32 [..., V], optionally cut to the top-k tokens, then to
-    the top-p nucleus (smallest sorted prefix whose mass reaches top_p; the top token is always
-    kept), renormalised, in vLLM's order.  The defaults give the full distribution, which vLLM's
-    DSpark drafter samples; top-p and top-k belong to the verifier (docs/model.md).  The values
-    are checked where they are built (qstream/eval/settings.py, qstream/cli.py)."""
+    """softmax(logits / temperature), fp32 [..., V], cut to the top-k tokens then to the top-p
+    nucleus (the top token always kept) and renormalised, in vLLM's order (docs/model.md)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p == 1 and (top_k is None or top_k >= probs.shape[-1]):
         return probs
@@ -166,11 +143,9 @@ def sampling_probs(
 
 
 def sample(probs: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
-    """Exponential-race draw: ``argmax(probs / race)`` with ``race`` iid Exp(1) per token, which
-    draws exactly from ``probs`` (the Gumbel-max trick; vLLM's sampler draws this way).  Two
-    models given the same ``race`` draw the same token unless their distributions differ, and
-    then with probability at most 2·TV/(1+TV): a near-maximal coupling that does not depend on
-    the order of the vocabulary.  Tokens of zero probability are never drawn."""
+    """``argmax(probs / race)``, ``race`` iid Exp(1) per token: an exact draw from ``probs``, as
+    vLLM's sampler draws; a near-maximal coupling of two models given the same race
+    (docs/model.md)."""
     return (probs / race).argmax(-1)
 
 
@@ -181,13 +156,9 @@ def rollout(
     temperature: float = 1.0,
     top_p: float = 1.0,
 ) -> Rollout:
-    """Free-running Markov rollout: prev_0 = ids[p]; at step k draw d_k from
-    ``U_k + markov_w2 . markov_w1[prev_k]`` (rounded to the model's dtype) and feed it as
-    prev_{k+1}.  ``noise=None`` is greedy (argmax); otherwise noise [N, B, V] holds iid Exp(1)
-    variates and d_k is drawn by :func:`sample` from :func:`sampling_probs` at ``temperature``,
-    full distribution as vLLM drafts (``top_p`` < 1: other engines).  A reduced-vocabulary
-    draft's drawn id is mapped to its target id (:func:`draft_to_target`): ``tokens`` and
-    ``prev`` hold target ids, ``logits`` the draft vocabulary."""
+    """Free-running rollout: prev_0 = ids[p]; d_k drawn from :func:`markov_logits` (argmax, or
+    with ``noise`` [N, B, V] of iid Exp(1) by :func:`sample`) is fed back as prev_{k+1}.
+    ``tokens`` and ``prev`` hold target ids (:func:`draft_to_target`), ``logits`` the draft's."""
     N, B, V = blocks.logits_base.shape
     if noise is not None and tuple(noise.shape) != (N, B, V):
         raise ValueError(f"noise must be [{N}, {B}, {V}], got {list(noise.shape)}")
@@ -213,8 +184,7 @@ def rollout(
 
 
 def teacher_forced(model: HeadModel, blocks: Blocks, tokens: torch.Tensor) -> Rollout:
-    """Per-position logits and confidence when the drafted tokens are given (e.g. the
-    reference's rollout): prev = [ids[p], tokens[:, 0], ..., tokens[:, B-2]]."""
+    """The rollout of given tokens: prev = [ids[p], tokens[:, 0], ..., tokens[:, B-2]]."""
     prev = torch.cat((blocks.first_token[:, None], tokens[:, :-1]), dim=1)  # [N, B]
     return Rollout(
         tokens,
@@ -226,9 +196,7 @@ def teacher_forced(model: HeadModel, blocks: Blocks, tokens: torch.Tensor) -> Ro
 
 @dataclass(frozen=True)
 class Drafted:
-    """The block drafter's proposal state for one batch (opaque outside qstream/arch/): the
-    non-causal pass's :class:`Blocks` and the heads that roll them out (the model, or its
-    :class:`HostHead` once on the host)."""
+    """The block drafter's state of one batch (opaque outside qstream/arch/)."""
 
     blocks: Blocks
     head: Any  # a DraftWithHeads, or its HostHead once on the host
@@ -236,19 +204,16 @@ class Drafted:
 
 @dataclass(frozen=True)
 class ReferenceHead:
-    """The FP32 reference's Markov head, kept for a regime instead of the model: with the
-    reference's stored U [N, B, V] it gives its logits on any drafted prefix (``markov_logits``
-    reads only ``w``)."""
+    """The FP32 reference's Markov head, kept for a regime instead of the model."""
 
     w: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32  # the reference's: its final sum stays fp32
 
 
 class BlockDrafter:
-    """The block drafter kind's calls (qstream/arch/interface.py's ``Drafter``)."""
+    """qstream/arch/interface.py's ``Drafter``."""
 
     def propose(self, model: Any, aux: Any, stream, anchor, first_token) -> Drafted:
-        """N blocks: block n on ``stream[n]`` of ``aux`` at ``anchor[n]`` from ``first_token[n]``."""
         ctx = model.context(aux)  # bf16 aux: the model converts once to its own dtype (exact)
         return Drafted(model.draft(ctx, stream, anchor, first_token), model)
 
@@ -273,8 +238,7 @@ class BlockDrafter:
         return ReferenceHead({k: weights[k].float().contiguous() for k in present})
 
     def replay(self, head: ReferenceHead, kept: torch.Tensor, drafted: Rollout) -> torch.Tensor:
-        """Position by position, exactly as the reference's own rollout computes them (so that
-        the reference verifying itself is bit-exact)."""
+        """Position by position as the reference's own rollout (verifying itself: bit-exact)."""
         table = markov_table(head)
         prev = drafted.prev
         return torch.stack(

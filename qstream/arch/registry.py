@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from qstream.arch import family
 from qstream.arch.dspark_mla import ARCH as DSPARK_MLA
 from qstream.arch.dspark_qwen3 import ARCH as DSPARK_QWEN3
 from qstream.arch.interface import Architecture, DraftConfig
-from qstream.errors import QStreamError
 
 # The first is the default: a config.json that names no known architecture is read as its.
 ARCHITECTURES: list[Architecture] = [DSPARK_MLA, DSPARK_QWEN3]
@@ -23,8 +23,7 @@ DEFAULT_ARCH: Architecture = DSPARK_MLA
 
 
 def architecture_for(data: Mapping[str, Any]) -> Architecture:
-    """The architecture a config.json's contents name (the default when none claims it, so
-    that its parser names what is wrong)."""
+    """The architecture a config.json's contents name (else the default, whose parser says why)."""
     return next((a for a in ARCHITECTURES if a.recognises(data)), DEFAULT_ARCH)
 
 
@@ -39,12 +38,4 @@ def architecture_of(config: DraftConfig) -> Architecture:
 def load_config(directory: str | Path) -> Any:
     """config.json of a draft checkpoint -> its architecture's config (QStreamError naming the
     file, key and value)."""
-    from qstream.checkpoint.files import read_config  # torch: kept out of `qstream synth --help`
-
-    path = Path(directory) / "config.json"
-    data = read_config(Path(directory))
-    try:
-        return architecture_for(data).parse_config(data)
-    except ValueError as exc:
-        message = f"{path}: {exc}".replace("config.json: config.json:", "config.json:")
-        raise QStreamError(message) from None
+    return family.load_config(directory, lambda data: architecture_for(data).parse_config(data))

@@ -1,12 +1,8 @@
-"""What every draft architecture's forward computes the same way (docs/model.md, "API",
-"Memory"): its weights held once and read in its compute dtype, RMSNorm in fp32, the SwiGLU
-MLP, RoPE's (YaRN) inverse frequencies, and the bookkeeping of a causal stream.
-
-:class:`ComputeWeights` keeps a big weight that upcasts exactly (a bf16 checkpoint read by the
-fp32 reference) in its stored dtype, a view of the mapped file shared with every variant that
-leaves it unquantized, and upcasts it per use into one reused buffer; since the upcast is exact,
-every product is bit-identical to holding the weight in fp32 (tests/test_device.py).  Small
-tensors (norms, the confidence head) are upcast once and held.
+"""What every draft architecture's forward computes the same way (docs/eval-drift.md,
+"Memory"): weights held once (:class:`ComputeWeights`: a big weight that upcasts exactly stays in
+its stored dtype, shared with every variant that leaves it unquantized, and is upcast per use
+into one reused buffer, bit-identical to holding it in fp32), RMSNorm in fp32, the SwiGLU MLP,
+RoPE's (YaRN) inverse frequencies, and the bookkeeping of a causal stream.
 
 >>> w = ComputeWeights(weights, torch.float32)        # bf16 in, fp32 out, each weight held once
 >>> w.linear("lm_head.weight", hf)                     # hf @ lm_head^T, upcast in row chunks
@@ -23,12 +19,9 @@ import torch.nn.functional as F
 
 from qstream.arch.interface import causal_layers
 
-# A weight whose compute-dtype copy has at most this many elements is converted once and held
-# (64 MiB in fp32); a bigger one that upcasts exactly is held in its stored dtype.
-HOLD_ELEMENTS = 1 << 24
-# A weight upcast per use is converted and multiplied in row chunks of this many elements (32 MiB
-# in fp32), but at least UPCAST_MIN_ROWS rows: a chunk is still in the last-level cache when the
-# GEMM reads it, and no chunk is so thin that the GEMM loses speed (docs/eval-drift.md, "Memory").
+HOLD_ELEMENTS = 1 << 24  # at most this many elements: converted once and held (64 MiB in fp32)
+# Upcast row chunks of this many elements (32 MiB in fp32, still in the last-level cache when the
+# GEMM reads it), but at least UPCAST_MIN_ROWS rows (docs/eval-drift.md, "Memory").
 UPCAST_CHUNK_ELEMENTS = 1 << 23
 UPCAST_MIN_ROWS = 1024
 # Exact widenings: every value of the first dtype is a value of the second.
@@ -42,8 +35,7 @@ EXACT_UPCASTS = {
 
 
 def _stored(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """How one weight is held: as given when it is in ``dtype`` or upcasts exactly to it and is
-    big; otherwise converted once (a downcast, e.g. fp32 -> bf16, is held rounded)."""
+    """As given when in ``dtype`` or big and exactly upcast to it; else converted once."""
     tensor = tensor.detach()
     keep = tensor.dtype == dtype or (
         (tensor.dtype, dtype) in EXACT_UPCASTS and tensor.numel() > HOLD_ELEMENTS
@@ -52,8 +44,7 @@ def _stored(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> t
 
 
 class ComputeWeights(Mapping[str, torch.Tensor]):
-    """name -> weight in ``dtype`` on ``device``; each weight is held once (module docstring).
-    Reading a big bf16 weight of an fp32 model returns an fp32 temporary."""
+    """name -> weight in ``dtype`` on ``device``, each held once (module docstring)."""
 
     def __init__(
         self,
@@ -75,13 +66,10 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
         return len(self.stored)
 
     def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight^T`` ([..., in] -> [..., rows]).  A weight upcast per use is converted
-        into one reused buffer a row chunk at a time (``UPCAST_CHUNK_ELEMENTS``), each chunk
-        multiplied while it is in cache.  Each output column is the same fp32 dot product as
-        with the weight held in fp32, whole; bit-identical at the shapes tests/test_device.py
-        runs, but a BLAS may order the reduction by the output's shape, and at K3's shapes some
-        chunked products differ from one whole-matrix GEMM in the last bit (docs/eval-drift.md,
-        "Memory")."""
+        """``x @ weight^T`` ([..., in] -> [..., rows]), a weight upcast per use converted into the
+        reused buffer a row chunk at a time.  Each output column is the fp32 dot product of the
+        whole fp32 weight, though a BLAS may order it by the output's shape: at K3's shapes some
+        differ in the last bit (docs/eval-drift.md, "Memory")."""
         if not self.upcast_per_use(name):
             return F.linear(x, self[name])
         weight = self.stored[name]
@@ -98,17 +86,15 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
         return out
 
     def borrow(self, name: str) -> torch.Tensor:
-        """``name`` in the compute dtype without a fresh temporary: a held weight itself, else
-        upcast into the buffer :meth:`linear` reuses, valid until the next ``linear`` or
-        ``borrow`` (the Markov table, read at every step of a rollout)."""
+        """``name`` in the compute dtype: held, or upcast into the reused buffer (valid until the
+        next ``linear`` or ``borrow``)."""
         if not self.upcast_per_use(name):
             return self.stored[name]
         weight = self.stored[name]
         return self._upcast_buffer(weight.numel()).view(weight.shape).copy_(weight)
 
     def _upcast_buffer(self, elements: int) -> torch.Tensor:
-        """The reused upcast target, grown to the largest request so far: a fresh temporary
-        per use would cost page faults on hundreds of MiB each time."""
+        """The reused upcast target, grown to the largest request (fresh ones page-fault)."""
         if self._buffer is None or self._buffer.numel() < elements:
             self._buffer = None  # freed before its replacement is allocated
             self._buffer = torch.empty(elements, dtype=self.dtype, device=self.device)
@@ -120,19 +106,15 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
 
 
 def held_fp32(weights: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """``name`` as held, converted to fp32 whatever the compute dtype: for a parameter the
-    deployment keeps in fp32 whatever the model's dtype (the confidence head: vLLM builds it
-    with ``params_dtype=torch.float32`` and loads the checkpoint's value into it).  From a
-    bf16 checkpoint that is the stored value exactly; fp32 weights given to a bf16 model are
-    held rounded to bf16, as a bf16 checkpoint of them would store them."""
+    """``name`` as held, in fp32: a parameter vLLM keeps in fp32 whatever the model's dtype (the
+    confidence head, ``params_dtype=torch.float32``); a bf16 model holds fp32 weights rounded."""
     if isinstance(weights, ComputeWeights):
         return weights.stored[name].float()
     return weights[name].float()
 
 
 def embedding(weights: Mapping[str, torch.Tensor], name: str, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` of the table ``name`` in the compute dtype; of a :class:`ComputeWeights`
-    only the rows looked up are converted (an embedding table is never upcast whole)."""
+    """Rows ``ids`` of the table ``name`` in the compute dtype (only those rows converted)."""
     if isinstance(weights, ComputeWeights):
         return F.embedding(ids, weights.stored[name]).to(weights.dtype)
     return F.embedding(ids, weights[name])
@@ -145,17 +127,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))``, each product ``linear(x, weight)`` (by default the
-    weights are tensors; the forwards pass weight names and their own products)."""
+    """``down(silu(gate(x)) * up(x))``, each product ``linear(x, weight)``."""
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)
 
 
 def inv_freq(d: int, base: float, yarn: Any = None) -> torch.Tensor:
-    """RoPE's inverse frequencies of ``d`` rotary dims, fp32 [d/2]: ``base^(-2j/d)``.  With
-    ``yarn`` (its factor, original_max_position_embeddings, beta_fast and beta_slow), YaRN's:
-    interpolated (``/factor``) below a linear ramp between the correction dims of beta_fast
-    (floored) and beta_slow (ceiled), extrapolated above it, as DeepSeek-V3 and vLLM 0.32's
-    ``YaRNScalingRotaryEmbedding._compute_inv_freq`` compute them
+    """RoPE's inverse frequencies of ``d`` rotary dims, fp32 [d/2]: ``base^(-2j/d)``; with
+    ``yarn``, YaRN's ramp between the correction dims of beta_fast and beta_slow, as vLLM 0.32's
+    ``YaRNScalingRotaryEmbedding._compute_inv_freq``
     (vllm/model_executor/layers/rotary_embedding/yarn_scaling_rope.py)."""
     pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
     if yarn is None:
@@ -175,11 +154,9 @@ def inv_freq(d: int, base: float, yarn: Any = None) -> torch.Tensor:
 
 
 class CausalRows:
-    """A model's causal stream (interface.py's ``AuxChunks``): every step's output of the
-    causal pass over ids [S, T] (``depth`` steps in :func:`causal_layers`' order) as
-    ``rows(t0, t1)`` -> [S, t1 - t0, depth*H] in ``dtype``, taken in order from position 0.  A
-    subclass names its cache's per-position shapes (:meth:`cache_dims`; ``_cache`` holds one
-    [S, T, ...] tensor of each per step) and computes the rows (:meth:`compute`)."""
+    """A model's causal stream (interface.py's ``AuxChunks``): ``rows(t0, t1)`` -> [S, t1 - t0,
+    depth*H] in ``dtype``, taken in order.  A subclass names its cache's per-position shapes
+    (``cache_dims``; ``_cache`` holds one [S, T, ...] tensor of each per step) and ``compute``s."""
 
     def __init__(
         self, model: Any, ids: torch.Tensor, dtype: torch.dtype = torch.float32, depth=None

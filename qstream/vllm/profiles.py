@@ -3,7 +3,7 @@ architecture, as data (docs/vllm.md names the vLLM file and function of every ru
 checkpoint modules load into which runtime module, which are fused (quantized all or none, one
 NVFP4 global scale) and which are never quantized.  ``generic`` is a Hugging Face causal LM
 (names one to one, siblings fused through ``packed_modules_mapping``); each draft architecture
-with ``serving`` data (docs/model.md; qstream/arch/*/checkpoint.py) has its own."""
+with ``serving`` data (docs/model.md; qstream/arch/*/__init__.py) has its own."""
 
 from __future__ import annotations
 

@@ -1,27 +1,18 @@
-"""The DSpark-MLA draft's forward (docs/model.md), one code path for every precision:
-weights and activations in ``dtype``, matmuls accumulating in fp32, RMSNorm, RoPE, the attention
-scores and softmax in fp32, rounded back to ``dtype``.
+"""The DSpark-MLA draft's forward (docs/model.md), one code path for every precision: weights and
+activations in ``dtype``, matmuls accumulating in fp32, RMSNorm, RoPE, attention scores and
+softmax in fp32, rounded back to ``dtype``.
 
 >>> model = DSpark(config, weights)                      # weights: name -> tensor, incl. lm_head
 >>> ctx = model.context(aux, lengths)                    # aux [S, T, A]: once per set of streams
 >>> blocks = model.draft(ctx, stream, anchor, first_token)   # U [N, B, V], hf [N, B, H]
 >>> rows = CausalStream(model, ids).rows(0, 128)         # causal mode: [S, 128, L*H]
 
-Top to bottom, the readable core: the building blocks, one decoder :class:`Layer`, the model
-with :meth:`DSpark.draft_one`, the forward of one block, and the FLOP model.  The context's
-per-layer cache is what an MLA KV cache holds (the normed kv_lora latent and the rotated rope
-key); ``kv_b_proj`` expands it when a block attends to it (expansion, not weight absorption:
-docs/model.md's ``kv_b(RMS(latent))``).
-
-Below it, the memory machinery, which computes the same within a memory budget.
-:meth:`DSpark.draft` takes N blocks in one pass: blocks packed R rows x M slots, a row holding
-blocks of one stream so that its context keys are expanded once (a per-slot mask hides keys at
-or after each anchor); rows taken a few at a time so one score tensor stays within
-``SCORE_BUDGET``; a long context attended in key chunks with an online softmax.  Causal mode
-takes queries in chunks, or is streamed over its MLA cache (:class:`CausalStream`).
-tests/test_model_forward.py checks ``draft`` against ``draft_one``,
-tests/test_sensitivity_context.py the chunked paths against the one-pass ones, and
-tests/test_causal_stream.py the stream against ``causal_hidden``.
+Top to bottom: the readable core (one decoder :class:`Layer`, :meth:`DSpark.draft_one`, the
+forward of one block; the context cache is what an MLA KV cache holds, expanded by ``kv_b_proj``)
+and the FLOP model; then the memory machinery computing the same within ``SCORE_BUDGET``
+(docs/eval-drift.md, "Memory"): blocks packed in rows of one stream, key chunks with an online
+softmax, causal mode streamed over its MLA cache.  tests/test_model_forward.py,
+test_sensitivity_context.py and test_causal_stream.py check each against the core.
 """
 
 from __future__ import annotations
@@ -32,10 +23,9 @@ from pathlib import Path
 
 import torch
 
-from qstream.arch.dspark_mla.checkpoint import check_tensors, load_config, load_weights
-from qstream.arch.dspark_mla.config import DSparkConfig
-from qstream.arch.family import check_blocks
-from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
+from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
+from qstream.arch.family import check_blocks, context_lengths
+from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
@@ -49,9 +39,7 @@ def apply_rope(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0
 ) -> torch.Tensor:
     """Rotate interleaved pairs ``(x[2j], x[2j+1])`` of x [..., T, d] by ``pos * inv_freq[j]``
-    (DeepSeek layout, not half-split), with cos and sin scaled by ``mscale``
-    (:attr:`DSparkConfig.rope_mscale`, 1 in every preset).  ``positions`` broadcasts against
-    x's [..., T]."""
+    (DeepSeek layout), cos and sin scaled by ``mscale`` (:attr:`DSparkConfig.rope_mscale`)."""
     angle = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
     # as vLLM 0.32's DeepseekScalingRotaryEmbedding._compute_cos_sin_cache (vllm/model_executor/
     # layers/rotary_embedding/deepseek_scaling_rope.py) builds them for the K3 MLA: fp32 cos
@@ -62,10 +50,6 @@ def apply_rope(
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# The context cache
 
 
 def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -81,44 +65,30 @@ class ContextCache:
     lengths: torch.Tensor  # [S] valid context positions per stream
 
 
-# ---------------------------------------------------------------------------------------------
-# One decoder layer: MLA attention and a SwiGLU MLP
-
-
 def _layer_weight(name: str) -> property:
-    """A :class:`Layer` attribute that reads ``layers.{i}.<name>.weight`` in the compute dtype
-    (the norms; projections go through :meth:`Layer.proj`)."""
+    """A :class:`Layer` norm: ``layers.{i}.<name>.weight`` in the compute dtype."""
     return property(lambda self: self.weights[f"layers.{self.index}.{name}.weight"])
 
 
 class Layer:
-    """Decoder layer ``i``'s tensors and the pieces of its forward.  Every method works on any
-    leading shape [..., T, ...]; the attention itself (which keys a query sees) is the
-    caller's: :meth:`DSpark.draft_one`, or the batched :func:`draft_packed`."""
+    """Decoder layer ``i``'s pieces (MLA attention, SwiGLU MLP), on any leading shape; which keys
+    a query sees is the caller's."""
 
     input_layernorm = _layer_weight("input_layernorm")
     q_a_layernorm = _layer_weight("self_attn.q_a_layernorm")
     kv_a_layernorm = _layer_weight("self_attn.kv_a_layernorm")
     post_attention_layernorm = _layer_weight("post_attention_layernorm")
 
-    def __init__(
-        self,
-        config: DSparkConfig,
-        weights: ComputeWeights,
-        i: int,
-        inv_freq: torch.Tensor,
-    ):
+    def __init__(self, config: DSparkConfig, weights: ComputeWeights, i: int, inv_freq):
         self.config, self.weights, self.index, self.inv_freq = config, weights, i, inv_freq
 
     def input_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
 
     def proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        """``x @ W^T`` for projection ``layers.{i}.<name>.weight``, in row chunks if upcast."""
         return self.weights.linear(f"layers.{self.index}.{name}.weight", x)
 
     def attention_output(self, out: torch.Tensor) -> torch.Tensor:
-        """The heads' concatenated outputs [..., n*dv] -> [..., H] (o_proj)."""
         return self.proj(out, "self_attn.o_proj")
 
     def query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -145,8 +115,7 @@ class Layer:
     def expand(
         self, latent: torch.Tensor, k_rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [..., T, kv_lora], k_rope [..., T, rope] -> k [..., n, T, dk], v [..., n, T, dv];
-        the rope key is shared by all heads."""
+        """latent [..., T, kv_lora], k_rope [..., T, rope] -> k [..., n, T, dk], v [..., n, T, dv]."""
         c = self.config
         kv = self.proj(latent, "self_attn.kv_b_proj")
         kv = kv.unflatten(-1, (c.num_attention_heads, -1)).transpose(-2, -3)  # [..., n, T, nope+v]
@@ -155,19 +124,13 @@ class Layer:
         return torch.cat((k_nope, k_rope), dim=-1), v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The residual update of the MLP: ``down(silu(gate(RMS(x))) * up(RMS(x)))``."""
         h = rms_norm(x, self.post_attention_layernorm, self.config.rms_norm_eps)
         return swiglu(h, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", self.proj)
 
 
-# ---------------------------------------------------------------------------------------------
-# The model
-
-
 class DSpark:
-    """A DSpark draft computing in ``dtype``: ``weights`` maps every name of :func:`tensor_shapes`
-    plus ``lm_head.weight`` [V, H] to a tensor of any float dtype, each held once
-    (:class:`~qstream.arch.weights.ComputeWeights`).  Nothing is mutated after construction."""
+    """A DSpark draft computing in ``dtype``: ``weights`` maps every name of the tensor table plus
+    ``lm_head.weight`` [V, H] to a tensor of any float dtype, each held once."""
 
     def __init__(
         self,
@@ -176,12 +139,8 @@ class DSpark:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        check_tensors(
-            config,
-            {k: tuple(v.shape) for k, v in weights.items()},
-            "weights",
-            extra={LM_HEAD: (config.vocab_size, config.hidden_size)},
-        )
+        shapes = {k: tuple(v.shape) for k, v in weights.items()}
+        check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
         self.config, self.dtype = config, dtype
         self.w = ComputeWeights(weights, dtype, device)
         self.device = self.w.device
@@ -193,7 +152,7 @@ class DSpark:
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embedding(self.w, "embed_tokens.weight", tokens)
+        return embedding(self.w, EMBED, tokens)
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H])."""
@@ -211,15 +170,10 @@ class DSpark:
     def context(
         self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None
     ) -> ContextCache:
-        """aux [S, T, A] (the target_layer_ids' hidden states, concatenated per position) ->
-        every layer's context latent and rope key at positions 0..T-1; ``lengths`` [S] marks
-        right padding (default: all T valid).  Converted and projected ``CONTEXT_ELEMENTS`` at
-        a time: a tensor a few streams at a time, :class:`AuxChunks` a few positions."""
+        """aux [S, T, A] -> every layer's context latent and rope key at positions 0..T-1;
+        ``lengths`` [S] marks right padding.  Projected ``CONTEXT_ELEMENTS`` at a time."""
         c = self.config
-        if len(aux.shape) != 3 or aux.shape[-1] != c.aux_size:
-            raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
-        S, T, _ = aux.shape
-        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
+        S, T, lengths = context_lengths(c.aux_size, aux, lengths)
         if isinstance(aux, torch.Tensor):
             group, dim = max(1, CONTEXT_ELEMENTS // max(1, T * c.aux_size)), 0
             pieces = [self._context_piece(aux[s0 : s0 + group], 0, T) for s0 in range(0, S, group)]
@@ -233,7 +187,7 @@ class DSpark:
             tuple(_cat([piece[i][j] for piece in pieces], dim) for i in range(len(self.layers)))
             for j in (0, 1)
         )
-        return ContextCache(latent, rope_key, lengths.to(torch.int64))
+        return ContextCache(latent, rope_key, lengths)
 
     def _context_piece(
         self, aux: torch.Tensor, t0: int, t1: int
@@ -249,9 +203,8 @@ class DSpark:
         return [layer.latent(ctx, pos) for layer in self.layers]
 
     def draft_one(self, ctx: ContextCache, stream: int, anchor: int, first_token: int) -> Blocks:
-        """The forward of one block, written to be read (docs/model.md): tokens
-        ``[first_token, mask, ..., mask]`` at positions p..p+B-1 (p = ``anchor``) attend to the
-        context j < p of stream ``stream`` and to the whole block, with no causal mask inside."""
+        """One block, written to be read (docs/model.md): ``[first_token, mask, ...]`` at positions
+        p.. (p = ``anchor``) attend to the context j < p of ``stream`` and to the whole block."""
         c, B, p = self.config, self.config.block_size, anchor
         if not 0 <= p <= int(ctx.lengths[stream]):
             raise ValueError("the anchor p must satisfy 0 <= p <= its stream's context length")
@@ -281,10 +234,8 @@ class DSpark:
         first_token: torch.Tensor,
         key_chunk: int | None = None,
     ) -> Blocks:
-        """Block n is :meth:`draft_one` on stream ``stream[n]`` at anchor ``anchor[n]`` = p from
-        token ``first_token[n]`` = ids[p], all computed at once by :func:`draft_packed` (blocks
-        given grouped by stream skip a final gather); a context longer than ``key_chunk`` keys
-        (default: within :data:`SCORE_BUDGET`) is attended a chunk at a time."""
+        """Block n is :meth:`draft_one` (``stream[n]``, ``anchor[n]``, ``first_token[n]``), all at
+        once by :func:`draft_packed`; contexts longer than ``key_chunk`` keys taken in chunks."""
         stream, anchor, first_token = check_blocks(
             self.config.vocab_size, ctx.lengths, stream, anchor, first_token
         )
@@ -296,8 +247,7 @@ class DSpark:
     def attention_causal(
         self, i: int, h: torch.Tensor, pos: torch.Tensor, query_chunk: int | None = None
     ) -> torch.Tensor:
-        """Layer i's MLA attention as an ordinary causal decoder: h [S, T, H] (input-normed) at
-        positions pos [T] -> o_proj output [S, T, H] (``query_chunk``: :func:`causal_attention`)."""
+        """Layer i's attention as a causal decoder: h [S, T, H] (input-normed) -> o_proj's [S, T, H]."""
         layer = self.layers[i]
         q = layer.query(h, pos).transpose(1, 2)  # [S, n, T, dk]
         k, v = layer.expand(*layer.latent(h, pos))  # [S, n, T, dk], [S, n, T, dv]
@@ -307,10 +257,8 @@ class DSpark:
     def causal_hidden(
         self, ids: torch.Tensor, depth: int | None = None, query_chunk: int | None = None
     ) -> torch.Tensor:
-        """The draft's layers as a causal decoder over ids [S, T] (right padding is harmless:
-        nothing attends forward) -> every layer's output [S, T, depth, H] fp32, the layers in
-        :func:`causal_layers`' order (default: each once); at the target's aux depth,
-        ``.flatten(2)`` is the "boot" regime's aux (docs/eval-drift.md)."""
+        """The layers as a causal decoder over ids [S, T] -> every step's output [S, T, depth, H]
+        fp32 (:func:`causal_layers`; ``.flatten(2)``: the boot regime's aux, docs/eval-drift.md)."""
         pos = torch.arange(ids.shape[1], device=self.device)
         x = self.embed(ids.to(self.device))  # [S, T, H]
         outs = []
@@ -325,18 +273,14 @@ class DSpark:
 def load_model(
     model_dir: str | Path, target: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> DSpark:
-    """A ready :class:`DSpark` from a checkpoint (:mod:`.checkpoint`), weights and compute in
-    ``dtype``: ``load_model("ckpt/")`` borrows the head from ckpt/target_head/,
-    ``load_model("ckpt-nvfp4/", target="kimi-k3/", dtype=torch.bfloat16)`` from the target."""
+    """A ready :class:`DSpark` from a checkpoint, weights and compute in ``dtype`` (the lm_head
+    from ``target``, default ckpt/target_head/)."""
     config = load_config(model_dir)
     return DSpark(config, load_weights(model_dir, target, config), dtype)
 
 
-# ---------------------------------------------------------------------------------------------
 # The FLOP model (docs/eval-drift.md, "FLOP model"): 2 FLOPs per multiply-add of the work the
-# draft must do; norms, softmax, masking, upcasts and sampling are not counted.  Its readers:
-# the packing below weighs a padding slot against a row's context expansion, eval-drift's
-# progress bar takes its ETA from the work left, and evals/ divide it by a pass's seconds.
+# draft must do; norms, softmax, masking, upcasts and sampling are not counted.
 
 
 def expand_flops(c: DSparkConfig) -> float:
@@ -346,15 +290,13 @@ def expand_flops(c: DSparkConfig) -> float:
 
 
 def context_flops(c: DSparkConfig) -> float:
-    """One context position: the context projection, then each layer's latent and rope key
-    (kv_a_proj_with_mqa) and its expansion."""
+    """One context position: context_proj, each layer's kv_a_proj_with_mqa and expansion."""
     latent = c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim)
     return 2.0 * (c.aux_size * c.hidden_size + c.num_hidden_layers * latent) + expand_flops(c)
 
 
 def position_flops(c: DSparkConfig, keys: int) -> float:
-    """One drafted position that attends to ``keys`` keys (its context plus the block): every
-    layer's projections and attention, then lm_head and the Markov head."""
+    """One drafted position attending to ``keys`` keys: the layers, lm_head, the Markov head."""
     return 2.0 * (
         c.num_hidden_layers * _layer_multiply_adds(c, keys)
         + (c.hidden_size + c.markov_rank) * c.vocab_size
@@ -362,9 +304,7 @@ def position_flops(c: DSparkConfig, keys: int) -> float:
 
 
 def causal_flops(c: DSparkConfig, T: int) -> float:
-    """One stream's causal pass over T positions (the boot regime's aux states, one layer step
-    per target aux layer): every step at every position, position t attending to the t + 1 keys
-    up to itself."""
+    """One stream's causal pass over T positions, one layer step per target aux layer."""
     per_key = c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
     return 2.0 * c.num_target_layers * (T * _layer_multiply_adds(c, 0) + per_key * T * (T + 1) // 2)
 
@@ -384,37 +324,29 @@ def _layer_multiply_adds(c: DSparkConfig, keys: int) -> int:
 
 
 def drafted_flops(c: DSparkConfig, anchor: torch.Tensor) -> float:
-    """Blocks at ``anchor`` [N]: their B positions each, each attending to its context and the
-    block (no context projection)."""
+    """Blocks at ``anchor`` [N]: B positions each, attending to the context and block."""
     B = c.block_size
     return sum(B * position_flops(c, p + B) for p in anchor.tolist())
 
 
 def blocks_flops(c: DSparkConfig, stream: torch.Tensor, anchor: torch.Tensor) -> float:
-    """Blocks at ``anchor`` of ``stream`` [N]: their B positions each, plus each stream's
-    context up to its longest anchor, computed once (a batch's padding is not useful work)."""
+    """:func:`drafted_flops` plus each stream's context up to its longest anchor, once."""
     context = sum(longest_anchors(stream, anchor).values())
     return drafted_flops(c, anchor) + context * context_flops(c)
 
 
 def longest_anchors(stream: torch.Tensor, anchor: torch.Tensor) -> dict[int, int]:
-    """Each stream's largest anchor among blocks (stream, anchor) [N]: the context it needs."""
+    """Each stream's largest anchor among blocks (stream, anchor) [N]."""
     longest: dict[int, int] = {}
     for s, p in zip(stream.tolist(), anchor.tolist()):
         longest[s] = max(longest.get(s, 0), p)
     return longest
 
 
-# =============================================================================================
-# The memory machinery: the same arithmetic within a memory budget
-
-# Budget of one score tensor (float32 elements): draft's [rows, n, M*B, keys] and causal mode's
-# [S, n, queries, T].
+# The memory machinery: the same arithmetic within a memory budget.  SCORE_BUDGET bounds one
+# score tensor (fp32 elements): draft's [rows, n, M*B, keys], causal mode's [S, n, queries, T].
 SCORE_BUDGET = 1 << 25
 MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
-
-# ---------------------------------------------------------------------------------------------
-# Drafting many blocks at once
 
 
 def draft_packed(
@@ -425,8 +357,7 @@ def draft_packed(
     first_token: torch.Tensor,
     key_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:meth:`DSpark.draft_one` for N blocks (stream, anchor, first_token [N], already checked):
-    returns U [N, B, V] and hf [N, B, H] in the model's dtype."""
+    """:meth:`DSpark.draft_one` for N checked blocks -> U [N, B, V], hf [N, B, H] (model dtype)."""
     T_max = int(anchor.max()) if anchor.numel() else 0
     packing = _pack(stream, anchor, _row_cost(model.config, T_max))
     B, n = model.config.block_size, model.config.num_attention_heads
@@ -500,9 +431,7 @@ def _attend_block(
 def _attend_block_chunked(
     model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
 ) -> torch.Tensor:
-    """The same attention with the context keys taken ``key_chunk`` at a time (an
-    :class:`OnlineSoftmax`).  The block's own keys come first, so the running max is finite
-    from the start (they are never masked)."""
+    """The same, context keys ``key_chunk`` at a time; the block's own (never masked) first."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     softmax = OnlineSoftmax(model.dtype)
     softmax.add(s_blk, lambda p: p @ v_blk.transpose(1, 2))  # [R, n, M, B, dv]
@@ -516,24 +445,17 @@ def _attend_block_chunked(
     return softmax.result()
 
 
-# ---------------------------------------------------------------------------------------------
-# Keys a chunk at a time
-
-
 class OnlineSoftmax:
-    """softmax(scores) · V over keys taken a chunk at a time (Milakov & Gimelshein 2018;
-    FlashAttention, Dao et al. 2022): the running max, sum and output are kept in fp32, and
-    each chunk's probabilities are rounded to ``dtype`` for the P·V product, as FlashAttention
-    does.  The first chunk must leave every query at least one visible key."""
+    """softmax(scores) · V over key chunks (FlashAttention): running max, sum and output in fp32,
+    each chunk's probabilities rounded to ``dtype`` for P·V.  The first chunk must leave every
+    query a visible key."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.m: torch.Tensor | None = None
 
     def add(self, s: torch.Tensor, pv: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Scores ``s`` [..., keys] of one chunk, overwritten (exponentiated in place: one
-        score-sized temporary less); ``pv(p)`` multiplies the chunk's rounded probabilities
-        by its values."""
+        """Scores ``s`` [..., keys] of one chunk (exponentiated in place); ``pv(p)``: P·V."""
         if self.m is None:
             self.m = s.amax(-1, keepdim=True)
             e = s.sub_(self.m).exp_()
@@ -551,16 +473,11 @@ class OnlineSoftmax:
         return (self.acc / self.denom).to(self.dtype)
 
 
-# ---------------------------------------------------------------------------------------------
-# Causal mode: queries in chunks, or streamed over the MLA cache
-
-
 def causal_attention(
     model: DSpark, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None = None
 ) -> torch.Tensor:
-    """Causal softmax attention of q, k [S, n, T, dk] and v [S, n, T, dv] -> [S, n, T, dv].
-    Queries are taken ``query_chunk`` at a time (default: as many as keep the [S, n, chunk, T]
-    scores within the budget); a chunk attends only to the keys up to its last query."""
+    """Causal attention of q, k [S, n, T, dk], v [S, n, T, dv] -> [S, n, T, dv], ``query_chunk``
+    queries at a time (default: within the budget)."""
     S, n, T, _ = q.shape
     chunk = query_chunk or max(1, SCORE_BUDGET // max(1, S * n * T))
     outs = []
@@ -580,11 +497,9 @@ def cached_causal_attention(
     rope_key: torch.Tensor,
     key_chunk: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the queries q [S, n, t, dk] at the last t positions of an MLA cache
-    latent [S, T, kv_lora], rope_key [S, T, rope] (keys 0..T-1) -> [S, n, t, dv].  A cache
-    longer than ``key_chunk`` keys (default: as many as keep [S, n, t, keys] within the
-    budget) is expanded a chunk at a time into an :class:`OnlineSoftmax`, so no temporary spans
-    it; a shorter one takes one pass, the arithmetic of :func:`causal_attention`."""
+    """Causal attention of q [S, n, t, dk] at the last t positions of an MLA cache (latent
+    [S, T, kv_lora], rope_key [S, T, rope]) -> [S, n, t, dv]; a cache longer than ``key_chunk``
+    keys (default: within the budget) is expanded a chunk at a time into an OnlineSoftmax."""
     S, n, t, _ = q.shape
     T = latent.shape[1]
     key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // max(1, S * n * t))
@@ -608,13 +523,9 @@ def cached_causal_attention(
 
 
 class CausalStream(CausalRows):
-    """The draft's layers as a causal decoder streamed over a long token stream a range of
-    positions at a time (the boot aux regime at long context, docs/context-sweep.md "Memory"):
-    where :meth:`DSpark.causal_hidden` returns all of ``[S, T, L, H]`` at once (19 GB of fp32
-    for one 131,072-token stream at K3), this keeps per layer only what an MLA KV cache holds
-    and attends to it in key chunks (:func:`cached_causal_attention`), equal to
-    ``causal_hidden`` to fp32 rounding (tests/test_causal_stream.py).  ``rows(t0, t1)``:
-    :class:`~qstream.arch.weights.CausalRows`."""
+    """:meth:`DSpark.causal_hidden` streamed a range of positions at a time over a per-layer MLA
+    cache (docs/context-sweep.md, "Memory": all of [S, T, L, H] is 19 GB of fp32 for one
+    131,072-token stream at K3); equal to it to fp32 rounding."""
 
     def cache_dims(self, c: DSparkConfig) -> tuple[tuple[int, ...], ...]:
         return (c.kv_lora_rank,), (c.qk_rope_head_dim,)  # the latent and the rope key
@@ -634,10 +545,6 @@ class CausalStream(CausalRows):
             x = x + layer.mlp(x)
             outs.append(x.to(self.dtype))
         return torch.stack(outs, dim=2).flatten(2)
-
-
-# ---------------------------------------------------------------------------------------------
-# Packing blocks into rows of one stream
 
 
 def _rows(cache: torch.Tensor, row_stream: torch.Tensor, T: int) -> torch.Tensor:
@@ -677,16 +584,13 @@ class _Packing:
 
 
 def _row_cost(c: DSparkConfig, T: int) -> float:
-    """A packed row's own work (expanding ``T`` context keys in every layer) in units of one
-    slot's work (B positions attending to T + B keys), by the FLOP model."""
+    """A packed row's own work (expanding ``T`` context keys) in slots' work, by the FLOP model."""
     return T * expand_flops(c) / (c.block_size * position_flops(c, T + c.block_size))
 
 
 def _pack(stream: torch.Tensor, anchor: torch.Tensor, row_cost: float = 0.0) -> _Packing:
-    """Group blocks by stream into rows of M slots.  M minimises the work: a padding slot costs
-    a block's whole forward, a row ``row_cost`` slots (its context keys expanded once for its
-    blocks).  At K3 a stream of 2 blocks beside streams of 1 is cheaper in two rows of one
-    slot than in one row of two beside half-empty rows (docs/eval-drift.md, "Batching")."""
+    """Group blocks by stream into rows of M slots, M minimising the work: a padding slot costs a
+    block's forward, a row ``row_cost`` slots (docs/eval-drift.md, "Batching")."""
     N = stream.numel()
     order = torch.sort(stream, stable=True).indices
     streams, counts = torch.unique_consecutive(stream[order], return_counts=True)

@@ -1,6 +1,5 @@
-"""The Qwen3-style DSpark draft's reference forward (docs/qwen3-dspark.md, "Forward"), one code
-path for every precision: weights and activations in ``dtype``, matmuls accumulating in fp32,
-RMSNorm, RoPE, attention scores and softmax in fp32, rounded back to ``dtype``.
+"""The Qwen3-style DSpark draft's forward (docs/qwen3-dspark.md, "Forward"), computed as the
+DSpark-MLA one is (qstream/arch/dspark_mla/model.py) in every precision.
 
 >>> model = Qwen3DSpark(config, weights)                  # weights: name -> tensor, + lm_head
 >>> ctx = model.context(aux, lengths)                     # aux [S, T, A]: once per stream set
@@ -22,9 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from qstream.arch.dspark_qwen3.checkpoint import check_tensors
-from qstream.arch.dspark_qwen3.config import Qwen3DSparkConfig
-from qstream.arch.family import check_blocks
+from qstream.arch.dspark_qwen3 import Qwen3DSparkConfig, check_tensors
+from qstream.arch.family import check_blocks, context_lengths
 from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks
 from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
 
@@ -33,9 +31,8 @@ SCORE_BUDGET = 1 << 25  # attention score elements computed at a time
 
 
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscale: float):
-    """Neox RoPE: rotate the halves ``(x[:d/2], x[d/2:])`` of x [..., T, heads, d] by
-    ``pos * inv_freq``, cos and sin scaled by YaRN's ``mscale``; ``pos`` broadcasts against
-    [..., T]."""
+    """Neox RoPE: rotate the halves of x [..., T, heads, d] by ``pos * inv_freq``, cos and sin
+    scaled by YaRN's ``mscale``."""
     angle = pos.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
     cos, sin = (angle.cos() * mscale)[..., None, :], (angle.sin() * mscale)[..., None, :]
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -53,9 +50,8 @@ class ContextKV:
 
 
 class Qwen3DSpark:
-    """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the names of
-    :func:`~qstream.arch.dspark_qwen3.checkpoint.tensor_shapes` (with ``embed_tokens.weight``)
-    plus ``lm_head.weight`` [draft_vocab, H] to tensors of any float dtype, each held once."""
+    """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the tensor table's
+    names with ``embed_tokens.weight`` and ``lm_head.weight`` to tensors of any float dtype."""
 
     def __init__(
         self,
@@ -89,14 +85,11 @@ class Qwen3DSpark:
         self.scale = config.head_dim**-0.5
         self.eps = config.rms_norm_eps
 
-    # -- building blocks ------------------------------------------------------------------
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return embedding(self.w, EMBED, tokens)
 
     def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T (+ b)`` for module ``name``, the bias added in fp32 before the rounding to
-        the model's dtype (as a GEMM epilogue adds it)."""
+        """``x @ W^T (+ b)``, the bias added in fp32 before rounding (as a GEMM epilogue adds it)."""
         bias = self.w.stored.get(f"{name}.bias")
         if bias is None:
             return self.matmul(f"{name}.weight", x)
@@ -128,18 +121,16 @@ class Qwen3DSpark:
         return self.matmul(f"{name}.weight", x)
 
     def matmul(self, name: str, x: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
-        """``x @ W^T``, accumulated in fp32 and rounded to ``out`` (the model's dtype).  A narrower model
-        (bf16) multiplies its operands upcast exactly to fp32 (every bf16 product is exact in
-        fp32) rather than with torch's CPU bf16 kernel, which accumulates in fp32 as well but
-        runs about 10x slower on this project's CPUs; the two differ only in the order of the
-        fp32 sums.  On a GPU, its bf16 GEMM (which accumulates in fp32) is used as it is."""
+        """``x @ W^T`` accumulated in fp32, rounded to ``out`` (the model's dtype).  On the CPU a bf16
+        model multiplies its operands upcast exactly to fp32: torch's CPU bf16 kernel is ~10x
+        slower and differs only in the order of the fp32 sums."""
         if self.dtype == torch.float32 or self.device.type != "cpu":
             return self.w.linear(name, x)
         return F.linear(x.float(), self.w.stored[name].float()).to(out or self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
         """q [..., Tq, kv, g, d] over k, v [..., Tk, kv, d] (``mask`` [..., Tq, Tk] True where
-        visible) -> [..., Tq, n*d]: fp32 scores and softmax, rounded to the model's dtype."""
+        visible) -> [..., Tq, n*d]."""
         s = torch.einsum("...qkgd,...tkd->...kgqt", q.float(), k.float()) * self.scale
         if mask is not None:
             s = s.masked_fill(~mask[..., None, None, :, :], float("-inf"))
@@ -147,17 +138,11 @@ class Qwen3DSpark:
         out = torch.einsum("...kgqt,...tkd->...qkgd", p.float(), v.float())  # upcasts: exact
         return out.to(self.dtype).flatten(-3)
 
-    # -- the context ----------------------------------------------------------------------
-
     def context(self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None):
-        """aux [S, T, A] (the target_layer_ids' hidden states, concatenated per position) ->
-        every layer's context keys and values at positions 0..T-1; ``lengths`` [S] marks right
-        padding.  Projected ``CONTEXT_ELEMENTS`` at a time."""
+        """aux [S, T, A] -> every layer's context keys and values at positions 0..T-1 (``lengths``
+        [S]: right padding), projected ``CONTEXT_ELEMENTS`` at a time."""
         c = self.config
-        if len(aux.shape) != 3 or aux.shape[-1] != c.aux_size:
-            raise ValueError(f"aux must be [S, T, {c.aux_size}], got {list(aux.shape)}")
-        S, T, _ = aux.shape
-        lengths = torch.full((S,), T) if lengths is None else torch.as_tensor(lengths).cpu()
+        S, T, lengths = context_lengths(c.aux_size, aux, lengths)
         step = max(1, CONTEXT_ELEMENTS // max(1, S * c.aux_size))
         pieces = []
         for t0 in range(0, T, step):
@@ -170,17 +155,13 @@ class Qwen3DSpark:
             tuple(torch.cat([p[i][j] for p in pieces], 1) for i in range(c.num_hidden_layers))
             for j in (0, 1)
         )
-        return ContextKV(k, v, lengths.to(torch.int64))
-
-    # -- drafting -------------------------------------------------------------------------
+        return ContextKV(k, v, lengths)
 
     def block_hidden(
         self, ctx: ContextKV, stream: torch.Tensor, anchor: torch.Tensor, first_token: torch.Tensor
     ) -> torch.Tensor:
-        """Every slot's final-normed state [N, block_slots, H] in the model's dtype: block n is
-        ``[first_token[n], mask, ...]`` at positions anchor[n].. of stream[n], attending to its
-        context j < anchor[n] and to the whole block.  Computed in runs of consecutive blocks
-        whose scores and gathered context keys stay within ``SCORE_BUDGET`` elements."""
+        """Every slot's final-normed state [N, block_slots, H] (model dtype), as :meth:`draft_one`
+        in runs of consecutive blocks within ``SCORE_BUDGET`` elements."""
         c = self.config
         stream, anchor, first_token = check_blocks(
             c.vocab_size, ctx.lengths, stream, anchor, first_token
@@ -223,18 +204,15 @@ class Qwen3DSpark:
     def draft(
         self, ctx: ContextKV, stream: torch.Tensor, anchor: torch.Tensor, first_token: torch.Tensor
     ) -> Blocks:
-        """Block n on stream ``stream[n]`` at anchor p = ``anchor[n]`` from ``first_token[n]``
-        = ids[p]: the drafted slots' base logits ``U = hf @ lm_head^T`` [N, B, Vd] (row k
-        predicts ids[p+k+1]) and states hf [N, B, H], fp32."""
+        """The drafted slots' ``U = hf @ lm_head^T`` [N, B, Vd] (row k predicts ids[p+k+1]) and
+        hf [N, B, H], fp32, of block n on ``stream[n]`` at ``anchor[n]`` from ``first_token[n]``."""
         hf = self.block_hidden(ctx, stream, anchor, first_token)[:, self.config.first_slot :]
         U = self.matmul(LM_HEAD, hf)
         return Blocks(U.float(), hf.float(), torch.as_tensor(first_token).long().to(self.device))
 
     def draft_one(self, ctx: ContextKV, stream: int, anchor: int, first_token: int) -> Blocks:
-        """The forward of one block, written to be read (docs/qwen3-dspark.md): tokens
-        ``[first_token, mask, ...]`` at positions p.. (p = ``anchor``) attend to the context
-        j < p of stream ``stream`` and to the whole block, with no causal mask inside.
-        :meth:`draft` computes the same for many blocks at once (tests check they agree)."""
+        """One block, written to be read (docs/qwen3-dspark.md): ``[first_token, mask, ...]`` at
+        positions p.. (p = ``anchor``) attend to the context j < p of ``stream`` and the block."""
         c, p = self.config, anchor
         if not 0 <= p <= int(ctx.lengths[stream]):
             raise ValueError("the anchor p must satisfy 0 <= p <= its stream's context length")
@@ -257,21 +235,15 @@ class Qwen3DSpark:
             U[None].float(), hf[None].float(), torch.tensor([first_token], device=self.device)
         )
 
-    # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
-
     def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-        """The draft's layers as a causal decoder over ids [S, T] -> every layer's output
-        [S, T, depth, H] fp32, the layers in :func:`causal_layers`' order (default: each once;
-        ``.flatten(2)`` at the target's aux depth: the boot regime's aux, docs/eval-drift.md)."""
+        """The layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32 (interface.py)."""
         stream = CausalStream(self, ids, torch.float32, depth)
         S, T, _ = stream.shape
         return stream.rows(0, T).unflatten(-1, (len(stream.layers), -1))
 
 
 class CausalStream(CausalRows):
-    """:meth:`Qwen3DSpark.causal_hidden` a range of positions at a time over a KV cache per
-    step (``rows(t0, t1)``: :class:`~qstream.arch.weights.CausalRows`), queries taken a few at
-    a time within ``SCORE_BUDGET``."""
+    """:meth:`Qwen3DSpark.causal_hidden` a range of positions at a time over a KV cache per step."""
 
     def cache_dims(self, c: Qwen3DSparkConfig) -> tuple[tuple[int, ...], ...]:
         return (c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim)
@@ -297,9 +269,7 @@ class CausalStream(CausalRows):
         return torch.stack(outs, dim=2).flatten(2)
 
 
-# ---------------------------------------------------------------------------------------------
-# The FLOP model (docs/eval-drift.md, "FLOP model"): 2 FLOPs per multiply-add of the work the
-# draft must do; norms, softmax, masking and sampling not counted.
+# The FLOP model (docs/eval-drift.md, "FLOP model"), counted as the DSpark-MLA one.
 
 
 def context_flops(c: Qwen3DSparkConfig) -> float:
@@ -316,8 +286,7 @@ def _layer(c: Qwen3DSparkConfig, keys: int) -> int:
 
 
 def drafted_flops(c: Qwen3DSparkConfig, anchor: torch.Tensor) -> float:
-    """Blocks at ``anchor`` [N]: every slot of each attends to its context and the block; the
-    drafted positions then run lm_head and the Markov head."""
+    """Blocks at ``anchor`` [N]: every slot's layers, the drafted ones' lm_head and Markov head."""
     S, B = c.block_slots, c.block_size
     head = (c.hidden_size + c.markov_rank) * c.draft_vocab_size
     return sum(
@@ -326,8 +295,6 @@ def drafted_flops(c: Qwen3DSparkConfig, anchor: torch.Tensor) -> float:
 
 
 def causal_flops(c: Qwen3DSparkConfig, T: int) -> float:
-    """One stream's causal pass over T positions (the boot regime: one layer step per target
-    aux layer): every step at every position, position t attending to the t + 1 keys up to
-    itself."""
+    """One stream's causal pass over T positions, one layer step per target aux layer."""
     q = c.num_attention_heads * c.head_dim
     return 2.0 * c.num_target_layers * (T * _layer(c, 0) + 2 * q * T * (T + 1) // 2)
