@@ -17,7 +17,7 @@ from qstream.arch.dspark_mla.config import PRESETS
 from qstream.arch.dspark_mla.model import DSpark
 from qstream.card.build import write_card
 from qstream.cli import cli
-from qstream.eval.aux_sources import SyntheticAuxChunks
+from qstream.eval.batches import SyntheticAuxChunks
 from qstream.eval.context_sweep import default_edges, long_streams
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.sensitivity import module_kinds

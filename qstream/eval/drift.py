@@ -24,8 +24,7 @@ from qstream.arch.registry import architecture_of, load_config
 from qstream.checkpoint.files import sha256_file
 from qstream.device import describe_device, resolve_device
 from qstream.errors import QStreamError
-from qstream.eval.aux_sources import check_boot_compatible
-from qstream.eval.batches import Batch, batch_flops, make_batches
+from qstream.eval.batches import Batch, batch_flops, check_boot_compatible, make_batches
 from qstream.eval.context_sweep import bucket_plans, context_sweep, default_edges
 from qstream.eval.corpus import (
     BUILTIN_CORPUS_NAME,
@@ -39,7 +38,6 @@ from qstream.eval.corpus import (
     tokenize,
 )
 from qstream.eval.passes import RegimeRun, evaluate_regime
-from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
 from qstream.eval.settings import (
     DEFAULT_EDGES,
@@ -49,7 +47,12 @@ from qstream.eval.settings import (
     DriftSettings,
 )
 from qstream.eval.states import CapturedStates, read_states
-from qstream.eval.variants import Weights, settings_variants
+from qstream.eval.variants import (
+    Weights,
+    check_variants_derived,
+    refuse_quantized_model,
+    settings_variants,
+)
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
 from qstream.progress import Progress, Silent

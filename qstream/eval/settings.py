@@ -108,7 +108,7 @@ class Selection:
     """The variants a run builds and what they quantize, as eval-drift and speculate take them:
     simulated ``formats`` (bf16 is the floor), quantized checkpoints read back (``variant``,
     ``NAME=DIR``; ``variant_dirs`` holds them parsed), whether one not derived from the model is
-    compared anyway (qstream/eval/provenance.py) and whether its files are checked against the
+    compared anyway (qstream/eval/variants.py) and whether its files are checked against the
     sha256s quantize recorded (qstream/checkpoint/integrity.py, recorded in the results); the
     modules the simulated formats quantize (() = the draft architecture's own shipped list, its
     descriptor's quantize_include, resolved once config.json is read) and never quantize."""
