@@ -72,14 +72,11 @@ def check_boot_compatible(config: DraftConfig) -> None:
 
 
 class SyntheticAuxChunks:
-    """gauss / heavy aux states [S, pad_to, A] for the given corpus streams, zero past each stream's
-    end, drawn in float32 and rounded to ``dtype``, a range of positions at a time.  Each stream's
-    states come from its own generator, from position 0 on, so they never depend on how streams are
-    batched, and a range continues the previous one: ranges give the rows of one whole draw (torch's
-    CPU normal sampler works in groups of 16 values and A is a multiple of 16 in every preset and
-    real model; tests/test_sensitivity_context.py checks).  A batch too big to hold (a long-context
-    bucket at K3 width: one 131,072-token stream is 9.4 GB of bf16) is handed to a model's
-    ``context`` this way (``qstream.arch.interface.AuxChunks``); ``rows(0, pad_to)``: all at once."""
+    """gauss / heavy aux states [S, pad_to, A] (``AuxChunks``), zero past each stream's end, drawn
+    in float32 and rounded to ``dtype``, a range of positions at a time, in order: each stream from
+    its own generator, so ranges give the rows of one whole draw however streams are batched
+    (torch's CPU normal sampler works in groups of 16 and A is a multiple of 16;
+    tests/test_sensitivity_context.py checks).  ``rows(0, pad_to)``: all at once."""
 
     def __init__(
         self,
@@ -146,9 +143,8 @@ def batch_flops(config: DraftConfig, batch: Batch, causal: bool = False) -> floa
 
 
 def make_batches(plan: AnchorPlan, corpus: Corpus, config: DraftConfig) -> tuple[Batch, ...]:
-    """Split the plan into batches of whole streams.  Streams are taken in order of the context
-    they need (their largest anchor), so a batch pads every stream to nearly the same length;
-    a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
+    """The plan in batches of whole streams, taken by the context they need (so padding stays
+    small); a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
     max_blocks = max(1, LOGITS_BUDGET // (config.block_size * config.vocab_size))
     need: dict[int, int] = {}
     blocks_of: dict[int, list[int]] = {}
@@ -188,13 +184,10 @@ def _batch(
 
 
 class AuxStates:
-    """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: the captured file's own
-    (``corpus`` is :class:`CapturedStates`), or drawn for gauss and heavy, or (boot) the
-    reference model's own causal layer outputs, computed on the reference pass.  A batch's
-    states are kept for the later passes while the kept ones stay under AUX_CACHE_BYTES
-    (drawing gauss and heavy again costs as much as a bf16 forward); beyond that gauss and
-    heavy are drawn again (deterministic) and boot's go to a scratch file (``scratch_dir``, as
-    the per-block outputs), read back bit-exactly.  Close it when the regime ends."""
+    """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: captured (``corpus`` is
+    :class:`CapturedStates`), drawn (gauss, heavy), or the reference's causal layer outputs
+    (boot, made on the reference pass).  Kept for the later passes up to AUX_CACHE_BYTES; beyond,
+    gauss and heavy are drawn again and boot's spill to ``scratch_dir``.  Close after the regime."""
 
     def __init__(
         self,
@@ -212,12 +205,9 @@ class AuxStates:
         self._recorded: dict[Batch, Recorded] = {}
 
     def get(self, batch: Batch, reference: DraftModel | None = None) -> torch.Tensor | AuxChunks:
-        """The batch's aux states; boot needs ``reference`` the first time a batch is seen.
-        A batch's states over LAZY_AUX_BYTES (a long-context bucket's streams) are never held:
-        they come as :class:`AuxChunks`, produced as the context projection takes them (gauss
-        and heavy drawn, captured rows read, again for every pass; boot computed once by the
-        reference's streamed causal pass and read back from the scratch file), the heap
-        trimmed after each range."""
+        """The batch's aux states (boot: ``reference`` the first time).  Over LAZY_AUX_BYTES they
+        are never held but come as :class:`AuxChunks` (boot's streamed once to the scratch
+        file), the heap trimmed after each range."""
         aux = self._get(batch, reference)
         return aux if isinstance(aux, torch.Tensor) else Trimmed(aux)
 
@@ -271,11 +261,9 @@ class AuxStates:
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) -> torch.Tensor:
-    """Exp(1) variates [n, B, V] for the sampled rollouts of one batch, shared by the reference
-    and every variant (common random numbers): the same generator seed for the same batch, as
-    one vLLM request seed gives the same draws.  Drawn as ``-log(U)``, U uniform on [0, 1)
-    (cheaper than torch's ``exponential_``): U = 0 gives +inf, a race its token cannot win, as
-    Exp(1)'s far tail; no race is 0, since U < 1."""
+    """Exp(1) variates [n, B, V] for one batch's sampled rollouts, the same for the reference and
+    every variant (common random numbers), drawn as ``-log(U)``, U uniform on [0, 1) (cheaper
+    than ``exponential_``; U = 0 gives +inf, a race its token cannot win)."""
     gen = torch.Generator().manual_seed(((seed * 7919 + 17) * 1_000_003 + batch_index) % 2**64)
     shape = (n_blocks, config.block_size, config.vocab_size)
     return torch.empty(shape).uniform_(generator=gen).log_().neg_()
@@ -301,11 +289,9 @@ def draft_batch(
     seed: int,
     sampling: Sampling = Sampling(),
 ) -> Drafts:
-    """One batch drafted by ``model``: its proposal state, greedy rollout, and sampled rollout
-    on the batch's shared race noise (the same for the reference and every variant), drawn from
-    the full tempered distribution as vLLM's drafter draws under ``draft_sample_method:
-    probabilistic`` (``sampling.draft_top_p`` < 1: other engines); all on the host, where the
-    metrics and verifiers run."""
+    """One batch drafted by ``model``, on the host: its proposal state, greedy rollout, and
+    sampled rollout on the batch's race noise (the full tempered softmax, as vLLM's
+    ``draft_sample_method: probabilistic``)."""
     state, drafter = propose(model, aux, batch), architecture_of(model.config).drafter
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
     sampled = drafter.rollout(state, noise, sampling.temperature, sampling.draft_top_p)

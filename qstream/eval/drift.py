@@ -1,9 +1,6 @@
-"""Drift of each variant against the FP32 reference (docs/eval-drift.md), regime by regime:
-``qstream eval-drift`` as one library call, :func:`evaluate_drift`.  It resolves the command's
-defaults (the built-in draft and corpus, the draft's own tokenizer, the default context buckets),
-loads the corpus and writes the results file, its run description, and the regimes, captured
-states and context buckets it holds.  One regime's work is qstream/eval/passes.py's.
-``evals/eval_dspark_quant.py`` uses the same call.
+"""``qstream eval-drift`` as one library call, :func:`evaluate_drift` (docs/eval-drift.md): the
+command's defaults resolved, the corpus loaded, every regime, captured states and context bucket
+evaluated (one regime's work: passes.py) into the results.
 
 >>> settings = DriftSettings(model="DRAFT", regime="heavy", formats=("bf16", "fp8"), blocks=256)
 >>> results = evaluate_drift(settings, say=print)
@@ -82,8 +79,7 @@ def _states_plan(states: CapturedStates, settings: DriftSettings, config: DraftC
 
 
 def refuse_unevaluated(config: DraftConfig) -> None:
-    """One line for a draft the evaluation does not model yet: a reduced draft vocabulary
-    (its drafted ids map to target ids through d2t; docs/qwen3-dspark.md, "Status")."""
+    """Refuse a reduced draft vocabulary (ids mapped by d2t; docs/qwen3-dspark.md, "Status")."""
     if getattr(config, "reduced_vocab", False):
         raise QStreamError(
             f"config.json: draft_vocab_size {config.draft_vocab_size} < vocab_size "  # type: ignore[attr-defined]
@@ -98,9 +94,8 @@ def load_run_corpus(
     config: DraftConfig,
     target: str | None = None,
 ) -> Corpus:
-    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the
-    draft's own tokenizer.json, else ``target``'s, as speculate uses; the path used is
-    recorded in the results' ``corpus.tokenizer``)."""
+    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the draft's
+    own tokenizer.json, else ``target``'s)."""
     tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
     if not tokenizer and target is not None and not tok.is_file():
         tok = Path(target) / "tokenizer.json"
@@ -112,9 +107,8 @@ def load_run_corpus(
 def _resolved(
     settings: DriftSettings, corpus: Corpus | None, say: Callable[[str], None] | None
 ) -> tuple[DriftSettings, DraftConfig, Corpus]:
-    """The command's defaults resolved: the built-in draft for no ``model`` (built on first
-    use, announced through ``say``), the draft's default context buckets, the architecture's
-    shipped include list; and the corpus, read unless given already loaded."""
+    """The settings with the built-in draft (announced through ``say``), the default context
+    buckets and the shipped include list resolved; the config; the corpus, read unless given."""
     model = settings.model
     if model is None:
         model = str(builtin_model_dir(say))
@@ -139,9 +133,7 @@ def evaluate_drift(
     say: Callable[[str], None] | None = None,
     progress: Progress | None = None,
 ) -> dict:
-    """Run every regime of ``settings``; returns the JSON-ready results (schema in docs/).
-    ``corpus``: an already loaded :class:`~qstream.eval.corpus.Corpus` in place of
-    ``settings.corpus``."""
+    """The JSON-ready results of every regime of ``settings`` (``corpus``: already loaded)."""
     resolve_device(settings.device)  # before any work: one line when there is no such GPU
     settings, config, corpus = _resolved(settings, corpus, say)
     model_dir, target = str(settings.model), settings.target
@@ -185,15 +177,12 @@ def evaluate_drift(
 
 
 def _batched(config: DraftConfig, sets: list[tuple[Corpus | None, AnchorPlan | None]]) -> Batched:
-    """Each set of blocks the run drafts, batched once (``make_batches``): the passes run the
-    batches the progress was planned on."""
+    """Each set of blocks batched once: the passes run the batches the progress planned on."""
     return {id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None}
 
 
 def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSettings) -> int:
-    """The passes of the sensitivity steps per regime (qstream/eval/sensitivity.py: the floor,
-    each kind alone, each kind added); a checkpoint no kind of which the format holds fails
-    here."""
+    """Sensitivity passes per regime: the floor, each kind alone, each kind added."""
     if not settings.sensitivity:
         return 0
     kinds = module_kinds(weights, sensitivity_format(settings), config, settings.ignore_layers)
@@ -209,15 +198,11 @@ def _planned(
     states_plan: AnchorPlan | None,
     buckets: Buckets,
 ) -> tuple[int, dict[str, float]]:
-    """Blocks and FLOPs (per kind of pass) of every pass the run will make, as its batches
-    report them, per kind of pass: per regime the reference pass, each variant's and the
-    ``steps`` sensitivity steps'; per bucket of a context sweep the reference's and each variant's.  A bucket counts
-    at its length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks."""
+    """Blocks and FLOPs per kind of pass of every pass the run will make (a bucket counts at its
+    length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks)."""
     blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS, STEPS), 0.0)
 
     def add(anchors: AnchorPlan, regime: Regime, steps: int) -> None:
-        """The reference pass (boot's also runs the causal pass), each variant's and ``steps``
-        sensitivity steps'."""
         nonlocal blocks
         for b in batched[id(anchors)]:
             blocks += b.blocks.numel() * (1 + settings.n_variants + steps)
@@ -250,8 +235,7 @@ def _read_states(
 
 
 def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
-    """The regime's results and, when the settings ask, its context-length sweep: each bucket a
-    full evaluation of its own blocks (without sensitivity steps or a sweep of its own)."""
+    """The regime's results and its context sweep (each bucket without sensitivity or sweep)."""
     out = evaluate_regime(run)
     if run.settings.context_lengths:
         plain = replace(run.settings, sensitivity=False, context_lengths=())

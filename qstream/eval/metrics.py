@@ -1,15 +1,8 @@
-"""Drift metrics (docs/eval-drift.md): pure functions over one batch of drafted blocks, and an
-accumulator that the evaluator feeds batch by batch.
-
-Inputs, for ``n`` blocks of ``B`` drafted positions over a vocabulary of ``V``:
-
-- the teacher-forced logits of the reference and of the variant, ``[n, B, V]``, both computed on
-  the reference's prefix (log-probabilities work too: ``log_softmax`` leaves them unchanged);
-- the confidences of the same teacher-forced pass, ``[n, B]``;
-- per rollout mode (greedy; sampled on common random numbers), the tokens of the two free-running
-  rollouts, ``[n, B]``, each side having fed its own tokens.
-
-Example::
+"""Drift metrics (docs/eval-drift.md, "Metrics"; intervals: estimates.py): pure functions over one
+batch of drafted blocks, and the accumulator the evaluator feeds batch by batch.  Teacher-forced
+logits are [n, B, V], both on the reference's prefix (log-probabilities work too); confidences
+and each rollout mode's tokens [n, B].  Per-token results are kept as float64 [n, B]; the
+[n, B, V] work runs in float64 chunks of blocks.
 
     acc = DriftAccumulator(block_size=7)
     for batch in batches:
@@ -21,11 +14,6 @@ Example::
     metrics.rollouts["greedy"].ceiling                          # Estimate(value, lo, hi, n)
     metrics.rollouts["sampled"].matched_prefix                  # a lower bound, not a ceiling
     json.dumps(metrics.to_json())
-
-Only compact per-token results are kept between batches (float64 ``[n, B]``); the ``[n, B, V]``
-work is done in float64 chunks of blocks.  The definitions, and the choices they make (1−TV as
-1 − ½·Σ|p − q|, KL clamped at 0, llama.cpp's percentiles, the sched-flip ties, matched prefix
-against ceiling), are docs/eval-drift.md's ("Metrics"); the intervals, qstream/eval/estimates.py's.
 """
 
 from __future__ import annotations
