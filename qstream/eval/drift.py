@@ -36,13 +36,7 @@ from qstream.eval.corpus import (
 )
 from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
-from qstream.eval.settings import (
-    DEFAULT_EDGES,
-    REFERENCE,
-    STEPS,
-    VARIANTS,
-    DriftSettings,
-)
+from qstream.eval.settings import DEFAULT_EDGES, REFERENCE, STEPS, VARIANTS, DriftSettings
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import (
     Weights,

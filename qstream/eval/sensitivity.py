@@ -64,10 +64,7 @@ def _kind_key(module: str) -> str:
 
 
 def module_kinds(
-    weights: Mapping[str, torch.Tensor],
-    fmt: str,
-    config: DraftConfig,
-    ignore: tuple[str, ...] = (),
+    weights: Mapping[str, torch.Tensor], fmt: str, config: DraftConfig, ignore: tuple[str, ...] = ()
 ) -> list[ModuleKind]:
     """Every kind the format can quantize and vLLM can serve quantized (quantize's default
     selection under the draft's serving profile, docs/vllm.md: e.g. no Markov or confidence

@@ -92,12 +92,7 @@ class RegimeAcceptance:
         return self.lm_head.linear(LM_HEAD, hidden), self.stream_tokens[idx]
 
     def _add_target(
-        self,
-        acc: AcceptanceAccumulator,
-        state: Any,
-        batch: Batch,
-        greedy: Rollout,
-        record: bool,
+        self, acc: AcceptanceAccumulator, state: Any, batch: Batch, greedy: Rollout, record: bool
     ) -> None:
         """Acceptance by the target on its own stream: importance weights for the sampling
         verifier, the run of top-1 agreement for the greedy one; adaptive trimming for the
