@@ -18,8 +18,7 @@ from qstream.arch.dspark_mla.model import DSpark
 from qstream.card.build import write_card
 from qstream.cli import cli
 from qstream.eval.batches import SyntheticAuxChunks
-from qstream.eval.context_sweep import default_edges, long_streams
-from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.drift import DriftSettings, default_edges, evaluate_drift, long_streams
 from qstream.eval.sensitivity import module_kinds
 from qstream.regimes import HEAVY, REGIMES
 

@@ -20,7 +20,7 @@ from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
 
-DEFAULT_EDGES = "default"  # --context-lengths given bare: context_sweep.default_edges(config)
+DEFAULT_EDGES = "default"  # --context-lengths given bare: drift.default_edges(config)
 
 # The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py).
 # STEPS: the sensitivity steps, which measure drift only (no verifier), so run at a pace of
@@ -166,7 +166,7 @@ class DriftSettings(Selection):
     sensitivity: bool = False
     sensitivity_format: str | None = None
     tolerance: float = 0.1  # greedy ceiling (tokens) below bf16 the include list may lose
-    # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens, or
+    # Long-context sweep (qstream/eval/drift.py): bucket edges in tokens, or
     # DEFAULT_EDGES (resolved by evaluate_drift from the draft's config); () = no sweep
     context_lengths: tuple[int, ...] | str = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
