@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.eval.estimates import Estimate, mean_estimate, pooled_proportion, proportion, scaled
+from qstream.eval.estimates import Estimate, mean_estimate, per_position, pooled_proportion, scaled
 from qstream.eval.settings import AdaptiveBudget
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
 
@@ -169,7 +169,7 @@ def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary
         hits = accept > 0.5
         return AcceptanceSummary(
             emitted=scaled(pooled_proportion(hits), B, offset=1.0),
-            prefix_accept=tuple(proportion(hits[:, k]) for k in range(B)),
+            prefix_accept=per_position(hits),
         )
     return AcceptanceSummary(
         emitted=mean_estimate(1 + accept.sum(dim=1), bounds=(1.0, B + 1.0)),

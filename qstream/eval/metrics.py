@@ -29,10 +29,10 @@ from qstream.eval.estimates import (
     json_number,
     mean_estimate,
     pearson_r,
+    per_position,
     percentiles,
     pooled_mean,
     pooled_proportion,
-    proportion,
     scaled,
 )
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, PREFIX_KEYS
@@ -82,11 +82,8 @@ def _divergence_chunk(ref_logits: torch.Tensor, var_logits: torch.Tensor):
 
 @torch.no_grad()
 def token_divergences(ref_logits: torch.Tensor, var_logits: torch.Tensor) -> TokenDivergence:
-    """Greedy match, 1−TV, KL and reverse KL per position of ``[n, B, V]`` teacher-forced logits.
-
-    The argmax is taken on the logits as given (the variant's own greedy choice in its own dtype);
-    the distributions in float64, a chunk of blocks at a time (``_CHUNK_ELEMENTS``).
-    """
+    """Greedy match, 1−TV, KL and reverse KL per position of ``[n, B, V]`` logits: the argmax on
+    the logits as given (the variant's own dtype), the distributions in float64 chunks."""
     _check_pair("logits", ref_logits, var_logits, ndim=3)
     n, width, vocab = ref_logits.shape
     if n == 0:
@@ -110,11 +107,9 @@ def prefix_matches(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> torch.
 def sched_flips(
     ref_conf: torch.Tensor, var_conf: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([n, B] bool flips, [n, B] bool decided)``: a position flips when its above/below
-    decision against the reference's per-block median confidence differs between reference and
-    variant.  Positions where the reference sits exactly on the median (with B odd, the median
-    position itself) make no decision and are left out (``decided`` False): counting them made
-    any upward shift of 1e-6 flip one position in B."""
+    """``([n, B] flips, [n, B] decided)``: the above/below decision against the reference's
+    per-block median confidence differs; positions exactly on the median decide nothing (counting
+    them made any upward shift of 1e-6 flip one position in B)."""
     _check_pair("confidence", ref_conf, var_conf, ndim=2)
     ref, var = ref_conf.double(), var_conf.double()
     ordered = ref.sort(dim=1).values
@@ -126,10 +121,6 @@ def sched_flips(
 
 # ---------------------------------------------------------------------------------------------
 # Summaries
-
-
-def _per_position(hits: torch.Tensor) -> tuple[Estimate, ...]:
-    return tuple(proportion(hits[:, k]) for k in range(hits.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -184,16 +175,14 @@ class RolloutMetrics:
 def rollout_metrics(
     ref_tokens: torch.Tensor, var_tokens: torch.Tensor, mode: str = "greedy"
 ) -> RolloutMetrics:
-    """seq agree[k], prefix agree[k] and the mean matched prefix of ``[n, B]`` rollout tokens
-    (the ceiling for greedy rollouts).  The mean matched prefix is B times the pooled share of
-    prefix-agree indicators, so it gets their interval: Wilson on the design-effect sample size,
-    which stays honest where every block matches (Student t collapsed to [B, B] there)."""
+    """seq agree[k], prefix agree[k] and the mean matched prefix (B × the pooled prefix-agree
+    share, with its interval) of ``[n, B]`` rollout tokens."""
     if mode not in PREFIX_KEYS:
         raise ValueError(f"unknown rollout mode {mode!r}; choose from {', '.join(PREFIX_KEYS)}")
     prefix = prefix_matches(ref_tokens, var_tokens)
     return RolloutMetrics(
-        seq_agree=_per_position(ref_tokens == var_tokens),
-        prefix_agree=_per_position(prefix),
+        seq_agree=per_position(ref_tokens == var_tokens),
+        prefix_agree=per_position(prefix),
         matched_prefix=scaled(pooled_proportion(prefix), float(prefix.shape[1])),
         mode=mode,
     )
@@ -231,11 +220,8 @@ class DriftMetrics:
 
 
 class DriftAccumulator:
-    """Collects one variant's per-token results batch by batch; :meth:`result` summarises them.
-
-    Each ``add_*`` takes a batch of whole blocks; the three streams must end up covering the same
-    blocks in the same order (checked by :meth:`result`).
-    """
+    """One variant's per-token results, batch by batch of whole blocks; :meth:`result` checks
+    every stream covers the same blocks and summarises them."""
 
     def __init__(self, block_size: int):
         if block_size < 1:
@@ -295,7 +281,7 @@ class DriftAccumulator:
         return DriftMetrics(
             n_blocks=n,
             block_size=self.block_size,
-            greedy_agree=_per_position(tf.top1_match),
+            greedy_agree=per_position(tf.top1_match),
             greedy_agree_overall=pooled_proportion(tf.top1_match),
             one_minus_tv=tuple(
                 mean_estimate(tf.one_minus_tv[:, k], bounds=(0.0, 1.0))
