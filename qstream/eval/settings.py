@@ -146,33 +146,27 @@ class DriftSettings(Selection):
     top_p: float = 1.0  # verifier
     top_k: int | None = None  # verifier; None: off
     draft_top_p: float = 1.0
-    # the FP32 reference verifies each variant's drafts, in every mode vLLM serves (captured
-    # states add the target as a verifier whatever this says; docs/acceptance.md)
+    # the FP32 reference verifies each variant's drafts (captured states add the target anyway)
     acceptance: bool = False
     adaptive_requests: int = 8
     adaptive_budget: float = 0.5
-    # captured target states, a file or a directory (qstream/eval/states/): regime "states";
-    # its layout (auto: from the contents), the convention of the layer ids it names, and layer
-    # ids to check it against (docs/states.md)
+    # captured target states (regime "states"), their layout (None: auto), layer-id convention
+    # and the ids to check them against (docs/states.md)
     states: str | None = None
     states_format: str | None = None
     states_layer_convention: str | None = None
     states_layer_ids: str | None = None
-    # the blocks of the states regime, a JSON file (qstream.eval.corpus.read_anchor_plan) in
-    # place of uniformly drawn anchors: e.g. the anchors a speculative decoder visited
+    # a JSON file naming the states regime's blocks (corpus.read_anchor_plan), not drawn ones
     states_anchors: str | None = None
-    # Per-module sensitivity (qstream/eval/sensitivity.py): one format, one module kind at a
-    # time, then cumulatively; None picks nvfp4 or the first 4-bit format of ``formats``.
+    # per-module sensitivity (qstream/eval/sensitivity.py); None: sensitivity_format picks
     sensitivity: bool = False
     sensitivity_format: str | None = None
     tolerance: float = 0.1  # greedy ceiling (tokens) below bf16 the include list may lose
-    # Long-context sweep (qstream/eval/drift.py): bucket edges in tokens, or
-    # DEFAULT_EDGES (resolved by evaluate_drift from the draft's config); () = no sweep
+    # long-context sweep bucket edges in tokens, or DEFAULT_EDGES (from the config); () = none
     context_lengths: tuple[int, ...] | str = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
     device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/device.py)
-    # where per-block outputs too big for memory go (qstream/bounded/store.py; None: the
-    # system's temporary directory); never in the results: it changes no number
+    # where per-block outputs too big for memory go (None: the system's temporary directory)
     scratch_dir: str | None = None
     regimes: tuple[str, ...] = field(init=False)
     sampling: Sampling = field(init=False)
