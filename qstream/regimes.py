@@ -1,6 +1,5 @@
-"""The regimes of docs/eval-drift.md (what stands in for the target's hidden states) as
-:class:`Regime` objects, and the registry: the one place a regime's name is spelled; code asks the
-object (``regime.causal``), the results and the card write the name.  No torch: --help reads it."""
+"""The regimes of docs/eval-drift.md (what stands in for the target's hidden states): the one place
+a regime's name is spelled; code asks the object (``regime.causal``).  No torch: --help reads it."""
 
 from dataclasses import dataclass
 

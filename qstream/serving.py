@@ -1,8 +1,7 @@
-"""A variant is a serving configuration (docs/eval-drift.md, "What is compared"): the weights a draft
-serves (the FP32 reference, the bf16 floor, a simulated format or a checkpoint directory) and
-how its activations, KV cache and target are served.  Each field's values are registered here,
-the one place their names are spelled; code asks the object (``variant.reference``,
-``variant.simulated``, ``variant.dtype``).  No torch at import: ``--help`` reads the names.
+"""A variant is a serving configuration (docs/eval-drift.md, "What is compared"): the weights a
+draft serves and how its activations, KV cache and target are served.  Each field's values are
+registered here, the one place their names are spelled; code asks the object
+(``variant.simulated``).  No torch at import: ``--help`` reads the names.
 
 >>> Variant.of_format("nvfp4").simulated, Variant.of_format("bf16").compute_dtype
 (True, 'bfloat16')
@@ -51,8 +50,7 @@ TARGETS = ("unquantized",)
 
 @dataclass(frozen=True)
 class Variant:
-    """One serving configuration an evaluation compares with the FP32 reference (module
-    docstring); unknown values are refused here (QStreamError naming the field and value)."""
+    """One serving configuration; an unknown value is a QStreamError naming field and value."""
 
     name: str
     kind: str  # WEIGHTS

@@ -1,4 +1,4 @@
-"""eval-drift checks the role of each checkpoint (qstream/eval/provenance.py): a quantized
+"""eval-drift checks the role of each checkpoint (qstream/eval/variants.py): a quantized
 --model is refused (it would be its own reference), a --variant not derived from the --model is
 refused, or with --allow-foreign-variant compared and labelled foreign in the JSON and the card."""
 

@@ -16,9 +16,8 @@ from qstream.arch.dspark_mla import PRESETS, load_config, load_weights
 from qstream.arch.dspark_mla.model import DSpark
 from qstream.card.build import write_card
 from qstream.cli import cli
-from qstream.eval.aux_sources import SyntheticAuxChunks
-from qstream.eval.context_sweep import default_edges, long_streams
-from qstream.eval.drift import DriftSettings, evaluate_drift
+from qstream.eval.batches import SyntheticAuxChunks
+from qstream.eval.drift import DriftSettings, default_edges, evaluate_drift, long_streams
 from qstream.eval.sensitivity import module_kinds
 from qstream.regimes import HEAVY, REGIMES
 

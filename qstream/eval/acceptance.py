@@ -1,26 +1,9 @@
-"""Acceptance (docs/acceptance.md): speculative-decoding verification of drafted blocks as exact
-per-block expectations (token-wise rejection sampling, block verification), adaptive
-verification's trimming, and the tallies of one drafter against one verifier over a regime.
-
-For ``n`` blocks of ``B`` drafted tokens over a vocabulary of ``V``: ``q[:, k]`` is the drafter's
-sampling distribution at position k, ``p[:, k]`` the verifier's on the *drafted* prefix
-(``p[:, B]``, the bonus position, is needed by a sampler only: tests/verification_samplers.py runs
-the rules and checks these expectations against them).  The rules, the exact per-block
-expectation ``1 + Σ_k P(τ ≥ k | x_{≤k})`` that replaces the verifier's randomness, the one-hot
-greedy draft, and the importance weights on a stream the verifier sampled itself are derived in
-docs/acceptance.md ("Rules", "What is reported").
-
-Adaptive verification (vLLM 0.32, vllm/v1/worker/gpu/spec_decode/adaptive_verification.py;
-docs/acceptance.md, "Adaptive verification"): the drafts of one batch's requests compete for a
-budget of verified draft tokens, slots ranked by the survival ``Π_{j≤k} c_j`` of the confidence
-scores; a request verifies its first ``m`` drafted tokens as a block of ``m``, so its
-``P(τ ≥ k | x)`` is unchanged for ``k ≤ m`` and 0 beyond.  The budget's size is a setting here
-(:class:`qstream.eval.settings.AdaptiveBudget`).
-
-The tallies (:class:`AcceptanceAccumulator`), per mode (``vocabulary.ACCEPTANCE_MODES``): expected
-tokens emitted per block and ``P(τ ≥ k)`` per position with their intervals, the adaptive modes
-derived from the drafts' confidence scores, and the paired loss against bf16.
-"""
+"""Acceptance (docs/acceptance.md, "Rules", "What is reported"): speculative-decoding verification
+of drafted blocks as exact per-block expectations ``1 + Σ_k P(τ ≥ k | x_{≤k})``, adaptive
+verification's trimming (vllm/v1/worker/gpu/spec_decode/adaptive_verification.py: a request
+verifies its first ``m`` drafted tokens as a block of ``m``), and the tallies of one drafter
+against one verifier.  Shapes: ``q[:, k]`` the drafter's distribution, ``p[:, k]`` the verifier's
+on the drafted prefix, [n, B]; tests/verification_samplers.py runs the rules by sampling."""
 
 from __future__ import annotations
 
@@ -29,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qstream.eval.estimates import Estimate, mean_estimate, pooled_proportion, proportion, scaled
+from qstream.eval.estimates import Estimate, mean_estimate, per_position, pooled_proportion, scaled
 from qstream.eval.settings import AdaptiveBudget
 from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
 
@@ -77,10 +60,9 @@ def accept_probabilities(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) ->
 
 
 def stream_weights(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
-    """``[n, B]`` float64 importance weights ``w_k`` for blocks read off a stream sampled from the
-    verifier (docs/acceptance.md): ``E_{s~p}[w_k] = P(τ ≥ k)`` under drafting from q.  A stream
-    token the verifier cannot produce (``p = 0``) breaks that premise; it is given ratio +inf,
-    so it neither adds nor removes acceptance on its own (see ``outside_verifier_support``)."""
+    """``[n, B]`` float64 importance weights ``w_k``, ``E_{s~p}[w_k] = P(τ ≥ k)``, for blocks of
+    a stream sampled from the verifier; a token the verifier cannot produce (``p = 0``) gets ratio
+    +inf, neither adding nor removing acceptance on its own."""
     p, q = _checked(p_tok, q_tok)
     return _by_rule(torch.where(p > 0, q / p, torch.where(q > 0, torch.inf, 1.0)), rule, True)
 
@@ -124,14 +106,11 @@ def request_batches(n: int, requests: int, seed: int) -> torch.Tensor:
 def admitted_drafts(
     confidence: torch.Tensor, batch: torch.Tensor, budget_share: float
 ) -> torch.Tensor:
-    """``[n]`` int64: how many of its drafted tokens each block verifies when the blocks of each
-    batch (``batch[i]``: block i's batch) share a budget of ``round(budget_share · B ·
-    requests)`` tokens, as ``_assign_draft_token_budget`` admits them: every (block, position k)
-    slot scored by its survival ``cumprod(c)[k]`` in float32, the batch's highest scores win, and
-    a block verifies as many tokens as it has winners (a prefix: survival never increases along
-    a block).  Ties, which vLLM's ``topk`` breaks as it may, go to the earlier block of the batch
-    and the earlier position, so that a slot's admission depends on its own block's earlier
-    scores only."""
+    """``[n]`` int64 drafted tokens each block verifies when each batch (``batch[i]``) shares
+    ``round(budget_share · B · requests)`` tokens as ``_assign_draft_token_budget`` admits them:
+    slots scored by survival ``cumprod(c)[k]`` in float32, the highest win (a prefix per block).
+    Ties, which vLLM's ``topk`` breaks as it may, go to the earlier block and position, so a
+    slot's admission depends on its own block's earlier scores only."""
     n, B = confidence.shape
     survival = confidence.float().cumprod(dim=1)  # [n, B]
     _, batch_of, sizes = torch.unique(batch, return_inverse=True, return_counts=True)
@@ -160,10 +139,8 @@ def truncated(accept: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
 
 
 def estimated_emitted(confidence: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
-    """``[n]`` what vLLM's budget rule expects each block to emit, ``1 + Σ_{k≤m} Π_{j≤k} c_j``
-    over its admitted positions (``get_num_tokens``: the request's sampled token plus the
-    survival of its admitted slots, in float64): the confidence head's prediction of the
-    target's acceptance."""
+    """``[n]`` what vLLM's budget rule (``get_num_tokens``, float64) expects each block to emit,
+    ``1 + Σ_{k≤m} Π_{j≤k} c_j`` over its admitted positions."""
     survival = confidence.double().cumprod(dim=1)
     return 1 + truncated(survival, admitted).sum(dim=1)
 
@@ -184,17 +161,15 @@ class AcceptanceSummary:
 
 
 def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary:
-    """``[n, B]`` per-block P(τ ≥ k) -> :class:`AcceptanceSummary` (Student t over blocks).
-    ``outcomes``: the values are 0/1 outcomes (greedy), which get Wilson intervals instead —
-    per position over blocks, and for the emitted tokens ``1 + B ·`` the pooled share on the
-    design-effect sample size — so that a run where every block is accepted does not report
-    the zero-width interval Student t gives there."""
+    """``[n, B]`` per-block P(τ ≥ k) -> :class:`AcceptanceSummary` (Student t over blocks);
+    0/1 ``outcomes`` (greedy) get Wilson intervals (emitted: ``1 + B ·`` the pooled share), which
+    keep width where every block is accepted."""
     B = accept.shape[1]
     if outcomes:
         hits = accept > 0.5
         return AcceptanceSummary(
             emitted=scaled(pooled_proportion(hits), B, offset=1.0),
-            prefix_accept=tuple(proportion(hits[:, k]) for k in range(B)),
+            prefix_accept=per_position(hits),
         )
     return AcceptanceSummary(
         emitted=mean_estimate(1 + accept.sum(dim=1), bounds=(1.0, B + 1.0)),
@@ -203,11 +178,9 @@ def summarise(accept: torch.Tensor, outcomes: bool = False) -> AcceptanceSummary
 
 
 class AcceptanceAccumulator:
-    """Per-block acceptance of one drafter against one verifier, batch by batch, per mode
-    (``vocabulary.ACCEPTANCE_MODES``), and the drafter's confidence scores per draft method, from
-    which the adaptive modes are derived when the results are read (their batches span the
-    whole evaluation; ``adaptive``'s batches are shuffled by ``seed``).  :meth:`emitted` gives
-    the per-block values for paired comparisons."""
+    """Per-block acceptance of one drafter against one verifier per mode, and the confidence
+    scores per draft method from which the adaptive modes are derived when read (their batches
+    span the whole evaluation, shuffled by ``seed``)."""
 
     def __init__(self, temperature: float, adaptive: AdaptiveBudget, seed: int) -> None:
         self.temperature, self.adaptive, self.seed = temperature, adaptive, seed

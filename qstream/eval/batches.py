@@ -1,5 +1,7 @@
 """The drafting work of one regime, batch by batch: batches of whole streams, the aux states each
-batch reads, the shared race noise, and one batch drafted by one model.
+batch reads (the synthetic regimes' drawn from noise, qstream/regimes.py, each stream's from a
+generator seeded by (seed, regime, stream index), so any subset of streams can be regenerated
+alone), the shared race noise, and one batch drafted by one model.
 
 >>> batches = make_batches(plan, corpus, config)
 >>> aux = AuxStates(GAUSS, corpus, config, seed=0)
@@ -9,6 +11,7 @@ batch reads, the shared race noise, and one batch drafted by one model.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -17,7 +20,7 @@ import torch
 from qstream.arch.interface import AuxChunks, DraftConfig, DraftModel, Rollout
 from qstream.arch.registry import architecture_of
 from qstream.bounded import Recorded, Store, Trimmed
-from qstream.eval.aux_sources import SyntheticAuxChunks
+from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.settings import Sampling
 from qstream.eval.states import CapturedStates
@@ -47,6 +50,75 @@ PAD_SLACK = 1.25
 MIN_BATCH_POSITIONS = 4096
 
 
+# heavy: a few channels come out tens to hundreds of times larger than the median, as the massive
+# activations of real LLMs do (Sun et al., "Massive Activations in Large Language Models", 2024)
+HEAVY_SIGMA = 1.5  # log-scale spread of per-channel magnitudes in the heavy regime
+
+
+def _generator(seed: int, regime: Regime, stream: int) -> torch.Generator:
+    return torch.Generator().manual_seed(
+        ((seed * 1_000_003 + regime.salt) * 65_537 + stream) % 2**64  # torch's range
+    )
+
+
+def check_boot_compatible(config: DraftConfig) -> None:
+    if config.target_hidden_size != config.hidden_size:
+        raise QStreamError(
+            f"the boot regime stands the draft's layers of width {config.hidden_size} in for "
+            f"target layers of width {config.target_hidden_size}; the widths differ, use gauss "
+            "or heavy"
+        )
+
+
+class SyntheticAuxChunks:
+    """gauss / heavy aux states [S, pad_to, A] (``AuxChunks``), zero past each stream's end, drawn
+    in float32 and rounded to ``dtype``, a range of positions at a time, in order: each stream from
+    its own generator, so ranges give the rows of one whole draw however streams are batched
+    (torch's CPU normal sampler works in groups of 16 and A is a multiple of 16;
+    tests/test_sensitivity_context.py checks).  ``rows(0, pad_to)``: all at once."""
+
+    def __init__(
+        self,
+        regime: Regime,
+        config: DraftConfig,
+        stream_ids: list[int],
+        stream_lengths: list[int],
+        pad_to: int,
+        seed: int,
+        dtype: torch.dtype,
+    ):
+        if not regime.synthetic:
+            raise ValueError(f"SyntheticAuxChunks handles gauss and heavy, not {regime.name!r}")
+        self.shape = (len(stream_ids), pad_to, config.aux_size)
+        self._lengths, self._dtype = stream_lengths, dtype
+        self._generators = [_generator(seed, regime, s) for s in stream_ids]
+        self._scales: torch.Tensor | None = None  # heavy's [A], fixed for a seed, for all streams
+        if regime.channel_scales:
+            gen = _generator(seed, regime, -1)
+            self._scales = torch.exp(torch.randn(config.aux_size, generator=gen) * HEAVY_SIGMA)
+        self._next = 0
+
+    def rows(self, t0: int, t1: int) -> torch.Tensor:
+        if t0 != self._next:
+            raise RuntimeError(f"aux rows must be taken in order: asked {t0}, next {self._next}")
+        self._next = t1
+        out = torch.zeros(self.shape[0], t1 - t0, self.shape[2], dtype=self._dtype)
+
+        def draw(row: int) -> None:
+            gen, length = self._generators[row], self._lengths[row]
+            if min(t1, length) > t0:
+                states = torch.randn(min(t1, length) - t0, self.shape[2], generator=gen)
+                out[row, : states.shape[0]] = (
+                    states if self._scales is None else states * self._scales
+                )
+
+        # torch's CPU sampler runs on one core; each stream has its own generator, so streams
+        # are drawn side by side on all of them, the same values in any order
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            list(pool.map(draw, range(self.shape[0])))
+        return out
+
+
 @dataclass(frozen=True, eq=False)
 class Batch:
     """Blocks of whole streams, so a stream's context is computed once per batch.  A batch is
@@ -70,9 +142,8 @@ def batch_flops(config: DraftConfig, batch: Batch, causal: bool = False) -> floa
 
 
 def make_batches(plan: AnchorPlan, corpus: Corpus, config: DraftConfig) -> tuple[Batch, ...]:
-    """Split the plan into batches of whole streams.  Streams are taken in order of the context
-    they need (their largest anchor), so a batch pads every stream to nearly the same length;
-    a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
+    """The plan in batches of whole streams, taken by the context they need (so padding stays
+    small); a batch closes at the memory budgets or when padding would exceed ``PAD_SLACK``."""
     max_blocks = max(1, LOGITS_BUDGET // (config.block_size * config.vocab_size))
     need: dict[int, int] = {}
     blocks_of: dict[int, list[int]] = {}
@@ -112,13 +183,10 @@ def _batch(
 
 
 class AuxStates:
-    """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: the captured file's own
-    (``corpus`` is :class:`CapturedStates`), or drawn for gauss and heavy, or (boot) the
-    reference model's own causal layer outputs, computed on the reference pass.  A batch's
-    states are kept for the later passes while the kept ones stay under AUX_CACHE_BYTES
-    (drawing gauss and heavy again costs as much as a bf16 forward); beyond that gauss and
-    heavy are drawn again (deterministic) and boot's go to a scratch file (``scratch_dir``, as
-    the per-block outputs), read back bit-exactly.  Close it when the regime ends."""
+    """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: captured (``corpus`` is
+    :class:`CapturedStates`), drawn (gauss, heavy), or the reference's causal layer outputs
+    (boot, made on the reference pass).  Kept for the later passes up to AUX_CACHE_BYTES; beyond,
+    gauss and heavy are drawn again and boot's spill to ``scratch_dir``.  Close after the regime."""
 
     def __init__(
         self,
@@ -136,12 +204,9 @@ class AuxStates:
         self._recorded: dict[Batch, Recorded] = {}
 
     def get(self, batch: Batch, reference: DraftModel | None = None) -> torch.Tensor | AuxChunks:
-        """The batch's aux states; boot needs ``reference`` the first time a batch is seen.
-        A batch's states over LAZY_AUX_BYTES (a long-context bucket's streams) are never held:
-        they come as :class:`AuxChunks`, produced as the context projection takes them (gauss
-        and heavy drawn, captured rows read, again for every pass; boot computed once by the
-        reference's streamed causal pass and read back from the scratch file), the heap
-        trimmed after each range."""
+        """The batch's aux states (boot: ``reference`` the first time).  Over LAZY_AUX_BYTES they
+        are never held but come as :class:`AuxChunks` (boot's streamed once to the scratch
+        file), the heap trimmed after each range."""
         aux = self._get(batch, reference)
         return aux if isinstance(aux, torch.Tensor) else Trimmed(aux)
 
@@ -195,11 +260,9 @@ class AuxStates:
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) -> torch.Tensor:
-    """Exp(1) variates [n, B, V] for the sampled rollouts of one batch, shared by the reference
-    and every variant (common random numbers): the same generator seed for the same batch, as
-    one vLLM request seed gives the same draws.  Drawn as ``-log(U)``, U uniform on [0, 1)
-    (cheaper than torch's ``exponential_``): U = 0 gives +inf, a race its token cannot win, as
-    Exp(1)'s far tail; no race is 0, since U < 1."""
+    """Exp(1) variates [n, B, V] for one batch's sampled rollouts, the same for the reference and
+    every variant (common random numbers), drawn as ``-log(U)``, U uniform on [0, 1) (cheaper
+    than ``exponential_``; U = 0 gives +inf, a race its token cannot win)."""
     gen = torch.Generator().manual_seed(((seed * 7919 + 17) * 1_000_003 + batch_index) % 2**64)
     shape = (n_blocks, config.block_size, config.vocab_size)
     return torch.empty(shape).uniform_(generator=gen).log_().neg_()
@@ -225,11 +288,9 @@ def draft_batch(
     seed: int,
     sampling: Sampling = Sampling(),
 ) -> Drafts:
-    """One batch drafted by ``model``: its proposal state, greedy rollout, and sampled rollout
-    on the batch's shared race noise (the same for the reference and every variant), drawn from
-    the full tempered distribution as vLLM's drafter draws under ``draft_sample_method:
-    probabilistic`` (``sampling.draft_top_p`` < 1: other engines); all on the host, where the
-    metrics and verifiers run."""
+    """One batch drafted by ``model``, on the host: its proposal state, greedy rollout, and
+    sampled rollout on the batch's race noise (the full tempered softmax, as vLLM's
+    ``draft_sample_method: probabilistic``)."""
     state, drafter = propose(model, aux, batch), architecture_of(model.config).drafter
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
     sampled = drafter.rollout(state, noise, sampling.temperature, sampling.draft_top_p)

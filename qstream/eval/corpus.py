@@ -1,9 +1,7 @@
-"""Token streams for drift evaluation: a corpus file (GSM8K JSONL or plain text) tokenized with
-the draft's own tokenizer, and the anchors (block start positions) sampled across the streams.
-Also eval-drift's built-in default: a synthetic tiny draft, built once into a cache directory,
-and the GSM8K test split shipped inside the package (1,319 problems, MIT licence in
-``qstream/data/GSM8K_LICENSE``), so that a new user sees a full report with no files of their
-own and nothing downloaded.
+"""Token streams for drift evaluation: a corpus file (GSM8K JSONL or plain text) tokenized, and
+the anchors (block start positions) sampled across them; and eval-drift's built-in default, a
+synthetic tiny draft built once into a cache and the shipped GSM8K test split (1,319 problems,
+MIT licence in ``qstream/data/GSM8K_LICENSE``).
 
 >>> corpus = load_corpus("gsm8k/test.jsonl", "DRAFT_DIR/tokenizer.json")
 >>> plan = sample_anchors(corpus, n_blocks=1024, block_size=7, seed=0)
@@ -150,9 +148,8 @@ def sample_anchors(
     min_context: int = 1,
     max_context: int | None = None,
 ) -> AnchorPlan:
-    """Sample ``n_blocks`` distinct (stream, anchor) pairs uniformly over every valid position of
-    every stream: anchor p needs ``min_context <= p`` (a context to attend to) and
-    ``p + block_size < len`` (the block's tokens exist in the stream)."""
+    """``n_blocks`` distinct (stream, anchor) pairs drawn uniformly over the valid positions:
+    ``min_context <= p`` and ``p + block_size < len`` (the block's tokens exist)."""
     lengths = torch.tensor([int(s.numel()) for s in corpus.streams], dtype=torch.int64)
     hi = lengths - block_size - 1  # largest valid anchor per stream
     if max_context is not None:
@@ -174,9 +171,8 @@ def sample_anchors(
 
 
 def read_anchor_plan(path: str | Path, corpus: Corpus, block_size: int) -> AnchorPlan:
-    """The blocks a JSON file names, ``{"blocks": [[stream, anchor], ...]}`` (stream: index into
-    ``corpus.streams`` in read order), sorted, each checked as ``sample_anchors`` draws them:
-    ``1 <= anchor`` and ``anchor + block_size < len(stream)``; a pair named twice is refused."""
+    """The blocks ``{"blocks": [[stream, anchor], ...]}`` names, sorted, each checked as
+    ``sample_anchors`` draws them; a pair named twice is refused."""
     path = Path(path)
     try:
         blocks = json.loads(path.read_text(encoding="utf-8"))["blocks"]

@@ -1,9 +1,7 @@
-"""Drift of each variant against the FP32 reference (docs/eval-drift.md), regime by regime:
-``qstream eval-drift`` as one library call, :func:`evaluate_drift`.  It resolves the command's
-defaults (the built-in draft and corpus, the draft's own tokenizer, the default context buckets),
-loads the corpus and writes the results file, its run description, and the regimes, captured
-states and context buckets it holds.  One regime's work is qstream/eval/passes.py's.
-``evals/eval_dspark_quant.py`` uses the same call.
+"""``qstream eval-drift`` as one library call, :func:`evaluate_drift` (docs/eval-drift.md): the
+command's defaults resolved, the corpus loaded, every regime, captured states and context bucket
+evaluated (one regime's work: passes.py) into the results; and the long-context sweep's buckets
+(docs/context-sweep.md).
 
 >>> settings = DriftSettings(model="DRAFT", regime="heavy", formats=("bf16", "fp8"), blocks=256)
 >>> results = evaluate_drift(settings, say=print)
@@ -12,6 +10,7 @@ states and context buckets it holds.  One regime's work is qstream/eval/passes.p
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -24,9 +23,7 @@ from qstream.arch.registry import architecture_of, load_config
 from qstream.checkpoint.files import sha256_file
 from qstream.device import describe_device, resolve_device
 from qstream.errors import QStreamError
-from qstream.eval.aux_sources import check_boot_compatible
-from qstream.eval.batches import Batch, batch_flops, make_batches
-from qstream.eval.context_sweep import bucket_plans, context_sweep, default_edges
+from qstream.eval.batches import Batch, batch_flops, check_boot_compatible, make_batches
 from qstream.eval.corpus import (
     BUILTIN_CORPUS_NAME,
     AnchorPlan,
@@ -39,17 +36,15 @@ from qstream.eval.corpus import (
     tokenize,
 )
 from qstream.eval.passes import RegimeRun, evaluate_regime
-from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
-from qstream.eval.settings import (
-    DEFAULT_EDGES,
-    REFERENCE,
-    STEPS,
-    VARIANTS,
-    DriftSettings,
-)
+from qstream.eval.settings import DEFAULT_EDGES, REFERENCE, STEPS, VARIANTS, DriftSettings
 from qstream.eval.states import CapturedStates, read_states
-from qstream.eval.variants import Weights, settings_variants
+from qstream.eval.variants import (
+    Weights,
+    check_variants_derived,
+    refuse_quantized_model,
+    settings_variants,
+)
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
 from qstream.progress import Progress, Silent
@@ -58,8 +53,9 @@ from qstream.serving import Variant
 
 __all__ = ["DriftSettings", "evaluate_drift"]
 
-Buckets = list[tuple[int, int, Corpus, AnchorPlan]]  # context_sweep.bucket_plans
 Batched = dict[int, tuple[Batch, ...]]  # id of a plan the run holds -> its batches
+Evaluate = Callable[[Corpus, AnchorPlan], dict]  # (streams, plan) -> {"variants": {...}}
+Buckets = list[tuple[int, int, Corpus, AnchorPlan]]  # bucket_plans
 
 
 def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> AnchorPlan:
@@ -79,8 +75,7 @@ def _states_plan(states: CapturedStates, settings: DriftSettings, config: DraftC
 
 
 def refuse_unevaluated(config: DraftConfig) -> None:
-    """One line for a draft the evaluation does not model yet: a reduced draft vocabulary
-    (its drafted ids map to target ids through d2t; docs/qwen3-dspark.md, "Status")."""
+    """Refuse a reduced draft vocabulary (ids mapped by d2t; docs/qwen3-dspark.md, "Status")."""
     if getattr(config, "reduced_vocab", False):
         raise QStreamError(
             f"config.json: draft_vocab_size {config.draft_vocab_size} < vocab_size "  # type: ignore[attr-defined]
@@ -95,9 +90,8 @@ def load_run_corpus(
     config: DraftConfig,
     target: str | None = None,
 ) -> Corpus:
-    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the
-    draft's own tokenizer.json, else ``target``'s, as speculate uses; the path used is
-    recorded in the results' ``corpus.tokenizer``)."""
+    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the draft's
+    own tokenizer.json, else ``target``'s)."""
     tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
     if not tokenizer and target is not None and not tok.is_file():
         tok = Path(target) / "tokenizer.json"
@@ -109,9 +103,8 @@ def load_run_corpus(
 def _resolved(
     settings: DriftSettings, corpus: Corpus | None, say: Callable[[str], None] | None
 ) -> tuple[DriftSettings, DraftConfig, Corpus]:
-    """The command's defaults resolved: the built-in draft for no ``model`` (built on first
-    use, announced through ``say``), the draft's default context buckets, the architecture's
-    shipped include list; and the corpus, read unless given already loaded."""
+    """The settings with the built-in draft (announced through ``say``), the default context
+    buckets and the shipped include list resolved; the config; the corpus, read unless given."""
     model = settings.model
     if model is None:
         model = str(builtin_model_dir(say))
@@ -136,9 +129,7 @@ def evaluate_drift(
     say: Callable[[str], None] | None = None,
     progress: Progress | None = None,
 ) -> dict:
-    """Run every regime of ``settings``; returns the JSON-ready results (schema in docs/).
-    ``corpus``: an already loaded :class:`~qstream.eval.corpus.Corpus` in place of
-    ``settings.corpus``."""
+    """The JSON-ready results of every regime of ``settings`` (``corpus``: already loaded)."""
     resolve_device(settings.device)  # before any work: one line when there is no such GPU
     settings, config, corpus = _resolved(settings, corpus, say)
     model_dir, target = str(settings.model), settings.target
@@ -182,15 +173,12 @@ def evaluate_drift(
 
 
 def _batched(config: DraftConfig, sets: list[tuple[Corpus | None, AnchorPlan | None]]) -> Batched:
-    """Each set of blocks the run drafts, batched once (``make_batches``): the passes run the
-    batches the progress was planned on."""
+    """Each set of blocks batched once: the passes run the batches the progress planned on."""
     return {id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None}
 
 
 def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSettings) -> int:
-    """The passes of the sensitivity steps per regime (qstream/eval/sensitivity.py: the floor,
-    each kind alone, each kind added); a checkpoint no kind of which the format holds fails
-    here."""
+    """Sensitivity passes per regime: the floor, each kind alone, each kind added."""
     if not settings.sensitivity:
         return 0
     kinds = module_kinds(weights, sensitivity_format(settings), config, settings.ignore_layers)
@@ -206,15 +194,11 @@ def _planned(
     states_plan: AnchorPlan | None,
     buckets: Buckets,
 ) -> tuple[int, dict[str, float]]:
-    """Blocks and FLOPs (per kind of pass) of every pass the run will make, as its batches
-    report them, per kind of pass: per regime the reference pass, each variant's and the
-    ``steps`` sensitivity steps'; per bucket of a context sweep the reference's and each variant's.  A bucket counts
-    at its length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks."""
+    """Blocks and FLOPs per kind of pass of every pass the run will make (a bucket counts at its
+    length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks)."""
     blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS, STEPS), 0.0)
 
     def add(anchors: AnchorPlan, regime: Regime, steps: int) -> None:
-        """The reference pass (boot's also runs the causal pass), each variant's and ``steps``
-        sensitivity steps'."""
         nonlocal blocks
         for b in batched[id(anchors)]:
             blocks += b.blocks.numel() * (1 + settings.n_variants + steps)
@@ -247,8 +231,7 @@ def _read_states(
 
 
 def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
-    """The regime's results and, when the settings ask, its context-length sweep: each bucket a
-    full evaluation of its own blocks (without sensitivity steps or a sweep of its own)."""
+    """The regime's results and its context sweep (each bucket without sensitivity or sweep)."""
     out = evaluate_regime(run)
     if run.settings.context_lengths:
         plain = replace(run.settings, sensitivity=False, context_lengths=())
@@ -302,4 +285,108 @@ def _run_description(
         },
         "variants": {v.name: {"kind": v.kind, "source": v.source, **v.checks()} for v in variants},
         "regimes": {},
+    }
+
+
+# Long-context sweep (docs/context-sweep.md): drift in buckets of context length on both sides
+# of the YaRN boundary (original_max_position_embeddings) up to max_position_embeddings, each
+# bucket a complete evaluation of blocks drawn from the corpus documents concatenated.
+
+# Default bucket edges as multiples of original_max_position_embeddings (capped at
+# max_position_embeddings): two buckets below the YaRN boundary, the rest above it.
+DEFAULT_MULTIPLES = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
+
+
+def default_edges(config: DraftConfig) -> tuple[int, ...]:
+    """Bucket edges (tokens of context) at DEFAULT_MULTIPLES x the YaRN boundary."""
+    orig = config.original_max_position_embeddings
+    cap = config.max_position_embeddings
+    return tuple(sorted({min(cap, max(1, round(m * orig))) for m in DEFAULT_MULTIPLES}))
+
+
+def long_streams(corpus: Corpus, eos_token_id: int, length: int) -> Corpus:
+    """The corpus documents concatenated in order with ``eos_token_id`` after each, cut into
+    consecutive streams of exactly ``length`` tokens (the remainder dropped)."""
+    eos = torch.tensor([eos_token_id], dtype=torch.int64)
+    joined = torch.cat([t for s in corpus.streams for t in (s, eos)])
+    n = joined.numel() // length
+    if n == 0:
+        raise QStreamError(
+            f"corpus {corpus.name} has {joined.numel()} tokens with separators, "
+            f"fewer than one stream of {length} tokens"
+        )
+    digest = hashlib.sha256(f"{corpus.sha256}:{eos_token_id}:{length}".encode()).hexdigest()
+    return Corpus(
+        f"{corpus.name} (concatenated, EOS-separated, {length}-token streams)",
+        digest,
+        tuple(joined[: n * length].view(n, length)),
+        corpus.tokenizer,
+    )
+
+
+def _side(lo: int, hi: int, boundary: int) -> str:
+    if hi <= boundary:
+        return "below"
+    return "above" if lo >= boundary else "straddles"
+
+
+def bucket_plans(config: DraftConfig, corpus: Corpus, settings: DriftSettings) -> Buckets:
+    """Each bucket [edge_i, edge_i+1) of ``settings.context_lengths``: (lo, hi, its long
+    streams, its ``context_blocks`` anchors), checked against the config."""
+    edges, B = settings.edges, config.block_size
+    max_anchor = config.max_position_embeddings - B  # the block's positions stay inside the range
+    if edges[-1] > config.max_position_embeddings:
+        raise QStreamError(
+            f"--context-lengths edge {edges[-1]} exceeds max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
+    if config.eos_token_id is None:
+        raise QStreamError(
+            "--context-lengths joins documents with the EOS token, but config.json "
+            "has no eos_token_id"
+        )
+    buckets = []
+    for lo, hi in zip(edges, edges[1:]):
+        top = min(hi - 1, max_anchor)
+        if top < lo:
+            raise QStreamError(
+                f"--context-lengths bucket [{lo}, {hi}): no anchor fits below "
+                f"max_position_embeddings - block_size = {max_anchor}"
+            )
+        streams = long_streams(corpus, config.eos_token_id, top + B + 1)
+        plan = sample_anchors(
+            streams, settings.context_blocks, B, settings.seed, min_context=lo, max_context=top
+        )
+        buckets.append((lo, hi, streams, plan))
+    return buckets
+
+
+def context_sweep(
+    config: DraftConfig,
+    settings: DriftSettings,
+    planned: Buckets,
+    evaluate: Evaluate,
+) -> dict:
+    """Evaluate each bucket of ``planned`` (:func:`bucket_plans`' buckets) (JSON-ready; the
+    schema is in docs/eval-drift.md)."""
+    boundary = config.original_max_position_embeddings
+    buckets = []
+    for lo, hi, streams, plan in planned:
+        result = evaluate(streams, plan)
+        buckets.append(
+            {
+                "lo": lo,
+                "hi": hi,
+                "side": _side(lo, hi, boundary),
+                "streams": streams.identity(),
+                "anchors": plan.to_json(),
+                "variants": result["variants"],
+            }
+        )
+    return {
+        "edges": list(settings.edges),
+        "yarn_boundary": boundary,
+        "max_position_embeddings": config.max_position_embeddings,
+        "buckets_per": "context length p of the block (tokens before its anchor), lo <= p < hi",
+        "buckets": buckets,
     }

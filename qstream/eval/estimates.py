@@ -47,7 +47,6 @@ class Estimate:
     n: int
 
     def to_json(self) -> dict:
-        """Plain dict; non-finite numbers (an undefined r, an interval from one block) become None."""
         return {
             "value": json_number(self.value),
             "lo": json_number(self.lo),
@@ -61,11 +60,8 @@ class Estimate:
 
 
 def wilson_interval(p_hat: float, n: float, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for a proportion ``p_hat`` observed over ``n`` trials.
-
-    ``n`` may be an effective (non-integer) sample size.  The bounds at ``p_hat`` 0 and 1 are set
-    exactly (0 and 1) rather than left to rounding.
-    """
+    """Wilson score interval of ``p_hat`` over ``n`` (maybe effective, non-integer) trials; the
+    bounds at ``p_hat`` 0 and 1 are exact."""
     if not n > 0:
         raise ValueError(f"a proportion needs n > 0 trials, got n={n}")
     z2n = z * z / n
@@ -81,6 +77,11 @@ def proportion(hits: torch.Tensor) -> Estimate:
     n = hits.numel()
     p = hits.sum().item() / n if n else math.nan
     return Estimate(p, *wilson_interval(p, n), n)
+
+
+def per_position(hits: torch.Tensor) -> tuple[Estimate, ...]:
+    """:func:`proportion` of each column (position) of ``[n, B]`` hits, over the blocks."""
+    return tuple(proportion(hits[:, k]) for k in range(hits.shape[1]))
 
 
 def pooled_proportion(hits: torch.Tensor, counted: torch.Tensor | None = None) -> Estimate:
@@ -114,10 +115,8 @@ def mean_estimate(
     bounds: tuple[float, float] = (-math.inf, math.inf),
     n_obs: int | None = None,
 ) -> Estimate:
-    """Mean of independent ``values`` with a Student-t 95% interval, clipped to ``bounds``.
-
-    One value gives no interval (NaN bounds).  ``n_obs`` overrides the reported count.
-    """
+    """Mean of independent ``values`` with a Student-t 95% interval clipped to ``bounds`` (NaN for
+    one value); ``n_obs`` overrides the reported count."""
     x = values.double().flatten()
     n = x.numel()
     if n == 0:
@@ -176,12 +175,9 @@ def pearson_r(
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = BOOTSTRAP_SEED,
 ) -> Estimate:
-    """Pearson correlation of paired values ``[n, B]`` (rows: independent blocks; 1-D: every
-    value its own block) with a percentile block-bootstrap 95% interval.
-
-    NaN when either side is constant.  Written so that identical inputs give exactly 1:
-    sxy == sxx and sqrt(sxx·sxx) == sxx in IEEE arithmetic.
-    """
+    """Pearson r of paired ``[n, B]`` values (rows: independent blocks; 1-D: a block each) with a
+    percentile block-bootstrap 95% interval; NaN when a side is constant, exactly 1 for identical
+    inputs (sxy == sxx and sqrt(sxx·sxx) == sxx in IEEE arithmetic)."""
     x2, y2 = (
         t.double().reshape(t.shape[0], -1) if t.ndim > 1 else t.double()[:, None] for t in (x, y)
     )

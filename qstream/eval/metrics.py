@@ -1,15 +1,8 @@
-"""Drift metrics (docs/eval-drift.md): pure functions over one batch of drafted blocks, and an
-accumulator that the evaluator feeds batch by batch.
-
-Inputs, for ``n`` blocks of ``B`` drafted positions over a vocabulary of ``V``:
-
-- the teacher-forced logits of the reference and of the variant, ``[n, B, V]``, both computed on
-  the reference's prefix (log-probabilities work too: ``log_softmax`` leaves them unchanged);
-- the confidences of the same teacher-forced pass, ``[n, B]``;
-- per rollout mode (greedy; sampled on common random numbers), the tokens of the two free-running
-  rollouts, ``[n, B]``, each side having fed its own tokens.
-
-Example::
+"""Drift metrics (docs/eval-drift.md, "Metrics"; intervals: estimates.py): pure functions over one
+batch of drafted blocks, and the accumulator the evaluator feeds batch by batch.  Teacher-forced
+logits are [n, B, V], both on the reference's prefix (log-probabilities work too); confidences
+and each rollout mode's tokens [n, B].  Per-token results are kept as float64 [n, B]; the
+[n, B, V] work runs in float64 chunks of blocks.
 
     acc = DriftAccumulator(block_size=7)
     for batch in batches:
@@ -21,11 +14,6 @@ Example::
     metrics.rollouts["greedy"].ceiling                          # Estimate(value, lo, hi, n)
     metrics.rollouts["sampled"].matched_prefix                  # a lower bound, not a ceiling
     json.dumps(metrics.to_json())
-
-Only compact per-token results are kept between batches (float64 ``[n, B]``); the ``[n, B, V]``
-work is done in float64 chunks of blocks.  The definitions, and the choices they make (1−TV as
-1 − ½·Σ|p − q|, KL clamped at 0, llama.cpp's percentiles, the sched-flip ties, matched prefix
-against ceiling), are docs/eval-drift.md's ("Metrics"); the intervals, qstream/eval/estimates.py's.
 """
 
 from __future__ import annotations
@@ -41,10 +29,10 @@ from qstream.eval.estimates import (
     json_number,
     mean_estimate,
     pearson_r,
+    per_position,
     percentiles,
     pooled_mean,
     pooled_proportion,
-    proportion,
     scaled,
 )
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, PREFIX_KEYS
@@ -94,11 +82,8 @@ def _divergence_chunk(ref_logits: torch.Tensor, var_logits: torch.Tensor):
 
 @torch.no_grad()
 def token_divergences(ref_logits: torch.Tensor, var_logits: torch.Tensor) -> TokenDivergence:
-    """Greedy match, 1−TV, KL and reverse KL per position of ``[n, B, V]`` teacher-forced logits.
-
-    The argmax is taken on the logits as given (the variant's own greedy choice in its own dtype);
-    the distributions in float64, a chunk of blocks at a time (``_CHUNK_ELEMENTS``).
-    """
+    """Greedy match, 1−TV, KL and reverse KL per position of ``[n, B, V]`` logits: the argmax on
+    the logits as given (the variant's own dtype), the distributions in float64 chunks."""
     _check_pair("logits", ref_logits, var_logits, ndim=3)
     n, width, vocab = ref_logits.shape
     if n == 0:
@@ -122,11 +107,9 @@ def prefix_matches(ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> torch.
 def sched_flips(
     ref_conf: torch.Tensor, var_conf: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([n, B] bool flips, [n, B] bool decided)``: a position flips when its above/below
-    decision against the reference's per-block median confidence differs between reference and
-    variant.  Positions where the reference sits exactly on the median (with B odd, the median
-    position itself) make no decision and are left out (``decided`` False): counting them made
-    any upward shift of 1e-6 flip one position in B."""
+    """``([n, B] flips, [n, B] decided)``: the above/below decision against the reference's
+    per-block median confidence differs; positions exactly on the median decide nothing (counting
+    them made any upward shift of 1e-6 flip one position in B)."""
     _check_pair("confidence", ref_conf, var_conf, ndim=2)
     ref, var = ref_conf.double(), var_conf.double()
     ordered = ref.sort(dim=1).values
@@ -138,10 +121,6 @@ def sched_flips(
 
 # ---------------------------------------------------------------------------------------------
 # Summaries
-
-
-def _per_position(hits: torch.Tensor) -> tuple[Estimate, ...]:
-    return tuple(proportion(hits[:, k]) for k in range(hits.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -196,16 +175,14 @@ class RolloutMetrics:
 def rollout_metrics(
     ref_tokens: torch.Tensor, var_tokens: torch.Tensor, mode: str = "greedy"
 ) -> RolloutMetrics:
-    """seq agree[k], prefix agree[k] and the mean matched prefix of ``[n, B]`` rollout tokens
-    (the ceiling for greedy rollouts).  The mean matched prefix is B times the pooled share of
-    prefix-agree indicators, so it gets their interval: Wilson on the design-effect sample size,
-    which stays honest where every block matches (Student t collapsed to [B, B] there)."""
+    """seq agree[k], prefix agree[k] and the mean matched prefix (B × the pooled prefix-agree
+    share, with its interval) of ``[n, B]`` rollout tokens."""
     if mode not in PREFIX_KEYS:
         raise ValueError(f"unknown rollout mode {mode!r}; choose from {', '.join(PREFIX_KEYS)}")
     prefix = prefix_matches(ref_tokens, var_tokens)
     return RolloutMetrics(
-        seq_agree=_per_position(ref_tokens == var_tokens),
-        prefix_agree=_per_position(prefix),
+        seq_agree=per_position(ref_tokens == var_tokens),
+        prefix_agree=per_position(prefix),
         matched_prefix=scaled(pooled_proportion(prefix), float(prefix.shape[1])),
         mode=mode,
     )
@@ -243,11 +220,8 @@ class DriftMetrics:
 
 
 class DriftAccumulator:
-    """Collects one variant's per-token results batch by batch; :meth:`result` summarises them.
-
-    Each ``add_*`` takes a batch of whole blocks; the three streams must end up covering the same
-    blocks in the same order (checked by :meth:`result`).
-    """
+    """One variant's per-token results, batch by batch of whole blocks; :meth:`result` checks
+    every stream covers the same blocks and summarises them."""
 
     def __init__(self, block_size: int):
         if block_size < 1:
@@ -307,7 +281,7 @@ class DriftAccumulator:
         return DriftMetrics(
             n_blocks=n,
             block_size=self.block_size,
-            greedy_agree=_per_position(tf.top1_match),
+            greedy_agree=per_position(tf.top1_match),
             greedy_agree_overall=pooled_proportion(tf.top1_match),
             one_minus_tv=tuple(
                 mean_estimate(tf.one_minus_tv[:, k], bounds=(0.0, 1.0))

@@ -1,13 +1,8 @@
-"""One regime's evaluation, the one place the drafting work is orchestrated: the FP32 reference
-drafts every block once, then each variant is built, drafts the same blocks on the same aux
-states and noise, is compared, and is dropped before the next one is built, so only one
-variant's weights sit beside the reference's outputs (float32, exact).
-
-Everything a regime reads is one frozen :class:`RegimeRun`; the results entry it returns is the
-``regimes.REGIME`` block of docs/eval-drift.md.  The pass loop is where eval meets bounded memory
-(docs/eval-drift.md, "Memory"): the reference's outputs kept in a ``qstream.bounded`` store, and
-heap hygiene around each pass and each batch.
-"""
+"""One regime's evaluation (the ``regimes.REGIME`` block of docs/eval-drift.md): the FP32
+reference drafts every block once, then each variant is built, drafts the same blocks on the same
+aux states and noise, is compared, and is dropped before the next is built.  The one place eval
+meets bounded memory (docs/eval-drift.md, "Memory"): the reference's outputs in a store, heap
+hygiene around each pass and batch."""
 
 from __future__ import annotations
 
@@ -57,8 +52,7 @@ class RegimeRun:
 
 @dataclass
 class ReferenceOutputs:
-    """What every variant is compared with, for the blocks of one regime (tokens and confidence
-    in plan order; logits by batch)."""
+    """What every variant is compared with (tokens, confidence in plan order; logits by batch)."""
 
     logits: Store  # [n, B, V] float32 per batch: teacher-forced = its own greedy rollout's
     greedy_tokens: torch.Tensor  # [N, B]
@@ -67,8 +61,8 @@ class ReferenceOutputs:
 
 
 def evaluate_regime(run: RegimeRun) -> dict:
-    """The reference pass, every variant against it, the verifiers' acceptance and (when the
-    settings ask) the sensitivity steps: the regime's JSON-ready results entry."""
+    """The regime's JSON-ready results entry: every variant against the reference, the
+    verifiers' acceptance and the sensitivity steps."""
     s = run.settings
     with ExitStack() as kept:  # the stored per-block outputs are freed when the regime ends
         aux = AuxStates(run.regime, run.corpus, run.config, s.seed, s.scratch_dir)
@@ -106,8 +100,7 @@ def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dic
 def reference_pass(
     run: RegimeRun, aux: AuxStates, probe: RegimeAcceptance, logits: Store
 ) -> ReferenceOutputs:
-    """The FP32 reference drafts every block once; its outputs are kept for the variants (its
-    logits in ``logits``, by batch, a store the caller closes)."""
+    """The FP32 reference's drafts of every block (its logits into ``logits``, by batch)."""
     arch = architecture_of(run.config)
     reference = arch.build(run.config, run.weights, REFERENCE_VARIANT, run.settings.device)
     N, B = run.plan.anchor.numel(), run.config.block_size
@@ -142,8 +135,7 @@ def measure_variant(
     ref: ReferenceOutputs,
     probe: RegimeAcceptance | None,
 ) -> dict:
-    """One variant against the regime's reference: its results entry.  ``probe`` None skips the
-    verifiers (sensitivity steps report drift only)."""
+    """One variant's results entry; ``probe`` None: drift only (a sensitivity step)."""
     s = run.settings
     kind = VARIANTS if probe is not None else STEPS  # a sensitivity step: drift only
     step = variant.weights.making

@@ -1,13 +1,7 @@
 """Per-module sensitivity (docs/sensitivity.md): which module kinds cost acceptance under a
 format, and the largest include list that keeps the greedy acceptance ceiling within a tolerance
 of bf16.  Each kind (fused partners one kind) is quantized alone, then the kinds are added least
-harmful first; every step is a variant measured against the regime's one reference pass.
-
->>> settings = DriftSettings(model="DRAFT_DIR", regime="heavy", formats=("bf16",), sensitivity=True)
->>> results = evaluate_drift(settings)
->>> results["regimes"]["heavy"]["sensitivity"]["suggested"]["command"]
-'--include_layers context_proj self_attn.o_proj ...'
-"""
+harmful first; every step is a variant measured against the regime's one reference pass."""
 
 from __future__ import annotations
 
@@ -63,14 +57,10 @@ def _kind_key(module: str) -> str:
 
 
 def module_kinds(
-    weights: Mapping[str, torch.Tensor],
-    fmt: str,
-    config: DraftConfig,
-    ignore: tuple[str, ...] = (),
+    weights: Mapping[str, torch.Tensor], fmt: str, config: DraftConfig, ignore: tuple[str, ...] = ()
 ) -> list[ModuleKind]:
-    """Every kind the format can quantize and vLLM can serve quantized (quantize's default
-    selection under the draft's serving profile, docs/vllm.md: e.g. no Markov or confidence
-    head), minus ``ignore``, minus the shapes the format cannot hold; fused groups kept whole, in
+    """Every kind quantize's default selection under the draft's serving profile (docs/vllm.md)
+    picks for ``fmt``, minus ``ignore`` and the shapes it cannot hold; fused groups whole, in
     checkpoint order."""
     infos = {
         k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0)

@@ -1,11 +1,8 @@
-"""What one ``evaluate_drift`` or ``run_speculate`` run is asked to do: frozen objects whose
-fields are the command's options by name (click's parameter names), so that a command builds one
-from its options as they are (``DriftSettings(**options)``), and a library caller writes what a
-user types.  Each value is checked once, where the object is built, with the message the command
-prints.  :class:`Selection` (the variants and the modules they quantize) is what eval-drift and
-speculate share; :class:`DriftSettings` adds the rest of eval-drift's options, and holds how the
-drafter and the verifier sample (:class:`Sampling`) and adaptive verification's budget
-(:class:`AdaptiveBudget`) as objects built from them.
+"""What one ``evaluate_drift`` or ``run_speculate`` run is asked to do: frozen objects whose fields
+are the command's options by name (``DriftSettings(**options)``), each value checked once, where
+built, with the message the command prints.  :class:`Selection` is what eval-drift and speculate
+share; :class:`DriftSettings` adds eval-drift's options, with :class:`Sampling` and
+:class:`AdaptiveBudget` built from them.
 
 >>> settings = DriftSettings(model="DRAFT", regime="heavy", formats=("bf16", "fp8"), blocks=256,
 ...                          temperature=0.7, top_p=0.95, acceptance=True)
@@ -23,7 +20,7 @@ from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
 
-DEFAULT_EDGES = "default"  # --context-lengths given bare: context_sweep.default_edges(config)
+DEFAULT_EDGES = "default"  # --context-lengths given bare: drift.default_edges(config)
 
 # The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py).
 # STEPS: the sensitivity steps, which measure drift only (no verifier), so run at a pace of
@@ -33,11 +30,9 @@ REFERENCE, VARIANTS, STEPS = "reference", "variants", "steps"
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling as a deployment runs it (docs/model.md, docs/vllm.md): the request's temperature
-    applies to both sides; top-p / top-k cut the verifier's (target's) distribution only.  vLLM's
-    DSpark drafter, under draft_sample_method "probabilistic" (its default is "greedy",
-    vllm/config/speculative.py), samples the full tempered softmax (gumbel_sample);
-    ``draft_top_p`` < 1 models other engines."""
+    """Sampling as a deployment runs it (docs/vllm.md): the temperature applies to both sides,
+    top-p / top-k to the verifier's only; vLLM's DSpark drafter samples the full tempered softmax
+    (gumbel_sample, vllm/config/speculative.py); ``draft_top_p`` < 1 models other engines."""
 
     temperature: float = 1.0
     top_p: float = 1.0  # verifier
@@ -54,8 +49,7 @@ class Sampling:
             raise QStreamError(f"--top-k must be >= 1 (or off), got {self.top_k}")
 
     def to_json(self) -> dict:
-        """The results' ``sampling`` block: which side sampled what (vLLM's probabilistic DSpark
-        drafter has no top-p or top-k: ``gumbel_sample``)."""
+        """The results' ``sampling`` block: which side sampled what."""
         return {
             "temperature": self.temperature,
             "drafter": {
@@ -72,10 +66,9 @@ class Sampling:
 
 @dataclass(frozen=True)
 class AdaptiveBudget:
-    """How adaptive verification is simulated (docs/acceptance.md): the blocks, shuffled by the
-    run's seed, are verified ``requests`` at a time as one batch's requests, whose verified
-    draft tokens are ``budget_share`` of those drafted (rounded to the nearest token).  vLLM
-    sizes that budget from step costs profiled on its GPU; here it is given."""
+    """Adaptive verification's batches (docs/acceptance.md): shuffled blocks verified ``requests``
+    at a time, their verified draft tokens ``budget_share`` of those drafted (vLLM sizes that
+    budget from profiled step costs; here it is given)."""
 
     requests: int = 8
     budget_share: float = 0.5
@@ -105,13 +98,10 @@ def parse_variants(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class Selection:
-    """The variants a run builds and what they quantize, as eval-drift and speculate take them:
-    simulated ``formats`` (bf16 is the floor), quantized checkpoints read back (``variant``,
-    ``NAME=DIR``; ``variant_dirs`` holds them parsed), whether one not derived from the model is
-    compared anyway (qstream/eval/provenance.py) and whether its files are checked against the
-    sha256s quantize recorded (qstream/checkpoint/integrity.py, recorded in the results); the
-    modules the simulated formats quantize (() = the draft architecture's own shipped list, its
-    descriptor's quantize_include, resolved once config.json is read) and never quantize."""
+    """The variants a run builds and what they quantize: simulated ``formats``, checkpoints
+    (``variant``, ``NAME=DIR``, parsed into ``variant_dirs``), whether a foreign one is compared
+    (qstream/eval/variants.py) or its sha256s go unchecked (qstream/checkpoint/integrity.py), and
+    the include (() = the architecture's shipped quantize_include) and ignore patterns."""
 
     formats: tuple[str, ...] = VARIANT_FORMATS
     variant: tuple[str, ...] = ()
@@ -141,10 +131,9 @@ class Selection:
 
 @dataclass(frozen=True, kw_only=True)
 class DriftSettings(Selection):
-    """eval-drift's options (docs/eval-drift.md), by name.  ``model`` None: the built-in
-    synthetic draft; ``tokenizer`` None: the draft's own (else the target's); ``corpus`` None:
-    the built-in GSM8K test split.  ``regime``: a regime's name, ``all``, several names, or
-    None: the default regime (none when ``states`` is given); ``regimes`` holds the names."""
+    """eval-drift's options (docs/eval-drift.md) by name; None ``model``, ``tokenizer`` or
+    ``corpus``: the built-in draft, the draft's own, the built-in GSM8K split.  ``regime``: a
+    name, ``all``, names, or None (the default; none with ``states``), resolved in ``regimes``."""
 
     model: str | None = None
     target: str | None = None  # the target whose lm_head (and embed_tokens) the draft borrows
@@ -157,33 +146,28 @@ class DriftSettings(Selection):
     top_p: float = 1.0  # verifier
     top_k: int | None = None  # verifier; None: off
     draft_top_p: float = 1.0
-    # the FP32 reference verifies each variant's drafts, in every mode vLLM serves (captured
-    # states add the target as a verifier whatever this says; docs/acceptance.md)
+    # the FP32 reference verifies each variant's drafts (captured states add the target anyway)
     acceptance: bool = False
     adaptive_requests: int = 8
     adaptive_budget: float = 0.5
-    # captured target states, a file or a directory (qstream/eval/states/): regime "states";
-    # its layout (auto: from the contents), the convention of the layer ids it names, and layer
-    # ids to check it against (docs/states.md)
+    # captured target states (regime "states"), their layout (None: auto), layer-id convention
+    # and the ids to check them against (docs/states.md)
     states: str | None = None
     states_format: str | None = None
     states_layer_convention: str | None = None
     states_layer_ids: str | None = None
-    # the blocks of the states regime, a JSON file (qstream.eval.corpus.read_anchor_plan) in
-    # place of uniformly drawn anchors: e.g. the anchors a speculative decoder visited
+    # a JSON file naming the states regime's blocks (corpus.read_anchor_plan), not drawn ones
     states_anchors: str | None = None
-    # Per-module sensitivity (qstream/eval/sensitivity.py): one format, one module kind at a
-    # time, then cumulatively; None picks nvfp4 or the first 4-bit format of ``formats``.
+    # per-module sensitivity (qstream/eval/sensitivity.py); None: sensitivity_format picks
     sensitivity: bool = False
     sensitivity_format: str | None = None
     tolerance: float = 0.1  # greedy ceiling (tokens) below bf16 the include list may lose
-    # Long-context sweep (qstream/eval/context_sweep.py): bucket edges in tokens, or
-    # DEFAULT_EDGES (resolved by evaluate_drift from the draft's config); () = no sweep
+    # long-context sweep bucket edges in tokens, or DEFAULT_EDGES (from the config); () = none
     context_lengths: tuple[int, ...] | str = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
     device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/device.py)
-    # where per-block outputs too big for memory go (qstream/bounded.py; None: the
-    # system's temporary directory); never in the results: it changes no number
+    # where per-block outputs too big for memory go (qstream/bounded.py; None: the system's
+    # temporary directory)
     scratch_dir: str | None = None
     regimes: tuple[str, ...] = field(init=False)
     sampling: Sampling = field(init=False)
@@ -241,10 +225,8 @@ class DriftSettings(Selection):
         return () if isinstance(self.context_lengths, str) else self.context_lengths
 
     def planned_blocks(self) -> int | None:
-        """Blocks ``evaluate_drift`` reports to its progress, as far as the settings tell before
-        the corpus is read: a reference pass and one pass per variant, per regime, and per
-        bucket of a context sweep; None with sensitivity, whose steps depend on the checkpoint.
-        Once the blocks are planned, ``evaluate_drift`` reports the exact count."""
+        """Blocks to report before the corpus is read (a reference pass and one per variant, per
+        regime and bucket); None with sensitivity, whose steps depend on the checkpoint."""
         if self.sensitivity:
             return None
         buckets = max(0, len(self.edges) - 1)

@@ -1,19 +1,26 @@
 """The variants an evaluation compares with the FP32 reference (each a serving configuration,
-qstream/serving.py): the settings' variants, each one's weights, and the weight SNR of the
-tensors its format changed (docs/eval-drift.md)."""
+qstream/serving.py): the settings' variants, each one's weights, the weight SNR of the tensors its
+format changed (docs/eval-drift.md), and whether each checkpoint is what its role says
+(docs/guarantees.md): the ``--model`` must be unquantized (a quantized one would make its own
+format look free), and a ``--variant`` derived from it (quantizing leaves every tensor it does not
+quantize bit-identical; a foreign one is refused, or allowed and labelled ``foreign``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from qstream.arch.interface import LM_HEAD, DraftConfig
-from qstream.arch.registry import architecture_of
+from qstream.arch.registry import architecture_of, load_config
+from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.integrity import integrity_record
-from qstream.checkpoint.safetensors_io import drop_resident_pages
+from qstream.checkpoint.safetensors_io import ShardReader, drop_resident_pages
+from qstream.errors import QStreamError
 from qstream.eval.settings import Selection
-from qstream.formats import snr_db, snr_sums
+from qstream.formats import QUANTIZED_SUFFIXES, snr_db, snr_sums
 from qstream.quant.simulate import simulate_format
 from qstream.serving import Variant
 
@@ -87,3 +94,78 @@ def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str])
         "overall_db": None if noise == 0 else snr_db(signal, noise),
         "worst_db": min(finite) if finite else None,
     }
+
+
+FOREIGN_FLAG = "--allow-foreign-variant"
+
+
+def quantized_modules(names) -> set[str]:
+    """The modules that store a QUANTIZED_SUFFIXES tensor (only a quantized module does)."""
+    return {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in QUANTIZED_SUFFIXES}
+
+
+def refuse_quantized_model(model_dir: str | Path) -> None:
+    """QStreamError when ``model_dir`` is a quantized checkpoint (config or tensors say so)."""
+    checkpoint = open_checkpoint(model_dir)
+    modules = quantized_modules(checkpoint.tensor_shard)
+    if "quantization_config" in checkpoint.config:
+        why = "its config.json has a quantization_config"
+    elif modules:
+        why = f"it stores quantized tensors, e.g. {min(modules)}.weight_scale"
+    else:
+        return
+    raise QStreamError(
+        f"--model {model_dir} is a quantized checkpoint ({why}); the reference "
+        "must be unquantized: pass its unquantized base as --model and this "
+        f"directory as --variant NAME={model_dir}"
+    )
+
+
+def foreign_tensors(
+    variant_dir: str | Path, model_weights: Mapping[str, torch.Tensor]
+) -> list[str]:
+    """Tensors the variant keeps unquantized that are not bit-identical to the model's (dtype
+    and every bit); tensors the variant lacks (e.g. a borrowed embedding) are not compared."""
+    checkpoint = open_checkpoint(variant_dir)
+    quantized = quantized_modules(checkpoint.tensor_shard)
+    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
+    differ = []
+    for name, shard in checkpoint.tensor_shard.items():
+        if name.rpartition(".")[0] in quantized:
+            continue
+        ours = model_weights.get(name)
+        theirs = readers[shard].tensor(name)
+        if ours is None or ours.dtype != theirs.dtype or not torch.equal(ours, theirs):
+            differ.append(name)
+    return differ
+
+
+def check_variants_derived(
+    variants: tuple[Variant, ...],
+    model_dir: str | Path,
+    model_weights: Mapping[str, torch.Tensor],
+    allow_foreign: bool,
+) -> tuple[Variant, ...]:
+    """The variants, each checkpoint one checked to be derived from ``model_dir``; a foreign
+    one is refused, or with ``allow_foreign`` returned with ``foreign=True``."""
+    config = load_config(model_dir)
+    out = []
+    for variant in variants:
+        if not variant.checkpoint:
+            out.append(variant)
+            continue
+        if load_config(variant.source) != config:
+            raise QStreamError(
+                f"--variant {variant.name}: {variant.source} is a different "
+                f"architecture than --model {model_dir} (config.json differs)"
+            )
+        differ = foreign_tensors(variant.source, model_weights)
+        if differ and not allow_foreign:
+            raise QStreamError(
+                f"--variant {variant.name}: {variant.source} is not derived from --model "
+                f"{model_dir}: {len(differ)} tensor(s) it keeps unquantized differ, e.g. "
+                f"{differ[0]}; quantizing keeps those bit-identical (use {FOREIGN_FLAG} to "
+                "compare it anyway, labelled foreign)"
+            )
+        out.append(replace(variant, foreign=bool(differ)))
+    return tuple(out)

@@ -1,8 +1,6 @@
-"""What the verifiers accept of an evaluation's drafted blocks, batch by batch, in one regime:
-the FP32 reference on each variant's own drafted prefixes (``--acceptance``), and the captured
-target on its own stream (``--states``), with the run's :class:`~qstream.eval.settings.Sampling`
-and :class:`~qstream.eval.settings.AdaptiveBudget`.  The math and the tallies are
-qstream/eval/acceptance.py's; the regime loop that feeds this is passes.py's."""
+"""What the verifiers accept of one regime's drafted blocks: the FP32 reference on each variant's
+own drafted prefixes (``--acceptance``), the captured target on its own stream (``--states``).
+The math and tallies are acceptance.py's; passes.py feeds this."""
 
 from __future__ import annotations
 
@@ -34,13 +32,9 @@ from qstream.eval.vocabulary import FLOOR, RULES, VERIFIERS, acceptance_mode
 
 
 class RegimeAcceptance:
-    """What ``--acceptance`` (verifier: the FP32 reference) and captured states (verifier: the
-    target) measure in one regime.  Inactive (every method a no-op) when neither applies.
-    With ``--acceptance`` what the drafter kind keeps of the reference's state (the block
-    drafter's U [N, B, V] float32) is kept for the regime in a
-    :class:`~qstream.bounded.Store` (:meth:`close` frees it), beside the reference's
-    head (not the model); per variant only ``[N, B]`` values are kept (docs/eval-drift.md,
-    "Memory")."""
+    """One regime's verifiers (a no-op when neither applies).  With ``--acceptance`` what the
+    drafter keeps of the reference's state (U [N, B, V] float32) is held in a Store
+    (:meth:`close` frees it) beside the reference's head; per variant only [N, B] values."""
 
     def __init__(
         self,
@@ -98,20 +92,12 @@ class RegimeAcceptance:
         return self.lm_head.linear(LM_HEAD, hidden), self.stream_tokens[idx]
 
     def _add_target(
-        self,
-        acc: AcceptanceAccumulator,
-        state: Any,
-        batch: Batch,
-        greedy: Rollout,
-        record: bool,
+        self, acc: AcceptanceAccumulator, state: Any, batch: Batch, greedy: Rollout, record: bool
     ) -> None:
-        """Acceptance against the target on its own stream (module docstring): the drafter
-        teacher-forced on the stream, importance weights for the sampling verifier (the greedy
-        draft's: the run of the drafter's argmax on the stream), and the run of top-1 agreement
-        for the greedy verifier (exact where the stream is the target's greedy path).  Adaptive
-        verification trims the greedy draft by its free-running rollout's confidence; a
-        probabilistic draft's trimming depends on the other requests' drafts, which the
-        target's streams do not sample, so it is not simulated here (docs/acceptance.md)."""
+        """Acceptance by the target on its own stream: importance weights for the sampling
+        verifier, the run of top-1 agreement for the greedy one; adaptive trimming for the
+        greedy draft only (a probabilistic draft's depends on drafts the stream does not
+        sample; docs/acceptance.md)."""
         target_logits, stream = self._target(batch)
         forced = self.drafter.teacher_forced(state, stream).logits
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
@@ -172,8 +158,7 @@ class RegimeAcceptance:
         self, acc: AcceptanceAccumulator, batch: Batch, greedy: Rollout, sampled: Rollout
     ) -> None:
         """The reference on the variant's own prefixes: its argmax (greedy verifier) and its
-        sampling distribution against the greedy draft (one-hot) and the probabilistic draft
-        (the variant's full tempered softmax); the drafts' confidences for adaptive verification."""
+        sampling distribution against the greedy and the probabilistic draft."""
         assert self.kept is not None  # kept whenever the reference verifies
         kept = self.kept.get(batch)
         p_greedy = self.drafter.replay(self.head, kept, greedy)

@@ -1,8 +1,6 @@
-"""The results vocabulary of ``qstream eval-drift``: every name the results JSON uses that more than
-one module reads or writes, and the labels built from a run's own settings.
-
-The evaluator (qstream/eval/) writes these names, the card (qstream/card/) and the commands read
-them; none of them spells a name of its own.  docs/eval-drift.md documents the same names.
+"""The results vocabulary of ``qstream eval-drift`` (docs/eval-drift.md): every name the results
+JSON uses that the evaluator writes and the card and commands read, and the labels built from a
+run's own settings.
 
 >>> rollout_label("sampled", {"temperature": 0.7, "drafter": {"top_p": 1.0}})
 'sampled rollout (T=0.7, full softmax)'
@@ -57,8 +55,7 @@ class AcceptanceMode:
         return f"{draft} × {verify[self.verification]}" + (", adaptive" if self.adaptive else "")
 
     def to_json(self, temperature: float, adaptive: Mapping | None = None) -> dict:
-        """What the mode is, in the results: qstream's words and the vLLM settings that select
-        it; ``adaptive`` the run's adaptive budget (``{requests, budget_share}``)."""
+        """The mode in the results: qstream's words and the vLLM settings that select it."""
         vllm = f"draft_sample_method={self.draft}"
         if self.verification == "greedy":
             vllm += ", temperature=0 (either rejection_sample_method)"

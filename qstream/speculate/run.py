@@ -36,10 +36,14 @@ from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.device import resolve_device
 from qstream.errors import QStreamError
-from qstream.eval.provenance import check_variants_derived, refuse_quantized_model
 from qstream.eval.settings import Selection
 from qstream.eval.states.layouts import QSTREAM
-from qstream.eval.variants import settings_variants, variant_weights
+from qstream.eval.variants import (
+    check_variants_derived,
+    refuse_quantized_model,
+    settings_variants,
+    variant_weights,
+)
 from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
