@@ -175,7 +175,7 @@ def bench_round(args, src: Path, work: Path, fmt: str, workers: int) -> dict:
     q = run(qstream)
     out_bytes = _dir_bytes(q_out)
     peer = [args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(l_out), fmt, str(workers)]
-    lc = (float("nan"), 0) if args.no_peer else run(peer)
+    lc = (None, None) if args.no_peer else run(peer)  # None: not run, never a NaN in the JSON
     inputs = [str(p) for p in sorted(src.iterdir()) if p.is_file()]
     floor = run([sys.executable, "-c", FLOOR_SCRIPT, str(f_out), str(out_bytes), *inputs])
     for d in (q_out, l_out):
@@ -195,20 +195,21 @@ def summarize(fmt: str, workers: int, rounds: list[dict]) -> dict:
     """Times are the best of the rounds (what each command costs when the machine lets it
     run; load from other processes only ever adds), for every command alike; peak RSS, which
     load does not change, the median."""
-    best = {
-        k: min(r[k] for r in rounds) for k in ("qstream_s", "qstream_nosnr_s", "llmc_s", "floor_s")
-    }
-    rss = {k: statistics.median(r[k] for r in rounds) for k in ("qstream_rss", "llmc_rss")}
-    peer_rss = rss["llmc_rss"] or float("nan")  # 0: model_free_ptq was not run (--no-peer)
+    best = {k: min(r[k] for r in rounds) for k in ("qstream_s", "qstream_nosnr_s", "floor_s")}
+    q_rss = statistics.median(r["qstream_rss"] for r in rounds)
+    peer = rounds[0]["llmc_s"] is not None  # --no-peer: model_free_ptq was not run
+    llmc_s = min(r["llmc_s"] for r in rounds) if peer else None
+    llmc_rss = statistics.median(r["llmc_rss"] for r in rounds) if peer else None
     return {
         "format": fmt,
         "workers": workers,
         "rounds": len(rounds),
         **best,
-        "qstream_rss_gib": rss["qstream_rss"] / 2**30,
-        "llmc_rss_gib": rss["llmc_rss"] / 2**30,
-        "speedup": best["llmc_s"] / best["qstream_s"],
-        "rss_ratio": rss["qstream_rss"] / peer_rss,
+        "llmc_s": llmc_s,
+        "qstream_rss_gib": q_rss / 2**30,
+        "llmc_rss_gib": None if llmc_rss is None else llmc_rss / 2**30,
+        "speedup": None if llmc_s is None else llmc_s / best["qstream_s"],
+        "rss_ratio": None if llmc_rss is None else q_rss / llmc_rss,
         "over_floor": best["qstream_s"] / best["floor_s"],
         "nosnr_over_floor": best["qstream_nosnr_s"] / best["floor_s"],
         # each round's own ratio, the median: robust to a round whose floor ran unusually fast
@@ -222,11 +223,18 @@ HEADER = (
 )
 
 
+def _cell(value: float | None, spec: str, suffix: str = "") -> str:
+    """A figure, or n/a right-aligned to its width when it was not measured (--no-peer)."""
+    width = int(spec.split(".")[0])
+    return f"{'n/a':>{width + len(suffix)}}" if value is None else f"{value:{spec}}{suffix}"
+
+
 def row(r: dict) -> str:
     return (
         f"{r['format']:6s} {r['workers']:2d} | {r['qstream_s']:9.2f} {r['qstream_rss_gib']:5.2f}"
-        f" | {r['qstream_nosnr_s']:8.2f} | {r['llmc_s']:16.2f} {r['llmc_rss_gib']:5.2f}"
-        f" | {r['floor_s']:7.2f} | {r['speedup']:6.2f}x | {r['rss_ratio']:9.3f}"
+        f" | {r['qstream_nosnr_s']:8.2f} | {_cell(r['llmc_s'], '16.2f')}"
+        f" {_cell(r['llmc_rss_gib'], '5.2f')} | {r['floor_s']:7.2f}"
+        f" | {_cell(r['speedup'], '6.2f', 'x')} | {_cell(r['rss_ratio'], '9.3f')}"
         f" | {r['over_floor']:12.2f}x ({r['over_floor_paired']:.2f}x)"
         f" | {r['nosnr_over_floor']:11.2f}x"
     )
