@@ -245,7 +245,14 @@ def cpu_shims(recorder: Recorder) -> Iterator[None]:
 @contextlib.contextmanager
 def vllm_log(sink: list[str]) -> Iterator[None]:
     """Collect what vLLM logs at WARNING or above while loading.  Some of its module loggers
-    reach the root logger without passing the "vllm" one, so both are listened to."""
+    reach the root logger without passing the "vllm" one, so both are listened to.  vLLM's
+    ``warning_once`` remembers what it printed for the whole process (``_print_warning_once``,
+    an ``lru_cache`` in vllm/logger.py): it is forgotten first, so that every load reports its
+    own warnings whatever was loaded before it."""
+    from vllm import logger as vllm_logger
+
+    for name in ("_print_warning_once", "_print_error_once"):
+        getattr(vllm_logger, name).cache_clear()
     seen: list[logging.LogRecord] = []  # held, so that a record reaching both is told apart
 
     class Collect(logging.Handler):
