@@ -11,6 +11,7 @@ RoPE's (YaRN) inverse frequencies, and the bookkeeping of a causal stream.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -153,7 +154,7 @@ def inv_freq(d: int, base: float, yarn: Any = None) -> torch.Tensor:
     return interpolated * ramp + extrapolated * (1 - ramp)
 
 
-class CausalRows:
+class CausalRows(ABC):
     """A model's causal stream (interface.py's ``AuxChunks``): ``rows(t0, t1)`` -> [S, t1 - t0,
     depth*H] in ``dtype``, taken in order.  A subclass names its cache's per-position shapes
     (``cache_dims``; ``_cache`` holds one [S, T, ...] tensor of each per step) and ``compute``s."""
@@ -181,8 +182,10 @@ class CausalRows:
         self._next = t1
         return self.compute(t0, t1)
 
+    @abstractmethod
     def cache_dims(self, config: Any) -> tuple[tuple[int, ...], ...]:
-        raise NotImplementedError
+        """The per-position shapes of one step's cache tensors."""
 
+    @abstractmethod
     def compute(self, t0: int, t1: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Positions t0..t1-1 of every stream, each step's cache filled on the way."""
