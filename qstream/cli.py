@@ -26,10 +26,10 @@ from rich.console import Console
 from qstream import __version__
 from qstream.errors import QStreamError
 from qstream.publish import check_parent, json_text, write_json_atomic
+from qstream.serving import KV_CACHES, WEIGHT_FORMATS, Variant
 
 # --------------------------------------------------------------------------- the library's names
 
-WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")  # qstream.formats.FORMATS
 VARIANT_FORMATS = ("bf16", *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
 EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
 SENSITIVITY_FORMAT = "nvfp4"  # qstream.eval.sensitivity.DEFAULT_FORMAT
@@ -87,6 +87,24 @@ class CommaChoice(click.ParamType):
         if unknown:
             self.fail(f"{unknown[0]!r} is not one of {', '.join(self.choices)}.", param, ctx)
         return names
+
+
+class VariantTokens(click.ParamType):
+    """Comma-separated serving configurations, each a token qstream/serving.py parses
+    (``nvfp4+a=nvfp4+kv=fp8``): the tuple of tokens given."""
+
+    name = "variants"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        tokens = tuple(n for n in (p.strip() for p in value.split(",")) if n)
+        for token in tokens:
+            try:
+                Variant.parse(token)
+            except QStreamError as e:
+                self.fail(str(e), param, ctx)
+        return tokens
 
 
 class Integers(click.ParamType):
@@ -221,9 +239,14 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "target": {"type": DIRECTORY},
     "corpus": {"type": FILE},
     "formats": {
-        "type": CommaChoice(EVAL_FORMATS),
+        "type": VariantTokens(),
         "default": ",".join(VARIANT_FORMATS),
         "show_default": True,
+    },
+    "kv_cache_dtype": {
+        "type": click.Choice(tuple(KV_CACHES)),
+        "help": "The KV cache every variant but the reference serves with, as vLLM's "
+        "--kv-cache-dtype (the draft inherits the target's); a variant's own kv= wins.",
     },
     "variant": {
         "type": NameIsDir(),

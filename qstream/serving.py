@@ -1,16 +1,24 @@
 """A variant is a serving configuration (docs/eval-drift.md, "What is compared"): the weights a
 draft serves and how its activations, KV cache and target are served.  Each field's values are
 registered here, the one place their names are spelled; code asks the object
-(``variant.simulated``).  No torch at import: ``--help`` reads the names.
+(``variant.simulated``, ``variant.kv.quantized``).  No torch at import: ``--help`` reads the names.
 
+A user names a configuration in one token: the weights, then ``+field=value`` for each field
+that is not the default (docs/eval-drift.md, "Serving configurations"):
+
+>>> v = Variant.parse("nvfp4+a=nvfp4+kv=fp8_e4m3")
+>>> (v.source, v.activations, v.kv_cache, v.kv_scale, v.target)
+('nvfp4', 'nvfp4', 'fp8_e4m3', '1.0', 'unquantized')
+>>> Variant.parse("bf16", kv_cache="fp8").name  # --kv-cache-dtype, as vLLM's flag
+'bf16+kv=fp8'
 >>> Variant.of_format("nvfp4").simulated, Variant.of_format("bf16").compute_dtype
 (True, 'bfloat16')
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from qstream.errors import QStreamError
 
@@ -20,6 +28,7 @@ if TYPE_CHECKING:
 # "fp32" is the reference itself (a self-check that must report exact agreement); "bf16" is the
 # numerical floor every format is compared with (docs/eval-drift.md).
 REFERENCE, FLOOR = "fp32", "bf16"
+WEIGHT_FORMATS = ("fp8", "mxfp4", "nvfp4")  # qstream.formats.FORMATS (tests/test_help.py)
 
 
 @dataclass(frozen=True)
@@ -31,9 +40,6 @@ class WeightsKind:
     making: str | None = None  # the progress word while its weights are made, if it takes long
 
 
-# The values of each field; the first of ACTIVATIONS, KV_CACHES and TARGETS is today's only one:
-# activations unquantized, computed in the compute dtype; the KV cache in the compute dtype, as
-# vLLM's ``--kv-cache-dtype auto``; the target served unquantized.
 WEIGHTS = {
     k.name: k
     for k in (
@@ -43,9 +49,70 @@ WEIGHTS = {
         WeightsKind("checkpoint", making="loading"),
     )
 }
-ACTIVATIONS = ("none",)
-KV_CACHES = ("auto",)
-TARGETS = ("unquantized",)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """How a quantized linear's input is served: compressed-tensors' ``input_activations``
+    (DESIGN section 8) and the scheme vLLM 0.32.0 builds for it
+    (``compressed_tensors.py``, ``_get_scheme_from_parts``)."""
+
+    name: str
+    weights: tuple[str, ...]  # the weight formats it is served with; () for any
+    dynamic: bool  # scales from each input at run time; else calibrated ahead
+    strategy: str | None  # compressed-tensors' strategy: "token", "tensor", "tensor_group"
+    vllm_scheme: str | None  # None: the weights' own weight-only scheme
+
+
+ACTIVATIONS = {
+    a.name: a
+    for a in (
+        Activations("none", (), True, None, None),
+        Activations("fp8-dynamic", ("fp8",), True, "token", "CompressedTensorsW8A8Fp8"),
+        Activations("fp8-static", ("fp8",), False, "tensor", "CompressedTensorsW8A8Fp8"),
+        # per-16 block scales from each input, over a calibrated global scale
+        Activations("nvfp4", ("nvfp4",), False, "tensor_group", "CompressedTensorsW4A4Fp4"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """A ``--kv-cache-dtype`` of vLLM 0.32.0 (``vllm/config/cache.py``, ``CacheDType``) the
+    draft's attention stores its KV in; ``dtype`` is torch's name, None for the compute dtype."""
+
+    name: str
+    dtype: str | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype is not None and self.dtype.startswith("float8")
+
+
+KV_CACHES = {
+    k.name: k
+    for k in (
+        KVCache("auto", None),
+        KVCache("bfloat16", "bfloat16"),
+        KVCache("fp8", "float8_e4m3fn"),  # vLLM's "fp8" is e4m3 on CUDA
+        KVCache("fp8_e4m3", "float8_e4m3fn"),
+        KVCache("fp8_e5m2", "float8_e5m2"),
+    )
+}
+# An fp8 cache's per-layer scale: 1.0 (what vLLM serves when the checkpoint has none, with a
+# warning), calibrated on the run's calibration inputs, or the checkpoint's own.
+KV_SCALES = ("1.0", "calibrated", "checkpoint")
+# The target the draft serves beside: unquantized, or its linears' weights in a format.
+TARGETS = ("unquantized", *WEIGHT_FORMATS)
+
+# A token's fields after the weights: key -> (Variant field, its values).
+TOKEN_FIELDS = {
+    "a": ("activations", tuple(ACTIVATIONS)),
+    "kv": ("kv_cache", tuple(KV_CACHES)),
+    "kvscale": ("kv_scale", KV_SCALES),
+    "target": ("target", TARGETS),
+}
+TOKEN_WEIGHTS = (REFERENCE, FLOOR, *WEIGHT_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -60,21 +127,75 @@ class Variant:
     foreign: bool = False  # checkpoint not derived from the model (--allow-foreign-variant)
     # checkpoint: its sha256 check, as qstream/checkpoint/integrity.py records it
     integrity: tuple[tuple[str, object], ...] = ()
-    activations: str = ACTIVATIONS[0]
-    kv_cache: str = KV_CACHES[0]
-    target: str = TARGETS[0]
+    activations: str = "none"
+    kv_cache: str = "auto"
+    kv_scale: str = "1.0"
+    target: str = "unquantized"
 
     def __post_init__(self) -> None:
         for field, value, allowed in (
             ("kind", self.kind, tuple(WEIGHTS)),
-            ("activations", self.activations, ACTIVATIONS),
-            ("kv_cache", self.kv_cache, KV_CACHES),
-            ("target", self.target, TARGETS),
+            *((f, getattr(self, f), values) for f, values in TOKEN_FIELDS.values()),
         ):
             if value not in allowed:
                 raise QStreamError(
                     f"variant {self.name}: {field} {value!r}: choose one of {', '.join(allowed)}"
                 )
+        served = self.configuration()
+        if self.reference and any(served[f] != d for f, d in DEFAULTS.items()):
+            raise QStreamError(f"variant {self.name}: the fp32 reference is served as stored")
+        act = self.activation
+        if act.weights and (self.checkpoint or self.source not in act.weights):
+            raise QStreamError(
+                f"variant {self.name}: activations {act.name!r} are served with "
+                f"{' or '.join(act.weights)} weights, not {self.source!r}"
+                + (" (a checkpoint's come from its config.json)" if self.checkpoint else "")
+            )
+        if self.kv_scale != "1.0" and not self.kv.quantized:
+            raise QStreamError(
+                f"variant {self.name}: kvscale {self.kv_scale!r} needs an fp8 KV cache "
+                f"(kv=fp8_e4m3 or fp8_e5m2), not kv={self.kv_cache}"
+            )
+        if self.kv_scale == "checkpoint" and not self.checkpoint:
+            raise QStreamError(f"variant {self.name}: kvscale 'checkpoint' needs a checkpoint")
+
+    @classmethod
+    def parse(cls, token: str, kv_cache: str | None = None) -> Variant:
+        """The configuration ``token`` names (``WEIGHTS[+KEY=VALUE...]``, keys ``a``, ``kv``,
+        ``kvscale``, ``target``); ``kv_cache`` (``--kv-cache-dtype``) is every variant's KV cache
+        but the reference's, unless the token names one.  Named by its canonical token."""
+        weights, *parts = token.split("+")
+        if weights not in TOKEN_WEIGHTS:
+            raise QStreamError(
+                f"variant {token!r}: unknown weights {weights!r}; "
+                f"choose one of {', '.join(TOKEN_WEIGHTS)}"
+            )
+        fields: dict[str, Any] = {}
+        for part in parts:
+            key, sep, value = part.partition("=")
+            if not sep or key not in TOKEN_FIELDS:
+                raise QStreamError(
+                    f"variant {token!r}: {part!r} is not KEY=VALUE with KEY one of "
+                    f"{', '.join(TOKEN_FIELDS)}"
+                )
+            field = TOKEN_FIELDS[key][0]
+            if field in fields:
+                raise QStreamError(f"variant {token!r}: {key} given twice")
+            fields[field] = value
+        if kv_cache is not None and weights != REFERENCE:
+            fields.setdefault("kv_cache", kv_cache)
+        variant = cls.of_format(weights, name=token)
+        probe = replace(variant, **fields)  # validates, naming the token as given
+        return replace(probe, name=probe.token(weights))
+
+    def token(self, weights: str) -> str:
+        """The canonical token: ``weights`` and each field that differs from its default."""
+        served = self.configuration()
+        return weights + "".join(
+            f"+{key}={served[f]}"
+            for key, (f, _) in TOKEN_FIELDS.items()
+            if served[f] != DEFAULTS[f]
+        )
 
     @classmethod
     def of_format(
@@ -95,6 +216,8 @@ class Variant:
     simulated = property(lambda self: self.kind == "simulated")  # a format, simulated
     checkpoint = property(lambda self: self.kind == "checkpoint")  # read from ``source``
     compute_dtype = property(lambda self: self.weights.compute_dtype)
+    activation = property(lambda self: ACTIVATIONS[self.activations])
+    kv = property(lambda self: KV_CACHES[self.kv_cache])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -102,6 +225,15 @@ class Variant:
         import torch
 
         return getattr(torch, self.compute_dtype)
+
+    def configuration(self) -> dict:
+        """What the variant serves, field by field (the results record it whole)."""
+        return {
+            "activations": self.activations,
+            "kv_cache": self.kv_cache,
+            "kv_scale": self.kv_scale,
+            "target": self.target,
+        }
 
     def checks(self) -> dict:
         """What the results record of the checks of a checkpoint variant."""
@@ -111,5 +243,6 @@ class Variant:
         }
 
 
+DEFAULTS = {"activations": "none", "kv_cache": "auto", "kv_scale": "1.0", "target": "unquantized"}
 REFERENCE_VARIANT = Variant.of_format(REFERENCE)  # what the reference pass builds
 FLOOR_VARIANT = Variant.of_format(FLOOR)

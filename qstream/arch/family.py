@@ -18,6 +18,7 @@ from typing import Any
 
 from qstream.arch.interface import TARGET_HEAD_DIR, DraftConfig, Drafter
 from qstream.errors import QStreamError
+from qstream.serving import DEFAULTS
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -48,6 +49,13 @@ class DSparkFamily:
         return BLOCK_DRAFTER
 
     def build(self, config: Any, weights: Any, variant: Any, device: Any = "cpu") -> Any:
+        served = {f: v for f, v in variant.configuration().items() if v != DEFAULTS[f]}
+        if served:  # the arithmetic of these is not simulated yet (docs/status.md)
+            field, value = next(iter(served.items()))
+            raise QStreamError(
+                f"variant {variant.name}: {field} {value!r} is not simulated yet; only weights "
+                "are (activations none, KV cache auto, target unquantized)"
+            )
         model = getattr(importlib.import_module(self.model_module), self.model_class)
         return model(config, weights, variant.dtype, device)
 

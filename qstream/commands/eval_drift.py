@@ -41,6 +41,7 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 @option("tokenizer", "tokenizer.json to use. Default: the draft's own.", type=FILE)
 @option("corpus", "GSM8K-style JSONL (question, answer) or plain text. Default: built-in.")
 @option("formats", "Comma-separated simulated variants.")
+@option("kv_cache_dtype")
 @option("variant")
 @option(
     "allow_foreign_variant",

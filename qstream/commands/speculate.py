@@ -42,6 +42,7 @@ from qstream.publish import signals_as_interrupt
 @count_option("prompts", 32, "Prompts: the corpus's first documents.")
 @count_option("new_tokens", 128, "Tokens emitted per prompt.", minimum=2)
 @option("formats", "Comma-separated simulated variants, as eval-drift builds them.")
+@option("kv_cache_dtype")
 @option("variant")
 @option("allow_foreign_variant", "Decode with a --variant not derived from --model anyway.")
 @option(

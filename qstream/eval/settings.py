@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qstream.errors import QStreamError
-from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
+from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
+from qstream.serving import Variant
 
 DEFAULT_EDGES = "default"  # --context-lengths given bare: drift.default_edges(config)
 
@@ -103,7 +104,8 @@ class Selection:
     (qstream/eval/variants.py) or its sha256s go unchecked (qstream/checkpoint/integrity.py), and
     the include (() = the architecture's shipped quantize_include) and ignore patterns."""
 
-    formats: tuple[str, ...] = VARIANT_FORMATS
+    formats: tuple[str, ...] = VARIANT_FORMATS  # serving configuration tokens (serving.py)
+    kv_cache_dtype: str | None = None  # every variant's KV cache unless its token names one
     variant: tuple[str, ...] = ()
     allow_foreign_variant: bool = False
     no_integrity_check: bool = False
@@ -113,16 +115,16 @@ class Selection:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "variant_dirs", parse_variants(self.variant))
-        for fmt in self.formats:
-            if fmt not in ALLOWED_FORMATS:
-                raise QStreamError(
-                    f"unknown format {fmt!r}; choose from {', '.join(ALLOWED_FORMATS)}"
-                )
-        names = [*self.formats, *(name for name, _ in self.variant_dirs)]
+        names = [v.name for v in self.simulated] + [name for name, _ in self.variant_dirs]
         if not names:
             raise QStreamError("nothing to evaluate: --formats names no format and no --variant")
         if len(set(names)) != len(names):
             raise QStreamError(f"variant names must be unique, got {', '.join(names)}")
+
+    @property
+    def simulated(self) -> tuple[Variant, ...]:
+        """The configurations ``formats`` names (a bad token: a QStreamError naming it)."""
+        return tuple(Variant.parse(t, self.kv_cache_dtype) for t in self.formats)
 
     @property
     def n_variants(self) -> int:

@@ -31,11 +31,14 @@ def settings_variants(settings: Selection) -> tuple[Variant, ...]:
     """The simulated formats, then the checkpoint directories, in the order the user gave;
     each directory checked against the sha256s quantize recorded, unless the settings say not
     to (one line naming the first file that fails)."""
-    simulated = [Variant.of_format(f) for f in settings.formats]
+    simulated = list(settings.simulated)
     checkpoints = []
     for name, path in settings.variant_dirs:
         record = integrity_record(path, f"--variant {name}", not settings.no_integrity_check)
-        checkpoints.append(Variant.of_checkpoint(name, path, tuple(record.items())))
+        variant = Variant.of_checkpoint(name, path, tuple(record.items()))
+        if settings.kv_cache_dtype is not None:
+            variant = replace(variant, kv_cache=settings.kv_cache_dtype)
+        checkpoints.append(variant)
     return (*simulated, *checkpoints)
 
 
