@@ -31,6 +31,7 @@ from qstream.card.figures import (
 )
 from qstream.card.measured import measured_sections, read_speculate
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
+from qstream.card.serving import serving_sections
 from qstream.card.tables import (
     acceptance_tables,
     acceptance_verifiers,
@@ -121,6 +122,7 @@ def build_card(
                 [t for v in verifiers for t in acceptance_tables(rs, v)],
             )
         )
+    sections += serving_sections(rs, speculate)
     sections += _drift_sections(rs, full_regime, figure)
     sections += _study_sections(rs, figure)
     sections.append(Section("How it was evaluated", [evaluation_table(rs)]))

@@ -1,0 +1,264 @@
+"""The card's serving conditions (docs/card.md, "Serving conditions"): each variant served
+otherwise than the default configuration (``qstream.serving.DEFAULTS``) is one row naming what
+differs, what it costs against bf16 (the ceiling table's gap; the results' paired loss in vLLM's
+default mode), what it costs against the same weights served at the default, and the vLLM 0.32.0
+setting that avoids it.  A variant whose results carry no ``configuration`` (every file written
+before they did) is served at the default: such results get no section.
+"""
+
+from __future__ import annotations
+
+from qstream.card.document import Section
+from qstream.card.results import ResultsSet
+from qstream.card.tables import (
+    DIGITS,
+    _emitted_and_loss,
+    _gap,
+    _prefix,
+    difference,
+    estimate,
+    metrics,
+    regime_order,
+    variant_order,
+)
+from qstream.errors import QStreamError
+from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, VERIFIERS, VLLM_DEFAULT_MODE
+from qstream.serving import DEFAULTS, Variant
+from qstream.tablefit import Cell, Table
+
+# compressed-tensors' input_activations strategy, after "static" or "dynamic" (DESIGN section 8;
+# an NVFP4 input's global scale is calibrated, its per-16 block scales come from the input).
+STRATEGIES = {
+    "token": "per token",
+    "tensor": "per tensor",
+    "tensor_group": "per tensor, with dynamic per-16 block scales",
+}
+# The scheme vLLM 0.32.0 builds for the same weights without input_activations, by the scheme
+# that quantizes them (compressed_tensors.py, ``_get_scheme_from_parts``: NVFP4 weights without
+# input quantization are CompressedTensorsW4A4Fp4(use_a16=True)).
+WEIGHT_ONLY = {
+    "CompressedTensorsW8A8Fp8": "W8A16, CompressedTensorsW8A16Fp8",
+    "CompressedTensorsW4A4Fp4": "W4A16, CompressedTensorsW4A4Fp4(use_a16=True)",
+}
+# vllm/config/speculative.py, ``SpeculativeConfig.kv_cache_dtype``: unset, the draft inherits the
+# target's --kv-cache-dtype; set, ``apply_draft_overrides`` gives the draft its own, and "auto"
+# is the draft's model dtype (vllm/config/cache.py, ``CacheConfig.cache_dtype``).
+KV_SETTING = 'speculative_config={"kv_cache_dtype": "auto"}'
+TARGET_SETTING = "none on the draft side: the target is served at its own precision"
+SAME = "same weights at default"
+AVOIDED = "avoided in vLLM 0.32.0 by"
+UNPAIRED = "unpaired"
+CAPTION = (
+    "one row per variant served otherwise than the default configuration ({defaults}). Drift: "
+    "the greedy ceiling's gap to bf16, as the ceiling table's. Acceptance: the results' paired "
+    "per-block loss against bf16 in tokens per step, {mode}, verified by {verifier} at {temps}. "
+    "Against the same weights served at the default: the ceiling gap, and the loss: the paired "
+    "one where those weights are bf16's, else the difference of the two tokens per step, "
+    "{unpaired} (the results carry no paired difference, so no interval)"
+)
+
+
+def condition_words(variant: Variant) -> tuple[str, str]:
+    """What ``variant`` serves otherwise than the default, and the vLLM settings that avoid it:
+    ``("KV cache fp8_e4m3, scale 1.0", 'speculative_config={"kv_cache_dtype": "auto"}')``."""
+    said, avoided = [], []
+    act = variant.activation
+    if variant.activations != DEFAULTS["activations"]:
+        # the scheme quantizes a linear's input to its weights' format (W8A8 FP8, W4A4 NVFP4)
+        how = "dynamic" if act.dynamic else "static"
+        said.append(f"activations {act.weights[0].upper()} {how} {STRATEGIES[act.strategy]}")
+        avoided.append(f"serve the weight-only checkpoint ({WEIGHT_ONLY[act.vllm_scheme]})")
+    if variant.kv_cache != DEFAULTS["kv_cache"]:
+        scale = f", scale {variant.kv_scale}" if variant.kv.quantized else ""
+        said.append(f"KV cache {variant.kv_cache}{scale}")
+        avoided.append(KV_SETTING)
+    if variant.target != DEFAULTS["target"]:
+        said.append(f"target weights {variant.target}")
+        avoided.append(TARGET_SETTING)
+    return "; ".join(said), "; ".join(avoided)
+
+
+def served(name: str, info: dict, where: str) -> Variant:
+    """The configuration a results' variant entry records (the default where it records none);
+    an unknown value is a QStreamError naming ``where`` it was read, the variant and the value."""
+    recorded = info.get("configuration", DEFAULTS)
+    try:
+        return Variant(name, info["kind"], info["source"], **{f: recorded[f] for f in DEFAULTS})
+    except QStreamError as exc:
+        raise QStreamError(f"{where}: {exc}") from exc
+
+
+def _weights(variant: Variant) -> str:
+    return (
+        variant.source if variant.kind == variant.source else f"{variant.source} ({variant.kind})"
+    )
+
+
+def _conditions(variants: dict[str, Variant]) -> list[tuple[Variant, str | None]]:
+    """Each variant off the default, with the first variant of the same weights at the default
+    (None: not in the run)."""
+    at_default = [v for v in variants.values() if v.configuration() == DEFAULTS]
+    return [
+        (v, next((d.name for d in at_default if (d.kind, d.source) == (v.kind, v.source)), None))
+        for v in variants.values()
+        if v.configuration() != DEFAULTS
+    ]
+
+
+def _loss_vs_default(default: str | None, paired: Cell, values: tuple) -> Cell:
+    """Against the same weights at the default: the ``paired`` loss against bf16 where those
+    weights are the floor itself, else the difference of the two ``values`` (default's,
+    condition's), without an interval, labelled so."""
+    if default == FLOOR:
+        return paired
+    if None in values:
+        return Cell("n/a")
+    default_value, condition_value = values
+    loss = default_value["value"] - condition_value["value"]
+    return Cell(f"{difference(loss).text} ({UNPAIRED})", loss)
+
+
+# ---------------------------------------------------------------------------------------------
+# eval-drift results
+
+
+def _results_variants(rs: ResultsSet) -> dict[str, Variant]:
+    def where(name: str) -> str:
+        files = {p for r in rs.regimes if name in rs.regimes[r] for p in rs.sources[r]}
+        return ", ".join(sorted(files)) or "results"
+
+    return {name: served(name, rs.variants[name], where(name)) for name in variant_order(rs)}
+
+
+def conditions_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
+    """One regime's conditions: drift and acceptance against bf16 and against the default."""
+    present = [
+        v for v in VERIFIERS if any(v in r.get("acceptance", {}) for r in _block(rs, regime))
+    ]
+    verifier = present[-1] if present else None  # the captured target where the regime has one
+    label = ACCEPTANCE_MODES[VLLM_DEFAULT_MODE].label
+
+    def acceptance(name: str | None) -> dict | None:
+        result = rs.regimes[regime].get(name) if name is not None else None
+        return None if result is None else result.get("acceptance", {}).get(verifier)
+
+    def ceiling(name: str | None) -> dict | None:
+        return None if name is None else _prefix(metrics(rs, regime, name), "greedy")
+
+    floor = ceiling(FLOOR)
+    rows = []
+    for v, default in conditions:
+        mine, theirs = ceiling(v.name), ceiling(default)
+        emitted = [(acc or {}).get(VLLM_DEFAULT_MODE, {}).get("emitted")
+                   for acc in (acceptance(default), acceptance(v.name))]  # fmt: skip
+        loss = _emitted_and_loss(acceptance(v.name), VLLM_DEFAULT_MODE)[1]
+        words, avoided = condition_words(v)
+        rows.append([
+            Cell(v.name), Cell(words), Cell(_weights(v)),
+            _gap(_value(mine), _value(floor)), loss, Cell(default or "not in the run"),
+            Cell("n/a") if default is None else _gap(_value(mine), _value(theirs)),
+            _loss_vs_default(default, loss, tuple(emitted)), Cell(avoided),
+        ])  # fmt: skip
+    temps = _temperatures(rs, regime, verifier)
+    caption = CAPTION.format(
+        defaults=", ".join(f"{f} {d}" for f, d in DEFAULTS.items()),
+        mode=label,
+        verifier=VERIFIERS[verifier] if verifier else "no verifier (not simulated in this regime)",
+        temps=temps,
+        unpaired=UNPAIRED,
+    )
+    columns = ["condition", "what differs", "weights", "ceiling gap to bf16",
+               f"loss vs bf16, {label} [95% CI]", SAME, "ceiling gap to default",
+               "loss vs default", AVOIDED]  # fmt: skip
+    return Table(f"Regime {regime}: {caption}", columns, rows, key=f"serving_{regime}",
+                 align="lll" + "rr" + "l" + "rr" + "l")  # fmt: skip
+
+
+def _block(rs: ResultsSet, regime: str) -> list[dict]:
+    return list(rs.regimes[regime].values())
+
+
+def _value(e: dict | None) -> float | None:
+    return None if e is None else e["value"]
+
+
+def _temperatures(rs: ResultsSet, regime: str, verifier: str | None) -> str:
+    """The temperatures the regime's entries of vLLM's default mode ran at, from the results."""
+    found = {
+        acc[VLLM_DEFAULT_MODE]["mode"]["temperature"]
+        for r in _block(rs, regime)
+        if VLLM_DEFAULT_MODE in (acc := r.get("acceptance", {}).get(verifier) or {})
+    }
+    return ", ".join(f"T={t}" for t in sorted(found)) or "no temperature (nothing simulated)"
+
+
+# ---------------------------------------------------------------------------------------------
+# speculate results
+
+
+def measured_conditions_table(spec: dict, conditions: list) -> Table:
+    """The conditions measured with the target in the loop (``qstream speculate``)."""
+    d = DIGITS["ceiling"]
+    variants = spec["variants"]
+    rows = []
+    for v, default in conditions:
+        length = variants[v.name]["summary"]["mean_acceptance_length"]
+        theirs = None if default is None else variants[default]["summary"]["mean_acceptance_length"]
+        loss = difference(variants[v.name]["summary"].get("loss_vs_bf16"))
+        words, avoided = condition_words(v)
+        rows.append([
+            Cell(v.name), Cell(words), Cell(_weights(v)), estimate(length, d), loss,
+            Cell(default or "not in the run"), _loss_vs_default(default, loss, (theirs, length)),
+            Cell(avoided),
+        ])  # fmt: skip
+    s = spec["settings"]
+    temperature = s.get("temperature")
+    at = "temperature not recorded" if temperature is None else f"T={temperature}"
+    columns = ["condition", "what differs", "weights", "tokens per verification [95% CI]",
+               "loss vs bf16 [95% CI]", SAME, "loss vs default", AVOIDED]  # fmt: skip
+    return Table(
+        f"Measured with the target in the loop (`qstream speculate`, {s['rule']} verification at "
+        f"{at}): one row per variant served otherwise than the default. The loss against bf16 "
+        "is paired over the same prompts, as speculate reports it; against the same weights at "
+        "the default it is that loss where those weights are bf16's, else the difference of the "
+        f"two tokens per verification, {UNPAIRED} (no interval)",
+        columns,
+        rows,
+        key="serving_measured",
+        align="lllrrlrl",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The section
+
+
+def serving_sections(rs: ResultsSet, speculate: dict | None) -> list[Section]:
+    """The "Serving conditions" section, or none when every variant is served at the default."""
+    parts: list = []
+    conditions = _conditions(_results_variants(rs))
+    if conditions:
+        regimes = [
+            r for r in regime_order(rs) if any(v.name in rs.regimes[r] for v, _ in conditions)
+        ]
+        parts += [conditions_table(rs, r, [c for c in conditions if c[0].name in rs.regimes[r]])
+                  for r in regimes]  # fmt: skip
+    if speculate is not None:
+        measured = _conditions(
+            {n: served(n, info, "speculate results") for n, info in speculate["variants"].items()}
+        )
+        if measured:
+            parts.append(measured_conditions_table(speculate, measured))
+    if not parts:
+        return []
+    intro = (
+        "A serving condition is a variant served otherwise than the default configuration: "
+        "activations quantized, a KV cache other than the draft's compute dtype, or a quantized "
+        "target (docs/eval-drift.md). Each row names what differs, what it costs against bf16 "
+        "and against the same weights served at the default, and the vLLM 0.32.0 setting that "
+        "avoids it: the draft's own KV cache dtype (`vllm/config/speculative.py`, "
+        "`SpeculativeConfig.kv_cache_dtype`; unset, the draft inherits the target's "
+        "`--kv-cache-dtype`), or the weight-only scheme vLLM builds for a checkpoint without "
+        "input activations (`compressed_tensors.py`, `_get_scheme_from_parts`)."
+    )
+    return [Section("Serving conditions", [intro, *parts])]
