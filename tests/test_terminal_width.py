@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from qstream.card.tables import print_report
+from qstream.card.terminal import print_report
 from qstream.cli import cli
 from qstream.quant import quantize_checkpoint
 from qstream.tablefit import Column, fitted_table, wrap
@@ -193,7 +193,7 @@ def _split_cells(results: dict, text: str) -> list[str]:
     and its interval) whole, a label part by part (a name wraps only between its words and
     dotted parts)."""
     from qstream.card.results import collect_results
-    from qstream.card.tables import SOURCE, report_parts, short_names
+    from qstream.card.terminal import SOURCE, report_parts, short_names
     from qstream.tablefit import Table, _parts
 
     rs = collect_results([(results, SOURCE)])

@@ -1,5 +1,5 @@
 """``qstream eval-drift``: the click layer over :func:`qstream.eval.drift.evaluate_drift`, its
-options the fields of :class:`~qstream.eval.settings.DriftSettings`; its tables are the card's (:func:`qstream.card.tables.print_report`)."""
+options the fields of :class:`~qstream.eval.settings.DriftSettings`; its tables are the card's (:func:`qstream.card.terminal.print_report`)."""
 
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:
         --blocks 1024 --seed 0 --json results.json
     """
     # here, not above: `qstream eval-drift --help` loads no torch or scipy
-    from qstream.card.tables import print_report
+    from qstream.card.terminal import print_report
     from qstream.eval.drift import evaluate_drift
     from qstream.eval.settings import DriftSettings
 
