@@ -81,24 +81,25 @@ def _emitted(data: dict, regime: str, name: str) -> float:
 def test_each_condition_is_one_row_naming_what_differs(tmp_path, served):
     card = _card(tmp_path, served)
     section = next(s for s in card.sections if s.title == "Serving conditions")
-    regimes = list(served["regimes"])
-    assert [p.key for p in section.parts if hasattr(p, "key")] == [f"serving_{r}" for r in regimes]
-    for regime in regimes:
-        table = tables(card)[f"serving_{regime}"]
-        assert _column(table, "condition") == CONDITIONS
-        assert _column(table, "what differs") == [KV_WORDS, NVFP4_WORDS]
-        assert _column(table, "weights") == ["bf16", "nvfp4 (simulated)"]
-        assert _column(table, "same weights at default") == ["bf16", "nvfp4"]
-        kv, act = _column(table, "avoided in vLLM 0.32.0 by")
-        assert kv == 'speculative_config={"kv_cache_dtype": "auto"}'
-        assert "weight-only" in act and "CompressedTensorsW4A4Fp4(use_a16=True)" in act
+    keys = [p.key for p in section.parts if hasattr(p, "key")]
+    assert keys == ["serving_conditions", *(f"serving_{r}" for r in served["regimes"])]
+    table = tables(card)["serving_conditions"]
+    assert _column(table, "condition") == CONDITIONS
+    assert _column(table, "what differs") == [KV_WORDS, NVFP4_WORDS]
+    assert _column(table, "weights") == ["bf16", "nvfp4 (simulated)"]
+    assert _column(table, "same weights at default") == ["bf16", "nvfp4"]
+    kv, act = _column(table, "avoided in vLLM 0.32.0 by")
+    assert kv == '"kv_cache_dtype": "auto" in --speculative-config'
+    assert act == "a weight-only checkpoint (vLLM's W4A16 scheme)"
+    assert table.columns[-1] == "avoided in vLLM 0.32.0 by"
 
 
 def test_costs_are_the_results_numbers(tmp_path, served):
     card = _card(tmp_path, served)
+    defaults = _column(tables(card)["serving_conditions"], "same weights at default")
     for regime in served["regimes"]:
         table = tables(card)[f"serving_{regime}"]
-        defaults = _column(table, "same weights at default")
+        assert _column(table, "condition") == CONDITIONS
         for name, default, gap, loss, gap_d, loss_d in zip(
             CONDITIONS,
             defaults,
@@ -107,15 +108,11 @@ def test_costs_are_the_results_numbers(tmp_path, served):
             _column(table, "ceiling gap to default"),
             _column(table, "loss vs default"),
         ):
-            assert (
-                gap == f"{_ceiling(served, regime, name) - _ceiling(served, regime, 'bf16'):+.3f}"
-            )
+            ceiling = _ceiling(served, regime, name)
+            assert gap == f"{ceiling - _ceiling(served, regime, 'bf16'):+.3f}"
             e = _variant(served, regime, name)["acceptance"]["reference"]["loss_vs_bf16"][MODE]
             assert loss == f"{e['value']:+.3f} [{e['lo']:+.3f}, {e['hi']:+.3f}]"
-            assert (
-                gap_d
-                == f"{_ceiling(served, regime, name) - _ceiling(served, regime, default):+.3f}"
-            )
+            assert gap_d == f"{ceiling - _ceiling(served, regime, default):+.3f}"
             if default == "bf16":  # the paired loss against bf16 is the one against it
                 assert loss_d == loss
             else:
@@ -140,11 +137,10 @@ def test_a_condition_without_its_default_weights_says_so(tmp_path, served):
     for block in data["regimes"].values():
         del block["variants"]["nvfp4"]
     del data["variants"]["nvfp4"]
-    table = tables(_card(tmp_path, data))["serving_heavy"]
-    row = dict(zip(table.columns, (c.text for c in table.rows[1])))
-    assert (
-        row["condition"] == "nvfp4+a=nvfp4" and row["same weights at default"] == "not in the run"
-    )
+    t = tables(_card(tmp_path, data))
+    assert _column(t["serving_conditions"], "same weights at default") == ["bf16", "not in the run"]
+    row = dict(zip(t["serving_heavy"].columns, (c.text for c in t["serving_heavy"].rows[1])))
+    assert row["condition"] == "nvfp4+a=nvfp4"
     assert row["ceiling gap to default"] == row["loss vs default"] == "n/a"
 
 
@@ -168,8 +164,9 @@ def test_md_json_and_html_render_the_section(tmp_path, served):
     by_key = {
         t["key"]: t for s in json.loads(render(card, "json"))["sections"] for t in s["tables"]
     }
+    assert by_key["serving_conditions"]["rows"][0]["what differs"] == KV_WORDS
     row = by_key["serving_heavy"]["rows"][0]
-    assert row["condition"] == "bf16+kv=fp8_e4m3" and row["what differs"] == KV_WORDS
+    assert row["condition"] == "bf16+kv=fp8_e4m3"
     loss = _variant(served, "heavy", "bf16+kv=fp8_e4m3")["acceptance"]["reference"]["loss_vs_bf16"]
     assert row[f"loss vs bf16, {ACCEPTANCE_MODES[MODE].label} [95% CI]"] == loss[MODE]
 
@@ -177,7 +174,7 @@ def test_md_json_and_html_render_the_section(tmp_path, served):
 @pytest.mark.parametrize(
     "token, words, setting",
     [
-        ("fp8+a=fp8-dynamic", "activations FP8 dynamic per token", "CompressedTensorsW8A16Fp8"),
+        ("fp8+a=fp8-dynamic", "activations FP8 dynamic per token", "W8A16"),
         ("fp8+a=fp8-static", "activations FP8 static per tensor", "W8A16"),
         ("bf16+kv=fp8_e5m2+kvscale=calibrated", "KV cache fp8_e5m2, scale calibrated",
          '"kv_cache_dtype": "auto"'),
@@ -220,6 +217,7 @@ def test_measured_conditions_from_speculate_results(tmp_path):
     unpaired = spec["variants"]["nvfp4"]["summary"]["mean_acceptance_length"]["value"]
     assert len(table.rows) == 1 and row["condition"] == "nvfp4+a=nvfp4"
     assert row["what differs"] == NVFP4_WORDS and row["same weights at default"] == "nvfp4"
+    assert row["avoided in vLLM 0.32.0 by"] == "a weight-only checkpoint (vLLM's W4A16 scheme)"
     assert row["tokens per verification [95% CI]"] == (
         f"{length['value']:.2f} [{length['lo']:.2f}, {length['hi']:.2f}]"
     )
@@ -229,3 +227,14 @@ def test_measured_conditions_from_speculate_results(tmp_path):
     )
     assert row["loss vs default"] == f"{unpaired - length['value']:+.3f} (unpaired)"
     assert f"{spec['settings']['rule']} verification" in table.caption
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_eval_drift_prints_the_conditions_whole(served, width):
+    """The terminal report (qstream/card/terminal.py) ends with the same tables, no cell split."""
+    from test_terminal_width import _assert_fits, _report, _split_cells
+
+    text = _report(served, width)
+    _assert_fits(text, width)
+    assert "Serving conditions: the variants served" in text and "Regime boot: what each" in text
+    assert not _split_cells(served, text)

@@ -34,22 +34,20 @@ STRATEGIES = {
     "tensor_group": "per tensor, with dynamic per-16 block scales",
 }
 # The scheme vLLM 0.32.0 builds for the same weights without input_activations, by the scheme
-# that quantizes them (compressed_tensors.py, ``_get_scheme_from_parts``: NVFP4 weights without
-# input quantization are CompressedTensorsW4A4Fp4(use_a16=True)).
-WEIGHT_ONLY = {
-    "CompressedTensorsW8A8Fp8": "W8A16, CompressedTensorsW8A16Fp8",
-    "CompressedTensorsW4A4Fp4": "W4A16, CompressedTensorsW4A4Fp4(use_a16=True)",
-}
+# that quantizes them (compressed_tensors.py, ``_get_scheme_from_parts``: FP8 weights alone are
+# CompressedTensorsW8A16Fp8, NVFP4 weights alone CompressedTensorsW4A4Fp4(use_a16=True)).
+WEIGHT_ONLY = {"CompressedTensorsW8A8Fp8": "W8A16", "CompressedTensorsW4A4Fp4": "W4A16"}
 # vllm/config/speculative.py, ``SpeculativeConfig.kv_cache_dtype``: unset, the draft inherits the
 # target's --kv-cache-dtype; set, ``apply_draft_overrides`` gives the draft its own, and "auto"
-# is the draft's model dtype (vllm/config/cache.py, ``CacheConfig.cache_dtype``).
-KV_SETTING = 'speculative_config={"kv_cache_dtype": "auto"}'
+# is the draft's model dtype (vllm/config/cache.py, ``CacheConfig.cache_dtype``).  The JSON of
+# --speculative-config is EngineArgs.speculative_config (vllm/engine/arg_utils.py).
+KV_SETTING = '"kv_cache_dtype": "auto" in --speculative-config'
 TARGET_SETTING = "none on the draft side: the target is served at its own precision"
 SAME = "same weights at default"
 AVOIDED = "avoided in vLLM 0.32.0 by"
 UNPAIRED = "unpaired"
 CAPTION = (
-    "one row per variant served otherwise than the default configuration ({defaults}). Drift: "
+    "what each serving condition costs. Drift: "
     "the greedy ceiling's gap to bf16, as the ceiling table's. Acceptance: the results' paired "
     "per-block loss against bf16 in tokens per step, {mode}, verified by {verifier} at {temps}. "
     "Against the same weights served at the default: the ceiling gap, and the loss: the paired "
@@ -67,7 +65,7 @@ def condition_words(variant: Variant) -> tuple[str, str]:
         # the scheme quantizes a linear's input to its weights' format (W8A8 FP8, W4A4 NVFP4)
         how = "dynamic" if act.dynamic else "static"
         said.append(f"activations {act.weights[0].upper()} {how} {STRATEGIES[act.strategy]}")
-        avoided.append(f"serve the weight-only checkpoint ({WEIGHT_ONLY[act.vllm_scheme]})")
+        avoided.append(f"a weight-only checkpoint (vLLM's {WEIGHT_ONLY[act.vllm_scheme]} scheme)")
     if variant.kv_cache != DEFAULTS["kv_cache"]:
         scale = f", scale {variant.kv_scale}" if variant.kv.quantized else ""
         said.append(f"KV cache {variant.kv_cache}{scale}")
@@ -130,8 +128,29 @@ def _results_variants(rs: ResultsSet) -> dict[str, Variant]:
     return {name: served(name, rs.variants[name], where(name)) for name in variant_order(rs)}
 
 
-def conditions_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
-    """One regime's conditions: drift and acceptance against bf16 and against the default."""
+def conditions_table(conditions: list) -> Table:
+    """What each condition serves otherwise than the default, and what avoids it in vLLM."""
+    rows = [
+        [Cell(v.name), Cell(words), Cell(_weights(v)), Cell(default or "not in the run"),
+         Cell(avoided)]
+        for v, default in conditions
+        for words, avoided in [condition_words(v)]
+    ]  # fmt: skip
+    defaults = ", ".join(f"{f} {d}" for f, d in DEFAULTS.items())
+    return Table(
+        f"Serving conditions: the variants served otherwise than the default configuration "
+        f"({defaults}), what differs, their weights, the variant of the run that serves the "
+        "same weights at the default, and the vLLM 0.32.0 setting that avoids the condition",
+        ["condition", "what differs", "weights", SAME, AVOIDED],
+        rows,
+        key="serving_conditions",
+        align="lllll",
+    )
+
+
+def costs_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
+    """One regime's costs of each condition against bf16 and against the same weights at the
+    default: the ceiling gap and the acceptance loss in vLLM's default mode."""
     present = [
         v for v in VERIFIERS if any(v in r.get("acceptance", {}) for r in _block(rs, regime))
     ]
@@ -142,44 +161,33 @@ def conditions_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
         result = rs.regimes[regime].get(name) if name is not None else None
         return None if result is None else result.get("acceptance", {}).get(verifier)
 
-    def ceiling(name: str | None) -> dict | None:
-        return None if name is None else _prefix(metrics(rs, regime, name), "greedy")
+    def ceiling(name: str | None) -> float | None:
+        prefix = None if name is None else _prefix(metrics(rs, regime, name), "greedy")
+        return None if prefix is None else prefix["value"]
 
-    floor = ceiling(FLOOR)
     rows = []
     for v, default in conditions:
-        mine, theirs = ceiling(v.name), ceiling(default)
         emitted = [(acc or {}).get(VLLM_DEFAULT_MODE, {}).get("emitted")
                    for acc in (acceptance(default), acceptance(v.name))]  # fmt: skip
         loss = _emitted_and_loss(acceptance(v.name), VLLM_DEFAULT_MODE)[1]
-        words, avoided = condition_words(v)
         rows.append([
-            Cell(v.name), Cell(words), Cell(_weights(v)),
-            _gap(_value(mine), _value(floor)), loss, Cell(default or "not in the run"),
-            Cell("n/a") if default is None else _gap(_value(mine), _value(theirs)),
-            _loss_vs_default(default, loss, tuple(emitted)), Cell(avoided),
+            Cell(v.name), _gap(ceiling(v.name), ceiling(FLOOR)), loss,
+            Cell("n/a") if default is None else _gap(ceiling(v.name), ceiling(default)),
+            _loss_vs_default(default, loss, tuple(emitted)),
         ])  # fmt: skip
-    temps = _temperatures(rs, regime, verifier)
     caption = CAPTION.format(
-        defaults=", ".join(f"{f} {d}" for f, d in DEFAULTS.items()),
         mode=label,
         verifier=VERIFIERS[verifier] if verifier else "no verifier (not simulated in this regime)",
-        temps=temps,
+        temps=_temperatures(rs, regime, verifier),
         unpaired=UNPAIRED,
     )
-    columns = ["condition", "what differs", "weights", "ceiling gap to bf16",
-               f"loss vs bf16, {label} [95% CI]", SAME, "ceiling gap to default",
-               "loss vs default", AVOIDED]  # fmt: skip
-    return Table(f"Regime {regime}: {caption}", columns, rows, key=f"serving_{regime}",
-                 align="lll" + "rr" + "l" + "rr" + "l")  # fmt: skip
+    columns = ["condition", "ceiling gap to bf16", f"loss vs bf16, {label} [95% CI]",
+               "ceiling gap to default", "loss vs default"]  # fmt: skip
+    return Table(f"Regime {regime}: {caption}", columns, rows, key=f"serving_{regime}")
 
 
 def _block(rs: ResultsSet, regime: str) -> list[dict]:
     return list(rs.regimes[regime].values())
-
-
-def _value(e: dict | None) -> float | None:
-    return None if e is None else e["value"]
 
 
 def _temperatures(rs: ResultsSet, regime: str, verifier: str | None) -> str:
@@ -233,16 +241,21 @@ def measured_conditions_table(spec: dict, conditions: list) -> Table:
 # The section
 
 
+def conditions_tables(rs: ResultsSet) -> list[Table]:
+    """What the conditions of the eval-drift results are, then per regime holding one what
+    they cost (none when every variant is served at the default)."""
+    conditions = _conditions(_results_variants(rs))
+    costs = [
+        costs_table(rs, r, held)
+        for r in regime_order(rs)
+        if (held := [c for c in conditions if c[0].name in rs.regimes[r]])
+    ]
+    return [conditions_table(conditions), *costs] if conditions else []
+
+
 def serving_sections(rs: ResultsSet, speculate: dict | None) -> list[Section]:
     """The "Serving conditions" section, or none when every variant is served at the default."""
-    parts: list = []
-    conditions = _conditions(_results_variants(rs))
-    if conditions:
-        regimes = [
-            r for r in regime_order(rs) if any(v.name in rs.regimes[r] for v, _ in conditions)
-        ]
-        parts += [conditions_table(rs, r, [c for c in conditions if c[0].name in rs.regimes[r]])
-                  for r in regimes]  # fmt: skip
+    parts: list = conditions_tables(rs)
     if speculate is not None:
         measured = _conditions(
             {n: served(n, info, "speculate results") for n, info in speculate["variants"].items()}
@@ -254,11 +267,10 @@ def serving_sections(rs: ResultsSet, speculate: dict | None) -> list[Section]:
     intro = (
         "A serving condition is a variant served otherwise than the default configuration: "
         "activations quantized, a KV cache other than the draft's compute dtype, or a quantized "
-        "target (docs/eval-drift.md). Each row names what differs, what it costs against bf16 "
-        "and against the same weights served at the default, and the vLLM 0.32.0 setting that "
-        "avoids it: the draft's own KV cache dtype (`vllm/config/speculative.py`, "
+        "target (docs/eval-drift.md). The first table names what differs and the vLLM 0.32.0 "
+        "setting that avoids it (the draft's own KV cache dtype: `vllm/config/speculative.py`, "
         "`SpeculativeConfig.kv_cache_dtype`; unset, the draft inherits the target's "
-        "`--kv-cache-dtype`), or the weight-only scheme vLLM builds for a checkpoint without "
-        "input activations (`compressed_tensors.py`, `_get_scheme_from_parts`)."
+        "`--kv-cache-dtype`); the others what it costs against bf16 and against the same "
+        "weights served at the default."
     )
     return [Section("Serving conditions", [intro, *parts])]

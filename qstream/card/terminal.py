@@ -16,6 +16,7 @@ from rich.text import Text
 
 from qstream.card.document import Code, Part
 from qstream.card.results import ResultsSet, collect_results
+from qstream.card.serving import conditions_tables
 from qstream.card.tables import (
     acceptance_tables,
     acceptance_verifiers,
@@ -36,7 +37,7 @@ MAX_WIDTH = 100  # columns a terminal table may take (--wide: no limit)
 
 def report_parts(rs: ResultsSet) -> list[Part]:
     """Per regime every metric and the agreement by position, the sensitivity steps and context
-    buckets where measured; then the acceptance per verifier."""
+    buckets where measured; then the acceptance per verifier and the serving conditions."""
     parts: list[Part] = []
     for regime in regime_order(rs):
         parts += [full_metrics_table(rs, regime), agreement_table(rs, regime)]
@@ -47,7 +48,7 @@ def report_parts(rs: ResultsSet) -> list[Part]:
             parts.append(context_sweep_table(rs, regime))
     for verifier in acceptance_verifiers(rs):
         parts += acceptance_tables(rs, verifier)
-    return parts
+    return parts + conditions_tables(rs)
 
 
 def short_names(rs: ResultsSet) -> dict[str, str]:
