@@ -1,9 +1,10 @@
 """The card's serving conditions (docs/card.md, "Serving conditions"): each variant served
 otherwise than the default configuration (``qstream.serving.DEFAULTS``) is one row naming what
-differs, what it costs against bf16 (the ceiling table's gap; the results' paired loss in vLLM's
-default mode), what it costs against the same weights served at the default, and the vLLM 0.32.0
-setting that avoids it.  A variant whose results carry no ``configuration`` (every file written
-before they did) is served at the default: such results get no section.
+differs, its weights and the vLLM 0.32.0 setting that avoids it; per regime, one row of what it
+costs against bf16 (the ceiling table's gap; the results' paired loss in vLLM's default mode) and
+against the same weights served at the default.  A variant whose results carry no
+``configuration`` (every file written before they did) is served at the default: such results
+get no section.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ CAPTION = (
 
 def condition_words(variant: Variant) -> tuple[str, str]:
     """What ``variant`` serves otherwise than the default, and the vLLM settings that avoid it:
-    ``("KV cache fp8_e4m3, scale 1.0", 'speculative_config={"kv_cache_dtype": "auto"}')``."""
+    ``("KV cache fp8_e4m3, scale 1.0", '"kv_cache_dtype": "auto" in --speculative-config')``."""
     said, avoided = [], []
     act = variant.activation
     if variant.activations != DEFAULTS["activations"]:
