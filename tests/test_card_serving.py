@@ -144,6 +144,20 @@ def test_a_condition_without_its_default_weights_says_so(tmp_path, served):
     assert row["ceiling gap to default"] == row["loss vs default"] == "n/a"
 
 
+def test_a_configuration_recorded_in_each_regime_reads_the_same(tmp_path, served):
+    """eval-drift's passes may record the configuration in each regime's entry instead."""
+    data = copy.deepcopy(served)
+    for name, info in data["variants"].items():
+        configuration = info.pop("configuration")
+        for block in data["regimes"].values():
+            block["variants"][name]["configuration"] = configuration
+    (tmp_path / "top").mkdir()
+    (tmp_path / "regimes").mkdir()
+    top, regimes = _card(tmp_path / "top", served), _card(tmp_path / "regimes", data)
+    assert tables(regimes)["serving_conditions"].rows == tables(top)["serving_conditions"].rows
+    assert render(regimes, "md") == render(top, "md")
+
+
 def test_results_without_configurations_get_no_section_and_the_same_card(tmp_path, tiny):
     explicit = copy.deepcopy(tiny)
     for info in explicit["variants"].values():

@@ -122,11 +122,16 @@ def _loss_vs_default(default: str | None, paired: Cell, values: tuple) -> Cell:
 
 
 def _results_variants(rs: ResultsSet) -> dict[str, Variant]:
-    def where(name: str) -> str:
-        files = {p for r in rs.regimes if name in rs.regimes[r] for p in rs.sources[r]}
-        return ", ".join(sorted(files)) or "results"
-
-    return {name: served(name, rs.variants[name], where(name)) for name in variant_order(rs)}
+    """Each variant as served: its configuration from ``variants.NAME`` or, where eval-drift's
+    passes record it, from its entry in a regime (one token names one configuration)."""
+    out = {}
+    for name in variant_order(rs):
+        held = [r for r in regime_order(rs) if name in rs.regimes[r]]
+        entries = [rs.variants[name], *(rs.regimes[r][name] for r in held)]
+        recorded = next((e["configuration"] for e in entries if "configuration" in e), DEFAULTS)
+        files = ", ".join(sorted({p for r in held for p in rs.sources[r]}))
+        out[name] = served(name, {**rs.variants[name], "configuration": recorded}, files)
+    return out
 
 
 def conditions_table(conditions: list) -> Table:
