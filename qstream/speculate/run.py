@@ -12,8 +12,10 @@ decoder visited").
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +34,7 @@ from qstream.capture.target import (
     default_dtype,
     load_target,
 )
+from qstream.capture.target_format import simulate_target
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.device import resolve_device
@@ -47,7 +50,7 @@ from qstream.eval.variants import (
 from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
-from qstream.serving import Variant
+from qstream.serving import DEFAULTS, Variant
 from qstream.speculate.decode import (
     RULES,
     Decoded,
@@ -107,8 +110,6 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     shape = read_target_shape(s.target)
     check_draft(config, shape, config.target_layer_ids)
     refuse_quantized_model(s.model)
-    if s.capture is not None:
-        check_capture_dir(Path(s.capture), s.rule, {"--model": s.model, "--target": s.target})
     arch = architecture_of(config)
     s = replace(s, include_layers=s.include_layers or arch.quantize_include)
     weights = arch.load_weights(s.model, s.target, config)
@@ -116,8 +117,12 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     variants = check_variants_derived(
         settings_variants(s), s.model, weights, s.allow_foreign_variant
     )
+    if s.capture is not None:
+        inputs = {"--model": s.model, "--target": s.target}
+        check_capture_dir(Path(s.capture), s.rule, inputs, {v.target for v in variants})
     docs = corpus_docs(s.corpus)
     target, prompts = _target_and_prompts(s, docs, config)
+    served = served_targets(target.model, s.target, [v.target for v in variants])
     results = _description(s, config, shape, docs)
     decoded = {}
     for v in variants:
@@ -125,7 +130,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         draft = arch.build(config, var_weights, v, "cpu")
         _started(progress, len(prompts), v.name)
         runs = decoded[v.name] = decode_prompts(
-            target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
+            served[v.target], draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
         )
         results["variants"][v.name] = {
             **_variant_entry(v, changed),
@@ -140,10 +145,25 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         for name, runs in decoded.items():
             loss = paired_loss(decoded[FLOOR], runs).to_json()
             results["variants"][name]["summary"]["loss_vs_bf16"] = loss
-    if s.capture is not None:
-        write_capture(s, config, shape, docs, target, prompts, decoded)
+    if s.capture is not None:  # the one target every variant decoded against
+        fmt = variants[0].target
+        write_capture(
+            s, config, shape, docs, replace(target, model=served[fmt]), prompts, decoded, fmt
+        )
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
+
+
+def served_targets(model, target: str, formats: list[str]) -> dict[str, Any]:
+    """The target as each of ``formats`` serves it, built once per format (docs/speculate.md,
+    "A quantized target"): ``model`` itself unquantized, else a copy whose decoder linears are
+    simulated in the format (one more copy of the target in memory per format)."""
+    served = {DEFAULTS["target"]: model}
+    for fmt in dict.fromkeys(formats):
+        if fmt not in served:
+            served[fmt] = copy.deepcopy(model)
+            simulate_target(served[fmt], target, fmt)
+    return served
 
 
 def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig):
@@ -192,7 +212,7 @@ def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[l
 
 def _variant_entry(v: Variant, changed: list[str]) -> dict:
     return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
-            "quantized_tensors": changed}  # fmt: skip
+            "configuration": v.configuration(), "quantized_tensors": changed}  # fmt: skip
 
 
 def _description(
@@ -232,14 +252,13 @@ def _description(
     }
 
 
-def check_capture_dir(output: Path, rule: str, inputs: dict[str, str]) -> None:
-    """Before any decoding: a greedy run, and a directory that is absent or empty, outside the
-    ``inputs`` (option -> directory), in a writable directory."""
-    if rule != "greedy":
-        raise QStreamError(
-            f"--capture needs --rule greedy (got {rule}): only then is one stream every "
-            "variant's output"
-        )
+def check_capture_dir(output: Path, rule: str, inputs: dict[str, str], targets: set[str]) -> None:
+    """Before any decoding: a greedy run with one target (``targets``: the variants'), and a
+    directory that is absent or empty, outside the ``inputs`` (option -> directory), in a
+    writable directory."""
+    if rule != "greedy" or len(targets) > 1:
+        why = f"--rule greedy (got {rule})" if rule != "greedy" else "one target= for all variants"
+        raise QStreamError(f"--capture needs {why}: only then is one stream every variant's output")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(f"--capture {output}: exists and is not an empty directory")
     check_outside(output, "--capture", inputs)
@@ -254,14 +273,16 @@ def write_capture(
     target: LoadedTarget,
     prompts: list[list[int]],
     runs: dict[str, list[Decoded]],
+    target_format: str,
 ) -> None:
     """The streams, their states and capture.json, then one anchors file per variant: built in
-    a temporary directory beside ``--capture`` and published with one rename, or not at all."""
+    a temporary directory beside ``--capture`` and published with one rename, or not at all.
+    ``target`` is served in ``target_format``, which capture.json records."""
     assert s.capture is not None
     layer_ids, block_size, output = config.target_layer_ids, config.block_size, Path(s.capture)
     sampling = {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts}
-    record = capture_record(QSTREAM, layer_ids, shape, docs, s.model, s.device, source="speculate",
-                            sampling=sampling, dtype=s.dtype, max_tokens=None)  # fmt: skip
+    record = capture_record(QSTREAM, layer_ids, shape, docs, s.model, s.device, target_format,
+                            source="speculate", sampling=sampling, dtype=s.dtype, max_tokens=None)  # fmt: skip
     record["files"] = {}
     first, *others = runs
     for name in others:
