@@ -13,7 +13,7 @@ import torch
 from cli_helpers import cli_error, cli_ok
 from click.testing import CliRunner
 from hf_targets import make_qwen3_target, make_target
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_cli_speculate import QUESTIONS, _shared_direction
 
 from qstream.capture.run import CaptureSettings, run_capture
@@ -33,9 +33,17 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", 
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek_v3"])
+@pytest.fixture(scope="module", params=["llama", "deepseek_v3", "llama-bf16"])
 def tiny(request, tmp_path_factory):
-    return make_target(tmp_path_factory.mktemp(request.param) / "target", request.param)
+    """A tiny target; ``llama-bf16`` stores its weights in bf16 (loaded in fp32 below, so the
+    format math must run on the stored bf16 weights, not on the loaded fp32 copy)."""
+    family, _, stored = request.param.partition("-")
+    target = make_target(tmp_path_factory.mktemp(request.param) / "target", family)
+    if stored:
+        path = target / "model.safetensors"
+        tensors = {n: t.to(torch.bfloat16) for n, t in load_file(path).items()}
+        save_file(tensors, path, metadata={"format": "pt"})
+    return target
 
 
 def _expected(stored: dict[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
