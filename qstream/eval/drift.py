@@ -229,7 +229,8 @@ def _read_states(
         target=target,
     )
     # the states' target: capture.json's target.format (qstream capture --target-format)
-    captured = ((states.details["manifest"] or {}).get("target") or {}).get("format")
+    recorded = (states.details["manifest"] or {}).get("target")
+    captured = recorded.get("format") if isinstance(recorded, dict) else None
     for v in settings.simulated:
         if v.target != DEFAULTS["target"] and v.target != captured:
             raise QStreamError(f"variant {v.name}: target={v.target}, but --states "
