@@ -49,7 +49,10 @@ class DSparkFamily:
         return BLOCK_DRAFTER
 
     def build(self, config: Any, weights: Any, variant: Any, device: Any = "cpu") -> Any:
+        # the target is no part of the draft's arithmetic: it serves the states and verifies
+        # (capture --target-format, speculate)
         served = {f: v for f, v in variant.configuration().items() if v != DEFAULTS[f]}
+        served.pop("target", None)
         if served:  # the arithmetic of these is not simulated yet (docs/status.md)
             field, value = next(iter(served.items()))
             raise QStreamError(

@@ -20,6 +20,7 @@ from qstream.checkpoint.safetensors_io import serialize
 from qstream.errors import QStreamError
 from qstream.eval.states.layouts import LAYOUTS, RECORD, Layout
 from qstream.publish import write_bytes_atomic, write_json_atomic
+from qstream.serving import DEFAULTS
 
 # Settings a resumed run must share with the run that started the directory: everything that
 # changes what a stream file holds.  The device, the draft's path and the stream count may
@@ -30,15 +31,25 @@ CHECKED = (
 
 
 def capture_record(
-    layout: Layout, ids: tuple[int, ...], shape: Any, docs: Any, model: str, device: str, **settings
+    layout: Layout,
+    ids: tuple[int, ...],
+    shape: Any,
+    docs: Any,
+    model: str,
+    device: str,
+    target_format: str = DEFAULTS["target"],
+    **settings,
 ) -> dict[str, Any]:
     """capture.json's keys (docs/capture.md), ``settings`` being source, sampling, dtype and
-    max_tokens; ``ids`` in the layer-output convention, ``shape`` the target's."""
+    max_tokens; ``ids`` in the layer-output convention, ``shape`` the target's, served in
+    ``target_format`` (recorded as the target's ``format`` when quantized: an unquantized
+    target's record is as it was before formats were served)."""
+    served = {} if target_format == DEFAULTS["target"] else {"format": target_format}
     return {
         "layout": layout.name,
         "layer_convention": layout.convention.name,
         "layer_ids": layout.layer_ids(ids, shape.num_hidden_layers),
-        "target": shape.identity(),
+        "target": {**shape.identity(), **served},
         **settings,
         "corpus": docs.name,
         "corpus_sha256": docs.sha256,

@@ -40,6 +40,7 @@ from qstream.capture.target import (
     layer_output_ids,
     load_target,
 )
+from qstream.capture.target_format import check_target_format, simulate_target
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.corpus import BUILTIN_CORPUS_NAME, builtin_corpus_docs
@@ -47,6 +48,7 @@ from qstream.eval.states.captured import LAYER_OUTPUT
 from qstream.eval.states.layouts import EXPORTS, LAYOUTS, QSTREAM, Layout
 from qstream.progress import Progress
 from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice
+from qstream.serving import DEFAULTS
 from qstream.synth.corpus import read_corpus
 
 
@@ -148,6 +150,7 @@ class CaptureSettings:
     sampling: Sampling | None = None  # --generate: continue each prompt with target samples
     export: str = QSTREAM.name  # or "vllm": vLLM's / speculators' layout
     trust_remote_code: bool = False
+    target_format: str = DEFAULTS["target"]  # or a weight format its decoder linears are served in
 
 
 @dataclass
@@ -170,7 +173,8 @@ def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: A
     sampling = None if s.sampling is None else asdict(s.sampling)
     source = "corpus" if sampling is None else "generate"
     return capture_record(LAYOUTS[s.export], ids, shape, docs, s.model, s.device_map or s.device,
-                          source=source, sampling=sampling, dtype=s.dtype, max_tokens=s.max_tokens)  # fmt: skip
+                          s.target_format, source=source, sampling=sampling, dtype=s.dtype,
+                          max_tokens=s.max_tokens)  # fmt: skip
 
 
 def _layer_ids(s: CaptureSettings, config: DraftConfig, depth: int) -> tuple[int, ...]:
@@ -201,6 +205,7 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
     layout = _layout(s)
+    check_target_format(s.target_format, "--target-format")
     config = load_config(s.model)
     shape = read_target_shape(s.target)
     ids = _layer_ids(s, config, shape.num_hidden_layers)
@@ -212,6 +217,8 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     old = check_output(output, record)
     remove_stale_partials_in(output, stderr_notice)  # what killed runs left
     target = load_target(s.target, DTYPES[s.dtype], s.device, s.device_map, s.trust_remote_code)
+    if s.target_format != DEFAULTS["target"]:
+        simulate_target(target.model, s.target, s.target_format)
     chosen = _prompts(s, target, docs, config)
     if old is None:
         start_output(output, record)

@@ -26,6 +26,7 @@ from qstream.arch.interface import DraftConfig
 from qstream.checkpoint.target import TargetShape
 from qstream.errors import QStreamError
 from qstream.eval.states.captured import CONVENTIONS
+from qstream.serving import DEFAULTS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # a file transformers builds a tokenizer from (without one it builds an empty vocabulary)
@@ -41,6 +42,7 @@ class LoadedTarget:
     model: Any  # a transformers PreTrainedModel (AutoModelForCausalLM)
     tokenizer: Any  # a transformers tokenizer (AutoTokenizer)
     device: torch.device  # where inputs go (the first layer's device under --device-map)
+    format: str = DEFAULTS["target"]  # or the weight format its decoder linears are served in
 
 
 def _first_line(exc: BaseException) -> str:

@@ -22,6 +22,7 @@ from qstream.cli import (
 )
 from qstream.progress import counter
 from qstream.publish import signals_as_interrupt
+from qstream.serving import TARGETS
 
 if TYPE_CHECKING:
     from qstream.capture.run import CaptureSettings
@@ -66,6 +67,13 @@ if TYPE_CHECKING:
     "qstream's layout or vLLM's / speculators' (hs_{i}.safetensors).",
 )
 @flag_option("trust_remote_code", "Allow the checkpoint's own model code to run.")
+@choice_option(
+    "target_format",
+    TARGETS,
+    TARGETS[0],
+    "Serve the target's decoder Linear weights quantized-dequantized in this weight format "
+    '(docs/capture.md, "A quantized target"); lm_head and embeddings stay as stored.',
+)
 @json_option()
 def capture(json_path: str | None, **o: Any) -> None:
     """Capture a Hugging Face target's hidden states for eval-drift --states: one file per
@@ -73,6 +81,7 @@ def capture(json_path: str | None, **o: Any) -> None:
 
     \b
     qstream capture --target TARGET --model DRAFT --output states/ --streams 64
+    qstream capture --target TARGET --model DRAFT --output nvfp4/ --target-format nvfp4
     qstream capture --target TARGET --model DRAFT --output gen/ --generate \\
         --max-tokens 32 --new-tokens 256 --temperature 1.0 --top-p 0.95
     qstream eval-drift --model DRAFT --target TARGET --states states/ --acceptance

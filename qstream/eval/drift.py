@@ -49,7 +49,7 @@ from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
 from qstream.progress import Progress, Silent
 from qstream.regimes import REGIMES, STATES, Regime
-from qstream.serving import Variant
+from qstream.serving import DEFAULTS, Variant
 
 __all__ = ["DriftSettings", "evaluate_drift"]
 
@@ -220,7 +220,7 @@ def _read_states(
 ) -> CapturedStates | None:
     if settings.states is None:
         return None
-    return read_states(
+    states = read_states(
         settings.states,
         config,
         format=settings.states_format,
@@ -228,6 +228,15 @@ def _read_states(
         layer_ids=settings.states_layer_ids,
         target=target,
     )
+    # the states' target: capture.json's target.format (qstream capture --target-format)
+    recorded = (states.details["manifest"] or {}).get("target")
+    captured = recorded.get("format") if isinstance(recorded, dict) else None
+    for v in settings.simulated:
+        if v.target != DEFAULTS["target"] and v.target != captured:
+            raise QStreamError(f"variant {v.name}: target={v.target}, but --states "
+                               f"{settings.states} was captured from the {captured or 'unquantized'} "
+                               "target (capture.json's target.format)")  # fmt: skip
+    return states
 
 
 def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:

@@ -19,7 +19,7 @@ from qstream.errors import QStreamError
 from qstream.eval.vocabulary import VARIANT_FORMATS
 from qstream.formats import FORMATS
 from qstream.regimes import ALL_REGIMES, AUX_REGIMES, DEFAULT_REGIME
-from qstream.serving import Variant
+from qstream.serving import DEFAULTS, Variant
 
 DEFAULT_EDGES = "default"  # --context-lengths given bare: drift.default_edges(config)
 
@@ -197,6 +197,14 @@ class DriftSettings(Selection):
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
         self._check_context()
+        for v in self.simulated:  # the target serves states and verifies: none is synthetic
+            if v.target != DEFAULTS["target"] and self.regimes:
+                raise QStreamError(
+                    f"variant {v.name}: target={v.target} reaches eval-drift only through the "
+                    f"target's own states, which regime {', '.join(self.regimes)} lacks: capture "
+                    f"them with qstream capture --target-format {v.target} and pass --states DIR "
+                    "(no --regime), or run qstream speculate"
+                )
         sampling = Sampling(self.temperature, self.top_p, self.top_k, self.draft_top_p)
         object.__setattr__(self, "sampling", sampling)
         adaptive = AdaptiveBudget(self.adaptive_requests, self.adaptive_budget)

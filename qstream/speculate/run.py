@@ -12,6 +12,7 @@ decoder visited").
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from qstream.capture.target import (
     default_dtype,
     load_target,
 )
+from qstream.capture.target_format import simulate_target
 from qstream.checkpoint.files import sha256_file
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.device import resolve_device
@@ -107,8 +109,6 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     shape = read_target_shape(s.target)
     check_draft(config, shape, config.target_layer_ids)
     refuse_quantized_model(s.model)
-    if s.capture is not None:
-        check_capture_dir(Path(s.capture), s.rule, {"--model": s.model, "--target": s.target})
     arch = architecture_of(config)
     s = replace(s, include_layers=s.include_layers or arch.quantize_include)
     weights = arch.load_weights(s.model, s.target, config)
@@ -116,16 +116,19 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     variants = check_variants_derived(
         settings_variants(s), s.model, weights, s.allow_foreign_variant
     )
+    if s.capture is not None:
+        check_capture_dir(s, {v.target for v in variants})
     docs = corpus_docs(s.corpus)
-    target, prompts = _target_and_prompts(s, docs, config)
+    served, prompts = _targets_and_prompts(s, docs, config, [v.target for v in variants])
     results = _description(s, config, shape, docs)
     decoded = {}
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
         draft = arch.build(config, var_weights, v, "cpu")
         _started(progress, len(prompts), v.name)
+        model = served[v.target].model  # the target this configuration serves
         runs = decoded[v.name] = decode_prompts(
-            target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
+            model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
         )
         results["variants"][v.name] = {
             **_variant_entry(v, changed),
@@ -140,17 +143,34 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         for name, runs in decoded.items():
             loss = paired_loss(decoded[FLOOR], runs).to_json()
             results["variants"][name]["summary"]["loss_vs_bf16"] = loss
-    if s.capture is not None:
-        write_capture(s, config, shape, docs, target, prompts, decoded)
+    if s.capture is not None:  # every variant decoded against one target (check_capture_dir)
+        write_capture(s, config, shape, docs, served[variants[0].target], prompts, decoded)
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
 
 
-def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig):
-    """The target, loaded once the corpus is known to hold --prompts documents, and the prompts,
-    refused before decoding when the target would read past its max_position_embeddings: the
-    longest prompt, all new tokens but the last, and one drafted block (--capture: its stream
-    runs on for a block and one token more, read by one forward)."""
+def served_targets(
+    loaded: LoadedTarget, target: str, formats: list[str]
+) -> dict[str, LoadedTarget]:
+    """The target as each of ``formats`` serves it, built once per format (docs/speculate.md,
+    "A quantized target"): ``loaded`` itself unquantized, else a copy whose decoder linears are
+    simulated in the format (one more copy of the target in memory per format)."""
+    served = {loaded.format: loaded}
+    for fmt in dict.fromkeys(formats):
+        if fmt not in served:
+            served[fmt] = replace(loaded, model=copy.deepcopy(loaded.model), format=fmt)
+            simulate_target(served[fmt].model, target, fmt)
+    return served
+
+
+def _targets_and_prompts(
+    s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig, formats: list[str]
+) -> tuple[dict[str, LoadedTarget], list[list[int]]]:
+    """The target, loaded once the corpus is known to hold --prompts documents, as each of
+    ``formats`` serves it (:func:`served_targets`), and the prompts, refused before decoding
+    when the target would read past its max_position_embeddings: the longest prompt, all new
+    tokens but the last, and one drafted block (--capture: its stream runs on for a block and
+    one token more, read by one forward)."""
     if len(docs.texts) < s.prompts:
         raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
                            f"{len(docs.texts)} document(s)")  # fmt: skip
@@ -165,7 +185,7 @@ def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftCon
             f"and a draft block ({config.block_size}) need {longest} positions, more than the "
             f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
         )
-    return target, prompts
+    return served_targets(target, s.target, formats), prompts
 
 
 def _started(progress: Progress | None, total: int, name: str) -> None:
@@ -192,7 +212,7 @@ def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[l
 
 def _variant_entry(v: Variant, changed: list[str]) -> dict:
     return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
-            "quantized_tensors": changed}  # fmt: skip
+            "configuration": v.configuration(), "quantized_tensors": changed}  # fmt: skip
 
 
 def _description(
@@ -232,14 +252,15 @@ def _description(
     }
 
 
-def check_capture_dir(output: Path, rule: str, inputs: dict[str, str]) -> None:
-    """Before any decoding: a greedy run, and a directory that is absent or empty, outside the
-    ``inputs`` (option -> directory), in a writable directory."""
-    if rule != "greedy":
-        raise QStreamError(
-            f"--capture needs --rule greedy (got {rule}): only then is one stream every "
-            "variant's output"
-        )
+def check_capture_dir(s: SpeculateSettings, targets: set[str]) -> None:
+    """Before any decoding: a greedy run with one target (``targets``: the variants'), and a
+    ``--capture`` directory that is absent or empty, outside ``--model`` and ``--target``, in
+    a writable directory."""
+    assert s.capture is not None
+    output, rule, inputs = Path(s.capture), s.rule, {"--model": s.model, "--target": s.target}
+    if rule != "greedy" or len(targets) > 1:
+        why = f"--rule greedy (got {rule})" if rule != "greedy" else "one target= for all variants"
+        raise QStreamError(f"--capture needs {why}: only then is one stream every variant's output")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(f"--capture {output}: exists and is not an empty directory")
     check_outside(output, "--capture", inputs)
@@ -256,12 +277,13 @@ def write_capture(
     runs: dict[str, list[Decoded]],
 ) -> None:
     """The streams, their states and capture.json, then one anchors file per variant: built in
-    a temporary directory beside ``--capture`` and published with one rename, or not at all."""
+    a temporary directory beside ``--capture`` and published with one rename, or not at all.
+    capture.json records the format ``target`` is served in."""
     assert s.capture is not None
     layer_ids, block_size, output = config.target_layer_ids, config.block_size, Path(s.capture)
     sampling = {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts}
-    record = capture_record(QSTREAM, layer_ids, shape, docs, s.model, s.device, source="speculate",
-                            sampling=sampling, dtype=s.dtype, max_tokens=None)  # fmt: skip
+    record = capture_record(QSTREAM, layer_ids, shape, docs, s.model, s.device, target.format,
+                            source="speculate", sampling=sampling, dtype=s.dtype, max_tokens=None)  # fmt: skip
     record["files"] = {}
     first, *others = runs
     for name in others:

@@ -1,0 +1,84 @@
+"""The target served quantized (docs/capture.md, "A quantized target"): every ``nn.Linear`` of
+its decoder layers gets the weight its checkpoint stores quantized and dequantized in a weight
+format, with qstream's format math (qstream/formats/, bit-identical to compressed-tensors), as
+loading an llm-compressor checkpoint of that format into vLLM gives it.  The embeddings and
+lm_head stay as stored (llm-compressor's recipes ignore lm_head; an embedding is no Linear), and
+NVFP4 projections that vLLM fuses (q/k/v, gate/up, q_a/kv_a) share one global scale
+(``qstream.vllm.profiles.fused_groups``, the generic profile).
+
+>>> changed = simulate_target(target.model, "TARGET_DIR", "nvfp4")   # module names, in place
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qstream.capture.target import decoder_parts
+from qstream.checkpoint.files import open_checkpoint
+from qstream.checkpoint.safetensors_io import ShardReader
+from qstream.errors import QStreamError
+from qstream.formats import dequantize, get_format, quantize
+from qstream.formats.format import check_weight
+from qstream.formats.nvfp4 import tensor_amax
+from qstream.quant.select import share_group_amax
+from qstream.serving import TARGETS
+from qstream.vllm.profiles import fused_groups
+
+
+def check_target_format(fmt: str, option: str) -> None:
+    """``fmt`` is one of :data:`qstream.serving.TARGETS` (``option`` names where it came from)."""
+    if fmt not in TARGETS:
+        raise QStreamError(f"{option} {fmt!r}: choose one of {', '.join(TARGETS)}")
+
+
+def decoder_linears(model: Any) -> dict[str, torch.nn.Linear]:
+    """Every ``nn.Linear`` inside the decoder layers, by module name (``model.layers.0.mlp.up_proj``).
+    A module transformers does not build as a Linear (transformers 5's fused MoE experts) is
+    not one of them."""
+    layers, _ = decoder_parts(model)
+    prefix = next(name for name, module in model.named_modules() if module is layers) + "."
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if name.startswith(prefix) and isinstance(module, torch.nn.Linear)
+    }
+
+
+def stored_weights(target: str | Path, modules: list[str]) -> dict[str, torch.Tensor]:
+    """Each module's ``weight`` as the checkpoint stores it (its dtype, mapped, not copied)."""
+    checkpoint = open_checkpoint(target)
+    readers: dict[str, ShardReader] = {}
+    out = {}
+    for module in modules:
+        name = f"{module}.weight"
+        shard = checkpoint.tensor_shard.get(name)
+        if shard is None:
+            raise QStreamError(f"--target {target}: holds no tensor {name}, the weight of the "
+                               f"model's Linear {module}")  # fmt: skip
+        if shard not in readers:
+            readers[shard] = ShardReader(checkpoint.shards[shard])
+        out[module] = readers[shard].tensor(name)
+    return out
+
+
+@torch.no_grad()
+def simulate_target(model: Any, target: str | Path, fmt: str) -> list[str]:
+    """Put into ``model`` (loaded from ``target``) each decoder Linear's stored weight quantized
+    to ``fmt`` and dequantized in the stored dtype, then cast to the model's; returns the modules
+    changed.  A weight the format cannot hold (K not a multiple of its block, not a float) is a
+    QStreamError naming the tensor."""
+    linears = decoder_linears(model)
+    stored = stored_weights(target, list(linears))
+    spec, amax = get_format(fmt), {}
+    for module, w in stored.items():  # every weight checked before any is changed
+        check_weight(w, f"--target-format {fmt}: {target}: {module}.weight", spec.block_size or 1)
+    if spec.global_scale:
+        groups = fused_groups(stored)
+        amax = share_group_amax({m: tensor_amax(w) for m, w in stored.items()}, groups)
+    for module, w in stored.items():
+        codes = quantize(fmt, w, name=f"{module}.weight", global_amax=amax.get(module))
+        linears[module].weight.copy_(dequantize(fmt, codes, dtype=w.dtype))
+    return list(stored)
