@@ -38,40 +38,49 @@ def load_vllm_draft(
     drops its stored embed_tokens and uses the target's (docs/vllm.md)."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    checkpoint = open_checkpoint(directory)
+    layers = int(checkpoint.config["target_num_hidden_layers"])
+    with tempfile.TemporaryDirectory(prefix="qstream-oracle-target-") as target:
+        _write_target(Path(target), checkpoint.config, layers)  # config only: its depth, widths
+        with cpu_shims(Recorder()):
+            args = EngineArgs(
+                model=target,
+                speculative_config={"method": "dspark", "model": str(checkpoint.directory)},
+                skip_tokenizer_init=True,
+                enforce_eager=True,
+                dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+            )
+            config = args.create_engine_config()
+            with set_current_vllm_config(config):
+                _init_distributed()
+                if not is_workspace_manager_initialized():
+                    init_workspace_manager(torch.device("cpu"))
+                stand_in = _stand_in_target(config, embed, lm_head, dtype)
+                model = load_dspark_model(stand_in, config)
+    return VllmDraft(model, config, dtype)
+
+
+def _stand_in_target(config, embed: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype):
+    """What ``load_dspark_model`` reads of the target: vLLM's own embedding and lm_head layers
+    holding ``embed`` and ``lm_head``, as the target's loader leaves them (its
+    ``process_weights_after_loading``: the CPU gemm dispatch of the lm_head)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
         VocabParallelEmbedding,
     )
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
-    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-    checkpoint = open_checkpoint(directory)
-    target = Path(tempfile.mkdtemp(prefix="qstream-oracle-target-"))
-    _write_target(target, checkpoint.config, int(checkpoint.config["target_num_hidden_layers"]))
-    with cpu_shims(Recorder()):
-        args = EngineArgs(
-            model=str(target),
-            speculative_config={"method": "dspark", "model": str(checkpoint.directory)},
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
-        )
-        config = args.create_engine_config()
-        with set_current_vllm_config(config):
-            _init_distributed()
-            if not is_workspace_manager_initialized():
-                init_workspace_manager(torch.device("cpu"))
-            stand_in = torch.nn.Module()
-            stand_in.model = torch.nn.Module()
-            stand_in.model.embed_tokens = VocabParallelEmbedding(*embed.shape, params_dtype=dtype)
-            stand_in.model.embed_tokens.weight.data[: embed.shape[0]].copy_(embed)
-            stand_in.lm_head = ParallelLMHead(*lm_head.shape, params_dtype=dtype)
-            stand_in.lm_head.weight.data[: lm_head.shape[0]].copy_(lm_head)
-            # as the target's own loader leaves them (the CPU gemm dispatch of the lm_head)
-            process_weights_after_loading(stand_in, config.model_config, torch.device("cpu"))
-            model = load_dspark_model(stand_in, config)
-    return VllmDraft(model, config, dtype)
+    target = torch.nn.Module()
+    target.model = torch.nn.Module()
+    target.model.embed_tokens = VocabParallelEmbedding(*embed.shape, params_dtype=dtype)
+    target.model.embed_tokens.weight.data[: embed.shape[0]].copy_(embed)  # vocab padded
+    target.lm_head = ParallelLMHead(*lm_head.shape, params_dtype=dtype)
+    target.lm_head.weight.data[: lm_head.shape[0]].copy_(lm_head)
+    process_weights_after_loading(target, config.model_config, torch.device("cpu"))
+    return target
 
 
 @dataclass
