@@ -1,0 +1,164 @@
+"""vLLM 0.32.0's own DSpark draft, loaded and run on CPU as vLLM's drafter runs it, for the vLLM
+lane's oracle tests (docs/vllm.md, "vLLM's own forward and sampler").  The shims are all in
+tests/vllm_cpu_shims.py.
+
+>>> draft = load_vllm_draft(directory, torch.float32, embed, lm_head)
+>>> blocks = draft_blocks(draft, aux, anchors, first_tokens)   # VllmBlock per anchor
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from vllm_cpu_shims import BlockMetadata, K3Shims
+
+from qstream.checkpoint.files import open_checkpoint
+from qstream.vllm.loader import Recorder, _init_distributed, _write_target, cpu_shims
+
+BLOCK_SLOTS = 16  # the cache's block size
+
+
+@dataclass
+class VllmDraft:
+    model: torch.nn.Module  # K3DSparkForCausalLM as load_dspark_model returns it
+    config: object  # vLLM's VllmConfig
+    dtype: torch.dtype
+
+
+def load_vllm_draft(
+    directory: str | Path, dtype: torch.dtype, embed: torch.Tensor, lm_head: torch.Tensor
+) -> VllmDraft:
+    """The draft through ``load_dspark_model`` (vllm/v1/worker/gpu/spec_decode/dspark/utils.py)
+    in ``dtype``, beside a target whose embedding and lm_head (vLLM's own
+    ``VocabParallelEmbedding`` and ``ParallelLMHead``) hold ``embed`` and ``lm_head``: the draft
+    drops its stored embed_tokens and uses the target's (docs/vllm.md)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+    from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
+
+    checkpoint = open_checkpoint(directory)
+    layers = int(checkpoint.config["target_num_hidden_layers"])
+    with tempfile.TemporaryDirectory(prefix="qstream-oracle-target-") as target:
+        _write_target(Path(target), checkpoint.config, layers)  # config only: its depth, widths
+        with cpu_shims(Recorder()):
+            args = EngineArgs(
+                model=target,
+                speculative_config={"method": "dspark", "model": str(checkpoint.directory)},
+                skip_tokenizer_init=True,
+                enforce_eager=True,
+                dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
+            )
+            config = args.create_engine_config()
+            with set_current_vllm_config(config):
+                _init_distributed()
+                if not is_workspace_manager_initialized():
+                    init_workspace_manager(torch.device("cpu"))
+                stand_in = _stand_in_target(config, embed, lm_head, dtype)
+                model = load_dspark_model(stand_in, config)
+    return VllmDraft(model, config, dtype)
+
+
+def _stand_in_target(config, embed: torch.Tensor, lm_head: torch.Tensor, dtype: torch.dtype):
+    """What ``load_dspark_model`` reads of the target: vLLM's own embedding and lm_head layers
+    holding ``embed`` and ``lm_head``, as the target's loader leaves them (its
+    ``process_weights_after_loading``: the CPU gemm dispatch of the lm_head)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    target = torch.nn.Module()
+    target.model = torch.nn.Module()
+    target.model.embed_tokens = VocabParallelEmbedding(*embed.shape, params_dtype=dtype)
+    target.model.embed_tokens.weight.data[: embed.shape[0]].copy_(embed)  # vocab padded
+    target.lm_head = ParallelLMHead(*lm_head.shape, params_dtype=dtype)
+    target.lm_head.weight.data[: lm_head.shape[0]].copy_(lm_head)
+    process_weights_after_loading(target, config.model_config, torch.device("cpu"))
+    return target
+
+
+@dataclass
+class VllmBlock:
+    logits: torch.Tensor  # [B, V] fp32: U_k + the Markov bias, as the drafter samples them
+    tokens: torch.Tensor  # [B] the greedy draft
+    confidence: torch.Tensor | None  # [B] sigmoid scores
+
+
+def draft_block(draft: VllmDraft, aux: torch.Tensor, first_token: int) -> VllmBlock:
+    """One request drafting at anchor p = len(aux): the context precompute over aux [p, A]
+    (``combine_hidden_states``, ``precompute_and_store_context_kv``), the block forward at
+    positions p..p+B-1 over ``[first_token, mask, ...]``, then
+    ``DSparkSpeculator._sample_sequential`` (greedy, with the confidence head)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    model, hf = draft.model, draft.model.config
+    B, p = int(hf.block_size), aux.shape[0]
+    shims = K3Shims(model)
+    layers = [layer.self_attn for layer in model.model.layers]
+    slots = p + B
+    blocks = (slots + BLOCK_SLOTS - 1) // BLOCK_SLOTS
+    for attn in layers:  # each layer's latent cache [blocks, BLOCK_SLOTS, kv_lora + rope]
+        attn.kv_cache = torch.zeros(blocks, BLOCK_SLOTS, attn.head_size, dtype=draft.dtype)
+        shims.caches[attn.kv_cache.data_ptr()] = attn.kv_cache
+    ids = torch.full((B,), int(hf.mask_token_id), dtype=torch.int64)
+    ids[0] = first_token
+    positions = p + torch.arange(B)
+    with torch.inference_mode(), set_current_vllm_config(draft.config), shims.installed():
+        context = model.combine_hidden_states(aux.to(draft.dtype))  # [p, H]
+        model.precompute_and_store_context_kv(context, torch.arange(p), torch.arange(p))
+        metadata = BlockMetadata(B, torch.arange(slots))
+        with set_forward_context(
+            {attn.layer_name: metadata for attn in layers},
+            draft.config,
+            slot_mapping={attn.layer_name: positions for attn in layers},
+        ):
+            hidden = model(ids, positions)  # [B, H]: the final-normed block states
+        return _sample_sequential(model, ids, hidden)
+
+
+def _sample_sequential(model, ids: torch.Tensor, hidden: torch.Tensor) -> VllmBlock:
+    """``DSparkSpeculator._sample_sequential`` (vllm/v1/worker/gpu/spec_decode/dspark/
+    speculator.py) itself, on a speculator holding only the buffers it reads for one request
+    (the full one needs a GPU model runner); ``_sample_logits`` is the speculator's own,
+    recorded on the way through."""
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator
+
+    B = ids.shape[0]
+    seen: list[torch.Tensor] = []
+
+    class OneRequest:
+        _sample_sequential = DSparkSpeculator._sample_sequential
+
+        def _sample_logits(self, logits, idx_map, sample_pos, step):
+            seen.append(logits.float().clone())
+            return DSparkSpeculator._sample_logits(self, logits, idx_map, sample_pos, step)
+
+        def _maybe_predict_acceptance(self, *args) -> None:  # no acceptance estimator
+            pass
+
+    spec = OneRequest()
+    spec.__dict__.update(
+        model=model,
+        num_speculative_steps=B,
+        _draft_topk=None,
+        draft_logits=None,  # draft_sample_method=greedy
+        sample_indices=torch.arange(B),
+        sample_idx_mapping=torch.zeros(B, dtype=torch.int32),
+        sample_pos=torch.arange(B),
+        input_buffers=SimpleNamespace(input_ids=ids),
+        _anchor_idx=torch.zeros(1, dtype=torch.int64),
+        _step_cols=torch.arange(B, dtype=torch.int32),
+        use_confidence_head=model.model.confidence_head is not None,
+        draft_tokens=torch.zeros(1, B, dtype=torch.int64),
+        draft_token_confidence_probs=torch.zeros(1, B, dtype=torch.float32),
+    )
+    spec._sample_sequential(1, hidden)
+    confidence = spec.draft_token_confidence_probs[0] if spec.use_confidence_head else None
+    return VllmBlock(torch.cat(seen), spec.draft_tokens[0].clone(), confidence)
