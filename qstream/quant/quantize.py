@@ -34,7 +34,7 @@ from qstream.quant.scales import (
     input_scale_name,
     kv_scales,
 )
-from qstream.quant.select import Selection, select_modules, weight_modules
+from qstream.quant.select import Selection, select_modules, share_group_amax, weight_modules
 from qstream.quant.write import Plan, Serving, Streaming, make_plan, write_checkpoint
 from qstream.serving import ACTIVATIONS
 from qstream.vllm.profiles import (
@@ -181,12 +181,15 @@ def _serving(
     stored = input_scale_name(act)
     if stored is not None:
         inputs = _calibrated(calibration, f"--activations {act.name}").inputs
-        for module in selection.quantized:
+        amaxes = {m: checked_amax("input", m, inputs.get(m)) for m in selection.quantized}
+        # a fused layer keeps one input scale (vLLM's .max() over its shards), so each group
+        # shares its members' largest amax: no member's input saturates (docs/quantize.md)
+        for module, amax in share_group_amax(amaxes, selection.fused_groups).items():
             weight = checkpoint.info(f"{module}.weight")
-            amax = checked_amax("input", module, inputs.get(module))
             scales[weight.name] = {f"{module}.{stored}": input_scale(act, amax, weight.torch_dtype)}
     if kv_cache_scheme is not None:
-        scales.update(_kv_scales(checkpoint, kv_cache_scheme, calibration))
+        for anchor, kv in _kv_scales(checkpoint, kv_cache_scheme, calibration).items():
+            scales[anchor] = {**scales.get(anchor, {}), **kv}
     return Serving(act, kv_cache_scheme is not None, scales)
 
 
