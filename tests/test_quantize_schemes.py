@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
-from qstream.quant.scales import Calibration, input_scale
+from qstream.quant.schemes import Calibration, input_scale
 from qstream.serving import ACTIVATIONS
 from qstream.vllm.profiles import fused_groups
 from qstream.vllm.verify import verify_checkpoint

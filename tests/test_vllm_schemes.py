@@ -18,7 +18,7 @@ from test_vllm_loader import vllm_did  # what vLLM did: raised, warned, or loade
 from qstream.checkpoint.files import open_checkpoint
 from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
-from qstream.quant.scales import Calibration
+from qstream.quant.schemes import Calibration
 from qstream.serving import ACTIVATIONS
 from qstream.vllm.loader import load_with_vllm
 from qstream.vllm.verify import verify_checkpoint

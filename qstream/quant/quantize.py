@@ -26,19 +26,10 @@ from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.scales import (
-    NEEDS_CALIBRATION,
-    Calibration,
-    checked_amax,
-    input_scale,
-    input_scale_name,
-    kv_scales,
-)
-from qstream.quant.select import Selection, select_modules, share_group_amax, weight_modules
-from qstream.quant.write import Plan, Serving, Streaming, make_plan, write_checkpoint
-from qstream.serving import ACTIVATIONS
+from qstream.quant.schemes import Calibration, serving_options, serving_record, serving_schemes
+from qstream.quant.select import Selection, select_modules, weight_modules
+from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
-    KV_SCALES_NOT_LOADED,
     head_problem,
     head_targets,
     ignore_entries,
@@ -125,7 +116,8 @@ def quantize_checkpoint(
     threads (default: the usable CPUs) run one torch thread each; ``snr=False`` skips the weight
     SNR.  ``activations`` (``qstream.serving.ACTIVATIONS``) and ``kv_cache_scheme`` ("fp8")
     declare how vLLM serves the inputs and the KV cache; a static one stores scales from
-    ``calibration``'s amaxes (docs/quantize.md, "Activation and KV-cache schemes").  The output is published atomically (docs/guarantees.md).  Raises QStreamError, having
+    ``calibration``'s amaxes (docs/quantize.md, "Activation and KV-cache schemes").  The
+    output is published atomically (docs/guarantees.md).  Raises QStreamError, having
     written nothing, for any problem with the input, the options or the disk.
     """
     started = time.perf_counter()
@@ -139,103 +131,22 @@ def quantize_checkpoint(
     )
     profile = profile_for(checkpoint.config)
     targets = ("Linear", *head_targets(profile, selection.quantized))
-    serving = _serving(checkpoint, fmt, selection, activations, kv_cache_scheme, calibration)
+    serving = serving_schemes(checkpoint, fmt, selection, activations, kv_cache_scheme, calibration)
     plan = make_plan(checkpoint, selection, spec, entries, targets, serving)
     summary = _plan_summary(
         plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
         output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
-        serving=_serving_record(serving, calibration),
+        serving=serving_record(serving, calibration),
     )  # fmt: skip
     if dry_run:
         return summary
     command = _equivalent_command(
         model_dir, output_dir, fmt, include, ignore, skip_incompatible, snr, tensor_parallel_size
-    ) + "".join(f" --{k.replace('_', '-')} {v}" for k, v in _serving_options(serving).items())
+    ) + "".join(f" --{k.replace('_', '-')} {v}" for k, v in serving_options(serving).items())
     record = partial(_record, summary, command)
     with _one_intra_op_thread():
         snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
     return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
-
-
-def _serving(
-    checkpoint: Checkpoint,
-    fmt: str,
-    selection: Selection,
-    activations: str,
-    kv_cache_scheme: str | None,
-    calibration: Calibration | None,
-) -> Serving:
-    """The schemes declared beyond the weights and the scales they store, checked before
-    anything is written: an activation scheme the format cannot serve with, a static scheme
-    without calibration, a KV-cache scheme vLLM does not load for this draft, a module without
-    its amax are QStreamErrors naming it."""
-    if activations not in ACTIVATIONS:
-        raise QStreamError(f"--activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
-    act = ACTIVATIONS[activations]
-    if act.weights and fmt not in act.weights:
-        raise QStreamError(
-            f"--activations {act.name}: served with {' or '.join(act.weights)} weights "
-            f"(vLLM's {act.vllm_scheme}), not --quant_format {fmt}"
-        )
-    scales: dict[str, dict] = {}
-    stored = input_scale_name(act)
-    if stored is not None:
-        inputs = _calibrated(calibration, f"--activations {act.name}").inputs
-        amaxes = {m: checked_amax("input", m, inputs.get(m)) for m in selection.quantized}
-        # a fused layer keeps one input scale (vLLM's .max() over its shards), so each group
-        # shares its members' largest amax: no member's input saturates (docs/quantize.md)
-        for module, amax in share_group_amax(amaxes, selection.fused_groups).items():
-            weight = checkpoint.info(f"{module}.weight")
-            scales[weight.name] = {f"{module}.{stored}": input_scale(act, amax, weight.torch_dtype)}
-    if kv_cache_scheme is not None:
-        for anchor, kv in _kv_scales(checkpoint, kv_cache_scheme, calibration).items():
-            scales[anchor] = {**scales.get(anchor, {}), **kv}
-    return Serving(act, kv_cache_scheme is not None, scales)
-
-
-def _calibrated(calibration: Calibration | None, option: str) -> Calibration:
-    if calibration is None:
-        raise QStreamError(f"{option}: {NEEDS_CALIBRATION}")
-    return calibration
-
-
-def _kv_scales(
-    checkpoint: Checkpoint, scheme: str, calibration: Calibration | None
-) -> dict[str, dict]:
-    """Each attention layer's k_scale / v_scale, keyed by its last stored tensor."""
-    if scheme != "fp8":
-        raise QStreamError(f"--kv-cache-scheme {scheme!r}: choose fp8")
-    refused = KV_SCALES_NOT_LOADED.get(profile_for(checkpoint.config).name)
-    if refused:
-        raise QStreamError(f"--kv-cache-scheme fp8: {refused} (docs/vllm.md)")
-    amax = _calibrated(calibration, "--kv-cache-scheme fp8").kv
-    attn = ".self_attn."  # the attention module of every architecture qstream knows
-    last = {n[: n.index(attn) + len(attn) - 1]: n for n in checkpoint.tensor_shard if attn in n}
-    scales = {}
-    for attention, anchor in last.items():
-        if attention not in amax:
-            raise QStreamError(f"{attention}: no calibrated K/V amax for its KV-cache scales")
-        k, v = (checked_amax(what, attention, a) for what, a in zip("KV", amax[attention]))
-        dtype = checkpoint.info(anchor).torch_dtype
-        scales[anchor] = {f"{attention}.{n}": t for n, t in kv_scales((k, v), dtype).items()}
-    return scales
-
-
-def _serving_options(serving: Serving) -> dict[str, str]:
-    """The options that declared ``serving`` (none for weight-only)."""
-    options = {}
-    if serving.activations.vllm_scheme is not None:
-        options["activations"] = serving.activations.name
-    if serving.kv_cache:
-        options["kv_cache_scheme"] = "fp8"
-    return options
-
-
-def _serving_record(serving: Serving, calibration: Calibration | None) -> dict:
-    record: dict[str, Any] = dict(_serving_options(serving))
-    if serving.scales and calibration is not None:
-        record["calibration"] = calibration.record()
-    return record
 
 
 def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:

@@ -37,20 +37,8 @@ from qstream.formats import Energy, Format, snr_db
 from qstream.formats.nvfp4 import tensor_amax
 from qstream.progress import Progress
 from qstream.publish import QUANTIZE_RECORD, publishing, write_json_atomic
+from qstream.quant.schemes import Serving
 from qstream.quant.select import Selection, share_group_amax
-from qstream.serving import ACTIVATIONS, Activations
-
-
-@dataclass(frozen=True)
-class Serving:
-    """What the checkpoint declares beyond its weights (docs/quantize.md, "Activation and
-    KV-cache schemes"): how the quantized linears' inputs are served, whether the KV cache is
-    FP8, and the calibrated scales that go with them, each written right after the tensor it
-    is keyed by (a linear's weight; an attention layer's last tensor)."""
-
-    activations: Activations = ACTIVATIONS["none"]
-    kv_cache: bool = False
-    scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from qstream.errors import QStreamError
 from qstream.formats import FORMATS, get_format
 from qstream.formats.format import finite_positive
 from qstream.publish import QUANTIZE_RECORD
-from qstream.quant.scales import KV_SCALES, input_scale_name
+from qstream.quant.schemes import KV_SCALES, input_scale_name
 from qstream.serving import ACTIVATIONS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, RuntimeModule, fused_groups, matches, profile_for
