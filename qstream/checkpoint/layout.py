@@ -16,7 +16,7 @@ from importlib import metadata
 
 from qstream.checkpoint.safetensors_io import PlannedTensor, TensorInfo
 from qstream.formats import FORMATS, Format
-from qstream.serving import ACTIVATIONS, Activations
+from qstream.serving import ACTIVATIONS, KV_CACHES, Activations
 
 # The compressed-tensors release qstream's formats are tested against; written as the config's
 # "version" when compressed-tensors itself is not installed.
@@ -25,6 +25,12 @@ TARGETS = ["Linear"]
 # compressed-tensors' FP8 KV cache: one static scale per attention layer for K and one for V
 # (k_scale, v_scale), as llm-compressor's kv_cache_scheme writes it (docs/quantize.md).
 KV_CACHE_SCHEME = dict(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)
+# --kv-cache-scheme: the vLLM cache dtypes that scheme serves (E4M3; attention.py turns an
+# "auto" cache into "fp8" for it)
+KV_CACHE_SCHEMES = tuple(k.name for k in KV_CACHES.values() if k.dtype == "float8_e4m3fn")
+KV_SCALES = ("k_scale", "v_scale")  # on the attention module, as compressed-tensors names them
+# The stored input scale of a static activation scheme, by its compressed-tensors strategy.
+INPUT_SCALE = {"tensor": "input_scale", "tensor_group": "input_global_scale"}
 
 
 def compressed_tensors_version() -> str:
@@ -100,6 +106,11 @@ def input_activations_args(spec: Format, activations: Activations) -> dict | Non
     args["strategy"] = activations.strategy
     args["dynamic"] = "local" if activations.strategy == "tensor_group" else activations.dynamic
     return args
+
+
+def input_scale_name(activations: Activations) -> str | None:
+    """The tensor a static scheme stores per quantized linear (None: dynamic, or none)."""
+    return None if activations.dynamic else INPUT_SCALE[str(activations.strategy)]
 
 
 def activations_of(spec: Format, args: object) -> Activations | None:

@@ -22,7 +22,7 @@ from qstream.cli import (
     write_json,
 )
 from qstream.progress import counter
-from qstream.serving import ACTIVATIONS
+from qstream.serving import ACTIVATIONS, KV_CACHES
 
 if TYPE_CHECKING:
     from qstream.quant import QuantizeSummary
@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 )
 @option(
     "kv_cache_scheme",
-    type=Choice(["fp8"]),
+    type=Choice([k.name for k in KV_CACHES.values() if k.dtype == "float8_e4m3fn"]),
     metavar="fp8",
     help="Declare an FP8 KV cache with per-layer k_scale/v_scale (kv_cache_scheme); the "
     "scales need calibration (not available yet).",

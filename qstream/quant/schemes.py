@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from qstream.checkpoint.files import Checkpoint
+from qstream.checkpoint.layout import KV_CACHE_SCHEMES, KV_SCALES, input_scale_name
 from qstream.errors import QStreamError
 from qstream.formats.format import FP8_MAX
 from qstream.formats.nvfp4 import global_scale
@@ -28,9 +29,6 @@ from qstream.quant.select import Selection, share_group_amax
 from qstream.serving import ACTIVATIONS, Activations
 from qstream.vllm.profiles import KV_SCALES_NOT_LOADED, profile_for
 
-# The stored input scale of a static scheme, by its compressed-tensors strategy.
-INPUT_SCALE = {"tensor": "input_scale", "tensor_group": "input_global_scale"}
-KV_SCALES = ("k_scale", "v_scale")  # on the attention module, as compressed-tensors names them
 # What a calibration source needs to supply before quantize can write a static scheme.
 NEEDS_CALIBRATION = "needs calibration (not available yet)"
 
@@ -60,11 +58,6 @@ class Calibration:
 
     def record(self) -> dict:
         return {"source": self.source, "size": self.size}
-
-
-def input_scale_name(activations: Activations) -> str | None:
-    """The tensor a static scheme stores per quantized linear (None: dynamic, or none)."""
-    return None if activations.dynamic else INPUT_SCALE[str(activations.strategy)]
 
 
 def input_scale(activations: Activations, amax: float, dtype: torch.dtype) -> torch.Tensor:
@@ -146,8 +139,8 @@ def _kv_scales(
     checkpoint: Checkpoint, scheme: str, calibration: Calibration | None
 ) -> dict[str, dict]:
     """Each attention layer's k_scale / v_scale, keyed by its last stored tensor."""
-    if scheme != "fp8":
-        raise QStreamError(f"--kv-cache-scheme {scheme!r}: choose fp8")
+    if scheme not in KV_CACHE_SCHEMES:
+        raise QStreamError(f"--kv-cache-scheme {scheme!r}: choose {', '.join(KV_CACHE_SCHEMES)}")
     refused = KV_SCALES_NOT_LOADED.get(profile_for(checkpoint.config).name)
     if refused:
         raise QStreamError(f"--kv-cache-scheme fp8: {refused} (docs/vllm.md)")

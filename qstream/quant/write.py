@@ -277,15 +277,20 @@ def write_tensors(
             if energy is not None and piece.module is not None:
                 sums[piece.module][0] += energy[0]
                 sums[piece.module][1] += energy[1]
-        if piece.rows is None or piece.rows.start == 0:
-            for name, tensor in plan.serving.scales.get(piece.name, {}).items():
-                writer.write(name, tensor)
+        _write_scales(writer, piece, plan.serving.scales.get(piece.name, {}))
         tally.count(piece, checkpoint.info(piece.name).shape[0], run.progress)
 
     # Reading (page-table population), copying and writing happen on this thread in
     # prepare / done, the quantizing on the workers: with one worker the two overlap.
     run_bounded(pieces(plan), work, run.workers, done, prepare)
     return {m: snr_db(*sums[m]) for m in quantized} if run.snr else {}
+
+
+def _write_scales(writer: ShardWriter, piece: Piece, scales: dict[str, torch.Tensor]) -> None:
+    """The scales keyed by ``piece``'s tensor, with its first rows (schemes.Serving)."""
+    if piece.rows is None or piece.rows.start == 0:
+        for name, tensor in scales.items():
+            writer.write(name, tensor)
 
 
 def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:

@@ -59,8 +59,8 @@ class VllmLoadReport:
     warnings: list[str] = field(default_factory=list)  # what vLLM logged at WARNING or above
     raised: str | None = None  # what vLLM raised, if it did
     # each attention layer's KV cache as vLLM serves it: {"module", "dtype", "k_scale",
-    # "v_scale"}, the scales as the layer holds them after loading (docs/vllm.md, "KV-cache
-    # scales")
+    # "v_scale"}, the scales as the layer holds them after loading (docs/vllm.md,
+    # "Activation schemes and KV-cache scales")
     kv_cache: list[dict] = field(default_factory=list)
 
     @property

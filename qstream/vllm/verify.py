@@ -16,13 +16,18 @@ import torch
 
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.integrity import Integrity, check_integrity
-from qstream.checkpoint.layout import KV_CACHE_SCHEME, activations_of, format_of_layout
+from qstream.checkpoint.layout import (
+    KV_CACHE_SCHEME,
+    KV_SCALES,
+    activations_of,
+    format_of_layout,
+    input_scale_name,
+)
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, get_format
 from qstream.formats.format import finite_positive
 from qstream.publish import QUANTIZE_RECORD
-from qstream.quant.schemes import KV_SCALES, input_scale_name
 from qstream.serving import ACTIVATIONS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, RuntimeModule, fused_groups, matches, profile_for
@@ -140,23 +145,28 @@ def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
                 f"config group weights.{key} is {weights.get(key)!r}, the "
                 f"{FORMATS[fmt].layout} format needs {value!r}"
             )
-    activations = activations_of(FORMATS[fmt], group.get("input_activations"))
-    if activations is None:
-        served = [a.name for a in ACTIVATIONS.values() if fmt in a.weights]
-        problems.append(
-            f"config group input_activations {group.get('input_activations')!r} is not a scheme "
-            f"qstream writes beside {fmt} weights (none, {', '.join(served)})"
-        )
-    else:
-        report.activations = activations.name
-    if group.get("output_activations"):
-        problems.append("config group quantizes output activations; vLLM serves none")
+    _check_activations(group, fmt, report)
     targets = group.get("targets") or []
     named = [t for t in targets if t != "Linear"]
     both = sorted(set(named) & set(qconfig.get("ignore") or []))
     if both:
         problems.append(f"{both[0]} is in both targets and ignore")
     return fmt
+
+
+def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
+    """``input_activations`` one of the schemes qstream writes beside ``fmt`` weights."""
+    activations = activations_of(FORMATS[fmt], group.get("input_activations"))
+    if activations is None:
+        served = [a.name for a in ACTIVATIONS.values() if fmt in a.weights]
+        report.problems.append(
+            f"config group input_activations {group.get('input_activations')!r} is not a scheme "
+            f"qstream writes beside {fmt} weights (none, {', '.join(served)})"
+        )
+    else:
+        report.activations = activations.name
+    if group.get("output_activations"):
+        report.problems.append("config group quantizes output activations; vLLM serves none")
 
 
 def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
