@@ -36,12 +36,12 @@ NEEDS_CALIBRATION = "needs calibration (not available yet)"
 @dataclass(frozen=True)
 class Serving:
     """What the checkpoint declares beyond its weights: how the quantized linears' inputs are
-    served, whether the KV cache is FP8, and the calibrated scales that go with them, each
-    written right after the input tensor it is keyed by (a linear's weight; an attention
-    layer's last tensor)."""
+    served, its ``--kv-cache-scheme`` (None: none), and the calibrated scales that go with
+    them, each written right after the input tensor it is keyed by (a linear's weight; an
+    attention layer's last tensor)."""
 
     activations: Activations = ACTIVATIONS["none"]
-    kv_cache: bool = False
+    kv_cache: str | None = None
     scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -126,7 +126,7 @@ def serving_schemes(
     if kv_cache_scheme is not None:
         for anchor, kv in _kv_scales(checkpoint, kv_cache_scheme, calibration).items():
             scales[anchor] = {**scales.get(anchor, {}), **kv}
-    return Serving(act, kv_cache_scheme is not None, scales)
+    return Serving(act, kv_cache_scheme, scales)
 
 
 def _calibrated(calibration: Calibration | None, option: str) -> Calibration:
@@ -143,8 +143,8 @@ def _kv_scales(
         raise QStreamError(f"--kv-cache-scheme {scheme!r}: choose {', '.join(KV_CACHE_SCHEMES)}")
     refused = KV_SCALES_NOT_LOADED.get(profile_for(checkpoint.config).name)
     if refused:
-        raise QStreamError(f"--kv-cache-scheme fp8: {refused} (docs/vllm.md)")
-    amax = _calibrated(calibration, "--kv-cache-scheme fp8").kv
+        raise QStreamError(f"--kv-cache-scheme {scheme}: {refused} (docs/vllm.md)")
+    amax = _calibrated(calibration, f"--kv-cache-scheme {scheme}").kv
     attn = ".self_attn."  # the attention module of every architecture qstream knows
     last = {n[: n.index(attn) + len(attn) - 1]: n for n in checkpoint.tensor_shard if attn in n}
     scales = {}
@@ -162,8 +162,8 @@ def serving_options(serving: Serving) -> dict[str, str]:
     options = {}
     if serving.activations.vllm_scheme is not None:
         options["activations"] = serving.activations.name
-    if serving.kv_cache:
-        options["kv_cache_scheme"] = "fp8"
+    if serving.kv_cache is not None:
+        options["kv_cache_scheme"] = serving.kv_cache
     return options
 
 

@@ -336,7 +336,7 @@ def write_checkpoint(
             list(plan.ignore),
             list(plan.targets),
             plan.serving.activations,
-            plan.serving.kv_cache,
+            plan.serving.kv_cache is not None,
         )
         write_json_atomic(tmp / CONFIG_NAME, config)
         snr_db, digests = _write_shards(plan, readers, amaxes, tmp, run)
