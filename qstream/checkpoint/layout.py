@@ -16,11 +16,21 @@ from importlib import metadata
 
 from qstream.checkpoint.safetensors_io import PlannedTensor, TensorInfo
 from qstream.formats import FORMATS, Format
+from qstream.serving import ACTIVATIONS, KV_CACHES, Activations
 
 # The compressed-tensors release qstream's formats are tested against; written as the config's
 # "version" when compressed-tensors itself is not installed.
 TESTED_COMPRESSED_TENSORS = "0.20.1"
 TARGETS = ["Linear"]
+# compressed-tensors' FP8 KV cache: one static scale per attention layer for K and one for V
+# (k_scale, v_scale), as llm-compressor's kv_cache_scheme writes it (docs/quantize.md).
+KV_CACHE_SCHEME = dict(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)
+# --kv-cache-scheme: the vLLM cache dtypes that scheme serves (E4M3; attention.py turns an
+# "auto" cache into "fp8" for it)
+KV_CACHE_SCHEMES = tuple(k.name for k in KV_CACHES.values() if k.dtype == "float8_e4m3fn")
+KV_SCALES = ("k_scale", "v_scale")  # on the attention module, as compressed-tensors names them
+# The stored input scale of a static activation scheme, by its compressed-tensors strategy.
+INPUT_SCALE = {"tensor": "input_scale", "tensor_group": "input_global_scale"}
 
 
 def compressed_tensors_version() -> str:
@@ -30,10 +40,17 @@ def compressed_tensors_version() -> str:
         return TESTED_COMPRESSED_TENSORS
 
 
-def quantization_config(spec: Format, ignore: list[str], targets: list[str] = TARGETS) -> dict:
-    """The ``quantization_config`` block for a weight-only checkpoint in format ``spec``;
-    ``targets``: ``["Linear"]``, plus the name of any quantized module vLLM builds as another
-    class (a DSpark draft's ParallelLMHead markov_w2, docs/vllm.md)."""
+def quantization_config(
+    spec: Format,
+    ignore: list[str],
+    targets: list[str] = TARGETS,
+    activations: Activations = ACTIVATIONS["none"],
+    kv_cache: bool = False,
+) -> dict:
+    """The ``quantization_config`` block for a checkpoint in format ``spec``; ``targets``:
+    ``["Linear"]``, plus the name of any quantized module vLLM builds as another class (a
+    DSpark draft's ParallelLMHead markov_w2, docs/vllm.md); ``activations``: how the quantized
+    linears' inputs are served (weight-only for "none"); ``kv_cache``: an FP8 KV cache scheme."""
     return {
         "quant_method": "compressed-tensors",
         "format": spec.layout,
@@ -42,13 +59,13 @@ def quantization_config(spec: Format, ignore: list[str], targets: list[str] = TA
             "group_0": {
                 "targets": list(targets),
                 "weights": dict(spec.weights_args),
-                "input_activations": None,
+                "input_activations": input_activations_args(spec, activations),
                 "output_activations": None,
                 "format": spec.layout,
             }
         },
         "ignore": list(ignore),
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None,
         "sparsity_config": {},
         "transform_config": {},
         "version": compressed_tensors_version(),
@@ -74,3 +91,30 @@ def stored_tensors(spec: Format, module: str, weight: TensorInfo) -> list[Planne
         PlannedTensor(f"{module}.{suffix}", dtype or weight.dtype, shapes[suffix])
         for suffix, dtype in spec.stored_dtypes.items()
     ]
+
+
+def input_activations_args(spec: Format, activations: Activations) -> dict | None:
+    """compressed-tensors' ``input_activations`` for ``activations`` beside ``spec``'s weights
+    (a pair ``ACTIVATIONS`` allows), as its presets write them (``FP8_DYNAMIC``, ``FP8``,
+    ``NVFP4``; tests/test_quantize_schemes.py): the weights' element type with the activations'
+    strategy; an NVFP4 input takes per-block scales at run time over a calibrated global scale,
+    compressed-tensors' dynamic "local"."""
+    if activations.vllm_scheme is None:
+        return None
+    assert spec.name in activations.weights, (spec.name, activations.name)
+    args = {k: v for k, v in spec.weights_args.items() if k != "dynamic"}
+    args["strategy"] = activations.strategy
+    args["dynamic"] = "local" if activations.strategy == "tensor_group" else activations.dynamic
+    return args
+
+
+def input_scale_name(activations: Activations) -> str | None:
+    """The tensor a static scheme stores per quantized linear (None: dynamic, or none)."""
+    return None if activations.dynamic else INPUT_SCALE[str(activations.strategy)]
+
+
+def activations_of(spec: Format, args: object) -> Activations | None:
+    """The activation scheme served with ``spec``'s weights whose ``input_activations`` are
+    ``args`` (None: none that qstream writes)."""
+    served = [a for a in ACTIVATIONS.values() if not a.weights or spec.name in a.weights]
+    return next((a for a in served if input_activations_args(spec, a) == args), None)

@@ -22,6 +22,7 @@ from qstream.cli import (
     write_json,
 )
 from qstream.progress import counter
+from qstream.serving import ACTIVATIONS, KV_CACHES
 
 if TYPE_CHECKING:
     from qstream.quant import QuantizeSummary
@@ -68,10 +69,27 @@ if TYPE_CHECKING:
     "architectures.",
     metavar="N",
 )
+@option(
+    "activations",
+    type=Choice(list(ACTIVATIONS)),
+    default="none",
+    show_default=True,
+    metavar="{" + ",".join(ACTIVATIONS) + "}",
+    help="How vLLM quantizes the quantized linears' inputs (input_activations): fp8-dynamic "
+    "with --quant_format fp8 (W8A8, per token); fp8-static (fp8) and nvfp4 (nvfp4: W4A4) store "
+    "calibrated input scales and need calibration (not available yet).",
+)
+@option(
+    "kv_cache_scheme",
+    type=Choice([k.name for k in KV_CACHES.values() if k.dtype == "float8_e4m3fn"]),
+    metavar="fp8",
+    help="Declare an FP8 KV cache with per-layer k_scale/v_scale (kv_cache_scheme); the "
+    "scales need calibration (not available yet).",
+)
 @flag_option("no_snr", "Skip the weight SNR (a little faster).")
 @json_option()
 def quantize(json_path: str | None, **o: Any) -> None:
-    """Write a weight-only FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
+    """Write an FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.
 
     Patterns match a module name (a tensor name without .weight) when equal, as a dotted
     suffix, as a glob, or with re: as a Python regex.  For a DSpark draft (config.json
@@ -99,6 +117,8 @@ def quantize(json_path: str | None, **o: Any) -> None:
             progress=progress,
             snr=not o["no_snr"],
             tensor_parallel_size=o["tensor_parallel_size"],
+            activations=o["activations"],
+            kv_cache_scheme=o["kv_cache_scheme"],
         )
     for warning in summary.warnings:
         click.echo(f"Warning: {warning}", err=True)
@@ -137,6 +157,8 @@ def summary_table(summary: QuantizeSummary) -> Table:
     table.add_column("")
     table.add_column("value", justify="right")
     table.add_row("format", summary.quant_format)
+    for key, value in summary.serving.items():
+        table.add_row(key.replace("_", " "), str(value))
     table.add_row(
         "parameters quantized",
         f"{summary.params_quantized:,} / "

@@ -26,6 +26,7 @@ from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
+from qstream.quant.schemes import Calibration, serving_options, serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
@@ -62,6 +63,9 @@ class QuantizeSummary:
     tensor_parallel_size: int = 1  # the TP size the selection was checked for
     ignore: list[str] = field(default_factory=list)  # the config's ignore entries, as written
     warnings: list[str] = field(default_factory=list)  # e.g. ignore entries that depend on L
+    # beyond the weights: {"activations", "kv_cache_scheme", "calibration": {"source", "size"}}
+    # for the schemes written (docs/quantize.md); empty, and left out of the JSON, if weight-only
+    serving: dict = field(default_factory=dict)
 
     @property
     def mean_snr_db(self) -> float | None:
@@ -74,6 +78,8 @@ class QuantizeSummary:
 
     def to_json(self) -> dict:
         data = asdict(self)
+        if not self.serving:
+            del data["serving"]
         worst = self.worst_snr
         data.update(
             params_quantized_pct=100.0 * self.params_quantized / max(1, self.params_total),
@@ -98,16 +104,17 @@ def quantize_checkpoint(
     progress: Progress | None = None,
     snr: bool = True,
     tensor_parallel_size: int = 1,
+    activations: str = "none",
+    kv_cache_scheme: str | None = None,
+    calibration: Calibration | None = None,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
-    ("fp8", "mxfp4", "nvfp4") in the compressed-tensors layout (docs/quantize.md).
-
-    ``include`` / ``ignore`` are patterns (``ignore`` wins); the serving profile of config.json's
-    architecture adds vLLM's rules at ``tensor_parallel_size`` (docs/vllm.md).  ``workers``
-    threads (default: the usable CPUs) run one torch thread each; ``snr=False`` skips the weight
-    SNR.  The output is published atomically (docs/guarantees.md).  Raises QStreamError, having
-    written nothing, for any problem with the input, the options or the disk.
-    """
+    in the compressed-tensors layout (docs/quantize.md).  ``include`` / ``ignore`` are patterns
+    (``ignore`` wins) under config.json's serving profile at ``tensor_parallel_size``
+    (docs/vllm.md); ``workers`` threads (default: the usable CPUs); ``activations`` /
+    ``kv_cache_scheme``: how vLLM serves inputs and KV cache, scales from ``calibration``.
+    Published atomically (docs/guarantees.md); raises QStreamError, having written nothing,
+    for any problem with the input, the options or the disk; ``snr=False`` skips the SNR."""
     started = time.perf_counter()
     spec = get_format(fmt)
     workers = default_workers() if workers is None else workers
@@ -117,22 +124,28 @@ def quantize_checkpoint(
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
-    profile = profile_for(checkpoint.config)
-    targets = ("Linear", *head_targets(profile, selection.quantized))
-    plan = make_plan(checkpoint, selection, spec, entries, targets)
+    serving = serving_schemes(checkpoint, fmt, selection, activations, kv_cache_scheme, calibration)
+    plan = _make_plan(checkpoint, selection, spec, entries, serving)
     summary = _plan_summary(
         plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
         output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
+        serving=serving_record(serving, calibration),
     )  # fmt: skip
     if dry_run:
         return summary
-    command = _equivalent_command(
-        model_dir, output_dir, fmt, include, ignore, skip_incompatible, snr, tensor_parallel_size
-    )
+    command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
+                                  snr, tensor_parallel_size, serving_options(serving))  # fmt: skip
     record = partial(_record, summary, command)
     with _one_intra_op_thread():
         snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
     return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
+
+
+def _make_plan(checkpoint: Checkpoint, selection: Selection, spec, entries, serving) -> Plan:
+    """The plan, with the config group's targets under config.json's serving profile."""
+    profile = profile_for(checkpoint.config)
+    targets = ("Linear", *head_targets(profile, selection.quantized))
+    return make_plan(checkpoint, selection, spec, entries, targets, serving)
 
 
 def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:
@@ -225,6 +238,7 @@ def _equivalent_command(
     skip_incompatible: bool,
     snr: bool = True,
     tensor_parallel_size: int = 1,
+    serving: dict[str, str] | None = None,
 ) -> str:
     """The qstream-quantize command line that makes this output (recorded for model cards)."""
     args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir)]
@@ -239,6 +253,8 @@ def _equivalent_command(
         args.append("--no-snr")
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    for option, value in (serving or {}).items():
+        args += [f"--{option.replace('_', '-')}", value]
     return shlex.join(args)
 
 

@@ -16,7 +16,7 @@ import shutil
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -25,6 +25,7 @@ import torch
 from qstream.checkpoint.files import CONFIG_NAME, INDEX_NAME, Checkpoint, file_digests
 from qstream.checkpoint.layout import quantization_config, stored_tensors
 from qstream.checkpoint.safetensors_io import (
+    DTYPE_NAMES,
     PlannedTensor,
     ShardReader,
     ShardWriter,
@@ -36,6 +37,7 @@ from qstream.formats import Energy, Format, snr_db
 from qstream.formats.nvfp4 import tensor_amax
 from qstream.progress import Progress
 from qstream.publish import QUANTIZE_RECORD, publishing, write_json_atomic
+from qstream.quant.schemes import Serving
 from qstream.quant.select import Selection, share_group_amax
 
 
@@ -50,6 +52,7 @@ class Plan:
     shards: dict[str, list[PlannedTensor]]
     # the config group's targets: "Linear", and any quantized ParallelLMHead by name
     targets: tuple[str, ...] = ("Linear",)
+    serving: Serving = field(default_factory=Serving)
 
     @property
     def size_bytes(self) -> int:
@@ -64,8 +67,10 @@ def make_plan(
     spec: Format,
     ignore: list[str],
     targets: tuple[str, ...] = ("Linear",),
+    serving: Serving | None = None,
 ) -> Plan:
     quantized = set(selection.quantized)
+    serving = serving or Serving()
     shards = {}
     for shard, header in checkpoint.shards.items():
         planned = []
@@ -75,8 +80,12 @@ def make_plan(
                 planned += stored_tensors(spec, module, info)
             else:
                 planned.append(PlannedTensor(name, info.dtype, info.shape))
+            planned += [
+                PlannedTensor(n, DTYPE_NAMES[t.dtype], tuple(t.shape))
+                for n, t in serving.scales.get(name, {}).items()
+            ]
         shards[shard] = planned
-    return Plan(checkpoint, selection, spec, ignore, shards, targets)
+    return Plan(checkpoint, selection, spec, ignore, shards, targets, serving)
 
 
 @dataclass(frozen=True)
@@ -268,12 +277,20 @@ def write_tensors(
             if energy is not None and piece.module is not None:
                 sums[piece.module][0] += energy[0]
                 sums[piece.module][1] += energy[1]
+        _write_scales(writer, piece, plan.serving.scales.get(piece.name, {}))
         tally.count(piece, checkpoint.info(piece.name).shape[0], run.progress)
 
     # Reading (page-table population), copying and writing happen on this thread in
     # prepare / done, the quantizing on the workers: with one worker the two overlap.
     run_bounded(pieces(plan), work, run.workers, done, prepare)
     return {m: snr_db(*sums[m]) for m in quantized} if run.snr else {}
+
+
+def _write_scales(writer: ShardWriter, piece: Piece, scales: dict[str, torch.Tensor]) -> None:
+    """The scales keyed by ``piece``'s tensor, with its first rows (schemes.Serving)."""
+    if piece.rows is None or piece.rows.start == 0:
+        for name, tensor in scales.items():
+            writer.write(name, tensor)
 
 
 def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
@@ -315,7 +332,11 @@ def write_checkpoint(
         _copy_other_files(plan.checkpoint, tmp)
         config = dict(plan.checkpoint.config)
         config["quantization_config"] = quantization_config(
-            plan.format, list(plan.ignore), list(plan.targets)
+            plan.format,
+            list(plan.ignore),
+            list(plan.targets),
+            plan.serving.activations,
+            plan.serving.kv_cache is not None,
         )
         write_json_atomic(tmp / CONFIG_NAME, config)
         snr_db, digests = _write_shards(plan, readers, amaxes, tmp, run)

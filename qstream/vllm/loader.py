@@ -58,6 +58,10 @@ class VllmLoadReport:
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what vLLM logged at WARNING or above
     raised: str | None = None  # what vLLM raised, if it did
+    # each attention layer's KV cache as vLLM serves it: {"module", "dtype", "k_scale",
+    # "v_scale"}, the scales as the layer holds them after loading (docs/vllm.md,
+    # "Activation schemes and KV-cache scales")
+    kv_cache: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -109,7 +113,24 @@ def load_with_vllm(directory: str | Path, target_layers: int | None = None) -> V
         finally:
             recorder.release()
     report.modules, report.problems = check(checkpoint, model, recorder)
+    report.kv_cache = kv_cache_of(model)
     return report
+
+
+def kv_cache_of(model: torch.nn.Module) -> list[dict]:
+    """Every attention layer's cache dtype and the ``_k_scale`` / ``_v_scale`` its kernels use
+    (set from the loaded k_scale / v_scale by ``BaseKVCacheMethod.process_weights_after_loading``,
+    vllm/model_executor/layers/quantization/kv_cache.py; 1.0 otherwise)."""
+    return [
+        {
+            "module": name,
+            "dtype": str(getattr(module, "kv_cache_dtype", "auto")),
+            "k_scale": float(module._k_scale),
+            "v_scale": float(module._v_scale),
+        }
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "_k_scale", None), torch.Tensor)
+    ]
 
 
 def _write_target(directory: Path, draft: dict, layers: int) -> None:
@@ -195,6 +216,7 @@ def _init_distributed() -> None:
 # The kernel selector each scheme module of vLLM 0.32.0 calls for qstream's formats.
 SCHEME_MODULES = {
     "compressed_tensors_w8a16_fp8": "init_wfp8_a16_linear_kernel",
+    "compressed_tensors_w8a8_fp8": "init_fp8_linear_kernel",
     "compressed_tensors_w4a4_nvfp4": "init_nvfp4_linear_kernel",
     "compressed_tensors_w4a4_mxfp4": "init_mxfp4_linear_kernel",
 }
@@ -435,12 +457,14 @@ def _unloaded_by_design(checkpoint: Checkpoint, model: torch.nn.Module, rec: Rec
     shared = {n for n, p in model.named_parameters() if id(p) in rec.target_params}
     qconfig = checkpoint.config.get("quantization_config") or {}
     spared = set(PLACEHOLDERS) | shared
-    if not qconfig.get("kv_cache_scheme"):
-        for name in rec.before:
-            owner, _, leaf = name.rpartition(".")
-            kind = leaf.removesuffix("_zero_point").removesuffix("_scale") + "_scale"
-            if owner.endswith(".attn") and kind in KV_CACHE_SCALES:
-                spared.add(name)
+    # a kv_cache_scheme stores k_scale and v_scale (compressed-tensors); q and prob scales
+    # belong to attention quantization, which qstream never declares
+    stored = ("k_scale", "v_scale") if qconfig.get("kv_cache_scheme") else ()
+    for name in rec.before:
+        owner, _, leaf = name.rpartition(".")
+        kind = leaf.removesuffix("_zero_point").removesuffix("_scale") + "_scale"
+        if owner.endswith(".attn") and kind in KV_CACHE_SCALES and leaf not in stored:
+            spared.add(name)
     return spared
 
 
@@ -577,8 +601,11 @@ def identity_products(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, module in model.named_modules():
         scheme = getattr(module, "scheme", None)
-        if scheme is None or not hasattr(module, "input_size_per_partition"):
+        # a ReplicatedLinear has no per-partition size unless its scheme sets one (W8A16 does,
+        # W8A8 does not): its input_size is the whole K
+        k = getattr(module, "input_size_per_partition", getattr(module, "input_size", None))
+        if scheme is None or k is None:
             continue
-        eye = torch.eye(module.input_size_per_partition, dtype=torch.bfloat16)
+        eye = torch.eye(k, dtype=torch.bfloat16)
         out[name] = module.quant_method.apply(module, eye)
     return out

@@ -103,6 +103,17 @@ class Profile:
 
 GENERIC = "generic"
 K3_DSPARK = "K3DSparkModel"
+# Drafts whose attention vLLM 0.32.0 builds outside its ``Attention`` class, so that
+# compressed-tensors' KV-cache method (``CompressedTensorsConfig.get_quant_method``: only an
+# ``Attention`` gets one) gives it no k_scale / v_scale parameter (docs/vllm.md, "Activation
+# schemes and KV-cache scales"; pinned in tests/test_vllm_schemes.py).
+KV_SCALES_NOT_LOADED = {
+    K3_DSPARK: "vLLM 0.32.0's K3 DSpark draft builds its MLA attention (kimi_k3/nvidia/mla.py "
+    "MultiHeadLatentAttention) with no k_scale/v_scale parameter: it refuses a stored k_scale "
+    "(ValueError: no module ...self_attn.attn), its cache stays at --kv-cache-dtype whatever "
+    "kv_cache_scheme says, and an fp8 cache is served with scale 1.0 (dspark_mla.py "
+    "_context_kv_scales)",
+}
 PROFILES = {
     GENERIC: Profile(GENERIC, ()),
     **{a.serving["name"]: Profile(**a.serving) for a in ARCHITECTURES if a.serving is not None},

@@ -8,6 +8,7 @@ QStreamError when the checkpoint is opened; everything else is a list of problem
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,11 +16,19 @@ import torch
 
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.integrity import Integrity, check_integrity
-from qstream.checkpoint.layout import format_of_layout
+from qstream.checkpoint.layout import (
+    KV_CACHE_SCHEME,
+    KV_SCALES,
+    activations_of,
+    format_of_layout,
+    input_scale_name,
+)
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, get_format
+from qstream.formats.format import finite_positive
 from qstream.publish import QUANTIZE_RECORD
+from qstream.serving import ACTIVATIONS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile, RuntimeModule, fused_groups, matches, profile_for
 from qstream.vllm.shapes import d2t_problems, shape_problems
@@ -31,6 +40,7 @@ ROWS_PER_CHECK = 1 << 21  # elements dequantized at a time
 class VerifyReport:
     directory: str
     quant_format: str | None = None
+    activations: str = "none"  # how the quantized linears' inputs are served (ACTIVATIONS)
     modules_quantized: list[str] = field(default_factory=list)
     modules_ignored: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -92,6 +102,7 @@ def verify_checkpoint(
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
     integrity = _check_digests(checkpoint, report)
     _check_scales(checkpoint, fmt, quantized - malformed, report)
+    _check_serving(checkpoint, qconfig, profile, quantized - malformed, report)
     if deep:
         _check_round_trip(checkpoint, fmt, quantized - malformed, report)
     report.checks = checks_run(fmt, profile, len(report.runtime_modules), deep, integrity)
@@ -134,14 +145,28 @@ def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
                 f"config group weights.{key} is {weights.get(key)!r}, the "
                 f"{FORMATS[fmt].layout} format needs {value!r}"
             )
-    if group.get("input_activations") or group.get("output_activations"):
-        problems.append("config group quantizes activations; qstream checkpoints are weight-only")
+    _check_activations(group, fmt, report)
     targets = group.get("targets") or []
     named = [t for t in targets if t != "Linear"]
     both = sorted(set(named) & set(qconfig.get("ignore") or []))
     if both:
         problems.append(f"{both[0]} is in both targets and ignore")
     return fmt
+
+
+def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
+    """``input_activations`` one of the schemes qstream writes beside ``fmt`` weights."""
+    activations = activations_of(FORMATS[fmt], group.get("input_activations"))
+    if activations is None:
+        served = [a.name for a in ACTIVATIONS.values() if fmt in a.weights]
+        report.problems.append(
+            f"config group input_activations {group.get('input_activations')!r} is not a scheme "
+            f"qstream writes beside {fmt} weights (none, {', '.join(served)})"
+        )
+    else:
+        report.activations = activations.name
+    if group.get("output_activations"):
+        report.problems.append("config group quantizes output activations; vLLM serves none")
 
 
 def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
@@ -266,6 +291,77 @@ def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
                     f"{name}: {int(bad.sum())} value(s) {what}, e.g. {first} (in {shard})"
                 )
             readers[shard].release(name, None)
+
+
+def _check_serving(
+    checkpoint: Checkpoint, qconfig: dict, profile: Profile, quantized, report: VerifyReport
+) -> None:
+    """What a static activation or KV-cache scheme stores (docs/quantize.md, "Activation and
+    KV-cache schemes"): every quantized module's input scale and every attention layer's
+    k_scale / v_scale, finite and positive, and the calibration they came from in the record.
+    A missing input scale is loaded silently wrong by vLLM 0.32.0 (the parameter keeps what
+    ``create_weights`` left: float32's lowest value for FP8, uninitialised memory for NVFP4;
+    tests/test_vllm_schemes.py)."""
+    scales: list[str] = []
+    stored = input_scale_name(ACTIVATIONS[report.activations])
+    for module in [m for m in checkpoint_modules(checkpoint) if m in quantized and stored]:
+        scales.append(f"{module}.{stored}")
+        if scales[-1] not in checkpoint.tensor_shard:
+            report.problems.append(
+                f"{module}: {stored} missing ({report.activations} activations need one per "
+                "quantized module; vLLM 0.32.0 would load the layer silently wrong)"
+            )
+    kv = qconfig.get("kv_cache_scheme")
+    if kv is not None:
+        scales += _check_kv(checkpoint, kv, profile, report)
+    present = [n for n in scales if n in checkpoint.tensor_shard]
+    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
+    for name in present:
+        value, bad, what = finite_positive(readers[checkpoint.tensor_shard[name]].tensor(name))
+        if bool(bad.any()):
+            report.problems.append(f"{name}: value {value[bad][0].item()} {what}")
+    if present and _recorded_calibration(checkpoint) is False:
+        report.problems.append(
+            f"{QUANTIZE_RECORD}: no calibration (source and size) recorded for the stored "
+            f"scales, e.g. {present[0]}"
+        )
+
+
+def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> list[str]:
+    """The KV-cache scheme and its scales; returns the scale tensors it expects."""
+    if kv != KV_CACHE_SCHEME:
+        report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
+    attn = ".self_attn."
+    stored = [n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES]
+    ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
+    if ignored:
+        report.warnings.append(f"kv_cache_scheme: {ignored}; scale 1.0 is what will be served")
+        report.problems += [f"{n}: {ignored}" for n in stored]
+        return []
+    layers = dict.fromkeys(
+        n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
+    )
+    expected = [f"{layer}.{s}" for layer in layers for s in KV_SCALES]
+    report.problems += [
+        f"{n}: missing (kv_cache_scheme fp8 needs k_scale and v_scale per attention layer; "
+        "vLLM serves 1.0 in its place)"
+        for n in expected
+        if n not in checkpoint.tensor_shard
+    ]
+    return expected
+
+
+def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
+    """Whether quantize's record names the calibration source and size (None: no record)."""
+    path = checkpoint.directory / QUANTIZE_RECORD
+    if not path.is_file():
+        return None
+    try:
+        serving_record = json.loads(path.read_text())["summary"].get("serving", {})
+    except (ValueError, KeyError, AttributeError):
+        return False  # the sha256 check names an unreadable record
+    calibration = serving_record.get("calibration") or {}
+    return "source" in calibration and "size" in calibration
 
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:

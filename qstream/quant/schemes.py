@@ -1,0 +1,174 @@
+"""The activation and KV-cache schemes a checkpoint declares beyond its weights, and the
+calibrated scales a static one stores (docs/quantize.md, "Activation and KV-cache schemes"): a
+quantized linear's ``input_scale`` (FP8 static, per tensor) or ``input_global_scale`` (NVFP4
+W4A4), and an attention layer's ``k_scale`` / ``v_scale`` (FP8 KV cache), each from the amax
+that calibration measured (:class:`Calibration`, the adapter a calibration run feeds).
+
+The formulas and dtypes are compressed-tensors' (checked bit for bit in
+tests/test_quantize_schemes.py): ``calculate_qparams`` (symmetric float: ``amax / 448`` in the
+observed dtype, a zero scale becoming that dtype's eps) and ``generate_gparam`` (``448 * 6 /
+amax``, stored float32), on the min/max an observer of a bf16 model's activations holds, which
+are in the weight dtype (``initialize_qparams``: the scale parameter takes the weight's dtype,
+the global scale float32; both shape [1]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qstream.checkpoint.files import Checkpoint
+from qstream.checkpoint.layout import KV_CACHE_SCHEMES, KV_SCALES, input_scale_name
+from qstream.errors import QStreamError
+from qstream.formats.format import FP8_MAX
+from qstream.formats.nvfp4 import global_scale
+from qstream.quant.select import Selection, share_group_amax
+from qstream.serving import ACTIVATIONS, Activations
+from qstream.vllm.profiles import KV_SCALES_NOT_LOADED, profile_for
+
+# What a calibration source needs to supply before quantize can write a static scheme.
+NEEDS_CALIBRATION = "needs calibration (not available yet)"
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the checkpoint declares beyond its weights: how the quantized linears' inputs are
+    served, its ``--kv-cache-scheme`` (None: none), and the calibrated scales that go with
+    them, each written right after the input tensor it is keyed by (a linear's weight; an
+    attention layer's last tensor)."""
+
+    activations: Activations = ACTIVATIONS["none"]
+    kv_cache: str | None = None
+    scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The amaxes a static scheme's scales come from, and where they were measured (recorded
+    in qstream_quantize.json).  This is the adapter a calibration run feeds."""
+
+    source: str  # what the inputs were, e.g. the regime ("gauss") and the draft's inputs
+    size: int  # how many calibration inputs (tokens) the amaxes were taken over
+    inputs: Mapping[str, float] = field(default_factory=dict)  # linear -> amax of its input
+    # attention module -> (amax of K, amax of V) as its cache stores them
+    kv: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {"source": self.source, "size": self.size}
+
+
+def input_scale(activations: Activations, amax: float, dtype: torch.dtype) -> torch.Tensor:
+    """``[1]`` stored input scale of a linear whose input amax is ``amax`` in a ``dtype``
+    checkpoint: FP8 static ``input_scale`` in ``dtype``, NVFP4 ``input_global_scale`` float32."""
+    observed = torch.tensor([amax], dtype=torch.float32).to(dtype)
+    if input_scale_name(activations) == "input_global_scale":
+        return global_scale(observed)
+    return fp8_tensor_scale(observed)
+
+
+def fp8_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' per-tensor FP8 scale of an amax in the observed dtype."""
+    scale = amax / torch.tensor(FP8_MAX, dtype=amax.dtype)
+    return torch.where(scale == 0, torch.finfo(amax.dtype).eps, scale)
+
+
+def kv_scales(amax: tuple[float, float], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``k_scale`` and ``v_scale`` ([1], ``dtype``) of one attention layer's K and V amax."""
+    return {
+        name: fp8_tensor_scale(torch.tensor([a], dtype=torch.float32).to(dtype))
+        for name, a in zip(KV_SCALES, amax)
+    }
+
+
+def checked_amax(what: str, module: str, amax: object) -> float:
+    """``amax`` as a float, or QStreamError naming the module unless finite and positive."""
+    if isinstance(amax, bool) or not isinstance(amax, (int, float)):
+        raise QStreamError(f"{module}: calibrated {what} amax {amax!r} is not a number")
+    value = float(amax)
+    if not (value > 0 and value != float("inf")):
+        raise QStreamError(f"{module}: calibrated {what} amax {value!r} must be finite and > 0")
+    return value
+
+
+def serving_schemes(
+    checkpoint: Checkpoint,
+    fmt: str,
+    selection: Selection,
+    activations: str,
+    kv_cache_scheme: str | None,
+    calibration: Calibration | None,
+) -> Serving:
+    """The schemes declared beyond the weights and the scales they store, checked before
+    anything is written: an activation scheme the format cannot serve with, a static scheme
+    without calibration, a KV-cache scheme vLLM does not load for this draft, a module without
+    its amax are QStreamErrors naming it."""
+    if activations not in ACTIVATIONS:
+        raise QStreamError(f"--activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
+    act = ACTIVATIONS[activations]
+    if act.weights and fmt not in act.weights:
+        raise QStreamError(
+            f"--activations {act.name}: served with {' or '.join(act.weights)} weights "
+            f"(vLLM's {act.vllm_scheme}), not --quant_format {fmt}"
+        )
+    scales: dict[str, dict] = {}
+    stored = input_scale_name(act)
+    if stored is not None:
+        inputs = _calibrated(calibration, f"--activations {act.name}").inputs
+        amaxes = {m: checked_amax("input", m, inputs.get(m)) for m in selection.quantized}
+        # a fused layer keeps one input scale (vLLM's .max() over its shards), so each group
+        # shares its members' largest amax: no member's input saturates (docs/quantize.md)
+        for module, amax in share_group_amax(amaxes, selection.fused_groups).items():
+            weight = checkpoint.info(f"{module}.weight")
+            scales[weight.name] = {f"{module}.{stored}": input_scale(act, amax, weight.torch_dtype)}
+    if kv_cache_scheme is not None:
+        for anchor, kv in _kv_scales(checkpoint, kv_cache_scheme, calibration).items():
+            scales[anchor] = {**scales.get(anchor, {}), **kv}
+    return Serving(act, kv_cache_scheme, scales)
+
+
+def _calibrated(calibration: Calibration | None, option: str) -> Calibration:
+    if calibration is None:
+        raise QStreamError(f"{option}: {NEEDS_CALIBRATION}")
+    return calibration
+
+
+def _kv_scales(
+    checkpoint: Checkpoint, scheme: str, calibration: Calibration | None
+) -> dict[str, dict]:
+    """Each attention layer's k_scale / v_scale, keyed by its last stored tensor."""
+    if scheme not in KV_CACHE_SCHEMES:
+        raise QStreamError(f"--kv-cache-scheme {scheme!r}: choose {', '.join(KV_CACHE_SCHEMES)}")
+    refused = KV_SCALES_NOT_LOADED.get(profile_for(checkpoint.config).name)
+    if refused:
+        raise QStreamError(f"--kv-cache-scheme {scheme}: {refused} (docs/vllm.md)")
+    amax = _calibrated(calibration, f"--kv-cache-scheme {scheme}").kv
+    attn = ".self_attn."  # the attention module of every architecture qstream knows
+    last = {n[: n.index(attn) + len(attn) - 1]: n for n in checkpoint.tensor_shard if attn in n}
+    scales = {}
+    for attention, anchor in last.items():
+        if attention not in amax:
+            raise QStreamError(f"{attention}: no calibrated K/V amax for its KV-cache scales")
+        k, v = (checked_amax(what, attention, a) for what, a in zip("KV", amax[attention]))
+        dtype = checkpoint.info(anchor).torch_dtype
+        scales[anchor] = {f"{attention}.{n}": t for n, t in kv_scales((k, v), dtype).items()}
+    return scales
+
+
+def serving_options(serving: Serving) -> dict[str, str]:
+    """The options that declared ``serving`` (none for weight-only)."""
+    options = {}
+    if serving.activations.vllm_scheme is not None:
+        options["activations"] = serving.activations.name
+    if serving.kv_cache is not None:
+        options["kv_cache_scheme"] = serving.kv_cache
+    return options
+
+
+def serving_record(serving: Serving, calibration: Calibration | None) -> dict:
+    record: dict[str, Any] = dict(serving_options(serving))
+    if serving.scales and calibration is not None:
+        record["calibration"] = calibration.record()
+    return record

@@ -1,0 +1,167 @@
+"""quantize's activation and KV-cache schemes through vLLM 0.32.0's own DSpark loaders, on CPU
+(the vLLM lane; docs/vllm.md, "Activation schemes" and "KV-cache scales").  Both drafts: the
+K3 draft (the tiny synth) and the Qwen3-style one.  Each written scheme must load with the
+scheme vLLM names for it, every stored tensor consumed and every parameter the stored bytes;
+what vLLM does with a missing input scale and with KV-cache scales is pinned, so that a change
+in vLLM shows up here."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from checkpoints import DSPARK_RECIPE
+from qwen3_drafts import write_qwen3_draft
+from safetensors.torch import load_file, save_file
+from test_vllm_loader import vllm_did  # what vLLM did: raised, warned, or loaded silently
+
+from qstream.checkpoint.files import open_checkpoint
+from qstream.publish import QUANTIZE_RECORD
+from qstream.quant import quantize_checkpoint
+from qstream.quant.schemes import Calibration
+from qstream.serving import ACTIVATIONS
+from qstream.vllm.loader import load_with_vllm
+from qstream.vllm.verify import verify_checkpoint
+
+pytestmark = pytest.mark.vllm
+
+# activations -> weight format; vLLM's scheme is ACTIVATIONS[...].vllm_scheme
+WRITTEN = {"fp8-dynamic": "fp8", "fp8-static": "fp8", "nvfp4": "nvfp4"}
+
+
+def calibration(draft: Path) -> Calibration:
+    """A distinct, non-1.0 amax per module and per attention layer's K and V."""
+    names = list(open_checkpoint(draft).tensor_shard)
+    modules = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
+    attention = sorted(
+        {n.split(".self_attn.")[0] + ".self_attn" for n in names if ".self_attn." in n}
+    )
+    return Calibration(
+        "given in the test",
+        64,
+        {m: 0.75 + 0.5 * i for i, m in enumerate(modules)},
+        {a: (2.0 + i, 3.0 + i) for i, a in enumerate(attention)},
+    )
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny, tmp_path_factory):
+    return {"k3": Path(tiny), "qwen3": write_qwen3_draft(tmp_path_factory.mktemp("qwen3") / "d")}
+
+
+@pytest.fixture(scope="module")
+def outputs(drafts, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-schemes")
+    out = {}
+    for arch, draft in drafts.items():
+        include = DSPARK_RECIPE if arch == "k3" else None
+        for activations, fmt in WRITTEN.items():
+            dest = root / f"{arch}-{activations}"
+            quantize_checkpoint(
+                draft, dest, fmt, include=include, activations=activations,
+                calibration=calibration(draft),
+            )  # fmt: skip
+            out[arch, activations] = dest
+    return out
+
+
+@pytest.mark.parametrize("activations", list(WRITTEN))
+@pytest.mark.parametrize("arch", ["k3", "qwen3"])
+def test_vllm_builds_the_activation_scheme(outputs, arch, activations):
+    out = outputs[arch, activations]
+    assert verify_checkpoint(out).ok
+    report = load_with_vllm(out)
+    assert report.raised is None and report.problems == [], report.problems
+    schemes = {m["scheme"] for m in report.modules}
+    # every quantized module W8A8 / W4A4 (without use_a16), the rest unquantized
+    assert schemes == {ACTIVATIONS[activations].vllm_scheme, "unquantized"}, schemes
+
+
+@pytest.mark.parametrize(
+    ("arch", "activations", "stored"),
+    [("k3", "fp8-static", "input_scale"), ("qwen3", "nvfp4", "input_global_scale")],
+)
+def test_a_missing_input_scale_is_refused_and_vllm_loads_it_silently(
+    outputs, tmp_path, arch, activations, stored
+):
+    out = tmp_path / "missing"
+    shutil.copytree(outputs[arch, activations], out)
+    tensors = load_file(out / "model.safetensors")
+    victim = sorted(n for n in tensors if n.endswith(f".{stored}"))[0]
+    del tensors[victim]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / QUANTIZE_RECORD).unlink()
+    module = victim.removesuffix(f".{stored}")
+    assert any(p.startswith(f"{module}: {stored} missing") for p in verify_checkpoint(out).problems)
+    loaded = load_with_vllm(out)
+    # vLLM 0.32.0 neither raises nor warns: the parameter keeps create_weights' value
+    # (float32's lowest for FP8's input_scale, torch.empty for NVFP4's input_global_scale)
+    assert vllm_did(loaded) == "loaded silently", (loaded.raised, loaded.warnings)
+    assert any(
+        p.endswith(f".{stored}: left unloaded by vLLM (no stored tensor reached it)")
+        for p in loaded.problems
+    ), loaded.problems
+
+
+def test_the_qwen3_draft_serves_the_checkpoints_kv_scales(drafts, tmp_path):
+    given = calibration(drafts["qwen3"])
+    out = tmp_path / "kv"
+    quantize_checkpoint(drafts["qwen3"], out, "fp8", kv_cache_scheme="fp8", calibration=given)
+    assert verify_checkpoint(out).ok
+    report = load_with_vllm(out)
+    assert report.problems == [], report.problems
+    stored = load_file(out / "model.safetensors")
+    held = {layer["module"]: layer for layer in report.kv_cache}
+    assert len(held) == len(given.kv)
+    for attention in given.kv:
+        layer = held[f"model.{attention}.attn"]
+        # kv_cache_scheme turns vLLM's "auto" cache into fp8 (attention.py, Attention.__init__)
+        assert layer["dtype"] == "fp8"
+        assert layer["k_scale"] == stored[f"{attention}.k_scale"].item() != 1.0
+        assert layer["v_scale"] == stored[f"{attention}.v_scale"].item() != 1.0
+
+
+def _with_kv_scheme(src: Path, dest: Path, scales: bool) -> Path:
+    """``src`` declaring an FP8 KV cache, with non-1.0 k_scale/v_scale per layer if ``scales``
+    (what another tool might write for the K3 draft; qstream refuses to)."""
+    shutil.copytree(src, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = dict(
+        num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False
+    )
+    (dest / "config.json").write_text(json.dumps(config))
+    (dest / QUANTIZE_RECORD).unlink()
+    if scales:
+        tensors = load_file(dest / "model.safetensors")
+        layers = sorted({n.split(".self_attn.")[0] for n in tensors if ".self_attn." in n})
+        for i, layer in enumerate(layers):
+            for leaf, value in (("k_scale", 0.5 + i), ("v_scale", 0.25 + i)):
+                tensors[f"{layer}.self_attn.{leaf}"] = (
+                    tensors[f"{layer}.self_attn.o_proj.weight_scale"][:1, 0] * 0 + value
+                )
+        save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def test_the_k3_draft_refuses_kv_scales_and_serves_one(outputs, tmp_path):
+    """vLLM 0.32.0's K3 MultiHeadLatentAttention is no ``Attention``: compressed-tensors gives it
+    no KV-cache method, so no k_scale parameter (its checkpoint's k_scale is remapped to
+    ``self_attn.attn.k_scale`` and refused), and kv_cache_scheme leaves the cache "auto"."""
+    src = outputs["k3", "fp8-dynamic"]
+    scaled = _with_kv_scheme(src, tmp_path / "scaled", scales=True)
+    assert any(
+        p.startswith("layers.0.self_attn.k_scale: vLLM 0.32.0's K3 DSpark draft")
+        for p in verify_checkpoint(scaled).problems
+    )
+    loaded = load_with_vllm(scaled)
+    assert vllm_did(loaded) == "raised"
+    assert "There is no module or parameter named 'model.layers.0.self_attn.attn'" in loaded.raised
+    plain = _with_kv_scheme(src, tmp_path / "plain", scales=False)
+    report = verify_checkpoint(plain)
+    assert report.ok and any("scale 1.0 is what will be served" in w for w in report.warnings)
+    loaded = load_with_vllm(plain)
+    assert loaded.problems == [], loaded.problems
+    assert loaded.kv_cache and all(
+        (layer["dtype"], layer["k_scale"], layer["v_scale"]) == ("auto", 1.0, 1.0)
+        for layer in loaded.kv_cache
+    ), loaded.kv_cache
