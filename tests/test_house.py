@@ -13,6 +13,7 @@ from pathlib import Path
 
 from qstream.formats import FORMATS
 from qstream.regimes import REGIMES
+from qstream.verification import LEGACY_NAMES, MODES
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qstream"
 
@@ -26,6 +27,7 @@ LAYERS = [
         "tablefit",
         "device",
         "regimes",
+        "verification",
         "serving",
     },
     {"bounded", "formats"},
@@ -47,7 +49,7 @@ BOUNDED_USERS = {"eval/passes.py", "eval/batches.py", "eval/verifiers.py"}
 # A file is as long as its one concept needs (an architecture's whole forward is one file,
 # docs/model.md); the file cap catches a runaway file, the function cap keeps each piece short.
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 50
-MAX_PACKAGE_LINES = 19447  # measured; raised only by a fix that needs the lines, said in its commit
+MAX_PACKAGE_LINES = 19549  # measured; raised only by a fix that needs the lines, said in its commit
 
 
 @cache
@@ -132,6 +134,16 @@ def test_regime_names_are_switched_on_only_in_regimes():
     """Code asks a regime's object (``regime.causal``); only qstream/regimes.py knows names."""
     switches = switches_on(set(REGIMES), "qstream.regimes")
     assert not switches, "switches on a regime's name:\n" + "\n".join(switches)
+
+
+def test_verification_mode_names_are_switched_on_only_in_verification():
+    """Code asks a mode's object (``mode.greedy_verifier``); only qstream/verification.py knows
+    names, and the card reads the names of old results through it.  A legacy name that is also
+    another vocabulary's word ("greedy", a rollout mode; "block", a format's block) is left to
+    the names of its own registry."""
+    words = {"greedy", "block", "probabilistic"}
+    switches = switches_on({*MODES, *LEGACY_NAMES} - words, "qstream.verification")
+    assert not switches, "switches on a verification mode's name:\n" + "\n".join(switches)
 
 
 def test_states_layouts_and_conventions_are_switched_on_only_in_their_registries():
