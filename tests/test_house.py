@@ -1,8 +1,8 @@
 """The house rules, read from the package's own source (docs/model.md, "Layout"): each folder one
 stage, imports running one way down the layers, no circle, a format's name switched on only in
-formats/ and a regime's only in regimes.py, memory machinery only in eval's pass loop, small
-files and functions, no tracker numbers in code.  A test fails with the file, line and rule it
-found broken."""
+formats/, a regime's only in regimes.py and a verification mode's only in verification.py,
+memory machinery only in eval's pass loop, small files and functions, no tracker numbers in
+code.  A test fails with the file, line and rule it found broken."""
 
 from __future__ import annotations
 
