@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from qstream.verification import GREEDY
+
 FORMATS = ("fp8", "mxfp4", "nvfp4")
 # the ceiling's regimes; "states" is taken at anchors in the decoded text, as the card shows it
 REGIMES = ("gauss", "heavy", "boot", "states")
@@ -156,10 +158,12 @@ def study(out: Path, names: list[str]) -> dict:
             "measured": _est(measured["mean_acceptance_length"]),
             "tokens_per_target_forward": _est(measured["tokens_per_target_forward"]),
             "accepted_at_least": [s["value"] for s in measured["accepted_at_least"]],
-            "visited": _est(visited["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]),
-            "uniform": _est(states["acceptance"]["target"]["greedy"]["emitted"]),
+            "visited": _est(
+                visited["variants"][name]["acceptance"]["target"][GREEDY.name]["emitted"]
+            ),
+            "uniform": _est(states["acceptance"]["target"][GREEDY.name]["emitted"]),
             "continuation": _est(
-                continuation["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]
+                continuation["variants"][name]["acceptance"]["target"][GREEDY.name]["emitted"]
             ),
             "measured_loss": _est(measured["loss_vs_bf16"]),
             "ceiling": {

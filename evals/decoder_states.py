@@ -31,6 +31,7 @@ from qstream.arch.registry import architecture_of, load_config
 from qstream.capture.target import load_target
 from qstream.serving import FLOOR_VARIANT
 from qstream.speculate import decode
+from qstream.verification import GREEDY
 
 
 def main() -> int:
@@ -50,8 +51,8 @@ def main() -> int:
     read: list[tuple[torch.Tensor, int, list[int]]] = []  # each block: states, token, drafted
     plain = decode._draft
 
-    def keep(model, aux, token, rule, temperature, seed):
-        drafted = plain(model, aux, token, rule, temperature, seed)
+    def keep(model, aux, token, mode, temperature, seed):
+        drafted = plain(model, aux, token, mode, temperature, seed)
         read.append((aux[0].float(), token, drafted[0]))
         return drafted
 
@@ -72,7 +73,7 @@ def main() -> int:
             largest = max(largest, float((aux - theirs).abs().max() / theirs.abs().max()))
             flips += int((aux.bfloat16() != theirs.bfloat16()).sum())
             elements += aux.numel()
-            again = plain(draft, theirs[None], token, "greedy", 1.0, 0)[0]
+            again = plain(draft, theirs[None], token, GREEDY, 1.0, 0)[0]
             stream = ids[p + 1 : p + 1 + len(again)]
             run_length = next(
                 (k for k, (a, b) in enumerate(zip(again, stream)) if a != b), len(again)

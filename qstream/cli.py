@@ -27,6 +27,7 @@ from qstream import __version__
 from qstream.errors import QStreamError
 from qstream.publish import check_parent, json_text, write_json_atomic
 from qstream.serving import KV_CACHES, WEIGHT_FORMATS, Variant
+from qstream.verification import LEGACY_NAMES
 
 # --------------------------------------------------------------------------- the library's names
 
@@ -40,8 +41,6 @@ LAYER_CONVENTIONS = ("layer-output", "hidden-states-index")  # qstream.eval.stat
 CAPTURE_DTYPES = ("float32", "bfloat16", "float16")  # qstream.capture.target.DTYPES
 CAPTURE_EXPORTS = ("qstream", "vllm")  # qstream.eval.states.layouts.EXPORTS
 CARD_FORMATS = ("md", "json", "html")  # qstream.card.build.FORMATS
-# qstream.speculate.decode.RULES
-SPECULATE_RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
 VLLM_VERSION = "0.32.0"  # qstream.vllm.loader.VLLM_VERSION
 
 # --------------------------------------------------------------------------- parameter types
@@ -57,6 +56,19 @@ class Choice(click.Choice):
 
     def get_missing_message(self, param, ctx):
         return f"Choose from {', '.join(map(str, self.choices))}."
+
+
+class ModeChoice(Choice):
+    """A verification mode's name (qstream/verification.py); one of the names the modes had
+    before they took vLLM's (``LEGACY_NAMES``), hidden from the help, is taken with one
+    ``Warning:`` line naming the new one."""
+
+    def convert(self, value, param, ctx):
+        mode = LEGACY_NAMES.get(value)
+        if mode is not None and mode.name in self.choices:
+            click.echo(f"Warning: {value!r} is deprecated; use {mode.name!r}", err=True)
+            value = mode.name
+        return super().convert(value, param, ctx)
 
 
 class Device(click.ParamType):

@@ -33,6 +33,8 @@ CHI2_ALPHA = 1e-3
 # Monte Carlo means are compared with the closed form within this many standard errors (a
 # two-sided 5-sigma band: about 6e-7 false alarms for a correct implementation).
 SIGMAS = 5.0
+# The rules by vLLM's rejection_sample_method: acceptance.py's functions take ``block``.
+BLOCK = {"standard": False, "block": True}
 
 
 def _random_tree(V: int, B: int, gen: torch.Generator, sparsity: float = 0.3):
@@ -56,7 +58,7 @@ def _draft_expected_emitted(p, q, draft, rule, m=None):
     rejection)."""
     m = len(draft) if m is None else m
     r = [float(p[draft[:k]][draft[k]] / q[draft[:k]][draft[k]]) for k in range(m)]
-    if rule == "token_wise":
+    if rule == "standard":
         return 1 + sum(math.prod(min(1.0, x) for x in r[:k]) for k in range(1, m + 1))
     P = [1.0]
     for x in r:
@@ -98,11 +100,11 @@ SMALL_PROBLEMS = dict(
 @given(**SMALL_PROBLEMS)
 def test_block_never_accepts_fewer_than_token_wise_in_expectation(seed, V, B, sparsity):
     p, q = _random_tree(V, B, torch.Generator().manual_seed(seed), sparsity)
-    token_wise = _exact_expected_emitted(p, q, V, B, "token_wise")
+    token_wise = _exact_expected_emitted(p, q, V, B, "standard")
     block = _exact_expected_emitted(p, q, V, B, "block")
     assert block >= token_wise - 1e-12, (block, token_wise)
     # the closed form P(τ ≥ k | x_{≤k}) averaged over drafts gives the same expectations
-    for rule, exact in (("token_wise", token_wise), ("block", block)):
+    for rule, exact in (("standard", token_wise), ("block", block)):
         closed = 0.0
         for draft in itertools.product(range(V), repeat=B):
             qs = torch.tensor(
@@ -113,7 +115,9 @@ def test_block_never_accepts_fewer_than_token_wise_in_expectation(seed, V, B, sp
             ps = torch.tensor(
                 [[float(p[draft[:k]][draft[k]]) for k in range(B)]], dtype=torch.float64
             )
-            closed += float(qs.prod()) * (1 + float(accept_probabilities(ps, qs, rule).sum()))
+            closed += float(qs.prod()) * (
+                1 + float(accept_probabilities(ps, qs, BLOCK[rule]).sum())
+            )
         assert closed == pytest.approx(exact, rel=1e-9, abs=1e-12)
 
 
@@ -121,9 +125,7 @@ def test_closed_form_block_is_never_below_token_wise_per_draft():
     gen = torch.Generator().manual_seed(0)
     p, q = torch.rand(4096, 7, generator=gen), torch.rand(4096, 7, generator=gen)
     p[p < 0.1] = 0
-    assert bool(
-        (accept_probabilities(p, q, "block") >= accept_probabilities(p, q, "token_wise")).all()
-    )
+    assert bool((accept_probabilities(p, q, True) >= accept_probabilities(p, q, False)).all())
 
 
 def test_verifier_verifying_itself_accepts_every_token():
@@ -131,9 +133,9 @@ def test_verifier_verifying_itself_accepts_every_token():
     probs = torch.softmax(torch.randn(64, 8, 16, generator=gen), dim=-1)
     draft = torch.multinomial(probs[:, :7].flatten(0, 1), 1, generator=gen).view(64, 7)
     tok = token_probs(probs[:, :7], draft)
-    for rule in ("token_wise", "block"):
-        assert bool((accept_probabilities(tok, tok, rule) == 1).all())
-        assert bool((stream_weights(tok, tok, rule) == 1).all())
+    for rule in ("standard", "block"):
+        assert bool((accept_probabilities(tok, tok, BLOCK[rule]) == 1).all())
+        assert bool((stream_weights(tok, tok, BLOCK[rule]) == 1).all())
     for verify in (verify_token_wise, verify_block):
         out = verify(draft, probs, probs[:, :7], gen)
         assert bool((out.accepted == 7).all())
@@ -156,9 +158,10 @@ def test_greedy_drafting_reduces_both_rules_to_prefix_matching():
     target_top1, draft, p, gen = _top1_and_a_draft(2, n=n, V=V)  # p: a greedy verifier
     q = torch.nn.functional.one_hot(draft, V).double()  # greedy drafter
     expected = greedy_accepts(draft, target_top1)
-    for rule in ("token_wise", "block"):
+    for rule in ("standard", "block"):
         assert torch.equal(
-            accept_probabilities(token_probs(p, draft), token_probs(q, draft), rule), expected
+            accept_probabilities(token_probs(p, draft), token_probs(q, draft), BLOCK[rule]),
+            expected,
         )
     bonus = torch.nn.functional.one_hot(torch.randint(V, (n, 1), generator=gen), V).double()
     for verify in (verify_token_wise, verify_block):
@@ -166,9 +169,7 @@ def test_greedy_drafting_reduces_both_rules_to_prefix_matching():
         assert torch.equal(out.accepted, expected.sum(dim=1).long())
 
 
-@pytest.mark.parametrize(
-    "verify, rule", [(verify_token_wise, "token_wise"), (verify_block, "block")]
-)
+@pytest.mark.parametrize("verify, rule", [(verify_token_wise, "standard"), (verify_block, "block")])
 def test_sampler_mean_equals_the_closed_form(verify, rule):
     gen = torch.Generator().manual_seed(3)
     n, B, V = 20000, 3, 5
@@ -177,7 +178,9 @@ def test_sampler_mean_equals_the_closed_form(verify, rule):
     q = torch.softmax(logits[:, :B] + torch.randn(1, B, V, generator=gen, dtype=torch.float64), -1)
     q = q.expand(n, -1, -1)
     draft = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(n, B)
-    closed = accept_probabilities(token_probs(p[:, :B], draft), token_probs(q, draft), rule).sum(1)
+    closed = accept_probabilities(
+        token_probs(p[:, :B], draft), token_probs(q, draft), BLOCK[rule]
+    ).sum(1)
     simulated = verify(draft, p, q, gen).accepted.double()
     se = math.sqrt(simulated.var().item() / n)
     assert abs(simulated.mean().item() - closed.mean().item()) < SIGMAS * se, (
@@ -249,7 +252,7 @@ def _chi2_pvalue(verify, seed: int, drafter: str = "probabilistic") -> float:
     return float(stats.chisquare(observed[~impossible], expected[~impossible]).pvalue)
 
 
-@pytest.mark.parametrize("verify", [verify_token_wise, verify_block], ids=["token_wise", "block"])
+@pytest.mark.parametrize("verify", [verify_token_wise, verify_block], ids=["standard", "block"])
 def test_output_distribution_is_the_verifiers(verify):
     pvalue = _chi2_pvalue(verify, seed=11)
     assert pvalue > CHI2_ALPHA, f"chi-square p = {pvalue:.2e} <= {CHI2_ALPHA}"
@@ -279,9 +282,9 @@ def test_stream_weights_are_unbiased_for_the_expected_acceptance():
         return M[context, toks]
 
     drafts, stream = chain(Q), chain(P)
-    for rule in ("token_wise", "block"):
-        direct = accept_probabilities(probs(P, drafts), probs(Q, drafts), rule).sum(1)
-        weighted = stream_weights(probs(P, stream), probs(Q, stream), rule).sum(1)
+    for rule in ("standard", "block"):
+        direct = accept_probabilities(probs(P, drafts), probs(Q, drafts), BLOCK[rule]).sum(1)
+        weighted = stream_weights(probs(P, stream), probs(Q, stream), BLOCK[rule]).sum(1)
         se = math.sqrt(direct.var().item() / n + weighted.var().item() / n)
         assert abs(direct.mean().item() - weighted.mean().item()) < SIGMAS * se, (
             rule,
@@ -315,19 +318,15 @@ def test_greedy_draft_closed_form_is_the_samplers_law_and_block_equals_token_wis
     greedy = _one_hot_tree(q, V)
     draft = _greedy_draft(q, B)
     p_tok = torch.tensor([[float(p[draft[:k]][draft[k]]) for k in range(B)]], dtype=torch.float64)
-    exact = {
-        rule: _exact_expected_emitted(p, greedy, V, B, rule) for rule in ("token_wise", "block")
-    }
+    exact = {rule: _exact_expected_emitted(p, greedy, V, B, rule) for rule in ("standard", "block")}
     for rule, value in exact.items():
-        closed = 1 + float(greedy_draft_probabilities(p_tok, rule).sum())
+        closed = 1 + float(greedy_draft_probabilities(p_tok, BLOCK[rule]).sum())
         assert closed == pytest.approx(value, rel=1e-12, abs=1e-12), (rule, closed, value)
     # a one-hot draft leaves block verification nothing to gain: P_k = prod p_j(x_j) either way
-    assert exact["block"] == pytest.approx(exact["token_wise"], rel=1e-12, abs=1e-12)
+    assert exact["block"] == pytest.approx(exact["standard"], rel=1e-12, abs=1e-12)
 
 
-@pytest.mark.parametrize(
-    "verify, rule", [(verify_token_wise, "token_wise"), (verify_block, "block")]
-)
+@pytest.mark.parametrize("verify, rule", [(verify_token_wise, "standard"), (verify_block, "block")])
 def test_greedy_draft_sampler_mean_equals_the_closed_form(verify, rule):
     gen = torch.Generator().manual_seed(6)
     n, B, V = 20000, 3, 5
@@ -336,14 +335,14 @@ def test_greedy_draft_sampler_mean_equals_the_closed_form(verify, rule):
     # the drafter's argmax: the verifier's most likely token most of the time, not always
     draft = (logits[:, :B] + torch.randn(n, B, V, generator=gen, dtype=torch.float64)).argmax(-1)
     q = torch.nn.functional.one_hot(draft, V).double()
-    closed = 1 + greedy_draft_probabilities(token_probs(p[:, :B], draft), rule).sum(1)
+    closed = 1 + greedy_draft_probabilities(token_probs(p[:, :B], draft), BLOCK[rule]).sum(1)
     simulated = verify(draft, p, q, gen).accepted.double() + 1
     diff = simulated - closed  # mean 0 block by block: the closed form is exact given the draft
     se = math.sqrt(diff.var().item() / n)
     assert abs(diff.mean().item()) < SIGMAS * se, (simulated.mean().item(), closed.mean().item())
 
 
-@pytest.mark.parametrize("verify", [verify_token_wise, verify_block], ids=["token_wise", "block"])
+@pytest.mark.parametrize("verify", [verify_token_wise, verify_block], ids=["standard", "block"])
 def test_greedy_draft_output_distribution_is_the_verifiers(verify):
     pvalue = _chi2_pvalue(verify, seed=11, drafter="greedy")
     assert pvalue > CHI2_ALPHA, f"chi-square p = {pvalue:.2e} <= {CHI2_ALPHA}"
@@ -352,11 +351,11 @@ def test_greedy_draft_output_distribution_is_the_verifiers(verify):
 def test_greedy_draft_against_a_one_hot_verifier_is_greedy_against_greedy():
     top1, draft, p, _ = _top1_and_a_draft(7)  # p: a sampling verifier as T -> 0
     expected = greedy_accepts(draft, top1)
-    for rule in ("token_wise", "block"):
-        assert torch.equal(greedy_draft_probabilities(token_probs(p, draft), rule), expected)
+    for rule in ("standard", "block"):
+        assert torch.equal(greedy_draft_probabilities(token_probs(p, draft), BLOCK[rule]), expected)
         # on the target's stream: the stream is its argmax path, the weight the matched run
         stream_p = token_probs(p, top1)
-        weights = greedy_draft_stream_weights(stream_p, draft == top1, rule)
+        weights = greedy_draft_stream_weights(stream_p, draft == top1, BLOCK[rule])
         assert torch.equal(weights, expected)
 
 
@@ -379,9 +378,11 @@ def test_greedy_draft_stream_weights_are_unbiased():
         draft.append(int(prev))
     draft_context = [0, *draft[:-1]]
     p_draft = torch.tensor([[float(P[c, x]) for c, x in zip(draft_context, draft)]])
-    for rule in ("token_wise", "block"):
-        direct = greedy_draft_probabilities(p_draft.double(), rule)[0]  # [B]
-        weights = greedy_draft_stream_weights(P[context, stream], greedy[context] == stream, rule)
+    for rule in ("standard", "block"):
+        direct = greedy_draft_probabilities(p_draft.double(), BLOCK[rule])[0]  # [B]
+        weights = greedy_draft_stream_weights(
+            P[context, stream], greedy[context] == stream, BLOCK[rule]
+        )
         se = weights.std(dim=0) / math.sqrt(n)
         assert bool(((weights.mean(dim=0) - direct).abs() < SIGMAS * se + 1e-12).all()), (
             rule,
@@ -444,7 +445,7 @@ def _confidence_tree(V: int, B: int, gen: torch.Generator) -> dict:
 
 
 @pytest.mark.parametrize("draft_method", ["probabilistic", "greedy"])
-@pytest.mark.parametrize("rule", ["token_wise", "block"])
+@pytest.mark.parametrize("rule", ["standard", "block"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_adaptive_closed_form_is_the_samplers_law(draft_method, rule, seed):
     """Two requests share a budget of 3 of their 6 drafted tokens: every pair of drafts
@@ -466,15 +467,13 @@ def test_adaptive_closed_form_is_the_samplers_law(draft_method, rule, seed):
             exact += prob * _draft_expected_emitted(p, q, x, rule, m)
             p_tok = torch.tensor([[float(p[x[:k]][x[k]]) for k in range(B)]], dtype=torch.float64)
             q_tok = torch.tensor([[float(q[x[:k]][x[k]]) for k in range(B)]], dtype=torch.float64)
-            accept = truncated(accept_probabilities(p_tok, q_tok, rule), torch.tensor([m]))
+            accept = truncated(accept_probabilities(p_tok, q_tok, BLOCK[rule]), torch.tensor([m]))
             closed += prob * (1 + float(accept.sum()))
     assert closed == pytest.approx(exact, rel=1e-12, abs=1e-12)
 
 
 @pytest.mark.parametrize("draft_method", ["probabilistic", "greedy"])
-@pytest.mark.parametrize(
-    "verify, rule", [(verify_token_wise, "token_wise"), (verify_block, "block")]
-)
+@pytest.mark.parametrize("verify, rule", [(verify_token_wise, "standard"), (verify_block, "block")])
 def test_adaptive_sampler_mean_equals_the_closed_form(verify, rule, draft_method):
     gen = torch.Generator().manual_seed(9)
     n, B, V, R = 16000, 4, 5, 4
@@ -489,7 +488,7 @@ def test_adaptive_sampler_mean_equals_the_closed_form(verify, rule, draft_method
         draft = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(n, B)
     confidence = torch.rand(n, B, generator=gen)
     admitted = admitted_drafts(confidence, torch.arange(n) // R, 0.5)
-    accept = accept_probabilities(token_probs(p[:, :B], draft), token_probs(q, draft), rule)
+    accept = accept_probabilities(token_probs(p[:, :B], draft), token_probs(q, draft), BLOCK[rule])
     closed = 1 + truncated(accept, admitted).sum(1)
     result = verify_truncated(verify, draft, p, q, admitted, gen)
     assert bool((result.accepted <= admitted).all())
@@ -515,7 +514,7 @@ def _trimmed(verify, reads_own_token: bool = False):
 
 
 @pytest.mark.parametrize("drafter", ["probabilistic", "greedy"])
-@pytest.mark.parametrize("verify", [verify_token_wise, verify_block], ids=["token_wise", "block"])
+@pytest.mark.parametrize("verify", [verify_token_wise, verify_block], ids=["standard", "block"])
 def test_adaptive_output_distribution_is_the_verifiers(verify, drafter):
     pvalue = _chi2_pvalue(_trimmed(verify), seed=11, drafter=drafter)
     assert pvalue > CHI2_ALPHA, f"chi-square p = {pvalue:.2e} <= {CHI2_ALPHA}"

@@ -119,6 +119,20 @@ def test_a_missing_key_is_named(tmp_path, spec, path):
     _refused(tmp_path, _with(spec, path, None), f"speculate results lack {path}")
 
 
+def test_a_rule_that_names_no_mode_is_refused(tmp_path, spec):
+    """settings.rule is a mode's name; results of schema speculate/1 name it as --rule did
+    (the shipped file's "greedy"), speculate/2's by the name itself."""
+    assert spec["schema"] == "qstream.speculate/1" and spec["settings"]["rule"] == "greedy"
+    current = {**_with(spec, "settings.rule", "greedy/greedy"), "schema": "qstream.speculate/2"}
+    assert "wrote" in _card(tmp_path, current, ok=True)
+    (tmp_path / "CARD.md").unlink()
+    for data in (
+        _with(spec, "settings.rule", "typical"),
+        _with(current, "settings.rule", "greedy"),
+    ):
+        _refused(tmp_path, data, f"settings.rule = {data['settings']['rule']!r} is not one of")
+
+
 def test_a_block_size_other_than_the_drafts_is_refused(tmp_path, spec):
     data = _with(spec, "provenance.draft.block_size", 8)
     _refused(tmp_path, data, "provenance.draft.block_size = 8, but the eval-drift results'")

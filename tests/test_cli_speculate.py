@@ -20,6 +20,7 @@ from qwen3_drafts import speculators_config
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.registry import load_config
+from qstream.verification import GREEDY
 
 QUESTIONS = (
     "Tom has 3 apples and buys 4 more. How many apples does he have?",
@@ -82,9 +83,9 @@ def results(pair, tmp_path_factory):
 
 def test_the_json_is_whole_and_consistent(pair, results):
     target, draft, _, corpus = pair
-    assert results["schema"] == "qstream.speculate/1"
+    assert results["schema"] == "qstream.speculate/2"
     settings = results["settings"]
-    assert (settings["prompts"], settings["new_tokens"], settings["rule"]) == (3, 16, "greedy")
+    assert (settings["prompts"], settings["new_tokens"], settings["rule"]) == (3, 16, GREEDY.name)
     where = results["provenance"]
     sha = hashlib.sha256((target / "config.json").read_bytes()).hexdigest()
     assert where["target"]["config_sha256"] == sha
@@ -163,10 +164,13 @@ def test_the_read_back_checkpoint_decodes_as_its_simulated_format(pair, results)
 
 
 def test_the_same_seed_gives_the_same_json(pair):
-    args = _args(pair, "--formats", "bf16", "--rule", "probabilistic", "--new-tokens", "8",
-                 "--temperature", "0.7", "--json", "-")  # fmt: skip
-    first, second = (json.loads(cli_ok(args).stdout) for _ in range(2))
-    assert first == second and first["settings"]["rule"] == "probabilistic"
+    """Also: --rule's old value is the mode it names now, with one warning line saying so."""
+    args = _args(pair, "--formats", "bf16", "--rule", "probabilistic/standard", "--new-tokens",
+                 "8", "--temperature", "0.7", "--json", "-")  # fmt: skip
+    old = cli_ok([*args, "--rule", "probabilistic"])
+    assert old.stderr == "Warning: 'probabilistic' is deprecated; use 'probabilistic/standard'\n"
+    first, second = json.loads(cli_ok(args).stdout), json.loads(old.stdout)
+    assert first == second and first["settings"]["rule"] == "probabilistic/standard"
     other = json.loads(cli_ok([*args, "--seed", "5"]).stdout)
     assert other["runs"] != first["runs"]
 
@@ -252,13 +256,13 @@ def test_eval_drift_at_the_decoders_anchors_measures_what_it_measured(pair, tmp_
         assert recorded["file"] == str(plan)
         assert recorded["file_sha256"] == hashlib.sha256(plan.read_bytes()).hexdigest()
         regime = data["regimes"]["states"]
-        emitted = regime["variants"][name]["acceptance"]["target"]["greedy"]["emitted"]
+        emitted = regime["variants"][name]["acceptance"]["target"][GREEDY.name]["emitted"]
         summary = measured["variants"][name]["summary"]
         assert emitted["value"] == pytest.approx(
             summary["mean_acceptance_length"]["value"], abs=1e-9
         ), name
-    refused = cli_error(_args(pair, "--rule", "probabilistic", "--capture", str(tmp_path / "c2")))
-    assert "--capture needs --rule greedy" in refused
+    refused = cli_error(_args(pair, "--rule", "greedy/block", "--capture", str(tmp_path / "c2")))
+    assert f"--capture needs --rule {GREEDY.name} (got greedy/block)" in refused
     refused = cli_error(_args(pair, "--capture", str(capture)))
     assert "is not an empty directory" in refused
 
@@ -294,7 +298,7 @@ def test_the_card_puts_measured_acceptance_beside_what_eval_drift_predicted(pair
             node = node[key]
         return node["value"]
 
-    emitted = ("acceptance", "target", "greedy", "emitted")
+    emitted = ("acceptance", "target", GREEDY.name, "emitted")
     ceiling = ("metrics", "rollouts", "greedy", "ceiling")
     assert row["measured loss"] == measured["variants"]["nvfp4"]["summary"]["loss_vs_bf16"]
     simulated = value("states", "bf16", *emitted) - value("states", "nvfp4", *emitted)

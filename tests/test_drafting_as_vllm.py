@@ -12,13 +12,13 @@ import torch
 from click.testing import CliRunner
 
 from qstream.arch.markov import markov_logits, sample, sampling_probs
-from qstream.card.results import collect_results
+from qstream.card.results import check_results, collect_results
 from qstream.card.tables import acceptance_tables
 from qstream.cli import cli
 from qstream.eval.drift import DriftSettings, evaluate_drift
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.metrics import sched_flips
-from qstream.eval.vocabulary import ACCEPTANCE_MODES
+from qstream.verification import MODES
 
 B = 7
 
@@ -69,9 +69,9 @@ def test_verifier_top_p_is_applied_and_recorded(self_verified):
         return entry["acceptance"]["reference"][mode]["emitted"]["value"]
 
     # p = q: every draft accepted; a verifier nucleus of 0.5 rejects the drafter's tail tokens
-    assert emitted(self_verified[1.0], "sampled_token_wise") == B + 1
-    assert emitted(self_verified[0.5], "sampled_token_wise") < B
-    assert emitted(self_verified[0.5], "greedy") == B + 1  # greedy is untouched by top-p
+    assert emitted(self_verified[1.0], "probabilistic/standard") == B + 1
+    assert emitted(self_verified[0.5], "probabilistic/standard") < B
+    assert emitted(self_verified[0.5], "greedy/greedy") == B + 1  # greedy is untouched by top-p
     sampling = self_verified[0.5]["sampling"]
     assert sampling["verifier"] == {"top_p": 0.5, "top_k": None}
     assert sampling["drafter"]["top_p"] == 1.0
@@ -79,17 +79,17 @@ def test_verifier_top_p_is_applied_and_recorded(self_verified):
 
 def test_every_mode_says_what_it_is(self_verified):
     acc = self_verified[1.0]["regimes"]["gauss"]["variants"]["fp32"]["acceptance"]["reference"]
-    assert [m for m in acc if m != "loss_vs_bf16"] == list(ACCEPTANCE_MODES)
-    default = acc["greedy_draft_token_wise"]["mode"]
+    assert [m for m in acc if m != "loss_vs_bf16"] == list(MODES)
+    default = acc["greedy/standard"]["mode"]
     assert default["vllm"] == "draft_sample_method=greedy, rejection_sample_method=standard"
     assert (default["draft"], default["verification"], default["temperature"]) == (
         "greedy",
-        "token_wise",
+        "standard",
         1.0,
     )
-    assert acc["sampled_block"]["mode"]["draft"] == "probabilistic"
-    assert acc["greedy"]["mode"]["temperature"] == 0.0
-    adaptive = acc["sampled_block_adaptive"]["mode"]
+    assert acc["probabilistic/block"]["mode"]["draft"] == "probabilistic"
+    assert acc["greedy/greedy"]["mode"]["temperature"] == 0.0
+    adaptive = acc["probabilistic/block+adaptive"]["mode"]
     assert adaptive["adaptive"] == {"requests": 8, "budget_share": 0.5}
     assert adaptive["vllm"].endswith("enable_adaptive_verification=true")
 
@@ -98,12 +98,12 @@ def test_a_greedy_draft_is_not_accepted_whole_by_a_sampling_verifier(self_verifi
     # at T = 1 the reference verifying its own argmax accepts x_k with p(x_k) < 1: vLLM's
     # default mode loses tokens even without any quantization
     acc = self_verified[1.0]["regimes"]["gauss"]["variants"]["fp32"]["acceptance"]["reference"]
-    token_wise = acc["greedy_draft_token_wise"]["emitted"]["value"]
-    assert 1.0 < token_wise < B and acc["greedy_draft_block"]["emitted"]["value"] == token_wise
+    token_wise = acc["greedy/standard"]["emitted"]["value"]
+    assert 1.0 < token_wise < B and acc["greedy/block"]["emitted"]["value"] == token_wise
     # adaptive verification keeps half of each batch's drafts, all accepted by the reference:
     # 64 blocks in batches of 8, 28 of 56 drafted tokens verified in each
-    assert acc["sampled_block_adaptive"]["verified"] == B / 2
-    assert acc["sampled_block_adaptive"]["emitted"]["value"] == 1 + B / 2
+    assert acc["probabilistic/block+adaptive"]["verified"] == B / 2
+    assert acc["probabilistic/block+adaptive"]["emitted"]["value"] == 1 + B / 2
 
 
 @pytest.fixture(scope="module")
@@ -122,23 +122,34 @@ def test_greedy_draft_against_a_near_greedy_verifier_is_greedy_against_greedy(
     # becomes the matched prefix of greedy against greedy
     for name, entry in near_zero_temperature["regimes"]["gauss"]["variants"].items():
         acc = entry["acceptance"]["reference"]
-        greedy = acc["greedy"]["emitted"]["value"]
-        for mode in ("greedy_draft_token_wise", "greedy_draft_block"):
+        greedy = acc["greedy/greedy"]["emitted"]["value"]
+        for mode in ("greedy/standard", "greedy/block"):
             assert acc[mode]["emitted"]["value"] == pytest.approx(greedy, abs=1e-12), (name, mode)
 
 
 def test_results_without_the_new_modes_still_make_tables(near_zero_temperature):
     """Results written before greedy drafts and adaptive verification were simulated (only the
-    three old keys) read as 'not simulated', not as an error."""
-    old = copy.deepcopy(near_zero_temperature)
+    three old keys, schema qstream.eval-drift/2) read as 'not simulated', not as an error, and
+    the old keys as the modes they name now."""
+    old = {**copy.deepcopy(near_zero_temperature), "schema": "qstream.eval-drift/2"}
+    kept = {"probabilistic/standard": "sampled_token_wise", "probabilistic/block": "sampled_block",
+            "greedy/greedy": "greedy", "loss_vs_bf16": "loss_vs_bf16"}  # fmt: skip
     for entry in old["regimes"]["gauss"]["variants"].values():
-        acc = entry["acceptance"]["reference"]
-        for mode in list(acc):
-            if mode not in ("sampled_token_wise", "sampled_block", "greedy", "loss_vs_bf16"):
-                del acc[mode]
+        acc = entry["acceptance"]["reference"] = {
+            kept[m]: v for m, v in entry["acceptance"]["reference"].items() if m in kept
+        }
         if acc["loss_vs_bf16"] is not None:
-            acc["loss_vs_bf16"] = {m: acc["loss_vs_bf16"][m] for m in ("sampled_block", "greedy")}
-    tables = acceptance_tables(collect_results([(old, "old.json")]), "reference")
+            acc["loss_vs_bf16"] = {
+                kept[m]: acc["loss_vs_bf16"][m] for m in ("probabilistic/block", "greedy/greedy")
+            }
+    rs = collect_results([(check_results(old, "old.json"), "old.json")])
+    for name, entry in near_zero_temperature["regimes"]["gauss"]["variants"].items():
+        read = rs.regimes["gauss"][name]["acceptance"]["reference"]
+        assert (
+            read["probabilistic/block"] == entry["acceptance"]["reference"]["probabilistic/block"]
+        )
+        assert "greedy/standard" not in read and "sampled_block" not in read
+    tables = acceptance_tables(rs, "reference")
     assert len(tables) == 2  # no adaptive table: nothing adaptive was simulated
     default = [row for row in tables[0].rows if row[0].text == "greedy draft × token-wise"]
     assert default and all(row[3].text == "not simulated" for row in default)
@@ -161,7 +172,7 @@ def test_sampled_matched_prefix_is_below_simulated_acceptance(self_verified, tin
     for name, entry in results["regimes"]["heavy"]["variants"].items():
         prefix = entry["metrics"]["rollouts"]["sampled"]["matched_prefix"]
         assert prefix["lo"] < prefix["value"] < prefix["hi"], prefix
-        for mode in ("sampled_token_wise", "sampled_block"):
+        for mode in ("probabilistic/standard", "probabilistic/block"):
             accepted = entry["acceptance"]["reference"][mode]["emitted"]["value"] - 1
             assert prefix["lo"] <= accepted, (name, mode, prefix, accepted)
         assert "ceiling" not in entry["metrics"]["rollouts"]["sampled"]

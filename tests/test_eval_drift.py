@@ -72,7 +72,7 @@ def test_drift_orders_as_precision_says(all_regimes, regime):
 
 def test_results_carry_what_reproduces_them(all_regimes):
     r = all_regimes["heavy"]
-    assert r["schema"] == "qstream.eval-drift/2"
+    assert r["schema"] == "qstream.eval-drift/3"
     assert r["seed"] == 3 and r["blocks"] == 256 and r["block_size"] == 7
     assert len(r["model"]["config_sha256"]) == 64 and r["corpus"]["tokens"] > 0
     assert r["sampling"]["temperature"] == 1.0

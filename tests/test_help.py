@@ -85,7 +85,6 @@ def test_the_help_s_light_names_are_the_library_s():
     from qstream.eval.states.layouts import EXPORTS
     from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
     from qstream.formats import FORMATS
-    from qstream.speculate.decode import RULES
     from qstream.vllm.loader import VLLM_VERSION
 
     assert light.WEIGHT_FORMATS == tuple(FORMATS)
@@ -98,7 +97,6 @@ def test_the_help_s_light_names_are_the_library_s():
     assert light.CAPTURE_EXPORTS == tuple(EXPORTS)
     assert light.CARD_FORMATS == tuple(CARD_FORMATS)
     assert light.VLLM_VERSION == VLLM_VERSION
-    assert light.SPECULATE_RULES == RULES
 
 
 def test_a_default_regime_or_format_in_a_help_text_is_read_from_its_registry():

@@ -1,8 +1,8 @@
 """The house rules, read from the package's own source (docs/model.md, "Layout"): each folder one
 stage, imports running one way down the layers, no circle, a format's name switched on only in
-formats/ and a regime's only in regimes.py, memory machinery only in eval's pass loop, small
-files and functions, no tracker numbers in code.  A test fails with the file, line and rule it
-found broken."""
+formats/, a regime's only in regimes.py and a verification mode's only in verification.py,
+memory machinery only in eval's pass loop, small files and functions, no tracker numbers in
+code.  A test fails with the file, line and rule it found broken."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from qstream.formats import FORMATS
 from qstream.regimes import REGIMES
+from qstream.verification import LEGACY_NAMES, MODES
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qstream"
 
@@ -26,6 +27,7 @@ LAYERS = [
         "tablefit",
         "device",
         "regimes",
+        "verification",
         "serving",
     },
     {"bounded", "formats"},
@@ -47,7 +49,7 @@ BOUNDED_USERS = {"eval/passes.py", "eval/batches.py", "eval/verifiers.py"}
 # A file is as long as its one concept needs (an architecture's whole forward is one file,
 # docs/model.md); the file cap catches a runaway file, the function cap keeps each piece short.
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 50
-MAX_PACKAGE_LINES = 20485  # measured; raised only by a fix that needs the lines, said in its commit
+MAX_PACKAGE_LINES = 20596  # measured; raised only by a fix that needs the lines, said in its commit
 
 
 @cache
@@ -132,6 +134,16 @@ def test_regime_names_are_switched_on_only_in_regimes():
     """Code asks a regime's object (``regime.causal``); only qstream/regimes.py knows names."""
     switches = switches_on(set(REGIMES), "qstream.regimes")
     assert not switches, "switches on a regime's name:\n" + "\n".join(switches)
+
+
+def test_verification_mode_names_are_switched_on_only_in_verification():
+    """Code asks a mode's object (``mode.greedy_verifier``); only qstream/verification.py knows
+    names, and the card reads the names of old results through it.  A legacy name that is also
+    another vocabulary's word ("greedy", a rollout mode; "block", a format's block) is left to
+    the names of its own registry."""
+    words = {"greedy", "block", "probabilistic"}
+    switches = switches_on({*MODES, *LEGACY_NAMES} - words, "qstream.verification")
+    assert not switches, "switches on a verification mode's name:\n" + "\n".join(switches)
 
 
 def test_states_layouts_and_conventions_are_switched_on_only_in_their_registries():

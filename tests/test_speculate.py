@@ -8,6 +8,7 @@ Qwen3-style draft with random weights: the oracles hold whatever the draft propo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +24,16 @@ from qstream.arch.dspark_qwen3.model import Qwen3DSpark
 from qstream.errors import QStreamError
 from qstream.speculate import decode
 from qstream.speculate.decode import speculative_decode, target_greedy
+from qstream.verification import (
+    CARD_MODE,
+    GREEDY,
+    GREEDY_BLOCK,
+    MODES,
+    PROBABILISTIC_STANDARD,
+    SPECULATE_MODES,
+    VLLM_DEFAULT_MODE,
+    VerificationMode,
+)
 
 V, H = 8, 32
 PROMPT = [1, 2, 3, 4]
@@ -66,21 +77,21 @@ def pair():
 @pytest.mark.parametrize("prompt", [PROMPT, [5, 0, 6], [2]])
 def test_greedy_verification_is_the_targets_greedy_decoding(pair, prompt):
     target, draft = pair
-    out = speculative_decode(target, draft, prompt, 24, "greedy")
+    out = speculative_decode(target, draft, prompt, 24, GREEDY)
     assert out.tokens == target_greedy(target, prompt, 24)
     assert out.forwards == 1 + len(out.accepted)
     assert sum(a + 1 for a in out.accepted) + 1 >= 24  # each step emits its accepted + 1
 
 
-@pytest.mark.parametrize("rule", decode.RULES)
-def test_the_kv_cache_changes_nothing(pair, rule):
+@pytest.mark.parametrize("name", SPECULATE_MODES)
+def test_the_kv_cache_changes_nothing(pair, name):
     """With the target's KV cache (each verification reads the anchor and the block only) the
     decoder emits the same tokens, accepts the same drafts at the same anchors, as when the
     target reruns the whole sequence at every step (fp32, fixed seeds)."""
     target, draft = pair
     for seed, prompt in enumerate([PROMPT, [5, 0, 6], [2]]):
-        cached = speculative_decode(target, draft, prompt, 24, rule, seed=seed)
-        full = speculative_decode(target, draft, prompt, 24, rule, seed=seed, cache=False)
+        cached = speculative_decode(target, draft, prompt, 24, MODES[name], seed=seed)
+        full = speculative_decode(target, draft, prompt, 24, MODES[name], seed=seed, cache=False)
         assert cached == full  # tokens, accepted, forwards, anchors
 
 
@@ -101,21 +112,21 @@ def _chi2(counts: torch.Tensor, law: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def _counts(target, draft, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _counts(target, draft, mode: VerificationMode) -> tuple[torch.Tensor, torch.Tensor]:
     second, third = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
     for seed in range(SAMPLES):
-        tokens = speculative_decode(target, draft, PROMPT, 3, rule, seed=seed).tokens
+        tokens = speculative_decode(target, draft, PROMPT, 3, mode, seed=seed).tokens
         second[tokens[1]] += 1
         third[tokens[2]] += 1
     return second, third
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rule", ["probabilistic", "greedy-sampling", "block"])
-def test_sampling_verification_emits_the_targets_distribution(pair, rule):
+@pytest.mark.parametrize("name", [n for n in SPECULATE_MODES if not MODES[n].greedy_verifier])
+def test_sampling_verification_emits_the_targets_distribution(pair, name):
     target, draft = pair
     law2, law3 = _target_law(target)
-    second, third = _counts(target, draft, rule)
+    second, third = _counts(target, draft, MODES[name])
     assert _chi2(second, law2) < CHI2_CRITICAL
     assert _chi2(third, law3) < CHI2_CRITICAL
 
@@ -124,21 +135,26 @@ def test_sampling_verification_emits_the_targets_distribution(pair, rule):
 def test_the_distribution_test_catches_a_verifier_that_accepts_every_draft(pair, monkeypatch):
     target, draft = pair
 
-    def accept_all(logits, drafted, q, rule, temperature, gen):
-        return drafted + [decode._pick(logits[len(drafted)], rule, temperature, gen)]
+    def accept_all(logits, drafted, q, mode, temperature, gen):
+        return drafted + [decode._pick(logits[len(drafted)], mode, temperature, gen)]
 
     monkeypatch.setattr(decode, "_verify", accept_all)
     law2, _ = _target_law(target)
-    second, _ = _counts(target, draft, "probabilistic")
+    second, _ = _counts(target, draft, PROBABILISTIC_STANDARD)
     assert _chi2(second, law2) > CHI2_CRITICAL
 
 
 def test_block_verification_accepts_as_eval_drifts_block_rule():
     """The decoder's block rule is eval-drift's: over blocks drafted from q, the share of
     verifications accepting at least k drafted tokens is E_x[P_k(x)] (P_k from
-    qstream/eval/acceptance.py), here well apart from token-wise's.  A verifier whose p does not
-    depend on the prefix, 4 tokens, B = 3; the exact values by enumerating the 64 drafts."""
-    from qstream.eval.acceptance import accept_probabilities, token_probs
+    qstream/eval/acceptance.py), here well apart from token-wise's; of a greedy draft, the
+    token-wise law.  A verifier whose p does not depend on the prefix, 4 tokens, B = 3; the
+    exact values by enumerating the 64 drafts."""
+    from qstream.eval.acceptance import (
+        accept_probabilities,
+        greedy_draft_probabilities,
+        token_probs,
+    )
 
     p = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25] * 4])
     q = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
@@ -148,24 +164,27 @@ def test_block_verification_accepts_as_eval_drifts_block_rule():
         token_probs(q.expand(64, 3, 4), drafts),
     )
     weight = q_tok.double().prod(1)[:, None]
-    exact = {
-        r: (weight * accept_probabilities(p_tok, q_tok, r)).sum(0) for r in ("block", "token_wise")
-    }
+    exact = {b: (weight * accept_probabilities(p_tok, q_tok, b)).sum(0) for b in (True, False)}
+    greedy = [2, 3, 0]  # a greedy draft: one-hot, its law the product of p_k(x_k)
+    exact["greedy"] = greedy_draft_probabilities(p[torch.arange(3), greedy][None], True)[0]
     gen, n = torch.Generator().manual_seed(0), 2000
-    accepted = []
+    accepted, accepted_greedy = [], []
     for _ in range(n):
         drafted = torch.multinomial(q, 1, generator=gen).squeeze(1).tolist()
-        accepted.append(len(decode._verify(p.log(), drafted, q, "block", 1.0, gen)) - 1)
-    shares = (torch.tensor(accepted)[:, None] >= torch.arange(1, 4)).double().mean(0)
-    se = (exact["block"] * (1 - exact["block"]) / n).sqrt()
-    assert ((shares - exact["block"]).abs() <= 5 * se).all()
-    assert ((exact["token_wise"] - exact["block"]).abs() > 8 * se).any()  # tells them apart
+        accepted.append(len(decode._verify(p.log(), drafted, q, CARD_MODE, 1.0, gen)) - 1)
+        emitted = decode._verify(p.log(), greedy, None, GREEDY_BLOCK, 1.0, gen)
+        accepted_greedy.append(len(emitted) - 1)
+    for law, counts in ((exact[True], accepted), (exact["greedy"], accepted_greedy)):
+        shares = (torch.tensor(counts)[:, None] >= torch.arange(1, 4)).double().mean(0)
+        se = (law * (1 - law) / n).sqrt()
+        assert ((shares - law).abs() <= 5 * se).all(), (shares, law)
+    assert ((exact[False] - exact[True]).abs() > 8 * se).any()  # tells them apart
 
 
-def test_an_unknown_rule_is_one_line(pair):
+def test_adaptive_verification_is_refused_in_one_line(pair):
     target, draft = pair
-    with pytest.raises(QStreamError, match="unknown verification rule 'typical'"):
-        speculative_decode(target, draft, PROMPT, 4, "typical")
+    with pytest.raises(QStreamError, match="adaptive verification"):
+        speculative_decode(target, draft, PROMPT, 4, replace(VLLM_DEFAULT_MODE, adaptive=True))
 
 
 def test_the_study_reports_acceptance_per_variant(pair):

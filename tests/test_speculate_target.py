@@ -186,7 +186,7 @@ def test_a_decode_past_the_targets_positions_is_refused(pair, tmp_path):
 
 def test_the_largest_seed_decodes_and_one_more_is_a_usage_error(pair, tmp_path):
     assert SEED_MAX == 2**63 - 1
-    args = [*_speculate(pair), "--rule", "probabilistic", "--json", "-"]
+    args = [*_speculate(pair), "--rule", "probabilistic/standard", "--json", "-"]
     results = json.loads(cli_ok([*args, "--seed", str(SEED_MAX)]).stdout)
     assert results["settings"]["seed"] == SEED_MAX
     cli_ok(_capture(pair, tmp_path / "gen", None, "--generate", "--new-tokens", "2",

@@ -24,7 +24,7 @@ from qstream.eval.states import read_states
 from qstream.synth.corpus import builtin_corpus
 
 BLOCKS = 48
-MODES = ("sampled_token_wise", "sampled_block", "greedy")
+MODES = ("probabilistic/standard", "probabilistic/block", "greedy/greedy")
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +61,17 @@ def test_reference_verifying_itself_accepts_every_token(results):
             e = acc[mode]["emitted"]
             assert e["value"] == e["hi"] == 8.0, (regime, mode, e)
             # greedy outcomes are 0/1: a Wilson interval, not Student t's zero width
-            assert (e["lo"] < 8.0) if mode == "greedy" else (e["lo"] == 8.0), (regime, mode, e)
+            assert (e["lo"] < 8.0) if mode == "greedy/greedy" else (e["lo"] == 8.0), (
+                regime,
+                mode,
+                e,
+            )
 
 
 def test_greedy_acceptance_is_the_matched_prefix_plus_one(results):
     for name, entry in results["regimes"]["gauss"]["variants"].items():
         ceiling = entry["metrics"]["rollouts"]["greedy"]["ceiling"]["value"]
-        emitted = entry["acceptance"]["reference"]["greedy"]["emitted"]["value"]
+        emitted = entry["acceptance"]["reference"]["greedy/greedy"]["emitted"]["value"]
         assert emitted == pytest.approx(ceiling + 1, abs=1e-12), name
 
 
@@ -82,11 +86,18 @@ def test_acceptance_orders_as_precision_and_block_beats_token_wise(results):
             for v, e in emitted.items():
                 assert 1.0 <= min(e.values()) and max(e.values()) <= 8.0, (regime, v, e)
                 # per block the block rule's value is never below the token-wise one
-                assert e["sampled_block"] >= e["sampled_token_wise"], (regime, verifier, v, e)
+                assert e["probabilistic/block"] >= e["probabilistic/standard"], (
+                    regime,
+                    verifier,
+                    v,
+                    e,
+                )
             if verifier == "reference":
-                assert emitted["bf16"]["sampled_block"] > emitted["nvfp4"]["sampled_block"]
+                assert (
+                    emitted["bf16"]["probabilistic/block"] > emitted["nvfp4"]["probabilistic/block"]
+                )
                 loss = variants["nvfp4"]["acceptance"]["reference"]["loss_vs_bf16"]
-                assert loss["sampled_block"]["lo"] > 0, loss
+                assert loss["probabilistic/block"]["lo"] > 0, loss
                 assert variants["bf16"]["acceptance"]["reference"]["loss_vs_bf16"] is None
 
 
@@ -112,13 +123,13 @@ def test_the_target_verifies_greedy_drafts_and_their_adaptive_trimming(results):
         ("reference draft", results["regimes"]["states"]["reference_draft"]),
     ]:
         acc = entry["acceptance"]["target"]
-        assert "sampled_block_adaptive" not in acc, name
-        greedy_draft = acc["greedy_draft_token_wise"]["emitted"]
-        assert acc["greedy_draft_block"]["emitted"] == greedy_draft, name
-        adaptive = acc["greedy_draft_token_wise_adaptive"]
+        assert "probabilistic/block+adaptive" not in acc, name
+        greedy_draft = acc["greedy/standard"]["emitted"]
+        assert acc["greedy/block"]["emitted"] == greedy_draft, name
+        adaptive = acc["greedy/standard+adaptive"]
         assert 1.0 <= adaptive["emitted"]["value"] <= greedy_draft["value"], name
         assert adaptive["mode"]["adaptive"] == {"requests": 8, "budget_share": 0.5}
-    assert "sampled_block_adaptive" in variants["bf16"]["acceptance"]["reference"]
+    assert "probabilistic/block+adaptive" in variants["bf16"]["acceptance"]["reference"]
 
 
 def test_states_aux_come_from_the_file(tiny, states_file):

@@ -74,7 +74,7 @@ def verify_block(
     """Block verification (Sun et al. 2024, Algorithm 2) of drafts [n, B] with p [n, B+1, V] and
     q [n, B, V]."""
     n, B = draft.shape
-    P = accept_probabilities(token_probs(p[:, :B], draft), token_probs(q, draft), "block")
+    P = accept_probabilities(token_probs(p[:, :B], draft), token_probs(q, draft), True)
     h = torch.empty(n, B, dtype=torch.float64)
     for k in range(B - 1):  # h_k for k = 1..B-1 (tensor column k-1): residual at position k+1
         mass = (P[:, k, None] * p[:, k + 1].double() - q[:, k + 1].double()).clamp(min=0).sum(-1)

@@ -29,7 +29,7 @@ from qstream.card.figures import (
     sweep_regimes,
     write_figures,
 )
-from qstream.card.measured import measured_sections, read_speculate
+from qstream.card.measured import measured_sections, read_speculate, speculate_mode
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
 from qstream.card.serving import serving_sections
 from qstream.card.tables import (
@@ -135,7 +135,7 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
     if speculate is not None:
         measured.append(
             "The acceptance measured with the target in the loop comes from `qstream speculate` "
-            f"results of the same draft ({speculate['settings']['rule']} verification by "
+            f"results of the same draft ({speculate_mode(speculate).verification} verification by "
             f"`{speculate['provenance']['target']['path']}`), copied as they stand; the losses "
             "it is compared with are differences of two eval-drift numbers."
         )

@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qstream.card.measured import calibration_rows
+from qstream.card.measured import calibration_rows, speculate_mode
 from qstream.card.results import ResultsSet
 from qstream.card.tables import metrics, regime_order, rollout_name, variant_order
 from qstream.eval.vocabulary import FLOOR, PREFIX_KEYS, PREFIX_LABELS, ROLLOUT_MODES
@@ -438,7 +438,7 @@ def write_figures(rs: ResultsSet, directory: Path, speculate: dict | None = None
     }
     if sweep_regimes(rs):
         figures["context.png"] = context_figure
-    if speculate is not None and speculate["settings"]["rule"] == "greedy":
+    if speculate is not None and speculate_mode(speculate).greedy_verifier:
         figures["calibration.png"] = partial(calibration_figure, speculate)
     for name, draw in figures.items():
         draw(rs, directory / name)

@@ -9,15 +9,21 @@ from pathlib import Path
 from typing import Any
 
 from qstream.card.document import Section
-from qstream.card.results import ResultsSet, check_numbers, summary_problems
+from qstream.card.results import (
+    SPECULATE_SCHEMA,
+    ResultsSet,
+    check_numbers,
+    renamed_modes,
+    summary_problems,
+)
 from qstream.card.tables import DIGITS, difference, estimate, metrics, regime_order
 from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import FLOOR
 from qstream.regimes import STATES
 from qstream.tablefit import Cell, Table
+from qstream.verification import GREEDY, MODES, SPECULATE_MODES, VerificationMode
 
-SPECULATE_SCHEMA = "qstream.speculate/1"
 CALIBRATION_CAPTION = (
     "What each format loses against bf16, in tokens: measured with the target in the loop "
     "(`qstream speculate`, 95% interval paired over prompts), simulated by eval-drift against "
@@ -31,7 +37,7 @@ CALIBRATION_CAPTION = (
 def read_speculate(path: Path, rs: ResultsSet) -> dict:
     """``qstream speculate --json`` results of the draft ``rs`` describes, with publishable
     numbers; QStreamError naming the file otherwise."""
-    data = read_json(path, "speculate results")
+    data = renamed_modes(read_json(path, "speculate results"))
     if not isinstance(data, dict) or data.get("schema") != SPECULATE_SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise QStreamError(
@@ -40,6 +46,9 @@ def read_speculate(path: Path, rs: ResultsSet) -> dict:
     lacking = next((p for p in _read_paths(data) if _at(data, p) is None), None)
     if lacking is not None:
         raise QStreamError(f"{path}: speculate results lack {_dotted(lacking)}")
+    if data["settings"]["rule"] not in SPECULATE_MODES:
+        raise QStreamError(f"{path}: settings.rule = {data['settings']['rule']!r:.60} is not one "
+                           f"of {', '.join(SPECULATE_MODES)}")  # fmt: skip
     if not isinstance(data["variants"], dict):
         raise QStreamError(f"{path}: variants = {data['variants']!r:.60} is not an object")
     draft_sha = data["provenance"]["draft"]["config_sha256"]
@@ -106,14 +115,15 @@ def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
         f"`qstream speculate` decoded the first {prompts} prompts of "
         f"`{spec['provenance']['corpus']['name']}`, {s['new_tokens']} new tokens each, with the "
         f"target `{target['path']}` ({target['model_type']}, {s['target_dtype']}) verifying "
-        f"every block by its own forward under {s['rule']} verification as vLLM 0.32.0 runs it "
+        f"every block by its own forward under {speculate_mode(spec).verification} verification "
+        "as vLLM 0.32.0 runs it "
         "(docs/speculate.md). Tokens per verification are the accepted drafts plus the bonus or "
         f"correction token (1..{block + 1}); intervals are 95% over prompts, the independent "
         "units."
     )
     title = "Acceptance with the target in the loop (measured)"
     sections = [Section(title, [intro, measured_table(spec), shares_table(spec)])]
-    if s["rule"] != "greedy":
+    if not speculate_mode(spec).greedy_verifier:
         return sections
     sections.append(
         Section(
@@ -185,7 +195,8 @@ def speculate_tables(results: dict) -> list[Table]:
         for x in [v["summary"]]
     ]  # fmt: skip
     means = Table(
-        f"{s['rule']} verification, {prompts} prompts x {s['new_tokens']} new tokens (95% "
+        f"{speculate_mode(results).verification} verification, {prompts} prompts x "
+        f"{s['new_tokens']} new tokens (95% "
         "intervals over prompts)",
         ["variant", "mean acceptance length", "tokens / target forward", "loss vs bf16"],
         rows,
@@ -194,6 +205,11 @@ def speculate_tables(results: dict) -> list[Table]:
     shares = shares_table(results)
     caption = "share of verifications accepting at least k drafted tokens"
     return [means, replace(shares, caption=caption, align="r" * len(shares.columns))]
+
+
+def speculate_mode(spec: dict) -> VerificationMode:
+    """The verification mode of speculate results (settings.rule)."""
+    return MODES[spec["settings"]["rule"]]
 
 
 def _settings(spec: dict) -> tuple[dict, int, int]:
@@ -249,8 +265,8 @@ def _simulated(rs: ResultsSet) -> dict[str, dict]:
     out = {}
     for name, result in rs.regimes.get(STATES.name, {}).items():
         target = (result.get("acceptance") or {}).get("target")
-        if target and "greedy" in target:
-            out[name] = target["greedy"]["emitted"]
+        if target and GREEDY.name in target:
+            out[name] = target[GREEDY.name]["emitted"]
     return out
 
 

@@ -6,6 +6,7 @@ finite, a share or correlation outside its range ``BOUNDED``, a value outside it
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,12 @@ from qstream.checkpoint.files import read_json
 from qstream.errors import QStreamError
 from qstream.eval.vocabulary import SCHEMA
 from qstream.regimes import REGIMES
+from qstream.verification import LEGACY_NAMES
+
+# Results written before the verification modes took vLLM's names: eval-drift's keyed its
+# acceptance modes, speculate's named its settings.rule, by qstream.verification.LEGACY_NAMES.
+SPECULATE_SCHEMA = "qstream.speculate/2"  # qstream.speculate.run.SCHEMA
+LEGACY_SCHEMAS = {"qstream.eval-drift/2": SCHEMA, "qstream.speculate/1": SPECULATE_SCHEMA}
 
 # Top-level fields saying how a file's regimes were evaluated (shown per regime where they differ).
 RUN_FIELDS = ("qstream_version", "torch_version", "model", "target", "corpus", "seed", "blocks",
@@ -52,8 +59,9 @@ def read_results(path: str | Path, trail: list | None = None) -> dict:
     """A checked results file; with ``trail``, its objects record each key read from them, so
     that a missing or null key is reported by name."""
     path = Path(path)
-    data = check_results(read_json(path, "results file"), path)
-    check_numbers(data, str(path))
+    raw = read_json(path, "results file")
+    data = check_results(raw, path)
+    check_numbers(raw, str(path))  # by the file's own keys
     return data if trail is None else _Traced(data, str(path), "", trail)
 
 
@@ -104,6 +112,7 @@ def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
 
 def check_results(data: Any, source: str | Path) -> dict:
     """``data`` if it is eval-drift results (schema and top-level fields), else QStreamError."""
+    data = renamed_modes(data)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise QStreamError(
@@ -115,6 +124,32 @@ def check_results(data: Any, source: str | Path) -> dict:
     if not data["regimes"]:
         raise QStreamError(f"{source}: results hold no regime")
     return data
+
+
+def renamed_modes(data: Any) -> Any:
+    """Results of a legacy schema (:data:`LEGACY_SCHEMAS`) as their current schema writes them,
+    the modes renamed; any other ``data`` as it is.  The one place old mode names are read."""
+    if not isinstance(data, dict) or data.get("schema") not in LEGACY_SCHEMAS:
+        return data
+    data = {**copy.deepcopy(data), "schema": LEGACY_SCHEMAS[data["schema"]]}
+    settings = data.get("settings")  # speculate's
+    if isinstance(settings, dict) and isinstance(rule := settings.get("rule"), str):
+        settings["rule"] = LEGACY_NAMES[rule].name if rule in LEGACY_NAMES else rule
+    for regime in (data.get("regimes") or {}).values():  # eval-drift's
+        for holder in [*(regime.get("variants") or {}).values(), regime.get("reference_draft")]:
+            if isinstance(holder, dict) and isinstance(holder.get("acceptance"), dict):
+                holder["acceptance"] = {v: _renamed(b) for v, b in holder["acceptance"].items()}
+    return data
+
+
+def _renamed(block: Any) -> Any:
+    """An ``acceptance.VERIFIER`` block, its modes and its loss_vs_bf16's keyed by their names."""
+    if not isinstance(block, dict):
+        return block
+    out = {(LEGACY_NAMES[k].name if k in LEGACY_NAMES else k): v for k, v in block.items()}
+    if "loss_vs_bf16" in out:
+        out["loss_vs_bf16"] = _renamed(out["loss_vs_bf16"])
+    return out
 
 
 def merge_results(paths: list[str | Path]) -> ResultsSet:

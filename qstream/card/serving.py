@@ -23,9 +23,10 @@ from qstream.card.tables import (
     variant_order,
 )
 from qstream.errors import QStreamError
-from qstream.eval.vocabulary import ACCEPTANCE_MODES, FLOOR, VERIFIERS, VLLM_DEFAULT_MODE
+from qstream.eval.vocabulary import FLOOR, VERIFIERS
 from qstream.serving import DEFAULTS, Variant
 from qstream.tablefit import Cell, Table
+from qstream.verification import VLLM_DEFAULT_MODE
 
 # compressed-tensors' input_activations strategy, after "static" or "dynamic" (DESIGN section 8;
 # an NVFP4 input's global scale is calibrated, its per-16 block scales come from the input).
@@ -161,7 +162,7 @@ def costs_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
         v for v in VERIFIERS if any(v in r.get("acceptance", {}) for r in _block(rs, regime))
     ]
     verifier = present[-1] if present else None  # the captured target where the regime has one
-    label = ACCEPTANCE_MODES[VLLM_DEFAULT_MODE].label
+    label = VLLM_DEFAULT_MODE.label
 
     def acceptance(name: str | None) -> dict | None:
         result = rs.regimes[regime].get(name) if name is not None else None
@@ -173,9 +174,9 @@ def costs_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
 
     rows = []
     for v, default in conditions:
-        emitted = [(acc or {}).get(VLLM_DEFAULT_MODE, {}).get("emitted")
+        emitted = [(acc or {}).get(VLLM_DEFAULT_MODE.name, {}).get("emitted")
                    for acc in (acceptance(default), acceptance(v.name))]  # fmt: skip
-        loss = _emitted_and_loss(acceptance(v.name), VLLM_DEFAULT_MODE)[1]
+        loss = _emitted_and_loss(acceptance(v.name), VLLM_DEFAULT_MODE.name)[1]
         rows.append([
             Cell(v.name), _gap(ceiling(v.name), ceiling(FLOOR)), loss,
             Cell("n/a") if default is None else _gap(ceiling(v.name), ceiling(default)),
@@ -199,9 +200,9 @@ def _block(rs: ResultsSet, regime: str) -> list[dict]:
 def _temperatures(rs: ResultsSet, regime: str, verifier: str | None) -> str:
     """The temperatures the regime's entries of vLLM's default mode ran at, from the results."""
     found = {
-        acc[VLLM_DEFAULT_MODE]["mode"]["temperature"]
+        acc[VLLM_DEFAULT_MODE.name]["mode"]["temperature"]
         for r in _block(rs, regime)
-        if VLLM_DEFAULT_MODE in (acc := r.get("acceptance", {}).get(verifier) or {})
+        if VLLM_DEFAULT_MODE.name in (acc := r.get("acceptance", {}).get(verifier) or {})
     }
     return ", ".join(f"T={t}" for t in sorted(found)) or "no temperature (nothing simulated)"
 

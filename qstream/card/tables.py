@@ -14,11 +14,8 @@ from pathlib import Path
 from qstream.card.document import Code, Part
 from qstream.card.results import ResultsSet
 from qstream.eval.vocabulary import (
-    ACCEPTANCE_MODES,
-    ADAPTIVE_MODES,
     CONFIDENCE_NOTE,
     FLOOR,
-    HEADLINE_MODES,
     PREFIX_KEYS,
     PREFIX_LABELS,
     ROLLOUT_MODES,
@@ -28,6 +25,7 @@ from qstream.eval.vocabulary import (
 )
 from qstream.regimes import AUX_REGIMES, REGIMES
 from qstream.tablefit import Cell, Table
+from qstream.verification import ADAPTIVE_MODES, HEADLINE_MODES, MODES, VerificationMode
 
 # Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
 # 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B); a
@@ -467,9 +465,7 @@ def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
     return tables
 
 
-OTHER_MODES = tuple(
-    k for k, m in ACCEPTANCE_MODES.items() if k not in HEADLINE_MODES and not m.adaptive
-)
+OTHER_MODES = tuple(m for m in MODES.values() if m not in HEADLINE_MODES and not m.adaptive)
 _CAPTIONS = {
     "headline": "vLLM 0.32's default mode (greedy draft: the drafter's argmax at any "
     "temperature, a one-hot draft to the rejection sampler; token-wise verification) beside "
@@ -488,17 +484,17 @@ def _acceptance_regimes(rs: ResultsSet, verifier: str) -> list[str]:
     ]
 
 
-def _entries(rs: ResultsSet, verifier: str, mode: str) -> list[dict]:
+def _entries(rs: ResultsSet, verifier: str, mode: VerificationMode) -> list[dict]:
     return [
-        acc[mode]
+        acc[mode.name]
         for block in rs.regimes.values()
         for res in block.values()
-        if mode in (acc := res.get("acceptance", {}).get(verifier) or {})
+        if mode.name in (acc := res.get("acceptance", {}).get(verifier) or {})
     ]
 
 
 def _acceptance_rows(
-    rs: ResultsSet, verifier: str, modes: tuple[str, ...], cells
+    rs: ResultsSet, verifier: str, modes: tuple[VerificationMode, ...], cells
 ) -> list[list[Cell]]:
     """One row per mode, regime and variant (so that a mode's variants sit together);
     ``cells(acc, mode)``: the value cells of a variant's ``acceptance.VERIFIER`` (None: absent)."""
@@ -508,10 +504,10 @@ def _acceptance_rows(
             for variant in variant_order(rs):
                 res = rs.regimes[regime].get(variant) or {}
                 acc = res.get("acceptance", {}).get(verifier)
-                label = ACCEPTANCE_MODES[mode].label
                 rows.append(
-                    [Cell(label), Cell(regime), Cell(variant_label(rs, variant)), *cells(acc, mode)]
-                )
+                    [Cell(mode.label), Cell(regime), Cell(variant_label(rs, variant)),
+                     *cells(acc, mode.name)]
+                )  # fmt: skip
     return rows
 
 
@@ -531,7 +527,9 @@ def _emitted_and_loss(acc: dict | None, mode: str) -> list[Cell]:
 _COLUMNS = ["mode", "regime", "variant", "tokens/step [95% CI]", "loss vs bf16"]
 
 
-def _modes_table(rs: ResultsSet, verifier: str, modes: tuple[str, ...], which: str) -> Table:
+def _modes_table(
+    rs: ResultsSet, verifier: str, modes: tuple[VerificationMode, ...], which: str
+) -> Table:
     return Table(
         f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
         f"{_CAPTIONS[which]}. Accepted drafted tokens plus the resampled or bonus token "

@@ -9,9 +9,8 @@ import click
 
 from qstream.cli import (
     DIRECTORY,
-    SPECULATE_RULES,
     Command,
-    choice_option,
+    ModeChoice,
     count_option,
     json_option,
     make_console,
@@ -20,6 +19,7 @@ from qstream.cli import (
 )
 from qstream.progress import counter
 from qstream.publish import signals_as_interrupt
+from qstream.verification import GREEDY, SPECULATE_MODES
 
 
 @click.command(cls=Command)
@@ -55,15 +55,16 @@ from qstream.publish import signals_as_interrupt
     "Modules the simulated formats quantize (default: the draft architecture's shipped list).",
 )
 @option("ignore_layers")
-@choice_option(
+@option(
     "rule",
-    SPECULATE_RULES,
-    SPECULATE_RULES[0],
-    "Verification rule (docs/speculate.md): greedy, a greedy draft against a sampling "
-    "verifier, a sampled draft under the token-wise rejection sampler, or under block "
-    "verification.",
+    'Verification mode, DRAFT/VERIFIER as vLLM names them (docs/acceptance.md, "Modes"): '
+    "vLLM's draft_sample_method, then its rejection_sample_method, or greedy: a verifier at "
+    "temperature 0.",
+    type=ModeChoice(SPECULATE_MODES),
+    default=SPECULATE_MODES[0],
+    show_default=True,
 )
-@option("temperature", "Temperature of the drafter and the verifier (greedy ignores it).")
+@option("temperature", "Temperature of the drafter and the verifier (a greedy one ignores it).")
 @option("seed", "Prompt i decodes with seed + i, for every variant.")
 @option(
     "dtype",
@@ -75,8 +76,8 @@ from qstream.publish import signals_as_interrupt
     "capture",
     type=DIRECTORY,
     metavar="DIR",
-    help="With --rule greedy: also write the decoded streams' target states (qstream's capture "
-    "layout) and, per variant, anchors-NAME.json, the blocks its decoder drafted, for "
+    help=f"With --rule {GREEDY.name}: also write the decoded streams' target states (qstream's "
+    "capture layout) and, per variant, anchors-NAME.json, the blocks its decoder drafted, for "
     "eval-drift --states DIR --states-anchors DIR/anchors-NAME.json (docs/speculate.md).",
 )
 @json_option()
@@ -89,7 +90,7 @@ def speculate(json_path: str | None, **o: Any) -> None:
     qstream speculate --target TARGET --model DRAFT
     qstream speculate --target TARGET --model DRAFT --formats bf16,nvfp4 \\
         --variant shipped=DRAFT_NVFP4 --prompts 64 --new-tokens 128 --json spec.json
-    qstream speculate --target TARGET --model DRAFT --rule probabilistic --temperature 0.7
+    qstream speculate --target TARGET --model DRAFT --rule probabilistic/block --temperature 0.7
     """
     # here, not above: `qstream speculate --help` loads no torch
     from qstream.card.measured import speculate_tables

@@ -14,7 +14,7 @@ import torch
 
 from qstream.eval.estimates import Estimate, mean_estimate, per_position, pooled_proportion, scaled
 from qstream.eval.settings import AdaptiveBudget
-from qstream.eval.vocabulary import ACCEPTANCE_MODES, RULES
+from qstream.verification import MODES, VerificationMode
 
 
 def _checked(p_tok: torch.Tensor, q_tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,31 +40,30 @@ def _guarded_product(ratio: torch.Tensor, cap: float | None) -> torch.Tensor:
     return out
 
 
-def _by_rule(ratio: torch.Tensor, rule: str, stream: bool) -> torch.Tensor:
-    """``[n, B]`` from per-position ratios: token-wise ``Π_{j≤k} min(1, r_j)``; block, the
+def _by_rule(ratio: torch.Tensor, block: bool, stream: bool) -> torch.Tensor:
+    """``[n, B]`` from per-position ratios: token-wise ``Π_{j≤k} min(1, r_j)``; ``block``, the
     running product capped at 1 (drafting) or ``min_{i≤k} min(1, Π_{j≤i} r_j)`` (``stream``)."""
-    if rule == "token_wise":
+    if not block:
         return ratio.clamp(max=1.0).cumprod(dim=1)
-    if rule == "block" and not stream:
+    if not stream:
         return _guarded_product(ratio, cap=1.0)
-    if rule == "block":
-        return torch.cummin(_guarded_product(ratio, cap=None).clamp(max=1.0), dim=1).values
-    raise ValueError(f"unknown rule {rule!r}; choose from {', '.join(RULES)}")
+    return torch.cummin(_guarded_product(ratio, cap=None).clamp(max=1.0), dim=1).values
 
 
-def accept_probabilities(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
+def accept_probabilities(p_tok: torch.Tensor, q_tok: torch.Tensor, block: bool) -> torch.Tensor:
     """``[n, B]`` float64: P(τ ≥ k | drafted prefix x_{≤k}) for k = 1..B, from the verifier's
-    and the drafter's probabilities of the drafted tokens (``p_tok[:, k] = p_k(x_k)``)."""
+    and the drafter's probabilities of the drafted tokens (``p_tok[:, k] = p_k(x_k)``), under
+    block verification or (not ``block``) token-wise."""
     p, q = _checked(p_tok, q_tok)
-    return _by_rule(torch.where(q > 0, p / q, torch.where(p > 0, torch.inf, 0.0)), rule, False)
+    return _by_rule(torch.where(q > 0, p / q, torch.where(p > 0, torch.inf, 0.0)), block, False)
 
 
-def stream_weights(p_tok: torch.Tensor, q_tok: torch.Tensor, rule: str) -> torch.Tensor:
+def stream_weights(p_tok: torch.Tensor, q_tok: torch.Tensor, block: bool) -> torch.Tensor:
     """``[n, B]`` float64 importance weights ``w_k``, ``E_{s~p}[w_k] = P(τ ≥ k)``, for blocks of
     a stream sampled from the verifier; a token the verifier cannot produce (``p = 0``) gets ratio
     +inf, neither adding nor removing acceptance on its own."""
     p, q = _checked(p_tok, q_tok)
-    return _by_rule(torch.where(p > 0, q / p, torch.where(q > 0, torch.inf, 1.0)), rule, True)
+    return _by_rule(torch.where(p > 0, q / p, torch.where(q > 0, torch.inf, 1.0)), block, True)
 
 
 def greedy_accepts(draft_tokens: torch.Tensor, verifier_top1: torch.Tensor) -> torch.Tensor:
@@ -75,18 +74,18 @@ def greedy_accepts(draft_tokens: torch.Tensor, verifier_top1: torch.Tensor) -> t
     return ((draft_tokens != verifier_top1).cumsum(dim=1) == 0).double()
 
 
-def greedy_draft_probabilities(p_tok: torch.Tensor, rule: str) -> torch.Tensor:
+def greedy_draft_probabilities(p_tok: torch.Tensor, block: bool) -> torch.Tensor:
     """``[n, B]`` float64: P(τ ≥ k | drafted prefix) for a greedy draft (a one-hot q) verified by
     a sampling verifier: ``Π_{j≤k} p_j(x_j)`` under either rule (docs/acceptance.md)."""
-    return accept_probabilities(p_tok, torch.ones_like(p_tok), rule)
+    return accept_probabilities(p_tok, torch.ones_like(p_tok), block)
 
 
 def greedy_draft_stream_weights(
-    p_tok: torch.Tensor, drafted_is_stream: torch.Tensor, rule: str
+    p_tok: torch.Tensor, drafted_is_stream: torch.Tensor, block: bool
 ) -> torch.Tensor:
     """:func:`stream_weights` of a greedy drafter: ``drafted_is_stream[:, k]`` says whether the
     drafter's argmax on the stream's prefix is the stream's token k (its one-hot q there)."""
-    return stream_weights(p_tok, drafted_is_stream.double(), rule)
+    return stream_weights(p_tok, drafted_is_stream.double(), block)
 
 
 def token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -184,68 +183,65 @@ class AcceptanceAccumulator:
 
     def __init__(self, temperature: float, adaptive: AdaptiveBudget, seed: int) -> None:
         self.temperature, self.adaptive, self.seed = temperature, adaptive, seed
-        self._parts: dict[str, list[torch.Tensor]] = {}
-        self._confidence: dict[str, list[torch.Tensor]] = {}
-        self._outcomes: set[str] = set()  # modes whose values are 0/1 outcomes
-        self._admitted: dict[str, torch.Tensor] = {}
+        self._parts: dict[VerificationMode, list[torch.Tensor]] = {}
+        self._confidence: dict[bool, list[torch.Tensor]] = {}  # by mode.probabilistic
+        self._outcomes: set[VerificationMode] = set()  # modes whose values are 0/1 outcomes
+        self._admitted: dict[VerificationMode, torch.Tensor] = {}
 
-    def add(self, mode: str, accept: torch.Tensor, outcomes: bool = False) -> None:
+    def add(self, mode: VerificationMode, accept: torch.Tensor, outcomes: bool = False) -> None:
         """One batch's ``[n, B]`` P(τ ≥ k) of a non-adaptive mode; ``outcomes``: they are 0/1."""
-        if ACCEPTANCE_MODES[mode].adaptive:
-            raise ValueError(f"{mode} is derived from its base mode, not added")
+        if mode.adaptive:
+            raise ValueError(f"{mode.name} is derived from its base mode, not added")
         self._parts.setdefault(mode, []).append(accept.double().cpu())
         if outcomes:
             self._outcomes.add(mode)
 
-    def add_confidence(self, draft: str, confidence: torch.Tensor | None) -> None:
-        """One batch's ``[n, B]`` confidence scores of the drafts made by ``draft`` (None: the
-        model has no confidence head, and no adaptive mode is simulated)."""
+    def add_confidence(self, probabilistic: bool, confidence: torch.Tensor | None) -> None:
+        """One batch's ``[n, B]`` confidence scores of the probabilistic or the greedy drafts
+        (None: the model has no confidence head, and no adaptive mode is simulated)."""
         if confidence is not None:
-            self._confidence.setdefault(draft, []).append(confidence.float().cpu())
+            self._confidence.setdefault(probabilistic, []).append(confidence.float().cpu())
 
-    def modes(self) -> list[str]:
-        """The modes held, in ACCEPTANCE_MODES order; an adaptive one when its base mode and its
-        draft's confidence scores are both there."""
-        return [key for key in ACCEPTANCE_MODES if self._holds(key)]
+    def modes(self) -> list[VerificationMode]:
+        """The modes held, in MODES order; an adaptive one when its base mode and its draft's
+        confidence scores are both there."""
+        return [mode for mode in MODES.values() if self._holds(mode)]
 
-    def _holds(self, key: str) -> bool:
-        mode = ACCEPTANCE_MODES[key]
+    def _holds(self, mode: VerificationMode) -> bool:
         if not mode.adaptive:
-            return key in self._parts
-        return mode.base in self._parts and mode.draft in self._confidence
+            return mode in self._parts
+        return mode.base in self._parts and mode.probabilistic in self._confidence
 
-    def admitted(self, mode: str) -> torch.Tensor:
+    def admitted(self, mode: VerificationMode) -> torch.Tensor:
         """``[n]`` drafted tokens each block verifies under an adaptive ``mode``."""
         if mode not in self._admitted:
-            confidence = torch.cat(self._confidence[ACCEPTANCE_MODES[mode].draft])
+            confidence = torch.cat(self._confidence[mode.probabilistic])
             batches = request_batches(confidence.shape[0], self.adaptive.requests, self.seed)
             self._admitted[mode] = admitted_drafts(confidence, batches, self.adaptive.budget_share)
         return self._admitted[mode]
 
-    def accept(self, mode: str) -> torch.Tensor:
-        spec = ACCEPTANCE_MODES[mode]
-        if spec.adaptive:
-            return truncated(self.accept(spec.base), self.admitted(mode))
+    def accept(self, mode: VerificationMode) -> torch.Tensor:
+        if mode.adaptive:
+            return truncated(self.accept(mode.base), self.admitted(mode))
         return torch.cat(self._parts[mode])
 
-    def emitted(self, mode: str) -> torch.Tensor:
+    def emitted(self, mode: VerificationMode) -> torch.Tensor:
         """``[n]`` expected tokens emitted per block, in the order the batches were added."""
         return 1 + self.accept(mode).sum(dim=1)
 
     def to_json(self) -> dict:
-        return {mode: self._mode_json(mode) for mode in self.modes()}
+        return {mode.name: self._mode_json(mode) for mode in self.modes()}
 
-    def _mode_json(self, mode: str) -> dict:
-        spec = ACCEPTANCE_MODES[mode]
+    def _mode_json(self, mode: VerificationMode) -> dict:
         accept = self.accept(mode)
         B = accept.shape[1]
         out = {
-            "mode": spec.to_json(self.temperature, self.adaptive.to_json()),
-            **summarise(accept, outcomes=spec.base in self._outcomes).to_json(),
+            "mode": mode.to_json(self.temperature, self.adaptive.to_json()),
+            **summarise(accept, outcomes=mode.base in self._outcomes).to_json(),
         }
-        if spec.adaptive:
+        if mode.adaptive:
             admitted = self.admitted(mode)
-            confidence = torch.cat(self._confidence[spec.draft])
+            confidence = torch.cat(self._confidence[mode.probabilistic])
             out["verified"] = admitted.double().mean().item()
             out["estimated_emitted"] = mean_estimate(
                 estimated_emitted(confidence, admitted), bounds=(1.0, B + 1.0)

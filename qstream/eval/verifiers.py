@@ -28,7 +28,15 @@ from qstream.eval.corpus import AnchorPlan
 from qstream.eval.estimates import pooled_proportion
 from qstream.eval.settings import DriftSettings
 from qstream.eval.states import CapturedStates
-from qstream.eval.vocabulary import FLOOR, RULES, VERIFIERS, acceptance_mode
+from qstream.eval.vocabulary import FLOOR, VERIFIERS
+from qstream.verification import (
+    CARD_MODE,
+    GREEDY,
+    GREEDY_BLOCK,
+    PROBABILISTIC_STANDARD,
+    SAMPLING_MODES,
+    VLLM_DEFAULT_MODE,
+)
 
 
 class RegimeAcceptance:
@@ -103,16 +111,15 @@ class RegimeAcceptance:
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
         q_tok = token_probs(self._drafter_probs(forced), stream)
         drafted_is_stream = forced.argmax(-1) == stream
-        for rule in RULES:
-            acc.add(acceptance_mode("probabilistic", rule), stream_weights(p_tok, q_tok, rule))
-            acc.add(
-                acceptance_mode("greedy", rule),
-                greedy_draft_stream_weights(p_tok, drafted_is_stream, rule),
-                outcomes=True,
-            )
+        for mode in SAMPLING_MODES:
+            if mode.probabilistic:
+                acc.add(mode, stream_weights(p_tok, q_tok, mode.block))
+            else:
+                weights = greedy_draft_stream_weights(p_tok, drafted_is_stream, mode.block)
+                acc.add(mode, weights, outcomes=True)
         target_top1 = target_logits.argmax(-1)
-        acc.add("greedy", greedy_accepts(forced.argmax(-1), target_top1), outcomes=True)
-        acc.add_confidence("greedy", greedy.confidence)
+        acc.add(GREEDY, greedy_accepts(forced.argmax(-1), target_top1), outcomes=True)
+        acc.add_confidence(False, greedy.confidence)
         if record:
             self.diagnostics["stream_is_target_top1"].append(stream == target_top1)
             self.diagnostics["stream_outside_target_nucleus"].append(p_tok == 0)
@@ -162,20 +169,19 @@ class RegimeAcceptance:
         assert self.kept is not None  # kept whenever the reference verifies
         kept = self.kept.get(batch)
         p_greedy = self.drafter.replay(self.head, kept, greedy)
-        acc.add("greedy", greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
-        p_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
-        for rule in RULES:
-            acc.add(acceptance_mode("greedy", rule), greedy_draft_probabilities(p_tok, rule))
+        acc.add(GREEDY, greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
+        p_greedy_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
         p_tok = token_probs(
             self._verifier_probs(self.drafter.replay(self.head, kept, sampled)), sampled.tokens
         )
         q_tok = token_probs(self._drafter_probs(sampled.logits), sampled.tokens)
-        for rule in RULES:
-            acc.add(
-                acceptance_mode("probabilistic", rule), accept_probabilities(p_tok, q_tok, rule)
-            )
-        acc.add_confidence("greedy", greedy.confidence)
-        acc.add_confidence("probabilistic", sampled.confidence)
+        for mode in SAMPLING_MODES:
+            if mode.probabilistic:
+                acc.add(mode, accept_probabilities(p_tok, q_tok, mode.block))
+            else:
+                acc.add(mode, greedy_draft_probabilities(p_greedy_tok, mode.block))
+        acc.add_confidence(False, greedy.confidence)
+        acc.add_confidence(True, sampled.confidence)
 
     def finish(self, out: dict, floor: str = FLOOR) -> None:
         """Write each variant's ``acceptance`` (with its paired loss against ``floor``) into the
@@ -192,7 +198,7 @@ class RegimeAcceptance:
                     None
                     if base is None or name == floor
                     else {
-                        mode: paired_loss(base.emitted(mode), acc.emitted(mode), self.B)
+                        mode.name: paired_loss(base.emitted(mode), acc.emitted(mode), self.B)
                         for mode in acc.modes()
                         if mode in base.modes()
                     }
@@ -215,21 +221,23 @@ ACCEPTANCE_DEFINITIONS = {
     "estimator": "per block, 1 + sum_k P(tau >= k | drafted prefix): exact given the drafted "
     "block, averaged over blocks (95% Student-t interval; 0/1 outcomes (a greedy verifier, "
     "a greedy draft against the target's stream): Wilson on the design-effect sample size)",
-    "mode": "each entry's mode: draft (vLLM draft_sample_method), verification (token_wise = "
-    "vLLM rejection_sample_method 'standard', block, or greedy = a verifier at temperature 0), "
-    "temperature, adaptive, and the vLLM settings that select it",
+    "mode": "each entry's mode, keyed DRAFT/VERIFIER[+adaptive]: draft (vLLM "
+    "draft_sample_method), verification (vLLM rejection_sample_method: standard (token-wise) "
+    "or block; or greedy: a verifier at temperature 0), temperature, adaptive, and the vLLM "
+    "settings that select it",
     "modes": {
-        "greedy_draft_token_wise": "vLLM 0.32's default: the drafter's argmax at any "
+        VLLM_DEFAULT_MODE.name: "vLLM 0.32's default: the drafter's argmax at any "
         "temperature, a one-hot draft (q = 1) to token-wise rejection sampling at the "
         "request's temperature: P(tau >= k) = prod_{j<=k} p_j(x_j)",
-        "greedy_draft_block": "a greedy draft under block verification: with a one-hot q "
+        GREEDY_BLOCK.name: "a greedy draft under block verification: with a one-hot q "
         "the rule reduces to the token-wise law",
-        "sampled_token_wise": "probabilistic draft, Leviathan et al. 2023 / Chen et al. 2023 "
-        "rejection sampling",
-        "sampled_block": "probabilistic draft, Sun et al. 2024 block verification (vLLM "
+        PROBABILISTIC_STANDARD.name: "probabilistic draft, Leviathan et al. 2023 / Chen et "
+        "al. 2023 rejection sampling",
+        CARD_MODE.name: "probabilistic draft, Sun et al. 2024 block verification (vLLM "
         "rejection_sample_method 'block'); the mode a published DSpark card reports",
-        "greedy": "greedy drafting against a greedy verifier (temperature 0): matched prefix + 1",
-        "*_adaptive": "adaptive verification (vLLM enable_adaptive_verification) over the base "
+        GREEDY.name: "greedy drafting against a greedy verifier (temperature 0): matched "
+        "prefix + 1",
+        "*+adaptive": "adaptive verification (vLLM enable_adaptive_verification) over the base "
         "mode: blocks verified adaptive.requests at a time as one batch's requests sharing a "
         "budget of adaptive.budget_share of their drafted tokens (a setting: vLLM sizes it from "
         "profiled step costs), the slots ranked by the running product of the drafter's "
@@ -241,7 +249,7 @@ ACCEPTANCE_DEFINITIONS = {
     "samples (draft top-p 1 unless set); verifier p: softmax(logits / temperature) "
     "cut to its top-k and top-p and renormalised (see the results' sampling block)",
     "rules": {
-        "token_wise": "Leviathan et al. 2023 / Chen et al. 2023 rejection sampling",
+        "standard": "token-wise: Leviathan et al. 2023 / Chen et al. 2023 rejection sampling",
         "block": "Sun et al. 2024 block verification (vLLM rejection_sample_method 'block')",
     },
     "greedy": "greedy drafting against a greedy verifier: matched prefix + 1",

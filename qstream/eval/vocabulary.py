@@ -9,12 +9,11 @@ run's own settings.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 
 from qstream.formats import FORMATS
 from qstream.serving import FLOOR, REFERENCE
 
-SCHEMA = "qstream.eval-drift/2"  # the "schema" field of every results file
+SCHEMA = "qstream.eval-drift/3"  # the "schema" field of every results file
 
 # Variants: the reference and the floor (qstream/serving.py), and the formats.
 VARIANT_FORMATS = (FLOOR, *FORMATS)  # the default set of simulated variants
@@ -23,89 +22,8 @@ ALLOWED_FORMATS = (REFERENCE, *VARIANT_FORMATS)
 # Rollout modes of ``metrics.rollouts``: free-running greedy, and sampled on common random numbers.
 ROLLOUT_MODES = ("greedy", "sampled")
 
-# Verification rules of a sampling verifier (docs/acceptance.md); vLLM's rejection_sample_method
-# spells token-wise "standard".
-RULES = ("token_wise", "block")
-VLLM_RULES = {"token_wise": "standard", "block": "block"}
-# How the drafter drafts: vLLM's draft_sample_method values ("greedy", its default: the argmax
-# at any temperature; "probabilistic": the full tempered softmax).
-DRAFT_METHODS = ("greedy", "probabilistic")
-
-
-@dataclass(frozen=True)
-class AcceptanceMode:
-    """One way vLLM 0.32 serves a DSpark draft: a draft method, a verification rule ("greedy" is
-    a verifier at temperature 0, whose argmax path vLLM takes under either rule) and whether
-    adaptive verification trims the drafts by the confidence head's scores."""
-
-    draft: str  # DRAFT_METHODS
-    verification: str  # RULES, or "greedy"
-    adaptive: bool = False
-
-    @property
-    def base(self) -> str:
-        """The key of the same mode without adaptive verification."""
-        return next(k for k, m in ACCEPTANCE_MODES.items() if m == replace(self, adaptive=False))
-
-    @property
-    def label(self) -> str:
-        """Short words for a table's mode column: ``greedy draft × token-wise``."""
-        draft = "greedy draft" if self.draft == "greedy" else "probabilistic"
-        verify = {"token_wise": "token-wise", "block": "block", "greedy": "greedy (T=0)"}
-        return f"{draft} × {verify[self.verification]}" + (", adaptive" if self.adaptive else "")
-
-    def to_json(self, temperature: float, adaptive: Mapping | None = None) -> dict:
-        """The mode in the results: qstream's words and the vLLM settings that select it."""
-        vllm = f"draft_sample_method={self.draft}"
-        if self.verification == "greedy":
-            vllm += ", temperature=0 (either rejection_sample_method)"
-        else:
-            vllm += f", rejection_sample_method={VLLM_RULES[self.verification]}"
-        if self.adaptive:
-            vllm += ", enable_adaptive_verification=true"
-        return {
-            "draft": self.draft,
-            "verification": self.verification,
-            "temperature": 0.0 if self.verification == "greedy" else temperature,
-            "adaptive": dict(adaptive) if self.adaptive and adaptive is not None else None,
-            "label": self.label,
-            "vllm": vllm,
-        }
-
-
-# The acceptance modes a results entry holds (``acceptance.VERIFIER.MODE``).  sampled_token_wise,
-# sampled_block and greedy keep the keys they had before greedy drafts against a sampling
-# verifier were simulated: "sampled" is the probabilistic draft.
-ACCEPTANCE_MODES = {
-    "greedy_draft_token_wise": AcceptanceMode("greedy", "token_wise"),
-    "sampled_block": AcceptanceMode("probabilistic", "block"),
-    "greedy_draft_block": AcceptanceMode("greedy", "block"),
-    "sampled_token_wise": AcceptanceMode("probabilistic", "token_wise"),
-    "greedy": AcceptanceMode("greedy", "greedy"),
-    "greedy_draft_token_wise_adaptive": AcceptanceMode("greedy", "token_wise", adaptive=True),
-    "sampled_block_adaptive": AcceptanceMode("probabilistic", "block", adaptive=True),
-}
-# vLLM 0.32's default (vllm/config/speculative.py: draft_sample_method "greedy",
-# rejection_sample_method "standard") and the mode a published DSpark card reports; tables lead
-# with these two.
-VLLM_DEFAULT_MODE = "greedy_draft_token_wise"
-CARD_MODE = "sampled_block"
-HEADLINE_MODES = (VLLM_DEFAULT_MODE, CARD_MODE)
-ADAPTIVE_MODES = tuple(k for k, m in ACCEPTANCE_MODES.items() if m.adaptive)
 # Who verifies the drafts (``acceptance.VERIFIER``), with the words a caption uses for it.
 VERIFIERS = {"reference": "the FP32 reference", "target": "the captured target"}
-
-
-def acceptance_mode(draft: str, rule: str) -> str:
-    """The key of drafting by ``draft`` verified by ``rule`` (not adaptive):
-    ``("probabilistic", "block")`` -> ``sampled_block``."""
-    for key, mode in ACCEPTANCE_MODES.items():
-        if mode == AcceptanceMode(draft, rule):
-            return key
-    raise ValueError(
-        f"no acceptance mode drafts {draft!r} and verifies by {rule!r}; drafts: "
-        f"{', '.join(DRAFT_METHODS)}; rules: {', '.join(RULES)}, greedy"
-    )
 
 
 # The key of a rollout mode's mean matched prefix: under greedy drafting it is the ceiling on

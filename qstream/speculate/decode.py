@@ -1,14 +1,15 @@
 """Speculative decoding with the target in the loop, and what it measures (docs/speculate.md):
 the draft proposes a block from the target's own hidden states, the target verifies it with one
-forward under one of vLLM 0.32.0's rules (vLLM's ``rejection_sampler``; each stated in
-docs/speculate.md), and the accepted tokens plus the target's bonus token are emitted.  The
-target is a transformers causal LM run with its KV cache, cropped to the kept positions after
-each verification (``cache=False`` reruns the whole sequence).  Per draft variant: the mean
+forward under one of vLLM 0.32.0's verification modes (qstream/verification.py; vLLM's
+``rejection_sampler``; each stated in docs/speculate.md), and the accepted tokens plus the
+target's bonus token are emitted.  The target is a transformers causal LM run with its KV
+cache, cropped to the kept positions after each verification (``cache=False`` reruns the whole
+sequence).  Per draft variant: the mean
 acceptance length, the share of verifications accepting at least k tokens and tokens per target
 forward, each with a 95% interval over prompts (the independent units), and the loss against
 bf16 paired over the same prompts (docs/speculate.md, "Measured acceptance").
 
->>> out = speculative_decode(target, draft, prompt_ids, new_tokens=64, rule="greedy")
+>>> out = speculative_decode(target, draft, prompt_ids, new_tokens=64, mode=GREEDY)
 >>> out.tokens, out.accepted          # emitted ids; drafted tokens accepted per target forward
 >>> study = acceptance_study(target, {"bf16": bf16_draft, "nvfp4": nvfp4_draft}, prompts, 64)
 """
@@ -28,8 +29,7 @@ from qstream.capture.target import LayerTap, cache_keyword
 from qstream.errors import QStreamError
 from qstream.eval.estimates import Estimate, pooled_proportion, t_interval
 from qstream.progress import Progress
-
-RULES = ("greedy", "greedy-sampling", "probabilistic", "block")
+from qstream.verification import GREEDY, VerificationMode
 
 
 @dataclass
@@ -74,7 +74,7 @@ def speculative_decode(
     draft,
     prompt: list[int],
     new_tokens: int,
-    rule: str = "greedy",
+    mode: VerificationMode = GREEDY,
     temperature: float = 1.0,
     seed: int = 0,
     cache: bool = True,
@@ -82,8 +82,8 @@ def speculative_decode(
     """``new_tokens`` tokens after ``prompt``: the target's first, then draft-and-verify steps
     (module docstring).  ``draft`` is a built draft model (``arch.build``); ``cache=False``
     reruns the target over the whole sequence at every step (the same tokens, slower)."""
-    if rule not in RULES:
-        raise QStreamError(f"unknown verification rule {rule!r}; choose one of {', '.join(RULES)}")
+    if mode.adaptive:  # its budget is a batch's (docs/acceptance.md), not one prompt's
+        raise QStreamError(f"speculate does not decode with adaptive verification ({mode.name})")
     config = draft.config
     if getattr(config, "reduced_vocab", False):
         raise QStreamError("speculative decoding with a reduced-vocabulary draft is not supported")
@@ -93,17 +93,17 @@ def speculative_decode(
     aux, logits = target_pass(target, torch.tensor([ids]), layer_ids, kv)
     _check_finite(aux, logits, 0)
     out.forwards += 1
-    ids.append(_pick(logits[-1], rule, temperature, gen))
+    ids.append(_pick(logits[-1], mode, temperature, gen))
     while len(ids) - len(prompt) < new_tokens:
         p = len(ids) - 1  # the anchor: the newest token, which the target has not yet read
-        drafted, q = _draft(draft, aux[:, :p], ids[p], rule, temperature, seed + len(ids))
+        drafted, q = _draft(draft, aux[:, :p], ids[p], mode, temperature, seed + len(ids))
         if kv is None:
             aux, logits = target_pass(target, torch.tensor([ids + drafted]), layer_ids)
         else:  # the cache holds positions 0..p-1: read the anchor and the block only
             new_aux, logits = target_pass(target, torch.tensor([ids[p:] + drafted]), layer_ids, kv)
         _check_finite(aux if kv is None else new_aux, logits, 0 if kv is None else p)
         out.forwards += 1
-        emitted = _verify(logits[-len(drafted) - 1 :], drafted, q, rule, temperature, gen)
+        emitted = _verify(logits[-len(drafted) - 1 :], drafted, q, mode, temperature, gen)
         if kv is not None:  # keep the anchor and the accepted drafts: positions 0..p + accepted
             aux = torch.cat([aux[:, :p], new_aux[:, : len(emitted)]], dim=1)
             rejected = len(drafted) + 1 - len(emitted)  # read by the forward, not kept
@@ -128,20 +128,20 @@ def _check_finite(aux: torch.Tensor, logits: torch.Tensor, start: int) -> None:
             )
 
 
-def _pick(logits: torch.Tensor, rule: str, temperature: float, gen: torch.Generator) -> int:
+def _pick(logits: torch.Tensor, mode: VerificationMode, temperature: float, gen) -> int:
     """The target's own token: argmax under greedy verification, else a draw from p."""
-    if rule == "greedy":
+    if mode.greedy_verifier:
         return int(logits.argmax())
     return int(torch.multinomial(sampling_probs(logits, temperature), 1, generator=gen))
 
 
-def _draft(draft, aux: torch.Tensor, anchor_token: int, rule: str, temperature: float, seed: int):
+def _draft(draft, aux, anchor_token: int, mode: VerificationMode, temperature: float, seed: int):
     """One block at anchor p = aux's length: its tokens and the drafter's distributions q
     [B, V] (None for a greedy draft)."""
     drafter, config = architecture_of(draft.config).drafter, draft.config
     at = (torch.tensor([0]), torch.tensor([aux.shape[1]]), torch.tensor([anchor_token]))
     state = drafter.propose(draft, aux, *at)
-    if rule not in ("probabilistic", "block"):
+    if not mode.probabilistic:
         return drafter.rollout(state).tokens[0].tolist(), None
     shape = (1, config.block_size, config.vocab_size)  # a full-vocabulary draft (checked)
     noise = torch.empty(shape).exponential_(generator=torch.Generator().manual_seed(seed))
@@ -149,13 +149,14 @@ def _draft(draft, aux: torch.Tensor, anchor_token: int, rule: str, temperature: 
     return rolled.tokens[0].tolist(), sampling_probs(rolled.logits[0], temperature)
 
 
-def _verify(logits, drafted: list[int], q, rule: str, temperature: float, gen) -> list[int]:
+def _verify(logits, drafted: list[int], q, mode: VerificationMode, temperature: float, gen):
     """The emitted tokens of one step: the accepted drafts, then the correction or bonus token.
-    ``logits`` [B + 1, V]: the target's at the anchor and at each drafted position."""
-    if rule == "block":
-        return _verify_block(logits, drafted, q, temperature, gen)
+    ``logits`` [B + 1, V]: the target's at the anchor and at each drafted position; ``q`` [B, V]
+    the drafter's distributions (None: a greedy draft, one-hot)."""
+    if mode.block:
+        return _verify_block(logits, drafted, q, mode, temperature, gen)
     for k, d in enumerate(drafted):
-        if rule == "greedy":
+        if mode.greedy_verifier:
             top = int(logits[k].argmax())
             if d != top:
                 return drafted[:k] + [top]
@@ -170,14 +171,18 @@ def _verify(logits, drafted: list[int], q, rule: str, temperature: float, gen) -
         residual = (probs - q_k).clamp(min=0.0)
         residual = residual if float(residual.sum()) > 0 else probs
         return drafted[:k] + [int(torch.multinomial(residual, 1, generator=gen))]
-    return drafted + [_pick(logits[len(drafted)], rule, temperature, gen)]
+    return drafted + [_pick(logits[len(drafted)], mode, temperature, gen)]
 
 
-def _verify_block(logits, drafted: list[int], q, temperature: float, gen) -> list[int]:
-    """Block verification of a probabilistic draft (q [B, V]), as vLLM 0.32.0's kernels run it
-    (docs/speculate.md): every position draws u_k and the last k with u_k ≤ h_k is kept."""
+def _verify_block(logits, drafted: list[int], q, mode, temperature: float, gen) -> list[int]:
+    """Block verification of a draft (q [B, V]; None: a greedy draft, one-hot), as vLLM 0.32.0's
+    kernels run it (docs/speculate.md): every position draws u_k and the last k with u_k ≤ h_k
+    is kept."""
     probs = sampling_probs(logits, temperature)  # [B + 1, V]: p_1 .. p_B and the bonus p
     B = len(drafted)
+    if q is None:  # _compute_global_residual_mass's one-hot draft: q(x_k) = 1
+        q = torch.zeros_like(probs[:B])
+        q[torch.arange(B), torch.tensor(drafted)] = 1.0
     P = [1.0]  # P_0 .. P_B
     for k, d in enumerate(drafted):
         P.append(min(1.0, P[-1] * float(probs[k, d]) / max(float(q[k, d]), 1e-30)))
@@ -192,7 +197,7 @@ def _verify_block(logits, drafted: list[int], q, temperature: float, gen) -> lis
         if float(torch.rand((), generator=gen)) <= h:
             tau = k
     if tau == B:
-        return drafted + [_pick(logits[B], "block", temperature, gen)]
+        return drafted + [_pick(logits[B], mode, temperature, gen)]
     residual = (P[tau] * probs[tau] - q[tau]).clamp(min=0.0)
     residual = residual if float(residual.sum()) > 0 else probs[tau]
     return drafted[:tau] + [int(torch.multinomial(residual, 1, generator=gen))]
@@ -203,7 +208,7 @@ def acceptance_study(
     drafts: Mapping[str, Any],
     prompts: list[list[int]],
     new_tokens: int,
-    rule: str = "greedy",
+    mode: VerificationMode = GREEDY,
     temperature: float = 1.0,
     seed: int = 0,
 ) -> dict[str, dict]:
@@ -211,7 +216,7 @@ def acceptance_study(
     :func:`summarise`."""
     return {
         name: summarise(
-            decode_prompts(target, draft, prompts, new_tokens, rule, temperature, seed),
+            decode_prompts(target, draft, prompts, new_tokens, mode, temperature, seed),
             draft.config.block_size,
         )
         for name, draft in drafts.items()
@@ -223,7 +228,7 @@ def decode_prompts(
     draft,
     prompts: list[list[int]],
     new_tokens: int,
-    rule: str = "greedy",
+    mode: VerificationMode = GREEDY,
     temperature: float = 1.0,
     seed: int = 0,
     progress: Progress | None = None,
@@ -233,7 +238,7 @@ def decode_prompts(
     runs = []
     for i, p in enumerate(prompts):
         try:
-            run = speculative_decode(target, draft, p, new_tokens, rule, temperature, seed + i)
+            run = speculative_decode(target, draft, p, new_tokens, mode, temperature, seed + i)
         except QStreamError as exc:  # which prompt: the decode knows only the position
             raise QStreamError(f"prompt {i}: {exc}") from None
         runs.append(run)

@@ -51,15 +51,15 @@ from qstream.progress import Progress
 from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
 from qstream.serving import Variant
 from qstream.speculate.decode import (
-    RULES,
     Decoded,
     decode_prompts,
     paired_loss,
     summarise,
     target_greedy,
 )
+from qstream.verification import GREEDY, MODES, SPECULATE_MODES
 
-SCHEMA = "qstream.speculate/1"  # the "schema" field of every results file
+SCHEMA = "qstream.speculate/2"  # the "schema" field of every results file
 PROMPT = "each document up to and including its first newline (a GSM8K question), tokenized "
 PROMPT += "by the target's tokenizer without special tokens"
 
@@ -74,7 +74,7 @@ class SpeculateSettings(Selection):
     corpus: str | None = None  # GSM8K JSONL or text; None: the built-in GSM8K test split
     prompts: int = 32  # the corpus's first documents
     new_tokens: int = 128  # emitted per prompt
-    rule: str = "greedy"  # the verification rule (decode.RULES)
+    rule: str = GREEDY.name  # the verification mode (qstream.verification.SPECULATE_MODES)
     temperature: float = 1.0
     seed: int = 0  # prompt i decodes with seed + i, the same for every variant
     dtype: str | None = None  # the target's weights and compute; None: default_dtype(device)
@@ -83,8 +83,8 @@ class SpeculateSettings(Selection):
 
 
 def _check(s: SpeculateSettings, config: DraftConfig) -> None:
-    if s.rule not in RULES:
-        raise QStreamError(f"--rule {s.rule!r}: choose one of {', '.join(RULES)}")
+    if s.rule not in SPECULATE_MODES:
+        raise QStreamError(f"--rule {s.rule!r}: choose one of {', '.join(SPECULATE_MODES)}")
     resolve_device(s.device)
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -106,6 +106,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     config = load_config(s.model)
     s = replace(s, dtype=s.dtype or default_dtype(s.device))
     _check(s, config)
+    mode = MODES[s.rule]
     shape = read_target_shape(s.target)
     check_draft(config, shape, config.target_layer_ids)
     refuse_quantized_model(s.model)
@@ -128,7 +129,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         _started(progress, len(prompts), v.name)
         model = served[v.target].model  # the target this configuration serves
         runs = decoded[v.name] = decode_prompts(
-            model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
+            model, draft, prompts, s.new_tokens, mode, s.temperature, s.seed, progress
         )
         results["variants"][v.name] = {
             **_variant_entry(v, changed),
@@ -253,13 +254,21 @@ def _description(
 
 
 def check_capture_dir(s: SpeculateSettings, targets: set[str]) -> None:
-    """Before any decoding: a greedy run with one target (``targets``: the variants'), and a
-    ``--capture`` directory that is absent or empty, outside ``--model`` and ``--target``, in
+    """Before any decoding: a greedy verifier with one target (``targets``: the variants'), and
+    a ``--capture`` directory that is absent or empty, outside ``--model`` and ``--target``, in
     a writable directory."""
     assert s.capture is not None
-    output, rule, inputs = Path(s.capture), s.rule, {"--model": s.model, "--target": s.target}
-    if rule != "greedy" or len(targets) > 1:
-        why = f"--rule greedy (got {rule})" if rule != "greedy" else "one target= for all variants"
+    output, mode, inputs = (
+        Path(s.capture),
+        MODES[s.rule],
+        {"--model": s.model, "--target": s.target},
+    )
+    if not mode.greedy_verifier or len(targets) > 1:
+        why = (
+            f"--rule {GREEDY.name} (got {mode.name})"
+            if not mode.greedy_verifier
+            else "one target= for all variants"
+        )
         raise QStreamError(f"--capture needs {why}: only then is one stream every variant's output")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(f"--capture {output}: exists and is not an empty directory")
