@@ -235,6 +235,11 @@ class Variant:
             "target": self.target,
         }
 
+    def served(self) -> dict:
+        """What the results record of how the variant is served: nothing for the default."""
+        served = self.configuration()
+        return {"configuration": served} if served != DEFAULTS else {}
+
     def checks(self) -> dict:
         """What the results record of the checks of a checkpoint variant."""
         return {

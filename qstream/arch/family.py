@@ -23,6 +23,7 @@ from qstream.serving import DEFAULTS
 Shapes = Mapping[str, tuple[int, ...]]
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
+SIMULATED = ("kv_cache", "target")  # the serving fields besides the weights that the models simulate
 D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id] (vLLM's draft_id_to_target_id)
 
 
@@ -49,18 +50,21 @@ class DSparkFamily:
         return BLOCK_DRAFTER
 
     def build(self, config: Any, weights: Any, variant: Any, device: Any = "cpu") -> Any:
-        # the target is no part of the draft's arithmetic: it serves the states and verifies
-        # (capture --target-format, speculate)
-        served = {f: v for f, v in variant.configuration().items() if v != DEFAULTS[f]}
-        served.pop("target", None)
+        # SIMULATED: what the models compute; the target is no part of the draft's arithmetic:
+        # it serves the states and verifies (capture --target-format, speculate)
+        served = {
+            f: v
+            for f, v in variant.configuration().items()
+            if v != DEFAULTS[f] and f not in SIMULATED
+        }
         if served:  # the arithmetic of these is not simulated yet (docs/status.md)
             field, value = next(iter(served.items()))
             raise QStreamError(
                 f"variant {variant.name}: {field} {value!r} is not simulated yet; only weights "
-                "are (activations none, KV cache auto, target unquantized)"
+                "and the KV cache dtype are (activations none, kvscale 1.0)"
             )
         model = getattr(importlib.import_module(self.model_module), self.model_class)
-        return model(config, weights, variant.dtype, device)
+        return model(config, weights, variant.dtype, device, variant.kv)
 
     def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
         return importlib.import_module(self.model_module).CausalStream(model, ids, dtype, depth)

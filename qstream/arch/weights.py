@@ -127,6 +127,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def fp8_round_trip(x: torch.Tensor, fp8: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x written to an fp8 KV cache and read back, in x's dtype, as vLLM 0.32.0 does: the write
+    divides by the layer's scale in fp32 and stores it saturated to the format's finite range,
+    rounded to nearest even (``triton_reshape_and_cache_flash.py``,
+    ``reshape_and_cache_kernel_flash``: ``key / k_scale``, a saturating store), the read multiplies
+    by the scale in fp32 and rounds to the compute dtype (``triton_decode_attention.py``:
+    ``(k.to(float32) * ks).to(q.dtype)``).  Saturating first keeps torch's cast from giving NaN."""
+    limit = torch.finfo(fp8).max
+    stored = (x.float() / scale).clamp_(-limit, limit).to(fp8)
+    return (stored.float() * scale).to(x.dtype)
+
+
 def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))``, each product ``linear(x, weight)``."""
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)

@@ -292,7 +292,10 @@ def _run_description(
             "include": list(settings.include_layers),
             "ignore": list(settings.ignore_layers),
         },
-        "variants": {v.name: {"kind": v.kind, "source": v.source, **v.checks()} for v in variants},
+        "variants": {
+            v.name: {"kind": v.kind, "source": v.source, **v.served(), **v.checks()}
+            for v in variants
+        },
         "regimes": {},
     }
 

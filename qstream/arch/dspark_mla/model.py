@@ -26,7 +26,16 @@ import torch
 from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
 from qstream.arch.family import check_blocks, context_lengths
 from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_layers
-from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
+from qstream.arch.weights import (
+    CausalRows,
+    ComputeWeights,
+    embedding,
+    fp8_round_trip,
+    inv_freq,
+    rms_norm,
+    swiglu,
+)
+from qstream.serving import KV_CACHES, KVCache
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
@@ -72,15 +81,23 @@ def _layer_weight(name: str) -> property:
 
 class Layer:
     """Decoder layer ``i``'s pieces (MLA attention, SwiGLU MLP), on any leading shape; which keys
-    a query sees is the caller's."""
+    a query sees is the caller's.  The fp32 reference expands every key and value by kv_b_proj;
+    a bf16 model attends as vLLM 0.32.0's K3 decode path does (``absorbed``,
+    docs/eval-drift.md, "Serving configurations"): the query's nope part times W_UK, one shared
+    key per position (the cached latent and rope key), the latent output times W_UV."""
 
     input_layernorm = _layer_weight("input_layernorm")
     q_a_layernorm = _layer_weight("self_attn.q_a_layernorm")
     kv_a_layernorm = _layer_weight("self_attn.kv_a_layernorm")
     post_attention_layernorm = _layer_weight("post_attention_layernorm")
 
-    def __init__(self, config: DSparkConfig, weights: ComputeWeights, i: int, inv_freq):
+    def __init__(
+        self, config: DSparkConfig, weights: ComputeWeights, i: int, inv_freq, kv: KVCache
+    ):
         self.config, self.weights, self.index, self.inv_freq = config, weights, i, inv_freq
+        self.absorbed = torch.finfo(weights.dtype).bits < 32
+        self.kv = kv
+        self._split: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def input_norm(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
@@ -89,10 +106,42 @@ class Layer:
         return self.weights.linear(f"layers.{self.index}.{name}.weight", x)
 
     def attention_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Every head's output [..., n*dv] (absorbed: [..., n*kv_lora], times W_UV first, as
+        ``_v_up_proj``) -> o_proj's [..., H]."""
+        if self.absorbed:
+            c, (_, w_uv) = self.config, self.split()
+            out = out.unflatten(-1, (c.num_attention_heads, c.kv_lora_rank))  # [..., n, L]
+            out = torch.einsum("...nl,nvl->...nv", out, w_uv).flatten(-2)
         return self.proj(out, "self_attn.o_proj")
 
+    def split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj [n*(nope+v), L] in the compute dtype as W_UK [n, nope, L] and W_UV [n, v, L]
+        (vLLM's ``split_kv_b_proj``, vllm/model_executor/layers/attention/mla_attention.py; its
+        bmms take bf16 operands and accumulate in fp32, as torch's do)."""
+        if self._split is None:
+            c = self.config
+            w = self.weights[f"layers.{self.index}.self_attn.kv_b_proj.weight"]
+            w = w.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+            w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+            self._split = (w_uk.contiguous(), w_uv.contiguous())
+        return self._split
+
     def query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """h [..., T, H] -> q [..., T, n, nope+rope] with RoPE on the rope part."""
+        """h [..., T, H] -> q [..., T, n, nope+rope] with RoPE on the rope part; absorbed:
+        vLLM's decode query ``mqa_q = [q_nope @ W_UK_T | q_pe]`` [..., T, n, kv_lora+rope]
+        (vllm/models/kimi_k3/nvidia/mla.py, ``_attention``: BMM1 rounded to bf16), which an fp8
+        cache's fused ``fused_mla_decode_q_concat_kv_cache_insert`` rounds to float8_e4m3fn at
+        q_scale 1.0 and the TRITON_MLA draft backend upcasts back (``_decode_concat_cache``)."""
+        q = self._query(h, pos)
+        if not self.absorbed:
+            return q
+        c = self.config
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        ql = torch.einsum("...np,npl->...nl", q_nope, self.split()[0])
+        mqa_q = torch.cat((ql, q_pe), dim=-1)
+        return fp8_round_trip(mqa_q, torch.float8_e4m3fn) if self.kv.quantized else mqa_q
+
+    def _query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         c = self.config
         qa = rms_norm(self.proj(h, "self_attn.q_a_proj"), self.q_a_layernorm, c.rms_norm_eps)
         q = self.proj(qa, "self_attn.q_b_proj")
@@ -110,13 +159,22 @@ class Layer:
         kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
-        return latent, apply_rope(k_rope, pos, self.inv_freq, c.rope_mscale)
+        k_rope = apply_rope(k_rope, pos, self.inv_freq, c.rope_mscale)
+        if self.kv.quantized:  # as every read sees them (docs/eval-drift.md, "KV cache")
+            fp8 = getattr(torch, str(self.kv.dtype))
+            return fp8_round_trip(latent, fp8), fp8_round_trip(k_rope, fp8)
+        return latent, k_rope
 
     def expand(
         self, latent: torch.Tensor, k_rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [..., T, kv_lora], k_rope [..., T, rope] -> k [..., n, T, dk], v [..., n, T, dv]."""
+        """latent [..., T, kv_lora], k_rope [..., T, rope] -> k [..., n, T, dk], v [..., n, T, dv];
+        absorbed: the one key [..., 1, T, kv_lora+rope] and value [..., 1, T, kv_lora] every head
+        reads of the cache (vLLM's ``forward_mqa``)."""
         c = self.config
+        if self.absorbed:
+            latent = latent.unsqueeze(-3)
+            return torch.cat((latent, k_rope.unsqueeze(-3)), dim=-1), latent
         kv = self.proj(latent, "self_attn.kv_b_proj")
         kv = kv.unflatten(-1, (c.num_attention_heads, -1)).transpose(-2, -3)  # [..., n, T, nope+v]
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
@@ -138,6 +196,7 @@ class DSpark:
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv: KVCache = KV_CACHES["auto"],
     ):
         shapes = {k: tuple(v.shape) for k, v in weights.items()}
         check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
@@ -148,7 +207,7 @@ class DSpark:
         self.inv_freq = inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(self.device)
         self.scale = config.softmax_scale
         self.layers = tuple(
-            Layer(config, self.w, i, self.inv_freq) for i in range(config.num_hidden_layers)
+            Layer(config, self.w, i, self.inv_freq, kv) for i in range(config.num_hidden_layers)
         )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -161,11 +220,18 @@ class DSpark:
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """fp32 ``q . k * scale`` (q [..., Tq, dk], k [..., Tk, dk]) -> [..., Tq, Tk]."""
-        return (q.float() @ k.float().transpose(-1, -2)) * self.scale
+        return _heads_matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+
+    def partial_pv(self, p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One key chunk's probabilities p [..., Tq, Tk] (model dtype) times v [..., Tk, dv] for
+        an :class:`OnlineSoftmax`; absorbed, left in fp32 as TRITON_MLA's accumulator
+        (``tl.dot(p.to(v.dtype), v)`` into fp32, vllm/v1/attention/ops/triton_decode_attention.py)."""
+        return _heads_matmul(p.float(), v.float()) if self.layers[0].absorbed else p @ v
 
     def attend(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(scores) in fp32, rounded to the model's dtype, times v [..., Tk, dv]."""
-        return torch.softmax(scores, dim=-1).to(self.dtype) @ v
+        """softmax(scores) in fp32, rounded to the model's dtype, times v [..., Tk, dv] (one GEMM
+        accumulating in fp32, rounded once)."""
+        return _heads_matmul(torch.softmax(scores, dim=-1).to(self.dtype), v)
 
     def context(
         self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None
@@ -214,17 +280,24 @@ class DSpark:
         x = self.embed(tokens)  # [B, H]
         for layer, latent, rope_key in zip(self.layers, ctx.latent, ctx.rope_key):
             h = layer.input_norm(x)
-            q = layer.query(h, pos).transpose(0, 1)  # [n, B, dk]
-            k_ctx, v_ctx = layer.expand(latent[stream, :p], rope_key[stream, :p])  # [n, p, d]
-            k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [n, B, d]
-            k, v = torch.cat((k_ctx, k_blk), dim=1), torch.cat((v_ctx, v_blk), dim=1)  # [n, p+B, d]
-            out = self.attend(self.scores(q, k), v)  # [n, B, dv]: every key is visible
-            x = x + layer.attention_output(out.transpose(0, 1).flatten(1))  # [B, H]
+            x = x + self.block_attention(layer, h, pos, latent[stream, :p], rope_key[stream, :p])
             x = x + layer.mlp(x)
         U, hf = self.head(x)  # [B, V], [B, H]
         return Blocks(
             U[None].float(), hf[None].float(), torch.tensor([first_token], device=self.device)
         )
+
+    def block_attention(
+        self, layer: Layer, h: torch.Tensor, pos: torch.Tensor, latent, rope_key
+    ) -> torch.Tensor:
+        """``layer``'s attention of one block h [B, H] (input-normed) at ``pos`` [B] over its
+        context's cache rows (latent [p, kv_lora], rope_key [p, rope]) and its own -> [B, H]."""
+        q = layer.query(h, pos).transpose(0, 1)  # [n, B, dk]
+        k_ctx, v_ctx = layer.expand(latent, rope_key)  # [n, p, d]
+        k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [n, B, d]
+        k, v = torch.cat((k_ctx, k_blk), dim=1), torch.cat((v_ctx, v_blk), dim=1)  # [n, p+B, d]
+        out = self.attend(self.scores(q, k), v)  # [n, B, dv]: every key is visible
+        return layer.attention_output(out.transpose(0, 1).flatten(1))  # [B, H]
 
     def draft(
         self,
@@ -398,15 +471,14 @@ def _draft_rows(
     for layer, latent, rope_key in zip(model.layers, ctx.latent, ctx.rope_key):
         h = layer.input_norm(x)
         q = layer.query(h, pos).permute(0, 3, 1, 2, 4)  # [R, n, M, B, dk]
-        k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [R, M, n, B, d]
-        s_blk = model.scores(q, k_blk.transpose(1, 2))  # [R, n, M, B, B]: no causal mask
         latent, rope_key = _rows(latent, row_stream, T), _rows(rope_key, row_stream, T)
-        if T <= key_chunk:
-            out = _attend_block(model, layer, q, s_blk, v_blk, latent, rope_key, hidden)
+        if layer.absorbed and T <= key_chunk:
+            out = _attend_absorbed(model, layer, q, h, pos, latent, rope_key, hidden)
         else:
-            out = _attend_block_chunked(
-                model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk
-            )
+            k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [R, M, n, B, d]
+            s_blk = model.scores(q, k_blk.transpose(1, 2))  # [R, n, M, B, B]: no causal mask
+            attend = _attend_block if T <= key_chunk else _attend_block_chunked
+            out = attend(model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk)
         out = out.permute(0, 2, 3, 1, 4).flatten(3)  # [R, M, B, n*dv]
         x = x + layer.attention_output(out)
         x = x + layer.mlp(x)
@@ -414,7 +486,7 @@ def _draft_rows(
 
 
 def _attend_block(
-    model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden
+    model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
 ) -> torch.Tensor:
     """One softmax over the whole context plus the block: -> [R, n, M, B, dv]."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
@@ -428,20 +500,38 @@ def _attend_block(
     return out + p_blk @ v_blk.transpose(1, 2)
 
 
+def _attend_absorbed(
+    model: DSpark, layer: Layer, q, h, pos, latent, rope_key, hidden
+) -> torch.Tensor:
+    """:func:`_attend_block` as vLLM's decode path (:class:`Layer`): each row's cache holds its
+    context and every slot's block, slot m's queries see the context before its anchor and
+    its own block, one softmax and one P·V per row -> [R, n, M, B, kv_lora]."""
+    M, B = q.shape[2:4]  # q [R, n, M, B, kv_lora+rope]
+    lat_b, rope_b = layer.latent(h, pos)  # [R, M, B, kv_lora], [R, M, B, rope]
+    k, v = layer.expand(  # [R, 1, T+M*B, kv_lora+rope], [R, 1, T+M*B, kv_lora]
+        torch.cat((latent, lat_b.flatten(1, 2)), 1), torch.cat((rope_key, rope_b.flatten(1, 2)), 1)
+    )
+    own = torch.eye(M, dtype=torch.bool, device=q.device).repeat_interleave(B, dim=1)  # [M, M*B]
+    hidden = torch.cat((hidden[:, :, 0], ~own.expand(len(q), M, M * B)), -1)  # [R, M, T+M*B]
+    s = model.scores(q.flatten(2, 3), k).unflatten(2, (M, B))  # [R, n, M, B, T+M*B]
+    p = torch.softmax(s.masked_fill_(hidden[:, None, :, None], float("-inf")), dim=-1)
+    return _heads_matmul(p.to(model.dtype).flatten(2, 3), v).unflatten(2, (M, B))
+
+
 def _attend_block_chunked(
     model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
 ) -> torch.Tensor:
     """The same, context keys ``key_chunk`` at a time; the block's own (never masked) first."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     softmax = OnlineSoftmax(model.dtype)
-    softmax.add(s_blk, lambda p: p @ v_blk.transpose(1, 2))  # [R, n, M, B, dv]
+    softmax.add(s_blk, lambda p: model.partial_pv(p, v_blk.transpose(1, 2)))  # [R, n, M, B, dv]
     q_flat = q.flatten(2, 3)  # [R, n, M*B, dk]
     for t0 in range(0, latent.shape[1], key_chunk):
         t1 = min(latent.shape[1], t0 + key_chunk)
         k_ctx, v_ctx = layer.expand(latent[:, t0:t1], rope_key[:, t0:t1])  # [R, n, c, d]
         s = model.scores(q_flat, k_ctx).unflatten(2, (M, B))  # [R, n, M, B, c]
         s = s.masked_fill_(hidden[:, None, ..., t0:t1], float("-inf"))
-        softmax.add(s, lambda p: (p.flatten(2, 3) @ v_ctx).unflatten(2, (M, B)))
+        softmax.add(s, lambda p: model.partial_pv(p.flatten(2, 3), v_ctx).unflatten(2, (M, B)))
     return softmax.result()
 
 
@@ -518,7 +608,7 @@ def cached_causal_attention(
     softmax = OnlineSoftmax(model.dtype)
     for k0 in range(0, T, key_chunk):  # key 0 is visible to every query: the first m is finite
         k, v = layer.expand(latent[:, k0 : k0 + key_chunk], rope_key[:, k0 : k0 + key_chunk])
-        softmax.add(scores(k0, k), lambda p: p @ v)
+        softmax.add(scores(k0, k), lambda p: model.partial_pv(p, v))
     return softmax.result()
 
 
@@ -545,6 +635,14 @@ class CausalStream(CausalRows):
             x = x + layer.mlp(x)
             outs.append(x.to(self.dtype))
         return torch.stack(outs, dim=2).flatten(2)
+
+
+def _heads_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., n, X, d] @ b [..., n or 1, d, Y]; a b shared by the n heads (the absorbed MLA
+    cache) multiplies all heads' rows at once rather than being copied per head."""
+    if b.dim() < 3 or b.shape[-3] != 1 or a.shape[-3] == 1 or a.shape[:-3] != b.shape[:-3]:
+        return a @ b
+    return (a.flatten(-3, -2) @ b.squeeze(-3)).unflatten(-2, a.shape[-3:-1])
 
 
 def _rows(cache: torch.Tensor, row_stream: torch.Tensor, T: int) -> torch.Tensor:

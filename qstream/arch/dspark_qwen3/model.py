@@ -24,7 +24,16 @@ import torch.nn.functional as F
 from qstream.arch.dspark_qwen3 import Qwen3DSparkConfig, check_tensors
 from qstream.arch.family import check_blocks, context_lengths
 from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks
-from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
+from qstream.arch.weights import (
+    CausalRows,
+    ComputeWeights,
+    embedding,
+    fp8_round_trip,
+    inv_freq,
+    rms_norm,
+    swiglu,
+)
+from qstream.serving import KV_CACHES, KVCache
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
 SCORE_BUDGET = 1 << 25  # attention score elements computed at a time
@@ -59,6 +68,7 @@ class Qwen3DSpark:
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv: KVCache = KV_CACHES["auto"],
     ):
         shapes = {k: tuple(v.shape) for k, v in weights.items()}
         check_tensors(config, shapes, "weights")
@@ -84,6 +94,7 @@ class Qwen3DSpark:
         self.mscale = config.rope_parameters.mscale
         self.scale = config.head_dim**-0.5
         self.eps = config.rms_norm_eps
+        self.kv_fp8 = getattr(torch, str(kv.dtype)) if kv.quantized else None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return embedding(self.w, EMBED, tokens)
@@ -99,11 +110,17 @@ class Qwen3DSpark:
         return rms_norm(x, self.w[f"{name}.weight"], self.eps)
 
     def key_value(self, i: int, h: torch.Tensor, pos: torch.Tensor):
-        """Layer i's keys (k_norm, RoPE) and values of h [..., T, H]: [..., T, kv, d] each."""
+        """Layer i's keys (k_norm, RoPE) and values of h [..., T, H]: [..., T, kv, d] each, as
+        every read of the KV cache sees them: an fp8 cache's are rounded (the context's by
+        ``precompute_and_store_context_kv``, the block's own by the attention layer's cache
+        update before it attends, ``unified_kv_cache_update``; docs/eval-drift.md, "KV cache")."""
         c, a = self.config, f"layers.{i}.self_attn."
         k = self.proj(a + "k_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
         v = self.proj(a + "v_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        return apply_rope(self.norm(k, a + "k_norm"), pos, self.inv_freq, self.mscale), v
+        k = apply_rope(self.norm(k, a + "k_norm"), pos, self.inv_freq, self.mscale)
+        if self.kv_fp8 is None:
+            return k, v
+        return fp8_round_trip(k, self.kv_fp8), fp8_round_trip(v, self.kv_fp8)
 
     def query(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Layer i's queries (q_norm, RoPE) [..., T, kv, group, d]."""
