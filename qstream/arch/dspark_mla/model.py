@@ -26,7 +26,15 @@ import torch
 from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
 from qstream.arch.family import check_blocks, context_lengths
 from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_layers
-from qstream.arch.weights import CausalRows, ComputeWeights, embedding, inv_freq, rms_norm, swiglu
+from qstream.arch.weights import (
+    CausalRows,
+    ComputeWeights,
+    ServedLinears,
+    embedding,
+    inv_freq,
+    rms_norm,
+    swiglu,
+)
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
 
@@ -138,11 +146,12 @@ class DSpark:
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        served: ServedLinears | None = None,
     ):
         shapes = {k: tuple(v.shape) for k, v in weights.items()}
         check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
         self.config, self.dtype = config, dtype
-        self.w = ComputeWeights(weights, dtype, device)
+        self.w = ComputeWeights(weights, dtype, device, served)
         self.device = self.w.device
         yarn = config.rope_parameters
         self.inv_freq = inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(self.device)
