@@ -15,8 +15,9 @@ eval-drift's set (:func:`calibrate_regime`): blocks of the regime drawn with
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -103,24 +104,36 @@ def calibration_plan(
 def calibrate_regime(run: RegimeRun, blocks: int = CALIBRATION_BLOCKS) -> Calibration:
     """The reference drafting calibration blocks of ``run``'s regime (aux states drawn with the
     calibration seed; boot's made by a reference that is not observed)."""
-    s, config = run.settings, run.config
+    s, config, weights = run.settings, run.config, run.weights
     seed = calibration_seed(s.seed)
     plan = calibration_plan(run.corpus, run.plan, min(blocks, s.blocks), config, seed)
-    arch, observer = architecture_of(config), Observer()
-    model = arch.build(config, run.weights, REFERENCE_VARIANT, s.device, observer.served())
-    maker = (
-        arch.build(config, run.weights, REFERENCE_VARIANT, s.device) if run.regime.causal else None
-    )
-    aux = AuxStates(run.regime, run.corpus, config, seed, s.scratch_dir)
-    try:
-        for batch in make_batches(plan, run.corpus, config):
-            propose(model, aux.get(batch, maker), batch)
-    finally:
-        aux.close()
+    arch = architecture_of(config)
+    maker = arch.build(config, weights, REFERENCE_VARIANT, s.device) if run.regime.causal else None
+
+    def feed(model: Any) -> None:
+        aux = AuxStates(run.regime, run.corpus, config, seed, s.scratch_dir)
+        try:
+            for batch in make_batches(plan, run.corpus, config):
+                propose(model, aux.get(batch, maker), batch)
+        finally:
+            aux.close()
+
     source = {
         "regime": run.regime.name,
         "seed": seed,
         "blocks": int(plan.anchor.numel()),
         "drawn": "as the evaluated blocks, with the calibration seed; evaluated blocks left out",
     }
+    return calibrate(config, weights, s.device, feed, source)
+
+
+def calibrate(
+    config: DraftConfig, weights: Any, device: Any, feed: Callable[[Any], Any], source: dict
+) -> Calibration:
+    """The FP32 reference built with its linears observed, run by ``feed(model)``."""
+    observer = Observer()
+    model = architecture_of(config).build(
+        config, weights, REFERENCE_VARIANT, device, observer.served()
+    )
+    feed(model)
     return Calibration(observer.amax, source)

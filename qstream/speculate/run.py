@@ -20,6 +20,7 @@ import torch
 import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
+from qstream.calibration import calibrate, calibration_seed
 from qstream.capture.layout import capture_record, record_streams, start_output, write_batch
 from qstream.capture.run import CorpusDocs, corpus_docs
 from qstream.capture.target import (
@@ -41,13 +42,14 @@ from qstream.eval.states.layouts import QSTREAM
 from qstream.eval.variants import (
     check_variants_derived,
     refuse_quantized_model,
+    served_linears,
     settings_variants,
     variant_weights,
 )
 from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
-from qstream.serving import Variant
+from qstream.serving import DEFAULTS, Variant
 from qstream.speculate.decode import (
     RULES,
     Decoded,
@@ -120,9 +122,14 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     target, prompts = _target_and_prompts(s, docs, config)
     results = _description(s, config, shape, docs)
     decoded = {}
+    calibration = None
+    if any(not v.activation.dynamic for v in variants):
+        calibration = _calibrate(s, config, weights, target, docs)
+        results["calibration"] = calibration.source
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
-        draft = arch.build(config, var_weights, v, "cpu")
+        served = served_linears(v, weights, config, s, calibration)
+        draft = arch.build(config, var_weights, v, "cpu", served)
         _started(progress, len(prompts), v.name)
         runs = decoded[v.name] = decode_prompts(
             target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, s.seed, progress
@@ -144,6 +151,26 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         write_capture(s, config, shape, docs, target, prompts, decoded)
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
+
+
+def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs):
+    """Activation calibration: the FP32 reference draft decoding the documents after the
+    ``--prompts`` ones (as many, or what the corpus holds), with the calibration seed."""
+    rest = CorpusDocs(docs.name, docs.sha256, docs.texts[s.prompts : 2 * s.prompts])
+    if not rest.texts:
+        raise QStreamError(
+            f"corpus {docs.name}: calibrating activations needs documents after the "
+            f"--prompts {s.prompts} decoded ones; it holds {len(docs.texts)}"
+        )
+    prompts = _prompts(target.tokenizer, rest, len(rest.texts), config.vocab_size)
+    seed = calibration_seed(s.seed)
+    source = {"documents": [s.prompts, s.prompts + len(prompts)], "seed": seed,
+              "drawn": "the reference draft decoding the documents after the prompts"}  # fmt: skip
+
+    def feed(draft) -> None:
+        decode_prompts(target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, seed)
+
+    return calibrate(config, weights, "cpu", feed, source)
 
 
 def _target_and_prompts(s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig):
@@ -191,7 +218,9 @@ def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[l
 
 
 def _variant_entry(v: Variant, changed: list[str]) -> dict:
+    served = v.configuration()  # recorded when not the default (docs/speculate.md)
     return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
+            **({"configuration": served} if served != DEFAULTS else {}),
             "quantized_tensors": changed}  # fmt: skip
 
 
