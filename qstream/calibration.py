@@ -30,7 +30,8 @@ from qstream.serving import REFERENCE_VARIANT
 
 if TYPE_CHECKING:
     from qstream.arch.interface import DraftConfig
-    from qstream.eval.passes import RegimeRun
+    from qstream.eval.settings import DriftSettings
+    from qstream.regimes import Regime
 
 LINEAR_INPUTS = "linear_inputs"  # observation point: a linear's input, keyed by module
 CALIBRATION_BLOCKS = 32  # blocks of a regime eval-drift calibrates on
@@ -101,25 +102,32 @@ def calibration_plan(
     return AnchorPlan(drawn.stream[keep], drawn.anchor[keep])
 
 
-def calibrate_regime(run: RegimeRun, blocks: int = CALIBRATION_BLOCKS) -> Calibration:
-    """The reference drafting calibration blocks of ``run``'s regime (aux states drawn with the
-    calibration seed; boot's made by a reference that is not observed)."""
-    s, config, weights = run.settings, run.config, run.weights
-    seed = calibration_seed(s.seed)
-    plan = calibration_plan(run.corpus, run.plan, min(blocks, s.blocks), config, seed)
+def calibrate_regime(
+    regime: Regime,
+    corpus: Corpus,
+    evaluated: AnchorPlan,
+    config: DraftConfig,
+    weights: Any,
+    settings: DriftSettings,
+    blocks: int = CALIBRATION_BLOCKS,
+) -> Calibration:
+    """The reference drafting calibration blocks of ``regime`` over ``corpus`` (aux states
+    drawn with the calibration seed; boot's made by a reference that is not observed)."""
+    s, seed = settings, calibration_seed(settings.seed)
+    plan = calibration_plan(corpus, evaluated, min(blocks, s.blocks), config, seed)
     arch = architecture_of(config)
-    maker = arch.build(config, weights, REFERENCE_VARIANT, s.device) if run.regime.causal else None
+    maker = arch.build(config, weights, REFERENCE_VARIANT, s.device) if regime.causal else None
 
     def feed(model: Any) -> None:
-        aux = AuxStates(run.regime, run.corpus, config, seed, s.scratch_dir)
+        aux = AuxStates(regime, corpus, config, seed, s.scratch_dir)
         try:
-            for batch in make_batches(plan, run.corpus, config):
+            for batch in make_batches(plan, corpus, config):
                 propose(model, aux.get(batch, maker), batch)
         finally:
             aux.close()
 
     source = {
-        "regime": run.regime.name,
+        "regime": regime.name,
         "seed": seed,
         "blocks": int(plan.anchor.numel()),
         "drawn": "as the evaluated blocks, with the calibration seed; evaluated blocks left out",

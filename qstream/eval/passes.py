@@ -79,7 +79,10 @@ def evaluate_regime(run: RegimeRun) -> dict:
             with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)
             calibrated = any(not v.activation.dynamic for v in run.variants)
-            calibration = calibrate_regime(run) if calibrated else None
+            calibration = None
+            if calibrated:  # on blocks of the regime that are not evaluated (docs/eval-drift.md)
+                plan = (run.regime, run.corpus, run.plan, run.config, run.weights, s)
+                calibration = calibrate_regime(*plan)
             out = {
                 "variants": {
                     v.name: measure_variant(run, v, aux, ref, probe, calibration)

@@ -20,7 +20,7 @@ import torch
 import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
-from qstream.calibration import calibrate, calibration_seed
+from qstream.calibration import Calibration, calibrate, calibration_seed
 from qstream.capture.layout import capture_record, record_streams, start_output, write_batch
 from qstream.capture.run import CorpusDocs, corpus_docs
 from qstream.capture.target import (
@@ -122,10 +122,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     target, prompts = _target_and_prompts(s, docs, config)
     results = _description(s, config, shape, docs)
     decoded = {}
-    calibration = None
-    if any(not v.activation.dynamic for v in variants):
-        calibration = _calibrate(s, config, weights, target, docs)
-        results["calibration"] = calibration.source
+    calibration = _calibrate(s, config, weights, target, docs, variants, results)
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
         served = served_linears(v, weights, config, s, calibration)
@@ -153,9 +150,13 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     return results
 
 
-def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs):
-    """Activation calibration: the FP32 reference draft decoding the documents after the
-    ``--prompts`` ones (as many, or what the corpus holds), with the calibration seed."""
+def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs,
+               variants: tuple[Variant, ...], results: dict) -> Calibration | None:  # fmt: skip
+    """Activation calibration, when a variant's activations need it, recorded in ``results``:
+    the FP32 reference draft decoding the documents after the ``--prompts`` ones (as many, or
+    what the corpus holds), with the calibration seed."""
+    if all(v.activation.dynamic for v in variants):
+        return None
     rest = CorpusDocs(docs.name, docs.sha256, docs.texts[s.prompts : 2 * s.prompts])
     if not rest.texts:
         raise QStreamError(
@@ -170,6 +171,7 @@ def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs:
     def feed(draft) -> None:
         decode_prompts(target.model, draft, prompts, s.new_tokens, s.rule, s.temperature, seed)
 
+    results["calibration"] = source
     return calibrate(config, weights, "cpu", feed, source)
 
 
