@@ -4,6 +4,8 @@ does, on both architectures; the calibration is reproducible from the seed and n
 evaluated block; a non-finite activation is one error naming the module; eval-drift measures
 W4A4 and W8A8 on the tiny K3 draft and the qwen3-tiny preset."""
 
+import shutil
+
 import pytest
 import torch
 from model_helpers import random_model_weights
@@ -131,6 +133,23 @@ def test_a_non_finite_activation_names_its_module():
         weights["layers.0.post_attention_layernorm.weight"].shape, 3e38)}  # fmt: skip
     with pytest.raises(QStreamError, match="of layers.0.mlp.gate_proj hold NaN or Inf"):
         _calibration(config, weights)
+
+
+def test_a_non_finite_calibration_activation_is_one_error_line_and_writes_nothing(tiny, tmp_path):
+    from cli_helpers import cli_error
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    tensors = load_file(bad / "model.safetensors")
+    norm = "layers.0.post_attention_layernorm.weight"
+    tensors[norm] = torch.full_like(tensors[norm], 3e38)  # finite in bf16, overflows after
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "results.json"
+    message = cli_error(["eval-drift", "--model", str(bad), "--regime", "gauss", "--blocks", "8",
+                         "--formats", "fp8+a=fp8-static", "--json", str(out)])  # fmt: skip
+    assert "the linear inputs of layers.0.mlp.gate_proj hold NaN or Inf" in message
+    assert not out.exists()
 
 
 def test_the_calibration_set_is_drawn_from_its_own_seed_and_leaves_evaluated_blocks_out(
