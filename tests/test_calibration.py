@@ -215,3 +215,20 @@ def test_eval_drift_measures_quantized_activations(which, drifts):
 
 def test_eval_drift_with_quantized_activations_is_reproducible(drifts, tiny, corpus):
     assert _drift(tiny, corpus) == drifts["tiny"]
+
+
+def test_a_quantized_linear_upcasts_a_big_weight_a_row_chunk_at_a_time(monkeypatch):
+    """Integer operands make every float32 sum exact, so the chunked product must equal the
+    whole one bit for bit whatever order a BLAS sums in."""
+    import qstream.arch.weights as weights_module
+    from qstream.arch.weights import ComputeWeights
+
+    monkeypatch.setattr(weights_module, "UPCAST_MIN_ROWS", 3)
+    monkeypatch.setattr(weights_module, "UPCAST_CHUNK_ELEMENTS", 3 * 16)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(-8, 8, (10, 16), generator=gen).bfloat16()
+    x = torch.randint(-8, 8, (2, 5, 16), generator=gen).bfloat16()
+    served = ServedLinears({"w": lambda t: t.float() * 2})
+    got = ComputeWeights({"w": weight}, torch.bfloat16, "cpu", served).linear("w", x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, torch.nn.functional.linear(x.float() * 2, weight.float()).bfloat16())

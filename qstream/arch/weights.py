@@ -93,11 +93,25 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
         if served.observe is not None:
             served.observe(name, x)
         quantize = served.inputs.get(name)
-        if quantize is not None or served.fp32_products:
-            x32 = x.float() if quantize is None else quantize(x)
-            return F.linear(x32, self.stored[name].float()).to(out or self.dtype)
+        if quantize is not None:
+            return self._fp32_rows(name, quantize(x)).to(out or self.dtype)
+        if served.fp32_products:
+            return F.linear(x.float(), self.stored[name].float()).to(out or self.dtype)
         y = self._linear(name, x)
         return y if out is None else y.to(out)
+
+    def _fp32_rows(self, name: str, x32: torch.Tensor) -> torch.Tensor:
+        """``x32 @ weight^T`` in float32, the weight upcast a row chunk at a time (a K3 MLP
+        weight whole in fp32 would be half a gigabyte per call)."""
+        weight = self.stored[name]
+        n, k = weight.shape
+        chunk = max(UPCAST_MIN_ROWS, UPCAST_CHUNK_ELEMENTS // k)
+        if chunk >= n:
+            return F.linear(x32, weight.float())
+        out = x32.new_empty(*x32.shape[:-1], n)
+        for r0 in range(0, n, chunk):
+            out[..., r0 : r0 + chunk] = F.linear(x32, weight[r0 : r0 + chunk].float())
+        return out
 
     def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if not self.upcast_per_use(name):
