@@ -39,9 +39,9 @@ class ToyArch(DSparkMLA):
     def parse_config(self, data):
         return ToyConfig.from_json(dict(data))
 
-    def build(self, config, weights, variant, device="cpu"):
+    def build(self, config, weights, variant, device="cpu", served=None):
         self.built.append(variant.dtype)
-        return super().build(config, weights, variant, device)
+        return super().build(config, weights, variant, device, served)
 
 
 @pytest.fixture

@@ -221,6 +221,30 @@ def test_bad_inputs_are_one_line_and_write_nothing(pair, tmp_path):
     assert not out.exists()
 
 
+def test_activation_variants_decode_after_their_calibration(pair, tmp_path):
+    """Quantized activations are served in the decoder too; the static ones calibrated on the
+    documents after the decoded prompts, which the corpus must hold (one line, nothing
+    written, when it does not)."""
+    target, draft, _, corpus = pair
+    out = tmp_path / "spec.json"
+    formats = "fp8,fp8+a=fp8-dynamic,fp8+a=fp8-static,nvfp4+a=nvfp4"
+    args = ["speculate", "--target", str(target), "--model", str(draft), "--corpus", str(corpus),
+            "--new-tokens", str(NEW_TOKENS), "--dtype", "float32", "--formats", formats,
+            "--json", str(out)]  # fmt: skip
+    assert "calibrating activations needs documents after the --prompts 3" in cli_error(
+        [*args, "--prompts", "3"]
+    )
+    assert not out.exists()
+    cli_ok([*args, "--prompts", "2"])
+    results = json.loads(out.read_text())
+    assert results["calibration"]["documents"] == [2, 3]
+    variants = results["variants"]
+    assert "configuration" not in variants["fp8"]
+    assert variants["nvfp4+a=nvfp4"]["configuration"]["activations"] == "nvfp4"
+    for entry in variants.values():
+        assert 1 <= entry["summary"]["mean_acceptance_length"]["value"] <= 8
+
+
 def test_bad_option_values_are_usage_errors(pair, tmp_path):
     from click.testing import CliRunner
 

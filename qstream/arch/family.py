@@ -23,7 +23,8 @@ from qstream.serving import DEFAULTS
 Shapes = Mapping[str, tuple[int, ...]]
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
-SIMULATED = ("kv_cache", "target")  # the serving fields besides the weights that the models simulate
+SIMULATED = ("activations", "kv_cache", "target")  # the serving fields besides the weights
+# the draft is built for (the target is no part of its arithmetic: it serves the states and verifies)
 D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id] (vLLM's draft_id_to_target_id)
 
 
@@ -49,22 +50,23 @@ class DSparkFamily:
 
         return BLOCK_DRAFTER
 
-    def build(self, config: Any, weights: Any, variant: Any, device: Any = "cpu") -> Any:
-        # SIMULATED: what the models compute; the target is no part of the draft's arithmetic:
-        # it serves the states and verifies (capture --target-format, speculate)
-        served = {
-            f: v
-            for f, v in variant.configuration().items()
-            if v != DEFAULTS[f] and f not in SIMULATED
-        }
-        if served:  # the arithmetic of these is not simulated yet (docs/status.md)
-            field, value = next(iter(served.items()))
+    def build(
+        self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
+    ) -> Any:
+        """The model serving ``weights`` as ``variant`` says; ``served`` (weights.py's
+        ServedLinears): its linears' input quantizers (qstream/eval/variants.py,
+        ``served_linears``), needed when its activations are quantized."""
+        fields = variant.configuration().items()
+        pending = {f: v for f, v in fields if v != DEFAULTS[f] and f not in SIMULATED}
+        if pending:  # the arithmetic of these is not simulated yet (docs/status.md)
+            field, value = next(iter(pending.items()))
             raise QStreamError(
-                f"variant {variant.name}: {field} {value!r} is not simulated yet; only weights "
-                "and the KV cache dtype are (activations none, kvscale 1.0)"
+                f"variant {variant.name}: {field} {value!r} is not simulated yet (kvscale 1.0 is)"
             )
+        if variant.activation.strategy is not None and not (served and served.inputs):
+            raise ValueError(f"variant {variant.name}: its linears' input quantizers are missing")
         model = getattr(importlib.import_module(self.model_module), self.model_class)
-        return model(config, weights, variant.dtype, device, variant.kv)
+        return model(config, weights, variant.dtype, device, variant.kv, served)
 
     def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
         return importlib.import_module(self.model_module).CausalStream(model, ids, dtype, depth)

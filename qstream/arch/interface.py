@@ -183,9 +183,15 @@ class Architecture(Protocol):
         ...
 
     def build(
-        self, config: Any, weights: Mapping[str, torch.Tensor], variant: Variant, device: Any
+        self,
+        config: Any,
+        weights: Mapping[str, torch.Tensor],
+        variant: Variant,
+        device: Any,
+        served: Any = None,
     ) -> DraftModel:
-        """The draft served as ``variant`` (qstream/serving.py) says, on ``device``."""
+        """The draft served as ``variant`` (qstream/serving.py) says, on ``device``; ``served``:
+        how its linears take their inputs (qstream/arch/weights.py, ``ServedLinears``)."""
         ...
 
     @property

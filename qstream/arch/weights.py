@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +45,18 @@ def _stored(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> t
     return tensor.to(device=device, dtype=None if keep else dtype).contiguous()
 
 
+@dataclass(frozen=True)
+class ServedLinears:
+    """How a model's linears take their inputs: ``inputs`` maps a weight's name to its input
+    quantizer (qstream/formats/activations.py: x -> x dequantized, float32); ``observe(name,
+    x)`` sees every input first (qstream/calibration.py); ``fp32_products``: operands of a
+    narrower dtype are multiplied upcast to float32 (exact), the sum rounded once."""
+
+    inputs: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    observe: Callable[[str, torch.Tensor], None] | None = None
+    fp32_products: bool = False
+
+
 class ComputeWeights(Mapping[str, torch.Tensor]):
     """name -> weight in ``dtype`` on ``device``, each held once (module docstring)."""
 
@@ -52,10 +65,12 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
         weights: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        served: ServedLinears | None = None,
     ):
         self.dtype, self.device = dtype, torch.device(device)
         self.stored = {k: _stored(v, dtype, self.device) for k, v in weights.items()}
         self._buffer: torch.Tensor | None = None  # linear's upcast chunks, reused
+        self.served = served or ServedLinears()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.stored[name].to(self.dtype)
@@ -66,11 +81,39 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.stored)
 
-    def linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight^T`` ([..., in] -> [..., rows]), a weight upcast per use converted into the
-        reused buffer a row chunk at a time.  Each output column is the fp32 dot product of the
-        whole fp32 weight, though a BLAS may order it by the output's shape: at K3's shapes some
-        differ in the last bit (docs/eval-drift.md, "Memory")."""
+    def linear(self, name: str, x: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
+        """``x @ weight^T`` ([..., in] -> [..., rows]) in ``out`` (default the compute dtype), as
+        ``served`` says (its observer sees x first).  With an input quantizer, or
+        ``fp32_products``, the operands are multiplied in float32 and the sum rounded once;
+        else a weight upcast per use is converted into the reused buffer a row chunk at a time.
+        Each output column is the fp32 dot product of the whole fp32 weight, though a BLAS may
+        order it by the output's shape: at K3's shapes some differ in the last bit
+        (docs/eval-drift.md, "Memory")."""
+        served = self.served
+        if served.observe is not None:
+            served.observe(name, x)
+        quantize = served.inputs.get(name)
+        if quantize is not None:
+            return self._fp32_rows(name, quantize(x)).to(out or self.dtype)
+        if served.fp32_products:
+            return F.linear(x.float(), self.stored[name].float()).to(out or self.dtype)
+        y = self._linear(name, x)
+        return y if out is None else y.to(out)
+
+    def _fp32_rows(self, name: str, x32: torch.Tensor) -> torch.Tensor:
+        """``x32 @ weight^T`` in float32, the weight upcast a row chunk at a time (a K3 MLP
+        weight whole in fp32 would be half a gigabyte per call)."""
+        weight = self.stored[name]
+        n, k = weight.shape
+        chunk = max(UPCAST_MIN_ROWS, UPCAST_CHUNK_ELEMENTS // k)
+        if chunk >= n:
+            return F.linear(x32, weight.float())
+        out = x32.new_empty(*x32.shape[:-1], n)
+        for r0 in range(0, n, chunk):
+            out[..., r0 : r0 + chunk] = F.linear(x32, weight[r0 : r0 + chunk].float())
+        return out
+
+    def _linear(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if not self.upcast_per_use(name):
             return F.linear(x, self[name])
         weight = self.stored[name]

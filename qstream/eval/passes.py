@@ -14,6 +14,7 @@ import torch
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of
 from qstream.bounded import Store, heap_hygiene
+from qstream.calibration import Calibration, calibrate_regime
 from qstream.checkpoint.safetensors_io import drop_resident_pages
 from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch
@@ -21,11 +22,11 @@ from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
 from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
 from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings
-from qstream.eval.variants import Weights, variant_weights, weight_snr
+from qstream.eval.variants import Weights, served_linears, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.progress import Progress
 from qstream.regimes import Regime
-from qstream.serving import FLOOR, REFERENCE_VARIANT, Variant
+from qstream.serving import DEFAULTS, FLOOR, REFERENCE_VARIANT, Variant
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,19 @@ def evaluate_regime(run: RegimeRun) -> dict:
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
             with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)
+            calibrated = any(not v.activation.dynamic for v in run.variants)
+            calibration = None
+            if calibrated:  # on blocks of the regime that are not evaluated (docs/eval-drift.md)
+                plan = (run.regime, run.corpus, run.plan, run.config, run.weights, s)
+                calibration = calibrate_regime(*plan)
             out = {
-                "variants": {v.name: measure_variant(run, v, aux, ref, probe) for v in run.variants}
+                "variants": {
+                    v.name: measure_variant(run, v, aux, ref, probe, calibration)
+                    for v in run.variants
+                }
             }
+            if calibration is not None:
+                out["calibration"] = calibration.source
         probe.finish(out)
         if s.sensitivity:
             _sensitivity(run, aux, ref, out)
@@ -134,6 +145,7 @@ def measure_variant(
     aux: AuxStates,
     ref: ReferenceOutputs,
     probe: RegimeAcceptance | None,
+    calibration: Calibration | None = None,
 ) -> dict:
     """One variant's results entry; ``probe`` None: drift only (a sensitivity step)."""
     s = run.settings
@@ -147,7 +159,8 @@ def measure_variant(
     if step:  # the variant is built (and its SNR taken): the time so far is that step's
         run.progress.advance(f"{run.regime.name}: {step} {variant.name}", 0, kind=kind)
     arch = architecture_of(run.config)
-    model = arch.build(run.config, var_weights, variant, s.device)
+    served = served_linears(variant, run.weights, run.config, s, calibration)
+    model = arch.build(run.config, var_weights, variant, s.device, served)
     acc = DriftAccumulator(run.config.block_size)
     accepted = probe.variant(variant.name) if probe is not None else None
     for number, batch in enumerate(run.batches):
@@ -166,8 +179,10 @@ def measure_variant(
                 probe.add_variant(accepted, batch, state, greedy, sampled)
         work = batch_flops(run.config, batch)
         run.progress.advance(f"{run.regime.name}: {variant.name}", len(idx), work, kind)
+    served_as = variant.configuration()  # recorded when not the default (docs/eval-drift.md)
     return {
         "kind": variant.kind,
+        **({"configuration": served_as} if served_as != DEFAULTS else {}),
         "quantized_tensors": changed,
         "weight_snr": snr,
         "metrics": acc.result().to_json(),

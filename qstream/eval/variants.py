@@ -7,22 +7,28 @@ quantize bit-identical; a foreign one is refused, or allowed and labelled ``fore
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of, load_config
+from qstream.arch.weights import ServedLinears
 from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.integrity import integrity_record
 from qstream.checkpoint.safetensors_io import ShardReader, drop_resident_pages
 from qstream.errors import QStreamError
 from qstream.eval.settings import Selection
 from qstream.formats import QUANTIZED_SUFFIXES, snr_db, snr_sums
-from qstream.quant.simulate import simulate_format
+from qstream.formats.activations import INPUT_SCHEMES
+from qstream.quant.simulate import simulate_format, simulated_selection
 from qstream.serving import Variant
+
+if TYPE_CHECKING:
+    from qstream.calibration import Calibration
 
 Weights = Mapping[str, torch.Tensor]
 
@@ -68,6 +74,44 @@ def variant_weights(
         weights = architecture_of(config).load_weights(variant.source, target, config)
     changed = [k for k, v in weights.items() if k != LM_HEAD and _differs(v, reference_weights[k])]
     return weights, changed
+
+
+def served_linears(
+    variant: Variant,
+    reference_weights: Weights,
+    config: DraftConfig,
+    settings: Selection,
+    calibration: Calibration | None,
+) -> ServedLinears | None:
+    """The variant's input quantizer at every linear its format quantizes (None: activations
+    unquantized), each with its calibrated scale when the scheme has one: from the module's
+    input amax in its weight's dtype (compressed-tensors), a fused group keeping its members'
+    largest, as vLLM 0.32.0 does (``process_weights_after_loading`` of
+    ``CompressedTensorsW8A8Fp8``: ``input_scale.max()``, of ``CompressedTensorsW4A4Fp4``:
+    ``input_global_scale.max()``)."""
+    strategy = variant.activation.strategy
+    if strategy is None:
+        return None
+    include = settings.include_layers if variant.include is None else variant.include
+    selection = simulated_selection(
+        reference_weights, variant.source, include, settings.ignore_layers, True, config
+    )
+    scheme = INPUT_SCHEMES[strategy]
+    scales: dict[str, torch.Tensor | None] = dict.fromkeys(selection.quantized)
+    if scheme.calibrated is not None:
+        if calibration is None:
+            raise ValueError(f"variant {variant.name}: its activations need a calibration")
+        for m in selection.quantized:
+            amax = calibration.input_amax(m).to(reference_weights[f"{m}.weight"].dtype)
+            scales[m] = scheme.calibrated(amax)
+        for group in selection.fused_groups:
+            top = max((scales[m] for m in group.members), key=lambda t: float(t))  # type: ignore[arg-type]
+            scales.update(dict.fromkeys(group.members, top))
+    return ServedLinears({f"{m}.weight": _bound(scheme.quantize, scales[m]) for m in scales})
+
+
+def _bound(quantize: Callable, scale: torch.Tensor | None) -> Callable:
+    return lambda x: quantize(x, scale)
 
 
 def _differs(tensor: torch.Tensor, reference: torch.Tensor) -> bool:

@@ -64,6 +64,14 @@ def _codes32(
     return codes.bitwise_or_(signs.bitwise_and_(8))
 
 
+def round_e2m1(y: torch.Tensor) -> torch.Tensor:
+    """float32 ``y`` rounded half to even onto the signed E2M1 grid, saturating at 6 (the
+    rounding :func:`_codes32` does, as values)."""
+    magnitude, grid = y.abs(), torch.empty_like(y)
+    _codes32(magnitude, y.contiguous(), torch.empty_like(y, dtype=torch.int32), grid)
+    return grid.copysign_(y)
+
+
 def _pack32(
     codes: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -24,9 +24,14 @@ from qstream.formats.snr import Energy
 def channel_scale(w: torch.Tensor) -> torch.Tensor:
     """``[N, 1]`` scale in ``w.dtype``; an all-zero row gets that dtype's eps.  The row amax
     is taken on the integer view (exact, see block_abs_max)."""
-    amax = block_abs_max(w, w.shape[1])
-    scale = amax / torch.tensor(FP8_MAX, dtype=w.dtype)
-    return torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)
+    return amax_scale(block_abs_max(w, w.shape[1]))
+
+
+def amax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' symmetric FP8 scale (``calculate_qparams``): ``amax / 448`` in
+    amax's dtype, a zero scale becoming that dtype's eps; also a static input scale."""
+    scale = amax / torch.tensor(FP8_MAX, dtype=amax.dtype)
+    return torch.where(scale == 0, torch.finfo(amax.dtype).eps, scale)
 
 
 def quantize(

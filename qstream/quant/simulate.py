@@ -15,7 +15,7 @@ from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.checkpoint.safetensors_io import DTYPE_NAMES, TensorInfo, drop_resident_pages
 from qstream.formats import dequantize, get_format, quantize
 from qstream.formats.nvfp4 import tensor_amax
-from qstream.quant.select import select_modules, share_group_amax
+from qstream.quant.select import Selection, select_modules, share_group_amax
 from qstream.vllm.profiles import profile_for
 
 
@@ -34,16 +34,7 @@ def simulate_format(
     config, as ``load_config`` reads it: which groups vLLM fuses), NVFP4 fused groups sharing
     one global scale; lm_head belongs to the target, never touched."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
-    infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
-    profile = profile_for(config.to_json())
-    selection = select_modules(
-        infos,
-        fmt,
-        list(include or profile.default_include),
-        list(ignore or []),
-        skip_incompatible=skip_incompatible,
-        profile=profile,
-    )
+    selection = simulated_selection(draft, fmt, include, ignore, skip_incompatible, config)
     amax: dict[str, torch.Tensor] = {}
     if get_format(fmt).global_scale:
         amax = share_group_amax(
@@ -57,3 +48,25 @@ def simulate_format(
         out[f"{module}.weight"] = dequantize(fmt, stored, dtype=w.dtype)
         drop_resident_pages(w)  # a mapped original: its pages leave this process's memory
     return out
+
+
+def simulated_selection(
+    weights: Mapping[str, torch.Tensor],
+    fmt: str,
+    include: Iterable[str] | None,
+    ignore: Iterable[str] | None,
+    skip_incompatible: bool,
+    config: DraftConfig,
+) -> Selection:
+    """The modules :func:`simulate_format` quantizes (and their fused groups)."""
+    draft = {k: v for k, v in weights.items() if k != LM_HEAD}
+    infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
+    profile = profile_for(config.to_json())
+    return select_modules(
+        infos,
+        fmt,
+        list(include or profile.default_include),
+        list(ignore or []),
+        skip_incompatible=skip_incompatible,
+        profile=profile,
+    )

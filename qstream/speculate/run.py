@@ -21,6 +21,7 @@ import torch
 import qstream
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
+from qstream.calibration import Calibration, calibrate, calibration_seed
 from qstream.capture.layout import capture_record, record_streams, start_output, write_batch
 from qstream.capture.run import CorpusDocs, corpus_docs
 from qstream.capture.target import (
@@ -43,13 +44,14 @@ from qstream.eval.states.layouts import QSTREAM
 from qstream.eval.variants import (
     check_variants_derived,
     refuse_quantized_model,
+    served_linears,
     settings_variants,
     variant_weights,
 )
 from qstream.eval.vocabulary import FLOOR
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_parent, publishing, write_json_atomic
-from qstream.serving import Variant
+from qstream.serving import DEFAULTS, Variant
 from qstream.speculate.decode import (
     Decoded,
     decode_prompts,
@@ -123,9 +125,12 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     served, prompts = _targets_and_prompts(s, docs, config, [v.target for v in variants])
     results = _description(s, config, shape, docs)
     decoded = {}
+    unquantized = served[DEFAULTS["target"]]  # the target calibration decodes against
+    calibration = _calibrate(s, config, weights, unquantized, docs, variants, results, mode)
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
-        draft = arch.build(config, var_weights, v, "cpu")
+        linears = served_linears(v, weights, config, s, calibration)
+        draft = arch.build(config, var_weights, v, "cpu", linears)
         _started(progress, len(prompts), v.name)
         model = served[v.target].model  # the target this configuration serves
         runs = decoded[v.name] = decode_prompts(
@@ -148,6 +153,31 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         write_capture(s, config, shape, docs, served[variants[0].target], prompts, decoded)
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
+
+
+def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs,
+               variants: tuple[Variant, ...], results: dict, mode) -> Calibration | None:  # fmt: skip
+    """Activation calibration, when a variant's activations need it, recorded in ``results``:
+    the FP32 reference draft decoding the documents after the ``--prompts`` ones (as many, or
+    what the corpus holds), with the calibration seed."""
+    if all(v.activation.dynamic for v in variants):
+        return None
+    rest = CorpusDocs(docs.name, docs.sha256, docs.texts[s.prompts : 2 * s.prompts])
+    if not rest.texts:
+        raise QStreamError(
+            f"corpus {docs.name}: calibrating activations needs documents after the "
+            f"--prompts {s.prompts} decoded ones; it holds {len(docs.texts)}"
+        )
+    prompts = _prompts(target.tokenizer, rest, len(rest.texts), config.vocab_size)
+    seed = calibration_seed(s.seed)
+    source = {"documents": [s.prompts, s.prompts + len(prompts)], "seed": seed,
+              "drawn": "the reference draft decoding the documents after the prompts"}  # fmt: skip
+
+    def feed(draft) -> None:
+        decode_prompts(target.model, draft, prompts, s.new_tokens, mode, s.temperature, seed)
+
+    results["calibration"] = source
+    return calibrate(config, weights, "cpu", feed, source)
 
 
 def served_targets(
@@ -212,8 +242,10 @@ def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[l
 
 
 def _variant_entry(v: Variant, changed: list[str]) -> dict:
+    served = v.configuration()  # recorded when not the default (docs/speculate.md)
     return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
-            "configuration": v.configuration(), "quantized_tensors": changed}  # fmt: skip
+            **({"configuration": served} if served != DEFAULTS else {}),
+            "quantized_tensors": changed}  # fmt: skip
 
 
 def _description(

@@ -29,6 +29,7 @@ from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_lay
 from qstream.arch.weights import (
     CausalRows,
     ComputeWeights,
+    ServedLinears,
     embedding,
     fp8_round_trip,
     inv_freq,
@@ -197,11 +198,12 @@ class DSpark:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv: KVCache = KV_CACHES["auto"],
+        served: ServedLinears | None = None,
     ):
         shapes = {k: tuple(v.shape) for k, v in weights.items()}
         check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
         self.config, self.dtype = config, dtype
-        self.w = ComputeWeights(weights, dtype, device)
+        self.w = ComputeWeights(weights, dtype, device, served)
         self.device = self.w.device
         yarn = config.rope_parameters
         self.inv_freq = inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(self.device)

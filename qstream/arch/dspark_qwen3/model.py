@@ -16,10 +16,9 @@ GQA).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from qstream.arch.dspark_qwen3 import Qwen3DSparkConfig, check_tensors
 from qstream.arch.family import check_blocks, context_lengths
@@ -27,6 +26,7 @@ from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks
 from qstream.arch.weights import (
     CausalRows,
     ComputeWeights,
+    ServedLinears,
     embedding,
     fp8_round_trip,
     inv_freq,
@@ -69,6 +69,7 @@ class Qwen3DSpark:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv: KVCache = KV_CACHES["auto"],
+        served: ServedLinears | None = None,
     ):
         shapes = {k: tuple(v.shape) for k, v in weights.items()}
         check_tensors(config, shapes, "weights")
@@ -79,7 +80,11 @@ class Qwen3DSpark:
                 )
         self.config, self.dtype = config, dtype
         index = ("d2t", "t2d")  # index maps, not weights: never held in a float dtype
-        self.w = ComputeWeights({k: v for k, v in weights.items() if k not in index}, dtype, device)
+        # On the CPU a bf16 model multiplies its operands upcast exactly to fp32 (see matmul)
+        upcast = dtype != torch.float32 and torch.device(device).type == "cpu"
+        served = replace(served or ServedLinears(), fp32_products=upcast)
+        weights = {k: v for k, v in weights.items() if k not in index}
+        self.w = ComputeWeights(weights, dtype, device, served)
         self.device = self.w.device
         d2t = weights.get("d2t")
         # draft id -> target id (qstream.arch.markov.draft_to_target)
@@ -139,11 +144,9 @@ class Qwen3DSpark:
 
     def matmul(self, name: str, x: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
         """``x @ W^T`` accumulated in fp32, rounded to ``out`` (the model's dtype).  On the CPU a bf16
-        model multiplies its operands upcast exactly to fp32: torch's CPU bf16 kernel is ~10x
-        slower and differs only in the order of the fp32 sums."""
-        if self.dtype == torch.float32 or self.device.type != "cpu":
-            return self.w.linear(name, x)
-        return F.linear(x.float(), self.w.stored[name].float()).to(out or self.dtype)
+        model multiplies its operands upcast exactly to fp32 (``ServedLinears.fp32_products``):
+        torch's CPU bf16 kernel is ~10x slower and differs only in the order of the fp32 sums."""
+        return self.w.linear(name, x, out)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
         """q [..., Tq, kv, g, d] over k, v [..., Tk, kv, d] (``mask`` [..., Tq, Tk] True where
