@@ -79,7 +79,11 @@ def test_every_quantized_linear_and_no_other_takes_its_input_quantizer(arch, tok
     inputs = {name: counted(name, q) for name, q in served.inputs.items()}
     model = architecture_of(config).build(config, weights, variant, "cpu", ServedLinears(inputs))
     out = _draft(model, config)
-    assert called == set(inputs)
+    # vLLM's MLA decode never runs kv_b_proj as a linear: its weight is split into W_UK and W_UV
+    # (qstream/arch/dspark_mla/model.py, Layer.absorbed), so its input is never quantized
+    absorbed = {n for n in inputs if ".kv_b_proj." in n} if arch == "dspark" else set()
+    assert absorbed or arch != "dspark"
+    assert called == set(inputs) - absorbed
     assert torch.isfinite(out.logits_base).all()
 
 
@@ -95,13 +99,13 @@ def test_the_qwen3_cpu_path_is_the_same_arithmetic_through_computeweights():
     assert torch.equal(plain.logits_base, routed.logits_base)
 
 
-def test_quantized_activations_need_their_quantizers_and_kv_is_not_simulated_yet():
+def test_quantized_activations_need_their_quantizers_and_a_kv_scale_is_not_simulated_yet():
     config, weights = _mla()
     arch = architecture_of(config)
     with pytest.raises(ValueError, match="input quantizers are missing"):
         arch.build(config, weights, Variant.parse("fp8+a=fp8-dynamic"), "cpu")
-    with pytest.raises(QStreamError, match="kv_cache 'fp8' is not simulated yet"):
-        arch.build(config, weights, Variant.parse("fp8+kv=fp8"), "cpu")
+    with pytest.raises(QStreamError, match="kv_scale 'calibrated' is not simulated yet"):
+        arch.build(config, weights, Variant.parse("bf16+kv=fp8+kvscale=calibrated"), "cpu")
 
 
 def test_calibration_is_the_amax_of_each_linear_input():

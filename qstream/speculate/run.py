@@ -124,18 +124,17 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     docs = corpus_docs(s.corpus)
     served, prompts = _targets_and_prompts(s, docs, config, [v.target for v in variants])
     results = _description(s, config, shape, docs)
-    decoded = {}
-    unquantized = served[DEFAULTS["target"]]  # the target calibration decodes against
-    calibration = _calibrate(s, config, weights, unquantized, docs, variants, results, mode)
+    decoded = {}  # calibrated by decoding against the unquantized target:
+    calibration = _calibrate(s, config, weights, served[DEFAULTS["target"]], docs, variants,
+                             results, mode)  # fmt: skip
     for v in variants:
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
         linears = served_linears(v, weights, config, s, calibration)
         draft = arch.build(config, var_weights, v, "cpu", linears)
         _started(progress, len(prompts), v.name)
-        model = served[v.target].model  # the target this configuration serves
-        runs = decoded[v.name] = decode_prompts(
-            model, draft, prompts, s.new_tokens, mode, s.temperature, s.seed, progress
-        )
+        target = served[v.target].model  # the target this variant serves
+        args = (s.new_tokens, mode, s.temperature, s.seed, progress)
+        runs = decoded[v.name] = decode_prompts(target, draft, prompts, *args)
         results["variants"][v.name] = {
             **_variant_entry(v, changed),
             "summary": summarise(runs, config.block_size),
