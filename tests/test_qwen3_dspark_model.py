@@ -279,3 +279,12 @@ def test_a_speculators_dflash_draft_vllm_runs_block_causal_is_refused():
     }
     with pytest.raises(ValueError, match="sliding_window_non_causal = False makes a block-causal"):
         Qwen3DSparkConfig.from_json(data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_reduced_vocabulary_maps_its_ids_through_d2t_in_every_dtype(dtype):
+    reduced = replace(TINY, draft_vocab_size=512)
+    tensors = weights(reduced)
+    tensors["d2t"] = torch.full((512,), 100, dtype=torch.int64)  # draft id d is target d + 100
+    model = Qwen3DSpark(reduced, tensors, dtype)
+    assert model.d2t is not None and torch.equal(model.d2t, torch.arange(512) + 100)

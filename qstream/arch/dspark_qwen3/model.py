@@ -83,8 +83,8 @@ class Qwen3DSpark:
         # On the CPU a bf16 model multiplies its operands upcast exactly to fp32 (see matmul)
         upcast = dtype != torch.float32 and torch.device(device).type == "cpu"
         served = replace(served or ServedLinears(), fp32_products=upcast)
-        weights = {k: v for k, v in weights.items() if k not in index}
-        self.w = ComputeWeights(weights, dtype, device, served)
+        computed = {k: v for k, v in weights.items() if k not in index}
+        self.w = ComputeWeights(computed, dtype, device, served)
         self.device = self.w.device
         d2t = weights.get("d2t")
         # draft id -> target id (qstream.arch.markov.draft_to_target)
