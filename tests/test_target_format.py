@@ -89,6 +89,26 @@ def test_a_weight_the_format_cannot_hold_is_one_line_naming_it(tmp_path):
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items()), "untouched"
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_non_finite_weight_is_one_line_naming_it_and_changes_nothing(tmp_path, fmt):
+    """simulate_target reads the stored weights itself (load_target refuses a non-finite one
+    when it loads the model; here the file changes after that)."""
+    target = make_target(tmp_path / "t", "llama")
+    model = load_target(target, torch.float32).model
+    path = target / "model.safetensors"
+    tensors = load_file(path)
+    bad = max(n for n in tensors if n.startswith("model.layers.") and n.endswith("proj.weight"))
+    tensors[bad][0, 0] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(
+        QStreamError, match=rf"^--target-format {fmt}: .*: {bad}: weight contains NaN or Inf"
+    ):
+        simulate_target(model, target, fmt)
+    for n, t in model.state_dict().items():
+        torch.testing.assert_close(t, before[n], rtol=0, atol=0, equal_nan=True)
+
+
 def _capture_args(target, draft, out, corpus, *extra):
     return ["capture", "--target", str(target), "--model", str(draft), "--output", str(out),
             "--corpus", str(corpus), "--dtype", "float32", "--streams", "2",

@@ -21,7 +21,7 @@ from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import dequantize, get_format, quantize
-from qstream.formats.format import check_weight
+from qstream.formats.format import check_finite, check_weight
 from qstream.formats.nvfp4 import tensor_amax
 from qstream.quant.select import share_group_amax
 from qstream.serving import TARGETS
@@ -72,12 +72,13 @@ def simulate_target(model: Any, target: str | Path, fmt: str) -> list[str]:
     QStreamError naming the tensor."""
     linears = decoder_linears(model)
     stored = stored_weights(target, list(linears))
-    spec, amax = get_format(fmt), {}
+    spec = get_format(fmt)
+    amaxes: dict[str, torch.Tensor] = {}
     for module, w in stored.items():  # every weight checked before any is changed
-        check_weight(w, f"--target-format {fmt}: {target}: {module}.weight", spec.block_size or 1)
-    if spec.global_scale:
-        groups = fused_groups(stored)
-        amax = share_group_amax({m: tensor_amax(w) for m, w in stored.items()}, groups)
+        name = f"--target-format {fmt}: {target}: {module}.weight"
+        check_weight(w, name, spec.block_size or 1)
+        check_finite(amaxes.setdefault(module, tensor_amax(w)), name)
+    amax = share_group_amax(amaxes, fused_groups(stored)) if spec.global_scale else {}
     for module, w in stored.items():
         codes = quantize(fmt, w, name=f"{module}.weight", global_amax=amax.get(module))
         linears[module].weight.copy_(dequantize(fmt, codes, dtype=w.dtype))
