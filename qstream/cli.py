@@ -32,7 +32,6 @@ from qstream.verification import LEGACY_NAMES
 # --------------------------------------------------------------------------- the library's names
 
 VARIANT_FORMATS = ("bf16", *WEIGHT_FORMATS)  # qstream.eval.vocabulary.VARIANT_FORMATS
-EVAL_FORMATS = ("fp32", *VARIANT_FORMATS)  # qstream.eval.vocabulary.ALLOWED_FORMATS
 SENSITIVITY_FORMAT = "nvfp4"  # qstream.eval.sensitivity.DEFAULT_FORMAT
 DEFAULT_EDGES = "default"  # qstream.eval.settings.DEFAULT_EDGES: --context-lengths given bare
 STATES_AUTO = "auto"  # qstream.eval.states.AUTO
@@ -81,24 +80,6 @@ class Device(click.ParamType):
         if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
             self.fail(f"{value!r} is not cpu, cuda or cuda:N.", param, ctx)
         return value
-
-
-class CommaChoice(click.ParamType):
-    """Comma-separated names, each one of ``choices``: the tuple of names given."""
-
-    name = "names"
-
-    def __init__(self, choices: Sequence[str]):
-        self.choices = tuple(choices)
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        names = tuple(n for n in (p.strip() for p in value.split(",")) if n)
-        unknown = [n for n in names if n not in self.choices]
-        if unknown:
-            self.fail(f"{unknown[0]!r} is not one of {', '.join(self.choices)}.", param, ctx)
-        return names
 
 
 class VariantTokens(click.ParamType):

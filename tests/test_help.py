@@ -83,12 +83,12 @@ def test_the_help_s_light_names_are_the_library_s():
     from qstream.eval.settings import DEFAULT_EDGES
     from qstream.eval.states import AUTO, CONVENTIONS, LAYOUTS
     from qstream.eval.states.layouts import EXPORTS
-    from qstream.eval.vocabulary import ALLOWED_FORMATS, VARIANT_FORMATS
+    from qstream.eval.vocabulary import VARIANT_FORMATS
     from qstream.formats import FORMATS
     from qstream.vllm.loader import VLLM_VERSION
 
     assert light.WEIGHT_FORMATS == tuple(FORMATS)
-    assert (light.VARIANT_FORMATS, light.EVAL_FORMATS) == (VARIANT_FORMATS, ALLOWED_FORMATS)
+    assert light.VARIANT_FORMATS == VARIANT_FORMATS
     assert light.DEFAULT_EDGES == DEFAULT_EDGES
     assert light.SENSITIVITY_FORMAT == DEFAULT_FORMAT
     assert (light.STATES_AUTO, light.STATES_FORMATS) == (AUTO, tuple(LAYOUTS))
@@ -107,8 +107,9 @@ def test_a_default_regime_or_format_in_a_help_text_is_read_from_its_registry():
 
     from qstream import cli as light
     from qstream.regimes import DEFAULT_REGIME, REGIMES
+    from qstream.serving import TOKEN_WEIGHTS
 
-    names = {*REGIMES, *light.EVAL_FORMATS}
+    names = {*REGIMES, *TOKEN_WEIGHTS}
     spelled = [
         f"{path.name}:{node.lineno}: {node.value!r}"
         for path in sorted((Path(light.__file__).parent / "commands").glob("*.py"))

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from qstream.formats import FORMATS
-from qstream.serving import FLOOR, REFERENCE
+from qstream.serving import FLOOR
 
 SCHEMA = "qstream.eval-drift/3"  # the "schema" field of every results file
 
 # Variants: the reference and the floor (qstream/serving.py), and the formats.
 VARIANT_FORMATS = (FLOOR, *FORMATS)  # the default set of simulated variants
-ALLOWED_FORMATS = (REFERENCE, *VARIANT_FORMATS)
 
 # Rollout modes of ``metrics.rollouts``: free-running greedy, and sampled on common random numbers.
 ROLLOUT_MODES = ("greedy", "sampled")
