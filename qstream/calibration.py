@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from qstream.regimes import Regime
 
 LINEAR_INPUTS = "linear_inputs"  # observation point: a linear's input, keyed by module
+KV_CACHE = "kv_cache"  # observation point: what the KV cache stores, "{attention}.k" / ".v"
 CALIBRATION_BLOCKS = 32  # blocks of a regime eval-drift calibrates on
 CALIBRATION_SALT = 0xCA1B  # the calibration seed is the run's seed moved by this
 
@@ -70,8 +71,13 @@ class Observer:
 
 @dataclass(frozen=True)
 class Calibration:
+    """What a calibration run measured, and on what: eval-drift's static activation scales and
+    quantize's stored ones (docs/quantize.md, "Calibration") both ask it."""
+
     amax: dict[str, dict[str, torch.Tensor]]  # Observer.amax
-    source: dict  # how the set was drawn and how big it is (the results record it)
+    # what the set was and how big: {"regime", "seed"} or {"states", "sha256", "rows"}, with
+    # "blocks" and "tokens" (positions the reference ran through); recorded as it is
+    source: dict
 
     def input_amax(self, module: str) -> torch.Tensor:
         """The amax of ``module``'s input (QStreamError when the set never reached it)."""
@@ -79,6 +85,24 @@ class Calibration:
         if module not in seen:
             raise QStreamError(f"calibration: no input of {module} was observed")
         return seen[module]
+
+    def kv_amax(self, attention: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(K amax, V amax) of what ``attention``'s cache stores (``layers.0.self_attn``); V is
+        None for a cache that stores none (MLA's latent ‖ k_pe is all under K)."""
+        seen = self.amax.get(KV_CACHE, {})
+        if f"{attention}.k" not in seen:
+            raise QStreamError(f"calibration: no KV cache of {attention} was observed")
+        return seen[f"{attention}.k"], seen.get(f"{attention}.v")
+
+    @staticmethod
+    def described(record: object) -> bool:
+        """Whether a recorded ``source`` names the set (a regime or captured states) and its
+        size (blocks and tokens): what verify asks of qstream_quantize.json."""
+        return (
+            isinstance(record, dict)
+            and any(k in record for k in ("regime", "states"))
+            and all(isinstance(record.get(k), int) and record[k] > 0 for k in ("blocks", "tokens"))
+        )
 
 
 def calibration_plan(
@@ -115,24 +139,48 @@ def calibrate_regime(
     drawn with the calibration seed; boot's made by a reference that is not observed)."""
     s, seed = settings, calibration_seed(settings.seed)
     plan = calibration_plan(corpus, evaluated, min(blocks, s.blocks), config, seed)
+    source = {
+        "regime": regime.name,
+        "seed": seed,
+        "drawn": "as the evaluated blocks, with the calibration seed; evaluated blocks left out",
+    }
+    return calibrate_blocks(
+        regime, corpus, plan, config, weights, s.device, seed, source, s.scratch_dir
+    )
+
+
+def calibrate_blocks(
+    regime: Regime,
+    corpus: Corpus,
+    plan: AnchorPlan,
+    config: DraftConfig,
+    weights: Any,
+    device: Any,
+    seed: int,
+    source: dict,
+    scratch_dir: str | None = None,
+) -> Calibration:
+    """The reference drafting ``plan``'s blocks of ``corpus`` under ``regime`` (aux states drawn
+    with ``seed``; boot's made by a reference that is not observed); ``source`` gains the set's
+    size: its blocks, and the tokens run through (each stream's context up to its last anchor,
+    and every block's)."""
     arch = architecture_of(config)
-    maker = arch.build(config, weights, REFERENCE_VARIANT, s.device) if regime.causal else None
+    maker = arch.build(config, weights, REFERENCE_VARIANT, device) if regime.causal else None
 
     def feed(model: Any) -> None:
-        aux = AuxStates(regime, corpus, config, seed, s.scratch_dir)
+        aux = AuxStates(regime, corpus, config, seed, scratch_dir)
         try:
             for batch in make_batches(plan, corpus, config):
                 propose(model, aux.get(batch, maker), batch)
         finally:
             aux.close()
 
-    source = {
-        "regime": regime.name,
-        "seed": seed,
-        "blocks": int(plan.anchor.numel()),
-        "drawn": "as the evaluated blocks, with the calibration seed; evaluated blocks left out",
-    }
-    return calibrate(config, weights, s.device, feed, source)
+    context: dict[int, int] = {}  # stream -> its last anchor
+    for stream, anchor in zip(plan.stream.tolist(), plan.anchor.tolist()):
+        context[stream] = max(context.get(stream, 0), anchor)
+    blocks = int(plan.anchor.numel())
+    size = {"blocks": blocks, "tokens": sum(context.values()) + blocks * config.block_size}
+    return calibrate(config, weights, device, feed, {**source, **size})
 
 
 def calibrate(
