@@ -10,28 +10,31 @@ module (``LINEAR_INPUTS``); another (e.g. the stored KV latent per layer) is one
 >>> Calibration(observer.amax, source).input_amax("layers.0.mlp.gate_proj")
 
 eval-drift's set (:func:`calibrate_regime`): blocks of the regime drawn with
-:func:`calibration_seed`, none of them an evaluated block.
+:func:`calibration_seed`, none of them an evaluated block.  quantize's (``--calibration``,
+:class:`CalibrationSet`): the same draw with none left out, or captured states' first rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qstream.arch.registry import architecture_of
+from qstream.arch.registry import architecture_of, load_config
 from qstream.arch.weights import ServedLinears
 from qstream.errors import QStreamError
-from qstream.eval.batches import AuxStates, make_batches, propose
-from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
+from qstream.eval.batches import AuxStates, check_boot_compatible, make_batches, propose
+from qstream.eval.corpus import AnchorPlan, Corpus, load_run_corpus, sample_anchors
+from qstream.eval.states import CapturedStates, read_states
+from qstream.regimes import AUX_REGIMES, REGIMES, STATES, Regime
 from qstream.serving import REFERENCE_VARIANT
 
 if TYPE_CHECKING:
     from qstream.arch.interface import DraftConfig
     from qstream.eval.settings import DriftSettings
-    from qstream.regimes import Regime
 
 LINEAR_INPUTS = "linear_inputs"  # observation point: a linear's input, keyed by module
 KV_CACHE = "kv_cache"  # observation point: what the KV cache stores, "{attention}.k" / ".v"
@@ -93,16 +96,6 @@ class Calibration:
         if f"{attention}.k" not in seen:
             raise QStreamError(f"calibration: no KV cache of {attention} was observed")
         return seen[f"{attention}.k"], seen.get(f"{attention}.v")
-
-    @staticmethod
-    def described(record: object) -> bool:
-        """Whether a recorded ``source`` names the set (a regime or captured states) and its
-        size (blocks and tokens): what verify asks of qstream_quantize.json."""
-        return (
-            isinstance(record, dict)
-            and any(k in record for k in ("regime", "states"))
-            and all(isinstance(record.get(k), int) and record[k] > 0 for k in ("blocks", "tokens"))
-        )
 
 
 def calibration_plan(
@@ -193,3 +186,100 @@ def calibrate(
     )
     feed(model)
     return Calibration(observer.amax, source)
+
+
+NO_BLOCKS = AnchorPlan(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    """quantize's ``--calibration SOURCE`` (docs/quantize.md, "Calibration"): a regime's blocks
+    over eval-drift's default corpus, drawn as eval-drift draws its calibration blocks at the
+    same ``--seed`` (none left out), or the first rows of captured target states, each drafted
+    at its last anchor so that the whole row runs through the context."""
+
+    source: str  # a regime (qstream.regimes.AUX_REGIMES) or captured states: a file or directory
+    blocks: int = CALIBRATION_BLOCKS  # a regime's blocks; captured states' rows (one block each)
+    seed: int = 0  # a regime's: the blocks and aux states of eval-drift --seed's calibration
+    target: str | None = None  # lm_head (and embed_tokens) from here, as eval-drift --target
+
+    def __post_init__(self) -> None:
+        if self.blocks < 1:
+            raise QStreamError(f"--calibration-blocks {self.blocks}: must be at least 1")
+
+    def options(self) -> dict[str, str]:
+        """The options that name this set, for quantize's recorded command line."""
+        options = {"calibration": self.source, "calibration_blocks": str(self.blocks)}
+        if self.source in AUX_REGIMES:
+            options["seed"] = str(self.seed)
+        if self.target is not None:
+            options["target"] = self.target
+        return options
+
+    def run(self, model_dir: str | Path) -> Calibration:
+        """The FP32 reference of ``model_dir`` over the set, on the CPU (so the bytes quantize
+        writes do not depend on its ``--device``); its source records the options that name
+        it; a non-finite activation is a QStreamError naming the module."""
+        config = load_config(model_dir)
+        if self.source in AUX_REGIMES:
+            regime, corpus, plan, source = self._regime(model_dir, config)
+        else:
+            regime, corpus, plan, source = self._states(config)
+        weights = architecture_of(config).load_weights(model_dir, self.target, config)
+        seed = source.get("seed", 0)  # captured states draw no noise
+        source["options"] = self.options()
+        return calibrate_blocks(regime, corpus, plan, config, weights, "cpu", seed, source)
+
+    def _regime(self, model_dir: str | Path, config) -> tuple[Regime, Corpus, AnchorPlan, dict]:
+        """eval-drift's default corpus (the draft's tokenizer, else ``target``'s) and its
+        calibration draw at ``seed``."""
+        regime = REGIMES[self.source]
+        if regime.causal:
+            check_boot_compatible(config)
+        corpus = load_run_corpus(model_dir, None, None, config, self.target)
+        seed = calibration_seed(self.seed)
+        source = {
+            "regime": regime.name,
+            "seed": seed,
+            "corpus": {"name": corpus.name, "sha256": corpus.sha256},
+            "drawn": "as eval-drift's calibration blocks at --seed, none left out",
+        }
+        plan = calibration_plan(corpus, NO_BLOCKS, self.blocks, config, seed)
+        return regime, corpus, plan, source
+
+    def _states(self, config) -> tuple[Regime, CapturedStates, AnchorPlan, dict]:
+        if not Path(self.source).exists():
+            raise QStreamError(
+                f"--calibration {self.source}: neither a regime ({', '.join(AUX_REGIMES)}) nor "
+                "captured states (a file or directory, docs/states.md)"
+            )
+        states = read_states(self.source, config, target=self.target)
+        plan = first_rows(states, self.blocks, config.block_size,
+                          config.max_position_embeddings - config.block_size)  # fmt: skip
+        source = {
+            "captured": self.source,
+            "sha256": states.sha256,
+            "rows": int(plan.stream.numel()),
+            "drawn": "the first rows, each drafted at its last anchor",
+        }
+        return STATES, states, plan, source
+
+
+def first_rows(corpus: Corpus, rows: int, block_size: int, max_anchor: int) -> AnchorPlan:
+    """One block in each of the first ``rows`` streams that hold one, at its last anchor (a
+    valid anchor as ``sample_anchors`` draws them: ``1 <= p < len - block_size``, ``p <=
+    max_anchor``)."""
+    picked = []
+    for stream, ids in enumerate(corpus.streams):
+        anchor = min(int(ids.numel()) - block_size - 1, max_anchor)
+        if anchor >= 1:
+            picked.append((stream, anchor))
+        if len(picked) == rows:
+            break
+    if not picked:
+        raise QStreamError(
+            f"--calibration {corpus.name}: no row holds a block of {block_size} tokens after "
+            "its first"
+        )
+    streams, anchors = zip(*picked)
+    return AnchorPlan(torch.tensor(streams), torch.tensor(anchors))

@@ -45,7 +45,7 @@ def _modules(tensors) -> list[str]:
     return [n.removesuffix(".weight") for n in tensors if n.endswith(".weight")]
 
 
-SOURCE = {"regime": "given in the test", "blocks": 12, "tokens": 96}
+SOURCE = {"regime": "gauss", "drawn": "given in the test", "blocks": 12, "tokens": 96}
 
 
 def _attention(tensors) -> list[str]:
@@ -68,7 +68,7 @@ def _config(out) -> dict:
     return json.loads((out / "config.json").read_text())["quantization_config"]
 
 
-def _observed(preset: str, amax: float, dtype: torch.dtype):
+def observed_scale(preset: str, amax: float, dtype: torch.dtype):
     """compressed-tensors' stored input scale for an observed [-amax, amax] in ``dtype``."""
     a = torch.tensor([amax], dtype=torch.float32).to(dtype)
     if preset == "NVFP4":
@@ -130,7 +130,7 @@ def test_static_input_scales_are_compressed_tensors_bit_for_bit(tmp_path, activa
     assert len(set(group_of)) >= 5  # q/k/v and gate/up per layer: members differ in amax
     for module in summary.modules_quantized:
         amax = max(float(calibration.input_amax(m)) for m in group_of.get(module, (module,)))
-        name, expected = _observed(preset, amax, tensors[f"{module}.weight"].dtype)
+        name, expected = observed_scale(preset, amax, tensors[f"{module}.weight"].dtype)
         stored = written[f"{module}.{name}"]
         assert stored.dtype == expected.dtype and as_bytes(stored) == as_bytes(expected), module
     assert summary.serving == {"activations": activations, "calibration": SOURCE}
@@ -147,7 +147,7 @@ def test_input_scale_formula_matches_compressed_tensors(activations, dtype):
     gen = torch.Generator().manual_seed(3)
     values = AMAXES + ((torch.rand(200, generator=gen) * 12 - 6).exp()).tolist()
     for amax in values:
-        expected = _observed(preset, amax, dtype)[1]
+        expected = observed_scale(preset, amax, dtype)[1]
         ours = input_scale(ACTIVATIONS[activations], amax, dtype)
         assert ours.dtype == expected.dtype and as_bytes(ours) == as_bytes(expected), amax
 
@@ -332,3 +332,17 @@ def test_verify_warns_that_the_k3_draft_serves_scale_one(tmp_path):
         p.startswith("layers.0.self_attn.k_scale: vLLM 0.32.0's K3 DSpark draft")
         for p in verify_checkpoint(out).problems
     )
+
+
+def test_verify_warns_when_no_record_names_the_calibration(tmp_path):
+    tensors = llama_tensors()
+    src = write_checkpoint(tmp_path / "in", tensors)
+    out = tmp_path / "out"
+    quantize_checkpoint(
+        src, out, "fp8", activations="fp8-static", calibration=_calibration(tensors)
+    )
+    (out / QUANTIZE_RECORD).unlink()
+    report = verify_checkpoint(out)
+    assert report.ok, report.problems
+    assert any(w.startswith(f"no {QUANTIZE_RECORD}: nothing records the calibration") for w in
+               report.warnings), report.warnings  # fmt: skip

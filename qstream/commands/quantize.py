@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -122,14 +123,13 @@ def quantize(json_path: str | None, **o: Any) -> None:
       --activations nvfp4 --calibration heavy
     """
     # here, not above: --help loads no torch
+    from qstream.calibration import CalibrationSet
     from qstream.quant import quantize_checkpoint
-    from qstream.quant.calibrate import CalibrationSet
 
     calibration = None
-    if o["calibration"] is not None:
-        calibration = CalibrationSet(
-            o["calibration"], o["calibration_blocks"], o["seed"], o["target"]
-        )
+    if o["calibration"] is not None:  # run by quantize once the options are checked
+        named = CalibrationSet(o["calibration"], o["calibration_blocks"], o["seed"], o["target"])
+        calibration = partial(named.run, o["model_dir"])
 
     with counter("quantizing", "bytes") as progress:  # bytes on the bar, tensors in its name
         summary = quantize_checkpoint(

@@ -21,13 +21,11 @@ from typing import Any
 import torch
 
 import qstream
-from qstream.calibration import Calibration
 from qstream.checkpoint.files import CONFIG_NAME, Checkpoint, open_checkpoint
 from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.calibrate import CalibrationSet
 from qstream.quant.schemes import serving_options, serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
@@ -108,14 +106,14 @@ def quantize_checkpoint(
     tensor_parallel_size: int = 1,
     activations: str = "none",
     kv_cache_scheme: str | None = None,
-    calibration: Calibration | CalibrationSet | None = None,
+    calibration: Any = None,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
     in the compressed-tensors layout (docs/quantize.md).  ``include`` / ``ignore`` are patterns
     (``ignore`` wins) under config.json's serving profile at ``tensor_parallel_size``
     (docs/vllm.md); ``workers`` threads (default: the usable CPUs); ``activations`` /
-    ``kv_cache_scheme``: how vLLM serves inputs and KV cache, static scales from ``calibration``
-    (a :class:`CalibrationSet` is run after every other check, before anything is written).
+    ``kv_cache_scheme``: how vLLM serves inputs and KV cache, scales from ``calibration`` (a
+    ``qstream.calibration.Calibration``, or a callable run once the options are checked).
     Published atomically (docs/guarantees.md); raises QStreamError, having written nothing,
     for any problem with the input, the options or the disk; ``snr=False`` skips the SNR."""
     started = time.perf_counter()
@@ -136,11 +134,8 @@ def quantize_checkpoint(
     )  # fmt: skip
     if dry_run:
         return summary
-    options = serving_options(serving)
-    if isinstance(calibration, CalibrationSet):
-        options.update(calibration.options())
     command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
-                                  snr, tensor_parallel_size, options)  # fmt: skip
+                                  snr, tensor_parallel_size, serving_options(serving))  # fmt: skip
     record = partial(_record, summary, command)
     with _one_intra_op_thread():
         snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)

@@ -2,8 +2,9 @@
 calibrated scales a static one stores (docs/quantize.md, "Activation and KV-cache schemes"): a
 quantized linear's ``input_scale`` (FP8 static, per tensor) or ``input_global_scale`` (NVFP4
 W4A4), and an attention layer's ``k_scale`` / ``v_scale`` (FP8 KV cache), each from the amax
-that calibration measured (qstream/calibration.py's :class:`Calibration`, given, or run over a
-:class:`~qstream.quant.calibrate.CalibrationSet` once the options are known to need it).
+that calibration measured: a ``qstream.calibration.Calibration`` (a layer above quant: it is
+only asked ``input_amax``, ``kv_amax`` and its ``source``), given, or made by a callable that
+runs it (``CalibrationSet.run``, ``--calibration``) once the options are known to need it.
 
 The formulas and dtypes are compressed-tensors' (checked bit for bit in
 tests/test_quantize_schemes.py): ``calculate_qparams`` (symmetric float: ``amax / 448`` in the
@@ -20,13 +21,11 @@ from typing import Any
 
 import torch
 
-from qstream.calibration import Calibration
 from qstream.checkpoint.files import Checkpoint
 from qstream.checkpoint.layout import KV_CACHE_SCHEMES, KV_SCALES, input_scale_name
 from qstream.errors import QStreamError
 from qstream.formats.format import FP8_MAX
 from qstream.formats.nvfp4 import global_scale
-from qstream.quant.calibrate import CalibrationSet
 from qstream.quant.select import Selection, share_group_amax
 from qstream.regimes import AUX_REGIMES
 from qstream.serving import ACTIVATIONS, Activations
@@ -49,7 +48,7 @@ class Serving:
     activations: Activations = ACTIVATIONS["none"]
     kv_cache: str | None = None
     scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    calibration: Calibration | None = None
+    calibration: Any = None  # a qstream.calibration.Calibration
 
 
 def input_scale(activations: Activations, amax: float, dtype: torch.dtype) -> torch.Tensor:
@@ -91,13 +90,13 @@ def serving_schemes(
     selection: Selection,
     activations: str,
     kv_cache_scheme: str | None,
-    calibration: Calibration | CalibrationSet | None,
+    calibration: Any,
 ) -> Serving:
     """The schemes declared beyond the weights and the scales they store, checked before
     anything is written: an activation scheme the format cannot serve with, a KV-cache scheme
     vLLM does not load for this draft, a static scheme without calibration, a module without
-    its amax are QStreamErrors naming it.  A :class:`CalibrationSet` is run here, once the
-    options are known to need it."""
+    its amax are QStreamErrors naming it.  ``calibration``: a Calibration, a callable that runs
+    one (called here, once the options are known to need it), or None."""
     if activations not in ACTIVATIONS:
         raise QStreamError(f"--activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
     act = ACTIVATIONS[activations]
@@ -110,7 +109,7 @@ def serving_schemes(
         _check_kv_scheme(checkpoint, kv_cache_scheme)
     stored = input_scale_name(act)
     if stored is None and kv_cache_scheme is None:
-        if isinstance(calibration, CalibrationSet):
+        if callable(calibration):
             raise QStreamError(
                 "--calibration: only a static scheme stores calibrated scales (--activations "
                 "fp8-static or nvfp4, --kv-cache-scheme fp8)"
@@ -119,8 +118,8 @@ def serving_schemes(
     option = f"--activations {act.name}" if stored else f"--kv-cache-scheme {kv_cache_scheme}"
     if calibration is None:
         raise QStreamError(f"{option}: {NEEDS_CALIBRATION}")
-    if isinstance(calibration, CalibrationSet):
-        calibration = calibration.run(checkpoint.directory)
+    if callable(calibration):
+        calibration = calibration()
     scales: dict[str, dict] = {}
     if stored is not None:
         amaxes = {
@@ -145,7 +144,7 @@ def _check_kv_scheme(checkpoint: Checkpoint, scheme: str) -> None:
         raise QStreamError(f"--kv-cache-scheme {scheme}: {refused} (docs/vllm.md)")
 
 
-def _kv_scales(checkpoint: Checkpoint, calibration: Calibration) -> dict[str, dict]:
+def _kv_scales(checkpoint: Checkpoint, calibration: Any) -> dict[str, dict]:
     """Each attention layer's k_scale / v_scale, keyed by its last stored tensor."""
     attn = ".self_attn."  # the attention module of every architecture qstream knows
     last = {n[: n.index(attn) + len(attn) - 1]: n for n in checkpoint.tensor_shard if attn in n}
@@ -159,12 +158,15 @@ def _kv_scales(checkpoint: Checkpoint, calibration: Calibration) -> dict[str, di
 
 
 def serving_options(serving: Serving) -> dict[str, str]:
-    """The options that declared ``serving`` (none for weight-only)."""
+    """The options that declared ``serving`` (none for weight-only), with those that named the
+    calibration set (``--calibration``'s, as its source records them)."""
     options = {}
     if serving.activations.vllm_scheme is not None:
         options["activations"] = serving.activations.name
     if serving.kv_cache is not None:
         options["kv_cache_scheme"] = serving.kv_cache
+    if serving.scales and serving.calibration is not None:
+        options.update(serving.calibration.source.get("options", {}))
     return options
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from qstream.calibration import Calibration
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.integrity import Integrity, check_integrity
 from qstream.checkpoint.layout import (
@@ -367,7 +366,14 @@ def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
         serving_record = json.loads(path.read_text())["summary"].get("serving", {})
     except (ValueError, KeyError, AttributeError):
         return False  # the sha256 check names an unreadable record
-    return Calibration.described(serving_record.get("calibration"))
+    calibration = serving_record.get("calibration")
+    # qstream.calibration.Calibration.source: how it was drawn, and the size it was measured on
+    size = ("blocks", "tokens")
+    return (
+        isinstance(calibration, dict)
+        and "drawn" in calibration
+        and all(isinstance(calibration.get(k), int) and calibration[k] > 0 for k in size)
+    )
 
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
