@@ -29,15 +29,19 @@ from qstream.errors import QStreamError
 from qstream.eval.batches import AuxStates, check_boot_compatible, make_batches, propose
 from qstream.eval.corpus import AnchorPlan, Corpus, load_run_corpus, sample_anchors
 from qstream.eval.states import CapturedStates, read_states
-from qstream.regimes import AUX_REGIMES, REGIMES, STATES, Regime
+from qstream.regimes import AUX_REGIMES, REGIMES, STATES
 from qstream.serving import REFERENCE_VARIANT
 
 if TYPE_CHECKING:
     from qstream.arch.interface import DraftConfig
     from qstream.eval.settings import DriftSettings
+    from qstream.regimes import Regime
 
 LINEAR_INPUTS = "linear_inputs"  # observation point: a linear's input, keyed by module
-KV_CACHE = "kv_cache"  # observation point: what the KV cache stores, "{attention}.k" / ".v"
+# observation point: what an attention's KV cache stores, keyed f"{attention}.k" and ".v"
+# (attention: the checkpoint's module, "layers.0.self_attn"): Qwen3 K after k_norm and RoPE,
+# and V; the K3 MLA's one entry, the latent and the rotated k_pe, under ".k" only
+KV_CACHE = "kv_cache"
 CALIBRATION_BLOCKS = 32  # blocks of a regime eval-drift calibrates on
 CALIBRATION_SALT = 0xCA1B  # the calibration seed is the run's seed moved by this
 
@@ -78,7 +82,7 @@ class Calibration:
     quantize's stored ones (docs/quantize.md, "Calibration") both ask it."""
 
     amax: dict[str, dict[str, torch.Tensor]]  # Observer.amax
-    # what the set was and how big: {"regime", "seed"} or {"states", "sha256", "rows"}, with
+    # what the set was and how big: {"regime", "seed"} or {"captured", "sha256", "rows"}, with
     # "blocks" and "tokens" (positions the reference ran through); recorded as it is
     source: dict
 
