@@ -70,6 +70,7 @@ def test_stored_scales_are_compressed_tensors_of_the_observed_amax(
         name, expected = observed_scale(preset, amax, source[f"{module}.weight"].dtype)
         stored = written[f"{module}.{name}"]
         assert stored.dtype == expected.dtype and as_bytes(stored) == as_bytes(expected), module
+    assert set(summary["serving"]) == {"activations", "calibration"}
     recorded = summary["serving"]["calibration"]
     assert recorded == calibration.source
     assert recorded["regime"] == "gauss" and recorded["blocks"] == int(BLOCKS)

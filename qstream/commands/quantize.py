@@ -188,6 +188,9 @@ def summary_table(summary: QuantizeSummary) -> Table:
     table.add_column("value", justify="right")
     table.add_row("format", summary.quant_format)
     for key, value in summary.serving.items():
+        if isinstance(value, dict):  # the calibration's source: what it was, and its size
+            size = ("regime", "captured", "blocks", "tokens")
+            value = ", ".join(f"{k} {v}" for k, v in value.items() if k in size)
         table.add_row(key.replace("_", " "), str(value))
     table.add_row(
         "parameters quantized",

@@ -26,7 +26,7 @@ from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.schemes import serving_options, serving_record, serving_schemes
+from qstream.quant.schemes import command_options, serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
@@ -135,7 +135,7 @@ def quantize_checkpoint(
     if dry_run:
         return summary
     command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
-                                  snr, tensor_parallel_size, serving_options(serving))  # fmt: skip
+                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
     record = partial(_record, summary, command)
     with _one_intra_op_thread():
         snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)

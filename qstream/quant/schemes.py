@@ -158,13 +158,19 @@ def _kv_scales(checkpoint: Checkpoint, calibration: Any) -> dict[str, dict]:
 
 
 def serving_options(serving: Serving) -> dict[str, str]:
-    """The options that declared ``serving`` (none for weight-only), with those that named the
-    calibration set (``--calibration``'s, as its source records them)."""
+    """The options that declared ``serving`` (none for weight-only)."""
     options = {}
     if serving.activations.vllm_scheme is not None:
         options["activations"] = serving.activations.name
     if serving.kv_cache is not None:
         options["kv_cache_scheme"] = serving.kv_cache
+    return options
+
+
+def command_options(serving: Serving) -> dict[str, str]:
+    """:func:`serving_options` and those that named the calibration set (``--calibration``'s,
+    as its source records them), for the recorded command line."""
+    options = serving_options(serving)
     if serving.scales and serving.calibration is not None:
         options.update(serving.calibration.source.get("options", {}))
     return options
