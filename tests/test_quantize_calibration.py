@@ -99,8 +99,9 @@ def test_the_same_seed_writes_the_same_bytes_and_another_seed_other_scales(qwen3
 
 
 def test_captured_states_calibrate_on_their_first_rows(tiny, tmp_path):
-    states = tmp_path / "captured.safetensors"
-    capture_states(str(tiny), str(states), n_streams=4, length=40, seed=0)
+    states = tmp_path / "captured"  # a directory of states files, as qstream capture writes
+    states.mkdir()
+    capture_states(str(tiny), str(states / "rows.safetensors"), n_streams=4, length=40, seed=0)
     out = tmp_path / "out"
     cli_ok(_quantize(tiny, out, "--quant_format", "fp8", "--activations", "fp8-static",
                      "--calibration", str(states), "--calibration-blocks", "3"))  # fmt: skip
