@@ -10,22 +10,26 @@ module (``LINEAR_INPUTS``); another (e.g. the stored KV latent per layer) is one
 >>> Calibration(observer.amax, source).input_amax("layers.0.mlp.gate_proj")
 
 eval-drift's set (:func:`calibrate_regime`): blocks of the regime drawn with
-:func:`calibration_seed`, none of them an evaluated block.
+:func:`calibration_seed`, none of them an evaluated block.  quantize's (``--calibration``,
+:class:`CalibrationSet`): the same draw with none left out, or captured states' first rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qstream.arch.registry import architecture_of
+from qstream.arch.registry import architecture_of, load_config
 from qstream.arch.weights import ServedLinears
 from qstream.errors import QStreamError
-from qstream.eval.batches import AuxStates, make_batches, propose
-from qstream.eval.corpus import AnchorPlan, Corpus, sample_anchors
+from qstream.eval.batches import AuxStates, check_boot_compatible, make_batches, propose
+from qstream.eval.corpus import AnchorPlan, Corpus, load_run_corpus, sample_anchors
+from qstream.eval.states import CapturedStates, read_states
+from qstream.regimes import AUX_REGIMES, REGIMES, STATES
 from qstream.serving import REFERENCE_VARIANT
 
 if TYPE_CHECKING:
@@ -34,6 +38,10 @@ if TYPE_CHECKING:
     from qstream.regimes import Regime
 
 LINEAR_INPUTS = "linear_inputs"  # observation point: a linear's input, keyed by module
+# observation point: what an attention's KV cache stores, keyed f"{attention}.k" and ".v"
+# (attention: the checkpoint's module, "layers.0.self_attn"): Qwen3 K after k_norm and RoPE,
+# and V; the K3 MLA's one entry, the latent and the rotated k_pe, under ".k" only
+KV_CACHE = "kv_cache"
 CALIBRATION_BLOCKS = 32  # blocks of a regime eval-drift calibrates on
 CALIBRATION_SALT = 0xCA1B  # the calibration seed is the run's seed moved by this
 
@@ -70,8 +78,13 @@ class Observer:
 
 @dataclass(frozen=True)
 class Calibration:
+    """What a calibration run measured, and on what: eval-drift's static activation scales and
+    quantize's stored ones (docs/quantize.md, "Calibration") both ask it."""
+
     amax: dict[str, dict[str, torch.Tensor]]  # Observer.amax
-    source: dict  # how the set was drawn and how big it is (the results record it)
+    # what the set was and how big: {"regime", "seed"} or {"captured", "sha256", "rows"}, with
+    # "blocks" and "tokens" (positions the reference ran through); recorded as it is
+    source: dict
 
     def input_amax(self, module: str) -> torch.Tensor:
         """The amax of ``module``'s input (QStreamError when the set never reached it)."""
@@ -79,6 +92,14 @@ class Calibration:
         if module not in seen:
             raise QStreamError(f"calibration: no input of {module} was observed")
         return seen[module]
+
+    def kv_amax(self, attention: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(K amax, V amax) of what ``attention``'s cache stores (``layers.0.self_attn``); V is
+        None for a cache that stores none (MLA's latent ‖ k_pe is all under K)."""
+        seen = self.amax.get(KV_CACHE, {})
+        if f"{attention}.k" not in seen:
+            raise QStreamError(f"calibration: no KV cache of {attention} was observed")
+        return seen[f"{attention}.k"], seen.get(f"{attention}.v")
 
 
 def calibration_plan(
@@ -115,24 +136,48 @@ def calibrate_regime(
     drawn with the calibration seed; boot's made by a reference that is not observed)."""
     s, seed = settings, calibration_seed(settings.seed)
     plan = calibration_plan(corpus, evaluated, min(blocks, s.blocks), config, seed)
+    source = {
+        "regime": regime.name,
+        "seed": seed,
+        "drawn": "as the evaluated blocks, with the calibration seed; evaluated blocks left out",
+    }
+    return calibrate_blocks(
+        regime, corpus, plan, config, weights, s.device, seed, source, s.scratch_dir
+    )
+
+
+def calibrate_blocks(
+    regime: Regime,
+    corpus: Corpus,
+    plan: AnchorPlan,
+    config: DraftConfig,
+    weights: Any,
+    device: Any,
+    seed: int,
+    source: dict,
+    scratch_dir: str | None = None,
+) -> Calibration:
+    """The reference drafting ``plan``'s blocks of ``corpus`` under ``regime`` (aux states drawn
+    with ``seed``; boot's made by a reference that is not observed); ``source`` gains the set's
+    size: its blocks, and the tokens run through (each stream's context up to its last anchor,
+    and every block's)."""
     arch = architecture_of(config)
-    maker = arch.build(config, weights, REFERENCE_VARIANT, s.device) if regime.causal else None
+    maker = arch.build(config, weights, REFERENCE_VARIANT, device) if regime.causal else None
 
     def feed(model: Any) -> None:
-        aux = AuxStates(regime, corpus, config, seed, s.scratch_dir)
+        aux = AuxStates(regime, corpus, config, seed, scratch_dir)
         try:
             for batch in make_batches(plan, corpus, config):
                 propose(model, aux.get(batch, maker), batch)
         finally:
             aux.close()
 
-    source = {
-        "regime": regime.name,
-        "seed": seed,
-        "blocks": int(plan.anchor.numel()),
-        "drawn": "as the evaluated blocks, with the calibration seed; evaluated blocks left out",
-    }
-    return calibrate(config, weights, s.device, feed, source)
+    context: dict[int, int] = {}  # stream -> its last anchor
+    for stream, anchor in zip(plan.stream.tolist(), plan.anchor.tolist()):
+        context[stream] = max(context.get(stream, 0), anchor)
+    blocks = int(plan.anchor.numel())
+    size = {"blocks": blocks, "tokens": sum(context.values()) + blocks * config.block_size}
+    return calibrate(config, weights, device, feed, {**source, **size})
 
 
 def calibrate(
@@ -145,3 +190,100 @@ def calibrate(
     )
     feed(model)
     return Calibration(observer.amax, source)
+
+
+NO_BLOCKS = AnchorPlan(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    """quantize's ``--calibration SOURCE`` (docs/quantize.md, "Calibration"): a regime's blocks
+    over eval-drift's default corpus, drawn as eval-drift draws its calibration blocks at the
+    same ``--seed`` (none left out), or the first rows of captured target states, each drafted
+    at its last anchor so that the whole row runs through the context."""
+
+    source: str  # a regime (qstream.regimes.AUX_REGIMES) or captured states: a file or directory
+    blocks: int = CALIBRATION_BLOCKS  # a regime's blocks; captured states' rows (one block each)
+    seed: int = 0  # a regime's: the blocks and aux states of eval-drift --seed's calibration
+    target: str | None = None  # lm_head (and embed_tokens) from here, as eval-drift --target
+
+    def __post_init__(self) -> None:
+        if self.blocks < 1:
+            raise QStreamError(f"--calibration-blocks {self.blocks}: must be at least 1")
+
+    def options(self) -> dict[str, str]:
+        """The options that name this set, for quantize's recorded command line."""
+        options = {"calibration": self.source, "calibration_blocks": str(self.blocks)}
+        if self.source in AUX_REGIMES:
+            options["seed"] = str(self.seed)
+        if self.target is not None:
+            options["target"] = self.target
+        return options
+
+    def run(self, model_dir: str | Path) -> Calibration:
+        """The FP32 reference of ``model_dir`` over the set, on the CPU (so the bytes quantize
+        writes do not depend on its ``--device``); its source records the options that name
+        it; a non-finite activation is a QStreamError naming the module."""
+        config = load_config(model_dir)
+        if self.source in AUX_REGIMES:
+            regime, corpus, plan, source = self._regime(model_dir, config)
+        else:
+            regime, corpus, plan, source = self._states(config)
+        weights = architecture_of(config).load_weights(model_dir, self.target, config)
+        seed = source.get("seed", 0)  # captured states draw no noise
+        source["options"] = self.options()
+        return calibrate_blocks(regime, corpus, plan, config, weights, "cpu", seed, source)
+
+    def _regime(self, model_dir: str | Path, config) -> tuple[Regime, Corpus, AnchorPlan, dict]:
+        """eval-drift's default corpus (the draft's tokenizer, else ``target``'s) and its
+        calibration draw at ``seed``."""
+        regime = REGIMES[self.source]
+        if regime.causal:
+            check_boot_compatible(config)
+        corpus = load_run_corpus(model_dir, None, None, config, self.target)
+        seed = calibration_seed(self.seed)
+        source = {
+            "regime": regime.name,
+            "seed": seed,
+            "corpus": {"name": corpus.name, "sha256": corpus.sha256},
+            "drawn": "as eval-drift's calibration blocks at --seed, none left out",
+        }
+        plan = calibration_plan(corpus, NO_BLOCKS, self.blocks, config, seed)
+        return regime, corpus, plan, source
+
+    def _states(self, config) -> tuple[Regime, CapturedStates, AnchorPlan, dict]:
+        if not Path(self.source).exists():
+            raise QStreamError(
+                f"--calibration {self.source}: neither a regime ({', '.join(AUX_REGIMES)}) nor "
+                "captured states (a file or directory, docs/states.md)"
+            )
+        states = read_states(self.source, config, target=self.target)
+        plan = first_rows(states, self.blocks, config.block_size,
+                          config.max_position_embeddings - config.block_size)  # fmt: skip
+        source = {
+            "captured": self.source,
+            "sha256": states.sha256,
+            "rows": int(plan.stream.numel()),
+            "drawn": "the first rows, each drafted at its last anchor",
+        }
+        return STATES, states, plan, source
+
+
+def first_rows(corpus: Corpus, rows: int, block_size: int, max_anchor: int) -> AnchorPlan:
+    """One block in each of the first ``rows`` streams that hold one, at its last anchor (a
+    valid anchor as ``sample_anchors`` draws them: ``1 <= p < len - block_size``, ``p <=
+    max_anchor``)."""
+    picked = []
+    for stream, ids in enumerate(corpus.streams):
+        anchor = min(int(ids.numel()) - block_size - 1, max_anchor)
+        if anchor >= 1:
+            picked.append((stream, anchor))
+        if len(picked) == rows:
+            break
+    if not picked:
+        raise QStreamError(
+            f"--calibration {corpus.name}: no row holds a block of {block_size} tokens after "
+            "its first"
+        )
+    streams, anchors = zip(*picked)
+    return AnchorPlan(torch.tensor(streams), torch.tensor(anchors))

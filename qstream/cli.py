@@ -41,6 +41,7 @@ CAPTURE_DTYPES = ("float32", "bfloat16", "float16")  # qstream.capture.target.DT
 CAPTURE_EXPORTS = ("qstream", "vllm")  # qstream.eval.states.layouts.EXPORTS
 CARD_FORMATS = ("md", "json", "html")  # qstream.card.build.FORMATS
 VLLM_VERSION = "0.32.0"  # qstream.vllm.loader.VLLM_VERSION
+CALIBRATION_BLOCKS = 32  # qstream.calibration.CALIBRATION_BLOCKS
 
 # --------------------------------------------------------------------------- parameter types
 

@@ -77,6 +77,7 @@ def test_the_help_s_light_names_are_the_library_s():
     """The choices and defaults the options show come from qstream.cli (no heavy imports);
     each must be the constant the library itself uses."""
     from qstream import cli as light
+    from qstream.calibration import CALIBRATION_BLOCKS
     from qstream.capture.target import DTYPES
     from qstream.card.build import FORMATS as CARD_FORMATS
     from qstream.eval.sensitivity import DEFAULT_FORMAT
@@ -97,6 +98,7 @@ def test_the_help_s_light_names_are_the_library_s():
     assert light.CAPTURE_EXPORTS == tuple(EXPORTS)
     assert light.CARD_FORMATS == tuple(CARD_FORMATS)
     assert light.VLLM_VERSION == VLLM_VERSION
+    assert light.CALIBRATION_BLOCKS == CALIBRATION_BLOCKS
 
 
 def test_a_default_regime_or_format_in_a_help_text_is_read_from_its_registry():

@@ -22,9 +22,10 @@ from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 from safetensors.torch import load_file, save_file
 
+from qstream.calibration import KV_CACHE, LINEAR_INPUTS, Calibration
 from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
-from qstream.quant.schemes import Calibration, input_scale
+from qstream.quant.schemes import input_scale
 from qstream.serving import ACTIVATIONS
 from qstream.vllm.profiles import fused_groups
 from qstream.vllm.verify import verify_checkpoint
@@ -44,24 +45,30 @@ def _modules(tensors) -> list[str]:
     return [n.removesuffix(".weight") for n in tensors if n.endswith(".weight")]
 
 
-def _calibration(tensors) -> Calibration:
-    """A distinct amax per module (so a fused group's members differ) and per attention's K/V."""
-    attention = sorted(
-        {n.split(".self_attn.")[0] + ".self_attn" for n in tensors if ".self_attn." in n}
-    )
-    return Calibration(
-        "given in the test",
-        96,
-        {m: 0.5 + 0.37 * i for i, m in enumerate(_modules(tensors))},
-        {a: (1.5 + i, 2.25 + i) for i, a in enumerate(attention)},
-    )
+SOURCE = {"regime": "gauss", "drawn": "given in the test", "blocks": 12, "tokens": 96}
+
+
+def _attention(tensors) -> list[str]:
+    return sorted({n.split(".self_attn.")[0] + ".self_attn" for n in tensors if ".self_attn." in n})
+
+
+def _calibration(tensors, inputs: dict | None = None) -> Calibration:
+    """A distinct amax per module (so a fused group's members differ) and per attention's K/V,
+    laid out as qstream/calibration.py's Observer records them (float32 scalars)."""
+    if inputs is None:
+        inputs = {m: 0.5 + 0.37 * i for i, m in enumerate(_modules(tensors))}
+    kv = {}
+    for i, attention in enumerate(_attention(tensors)):
+        kv[f"{attention}.k"], kv[f"{attention}.v"] = torch.tensor(1.5 + i), torch.tensor(2.25 + i)
+    linears = {m: torch.tensor(float(a)) for m, a in inputs.items()}
+    return Calibration({LINEAR_INPUTS: linears, KV_CACHE: kv}, SOURCE)
 
 
 def _config(out) -> dict:
     return json.loads((out / "config.json").read_text())["quantization_config"]
 
 
-def _observed(preset: str, amax: float, dtype: torch.dtype):
+def observed_scale(preset: str, amax: float, dtype: torch.dtype):
     """compressed-tensors' stored input scale for an observed [-amax, amax] in ``dtype``."""
     a = torch.tensor([amax], dtype=torch.float32).to(dtype)
     if preset == "NVFP4":
@@ -122,14 +129,11 @@ def test_static_input_scales_are_compressed_tensors_bit_for_bit(tmp_path, activa
     group_of = {m: g.members for g in fused_groups(summary.modules_quantized) for m in g.members}
     assert len(set(group_of)) >= 5  # q/k/v and gate/up per layer: members differ in amax
     for module in summary.modules_quantized:
-        amax = max(calibration.inputs[m] for m in group_of.get(module, (module,)))
-        name, expected = _observed(preset, amax, tensors[f"{module}.weight"].dtype)
+        amax = max(float(calibration.input_amax(m)) for m in group_of.get(module, (module,)))
+        name, expected = observed_scale(preset, amax, tensors[f"{module}.weight"].dtype)
         stored = written[f"{module}.{name}"]
         assert stored.dtype == expected.dtype and as_bytes(stored) == as_bytes(expected), module
-    assert summary.serving == {
-        "activations": activations,
-        "calibration": {"source": "given in the test", "size": 96},
-    }
+    assert summary.serving == {"activations": activations, "calibration": SOURCE}
     assert verify_checkpoint(tmp_path / "out").ok
 
 
@@ -143,7 +147,7 @@ def test_input_scale_formula_matches_compressed_tensors(activations, dtype):
     gen = torch.Generator().manual_seed(3)
     values = AMAXES + ((torch.rand(200, generator=gen) * 12 - 6).exp()).tolist()
     for amax in values:
-        expected = _observed(preset, amax, dtype)[1]
+        expected = observed_scale(preset, amax, dtype)[1]
         ours = input_scale(ACTIVATIONS[activations], amax, dtype)
         assert ours.dtype == expected.dtype and as_bytes(ours) == as_bytes(expected), amax
 
@@ -158,14 +162,13 @@ def test_kv_cache_scales_are_compressed_tensors_bit_for_bit(tmp_path):
     qconfig = _config(tmp_path / "out")
     assert QuantizationArgs.model_validate(qconfig["kv_cache_scheme"]) == KV_ARGS
     written = load_file(tmp_path / "out" / "model.safetensors")
-    for attention, amaxes in calibration.kv.items():
-        for leaf, amax in zip(("k_scale", "v_scale"), amaxes):
-            a = torch.tensor([amax]).to(torch.bfloat16)
+    attention = _attention(tensors)
+    for layer in attention:
+        for leaf, amax in zip(("k_scale", "v_scale"), calibration.kv_amax(layer)):
+            a = amax.reshape(1).to(torch.bfloat16)
             expected = calculate_qparams(-a, a, KV_ARGS)[0]
-            assert as_bytes(written[f"{attention}.{leaf}"]) == as_bytes(expected), attention
-    assert len([n for n in written if n.endswith(("k_scale", "v_scale"))]) == 2 * len(
-        calibration.kv
-    )
+            assert as_bytes(written[f"{layer}.{leaf}"]) == as_bytes(expected), layer
+    assert len([n for n in written if n.endswith(("k_scale", "v_scale"))]) == 2 * len(attention)
     assert verify_checkpoint(tmp_path / "out").ok
 
 
@@ -184,15 +187,19 @@ REFUSED = {
     ),
     "fp8-static": (
         ["--quant_format", "fp8", "--activations", "fp8-static"],
-        "--activations fp8-static: needs calibration (not available yet)",
+        "--activations fp8-static: needs calibrated scales: pass --calibration",
     ),
     "nvfp4 W4A4": (
         ["--quant_format", "nvfp4", "--activations", "nvfp4"],
-        "--activations nvfp4: needs calibration (not available yet)",
+        "--activations nvfp4: needs calibrated scales: pass --calibration",
     ),
     "kv cache": (
         ["--quant_format", "fp8", "--kv-cache-scheme", "fp8"],
-        "--kv-cache-scheme fp8: needs calibration (not available yet)",
+        "--kv-cache-scheme fp8: needs calibrated scales: pass --calibration",
+    ),
+    "a calibration no scheme uses": (
+        ["--quant_format", "fp8", "--calibration", "gauss"],
+        "--calibration: only a static scheme stores calibrated scales",
     ),
 }
 
@@ -226,7 +233,7 @@ def test_k3_kv_cache_scales_are_refused_naming_vllm(tmp_path):
     [
         (
             lambda c: c["inputs"].pop("model.layers.1.mlp.down_proj"),
-            "model.layers.1.mlp.down_proj: calibrated input amax None",
+            "calibration: no input of model.layers.1.mlp.down_proj was observed",
         ),
         (
             lambda c: c["inputs"].__setitem__("model.layers.0.mlp.up_proj", float("nan")),
@@ -240,8 +247,7 @@ def test_k3_kv_cache_scales_are_refused_naming_vllm(tmp_path):
 )
 def test_a_bad_calibration_is_refused_naming_the_module(tmp_path, change, message):
     tensors = llama_tensors()
-    given = _calibration(tensors)
-    fields = {"inputs": dict(given.inputs)}
+    fields = {"inputs": {m: 0.5 + 0.37 * i for i, m in enumerate(_modules(tensors))}}
     change(fields)
     src = write_checkpoint(tmp_path / "in", tensors)
     with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -250,7 +256,7 @@ def test_a_bad_calibration_is_refused_naming_the_module(tmp_path, change, messag
             tmp_path / "out",
             "fp8",
             activations="fp8-static",
-            calibration=Calibration("x", 1, fields["inputs"]),
+            calibration=_calibration(tensors, fields["inputs"]),
         )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
@@ -326,3 +332,17 @@ def test_verify_warns_that_the_k3_draft_serves_scale_one(tmp_path):
         p.startswith("layers.0.self_attn.k_scale: vLLM 0.32.0's K3 DSpark draft")
         for p in verify_checkpoint(out).problems
     )
+
+
+def test_verify_warns_when_no_record_names_the_calibration(tmp_path):
+    tensors = llama_tensors()
+    src = write_checkpoint(tmp_path / "in", tensors)
+    out = tmp_path / "out"
+    quantize_checkpoint(
+        src, out, "fp8", activations="fp8-static", calibration=_calibration(tensors)
+    )
+    (out / QUANTIZE_RECORD).unlink()
+    report = verify_checkpoint(out)
+    assert report.ok, report.problems
+    assert any(w.startswith(f"no {QUANTIZE_RECORD}: nothing records the calibration") for w in
+               report.warnings), report.warnings  # fmt: skip

@@ -3,50 +3,61 @@
 K3 draft (the tiny synth) and the Qwen3-style one.  Each written scheme must load with the
 scheme vLLM names for it, every stored tensor consumed and every parameter the stored bytes;
 what vLLM does with a missing input scale and with KV-cache scales is pinned, so that a change
-in vLLM shows up here."""
+in vLLM shows up here.  The static scales come from a real calibration run (quantize
+--calibration gauss's CalibrationSet); the KV amaxes are set by hand on top of it."""
 
 import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoints import DSPARK_RECIPE
-from qwen3_drafts import write_qwen3_draft
 from safetensors.torch import load_file, save_file
 from test_vllm_loader import vllm_did  # what vLLM did: raised, warned, or loaded silently
 
+from qstream.calibration import KV_CACHE, Calibration, CalibrationSet
 from qstream.checkpoint.files import open_checkpoint
 from qstream.publish import QUANTIZE_RECORD
 from qstream.quant import quantize_checkpoint
-from qstream.quant.schemes import Calibration
-from qstream.serving import ACTIVATIONS
+from qstream.synth.draft import synth_checkpoint
 from qstream.vllm.loader import load_with_vllm
 from qstream.vllm.verify import verify_checkpoint
 
 pytestmark = pytest.mark.vllm
 
-# activations -> weight format; vLLM's scheme is ACTIVATIONS[...].vllm_scheme
+# activations -> weight format
 WRITTEN = {"fp8-dynamic": "fp8", "fp8-static": "fp8", "nvfp4": "nvfp4"}
+# activations -> the scheme vLLM 0.32.0 builds for every quantized module (the loader's label:
+# "(static)" for a static input scale, "(use_a16)" for weight-only NVFP4, neither wanted here)
+BUILT = {
+    "fp8-dynamic": "CompressedTensorsW8A8Fp8",
+    "fp8-static": "CompressedTensorsW8A8Fp8(static)",
+    "nvfp4": "CompressedTensorsW4A4Fp4",
+}
 
 
 def calibration(draft: Path) -> Calibration:
-    """A distinct, non-1.0 amax per module and per attention layer's K and V."""
+    """quantize --calibration gauss's run, with a distinct non-1.0 K and V amax per attention
+    layer added by hand."""
+    measured = CalibrationSet("gauss", blocks=8).run(draft)
     names = list(open_checkpoint(draft).tensor_shard)
-    modules = [n.removesuffix(".weight") for n in names if n.endswith(".weight")]
     attention = sorted(
         {n.split(".self_attn.")[0] + ".self_attn" for n in names if ".self_attn." in n}
     )
-    return Calibration(
-        "given in the test",
-        64,
-        {m: 0.75 + 0.5 * i for i, m in enumerate(modules)},
-        {a: (2.0 + i, 3.0 + i) for i, a in enumerate(attention)},
-    )
+    kv = {}
+    for i, a in enumerate(attention):
+        kv[f"{a}.k"], kv[f"{a}.v"] = torch.tensor(2.0 + i), torch.tensor(3.0 + i)
+    return Calibration({**measured.amax, KV_CACHE: kv}, measured.source)
 
 
 @pytest.fixture(scope="module")
 def drafts(tiny, tmp_path_factory):
-    return {"k3": Path(tiny), "qwen3": write_qwen3_draft(tmp_path_factory.mktemp("qwen3") / "d")}
+    """The K3 tiny synth and the qwen3-tiny synth (each with the tokenizer and stand-in target
+    head that calibration drafts with)."""
+    qwen3 = tmp_path_factory.mktemp("qwen3") / "d"
+    synth_checkpoint("qwen3-tiny", qwen3, seed=0)
+    return {"k3": Path(tiny), "qwen3": qwen3}
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +66,12 @@ def outputs(drafts, tmp_path_factory):
     out = {}
     for arch, draft in drafts.items():
         include = DSPARK_RECIPE if arch == "k3" else None
+        calibrated = calibration(draft)
         for activations, fmt in WRITTEN.items():
             dest = root / f"{arch}-{activations}"
             quantize_checkpoint(
                 draft, dest, fmt, include=include, activations=activations,
-                calibration=calibration(draft),
+                calibration=calibrated,
             )  # fmt: skip
             out[arch, activations] = dest
     return out
@@ -73,8 +85,9 @@ def test_vllm_builds_the_activation_scheme(outputs, arch, activations):
     report = load_with_vllm(out)
     assert report.raised is None and report.problems == [], report.problems
     schemes = {m["scheme"] for m in report.modules}
-    # every quantized module W8A8 / W4A4 (without use_a16), the rest unquantized
-    assert schemes == {ACTIVATIONS[activations].vllm_scheme, "unquantized"}, schemes
+    # every quantized module W8A8 (static with fp8-static) / W4A4 (without use_a16), the rest
+    # unquantized; every stored tensor consumed (report.problems names one left over)
+    assert schemes == {BUILT[activations], "unquantized"}, schemes
 
 
 @pytest.mark.parametrize(
@@ -112,8 +125,9 @@ def test_the_qwen3_draft_serves_the_checkpoints_kv_scales(drafts, tmp_path):
     assert report.problems == [], report.problems
     stored = load_file(out / "model.safetensors")
     held = {layer["module"]: layer for layer in report.kv_cache}
-    assert len(held) == len(given.kv)
-    for attention in given.kv:
+    attention_layers = [k.removesuffix(".k") for k in given.amax[KV_CACHE] if k.endswith(".k")]
+    assert len(held) == len(attention_layers)
+    for attention in attention_layers:
         layer = held[f"model.{attention}.attn"]
         # kv_cache_scheme turns vLLM's "auto" cache into fp8 (attention.py, Attention.__init__)
         assert layer["dtype"] == "fp8"

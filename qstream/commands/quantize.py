@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import click
 from rich.table import Table
 
 from qstream.cli import (
+    CALIBRATION_BLOCKS,
     WEIGHT_FORMATS,
     Choice,
     Command,
@@ -22,6 +24,7 @@ from qstream.cli import (
     write_json,
 )
 from qstream.progress import counter
+from qstream.regimes import AUX_REGIMES
 from qstream.serving import ACTIVATIONS, KV_CACHES
 
 if TYPE_CHECKING:
@@ -77,14 +80,32 @@ if TYPE_CHECKING:
     metavar="{" + ",".join(ACTIVATIONS) + "}",
     help="How vLLM quantizes the quantized linears' inputs (input_activations): fp8-dynamic "
     "with --quant_format fp8 (W8A8, per token); fp8-static (fp8) and nvfp4 (nvfp4: W4A4) store "
-    "calibrated input scales and need calibration (not available yet).",
+    "calibrated input scales and need --calibration.",
 )
 @option(
     "kv_cache_scheme",
     type=Choice([k.name for k in KV_CACHES.values() if k.dtype == "float8_e4m3fn"]),
     metavar="fp8",
     help="Declare an FP8 KV cache with per-layer k_scale/v_scale (kv_cache_scheme); the "
-    "scales need calibration (not available yet).",
+    "scales need --calibration.",
+)
+@option(
+    "calibration",
+    metavar="{" + ",".join(AUX_REGIMES) + "}|STATES",
+    help="Where static scales are measured: the FP32 reference drafts blocks of this aux "
+    "regime over the built-in GSM8K corpus (as eval-drift's calibration at --seed), or the "
+    "first rows of captured states (a file or directory, as eval-drift --states reads).",
+)
+@count_option(
+    "calibration_blocks",
+    CALIBRATION_BLOCKS,
+    "Blocks of the regime (captured states: rows, one block each) --calibration runs.",
+)
+@option("seed", "Seed of a --calibration regime's blocks and aux states.")
+@option(
+    "target",
+    "Target checkpoint the calibration's draft borrows lm_head (and embed_tokens) from. "
+    "Default: the draft's target_head directory.",
 )
 @flag_option("no_snr", "Skip the weight SNR (a little faster).")
 @json_option()
@@ -98,9 +119,17 @@ def quantize(json_path: str | None, **o: Any) -> None:
     \b
     qstream-quantize --model_dir draft --output_dir draft-fp8 --quant_format fp8 \\
       --include_layers mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.o_proj
+    qstream-quantize --model_dir draft --output_dir draft-w4a4 --quant_format nvfp4 \\
+      --activations nvfp4 --calibration heavy
     """
     # here, not above: --help loads no torch
+    from qstream.calibration import CalibrationSet
     from qstream.quant import quantize_checkpoint
+
+    calibration = None
+    if o["calibration"] is not None:  # run by quantize once the options are checked
+        named = CalibrationSet(o["calibration"], o["calibration_blocks"], o["seed"], o["target"])
+        calibration = partial(named.run, o["model_dir"])
 
     with counter("quantizing", "bytes") as progress:  # bytes on the bar, tensors in its name
         summary = quantize_checkpoint(
@@ -119,6 +148,7 @@ def quantize(json_path: str | None, **o: Any) -> None:
             tensor_parallel_size=o["tensor_parallel_size"],
             activations=o["activations"],
             kv_cache_scheme=o["kv_cache_scheme"],
+            calibration=calibration,
         )
     for warning in summary.warnings:
         click.echo(f"Warning: {warning}", err=True)
@@ -158,6 +188,9 @@ def summary_table(summary: QuantizeSummary) -> Table:
     table.add_column("value", justify="right")
     table.add_row("format", summary.quant_format)
     for key, value in summary.serving.items():
+        if isinstance(value, dict):  # the calibration's source: what it was, and its size
+            size = ("regime", "captured", "blocks", "tokens")
+            value = ", ".join(f"{k} {v}" for k, v in value.items() if k in size)
         table.add_row(key.replace("_", " "), str(value))
     table.add_row(
         "parameters quantized",

@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 import qstream
+from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import DEFAULT_ARCH
 from qstream.errors import QStreamError
 from qstream.synth.corpus import read_corpus  # GSM8K JSONL or blank-line separated text
@@ -120,6 +121,23 @@ def builtin_corpus_docs() -> list[str]:
             "(reinstall qstream, or pass --corpus)"
         ) from exc
     return [f"{row['question']}\n{row['answer']}" for row in rows]
+
+
+def load_run_corpus(
+    model_dir: str | Path,
+    corpus: str | None,
+    tokenizer: str | None,
+    config: DraftConfig,
+    target: str | None = None,
+) -> Corpus:
+    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the draft's
+    own tokenizer.json, else ``target``'s)."""
+    tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
+    if not tokenizer and target is not None and not tok.is_file():
+        tok = Path(target) / "tokenizer.json"
+    if corpus is None:
+        return tokenize(builtin_corpus_docs(), tok, config.vocab_size, name=BUILTIN_CORPUS_NAME)
+    return load_corpus(corpus, tok, config.vocab_size)
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,12 @@ from qstream.device import describe_device, resolve_device
 from qstream.errors import QStreamError
 from qstream.eval.batches import Batch, batch_flops, check_boot_compatible, make_batches
 from qstream.eval.corpus import (
-    BUILTIN_CORPUS_NAME,
     AnchorPlan,
     Corpus,
-    builtin_corpus_docs,
     builtin_model_dir,
-    load_corpus,
+    load_run_corpus,
     read_anchor_plan,
     sample_anchors,
-    tokenize,
 )
 from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.sensitivity import module_kinds, sensitivity_format
@@ -81,23 +78,6 @@ def refuse_unevaluated(config: DraftConfig) -> None:
             f"config.json: draft_vocab_size {config.draft_vocab_size} < vocab_size "  # type: ignore[attr-defined]
             f"{config.vocab_size}: eval-drift does not evaluate reduced-vocabulary drafts yet"
         )
-
-
-def load_run_corpus(
-    model_dir: str | Path,
-    corpus: str | None,
-    tokenizer: str | None,
-    config: DraftConfig,
-    target: str | None = None,
-) -> Corpus:
-    """The corpus file (or the built-in one) tokenized with ``tokenizer`` (default: the draft's
-    own tokenizer.json, else ``target``'s)."""
-    tok = Path(tokenizer) if tokenizer else Path(model_dir) / "tokenizer.json"
-    if not tokenizer and target is not None and not tok.is_file():
-        tok = Path(target) / "tokenizer.json"
-    if corpus is None:
-        return tokenize(builtin_corpus_docs(), tok, config.vocab_size, name=BUILTIN_CORPUS_NAME)
-    return load_corpus(corpus, tok, config.vocab_size)
 
 
 def _resolved(

@@ -26,7 +26,7 @@ from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.schemes import Calibration, serving_options, serving_record, serving_schemes
+from qstream.quant.schemes import command_options, serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
@@ -63,7 +63,7 @@ class QuantizeSummary:
     tensor_parallel_size: int = 1  # the TP size the selection was checked for
     ignore: list[str] = field(default_factory=list)  # the config's ignore entries, as written
     warnings: list[str] = field(default_factory=list)  # e.g. ignore entries that depend on L
-    # beyond the weights: {"activations", "kv_cache_scheme", "calibration": {"source", "size"}}
+    # beyond the weights: {"activations", "kv_cache_scheme", "calibration": its source record}
     # for the schemes written (docs/quantize.md); empty, and left out of the JSON, if weight-only
     serving: dict = field(default_factory=dict)
 
@@ -106,13 +106,14 @@ def quantize_checkpoint(
     tensor_parallel_size: int = 1,
     activations: str = "none",
     kv_cache_scheme: str | None = None,
-    calibration: Calibration | None = None,
+    calibration: Any = None,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
     in the compressed-tensors layout (docs/quantize.md).  ``include`` / ``ignore`` are patterns
     (``ignore`` wins) under config.json's serving profile at ``tensor_parallel_size``
     (docs/vllm.md); ``workers`` threads (default: the usable CPUs); ``activations`` /
-    ``kv_cache_scheme``: how vLLM serves inputs and KV cache, scales from ``calibration``.
+    ``kv_cache_scheme``: how vLLM serves inputs and KV cache, scales from ``calibration`` (a
+    ``qstream.calibration.Calibration``, or a callable run once the options are checked).
     Published atomically (docs/guarantees.md); raises QStreamError, having written nothing,
     for any problem with the input, the options or the disk; ``snr=False`` skips the SNR."""
     started = time.perf_counter()
@@ -129,12 +130,12 @@ def quantize_checkpoint(
     summary = _plan_summary(
         plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
         output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
-        serving=serving_record(serving, calibration),
+        serving=serving_record(serving),
     )  # fmt: skip
     if dry_run:
         return summary
     command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
-                                  snr, tensor_parallel_size, serving_options(serving))  # fmt: skip
+                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
     record = partial(_record, summary, command)
     with _one_intra_op_thread():
         snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)

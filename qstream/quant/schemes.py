@@ -2,7 +2,9 @@
 calibrated scales a static one stores (docs/quantize.md, "Activation and KV-cache schemes"): a
 quantized linear's ``input_scale`` (FP8 static, per tensor) or ``input_global_scale`` (NVFP4
 W4A4), and an attention layer's ``k_scale`` / ``v_scale`` (FP8 KV cache), each from the amax
-that calibration measured (:class:`Calibration`, the adapter a calibration run feeds).
+that calibration measured: a ``qstream.calibration.Calibration`` (a layer above quant: it is
+only asked ``input_amax``, ``kv_amax`` and its ``source``), given, or made by a callable that
+runs it (``CalibrationSet.run``, ``--calibration``) once the options are known to need it.
 
 The formulas and dtypes are compressed-tensors' (checked bit for bit in
 tests/test_quantize_schemes.py): ``calculate_qparams`` (symmetric float: ``amax / 448`` in the
@@ -14,7 +16,6 @@ the global scale float32; both shape [1]).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,11 +27,15 @@ from qstream.errors import QStreamError
 from qstream.formats.format import FP8_MAX
 from qstream.formats.nvfp4 import global_scale
 from qstream.quant.select import Selection, share_group_amax
+from qstream.regimes import AUX_REGIMES
 from qstream.serving import ACTIVATIONS, Activations
 from qstream.vllm.profiles import KV_SCALES_NOT_LOADED, profile_for
 
-# What a calibration source needs to supply before quantize can write a static scheme.
-NEEDS_CALIBRATION = "needs calibration (not available yet)"
+# A static scheme without a calibration: what to pass.
+NEEDS_CALIBRATION = (
+    f"needs calibrated scales: pass --calibration (a regime, {', '.join(AUX_REGIMES)}, or "
+    "captured states)"
+)
 
 
 @dataclass(frozen=True)
@@ -38,26 +43,12 @@ class Serving:
     """What the checkpoint declares beyond its weights: how the quantized linears' inputs are
     served, its ``--kv-cache-scheme`` (None: none), and the calibrated scales that go with
     them, each written right after the input tensor it is keyed by (a linear's weight; an
-    attention layer's last tensor)."""
+    attention layer's last tensor), with the calibration they came from."""
 
     activations: Activations = ACTIVATIONS["none"]
     kv_cache: str | None = None
     scales: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """The amaxes a static scheme's scales come from, and where they were measured (recorded
-    in qstream_quantize.json).  This is the adapter a calibration run feeds."""
-
-    source: str  # what the inputs were, e.g. the regime ("gauss") and the draft's inputs
-    size: int  # how many calibration inputs (tokens) the amaxes were taken over
-    inputs: Mapping[str, float] = field(default_factory=dict)  # linear -> amax of its input
-    # attention module -> (amax of K, amax of V) as its cache stores them
-    kv: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-
-    def record(self) -> dict:
-        return {"source": self.source, "size": self.size}
+    calibration: Any = None  # a qstream.calibration.Calibration
 
 
 def input_scale(activations: Activations, amax: float, dtype: torch.dtype) -> torch.Tensor:
@@ -83,10 +74,10 @@ def kv_scales(amax: tuple[float, float], dtype: torch.dtype) -> dict[str, torch.
     }
 
 
-def checked_amax(what: str, module: str, amax: object) -> float:
+def checked_amax(what: str, module: str, amax: torch.Tensor | None) -> float:
     """``amax`` as a float, or QStreamError naming the module unless finite and positive."""
-    if isinstance(amax, bool) or not isinstance(amax, (int, float)):
-        raise QStreamError(f"{module}: calibrated {what} amax {amax!r} is not a number")
+    if amax is None:
+        raise QStreamError(f"{module}: calibration holds no {what} amax")
     value = float(amax)
     if not (value > 0 and value != float("inf")):
         raise QStreamError(f"{module}: calibrated {what} amax {value!r} must be finite and > 0")
@@ -99,12 +90,13 @@ def serving_schemes(
     selection: Selection,
     activations: str,
     kv_cache_scheme: str | None,
-    calibration: Calibration | None,
+    calibration: Any,
 ) -> Serving:
     """The schemes declared beyond the weights and the scales they store, checked before
-    anything is written: an activation scheme the format cannot serve with, a static scheme
-    without calibration, a KV-cache scheme vLLM does not load for this draft, a module without
-    its amax are QStreamErrors naming it."""
+    anything is written: an activation scheme the format cannot serve with, a KV-cache scheme
+    vLLM does not load for this draft, a static scheme without calibration, a module without
+    its amax are QStreamErrors naming it.  ``calibration``: a Calibration, a callable that runs
+    one (called here, once the options are known to need it), or None."""
     if activations not in ACTIVATIONS:
         raise QStreamError(f"--activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
     act = ACTIVATIONS[activations]
@@ -113,45 +105,53 @@ def serving_schemes(
             f"--activations {act.name}: served with {' or '.join(act.weights)} weights "
             f"(vLLM's {act.vllm_scheme}), not --quant_format {fmt}"
         )
-    scales: dict[str, dict] = {}
+    if kv_cache_scheme is not None:
+        _check_kv_scheme(checkpoint, kv_cache_scheme)
     stored = input_scale_name(act)
+    if stored is None and kv_cache_scheme is None:
+        if callable(calibration):
+            raise QStreamError(
+                "--calibration: only a static scheme stores calibrated scales (--activations "
+                "fp8-static or nvfp4, --kv-cache-scheme fp8)"
+            )
+        return Serving(act)
+    option = f"--activations {act.name}" if stored else f"--kv-cache-scheme {kv_cache_scheme}"
+    if calibration is None:
+        raise QStreamError(f"{option}: {NEEDS_CALIBRATION}")
+    if callable(calibration):
+        calibration = calibration()
+    scales: dict[str, dict] = {}
     if stored is not None:
-        inputs = _calibrated(calibration, f"--activations {act.name}").inputs
-        amaxes = {m: checked_amax("input", m, inputs.get(m)) for m in selection.quantized}
+        amaxes = {
+            m: checked_amax("input", m, calibration.input_amax(m)) for m in selection.quantized
+        }
         # a fused layer keeps one input scale (vLLM's .max() over its shards), so each group
         # shares its members' largest amax: no member's input saturates (docs/quantize.md)
         for module, amax in share_group_amax(amaxes, selection.fused_groups).items():
             weight = checkpoint.info(f"{module}.weight")
             scales[weight.name] = {f"{module}.{stored}": input_scale(act, amax, weight.torch_dtype)}
     if kv_cache_scheme is not None:
-        for anchor, kv in _kv_scales(checkpoint, kv_cache_scheme, calibration).items():
+        for anchor, kv in _kv_scales(checkpoint, calibration).items():
             scales[anchor] = {**scales.get(anchor, {}), **kv}
-    return Serving(act, kv_cache_scheme, scales)
+    return Serving(act, kv_cache_scheme, scales, calibration)
 
 
-def _calibrated(calibration: Calibration | None, option: str) -> Calibration:
-    if calibration is None:
-        raise QStreamError(f"{option}: {NEEDS_CALIBRATION}")
-    return calibration
-
-
-def _kv_scales(
-    checkpoint: Checkpoint, scheme: str, calibration: Calibration | None
-) -> dict[str, dict]:
-    """Each attention layer's k_scale / v_scale, keyed by its last stored tensor."""
+def _check_kv_scheme(checkpoint: Checkpoint, scheme: str) -> None:
     if scheme not in KV_CACHE_SCHEMES:
         raise QStreamError(f"--kv-cache-scheme {scheme!r}: choose {', '.join(KV_CACHE_SCHEMES)}")
     refused = KV_SCALES_NOT_LOADED.get(profile_for(checkpoint.config).name)
     if refused:
         raise QStreamError(f"--kv-cache-scheme {scheme}: {refused} (docs/vllm.md)")
-    amax = _calibrated(calibration, f"--kv-cache-scheme {scheme}").kv
+
+
+def _kv_scales(checkpoint: Checkpoint, calibration: Any) -> dict[str, dict]:
+    """Each attention layer's k_scale / v_scale, keyed by its last stored tensor."""
     attn = ".self_attn."  # the attention module of every architecture qstream knows
     last = {n[: n.index(attn) + len(attn) - 1]: n for n in checkpoint.tensor_shard if attn in n}
     scales = {}
     for attention, anchor in last.items():
-        if attention not in amax:
-            raise QStreamError(f"{attention}: no calibrated K/V amax for its KV-cache scales")
-        k, v = (checked_amax(what, attention, a) for what, a in zip("KV", amax[attention]))
+        amax = zip("KV", calibration.kv_amax(attention))
+        k, v = (checked_amax(what, attention, a) for what, a in amax)
         dtype = checkpoint.info(anchor).torch_dtype
         scales[anchor] = {f"{attention}.{n}": t for n, t in kv_scales((k, v), dtype).items()}
     return scales
@@ -167,8 +167,18 @@ def serving_options(serving: Serving) -> dict[str, str]:
     return options
 
 
-def serving_record(serving: Serving, calibration: Calibration | None) -> dict:
+def command_options(serving: Serving) -> dict[str, str]:
+    """:func:`serving_options` and those that named the calibration set (``--calibration``'s,
+    as its source records them), for the recorded command line."""
+    options = serving_options(serving)
+    if serving.scales and serving.calibration is not None:
+        options.update(serving.calibration.source.get("options", {}))
+    return options
+
+
+def serving_record(serving: Serving) -> dict:
+    """The schemes, and the calibration's source record when scales were stored."""
     record: dict[str, Any] = dict(serving_options(serving))
-    if serving.scales and calibration is not None:
-        record["calibration"] = calibration.record()
+    if serving.scales and serving.calibration is not None:
+        record["calibration"] = serving.calibration.source
     return record

@@ -553,6 +553,8 @@ def _modules(model: torch.nn.Module, rec: Recorder) -> list[dict]:
         label = "unquantized" if scheme is None else type(scheme).__name__
         if getattr(scheme, "use_a16", False):
             label += "(use_a16)"
+        if getattr(scheme, "is_static_input_scheme", False):  # W8A8 FP8 with a stored input_scale
+            label += "(static)"
         weight = next((p for p in CODE_SUFFIXES if f"{name}.{p}" in rec.loads), None)
         sources = [load.source for load in _ordered(rec.loads.get(f"{name}.{weight}", []))]
         out.append({"module": module.prefix, "name": name, "scheme": label, "sources": sources})

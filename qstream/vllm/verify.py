@@ -320,10 +320,16 @@ def _check_serving(
         value, bad, what = finite_positive(readers[checkpoint.tensor_shard[name]].tensor(name))
         if bool(bad.any()):
             report.problems.append(f"{name}: value {value[bad][0].item()} {what}")
-    if present and _recorded_calibration(checkpoint) is False:
+    recorded = _recorded_calibration(checkpoint) if present else True
+    if recorded is False:
         report.problems.append(
             f"{QUANTIZE_RECORD}: no calibration (source and size) recorded for the stored "
             f"scales, e.g. {present[0]}"
+        )
+    elif recorded is None:
+        report.warnings.append(
+            f"no {QUANTIZE_RECORD}: nothing records the calibration the stored scales (e.g. "
+            f"{present[0]}) were measured on"
         )
 
 
@@ -352,7 +358,7 @@ def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> l
 
 
 def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
-    """Whether quantize's record names the calibration source and size (None: no record)."""
+    """Whether quantize's record names the calibration's set and size (None: no record)."""
     path = checkpoint.directory / QUANTIZE_RECORD
     if not path.is_file():
         return None
@@ -360,8 +366,14 @@ def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
         serving_record = json.loads(path.read_text())["summary"].get("serving", {})
     except (ValueError, KeyError, AttributeError):
         return False  # the sha256 check names an unreadable record
-    calibration = serving_record.get("calibration") or {}
-    return "source" in calibration and "size" in calibration
+    calibration = serving_record.get("calibration")
+    # qstream.calibration.Calibration.source: how it was drawn, and the size it was measured on
+    size = ("blocks", "tokens")
+    return (
+        isinstance(calibration, dict)
+        and "drawn" in calibration
+        and all(isinstance(calibration.get(k), int) and calibration[k] > 0 for k in size)
+    )
 
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
