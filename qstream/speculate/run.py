@@ -164,7 +164,7 @@ def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs:
     rest = CorpusDocs(docs.name, docs.sha256, docs.texts[s.prompts : 2 * s.prompts])
     if not rest.texts:
         raise QStreamError(
-            f"corpus {docs.name}: calibrating activations needs documents after the "
+            f"corpus {docs.name}: calibrating scales needs documents after the "
             f"--prompts {s.prompts} decoded ones; it holds {len(docs.texts)}"
         )
     prompts = _prompts(target.tokenizer, rest, len(rest.texts), config.vocab_size)
