@@ -1,8 +1,8 @@
 """Activation calibration (docs/eval-drift.md, "Serving configurations"): the FP32 reference run
 over a calibration set, recording the amax of what flows through named observation points, as
 llm-compressor's static observers record it before compressed-tensors turns it into a scale
-(``calculate_qparams``, ``generate_gparam``).  One point today, each quantized linear's input by
-module (``LINEAR_INPUTS``); another (e.g. the stored KV latent per layer) is one more name.
+(``calculate_qparams``, ``generate_gparam``).  Two points: each quantized linear's input by
+module (``LINEAR_INPUTS``) and what each attention's KV cache stores (``KV_CACHE``).
 
 >>> observer = Observer()
 >>> model = arch.build(config, weights, REFERENCE_VARIANT, "cpu", observer.served())
@@ -71,9 +71,14 @@ class Observer:
     def linear_input(self, name: str, x: torch.Tensor) -> None:
         self.add(LINEAR_INPUTS, name.removesuffix(".weight"), x)
 
+    def kv_cache(self, attention: str, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        self.add(KV_CACHE, f"{attention}.k", k)
+        if v is not None:
+            self.add(KV_CACHE, f"{attention}.v", v)
+
     def served(self) -> ServedLinears:
-        """A model's linears served as stored, each input observed."""
-        return ServedLinears(observe=self.linear_input)
+        """A model's linears served as stored, each input observed, and its KV caches."""
+        return ServedLinears(observe=self.linear_input, observe_cache=self.kv_cache)
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,14 @@ class KVCache:
     def quantized(self) -> bool:
         return self.dtype is not None and self.dtype.startswith("float8")
 
+    @property
+    def scaled(self) -> bool:
+        """Whether vLLM 0.32.0 serves it with a scale other than 1.0: an e4m3 cache.  A scale
+        reaches vLLM only in a checkpoint declaring a kv_cache_scheme (compressed-tensors' FP8,
+        e4m3: ``amax / 448``), and vLLM refuses ``fp8_e5m2`` with such a checkpoint
+        (vllm/model_executor/layers/attention/attention.py, ``_init_kv_cache_quant``)."""
+        return self.dtype == "float8_e4m3fn"
+
 
 KV_CACHES = {
     k.name: k
@@ -99,6 +107,10 @@ KV_CACHES = {
         KVCache("fp8_e5m2", "float8_e5m2"),
     )
 }
+E5M2_UNSCALED = (
+    ": vLLM 0.32.0 refuses fp8_e5m2 with a checkpoint that declares a kv_cache_scheme, the only "
+    "way a scale reaches it (attention.py, _init_kv_cache_quant), and serves e5m2 at scale 1.0"
+)
 # An fp8 cache's per-layer scale: 1.0 (what vLLM serves when the checkpoint has none, with a
 # warning), calibrated on the run's calibration inputs, or the checkpoint's own.
 KV_SCALES = ("1.0", "calibrated", "checkpoint")
@@ -151,10 +163,11 @@ class Variant:
                 f"{' or '.join(act.weights)} weights, not {self.source!r}"
                 + (" (a checkpoint's come from its config.json)" if self.checkpoint else "")
             )
-        if self.kv_scale != "1.0" and not self.kv.quantized:
+        if self.kv_scale != "1.0" and not self.kv.scaled:
             raise QStreamError(
-                f"variant {self.name}: kvscale {self.kv_scale!r} needs an fp8 KV cache "
-                f"(kv=fp8_e4m3 or fp8_e5m2), not kv={self.kv_cache}"
+                f"variant {self.name}: kvscale {self.kv_scale!r} needs an fp8 e4m3 KV cache "
+                f"(kv=fp8 or fp8_e4m3), not kv={self.kv_cache}"
+                + (E5M2_UNSCALED if self.kv.quantized else "")
             )
         if self.kv_scale == "checkpoint" and not self.checkpoint:
             raise QStreamError(f"variant {self.name}: kvscale 'checkpoint' needs a checkpoint")
@@ -218,6 +231,11 @@ class Variant:
     compute_dtype = property(lambda self: self.weights.compute_dtype)
     activation = property(lambda self: ACTIVATIONS[self.activations])
     kv = property(lambda self: KV_CACHES[self.kv_cache])
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether serving it needs a calibration run: static activation scales or KV scales."""
+        return not self.activation.dynamic or self.kv_scale == "calibrated"
 
     @property
     def dtype(self) -> torch.dtype:

@@ -99,12 +99,12 @@ def test_the_qwen3_cpu_path_is_the_same_arithmetic_through_computeweights():
     assert torch.equal(plain.logits_base, routed.logits_base)
 
 
-def test_quantized_activations_need_their_quantizers_and_a_kv_scale_is_not_simulated_yet():
+def test_quantized_activations_need_their_quantizers_and_a_scaled_kv_cache_its_scales():
     config, weights = _mla()
     arch = architecture_of(config)
     with pytest.raises(ValueError, match="input quantizers are missing"):
         arch.build(config, weights, Variant.parse("fp8+a=fp8-dynamic"), "cpu")
-    with pytest.raises(QStreamError, match="kv_scale 'calibrated' is not simulated yet"):
+    with pytest.raises(ValueError, match="its KV-cache scales are missing"):
         arch.build(config, weights, Variant.parse("bf16+kv=fp8+kvscale=calibrated"), "cpu")
 
 

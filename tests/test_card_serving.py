@@ -190,7 +190,7 @@ def test_md_json_and_html_render_the_section(tmp_path, served):
     [
         ("fp8+a=fp8-dynamic", "activations FP8 dynamic per token", "W8A16"),
         ("fp8+a=fp8-static", "activations FP8 static per tensor", "W8A16"),
-        ("bf16+kv=fp8_e5m2+kvscale=calibrated", "KV cache fp8_e5m2, scale calibrated",
+        ("bf16+kv=fp8_e4m3+kvscale=calibrated", "KV cache fp8_e4m3, scale calibrated",
          '"kv_cache_dtype": "auto"'),
         ("bf16+kv=bfloat16", "KV cache bfloat16", '"kv_cache_dtype": "auto"'),
         ("bf16+target=nvfp4", "target weights nvfp4", "none on the draft side"),

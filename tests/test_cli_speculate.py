@@ -222,16 +222,16 @@ def test_bad_inputs_are_one_line_and_write_nothing(pair, tmp_path):
 
 
 def test_activation_variants_decode_after_their_calibration(pair, tmp_path):
-    """Quantized activations are served in the decoder too; the static ones calibrated on the
-    documents after the decoded prompts, which the corpus must hold (one line, nothing
-    written, when it does not)."""
+    """Quantized activations are served in the decoder too, and a calibrated KV cache; the
+    static scales calibrated on the documents after the decoded prompts, which the corpus must
+    hold (one line, nothing written, when it does not)."""
     target, draft, _, corpus = pair
     out = tmp_path / "spec.json"
-    formats = "fp8,fp8+a=fp8-dynamic,fp8+a=fp8-static,nvfp4+a=nvfp4"
+    formats = "fp8,fp8+a=fp8-dynamic,fp8+a=fp8-static,nvfp4+a=nvfp4,bf16+kv=fp8+kvscale=calibrated"
     args = ["speculate", "--target", str(target), "--model", str(draft), "--corpus", str(corpus),
             "--new-tokens", str(NEW_TOKENS), "--dtype", "float32", "--formats", formats,
             "--json", str(out)]  # fmt: skip
-    assert "calibrating activations needs documents after the --prompts 3" in cli_error(
+    assert "calibrating scales needs documents after the --prompts 3" in cli_error(
         [*args, "--prompts", "3"]
     )
     assert not out.exists()
@@ -241,6 +241,7 @@ def test_activation_variants_decode_after_their_calibration(pair, tmp_path):
     variants = results["variants"]
     assert "configuration" not in variants["fp8"]
     assert variants["nvfp4+a=nvfp4"]["configuration"]["activations"] == "nvfp4"
+    assert variants["bf16+kv=fp8+kvscale=calibrated"]["configuration"]["kv_scale"] == "calibrated"
     for entry in variants.values():
         assert 1 <= entry["summary"]["mean_acceptance_length"]["value"] <= 8
 

@@ -91,7 +91,8 @@ def test_a_token_names_a_configuration(token, kv, name, served):
         ),
         ("bf16+a=nvfp4", "activations 'nvfp4' are served with nvfp4 weights, not 'bf16'"),
         ("fp32+kv=fp8", "the fp32 reference is served as stored"),
-        ("bf16+kvscale=calibrated", "kvscale 'calibrated' needs an fp8 KV cache"),
+        ("bf16+kvscale=calibrated", "kvscale 'calibrated' needs an fp8 e4m3 KV cache"),
+        ("bf16+kv=fp8_e5m2+kvscale=calibrated", "vLLM 0.32.0 refuses fp8_e5m2 with a checkpoint"),
         ("bf16+kv=fp8+kvscale=checkpoint", "kvscale 'checkpoint' needs a checkpoint"),
     ],
 )

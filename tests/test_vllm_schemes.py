@@ -135,6 +135,20 @@ def test_the_qwen3_draft_serves_the_checkpoints_kv_scales(drafts, tmp_path):
         assert layer["v_scale"] == stored[f"{attention}.v_scale"].item() != 1.0
 
 
+def test_the_qwen3_draft_refuses_kv_scales_with_an_e5m2_cache(drafts, tmp_path):
+    """eval-drift refuses a KV scale with kv=fp8_e5m2 (qstream/serving.py, E5M2_UNSCALED)
+    because vLLM does: ``_init_kv_cache_quant`` (attention.py) raises for a checkpoint that
+    declares a kv_cache_scheme; the same checkpoint loads with an e4m3 cache."""
+    out = tmp_path / "kv"
+    quantize_checkpoint(drafts["qwen3"], out, "fp8", kv_cache_scheme="fp8",
+                        calibration=calibration(drafts["qwen3"]))  # fmt: skip
+    loaded = load_with_vllm(out, kv_cache_dtype="fp8_e5m2")
+    assert vllm_did(loaded) == "raised"
+    assert "fp8_e5m2 kv-cache is not supported with fp8 checkpoints" in loaded.raised
+    loaded = load_with_vllm(out, kv_cache_dtype="fp8_e4m3")
+    assert loaded.problems == [] and {layer["dtype"] for layer in loaded.kv_cache} == {"fp8_e4m3"}
+
+
 def _with_kv_scheme(src: Path, dest: Path, scales: bool) -> Path:
     """``src`` declaring an FP8 KV cache, with non-1.0 k_scale/v_scale per layer if ``scales``
     (what another tool might write for the K3 draft; qstream refuses to)."""

@@ -23,8 +23,6 @@ from qstream.serving import DEFAULTS
 Shapes = Mapping[str, tuple[int, ...]]
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
-SIMULATED = ("activations", "kv_cache", "target")  # the serving fields besides the weights
-# the draft is built for (the target is no part of its arithmetic: it serves the states and verifies)
 D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id] (vLLM's draft_id_to_target_id)
 
 
@@ -53,18 +51,14 @@ class DSparkFamily:
     def build(
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
-        """The model serving ``weights`` as ``variant`` says; ``served`` (weights.py's
-        ServedLinears): its linears' input quantizers (qstream/eval/variants.py,
-        ``served_linears``), needed when its activations are quantized."""
-        fields = variant.configuration().items()
-        pending = {f: v for f, v in fields if v != DEFAULTS[f] and f not in SIMULATED}
-        if pending:  # the arithmetic of these is not simulated yet (docs/status.md)
-            field, value = next(iter(pending.items()))
-            raise QStreamError(
-                f"variant {variant.name}: {field} {value!r} is not simulated yet (kvscale 1.0 is)"
-            )
+        """The model serving ``weights`` as ``variant`` says (the target is no part of its
+        arithmetic: it serves the states and verifies); ``served`` (weights.py's ServedLinears):
+        its linears' input quantizers and KV-cache scales (qstream/eval/variants.py,
+        ``served_linears``), needed when its activations are quantized or its KV scaled."""
         if variant.activation.strategy is not None and not (served and served.inputs):
             raise ValueError(f"variant {variant.name}: its linears' input quantizers are missing")
+        if variant.kv_scale != DEFAULTS["kv_scale"] and not (served and served.kv_scales):
+            raise ValueError(f"variant {variant.name}: its KV-cache scales are missing")
         model = getattr(importlib.import_module(self.model_module), self.model_class)
         return model(config, weights, variant.dtype, device, variant.kv, served)
 

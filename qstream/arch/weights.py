@@ -50,11 +50,19 @@ class ServedLinears:
     """How a model's linears take their inputs: ``inputs`` maps a weight's name to its input
     quantizer (qstream/formats/activations.py: x -> x dequantized, float32); ``observe(name,
     x)`` sees every input first (qstream/calibration.py); ``fp32_products``: operands of a
-    narrower dtype are multiplied upcast to float32 (exact), the sum rounded once."""
+    narrower dtype are multiplied upcast to float32 (exact), the sum rounded once.  And how its
+    attentions' KV caches are: ``observe_cache(attention, k, v)`` sees what each stores (v None
+    where one entry holds both, the MLA latent), ``kv_scales`` each fp8 cache's scales."""
 
     inputs: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     observe: Callable[[str, torch.Tensor], None] | None = None
     fp32_products: bool = False
+    observe_cache: Callable[[str, torch.Tensor, torch.Tensor | None], None] | None = None
+    # attention module -> (k_scale, v_scale) as vLLM's _k_scale_float / _v_scale_float; absent: 1.0
+    kv_scales: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def cache_scales(self, attention: str) -> tuple[float, float]:
+        return self.kv_scales.get(attention, (1.0, 1.0))
 
 
 class ComputeWeights(Mapping[str, torch.Tensor]):
@@ -170,16 +178,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
-def fp8_round_trip(x: torch.Tensor, fp8: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+def fp8_round_trip(
+    x: torch.Tensor, fp8: torch.dtype, scale: float = 1.0, reciprocal: bool = False
+) -> torch.Tensor:
     """x written to an fp8 KV cache and read back, in x's dtype, as vLLM 0.32.0 does: the write
     divides by the layer's scale in fp32 and stores it saturated to the format's finite range,
     rounded to nearest even (``triton_reshape_and_cache_flash.py``,
     ``reshape_and_cache_kernel_flash``: ``key / k_scale``, a saturating store), the read multiplies
     by the scale in fp32 and rounds to the compute dtype (``triton_decode_attention.py``:
-    ``(k.to(float32) * ks).to(q.dtype)``).  Saturating first keeps torch's cast from giving NaN."""
+    ``(k.to(float32) * ks).to(q.dtype)``).  Saturating first keeps torch's cast from giving NaN.
+    ``reciprocal``: the write multiplies by the scale's fp32 reciprocal instead, as the K3 fused
+    decode insert does (vllm/models/kimi_k3/nvidia/mla.py, ``_k_scale_inv``, ``_q_scale_inv``)."""
     limit = torch.finfo(fp8).max
-    stored = (x.float() / scale).clamp_(-limit, limit).to(fp8)
-    return (stored.float() * scale).to(x.dtype)
+    s = torch.tensor(scale, dtype=torch.float32, device=x.device)  # a device tensor: torch's
+    # CUDA division by a CPU scalar would multiply by its reciprocal
+    y = x.float() * s.reciprocal() if reciprocal else x.float() / s
+    stored = y.clamp_(-limit, limit).to(fp8)
+    return (stored.float() * s).to(x.dtype)
 
 
 def swiglu(x: torch.Tensor, gate, up, down, linear=F.linear) -> torch.Tensor:

@@ -7,13 +7,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 
-from qstream.checkpoint.files import INDEX_NAME, open_checkpoint, read_config, read_json
-from qstream.checkpoint.layout import format_of_layout
+from qstream.checkpoint.files import (
+    INDEX_NAME,
+    Checkpoint,
+    open_checkpoint,
+    read_config,
+    read_json,
+)
+from qstream.checkpoint.layout import KV_SCALES, format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader, read_header
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, QUANTIZED_SUFFIXES, dequantize
@@ -84,7 +91,8 @@ def read_draft_checkpoint(
     directory = Path(directory)
     checkpoint = open_checkpoint(directory)
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    raw = {n: readers[s].tensor(n) for n, s in checkpoint.tensor_shard.items()}
+    scales = kv_scale_names(checkpoint)  # served with the cache (read_kv_scales), not weights
+    raw = {n: readers[s].tensor(n) for n, s in checkpoint.tensor_shard.items() if n not in scales}
     names = set(index_names)
     index = {n: raw.pop(n) for n in list(raw) if n in names}
     tensors = dequantize_all(raw, checkpoint_format(directory, checkpoint.config), str(directory))
@@ -95,6 +103,41 @@ def read_draft_checkpoint(
                 "weight (quantized data the config does not declare?)"
             )
     return tensors, index
+
+
+def kv_scale_names(checkpoint: Checkpoint) -> set[str]:
+    """The attention layers' ``k_scale`` / ``v_scale`` of a checkpoint declaring a
+    ``kv_cache_scheme`` (none otherwise: such a tensor is then an unexpected one)."""
+    if (checkpoint.config.get("quantization_config") or {}).get("kv_cache_scheme") is None:
+        return set()
+    return {n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES}
+
+
+def read_kv_scales(directory: Path) -> dict[str, tuple[float, float]]:
+    """Each attention layer's stored (k_scale, v_scale) as vLLM 0.32.0 holds them, float32
+    (``KVCacheScaleParameter.weight_loader``, vllm/model_executor/layers/quantization/kv_cache.py):
+    one line naming a layer without both, or a scale not one finite positive number."""
+    checkpoint = open_checkpoint(directory)
+    names = kv_scale_names(checkpoint)
+    attentions = {n[: n.index(".self_attn.") + len(".self_attn")] for n in checkpoint.tensor_shard
+                  if ".self_attn." in n}  # fmt: skip
+    out = {}
+    for attention in sorted(attentions):
+        k, v = (_kv_scale(checkpoint, names, f"{attention}.{leaf}") for leaf in KV_SCALES)
+        out[attention] = (k, v)
+    return out
+
+
+def _kv_scale(checkpoint: Checkpoint, names: set[str], name: str) -> float:
+    where = checkpoint.directory
+    if name not in names:
+        raise QStreamError(f"{where}: {name} missing (its kv_cache_scheme stores k_scale and "
+                           "v_scale per attention layer)")  # fmt: skip
+    tensor = ShardReader(checkpoint.shards[checkpoint.tensor_shard[name]]).tensor(name)
+    value = float(tensor.float().flatten()[0]) if tensor.numel() == 1 else math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise QStreamError(f"{where}: {name} must be one finite scale > 0, not {value}")
+    return value
 
 
 def read_target_tensors(target: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:

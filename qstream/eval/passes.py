@@ -78,9 +78,8 @@ def evaluate_regime(run: RegimeRun) -> dict:
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
             with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)
-            calibrated = any(not v.activation.dynamic for v in run.variants)
-            calibration = None
-            if calibrated:  # on blocks of the regime that are not evaluated (docs/eval-drift.md)
+            calibration = None  # on blocks of the regime not evaluated (docs/eval-drift.md)
+            if any(v.calibrated for v in run.variants):
                 plan = (run.regime, run.corpus, run.plan, run.config, run.weights, s)
                 calibration = calibrate_regime(*plan)
             out = {

@@ -17,15 +17,18 @@ import torch
 from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.arch.weights import ServedLinears
-from qstream.checkpoint.files import open_checkpoint
+from qstream.checkpoint.files import open_checkpoint, read_config
 from qstream.checkpoint.integrity import integrity_record
+from qstream.checkpoint.read import kv_scale_names, read_kv_scales
 from qstream.checkpoint.safetensors_io import ShardReader, drop_resident_pages
 from qstream.errors import QStreamError
 from qstream.eval.settings import Selection
 from qstream.formats import QUANTIZED_SUFFIXES, snr_db, snr_sums
 from qstream.formats.activations import INPUT_SCHEMES
+from qstream.quant.schemes import kv_scales
 from qstream.quant.simulate import simulate_format, simulated_selection
-from qstream.serving import Variant
+from qstream.serving import KV_CACHES, Variant
+from qstream.vllm.profiles import KV_SCALES_NOT_LOADED, profile_for
 
 if TYPE_CHECKING:
     from qstream.calibration import Calibration
@@ -44,8 +47,26 @@ def settings_variants(settings: Selection) -> tuple[Variant, ...]:
         variant = Variant.of_checkpoint(name, path, tuple(record.items()))
         if settings.kv_cache_dtype is not None:
             variant = replace(variant, kv_cache=settings.kv_cache_dtype)
-        checkpoints.append(variant)
+        checkpoints.append(_with_kv_cache_scheme(variant, read_config(Path(path))))
     return (*simulated, *checkpoints)
+
+
+def _with_kv_cache_scheme(variant: Variant, config: dict) -> Variant:
+    """A checkpoint declaring a ``kv_cache_scheme`` as vLLM 0.32.0 serves it: its ``auto``
+    cache becomes ``fp8`` (vllm/model_executor/layers/attention/attention.py,
+    ``Attention.__init__``) and an fp8 cache takes its stored k_scale / v_scale
+    (``kvscale=checkpoint``; fp8_e5m2 is refused there, as vLLM refuses it).  The K3 draft's
+    loader refuses them: one line saying so (docs/vllm.md, "KV-cache scales")."""
+    if (config.get("quantization_config") or {}).get("kv_cache_scheme") is None:
+        return variant
+    refused = KV_SCALES_NOT_LOADED.get(profile_for(config).name)
+    if refused:
+        raise QStreamError(
+            f"--variant {variant.name}: it declares a kv_cache_scheme, but {refused}"
+        )
+    kv_cache = "fp8" if variant.kv_cache == "auto" else variant.kv_cache
+    scaled = KV_CACHES[kv_cache].quantized
+    return replace(variant, kv_cache=kv_cache, kv_scale="checkpoint" if scaled else "1.0")
 
 
 def variant_weights(
@@ -89,6 +110,20 @@ def served_linears(
     largest, as vLLM 0.32.0 does (``process_weights_after_loading`` of
     ``CompressedTensorsW8A8Fp8``: ``input_scale.max()``, of ``CompressedTensorsW4A4Fp4``:
     ``input_global_scale.max()``)."""
+    kv_scales = kv_cache_scales(variant, reference_weights, calibration)
+    inputs = _input_quantizers(variant, reference_weights, config, settings, calibration)
+    if inputs is None and not kv_scales:
+        return None
+    return ServedLinears(inputs or {}, kv_scales=kv_scales)
+
+
+def _input_quantizers(
+    variant: Variant,
+    reference_weights: Weights,
+    config: DraftConfig,
+    settings: Selection,
+    calibration: Calibration | None,
+) -> dict[str, Callable] | None:
     strategy = variant.activation.strategy
     if strategy is None:
         return None
@@ -107,7 +142,40 @@ def served_linears(
         for group in selection.fused_groups:
             top = max((scales[m] for m in group.members), key=lambda t: float(t))  # type: ignore[arg-type]
             scales.update(dict.fromkeys(group.members, top))
-    return ServedLinears({f"{m}.weight": _bound(scheme.quantize, scales[m]) for m in scales})
+    return {f"{m}.weight": _bound(scheme.quantize, scales[m]) for m in scales}
+
+
+def kv_cache_scales(
+    variant: Variant, reference_weights: Weights, calibration: Calibration | None
+) -> dict[str, tuple[float, float]]:
+    """Each attention's (k_scale, v_scale) as vLLM 0.32.0 holds them (``_k_scale_float``: the
+    stored scale as float32, ``BaseKVCacheMethod.process_weights_after_loading``,
+    vllm/model_executor/layers/quantization/kv_cache.py); {} at scale 1.0.  Calibrated: what
+    ``quantize --kv-cache-scheme`` stores from the amax of what the cache holds,
+    compressed-tensors' ``amax / 448`` in the weight dtype (qstream/quant/schemes.py,
+    ``kv_scales``); the K3 MLA's one entry takes its K amax for both.  Checkpoint: its own."""
+    if variant.kv_scale == "checkpoint":
+        return read_kv_scales(Path(variant.source))
+    if variant.kv_scale != "calibrated":
+        return {}
+    if calibration is None:
+        raise ValueError(f"variant {variant.name}: its KV-cache scales need a calibration")
+    out = {}
+    for attention, dtype in _attentions(reference_weights).items():
+        k, v = calibration.kv_amax(attention)
+        v = k if v is None else v
+        scales = kv_scales((float(k), float(v)), dtype)
+        out[attention] = (float(scales["k_scale"]), float(scales["v_scale"]))
+    return out
+
+
+def _attentions(weights: Weights) -> dict[str, torch.dtype]:
+    """Each attention module (``layers.0.self_attn``) and its weights' dtype."""
+    out: dict[str, torch.dtype] = {}
+    for name, tensor in weights.items():
+        if ".self_attn." in name:
+            out.setdefault(name[: name.index(".self_attn.")] + ".self_attn", tensor.dtype)
+    return out
 
 
 def _bound(quantize: Callable, scale: torch.Tensor | None) -> Callable:
@@ -172,13 +240,15 @@ def foreign_tensors(
     variant_dir: str | Path, model_weights: Mapping[str, torch.Tensor]
 ) -> list[str]:
     """Tensors the variant keeps unquantized that are not bit-identical to the model's (dtype
-    and every bit); tensors the variant lacks (e.g. a borrowed embedding) are not compared."""
+    and every bit); tensors the variant lacks (e.g. a borrowed embedding) are not compared,
+    nor the KV-cache scales its kv_cache_scheme adds."""
     checkpoint = open_checkpoint(variant_dir)
     quantized = quantized_modules(checkpoint.tensor_shard)
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
+    scales = kv_scale_names(checkpoint)
     differ = []
     for name, shard in checkpoint.tensor_shard.items():
-        if name.rpartition(".")[0] in quantized:
+        if name.rpartition(".")[0] in quantized or name in scales:
             continue
         ours = model_weights.get(name)
         theirs = readers[shard].tensor(name)

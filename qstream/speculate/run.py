@@ -156,15 +156,15 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
 
 def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs,
                variants: tuple[Variant, ...], results: dict, mode) -> Calibration | None:  # fmt: skip
-    """Activation calibration, when a variant's activations need it, recorded in ``results``:
+    """Calibration, when a variant's activations or KV scales need it, recorded in ``results``:
     the FP32 reference draft decoding the documents after the ``--prompts`` ones (as many, or
     what the corpus holds), with the calibration seed."""
-    if all(v.activation.dynamic for v in variants):
+    if not any(v.calibrated for v in variants):
         return None
     rest = CorpusDocs(docs.name, docs.sha256, docs.texts[s.prompts : 2 * s.prompts])
     if not rest.texts:
         raise QStreamError(
-            f"corpus {docs.name}: calibrating activations needs documents after the "
+            f"corpus {docs.name}: calibrating scales needs documents after the "
             f"--prompts {s.prompts} decoded ones; it holds {len(docs.texts)}"
         )
     prompts = _prompts(target.tokenizer, rest, len(rest.texts), config.vocab_size)

@@ -81,10 +81,13 @@ def vllm_version() -> str:
     return version
 
 
-def load_with_vllm(directory: str | Path, target_layers: int | None = None) -> VllmLoadReport:
+def load_with_vllm(
+    directory: str | Path, target_layers: int | None = None, kv_cache_dtype: str = "auto"
+) -> VllmLoadReport:
     """Load ``directory`` (a K3 DSpark draft, plain or quantized) with vLLM's own DSpark loader
     on CPU, beside a config-only target of ``target_layers`` layers (default: config.json's
-    ``target_num_hidden_layers``), and check what vLLM built (module docstring)."""
+    ``target_num_hidden_layers``) served with ``--kv-cache-dtype kv_cache_dtype`` (the draft
+    inherits it), and check what vLLM built (module docstring)."""
     version = vllm_version()
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config
@@ -105,7 +108,8 @@ def load_with_vllm(directory: str | Path, target_layers: int | None = None) -> V
     with tempfile.TemporaryDirectory(prefix="qstream-vllm-target-") as target:
         _write_target(Path(target), config, layers)
         try:
-            model = _load(checkpoint.directory, Path(target), recorder, report.warnings)
+            model = _load(checkpoint.directory, Path(target), recorder, report.warnings,
+                          kv_cache_dtype)  # fmt: skip
         except Exception as err:  # vLLM's own refusal is the finding, not a crash
             report.raised = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
             report.problems.append(f"vLLM {version} refused to load it: {report.raised}")
@@ -165,7 +169,9 @@ class _StandTarget(torch.nn.Module):
         self.lm_head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16)
 
 
-def _load(draft: Path, target: Path, recorder: Recorder, warnings: list[str]) -> torch.nn.Module:
+def _load(
+    draft: Path, target: Path, recorder: Recorder, warnings: list[str], kv_cache_dtype: str
+) -> torch.nn.Module:
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
@@ -176,6 +182,7 @@ def _load(draft: Path, target: Path, recorder: Recorder, warnings: list[str]) ->
             speculative_config={"method": "dspark", "model": str(draft)},
             skip_tokenizer_init=True,
             enforce_eager=True,
+            kv_cache_dtype=kv_cache_dtype,
         )
         vllm_config = args.create_engine_config()
         hf = vllm_config.speculative_config.draft_model_config.hf_config

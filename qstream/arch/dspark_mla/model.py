@@ -98,6 +98,7 @@ class Layer:
         self.config, self.weights, self.index, self.inv_freq = config, weights, i, inv_freq
         self.absorbed = torch.finfo(weights.dtype).bits < 32
         self.kv = kv
+        self.attention = f"layers.{i}.self_attn"
         self._split: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def input_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,8 +132,11 @@ class Layer:
         """h [..., T, H] -> q [..., T, n, nope+rope] with RoPE on the rope part; absorbed:
         vLLM's decode query ``mqa_q = [q_nope @ W_UK_T | q_pe]`` [..., T, n, kv_lora+rope]
         (vllm/models/kimi_k3/nvidia/mla.py, ``_attention``: BMM1 rounded to bf16), which an fp8
-        cache's fused ``fused_mla_decode_q_concat_kv_cache_insert`` rounds to float8_e4m3fn at
-        q_scale 1.0 and the TRITON_MLA draft backend upcasts back (``_decode_concat_cache``)."""
+        cache's fused ``fused_mla_decode_q_concat_kv_cache_insert`` rounds to float8_e4m3fn times
+        ``_q_scale_inv`` and the TRITON_MLA draft backend upcasts back times ``_q_scale``
+        (``_decode_concat_cache``).  ``_q_scale`` is the layer's k_scale (a checkpoint's
+        kv_cache_scheme stores no q_scale: ``BaseKVCacheMethod.process_weights_after_loading``,
+        vllm/model_executor/layers/quantization/kv_cache.py); 1.0 unless scaled."""
         q = self._query(h, pos)
         if not self.absorbed:
             return q
@@ -140,7 +144,10 @@ class Layer:
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         ql = torch.einsum("...np,npl->...nl", q_nope, self.split()[0])
         mqa_q = torch.cat((ql, q_pe), dim=-1)
-        return fp8_round_trip(mqa_q, torch.float8_e4m3fn) if self.kv.quantized else mqa_q
+        if not self.kv.quantized:
+            return mqa_q
+        q_scale = self.weights.served.cache_scales(self.attention)[0]
+        return fp8_round_trip(mqa_q, torch.float8_e4m3fn, q_scale, reciprocal=True)
 
     def _query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -153,18 +160,29 @@ class Layer:
         )
         return torch.cat((q_nope, q_rope.transpose(-2, -3)), dim=-1)
 
-    def latent(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def latent(
+        self, h: torch.Tensor, pos: torch.Tensor, context: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [..., T, H] -> (latent [..., T, kv_lora] normed, rope key [..., T, rope] rotated):
-        what an MLA KV cache holds."""
+        what an MLA KV cache holds, one entry under one k_scale.  An fp8 cache's write divides
+        the ``context`` rows by it (``_precompute_fused_context_kv``: ``_context_kv_scales``, as
+        ``concat_and_cache_mla``'s ``scaled_convert`` does) and multiplies a block's own by its
+        fp32 reciprocal (``fused_mla_decode_q_concat_kv_cache_insert``, ``_k_scale_inv``)."""
         c = self.config
         kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
         k_rope = apply_rope(k_rope, pos, self.inv_freq, c.rope_mscale)
-        if self.kv.quantized:  # as every read sees them (docs/eval-drift.md, "KV cache")
-            fp8 = getattr(torch, str(self.kv.dtype))
-            return fp8_round_trip(latent, fp8), fp8_round_trip(k_rope, fp8)
-        return latent, k_rope
+        served = self.weights.served
+        if served.observe_cache is not None:
+            served.observe_cache(self.attention, torch.cat((latent, k_rope), dim=-1), None)
+        if not self.kv.quantized:
+            return latent, k_rope
+        fp8, k_scale = getattr(torch, str(self.kv.dtype)), served.cache_scales(self.attention)[0]
+        return (  # as every read sees them (docs/eval-drift.md, "KV cache")
+            fp8_round_trip(latent, fp8, k_scale, reciprocal=not context),
+            fp8_round_trip(k_rope, fp8, k_scale, reciprocal=not context),
+        )
 
     def expand(
         self, latent: torch.Tensor, k_rope: torch.Tensor
@@ -268,7 +286,7 @@ class DSpark:
         )  # [s, t, H]
         pos = torch.arange(t0, t1, device=self.device)
         # each layer's own kv_a_proj_with_mqa on ctx, with no input_layernorm (docs/model.md)
-        return [layer.latent(ctx, pos) for layer in self.layers]
+        return [layer.latent(ctx, pos, context=True) for layer in self.layers]
 
     def draft_one(self, ctx: ContextCache, stream: int, anchor: int, first_token: int) -> Blocks:
         """One block, written to be read (docs/model.md): ``[first_token, mask, ...]`` at positions

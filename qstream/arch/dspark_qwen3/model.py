@@ -118,14 +118,19 @@ class Qwen3DSpark:
         """Layer i's keys (k_norm, RoPE) and values of h [..., T, H]: [..., T, kv, d] each, as
         every read of the KV cache sees them: an fp8 cache's are rounded (the context's by
         ``precompute_and_store_context_kv``, the block's own by the attention layer's cache
-        update before it attends, ``unified_kv_cache_update``; docs/eval-drift.md, "KV cache")."""
+        update before it attends, ``unified_kv_cache_update``; docs/eval-drift.md, "KV cache"),
+        each divided by its layer's scale (``do_kv_cache_update`` with ``_k_scale``, ``_v_scale``)."""
         c, a = self.config, f"layers.{i}.self_attn."
         k = self.proj(a + "k_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
         v = self.proj(a + "v_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
         k = apply_rope(self.norm(k, a + "k_norm"), pos, self.inv_freq, self.mscale)
+        served, attention = self.w.served, a.removesuffix(".")
+        if served.observe_cache is not None:
+            served.observe_cache(attention, k, v)
         if self.kv_fp8 is None:
             return k, v
-        return fp8_round_trip(k, self.kv_fp8), fp8_round_trip(v, self.kv_fp8)
+        k_scale, v_scale = served.cache_scales(attention)
+        return fp8_round_trip(k, self.kv_fp8, k_scale), fp8_round_trip(v, self.kv_fp8, v_scale)
 
     def query(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Layer i's queries (q_norm, RoPE) [..., T, kv, group, d]."""
