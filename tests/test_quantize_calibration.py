@@ -139,3 +139,28 @@ def test_a_non_finite_activation_is_one_error_line_and_nothing_is_written(tiny, 
                                   "--calibration-blocks", BLOCKS))  # fmt: skip
     assert "the linear inputs of layers.0.mlp.gate_proj hold NaN or Inf" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
+def test_kv_cache_scheme_from_the_command_line_stores_each_layers_calibrated_scales(
+    observed, tmp_path
+):
+    """--kv-cache-scheme fp8 --calibration gauss: each attention's k_scale / v_scale is
+    compressed-tensors' ``amax / 448`` of what its cache stored over the set (K after k_norm and
+    RoPE, and V), in the weight dtype; verify passes."""
+    draft, calibration = observed["qwen3"]
+    out = tmp_path / "out"
+    cli_ok(_quantize(draft, out, "--quant_format", "fp8", "--kv-cache-scheme", "fp8",
+                     "--calibration", "gauss", "--calibration-blocks", BLOCKS))  # fmt: skip
+    written = load_file(out / "model.safetensors")
+    attentions = sorted({n.rsplit(".", 1)[0] for n in written if n.endswith(".k_scale")})
+    assert attentions and all(f"{a}.v_scale" in written for a in attentions)
+    for attention in attentions:
+        k, v = calibration.kv_amax(attention)
+        dtype = written[f"{attention}.q_proj.weight_scale"].dtype
+        for name, amax in (("k_scale", k), ("v_scale", v)):
+            observed_amax = amax.reshape(1).to(dtype)
+            expected = observed_amax / torch.tensor(448.0, dtype=dtype)
+            stored = written[f"{attention}.{name}"]
+            assert stored.dtype == dtype and as_bytes(stored) == as_bytes(expected), attention
+    assert _summary(out)["serving"]["kv_cache_scheme"] == "fp8"
+    assert verify_checkpoint(out).ok
