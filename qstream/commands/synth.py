@@ -71,11 +71,13 @@ def synth(
     with counter(f"synth {label}", "bytes") as progress:
         summary = _make(target, preset, output_dir, seed, corpus, overwrite, progress)
     if json_path != "-":
+        top1 = summary.predicted_top1  # None: no Markov head
+        what = "tokenizer" if top1 is None else "tokenizer and Markov statistics"
+        tail = "" if top1 is None else f"; calibrated mean top-1 {top1:.2f}"
         click.echo(
             f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "
             f"{summary.parameters:,} parameters, {summary.bytes / 2**30:.2f} GiB bf16 "
-            f"(tokenizer and Markov statistics from {summary.corpus}; calibrated mean "
-            f"top-1 {summary.predicted_top1:.2f})"
+            f"({what} from {summary.corpus}{tail})"
         )
     write_json(vars(summary), json_path)
 
