@@ -33,13 +33,13 @@ from unittest import mock
 
 import torch
 
+from qstream.arch.registry import load_config
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import CODE_SUFFIXES, FORMATS, dequantize
 from qstream.publish import write_json_atomic
-from qstream.arch.registry import load_config
 from qstream.vllm.profiles import PROFILES, Profile, profile_for
 
 VLLM_VERSION = "0.32.0"  # the CPU shims reach into this version's internals

@@ -418,7 +418,9 @@ def check_tensors(
 
 def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
     if name == LM_HEAD and not config.reduced_vocab:
-        return "; config.json sets has_own_lm_head: true, so vLLM keeps an lm_head of the draft's own"
+        return (
+            "; config.json sets has_own_lm_head: true, so vLLM keeps an lm_head of the draft's own"
+        )
     if name in (LM_HEAD, D2T):
         return (
             f"; draft_vocab_size {config.draft_vocab_size} < vocab_size {config.vocab_size}: "
