@@ -15,6 +15,7 @@ import torch
 from qwen3_drafts import TINY, speculators_config, write_qwen3_draft
 from safetensors.torch import save_file
 
+from qstream.arch.dflash_qwen3 import DFlashQwen3Config
 from qstream.arch.dspark_qwen3 import (
     EMBED,
     LM_HEAD,
@@ -278,7 +279,7 @@ def test_a_speculators_dflash_draft_vllm_runs_block_causal_is_refused():
         "sliding_window_non_causal": False,
     }
     with pytest.raises(ValueError, match="sliding_window_non_causal = False makes a block-causal"):
-        Qwen3DSparkConfig.from_json(data)
+        DFlashQwen3Config.from_json(data)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,8 +13,9 @@ confidence head) or DFlash's ``sample_draft``; only what the CPU build gets wron
 (tests/vllm_cpu_shims.py, ``Qwen3Shims``).
 
 In fp32 vLLM must equal qstream's reference to ``FP32_REL`` and draft the same greedy tokens:
-the DSpark draft, the DFlash draft derived from it (``DFlashQwen3ForCausalLM``), and the NVFP4
-checkpoint ``qstream quantize`` writes of it (vLLM's dequantized weights against qstream's
+the DSpark draft, the DFlash draft ``synth --target --preset qwen3-dflash-tiny`` writes for the
+same target (``DFlashQwen3ForCausalLM``), and the NVFP4 checkpoint ``qstream quantize`` writes of
+the DSpark draft (vLLM's dequantized weights against qstream's
 reading of the same bytes in fp32).  In bf16 the two differ by rounding: the distances are
 printed (``-s``) and recorded in docs/vllm.md; only a loose bound that a wrong op breaks is
 asserted.
@@ -22,14 +23,12 @@ asserted.
 
 import contextlib
 import json
-import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from hf_targets import make_qwen3_target
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from vllm_cpu_shims import Qwen3Shims
 from vllm_oracle import load_vllm_draft, qwen3_block
 
@@ -56,40 +55,41 @@ CONTEXT = 48  # target positions of aux
 ANCHORS = (5, 21, 40)  # anchor p: the block sees context 0..p-1
 FIRST_TOKENS = (11, 300, 446)
 HEADS = ("markov_head.", "confidence_head.")  # what a DFlash draft does not have
+DFLASH = "DFlashDraftModel"
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """The synthesized DSpark draft: (directory, config, arch, weights, aux)."""
-    root = tmp_path_factory.mktemp("qwen3-forward")
+def _synthesized(root: Path, preset: str | None = None):
+    """``synth --target`` for the head_dim-32 Qwen3 target: (directory, config, arch, weights,
+    aux)."""
     target = make_qwen3_target(root / "target", head_dim=HEAD_DIM)
-    directory = Path(synth_for_target(target, root / "draft").output_dir)
+    directory = Path(synth_for_target(target, root / "draft", preset).output_dir)
     config = load_config(directory)
     arch = architecture_of(config)
-    assert config.head_dim == HEAD_DIM and config.markov_rank > 0
+    assert config.head_dim == HEAD_DIM
     weights = arch.load_weights(directory, target, config)
     aux = torch.randn(1, CONTEXT, config.aux_size, generator=torch.Generator().manual_seed(0))
     return directory, config, arch, weights, aux
 
 
 @pytest.fixture(scope="module")
-def dflash(qwen3, tmp_path_factory):
-    """The same backbone as a DFlash draft: no Markov or confidence head, the anchor slot the
-    bonus token (block_size 8: 7 drafted), served by vLLM as ``DFlashDraftModel``
-    (``DFlashQwen3ForCausalLM``, registry.py)."""
-    directory, config, arch, weights, aux = qwen3
-    out = tmp_path_factory.mktemp("qwen3-dflash") / "dflash"
-    shutil.copytree(directory, out)
-    stored = load_file(out / "model.safetensors")
-    kept = {k: v for k, v in stored.items() if not k.startswith(HEADS)}
-    save_file(kept, out / "model.safetensors", metadata={"format": "pt"})
-    config = replace(config, markov_rank=0, enable_confidence_head=False,
-                     confidence_head_with_markov=False, sample_from_anchor=False,
-                     block_slots=config.block_slots + 1)  # fmt: skip
-    data = {**config.to_json(), "architectures": ["DFlashDraftModel"]}
-    (out / "config.json").write_text(json.dumps(data, indent=2))
-    weights = {k: v for k, v in weights.items() if not k.startswith(HEADS)}
-    return out, config, arch, weights, aux
+def qwen3(tmp_path_factory):
+    """The synthesized DSpark draft."""
+    case = _synthesized(tmp_path_factory.mktemp("qwen3-forward"))
+    assert case[1].markov_rank > 0
+    return case
+
+
+@pytest.fixture(scope="module")
+def dflash(tmp_path_factory):
+    """``synth --target TARGET --preset qwen3-dflash-tiny``: the DFlash draft (no Markov or
+    confidence head, the anchor slot the bonus token, block_size 8: 7 drafted), served by vLLM
+    as ``DFlashDraftModel`` (``DFlashQwen3ForCausalLM``, registry.py)."""
+    case = _synthesized(tmp_path_factory.mktemp("qwen3-dflash"), "qwen3-dflash-tiny")
+    directory, config = case[0], case[1]
+    assert json.loads((directory / "config.json").read_text())["architectures"] == [DFLASH]
+    assert not any(k.startswith(HEADS) for k in load_file(directory / "model.safetensors"))
+    assert config.markov_rank == 0 and (config.block_slots, config.block_size) == (8, 7)
+    return case
 
 
 @pytest.fixture(scope="module")

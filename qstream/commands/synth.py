@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     default=None,
     help="The DSpark-MLA draft: tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 "
     "(Kimi-K3 shapes, 7.1 GB); the Qwen3-style DSpark draft: qwen3-tiny (tests) or qwen3-8b "
-    "(Qwen3-8B shapes, 2.3 GB).  [default: tiny, or qwen3-tiny for a Qwen3 --target]",
+    "(Qwen3-8B shapes, 2.3 GB); the DFlash draft: qwen3-dflash-tiny (its backbone, no "
+    "heads).  [default: tiny, or qwen3-tiny for a Qwen3 --target]",
 )
 @option("output_dir", "Where to write.", required=True, type=DIRECTORY)
 @option("seed", "Same seed, same bytes.")
@@ -71,11 +72,13 @@ def synth(
     with counter(f"synth {label}", "bytes") as progress:
         summary = _make(target, preset, output_dir, seed, corpus, overwrite, progress)
     if json_path != "-":
+        top1 = summary.predicted_top1  # None: no Markov head
+        what = "tokenizer" if top1 is None else "tokenizer and Markov statistics"
+        tail = "" if top1 is None else f"; calibrated mean top-1 {top1:.2f}"
         click.echo(
             f"wrote {summary.output_dir}: {summary.preset}, {summary.tensors} tensors, "
             f"{summary.parameters:,} parameters, {summary.bytes / 2**30:.2f} GiB bf16 "
-            f"(tokenizer and Markov statistics from {summary.corpus}; calibrated mean "
-            f"top-1 {summary.predicted_top1:.2f})"
+            f"({what} from {summary.corpus}{tail})"
         )
     write_json(vars(summary), json_path)
 

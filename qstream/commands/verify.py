@@ -95,11 +95,12 @@ def verify(
     if report.ok:
         if json_path != "-":
             layers = f", L={report.target_layers}" if report.target_layers is not None else ""
+            served = f" (served as {report.served_class})" if report.served_class else ""
             _echo_wrapped(
                 f"{_ok(report)}: {report.directory}: {report.quant_format}, "
                 f"{len(report.modules_quantized)} quantized and "
                 f"{len(report.modules_ignored)} ignored modules; vLLM rules "
-                f"{report.serving_profile} at tensor_parallel_size "
+                f"{report.serving_profile}{served} at tensor_parallel_size "
                 f"{report.tensor_parallel_size}{layers}"
             )
             _echo_checks(report)

@@ -31,8 +31,9 @@ from qstream.synth.corpus import builtin_corpus, read_corpus, train_tokenizer, w
 
 # BPE sizes; the presets in TOKENIZER_SIZED take the tokenizer's vocabulary, the others keep
 # their own and pad the tokenizer's.
-TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096, "qwen3-tiny": 1024, "qwen3-8b": 4096}
-TOKENIZER_SIZED = ("tiny", "qwen3-tiny")
+TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096, "qwen3-tiny": 1024, "qwen3-8b": 4096,
+                   "qwen3-dflash-tiny": 1024}  # fmt: skip
+TOKENIZER_SIZED = ("tiny", "qwen3-tiny", "qwen3-dflash-tiny")
 RECIPE = 2  # raised whenever synth's bytes change (2: float64, the same bytes on every CPU)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
@@ -58,8 +59,8 @@ class SynthSummary:
     tensors: int
     parameters: int  # of the draft's tensors (the embedding when the draft carries it)
     bytes: int  # safetensors files of the draft
-    markov_scale: float
-    predicted_top1: float  # calibration estimate on the corpus (teacher-forced)
+    markov_scale: float | None  # None: a draft without a Markov head (DFlash)
+    predicted_top1: float | None  # calibration estimate on the corpus (teacher-forced)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,12 +152,14 @@ def _head_std(config: DraftConfig, final_gain: torch.Tensor) -> float:
 
 
 def _small_tensors(
-    config: DraftConfig, seed: int, w1: torch.Tensor, w2: torch.Tensor
+    config: DraftConfig, seed: int, w1: torch.Tensor | None, w2: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
     out = {}
     for name, shape in architecture_of(config).tensor_shapes(config).items():
         if len(shape) == 1 and name.endswith("norm.weight"):
             out[name] = _gains(shape[0], _generator(seed, name))
+    if w1 is None or w2 is None:  # no Markov head (nor a confidence head reading it)
+        return out
     out["markov_head.markov_w1.weight"] = w1
     out["markov_head.markov_w2.weight"] = w2
     if config.enable_confidence_head:
@@ -417,7 +420,10 @@ def draft_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 def _markov_head(tok: Tokenizer, texts: list[str], config: DraftConfig, seed: int):
     """``(markov_w1, markov_w2, alpha, top1)``: the corpus's bigram factors, scaled so that
-    the head's mean top-1 probability on the corpus is calibrated (``alpha`` the scale)."""
+    the head's mean top-1 probability on the corpus is calibrated (``alpha`` the scale); all
+    None for a draft without a Markov head."""
+    if config.markov_rank == 0:
+        return None, None, None, None
     streams = [e.ids for e in tok.encode_batch(texts)]
     logp, prev_counts = bigram_logprobs(streams, tok.get_vocab_size())
     w1, w2 = markov_tables(logp, prev_counts, config.vocab_size, config.markov_rank, seed)
@@ -460,7 +466,7 @@ def synth_checkpoint(
 
 def _summary(
     output: Path, preset: str, seed: int, corpus: str | Path | None, shapes: dict,
-    size: int, alpha: float, top1: float,
+    size: int, alpha: float | None, top1: float | None,
 ) -> SynthSummary:  # fmt: skip
     corpus_name = str(corpus) if corpus else "built-in"
     parameters = sum(math.prod(s) for s in shapes.values())

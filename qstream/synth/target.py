@@ -23,7 +23,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from qstream.arch.interface import EMBED, Architecture, DraftConfig
-from qstream.arch.registry import architecture_of
+from qstream.arch.registry import ARCHITECTURES, architecture_of
 from qstream.checkpoint.files import read_config
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
@@ -64,7 +64,11 @@ def qwen3_draft_config(
     output vocabulary is the whole of it); ``min(preset's, target's)`` draft layers over
     ``layer_ids``; the target's bos/eos ids.  ValueError naming a key the target lacks or
     holds a bad value in."""
-    data = {k: v for k, v in preset.to_json().items() if k != "rope_parameters"}
+    # the target's mask token and layers at the top level, which the preset's dflash_config
+    # would override (vLLM reads dflash_config first)
+    data = {
+        k: v for k, v in preset.to_json().items() if k not in ("rope_parameters", "dflash_config")
+    }
     data.update({k: target[k] for k in COPIED if k in target})
     data["rope_parameters"] = _rope(target)
     heads = target.get("num_attention_heads")
@@ -77,7 +81,6 @@ def qwen3_draft_config(
         target_layer_ids=list(layer_ids),
         num_hidden_layers=min(preset.num_hidden_layers, shape.num_hidden_layers),
         mask_token_id=mask_token_id,
-        dflash_config={"mask_token_id": mask_token_id},
         bos_token_id=_token(target.get("bos_token_id")),
         eos_token_id=_token(target.get("eos_token_id")),
     )
@@ -149,16 +152,20 @@ def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
 
 def target_preset(shape: TargetShape, preset: str | None) -> str:
     """``preset``, checked against the target's kind (a Qwen3 target takes a Qwen3-style
-    draft's, any other the DSpark-MLA draft's); None: that kind's tiny preset."""
+    draft's — DSpark or DFlash, whose config is the Qwen3-style one's —, any other the
+    DSpark-MLA draft's); None: that kind's tiny preset."""
     qwen3 = shape.model_type in QWEN3_MODEL_TYPES
-    wanted = preset_architecture(QWEN3_PRESET if qwen3 else DEFAULT_PRESET)
+    wanted = preset_architecture(QWEN3_PRESET if qwen3 else DEFAULT_PRESET).config_type
     if preset is None:
         return QWEN3_PRESET if qwen3 else DEFAULT_PRESET
-    if preset_architecture(preset) is not wanted:
+    if not issubclass(preset_architecture(preset).config_type, wanted):
         kind = "Qwen3-style" if qwen3 else "a DSpark-MLA one, not Qwen3-style"
+        fits = sorted((a for a in ARCHITECTURES if issubclass(a.config_type, wanted)),
+                      key=lambda a: a.config_type is not wanted)  # fmt: skip
+        names = [p for a in fits for p in a.presets]
         raise QStreamError(
             f"--preset {preset}: {shape.path} is a {shape.model_type or 'non-Qwen3'} target, "
-            f"whose draft is {kind}: --preset {' or '.join(wanted.presets)}"
+            f"whose draft is {kind}: --preset {' or '.join(names)}"
         )
     return preset
 

@@ -4,7 +4,9 @@
 
 The path is vLLM's: ``EngineArgs(speculative_config={"method": "dspark", ...})
 .create_engine_config()`` → ``vllm/v1/worker/gpu/spec_decode/dspark/utils.py``
-``load_dspark_model`` → ``DefaultModelLoader.load_model`` → the draft class's ``load_weights``
+``load_dspark_model`` (a DFlash draft: the serving profile's method "dflash",
+``dflash/utils.py`` ``load_dflash_model``) → ``DefaultModelLoader.load_model`` → the draft
+class's ``load_weights``
 → ``process_weights_after_loading``, beside a config-only target and under :func:`cpu_shims`
 (Triton reported present, ``torch.accelerator.empty_cache()`` a no-op, ``kv_b_proj`` flagged for
 the CPU linear, a stand-in linear kernel for the FP8/NVFP4/MXFP4 schemes, whose own
@@ -31,13 +33,14 @@ from unittest import mock
 
 import torch
 
+from qstream.arch.registry import load_config
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
 from qstream.checkpoint.layout import format_of_layout
 from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import CODE_SUFFIXES, FORMATS, dequantize
 from qstream.publish import write_json_atomic
-from qstream.vllm.profiles import PROFILES, profile_for
+from qstream.vllm.profiles import PROFILES, Profile, profile_for
 
 VLLM_VERSION = "0.32.0"  # the CPU shims reach into this version's internals
 INSTALL_HINT = (
@@ -84,17 +87,18 @@ def vllm_version() -> str:
 def load_with_vllm(
     directory: str | Path, target_layers: int | None = None, kv_cache_dtype: str = "auto"
 ) -> VllmLoadReport:
-    """Load ``directory`` (a K3 DSpark draft, plain or quantized) with vLLM's own DSpark loader
-    on CPU, beside a config-only target of ``target_layers`` layers (default: config.json's
+    """Load ``directory`` (a DSpark or DFlash draft, plain or quantized) with vLLM's own loader
+    for it on CPU, beside a config-only target of ``target_layers`` layers (default: config.json's
     ``target_num_hidden_layers``) served with ``--kv-cache-dtype kv_cache_dtype`` (the draft
     inherits it), and check what vLLM built (module docstring)."""
     version = vllm_version()
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config
-    if not profile_for(config).renames_layers:
+    profile = profile_for(config)
+    if not profile.renames_layers:
         names = sorted(p.name for p in PROFILES.values() if p.renames_layers)
         raise QStreamError(
-            f"{checkpoint.directory}: verify --vllm loads DSpark drafts (architectures "
+            f"{checkpoint.directory}: verify --vllm loads DSpark and DFlash drafts (architectures "
             f"{' or '.join(names)}), not {config.get('architectures')}"
         )
     layers = target_layers if target_layers is not None else config.get("target_num_hidden_layers")
@@ -109,7 +113,7 @@ def load_with_vllm(
         _write_target(Path(target), config, layers)
         try:
             model = _load(checkpoint.directory, Path(target), recorder, report.warnings,
-                          kv_cache_dtype)  # fmt: skip
+                          profile, kv_cache_dtype)  # fmt: skip
         except Exception as err:  # vLLM's own refusal is the finding, not a crash
             report.raised = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
             report.problems.append(f"vLLM {version} refused to load it: {report.raised}")
@@ -169,17 +173,33 @@ class _StandTarget(torch.nn.Module):
         self.lm_head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16)
 
 
+def _speculative(draft: Path, profile: Profile) -> dict[str, Any]:
+    """vLLM's speculative_config for the draft.  DSpark's drafted count defaults to config.json's
+    block_size (``SpeculativeConfig.__post_init__``); where it has no default (DFlash) it is the
+    tokens a block of the draft drafts (DFlash: block_size - 1, the anchor the bonus token)."""
+    speculative: dict[str, Any] = {"method": profile.method, "model": str(draft)}
+    if profile.drafted_tokens_given:
+        speculative["num_speculative_tokens"] = load_config(draft).block_size
+    return speculative
+
+
 def _load(
-    draft: Path, target: Path, recorder: Recorder, warnings: list[str], kv_cache_dtype: str
+    draft: Path,
+    target: Path,
+    recorder: Recorder,
+    warnings: list[str],
+    profile: Profile,
+    kv_cache_dtype: str,
 ) -> torch.nn.Module:
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
 
+    method = profile.method  # vllm/v1/worker/gpu/spec_decode/{method}/utils.py
+    utils = importlib.import_module(f"vllm.v1.worker.gpu.spec_decode.{method}.utils")
     with cpu_shims(recorder):
         args = EngineArgs(
             model=str(target),
-            speculative_config={"method": "dspark", "model": str(draft)},
+            speculative_config=_speculative(draft, profile),
             skip_tokenizer_init=True,
             enforce_eager=True,
             kv_cache_dtype=kv_cache_dtype,
@@ -192,7 +212,7 @@ def _load(
         # which drops handlers added before it
         with set_current_vllm_config(vllm_config), vllm_log(warnings):
             _init_distributed()
-            model = load_dspark_model(stand_in, vllm_config)
+            model = getattr(utils, f"load_{method}_model")(stand_in, vllm_config)
             recorder.products = identity_products(model)
     return model
 

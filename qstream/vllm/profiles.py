@@ -82,6 +82,10 @@ class Profile:
 
     name: str
     architectures: tuple[str, ...]  # config.json "architectures" values it applies to
+    served_class: str = ""  # the model class vLLM's registry.py serves the name as
+    method: str = "dspark"  # vLLM's SpeculativeConfig.method for the draft (its loader)
+    # whether vLLM takes the drafted count from num_speculative_tokens only (no config default)
+    drafted_tokens_given: bool = False
     # checkpoint module kind (under layers.{i}.) -> (runtime module under model.layers.{L+i}.,
     # what tensor parallelism splits); empty: every module is its own runtime module
     layer_modules: Mapping[str, tuple[str, str]] = field(default_factory=dict, compare=False)
@@ -89,7 +93,8 @@ class Profile:
     context_proj: str | None = None  # a top-level module loaded under model.
     context_kv: str | None = None  # the runtime module every layer's cross_layer kind joins
     cross_layer: tuple | None = None  # (kinds fused across every layer, label, rule)
-    # ParallelLMHeads built with the quant config: kind -> {"runtime", "target", "formats"}
+    # ParallelLMHeads built with the quant config: kind -> {"runtime", "target", "formats",
+    # and "config_flag": the config.json key that must be true for it to be}
     lm_heads: Mapping[str, Mapping] = field(default_factory=dict, compare=False)
     # quantize's default selection: the architecture's quantize_include (else every Linear)
     default_include: tuple[str, ...] = ()
@@ -161,6 +166,12 @@ def head_problem(profile: Profile, module: str, fmt: str, config: Mapping) -> st
         return None
     if fmt not in head["formats"]:
         return f"vLLM 0.32.0 loads it quantized only as {', '.join(head['formats'])}"
+    flag = head.get("config_flag")
+    if flag and config.get(flag) is not True:
+        return (
+            f"vLLM 0.32.0's {profile.served_class} builds it with the draft's quant config "
+            f"only when config.json sets {flag}: true"
+        )
     topk = config.get("dspark_draft_topk")
     if topk is not None:
         return (

@@ -45,6 +45,7 @@ class VerifyReport:
     modules_ignored: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     serving_profile: str = serving.GENERIC
+    served_class: str = ""  # the class vLLM serves the profile's architecture as ("": generic)
     target_layers: int | None = None  # L used for the draft's runtime names
     tensor_parallel_size: int = 1
     # vLLM's decision per runtime Linear layer: {"module", "shards", "scheme", "why"}
@@ -74,7 +75,7 @@ def verify_checkpoint(
     checkpoint = open_checkpoint(directory)
     report = VerifyReport(str(checkpoint.directory), tensor_parallel_size=tensor_parallel_size)
     profile = profile_for(checkpoint.config)
-    report.serving_profile = profile.name
+    report.serving_profile, report.served_class = profile.name, profile.served_class
     qconfig = checkpoint.config.get("quantization_config")
     if not isinstance(qconfig, dict):
         raise QStreamError(

@@ -360,6 +360,7 @@ CROSS_LAYER = (
 )
 SERVING = {
     "name": "K3DSparkModel",
+    "served_class": "K3DSparkForCausalLM",  # vllm/models/kimi_k3/nvidia/dspark_mla.py
     "architectures": ("K3DSparkModel",),
     "layer_modules": LAYER_MODULES,
     "never_quantized": NEVER_QUANTIZED,

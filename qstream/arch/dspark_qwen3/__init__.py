@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from qstream.arch import family
 from qstream.arch.family import (
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 ARCHITECTURE = "Qwen3DSparkModel"
 MODEL_TYPE = "qwen3"
 SPECULATORS_TYPE = "dspark"
+SPECULATORS_TYPES = ("dspark", "dflash")  # the speculators drafts of this family qstream reads
 ROPE_TYPES = ("default", "yarn")
 
 
@@ -99,6 +100,9 @@ class Qwen3DSparkConfig:
     """One Qwen3-style DSpark (``markov_rank`` 0: DFlash) draft.  Field names are config.json's,
     except ``block_slots``: its ``block_size``, the query slots of a block (``block_size``
     here: the tokens a block drafts, the interface's meaning)."""
+
+    architecture: ClassVar[str] = ARCHITECTURE  # config.json's "architectures" entry
+    speculators_type: ClassVar[str] = SPECULATORS_TYPE  # its speculators_model_type
 
     hidden_size: int  # H
     intermediate_size: int  # I, SwiGLU width
@@ -185,9 +189,15 @@ class Qwen3DSparkConfig:
         """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
         return self.draft_vocab_size < self.vocab_size
 
+    @property
+    def own_lm_head(self) -> bool:
+        """Whether the checkpoint must carry its own lm_head (else it may, or borrows the
+        target's)."""
+        return self.reduced_vocab
+
     def to_json(self) -> dict[str, Any]:
         """config.json in vLLM's dense layout (what ``Qwen3DSparkForCausalLM`` reads)."""
-        head = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        head = {"architectures": [self.architecture], "model_type": MODEL_TYPE}
         return {**head, **family.fields_json(self, _json_key, skip_none=True),
                 "dflash_config": {"mask_token_id": self.mask_token_id}, "hidden_act": "silu",
                 "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
@@ -196,15 +206,22 @@ class Qwen3DSparkConfig:
     def from_json(cls, data: dict[str, Any]) -> Qwen3DSparkConfig:
         """config.json contents in either layout (unused keys ignored); ValueError naming a key."""
         family.check_object(data)
-        flat = _from_speculators(data) if "speculators_model_type" in data else _dense(data)
+        flat = cls._flat(data)
         optional = ("draft_vocab_size", "rope_parameters")
         kwargs = family.read_fields(cls, flat, _json_key, optional, skip_none=True)
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
         kwargs["rope_parameters"] = _rope_from_json(flat)
         return family.construct(cls, kwargs)
 
+    @classmethod
+    def _flat(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """config.json contents in either layout -> the dataclass's keys (unread ones kept)."""
+        if "speculators_model_type" in data:
+            return _from_speculators(data, cls.speculators_type)
+        return _dense(data, cls.architecture)
 
-def _dense(data: dict[str, Any]) -> dict[str, Any]:
+
+def _dense(data: dict[str, Any], architecture: str) -> dict[str, Any]:
     """vLLM's dense layout: the keys are the dataclass's, except where vLLM 0.32.0 looks first:
     the mask token in ``dflash_config`` (``get_parallel_drafting_token_id`` in
     vllm/v1/worker/gpu/spec_decode/utils.py), the target layers in
@@ -212,8 +229,8 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
     ``dspark_target_layer_ids`` (``get_eagle3_aux_layers_from_config`` in
     vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py)."""
     arch = data.get("architectures")
-    check(arch is None or ARCHITECTURE in arch, "architectures", arch,
-          f"must name {ARCHITECTURE!r}")  # fmt: skip
+    check(arch is None or architecture in arch, "architectures", arch,
+          f"must name {architecture!r}")  # fmt: skip
     flat = dict(data)
     dflash = data.get("dflash_config") or {}
     check(isinstance(dflash, dict), "dflash_config", dflash, "must be an object")
@@ -230,18 +247,16 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
-    """speculators' saved layout: the backbone's keys nest in ``transformer_layer_config``."""
+def _from_speculators(data: dict[str, Any], kind_read: str) -> dict[str, Any]:
+    """speculators' saved layout (of the ``kind_read`` speculators_model_type): the backbone's
+    keys nest in ``transformer_layer_config``."""
     kind = data.get("speculators_model_type")
-    check(kind in (SPECULATORS_TYPE, "dflash"), "speculators_model_type", kind,
-          "is not a speculators draft qstream knows (known: 'dspark', 'dflash')")  # fmt: skip
+    known = ", ".join(repr(k) for k in SPECULATORS_TYPES)
+    check(kind == kind_read, "speculators_model_type", kind,
+          f"is not a speculators draft qstream knows (known: {known})")  # fmt: skip
     layer: dict[str, Any] = data.get("transformer_layer_config")  # type: ignore[assignment]
     check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
     _refuse_unmodelled(layer, {})
-    # vLLM's update_dflash makes such a draft block-causal unless sliding_window_non_causal
-    check(kind != "dflash" or data.get("sliding_window_non_causal", True) is True,
-          "sliding_window_non_causal", data.get("sliding_window_non_causal"),
-          "makes a block-causal draft, which qstream does not evaluate yet")  # fmt: skip
     aux: list[int] = data.get("aux_hidden_state_layer_ids")  # type: ignore[assignment]
     check(isinstance(aux, list) and all(is_int(i) and i >= 1 for i in aux),
           "aux_hidden_state_layer_ids", aux,
@@ -253,8 +268,6 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
         if data.get(key) is not None:
             flat[key] = data[key]
     flat["sample_from_anchor"] = data.get("sample_from_anchor", False)
-    if kind == "dflash":
-        flat["markov_rank"], flat["enable_confidence_head"] = 0, False
     flat.setdefault("target_hidden_size", layer.get("hidden_size"))
     return flat
 
@@ -381,8 +394,9 @@ def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, H)
         shapes[p + "mlp.down_proj.weight"] = (H, c.intermediate_size)
     shapes["norm.weight"] = (H,)
-    if c.reduced_vocab:
+    if c.own_lm_head:
         shapes[LM_HEAD] = (c.draft_vocab_size, H)
+    if c.reduced_vocab:
         shapes[D2T] = (c.draft_vocab_size,)
     return {**shapes, **head_shapes(c, c.draft_vocab_size)}
 
@@ -394,7 +408,7 @@ def check_tensors(
     unexplained (beyond a full-vocabulary draft's own lm_head and t2d) or of a wrong shape."""
     table = tensor_shapes(config)
     extra: dict[str, tuple[int, ...]] = {T2D: (config.vocab_size,)}
-    if not config.reduced_vocab:
+    if not config.own_lm_head:
         extra[LM_HEAD] = (config.vocab_size, config.hidden_size)
     required = {k: v for k, v in table.items() if k not in OPTIONAL}
     check_table(required, {**table, **extra}, shapes, where, "Qwen3-style DSpark draft",
@@ -403,6 +417,10 @@ def check_tensors(
 
 
 def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
+    if name == LM_HEAD and not config.reduced_vocab:
+        return (
+            "; config.json sets has_own_lm_head: true, so vLLM keeps an lm_head of the draft's own"
+        )
     if name in (LM_HEAD, D2T):
         return (
             f"; draft_vocab_size {config.draft_vocab_size} < vocab_size {config.vocab_size}: "
@@ -519,6 +537,7 @@ DEFAULT_INCLUDE = (
 )
 SERVING: dict[str, Any] = {
     "name": "Qwen3DSparkModel",
+    "served_class": "Qwen3DSparkForCausalLM",  # registry.py's class for the name
     "architectures": ("Qwen3DSparkModel",),
     "layer_modules": LAYER_MODULES,
     "never_quantized": NEVER_QUANTIZED,
