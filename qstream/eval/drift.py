@@ -37,7 +37,7 @@ from qstream.eval.corpus import (
     tokenize,
 )
 from qstream.eval.passes import RegimeRun, evaluate_regime
-from qstream.eval.sensitivity import module_kinds, sensitivity_format
+from qstream.eval.sensitivity import module_kinds, sensitivity_variant
 from qstream.eval.settings import DEFAULT_EDGES, REFERENCE, STEPS, VARIANTS, DriftSettings
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import (
@@ -182,7 +182,8 @@ def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSet
     """Sensitivity passes per regime: the floor, each kind alone, each kind added."""
     if not settings.sensitivity:
         return 0
-    kinds = module_kinds(weights, sensitivity_format(settings), config, settings.ignore_layers)
+    fmt = sensitivity_variant(settings).source
+    kinds = module_kinds(weights, fmt, config, settings.ignore_layers)
     return 1 + 2 * len(kinds)
 
 
