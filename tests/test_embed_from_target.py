@@ -1,6 +1,6 @@
 """The K3 draft embeds with the target's embed_tokens, as vLLM 0.32.0 serves it (docs/model.md,
 "Whose embed_tokens"): a stored copy that differs is not what drafts, and eval-drift says so once
-and records by how much."""
+and records by how much (speculate too)."""
 
 import json
 import shutil
@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import cli_ok
+from hf_targets import make_target
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.dspark_mla import QUANTIZE_INCLUDE, load_weights
@@ -16,7 +18,6 @@ from qstream.arch.interface import EMBED
 from qstream.checkpoint.read import read_target_tensors
 from qstream.eval.variants import foreign_tensors
 from qstream.quant.quantize import quantize_checkpoint
-from tests.cli_helpers import cli_ok
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +94,21 @@ def test_a_quantized_copy_is_derived_though_its_stored_embedding_is_not_served(m
     draft, _ = moved
     quantize_checkpoint(draft, tmp_path / "fp8", "fp8", include=list(QUANTIZE_INCLUDE))
     assert foreign_tensors(tmp_path / "fp8", load_weights(draft)) == []
+
+
+def test_speculate_notes_a_float32_targets_embedding_and_records_it(tmp_path):
+    """synth --target stores a float32 target's embedding in bf16; the draft embeds with the
+    target's float32 values, and speculate says so once and records by how much they differ."""
+    target = make_target(tmp_path / "target", "llama")
+    draft = tmp_path / "draft"
+    cli_ok(["synth", "--target", str(target), "--output_dir", str(draft)])
+    corpus = tmp_path / "one.jsonl"
+    corpus.write_text(json.dumps({"question": "Tom has 3 apples.", "answer": "3\n#### 3"}) + "\n")
+    run = cli_ok(["speculate", "--target", str(target), "--model", str(draft), "--corpus",
+                  str(corpus), "--prompts", "1", "--new-tokens", "2", "--formats", "bf16",
+                  "--json", "-"])  # fmt: skip
+    stored = load_file(draft / "model.safetensors")[EMBED].float()
+    diff = float((stored - read_target_tensors(target, [EMBED])[EMBED].float()).abs().max())
+    assert diff > 0 and run.stderr.count("embed_tokens differ") == 1, run.stderr
+    recorded = json.loads(run.stdout)["provenance"]["draft"]["embed_tokens"]
+    assert recorded == {"target": str(target), "max_abs_diff": diff}
