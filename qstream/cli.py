@@ -85,20 +85,25 @@ class Device(click.ParamType):
 
 class VariantTokens(click.ParamType):
     """Comma-separated serving configurations, each a token qstream/serving.py parses
-    (``nvfp4+a=nvfp4+kv=fp8``): the tuple of tokens given."""
+    (``nvfp4+a=nvfp4+kv=fp8``): the tuple of tokens given, or with ``one`` the one token."""
 
     name = "variants"
+
+    def __init__(self, one: bool = False):
+        self.one = one
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
         tokens = tuple(n for n in (p.strip() for p in value.split(",")) if n)
+        if self.one and len(tokens) != 1:
+            self.fail(f"{value!r}: give one configuration token", param, ctx)
         for token in tokens:
             try:
                 Variant.parse(token)
             except QStreamError as e:
                 self.fail(str(e), param, ctx)
-        return tokens
+        return tokens[0] if self.one else tokens
 
 
 class Integers(click.ParamType):

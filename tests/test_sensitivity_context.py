@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 from card_helpers import tables
+from cli_helpers import cli_error
 from click.testing import CliRunner
 from model_helpers import long_context_model, random_model_weights
 
@@ -205,6 +206,35 @@ def test_cli_sensitivity_and_sweep_json_and_card(tiny, tmp_path):
     keys = tables(card)
     assert "sensitivity_gauss" in keys and "context_sweep_gauss" in keys
     assert any(p.name == "context.png" for p in written)
+
+
+def test_steps_under_a_serving_configuration_are_its_variants_on_their_modules(tiny, corpus):
+    """--sensitivity-format takes a configuration token and --kv-cache-dtype serves it: the
+    floor is bf16 served with that KV cache, a step is the configuration on its modules alone
+    (activations quantized there only), each measured as the same variant of an ordinary run."""
+    token, kv = "nvfp4+a=nvfp4", "fp8_e4m3"
+    attention = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj")
+    # two kinds left (context_proj, mlp.down_proj): five steps
+    ignore = tuple(f"self_attn.{m}" for m in attention) + ("mlp.gate_proj", "mlp.up_proj")
+    base = DriftSettings(model=tiny, regime=("gauss",), formats=("bf16",), blocks=8,
+                         kv_cache_dtype=kv, ignore_layers=ignore)  # fmt: skip
+    probed = replace(base, sensitivity=True, sensitivity_format=token)
+    sens = evaluate_drift(probed, corpus)["regimes"]["gauss"]["sensitivity"]
+    assert (sens["format"], sens["configuration"]) == (
+        "nvfp4",
+        {"activations": "nvfp4", "kv_cache": kv, "kv_scale": "1.0", "target": "unquantized"},
+    )
+    step = sens["single"][0]
+    alone = replace(base, formats=("bf16", token), include_layers=tuple(step["include"]))
+    variants = evaluate_drift(alone, corpus)["regimes"]["gauss"]["variants"]
+    for entry, name in ((sens["floor"], f"bf16+kv={kv}"), (step, f"{token}+kv={kv}")):
+        metrics = variants[name]["metrics"]
+        assert entry["quantized_tensors"] == variants[name]["quantized_tensors"], name
+        assert entry["ceiling"] == metrics["rollouts"]["greedy"]["ceiling"], name
+        assert entry["kl_mean"] == metrics["kl"]["mean"]["value"], name
+    error = cli_error(["eval-drift", "--model", tiny, "--blocks", "8", "--sensitivity",
+                       "--sensitivity-format", "bf16+kv=fp8"])  # fmt: skip
+    assert "--sensitivity-format 'bf16+kv=fp8': its weights must be one of" in error
 
 
 def test_cli_bare_context_lengths_and_bad_edges(tiny):

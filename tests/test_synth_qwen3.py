@@ -240,9 +240,9 @@ SYNTH_SHA256 = {
     "tiny": {
         "config.json": "47a5502e0f8383d90ea7513dca5c3eb9e58f37770a3161bbefbe1fd219569307",
         "model.safetensors": "7563ead4c6f521417130acac9aa3022169c813577a1256cba4f55935243625a0",
-        "target_head/config.json": "d2805c1dcc5b0f1969ca90ced9026ea05868b13634a2b4ebc03e906873645a1c",
+        "target_head/config.json": "e8c8aa45aa1f90a422dece24e807b6e15d4c5a7e19ac995a39f295a48cd89927",
         "target_head/model-00001-of-00001.safetensors":
-            "1d56c9100c858fff68fd9d31e5bc300836e75a914f9747da3dcdd11c800c9aba",
+            "ef4862895ec42781d925b4dddeb62a75f03b213a5568936f4277da194000e401",
         "tokenizer.json": "c71a5909698556b2756a97d662069aa65a92f941b8a8c6938458718622d80e73",
     },
     "qwen3-tiny": {

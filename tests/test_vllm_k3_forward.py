@@ -8,7 +8,8 @@ layer: W_UK absorbed into the query, attention over the cached latent, W_UV afte
 ``compute_draft_logits`` and ``DSparkSpeculator._sample_sequential`` (greedy, with the
 confidence head), with only what the CPU build lacks shimmed (tests/vllm_cpu_shims.py).  vLLM
 embeds with the target's embedding (it drops the draft's stored ``embed_tokens``); the stand-in
-target holds the draft's, so both sides embed alike.
+target holds the draft's, so both sides embed alike; a draft whose stored copy moved off its
+target's embeds, in both, with the target's.
 
 In fp32 vLLM's forward must equal qstream's reference (``REFERENCE_VARIANT``) to ``FP32_REL``
 and draft the same greedy tokens with the same confidence.  In bf16 the two differ by design
@@ -16,11 +17,17 @@ and draft the same greedy tokens with the same confidence.  In bf16 the two diff
 printed (``-s``) and recorded in docs/vllm.md, not bounded.
 """
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from vllm_oracle import draft_block, load_vllm_draft
 
+from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.arch.registry import architecture_of, load_config
+from qstream.checkpoint.read import read_target_tensors
 from qstream.serving import FLOOR_VARIANT, REFERENCE_VARIANT
 
 pytestmark = pytest.mark.vllm
@@ -98,6 +105,27 @@ def test_vllm_bf16_forward_distances(k3, reference):
             f"bf16 {(block.tokens == floor.tokens[n]).sum().item()}/{len(block.tokens)}, to the "
             f"reference {(block.tokens == reference.tokens[n]).sum().item()}/{len(block.tokens)}"
         )
+
+
+def test_a_stored_embedding_differing_from_the_targets_is_dropped_as_vllm_drops_it(k3, tmp_path):
+    """vLLM never embeds with the draft's stored embed_tokens (``hf_to_vllm_mapper`` drops it;
+    ``maybe_share_target_embed`` aliases the target's): a draft whose stored copy moved off its
+    target's drafts what qstream's reference drafts with the target's (docs/model.md)."""
+    directory, config, arch, _, aux = k3
+    moved = Path(tmp_path) / "moved"
+    shutil.copytree(directory, moved)
+    tensors = load_file(moved / "model.safetensors")
+    stored = tensors[EMBED]
+    noise = torch.randn(stored.shape, generator=torch.Generator().manual_seed(1))
+    tensors[EMBED] = (stored.float() + noise).to(stored.dtype)
+    save_file(tensors, moved / "model.safetensors", metadata={"format": "pt"})
+    lent = read_target_tensors(moved / "target_head", [EMBED, LM_HEAD])
+    draft = load_vllm_draft(moved, torch.float32, lent[EMBED].float(), lent[LM_HEAD].float())
+    ours = _qstream((moved, config, arch, arch.load_weights(moved, None, config), aux),
+                    REFERENCE_VARIANT)  # fmt: skip
+    for n, (p, t) in enumerate(zip(ANCHORS, FIRST_TOKENS)):
+        rel = _rel(draft_block(draft, aux[0, :p], t).logits, ours.logits[n])
+        assert rel <= FP32_REL, f"anchor {p}: logits differ by {rel:.2e} > {FP32_REL}"
 
 
 # [layers, tokens, D] as K3's context latent; [layers, tokens, kv heads, D] as the Qwen3 draft's

@@ -181,6 +181,34 @@ def borrow_from_target(
     return borrowed
 
 
+EMBED_ROWS = 4096  # rows compared at a time: at K3 scale the table is 1.2 B parameters
+
+
+def embed_difference(own: Any, lent: Any) -> float:
+    """Max |own - lent| of the draft's stored embed_tokens and the target's, in float32 (exact
+    for bf16 values), a chunk of rows at a time."""
+    pairs = zip(own.split(EMBED_ROWS), lent.split(EMBED_ROWS), strict=True)
+    return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+
+
+def load_noting_embed(
+    arch: Any, model_dir: str | Path, target: str | Path | None, config: Any
+) -> tuple[dict, dict]:
+    """``arch.load_weights`` and what the results record when the target's embed_tokens replaced
+    a different stored copy (``{}`` otherwise), said once on stderr."""
+    from qstream.publish import stderr_notice
+
+    embed: dict = {}
+    weights = arch.load_weights(model_dir, target, config, embed.update)
+    if embed:
+        stderr_notice(
+            f"{model_dir}: the draft's stored embed_tokens differ from the target's "
+            f"({embed['target']}; max |diff| {embed['max_abs_diff']:.6g}); the draft embeds "
+            "with the target's, as vLLM serves it (docs/model.md)"
+        )
+    return weights, embed
+
+
 def d2t_problem(d2t: Any, vocab_size: int) -> str | None:
     """Why ``d2t`` does not map every draft id ``d`` to its own target id ``d + d2t[d]`` in
     [0, vocab_size), else None: the one check loading, quantize and verify make."""

@@ -10,7 +10,7 @@ and the rollouts it reads.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -161,6 +161,8 @@ class Architecture(Protocol):
     context_proj: str  # the module projecting the concatenated target states ("fc")
     # whether the architecture's published checkpoints carry embed_tokens (else the target's)
     ships_embed_tokens: bool
+    # whether vLLM embeds with the target's embed_tokens even when the draft stores its own
+    embeds_with_target: bool
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         """Whether a config.json's contents name this architecture."""
@@ -178,8 +180,15 @@ class Architecture(Protocol):
         """Why a tensor of a wrong shape does not fit, when the config explains it ("" else)."""
         ...
 
-    def load_weights(self, model_dir: str | Path, target: str | Path | None, config: Any) -> dict:
-        """Every tensor the model needs (quantized ones dequantized, lm_head borrowed)."""
+    def load_weights(
+        self,
+        model_dir: str | Path,
+        target: str | Path | None,
+        config: Any,
+        noted: Callable[[dict], None] | None = None,
+    ) -> dict:
+        """Every tensor the model needs (quantized ones dequantized, lm_head borrowed);
+        ``noted`` gets a record when the target's embed_tokens replaced a different stored one."""
         ...
 
     def build(

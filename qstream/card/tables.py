@@ -24,6 +24,7 @@ from qstream.eval.vocabulary import (
     verifier_label,
 )
 from qstream.regimes import AUX_REGIMES, REGIMES
+from qstream.serving import DEFAULTS, Variant
 from qstream.tablefit import Cell, Table
 from qstream.verification import ADAPTIVE_MODES, HEADLINE_MODES, MODES, VerificationMode
 
@@ -407,8 +408,10 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
         rows.append([Cell(e["add"]), difference(alone[e["add"]]["ceiling_gap"]),
                      estimate(e["ceiling"], d), difference(e["ceiling_gap"]), sci(e["kl_p99"]),
                      Cell(str(n), n), Cell("yes" if e["within_tolerance"] else "no")])  # fmt: skip
+    served = sens.get("configuration", DEFAULTS)  # a serving configuration's token names it
+    probed = Variant("sensitivity", "simulated", sens["format"], **served).token(sens["format"])
     return Table(
-        f"Regime {regime}: {sens['format']} quantized one module kind more per row, least "
+        f"Regime {regime}: {probed} quantized one module kind more per row, least "
         f"harmful first (harm: {sens['harm']}). 'alone' is the kind's gap when quantized "
         f"by itself; 'within' compares the cumulative gap with the tolerance of "
         f"{sens['tolerance']} tokens",

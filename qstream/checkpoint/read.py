@@ -140,11 +140,14 @@ def _kv_scale(checkpoint: Checkpoint, names: set[str], name: str) -> float:
     return value
 
 
-def read_target_tensors(target: str | Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+def read_target_tensors(
+    target: str | Path, names: Iterable[str], optional: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
     """Read only ``names`` (``lm_head.weight``, ``embed_tokens.weight``) from a target
     checkpoint.  A target tensor matches a name when it is equal to it or ends with
     ``.<name>`` (``model.embed_tokens.weight``, ``language_model.lm_head.weight``); exactly one
-    match is required.  With an index only the shards holding the matches are opened."""
+    match is required, none for a name in ``optional`` (then left out).  With an index only the
+    shards holding the matches are opened."""
     target = Path(target)
     index = target / INDEX_NAME
     if index.exists():
@@ -164,6 +167,8 @@ def read_target_tensors(target: str | Path, names: Iterable[str]) -> dict[str, t
     )
     out, readers = {}, {}
     for name in names:
+        if name in optional and not any(t == name or t.endswith("." + name) for t in weight_map):
+            continue
         source = _match_one(weight_map, name, target)
         module = source[: -len(".weight")]
         wanted = {source} | {

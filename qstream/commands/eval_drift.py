@@ -17,10 +17,10 @@ from qstream.cli import (
     SENSITIVITY_FORMAT,
     STATES_AUTO,
     STATES_FORMATS,
-    WEIGHT_FORMATS,
     Command,
     FiniteRange,
     Integers,
+    VariantTokens,
     choice_option,
     count_option,
     flag_option,
@@ -145,12 +145,14 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     "Quantize one module kind at a time, then cumulatively (least harmful first), and "
     "suggest the largest --include_layers list within --tolerance (docs/sensitivity.md).",
 )
-@choice_option(
+@option(
     "sensitivity_format",
-    WEIGHT_FORMATS,
-    None,
-    f"Format of --sensitivity. Default: {SENSITIVITY_FORMAT}, or the first 4-bit format of "
-    "--formats.",
+    type=VariantTokens(one=True),
+    metavar="TOKEN",
+    help="Serving configuration --sensitivity probes: a format, or a token as --formats takes "
+    "(nvfp4+a=nvfp4+kv=fp8_e4m3), its activation quantization on the probed modules only; "
+    f"--kv-cache-dtype serves it too. Default: {SENSITIVITY_FORMAT}, or the first 4-bit format "
+    "of --formats.",
 )
 @option(
     "tolerance",

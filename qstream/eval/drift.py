@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 import qstream
+from qstream.arch.family import load_noting_embed
 from qstream.arch.interface import LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.checkpoint.files import sha256_file
@@ -33,7 +34,7 @@ from qstream.eval.corpus import (
     sample_anchors,
 )
 from qstream.eval.passes import RegimeRun, evaluate_regime
-from qstream.eval.sensitivity import module_kinds, sensitivity_format
+from qstream.eval.sensitivity import module_kinds, sensitivity_variant
 from qstream.eval.settings import DEFAULT_EDGES, REFERENCE, STEPS, VARIANTS, DriftSettings
 from qstream.eval.states import CapturedStates, read_states
 from qstream.eval.variants import (
@@ -120,7 +121,7 @@ def evaluate_drift(
         check_boot_compatible(config)
     refuse_quantized_model(model_dir)
     progress.advance("loading the draft", 0)
-    weights = architecture_of(config).load_weights(model_dir, target, config)
+    weights, embed = load_noting_embed(architecture_of(config), model_dir, target, config)
     variants = check_variants_derived(
         settings_variants(settings), model_dir, weights, settings.allow_foreign_variant
     )
@@ -132,7 +133,7 @@ def evaluate_drift(
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
     batched = _batched(config, sets)
     progress.start(*_planned(config, settings, steps, batched, plan, states_plan, buckets))
-    results = _run_description(config, weights, corpus, plan, settings, variants)
+    results = _run_description(config, weights, corpus, plan, settings, variants, embed)
 
     def run(regime: Regime, streams: Corpus, blocks: AnchorPlan) -> RegimeRun:
         batches, fixed = batched[id(blocks)], (variants, settings, target, progress)
@@ -161,7 +162,8 @@ def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSet
     """Sensitivity passes per regime: the floor, each kind alone, each kind added."""
     if not settings.sensitivity:
         return 0
-    kinds = module_kinds(weights, sensitivity_format(settings), config, settings.ignore_layers)
+    fmt = sensitivity_variant(settings).source
+    kinds = module_kinds(weights, fmt, config, settings.ignore_layers)
     return 1 + 2 * len(kinds)
 
 
@@ -242,8 +244,10 @@ def _run_description(
     plan: AnchorPlan,
     settings: DriftSettings,
     variants: tuple[Variant, ...],
+    embed: dict,
 ) -> dict:
-    """The results' top-level fields: how the numbers were measured (docs/eval-drift.md)."""
+    """The results' top-level fields: how the numbers were measured (docs/eval-drift.md);
+    ``embed``: how the draft's stored embed_tokens differ from the target's it serves with."""
     model_dir, target = str(settings.model), settings.target
     return {
         "schema": SCHEMA,
@@ -254,6 +258,7 @@ def _run_description(
             "config_sha256": sha256_file(Path(model_dir) / "config.json"),
             "architecture": config.to_json().get("architectures", ["?"])[0],
             "parameters": sum(v.numel() for k, v in weights.items() if k != LM_HEAD),
+            **({"embed_tokens": embed} if embed else {}),
         },
         "target": str(target) if target else None,
         "corpus": corpus.identity(),

@@ -20,13 +20,13 @@ from qstream.device import exact_math
 from qstream.eval.batches import AuxStates, Batch, batch_flops, draft_batch
 from qstream.eval.corpus import AnchorPlan, Corpus
 from qstream.eval.metrics import DriftAccumulator
-from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_format
+from qstream.eval.sensitivity import evaluate_sensitivity, sensitivity_variant, step_variant
 from qstream.eval.settings import REFERENCE, STEPS, VARIANTS, DriftSettings
 from qstream.eval.variants import Weights, served_linears, variant_weights, weight_snr
 from qstream.eval.verifiers import RegimeAcceptance
 from qstream.progress import Progress
 from qstream.regimes import Regime
-from qstream.serving import DEFAULTS, FLOOR, REFERENCE_VARIANT, Variant
+from qstream.serving import DEFAULTS, REFERENCE_VARIANT, Variant
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,9 @@ def evaluate_regime(run: RegimeRun) -> dict:
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
             with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)
+            probed = (sensitivity_variant(s),) if s.sensitivity else ()
             calibration = None  # on blocks of the regime not evaluated (docs/eval-drift.md)
-            if any(v.calibrated for v in run.variants):
+            if any(v.calibrated for v in (*run.variants, *probed)):
                 plan = (run.regime, run.corpus, run.plan, run.config, run.weights, s)
                 calibration = calibrate_regime(*plan)
             out = {
@@ -92,19 +93,25 @@ def evaluate_regime(run: RegimeRun) -> dict:
                 out["calibration"] = calibration.source
         probe.finish(out)
         if s.sensitivity:
-            _sensitivity(run, aux, ref, out)
+            _sensitivity(run, aux, ref, out, calibration)
     return out
 
 
-def _sensitivity(run: RegimeRun, aux: AuxStates, ref: ReferenceOutputs, out: dict) -> None:
+def _sensitivity(
+    run: RegimeRun,
+    aux: AuxStates,
+    ref: ReferenceOutputs,
+    out: dict,
+    calibration: Calibration | None,
+) -> None:
     """The per-module sensitivity steps (drift only) into ``out["sensitivity"]``."""
-    fmt = sensitivity_format(run.settings)
+    probed = sensitivity_variant(run.settings)
 
     def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
-        variant = Variant.of_format(fmt if include else FLOOR, name, include or None)
-        return measure_variant(run, variant, aux, ref, probe=None)
+        variant = step_variant(probed, name, include)
+        return measure_variant(run, variant, aux, ref, None, calibration)
 
-    out["sensitivity"] = evaluate_sensitivity(run.weights, fmt, run.config, run.settings, step)
+    out["sensitivity"] = evaluate_sensitivity(run.weights, probed, run.config, run.settings, step)
 
 
 def reference_pass(

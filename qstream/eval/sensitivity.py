@@ -6,7 +6,7 @@ harmful first; every step is a variant measured against the regime's one referen
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +16,7 @@ from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.formats import FORMATS, get_format
 from qstream.quant.select import select_modules
+from qstream.serving import FLOOR, Variant
 from qstream.vllm.profiles import head_problem, matches, profile_for
 
 DEFAULT_FORMAT = "nvfp4"  # the format the published recipe ships at 4 bits
@@ -38,15 +39,24 @@ class ModuleKind:
     modules: tuple[str, ...]  # full module names, checkpoint order
 
 
-def sensitivity_format(settings: DriftSettings) -> str:
-    """``settings.sensitivity_format``; else nvfp4 when ``formats`` asks for it or for no 4-bit
-    format; else the first 4-bit format asked for (``--formats bf16,mxfp4`` -> mxfp4)."""
-    if settings.sensitivity_format is not None:
-        return settings.sensitivity_format
+def sensitivity_variant(settings: DriftSettings) -> Variant:
+    """The configuration the steps probe: ``settings.sensitivity_format`` (a token such as
+    ``nvfp4+a=nvfp4``, checked by DriftSettings); else nvfp4 when ``formats`` asks for it or for
+    no 4-bit format; else the first 4-bit format asked for (``--formats bf16,mxfp4`` -> mxfp4).
+    ``--kv-cache-dtype`` serves it, as every variant but the reference."""
     four_bit = [
         f for f in settings.formats if f in FORMATS and get_format(f).weights_args["num_bits"] == 4
     ]
-    return four_bit[0] if four_bit and DEFAULT_FORMAT not in four_bit else DEFAULT_FORMAT
+    fmt = four_bit[0] if four_bit and DEFAULT_FORMAT not in four_bit else DEFAULT_FORMAT
+    return Variant.parse(settings.sensitivity_format or fmt, settings.kv_cache_dtype)
+
+
+def step_variant(probed: Variant, name: str, include: tuple[str, ...]) -> Variant:
+    """``probed`` on ``include``'s modules alone, activations too (as a checkpoint quantizing only
+    those is served); no include: the floor, bf16 weights with ``probed``'s KV cache and target."""
+    if include:
+        return replace(probed, name=name, include=include)
+    return replace(probed, name=name, kind=FLOOR, source=FLOOR, activations="none")
 
 
 def _kind_key(module: str) -> str:
@@ -123,13 +133,15 @@ def _harm(step: dict, floor: dict) -> tuple[float, float]:
 
 def evaluate_sensitivity(
     weights: Mapping[str, torch.Tensor],
-    fmt: str,
+    probed: Variant,
     config: DraftConfig,
     settings: DriftSettings,
     step: Step,
 ) -> dict:
     """The floor, one step per kind alone, then the cumulative steps and the suggested list
-    (JSON-ready; the schema is in docs/eval-drift.md)."""
+    (JSON-ready; the schema is in docs/eval-drift.md); ``probed``: the configuration quantized
+    (:func:`sensitivity_variant`)."""
+    fmt = probed.source
     kinds = module_kinds(weights, fmt, config, settings.ignore_layers)
     if not kinds:
         raise QStreamError(f"--sensitivity: {fmt} can quantize no module of this checkpoint")
@@ -139,7 +151,7 @@ def evaluate_sensitivity(
             "kind": k.name,
             "include": list(k.patterns),
             "modules": list(k.modules),
-            **_summary(step(f"{fmt}: {k.name}", k.patterns)),
+            **_summary(step(f"{probed.name}: {k.name}", k.patterns)),
         }
         for k in kinds
     ]
@@ -153,13 +165,14 @@ def evaluate_sensitivity(
         entry = {
             "add": kinds[i].name,
             "include": list(include),
-            **_summary(step(f"{fmt}: +{kinds[i].name}", include)),
+            **_summary(step(f"{probed.name}: +{kinds[i].name}", include)),
         }
         entry["ceiling_gap"] = _gap(entry, floor)
         entry["within_tolerance"] = entry["ceiling_gap"] >= -settings.tolerance
         cumulative.append(entry)
     return {
         "format": fmt,
+        **probed.served(),  # its configuration, when not the default
         "tolerance": settings.tolerance,
         "harm": HARM,
         "ignore": list(settings.ignore_layers),

@@ -189,15 +189,11 @@ class DriftSettings(Selection):
             raise QStreamError("nothing to evaluate: no regime and no --states file")
         if self.states_anchors is not None and self.states is None:
             raise QStreamError("--states-anchors names blocks of --states, which is not given")
-        if self.sensitivity_format is not None and self.sensitivity_format not in FORMATS:
-            raise QStreamError(
-                f"--sensitivity-format {self.sensitivity_format!r}: choose from "
-                f"{', '.join(FORMATS)}"
-            )
+        probed = self._probed()
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
         self._check_context()
-        for v in self.simulated:  # the target serves states and verifies: none is synthetic
+        for v in (*self.simulated, *probed):  # the target serves states and verifies, no aux
             if v.target != DEFAULTS["target"] and self.regimes:
                 raise QStreamError(
                     f"variant {v.name}: target={v.target} reaches eval-drift only through the "
@@ -209,6 +205,18 @@ class DriftSettings(Selection):
         object.__setattr__(self, "sampling", sampling)
         adaptive = AdaptiveBudget(self.adaptive_requests, self.adaptive_budget)
         object.__setattr__(self, "adaptive", adaptive)
+
+    def _probed(self) -> tuple[Variant, ...]:
+        """The configuration ``--sensitivity-format`` names, checked (its weights a format)."""
+        if self.sensitivity_format is None:
+            return ()
+        probed = Variant.parse(self.sensitivity_format, self.kv_cache_dtype)
+        if not probed.simulated:
+            raise QStreamError(
+                f"--sensitivity-format {self.sensitivity_format!r}: its weights must be one of "
+                f"{', '.join(FORMATS)} (the steps quantize them module kind by module kind)"
+            )
+        return (probed,)
 
     def _check_context(self) -> None:
         if self.context_lengths is None:  # the command's value when --context-lengths is absent

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qstream.arch.interface import LM_HEAD, DraftConfig
+from qstream.arch.interface import EMBED, LM_HEAD, DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.arch.weights import ServedLinears
 from qstream.checkpoint.files import open_checkpoint, read_config
@@ -241,14 +241,16 @@ def foreign_tensors(
 ) -> list[str]:
     """Tensors the variant keeps unquantized that are not bit-identical to the model's (dtype
     and every bit); tensors the variant lacks (e.g. a borrowed embedding) are not compared,
-    nor the KV-cache scales its kv_cache_scheme adds."""
+    nor the KV-cache scales its kv_cache_scheme adds, nor a stored embed_tokens the architecture
+    never serves (``embeds_with_target``)."""
     checkpoint = open_checkpoint(variant_dir)
     quantized = quantized_modules(checkpoint.tensor_shard)
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-    scales = kv_scale_names(checkpoint)
+    unserved = {EMBED} if architecture_of(load_config(variant_dir)).embeds_with_target else set()
+    unserved |= kv_scale_names(checkpoint)
     differ = []
     for name, shard in checkpoint.tensor_shard.items():
-        if name.rpartition(".")[0] in quantized or name in scales:
+        if name.rpartition(".")[0] in quantized or name in unserved:
             continue
         ours = model_weights.get(name)
         theirs = readers[shard].tensor(name)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import qstream
+from qstream.arch.family import load_noting_embed
 from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.calibration import Calibration, calibrate, calibration_seed
@@ -114,7 +115,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     refuse_quantized_model(s.model)
     arch = architecture_of(config)
     s = replace(s, include_layers=s.include_layers or arch.quantize_include)
-    weights = arch.load_weights(s.model, s.target, config)
+    weights, embed = load_noting_embed(arch, s.model, s.target, config)
     check_finite(weights.items(), f"--model {s.model}: draft tensor")
     variants = check_variants_derived(
         settings_variants(s), s.model, weights, s.allow_foreign_variant
@@ -123,7 +124,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         check_capture_dir(s, {v.target for v in variants})
     docs = corpus_docs(s.corpus)
     served, prompts = _targets_and_prompts(s, docs, config, [v.target for v in variants])
-    results = _description(s, config, shape, docs)
+    results = _description(s, config, shape, docs, embed)
     decoded = {}  # calibrated by decoding against the unquantized target:
     calibration = _calibrate(s, config, weights, served[DEFAULTS["target"]], docs, variants,
                              results, mode)  # fmt: skip
@@ -248,9 +249,10 @@ def _variant_entry(v: Variant, changed: list[str]) -> dict:
 
 
 def _description(
-    s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs: CorpusDocs
+    s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs: CorpusDocs, embed: dict
 ) -> dict:
-    """The results' settings and provenance: what was decoded, by what, from what."""
+    """The results' settings and provenance: what was decoded, by what, from what (``embed``:
+    how the draft's stored embed_tokens differ from the target's, which it serves with)."""
     import transformers
 
     return {
@@ -273,6 +275,7 @@ def _description(
                 "config_sha256": sha256_file(Path(s.model) / "config.json"),
                 "architecture": config.to_json().get("architectures", ["?"])[0],
                 "block_size": config.block_size,
+                **({"embed_tokens": embed} if embed else {}),
             },
             "corpus": {"name": docs.name, "sha256": docs.sha256},
             "qstream_version": qstream.__version__,

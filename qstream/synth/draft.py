@@ -250,21 +250,18 @@ def _write_tensors(
 
 
 def _write_target_head(head: Path, plan: _Plan) -> None:
-    """The stand-in target beside the draft, read through its index: lm_head, and
-    embed_tokens too when the architecture's drafts carry none."""
+    """The stand-in target beside the draft, read through its index: embed_tokens and lm_head,
+    as a real target lends them (a draft that carries embed_tokens carries the same bytes)."""
     config = plan.config
     row = (config.vocab_size, config.hidden_size)
-    shapes: dict[str, tuple[int, ...]] = {LM_HEAD: row}
-    if not architecture_of(config).ships_embed_tokens:
-        shapes = {EMBED: row, LM_HEAD: row}  # the target's order: embedding first
+    shapes: dict[str, tuple[int, ...]] = {EMBED: row, LM_HEAD: row}  # embedding first, as a target
     head.mkdir()
     head_config = {
         "architectures": ["SyntheticTargetHead"],
         "model_type": "qstream_target",
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
-        "note": "stand-in target for a qstream synth draft: "
-        + ("lm_head only" if len(shapes) == 1 else "lm_head and embed_tokens"),
+        "note": "stand-in target for a qstream synth draft: lm_head and embed_tokens",
     }
     write_json_atomic(head / "config.json", head_config)
     _write_tensors(head, shapes, plan, None, force_index=True)

@@ -12,8 +12,9 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +24,11 @@ from qstream.arch.family import (
     borrow_from_target,
     check,
     check_table,
+    embed_difference,
     shape_hint,
     yarn_get_mscale,
 )
-from qstream.arch.interface import EMBED, LM_HEAD
+from qstream.arch.interface import EMBED, LM_HEAD, TARGET_HEAD_DIR
 
 if TYPE_CHECKING:
     import torch
@@ -301,17 +303,30 @@ def read_draft_tensors(
 
 
 def load_weights(
-    model_dir: str | Path, target: str | Path | None = None, config: DSparkConfig | None = None
+    model_dir: str | Path,
+    target: str | Path | None = None,
+    config: DSparkConfig | None = None,
+    noted: Callable[[dict], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The draft's tensors plus ``lm_head.weight`` (and ``embed_tokens.weight`` if the draft has
-    none) from ``target`` (default ``model_dir/target_head``, as ``qstream synth`` writes it)."""
+    """The draft's tensors with ``lm_head.weight`` and ``embed_tokens.weight`` from ``target``
+    (default ``model_dir/target_head``, as ``qstream synth`` writes it).  vLLM 0.32.0 never
+    serves the draft's stored embed_tokens: ``K3DSparkForCausalLM.hf_to_vllm_mapper`` drops it
+    and, ``has_own_embed_tokens`` being False, ``load_dspark_model``
+    (``vllm/v1/worker/gpu/spec_decode/dspark/utils.py``) aliases the target's
+    (``maybe_share_target_embed``).  The stored copy serves only a target that holds none;
+    when it differs from the target's, ``noted`` gets ``{target, max_abs_diff}``."""
+    from qstream.checkpoint.read import read_target_tensors
+
     model_dir = Path(model_dir)
     config = config or load_config(model_dir)
     tensors = read_draft_tensors(model_dir, config)
-    borrowed = [LM_HEAD] + ([EMBED] if EMBED not in tensors else [])
+    own = tensors.get(EMBED)
+    read = partial(read_target_tensors, optional=(EMBED,) if own is not None else ())
     expected = (config.vocab_size, config.hidden_size)
-    from_target = borrow_from_target(model_dir, target, borrowed, expected, "lm_head")
-    return {**tensors, **from_target}
+    lent = borrow_from_target(model_dir, target, [LM_HEAD, EMBED], expected, "lm_head", read)
+    if own is not None and EMBED in lent and noted and (diff := embed_difference(own, lent[EMBED])):
+        noted({"target": str(target or model_dir / TARGET_HEAD_DIR), "max_abs_diff": diff})
+    return {**tensors, **lent}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +408,7 @@ class DSparkMLA(DSparkFamily):
     final_norm: str = "final_norm.weight"
     context_proj: str = "context_proj"
     ships_embed_tokens: bool = True
+    embeds_with_target: bool = True  # load_weights: the target's embed_tokens, as vLLM serves
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("architectures") == [ARCHITECTURE] or data.get("model_type") == MODEL_TYPE

@@ -17,7 +17,7 @@ the dense layout (``DSparkSpeculator.__init__``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -453,10 +453,15 @@ def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict
 
 
 def load_weights(
-    model_dir: str | Path, target: str | Path | None, config: Qwen3DSparkConfig
+    model_dir: str | Path,
+    target: str | Path | None,
+    config: Qwen3DSparkConfig,
+    noted: Callable[[dict], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The draft's tensors plus those it lacks of ``embed_tokens.weight`` and ``lm_head.weight``,
-    from ``target`` (default ``model_dir/target_head``)."""
+    from ``target`` (default ``model_dir/target_head``).  A stored embed_tokens serves, as vLLM
+    0.32.0's ``Qwen3DSparkForCausalLM.load_weights`` sets ``has_own_embed_tokens`` and
+    ``maybe_share_target_embed`` shares the target's only when equal: ``noted`` is not called."""
     model_dir = Path(model_dir)
     tensors = read_draft_tensors(model_dir, config)
     wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
@@ -566,6 +571,7 @@ class DSparkQwen3(DSparkFamily):
     # speculators never saves embed_tokens; vLLM then shares the target's
     # (Qwen3DSparkForCausalLM.load_weights in vllm/model_executor/models/qwen3_dspark.py)
     ships_embed_tokens: bool = False
+    embeds_with_target: bool = False  # a stored embed_tokens serves (load_weights)
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         # every speculators config: its parser names a speculators_model_type it does not know
