@@ -106,12 +106,16 @@ def _sensitivity(
 ) -> None:
     """The per-module sensitivity steps (drift only) into ``out["sensitivity"]``."""
     probed = sensitivity_variant(run.settings)
+    # quantize --calibration takes a regime's name or the captured states' path
+    calibration_source = str(run.settings.states) if run.regime.captured else run.regime.name
 
     def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
         variant = step_variant(probed, name, include)
         return measure_variant(run, variant, aux, ref, None, calibration)
 
-    out["sensitivity"] = evaluate_sensitivity(run.weights, probed, run.config, run.settings, step)
+    out["sensitivity"] = evaluate_sensitivity(
+        run.weights, probed, run.config, run.settings, step, calibration_source
+    )
 
 
 def reference_pass(

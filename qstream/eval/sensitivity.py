@@ -137,14 +137,14 @@ def evaluate_sensitivity(
     config: DraftConfig,
     settings: DriftSettings,
     step: Step,
+    regime: str,
 ) -> dict:
-    """The floor, one step per kind alone, then the cumulative steps and the suggested list
-    (JSON-ready; the schema is in docs/eval-drift.md); ``probed``: the configuration quantized
-    (:func:`sensitivity_variant`)."""
-    fmt = probed.source
-    kinds = module_kinds(weights, fmt, config, settings.ignore_layers)
+    """The floor, one step per kind alone, the cumulative steps and the suggested list (JSON-ready;
+    schema in docs/eval-drift.md) of ``probed`` (:func:`sensitivity_variant`), run on ``regime``
+    (as quantize's ``--calibration`` names it)."""
+    kinds = module_kinds(weights, probed.source, config, settings.ignore_layers)
     if not kinds:
-        raise QStreamError(f"--sensitivity: {fmt} can quantize no module of this checkpoint")
+        raise QStreamError(f"--sensitivity: {probed.source} can quantize no module of the draft")
     floor = _summary(step("bf16 floor", ()))
     single = [
         {
@@ -171,7 +171,7 @@ def evaluate_sensitivity(
         entry["within_tolerance"] = entry["ceiling_gap"] >= -settings.tolerance
         cumulative.append(entry)
     return {
-        "format": fmt,
+        "format": probed.source,
         **probed.served(),  # its configuration, when not the default
         "tolerance": settings.tolerance,
         "harm": HARM,
@@ -179,19 +179,35 @@ def evaluate_sensitivity(
         "floor": floor,
         "single": single,
         "cumulative": cumulative,
-        "suggested": _suggest(cumulative, settings.ignore_layers),
+        "suggested": _suggest(cumulative, settings, probed, regime),
     }
 
 
-def _suggest(cumulative: list[dict], ignore: tuple[str, ...]) -> dict:
-    """The largest cumulative include list within tolerance (steps nest, so the last such one)."""
+def _serving_options(probed: Variant, regime: str, seed: int) -> str:
+    """quantize's options that write what ``probed`` serves beyond its weights: its activation
+    scheme and, for static scales, ``--calibration`` on this regime at this seed
+    (docs/quantize.md, "Calibration"); a calibrated KV scale as ``--kv-cache-scheme fp8``."""
+    options = []
+    if probed.activations != "none":
+        options.append(f"--activations {probed.activations}")
+    if probed.kv_scale == "calibrated":
+        options.append("--kv-cache-scheme fp8")
+    if probed.calibrated:
+        options.append(f"--calibration {regime}" + (f" --seed {seed}" if seed else ""))
+    return "".join(" " + o for o in options)
+
+
+def _suggest(cumulative: list[dict], settings: DriftSettings, probed: Variant, regime: str) -> dict:
+    """The largest cumulative include list within tolerance (steps nest, so the last such one),
+    with the quantize options of the probed configuration."""
     within = [e for e in cumulative if e["within_tolerance"]]
     if not within:
         return {"include": [], "steps": 0, "command": None, "ceiling": None, "ceiling_gap": None}
     best = within[-1]
     command = "--include_layers " + " ".join(best["include"])
-    if ignore:
-        command += " --ignore_layers " + " ".join(ignore)
+    if settings.ignore_layers:
+        command += " --ignore_layers " + " ".join(settings.ignore_layers)
+    command += _serving_options(probed, regime, settings.seed)
     return {
         "include": best["include"],
         "steps": cumulative.index(best) + 1,
