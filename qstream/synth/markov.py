@@ -4,7 +4,7 @@ markov_w1 / markov_w2 factors, and the scale that calibrates the head's top-1 ac
 stays linear in the vocabulary V, so that a real target's (49,152 for SmolLM2, 163,840 for
 Kimi-K3) fits (docs/model.md, "A draft for a Hugging Face target"): the [V, V] table is never
 formed (:class:`Bigrams` holds it as a floor plus what rises above it, and the SVD asks it only
-for products), and the calibration's [samples, V] logits come a chunk of rows at a time.
+for products), and the calibration's [samples, V] logits are capped at CALIBRATION_LOGITS.
 
 >>> bigrams = Bigrams.count(streams, vocab)
 >>> w1, w2 = markov_tables(bigrams, vocab, rank=16, seed=0)
@@ -13,7 +13,6 @@ for products), and the calibration's [samples, V] logits come a chunk of rows at
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -24,7 +23,9 @@ CALIBRATION_SAMPLES = 4096  # corpus transitions used to set the Markov scale (+
 BIGRAM_FLOOR = 0.03  # best rank-16 top-1 accuracy on GSM8K among 1e-4 .. 0.1 (12.8%)
 DEGENERATE = 1e-9  # singular values closer than this (relative to the largest) are one eigenspace
 U_STD = 1.5  # nats: per-vocab spread of the network logits U (as synth's lm_head gives it)
-CHUNK_ELEMENTS = 1 << 24  # calibration logits per chunk of rows: 128 MB in float64
+# most calibration logits [samples, V] held at once (128 MB in float64): past a vocabulary of
+# 4,096 the calibration draws 2**24 // V transitions (341 at 49,152, 102 at 163,840)
+CALIBRATION_LOGITS = 1 << 24
 F64 = torch.float64  # every statistic: the same bytes on every CPU (qstream/synth/draft.py)
 
 
@@ -171,28 +172,13 @@ def calibrate_markov_scale(
     bias column rules them out.  Returns (alpha, the achieved mean top-1)."""
     gen = torch.Generator().manual_seed(seed + 29)
     prev = torch.tensor([t for ids in streams for t in ids[:-1]], dtype=torch.int64)
-    pick = torch.randint(0, prev.numel(), (min(CALIBRATION_SAMPLES, prev.numel()),), generator=gen)
-    # Rows a chunk at a time, a multiple of 16 of them: torch's CPU normal sampler fills 16
-    # values at a time, so chunk by chunk it draws what one call for all rows would.
-    step = 16 * max(1, CHUNK_ELEMENTS // (16 * tokenizer_vocab))
-    chunks = prev[pick].split(step)
-    states = []
-
-    @functools.lru_cache(maxsize=1)  # one chunk (every preset's tokenizer) is drawn once
-    def logits(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # bias, noise [rows, V_tokenizer]
-        gen.set_state(states[i])
-        noise = torch.randn((len(chunks[i]), tokenizer_vocab), generator=gen, dtype=F64)
-        return w1[chunks[i]] @ w2[:tokenizer_vocab].T, noise * U_STD
-
-    for i in range(len(chunks)):  # each chunk's generator state, for drawing it again
-        states.append(gen.get_state())
-        logits(i)
+    count = min(CALIBRATION_SAMPLES, CALIBRATION_LOGITS // tokenizer_vocab, prev.numel())
+    pick = torch.randint(0, prev.numel(), (count,), generator=gen)
+    bias = w1[prev[pick]] @ w2[:tokenizer_vocab].T  # [n, V_tokenizer]
+    noise = torch.randn(bias.shape, generator=gen, dtype=torch.float64) * U_STD
 
     def top1(alpha: float) -> float:
-        best = [
-            torch.softmax(alpha * b + u, -1).amax(-1) for b, u in map(logits, range(len(chunks)))
-        ]
-        return float(torch.cat(best).mean())
+        return float(torch.softmax(alpha * bias + noise, -1).amax(-1).mean())
 
     lo, hi = 0.01, 50.0
     for _ in range(24):  # log-bisection to a ratio of 1.0004; top-1 grows with alpha
