@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from qstream.cli import cli
+from qstream.publish import CONVERT_RECORD
 
 pytest.importorskip("gguf", reason="convert-gguf reads GGUF files with the gguf package")
 
@@ -56,9 +57,13 @@ def test_converted_target_runs_through_synth_and_tokenizes_alike(gguf_dir, conve
     assert json.loads((tmp_path / "draft" / "config.json").read_text())["vocab_size"] == 512
 
 
-def test_folder_of_one_gguf_file_is_taken(gguf_dir, tmp_path):
-    cli_ok(["convert-gguf", str(gguf_dir[0]), "--output_dir", str(tmp_path / "t")])
-    assert (tmp_path / "t" / "model.safetensors").is_file()
+def test_folder_of_one_gguf_file_is_taken_and_replaced_with_overwrite(gguf_dir, tmp_path):
+    args = ["convert-gguf", str(gguf_dir[0]), "--output_dir", str(tmp_path / "t")]
+    cli_ok(args)
+    assert "already exists" in cli_error(args)
+    cli_ok([*args, "--overwrite"])
+    record = json.loads((tmp_path / "t" / CONVERT_RECORD).read_text())
+    assert record["source"] == "tiny-llama.gguf"
 
 
 @pytest.mark.parametrize("command", ["synth", "capture", "eval-drift", "speculate"])

@@ -137,3 +137,7 @@ def test_large_vocabulary_builds_no_vocab_by_vocab_tensor(tmp_path):
     assert not square, square
     biggest = max(math.prod(s) for s in seen.shapes)
     assert biggest <= max(CALIBRATION_LOGITS, LARGE_VOCAB * HIDDEN), biggest
+    # its embeddings are tied: the draft borrows embed_tokens for lm_head
+    model = load_model(tmp_path / "draft", target=target)
+    embed = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(model.w["lm_head.weight"].float(), embed)

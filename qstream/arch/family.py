@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from qstream.arch.interface import TARGET_HEAD_DIR, DraftConfig, Drafter
+from qstream.arch.interface import EMBED, LM_HEAD, TARGET_HEAD_DIR, DraftConfig, Drafter
 from qstream.errors import QStreamError
 from qstream.serving import DEFAULTS
 
@@ -160,9 +160,10 @@ def borrow_from_target(
     names: list[str],
     expected: tuple[int, ...],
     missing: str,
-    read: Callable[[Path, list[str]], dict] | None = None,
 ) -> dict:
-    """``names`` of shape ``expected`` read from ``target`` (default ``model_dir/target_head``)."""
+    """``names`` of shape ``expected`` read from ``target`` (default ``model_dir/target_head``);
+    a target with tied word embeddings (SmolLM2) lends embed_tokens for lm_head, as vLLM's
+    draft shares the target's head."""
     if target is None:
         target = model_dir / TARGET_HEAD_DIR
         if not target.is_dir():
@@ -170,15 +171,24 @@ def borrow_from_target(
                 f"{model_dir}: the draft has no {missing} of its own; pass the "
                 f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
             )
-    from qstream.checkpoint.read import read_target_tensors
-
-    borrowed = (read or read_target_tensors)(Path(target), names)
+    borrowed = _read_borrowed(Path(target), names)
     for name, tensor in borrowed.items():
         if tuple(tensor.shape) != expected:
             raise QStreamError(
                 f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
             )
     return borrowed
+
+
+def _read_borrowed(target: Path, wanted: list[str]) -> dict[str, Any]:
+    from qstream.checkpoint.files import read_config
+    from qstream.checkpoint.read import read_target_tensors
+
+    tied = (target / "config.json").exists() and read_config(target).get("tie_word_embeddings")
+    if tied and LM_HEAD in wanted:
+        out = read_target_tensors(target, [EMBED])
+        return {n: out[EMBED] for n in wanted}
+    return read_target_tensors(target, wanted)
 
 
 def d2t_problem(d2t: Any, vocab_size: int) -> str | None:

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+import qstream
 from qstream.capture.target import _first_line, _quiet, check_finite
 from qstream.checkpoint.target import GGUF, gguf_file
 from qstream.errors import QStreamError
-from qstream.publish import check_target, publishing
+from qstream.publish import CONVERT_RECORD, check_target, publishing, write_json_atomic
 
 
 def _check_readable(file: Path) -> None:
@@ -38,8 +39,9 @@ def _check_readable(file: Path) -> None:
 
 
 def convert_gguf(source: str | Path, output_dir: str | Path, overwrite: bool = False) -> Path:
-    """Write the model of ``source`` (:func:`~qstream.checkpoint.target.gguf_file`) and its tokenizer to ``output_dir`` as
-    a transformers directory (float32 safetensors), complete or not at all."""
+    """Write the model of ``source`` (:func:`~qstream.checkpoint.target.gguf_file`) and its
+    tokenizer to ``output_dir`` as a transformers directory (float32 safetensors) with
+    CONVERT_RECORD naming the file, complete or not at all."""
     file = gguf_file(source)
     if file is None:
         raise QStreamError(f"{source}: neither a {GGUF} file nor a folder holding one")
@@ -57,11 +59,13 @@ def convert_gguf(source: str | Path, output_dir: str | Path, overwrite: bool = F
         raise QStreamError(f"{file}: transformers cannot load it ({_first_line(exc)})") from None
     check_finite(loaded.named_parameters(), f"{file}: tensor")
     config = loaded.config
-    del config.quantization_config  # the saved tensors are plain float32
+    config.__dict__.pop("quantization_config", None)  # the saved tensors are plain float32
     model = type(loaded)(config)
     model.load_state_dict(loaded.state_dict())
     output.parent.mkdir(parents=True, exist_ok=True)
     with publishing(output, overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        record = {"qstream_version": qstream.__version__, "source": file.name}
+        write_json_atomic(tmp / CONVERT_RECORD, {**record, "bytes": file.stat().st_size})
     return output
