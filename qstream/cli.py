@@ -49,6 +49,23 @@ DIRECTORY = click.Path(file_okay=False)  # a directory, or where one is to be
 FILE = click.Path(dir_okay=False)  # a file, or where one is to be
 
 
+class TargetDir(click.Path):
+    """``--target``: a transformers directory; a GGUF file, or a folder holding one, is refused
+    with the command that converts it (:func:`qstream.checkpoint.target.refuse_gguf`)."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False)
+
+    def convert(self, value, param, ctx):
+        from qstream.checkpoint.target import refuse_gguf
+
+        try:
+            refuse_gguf(value)
+        except QStreamError as exc:
+            self.fail(str(exc).removeprefix(f"--target {value}: "), param, ctx)
+        return super().convert(value, param, ctx)
+
+
 class Choice(click.Choice):
     """click's Choice, except that a required option left out is, like every other usage
     error, one ``Error:`` line: "Choose from fp8, mxfp4, nvfp4." (click lists the choices one
@@ -235,7 +252,7 @@ SEED_MAX = 2**63 - 1
 # the target's own sample at the evaluation's defaults (docs/capture.md).
 OPTIONS: dict[str, dict[str, Any]] = {
     "model": {"type": DIRECTORY},
-    "target": {"type": DIRECTORY},
+    "target": {"type": TargetDir()},
     "corpus": {"type": FILE},
     "formats": {
         "type": VariantTokens(),
@@ -369,6 +386,7 @@ COMMANDS = {
     "inspect": "qstream.commands.inspect:inspect",
     "verify": "qstream.commands.verify:verify",
     "synth": "qstream.commands.synth:synth",
+    "convert-gguf": "qstream.commands.convert_gguf:convert_gguf",
     "capture": "qstream.commands.capture:capture",
     "eval-drift": "qstream.commands.eval_drift:eval_drift",
     "speculate": "qstream.commands.speculate:speculate",

@@ -23,7 +23,8 @@ from qstream.errors import QStreamError
 # Files marking a directory qstream wrote; --overwrite replaces nothing else.
 QUANTIZE_RECORD = "qstream_quantize.json"  # quantize's provenance: command, summary, sha256s
 SYNTH_RECORD = "qstream_synth.json"
-RECORD_FILES = (QUANTIZE_RECORD, SYNTH_RECORD)
+CONVERT_RECORD = "qstream_convert.json"  # qstream convert-gguf's output
+RECORD_FILES = (QUANTIZE_RECORD, SYNTH_RECORD, CONVERT_RECORD)
 _PARTIAL = re.compile(r"^\.(?P<name>.+)\.qstream-(?:partial|old)-(?P<pid>\d+)$")
 
 

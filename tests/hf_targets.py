@@ -74,3 +74,69 @@ def make_qwen3_target(
     model.save_pretrained(directory)
     write_tokenizer(train_tokenizer(builtin_corpus(n=600, seed=seed), VOCAB), directory)
     return directory
+
+
+# llama.cpp's GGUF tensor names for a Llama (convert_hf_to_gguf.py's tensor map)
+GGUF_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+GGUF_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def _rope_permute(weight, heads: int):
+    """llama.cpp's ``LlamaModel.permute`` of q/k rows (interleaved RoPE pairs), which
+    transformers' GGUF loader undoes."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def make_gguf_target(directory: Path, seed: int = 0) -> Path:
+    """The tiny Llama target of :func:`make_target` written as llama.cpp's converter writes
+    one (``gguf``'s GGUFWriter: F32 tensors, q/k permuted, its BPE as a gpt2 tokenizer) to
+    ``directory/tiny-llama.gguf``; returns the transformers directory it was made from."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    source = make_target(directory / "hf", "llama", seed)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    c = model.config
+    spec = json.loads((source / "tokenizer.json").read_text())
+    tokens = [""] * VOCAB
+    for token, i in spec["model"]["vocab"].items():
+        tokens[i] = token
+    special = {a["id"] for a in spec["added_tokens"]}
+    writer = gguf.GGUFWriter(str(directory / "tiny-llama.gguf"), "llama")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in special else 1 for i in range(VOCAB)])  # 3: control
+    writer.add_token_merges([" ".join(m) for m in spec["model"]["merges"]])
+    writer.add_eos_token_id(c.eos_token_id)
+    writer.add_pad_token_id(c.pad_token_id)
+    heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
+    for name, tensor in model.state_dict().items():
+        module = name.removesuffix(".weight")
+        if module in GGUF_NAMES:
+            writer.add_tensor(f"{GGUF_NAMES[module]}.weight", tensor.numpy())
+            continue
+        layer, inner = module.split(".")[2], ".".join(module.split(".")[3:])
+        if inner.split(".")[-1] in heads:
+            tensor = _rope_permute(tensor, heads[inner.split(".")[-1]])
+        writer.add_tensor(f"blk.{layer}.{GGUF_LAYER_NAMES[inner]}.weight", tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return source

@@ -22,7 +22,8 @@ from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape
 from qstream.serving import REFERENCE_VARIANT
 from qstream.synth.corpus import builtin_corpus
-from qstream.synth.draft import TARGET_TOP1, _markov_head, draft_shapes, synth_checkpoint
+from qstream.synth.draft import _markov_head, draft_shapes, synth_checkpoint
+from qstream.synth.markov import TARGET_TOP1
 from qstream.synth.target import qwen3_draft_config, spread_layer_ids
 
 

@@ -3,18 +3,23 @@ exists for, synth → capture → eval-drift --states, on a tiny DeepSeek-V3 tar
 (docs/model.md, docs/capture.md)."""
 
 import json
+import math
 
 import pytest
 import torch
 from cli_helpers import cli_ok
 from hf_targets import HIDDEN, LAYERS, VOCAB, make_target
 from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
 from qstream.arch.dspark_mla import PRESETS
 from qstream.arch.dspark_mla.model import load_model
 from qstream.arch.interface import TARGET_HEAD_DIR
-from qstream.synth.target import spread_layer_ids
+from qstream.synth.corpus import builtin_corpus, train_tokenizer, write_tokenizer
+from qstream.synth.markov import CALIBRATION_LOGITS
+from qstream.synth.target import spread_layer_ids, synth_for_target
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +85,59 @@ def test_capture_then_eval_drift_on_the_captured_states(target, draft, tmp_path)
     assert runs["hs"]["states"]["format"] == "vllm"
     assert runs["states"]["regimes"] == runs["merged.safetensors"]["regimes"]
     assert runs["hs"]["regimes"] == runs["states"]["regimes"]
+
+
+LARGE_VOCAB = 8192  # past 4,096: calibration draws 2**24 // V transitions; V x V is 67 M
+
+
+class _Shapes(TorchDispatchMode):
+    """Every strided tensor any torch operation makes (a sparse one is not a table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self.shapes.add(tuple(t.shape))
+        return out
+
+
+def _large_vocab_target(directory):
+    """A tiny Llama with a real-sized vocabulary: its BPE plus added tokens the corpus never
+    holds, as most of a real tokenizer's are for a given corpus."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=LARGE_VOCAB, hidden_size=HIDDEN, intermediate_size=96,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=0,
+                         pad_token_id=1)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tok = train_tokenizer(builtin_corpus(n=600, seed=0), VOCAB)
+    tok.add_tokens([f"<extra_{i}>" for i in range(LARGE_VOCAB - tok.get_vocab_size())])
+    write_tokenizer(tok, directory)
+    return directory
+
+
+def test_large_vocabulary_builds_no_vocab_by_vocab_tensor(tmp_path):
+    """synth --target at a real vocabulary: the bigram table is never formed [V, V] (nor any
+    tensor with two dimensions of V), so memory grows with V, not V² (docs/model.md)."""
+    target = _large_vocab_target(tmp_path / "target")
+    corpus = tmp_path / "corpus.txt"  # short: the calibration draws one sample per transition
+    corpus.write_text("\n".join(builtin_corpus(n=8, seed=0)) + "\n")
+    with _Shapes() as seen:
+        synth_for_target(target, tmp_path / "draft", seed=0, corpus=corpus)
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert config["vocab_size"] == LARGE_VOCAB
+    assert (LARGE_VOCAB, HIDDEN) in seen.shapes  # the embedding copy: V was seen
+    square = [s for s in seen.shapes if sum(d >= LARGE_VOCAB for d in s) >= 2]
+    assert not square, square
+    biggest = max(math.prod(s) for s in seen.shapes)
+    assert biggest <= max(CALIBRATION_LOGITS, LARGE_VOCAB * HIDDEN), biggest
+    # its embeddings are tied: the draft borrows embed_tokens for lm_head
+    model = load_model(tmp_path / "draft", target=target)
+    embed = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(model.w["lm_head.weight"].float(), embed)

@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from qstream.arch.interface import TARGET_HEAD_DIR, DraftConfig, Drafter
+from qstream.arch.interface import EMBED, LM_HEAD, TARGET_HEAD_DIR, DraftConfig, Drafter
 from qstream.errors import QStreamError
 from qstream.serving import DEFAULTS
 
@@ -162,7 +162,9 @@ def borrow_from_target(
     missing: str,
     read: Callable[[Path, list[str]], dict] | None = None,
 ) -> dict:
-    """``names`` of shape ``expected`` read from ``target`` (default ``model_dir/target_head``)."""
+    """``names`` of shape ``expected`` read from ``target`` (default ``model_dir/target_head``)
+    by ``read`` (default ``read_target_tensors``); a target with tied word embeddings (SmolLM2)
+    lends embed_tokens for lm_head, as vLLM's draft shares the target's head."""
     if target is None:
         target = model_dir / TARGET_HEAD_DIR
         if not target.is_dir():
@@ -172,13 +174,23 @@ def borrow_from_target(
             )
     from qstream.checkpoint.read import read_target_tensors
 
-    borrowed = (read or read_target_tensors)(Path(target), names)
+    borrowed = _read_borrowed(Path(target), names, read or read_target_tensors)
     for name, tensor in borrowed.items():
         if tuple(tensor.shape) != expected:
             raise QStreamError(
                 f"{target}: {name} has shape {list(tensor.shape)}, the draft needs {list(expected)}"
             )
     return borrowed
+
+
+def _read_borrowed(target: Path, wanted: list[str], read: Callable) -> dict[str, Any]:
+    from qstream.checkpoint.files import read_config
+
+    tied = (target / "config.json").exists() and read_config(target).get("tie_word_embeddings")
+    if tied and LM_HEAD in wanted:
+        out = read(target, [EMBED])
+        return {n: out[EMBED] for n in wanted}
+    return read(target, wanted)
 
 
 EMBED_ROWS = 4096  # rows compared at a time: at K3 scale the table is 1.2 B parameters

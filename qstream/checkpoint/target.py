@@ -15,6 +15,22 @@ from pathlib import Path
 from qstream.errors import QStreamError
 
 FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
+GGUF = ".gguf"  # llama.cpp's one-file format: qstream convert-gguf makes it a directory
+
+
+def gguf_file(source: str | Path) -> Path | None:
+    """The GGUF file a target path names: itself, or the one ``.gguf`` file of a folder without
+    a config.json; None for a transformers directory.  A folder of several is refused."""
+    path = Path(source)
+    if path.suffix == GGUF and not path.is_dir():
+        return path
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(path.glob(f"*{GGUF}"))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise QStreamError(f"{source}: holds {len(found)} {GGUF} files ({names}); name one")
+    return found[0] if found else None
 
 
 @dataclass(frozen=True)
@@ -34,10 +50,20 @@ class TargetShape:
         }
 
 
+def refuse_gguf(target: str | Path) -> None:
+    """A GGUF target is converted once, not read on every run: the line says how."""
+    if gguf_file(target) is not None:
+        raise QStreamError(
+            f"--target {target}: a GGUF target; convert it once with "
+            f"qstream convert-gguf {target} --output_dir DIR, then pass DIR"
+        )
+
+
 def read_target_shape(target: str | Path) -> TargetShape:
     """The target's shape from ``target/config.json``; a multimodal config's ``text_config``
     is used when the top level lacks the fields.  One-line errors name the file and key."""
     path = Path(target) / "config.json"
+    refuse_gguf(target)
     if not Path(target).is_dir():
         raise QStreamError(f"--target {target}: not a directory")
     try:

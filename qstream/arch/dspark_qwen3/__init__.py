@@ -469,20 +469,8 @@ def load_weights(
         return tensors
     expected = (config.vocab_size, config.hidden_size)
     missing = " or ".join(wanted)
-    borrowed = borrow_from_target(model_dir, target, wanted, expected, missing, _read_borrowed)
+    borrowed = borrow_from_target(model_dir, target, wanted, expected, missing)
     return {**tensors, **borrowed}
-
-
-def _read_borrowed(target: Path, wanted: list[str]) -> dict[str, torch.Tensor]:
-    """``wanted`` from the target (one with tied word embeddings lends embed_tokens for lm_head)."""
-    from qstream.checkpoint.files import read_config
-    from qstream.checkpoint.read import read_target_tensors
-
-    tied = (target / "config.json").exists() and read_config(target).get("tie_word_embeddings")
-    if tied and LM_HEAD in wanted:
-        out = read_target_tensors(target, [EMBED])
-        return {n: out[EMBED] for n in wanted}
-    return read_target_tensors(target, wanted)
 
 
 # ---------------------------------------------------------------------------------------------
