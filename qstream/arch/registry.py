@@ -16,11 +16,12 @@ from qstream.arch import family
 from qstream.arch.dflash_qwen3 import ARCH as DFLASH_QWEN3
 from qstream.arch.dspark_mla import ARCH as DSPARK_MLA
 from qstream.arch.dspark_qwen3 import ARCH as DSPARK_QWEN3
+from qstream.arch.eagle3 import ARCH as EAGLE3
 from qstream.arch.interface import Architecture, DraftConfig
 
 # The first is the default: a config.json that names no known architecture is read as its.
-# DFlash before the Qwen3-style DSpark, which reads every other speculators config.
-ARCHITECTURES: list[Architecture] = [DSPARK_MLA, DFLASH_QWEN3, DSPARK_QWEN3]
+# DFlash and EAGLE-3 before the Qwen3-style DSpark, which reads every other speculators config.
+ARCHITECTURES: list[Architecture] = [DSPARK_MLA, DFLASH_QWEN3, EAGLE3, DSPARK_QWEN3]
 DEFAULT_ARCH: Architecture = DSPARK_MLA
 
 
