@@ -128,7 +128,7 @@ def pair(request, tmp_path_factory) -> Pair:
     spec_model = build(CASES[request.param], seed=0)
     directory = tmp_path_factory.mktemp(request.param) / "draft"
     spec_model.save_pretrained(directory)
-    config = load_config(directory)
+    config = load_config(directory, evaluated=False)
     arch = architecture_of(config)
     weights = arch.load_weights(directory, None, config)
     model = arch.build(config, weights, REFERENCE_VARIANT, "cpu")

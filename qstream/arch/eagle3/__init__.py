@@ -324,12 +324,12 @@ def _preset(**kw: Any) -> Eagle3Config:
     return Eagle3Config(rms_norm_eps=1e-6, rope_parameters=RopeParameters(rope_theta=10000.0), **kw)
 
 
-# A Llama-form draft over a 64-wide target, reduced to half its vocabulary (the shape EAGLE-3
-# ships: 32k draft ids of a 128k target).
+# A Llama-form draft over a 64-wide target; vocab_size is a placeholder `qstream synth` replaces
+# with its tokenizer's (a full-vocabulary draft: no d2t).
 PRESETS: dict[str, Eagle3Config] = {
     "eagle3-tiny": _preset(
         model_type="llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=512,
+        num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=1024,
         max_position_embeddings=4096, target_hidden_size=64, aux_layer_ids=(2, 4, 6)),
 }  # fmt: skip
 
@@ -340,12 +340,17 @@ class Eagle3:
 
     config_type: type = Eagle3Config
     quantize_include: tuple[str, ...] = ()
-    presets: Mapping[str, Eagle3Config] = {}  # `qstream synth` does not write one yet
+    presets: Mapping[str, Eagle3Config] = PRESETS
     serving: Mapping[str, Any] | None = None
     final_norm: str = "norm.weight"
     context_proj: str = "fc"
-    ships_embed_tokens: bool = False
+    # speculators saves embed_tokens, and vLLM then embeds with it (process_eagle_weight)
+    ships_embed_tokens: bool = True
     embeds_with_target: bool = False
+    not_evaluated: str | None = (
+        "an EAGLE-3 draft is not evaluated by eval-drift, speculate, capture or calibration yet "
+        "(docs/eagle3.md)"
+    )
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("speculators_model_type") == SPECULATORS_TYPE or any(
@@ -373,10 +378,7 @@ class Eagle3:
         return Eagle3Draft(config, weights, device=device)
 
     def _not_yet(self, *args: Any, **kwargs: Any) -> Any:
-        raise QStreamError(
-            "EAGLE-3 drafts are not evaluated by eval-drift, speculate or quantize yet "
-            "(docs/eagle3.md)"
-        )
+        raise QStreamError(str(self.not_evaluated))
 
     drafter = property(_not_yet)
     causal_stream = context_flops = drafted_flops = causal_flops = _not_yet
