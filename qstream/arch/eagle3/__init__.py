@@ -14,6 +14,7 @@ True
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -370,12 +371,13 @@ class Eagle3:
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
         """The fp32 reference forward; other serving variants are not modelled yet."""
-        from qstream.arch.eagle3.model import Eagle3Draft
         from qstream.serving import REFERENCE_VARIANT
 
         if variant != REFERENCE_VARIANT or served is not None:
             raise QStreamError(f"EAGLE-3 drafts are evaluated only as {REFERENCE_VARIANT.name} yet")
-        return Eagle3Draft(config, weights, device=device)
+        # by name, as DSparkFamily.build: the forward imports this module
+        model = importlib.import_module("qstream.arch.eagle3.model").Eagle3Draft
+        return model(config, weights, device=device)
 
     def _not_yet(self, *args: Any, **kwargs: Any) -> Any:
         raise QStreamError(str(self.not_evaluated))
