@@ -87,6 +87,10 @@ DENSE = PRESETS["eagle3-tiny"].to_json()
         ({"norm_before_fc": True}, "norm_before_fc = True makes an RMSNorm before fc"),
         ({"num_hidden_layers": 2}, "num_hidden_layers = 2 must be 1"),
         ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 2, 6]}}, "must be distinct"),
+        (
+            {"eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [1, 2, 3, 4]},
+            r"eagle_aux_hidden_state_layer_ids = \[1, 2, 3, 4\] must list 3 layers",
+        ),
     ],
 )
 def test_a_bad_config_is_one_error_naming_key_and_value(tmp_path, change, message):
@@ -106,6 +110,10 @@ def test_the_speculators_layout_is_read_as_update_eagle3_reads_it(tmp_path):
     assert config.architecture == "Eagle3Qwen3ForCausalLM" and config.qk_norm
     assert config.norm_before_residual is True  # update_eagle3's default when the key is absent
     assert (config.head_dim, config.num_aux_hidden_states, config.aux_layer_ids) == (16, 3, None)
+    data["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5, 7]  # speculators' fc would read four
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(QStreamError, match=r"\[1, 3, 5, 7\] must list 3 layers"):
+        load_config(tmp_path, evaluated=False)
     data["transformer_layer_config"]["model_type"] = "mistral"
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(QStreamError, match="model_type = 'mistral' must be one of llama, qwen3"):

@@ -103,8 +103,11 @@ class Eagle3Config:
             check(all(family.is_int(i) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
                   "eagle_aux_hidden_state_layer_ids", list(ids),
                   "must be distinct hidden-states indices >= 0")  # fmt: skip
-            check(len(ids) == self.num_aux_hidden_states, "num_aux_hidden_states",
-                  self.num_aux_hidden_states, f"must count the aux layer ids {list(ids)}")  # fmt: skip
+            n = self.num_aux_hidden_states
+            check(len(ids) == n, "eagle_aux_hidden_state_layer_ids", list(ids),
+                  f"must list {n} layers: vLLM 0.32.0's fc reads num_aux_hidden_states = {n} "
+                  "states (LlamaModel.__init__: num_aux_hidden_states, else the length of "
+                  "eagle_config's ids, else 3)")  # fmt: skip
         family.check_flags(self, ("norm_before_residual", "norm_output", "attention_bias"))
 
     @property
@@ -154,7 +157,6 @@ class Eagle3Config:
             ids = kwargs["aux_layer_ids"]
             check(isinstance(ids, list), "eagle_aux_hidden_state_layer_ids", ids, "must be a list")
             kwargs["aux_layer_ids"] = tuple(ids)
-            kwargs.setdefault("num_aux_hidden_states", len(ids))
         kwargs["rope_parameters"] = _rope_from_json(flat)
         return family.construct(cls, kwargs)
 
@@ -178,10 +180,10 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
     eagle = data.get("eagle_config") or {}
     check(isinstance(eagle, dict), "eagle_config", eagle, "must be an object")
     flat = {**data, "model_type": forms[0]}
-    ids = data.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
-    flat["aux_layer_ids"] = ids or None
+    nested = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if data.get("num_aux_hidden_states") is None and isinstance(nested, list) and nested:
+        flat["num_aux_hidden_states"] = len(nested)
+    flat["aux_layer_ids"] = data.get("eagle_aux_hidden_state_layer_ids") or nested or None
     for key in ("use_aux_hidden_state", "norm_before_fc"):
         if key in eagle:
             flat[key] = eagle[key]
@@ -190,7 +192,8 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
 
 def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
     """speculators' saved layout as vLLM's ``update_eagle3`` reads it: the layer's keys in
-    ``transformer_layer_config``, ``norm_before_residual`` true when absent."""
+    ``transformer_layer_config``, ``norm_before_residual`` true when absent, and the aux layer
+    ids at the top level, where ``LlamaModel.__init__`` does not count them (fc reads three)."""
     kind = data.get("speculators_model_type")
     check(kind == SPECULATORS_TYPE, "speculators_model_type", kind, "is not 'eagle3'")
     layer = data.get("transformer_layer_config")
