@@ -110,7 +110,12 @@ def test_the_speculators_layout_is_read_as_update_eagle3_reads_it(tmp_path):
     assert config.architecture == "Eagle3Qwen3ForCausalLM" and config.qk_norm
     assert config.norm_before_residual is True  # update_eagle3's default when the key is absent
     assert (config.head_dim, config.num_aux_hidden_states, config.aux_layer_ids) == (16, 3, None)
-    data["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5, 7]  # speculators' fc would read four
+    # four aux layers, as speculators sizes fc: the Qwen3 form counts the ids, the Llama form
+    # reads three states (qwen3_eagle3.py's and llama_eagle3.py's __init__)
+    data["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5, 7]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert load_config(tmp_path, evaluated=False).aux_size == 4 * 64
+    data["transformer_layer_config"]["model_type"] = "llama"
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(QStreamError, match=r"\[1, 3, 5, 7\] must list 3 layers"):
         load_config(tmp_path, evaluated=False)

@@ -105,9 +105,8 @@ class Eagle3Config:
                   "must be distinct hidden-states indices >= 0")  # fmt: skip
             n = self.num_aux_hidden_states
             check(len(ids) == n, "eagle_aux_hidden_state_layer_ids", list(ids),
-                  f"must list {n} layers: vLLM 0.32.0's fc reads num_aux_hidden_states = {n} "
-                  "states (LlamaModel.__init__: num_aux_hidden_states, else the length of "
-                  "eagle_config's ids, else 3)")  # fmt: skip
+                  f"must list {n} layers: vLLM 0.32.0's fc reads {n} states of the target "
+                  "(docs/eagle3.md, \"Config\")")  # fmt: skip
         family.check_flags(self, ("norm_before_residual", "norm_output", "attention_bias"))
 
     @property
@@ -153,12 +152,30 @@ class Eagle3Config:
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
         kwargs.setdefault("target_hidden_size", kwargs.get("hidden_size"))
         kwargs.setdefault("head_dim", _head_dim(kwargs))
+        kwargs["num_aux_hidden_states"] = _fc_inputs(flat)
         if kwargs.get("aux_layer_ids") is not None:
             ids = kwargs["aux_layer_ids"]
             check(isinstance(ids, list), "eagle_aux_hidden_state_layer_ids", ids, "must be a list")
             kwargs["aux_layer_ids"] = tuple(ids)
         kwargs["rope_parameters"] = _rope_from_json(flat)
         return family.construct(cls, kwargs)
+
+
+def _fc_inputs(flat: dict[str, Any]) -> Any:
+    """How many target states vLLM 0.32.0's fc reads: the Llama form's ``LlamaModel.__init__``
+    counts ``num_aux_hidden_states``, else eagle_config's ids, else 3; the Qwen3 form's
+    ``Qwen3Eagle3Model.__init__`` (qwen3_eagle3.py) ``num_aux_layers``,
+    ``num_aux_hidden_states``, else the ids at the top level or in eagle_config, else 3."""
+    eagle = flat.get("eagle_config") or {}
+    nested = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    counted = [flat.get("num_aux_hidden_states"), nested]
+    if flat.get("model_type") == "qwen3":
+        top = flat.get("eagle_aux_hidden_state_layer_ids")
+        counted = [flat.get("num_aux_layers"), flat.get("num_aux_hidden_states"), top or nested]
+    for count in counted:
+        if count:
+            return len(count) if isinstance(count, list) else count
+    return DEFAULT_AUX
 
 
 def _head_dim(kwargs: dict[str, Any]) -> Any:
@@ -181,8 +198,6 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
     check(isinstance(eagle, dict), "eagle_config", eagle, "must be an object")
     flat = {**data, "model_type": forms[0]}
     nested = eagle.get("eagle_aux_hidden_state_layer_ids")
-    if data.get("num_aux_hidden_states") is None and isinstance(nested, list) and nested:
-        flat["num_aux_hidden_states"] = len(nested)
     flat["aux_layer_ids"] = data.get("eagle_aux_hidden_state_layer_ids") or nested or None
     for key in ("use_aux_hidden_state", "norm_before_fc"):
         if key in eagle:
@@ -193,7 +208,7 @@ def _dense(data: dict[str, Any]) -> dict[str, Any]:
 def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
     """speculators' saved layout as vLLM's ``update_eagle3`` reads it: the layer's keys in
     ``transformer_layer_config``, ``norm_before_residual`` true when absent, and the aux layer
-    ids at the top level, where ``LlamaModel.__init__`` does not count them (fc reads three)."""
+    ids at the top level (where only the Qwen3 form counts them, :func:`_fc_inputs`)."""
     kind = data.get("speculators_model_type")
     check(kind == SPECULATORS_TYPE, "speculators_model_type", kind, "is not 'eagle3'")
     layer = data.get("transformer_layer_config")
@@ -205,7 +220,8 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
         if data.get(key) is not None:
             flat[key] = data[key]
     flat["norm_before_residual"] = data.get("norm_before_residual", True)
-    flat["aux_layer_ids"] = data.get("eagle_aux_hidden_state_layer_ids") or None
+    ids = data.get("eagle_aux_hidden_state_layer_ids") or None
+    flat["aux_layer_ids"] = flat["eagle_aux_hidden_state_layer_ids"] = ids
     return flat
 
 
