@@ -158,3 +158,19 @@ def test_midlayer_names_load_as_layers_0(tmp_path):
     directory = _reduced(tmp_path, torch.tensor([0, 5, 9, 7]), midlayer=True)
     weights = ARCH.load_weights(directory, None, load_config(directory, evaluated=False))
     assert "layers.0.hidden_norm.weight" in weights and weights["d2t"].tolist() == [0, 5, 9, 7]
+
+
+def test_llama3_rope_scaling_is_read_in_the_legacy_layout_and_round_trips(tmp_path):
+    """Llama-3.1 EAGLE-3 drafts carry rope_theta beside rope_scaling (speculators'
+    LLAMA3 case checks the frequencies against transformers')."""
+    scaling = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 8192, "rope_type": "llama3"}  # fmt: skip
+    data = {k: v for k, v in DENSE.items() if k != "rope_parameters"}
+    data.update(rope_theta=500000.0, rope_scaling=scaling)
+    config = Eagle3Config.from_json(data)
+    assert config.rope_parameters.to_json() == {**scaling, "rope_theta": 500000.0}
+    assert Eagle3Config.from_json(config.to_json()) == config
+    data["rope_scaling"] = {**scaling, "beta": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(QStreamError, match="rope_parameters.beta = 2.0 is not evaluated"):
+        load_config(tmp_path, evaluated=False)

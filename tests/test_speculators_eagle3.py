@@ -3,7 +3,8 @@
 
 speculators builds a tiny EAGLE-3 draft (Llama or Qwen3 form, GQA), its weights drawn from a
 seed, and saves it; qstream reads that directory through the registry and the architecture's
-loader.  Both run the same aux states and ids: the prefill step's hidden states and logits at
+loader.  Cases: the Llama form, with a reduced vocabulary and d2t, with ``norm_output``, with
+Llama 3.1's RoPE scaling; the Qwen3 form with ``norm_before_residual``.  Both run the same aux states and ids: the prefill step's hidden states and logits at
 every position must agree, and at each anchor a greedy chain of K steps token for token.
 speculators' ``forward`` drafts K steps at every position at once (its test-time training: step
 j at row p reads the teacher-forced id at p + j and its own step j-1 state, attending to the
@@ -16,7 +17,7 @@ These run in the speculators lane (``pytest -m speculators``, as ``.ci/run`` bui
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -32,9 +33,18 @@ ANCHORS = (0, 7, 19, 33)  # greedy chains start here; 33 + K < LENGTH
 TOL = 1e-5  # relative L2 error in fp32
 
 
+PLAIN = {"rope_type": "default", "rope_theta": 1e4}
+# Llama 3.1's scaling over a 16-position original context: at head_dim 16 the shortest
+# wavelength (6.3) is kept, the next (19.6) lies between the two cut-offs (4 and 16) and is
+# smoothed, the rest are divided by the factor
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Case:
     model_type: str  # llama or qwen3
+    rope: dict = field(default_factory=lambda: PLAIN)
     draft_vocab: int = VOCAB
     norm_before_residual: bool = False
     norm_output: bool = False
@@ -45,6 +55,7 @@ CASES = {
     "llama-reduced-vocab": Case("llama", draft_vocab=200),
     "qwen3-norm-before-residual": Case("qwen3", draft_vocab=200, norm_before_residual=True),
     "llama-norm-output": Case("llama", norm_output=True),
+    "llama3-rope": Case("llama", rope=LLAMA3),
 }
 
 
@@ -59,7 +70,7 @@ def build(case: Case, seed: int):
     layer = layer_class(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        max_position_embeddings=256, rope_parameters=dict(case.rope),
     )  # fmt: skip
     layer._attn_implementation = "eager"  # flex attention would compile on CPU
     spec = SpeculatorsConfig(

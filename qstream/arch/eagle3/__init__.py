@@ -15,10 +15,11 @@ True
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from qstream.arch import family
 from qstream.arch.dspark_qwen3 import RopeParameters, _rope_from_json
@@ -56,6 +57,63 @@ POSITIVE_INT_FIELDS = (
 
 
 @dataclass(frozen=True)
+class Llama3Rope:
+    """``rope_type: "llama3"`` (Llama 3.1's, what Llama-form EAGLE-3 drafts carry): neox RoPE
+    whose low frequencies are divided by ``factor``, smoothly between the two wavelengths, as
+    vLLM 0.32.0's ``Llama3RotaryEmbedding._compute_inv_freq``
+    (vllm/model_executor/layers/rotary_embedding/llama3_rope.py)."""
+
+    rope_theta: float
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+    mscale: ClassVar[float] = 1.0  # cos and sin unscaled
+
+    def __post_init__(self) -> None:
+        for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, key)
+            check(number(value) and value > 0, f"rope_parameters.{key}", value, "must be positive")
+        orig = self.original_max_position_embeddings
+        check(family.positive_int(orig), "rope_parameters.original_max_position_embeddings",
+              orig, "must be a positive integer")  # fmt: skip
+
+    def inv_freq(self, d: int) -> torch.Tensor:
+        import torch
+
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        orig, low, high = (
+            self.original_max_position_embeddings,
+            self.low_freq_factor,
+            self.high_freq_factor,
+        )
+        wave_len = 2 * math.pi / inv
+        smooth = (orig / wave_len - low) / (high - low) if low != high else 0
+        scaled = torch.where(wave_len > orig / low, inv / self.factor,
+                             (1 - smooth) * inv / self.factor + smooth * inv)  # fmt: skip
+        return torch.where(wave_len < orig / high, inv, scaled)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _rope(flat: dict[str, Any]) -> RopeParameters | Llama3Rope:
+    """rope_parameters (or a legacy rope_theta + rope_scaling): Llama 3's, else the family's."""
+    rope = flat.get("rope_parameters") or flat.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "llama3":
+        return _rope_from_json(flat)
+    keys = {f.name for f in fields(Llama3Rope)}
+    given = {"rope_theta": flat.get("rope_theta"), **rope, "rope_type": "llama3"}
+    given.pop("type", None)
+    for key, value in given.items():
+        check(key in keys or value is None, f"rope_parameters.{key}", value,
+              "is not evaluated by qstream")  # fmt: skip
+    return family.construct(Llama3Rope, {k: v for k, v in given.items() if k in keys},
+                            "rope_parameters: ")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Eagle3Config:
     """One EAGLE-3 draft: one decoder layer whose attention reads [embedding ‖ hidden]."""
 
@@ -68,7 +126,7 @@ class Eagle3Config:
     vocab_size: int  # V: the target's vocabulary (embed_tokens)
     draft_vocab_size: int  # Vd: lm_head's rows; < V with d2t
     rms_norm_eps: float
-    rope_parameters: RopeParameters
+    rope_parameters: RopeParameters | Llama3Rope
     max_position_embeddings: int
     target_hidden_size: int  # width of each target aux state
     num_aux_hidden_states: int = DEFAULT_AUX  # fc reads this many target states concatenated
@@ -157,7 +215,7 @@ class Eagle3Config:
             ids = kwargs["aux_layer_ids"]
             check(isinstance(ids, list), "eagle_aux_hidden_state_layer_ids", ids, "must be a list")
             kwargs["aux_layer_ids"] = tuple(ids)
-        kwargs["rope_parameters"] = _rope_from_json(flat)
+        kwargs["rope_parameters"] = _rope(flat)
         return family.construct(cls, kwargs)
 
 

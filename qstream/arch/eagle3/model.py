@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from qstream.arch.dspark_qwen3.model import apply_rope
-from qstream.arch.eagle3 import LAYER, Eagle3Config, check_tensors
+from qstream.arch.eagle3 import LAYER, Eagle3Config, Llama3Rope, check_tensors
 from qstream.arch.family import D2T
 from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.arch.weights import ComputeWeights, embedding, inv_freq, rms_norm, swiglu
@@ -72,9 +72,12 @@ class Eagle3Draft:
         offsets = weights[D2T].long() if D2T in weights else torch.zeros(Vd, dtype=torch.long)
         # draft id -> target id, as compute_logits scatters the draft logits
         self.d2t = (torch.arange(Vd) + offsets).to(self.device)
-        rope = config.rope_parameters
-        yarn = rope if rope.rope_type == "yarn" else None
-        self.inv_freq = inv_freq(config.head_dim, float(rope.rope_theta), yarn).to(self.device)
+        rope, d = config.rope_parameters, config.head_dim
+        if isinstance(rope, Llama3Rope):
+            self.inv_freq = rope.inv_freq(d).to(self.device)
+        else:
+            yarn = rope if rope.rope_type == "yarn" else None
+            self.inv_freq = inv_freq(d, float(rope.rope_theta), yarn).to(self.device)
         self.mscale = rope.mscale
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
