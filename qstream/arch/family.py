@@ -34,6 +34,7 @@ class DSparkFamily:
     config_type: type
     model_module: str  # the forward and FLOP model
     model_class: str  # the module's draft model class
+    not_evaluated: str | None = None
 
     def parse_config(self, data: Mapping[str, Any]) -> Any:
         return self.config_type.from_json(dict(data))  # type: ignore[attr-defined]

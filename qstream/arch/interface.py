@@ -163,6 +163,8 @@ class Architecture(Protocol):
     ships_embed_tokens: bool
     # whether vLLM embeds with the target's embed_tokens even when the draft stores its own
     embeds_with_target: bool
+    # why eval-drift, speculate, capture and calibration cannot run it yet (None: they can)
+    not_evaluated: str | None
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         """Whether a config.json's contents name this architecture."""

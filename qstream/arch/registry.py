@@ -16,11 +16,13 @@ from qstream.arch import family
 from qstream.arch.dflash_qwen3 import ARCH as DFLASH_QWEN3
 from qstream.arch.dspark_mla import ARCH as DSPARK_MLA
 from qstream.arch.dspark_qwen3 import ARCH as DSPARK_QWEN3
+from qstream.arch.eagle3 import ARCH as EAGLE3
 from qstream.arch.interface import Architecture, DraftConfig
+from qstream.errors import QStreamError
 
 # The first is the default: a config.json that names no known architecture is read as its.
-# DFlash before the Qwen3-style DSpark, which reads every other speculators config.
-ARCHITECTURES: list[Architecture] = [DSPARK_MLA, DFLASH_QWEN3, DSPARK_QWEN3]
+# DFlash and EAGLE-3 before the Qwen3-style DSpark, which reads every other speculators config.
+ARCHITECTURES: list[Architecture] = [DSPARK_MLA, DFLASH_QWEN3, EAGLE3, DSPARK_QWEN3]
 DEFAULT_ARCH: Architecture = DSPARK_MLA
 
 
@@ -37,7 +39,11 @@ def architecture_of(config: DraftConfig) -> Architecture:
     raise TypeError(f"no registered architecture parses {type(config).__name__}")
 
 
-def load_config(directory: str | Path) -> Any:
+def load_config(directory: str | Path, evaluated: bool = True) -> Any:
     """config.json of a draft checkpoint -> its architecture's config (QStreamError naming the
-    file, key and value)."""
-    return family.load_config(directory, lambda data: architecture_for(data).parse_config(data))
+    file, key and value; ``evaluated``: or saying why the evaluations cannot run it yet)."""
+    config = family.load_config(directory, lambda data: architecture_for(data).parse_config(data))
+    why = architecture_of(config).not_evaluated
+    if evaluated and why is not None:
+        raise QStreamError(f"{directory}: {why}")
+    return config

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     help="The DSpark-MLA draft: tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 "
     "(Kimi-K3 shapes, 7.1 GB); the Qwen3-style DSpark draft: qwen3-tiny (tests) or qwen3-8b "
     "(Qwen3-8B shapes, 2.3 GB); the DFlash draft: qwen3-dflash-tiny (its backbone, no "
-    "heads).  [default: tiny, or qwen3-tiny for a Qwen3 --target]",
+    "heads); the EAGLE-3 draft: eagle3-tiny (Llama form).  [default: tiny, or qwen3-tiny "
+    "for a Qwen3 --target]",
 )
 @option("output_dir", "Where to write.", required=True, type=DIRECTORY)
 @option("seed", "Same seed, same bytes.")

@@ -33,8 +33,8 @@ from qstream.synth.markov import U_STD, Bigrams, calibrate_markov_scale, markov_
 # BPE sizes; the presets in TOKENIZER_SIZED take the tokenizer's vocabulary, the others keep
 # their own and pad the tokenizer's.
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096, "qwen3-tiny": 1024, "qwen3-8b": 4096,
-                   "qwen3-dflash-tiny": 1024}  # fmt: skip
-TOKENIZER_SIZED = ("tiny", "qwen3-tiny", "qwen3-dflash-tiny")
+                   "qwen3-dflash-tiny": 1024, "eagle3-tiny": 1024}  # fmt: skip
+TOKENIZER_SIZED = ("tiny", "qwen3-tiny", "qwen3-dflash-tiny", "eagle3-tiny")
 RECIPE = 2  # raised whenever synth's bytes change (2: float64, the same bytes on every CPU)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
@@ -285,10 +285,10 @@ def _tokenizer_config(preset: str, tok: Tokenizer) -> DraftConfig:
     if mask is None:
         raise QStreamError("the synthetic tokenizer has no <|mask|> token")
     eos = tok.token_to_id("<|endoftext|>")
-    facts = dict(vocab_size=vocab, mask_token_id=mask, bos_token_id=None, eos_token_id=eos)
-    if "draft_vocab_size" in {f.name for f in fields(base)}:
-        facts["draft_vocab_size"] = vocab
-    return replace(base, **facts)
+    facts = dict(vocab_size=vocab, mask_token_id=mask, bos_token_id=None, eos_token_id=eos,
+                 draft_vocab_size=vocab)  # fmt: skip
+    names = {f.name for f in fields(base)}  # an EAGLE-3 draft has no mask or bos token
+    return replace(base, **{k: v for k, v in facts.items() if k in names})
 
 
 def draft_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
@@ -305,7 +305,7 @@ def _markov_head(tok: Tokenizer, texts: list[str], config: DraftConfig, seed: in
     """``(markov_w1, markov_w2, alpha, top1)``: the corpus's bigram factors, scaled so that
     the head's mean top-1 probability on the corpus is calibrated (``alpha`` the scale); all
     None for a draft without a Markov head."""
-    if config.markov_rank == 0:
+    if getattr(config, "markov_rank", 0) == 0:  # EAGLE-3 has no Markov head
         return None, None, None, None
     streams = [e.ids for e in tok.encode_batch(texts)]
     bigrams = Bigrams.count(streams, tok.get_vocab_size())

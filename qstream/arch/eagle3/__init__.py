@@ -1,0 +1,466 @@
+"""The EAGLE-3 draft (docs/eagle3.md), Llama and Qwen3 forms: vLLM 0.32.0 serves config.json's
+``architectures: ["Eagle3LlamaForCausalLM"]`` (or ``LlamaForCausalLMEagle3``) as
+``Eagle3LlamaForCausalLM`` (vllm/model_executor/models/llama_eagle3.py) and
+``Eagle3Qwen3ForCausalLM`` (qwen3_eagle3.py, q/k RMSNorm per head); speculators 0.9.0 saves
+``speculators_model_type: "eagle3"`` with the decoder layer's keys in ``transformer_layer_config``,
+whose ``model_type`` picks the form (``update_eagle3`` in
+vllm/transformers_utils/configs/speculators/algos.py).  Its config, tensor table and loading;
+:data:`ARCH`, its descriptor.  The forward (:mod:`.model`) is imported when called.
+
+>>> cfg = PRESETS["eagle3-tiny"]
+>>> Eagle3Config.from_json(cfg.to_json()) == cfg
+True
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from qstream.arch import family
+from qstream.arch.dspark_qwen3 import RopeParameters, _rope_from_json
+from qstream.arch.family import D2T, borrow_from_target, check, check_table, d2t_problem, number
+from qstream.arch.interface import EMBED, LM_HEAD
+from qstream.errors import QStreamError
+
+if TYPE_CHECKING:
+    import torch
+
+SPECULATORS_TYPE = "eagle3"
+# model_type -> the class vLLM 0.32.0 serves (update_eagle3's eagle3_arch_map), and the
+# config.json architectures its registry maps to it (vllm/model_executor/models/registry.py).
+FORMS = {"llama": "Eagle3LlamaForCausalLM", "qwen3": "Eagle3Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "Eagle3LlamaForCausalLM": "llama",
+    "LlamaForCausalLMEagle3": "llama",
+    "Eagle3Qwen3ForCausalLM": "qwen3",
+}
+# The target's aux layers when the config names none: three
+# (SupportsEagle3.get_eagle3_default_aux_hidden_state_layers in vllm/model_executor/models/
+# interfaces.py: (2, L // 2, L - 3))
+DEFAULT_AUX = 3
+# What the midlayer is called in EAGLE-3's original checkpoints; vLLM loads it as layers.0.
+# (LlamaModel.hf_to_vllm_mapper), the name speculators saves.
+MIDLAYER, LAYER = "midlayer.", "layers.0."
+REQUIRED = (
+    "model_type hidden_size intermediate_size num_attention_heads num_key_value_heads "
+    "vocab_size rms_norm_eps max_position_embeddings"
+).split()
+POSITIVE_INT_FIELDS = (
+    "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim vocab_size "
+    "draft_vocab_size max_position_embeddings target_hidden_size num_aux_hidden_states"
+).split()
+
+
+@dataclass(frozen=True)
+class Llama3Rope:
+    """``rope_type: "llama3"`` (Llama 3.1's, what Llama-form EAGLE-3 drafts carry): neox RoPE
+    whose low frequencies are divided by ``factor``, smoothly between the two wavelengths, as
+    vLLM 0.32.0's ``Llama3RotaryEmbedding._compute_inv_freq``
+    (vllm/model_executor/layers/rotary_embedding/llama3_rope.py)."""
+
+    rope_theta: float
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+    mscale: ClassVar[float] = 1.0  # cos and sin unscaled
+
+    def __post_init__(self) -> None:
+        for key in ("rope_theta", "factor", "low_freq_factor", "high_freq_factor"):
+            value = getattr(self, key)
+            check(number(value) and value > 0, f"rope_parameters.{key}", value, "must be positive")
+        orig = self.original_max_position_embeddings
+        check(family.positive_int(orig), "rope_parameters.original_max_position_embeddings",
+              orig, "must be a positive integer")  # fmt: skip
+
+    def inv_freq(self, d: int) -> torch.Tensor:
+        import torch
+
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+        orig, low, high = (
+            self.original_max_position_embeddings,
+            self.low_freq_factor,
+            self.high_freq_factor,
+        )
+        wave_len = 2 * math.pi / inv
+        smooth = (orig / wave_len - low) / (high - low) if low != high else 0
+        scaled = torch.where(wave_len > orig / low, inv / self.factor,
+                             (1 - smooth) * inv / self.factor + smooth * inv)  # fmt: skip
+        return torch.where(wave_len < orig / high, inv, scaled)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _rope(flat: dict[str, Any]) -> RopeParameters | Llama3Rope:
+    """rope_parameters (or a legacy rope_theta + rope_scaling): Llama 3's, else the family's."""
+    rope = flat.get("rope_parameters") or flat.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "llama3":
+        return _rope_from_json(flat)
+    keys = {f.name for f in fields(Llama3Rope)}
+    given = {"rope_theta": flat.get("rope_theta"), **rope, "rope_type": "llama3"}
+    given.pop("type", None)
+    for key, value in given.items():
+        check(key in keys or value is None, f"rope_parameters.{key}", value,
+              "is not evaluated by qstream")  # fmt: skip
+    return family.construct(Llama3Rope, {k: v for k, v in given.items() if k in keys},
+                            "rope_parameters: ")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """One EAGLE-3 draft: one decoder layer whose attention reads [embedding ‖ hidden]."""
+
+    model_type: str  # "llama" or "qwen3" (q/k RMSNorm per head)
+    hidden_size: int  # H
+    intermediate_size: int  # SwiGLU width
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int  # d
+    vocab_size: int  # V: the target's vocabulary (embed_tokens)
+    draft_vocab_size: int  # Vd: lm_head's rows; < V with d2t
+    rms_norm_eps: float
+    rope_parameters: RopeParameters | Llama3Rope
+    max_position_embeddings: int
+    target_hidden_size: int  # width of each target aux state
+    num_aux_hidden_states: int = DEFAULT_AUX  # fc reads this many target states concatenated
+    # hidden-states indices of the target's aux layers (0 is the embedding); None: the target's
+    # default three
+    aux_layer_ids: tuple[int, ...] | None = None
+    num_hidden_layers: int = 1  # the midlayer
+    norm_before_residual: bool = False  # the residual is the hidden_norm'ed hidden state
+    norm_output: bool = False  # the final-normed state, not the pre-norm one, is fed back
+    attention_bias: bool = False
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        family.check_positive_ints(self, POSITIVE_INT_FIELDS)
+        check(self.model_type in FORMS, "model_type", self.model_type,
+              f"must be one of {', '.join(FORMS)} (the EAGLE-3 forms vLLM 0.32.0 serves)")  # fmt: skip
+        check(self.num_hidden_layers == 1, "num_hidden_layers", self.num_hidden_layers,
+              "must be 1: qstream evaluates the one-midlayer EAGLE-3 draft only")  # fmt: skip
+        check(number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
+              self.rms_norm_eps, "must be positive")  # fmt: skip
+        n, kv = self.num_attention_heads, self.num_key_value_heads
+        check(n % kv == 0, "num_key_value_heads", kv, f"must divide num_attention_heads ({n})")
+        check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
+        check(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
+              self.draft_vocab_size, f"must not exceed the target's vocab_size ({self.vocab_size})")  # fmt: skip
+        ids = self.aux_layer_ids
+        if ids is None:
+            check(self.num_aux_hidden_states == DEFAULT_AUX, "num_aux_hidden_states",
+                  self.num_aux_hidden_states, "must be 3 when no eagle_aux_hidden_state_layer_ids "
+                  "are given (the target then captures its default three layers)")  # fmt: skip
+        else:
+            check(all(family.is_int(i) and i >= 0 for i in ids) and len(set(ids)) == len(ids),
+                  "eagle_aux_hidden_state_layer_ids", list(ids),
+                  "must be distinct hidden-states indices >= 0")  # fmt: skip
+            n = self.num_aux_hidden_states
+            check(len(ids) == n, "eagle_aux_hidden_state_layer_ids", list(ids),
+                  f"must list {n} layers: vLLM 0.32.0's fc reads {n} states of the target "
+                  "(docs/eagle3.md, \"Config\")")  # fmt: skip
+        family.check_flags(self, ("norm_before_residual", "norm_output", "attention_bias"))
+
+    @property
+    def architecture(self) -> str:
+        """The class vLLM 0.32.0 serves it with, the config.json ``architectures`` entry."""
+        return FORMS[self.model_type]
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether attention RMS-normalises each head's q and k (the Qwen3 form)."""
+        return self.model_type == "qwen3"
+
+    @property
+    def aux_size(self) -> int:
+        return self.num_aux_hidden_states * self.target_hidden_size
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.draft_vocab_size < self.vocab_size
+
+    def to_json(self) -> dict[str, Any]:
+        """config.json in vLLM's dense layout (what ``Eagle3LlamaForCausalLM`` reads)."""
+        out: dict[str, Any] = {"architectures": [self.architecture]}
+        for key, value in family.fields_json(self, skip_none=True).items():
+            out[key] = value
+        ids = out.pop("aux_layer_ids", None)
+        if ids is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
+        return {**out, "hidden_act": "silu", "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16"}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Eagle3Config:
+        """config.json contents in either layout (unused keys ignored); ValueError naming a key."""
+        family.check_object(data)
+        flat = _from_speculators(data) if "speculators_model_type" in data else _dense(data)
+        _refuse_unmodelled(flat)
+        for key in REQUIRED:
+            if flat.get(key) is None:
+                raise ValueError(f"config.json: missing key {key!r}")
+        names = [f for f in cls.__dataclass_fields__ if f != "rope_parameters"]
+        kwargs = {f: flat[f] for f in names if flat.get(f) is not None}
+        kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
+        kwargs.setdefault("target_hidden_size", kwargs.get("hidden_size"))
+        kwargs.setdefault("head_dim", _head_dim(kwargs))
+        kwargs["num_aux_hidden_states"] = _fc_inputs(flat)
+        if kwargs.get("aux_layer_ids") is not None:
+            ids = kwargs["aux_layer_ids"]
+            check(isinstance(ids, list), "eagle_aux_hidden_state_layer_ids", ids, "must be a list")
+            kwargs["aux_layer_ids"] = tuple(ids)
+        kwargs["rope_parameters"] = _rope(flat)
+        return family.construct(cls, kwargs)
+
+
+def _fc_inputs(flat: dict[str, Any]) -> Any:
+    """How many target states vLLM 0.32.0's fc reads: the Llama form's ``LlamaModel.__init__``
+    counts ``num_aux_hidden_states``, else eagle_config's ids, else 3; the Qwen3 form's
+    ``Qwen3Eagle3Model.__init__`` (qwen3_eagle3.py) ``num_aux_layers``,
+    ``num_aux_hidden_states``, else the ids at the top level or in eagle_config, else 3."""
+    eagle = flat.get("eagle_config") or {}
+    nested = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+    counted = [flat.get("num_aux_hidden_states"), nested]
+    if flat.get("model_type") == "qwen3":
+        top = flat.get("eagle_aux_hidden_state_layer_ids")
+        counted = [flat.get("num_aux_layers"), flat.get("num_aux_hidden_states"), top or nested]
+    for count in counted:
+        if count:
+            return len(count) if isinstance(count, list) else count
+    return DEFAULT_AUX
+
+
+def _head_dim(kwargs: dict[str, Any]) -> Any:
+    """Llama's default head width, hidden_size // num_attention_heads (transformers' LlamaConfig)."""
+    H, n = kwargs.get("hidden_size"), kwargs.get("num_attention_heads")
+    if family.positive_int(H) and family.positive_int(n):
+        return int(H) // int(n)  # type: ignore[arg-type]
+    return None
+
+
+def _dense(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's dense layout: the form from ``architectures``; the aux layers where
+    ``LlamaModel.__init__`` reads them (``num_aux_hidden_states``, else ``eagle_config``'s
+    ``eagle_aux_hidden_state_layer_ids``, then the top-level key ``get_eagle3_aux_layers_from_config``
+    reads in vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py)."""
+    arch = data.get("architectures") or []
+    forms = [ARCHITECTURES[a] for a in arch if a in ARCHITECTURES]
+    check(bool(forms), "architectures", arch, f"must name one of {', '.join(ARCHITECTURES)}")
+    eagle = data.get("eagle_config") or {}
+    check(isinstance(eagle, dict), "eagle_config", eagle, "must be an object")
+    flat = {**data, "model_type": forms[0]}
+    nested = eagle.get("eagle_aux_hidden_state_layer_ids")
+    flat["aux_layer_ids"] = data.get("eagle_aux_hidden_state_layer_ids") or nested or None
+    for key in ("use_aux_hidden_state", "norm_before_fc"):
+        if key in eagle:
+            flat[key] = eagle[key]
+    return flat
+
+
+def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
+    """speculators' saved layout as vLLM's ``update_eagle3`` reads it: the layer's keys in
+    ``transformer_layer_config``, ``norm_before_residual`` true when absent, and the aux layer
+    ids at the top level (where only the Qwen3 form counts them, :func:`_fc_inputs`)."""
+    kind = data.get("speculators_model_type")
+    check(kind == SPECULATORS_TYPE, "speculators_model_type", kind, "is not 'eagle3'")
+    layer = data.get("transformer_layer_config")
+    check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
+    assert isinstance(layer, dict)
+    flat = {**layer, "model_type": layer.get("model_type", "llama")}
+    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_fc", "fc_norm",
+                "norm_output"):  # fmt: skip
+        if data.get(key) is not None:
+            flat[key] = data[key]
+    flat["norm_before_residual"] = data.get("norm_before_residual", True)
+    ids = data.get("eagle_aux_hidden_state_layer_ids") or None
+    flat["aux_layer_ids"] = flat["eagle_aux_hidden_state_layer_ids"] = ids
+    return flat
+
+
+# Keys that change vLLM 0.32.0's EAGLE-3 forward in ways qstream does not model yet, with the
+# values that leave it as computed (llama_eagle3.py: LlamaModel.__init__, combine_hidden_states;
+# Eagle3LlamaForCausalLM.__init__'s logit_scale).
+UNMODELLED = (
+    ("norm_before_fc", (None, False), "an RMSNorm before fc"),
+    ("fc_norm", (None, False), "per-layer RMSNorms before fc"),
+    ("use_aux_hidden_state", (None, True), "a draft without fc"),
+    ("logit_scale", (None, 1.0), "scaled logits"),
+    ("mlp_bias", (None, False), "MLP biases"),
+)
+
+
+def _refuse_unmodelled(flat: dict[str, Any]) -> None:
+    for key, fine, what in UNMODELLED:
+        value = flat.get(key)
+        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
+              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
+    types = flat.get("layer_types") or []
+    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
+          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor table
+
+T2D = "t2d"  # [vocab] bool, training only (Eagle3LlamaForCausalLM.load_weights skips it)
+INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
+
+
+def tensor_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the draft, in checkpoint order, under speculators' names (``layers.0.``;
+    a checkpoint's ``midlayer.`` is read as it): embed_tokens and lm_head may be the target's,
+    d2t is a reduced vocabulary's."""
+    c, p = config, LAYER
+    H, d = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (c.vocab_size, H), "fc.weight": (H, c.aux_size)}
+    shapes[p + "hidden_norm.weight"] = (H,)
+    shapes[p + "input_layernorm.weight"] = (H,)
+    for name, out, inp in (("q", q, 2 * H), ("k", kv, 2 * H), ("v", kv, 2 * H), ("o", H, q)):
+        shapes[f"{p}self_attn.{name}_proj.weight"] = (out, inp)
+        if c.attention_bias and name != "o":
+            shapes[f"{p}self_attn.{name}_proj.bias"] = (out,)
+    if c.qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+    shapes[p + "post_attention_layernorm.weight"] = (H,)
+    shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, H)
+    shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, H)
+    shapes[p + "mlp.down_proj.weight"] = (H, c.intermediate_size)
+    shapes["norm.weight"] = (H,)
+    shapes[LM_HEAD] = (c.draft_vocab_size, H)
+    if c.reduced_vocab:
+        shapes[D2T] = (c.draft_vocab_size,)
+    return shapes
+
+
+def check_tensors(config: Eagle3Config, shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """QStreamError naming the first tensor missing, unexplained or of a wrong shape."""
+    table = tensor_shapes(config)
+    optional = (EMBED,) if config.reduced_vocab else (EMBED, LM_HEAD)
+    required = {k: v for k, v in table.items() if k not in optional}
+    allowed = {**table, T2D: (config.vocab_size,)}
+
+    def why(name: str) -> str:
+        if name in (LM_HEAD, D2T):
+            return (f"; draft_vocab_size {config.draft_vocab_size} < vocab_size "
+                    f"{config.vocab_size} needs the draft's own lm_head and d2t")  # fmt: skip
+        return ""
+
+    check_table(required, allowed, shapes, where, "EAGLE-3 draft", lambda n, s: "", why)
+
+
+def read_draft_tensors(directory: str | Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
+    """Every tensor of the draft checkpoint (``midlayer.`` read as ``layers.0.``), dequantized
+    and checked, d2t as int64 offsets (:func:`qstream.arch.family.d2t_problem`)."""
+    from qstream.checkpoint.read import read_draft_checkpoint
+
+    directory = Path(directory)
+    floats, index = read_draft_checkpoint(directory, INDEX_TENSORS)
+    tensors = {_vllm_name(k): v for k, v in {**floats, **index}.items()}
+    check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
+    if T2D in tensors and str(tensors[T2D].dtype) not in INDEX_TENSORS[T2D]:
+        raise QStreamError(f"{directory}: tensor {T2D!r} is {tensors[T2D].dtype}, not an index map")
+    tensors.pop(T2D, None)
+    if D2T in tensors:
+        if problem := d2t_problem(tensors[D2T], config.vocab_size):
+            raise QStreamError(f"{directory}: {problem}")
+        tensors[D2T] = tensors[D2T].long()
+    return tensors
+
+
+def _vllm_name(name: str) -> str:
+    return LAYER + name.removeprefix(MIDLAYER) if name.startswith(MIDLAYER) else name
+
+
+def load_weights(
+    model_dir: str | Path,
+    target: str | Path | None,
+    config: Eagle3Config,
+    noted: Callable[[dict], None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The draft's tensors plus the target's ``embed_tokens`` (and ``lm_head``, full vocabulary)
+    when it has none: a stored one serves, as ``process_eagle_weight`` (vllm/model_executor/
+    models/utils.py) marks it the draft's own; ``noted`` is not called."""
+    model_dir = Path(model_dir)
+    tensors = read_draft_tensors(model_dir, config)
+    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
+    if not wanted:
+        return tensors
+    expected = (config.vocab_size, config.hidden_size)
+    borrowed = borrow_from_target(model_dir, target, wanted, expected, " or ".join(wanted))
+    return {**tensors, **borrowed}
+
+
+def _preset(**kw: Any) -> Eagle3Config:
+    return Eagle3Config(rms_norm_eps=1e-6, rope_parameters=RopeParameters(rope_theta=10000.0), **kw)
+
+
+# A Llama-form draft over a 64-wide target; vocab_size is a placeholder `qstream synth` replaces
+# with its tokenizer's (a full-vocabulary draft: no d2t).
+PRESETS: dict[str, Eagle3Config] = {
+    "eagle3-tiny": _preset(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=1024,
+        max_position_embeddings=4096, target_hidden_size=64, aux_layer_ids=(2, 4, 6)),
+}  # fmt: skip
+
+
+class Eagle3:
+    """The descriptor: what the package can ask of an EAGLE-3 draft today (docs/eagle3.md):
+    config, tensors, loading and the fp32 forward; no serving profile, drafter or FLOP model."""
+
+    config_type: type = Eagle3Config
+    quantize_include: tuple[str, ...] = ()
+    presets: Mapping[str, Eagle3Config] = PRESETS
+    serving: Mapping[str, Any] | None = None
+    final_norm: str = "norm.weight"
+    context_proj: str = "fc"
+    # speculators saves embed_tokens, and vLLM then embeds with it (process_eagle_weight)
+    ships_embed_tokens: bool = True
+    embeds_with_target: bool = False
+    not_evaluated: str | None = (
+        "an EAGLE-3 draft is not evaluated by eval-drift, speculate, capture or calibration yet "
+        "(docs/eagle3.md)"
+    )
+
+    def recognises(self, data: Mapping[str, Any]) -> bool:
+        return data.get("speculators_model_type") == SPECULATORS_TYPE or any(
+            a in ARCHITECTURES for a in (data.get("architectures") or [])
+        )
+
+    def parse_config(self, data: Mapping[str, Any]) -> Eagle3Config:
+        return Eagle3Config.from_json(dict(data))
+
+    def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str:
+        return ""
+
+    tensor_shapes = staticmethod(tensor_shapes)
+    load_weights = staticmethod(load_weights)
+
+    def build(
+        self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
+    ) -> Any:
+        """The fp32 reference forward; other serving variants are not modelled yet."""
+        from qstream.serving import REFERENCE_VARIANT
+
+        if variant != REFERENCE_VARIANT or served is not None:
+            raise QStreamError(f"EAGLE-3 drafts are evaluated only as {REFERENCE_VARIANT.name} yet")
+        # by name, as DSparkFamily.build: the forward imports this module
+        model = importlib.import_module("qstream.arch.eagle3.model").Eagle3Draft
+        return model(config, weights, device=device)
+
+    def _not_yet(self, *args: Any, **kwargs: Any) -> Any:
+        raise QStreamError(str(self.not_evaluated))
+
+    drafter = property(_not_yet)
+    causal_stream = context_flops = drafted_flops = causal_flops = _not_yet
+
+
+ARCH = Eagle3()

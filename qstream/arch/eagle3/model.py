@@ -1,0 +1,175 @@
+"""The EAGLE-3 draft's forward (docs/eagle3.md, "Forward"), in fp32, as vLLM 0.32.0 computes it
+(vllm/model_executor/models/llama_eagle3.py, ``LlamaDecoderLayer.forward`` with layer_idx 0,
+``LlamaModel.forward``, ``Eagle3LlamaForCausalLM.combine_hidden_states`` / ``compute_logits``;
+qwen3_eagle3.py adds q/k RMSNorm per head).
+
+>>> model = Eagle3Draft(config, weights)         # weights: the tensor table, + embed_tokens
+>>> pre = model.prefill(ids, aux)                # ids [S, T] beside aux [S, T, A], causal
+>>> chain = model.chain(pre, stream, anchor, k)  # k greedy tokens from each (stream, anchor)
+
+One step reads a token's embedding and a hidden state (the first: ``fc`` of the target's aux
+states): ``x = [RMS(e, input_layernorm) ‖ RMS(h, hidden_norm)]`` feeds q/k/v; the residual is
+h (its normed form with ``norm_before_residual``); then o_proj, post_attention_layernorm, the
+SwiGLU MLP, the final norm and lm_head over the draft vocabulary.  The next step's hidden state
+is the pre-norm output (the normed one with ``norm_output``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qstream.arch.dspark_qwen3.model import apply_rope
+from qstream.arch.eagle3 import LAYER, Eagle3Config, Llama3Rope, check_tensors
+from qstream.arch.family import D2T
+from qstream.arch.interface import EMBED, LM_HEAD
+from qstream.arch.weights import ComputeWeights, embedding, inv_freq, rms_norm, swiglu
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What steps at T positions of S streams computed."""
+
+    logits: torch.Tensor  # [S, T, Vd] over the draft vocabulary
+    hidden: torch.Tensor  # [S, T, H] the state the next step reads
+    k: torch.Tensor  # [S, T, kv, d] keys (k_norm'ed in the Qwen3 form, rotated)
+    v: torch.Tensor  # [S, T, kv, d]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """k greedy tokens drafted at each of N (stream, anchor)."""
+
+    tokens: torch.Tensor  # [N, k] target ids (draft id + d2t[draft id])
+    logits: torch.Tensor  # [N, k, Vd]
+    hidden: torch.Tensor  # [N, k, H] the state each step hands on
+
+
+class Eagle3Draft:
+    """An EAGLE-3 draft in fp32: ``weights`` maps the tensor table's names, embed_tokens and
+    lm_head included (the target's when the draft has none)."""
+
+    def __init__(
+        self,
+        config: Eagle3Config,
+        weights: Mapping[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+    ):
+        check_tensors(config, {k: tuple(v.shape) for k, v in weights.items()}, "weights")
+        for name in (EMBED, LM_HEAD):
+            if name not in weights:
+                raise ValueError(
+                    f"weights: {name} is required (the target's, when not the draft's)"
+                )
+        self.config = config
+        floats = {k: v for k, v in weights.items() if k != D2T}
+        self.w = ComputeWeights(floats, torch.float32, device)
+        self.device = self.w.device
+        Vd = config.draft_vocab_size
+        offsets = weights[D2T].long() if D2T in weights else torch.zeros(Vd, dtype=torch.long)
+        # draft id -> target id, as compute_logits scatters the draft logits
+        self.d2t = (torch.arange(Vd) + offsets).to(self.device)
+        rope, d = config.rope_parameters, config.head_dim
+        if isinstance(rope, Llama3Rope):
+            self.inv_freq = rope.inv_freq(d).to(self.device)
+        else:
+            yarn = rope if rope.rope_type == "yarn" else None
+            self.inv_freq = inv_freq(d, float(rope.rope_theta), yarn).to(self.device)
+        self.mscale = rope.mscale
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, self.w[f"{name}.weight"], self.config.rms_norm_eps)
+
+    def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        bias = self.w.stored.get(f"{name}.bias")
+        y = self.w.linear(f"{name}.weight", x)
+        return y if bias is None else y + bias
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., A] (the target's aux states concatenated) -> fc(aux) [..., H]."""
+        return self.proj("fc", aux.to(self.device, torch.float32))
+
+    def step(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        visible: torch.Tensor | None = None,
+    ) -> Steps:
+        """Steps at ids [S, t] (target ids) beside hidden [S, t, H] at positions pos [S, t],
+        attending to ``past`` keys and values [S, P, kv, d] where ``visible`` [S, t, P] and to
+        their own with a causal mask."""
+        c, a = self.config, LAYER + "self_attn."
+        S, t = ids.shape
+        x = torch.cat((self.norm(embedding(self.w, EMBED, ids.to(self.device)),
+                                 LAYER + "input_layernorm"),
+                       hn := self.norm(hidden, LAYER + "hidden_norm")), -1)  # fmt: skip
+        residual = hn if c.norm_before_residual else hidden
+        q = self.proj(a + "q_proj", x).unflatten(-1, (c.num_attention_heads, c.head_dim))
+        k = self.proj(a + "k_proj", x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        v = self.proj(a + "v_proj", x).unflatten(-1, (c.num_key_value_heads, c.head_dim))
+        if c.qk_norm:
+            q, k = self.norm(q, a + "q_norm"), self.norm(k, a + "k_norm")
+        q = apply_rope(q, pos, self.inv_freq, self.mscale)  # [S, t, n, d]
+        k = apply_rope(k, pos, self.inv_freq, self.mscale)  # [S, t, kv, d]
+        mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril().expand(S, t, t)
+        keys, values = k, v
+        if past is not None:
+            keys, values = torch.cat((past[0], k), 1), torch.cat((past[1], v), 1)
+            mask = torch.cat((visible.to(self.device), mask), -1)  # type: ignore[union-attr]
+        out = self.attend(q, keys, values, mask)  # [S, t, n*d]
+        residual = residual + self.proj(a + "o_proj", out)
+        p = LAYER + "mlp."
+        mlp = swiglu(self.norm(residual, LAYER + "post_attention_layernorm"),
+                     p + "gate_proj", p + "up_proj", p + "down_proj", self._linear)  # fmt: skip
+        prenorm = residual + mlp
+        normed = self.norm(prenorm, "norm")
+        logits = self.w.linear(LM_HEAD, normed)
+        return Steps(logits, normed if c.norm_output else prenorm, k, v)
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return self.w.linear(f"{name}.weight", x)
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        """q [S, t, n, d] over k, v [S, P, kv, d] (GQA), mask [S, t, P] True where visible."""
+        c = self.config
+        q = q.unflatten(-2, (c.num_key_value_heads, -1))  # [S, t, kv, g, d]
+        s = torch.einsum("sqkgd,stkd->skgqt", q, k) * c.head_dim**-0.5
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
+        out = torch.einsum("skgqt,stkd->sqkgd", torch.softmax(s, -1), v)
+        return out.flatten(-3)
+
+    def prefill(self, ids: torch.Tensor, aux: torch.Tensor) -> Steps:
+        """The causal pass over ids [S, T] beside fc(aux [S, T, A]) at positions 0..T-1 (vLLM's
+        proposer pairs the target's aux states at t with the token at t + 1)."""
+        S, T = ids.shape
+        pos = torch.arange(T, device=self.device).expand(S, T)
+        return self.step(ids, self.combine(aux), pos)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[draft_ids]
+
+    def chain(self, pre: Steps, stream: torch.Tensor, anchor: torch.Tensor, k: int) -> Chain:
+        """k greedy tokens at each (stream[n], anchor[n]) of ``pre``: the first from the prefill
+        step at the anchor, each next one a step at the following position reading the last
+        token and hidden state, attending to the prefill up to the anchor and the chain so far."""
+        stream, anchor = stream.to(self.device), anchor.to(self.device)
+        P = pre.k.shape[1]
+        past_k, past_v = pre.k[stream], pre.v[stream]  # [N, P, kv, d]
+        visible = (torch.arange(P, device=self.device) <= anchor[:, None])[:, None]  # [N, 1, P]
+        logits, hidden = pre.logits[stream, anchor], pre.hidden[stream, anchor]  # [N, Vd], [N, H]
+        out_logits, out_hidden, tokens = [logits], [hidden], [self.to_target(logits.argmax(-1))]
+        for j in range(1, k):
+            s = self.step(tokens[-1][:, None], hidden[:, None], (anchor + j)[:, None],
+                          (past_k, past_v), visible)  # fmt: skip
+            past_k, past_v = torch.cat((past_k, s.k), 1), torch.cat((past_v, s.v), 1)
+            visible = F.pad(visible, (0, 1), value=True)
+            logits, hidden = s.logits[:, 0], s.hidden[:, 0]
+            out_logits.append(logits)
+            out_hidden.append(hidden)
+            tokens.append(self.to_target(logits.argmax(-1)))
+        return Chain(torch.stack(tokens, 1), torch.stack(out_logits, 1), torch.stack(out_hidden, 1))
