@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from click.testing import CliRunner
 from cli_helpers import cli_ok
+from click.testing import CliRunner
 
 from qstream.cli import cli
 from qstream.formats.head import HEADS
