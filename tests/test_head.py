@@ -138,6 +138,9 @@ def test_eval_drift_reports_what_a_quantized_head_costs(arch, tiny, tmp_path):
     }
     assert all(math.isfinite(v) for v in kl.values())
     assert kl["bf16+head=fp8"] != kl["bf16"] and kl["bf16+head=nvfp4"] != kl["bf16"]
+    cli_ok(["card", str(results), "--output", str(tmp_path / "CARD.md"), "--no-figures"])
+    card = (tmp_path / "CARD.md").read_text()  # the Serving conditions row: the head's own cost
+    assert "| bf16+head=fp8 | drafting head fp8 | bf16 | bf16 |" in card
 
 
 def test_a_bad_head_is_one_error_line(tiny, tmp_path):
