@@ -116,6 +116,9 @@ E5M2_UNSCALED = (
 KV_SCALES = ("1.0", "calibrated", "checkpoint")
 # The target the draft serves beside: unquantized, or its linears' weights in a format.
 TARGETS = ("unquantized", *WEIGHT_FORMATS)
+# The drafting head (lm_head): as stored, or a copy quantized at load as vLLM 0.33.0's
+# speculative_config.draft_lm_head_quantization makes it (qstream/formats/head.py, HEADS).
+HEADS = ("stored", "fp8", "nvfp4")
 
 # A token's fields after the weights: key -> (Variant field, its values).
 TOKEN_FIELDS = {
@@ -123,6 +126,7 @@ TOKEN_FIELDS = {
     "kv": ("kv_cache", tuple(KV_CACHES)),
     "kvscale": ("kv_scale", KV_SCALES),
     "target": ("target", TARGETS),
+    "head": ("head", HEADS),
 }
 TOKEN_WEIGHTS = (REFERENCE, FLOOR, *WEIGHT_FORMATS)
 
@@ -143,6 +147,7 @@ class Variant:
     kv_cache: str = "auto"
     kv_scale: str = "1.0"
     target: str = "unquantized"
+    head: str = "stored"
 
     def __post_init__(self) -> None:
         for field, value, allowed in (
@@ -175,7 +180,7 @@ class Variant:
     @classmethod
     def parse(cls, token: str, kv_cache: str | None = None) -> Variant:
         """The configuration ``token`` names (``WEIGHTS[+KEY=VALUE...]``, keys ``a``, ``kv``,
-        ``kvscale``, ``target``); ``kv_cache`` (``--kv-cache-dtype``) is every variant's KV cache
+        ``kvscale``, ``target``, ``head``); ``kv_cache`` (``--kv-cache-dtype``) is every variant's KV cache
         but the reference's, unless the token names one.  Named by its canonical token."""
         weights, *parts = token.split("+")
         if weights not in TOKEN_WEIGHTS:
@@ -251,6 +256,7 @@ class Variant:
             "kv_cache": self.kv_cache,
             "kv_scale": self.kv_scale,
             "target": self.target,
+            "head": self.head,
         }
 
     def served(self) -> dict:
@@ -266,6 +272,12 @@ class Variant:
         }
 
 
-DEFAULTS = {"activations": "none", "kv_cache": "auto", "kv_scale": "1.0", "target": "unquantized"}
+DEFAULTS = {
+    "activations": "none",
+    "kv_cache": "auto",
+    "kv_scale": "1.0",
+    "target": "unquantized",
+    "head": "stored",
+}
 REFERENCE_VARIANT = Variant.of_format(REFERENCE)  # what the reference pass builds
 FLOOR_VARIANT = Variant.of_format(FLOOR)

@@ -194,6 +194,7 @@ def test_md_json_and_html_render_the_section(tmp_path, served):
          '"kv_cache_dtype": "auto"'),
         ("bf16+kv=bfloat16", "KV cache bfloat16", '"kv_cache_dtype": "auto"'),
         ("bf16+target=nvfp4", "target weights nvfp4", "none on the draft side"),
+        ("bf16+head=fp8", "drafting head fp8", '"draft_lm_head_quantization" unset'),
         ("nvfp4+a=nvfp4+kv=fp8", f"{NVFP4_WORDS}; KV cache fp8, scale 1.0", "W4A16"),
     ],
 )  # fmt: skip

@@ -227,7 +227,8 @@ def test_activation_variants_decode_after_their_calibration(pair, tmp_path):
     hold (one line, nothing written, when it does not)."""
     target, draft, _, corpus = pair
     out = tmp_path / "spec.json"
-    formats = "fp8,fp8+a=fp8-dynamic,fp8+a=fp8-static,nvfp4+a=nvfp4,bf16+kv=fp8+kvscale=calibrated"
+    formats = ("fp8,fp8+a=fp8-dynamic,fp8+a=fp8-static,nvfp4+a=nvfp4,"
+               "bf16+kv=fp8+kvscale=calibrated,bf16+head=nvfp4")  # fmt: skip
     args = ["speculate", "--target", str(target), "--model", str(draft), "--corpus", str(corpus),
             "--new-tokens", str(NEW_TOKENS), "--dtype", "float32", "--formats", formats,
             "--json", str(out)]  # fmt: skip
@@ -242,6 +243,7 @@ def test_activation_variants_decode_after_their_calibration(pair, tmp_path):
     assert "configuration" not in variants["fp8"]
     assert variants["nvfp4+a=nvfp4"]["configuration"]["activations"] == "nvfp4"
     assert variants["bf16+kv=fp8+kvscale=calibrated"]["configuration"]["kv_scale"] == "calibrated"
+    assert variants["bf16+head=nvfp4"]["configuration"]["head"] == "nvfp4"
     for entry in variants.values():
         assert 1 <= entry["summary"]["mean_acceptance_length"]["value"] <= 8
 

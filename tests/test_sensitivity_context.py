@@ -223,7 +223,13 @@ def test_steps_under_a_serving_configuration_are_its_variants_on_their_modules(t
     sens = evaluate_drift(probed, corpus)["regimes"]["gauss"]["sensitivity"]
     assert (sens["format"], sens["configuration"]) == (
         "nvfp4",
-        {"activations": "nvfp4", "kv_cache": kv, "kv_scale": "1.0", "target": "unquantized"},
+        {
+            "activations": "nvfp4",
+            "kv_cache": kv,
+            "kv_scale": "1.0",
+            "target": "unquantized",
+            "head": "stored",
+        },
     )
     step = sens["single"][0]
     alone = replace(base, formats=("bf16", token), include_layers=tuple(step["include"]))

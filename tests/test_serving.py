@@ -28,7 +28,13 @@ def test_what_each_variant_is():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("kind", "int8"), ("activations", "fp8"), ("kv_cache", "fp16"), ("target", "int4")],
+    [
+        ("kind", "int8"),
+        ("activations", "fp8"),
+        ("kv_cache", "fp16"),
+        ("target", "int4"),
+        ("head", "mxfp4"),
+    ],
 )
 def test_an_unknown_value_is_refused_naming_the_field_and_value(field, value):
     with pytest.raises(QStreamError, match=f"variant x: {field} '{value}': choose one of"):
@@ -43,31 +49,48 @@ def test_no_torch_at_import():
 @pytest.mark.parametrize(
     "token, kv, name, served",
     [
-        ("nvfp4", None, "nvfp4", ("none", "auto", "1.0", "unquantized")),
+        ("nvfp4", None, "nvfp4", ("none", "auto", "1.0", "unquantized", "stored")),
         (
             "fp8+a=fp8-dynamic",
             None,
             "fp8+a=fp8-dynamic",
-            ("fp8-dynamic", "auto", "1.0", "unquantized"),
+            ("fp8-dynamic", "auto", "1.0", "unquantized", "stored"),
         ),
         # fields in any order, named canonically
         (
             "nvfp4+kv=fp8_e5m2+a=nvfp4",
             None,
             "nvfp4+a=nvfp4+kv=fp8_e5m2",
-            ("nvfp4", "fp8_e5m2", "1.0", "unquantized"),
+            ("nvfp4", "fp8_e5m2", "1.0", "unquantized", "stored"),
         ),
         (
             "bf16+kv=fp8+kvscale=calibrated",
             None,
             "bf16+kv=fp8+kvscale=calibrated",
-            ("none", "fp8", "calibrated", "unquantized"),
+            ("none", "fp8", "calibrated", "unquantized", "stored"),
         ),
-        ("bf16+target=fp8", None, "bf16+target=fp8", ("none", "auto", "1.0", "fp8")),
+        ("bf16+target=fp8", None, "bf16+target=fp8", ("none", "auto", "1.0", "fp8", "stored")),
+        # the drafting head quantized at load (vLLM 0.33.0's draft_lm_head_quantization)
+        (
+            "bf16+head=nvfp4+kv=fp8",
+            None,
+            "bf16+kv=fp8+head=nvfp4",
+            ("none", "fp8", "1.0", "unquantized", "nvfp4"),
+        ),
         # --kv-cache-dtype: every variant but the reference, unless the token names one
-        ("mxfp4", "fp8_e4m3", "mxfp4+kv=fp8_e4m3", ("none", "fp8_e4m3", "1.0", "unquantized")),
-        ("bf16+kv=bfloat16", "fp8", "bf16+kv=bfloat16", ("none", "bfloat16", "1.0", "unquantized")),
-        ("fp32", "fp8", "fp32", ("none", "auto", "1.0", "unquantized")),
+        (
+            "mxfp4",
+            "fp8_e4m3",
+            "mxfp4+kv=fp8_e4m3",
+            ("none", "fp8_e4m3", "1.0", "unquantized", "stored"),
+        ),
+        (
+            "bf16+kv=bfloat16",
+            "fp8",
+            "bf16+kv=bfloat16",
+            ("none", "bfloat16", "1.0", "unquantized", "stored"),
+        ),
+        ("fp32", "fp8", "fp32", ("none", "auto", "1.0", "unquantized", "stored")),
     ],
 )
 def test_a_token_names_a_configuration(token, kv, name, served):
@@ -91,6 +114,8 @@ def test_a_token_names_a_configuration(token, kv, name, served):
         ),
         ("bf16+a=nvfp4", "activations 'nvfp4' are served with nvfp4 weights, not 'bf16'"),
         ("fp32+kv=fp8", "the fp32 reference is served as stored"),
+        ("fp32+head=fp8", "the fp32 reference is served as stored"),
+        ("bf16+head=int8", "head 'int8': choose one of stored, fp8, nvfp4"),
         ("bf16+kvscale=calibrated", "kvscale 'calibrated' needs an fp8 e4m3 KV cache"),
         ("bf16+kv=fp8_e5m2+kvscale=calibrated", "vLLM 0.32.0 refuses fp8_e5m2 with a checkpoint"),
         ("bf16+kv=fp8+kvscale=checkpoint", "kvscale 'checkpoint' needs a checkpoint"),

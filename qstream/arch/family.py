@@ -60,6 +60,8 @@ class DSparkFamily:
             raise ValueError(f"variant {variant.name}: its linears' input quantizers are missing")
         if variant.kv_scale != DEFAULTS["kv_scale"] and not (served and served.kv_scales):
             raise ValueError(f"variant {variant.name}: its KV-cache scales are missing")
+        if variant.head != DEFAULTS["head"] and not (served and served.products):
+            raise ValueError(f"variant {variant.name}: its quantized drafting head is missing")
         model = getattr(importlib.import_module(self.model_module), self.model_class)
         return model(config, weights, variant.dtype, device, variant.kv, served)
 

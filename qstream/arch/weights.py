@@ -52,7 +52,9 @@ class ServedLinears:
     x)`` sees every input first (qstream/calibration.py); ``fp32_products``: operands of a
     narrower dtype are multiplied upcast to float32 (exact), the sum rounded once.  And how its
     attentions' KV caches are: ``observe_cache(attention, k, v)`` sees what each stores (v None
-    where one entry holds both, the MLA latent), ``kv_scales`` each fp8 cache's scales."""
+    where one entry holds both, the MLA latent), ``kv_scales`` each fp8 cache's scales.
+    ``products`` maps a weight's name to the whole product served in its place, x -> x @ W^T in
+    x's dtype (a quantized drafting head, qstream/formats/head.py)."""
 
     inputs: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     observe: Callable[[str, torch.Tensor], None] | None = None
@@ -60,6 +62,8 @@ class ServedLinears:
     observe_cache: Callable[[str, torch.Tensor, torch.Tensor | None], None] | None = None
     # attention module -> (k_scale, v_scale) as vLLM's _k_scale_float / _v_scale_float; absent: 1.0
     kv_scales: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    products: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
 
     def cache_scales(self, attention: str) -> tuple[float, float]:
         return self.kv_scales.get(attention, (1.0, 1.0))
@@ -100,6 +104,9 @@ class ComputeWeights(Mapping[str, torch.Tensor]):
         served = self.served
         if served.observe is not None:
             served.observe(name, x)
+        product = served.products.get(name)
+        if product is not None:
+            return product(x).to(out or self.dtype)
         quantize = served.inputs.get(name)
         if quantize is not None:
             return self._fp32_rows(name, quantize(x)).to(out or self.dtype)

@@ -45,6 +45,9 @@ WEIGHT_ONLY = {"CompressedTensorsW8A8Fp8": "W8A16", "CompressedTensorsW4A4Fp4": 
 # --speculative-config is EngineArgs.speculative_config (vllm/engine/arg_utils.py).
 KV_SETTING = '"kv_cache_dtype": "auto" in --speculative-config'
 TARGET_SETTING = "none on the draft side: the target is served at its own precision"
+# vLLM 0.33.0's speculative_config.draft_lm_head_quantization (vllm/config/speculative.py):
+# unset (None), the draft shares the target's head as stored.
+HEAD_SETTING = '"draft_lm_head_quantization" unset (vLLM 0.33.0)'
 SAME = "same weights at default"
 AVOIDED = "avoided in vLLM 0.32.0 by"
 UNPAIRED = "unpaired"
@@ -75,6 +78,9 @@ def condition_words(variant: Variant) -> tuple[str, str]:
     if variant.target != DEFAULTS["target"]:
         said.append(f"target weights {variant.target}")
         avoided.append(TARGET_SETTING)
+    if variant.head != DEFAULTS["head"]:
+        said.append(f"drafting head {variant.head}")
+        avoided.append(HEAD_SETTING)
     return "; ".join(said), "; ".join(avoided)
 
 
@@ -83,7 +89,7 @@ def served(name: str, info: dict, where: str) -> Variant:
     an unknown value is a QStreamError naming ``where`` it was read, the variant and the value."""
     recorded = info.get("configuration", DEFAULTS)
     try:
-        return Variant(name, info["kind"], info["source"], **{f: recorded[f] for f in DEFAULTS})
+        return Variant(name, info["kind"], info["source"], **{**DEFAULTS, **recorded})
     except QStreamError as exc:
         raise QStreamError(f"{where}: {exc}") from exc
 

@@ -25,9 +25,10 @@ from qstream.errors import QStreamError
 from qstream.eval.settings import Selection
 from qstream.formats import QUANTIZED_SUFFIXES, snr_db, snr_sums
 from qstream.formats.activations import INPUT_SCHEMES
+from qstream.formats.head import HEADS
 from qstream.quant.schemes import kv_scales
 from qstream.quant.simulate import simulate_format, simulated_selection
-from qstream.serving import KV_CACHES, Variant
+from qstream.serving import DEFAULTS, KV_CACHES, Variant
 from qstream.vllm.profiles import KV_SCALES_NOT_LOADED, profile_for
 
 if TYPE_CHECKING:
@@ -112,9 +113,23 @@ def served_linears(
     ``input_global_scale.max()``)."""
     kv_scales = kv_cache_scales(variant, reference_weights, calibration)
     inputs = _input_quantizers(variant, reference_weights, config, settings, calibration)
-    if inputs is None and not kv_scales:
+    products = head_product(variant, reference_weights)
+    if inputs is None and not kv_scales and not products:
         return None
-    return ServedLinears(inputs or {}, kv_scales=kv_scales)
+    return ServedLinears(inputs or {}, kv_scales=kv_scales, products=products)
+
+
+def head_product(variant: Variant, reference_weights: Weights) -> dict[str, Callable]:
+    """The drafting head as ``variant.head`` serves it: {} as stored, else lm_head quantized at
+    load from its copy in the model's dtype, as vLLM 0.33.0 quantizes the bf16 head it holds
+    (qstream/formats/head.py); a hidden size NVFP4 cannot block is one line naming it."""
+    if variant.head == DEFAULTS["head"]:
+        return {}
+    weight = reference_weights[LM_HEAD].to(variant.dtype)
+    try:
+        return {LM_HEAD: HEADS[variant.head](weight)}
+    except ValueError as exc:
+        raise QStreamError(f"variant {variant.name}: {LM_HEAD} {exc}") from exc
 
 
 def _input_quantizers(

@@ -32,8 +32,16 @@ def fp8_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.T
     ``scaled_fp8_quant(..., use_per_token_if_dynamic=True)`` in vllm/_custom_ops.py):
     ``scale = max(amax(|row|) / 448, 1/(448*512))`` in float32 per row.  ``scale`` is ignored
     (a dynamic scheme has none)."""
+    codes, scale = fp8_per_token_codes(x)
+    return codes * scale
+
+
+def fp8_per_token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fp8_per_token`'s codes (as float32) and per-row float32 scales [..., 1], apart:
+    what a scaled GEMM multiplies before it applies the scales (qstream/formats/head.py)."""
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    return _fp8_dequantized(x, (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE))
+    scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return _fp8_codes(x, scale), scale
 
 
 def fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -45,8 +53,12 @@ def fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 def _fp8_dequantized(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``fp8(clamp(x * (1/scale), +-448)) * scale`` in float32 (round to nearest even)."""
+    return _fp8_codes(x, scale) * scale
+
+
+def _fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     q = (x.to(torch.float32) * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn).to(torch.float32) * scale
+    return q.to(torch.float8_e4m3fn).to(torch.float32)
 
 
 def nvfp4_input(x: torch.Tensor, gs: torch.Tensor | None) -> torch.Tensor:
@@ -59,13 +71,20 @@ def nvfp4_input(x: torch.Tensor, gs: torch.Tensor | None) -> torch.Tensor:
     ``input_global_scale`` (compressed-tensors' ``448 * 6 / amax``)."""
     assert gs is not None, "NVFP4 inputs need their calibrated global scale"
     gs = gs.to(torch.float32)
+    values, scale = nvfp4_blocks(x, gs)
+    return (values * (scale / gs)).flatten(-2)
+
+
+def nvfp4_blocks(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ref_nvfp4_quant(x, gs, 16)``: the E2M1 values [..., K/16, 16] and the fp8 block scales
+    [..., K/16, 1], both float32, for a float32 global scale ``gs`` (:func:`nvfp4_input`)."""
     blocks = x.unflatten(-1, (-1, NVFP4_BLOCK))  # [..., K/16, 16]
     block_amax = blocks.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = (gs * (block_amax * FP4_RECIPROCAL)).clamp(-FP8_MAX, FP8_MAX)
     scale = scale.to(torch.float8_e4m3fn).to(torch.float32)
     inverse = _reciprocal(scale * _reciprocal(gs))
     values = round_e2m1((blocks.to(torch.float32) * inverse).clamp(-FP4_MAX, FP4_MAX))
-    return (values * (scale / gs)).flatten(-2)
+    return values, scale
 
 
 def _reciprocal(t: torch.Tensor) -> torch.Tensor:
