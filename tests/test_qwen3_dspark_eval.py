@@ -5,10 +5,13 @@ the card, through the command line on the qwen3-tiny preset."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from cli_helpers import cli_error, cli_ok
 from qwen3_drafts import REDUCED, speculators_config, write_qwen3_draft
+
+from qstream.verification import MODES
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +57,30 @@ def test_sensitivity_measures_the_markov_projection(draft, tmp_path):
     assert "self_attn.q_proj + self_attn.k_proj + self_attn.v_proj" in kinds
 
 
-def test_a_reduced_vocabulary_draft_is_refused_in_one_line(draft, tmp_path):
+def _drift(model, tokenizer, out, *extra):
+    cli_ok(["eval-drift", "--model", str(model), "--tokenizer", tokenizer, "--regime", "all",
+            "--acceptance", "--blocks", "12", "--formats", "bf16,nvfp4", "--json", str(out),
+            *extra])  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def _finite(value) -> bool:
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def test_a_reduced_vocabulary_draft_is_evaluated_in_every_mode(draft, tmp_path):
     write_qwen3_draft(tmp_path / "draft", REDUCED)
-    tokenizer = str(draft / "tokenizer.json")
-    message = cli_error(["eval-drift", "--model", str(tmp_path / "draft"), "--tokenizer",
-                         tokenizer, "--blocks", "4"])  # fmt: skip
-    assert "draft_vocab_size 512 < vocab_size 1024" in message
+    data = _drift(tmp_path / "draft", str(draft / "tokenizer.json"), tmp_path / "r.json")
+    for regime in data["regimes"].values():
+        for variant in regime["variants"].values():
+            assert _finite(variant["metrics"])
+            acceptance = variant["acceptance"]["reference"]
+            assert set(acceptance) >= {mode.name for mode in MODES.values()}
+            assert _finite(acceptance)
 
 
 def test_a_checkpoint_in_speculators_layout_is_quantized_as_vllm_serves_it(tmp_path):
