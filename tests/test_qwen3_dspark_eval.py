@@ -8,7 +8,8 @@ import json
 import math
 
 import pytest
-from cli_helpers import cli_error, cli_ok
+import torch
+from cli_helpers import cli_ok
 from qwen3_drafts import REDUCED, speculators_config, write_qwen3_draft
 
 from qstream.verification import MODES
@@ -58,8 +59,8 @@ def test_sensitivity_measures_the_markov_projection(draft, tmp_path):
 
 
 def _drift(model, tokenizer, out, *extra):
-    cli_ok(["eval-drift", "--model", str(model), "--tokenizer", tokenizer, "--regime", "all",
-            "--acceptance", "--blocks", "12", "--formats", "bf16,nvfp4", "--json", str(out),
+    cli_ok(["eval-drift", "--model", str(model), "--tokenizer", tokenizer, "--regime", "heavy",
+            "--acceptance", "--blocks", "8", "--formats", "bf16,nvfp4", "--json", str(out),
             *extra])  # fmt: skip
     return json.loads(out.read_text())
 
@@ -128,3 +129,30 @@ def test_a_dflash_draft_without_heads_is_evaluated(draft, tmp_path):
     card.parent.mkdir()
     cli_ok(["card", str(results), "--output", str(card)])
     assert "| confidence r" in card.read_text()
+
+
+def test_an_identity_d2t_over_the_full_vocabulary_changes_no_result(draft, monkeypatch):
+    """The reduced-vocabulary path (draft ids mapped in the rollouts, logits scattered into the
+    target vocabulary before both verifiers) with the identity map over the full vocabulary
+    gives the full draft's results byte for byte: the scatter copies each logit to its own
+    column.  (A checkpoint cannot carry that map: vLLM reads d2t only when draft_vocab_size <
+    vocab_size, so the map is put where the code reads it.)"""
+    from qstream.arch import markov
+    from qstream.eval import verifiers
+    from qstream.eval.drift import evaluate_drift
+    from qstream.eval.settings import DriftSettings
+
+    settings = DriftSettings(model=str(draft), regime="heavy", blocks=8, formats=("bf16",),
+                             acceptance=True, temperature=0.7, top_k=50)  # fmt: skip
+    full = evaluate_drift(settings)
+    identity = torch.arange(json.loads((draft / "config.json").read_text())["vocab_size"])
+    init = verifiers.RegimeAcceptance.__init__
+
+    def mapped_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.to_target = identity
+
+    monkeypatch.setattr(markov, "draft_to_target", lambda model: identity)
+    monkeypatch.setattr(verifiers.RegimeAcceptance, "__init__", mapped_init)
+    mapped = evaluate_drift(settings)
+    assert json.dumps(mapped, sort_keys=True) == json.dumps(full, sort_keys=True)
