@@ -9,8 +9,9 @@ import math
 
 import pytest
 import torch
-from cli_helpers import cli_ok
+from cli_helpers import cli_error, cli_ok
 from qwen3_drafts import REDUCED, speculators_config, write_qwen3_draft
+from safetensors.torch import load_file, save_file
 
 from qstream.verification import MODES
 
@@ -156,3 +157,15 @@ def test_an_identity_d2t_over_the_full_vocabulary_changes_no_result(draft, monke
     monkeypatch.setattr(verifiers.RegimeAcceptance, "__init__", mapped_init)
     mapped = evaluate_drift(settings)
     assert json.dumps(mapped, sort_keys=True) == json.dumps(full, sort_keys=True)
+
+
+def test_a_reduced_draft_with_a_repeated_target_id_is_one_error_line(draft, tmp_path):
+    model = write_qwen3_draft(tmp_path / "draft", REDUCED)
+    tensors = {**load_file(model / "model.safetensors"), "d2t": torch.tensor([1, 0] + [0] * 510)}
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "r.json"
+    message = cli_error(["eval-drift", "--model", str(model), "--tokenizer",
+                         str(draft / "tokenizer.json"), "--blocks", "4", "--json", str(out)])  # fmt: skip
+    assert message == (f"Error: {model}: d2t[1] = 0 maps draft id 1 to target id 1, as d2t[0] = "
+                       "1 maps draft id 0: each draft id needs its own\n")  # fmt: skip
+    assert not out.exists()
