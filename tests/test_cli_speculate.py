@@ -372,7 +372,9 @@ def test_a_reduced_vocabulary_draft_decodes_with_its_ids_mapped(pair, tmp_path):
     """Half the target's vocabulary, the tokens the target decodes among it and the rest of the
     draft ids off their target ids: greedy verification still emits the target's greedy
     decoding, and drafts are accepted only if each drafted id is mapped to its target id;
-    probabilistic drafts (q zero off the draft vocabulary) are verified in every mode."""
+    probabilistic drafts (q zero off the draft vocabulary) are verified in every mode; and
+    eval-drift's greedy acceptance against the target (its own lm_head: the draft's covers half
+    the vocabulary) at the decoder's anchors is the decoder's mean acceptance length."""
     from qstream.capture.target import load_target
     from qstream.speculate.decode import target_greedy
 
@@ -388,7 +390,9 @@ def test_a_reduced_vocabulary_draft_decodes_with_its_ids_mapped(pair, tmp_path):
     args = ["speculate", "--target", str(pair[0]), "--model", str(reduced), "--corpus",
             str(pair[3]), "--prompts", "3", "--new-tokens", str(NEW_TOKENS), "--dtype",
             "float32", "--formats", "bf16", "--json", "-"]  # fmt: skip
-    runs = json.loads(cli_ok(args).stdout)["runs"]["bf16"]
+    capture = tmp_path / "capture"
+    measured = json.loads(cli_ok([*args, "--capture", str(capture)]).stdout)
+    runs = measured["runs"]["bf16"]
     assert [run["tokens"] for run in runs] == greedy
     assert any(a > 0 for run in runs for a in run["accepted"])
     for rule in ("probabilistic/standard", "probabilistic/block"):
@@ -396,3 +400,11 @@ def test_a_reduced_vocabulary_draft_decodes_with_its_ids_mapped(pair, tmp_path):
         summary = out["variants"]["bf16"]["summary"]
         assert summary["prompts"] == 3 and 1 <= summary["mean_acceptance_length"]["value"]
         assert all(0 <= t < VOCAB for run in out["runs"]["bf16"] for t in run["tokens"])
+    drift = tmp_path / "drift.json"
+    cli_ok(["eval-drift", "--model", str(reduced), "--target", str(pair[0]), "--states",
+            str(capture), "--states-anchors", str(capture / "anchors-bf16.json"), "--formats",
+            "bf16", "--acceptance", "--json", str(drift)])  # fmt: skip
+    states = json.loads(drift.read_text())["regimes"]["states"]["variants"]["bf16"]
+    emitted = states["acceptance"]["target"][GREEDY.name]["emitted"]["value"]
+    summary = measured["variants"]["bf16"]["summary"]
+    assert emitted == pytest.approx(summary["mean_acceptance_length"]["value"], abs=1e-9)
