@@ -523,3 +523,37 @@ def test_adaptive_output_distribution_is_the_verifiers(verify, drafter):
 def test_chi_square_detects_trimming_that_reads_the_token_it_drops():
     pvalue = _chi2_pvalue(_trimmed(verify_token_wise, reads_own_token=True), seed=11)
     assert pvalue <= CHI2_ALPHA, f"negative control passed: p = {pvalue:.2e}"
+
+
+def test_a_reduced_vocabulary_draft_is_accepted_as_its_mapped_distribution():
+    """A draft over Vd = 5 ids mapped to target ids TO_TARGET, verified over V = 10 (top-k 6):
+    the closed form on the draft's logits scattered into the target vocabulary (vLLM's layout,
+    ``in_target_vocab``), averaged over every drafted block, is the direct computation on
+    ``q`` built id by id: token-wise P(tau >= k) = prod_{j<=k} sum_x min(p_j(x), q_j(x)); a
+    greedy draft's first token is accepted with p_1(its mapped argmax)."""
+    from qstream.arch.markov import in_target_vocab, sampling_probs
+
+    V, B, T, to_target = 10, 2, 0.8, torch.tensor([1, 4, 5, 8, 9])
+    gen = torch.Generator().manual_seed(3)
+    draft_logits = torch.randn(1, B, len(to_target), generator=gen) * 1.5  # [1, B, Vd]
+    p = sampling_probs(torch.randn(1, B, V, generator=gen) * 1.5, T, top_k=6).double()[0]
+    q_mapped = sampling_probs(in_target_vocab(draft_logits, to_target, V), T).double()[0]
+    q_draft = torch.softmax(draft_logits[0].double() / T, -1)  # [B, Vd]
+    q_direct = torch.zeros(B, V, dtype=torch.float64)
+    for d, x in enumerate(to_target.tolist()):
+        q_direct[:, x] = q_draft[:, d]
+    # the mapped q is sampling_probs' float32 softmax, the direct one float64: a few float32 ulps
+    rtol = 1e-6
+    assert torch.allclose(q_mapped, q_direct, rtol=rtol, atol=0), (q_mapped - q_direct).abs().max()
+    blocks = torch.tensor(list(itertools.product(to_target.tolist(), repeat=B)))  # [Vd^B, B]
+    positions = torch.arange(B).expand_as(blocks)
+    p_tok, q_tok = p[positions, blocks], q_mapped[positions, blocks]
+    weight = q_tok.prod(dim=1, keepdim=True)  # P(the draft drafts the block)
+    expected = (weight * accept_probabilities(p_tok, q_tok, block=False)).sum(dim=0)
+    direct = torch.minimum(p, q_direct).sum(dim=-1).cumprod(dim=0)
+    assert torch.allclose(expected, direct, rtol=rtol, atol=0), (expected, direct, rtol)
+    greedy = to_target[draft_logits[0].argmax(-1)]  # the mapped argmax vLLM emits
+    mapped_argmax = in_target_vocab(draft_logits, to_target, V)[0].argmax(-1)
+    assert torch.equal(mapped_argmax, greedy)
+    first = greedy_draft_probabilities(p[torch.arange(B), greedy][None], block=False)[0, 0]
+    assert first == p[0, int(greedy[0])]

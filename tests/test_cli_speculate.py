@@ -207,11 +207,13 @@ def test_bad_inputs_are_one_line_and_write_nothing(pair, tmp_path):
         error(*run(wide))
     )
     assert f"--model {nvfp4} is a quantized checkpoint" in error(*run(model=nvfp4))
-    reduced = tmp_path / "reduced"
-    reduced.mkdir()
-    config = replace(load_config(draft), draft_vocab_size=VOCAB // 2)
-    (reduced / "config.json").write_text(json.dumps(speculators_config(config)))
-    assert f"draft_vocab_size {VOCAB // 2} < vocab_size {VOCAB}" in error(*run(model=reduced))
+    bad = _reduced_draft(pair, tmp_path / "bad-d2t", torch.arange(VOCAB // 2) * 2)
+    d2t = load_file(bad / "model.safetensors")["d2t"]
+    d2t[3] = VOCAB
+    save_file({**load_file(bad / "model.safetensors"), "d2t": d2t}, bad / "model.safetensors")
+    assert f"d2t[3] = {VOCAB} maps draft id 3 to target id {VOCAB + 3}, outside" in (
+        error(*run(model=bad))
+    )
     assert "--variant x: " in error(*run(target, draft, "--variant", f"x={tmp_path / 'none'}"))
     assert "variant names must be unique" in error(
         *run(target, draft, "--formats", "nvfp4", "--variant", f"nvfp4={nvfp4}")
@@ -349,3 +351,62 @@ def test_the_card_puts_measured_acceptance_beside_what_eval_drift_predicted(pair
                          "--output", str(tmp_path / "x.md")])  # fmt: skip
     assert "speculate results of another draft" in refused and "other.json" in refused
     assert not (tmp_path / "x.md").exists()
+
+
+def _reduced_draft(pair, directory: Path, kept: torch.Tensor) -> Path:
+    """The pair's draft cut to the draft vocabulary ``kept`` (target ids, increasing): its own
+    lm_head (the target's rows), markov_w2's rows and d2t = kept - draft id, as a
+    reduced-vocabulary checkpoint is laid out (docs/qwen3-dspark.md)."""
+    target, draft, _, _ = pair
+    tensors = load_file(draft / "model.safetensors")
+    w2 = "markov_head.markov_w2.weight"
+    tensors[w2] = tensors[w2][kept].contiguous()
+    tensors["lm_head.weight"] = load_file(target / "model.safetensors")["lm_head.weight"][kept]
+    tensors["d2t"] = kept - torch.arange(len(kept))
+    directory.mkdir()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    config = replace(load_config(draft), draft_vocab_size=len(kept))
+    (directory / "config.json").write_text(json.dumps(speculators_config(config)))
+    return directory
+
+
+def test_a_reduced_vocabulary_draft_decodes_with_its_ids_mapped(pair, tmp_path):
+    """Half the target's vocabulary, the tokens the target decodes among it and the rest of the
+    draft ids off their target ids: greedy verification still emits the target's greedy
+    decoding, and drafts are accepted only if each drafted id is mapped to its target id;
+    probabilistic drafts (q zero off the draft vocabulary) are verified in every mode; and
+    eval-drift's greedy acceptance against the target (its own lm_head: the draft's covers half
+    the vocabulary) at the decoder's anchors is the decoder's mean acceptance length."""
+    from qstream.capture.target import load_target
+    from qstream.speculate.decode import target_greedy
+
+    loaded = load_target(pair[0], torch.float32)
+    greedy = []
+    for question in QUESTIONS:
+        prompt = loaded.tokenizer(question + "\n", add_special_tokens=False)["input_ids"]
+        greedy.append(target_greedy(loaded.model, prompt, NEW_TOKENS))
+    decoded = torch.tensor(sorted({t for g in greedy for t in g}))
+    rest = torch.tensor([t for t in range(VOCAB - 1, -1, -1) if t not in set(decoded.tolist())])
+    kept = torch.cat((decoded, rest[: VOCAB // 2 - len(decoded)])).sort().values
+    reduced = _reduced_draft(pair, tmp_path / "reduced", kept)
+    args = ["speculate", "--target", str(pair[0]), "--model", str(reduced), "--corpus",
+            str(pair[3]), "--prompts", "3", "--new-tokens", str(NEW_TOKENS), "--dtype",
+            "float32", "--formats", "bf16", "--json", "-"]  # fmt: skip
+    capture = tmp_path / "capture"
+    measured = json.loads(cli_ok([*args, "--capture", str(capture)]).stdout)
+    runs = measured["runs"]["bf16"]
+    assert [run["tokens"] for run in runs] == greedy
+    assert any(a > 0 for run in runs for a in run["accepted"])
+    for rule in ("probabilistic/standard", "probabilistic/block"):
+        out = json.loads(cli_ok([*args, "--rule", rule, "--temperature", "0.7"]).stdout)
+        summary = out["variants"]["bf16"]["summary"]
+        assert summary["prompts"] == 3 and 1 <= summary["mean_acceptance_length"]["value"]
+        assert all(0 <= t < VOCAB for run in out["runs"]["bf16"] for t in run["tokens"])
+    drift = tmp_path / "drift.json"
+    cli_ok(["eval-drift", "--model", str(reduced), "--target", str(pair[0]), "--states",
+            str(capture), "--states-anchors", str(capture / "anchors-bf16.json"), "--formats",
+            "bf16", "--acceptance", "--json", str(drift)])  # fmt: skip
+    states = json.loads(drift.read_text())["regimes"]["states"]["variants"]["bf16"]
+    emitted = states["acceptance"]["target"][GREEDY.name]["emitted"]["value"]
+    summary = measured["variants"]["bf16"]["summary"]
+    assert emitted == pytest.approx(summary["mean_acceptance_length"]["value"], abs=1e-9)

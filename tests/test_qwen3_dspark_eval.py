@@ -5,10 +5,15 @@ the card, through the command line on the qwen3-tiny preset."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
 from cli_helpers import cli_error, cli_ok
 from qwen3_drafts import REDUCED, speculators_config, write_qwen3_draft
+from safetensors.torch import load_file, save_file
+
+from qstream.verification import MODES
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +59,30 @@ def test_sensitivity_measures_the_markov_projection(draft, tmp_path):
     assert "self_attn.q_proj + self_attn.k_proj + self_attn.v_proj" in kinds
 
 
-def test_a_reduced_vocabulary_draft_is_refused_in_one_line(draft, tmp_path):
+def _drift(model, tokenizer, out, *extra):
+    cli_ok(["eval-drift", "--model", str(model), "--tokenizer", tokenizer, "--regime", "heavy",
+            "--acceptance", "--blocks", "8", "--formats", "bf16,nvfp4", "--json", str(out),
+            *extra])  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def _finite(value) -> bool:
+    if isinstance(value, dict):
+        return all(_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def test_a_reduced_vocabulary_draft_is_evaluated_in_every_mode(draft, tmp_path):
     write_qwen3_draft(tmp_path / "draft", REDUCED)
-    tokenizer = str(draft / "tokenizer.json")
-    message = cli_error(["eval-drift", "--model", str(tmp_path / "draft"), "--tokenizer",
-                         tokenizer, "--blocks", "4"])  # fmt: skip
-    assert "draft_vocab_size 512 < vocab_size 1024" in message
+    data = _drift(tmp_path / "draft", str(draft / "tokenizer.json"), tmp_path / "r.json")
+    for regime in data["regimes"].values():
+        for variant in regime["variants"].values():
+            assert _finite(variant["metrics"])
+            acceptance = variant["acceptance"]["reference"]
+            assert set(acceptance) >= {mode.name for mode in MODES.values()}
+            assert _finite(acceptance)
 
 
 def test_a_checkpoint_in_speculators_layout_is_quantized_as_vllm_serves_it(tmp_path):
@@ -107,3 +130,42 @@ def test_a_dflash_draft_without_heads_is_evaluated(draft, tmp_path):
     card.parent.mkdir()
     cli_ok(["card", str(results), "--output", str(card)])
     assert "| confidence r" in card.read_text()
+
+
+def test_an_identity_d2t_over_the_full_vocabulary_changes_no_result(draft, monkeypatch):
+    """The reduced-vocabulary path (draft ids mapped in the rollouts, logits scattered into the
+    target vocabulary before both verifiers) with the identity map over the full vocabulary
+    gives the full draft's results byte for byte: the scatter copies each logit to its own
+    column.  (A checkpoint cannot carry that map: vLLM reads d2t only when draft_vocab_size <
+    vocab_size, so the map is put where the code reads it.)"""
+    from qstream.arch import markov
+    from qstream.eval import verifiers
+    from qstream.eval.drift import evaluate_drift
+    from qstream.eval.settings import DriftSettings
+
+    settings = DriftSettings(model=str(draft), regime="heavy", blocks=8, formats=("bf16",),
+                             acceptance=True, temperature=0.7, top_k=50)  # fmt: skip
+    full = evaluate_drift(settings)
+    identity = torch.arange(json.loads((draft / "config.json").read_text())["vocab_size"])
+    init = verifiers.RegimeAcceptance.__init__
+
+    def mapped_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.to_target = identity
+
+    monkeypatch.setattr(markov, "draft_to_target", lambda model: identity)
+    monkeypatch.setattr(verifiers.RegimeAcceptance, "__init__", mapped_init)
+    mapped = evaluate_drift(settings)
+    assert json.dumps(mapped, sort_keys=True) == json.dumps(full, sort_keys=True)
+
+
+def test_a_reduced_draft_with_a_repeated_target_id_is_one_error_line(draft, tmp_path):
+    model = write_qwen3_draft(tmp_path / "draft", REDUCED)
+    tensors = {**load_file(model / "model.safetensors"), "d2t": torch.tensor([1, 0] + [0] * 510)}
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "r.json"
+    message = cli_error(["eval-drift", "--model", str(model), "--tokenizer",
+                         str(draft / "tokenizer.json"), "--blocks", "4", "--json", str(out)])  # fmt: skip
+    assert message == (f"Error: {model}: d2t[1] = 0 maps draft id 1 to target id 1, as d2t[0] = "
+                       "1 maps draft id 0: each draft id needs its own\n")  # fmt: skip
+    assert not out.exists()

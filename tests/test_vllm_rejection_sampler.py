@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qstream.arch.markov import in_target_vocab
 from qstream.eval.acceptance import (
     accept_probabilities,
     greedy_accepts,
@@ -35,6 +36,7 @@ from qstream.eval.acceptance import (
 
 pytestmark = pytest.mark.vllm
 
+REDUCED = "reduced vocabulary, probabilistic draft, "
 B, V = 2, 8  # drafted tokens per request, vocabulary (small: the interpreter is slow)
 T = 0.8  # the sampling modes' temperature
 MAX_SE = 0.1 / 3  # token: the Monte-Carlo standard error each sampling mode must reach
@@ -51,8 +53,14 @@ MODES = {
     "greedy draft, block": (T, "greedy", "block"),
     "probabilistic draft, standard": (T, "probabilistic", "standard"),
     "probabilistic draft, block": (T, "probabilistic", "block"),
+    REDUCED + "standard": (T, "probabilistic", "standard"),
+    REDUCED + "block": (T, "probabilistic", "block"),
 }
 RULE = {"standard": "token_wise", "block": "block"}
+# A reduced draft vocabulary (docs/acceptance.md, "Reduced vocabulary"): draft id d is target id
+# TO_TARGET[d]; vLLM's DSpark speculator caches the draft logits scattered into the target
+# vocabulary, -inf elsewhere (dspark/speculator.py, ``_sample_logits``), which the kernels read.
+TO_TARGET = torch.tensor([0, 2, 3, 5, 7])
 
 
 def _case(mode: str, seed: int) -> tuple[dict, torch.Tensor]:
@@ -60,20 +68,23 @@ def _case(mode: str, seed: int) -> tuple[dict, torch.Tensor]:
     temperature, draft_method, rejection = MODES[mode]
     R = GREEDY_REQUESTS if temperature == 0 else REQUESTS
     gen = torch.Generator().manual_seed(seed)
-    draft_logits = torch.randn(R, B, V, generator=gen) * 1.5  # [R, B, V]
-    target = torch.cat((draft_logits, torch.randn(R, 1, V, generator=gen) * 1.5), dim=1)
-    target = target + 0.7 * torch.randn(R, B + 1, V, generator=gen)  # [R, B+1, V]: bonus last
-    q = torch.softmax(draft_logits.double() / max(temperature, 1e-9), -1)
+    to_target = TO_TARGET if mode.startswith(REDUCED) else torch.arange(V)
+    draft_logits = torch.randn(R, B, len(to_target), generator=gen) * 1.5  # [R, B, Vd]
+    target = torch.randn(R, B + 1, V, generator=gen) * 1.5  # [R, B+1, V]: bonus last
+    target[:, :B, to_target] = draft_logits
+    target = target + 0.7 * torch.randn(R, B + 1, V, generator=gen)
+    q = torch.softmax(draft_logits.double() / max(temperature, 1e-9), -1)  # over draft ids
     if draft_method == "probabilistic":
-        draft = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(R, B)
+        draft_ids = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(R, B)
     else:
-        draft = draft_logits.argmax(-1)  # the greedy drafter's argmax whatever T
+        draft_ids = draft_logits.argmax(-1)  # the greedy drafter's argmax whatever T
+    draft = to_target[draft_ids]  # [R, B] target ids
     if temperature == 0:
         closed = greedy_accepts(draft, target[:, :B].argmax(-1)).sum(1)
     else:
         p_tok = token_probs(torch.softmax(target[:, :B].double() / temperature, -1), draft)
         if draft_method == "probabilistic":
-            accept = accept_probabilities(p_tok, token_probs(q, draft), RULE[rejection])
+            accept = accept_probabilities(p_tok, token_probs(q, draft_ids), RULE[rejection])
         else:
             accept = greedy_draft_probabilities(p_tok, RULE[rejection])
         closed = accept.sum(1)
@@ -82,7 +93,9 @@ def _case(mode: str, seed: int) -> tuple[dict, torch.Tensor]:
     requests = torch.arange(R, dtype=torch.int32)
     case = dict(
         target_logits=(target / temperature if temperature else target).flatten(0, 1).contiguous(),
-        draft_logits=draft_logits if draft_method == "probabilistic" else None,
+        draft_logits=in_target_vocab(draft_logits, to_target, V)
+        if draft_method == "probabilistic"
+        else None,
         draft_sampled=sampled_in.flatten(),
         cu_num_logits=torch.arange(R + 1, dtype=torch.int32) * (B + 1),
         pos=(100 + torch.arange(B + 1)).repeat(R),  # each request its own seed: draws differ

@@ -72,6 +72,25 @@ def draft_to_target(model: object) -> torch.Tensor | None:
     return getattr(model, "d2t", None)
 
 
+def draft_vocab_size(config: Any) -> int:
+    """The draft's output vocabulary (lm_head's rows): ``draft_vocab_size``, else the target's."""
+    return getattr(config, "draft_vocab_size", None) or config.vocab_size
+
+
+def in_target_vocab(
+    logits: torch.Tensor, to_target: torch.Tensor | None, vocab_size: int
+) -> torch.Tensor:
+    """Draft logits [..., Vd] scattered into the target vocabulary [..., V], -inf elsewhere
+    (``to_target``: :func:`draft_to_target`'s map; None: ``logits`` as given), as vLLM's DSpark
+    speculator hands them to the rejection sampler (vllm/v1/worker/gpu/spec_decode/dspark/
+    speculator.py, ``_sample_logits``): its softmax is the draft's, zero off the draft vocabulary,
+    and the argmax is the mapped draft argmax (docs/acceptance.md, "Reduced vocabulary")."""
+    if to_target is None:
+        return logits
+    out = logits.new_full((*logits.shape[:-1], vocab_size), -torch.inf)
+    return out.index_copy_(-1, to_target.to(logits.device), logits)
+
+
 MARKOV_TABLE = "markov_head.markov_w2.weight"
 MARKOV_EMBED = "markov_head.markov_w1.weight"
 

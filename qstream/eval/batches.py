@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from qstream.arch.interface import AuxChunks, DraftConfig, DraftModel, Rollout
+from qstream.arch.markov import draft_vocab_size
 from qstream.arch.registry import architecture_of
 from qstream.bounded import Recorded, Store, Trimmed
 from qstream.errors import QStreamError
@@ -260,11 +261,11 @@ class AuxStates:
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) -> torch.Tensor:
-    """Exp(1) variates [n, B, V] for one batch's sampled rollouts, the same for the reference and
+    """Exp(1) variates [n, B, Vd] (the draft vocabulary) for one batch's sampled rollouts, the same for the reference and
     every variant (common random numbers), drawn as ``-log(U)``, U uniform on [0, 1) (cheaper
     than ``exponential_``; U = 0 gives +inf, a race its token cannot win)."""
     gen = torch.Generator().manual_seed(((seed * 7919 + 17) * 1_000_003 + batch_index) % 2**64)
-    shape = (n_blocks, config.block_size, config.vocab_size)
+    shape = (n_blocks, config.block_size, draft_vocab_size(config))  # one per draft logit
     return torch.empty(shape).uniform_(generator=gen).log_().neg_()
 
 

@@ -72,15 +72,6 @@ def _states_plan(states: CapturedStates, settings: DriftSettings, config: DraftC
     return read_anchor_plan(settings.states_anchors, states, config.block_size)
 
 
-def refuse_unevaluated(config: DraftConfig) -> None:
-    """Refuse a reduced draft vocabulary (ids mapped by d2t; docs/qwen3-dspark.md, "Status")."""
-    if getattr(config, "reduced_vocab", False):
-        raise QStreamError(
-            f"config.json: draft_vocab_size {config.draft_vocab_size} < vocab_size "  # type: ignore[attr-defined]
-            f"{config.vocab_size}: eval-drift does not evaluate reduced-vocabulary drafts yet"
-        )
-
-
 def _resolved(
     settings: DriftSettings, corpus: Corpus | None, say: Callable[[str], None] | None
 ) -> tuple[DriftSettings, DraftConfig, Corpus]:
@@ -116,7 +107,6 @@ def evaluate_drift(
     model_dir, target = str(settings.model), settings.target
     progress = progress or Silent()
     progress.start(settings.planned_blocks())
-    refuse_unevaluated(config)
     if any(REGIMES[r].causal for r in settings.regimes):
         check_boot_compatible(config)
     refuse_quantized_model(model_dir)

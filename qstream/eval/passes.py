@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from qstream.arch.interface import DraftConfig
+from qstream.arch.markov import draft_vocab_size
 from qstream.arch.registry import architecture_of
 from qstream.bounded import Store, heap_hygiene
 from qstream.calibration import Calibration, calibrate_regime
@@ -70,10 +71,10 @@ def evaluate_regime(run: RegimeRun) -> dict:
         kept.callback(aux.close)
         probe = RegimeAcceptance(
             architecture_of(run.config).drafter, run.weights, run.plan, aux.captured, settings=s,
-            block_size=run.config.block_size,
+            config=run.config,
         )  # fmt: skip
         kept.callback(probe.close)
-        N, B, V = run.plan.anchor.numel(), run.config.block_size, run.config.vocab_size
+        N, B, V = run.plan.anchor.numel(), run.config.block_size, draft_vocab_size(run.config)
         logits = kept.enter_context(Store(s.scratch_dir, total_bytes=4 * N * B * V))
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
             with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch

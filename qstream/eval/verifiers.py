@@ -5,12 +5,14 @@ The math and tallies are acceptance.py's; passes.py feeds this."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from qstream.arch.interface import LM_HEAD, Drafter, Rollout
-from qstream.arch.markov import sampling_probs
+from qstream.arch.family import D2T, borrow_from_target
+from qstream.arch.interface import LM_HEAD, DraftConfig, Drafter, Rollout
+from qstream.arch.markov import in_target_vocab, sampling_probs
 from qstream.arch.weights import ComputeWeights
 from qstream.bounded import Store
 from qstream.eval.acceptance import (
@@ -41,8 +43,10 @@ from qstream.verification import (
 
 class RegimeAcceptance:
     """One regime's verifiers (a no-op when neither applies).  With ``--acceptance`` what the
-    drafter keeps of the reference's state (U [N, B, V] float32) is held in a Store
-    (:meth:`close` frees it) beside the reference's head; per variant only [N, B] values."""
+    drafter keeps of the reference's state (U [N, B, Vd] float32) is held in a Store
+    (:meth:`close` frees it) beside the reference's head; per variant only [N, B] values.  A
+    reduced-vocabulary draft's logits are scattered into the target vocabulary before either
+    verifier reads them, as vLLM verifies them (:func:`qstream.arch.markov.in_target_vocab`)."""
 
     def __init__(
         self,
@@ -52,9 +56,11 @@ class RegimeAcceptance:
         captured: CapturedStates | None,
         *,
         settings: DriftSettings,
-        block_size: int,
+        config: DraftConfig,
     ):
-        self.drafter, self.sampling, self.B = drafter, settings.sampling, block_size
+        self.drafter, self.sampling, self.B = drafter, settings.sampling, config.block_size
+        self.vocab_size, d2t = config.vocab_size, weights.get(D2T)
+        self.to_target = None if d2t is None else torch.arange(len(d2t)) + d2t.long()
         self.adaptive, self.seed = settings.adaptive, settings.seed
         self.states = captured
         self.against_reference = settings.acceptance
@@ -70,13 +76,28 @@ class RegimeAcceptance:
             return
         self.head = drafter.reference_head(weights)
         if self.states is not None:
-            self.lm_head = ComputeWeights({LM_HEAD: weights[LM_HEAD]}, torch.float32)
+            head = self._target_head(weights, settings)
+            self.lm_head = ComputeWeights({LM_HEAD: head}, torch.float32)
             self.plan = plan
-            self.stream_tokens = self.states.block_tokens(plan, block_size)
+            self.stream_tokens = self.states.block_tokens(plan, self.B)
         if self.against_reference:  # last: nothing after it can fail and leave it open
             N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
-            # the block drafter keeps U [N, B, V] float32
-            self.kept = Store(settings.scratch_dir, total_bytes=4 * N * block_size * V)
+            # the block drafter keeps U [N, B, Vd] float32
+            self.kept = Store(settings.scratch_dir, total_bytes=4 * N * self.B * V)
+
+    def _target_head(self, weights: Mapping[str, torch.Tensor], settings: DriftSettings):
+        """The target's lm_head [V, H]: the draft's own is the target's, unless the draft's
+        vocabulary is reduced (its lm_head covers the draft vocabulary only)."""
+        head = weights[LM_HEAD]
+        if self.to_target is None:
+            return head
+        shape, model = (self.vocab_size, head.shape[1]), Path(str(settings.model))
+        lent = borrow_from_target(model, settings.target, [LM_HEAD], shape, "target lm_head")
+        return lent[LM_HEAD]
+
+    def _in_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [n, B, Vd] over the target vocabulary [n, B, V] (unchanged at Vd = V)."""
+        return in_target_vocab(logits, self.to_target, self.vocab_size)
 
     def close(self) -> None:
         """Free what is kept of the reference (its memory or scratch file)."""
@@ -107,7 +128,7 @@ class RegimeAcceptance:
         greedy draft only (a probabilistic draft's depends on drafts the stream does not
         sample; docs/acceptance.md)."""
         target_logits, stream = self._target(batch)
-        forced = self.drafter.teacher_forced(state, stream).logits
+        forced = self._in_target(self.drafter.teacher_forced(state, stream).logits)
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
         q_tok = token_probs(self._drafter_probs(forced), stream)
         drafted_is_stream = forced.argmax(-1) == stream
@@ -168,13 +189,12 @@ class RegimeAcceptance:
         sampling distribution against the greedy and the probabilistic draft."""
         assert self.kept is not None  # kept whenever the reference verifies
         kept = self.kept.get(batch)
-        p_greedy = self.drafter.replay(self.head, kept, greedy)
+        p_greedy = self._in_target(self.drafter.replay(self.head, kept, greedy))
         acc.add(GREEDY, greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
         p_greedy_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
-        p_tok = token_probs(
-            self._verifier_probs(self.drafter.replay(self.head, kept, sampled)), sampled.tokens
-        )
-        q_tok = token_probs(self._drafter_probs(sampled.logits), sampled.tokens)
+        p_sampled = self._in_target(self.drafter.replay(self.head, kept, sampled))
+        p_tok = token_probs(self._verifier_probs(p_sampled), sampled.tokens)
+        q_tok = token_probs(self._drafter_probs(self._in_target(sampled.logits)), sampled.tokens)
         for mode in SAMPLING_MODES:
             if mode.probabilistic:
                 acc.add(mode, accept_probabilities(p_tok, q_tok, mode.block))

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from qstream.arch.markov import sampling_probs
+from qstream.arch.markov import draft_to_target, draft_vocab_size, in_target_vocab, sampling_probs
 from qstream.arch.registry import architecture_of
 from qstream.capture.target import LayerTap, cache_keyword
 from qstream.errors import QStreamError
@@ -85,8 +85,6 @@ def speculative_decode(
     if mode.adaptive:  # its budget is a batch's (docs/acceptance.md), not one prompt's
         raise QStreamError(f"speculate does not decode with adaptive verification ({mode.name})")
     config = draft.config
-    if getattr(config, "reduced_vocab", False):
-        raise QStreamError("speculative decoding with a reduced-vocabulary draft is not supported")
     gen = torch.Generator().manual_seed(seed)
     ids, out, layer_ids = list(prompt), Decoded(), config.target_layer_ids
     kv = new_cache(target) if cache else None
@@ -136,17 +134,19 @@ def _pick(logits: torch.Tensor, mode: VerificationMode, temperature: float, gen)
 
 
 def _draft(draft, aux, anchor_token: int, mode: VerificationMode, temperature: float, seed: int):
-    """One block at anchor p = aux's length: its tokens and the drafter's distributions q
-    [B, V] (None for a greedy draft)."""
+    """One block at anchor p = aux's length: its tokens (target ids) and the drafter's
+    distributions q [B, V] over the target vocabulary (None for a greedy draft); a reduced
+    vocabulary's q is zero off the draft's ids (:func:`qstream.arch.markov.in_target_vocab`)."""
     drafter, config = architecture_of(draft.config).drafter, draft.config
     at = (torch.tensor([0]), torch.tensor([aux.shape[1]]), torch.tensor([anchor_token]))
     state = drafter.propose(draft, aux, *at)
     if not mode.probabilistic:
         return drafter.rollout(state).tokens[0].tolist(), None
-    shape = (1, config.block_size, config.vocab_size)  # a full-vocabulary draft (checked)
+    shape = (1, config.block_size, draft_vocab_size(config))  # one race entry per draft logit
     noise = torch.empty(shape).exponential_(generator=torch.Generator().manual_seed(seed))
     rolled = drafter.rollout(state, noise, temperature)
-    return rolled.tokens[0].tolist(), sampling_probs(rolled.logits[0], temperature)
+    logits = in_target_vocab(rolled.logits[0], draft_to_target(draft), config.vocab_size)
+    return rolled.tokens[0].tolist(), sampling_probs(logits, temperature)
 
 
 def _verify(logits, drafted: list[int], q, mode: VerificationMode, temperature: float, gen):

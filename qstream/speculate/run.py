@@ -95,12 +95,6 @@ def _check(s: SpeculateSettings, config: DraftConfig) -> None:
         raise QStreamError(
             f"--prompts must be >= 1 and --new-tokens >= 2, got {s.prompts} and {s.new_tokens}"
         )
-    if getattr(config, "reduced_vocab", False):
-        raise QStreamError(
-            f"{Path(s.model) / 'config.json'}: draft_vocab_size "
-            f"{getattr(config, 'draft_vocab_size')} < vocab_size {config.vocab_size}: "
-            "speculative decoding with a reduced-vocabulary draft is not supported yet"
-        )
 
 
 def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dict:
