@@ -61,12 +61,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--anchors", type=int, default=ANCHORS, help="blocks per step")
     ap.add_argument("--pack", type=int, default=pair.PACK, help="tokens per packed sequence")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=pair.THREADS, help="1 on a crowded machine")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    torch.set_num_threads(pair.THREADS)
+    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     out = args.output
     if out.exists() and any(out.iterdir()):
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     aux_ids = [j + 1 for j in spread_layer_ids(config.num_hidden_layers, AUX_COUNT)]
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     record: dict = {"settings": settings, "target": identity, "aux_hidden_state_layer_ids": aux_ids,
-                    "threads": pair.THREADS, "torch": torch.__version__, "seconds": {}}  # fmt: skip
+                    "threads": args.threads, "torch": torch.__version__, "seconds": {}}  # fmt: skip
     clock = time.perf_counter()
 
     questions = [json.loads(line)["question"] for line in
