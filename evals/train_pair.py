@@ -252,27 +252,31 @@ def save_target(model, directory: Path) -> None:
 # --- the draft ------------------------------------------------------------------------------
 
 
-def build_draft(target_dir: Path, seed: int):
+def build_draft(
+    target_dir: Path, seed: int, layer: dict | None = None, vocab: int = VOCAB,
+    aux_ids: list[int] = AUX_IDS, mask: int = MASK, architecture: str = "Qwen3ForCausalLM",
+):  # fmt: skip
+    """The draft, its verifier-owned weights loaded from ``target_dir``. ``layer``: the Qwen3
+    layer shape (default this pair's target's); ``aux_ids``: speculators' hidden-states indices."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    layer = Qwen3Config(
-        vocab_size=VOCAB, max_position_embeddings=1024, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        **{**TARGET, "num_hidden_layers": DRAFT_LAYERS},
-    )  # fmt: skip
+    shape = layer or dict(max_position_embeddings=1024, rms_norm_eps=1e-6,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          **{**TARGET, "num_hidden_layers": DRAFT_LAYERS})  # fmt: skip
+    layer = Qwen3Config(vocab_size=vocab, **shape)
     layer._attn_implementation = "eager"  # flex attention compiles, and only for CUDA
     spec = SpeculatorsConfig(
         algorithm="dspark",
         proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BLOCK)],
         default_proposal_method="greedy",
-        verifier=VerifierConfig(name_or_path=str(target_dir), architectures=["Qwen3ForCausalLM"]),
+        verifier=VerifierConfig(name_or_path=str(target_dir), architectures=[architecture]),
     )
     config = DSparkSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=VOCAB, block_size=BLOCK,
-        aux_hidden_state_layer_ids=AUX_IDS, mask_token_id=MASK, sample_from_anchor=True,
+        transformer_layer_config=layer, draft_vocab_size=vocab, block_size=BLOCK,
+        aux_hidden_state_layer_ids=aux_ids, mask_token_id=mask, sample_from_anchor=True,
         markov_rank=MARKOV_RANK, enable_confidence_head=True, confidence_head_with_markov=True,
         speculators_config=spec,
     )  # fmt: skip
@@ -295,10 +299,10 @@ def packs(docs: list[tuple[list[int], int]], length: int, gen: torch.Generator):
         yield [docs[j] for j in pack]
 
 
-def target_states(target, docs: list[tuple[list[int], int]]):
+def target_states(target, docs: list[tuple[list[int], int]], aux_ids: list[int] = AUX_IDS):
     """One packed sequence's draft inputs: its documents run through the target as one
     right-padded batch (each document attends only to itself); the loss mask covers the
-    answers, where the decoder drafts."""
+    answers, where the decoder drafts. ``aux_ids``: hidden-states indices."""
     ids, mask = pad_right([row for row, _ in docs])
     width = ids.shape[1]
     captured: dict = {}
@@ -306,7 +310,7 @@ def target_states(target, docs: list[tuple[list[int], int]]):
     with torch.no_grad():
         hs = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     hook.remove()
-    aux = torch.cat([hs.hidden_states[i] for i in AUX_IDS], dim=-1)
+    aux = torch.cat([hs.hidden_states[i] for i in aux_ids], dim=-1)
     keep = mask.bool()
     position = torch.arange(width).expand(len(docs), width)
     starts = torch.tensor([start for _, start in docs])[:, None]
@@ -322,16 +326,32 @@ def target_states(target, docs: list[tuple[list[int], int]]):
 
 
 def train_draft(
-    draft, target, docs: list[tuple[list[int], int]], epochs: int, seed: int
+    draft,
+    target,
+    docs: list[tuple[list[int], int]],
+    epochs: int,
+    seed: int,
+    aux_ids: list[int] = AUX_IDS,
+    anchors: int = ANCHORS,
+    pack: int = PACK,
+    timings: dict | None = None,
+    window: int = 200,
 ) -> list[float]:
+    """Capture the target's states of ``docs`` once (packed sequences of ``pack`` tokens), then
+    train for ``epochs`` over them, ``anchors`` blocks per step; ``timings`` gets both stages'
+    seconds. Returns the mean loss of each run of ``window`` steps."""  # fmt: skip
     from speculators.models.dspark import DSparkDraftModel
 
     loss_kwargs, _ = DSparkDraftModel.get_trainer_kwargs(loss_fn=LOSS, loss_implementation="eager",
-                                                         max_anchors=ANCHORS)  # fmt: skip
+                                                         max_anchors=anchors)  # fmt: skip
     torch.manual_seed(seed + 2)
     gen = torch.Generator().manual_seed(seed + 2)
-    cache = [target_states(target, rows) for rows in packs(docs, PACK, gen)]
+    clock = time.perf_counter()
+    cache = [target_states(target, rows, aux_ids) for rows in packs(docs, pack, gen)]
     print(f"draft: {len(cache)} packed sequences of target states", flush=True)
+    if timings is not None:
+        timings["capture"] = round(time.perf_counter() - clock, 1)
+        clock = time.perf_counter()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)
     total, losses, step = epochs * len(cache), [], 0
@@ -342,10 +362,12 @@ def train_draft(
             update(opt, params, loss, 2e-3 * schedule(step, total, 100))
             losses.append(float(loss.detach()))
             step += 1
-            if step % 200 == 0:
+            if step % window == 0:
                 print(f"draft epoch {epoch} step {step}/{total} loss {loss:.4f}", flush=True)
     draft.eval()
-    return window_means(losses, 200)
+    if timings is not None:
+        timings["train"] = round(time.perf_counter() - clock, 1)
+    return window_means(losses, window)
 
 
 def teacher_forced_top1(draft, target, docs: list[tuple[list[int], int]], seed: int) -> dict:

