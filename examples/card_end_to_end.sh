@@ -38,9 +38,11 @@ for fmt in fp8 mxfp4 nvfp4; do
 done
 
 # Simulated formats, plus the FP8 checkpoint read back from disk (what ships is what is measured),
-# with simulated acceptance under vLLM's verification rules and NVFP4's per-module sensitivity.
+# with simulated acceptance under vLLM's verification rules and NVFP4's per-module sensitivity;
+# three serving conditions (an fp8 KV cache, W8A8, W4A4) give the card its "Serving conditions".
 step "eval-drift: every format in every regime, $BLOCKS blocks each (the longest step)"
-"$QSTREAM" eval-drift --model draft --formats bf16,fp8,mxfp4,nvfp4 --variant shipped-fp8=draft-fp8 \
+"$QSTREAM" eval-drift --model draft --variant shipped-fp8=draft-fp8 \
+  --formats bf16,fp8,mxfp4,nvfp4,bf16+kv=fp8_e4m3,fp8+a=fp8-dynamic,nvfp4+a=nvfp4 \
   --include_layers "${INCLUDE[@]}" --regime all --blocks "$BLOCKS" --seed 0 \
   --acceptance --sensitivity --json results.json > /dev/null
 
