@@ -81,7 +81,7 @@ def test_a_draft_vocabulary_larger_than_the_targets_is_refused(tmp_path):
     (draft / "config.json").write_text(json.dumps({**config, "draft_vocab_size": 2048}))
     refused = cli_error(["quantize", "--model_dir", str(draft), "--output_dir",
                          str(tmp_path / "out"), "--quant_format", "fp8"])  # fmt: skip
-    assert "draft_vocab_size = 2048 must not exceed vocab_size (1024)" in refused
+    assert "draft_vocab_size = 2048 must not exceed the target's vocab_size (1024)" in refused
 
 
 @pytest.mark.parametrize(

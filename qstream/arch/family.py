@@ -281,6 +281,19 @@ def check_target_layers(ids: tuple[Any, ...], n: int | None) -> None:
     check(len(set(ids)) == len(ids), "target_layer_ids", list(ids), "must not repeat")
 
 
+def check_attention(config: Any) -> None:
+    """The checks a Llama-style attention layer's config passes (Qwen3-style DSpark, EAGLE-3):
+    rms_norm_eps, grouped heads, an even head_dim, a draft vocabulary within the target's."""
+    c = config
+    check(number(c.rms_norm_eps) and c.rms_norm_eps > 0, "rms_norm_eps", c.rms_norm_eps,
+          "must be positive")  # fmt: skip
+    n, kv = c.num_attention_heads, c.num_key_value_heads
+    check(n % kv == 0, "num_key_value_heads", kv, f"must divide num_attention_heads ({n})")
+    check(c.head_dim % 2 == 0, "head_dim", c.head_dim, "must be even (RoPE pairs)")
+    check(c.draft_vocab_size <= c.vocab_size, "draft_vocab_size", c.draft_vocab_size,
+          f"must not exceed the target's vocab_size ({c.vocab_size})")  # fmt: skip
+
+
 def check_mask_token(config: Any) -> None:
     mask, vocab = config.mask_token_id, config.vocab_size
     check(isinstance(mask, int) and 0 <= mask < vocab, "mask_token_id", mask,

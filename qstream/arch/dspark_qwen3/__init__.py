@@ -132,13 +132,7 @@ class Qwen3DSparkConfig:
 
     def __post_init__(self) -> None:
         family.check_positive_ints(self, POSITIVE_INT_FIELDS, _json_key)
-        check(number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
-              self.rms_norm_eps, "must be positive")  # fmt: skip
-        n, kv = self.num_attention_heads, self.num_key_value_heads
-        check(n % kv == 0, "num_key_value_heads", kv, f"must divide num_attention_heads ({n})")
-        check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
-        check(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
-              self.draft_vocab_size, f"must not exceed vocab_size ({self.vocab_size})")  # fmt: skip
+        family.check_attention(self)
         family.check_mask_token(self)
         family.check_target_layers(self.target_layer_ids, self.target_num_hidden_layers)
         if (top := self.target_num_hidden_layers) is not None:

@@ -145,13 +145,7 @@ class Eagle3Config:
               f"must be one of {', '.join(FORMS)} (the EAGLE-3 forms vLLM 0.32.0 serves)")  # fmt: skip
         check(self.num_hidden_layers == 1, "num_hidden_layers", self.num_hidden_layers,
               "must be 1: qstream evaluates the one-midlayer EAGLE-3 draft only")  # fmt: skip
-        check(number(self.rms_norm_eps) and self.rms_norm_eps > 0, "rms_norm_eps",
-              self.rms_norm_eps, "must be positive")  # fmt: skip
-        n, kv = self.num_attention_heads, self.num_key_value_heads
-        check(n % kv == 0, "num_key_value_heads", kv, f"must divide num_attention_heads ({n})")
-        check(self.head_dim % 2 == 0, "head_dim", self.head_dim, "must be even (RoPE pairs)")
-        check(self.draft_vocab_size <= self.vocab_size, "draft_vocab_size",
-              self.draft_vocab_size, f"must not exceed the target's vocab_size ({self.vocab_size})")  # fmt: skip
+        family.check_attention(self)
         ids = self.aux_layer_ids
         if ids is None:
             check(self.num_aux_hidden_states == DEFAULT_AUX, "num_aux_hidden_states",
