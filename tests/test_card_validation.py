@@ -91,7 +91,7 @@ def test_proportion_above_one_is_refused_even_inside_its_interval(tmp_path, smal
         ("metrics.one_minus_tv[6]", "one_minus_tv"),
         ("metrics.sched_flip_rate", "sched_flip_rate"),
         ("metrics.rollouts.sampled.prefix_agree[0]", "prefix_agree"),
-        ("acceptance.reference.sampled_block.prefix_accept[2]", "prefix_accept"),
+        ("acceptance.reference.probabilistic/block.prefix_accept[2]", "prefix_accept"),
     ],
 )
 def test_every_kind_of_share_is_bounded(tmp_path, full, path, key):
@@ -124,9 +124,9 @@ def test_unbounded_quantities_and_nulls_are_published(tmp_path, full):
     mxfp4 = _node(data, MXFP4)
     mxfp4["metrics"]["kl"]["mean"].update(value=3.5, lo=3.25, hi=3.75)
     mxfp4["metrics"]["kl"]["max"] = 41.0
-    mode = mxfp4["acceptance"]["reference"]["sampled_block"]
+    mode = mxfp4["acceptance"]["reference"]["probabilistic/block"]
     assert mode["emitted"]["value"] > 1  # tokens per step, not a share
-    mxfp4["acceptance"]["reference"]["loss_vs_bf16"]["sampled_block"].update(
+    mxfp4["acceptance"]["reference"]["loss_vs_bf16"]["probabilistic/block"].update(
         value=-0.5, lo=-0.75, hi=-0.25
     )
     mxfp4["metrics"]["confidence_r"].update(value=None, lo=None, hi=None)
