@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from cli_helpers import cli_ok
 from click.testing import CliRunner
+from test_activations import cast_to_fp4, get_reciprocal  # nvfp4_emulation_utils.py, as written
 
 from qstream.cli import cli
 from qstream.formats.head import HEADS
@@ -53,21 +54,6 @@ def vllm_fp8_head(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return output.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def cast_to_fp4(x: torch.Tensor) -> torch.Tensor:
-    """nvfp4_emulation_utils.py, ``cast_to_fp4``, as written."""
-    sign = torch.sign(x)
-    x = torch.abs(x)
-    x[(x >= 0.0) & (x <= 0.25)] = 0.0
-    x[(x > 0.25) & (x < 0.75)] = 0.5
-    x[(x >= 0.75) & (x <= 1.25)] = 1.0
-    x[(x > 1.25) & (x < 1.75)] = 1.5
-    x[(x >= 1.75) & (x <= 2.5)] = 2.0
-    x[(x > 2.5) & (x < 3.5)] = 3.0
-    x[(x >= 3.5) & (x <= 5.0)] = 4.0
-    x[x > 5.0] = 6.0
-    return x * sign
-
-
 def vllm_nvfp4_head(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """_quantize_nvfp4 (ref_nvfp4_quant over the rows, codes packed and unpacked), then the W4A16
     product with the global scale after the sum (apply_fp4_marlin_linear's epilogue)."""
@@ -83,10 +69,6 @@ def vllm_nvfp4_head(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     vec_max = torch.max(torch.abs(xb), dim=-1, keepdim=True)[0].to(torch.float32)
     scale = inv_global_scale * (vec_max * (1 / 6.0))
     scale = torch.clamp(scale, max=448, min=-448).to(torch.float8_e4m3fn).to(torch.float32)
-
-    def get_reciprocal(t):
-        return 1.0 / (t + (t == 0) * 1e8)
-
     output_scale = get_reciprocal(scale * get_reciprocal(inv_global_scale))
     clipped = torch.clamp(xb.to(torch.float32) * output_scale, -6.0, 6.0).reshape(m, n)
     values = cast_to_fp4(clipped)

@@ -308,6 +308,30 @@ def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0
 
 
+def decoder_layer_shapes(
+    c: Any, p: str, attention_input: int, bias: tuple[str, ...], qk_norm: bool
+) -> dict[str, tuple[int, ...]]:
+    """One Llama/Qwen3 decoder layer's tensors under prefix ``p`` in checkpoint order: q/k/v/o
+    reading ``attention_input`` wide, a bias on each projection named in ``bias``, q_norm/k_norm
+    when ``qk_norm``, then the SwiGLU MLP (the Qwen3-style DSpark's layers, EAGLE-3's midlayer)."""
+    H, d = c.hidden_size, c.head_dim
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (H,)}
+    for name, out, inp in (("q", q, attention_input), ("k", kv, attention_input),
+                           ("v", kv, attention_input), ("o", H, q)):  # fmt: skip
+        shapes[f"{p}self_attn.{name}_proj.weight"] = (out, inp)
+        if name in bias:
+            shapes[f"{p}self_attn.{name}_proj.bias"] = (out,)
+    if qk_norm:
+        shapes[p + "self_attn.q_norm.weight"] = (d,)
+        shapes[p + "self_attn.k_norm.weight"] = (d,)
+    shapes[p + "post_attention_layernorm.weight"] = (H,)
+    shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, H)
+    shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, H)
+    shapes[p + "mlp.down_proj.weight"] = (H, c.intermediate_size)
+    return shapes
+
+
 def head_shapes(config: Any, markov_w2_rows: int) -> dict[str, tuple[int, ...]]:
     """The Markov head's tables (``markov_rank`` > 0) and the confidence head (when enabled)."""
     H, r = config.hidden_size, config.markov_rank

@@ -366,27 +366,15 @@ INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch
 def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor vLLM builds for ``config``, in checkpoint order (``lm_head.weight`` and
     ``d2t``: a reduced-vocabulary draft's)."""
-    c = config
-    H, d = c.hidden_size, c.head_dim
-    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    c, H = config, config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         EMBED: (c.vocab_size, H),
         "fc.weight": (H, c.aux_size),
         "hidden_norm.weight": (H,),
     }
+    bias = ("q", "k", "v", "o") if c.attention_bias else ()
     for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (H,)
-        for name, out, inp in (("q", q, H), ("k", kv, H), ("v", kv, H), ("o", H, q)):
-            shapes[f"{p}self_attn.{name}_proj.weight"] = (out, inp)
-            if c.attention_bias:
-                shapes[f"{p}self_attn.{name}_proj.bias"] = (out,)
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-        shapes[p + "post_attention_layernorm.weight"] = (H,)
-        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, H)
-        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, H)
-        shapes[p + "mlp.down_proj.weight"] = (H, c.intermediate_size)
+        shapes.update(family.decoder_layer_shapes(c, f"layers.{i}.", H, bias, qk_norm=True))
     shapes["norm.weight"] = (H,)
     if c.own_lm_head:
         shapes[LM_HEAD] = (c.draft_vocab_size, H)

@@ -310,23 +310,12 @@ def tensor_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Every tensor of the draft, in checkpoint order, under speculators' names (``layers.0.``;
     a checkpoint's ``midlayer.`` is read as it): embed_tokens and lm_head may be the target's,
     d2t is a reduced vocabulary's."""
-    c, p = config, LAYER
-    H, d = c.hidden_size, c.head_dim
-    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    c, p, H = config, LAYER, config.hidden_size
     shapes: dict[str, tuple[int, ...]] = {EMBED: (c.vocab_size, H), "fc.weight": (H, c.aux_size)}
     shapes[p + "hidden_norm.weight"] = (H,)
-    shapes[p + "input_layernorm.weight"] = (H,)
-    for name, out, inp in (("q", q, 2 * H), ("k", kv, 2 * H), ("v", kv, 2 * H), ("o", H, q)):
-        shapes[f"{p}self_attn.{name}_proj.weight"] = (out, inp)
-        if c.attention_bias and name != "o":
-            shapes[f"{p}self_attn.{name}_proj.bias"] = (out,)
-    if c.qk_norm:
-        shapes[p + "self_attn.q_norm.weight"] = (d,)
-        shapes[p + "self_attn.k_norm.weight"] = (d,)
-    shapes[p + "post_attention_layernorm.weight"] = (H,)
-    shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, H)
-    shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, H)
-    shapes[p + "mlp.down_proj.weight"] = (H, c.intermediate_size)
+    # attention reads [embedding ‖ hidden]; o_proj never has a bias
+    bias = ("q", "k", "v") if c.attention_bias else ()
+    shapes.update(family.decoder_layer_shapes(c, p, 2 * H, bias, c.qk_norm))
     shapes["norm.weight"] = (H,)
     shapes[LM_HEAD] = (c.draft_vocab_size, H)
     if c.reduced_vocab:
