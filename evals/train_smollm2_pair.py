@@ -44,6 +44,7 @@ from qstream.publish import CONVERT_RECORD  # noqa: E402
 from qstream.synth.target import _mask_id, spread_layer_ids  # noqa: E402
 
 AUX_COUNT = 5  # speculators' aux layers, as the gsm8k pair's draft has
+ANSWERS = "answers.json"  # the generated documents, kept so a rerun can skip generating
 ANCHORS = 32  # blocks per step: over a 49,152-token vocabulary, 128 cost 5-10x as long on CPU
 
 
@@ -62,6 +63,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pack", type=int, default=pair.PACK, help="tokens per packed sequence")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=pair.THREADS, help="1 on a crowded machine")
+    ap.add_argument("--answers", type=Path, help="an earlier run's answers.json: skip generating")
     return ap.parse_args(argv)
 
 
@@ -93,8 +95,22 @@ def main(argv: list[str] | None = None) -> int:
 
     questions = [json.loads(line)["question"] for line in
                  (args.gsm8k / "train.jsonl").read_text().splitlines()[: args.questions]]  # fmt: skip
-    docs = generate(target, tok, questions, args.max_new_tokens, args.batch_size)
-    record["seconds"]["generate"] = round(time.perf_counter() - clock, 1)
+    key = {"gguf_sha256": identity["gguf_sha256"], "questions": args.questions,
+           "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    if args.answers is None:
+        docs = generate(target, tok, questions, args.max_new_tokens, args.batch_size)
+        record["seconds"]["generate"] = round(time.perf_counter() - clock, 1)
+        out.mkdir(parents=True, exist_ok=True)  # kept at once: generating is the longest stage
+        saved = {**key, "seconds": record["seconds"]["generate"], "docs": docs}
+        (out / ANSWERS).write_text(json.dumps(saved) + "\n")
+    else:
+        saved = json.loads(args.answers.read_text())
+        if {k: saved.get(k) for k in key} != key:
+            print(f"Error: {args.answers} answers other settings than {key}", file=sys.stderr)
+            return 2
+        docs = [(row, start) for row, start in saved["docs"]]
+        record["seconds"]["generate"] = saved["seconds"]  # measured when they were generated
+        record["answers_reused"] = str(args.answers)
     answers = [len(row) - start for row, start in docs]
     record["tokens"] = {"prompt": sum(s for _, s in docs), "answer": sum(answers),
                         "answers_ended": sum(row[-1] == tok.eos_token_id for row, _ in docs)}  # fmt: skip
