@@ -1,9 +1,10 @@
 """``qstream capture`` as a library call (docs/capture.md): check everything, load the target,
 then run it over the streams a batch at a time (grouped by length, right-padded, the padded
 positions' states discarded), writing each stream's file as its batch completes.  The streams
-are the corpus as written, or with ``--generate`` each document's first tokens continued by the
-target's own samples, drawn with eval-drift's sampling functions (``qstream.arch.markov``) and
-seeded per stream.
+are the corpus as written, or with ``--generate`` each document's first tokens (or, with
+``--apply-chat-template``, its first line through the target's chat template: chat_prompts)
+continued by the target's own samples, drawn with eval-drift's sampling functions
+(``qstream.arch.markov``) and seeded per stream.
 
 >>> summary = run_capture(CaptureSettings(target="T", model="DRAFT", output="states/"))
 >>> docs = corpus_docs("gsm8k/test.jsonl")          # or None: the built-in GSM8K test split

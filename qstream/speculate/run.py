@@ -1,5 +1,6 @@
 """``qstream speculate`` as one library call (docs/speculate.md, "Command"): the target loaded as
-``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt, the
+``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt (with
+``--apply-chat-template``, as one user turn through the target's chat template), the
 draft's variants built as ``eval-drift`` builds them, and every variant decoding every prompt
 with the target in the loop.  With ``--capture DIR`` (greedy only: every variant then emits the
 target's own continuation), the decoded streams' states in qstream's layout and
