@@ -40,6 +40,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, str(Path(__file__).parent))
 import train_pair as pair  # noqa: E402  (the draft and its training loop, shared)
 
+from qstream.capture.run import chat_prompts  # noqa: E402
 from qstream.publish import CONVERT_RECORD  # noqa: E402
 from qstream.synth.target import _mask_id, spread_layer_ids  # noqa: E402
 
@@ -173,10 +174,7 @@ def generate(target, tok, questions: list[str], max_new: int, batch: int):
     """Each question as one user turn through the chat template, answered greedily: the
     documents (prompt + answer ids, the answer's end-of-turn token kept when reached) and where
     each answer starts. Batches are left-padded; the answer is cut at its first end token."""
-    chat = [{"role": "user", "content": q} for q in questions]
-    texts = [tok.apply_chat_template([turn], add_generation_prompt=True, tokenize=False)
-             for turn in chat]  # fmt: skip
-    prompts = [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+    prompts = chat_prompts(tok, questions)  # as speculate --apply-chat-template
     eos, pad = tok.eos_token_id, tok.pad_token_id
     docs = []
     for k in range(0, len(prompts), batch):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from chat_targets import with_chat_template
 from cli_helpers import cli_error
 from hf_targets import HIDDEN, LAYERS, make_draft_config, make_target
 from safetensors import safe_open
@@ -158,6 +159,40 @@ def test_generate_is_seeded_and_samples_the_targets_nucleus(target, draft, corpu
     assert record["source"] == "generate" and record["sampling"]["top_p"] == 0.5
 
 
+def test_generate_prompts_through_the_chat_template(target, draft, corpus, tmp_path):
+    """--apply-chat-template: each document's first line one user turn through the template
+    (transformers' own apply_chat_template the oracle), recorded in the sampling settings."""
+    from transformers import AutoTokenizer
+
+    chat = with_chat_template(target, tmp_path / "chat")
+    sampling = Sampling(new_tokens=4, temperature=1.0, top_p=1.0, top_k=None, seed=0)
+    out = tmp_path / "out"
+    _capture(chat, draft, corpus, out, streams=2, max_tokens=128, sampling=sampling,
+             apply_chat_template=True)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    lines = [doc.strip().split("\n")[0] for doc in Path(corpus).read_text().split("\n\n")]
+    for i in range(2):
+        turn = [{"role": "user", "content": lines[i]}]
+        prompt = tokenizer.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+        with safe_open(out / f"stream-{i:06d}.safetensors", "pt") as f:
+            assert int(f.metadata()["prompt_tokens"]) == len(prompt)
+            assert f.get_tensor("input_ids")[: len(prompt)].tolist() == prompt
+    record = json.loads((out / "capture.json").read_text())
+    assert record["sampling"]["chat_template"] is True
+    plain = tmp_path / "plain"
+    _capture(chat, draft, corpus, plain, streams=1, max_tokens=128, sampling=sampling)
+    assert "chat_template" not in json.loads((plain / "capture.json").read_text())["sampling"]
+    refused = cli_error(_args(chat, draft, tmp_path / "r", "--generate", "--apply-chat-template",
+                              "--max-tokens", "8"))  # fmt: skip
+    assert "document 0's templated prompt has" in refused and "--max-tokens 8" in refused
+    refused = cli_error(_args(chat, draft, tmp_path / "r", "--apply-chat-template"))
+    assert "--apply-chat-template needs --generate" in refused
+    refused = cli_error(_args(target, draft, tmp_path / "r", "--generate", "--apply-chat-template"))
+    assert f"the target's tokenizer ({target}) has no chat template" in refused
+    assert not (tmp_path / "r").exists()
+
+
 class _PastKeyValues(torch.nn.Module):
     """A causal LM as transformers 4 calls one: the KV cache is ``past_key_values``, in and out
     (the cache here is the number of forwards so far)."""
@@ -244,6 +279,10 @@ def test_bad_inputs_are_one_line(target, draft, tmp_path):
     config = json.loads((wide / "config.json").read_text())
     (wide / "config.json").write_text(json.dumps({**config, "target_hidden_size": 96}))
     assert "target_hidden_size = 96" in cli_error(_args(target, wide, out))
+    (wide / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    assert "draft vocab_size = 1000 does not match the target's vocab_size" in cli_error(
+        _args(target, wide, out)
+    )
     deep = make_draft_config(tmp_path / "deep", IDS, layers=12)
     assert "target_num_hidden_layers = 12" in cli_error(_args(target, deep, out))
     assert "num_target_layers = 2" in cli_error(_args(target, draft, out, "--layers", "0", "2"))

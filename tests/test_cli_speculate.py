@@ -14,12 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_targets import speculate_emits_target_greedy, with_chat_template
 from cli_helpers import cli_error, cli_ok
 from hf_targets import VOCAB, make_qwen3_target
 from qwen3_drafts import speculators_config
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.registry import load_config
+from qstream.capture.target import load_target
+from qstream.speculate.run import PROMPT
 from qstream.verification import GREEDY
 
 QUESTIONS = (
@@ -122,7 +125,6 @@ def test_the_json_is_whole_and_consistent(pair, results):
 
 
 def test_greedy_verification_emits_the_targets_greedy_decoding(pair, results):
-    from qstream.capture.target import load_target
     from qstream.speculate.decode import target_greedy
 
     target = load_target(pair[0], torch.float32)
@@ -132,6 +134,25 @@ def test_greedy_verification_emits_the_targets_greedy_decoding(pair, results):
         for name, runs in results["runs"].items():
             assert runs[i]["prompt_tokens"] == len(prompt)
             assert runs[i]["tokens"] == greedy, name
+
+
+def test_chat_template_prompts_decode_to_the_targets_greedy_continuation(pair, tmp_path):
+    """--apply-chat-template: each question one user turn through the target's template; the
+    default's prompts (the bare question) are not what it decodes from."""
+    target, draft, _, corpus = pair
+    chat = with_chat_template(target, tmp_path / "chat-target")
+    out = tmp_path / "chat.json"
+    results = speculate_emits_target_greedy(chat, draft, corpus, out, 2, 8, "--formats", "bf16")
+    assert results["settings"]["prompt"] != PROMPT
+    bare = len(load_target(target, torch.float32).tokenizer(QUESTIONS[0] + "\n")["input_ids"])
+    assert results["runs"]["bf16"][0]["prompt_tokens"] > bare
+
+
+def test_chat_template_without_one_is_one_line(pair, tmp_path):
+    out = tmp_path / "spec.json"
+    refused = cli_error(_args(pair, "--apply-chat-template", "--json", str(out)))
+    assert f"the target's tokenizer ({pair[0]}) has no chat template" in refused
+    assert not out.exists()
 
 
 def test_the_read_back_checkpoint_decodes_as_its_simulated_format(pair, results):

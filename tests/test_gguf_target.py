@@ -81,6 +81,24 @@ def test_bad_gguf_file_is_one_line_naming_it(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_gguf_file_transformers_cannot_load_is_one_line_naming_it(tmp_path):
+    """A well-formed GGUF file (gguf reads it) of an architecture transformers does not map."""
+    import gguf
+    import numpy as np
+
+    file = tmp_path / "nonesuch.gguf"
+    writer = gguf.GGUFWriter(str(file), "nonesuch")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    message = cli_error(["convert-gguf", str(file), "--output_dir", str(tmp_path / "out")])
+    assert f"{file}: transformers cannot load it" in message and "nonesuch" in message
+    assert not (tmp_path / "out").exists()
+
+
 def test_folder_of_two_gguf_files_is_refused(gguf_dir, tmp_path):
     for name in ("a.gguf", "b.gguf"):
         (tmp_path / name).write_bytes((gguf_dir[0] / "tiny-llama.gguf").read_bytes())

@@ -1,9 +1,10 @@
 """``qstream capture`` as a library call (docs/capture.md): check everything, load the target,
 then run it over the streams a batch at a time (grouped by length, right-padded, the padded
 positions' states discarded), writing each stream's file as its batch completes.  The streams
-are the corpus as written, or with ``--generate`` each document's first tokens continued by the
-target's own samples, drawn with eval-drift's sampling functions (``qstream.arch.markov``) and
-seeded per stream.
+are the corpus as written, or with ``--generate`` each document's first tokens (or, with
+``--apply-chat-template``, its first line through the target's chat template: chat_prompts)
+continued by the target's own samples, drawn with eval-drift's sampling functions
+(``qstream.arch.markov``) and seeded per stream.
 
 >>> summary = run_capture(CaptureSettings(target="T", model="DRAFT", output="states/"))
 >>> docs = corpus_docs("gsm8k/test.jsonl")          # or None: the built-in GSM8K test split
@@ -84,6 +85,25 @@ def encode(tokenizer: Any, texts: list[str], max_tokens: int) -> list[list[int]]
     return [list(row[:max_tokens]) for row in ids]
 
 
+def chat_prompts(tokenizer: Any, questions: list[str]) -> list[list[int]]:
+    """Each question as one user turn through the tokenizer's chat template with the generation
+    prompt, as token ids (no special tokens added: the template writes its own), as
+    evals/train_smollm2_pair.py's draft was trained (docs/speculate.md, "Chat template")."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise QStreamError(
+            f"--apply-chat-template: the target's tokenizer ({tokenizer.name_or_path}) has no "
+            "chat template"
+        )
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                           add_generation_prompt=True) for q in questions]  # fmt: skip
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def first_lines(texts: list[str]) -> list[str]:
+    """Each document's first line (a GSM8K question), without its newline."""
+    return [t.partition("\n")[0] for t in texts]
+
+
 def select_streams(
     encoded: list[list[int]], min_tokens: int, count: int | None
 ) -> list[tuple[int, list[int]]]:
@@ -151,6 +171,7 @@ class CaptureSettings:
     export: str = QSTREAM.name  # or "vllm": vLLM's / speculators' layout
     trust_remote_code: bool = False
     target_format: str = DEFAULTS["target"]  # or a weight format its decoder linears are served in
+    apply_chat_template: bool = False  # --generate's prompts as user turns (chat_prompts)
 
 
 @dataclass
@@ -171,6 +192,8 @@ def _layout(s: CaptureSettings) -> Layout:
 
 def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
     sampling = None if s.sampling is None else asdict(s.sampling)
+    if sampling is not None and s.apply_chat_template:  # absent otherwise: records as before
+        sampling["chat_template"] = True
     source = "corpus" if sampling is None else "generate"
     return capture_record(LAYOUTS[s.export], ids, shape, docs, s.model, s.device_map or s.device,
                           s.target_format, source=source, sampling=sampling, dtype=s.dtype,
@@ -185,7 +208,14 @@ def _layer_ids(s: CaptureSettings, config: DraftConfig, depth: int) -> tuple[int
 
 def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config: DraftConfig):
     """``(document, ids)`` of every selected stream, before generation."""
-    encoded = encode(target.tokenizer, docs.texts, s.max_tokens)
+    if s.apply_chat_template:
+        encoded = chat_prompts(target.tokenizer, first_lines(docs.texts))
+        for i, ids in enumerate(encoded):
+            if len(ids) > s.max_tokens:  # cut, it would lose the generation prompt
+                raise QStreamError(f"corpus {docs.name}: document {i}'s templated prompt has "
+                                   f"{len(ids)} tokens, more than --max-tokens {s.max_tokens}")  # fmt: skip
+    else:
+        encoded = encode(target.tokenizer, docs.texts, s.max_tokens)
     min_tokens = 1 if s.sampling is not None else config.block_size + 2
     chosen = select_streams(encoded, min_tokens, s.streams)
     for _, ids in chosen:
@@ -205,6 +235,9 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
     layout = _layout(s)
+    if s.apply_chat_template and s.sampling is None:
+        raise QStreamError("--apply-chat-template needs --generate: a template makes a prompt, "
+                           "which only --generate continues")  # fmt: skip
     check_target_format(s.target_format, "--target-format")
     config = load_config(s.model)
     shape = read_target_shape(s.target)

@@ -55,6 +55,11 @@ if TYPE_CHECKING:
 @count_option("streams", None, "How many streams. Default: every document long enough.")
 @count_option("batch_size", 8, "Streams per forward, grouped by length.")
 @flag_option("generate", "Continue each prompt with the target's own samples (exact acceptance).")
+@flag_option(
+    "apply_chat_template",
+    "With --generate: each document's first line as one user turn through the target's chat "
+    "template, with the generation prompt, as the prompt.",
+)
 @count_option("new_tokens", 256, "With --generate: tokens sampled per stream.")
 @option("temperature", "With --generate: the evaluation's temperature.")
 @option("top_p", "With --generate: the evaluation's (verifier's) top-p.")

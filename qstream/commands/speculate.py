@@ -12,6 +12,7 @@ from qstream.cli import (
     Command,
     ModeChoice,
     count_option,
+    flag_option,
     json_option,
     make_console,
     option,
@@ -40,6 +41,11 @@ from qstream.verification import GREEDY, SPECULATE_MODES
     "Default: the built-in GSM8K test split.",
 )
 @count_option("prompts", 32, "Prompts: the corpus's first documents.")
+@flag_option(
+    "apply_chat_template",
+    "Each prompt as one user turn through the target's chat template, with the generation "
+    "prompt (as a chat-tuned draft was trained).",
+)
 @count_option("new_tokens", 128, "Tokens emitted per prompt.", minimum=2)
 @option("formats", "Comma-separated simulated variants, as eval-drift builds them.")
 @option("kv_cache_dtype")
@@ -91,6 +97,7 @@ def speculate(json_path: str | None, **o: Any) -> None:
     qstream speculate --target TARGET --model DRAFT --formats bf16,nvfp4 \\
         --variant shipped=DRAFT_NVFP4 --prompts 64 --new-tokens 128 --json spec.json
     qstream speculate --target TARGET --model DRAFT --rule probabilistic/block --temperature 0.7
+    qstream speculate --target CHAT_TARGET --model DRAFT --apply-chat-template
     """
     # here, not above: `qstream speculate --help` loads no torch
     from qstream.card.measured import speculate_tables

@@ -1,5 +1,6 @@
 """``qstream speculate`` as one library call (docs/speculate.md, "Command"): the target loaded as
-``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt, the
+``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt (with
+``--apply-chat-template``, as one user turn through the target's chat template), the
 draft's variants built as ``eval-drift`` builds them, and every variant decoding every prompt
 with the target in the loop.  With ``--capture DIR`` (greedy only: every variant then emits the
 target's own continuation), the decoded streams' states in qstream's layout and
@@ -24,7 +25,7 @@ from qstream.arch.interface import DraftConfig
 from qstream.arch.registry import architecture_of, load_config
 from qstream.calibration import Calibration, calibrate, calibration_seed
 from qstream.capture.layout import capture_record, record_streams, start_output, write_batch
-from qstream.capture.run import CorpusDocs, corpus_docs
+from qstream.capture.run import CorpusDocs, chat_prompts, corpus_docs
 from qstream.capture.target import (
     DTYPES,
     LayerTap,
@@ -65,6 +66,8 @@ from qstream.verification import GREEDY, MODES, SPECULATE_MODES
 SCHEMA = "qstream.speculate/2"  # the "schema" field of every results file
 PROMPT = "each document up to and including its first newline (a GSM8K question), tokenized "
 PROMPT += "by the target's tokenizer without special tokens"
+CHAT_PROMPT = "each document's first line (a GSM8K question) as one user turn through the "
+CHAT_PROMPT += "target's chat template with the generation prompt, without special tokens added"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +86,7 @@ class SpeculateSettings(Selection):
     dtype: str | None = None  # the target's weights and compute; None: default_dtype(device)
     device: str = "cpu"  # where the target runs (the draft drafts on the CPU)
     capture: str | None = None  # greedy only: the streams' states and each variant's anchors
+    apply_chat_template: bool = False  # prompts as user turns (capture.run.chat_prompts)
 
 
 def _check(s: SpeculateSettings, config: DraftConfig) -> None:
@@ -162,7 +166,7 @@ def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs:
             f"corpus {docs.name}: calibrating scales needs documents after the "
             f"--prompts {s.prompts} decoded ones; it holds {len(docs.texts)}"
         )
-    prompts = _prompts(target.tokenizer, rest, len(rest.texts), config.vocab_size)
+    prompts = _prompts(s, target.tokenizer, rest, len(rest.texts), config.vocab_size)
     seed = calibration_seed(s.seed)
     source = {"documents": [s.prompts, s.prompts + len(prompts)], "seed": seed,
               "drawn": "the reference draft decoding the documents after the prompts"}  # fmt: skip
@@ -200,7 +204,7 @@ def _targets_and_prompts(
         raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
                            f"{len(docs.texts)} document(s)")  # fmt: skip
     target = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
-    prompts = _prompts(target.tokenizer, docs, s.prompts, config.vocab_size)
+    prompts = _prompts(s, target.tokenizer, docs, s.prompts, config.vocab_size)
     limit = getattr(target.model.config, "max_position_embeddings", None)
     prompt = max(len(p) for p in prompts)
     longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
@@ -220,10 +224,17 @@ def _started(progress: Progress | None, total: int, name: str) -> None:
         progress.advance(f"speculate: {name}", 0)
 
 
-def _prompts(tokenizer, docs: CorpusDocs, count: int, vocab_size: int) -> list[list[int]]:
-    """The first ``count`` documents' prompts (:data:`PROMPT`), as token ids."""
-    texts = [head + sep for head, sep, _ in (t.partition("\n") for t in docs.texts[:count])]
-    rows = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+def _prompts(
+    s: SpeculateSettings, tokenizer, docs: CorpusDocs, count: int, vocab_size: int
+) -> list[list[int]]:
+    """The first ``count`` documents' prompts (:data:`PROMPT`, or :data:`CHAT_PROMPT` with
+    ``--apply-chat-template``), as token ids."""
+    heads = [t.partition("\n") for t in docs.texts[:count]]
+    if s.apply_chat_template:
+        rows = chat_prompts(tokenizer, [head for head, _, _ in heads])
+    else:
+        texts = [head + sep for head, sep, _ in heads]
+        rows = [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     for i, ids in enumerate(rows):
         if not ids:
             raise QStreamError(f"corpus {docs.name}: document {i} gives an empty prompt")
@@ -253,7 +264,8 @@ def _description(
         "schema": SCHEMA,
         "settings": {
             "prompts": s.prompts,
-            "prompt": PROMPT,
+            "prompt": CHAT_PROMPT if s.apply_chat_template else PROMPT,
+            **({"chat_template": True} if s.apply_chat_template else {}),
             "new_tokens": s.new_tokens,
             "rule": s.rule,
             "temperature": s.temperature,
@@ -319,6 +331,8 @@ def write_capture(
     assert s.capture is not None
     layer_ids, block_size, output = config.target_layer_ids, config.block_size, Path(s.capture)
     sampling = {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts}
+    if s.apply_chat_template:
+        sampling["chat_template"] = True
     record = capture_record(QSTREAM, layer_ids, shape, docs, s.model, s.device, target.format,
                             source="speculate", sampling=sampling, dtype=s.dtype, max_tokens=None)  # fmt: skip
     record["files"] = {}
