@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(
-        args.target, local_files_only=True, dtype=torch.float32
+        args.target, local_files_only=True, dtype=torch.float32, attn_implementation=gqa_sdpa()
     ).eval()
     config = target.config
     aux_ids = [j + 1 for j in spread_layer_ids(config.num_hidden_layers, AUX_COUNT)]
@@ -168,6 +168,32 @@ def target_identity(target: Path, gguf: Path) -> dict:
             package = {"name": dist.metadata["Name"], "version": dist.version}
     return {"gguf": gguf.name, "gguf_sha256": sha256(gguf), "package": package,
             "converted_by_qstream": record.get("qstream_version")}  # fmt: skip
+
+
+def gqa_sdpa() -> str:
+    """An attention implementation for transformers: its ``sdpa`` without ``repeat_kv``. With a
+    padding mask (batched generation) transformers' sdpa copies every cached key and value once
+    per query head of the group at every step; torch's SDPA reads the grouped heads itself
+    (``enable_gqa``). Measured on this target's shapes (batch 64, 400 positions, one thread):
+    428 ms against 15 ms a layer, the same outputs."""
+    import torch.nn.functional as F
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attend(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+               is_causal=None, **kwargs):  # fmt: skip
+        causal = attention_mask is None and query.shape[2] > 1
+        causal = causal and (module.is_causal if is_causal is None else is_causal)
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                             dropout_p=dropout, scale=scaling, is_causal=causal,
+                                             enable_gqa=True)  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("gqa_sdpa", attend)
+    AttentionMaskInterface.register("gqa_sdpa", sdpa_mask)
+    return "gqa_sdpa"
 
 
 def generate(target, tok, questions: list[str], max_new: int, batch: int):
