@@ -342,3 +342,13 @@ def test_an_ignore_entry_vllm_does_not_match_is_named_by_verify(
         p.startswith(f"{runtime}: vLLM builds it fp8 (no ignore entry matches {runtime})")
         for p in problems
     ), problems
+
+
+def test_a_tensor_parallel_size_vllm_cannot_build_the_draft_at_is_one_error_line(e3, tmp_path):
+    args = ["quantize", "--model_dir", str(e3), "--quant_format", "fp8", "--tensor-parallel-size"]
+    error = cli_error([*args, "3", "--output_dir", str(tmp_path / "tp3")])
+    assert "num_attention_heads 4 is not a multiple of 3" in error
+    assert "num_key_value_heads 2 neither divides by nor divides 3" in error
+    assert not (tmp_path / "tp3").exists()
+    cli_ok([*args, "4", "--output_dir", str(tmp_path / "tp4")])  # 2 key/value heads replicated
+    assert verify_checkpoint(tmp_path / "tp4", 4).problems == []
