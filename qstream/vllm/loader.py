@@ -88,10 +88,10 @@ def vllm_version() -> str:
 def load_with_vllm(
     directory: str | Path, target_layers: int | None = None, kv_cache_dtype: str = "auto"
 ) -> VllmLoadReport:
-    """Load ``directory`` (a DSpark, DFlash or EAGLE-3 draft, plain or quantized) with vLLM's own loader
-    for it on CPU, beside a config-only target of ``target_layers`` layers (default: config.json's
-    ``target_num_hidden_layers``) served with ``--kv-cache-dtype kv_cache_dtype`` (the draft
-    inherits it), and check what vLLM built (module docstring)."""
+    """Load ``directory`` (a DSpark, DFlash or EAGLE-3 draft, plain or quantized) with vLLM's
+    own loader for it on CPU, beside a config-only target of ``target_layers`` layers (default:
+    config.json's ``target_num_hidden_layers``) served with ``--kv-cache-dtype kv_cache_dtype``
+    (the draft inherits it), and check what vLLM built (module docstring)."""
     version = vllm_version()
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config
@@ -176,8 +176,9 @@ class _StandTarget(torch.nn.Module):
 
 def _speculative(draft: Path, profile: Profile) -> dict[str, Any]:
     """vLLM's speculative_config for the draft.  DSpark's drafted count defaults to config.json's
-    block_size (``SpeculativeConfig.__post_init__``); where it has no default (DFlash) it is the
-    tokens a block of the draft drafts (DFlash: block_size - 1, the anchor the bonus token)."""
+    block_size (``SpeculativeConfig.__post_init__``); where it has no default (DFlash, EAGLE-3) it
+    is the tokens a block of the draft drafts (DFlash: block_size - 1, the anchor the bonus
+    token; EAGLE-3: one a step)."""
     speculative: dict[str, Any] = {"method": profile.method, "model": str(draft)}
     if profile.drafted_tokens_given:
         # a block draft drafts block_size tokens a pass; a chained one (EAGLE-3) one a step,

@@ -409,8 +409,8 @@ PRESETS: dict[str, Eagle3Config] = {
 
 # How vLLM 0.32.0 serves it (llama_eagle3.py; qwen3_eagle3.py builds the same modules under
 # the same names), as data (docs/vllm.md, "The EAGLE-3 draft", cites each rule).  The midlayer
-# is built as model.layers.{L} (LlamaModel.__init__'s start_layer_id, the target's layer
-# count); its q/k/v load into one qkv_proj and gate/up into one gate_up_proj
+# is built as model.layers.{L} (Eagle3LlamaForCausalLM.__init__ passes LlamaModel the target's
+# layer count as start_layer_id); its q/k/v load into one qkv_proj and gate/up into one gate_up_proj
 # (LlamaModel.hf_to_vllm_mapper's orig_to_new_stacked), as DFlash's layers do.
 # The Qwen3 form's qkv_proj is named under the layer, not its self_attn
 # (Qwen3Eagle3DecoderLayer.__init__: prefix=maybe_prefix(prefix, "qkv_proj")): the name
