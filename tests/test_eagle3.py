@@ -1,6 +1,8 @@
 """The EAGLE-3 draft (docs/eagle3.md): `qstream synth --preset eagle3-tiny`, its config in vLLM's
-and speculators' layouts, the checkpoint's Error lines, and the forward's own consistency (its
-parity with speculators 0.9.0 is tests/test_speculators_eagle3.py, in the speculators lane)."""
+and speculators' layouts, the checkpoint's Error lines, the forward's own consistency (its
+parity with speculators 0.9.0 is tests/test_speculators_eagle3.py, in the speculators lane), and
+both forms' serving profiles under `quantize` and `verify` (vLLM 0.32.0's own loader on them is
+tests/test_vllm_eagle3.py, in the vLLM lane)."""
 
 import json
 from pathlib import Path
@@ -16,6 +18,15 @@ from qstream.arch.registry import architecture_of, load_config
 from qstream.errors import QStreamError
 from qstream.serving import REFERENCE_VARIANT
 from qstream.synth.draft import synth_checkpoint
+from qstream.vllm.profiles import (
+    head_problem,
+    ignore_entries,
+    matches,
+    never_quantized,
+    profile_for,
+    runtime_modules,
+)
+from qstream.vllm.verify import verify_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +185,170 @@ def test_llama3_rope_scaling_is_read_in_the_legacy_layout_and_round_trips(tmp_pa
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(QStreamError, match="rope_parameters.beta = 2.0 is not evaluated"):
         load_config(tmp_path, evaluated=False)
+
+
+# --- the serving profiles (docs/vllm.md, "The EAGLE-3 draft") ------------------------------------
+
+
+def write_eagle3(directory: Path, config: Eagle3Config, seed: int = 0) -> Path:
+    """A bf16 draft of ``config`` with weights drawn from ``seed``; a reduced vocabulary maps
+    draft id i to target id i (d2t all zero)."""
+    directory.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {
+        k: torch.randn(s, generator=g).to(torch.bfloat16)
+        for k, s in tensor_shapes(config).items()
+        if k != "d2t"
+    }
+    if config.reduced_vocab:
+        tensors["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.int64)
+    save_file(tensors, directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(config.to_json()))
+    return directory
+
+
+# The Qwen3 form with a reduced vocabulary of a size that is no multiple of 64 (vLLM pads the
+# lm_head's rows)
+QWEN3 = Eagle3Config(**{**PRESETS["eagle3-tiny"].__dict__, "model_type": "qwen3",
+                        "vocab_size": 1000, "draft_vocab_size": 500})  # fmt: skip
+INCLUDE = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.q_proj", "self_attn.k_proj",
+           "self_attn.v_proj", "self_attn.o_proj", "fc"]  # fmt: skip
+
+
+def test_each_form_is_served_by_its_own_class_with_the_same_rules():
+    llama, qwen3 = (profile_for(c.to_json()) for c in (PRESETS["eagle3-tiny"], QWEN3))
+    assert (llama.name, llama.served_class) == ("Eagle3LlamaForCausalLM",) * 2
+    assert (qwen3.name, qwen3.served_class) == ("Eagle3Qwen3ForCausalLM",) * 2
+    assert profile_for({"architectures": ["LlamaForCausalLMEagle3"]}) is llama
+    for form, profile in (("llama", llama), ("qwen3", qwen3)):  # update_eagle3's class per form
+        saved = {
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": {"model_type": form},
+        }
+        assert profile_for(saved) is profile
+    assert (
+        profile_for({"speculators_model_type": "eagle3", "transformer_layer_config": {}}) is llama
+    )
+    assert (llama.method, llama.loader, llama.default_include) == (
+        "eagle3",
+        "eagle",
+        tuple(INCLUDE),
+    )
+    assert ARCH.quantize_include == tuple(INCLUDE)
+    for profile in (llama, qwen3):
+        assert never_quantized(profile, "embed_tokens") and not never_quantized(profile, "fc")
+        for fmt in ("fp8", "nvfp4", "mxfp4"):  # the ParallelLMHead takes the quant config
+            assert head_problem(profile, "lm_head", fmt, {}) is None
+
+
+def test_the_midlayer_runs_as_layer_L_and_the_qwen3_forms_qkv_proj_sits_under_the_layer():
+    modules = [m for m in (k.removesuffix(".weight") for k in tensor_shapes(QWEN3)) if "proj" in m
+               or m in ("fc", "lm_head")]  # fmt: skip
+    llama, qwen3 = (profile_for(c.to_json()) for c in (PRESETS["eagle3-tiny"], QWEN3))
+    names = {
+        p.name: {m.name: m.shards for m in runtime_modules(p, modules, 8)} for p in (llama, qwen3)
+    }
+    qkv = ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.self_attn.v_proj")
+    assert names[llama.name]["model.layers.8.self_attn.qkv_proj"] == qkv
+    assert names[qwen3.name]["model.layers.8.qkv_proj"] == qkv
+    for p in (llama, qwen3):
+        assert {"model.fc", "lm_head", "model.layers.8.mlp.gate_up_proj"} <= set(names[p.name])
+        assert {"model.layers.8.self_attn.o_proj", "model.layers.8.mlp.down_proj"} <= set(
+            names[p.name]
+        )
+    # an ignored q/k/v names the runtime layer vLLM builds, whichever form
+    ignored = ignore_entries(qwen3, qkv, modules, 8)
+    assert [e for e in ignored if "proj" in e] == [
+        r"re:.*\.(self_attn\.q_proj|self_attn\.k_proj|self_attn\.v_proj|qkv_proj)$"
+    ]
+    assert matches(ignored[0], "model.layers.8.qkv_proj") and matches(ignored[0], qkv[0])
+    assert not matches(ignored[0], "model.layers.8.self_attn.o_proj")
+
+
+# --- quantize and verify -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "activations"), [("fp8", "none"), ("nvfp4", "none"), ("fp8", "fp8-dynamic")]
+)
+def test_quantize_and_verify_the_synth_draft(e3, tmp_path, fmt, activations):
+    out = tmp_path / fmt
+    cli_ok(["quantize", "--model_dir", str(e3), "--output_dir", str(out), "--quant_format", fmt,
+            "--activations", activations, "--json", str(tmp_path / "q.json")])  # fmt: skip
+    summary = json.loads((tmp_path / "q.json").read_text())
+    assert summary["serving_profile"] == "Eagle3LlamaForCausalLM"
+    assert sorted(summary["modules_quantized"]) == sorted(
+        "fc" if k == "fc" else f"layers.0.{k}" for k in INCLUDE
+    )
+    result = cli_ok(["verify", str(out), "--deep"])
+    assert "vLLM rules Eagle3LlamaForCausalLM (served as Eagle3LlamaForCausalLM)" in result.output
+    assert "L=8" in result.output  # config.json's target_num_hidden_layers
+    cli_ok(["verify", str(out), "--json", str(tmp_path / "v.json")])
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["ok"] and report["problems"] == []
+    runtime = {m["module"] for m in report["runtime_modules"]}
+    assert {"model.fc", "model.layers.8.self_attn.qkv_proj", "model.layers.8.mlp.gate_up_proj"} <= (
+        runtime
+    )
+
+
+def test_the_lm_head_is_quantized_when_asked_with_its_own_target(tmp_path):
+    draft = write_eagle3(tmp_path / "q3", QWEN3)
+    out = tmp_path / "nvfp4"
+    cli_ok(["quantize", "--model_dir", str(draft), "--output_dir", str(out), "--quant_format",
+            "nvfp4", "--include_layers", *INCLUDE, "lm_head"])  # fmt: skip
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["config_groups"]["group_0"]["targets"] == ["Linear", "lm_head"]
+    assert "vLLM rules Eagle3Qwen3ForCausalLM" in cli_ok(["verify", str(out), "--deep"]).output
+
+
+def test_a_module_vllm_never_quantizes_asked_for_is_one_error_line(e3, tmp_path):
+    out = tmp_path / "out"
+    error = cli_error(["quantize", "--model_dir", str(e3), "--output_dir", str(out),
+                       "--quant_format", "fp8", "--include_layers", "embed_tokens"])  # fmt: skip
+    assert "selects embed_tokens, which vLLM cannot serve quantized" in error
+    assert "VocabParallelEmbedding built without a quant config" in error and not out.exists()
+
+
+QKV = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+
+
+@pytest.mark.parametrize(
+    ("form", "ignored", "written", "edited", "runtime"),
+    [
+        # checkpoint-local: vLLM 0.32.0 remaps no compressed-tensors ignore entry
+        ("llama", ["mlp.down_proj"], r"re:.*\.mlp\.down_proj$", "layers.0.mlp.down_proj",
+         "model.layers.8.mlp.down_proj"),
+        # the Llama form's qkv_proj name, which the Qwen3 form's layer does not have
+        ("qwen3", QKV, r"re:.*\.(self_attn\.q_proj|self_attn\.k_proj|self_attn\.v_proj|qkv_proj)$",
+         r"re:.*\.self_attn\.(q_proj|k_proj|v_proj|qkv_proj)$", "model.layers.8.qkv_proj"),
+    ],
+)  # fmt: skip
+def test_an_ignore_entry_vllm_does_not_match_is_named_by_verify(
+    tmp_path, form, ignored, written, edited, runtime
+):
+    draft = write_eagle3(tmp_path / "d", Eagle3Config(**{**QWEN3.__dict__, "model_type": form}))
+    out = tmp_path / "fp8"
+    cli_ok(["quantize", "--model_dir", str(draft), "--output_dir", str(out), "--quant_format",
+            "fp8", "--ignore_layers", *ignored])  # fmt: skip
+    assert verify_checkpoint(out).problems == []  # as written, it matches vLLM's names
+    config = json.loads((out / "config.json").read_text())
+    entries = config["quantization_config"]["ignore"]
+    assert written in entries
+    entries[entries.index(written)] = edited
+    (out / "config.json").write_text(json.dumps(config))
+    problems = verify_checkpoint(out).problems
+    assert any(
+        p.startswith(f"{runtime}: vLLM builds it fp8 (no ignore entry matches {runtime})")
+        for p in problems
+    ), problems
+
+
+def test_a_tensor_parallel_size_vllm_cannot_build_the_draft_at_is_one_error_line(e3, tmp_path):
+    args = ["quantize", "--model_dir", str(e3), "--quant_format", "fp8", "--tensor-parallel-size"]
+    error = cli_error([*args, "3", "--output_dir", str(tmp_path / "tp3")])
+    assert "num_attention_heads 4 is not a multiple of 3" in error
+    assert "num_key_value_heads 2 neither divides by nor divides 3" in error
+    assert not (tmp_path / "tp3").exists()
+    cli_ok([*args, "4", "--output_dir", str(tmp_path / "tp4")])  # 2 key/value heads replicated
+    assert verify_checkpoint(tmp_path / "tp4", 4).problems == []

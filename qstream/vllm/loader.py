@@ -5,7 +5,8 @@
 The path is vLLM's: ``EngineArgs(speculative_config={"method": "dspark", ...})
 .create_engine_config()`` → ``vllm/v1/worker/gpu/spec_decode/dspark/utils.py``
 ``load_dspark_model`` (a DFlash draft: the serving profile's method "dflash",
-``dflash/utils.py`` ``load_dflash_model``) → ``DefaultModelLoader.load_model`` → the draft
+``dflash/utils.py`` ``load_dflash_model``; EAGLE-3: method "eagle3", ``eagle/utils.py``
+``load_eagle_model``) → ``DefaultModelLoader.load_model`` → the draft
 class's ``load_weights``
 → ``process_weights_after_loading``, beside a config-only target and under :func:`cpu_shims`
 (Triton reported present, ``torch.accelerator.empty_cache()`` a no-op, ``kv_b_proj`` flagged for
@@ -87,10 +88,10 @@ def vllm_version() -> str:
 def load_with_vllm(
     directory: str | Path, target_layers: int | None = None, kv_cache_dtype: str = "auto"
 ) -> VllmLoadReport:
-    """Load ``directory`` (a DSpark or DFlash draft, plain or quantized) with vLLM's own loader
-    for it on CPU, beside a config-only target of ``target_layers`` layers (default: config.json's
-    ``target_num_hidden_layers``) served with ``--kv-cache-dtype kv_cache_dtype`` (the draft
-    inherits it), and check what vLLM built (module docstring)."""
+    """Load ``directory`` (a DSpark, DFlash or EAGLE-3 draft, plain or quantized) with vLLM's
+    own loader for it on CPU, beside a config-only target of ``target_layers`` layers (default:
+    config.json's ``target_num_hidden_layers``) served with ``--kv-cache-dtype kv_cache_dtype``
+    (the draft inherits it), and check what vLLM built (module docstring)."""
     version = vllm_version()
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config
@@ -98,8 +99,8 @@ def load_with_vllm(
     if not profile.renames_layers:
         names = sorted(p.name for p in PROFILES.values() if p.renames_layers)
         raise QStreamError(
-            f"{checkpoint.directory}: verify --vllm loads DSpark and DFlash drafts (architectures "
-            f"{' or '.join(names)}), not {config.get('architectures')}"
+            f"{checkpoint.directory}: verify --vllm loads DSpark, DFlash and EAGLE-3 drafts "
+            f"(architectures {' or '.join(names)}), not {config.get('architectures')}"
         )
     layers = target_layers if target_layers is not None else config.get("target_num_hidden_layers")
     if not isinstance(layers, int) or layers < 1:
@@ -175,11 +176,15 @@ class _StandTarget(torch.nn.Module):
 
 def _speculative(draft: Path, profile: Profile) -> dict[str, Any]:
     """vLLM's speculative_config for the draft.  DSpark's drafted count defaults to config.json's
-    block_size (``SpeculativeConfig.__post_init__``); where it has no default (DFlash) it is the
-    tokens a block of the draft drafts (DFlash: block_size - 1, the anchor the bonus token)."""
+    block_size (``SpeculativeConfig.__post_init__``); where it has no default (DFlash, EAGLE-3) it
+    is the tokens a block of the draft drafts (DFlash: block_size - 1, the anchor the bonus
+    token; EAGLE-3: one a step)."""
     speculative: dict[str, Any] = {"method": profile.method, "model": str(draft)}
     if profile.drafted_tokens_given:
-        speculative["num_speculative_tokens"] = load_config(draft).block_size
+        # a block draft drafts block_size tokens a pass; a chained one (EAGLE-3) one a step,
+        # and how many steps it chains changes no weight vLLM loads
+        config = load_config(draft, evaluated=False)
+        speculative["num_speculative_tokens"] = getattr(config, "block_size", 1)
     return speculative
 
 
@@ -194,7 +199,7 @@ def _load(
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
 
-    method = profile.method  # vllm/v1/worker/gpu/spec_decode/{method}/utils.py
+    method = profile.loader or profile.method  # vllm/v1/worker/gpu/spec_decode/{method}/utils.py
     utils = importlib.import_module(f"vllm.v1.worker.gpu.spec_decode.{method}.utils")
     with cpu_shims(recorder):
         args = EngineArgs(
@@ -636,5 +641,9 @@ def identity_products(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if scheme is None or k is None:
             continue
         eye = torch.eye(k, dtype=torch.bfloat16)
-        out[name] = module.quant_method.apply(module, eye)
+        product = module.quant_method.apply(module, eye)
+        # a ParallelLMHead pads its rows to whole blocks of 64; LogitsProcessor._get_logits
+        # (vllm/model_executor/layers/logits_processor.py) drops the padded logits
+        vocab = getattr(module, "org_vocab_size", None)
+        out[name] = product if vocab is None else product[:, :vocab]
     return out

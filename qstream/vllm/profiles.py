@@ -83,7 +83,10 @@ class Profile:
     name: str
     architectures: tuple[str, ...]  # config.json "architectures" values it applies to
     served_class: str = ""  # the model class vLLM's registry.py serves the name as
-    method: str = "dspark"  # vLLM's SpeculativeConfig.method for the draft (its loader)
+    method: str = "dspark"  # vLLM's SpeculativeConfig.method for the draft
+    # the package under vllm/v1/worker/gpu/spec_decode/ whose utils.load_{loader}_model loads
+    # it ("": the method's own)
+    loader: str = ""
     # whether vLLM takes the drafted count from num_speculative_tokens only (no config default)
     drafted_tokens_given: bool = False
     # checkpoint module kind (under layers.{i}.) -> (runtime module under model.layers.{L+i}.,
@@ -102,6 +105,8 @@ class Profile:
     # splits them at TP (key/value heads replicated when fewer than the TP size)
     gqa_heads: tuple[str, str] | None = None
     speculators_types: tuple[str, ...] = ()  # saved speculators configs vLLM serves as this
+    # ... when their transformer_layer_config's model_type is this (None: any)
+    speculators_form: str | None = None
     # a draft whose layers vLLM renames and fuses by the profile's tables
     renames_layers = property(lambda self: bool(self.layer_modules))
 
@@ -121,16 +126,21 @@ KV_SCALES_NOT_LOADED = {
 }
 PROFILES = {
     GENERIC: Profile(GENERIC, ()),
-    **{a.serving["name"]: Profile(**a.serving) for a in ARCHITECTURES if a.serving is not None},
+    **{s["name"]: Profile(**s) for a in ARCHITECTURES for s in a.serving},
 }
 
 
 def profile_for(config: Mapping) -> Profile:
     """The profile config.json's architecture names, or whose ``speculators_types`` its
-    ``speculators_model_type`` is (``generic`` otherwise)."""
+    ``speculators_model_type`` is, for its form (``generic`` otherwise)."""
     names, kind = set(config.get("architectures") or []), config.get("speculators_model_type")
+    layer = config.get("transformer_layer_config")
+    form = layer.get("model_type", "llama") if isinstance(layer, Mapping) else None
     for p in PROFILES.values():
-        if (kind in p.speculators_types) if kind else bool(names & set(p.architectures)):
+        if kind:
+            if kind in p.speculators_types and p.speculators_form in (None, form):
+                return p
+        elif names & set(p.architectures):
             return p
     return PROFILES[GENERIC]
 
@@ -344,6 +354,8 @@ def _kind_regex(
         return f"re:.*\\.{re.escape(kind)}$"
     whole = [k for k in partners if k in by_kind and all(m in ignored for m in by_kind[k])]
     parent = kind.rsplit(".", 1)[0]
+    if fused.rsplit(".", 1)[0] != parent:  # EAGLE-3's Qwen3 form: qkv_proj under the layer
+        return f"re:.*\\.({'|'.join(re.escape(k) for k in [*whole, fused])})$"
     leaves = [k.rsplit(".", 1)[1] for k in whole] + [fused.rsplit(".", 1)[1]]
     return f"re:.*\\.{re.escape(parent)}\\.({'|'.join(leaves)})$"
 
@@ -379,9 +391,10 @@ def tp_build_problem(
     reasons += _kv_heads_problem(profile, config, tp)
     shapes = {m: s for m, s in shapes.items() if len(s) == 2}
     leaves: set[str] = set()
+    qkv = profile.layer_modules.get("self_attn.q_proj", ("",))[0]
     for rt in runtime_modules(profile, shapes, target_layers=0):
         leaf = rt.name.split(".", 3)[-1]
-        if profile.gqa_heads and leaf == "self_attn.qkv_proj":
+        if profile.gqa_heads and leaf == qkv:
             continue  # split by heads, checked above (key/value heads may be replicated)
         sizes = [shapes[m][0] for m in rt.shards] if rt.split == "out" else []
         sizes += [shapes[rt.shards[0]][1]] if rt.split == "in" else []

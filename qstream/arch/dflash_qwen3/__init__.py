@@ -142,7 +142,7 @@ class DFlashQwen3(DSparkQwen3):
 
     config_type: type = DFlashQwen3Config
     presets: Mapping[str, DFlashQwen3Config] = PRESETS
-    serving: Mapping[str, Any] | None = SERVING
+    serving: tuple[Mapping[str, Any], ...] = (SERVING,)
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return (

@@ -404,7 +404,7 @@ class DSparkMLA(DSparkFamily):
     # --include_layers' default (pure Python here: --help reads it)
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, DSparkConfig] = PRESETS
-    serving: Mapping[str, Any] | None = SERVING
+    serving: tuple[Mapping[str, Any], ...] = (SERVING,)
     final_norm: str = "final_norm.weight"
     context_proj: str = "context_proj"
     ships_embed_tokens: bool = True

@@ -535,7 +535,7 @@ class DSparkQwen3(DSparkFamily):
     config_type: type = Qwen3DSparkConfig
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
     presets: Mapping[str, Qwen3DSparkConfig] = PRESETS
-    serving: Mapping[str, Any] | None = SERVING
+    serving: tuple[Mapping[str, Any], ...] = (SERVING,)
     final_norm: str = "norm.weight"
     context_proj: str = "fc"
     # speculators never saves embed_tokens; vLLM then shares the target's

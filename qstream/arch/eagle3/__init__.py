@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from qstream.arch import family
-from qstream.arch.dspark_qwen3 import RopeParameters, _rope_from_json
+from qstream.arch.dspark_qwen3 import (
+    DEFAULT_INCLUDE,
+    LAYER_MODULES,
+    RopeParameters,
+    _rope_from_json,
+)
 from qstream.arch.family import D2T, borrow_from_target, check, check_table, d2t_problem, number
 from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.errors import QStreamError
@@ -134,6 +139,9 @@ class Eagle3Config:
     # default three
     aux_layer_ids: tuple[int, ...] | None = None
     num_hidden_layers: int = 1  # the midlayer
+    # L, the target's depth, when the config records it (vLLM takes it from the target: the
+    # midlayer's runtime name is model.layers.{L}); qstream's verify reads it
+    target_num_hidden_layers: int | None = None
     norm_before_residual: bool = False  # the residual is the hidden_norm'ed hidden state
     norm_output: bool = False  # the final-normed state, not the pre-norm one, is fed back
     attention_bias: bool = False
@@ -146,6 +154,9 @@ class Eagle3Config:
         check(self.num_hidden_layers == 1, "num_hidden_layers", self.num_hidden_layers,
               "must be 1: qstream evaluates the one-midlayer EAGLE-3 draft only")  # fmt: skip
         family.check_attention(self)
+        if (top := self.target_num_hidden_layers) is not None:
+            check(family.positive_int(top), "target_num_hidden_layers", top,
+                  "must be a positive integer")  # fmt: skip
         ids = self.aux_layer_ids
         if ids is None:
             check(self.num_aux_hidden_states == DEFAULT_AUX, "num_aux_hidden_states",
@@ -391,18 +402,71 @@ PRESETS: dict[str, Eagle3Config] = {
     "eagle3-tiny": _preset(
         model_type="llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=1024,
-        max_position_embeddings=4096, target_hidden_size=64, aux_layer_ids=(2, 4, 6)),
+        max_position_embeddings=4096, target_hidden_size=64, aux_layer_ids=(2, 4, 6),
+        target_num_hidden_layers=8),
 }  # fmt: skip
+
+
+# How vLLM 0.32.0 serves it (llama_eagle3.py; qwen3_eagle3.py builds the same modules under
+# the same names), as data (docs/vllm.md, "The EAGLE-3 draft", cites each rule).  The midlayer
+# is built as model.layers.{L} (Eagle3LlamaForCausalLM.__init__ passes LlamaModel the target's
+# layer count as start_layer_id); its q/k/v load into one qkv_proj and gate/up into one gate_up_proj
+# (LlamaModel.hf_to_vllm_mapper's orig_to_new_stacked), as DFlash's layers do.
+# The Qwen3 form's qkv_proj is named under the layer, not its self_attn
+# (Qwen3Eagle3DecoderLayer.__init__: prefix=maybe_prefix(prefix, "qkv_proj")): the name
+# vLLM matches ignore entries against is model.layers.{L}.qkv_proj.
+QWEN3_LAYER_MODULES = {
+    kind: ("qkv_proj", split) if runtime == "self_attn.qkv_proj" else (runtime, split)
+    for kind, (runtime, split) in LAYER_MODULES.items()
+}
+LM_HEADS = {
+    "lm_head": {
+        "runtime": "lm_head",
+        # Eagle3LlamaForCausalLM.__init__ builds lm_head with the draft's quant config; the
+        # name itself is the target compressed-tensors' matcher gives it a scheme by
+        "target": "lm_head",
+        "formats": ("fp8", "nvfp4", "mxfp4"),
+    },
+}
+
+
+def _serving(form: str) -> dict[str, Any]:
+    """The profile of one form: the class vLLM serves it as, the config.json architectures
+    its registry maps there, and the speculators form ``update_eagle3`` maps there."""
+    return {
+        "name": FORMS[form],
+        "served_class": FORMS[form],
+        "architectures": tuple(a for a, f in ARCHITECTURES.items() if f == form),
+        "layer_modules": LAYER_MODULES if form == "llama" else QWEN3_LAYER_MODULES,
+        "never_quantized": {
+            "embed_tokens": "the draft's embedding is a VocabParallelEmbedding built without "
+            "a quant config (LlamaModel.__init__, llama_eagle3.py; Qwen3Eagle3Model.__init__, "
+            "qwen3_eagle3.py)",
+        },
+        "context_proj": "fc",  # a ReplicatedLinear built with the draft's quant config
+        "lm_heads": LM_HEADS,
+        "default_include": DEFAULT_INCLUDE,
+        "gqa_heads": ("num_attention_heads", "num_key_value_heads"),
+        "method": "eagle3",  # SpeculativeConfig.method
+        "loader": "eagle",  # load_eagle_model (vllm/v1/worker/gpu/spec_decode/eagle/utils.py)
+        "drafted_tokens_given": True,  # no config default: num_speculative_tokens is given
+        "speculators_types": (SPECULATORS_TYPE,),
+        "speculators_form": form,  # transformer_layer_config.model_type
+    }
+
+
+SERVING = tuple(_serving(form) for form in FORMS)
 
 
 class Eagle3:
     """The descriptor: what the package can ask of an EAGLE-3 draft today (docs/eagle3.md):
-    config, tensors, loading and the fp32 forward; no serving profile, drafter or FLOP model."""
+    config, tensors, loading, the fp32 forward and both forms' serving profiles; no drafter
+    or FLOP model."""
 
     config_type: type = Eagle3Config
-    quantize_include: tuple[str, ...] = ()
+    quantize_include: tuple[str, ...] = DEFAULT_INCLUDE
     presets: Mapping[str, Eagle3Config] = PRESETS
-    serving: Mapping[str, Any] | None = None
+    serving: tuple[Mapping[str, Any], ...] = SERVING
     final_norm: str = "norm.weight"
     context_proj: str = "fc"
     # speculators saves embed_tokens, and vLLM then embeds with it (process_eagle_weight)
