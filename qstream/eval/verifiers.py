@@ -43,8 +43,9 @@ from qstream.verification import (
 
 class RegimeAcceptance:
     """One regime's verifiers (a no-op when neither applies).  With ``--acceptance`` what the
-    drafter keeps of the reference's state (U [N, B, Vd] float32) is held in a Store
-    (:meth:`close` frees it) beside the reference's head; per variant only [N, B] values.  A
+    drafter keeps of the reference's state (the block drafter's U [N, B, Vd] float32, the chain
+    drafter's chain starts) is held in a Store (:meth:`close` frees it) beside the reference's
+    head; per variant only [N, B] values.  A
     reduced-vocabulary draft's logits are scattered into the target vocabulary before either
     verifier reads them, as vLLM verifies them (:func:`qstream.arch.markov.in_target_vocab`)."""
 
