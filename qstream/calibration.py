@@ -229,7 +229,7 @@ class CalibrationSet:
         """The FP32 reference of ``model_dir`` over the set, on the CPU (so the bytes quantize
         writes do not depend on its ``--device``); its source records the options that name
         it; a non-finite activation is a QStreamError naming the module."""
-        config = load_config(model_dir)
+        config = load_config(model_dir, captured=True)
         if self.source in AUX_REGIMES:
             regime, corpus, plan, source = self._regime(model_dir, config)
         else:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import cli_error, cli_ok
+from cli_helpers import cli_ok
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.eagle3 import ARCH, PRESETS, Eagle3Config, tensor_shapes
@@ -47,11 +47,9 @@ def test_synth_writes_the_table_and_a_config_vllm_reads(e3):
     assert torch.equal(lent[EMBED], tensors[EMBED])  # the draft's embedding is the target's
 
 
-def test_inspect_reads_it_and_the_evaluations_refuse_it(e3):
+def test_inspect_reads_it(e3):
     data = json.loads(cli_ok(["inspect", str(e3), "--no-stats", "--json", "-"]).stdout)
     assert "fc.weight" in [k["kind"] for k in data["kinds"]]
-    error = cli_error(["eval-drift", "--model", str(e3), "--formats", "fp8"])
-    assert "EAGLE-3" in error and "docs/eagle3.md" in error
 
 
 # fp32 logits of the same keys summed in another order (more, masked, keys in the softmax and

@@ -123,9 +123,16 @@ class Drafter(Protocol):
     opaque to its callers, and the rollouts read of it (docs/model.md, "Architectures")."""
 
     def propose(
-        self, model: Any, aux: torch.Tensor | AuxChunks, stream: Any, anchor: Any, first_token: Any
+        self,
+        model: Any,
+        aux: torch.Tensor | AuxChunks,
+        stream: Any,
+        anchor: Any,
+        first_token: Any,
+        ids: torch.Tensor | None = None,
     ) -> Any:
-        """Proposal n on stream[n] of aux [S, T, A] at anchor[n], from first_token[n] (ids[p])."""
+        """Proposal n on stream[n] of aux [S, T, A] at anchor[n], from first_token[n] (ids[p]);
+        ``ids`` [S, >= T+1]: the streams' tokens, which a chain drafter's prefill reads."""
         ...
 
     def rollout(
@@ -144,9 +151,11 @@ class Drafter(Protocol):
     # The FP32 reference verifier (--acceptance): what it keeps of the reference's state between
     # passes, and of the reference itself instead of the model; the reference's logits
     # [N, B, V] on another rollout's drafted prefixes, exactly as its own rollout computes them.
-    def keep(self, state: Any) -> torch.Tensor: ...
-    def reference_head(self, weights: Mapping[str, torch.Tensor]) -> Any: ...
-    def replay(self, head: Any, kept: torch.Tensor, drafted: Rollout) -> torch.Tensor: ...
+    def keep(self, state: Any) -> tuple[torch.Tensor, ...]: ...
+    def reference_head(self, weights: Mapping[str, torch.Tensor], config: Any) -> Any: ...
+    def replay(
+        self, head: Any, kept: tuple[torch.Tensor, ...], drafted: Rollout
+    ) -> torch.Tensor: ...
 
 
 class Architecture(Protocol):
@@ -164,8 +173,10 @@ class Architecture(Protocol):
     ships_embed_tokens: bool
     # whether vLLM embeds with the target's embed_tokens even when the draft stores its own
     embeds_with_target: bool
-    # why eval-drift, speculate, capture and calibration cannot run it yet (None: they can)
+    # why eval-drift and speculate cannot run it yet (None: they can)
     not_evaluated: str | None
+    # why capture and calibration cannot run it yet (None: they can)
+    not_captured: str | None
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         """Whether a config.json's contents name this architecture."""

@@ -232,7 +232,7 @@ class ReferenceHead:
 class BlockDrafter:
     """qstream/arch/interface.py's ``Drafter``."""
 
-    def propose(self, model: Any, aux: Any, stream, anchor, first_token) -> Drafted:
+    def propose(self, model: Any, aux: Any, stream, anchor, first_token, ids=None) -> Drafted:
         ctx = model.context(aux)  # bf16 aux: the model converts once to its own dtype (exact)
         return Drafted(model.draft(ctx, stream, anchor, first_token), model)
 
@@ -249,19 +249,21 @@ class BlockDrafter:
         blocks = Blocks(b.logits_base.cpu(), b.hidden.cpu(), b.first_token.cpu())
         return Drafted(blocks, host_head(state.head))
 
-    def keep(self, state: Drafted) -> torch.Tensor:
-        return state.blocks.logits_base
+    def keep(self, state: Drafted) -> tuple[torch.Tensor, ...]:
+        return (state.blocks.logits_base,)
 
-    def reference_head(self, weights: Mapping[str, torch.Tensor]) -> ReferenceHead:
+    def reference_head(self, weights: Mapping[str, torch.Tensor], config: Any) -> ReferenceHead:
         present = [k for k in (MARKOV_EMBED, MARKOV_TABLE) if k in weights]  # none: DFlash
         return ReferenceHead({k: weights[k].float().contiguous() for k in present})
 
-    def replay(self, head: ReferenceHead, kept: torch.Tensor, drafted: Rollout) -> torch.Tensor:
+    def replay(
+        self, head: ReferenceHead, kept: tuple[torch.Tensor, ...], drafted: Rollout
+    ) -> torch.Tensor:
         """Position by position as the reference's own rollout (verifying itself: bit-exact)."""
-        table = markov_table(head)
+        (kept_u,), table = kept, markov_table(head)
         prev = drafted.prev
         return torch.stack(
-            [markov_logits(head, kept[:, k], prev[:, k], table) for k in range(kept.shape[1])],
+            [markov_logits(head, kept_u[:, k], prev[:, k], table) for k in range(kept_u.shape[1])],
             dim=1,
         )
 

@@ -39,11 +39,13 @@ def architecture_of(config: DraftConfig) -> Architecture:
     raise TypeError(f"no registered architecture parses {type(config).__name__}")
 
 
-def load_config(directory: str | Path, evaluated: bool = True) -> Any:
+def load_config(directory: str | Path, evaluated: bool = True, captured: bool = False) -> Any:
     """config.json of a draft checkpoint -> its architecture's config (QStreamError naming the
-    file, key and value; ``evaluated``: or saying why the evaluations cannot run it yet)."""
+    file, key and value; ``evaluated``: or saying why eval-drift and speculate cannot run it
+    yet; ``captured``: why capture and calibration cannot)."""
     config = family.load_config(directory, lambda data: architecture_for(data).parse_config(data))
-    why = architecture_of(config).not_evaluated
-    if evaluated and why is not None:
+    arch = architecture_of(config)
+    why = (arch.not_evaluated if evaluated else None) or (arch.not_captured if captured else None)
+    if why is not None:
         raise QStreamError(f"{directory}: {why}")
     return config

@@ -239,7 +239,7 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
         raise QStreamError("--apply-chat-template needs --generate: a template makes a prompt, "
                            "which only --generate continues")  # fmt: skip
     check_target_format(s.target_format, "--target-format")
-    config = load_config(s.model)
+    config = load_config(s.model, captured=True)
     shape = read_target_shape(s.target)
     ids = _layer_ids(s, config, shape.num_hidden_layers)
     check_draft(config, shape, ids)

@@ -131,6 +131,7 @@ class Batch:
     anchor: torch.Tensor  # [n]
     first_token: torch.Tensor  # [n]
     context_length: int  # positions of aux needed: max anchor in the batch
+    ids: torch.Tensor  # [len(streams), context_length + 1] the streams' tokens (zero padded)
 
 
 def batch_flops(config: DraftConfig, batch: Batch, causal: bool = False) -> float:
@@ -180,7 +181,12 @@ def _batch(
         [corpus.streams[s][p] for s, p in zip(plan.stream[idx].tolist(), anchor.tolist())]
     )
     local = torch.tensor([row[s] for s in plan.stream[idx].tolist()])
-    return Batch(idx, list(streams), local, anchor, first, int(anchor.max()))
+    T = int(anchor.max())
+    ids = torch.zeros(len(streams), T + 1, dtype=torch.int64)
+    for r, s in enumerate(streams):
+        tokens = corpus.streams[s][: T + 1]
+        ids[r, : tokens.numel()] = tokens
+    return Batch(idx, list(streams), local, anchor, first, T, ids)
 
 
 class AuxStates:
@@ -248,11 +254,7 @@ class AuxStates:
 
     def _ids(self, batch: Batch, T: int) -> torch.Tensor:
         """The batch's token streams [S, T] for the boot regime's causal pass (zero padded)."""
-        ids = torch.zeros(len(batch.streams), T, dtype=torch.int64)
-        for row, s in enumerate(batch.streams):
-            tokens = self.corpus.streams[s][:T]
-            ids[row, : tokens.numel()] = tokens
-        return ids
+        return batch.ids[:, :T]
 
     def close(self) -> None:
         self._kept.close()
@@ -272,7 +274,8 @@ def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) 
 def propose(model: DraftModel, aux: torch.Tensor | AuxChunks, batch: Batch) -> Any:
     """The batch's proposals (its drafter kind's state, opaque here)."""
     drafter = architecture_of(model.config).drafter
-    return drafter.propose(model, aux, batch.local_stream, batch.anchor, batch.first_token)
+    at = (batch.local_stream, batch.anchor, batch.first_token)
+    return drafter.propose(model, aux, *at, ids=batch.ids)
 
 
 class Drafts(NamedTuple):

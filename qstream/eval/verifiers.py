@@ -43,8 +43,9 @@ from qstream.verification import (
 
 class RegimeAcceptance:
     """One regime's verifiers (a no-op when neither applies).  With ``--acceptance`` what the
-    drafter keeps of the reference's state (U [N, B, Vd] float32) is held in a Store
-    (:meth:`close` frees it) beside the reference's head; per variant only [N, B] values.  A
+    drafter keeps of the reference's state (the block drafter's U [N, B, Vd] float32, the chain
+    drafter's chain starts) is held in a Store (:meth:`close` frees it) beside the reference's
+    head; per variant only [N, B] values.  A
     reduced-vocabulary draft's logits are scattered into the target vocabulary before either
     verifier reads them, as vLLM verifies them (:func:`qstream.arch.markov.in_target_vocab`)."""
 
@@ -71,10 +72,11 @@ class RegimeAcceptance:
             "stream_is_target_top1": [],
             "stream_outside_target_nucleus": [],
         }
-        self.kept: Store | None = None
+        self.kept: Store | None = None  # the kept parts of each batch, by (batch, part)
+        self.kept_parts = 0
         if not self.active:
             return
-        self.head = drafter.reference_head(weights)
+        self.head = drafter.reference_head(weights, config)
         if self.states is not None:
             head = self._target_head(weights, settings)
             self.lm_head = ComputeWeights({LM_HEAD: head}, torch.float32)
@@ -149,7 +151,10 @@ class RegimeAcceptance:
         """The reference's drafts of one batch (what the verifier keeps; their acceptance by
         the target)."""
         if self.kept is not None:
-            self.kept.put(batch, self.drafter.keep(state))
+            parts = self.drafter.keep(state)
+            for part, kept in enumerate(parts):
+                self.kept.put((batch, part), kept)
+            self.kept_parts = len(parts)
         if self.states is not None:
             self._add_target(self.reference_target, state, batch, greedy, record=True)
 
@@ -188,7 +193,7 @@ class RegimeAcceptance:
         """The reference on the variant's own prefixes: its argmax (greedy verifier) and its
         sampling distribution against the greedy and the probabilistic draft."""
         assert self.kept is not None  # kept whenever the reference verifies
-        kept = self.kept.get(batch)
+        kept = tuple(self.kept.get((batch, part)) for part in range(self.kept_parts))
         p_greedy = self._in_target(self.drafter.replay(self.head, kept, greedy))
         acc.add(GREEDY, greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
         p_greedy_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)

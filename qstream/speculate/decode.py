@@ -94,7 +94,7 @@ def speculative_decode(
     ids.append(_pick(logits[-1], mode, temperature, gen))
     while len(ids) - len(prompt) < new_tokens:
         p = len(ids) - 1  # the anchor: the newest token, which the target has not yet read
-        drafted, q = _draft(draft, aux[:, :p], ids[p], mode, temperature, seed + len(ids))
+        drafted, q = _draft(draft, aux[:, :p], ids[: p + 1], mode, temperature, seed + len(ids))
         if kv is None:
             aux, logits = target_pass(target, torch.tensor([ids + drafted]), layer_ids)
         else:  # the cache holds positions 0..p-1: read the anchor and the block only
@@ -133,13 +133,15 @@ def _pick(logits: torch.Tensor, mode: VerificationMode, temperature: float, gen)
     return int(torch.multinomial(sampling_probs(logits, temperature), 1, generator=gen))
 
 
-def _draft(draft, aux, anchor_token: int, mode: VerificationMode, temperature: float, seed: int):
-    """One block at anchor p = aux's length: its tokens (target ids) and the drafter's
-    distributions q [B, V] over the target vocabulary (None for a greedy draft); a reduced
-    vocabulary's q is zero off the draft's ids (:func:`qstream.arch.markov.in_target_vocab`)."""
+def _draft(draft, aux, ids: list[int], mode: VerificationMode, temperature: float, seed: int):
+    """One block at anchor p = aux's length (``ids``: the tokens up to and including p): its
+    tokens (target ids) and the drafter's distributions q [B, V] over the target vocabulary
+    (None for a greedy draft); a reduced vocabulary's q is zero off the draft's ids
+    (:func:`qstream.arch.markov.in_target_vocab`).  A chain drafter's prefill runs over the
+    whole context each time: its own KV cache of the accepted positions holds the same keys."""
     drafter, config = architecture_of(draft.config).drafter, draft.config
-    at = (torch.tensor([0]), torch.tensor([aux.shape[1]]), torch.tensor([anchor_token]))
-    state = drafter.propose(draft, aux, *at)
+    at = (torch.tensor([0]), torch.tensor([aux.shape[1]]), torch.tensor([ids[-1]]))
+    state = drafter.propose(draft, aux, *at, ids=torch.tensor([ids]))
     if not mode.probabilistic:
         return drafter.rollout(state).tokens[0].tolist(), None
     shape = (1, config.block_size, draft_vocab_size(config))  # one race entry per draft logit

@@ -48,6 +48,12 @@ ARCHITECTURES = {
 # (SupportsEagle3.get_eagle3_default_aux_hidden_state_layers in vllm/model_executor/models/
 # interfaces.py: (2, L // 2, L - 3))
 DEFAULT_AUX = 3
+# k, the tokens drafted per verification, when config.json does not say: speculators' EAGLE-3
+# converter writes 3 (speculators/convert/eagle/eagle3_converter.py); vLLM itself takes k from
+# --speculative-config num_speculative_tokens, else speculators_config's first proposal method
+# (SpeculatorsConfig.build_vllm_speculative_config in
+# vllm/transformers_utils/configs/speculators/base.py)
+DEFAULT_SPECULATIVE_TOKENS = 3
 # What the midlayer is called in EAGLE-3's original checkpoints; vLLM loads it as layers.0.
 # (LlamaModel.hf_to_vllm_mapper), the name speculators saves.
 MIDLAYER, LAYER = "midlayer.", "layers.0."
@@ -57,7 +63,8 @@ REQUIRED = (
 ).split()
 POSITIVE_INT_FIELDS = (
     "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim vocab_size "
-    "draft_vocab_size max_position_embeddings target_hidden_size num_aux_hidden_states"
+    "draft_vocab_size max_position_embeddings target_hidden_size num_aux_hidden_states "
+    "num_speculative_tokens"
 ).split()
 
 
@@ -146,6 +153,8 @@ class Eagle3Config:
     norm_output: bool = False  # the final-normed state, not the pre-norm one, is fed back
     attention_bias: bool = False
     eos_token_id: int | None = None
+    # k: tokens chained per verification (docs/eagle3.md, "Drafting")
+    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
 
     def __post_init__(self) -> None:
         family.check_positive_ints(self, POSITIVE_INT_FIELDS)
@@ -189,6 +198,42 @@ class Eagle3Config:
     @property
     def reduced_vocab(self) -> bool:
         return self.draft_vocab_size < self.vocab_size
+
+    # What the evaluations read of every draft (qstream/arch/interface.py, DraftConfig)
+    @property
+    def block_size(self) -> int:
+        """k, the chain's length (the block drafters' B)."""
+        return self.num_speculative_tokens
+
+    @property
+    def num_target_layers(self) -> int:
+        return self.num_aux_hidden_states
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """The aux layers as layer outputs: vLLM's id i is the residual stream entering layer
+        i (``LlamaModel.forward`` in vllm/model_executor/models/llama.py), layer i - 1's output."""
+        ids = self.aux_layer_ids
+        if ids is None or 0 in ids:
+            why = "names no" if ids is None else "names the embedding (0) among its"
+            raise QStreamError(
+                f"config.json {why} eagle_aux_hidden_state_layer_ids: the target's layers "
+                "to read are not known"
+            )
+        return tuple(i - 1 for i in ids)
+
+    @property
+    def target_num_hidden_layers(self) -> None:
+        return None
+
+    @property
+    def original_max_position_embeddings(self) -> int:
+        orig = getattr(self.rope_parameters, "original_max_position_embeddings", None)
+        return orig or self.max_position_embeddings
+
+    markov_rank: ClassVar[int] = 0
+    enable_confidence_head: ClassVar[bool] = False
+    confidence_head_with_markov: ClassVar[bool] = False
 
     def to_json(self) -> dict[str, Any]:
         """config.json in vLLM's dense layout (what ``Eagle3LlamaForCausalLM`` reads)."""
@@ -283,9 +328,18 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
         if data.get(key) is not None:
             flat[key] = data[key]
     flat["norm_before_residual"] = data.get("norm_before_residual", True)
+    flat["num_speculative_tokens"] = _proposal_tokens(data.get("speculators_config"))
     ids = data.get("eagle_aux_hidden_state_layer_ids") or None
     flat["aux_layer_ids"] = flat["eagle_aux_hidden_state_layer_ids"] = ids
     return flat
+
+
+def _proposal_tokens(spec: Any) -> Any:
+    """speculators_config's first proposal method's ``speculative_tokens`` (None: absent), as
+    ``build_vllm_speculative_config`` (vllm/transformers_utils/configs/speculators/base.py)."""
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    first = methods[0] if isinstance(methods, list) and methods else None
+    return first.get("speculative_tokens") if isinstance(first, dict) else None
 
 
 # Keys that change vLLM 0.32.0's EAGLE-3 forward in ways qstream does not model yet, with the
@@ -460,8 +514,8 @@ SERVING = tuple(_serving(form) for form in FORMS)
 
 class Eagle3:
     """The descriptor: what the package can ask of an EAGLE-3 draft today (docs/eagle3.md):
-    config, tensors, loading, the fp32 forward and both forms' serving profiles; no drafter
-    or FLOP model."""
+    config, tensors, loading, the forward (fp32 and bf16 compute), its chain drafter and both
+    forms' serving profiles; no FLOP model."""
 
     config_type: type = Eagle3Config
     quantize_include: tuple[str, ...] = DEFAULT_INCLUDE
@@ -472,9 +526,9 @@ class Eagle3:
     # speculators saves embed_tokens, and vLLM then embeds with it (process_eagle_weight)
     ships_embed_tokens: bool = True
     embeds_with_target: bool = False
-    not_evaluated: str | None = (
-        "an EAGLE-3 draft is not evaluated by eval-drift, speculate, capture or calibration yet "
-        "(docs/eagle3.md)"
+    not_evaluated: str | None = None
+    not_captured: str | None = (
+        "an EAGLE-3 draft is not evaluated by capture or calibration yet (docs/eagle3.md)"
     )
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
@@ -494,20 +548,50 @@ class Eagle3:
     def build(
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
-        """The fp32 reference forward; other serving variants are not modelled yet."""
-        from qstream.serving import REFERENCE_VARIANT
+        """The forward computing in the variant's dtype on its weights; serving conditions
+        other than the weights' format and dtype are not modelled for EAGLE-3 yet."""
+        from qstream.serving import DEFAULTS
 
-        if variant != REFERENCE_VARIANT or served is not None:
-            raise QStreamError(f"EAGLE-3 drafts are evaluated only as {REFERENCE_VARIANT.name} yet")
+        served_as = variant.configuration()
+        other = [f"{k}={v}" for k, v in served_as.items() if v != DEFAULTS[k]]
+        if other or served is not None:
+            raise QStreamError(
+                f"variant {variant.name}: {', '.join(other) or 'served linears'} is not "
+                "evaluated for EAGLE-3 drafts yet (docs/eagle3.md)"
+            )
         # by name, as DSparkFamily.build: the forward imports this module
-        model = importlib.import_module("qstream.arch.eagle3.model").Eagle3Draft
-        return model(config, weights, device=device)
+        model = importlib.import_module(f"{__name__}.model").Eagle3Draft
+        return model(config, weights, device=device, dtype=variant.dtype)
 
-    def _not_yet(self, *args: Any, **kwargs: Any) -> Any:
-        raise QStreamError(str(self.not_evaluated))
+    @property
+    def drafter(self) -> Any:
+        """The chain drafter (drafter.py), imported with torch when first asked."""
+        return importlib.import_module(f"{__name__}.drafter").CHAIN_DRAFTER
 
-    drafter = property(_not_yet)
-    causal_stream = context_flops = drafted_flops = causal_flops = _not_yet
+    def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
+        return importlib.import_module(f"{__name__}.drafter").CausalRows(model, ids, dtype, depth)
+
+    # The FLOP model (docs/eval-drift.md, "FLOP model"): multiply-adds of the products, x2
+    def context_flops(self, config: Any) -> float:
+        """One prefill position: fc, then a step without its lm_head."""
+        return 2.0 * config.aux_size * config.hidden_size + _step_flops(config)
+
+    def drafted_flops(self, config: Any, anchor: Any) -> float:
+        """Per block: the first token's lm_head, then k - 1 steps with theirs."""
+        head = 2.0 * config.hidden_size * config.draft_vocab_size
+        k = config.block_size
+        return float(len(anchor)) * (k * head + (k - 1) * _step_flops(config))
+
+    def causal_flops(self, config: Any, T: int) -> float:
+        """The boot regime's causal pass: one step per aux layer at each of T positions."""
+        return float(T) * config.num_target_layers * _step_flops(config)
+
+
+def _step_flops(config: Eagle3Config) -> float:
+    """One step's products but lm_head's: q/k/v over [embedding ‖ hidden], o_proj, the MLP."""
+    H, d = config.hidden_size, config.head_dim
+    qkv = 2 * H * d * (config.num_attention_heads + 2 * config.num_key_value_heads)
+    return 2.0 * (qkv + config.num_attention_heads * d * H + 3 * H * config.intermediate_size)
 
 
 ARCH = Eagle3()
