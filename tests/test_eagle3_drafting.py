@@ -183,7 +183,7 @@ def _draft_for(target, reduced: bool) -> Eagle3Draft:
     embedding and head lent by the target; ``reduced``: over six of its eight tokens."""
     config = replace(PRESETS["eagle3-tiny"], hidden_size=H, intermediate_size=64, head_dim=8,
                      vocab_size=V, draft_vocab_size=V, target_hidden_size=H,
-                     aux_layer_ids=(1, 2, 3))  # fmt: skip
+                     aux_layer_ids=(1, 2, 3), target_num_hidden_layers=3)  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     weights = {
         name: torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
@@ -282,7 +282,12 @@ def test_speculate_runs_an_eagle3_draft_in_every_format(tmp_path):
     assert (HIDDEN, LAYERS) == (64, 6)
     draft = tmp_path / "draft"
     draft.mkdir()
-    config = replace(PRESETS["eagle3-tiny"], vocab_size=VOCAB, draft_vocab_size=VOCAB)
+    config = replace(
+        PRESETS["eagle3-tiny"],
+        vocab_size=VOCAB,
+        draft_vocab_size=VOCAB,
+        target_num_hidden_layers=LAYERS,
+    )
     lent = load_file(target_dir / "model.safetensors")
     gen = torch.Generator().manual_seed(0)
     tensors = {n: torch.randn(s, generator=gen) / math.sqrt(s[-1])
