@@ -1,9 +1,10 @@
-"""vLLM 0.32.0's own DSpark and DFlash drafts, loaded and run on CPU as vLLM's drafters run them,
-for the vLLM lane's oracle tests (docs/vllm.md, "vLLM's own forward and sampler").  The shims
-are all in tests/vllm_cpu_shims.py.
+"""vLLM 0.32.0's own DSpark, DFlash and EAGLE-3 drafts, loaded and run on CPU as vLLM's drafters
+run them, for the vLLM lane's oracle tests (docs/vllm.md, "vLLM's own forward and sampler").
+The shims are all in tests/vllm_cpu_shims.py.
 
->>> draft = load_vllm_draft(directory, torch.float32, embed, lm_head)     # "dflash": method
+>>> draft = load_vllm_draft(directory, torch.float32, embed, lm_head)  # "dflash", "eagle3": method
 >>> block = draft_block(draft, aux, first_token)          # K3; qwen3_block: the Qwen3 drafts
+>>> chain = eagle3_chain(draft, ids, aux, k)              # EAGLE-3: a prefill and k chained steps
 """
 
 from __future__ import annotations
