@@ -1,9 +1,10 @@
-"""vLLM 0.32.0's own DSpark and DFlash drafts, loaded and run on CPU as vLLM's drafters run them,
-for the vLLM lane's oracle tests (docs/vllm.md, "vLLM's own forward and sampler").  The shims
-are all in tests/vllm_cpu_shims.py.
+"""vLLM 0.32.0's own DSpark, DFlash and EAGLE-3 drafts, loaded and run on CPU as vLLM's drafters
+run them, for the vLLM lane's oracle tests (docs/vllm.md, "vLLM's own forward and sampler").
+The shims are all in tests/vllm_cpu_shims.py.
 
->>> draft = load_vllm_draft(directory, torch.float32, embed, lm_head)     # "dflash": method
+>>> draft = load_vllm_draft(directory, torch.float32, embed, lm_head)  # "dflash", "eagle3": method
 >>> block = draft_block(draft, aux, first_token)          # K3; qwen3_block: the Qwen3 drafts
+>>> chain = eagle3_chain(draft, ids, aux, k)              # EAGLE-3: a prefill and k chained steps
 """
 
 from __future__ import annotations
@@ -37,24 +38,28 @@ def load_vllm_draft(
     method: str = "dspark",
 ) -> VllmDraft:
     """The draft through ``load_dspark_model`` (vllm/v1/worker/gpu/spec_decode/dspark/utils.py;
-    ``method`` "dflash": ``load_dflash_model``, dflash/utils.py) in ``dtype``, beside a target
+    ``method`` "dflash": ``load_dflash_model``, dflash/utils.py; "eagle3": ``load_eagle_model``,
+    eagle/utils.py) in ``dtype``, beside a target
     whose embedding and lm_head (vLLM's own ``VocabParallelEmbedding`` and ``ParallelLMHead``)
     hold ``embed`` and ``lm_head``: a draft without its own uses the target's (docs/vllm.md)."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.worker.gpu.spec_decode.dflash.utils import load_dflash_model
     from vllm.v1.worker.gpu.spec_decode.dspark.utils import load_dspark_model
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
     from vllm.v1.worker.workspace import init_workspace_manager, is_workspace_manager_initialized
 
-    load = {"dspark": load_dspark_model, "dflash": load_dflash_model}[method]
+    load = {"dspark": load_dspark_model, "dflash": load_dflash_model, "eagle3": load_eagle_model}
 
     checkpoint = open_checkpoint(directory)
     layers = int(checkpoint.config["target_num_hidden_layers"])
     speculative = {"method": method, "model": str(checkpoint.directory)}
     # vLLM reads a DSpark draft's token count from block_size; DFlash's is given (its anchor
-    # slot is the bonus token)
+    # slot is the bonus token), and EAGLE-3's (one a step)
     if method == "dflash":
         speculative["num_speculative_tokens"] = int(checkpoint.config["block_size"]) - 1
+    if method == "eagle3":
+        speculative["num_speculative_tokens"] = int(checkpoint.config["num_speculative_tokens"])
     with tempfile.TemporaryDirectory(prefix="qstream-oracle-target-") as target:
         _write_target(Path(target), checkpoint.config, layers)  # config only: its depth, widths
         with cpu_shims(Recorder()):
@@ -71,7 +76,7 @@ def load_vllm_draft(
                 if not is_workspace_manager_initialized():
                     init_workspace_manager(torch.device("cpu"))
                 stand_in = _stand_in_target(config, embed, lm_head, dtype)
-                model = load(stand_in, config)
+                model = load[method](stand_in, config)
     return VllmDraft(model, config, dtype)
 
 
@@ -215,13 +220,13 @@ def qwen3_block(draft: VllmDraft, aux: torch.Tensor, first_token: int) -> VllmBl
             hidden = model(ids, positions)  # [slots, H]: the final-normed block states
         if hasattr(model, "markov_embed"):
             return _sample_sequential(model, ids, hidden)
-        return _sample_dflash(model, hidden[1:])
+        return _sample_draft(model, hidden[1:])
 
 
-def _cpu_attention_metadata(draft, spec, attns, p, slots, blocks, positions):
+def _cpu_attention_metadata(draft, spec, attns, p, slots, blocks, positions, causal=False):
     """What vLLM's model runner hands the CPU backend for one request of ``slots`` query tokens
     after p context tokens, all in its own blocks: ``CPUAttentionMetadataBuilder.build``
-    (vllm/v1/attention/backends/cpu_attn.py) on the common metadata, non-causal."""
+    (vllm/v1/attention/backends/cpu_attn.py) on the common metadata (non-causal: a block)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
@@ -236,17 +241,17 @@ def _cpu_attention_metadata(draft, spec, attns, p, slots, blocks, positions):
         max_seq_len=p + slots,
         block_table_tensor=torch.arange(blocks, dtype=torch.int32)[None],
         slot_mapping=positions,
-        causal=False,
+        causal=causal,
     )
     names = [attn.layer_name for attn in attns]
     builder = CPUAttentionMetadataBuilder(spec, names, draft.config, torch.device("cpu"))
     return builder.build(0, common)
 
 
-def _sample_dflash(model, hidden: torch.Tensor) -> VllmBlock:
+def _sample_draft(model, hidden: torch.Tensor) -> VllmBlock:
     """``DraftModelSpeculator.sample_draft`` (vllm/v1/worker/gpu/spec_decode/speculator.py)
-    itself, greedy (no draft logits), over the mask slots' states: ``compute_draft_logits``
-    (the model's ``compute_logits``) and argmax."""
+    itself, greedy (no draft logits), over the mask slots' states (EAGLE-3: one step's):
+    ``compute_draft_logits`` (the model's ``compute_logits``) and argmax."""
     from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
     seen: list[torch.Tensor] = []
@@ -269,3 +274,65 @@ def _sample_dflash(model, hidden: torch.Tensor) -> VllmBlock:
     none = torch.zeros(B, dtype=torch.int64)
     tokens = spec.sample_draft(hidden, none, none, none, none, none, None)
     return VllmBlock(seen[0], tokens.clone(), None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The EAGLE-3 draft (vllm/model_executor/models/llama_eagle3.py, qwen3_eagle3.py)
+
+
+@dataclass
+class VllmChain:
+    hidden: torch.Tensor  # [P, H] the prefill's states as handed on (LlamaModel's aux_output)
+    logits: torch.Tensor  # [P, V] fp32 compute_logits at every prefill position
+    tokens: torch.Tensor  # [k] the greedy chain (target ids)
+    chain_logits: torch.Tensor  # [k, V] fp32 the logits each token was drawn from
+    chain_hidden: torch.Tensor  # [k, H] the state each step hands on
+
+
+def eagle3_chain(draft: VllmDraft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> VllmChain:
+    """One request of P = len(aux) target positions drafting k tokens, as
+    ``TargetDependentARSpeculator.propose`` (vllm/v1/worker/gpu/spec_decode/target_dependent_ar/
+    speculator.py) runs an EAGLE-3 draft: ``combine_hidden_states`` over aux [P, A], then
+    ``_prefill``: the model over ids [P] (the target's tokens shifted by one, the last the
+    token the target sampled) at positions 0..P-1, causal through the CPU backend, and
+    ``sample_draft`` at the last position; then each of ``_generate_draft``'s steps: the model
+    over the token just drawn and the state its step handed on (``update_draft_inputs``) at the
+    next position, attending to the request's cache, and ``sample_draft`` again."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    model, P = draft.model, aux.shape[0]
+    attns = [layer.self_attn.attn for layer in model.model.layers]
+    spec = attns[0].get_kv_cache_spec(draft.config)
+    blocks = (P + k + spec.block_size - 1) // spec.block_size
+    for attn in attns:  # the CPU backend's layout: [blocks, kv heads, block size, 2 * head]
+        shape = (blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+        attn.kv_cache = torch.zeros(shape, dtype=draft.dtype)
+
+    def forward(input_ids, positions, hidden):  # -> (final-normed, handed-on) states
+        context = int(positions[0])  # the request's tokens before these, all cached
+        metadata = _cpu_attention_metadata(
+            draft, spec, attns, context, len(positions), blocks, positions, causal=True
+        )
+        with set_forward_context(
+            {attn.layer_name: metadata for attn in attns},
+            draft.config,
+            slot_mapping={attn.layer_name: positions for attn in attns},
+        ):
+            return model(input_ids, positions, hidden)
+
+    with torch.inference_mode(), set_current_vllm_config(draft.config):
+        normed, handed = forward(
+            ids, torch.arange(P), model.combine_hidden_states(aux.to(draft.dtype))
+        )
+        logits = model.compute_logits(normed).float()
+        row, state, tokens, chain_logits, states = normed[-1:], handed[-1:], [], [], []
+        for j in range(k):
+            drawn = _sample_draft(model, row)
+            tokens.append(drawn.tokens)
+            chain_logits.append(drawn.logits)
+            states.append(state)
+            if j < k - 1:
+                row, state = forward(drawn.tokens, torch.tensor([P + j]), state)
+    return VllmChain(handed.float(), logits, torch.cat(tokens), torch.cat(chain_logits),
+                     torch.cat(states).float())  # fmt: skip
