@@ -241,7 +241,7 @@ def test_a_bad_qwen3_target_config_names_file_and_key(tmp_path):
 SYNTH_SHA256 = {
     "tiny": {
         "config.json": "47a5502e0f8383d90ea7513dca5c3eb9e58f37770a3161bbefbe1fd219569307",
-        "model.safetensors": "07917d338c01ba9b9988b566c9c61264681cbf4feae488186bba610517c0a2da",
+        "model.safetensors": "7a254bdb356a225f72556ed35a57effd539f688b196874d411c5c4e2f30fb38c",
         "target_head/config.json": "e8c8aa45aa1f90a422dece24e807b6e15d4c5a7e19ac995a39f295a48cd89927",
         "target_head/model-00001-of-00001.safetensors":
             "ef4862895ec42781d925b4dddeb62a75f03b213a5568936f4277da194000e401",
@@ -249,7 +249,7 @@ SYNTH_SHA256 = {
     },
     "qwen3-tiny": {
         "config.json": "e7b1418dd75f62e26b1cfb256b11489279ea55d65a1df59023116dea5d56a133",
-        "model.safetensors": "80c900732d6f44234ed6ca2cf825bae9316d4cc75e478354594d3feac2594faf",
+        "model.safetensors": "4436a49c5d9fcbba981037b1ef2b82996bdfcb99d96745d8a64acc33fdbe59b1",
         "target_head/model-00001-of-00001.safetensors":
             "9a2fef23da97144fce10541dba18a55ee517272cca62c7c5b499a714e810f592",
         "tokenizer.json": "c71a5909698556b2756a97d662069aa65a92f941b8a8c6938458718622d80e73",
@@ -267,7 +267,7 @@ def test_synth_bytes_are_pinned(preset, tiny, q3):
 def test_synth_bytes_survive_another_cpus_lapack(tmp_path, monkeypatch):
     """LAPACK's factors differ between CPUs (MKL on AMD EPYC against Intel) by about 1e-14 of a
     column's largest entry: noise ten times that in every singular vector and value leaves the
-    pinned bytes (qstream/synth/markov.py, _flush). Before FLUSH, 1e-14 changed them."""
+    pinned bytes (qstream/synth/markov.py, _flush). Before the grid, 1e-14 changed them."""
     svd = markov._svd_lowrank
     gen = torch.Generator().manual_seed(3)
 

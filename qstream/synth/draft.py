@@ -35,7 +35,7 @@ from qstream.synth.markov import U_STD, Bigrams, calibrate_markov_scale, markov_
 TOKENIZER_VOCAB = {"tiny": 1024, "small": 4096, "k3": 4096, "qwen3-tiny": 1024, "qwen3-8b": 4096,
                    "qwen3-dflash-tiny": 1024, "eagle3-tiny": 1024}  # fmt: skip
 TOKENIZER_SIZED = ("tiny", "qwen3-tiny", "qwen3-dflash-tiny", "eagle3-tiny")
-RECIPE = 3  # raised whenever synth's bytes change (2: float64; 3: factor entries below FLUSH of their column written as 0, the same bytes on AMD and Intel)
+RECIPE = 3  # raised whenever synth's bytes change (2: float64; 3: gridded factors, AMD = Intel)
 SHARD_BYTES = 5 * 10**9  # Hugging Face's default max_shard_size ("5GB")
 CHUNK_ELEMENTS = 1 << 24  # rows generated and written at a time: 16 M elements, 64 MB fp32
 

@@ -22,10 +22,9 @@ TARGET_TOP1 = 0.55  # the real U is not iid: measured top-1 on GSM8K lands ~0.07
 CALIBRATION_SAMPLES = 4096  # corpus transitions used to set the Markov scale (+-0.01 top-1)
 BIGRAM_FLOOR = 0.03  # best rank-16 top-1 accuracy on GSM8K among 1e-4 .. 0.1 (12.8%)
 DEGENERATE = 1e-9  # singular values closer than this (relative to the largest) are one eigenspace
-# factor entries below this share of their column's largest are written as 0 (_flush): half a
-# bf16 step of that largest entry, the rounding bf16 gives it anyway; CPU noise (1e-14 of it)
-# then moves a kept entry by at most 5e-12 of itself, ~1e-9 of a bf16 step
-FLUSH = 2.0**-9
+# bits kept below a factor column's largest entry (_flush): CPU noise (1e-14 of that entry) is
+# 1e-8 of a grid step, and entries under 2^-21 of it (noise-sized) become 0
+SNAP_BITS = 20
 U_STD = 1.5  # nats: per-vocab spread of the network logits U (as synth's lm_head gives it)
 # most calibration logits [samples, V] held at once (128 MB in float64): past a vocabulary of
 # 4,096 the calibration draws 2**24 // V transitions (341 at 49,152, 102 at 163,840)
@@ -157,11 +156,15 @@ def _canonical(
 
 
 def _flush(x: torch.Tensor) -> torch.Tensor:
-    """Entries below FLUSH of their column's largest become 0. LAPACK's factors differ between
-    CPUs by about 1e-14 of that largest entry (MKL on AMD EPYC against Intel), which bf16 keeps
-    wherever it is a visible part of a small entry: entries that are zero in exact arithmetic
-    (tokens never seen) come out as that noise, and entries of 1e-9 carry it at 1e-5 relative."""
-    return torch.where(x.abs() < FLUSH * x.abs().amax(0, keepdim=True), 0.0, x)
+    """Each entry snapped to a grid of 2^-SNAP_BITS of its column's largest power of two, exactly
+    (powers of two).  LAPACK's factors differ between CPUs by about 1e-14 of that largest entry
+    (MKL on AMD EPYC against Intel), which bf16 keeps wherever it is a visible part of a small
+    entry (entries that are zero in exact arithmetic come out as that noise; an entry of 1e-9
+    carries it at 1e-5 relative).  On the grid, noise moves an entry only when it lies within
+    1e-14 of a grid midpoint: about once in 1e8 entries; noise-sized entries become +0.0."""
+    top = torch.floor(torch.log2(x.abs().amax(0, keepdim=True).clamp(min=1e-300)))
+    step = torch.pow(2.0, top - SNAP_BITS)
+    return torch.round(x / step) * step + 0.0  # + 0.0: a noise entry's sign would stay on -0.0
 
 
 def calibrate_markov_scale(
