@@ -188,11 +188,13 @@ def calibrate_blocks(
 def calibrate(
     config: DraftConfig, weights: Any, device: Any, feed: Callable[[Any], Any], source: dict
 ) -> Calibration:
-    """The FP32 reference built with its linears observed, run by ``feed(model)``."""
+    """The FP32 reference built with its linears observed, run by ``feed(model)``; an
+    architecture not calibrated yet is one line saying so."""
+    arch = architecture_of(config)
+    if arch.not_captured is not None:
+        raise QStreamError(f"static activation or KV-cache scales: {arch.not_captured}")
     observer = Observer()
-    model = architecture_of(config).build(
-        config, weights, REFERENCE_VARIANT, device, observer.served()
-    )
+    model = arch.build(config, weights, REFERENCE_VARIANT, device, observer.served())
     feed(model)
     return Calibration(observer.amax, source)
 
