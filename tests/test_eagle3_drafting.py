@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import cli_error, cli_ok
+from cli_helpers import cli_ok
 from hf_targets import HIDDEN, LAYERS, VOCAB, make_qwen3_target
 from safetensors.torch import load_file, save_file
 
@@ -263,13 +263,6 @@ def test_eval_drift_runs_every_regime_with_acceptance(e3, tmp_path, reduced):
             for mode in modes:
                 emitted = mode["emitted"]["value"]
                 assert 1 <= emitted <= k + 1 and math.isfinite(emitted)
-
-
-def test_capture_still_refuses_an_eagle3_draft(e3, tmp_path):
-    target = make_qwen3_target(tmp_path / "target")
-    error = cli_error(["capture", "--target", str(target), "--model", str(e3),
-                       "--output", str(tmp_path / "states")])  # fmt: skip
-    assert "EAGLE-3" in error and "capture" in error
 
 
 # every format, and the serving conditions EAGLE-3 is served under (tests/test_eagle3_serving.py)

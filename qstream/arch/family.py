@@ -36,6 +36,7 @@ class DSparkFamily:
     model_class: str  # the module's draft model class
     not_evaluated: str | None = None
     not_captured: str | None = None
+    not_calibrated: str | None = None
 
     def parse_config(self, data: Mapping[str, Any]) -> Any:
         return self.config_type.from_json(dict(data))  # type: ignore[attr-defined]

@@ -523,9 +523,8 @@ class Eagle3:
     ships_embed_tokens: bool = True
     embeds_with_target: bool = False
     not_evaluated: str | None = None
-    not_captured: str | None = (
-        "an EAGLE-3 draft is not evaluated by capture or calibration yet (docs/eagle3.md)"
-    )
+    not_captured: str | None = None
+    not_calibrated: str | None = "an EAGLE-3 draft is not calibrated yet (docs/eagle3.md)"
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("speculators_model_type") == SPECULATORS_TYPE or any(
