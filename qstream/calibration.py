@@ -189,12 +189,20 @@ def calibrate(
     config: DraftConfig, weights: Any, device: Any, feed: Callable[[Any], Any], source: dict
 ) -> Calibration:
     """The FP32 reference built with its linears observed, run by ``feed(model)``."""
+    refuse_uncalibrated(config)
     observer = Observer()
     model = architecture_of(config).build(
         config, weights, REFERENCE_VARIANT, device, observer.served()
     )
     feed(model)
     return Calibration(observer.amax, source)
+
+
+def refuse_uncalibrated(config: DraftConfig) -> None:
+    """One line when ``config``'s architecture is not calibrated yet (``not_calibrated``)."""
+    why = architecture_of(config).not_calibrated
+    if why is not None:
+        raise QStreamError(f"static activation or KV-cache scales: {why}")
 
 
 NO_BLOCKS = AnchorPlan(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
@@ -229,7 +237,8 @@ class CalibrationSet:
         """The FP32 reference of ``model_dir`` over the set, on the CPU (so the bytes quantize
         writes do not depend on its ``--device``); its source records the options that name
         it; a non-finite activation is a QStreamError naming the module."""
-        config = load_config(model_dir, captured=True)
+        config = load_config(model_dir)
+        refuse_uncalibrated(config)
         if self.source in AUX_REGIMES:
             regime, corpus, plan, source = self._regime(model_dir, config)
         else:

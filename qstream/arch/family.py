@@ -36,6 +36,7 @@ class DSparkFamily:
     model_class: str  # the module's draft model class
     not_evaluated: str | None = None
     not_captured: str | None = None
+    not_calibrated: str | None = None
 
     def parse_config(self, data: Mapping[str, Any]) -> Any:
         return self.config_type.from_json(dict(data))  # type: ignore[attr-defined]
@@ -57,12 +58,7 @@ class DSparkFamily:
         arithmetic: it serves the states and verifies); ``served`` (weights.py's ServedLinears):
         its linears' input quantizers and KV-cache scales (qstream/eval/variants.py,
         ``served_linears``), needed when its activations are quantized or its KV scaled."""
-        if variant.activation.strategy is not None and not (served and served.inputs):
-            raise ValueError(f"variant {variant.name}: its linears' input quantizers are missing")
-        if variant.kv_scale != DEFAULTS["kv_scale"] and not (served and served.kv_scales):
-            raise ValueError(f"variant {variant.name}: its KV-cache scales are missing")
-        if variant.head != DEFAULTS["head"] and not (served and served.products):
-            raise ValueError(f"variant {variant.name}: its quantized drafting head is missing")
+        check_served(variant, served)
         model = getattr(importlib.import_module(self.model_module), self.model_class)
         return model(config, weights, variant.dtype, device, variant.kv, served)
 
@@ -77,6 +73,17 @@ class DSparkFamily:
 
     def causal_flops(self, config: Any, T: int) -> float:
         return importlib.import_module(self.model_module).causal_flops(config, T)
+
+
+def check_served(variant: Any, served: Any) -> None:
+    """ValueError naming what ``variant`` serves that ``served`` (weights.py's ServedLinears)
+    does not hold: its linears' input quantizers, KV-cache scales or drafting head."""
+    if variant.activation.strategy is not None and not (served and served.inputs):
+        raise ValueError(f"variant {variant.name}: its linears' input quantizers are missing")
+    if variant.kv_scale != DEFAULTS["kv_scale"] and not (served and served.kv_scales):
+        raise ValueError(f"variant {variant.name}: its KV-cache scales are missing")
+    if variant.head != DEFAULTS["head"] and not (served and served.products):
+        raise ValueError(f"variant {variant.name}: its quantized drafting head is missing")
 
 
 def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:

@@ -175,8 +175,10 @@ class Architecture(Protocol):
     embeds_with_target: bool
     # why eval-drift and speculate cannot run it yet (None: they can)
     not_evaluated: str | None
-    # why capture and calibration cannot run it yet (None: they can)
+    # why capture cannot run it yet (None: it can)
     not_captured: str | None
+    # why calibration (static activation and KV-cache scales) cannot yet (None: it can)
+    not_calibrated: str | None
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         """Whether a config.json's contents name this architecture."""

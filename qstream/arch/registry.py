@@ -42,7 +42,7 @@ def architecture_of(config: DraftConfig) -> Architecture:
 def load_config(directory: str | Path, evaluated: bool = True, captured: bool = False) -> Any:
     """config.json of a draft checkpoint -> its architecture's config (QStreamError naming the
     file, key and value; ``evaluated``: or saying why eval-drift and speculate cannot run it
-    yet; ``captured``: why capture and calibration cannot)."""
+    yet; ``captured``: why capture cannot)."""
     config = family.load_config(directory, lambda data: architecture_for(data).parse_config(data))
     arch = architecture_of(config)
     why = (arch.not_evaluated if evaluated else None) or (arch.not_captured if captured else None)

@@ -523,9 +523,8 @@ class Eagle3:
     ships_embed_tokens: bool = True
     embeds_with_target: bool = False
     not_evaluated: str | None = None
-    not_captured: str | None = (
-        "an EAGLE-3 draft is not evaluated by capture or calibration yet (docs/eagle3.md)"
-    )
+    not_captured: str | None = None
+    not_calibrated: str | None = "an EAGLE-3 draft is not calibrated yet (docs/eagle3.md)"
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("speculators_model_type") == SPECULATORS_TYPE or any(
@@ -544,20 +543,20 @@ class Eagle3:
     def build(
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
-        """The forward computing in the variant's dtype on its weights; serving conditions
-        other than the weights' format and dtype are not modelled for EAGLE-3 yet."""
+        """The forward serving ``weights`` as ``variant`` says: its dtype, KV cache, and
+        ``served``'s input quantizers and drafting head (docs/eagle3.md, "Serving conditions");
+        a KV scale other than 1.0 is one line (vLLM's EAGLE-3 loader is not followed there)."""
         from qstream.serving import DEFAULTS
 
-        served_as = variant.configuration()
-        other = [f"{k}={v}" for k, v in served_as.items() if v != DEFAULTS[k]]
-        if other or served is not None:
+        if variant.kv_scale != DEFAULTS["kv_scale"]:
             raise QStreamError(
-                f"variant {variant.name}: {', '.join(other) or 'served linears'} is not "
-                "evaluated for EAGLE-3 drafts yet (docs/eagle3.md)"
+                f"variant {variant.name}: kvscale={variant.kv_scale} is not evaluated for "
+                "EAGLE-3 drafts yet (docs/eagle3.md)"
             )
+        family.check_served(variant, served)
         # by name, as DSparkFamily.build: the forward imports this module
         model = importlib.import_module(f"{__name__}.model").Eagle3Draft
-        return model(config, weights, device=device, dtype=variant.dtype)
+        return model(config, weights, device, variant.dtype, variant.kv, served)
 
     @property
     def drafter(self) -> Any:

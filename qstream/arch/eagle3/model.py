@@ -18,7 +18,7 @@ is the pre-norm output (the normed one with ``norm_output``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +31,14 @@ from qstream.arch.weights import (
     ComputeWeights,
     ServedLinears,
     embedding,
+    fp8_round_trip,
     inv_freq,
     rms_norm,
     swiglu,
 )
+from qstream.serving import KV_CACHES, KVCache
+
+ATTENTION = LAYER + "self_attn"  # the midlayer's attention, as ServedLinears.kv_scales names it
 
 
 @dataclass(frozen=True)
@@ -72,8 +76,10 @@ Choose = Callable[[int, torch.Tensor], torch.Tensor]  # (step j, logits [N, Vd])
 
 
 class Eagle3Draft:
-    """An EAGLE-3 draft in fp32: ``weights`` maps the tensor table's names, embed_tokens and
-    lm_head included (the target's when the draft has none)."""
+    """An EAGLE-3 draft computing in ``dtype``: ``weights`` maps the tensor table's names,
+    embed_tokens and lm_head included (the target's when the draft has none); ``kv``: the KV
+    cache it stores keys and values in; ``served`` (weights.py's ServedLinears): its linears'
+    input quantizers, its drafting head's product, its cache's scales."""
 
     def __init__(
         self,
@@ -81,6 +87,8 @@ class Eagle3Draft:
         weights: Mapping[str, torch.Tensor],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        kv: KVCache = KV_CACHES["auto"],
+        served: ServedLinears | None = None,
     ):
         check_tensors(config, {k: tuple(v.shape) for k, v in weights.items()}, "weights")
         for name in (EMBED, LM_HEAD):
@@ -93,7 +101,9 @@ class Eagle3Draft:
         # On the CPU a bf16 model multiplies its operands upcast exactly to fp32, as the
         # Qwen3-style DSpark does (Qwen3DSpark.matmul): only the order of the fp32 sums differs
         upcast = dtype != torch.float32 and torch.device(device).type == "cpu"
-        self.w = ComputeWeights(floats, dtype, device, ServedLinears(fp32_products=upcast))
+        served = replace(served or ServedLinears(), fp32_products=upcast)
+        self.w = ComputeWeights(floats, dtype, device, served)
+        self.kv_fp8 = getattr(torch, str(kv.dtype)) if kv.quantized else None
         self.device = self.w.device
         Vd = config.draft_vocab_size
         offsets = weights[D2T].long() if D2T in weights else torch.zeros(Vd, dtype=torch.long)
@@ -147,6 +157,7 @@ class Eagle3Draft:
             q, k = self.norm(q, a + "q_norm"), self.norm(k, a + "k_norm")
         q = apply_rope(q, pos, self.inv_freq, self.mscale)  # [S, t, n, d]
         k = apply_rope(k, pos, self.inv_freq, self.mscale)  # [S, t, kv, d]
+        k, v = self.cached(k, v)
         mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril().expand(S, t, t)
         keys, values = k, v
         if past is not None:
@@ -161,6 +172,17 @@ class Eagle3Draft:
         normed = self.norm(prenorm, "norm")
         scores = self.w.linear(LM_HEAD, normed).float() if logits else None
         return Steps(scores, normed if c.norm_output else prenorm, k, v)
+
+    def cached(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [S, t, kv, d] as every read of the draft's KV cache sees them, its own step's
+        included: vLLM 0.32.0's ``Attention.forward`` (vllm/model_executor/layers/attention/
+        attention.py) writes them (``unified_kv_cache_update``: ``do_kv_cache_update``,
+        ``reshape_and_cache_flash``) before it attends; an fp8 cache rounds them at the layer's
+        scale (1.0 unless given), as the Qwen3-style DSpark's (docs/eval-drift.md, "KV cache")."""
+        if self.kv_fp8 is None:
+            return k, v
+        k_scale, v_scale = self.w.served.cache_scales(ATTENTION)
+        return fp8_round_trip(k, self.kv_fp8, k_scale), fp8_round_trip(v, self.kv_fp8, v_scale)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.w.linear(f"{name}.weight", x)
