@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import cli_ok
+from cli_helpers import cli_error, cli_ok
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.eagle3 import ARCH, PRESETS, Eagle3Config, tensor_shapes

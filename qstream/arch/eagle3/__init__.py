@@ -223,10 +223,6 @@ class Eagle3Config:
         return tuple(i - 1 for i in ids)
 
     @property
-    def target_num_hidden_layers(self) -> None:
-        return None
-
-    @property
     def original_max_position_embeddings(self) -> int:
         orig = getattr(self.rope_parameters, "original_max_position_embeddings", None)
         return orig or self.max_position_embeddings
