@@ -282,8 +282,12 @@ def test_speculate_runs_an_eagle3_draft_in_every_format(tmp_path):
     assert (HIDDEN, LAYERS) == (64, 6)
     draft = tmp_path / "draft"
     draft.mkdir()
-    config = replace(PRESETS["eagle3-tiny"], vocab_size=VOCAB, draft_vocab_size=VOCAB,
-                     target_num_hidden_layers=LAYERS)
+    config = replace(
+        PRESETS["eagle3-tiny"],
+        vocab_size=VOCAB,
+        draft_vocab_size=VOCAB,
+        target_num_hidden_layers=LAYERS,
+    )
     lent = load_file(target_dir / "model.safetensors")
     gen = torch.Generator().manual_seed(0)
     tensors = {n: torch.randn(s, generator=gen) / math.sqrt(s[-1])
