@@ -38,3 +38,21 @@ def test_every_table_of_the_pairs_card_is_what_the_card_writes(monkeypatch):
 def test_the_pairs_card_covers_every_regime(regime, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert regime in merge_results(RESULTS).regimes
+
+
+EAGLE3 = Path("examples") / "card_eagle3_pair"  # examples/eagle3_end_to_end.sh's output
+
+
+def test_every_table_of_the_eagle3_pairs_card_is_what_the_card_writes(monkeypatch):
+    """The trained EAGLE-3 draft's card (docs/eagle3.md, "A trained EAGLE-3 draft"): its
+    tables are what ``qstream card`` writes today from the results checked in beside it."""
+    monkeypatch.chdir(ROOT)
+    text = (EAGLE3 / "CARD.md").read_text()
+    rs = merge_results([EAGLE3 / "results.json"])
+    spec = read_speculate(EAGLE3 / "spec.json", rs)
+    card = build_card(rs, figures_dir="CARD_files", speculate=spec)
+    tables = [p for s in card.sections for p in s.parts if isinstance(p, Table)]
+    assert {"measured_acceptance", "measured_accepted_at_least"} <= {t.key for t in tables}
+    for table in tables:
+        assert table.markdown() in text, table.key
+    assert sorted(rs.regimes) == ["boot", "gauss", "heavy"]

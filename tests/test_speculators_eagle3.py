@@ -191,3 +191,32 @@ def test_greedy_chains_are_token_identical(pair):
         assert err <= TOL, f"anchor {p}: chain logits relative error {err:.3g} > {TOL}"
         err = rel(chain.hidden[n], torch.stack([s[p] for s in states]))
         assert err <= TOL, f"anchor {p}: chain states relative error {err:.3g} > {TOL}"
+
+
+def test_speculators_loads_the_shipped_trained_eagle3_draft():
+    """examples/gsm8k-pair/eagle3 is speculators' own layout (evals/train_eagle3_pair.py): its
+    from_pretrained reads every tensor the file holds, as the config qstream reads says.  The
+    shipped config names no verifier path (the trainer's was local), and speculators'
+    ``Eagle3DraftModel.load_verifier_weights`` reads the verifier's config, so the pair's
+    target is named here; the checkpoint's own embed_tokens and lm_head win over its."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    pair = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair"
+    draft = pair / "eagle3"
+    spec_config = Eagle3SpeculatorConfig.from_pretrained(draft)
+    spec_config.speculators_config.verifier.name_or_path = str(pair / "target")
+    model = Eagle3DraftModel.from_pretrained(draft, config=spec_config, dtype=torch.float32)
+    with safe_open(draft / "model.safetensors", "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    params = dict(model.named_parameters())
+    for name, tensor in stored.items():
+        assert torch.equal(params[name].detach(), tensor.float()), name
+    config = load_config(draft)
+    assert model.config.transformer_layer_config.model_type == config.model_type == "qwen3"
+    assert model.config.eagle_aux_hidden_state_layer_ids == [i + 1 for i in config.target_layer_ids]
+    assert (
+        model.config.speculators_config.proposal_methods[0].speculative_tokens == config.block_size
+    )

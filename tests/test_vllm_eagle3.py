@@ -113,3 +113,17 @@ def test_the_llama_forms_qkv_name_in_a_qwen3_form_is_named_and_vllm_casts(output
         p.startswith(f"{runtime}.weight: vLLM loaded") and "(cast, not the stored bytes)" in p
         for p in loaded.problems
     ), loaded.problems
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8", "nvfp4"])
+def test_the_trained_eagle3_draft_loads_through_vllms_own_loader(fmt, tmp_path):
+    """examples/gsm8k-pair/eagle3 (docs/eagle3.md, "A trained EAGLE-3 draft"), as shipped in
+    speculators' layout and quantized: vLLM builds the Qwen3 form at the target's depth (6)."""
+    draft = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair" / "eagle3"
+    out = Path(quantize_checkpoint(draft, tmp_path / "q", fmt).output_dir) if fmt else draft
+    report = load_with_vllm(out, target_layers=6)
+    assert report.raised is None and report.problems == []
+    schemes = {m["module"]: m["scheme"] for m in report.modules}
+    expected = SCHEME[fmt] if fmt else "unquantized"
+    for module in ("model.layers.6.qkv_proj", "model.layers.6.mlp.down_proj", "model.fc"):
+        assert schemes[module] == expected, (module, schemes)
