@@ -1,7 +1,9 @@
-"""Fixtures shared by the evaluation tests: one synthesized tiny draft per test run (read-only:
+"""Fixtures shared by the evaluation tests: one synthesized tiny draft (and one EAGLE-3 draft) per test run (read-only:
 tests that change a checkpoint copy it first) and a corpus tokenized for it: generated word
 problems held out from the draft's own (seed 1), whose short documents keep the tests fast
 (eval-drift's built-in GSM8K test split has contexts ~12x longer)."""
+
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -21,6 +23,12 @@ HELD_OUT_SEED = 1  # the draft's tokenizer and Markov statistics saw seed 0's pr
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     return synth_checkpoint("tiny", tmp_path_factory.mktemp("draft") / "tiny", seed=0).output_dir
+
+
+@pytest.fixture(scope="session")
+def e3(tmp_path_factory):
+    """``synth --preset eagle3-tiny`` (read-only, as ``tiny``)."""
+    return Path(synth_checkpoint("eagle3-tiny", tmp_path_factory.mktemp("e3") / "d").output_dir)
 
 
 @pytest.fixture(scope="session")

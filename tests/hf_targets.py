@@ -93,6 +93,25 @@ def _rope_permute(weight, heads: int):
     return weight.reshape(heads, 2, rows // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
 
 
+def peaked_qwen3_target(vocab: int = 8, hidden: int = 32):
+    """A tiny in-memory transformers Qwen3 target (3 layers, seed 0) whose lm_head is scaled by
+    40: peaked distributions, so acceptance and rejection both occur in speculate's tests."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return model
+
+
 def make_gguf_target(directory: Path, seed: int = 0) -> Path:
     """The tiny Llama target of :func:`make_target` written as llama.cpp's converter writes
     one (``gguf``'s GGUFWriter: F32 tensors, q/k permuted, its BPE as a gpt2 tokenizer) to

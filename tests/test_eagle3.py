@@ -17,7 +17,6 @@ from qstream.arch.interface import EMBED, TARGET_HEAD_DIR
 from qstream.arch.registry import architecture_of, load_config
 from qstream.errors import QStreamError
 from qstream.serving import REFERENCE_VARIANT
-from qstream.synth.draft import synth_checkpoint
 from qstream.vllm.profiles import (
     head_problem,
     ignore_entries,
@@ -27,11 +26,6 @@ from qstream.vllm.profiles import (
     runtime_modules,
 )
 from qstream.vllm.verify import verify_checkpoint
-
-
-@pytest.fixture(scope="module")
-def e3(tmp_path_factory) -> Path:
-    return Path(synth_checkpoint("eagle3-tiny", tmp_path_factory.mktemp("e3") / "d").output_dir)
 
 
 def test_synth_writes_the_table_and_a_config_vllm_reads(e3):

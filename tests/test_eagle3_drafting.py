@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import cli_ok
-from hf_targets import HIDDEN, LAYERS, VOCAB, make_qwen3_target
+from hf_targets import HIDDEN, LAYERS, VOCAB, make_qwen3_target, peaked_qwen3_target
 from safetensors.torch import load_file, save_file
 
 from qstream.arch.eagle3 import ARCH, PRESETS, Eagle3Config, tensor_shapes
@@ -25,7 +25,6 @@ from qstream.arch.markov import sample, sampling_probs
 from qstream.arch.registry import load_config
 from qstream.serving import REFERENCE_VARIANT
 from qstream.speculate.decode import speculative_decode, target_greedy
-from qstream.synth.draft import synth_checkpoint
 from qstream.verification import GREEDY, PROBABILISTIC_STANDARD
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -42,11 +41,6 @@ def _reduced(config: Eagle3Config, weights: dict, keep: torch.Tensor) -> tuple:
     out = {**weights, LM_HEAD: weights[LM_HEAD][keep].clone()}
     out[D2T] = keep - torch.arange(len(keep))
     return reduced, out
-
-
-@pytest.fixture(scope="module")
-def e3(tmp_path_factory) -> Path:
-    return Path(synth_checkpoint("eagle3-tiny", tmp_path_factory.mktemp("e3") / "d").output_dir)
 
 
 @pytest.fixture(scope="module")
@@ -163,19 +157,7 @@ V, H = 8, 32
 
 @pytest.fixture(scope="module")
 def target():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)  # peaked distributions: acceptance and rejection both occur
-    return model
+    return peaked_qwen3_target(V, H)
 
 
 def _draft_for(target, reduced: bool) -> Eagle3Draft:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +28,8 @@ from qstream.errors import QStreamError
 from qstream.eval.settings import DriftSettings
 from qstream.eval.variants import served_linears, variant_weights
 from qstream.serving import FLOOR_VARIANT, Variant
-from qstream.synth.draft import synth_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
-
-
-@pytest.fixture(scope="module")
-def e3(tmp_path_factory) -> Path:
-    return Path(synth_checkpoint("eagle3-tiny", tmp_path_factory.mktemp("e3") / "d").output_dir)
 
 
 @pytest.fixture(scope="module")

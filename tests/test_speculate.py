@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hf_targets import peaked_qwen3_target
 
 from qstream.arch.dspark_qwen3 import (
     EMBED,
@@ -44,18 +45,7 @@ SAMPLES = 1200
 
 @pytest.fixture(scope="module")
 def pair():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    target = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(40)  # peaked distributions: acceptance and rejection both occur
+    target = peaked_qwen3_target(V, H)
     draft_config = Qwen3DSparkConfig(
         hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, vocab_size=V, draft_vocab_size=V, rms_norm_eps=1e-6,

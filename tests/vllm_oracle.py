@@ -199,12 +199,7 @@ def qwen3_block(draft: VllmDraft, aux: torch.Tensor, first_token: int) -> VllmBl
 
     model, hf = draft.model, draft.model.config
     slots, p = int(hf.block_size), aux.shape[0]
-    attns = [layer.self_attn.attn for layer in model.model.layers]
-    spec = attns[0].get_kv_cache_spec(draft.config)
-    blocks = (p + slots + spec.block_size - 1) // spec.block_size
-    for attn in attns:  # the CPU backend's layout: [blocks, kv heads, block size, 2 * head]
-        shape = (blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
-        attn.kv_cache = torch.zeros(shape, dtype=draft.dtype)
+    attns, spec, blocks = _empty_kv_caches(draft, p + slots)
     ids = torch.full((slots,), int(model.model.mask_token_id), dtype=torch.int64)
     ids[0] = first_token
     positions = p + torch.arange(slots)
@@ -221,6 +216,18 @@ def qwen3_block(draft: VllmDraft, aux: torch.Tensor, first_token: int) -> VllmBl
         if hasattr(model, "markov_embed"):
             return _sample_sequential(model, ids, hidden)
         return _sample_draft(model, hidden[1:])
+
+
+def _empty_kv_caches(draft, positions: int):
+    """Each attention layer's zeroed KV cache for ``positions`` positions, in the CPU backend's
+    layout [blocks, kv heads, block size, 2 * head]: (the layers, their spec, the block count)."""
+    attns = [layer.self_attn.attn for layer in draft.model.model.layers]
+    spec = attns[0].get_kv_cache_spec(draft.config)
+    blocks = (positions + spec.block_size - 1) // spec.block_size
+    for attn in attns:
+        shape = (blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
+        attn.kv_cache = torch.zeros(shape, dtype=draft.dtype)
+    return attns, spec, blocks
 
 
 def _cpu_attention_metadata(draft, spec, attns, p, slots, blocks, positions, causal=False):
@@ -302,12 +309,7 @@ def eagle3_chain(draft: VllmDraft, ids: torch.Tensor, aux: torch.Tensor, k: int)
     from vllm.forward_context import set_forward_context
 
     model, P = draft.model, aux.shape[0]
-    attns = [layer.self_attn.attn for layer in model.model.layers]
-    spec = attns[0].get_kv_cache_spec(draft.config)
-    blocks = (P + k + spec.block_size - 1) // spec.block_size
-    for attn in attns:  # the CPU backend's layout: [blocks, kv heads, block size, 2 * head]
-        shape = (blocks, spec.num_kv_heads, spec.block_size, 2 * spec.head_size)
-        attn.kv_cache = torch.zeros(shape, dtype=draft.dtype)
+    attns, spec, blocks = _empty_kv_caches(draft, P + k)
 
     def forward(input_ids, positions, hidden):  # -> (final-normed, handed-on) states
         context = int(positions[0])  # the request's tokens before these, all cached
