@@ -6,6 +6,11 @@ itself verifies every block?  Run on the trained pair shipped in examples/gsm8k-
         [--blocks 1024] --out calibration/ [--doc docs/calibration.md] \
         [--card examples/card_gsm8k_pair]
 
+A pair whose target is not shipped (the SmolLM2 pair: PAIR/draft only) takes ``--target DIR``;
+a chat-tuned one ``--apply-chat-template``; ``--serving`` adds serving configurations (vLLM's
+activations, KV cache, the target quantized: docs/speculate.md) to step 2's measured table, and
+``--section NAME`` writes the doc's ``<!-- calibration:NAME:begin -->`` block instead.
+
 Every number comes from the qstream commands it runs (each is printed before it runs):
 
 1. ``qstream quantize`` the draft to fp8, mxfp4 and nvfp4 (the read-back checkpoints).
@@ -39,10 +44,9 @@ from pathlib import Path
 
 from qstream.verification import GREEDY
 
-FORMATS = ("fp8", "mxfp4", "nvfp4")
+FORMATS = "fp8,mxfp4,nvfp4"
 # the ceiling's regimes; "states" is taken at anchors in the decoded text, as the card shows it
 REGIMES = ("gauss", "heavy", "boot", "states")
-BEGIN, END = "<!-- calibration:begin -->", "<!-- calibration:end -->"
 
 
 def qstream(*args: str) -> None:
@@ -60,33 +64,52 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--doc", type=Path, default=None)
     ap.add_argument("--card", type=Path, default=None, help="directory for the model card")
+    ap.add_argument("--target", type=Path, default=None, help="default: PAIR/target")
+    ap.add_argument("--formats", default=FORMATS, help="the formats quantized and simulated")
+    ap.add_argument("--no-readback", action="store_true", help="simulated formats only")
+    ap.add_argument("--serving", default="", help="more speculate variants, comma-separated")
+    ap.add_argument("--apply-chat-template", action="store_true")
+    ap.add_argument("--section", default=None, help="the doc's named calibration block")
     args = ap.parse_args()
-    target, draft, out = args.pair / "target", args.pair / "draft", args.out
+    draft, out = args.pair / "draft", args.out
+    target = args.target or args.pair / "target"
+    formats = args.formats.split(",")
+    serving = [v for v in args.serving.split(",") if v]
+    chat = ["--apply-chat-template"] if args.apply_chat_template else []
+    other_target = [v for v in serving if "+target=" in v]
+    same_target = [v for v in serving if v not in other_target]
     for directory in (out, args.card):
         if directory is not None and directory.exists() and any(directory.iterdir()):
             print(f"Error: {directory} exists and is not empty", file=sys.stderr)
             return 2
     out.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
-    for fmt in FORMATS:
+    readback = [] if args.no_readback else formats
+    for fmt in readback:
         qstream("quantize", "--model_dir", str(draft), "--output_dir", str(out / f"draft-{fmt}"),
                 "--quant_format", fmt)  # fmt: skip
-    readback = [f"{fmt}-ckpt={out / f'draft-{fmt}'}" for fmt in FORMATS]
-    names = ["bf16", *FORMATS, *(f"{fmt}-ckpt" for fmt in FORMATS)]
+    readback = [f"{fmt}-ckpt={out / f'draft-{fmt}'}" for fmt in readback]
+    names = ["bf16", *formats, *(v.split("=")[0] for v in readback)]
     common = ["--model", str(draft), "--target", str(target)]
     tokenizer = ["--tokenizer", str(target / "tokenizer.json")]
     qstream("speculate", *common, "--prompts", str(args.prompts), "--new-tokens",
-            str(args.new_tokens), "--dtype", "float32", "--formats", "bf16," + ",".join(FORMATS),
+            str(args.new_tokens), "--dtype", "float32", *chat,
+            "--formats", ",".join(["bf16", *formats, *same_target]),
             *(x for v in readback for x in ("--variant", v)), "--capture", str(out / "capture"),
             "--json", str(out / "speculate.json"))  # fmt: skip
-    for name, spec in zip(names, [None, *FORMATS, *readback]):
-        selection = ["--formats", name] if spec in (None, *FORMATS) else ["--formats", "", "--variant", spec]  # fmt: skip
+    if other_target:  # --capture needs one target for every variant: these decode apart
+        qstream("speculate", *common, "--prompts", str(args.prompts), "--new-tokens",
+                str(args.new_tokens), "--dtype", "float32", *chat,
+                "--formats", ",".join(["bf16", *other_target]),
+                "--json", str(out / "speculate-target.json"))  # fmt: skip
+    for name, spec in zip(names, [None, *formats, *readback]):
+        selection = ["--formats", name] if spec in (None, *formats) else ["--formats", "", "--variant", spec]  # fmt: skip
         qstream("eval-drift", *common, *tokenizer, "--states", str(out / "capture"), "--states-anchors",
                 str(out / "capture" / f"anchors-{name}.json"), *selection, "--acceptance",
                 "--json", str(out / f"visited-{name}.json"))  # fmt: skip
     variants = [
         "--formats",
-        "bf16," + ",".join(FORMATS),
+        ",".join(["bf16", *formats]),
         *(x for v in readback for x in ("--variant", v)),
     ]
     blocks = ["--acceptance", "--blocks", str(args.blocks)]
@@ -105,18 +128,19 @@ def main() -> int:
                              ("uniform-continuation", "results-states"), ("speculate", "speculate")):  # fmt: skip
             shutil.copyfile(out / f"{source}.json", card / f"{name}.json")
         qstream("card", str(card / "results-synthetic.json"), str(card / "results-states.json"),
-                *(x for fmt in FORMATS for x in ("--checkpoint", str(out / f"draft-{fmt}"))),
+                *(x for v in readback for x in ("--checkpoint", v.split("=", 1)[1])),
                 "--base", str(draft), "--speculate", str(card / "speculate.json"),
                 "--output", str(card / "CARD.md"))  # fmt: skip
-    table = study(out, names)
+    table = study(out, names, serving)
     table["seconds"] = round(time.perf_counter() - clock, 1)
     (out / "calibration.json").write_text(json.dumps(table, indent=2) + "\n")
     figure(table, out / "calibration.png")
-    text = markdown(table, args)
+    text = markdown(table)
     print(text)
     if args.doc is not None:
-        splice(args.doc, text)
-        figure(table, args.doc.with_suffix(".png"))
+        splice(args.doc, text, args.section)
+        png = args.doc.with_suffix(".png")
+        figure(table, png if args.section is None else png.with_stem(f"{png.stem}_{args.section}"))
     return 0
 
 
@@ -140,9 +164,10 @@ def _est(entry: dict) -> dict:
     return {k: entry[k] for k in ("value", "lo", "hi")}
 
 
-def study(out: Path, names: list[str]) -> dict:
+def study(out: Path, names: list[str], serving: list[str]) -> dict:
     """Per variant: measured acceptance, eval-drift at the visited anchors, eval-drift at
-    uniform anchors (simulated against the target), and each regime's drift ceiling."""
+    uniform anchors (simulated against the target), and each regime's drift ceiling; per
+    serving configuration, its measured acceptance and paired loss."""
     spec = json.loads((out / "speculate.json").read_text())
     uniform = {}
     for part in ("synthetic", "states"):
@@ -171,10 +196,19 @@ def study(out: Path, names: list[str]) -> dict:
                 for r, block in ceilings.items()
             },  # fmt: skip
         }
+    measured_only = {}
+    other = out / "speculate-target.json"
+    other_spec = json.loads(other.read_text()) if other.exists() else {"variants": {}}
+    for name in serving:
+        summary = (spec if name in spec["variants"] else other_spec)["variants"][name]["summary"]
+        measured_only[name] = {"measured": _est(summary["mean_acceptance_length"]),
+                               "measured_loss": _est(summary["loss_vs_bf16"])}  # fmt: skip
     return {
         "variants": rows,
+        "serving": measured_only,
         "settings": spec["settings"],
         "blocks": uniform["states"].get("blocks"),
+        "command": shlex.join(["python", "evals/calibration.py", *sys.argv[1:]]),
     }
 
 
@@ -182,11 +216,10 @@ def _fmt(e: dict, digits: int = 2) -> str:
     return f"{e['value']:.{digits}f} [{e['lo']:.{digits}f}, {e['hi']:.{digits}f}]"
 
 
-def markdown(table: dict, args) -> str:
+def markdown(table: dict) -> str:
     rows = table["variants"]
     lines = [
-        f"Measured by `python evals/calibration.py --prompts {args.prompts} --new-tokens "
-        f"{args.new_tokens} --blocks {args.blocks}` in {table['seconds']:.0f} s (two CPU cores, "
+        f"Measured by `{table['command']}` in {table['seconds']:.0f} s (two CPU cores, "
         f"{time.strftime('%Y-%m-%d')}).",
         "",
         "**Acceptance, tokens per verification (≤ 8), greedy verification, 95% intervals.**",
@@ -217,6 +250,14 @@ def markdown(table: dict, args) -> str:
             f"| {name} | {cells} | {loss['value']:+.3f} [{loss['lo']:+.3f}, "
             f"{loss['hi']:+.3f}] | {uloss:+.3f} |"
         )
+    if table["serving"]:
+        lines += ["", "**Serving configurations, measured by the decoder (docs/speculate.md).**", "",
+                  "| configuration | measured (decoder) | measured loss vs bf16 (paired) |",
+                  "|---|---|---|"]  # fmt: skip
+        for name, r in table["serving"].items():
+            loss = r["measured_loss"]
+            lines.append(f"| `{name}` | {_fmt(r['measured'])} | {loss['value']:+.3f} "
+                         f"[{loss['lo']:+.3f}, {loss['hi']:+.3f}] |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -244,11 +285,17 @@ def figure(table: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def splice(doc: Path, text: str) -> None:
+def splice(doc: Path, text: str, section: str | None) -> None:
+    """Replace the text between the doc's markers (``calibration:SECTION:begin`` / ``:end``,
+    or ``calibration:begin`` / ``calibration:end`` without a section)."""
+    tag = "calibration" if section is None else f"calibration:{section}"
+    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
     old = doc.read_text()
-    head, _, rest = old.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    doc.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+    if begin not in old or end not in old:
+        raise SystemExit(f"Error: {doc} has no {begin} ... {end} block")
+    head, _, rest = old.partition(begin)
+    _, _, tail = rest.partition(end)
+    doc.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
 if __name__ == "__main__":

@@ -102,3 +102,28 @@ def test_capture_generates_from_the_chat_template(smollm2, draft, corpus, greedy
             ids = f.get_tensor("input_ids").tolist()
             assert int(f.metadata()["prompt_tokens"]) == run["prompt_tokens"]
         assert ids[run["prompt_tokens"] :] == run["tokens"][:4]
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "examples" / "smollm2-pair"
+
+
+def test_the_installed_gguf_is_the_one_the_shipped_draft_trained_on():
+    import hashlib
+
+    recorded = json.loads((SHIPPED / "train.json").read_text())["target"]["gguf_sha256"]
+    digest = hashlib.sha256()
+    with smollm2_gguf().open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    assert digest.hexdigest() == recorded
+
+
+def test_the_shipped_draft_speculates_the_targets_own_greedy_decoding(smollm2, corpus, tmp_path):
+    """examples/smollm2-pair/draft with the real target in the loop: greedy verification emits
+    the target's own continuation, and the trained draft's blocks are accepted (a draft the
+    target never accepts gives exactly 1 token per verification)."""
+    results = speculate_emits_target_greedy(smollm2, SHIPPED / "draft", corpus,
+                                            tmp_path / "spec.json", PROMPTS, NEW_TOKENS,
+                                            "--formats", "bf16")  # fmt: skip
+    summary = results["variants"]["bf16"]["summary"]
+    assert summary["mean_acceptance_length"]["value"] > 1.0
