@@ -12,7 +12,9 @@ eval-drift hands the draft:
 
 It prints a table, writes the numbers as JSON and one figure panel per aux layer (each regime's
 sorted channel RMS over its median channel's).  Every position of each stream but the last is
-taken (the context of a block anchored at the stream's end).
+taken (the context of a block anchored at the stream's end); the captured states are also
+reported without each stream's first position (``states[1:]``), where a pretrained target
+keeps its massive activations.
 """
 
 from __future__ import annotations
