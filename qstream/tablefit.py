@@ -216,7 +216,7 @@ def fitted_table(
     lines = [[wrap(text, w) for text, w in zip(row, widths)] for row in rows]
     for col in reversed(range(grouped)):
         _spread(lines, col, widths[col], rows)
-    out = RichTable(title=None if title is None else Text(title), show_edge=False, pad_edge=False)
+    out = RichTable(title=_title(title, widths, width), show_edge=False, pad_edge=False)
     for column, w in zip(columns, widths):
         out.add_column(
             Text("\n".join(wrap(column.header, w))),
@@ -228,6 +228,14 @@ def fitted_table(
         last_of_group = grouped > 0 and (r + 1 == len(rows) or rows[r + 1][0] != rows[r][0])
         out.add_row(*(Text("\n".join(cell)) for cell in row_lines), end_section=last_of_group)
     return out
+
+
+def _title(title: str | None, widths: list[int], width: int) -> Text | None:
+    """The caption above a table of columns ``widths``: centred over it where it fits, else
+    broken at words to ``width`` and left-aligned, never squeezed into the table's width."""
+    if title is None or len(title) <= sum(widths) + 3 * (len(widths) - 1):
+        return None if title is None else Text(title)
+    return Text("\n".join(wrap(title, width)), no_wrap=True, overflow="ignore", justify="left")
 
 
 def _whole(

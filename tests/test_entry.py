@@ -37,3 +37,15 @@ def test_ctrl_c_while_running_is_aborted(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         entry.main()
     assert exit_.value.code == 1 and "Aborted!" in capsys.readouterr().err
+
+
+def test_python_dash_m_qstream_is_the_qstream_command():
+    import subprocess
+    import sys
+
+    from qstream import __version__
+
+    done = subprocess.run([sys.executable, "-m", "qstream", "--version"], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"qstream, version {__version__}"

@@ -165,15 +165,17 @@ def test_greedy_rollouts_are_token_identical(pair):
     assert rel(ours.confidence, torch.sigmoid(confidence)) <= TOL
 
 
-def test_speculators_loads_the_shipped_trained_draft():
-    """examples/gsm8k-pair/draft is speculators' own layout: its from_pretrained reads every
-    tensor the file holds (embed_tokens and the full-vocabulary lm_head are the target's)."""
+@pytest.mark.parametrize("pair", ["gsm8k-pair", "smollm2-pair"])
+def test_speculators_loads_the_shipped_trained_draft(pair):
+    """examples/gsm8k-pair/draft and examples/smollm2-pair/draft are speculators' own layout:
+    its from_pretrained reads every tensor the file holds (embed_tokens and the full-vocabulary
+    lm_head are the target's)."""
     from pathlib import Path
 
     from safetensors import safe_open
     from speculators.models.dspark import DSparkDraftModel
 
-    draft = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair" / "draft"
+    draft = Path(__file__).resolve().parents[1] / "examples" / pair / "draft"
     model = DSparkDraftModel.from_pretrained(draft, dtype=torch.float32)
     with safe_open(draft / "model.safetensors", "pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}

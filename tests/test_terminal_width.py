@@ -242,3 +242,19 @@ def test_verify_ok_line_wraps_at_80_columns(nvfp4_tiny):
     assert result.exit_code == 0, result.output
     _assert_fits(result.stdout, 80)
     assert result.stdout.startswith("OK: ") and "tensor_parallel_size 1" in result.stdout
+
+
+@pytest.mark.parametrize("width", [80, 30])
+def test_a_title_wider_than_its_table_is_never_squeezed_into_the_table(width):
+    """A narrow table's long caption (speculate's share-accepting-at-least-k table) is broken
+    at words to the terminal's width, not to the table's, and loses no word."""
+    title = "share of verifications accepting at least k drafted tokens"
+    out = io.StringIO()
+    table = fitted_table([Column("k", True), Column("bf16", True)], [["1", "0.332"]], width,
+                         title=title)  # fmt: skip
+    Console(file=out, width=width).print(table)
+    lines = out.getvalue().splitlines()
+    head = lines[: lines.index(next(x for x in lines if "┃" in x))]
+    assert " ".join(x.strip() for x in head) == title
+    assert all(len(x) <= width for x in head)
+    assert len(head) == (1 if width >= len(title) else len(wrap(title, width)))

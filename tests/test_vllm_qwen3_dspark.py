@@ -226,14 +226,16 @@ def test_broken_checkpoint_is_refused_and_vllms_own_behaviour_recorded(
 
 
 @pytest.mark.parametrize("fmt", [None, "nvfp4"])
-def test_the_shipped_trained_draft_loads(fmt, tmp_path):
-    """examples/gsm8k-pair/draft, speculators' own layout, as it ships and quantized: vLLM's
-    loader consumes every stored tensor beside a 6-layer target."""
-    draft = Path(__file__).resolve().parents[1] / "examples" / "gsm8k-pair" / "draft"
+@pytest.mark.parametrize(("pair", "target_layers"), [("gsm8k-pair", 6), ("smollm2-pair", 30)])
+def test_the_shipped_trained_draft_loads(pair, target_layers, fmt, tmp_path):
+    """examples/gsm8k-pair/draft and examples/smollm2-pair/draft, speculators' own layout, as
+    they ship and quantized: vLLM's loader consumes every stored tensor beside their targets'
+    layer counts (the tiny Qwen3's 6, SmolLM2-135M's 30)."""
+    draft = Path(__file__).resolve().parents[1] / "examples" / pair / "draft"
     if fmt is not None:
         draft = Path(quantize_checkpoint(draft, tmp_path / fmt, fmt).output_dir)
-        assert verify_checkpoint(draft, target_layers=6).problems == []
-    report = load_with_vllm(draft, target_layers=6)
+        assert verify_checkpoint(draft, target_layers=target_layers).problems == []
+    report = load_with_vllm(draft, target_layers=target_layers)
     assert report.raised is None, report.raised
     assert report.problems == []
     schemes = {m["module"].rsplit(".", 1)[-1]: m["scheme"] for m in report.modules}
