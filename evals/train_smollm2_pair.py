@@ -22,6 +22,11 @@ block 7, 5 aux layers spread over the target's 30 as ``qstream synth --target`` 
 loss on the answers). OUTPUT/draft is speculators' layout without embed_tokens and lm_head
 (the target's); OUTPUT/train.json holds the settings, timings, losses, sha256s and the target's
 identity (package, version, GGUF sha256).
+
+Generating is the long stage (docs/calibration.md, "The SmolLM2 pair"), so it can be spread over
+runs: ``--first F --questions N --generate-only`` answers questions F..F+N-1 and stops at
+OUTPUT/answers.json; ``--answers A.json B.json ...`` trains on every file's answers (the same
+GGUF and ``--max-new-tokens``, no question twice) without generating.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gguf", type=Path, required=True, help="the GGUF file it was converted from")
     ap.add_argument("--gsm8k", type=Path, required=True, help="directory of train.jsonl")
     ap.add_argument("--output", type=Path, required=True)
-    ap.add_argument("--questions", type=int, default=128, help="the first N train questions")
+    ap.add_argument("--questions", type=int, default=128, help="N train questions to answer")
+    ap.add_argument("--first", type=int, default=0, help="the first question's index")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=16, help="generation batch")
     ap.add_argument("--draft-layers", type=int, default=pair.DRAFT_LAYERS)
@@ -64,7 +70,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pack", type=int, default=pair.PACK, help="tokens per packed sequence")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=pair.THREADS, help="1 on a crowded machine")
-    ap.add_argument("--answers", type=Path, help="an earlier run's answers.json: skip generating")
+    ap.add_argument(
+        "--answers",
+        type=Path,
+        nargs="+",
+        help="earlier runs' answers.json (disjoint questions): train on them all",
+    )
+    ap.add_argument("--generate-only", action="store_true", help="stop after answers.json")
     return ap.parse_args(argv)
 
 
@@ -78,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         identity = target_identity(args.target, args.gguf)
+        reused = args.answers and reuse_answers(args.answers, identity, args.max_new_tokens)
     except ValueError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 2
@@ -89,29 +102,29 @@ def main(argv: list[str] | None = None) -> int:
     ).eval()
     config = target.config
     aux_ids = [j + 1 for j in spread_layer_ids(config.num_hidden_layers, AUX_COUNT)]
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings = {k: ([str(p) for p in v] if isinstance(v, list) else str(v) if isinstance(v, Path)
+                    else v) for k, v in vars(args).items()}  # fmt: skip
     record: dict = {"settings": settings, "target": identity, "aux_hidden_state_layer_ids": aux_ids,
                     "threads": args.threads, "torch": torch.__version__, "seconds": {}}  # fmt: skip
     clock = time.perf_counter()
 
-    questions = [json.loads(line)["question"] for line in
-                 (args.gsm8k / "train.jsonl").read_text().splitlines()[: args.questions]]  # fmt: skip
-    key = {"gguf_sha256": identity["gguf_sha256"], "questions": args.questions,
-           "max_new_tokens": args.max_new_tokens}  # fmt: skip
     if args.answers is None:
+        lines = (args.gsm8k / "train.jsonl").read_text().splitlines()
+        questions = [json.loads(line)["question"] for line in
+                     lines[args.first : args.first + args.questions]]  # fmt: skip
         docs = generate(target, tok, questions, args.max_new_tokens, args.batch_size)
         record["seconds"]["generate"] = round(time.perf_counter() - clock, 1)
         out.mkdir(parents=True, exist_ok=True)  # kept at once: generating is the longest stage
-        saved = {**key, "seconds": record["seconds"]["generate"], "docs": docs}
+        saved = {"gguf_sha256": identity["gguf_sha256"], "first": args.first,
+                 "questions": len(questions), "max_new_tokens": args.max_new_tokens,
+                 "seconds": record["seconds"]["generate"], "docs": docs}  # fmt: skip
         (out / ANSWERS).write_text(json.dumps(saved) + "\n")
+        if args.generate_only:
+            return 0
     else:
-        saved = json.loads(args.answers.read_text())
-        if {k: saved.get(k) for k in key} != key:
-            print(f"Error: {args.answers} answers other settings than {key}", file=sys.stderr)
-            return 2
-        docs = [(row, start) for row, start in saved["docs"]]
-        record["seconds"]["generate"] = saved["seconds"]  # measured when they were generated
-        record["answers_reused"] = str(args.answers)
+        docs, seconds, spans = reused
+        record["seconds"]["generate"] = seconds  # measured when they were generated
+        record["answers_reused"] = {str(p): span for p, span in zip(args.answers, spans)}
     answers = [len(row) - start for row, start in docs]
     record["tokens"] = {"prompt": sum(s for _, s in docs), "answer": sum(answers),
                         "answers_ended": sum(row[-1] == tok.eos_token_id for row, _ in docs)}  # fmt: skip
@@ -143,6 +156,27 @@ def main(argv: list[str] | None = None) -> int:
     (out / "train.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({"seconds": record["seconds"], "draft_loss": record["draft_loss"][-3:]}))
     return 0
+
+
+def reuse_answers(paths: list[Path], identity: dict, max_new: int):
+    """The documents of earlier runs' answers.json files, in order, their generating seconds
+    summed and each file's questions as [first, end): every file answered by this target's GGUF
+    at ``max_new`` new tokens, no question answered twice."""
+    docs, seconds, spans = [], 0.0, []
+    for path in paths:
+        saved = json.loads(path.read_text())
+        for key, want in (("gguf_sha256", identity["gguf_sha256"]), ("max_new_tokens", max_new)):
+            if saved.get(key) != want:
+                raise ValueError(f"{path}: {key} is {saved.get(key)!r}, this run's {want!r}")
+        first = saved.get("first", 0)  # files written before --first began at question 0
+        span = [first, first + saved["questions"]]
+        for other, earlier in zip(paths, spans):
+            if span[0] < earlier[1] and earlier[0] < span[1]:
+                raise ValueError(f"{path}: questions {span} overlap {other}'s {earlier}")
+        spans.append(span)
+        docs += [(row, start) for row, start in saved["docs"]]
+        seconds += saved["seconds"]
+    return docs, round(seconds, 1), spans
 
 
 def sha256(path: Path) -> str:

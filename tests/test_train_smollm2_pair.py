@@ -85,3 +85,38 @@ def test_a_target_converted_from_another_file_is_refused(tmp_path, gsm8k, capsys
     assert _script().main(_args(target, other, gsm8k, out)) == 2
     assert capsys.readouterr().err.startswith(f"Error: {target}: converted from tiny.gguf")
     assert not out.exists()
+
+
+def test_answers_generated_in_parts_train_one_draft(tmp_path, gsm8k, capsys):
+    """--generate-only over two disjoint ranges, then --answers with both: the draft trains on
+    every answer; a range answered twice, or at another --max-new-tokens, is one Error line."""
+    target, gguf = _target(tmp_path)
+    base = _args(target, gguf, gsm8k, tmp_path / "unused")[:-14]  # target, gguf, gsm8k only
+    tail = ["--max-new-tokens", "6", "--batch-size", "2", "--draft-layers", "1", "--anchors", "4",
+            "--pack", "128"]  # fmt: skip
+    parts = []
+    for first, n in ((0, 2), (2, 2)):
+        out = tmp_path / f"part{first}"
+        argv = [*base, "--output", str(out), "--first", str(first), "--questions", str(n)]
+        assert _script().main([*argv, *tail, "--generate-only"]) == 0
+        assert not (out / "draft").exists()
+        saved = json.loads((out / "answers.json").read_text())
+        assert (saved["first"], saved["questions"], len(saved["docs"])) == (first, n, n)
+        parts.append(out / "answers.json")
+    out = tmp_path / "pair"
+    argv = [*base, "--output", str(out), *tail, "--answers", *map(str, parts)]
+    assert _script().main(argv) == 0
+    record = json.loads((out / "train.json").read_text())
+    assert record["answers_reused"] == {str(parts[0]): [0, 2], str(parts[1]): [2, 4]}
+    answered = sum(len(r) - s for p in parts for r, s in json.loads(p.read_text())["docs"])
+    assert record["tokens"]["answer"] == answered
+    capsys.readouterr()
+    again = [*base, "--output", str(tmp_path / "twice"), *tail, "--answers", str(parts[0]),
+             str(parts[0])]  # fmt: skip
+    assert _script().main(again) == 2
+    assert capsys.readouterr().err.startswith(f"Error: {parts[0]}: questions [0, 2] overlap")
+    longer = [*base, "--output", str(tmp_path / "longer"), *tail, "--answers", str(parts[0])]
+    longer[longer.index("--max-new-tokens") + 1] = "7"
+    assert _script().main(longer) == 2
+    assert capsys.readouterr().err.startswith(f"Error: {parts[0]}: max_new_tokens is 6")
+    assert not (tmp_path / "twice").exists() and not (tmp_path / "longer").exists()
