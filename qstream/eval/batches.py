@@ -117,10 +117,10 @@ class SyntheticAuxChunks:
         self.shape = (len(stream_ids), pad_to, config.aux_size)
         self._lengths, self._dtype = stream_lengths, dtype
         self._generators = [_generator(seed, regime, s) for s in stream_ids]
-        self._scales: torch.Tensor | None = None  # heavy's [A], fixed for a seed, for all streams
-        self._sink: torch.Tensor | None = None  # heavy's position 0 [A]: zero off the sink channels
+        # heavy's channel scales and position 0's sink [A] (heavy_scales), fixed for a seed
+        self._heavy: tuple[torch.Tensor, torch.Tensor] | None = None
         if regime.channel_scales:
-            self._scales, self._sink = heavy_scales(config, _generator(seed, regime, -1))
+            self._heavy = heavy_scales(config, _generator(seed, regime, -1))
         self._next = 0
 
     def rows(self, t0: int, t1: int) -> torch.Tensor:
@@ -133,10 +133,11 @@ class SyntheticAuxChunks:
             gen, length = self._generators[row], self._lengths[row]
             if min(t1, length) > t0:
                 states = torch.randn(min(t1, length) - t0, self.shape[2], generator=gen)
-                if self._scales is not None:
-                    states *= self._scales
+                if self._heavy is not None:
+                    scales, sink = self._heavy
+                    states *= scales
                     if t0 == 0:  # the sink channel of position 0 is replaced, the rest kept
-                        states[0] = torch.where(self._sink != 0, self._sink, states[0])
+                        states[0] = torch.where(sink != 0, sink, states[0])
                 out[row, : states.shape[0]] = states
 
         # torch's CPU sampler runs on one core; each stream has its own generator, so streams
