@@ -14,7 +14,7 @@ It prints a table, writes the numbers as JSON and one figure panel per aux layer
 sorted channel RMS over its median channel's).  Every position of each stream but the last is
 taken (the context of a block anchored at the stream's end); the captured states are also
 reported without each stream's first position (``states[1:]``), where a pretrained target
-keeps its massive activations.
+keeps its massive activations, and so is heavy (``heavy[1:]``), which draws a sink there.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def statistics(
     seed: int,
     reference=None,
 ) -> dict[str, list[dict]]:
-    """Per regime (``states`` first, then the same without each stream's first position), the
-    statistics of each aux layer; the synthetic regimes over the captured token streams (a
+    """Per regime (``states`` first, then the same without each stream's first position, as
+    for heavy, which draws a sink there), the statistics of each aux layer; the synthetic regimes over the captured token streams (a
     plain corpus: AuxStates reads captured states from a :class:`CapturedStates` whatever the
     regime)."""
     tokens = Corpus(states.name, states.sha256, states.streams, states.tokenizer)
@@ -118,7 +118,10 @@ def statistics(
     out = {STATES.name: per_layer(torch.cat(captured))}
     out[AFTER_FIRST] = per_layer(torch.cat([rows[1:] for rows in captured]))
     for name in regimes:
-        out[name] = per_layer(torch.cat(regime_aux(REGIMES[name], tokens, config, seed, reference)))
+        aux = regime_aux(REGIMES[name], tokens, config, seed, reference)
+        out[name] = per_layer(torch.cat(aux))
+        if REGIMES[name].channel_scales:  # heavy draws a sink at position 0: compare without it
+            out[f"{name}[1:]"] = per_layer(torch.cat([rows[1:] for rows in aux]))
     return out
 
 
@@ -149,7 +152,10 @@ def figure(stats: dict[str, list[dict]], layer_ids: list[int], path: Path) -> No
     import matplotlib.pyplot as plt
 
     colours = iter(f"C{n}" for n in range(10))
-    styles = {n: "C0--" if n == AFTER_FIRST else next(colours) + "-" for n in stats}
+    styles: dict[str, str] = {}
+    for n in stats:  # a regime without each stream's first position: its own colour, dashed
+        whole = n.removesuffix("[1:]")
+        styles[n] = styles[whole][:-1] + "--" if whole in styles else next(colours) + "-"
     fig, axes = plt.subplots(1, len(layer_ids), figsize=(3 * len(layer_ids), 3.2), sharey=True)
     for i, (ax, layer) in enumerate(zip(axes, layer_ids)):
         for name, per_layer in stats.items():

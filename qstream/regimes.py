@@ -10,7 +10,7 @@ class Regime:
     description: str  # the card's words for it
     salt: int = 0  # seeds its noise generators with the run's seed (synthetic regimes)
     synthetic: bool = False  # drawn from noise, each stream from its own generator
-    channel_scales: bool = False  # that noise times fixed per-channel lognormal scales
+    channel_scales: bool = False  # that noise times heavy's channel scales and sink (batches.py)
     causal: bool = False  # the reference's causal pass makes it (and adds its FLOPs)
     captured: bool = False  # read from captured target states
 
@@ -18,7 +18,8 @@ class Regime:
 GAUSS = Regime("gauss", "iid normal aux states", 101, synthetic=True)
 HEAVY = Regime(
     "heavy",
-    "normal aux states times per-channel lognormal scales (a few massive channels)",
+    "normal aux states times per-channel lognormal scales, a few outlier channels shared by "
+    "every aux layer, and an attention-sink first token",
     202,
     synthetic=True,
     channel_scales=True,
@@ -38,4 +39,4 @@ STATES = Regime(
 REGIMES: dict[str, Regime] = {r.name: r for r in (GAUSS, HEAVY, BOOT, STATES)}
 AUX_REGIMES = tuple(n for n, r in REGIMES.items() if not r.captured)  # --regime's, in this order
 ALL_REGIMES = "all"  # --regime all: every aux regime
-DEFAULT_REGIME = HEAVY  # the pessimistic one (massive activation channels)
+DEFAULT_REGIME = HEAVY  # the pessimistic one (outlier channels, a massive first token)

@@ -101,7 +101,7 @@ def test_states_and_regimes_come_from_the_file_and_qstreams_generator(stats, tin
     states = read_states(states_file, config)
     seed = 3
     got = stats.statistics(states, config, ["gauss", "heavy"], seed)
-    assert list(got) == ["states", "states[1:]", "gauss", "heavy"]
+    assert list(got) == ["states", "states[1:]", "gauss", "heavy", "heavy[1:]"]
     for i, (whole, after_first) in enumerate(zip(got["states"], got["states[1:]"])):
         assert whole["max_abs"] == (MASSIVE if i == 0 else SCALE), (i, whole)
         assert whole["max_over_median_channel_rms"] == SCALE or i == 0, (i, whole)
@@ -115,8 +115,12 @@ def test_states_and_regimes_come_from_the_file_and_qstreams_generator(stats, tin
         layers = rows.unflatten(1, (config.num_target_layers, config.target_hidden_size))
         want = [stats.layer_statistics(layers[:, i]) for i in range(layers.shape[1])]
         assert got[regime.name] == want, regime.name
+    rows = torch.cat([drawn[s, 1 : n - 1] for s, n in enumerate(LENGTHS)])  # heavy's, drawn last
+    layers = rows.unflatten(1, (config.num_target_layers, config.target_hidden_size))
+    want = [stats.layer_statistics(layers[:, i]) for i in range(layers.shape[1])]
+    assert got["heavy[1:]"] == want
     heavy, gauss = (got[r][0]["max_over_median_channel_rms"] for r in ("heavy", "gauss"))
-    assert heavy > 5 * gauss, (heavy, gauss)  # lognormal channel scales, sigma 1.5
+    assert heavy > 5 * gauss, (heavy, gauss)  # heavy's outlier channels, 20-40x the median
 
 
 def test_script_writes_its_json_and_figure(stats, tiny, states_file, tmp_path, monkeypatch):
@@ -127,7 +131,14 @@ def test_script_writes_its_json_and_figure(stats, tiny, states_file, tmp_path, m
     stats.main()
     record = json.loads(out.read_text())
     config = load_config(tiny)
-    assert list(record["regimes"]) == ["states", "states[1:]", "gauss", "heavy", "boot"]
+    assert list(record["regimes"]) == [
+        "states",
+        "states[1:]",
+        "gauss",
+        "heavy",
+        "heavy[1:]",
+        "boot",
+    ]
     assert record["positions"] == sum(n - 1 for n in LENGTHS)
     assert record["layer_ids"]["ids"] == list(config.target_layer_ids)
     want = stats.statistics(read_states(states_file, config), config, ["heavy"], 3)

@@ -51,9 +51,16 @@ PAD_SLACK = 1.25
 MIN_BATCH_POSITIONS = 4096
 
 
-# heavy: a few channels come out tens to hundreds of times larger than the median, as the massive
-# activations of real LLMs do (Sun et al., "Massive Activations in Large Language Models", 2024)
-HEAVY_SIGMA = 1.5  # log-scale spread of per-channel magnitudes in the heavy regime
+# heavy: shaped as SmolLM2-135M-Instruct's captured states are where a draft reads them
+# (docs/calibration.md, "The regimes against SmolLM2's states"; massive activations: Sun et al.,
+# "Massive Activations in Large Language Models", 2024).  Noise times fixed per-channel scales:
+HEAVY_SIGMA = 0.5  # lognormal spread of channel RMS (real: log-sd 0.26-0.55 without position 0)
+HEAVY_OUTLIERS = 3  # channels far above the rest, the same indices in every aux layer (real: 1-4)
+HEAVY_OUTLIER_RANGE = (20.0, 40.0)  # their RMS over the layer's median channel (real: 23-39x)
+# and each stream's position 0 an attention sink (real: the first token, |h| = 2.48e4 in one
+# channel, its RMS ~1,044 against 7-12 for other tokens): the first outlier channel alone holds
+# this many times a typical token's RMS
+HEAVY_SINK = 125.0
 
 
 def _generator(seed: int, regime: Regime, stream: int) -> torch.Generator:
@@ -69,6 +76,23 @@ def check_boot_compatible(config: DraftConfig) -> None:
             f"target layers of width {config.target_hidden_size}; the widths differ, use gauss "
             "or heavy"
         )
+
+
+def heavy_scales(config: DraftConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Heavy's per-channel scales [A] and position 0's sink channels [A] (zero elsewhere), per
+    aux layer of width D: lognormal scales, HEAVY_OUTLIERS channels (the same indices in every
+    layer) set to HEAVY_OUTLIER_RANGE times the layer's median, and the first of them at
+    position 0 worth HEAVY_SINK times the layer's typical token RMS (all its energy there)."""
+    L, D = config.num_target_layers, config.target_hidden_size
+    scales = torch.exp(torch.randn(L, D, generator=gen) * HEAVY_SIGMA)  # [L, D]
+    outliers = torch.randperm(D, generator=gen)[:HEAVY_OUTLIERS]
+    low, high = HEAVY_OUTLIER_RANGE
+    factor = low + (high - low) * torch.rand(L, HEAVY_OUTLIERS, generator=gen)
+    scales[:, outliers] = scales.median(dim=1, keepdim=True).values * factor
+    sink = torch.zeros(L, D)
+    token_rms = scales.square().mean(dim=1).sqrt()  # a noise token's expected RMS, per layer
+    sink[:, outliers[0]] = HEAVY_SINK * token_rms * D**0.5  # one channel: RMS = value / sqrt(D)
+    return scales.flatten(), sink.flatten()
 
 
 class SyntheticAuxChunks:
@@ -93,10 +117,10 @@ class SyntheticAuxChunks:
         self.shape = (len(stream_ids), pad_to, config.aux_size)
         self._lengths, self._dtype = stream_lengths, dtype
         self._generators = [_generator(seed, regime, s) for s in stream_ids]
-        self._scales: torch.Tensor | None = None  # heavy's [A], fixed for a seed, for all streams
+        # heavy's channel scales and position 0's sink [A] (heavy_scales), fixed for a seed
+        self._heavy: tuple[torch.Tensor, torch.Tensor] | None = None
         if regime.channel_scales:
-            gen = _generator(seed, regime, -1)
-            self._scales = torch.exp(torch.randn(config.aux_size, generator=gen) * HEAVY_SIGMA)
+            self._heavy = heavy_scales(config, _generator(seed, regime, -1))
         self._next = 0
 
     def rows(self, t0: int, t1: int) -> torch.Tensor:
@@ -109,9 +133,12 @@ class SyntheticAuxChunks:
             gen, length = self._generators[row], self._lengths[row]
             if min(t1, length) > t0:
                 states = torch.randn(min(t1, length) - t0, self.shape[2], generator=gen)
-                out[row, : states.shape[0]] = (
-                    states if self._scales is None else states * self._scales
-                )
+                if self._heavy is not None:
+                    scales, sink = self._heavy
+                    states *= scales
+                    if t0 == 0:  # the sink channel of position 0 is replaced, the rest kept
+                        states[0] = torch.where(sink != 0, sink, states[0])
+                out[row, : states.shape[0]] = states
 
         # torch's CPU sampler runs on one core; each stream has its own generator, so streams
         # are drawn side by side on all of them, the same values in any order
