@@ -152,8 +152,9 @@ def encode_blocks(
         grid, hat = (None, None) if energy is None else work.take_hat(rows)
         _pack32(_codes32(magnitude, x, scratch, grid), out[rows], scratch)
         if energy is not None and grid is not None and hat is not None:
+            # magnitudes: w_hat has w's sign (or is 0), so (w - w_hat)^2 = (|w| - |w_hat|)^2
             grid.view(-1, k // block, block).mul_(step[rows])
-            energy.add(w[rows], x, grid.copysign_(x), hat)
+            energy.add(w[rows], x.abs_(), grid, hat)
     return out
 
 
