@@ -286,7 +286,7 @@ def main() -> int:
                     + " ".join(
                         f"{k} {v:.2f}"
                         for k, v in rounds[fmt, workers][-1].items()
-                        if k.endswith("_s")
+                        if k.endswith("_s") and v is not None  # None: not run (--no-peer)
                     ),
                     file=sys.stderr,
                     flush=True,

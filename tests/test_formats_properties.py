@@ -5,12 +5,14 @@ second pass over the dequantized weight."""
 
 import e2m1_codes
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from qstream.formats import FORMATS, Energy, dequantize, quantize, snr_db, snr_sums
+from qstream.formats import FORMATS, Energy, dequantize, mxfp4, quantize, snr_db, snr_sums
+from qstream.formats.format import E2M1_GRID
 
 CODES = {"fp8": "weight", "mxfp4": "weight_packed", "nvfp4": "weight_packed"}
 
@@ -113,3 +115,26 @@ def test_packing_is_a_bijection(packed_np):
     assert int(codes.max()) <= 15
     assert torch.equal(e2m1_codes.pack(codes), packed)
     assert torch.equal(e2m1_codes.unpack(e2m1_codes.pack(codes)), codes)
+
+
+def test_mxfp4_products_of_a_bf16_weight_are_bf16_values():
+    # mxfp4.quantize's SNR skips dequantize's rounding to bf16 (encode_blocks' exact): every
+    # E2M1 magnitude times every E8M0 scale decoded in bf16 must already be a bf16 value.
+    scales = mxfp4.decode_scale(torch.arange(256).to(torch.uint8), torch.bfloat16).float()
+    products = torch.tensor(E2M1_GRID)[:, None] * scales[None, :]  # [8, 256], float32
+    torch.testing.assert_close(
+        products.bfloat16().float(), products, rtol=0, atol=0, equal_nan=True
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=weights(), shift=st.sampled_from([-126, -100, 0, 60, 100]))
+def test_mxfp4_snr_sums_without_the_rounding_are_the_same_bits(w, shift):
+    w = (w.float() * 2.0**shift).bfloat16()  # down to bf16 subnormals, up near its max
+    rounded, skipped = Energy(), Energy()
+    mxfp4.quantize(w, energy=skipped)
+    encode = mxfp4.encode_blocks
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mxfp4, "encode_blocks", lambda *a, **kw: encode(*a, **kw | {"exact": False}))
+        mxfp4.quantize(w, energy=rounded)
+    assert skipped.sums() == rounded.sums()

@@ -129,6 +129,7 @@ def encode_blocks(
     energy: Energy | None = None,
     inverse: torch.Tensor | None = None,
     step: torch.Tensor | None = None,
+    exact: bool = False,
 ) -> torch.Tensor:
     """The 4-bit quantizers' loop: ``w [N, K]`` with one float32 ``divisor`` per block
     (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``, chunk by chunk.
@@ -137,10 +138,13 @@ def encode_blocks(
     ``inverse`` (MXFP4's powers of two, where it is exact and rounds the same), ``|w| *
     inverse``.  ``energy`` receives each chunk's SNR sums with ``w_hat = +-E2M1 * step``
     rounded to ``w.dtype``, which is what ``dequantize`` returns (``step``: the decoded stored
-    scale, float32, by default ``divisor``), computed while the chunk is in cache."""
+    scale, float32, by default ``divisor``), computed while the chunk is in cache.  ``exact``:
+    every ``E2M1 * step`` is a ``w.dtype`` value (a 16-bit ``w``), so that rounding is skipped
+    and the error taken from the float32 products."""
     n, k = w.shape
     step = divisor if step is None else step
-    work = ChunkWorkspace(chunk_rows(n, k), k, w.device, None if energy is None else w.dtype)
+    hat_dtype = None if energy is None else torch.float32 if exact else w.dtype
+    work = ChunkWorkspace(chunk_rows(n, k), k, w.device, hat_dtype)
     for rows in row_chunks(n, k):
         x, magnitude, scratch = work.take(rows)
         x.copy_(w[rows])
@@ -152,8 +156,12 @@ def encode_blocks(
         grid, hat = (None, None) if energy is None else work.take_hat(rows)
         _pack32(_codes32(magnitude, x, scratch, grid), out[rows], scratch)
         if energy is not None and grid is not None and hat is not None:
+            # magnitudes: w_hat has w's sign (or is 0), so (w - w_hat)^2 = (|w| - |w_hat|)^2
             grid.view(-1, k // block, block).mul_(step[rows])
-            energy.add(w[rows], x, grid.copysign_(x), hat)
+            if exact:  # the packed codes left scratch free for the error
+                energy.add_rounded(w[rows], x.abs_(), grid, scratch.view(torch.float32))
+            else:
+                energy.add(w[rows], x.abs_(), grid, hat)
     return out
 
 

@@ -79,7 +79,11 @@ def quantize(
     # that overflowed the dtype, e.g. an fp16 block near 65504)
     step = decode_scale(stored_scale, w.dtype).float().unsqueeze(-1)
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    encode_blocks(w, step, MXFP4_BLOCK, packed, energy, inverse=inverse, step=step)
+    # A bf16 w's w_hat needs no rounding: E2M1 values have two significant bits, and times a
+    # power of two >= 2**-127 they stay bf16 values (bf16 has float32's exponent range and
+    # its subnormals reach 2**-133), or are inf or NaN as in bf16.
+    exact = w.dtype == torch.bfloat16
+    encode_blocks(w, step, MXFP4_BLOCK, packed, energy, inverse=inverse, step=step, exact=exact)
     return packed, stored_scale
 
 

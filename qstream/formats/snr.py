@@ -60,11 +60,12 @@ class Energy:
 
     def add_rounded(self, w: torch.Tensor, x: torch.Tensor, hat: torch.Tensor, error: torch.Tensor):
         """Add one chunk of rows ``w`` (a ``SHORT`` dtype): ``hat`` its dequantized values in
-        its dtype, ``x`` in float32 (or both as magnitudes); the error ``hat - x``, exact in
-        float32, goes through ``error`` (float32), and ``x`` is overwritten too."""
-        noise = row_square_sums(error.copy_(hat).sub_(x))
+        its dtype (or in float32 where they are exact), ``x`` in float32 (or both as
+        magnitudes); the error ``hat - x``, exact in float32, goes through ``error`` (float32,
+        not ``hat``), and ``x`` is overwritten too."""
+        noise = row_square_sums(_difference(hat, x, error))
         if noise is None:
-            noise = _square_sum64(error.copy_(hat).sub_(x))
+            noise = _square_sum64(_difference(hat, x, error))
         signal = row_square_sums(x)
         self.noise += noise
         self.signal += _square_sum64(w) if signal is None else signal
@@ -82,6 +83,14 @@ class Energy:
 
     def sums(self) -> tuple[float, float]:
         return self.signal, self.noise
+
+
+def _difference(hat: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """``hat - x`` into float32 ``error``: one op for a float32 ``hat`` (torch's mixed-dtype
+    subtraction is slower than a copy and a subtraction)."""
+    if hat.dtype == error.dtype:
+        return torch.sub(hat, x, out=error)
+    return error.copy_(hat).sub_(x)
 
 
 # Totals float32 row sums are trusted for: below, underflowed squares (< 2**-126 each) could
