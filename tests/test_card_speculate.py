@@ -121,14 +121,15 @@ def test_a_missing_key_is_named(tmp_path, spec, path):
 
 def test_a_rule_that_names_no_mode_is_refused(tmp_path, spec):
     """settings.rule is a mode's name; results of schema speculate/1 name it as --rule did
-    (the shipped file's "greedy"), speculate/2's by the name itself."""
-    assert spec["schema"] == "qstream.speculate/1" and spec["settings"]["rule"] == "greedy"
-    current = {**_with(spec, "settings.rule", "greedy/greedy"), "schema": "qstream.speculate/2"}
-    assert "wrote" in _card(tmp_path, current, ok=True)
-    (tmp_path / "CARD.md").unlink()
+    ("greedy"), speculate/2's (the shipped file's) by the name itself."""
+    assert spec["schema"] == "qstream.speculate/2" and spec["settings"]["rule"] == "greedy/greedy"
+    old = {**_with(spec, "settings.rule", "greedy"), "schema": "qstream.speculate/1"}
+    for data in (spec, old):
+        assert "wrote" in _card(tmp_path, data, ok=True)
+        (tmp_path / "CARD.md").unlink()
     for data in (
-        _with(spec, "settings.rule", "typical"),
-        _with(current, "settings.rule", "greedy"),
+        _with(old, "settings.rule", "typical"),
+        _with(spec, "settings.rule", "greedy"),
     ):
         _refused(tmp_path, data, f"settings.rule = {data['settings']['rule']!r} is not one of")
 
