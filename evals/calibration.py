@@ -84,11 +84,11 @@ def main() -> int:
             return 2
     out.mkdir(parents=True, exist_ok=True)
     clock = time.perf_counter()
-    readback = [] if args.no_readback else formats
-    for fmt in readback:
+    quantized = [] if args.no_readback else formats
+    for fmt in quantized:
         qstream("quantize", "--model_dir", str(draft), "--output_dir", str(out / f"draft-{fmt}"),
                 "--quant_format", fmt)  # fmt: skip
-    readback = [f"{fmt}-ckpt={out / f'draft-{fmt}'}" for fmt in readback]
+    readback = [f"{fmt}-ckpt={out / f'draft-{fmt}'}" for fmt in quantized]
     names = ["bf16", *formats, *(v.split("=")[0] for v in readback)]
     common = ["--model", str(draft), "--target", str(target)]
     tokenizer = ["--tokenizer", str(target / "tokenizer.json")]

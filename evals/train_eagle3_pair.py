@@ -45,6 +45,7 @@ from train_pair import (  # noqa: E402
     as_float,
     drop_remote_code,
     encode,
+    fresh_run,
     packs,
     round_to_bf16,
     schedule,
@@ -74,11 +75,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N train docs")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(THREADS)
-    torch.use_deterministic_algorithms(True)
     out = args.output
-    if out.exists() and any(out.iterdir()):
-        print(f"Error: {out} exists and is not empty", file=sys.stderr)
+    if not fresh_run(out, THREADS):
         return 2
     from tokenizers import Tokenizer
     from transformers import Qwen3ForCausalLM

@@ -45,6 +45,17 @@ PACK, ANCHORS = 1024, 128  # tokens per packed sequence, blocks drawn from it pe
 THREADS = 2
 
 
+def fresh_run(out: Path, threads: int) -> bool:
+    """Start a seeded training run: ``threads`` intra-op threads, deterministic algorithms, and
+    ``out`` absent or empty (else one Error line and False)."""
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    if out.exists() and any(out.iterdir()):
+        print(f"Error: {out} exists and is not empty", file=sys.stderr)
+        return False
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -56,11 +67,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N train docs (smoke runs)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(THREADS)
-    torch.use_deterministic_algorithms(True)
     out = args.output
-    if out.exists() and any(out.iterdir()):
-        print(f"Error: {out} exists and is not empty", file=sys.stderr)
+    if not fresh_run(out, THREADS):
         return 2
     (out / "target").mkdir(parents=True, exist_ok=True)
     record: dict = {"seed": args.seed, "threads": THREADS, "torch": torch.__version__}

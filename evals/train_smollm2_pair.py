@@ -82,15 +82,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True)
     out = args.output
-    if out.exists() and any(out.iterdir()):
-        print(f"Error: {out} exists and is not empty", file=sys.stderr)
+    if not pair.fresh_run(out, args.threads):
         return 2
     try:
         identity = target_identity(args.target, args.gguf)
-        reused = args.answers and reuse_answers(args.answers, identity, args.max_new_tokens)
+        reused = (
+            reuse_answers(args.answers, identity, args.max_new_tokens) if args.answers else None
+        )
     except ValueError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 2

@@ -4,18 +4,15 @@ seed, a BPE tokenizer; nothing downloaded) and a draft config.json shaped for th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
 
+from cli_helpers import load_script
+
 from qstream.arch.dspark_mla import PRESETS
 
-_EXAMPLE = Path(__file__).parent.parent / "examples" / "make_tiny_target.py"
-_spec = importlib.util.spec_from_file_location("make_tiny_target", _EXAMPLE)
-assert _spec is not None and _spec.loader is not None
-_module = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_module)
+_module = load_script(Path(__file__).parent.parent / "examples" / "make_tiny_target.py")
 
 VOCAB, HIDDEN, LAYERS = _module.VOCAB, _module.HIDDEN, _module.LAYERS
 make_target = _module.make_target

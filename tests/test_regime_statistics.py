@@ -3,7 +3,6 @@ statistics are right on states whose answer is known (one channel 100 times the 
 synthetic regimes' states are the ones qstream's own generator draws, and the script writes its
 JSON and figure from a states file and a draft."""
 
-import importlib.util
 import json
 import math
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import load_script
 from safetensors.torch import save_file
 
 from qstream.arch.registry import load_config
@@ -28,11 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("regime_statistics", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ file its target's convert record names.  Speculators lane (``pytest -m speculato
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from cli_helpers import load_script
 
 from qstream.arch.registry import load_config
 from qstream.publish import CONVERT_RECORD
@@ -25,11 +25,7 @@ TEMPLATE = (
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_smollm2_pair", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _target(tmp_path: Path) -> tuple[Path, Path]:
