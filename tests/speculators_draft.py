@@ -2,7 +2,7 @@
 speculators' own forward run over anchors the test chooses (tests/test_speculators_parity.py).
 
 Only the speculators lane imports this (speculators needs an older transformers than the main
-environment; README, "Tests").  speculators' layout: ``save_pretrained`` writes config.json
+environment; docs/testing.md).  speculators' layout: ``save_pretrained`` writes config.json
 (``speculators_model_type: "dspark"``, the backbone nested in ``transformer_layer_config``) and
 model.safetensors without ``embed_tokens`` (and without ``lm_head`` for a full-vocabulary draft);
 both are the target's, written here to ``target_head/`` as ``qstream synth`` does.

