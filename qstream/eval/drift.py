@@ -89,23 +89,14 @@ def evaluate_drift(
     )
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
-    states_plan, named = None, settings.states_anchors
-    if states is not None:
-        B = config.block_size
-        states_plan = (
-            _plan(states, settings, config) if named is None else read_anchor_plan(named, states, B)
-        )
-    steps = 0  # sensitivity passes per regime: the floor, each kind alone, each kind added
-    if settings.sensitivity:
-        fmt = sensitivity_variant(settings).source
-        steps = 1 + 2 * len(module_kinds(weights, fmt, config, settings.ignore_layers))
+    states_plan = _states_plan(states, settings, config)
     buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
     # each set of blocks batched once: the passes run the batches the progress planned on
     batched = {
         id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None
     }
-    progress.start(*_planned(config, settings, steps, batched, plan, states_plan, buckets))
+    progress.start(*_planned(config, settings, weights, batched, plan, states_plan, buckets))
     results = _run_description(config, weights, corpus, plan, settings, variants, embed)
 
     def run(regime: Regime, streams: Corpus, blocks: AnchorPlan) -> RegimeRun:
@@ -113,7 +104,9 @@ def evaluate_drift(
         return RegimeRun(regime, config, weights, streams, blocks, batches, *fixed)
 
     for name in settings.regimes:
-        results["regimes"][name] = _with_sweep(run(REGIMES[name], corpus, plan), buckets, batched)
+        out = results["regimes"][name] = evaluate_regime(run(REGIMES[name], corpus, plan))
+        if settings.context_lengths:
+            out["context_sweep"] = context_sweep(run(REGIMES[name], corpus, plan), buckets, batched)
     if states is not None and states_plan is not None:
         anchors = states_plan.to_json()
         if settings.states_anchors is not None:  # named blocks, not drawn ones
@@ -126,10 +119,20 @@ def evaluate_drift(
     return results
 
 
-def _planned(config, settings, steps, batched, plan, states_plan, buckets):
+def _states_plan(states: Corpus | None, settings: DriftSettings, config: DraftConfig):
+    if states is None or settings.states_anchors is None:
+        return None if states is None else _plan(states, settings, config)
+    return read_anchor_plan(settings.states_anchors, states, config.block_size)
+
+
+def _planned(config, settings, weights, batched, plan, states_plan, buckets):
     """Blocks and FLOPs per kind of pass of every pass the run will make (a bucket counts at its
     length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks)."""
     blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS, STEPS), 0.0)
+    steps = 0  # sensitivity passes per regime: the floor, each kind alone, each kind added
+    if settings.sensitivity:
+        fmt = sensitivity_variant(settings).source
+        steps = 1 + 2 * len(module_kinds(weights, fmt, config, settings.ignore_layers))
 
     def add(anchors: AnchorPlan, regime: Regime, steps: int) -> None:
         nonlocal blocks
@@ -171,12 +174,9 @@ def _read_states(settings: DriftSettings, config: DraftConfig, target: str | Non
     return states
 
 
-def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
-    """The regime's results and its context sweep (docs/context-sweep.md; each bucket a full
-    evaluation without sensitivity or sweep)."""
-    out = evaluate_regime(run)
-    if not run.settings.context_lengths:
-        return out
+def context_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
+    """The regime's context sweep (docs/context-sweep.md): each bucket a full evaluation without
+    sensitivity or sweep."""
     config, plain = run.config, replace(run.settings, sensitivity=False, context_lengths=())
     boundary = config.original_max_position_embeddings
     done = []
@@ -193,14 +193,13 @@ def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
                 "variants": result["variants"],
             }
         )
-    out["context_sweep"] = {
+    return {
         "edges": list(run.settings.edges),
         "yarn_boundary": boundary,
         "max_position_embeddings": config.max_position_embeddings,
         "buckets_per": "context length p of the block (tokens before its anchor), lo <= p < hi",
         "buckets": done,
     }
-    return out
 
 
 def _run_description(config, weights, corpus, plan, settings, variants, embed) -> dict:
