@@ -60,7 +60,7 @@ def step_variant(probed: Variant, name: str, include: tuple[str, ...]) -> Varian
 
 
 def _kind_key(module: str) -> str:
-    """The module name after its last numeric component: layers.3.mlp.down_proj -> mlp.down_proj."""
+    """layers.3.mlp.down_proj -> mlp.down_proj."""
     parts = module.split(".")
     digits = [i for i, part in enumerate(parts) if part.isdigit()]
     return ".".join(parts[digits[-1] + 1 :]) if digits else module
@@ -127,10 +127,6 @@ def _gap(step: dict, floor: dict) -> float:
     return step["ceiling"]["value"] - floor["ceiling"]["value"]
 
 
-def _harm(step: dict, floor: dict) -> tuple[float, float]:
-    return -_gap(step, floor), step["kl_mean"] or 0.0
-
-
 def evaluate_sensitivity(
     weights: Mapping[str, torch.Tensor],
     probed: Variant,
@@ -157,7 +153,10 @@ def evaluate_sensitivity(
     ]
     for entry in single:
         entry["ceiling_gap"] = _gap(entry, floor)
-    order = sorted(range(len(kinds)), key=lambda i: (*_harm(single[i], floor), i))
+    # least harmful first (HARM)
+    order = sorted(
+        range(len(kinds)), key=lambda i: (-single[i]["ceiling_gap"], single[i]["kl_mean"] or 0.0, i)
+    )
     cumulative: list[dict] = []
     include: tuple[str, ...] = ()
     for i in order:
