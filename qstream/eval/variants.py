@@ -165,6 +165,10 @@ def _input_quantizers(
     return {f"{m}.weight": _bound(scheme.quantize, scales[m]) for m in scales}
 
 
+def _bound(quantize: Callable, scale: torch.Tensor | None) -> Callable:
+    return lambda x: quantize(x, scale)
+
+
 def kv_cache_scales(
     variant: Variant, reference_weights: Weights, calibration: Calibration | None
 ) -> dict[str, tuple[float, float]]:
@@ -192,10 +196,6 @@ def kv_cache_scales(
         scales = kv_scales((float(k), float(v)), dtype)
         out[attention] = (float(scales["k_scale"]), float(scales["v_scale"]))
     return out
-
-
-def _bound(quantize: Callable, scale: torch.Tensor | None) -> Callable:
-    return lambda x: quantize(x, scale)
 
 
 def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str]) -> dict:
