@@ -14,7 +14,6 @@ from qstream.errors import QStreamError
 from qstream.eval.states.captured import (
     CONVENTIONS,
     CapturedStates,
-    Convention,
     FinalNorm,
     check_layer_ids,
     file_sha256s,
@@ -73,37 +72,6 @@ def _resolve_format(files: list[Path], format: str | None) -> Layout:
     return next(iter(found))
 
 
-def _named_ids(
-    root: Path,
-    manifest: dict | None,
-    convention: Convention | None,
-    layer_ids: object,
-    config,
-    default: Convention,
-    n: int | None,
-) -> tuple[Convention, list[dict]]:
-    """Layer ids the manifest and ``--states-layer-ids`` name, each checked against the draft
-    (``n``: the target's layer count, when known)."""
-    named = []
-    if manifest is not None:
-        where = str(root / RECORD)
-        own = parse_convention(manifest.get("layer_convention"), f"{where}: layer_convention")
-        if convention is not None and convention != own:
-            raise QStreamError(
-                f"{where}: layer_convention is {own.name}, but --states-layer-convention "
-                f"says {convention.name}"
-            )
-        ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
-        check_layer_ids(ids, own, config, f"{where}: layer_ids", n)
-        convention = own
-        named.append({"by": RECORD, "ids": list(ids)})
-    if layer_ids is not None:
-        ids = parse_ids(layer_ids, "--states-layer-ids")
-        check_layer_ids(ids, convention or default, config, "--states-layer-ids", n)
-        named.append({"by": "--states-layer-ids", "ids": list(ids)})
-    return convention or default, named
-
-
 def _layers(
     root: Path,
     layout: Layout,
@@ -112,21 +80,37 @@ def _layers(
     layer_ids: object,
     target: str | None,
 ) -> tuple[dict, dict | None]:
-    """The results' ``layers`` block and the manifest (capture.json) if the directory has one."""
+    """The results' ``layers`` block (the layer ids capture.json and ``--states-layer-ids`` name,
+    each checked against the draft) and the manifest (capture.json) if the directory has one."""
     manifest_path = root / RECORD
     manifest = read_json(manifest_path, RECORD) if manifest_path.is_file() else None
     if manifest is not None and not isinstance(manifest, dict):
         raise QStreamError(f"{manifest_path}: not a JSON object")
-    given = None
+    used = None
     if convention is not None:
-        given = parse_convention(convention, "--states-layer-convention")
-    n = target_depth(config, target)
-    used, named = _named_ids(root, manifest, given, layer_ids, config, layout.convention, n)
+        used = parse_convention(convention, "--states-layer-convention")
+    n, named = target_depth(config, target), []
+    if manifest is not None:
+        where = str(manifest_path)
+        own = parse_convention(manifest.get("layer_convention"), f"{where}: layer_convention")
+        if used is not None and used != own:
+            raise QStreamError(
+                f"{where}: layer_convention is {own.name}, but --states-layer-convention "
+                f"says {used.name}"
+            )
+        ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
+        check_layer_ids(ids, own, config, f"{where}: layer_ids", n)
+        used = own
+        named.append({"by": RECORD, "ids": list(ids)})
+    used = used or layout.convention
+    if layer_ids is not None:
+        ids = parse_ids(layer_ids, "--states-layer-ids")
+        check_layer_ids(ids, used, config, "--states-layer-ids", n)
+        named.append({"by": "--states-layer-ids", "ids": list(ids)})
     draft = tuple(config.target_layer_ids)
-    in_convention = used.from_layer_output(draft)
     block = {
         "convention": used.name,
-        "ids": list(in_convention),
+        "ids": list(used.from_layer_output(draft)),
         "named_by": named,  # [] when no file or option names its layers: only shapes are checked
         "draft_target_layer_ids": list(draft),
     }
