@@ -180,7 +180,14 @@ class DriftSettings(Selection):
             raise QStreamError("nothing to evaluate: no regime and no --states file")
         if self.states_anchors is not None and self.states is None:
             raise QStreamError("--states-anchors names blocks of --states, which is not given")
-        probed = self._probed()
+        probed: tuple[Variant, ...] = ()  # --sensitivity-format's, its weights a format
+        if self.sensitivity_format is not None:
+            probed = (Variant.parse(self.sensitivity_format, self.kv_cache_dtype),)
+            if not probed[0].simulated:
+                raise QStreamError(
+                    f"--sensitivity-format {self.sensitivity_format!r}: its weights must be one "
+                    f"of {', '.join(FORMATS)} (the steps quantize them module kind by module kind)"
+                )
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
         self._check_context()
@@ -196,18 +203,6 @@ class DriftSettings(Selection):
         object.__setattr__(self, "sampling", sampling)
         adaptive = AdaptiveBudget(self.adaptive_requests, self.adaptive_budget)
         object.__setattr__(self, "adaptive", adaptive)
-
-    def _probed(self) -> tuple[Variant, ...]:
-        """The configuration ``--sensitivity-format`` names, checked (its weights a format)."""
-        if self.sensitivity_format is None:
-            return ()
-        probed = Variant.parse(self.sensitivity_format, self.kv_cache_dtype)
-        if not probed.simulated:
-            raise QStreamError(
-                f"--sensitivity-format {self.sensitivity_format!r}: its weights must be one of "
-                f"{', '.join(FORMATS)} (the steps quantize them module kind by module kind)"
-            )
-        return (probed,)
 
     def _check_context(self) -> None:  # order and range of --context-lengths
         if self.context_lengths is None:  # the command's value when --context-lengths is absent
