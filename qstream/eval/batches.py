@@ -126,8 +126,7 @@ class SyntheticAuxChunks:
                         states[0] = torch.where(sink != 0, sink, states[0])
                 out[row, : states.shape[0]] = states
 
-        # torch's CPU sampler runs on one core: streams are drawn side by side, on their own
-        # generators
+        # torch's CPU sampler runs on one core: streams are drawn side by side
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             list(pool.map(draw, range(self.shape[0])))
         return out

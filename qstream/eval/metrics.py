@@ -129,6 +129,8 @@ def kl_summary(values: torch.Tensor) -> KLSummary:
 
 @dataclass(frozen=True)
 class RolloutMetrics:
+    """Agreement of two free-running rollouts of ``B`` tokens per block."""
+
     seq_agree: tuple[Estimate, ...]  # per k: P(token k equal)
     prefix_agree: tuple[Estimate, ...]  # per k: P(tokens 0..k all equal)
     matched_prefix: Estimate  # mean matched prefix length, 0..B
@@ -166,6 +168,8 @@ def rollout_metrics(
 
 @dataclass(frozen=True)
 class DriftMetrics:
+    """Every drift metric of one variant against the reference (docs/eval-drift.md)."""
+
     n_blocks: int
     block_size: int
     greedy_agree: tuple[Estimate, ...]  # per k, teacher-forced top-1 match
