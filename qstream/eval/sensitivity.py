@@ -127,6 +127,10 @@ def _gap(step: dict, floor: dict) -> float:
     return step["ceiling"]["value"] - floor["ceiling"]["value"]
 
 
+def _harm(step: dict, floor: dict) -> tuple[float, float]:
+    return -_gap(step, floor), step["kl_mean"] or 0.0
+
+
 def evaluate_sensitivity(
     weights: Mapping[str, torch.Tensor],
     probed: Variant,
@@ -153,10 +157,7 @@ def evaluate_sensitivity(
     ]
     for entry in single:
         entry["ceiling_gap"] = _gap(entry, floor)
-    # least harmful first (HARM)
-    order = sorted(
-        range(len(kinds)), key=lambda i: (-single[i]["ceiling_gap"], single[i]["kl_mean"] or 0.0, i)
-    )
+    order = sorted(range(len(kinds)), key=lambda i: (*_harm(single[i], floor), i))
     cumulative: list[dict] = []
     include: tuple[str, ...] = ()
     for i in order:
