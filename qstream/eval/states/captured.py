@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from qstream.arch.interface import DraftConfig
+from qstream.arch.weights import rms_norm
 from qstream.checkpoint.files import read_config, sha256_file
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import read_target_shape
@@ -109,10 +110,7 @@ class FinalNorm:
     source: str = ""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            return x
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x if self.weight is None else rms_norm(x.float(), self.weight, self.eps)
 
     def to_json(self) -> dict | None:
         return None if self.weight is None else {"weight": self.source, "eps": self.eps}
