@@ -135,10 +135,9 @@ class AnchorPlan:
     anchor: torch.Tensor  # [N] anchor position p = context length of the block
 
     def to_json(self) -> dict:
-        ctx = self.anchor.double()
         return {
             "blocks": int(self.anchor.numel()),
-            "context_length_mean": float(ctx.mean()),
+            "context_length_mean": float(self.anchor.double().mean()),
             "context_length_min": int(self.anchor.min()),
             "context_length_max": int(self.anchor.max()),
         }

@@ -1,10 +1,6 @@
 """The results vocabulary of ``qstream eval-drift`` (docs/eval-drift.md): every name the results
 JSON uses that the evaluator writes and the card and commands read, and the labels built from a
-run's own settings.
-
->>> rollout_label("sampled", {"temperature": 0.7, "drafter": {"top_p": 1.0}})
-'sampled rollout (T=0.7, full softmax)'
-"""
+run's own settings."""
 
 from __future__ import annotations
 
