@@ -181,7 +181,8 @@ def context_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
     boundary = config.original_max_position_embeddings
     done = []
     for lo, hi, streams, plan in buckets:
-        result = evaluate_regime(run.replanned(streams, plan, batched[id(plan)], plain))
+        bucket = replace(run, corpus=streams, plan=plan, batches=batched[id(plan)], settings=plain)
+        result = evaluate_regime(bucket)
         side = "below" if hi <= boundary else "above" if lo >= boundary else "straddles"
         done.append(
             {

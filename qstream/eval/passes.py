@@ -6,7 +6,7 @@ meets bounded memory (docs/eval-drift.md, "Memory")."""
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -43,12 +43,6 @@ class RegimeRun:
     settings: DriftSettings
     target: str | None  # checkpoint the draft borrows lm_head (and embed_tokens) from
     progress: Progress
-
-    def replanned(
-        self, corpus: Corpus, plan: AnchorPlan, batches: tuple[Batch, ...], settings: DriftSettings
-    ) -> RegimeRun:
-        """The same regime and variants over other blocks (a context-length bucket)."""
-        return replace(self, corpus=corpus, plan=plan, batches=batches, settings=settings)
 
 
 @dataclass
