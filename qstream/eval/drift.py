@@ -4,7 +4,7 @@ the long-context sweep's buckets (docs/context-sweep.md); one regime's work is p
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -90,13 +90,12 @@ def evaluate_drift(
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
     states_plan = _states_plan(states, settings, config)
+    steps = _sensitivity_steps(weights, config, settings)
     buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
     # each set of blocks batched once: the passes run the batches the progress planned on
-    batched = {
-        id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None
-    }
-    progress.start(*_planned(config, settings, weights, batched, plan, states_plan, buckets))
+    batched = {id(p): make_batches(p, s, config) for s, p in sets if s and p}
+    progress.start(*_planned(config, settings, steps, batched, plan, states_plan, buckets))
     results = _run_description(config, weights, corpus, plan, settings, variants, embed)
 
     def run(regime: Regime, streams: Corpus, blocks: AnchorPlan) -> RegimeRun:
@@ -125,14 +124,18 @@ def _states_plan(states: Corpus | None, settings: DriftSettings, config: DraftCo
     return read_anchor_plan(settings.states_anchors, states, config.block_size)
 
 
-def _planned(config, settings, weights, batched, plan, states_plan, buckets):
+def _sensitivity_steps(weights: Mapping, config: DraftConfig, settings: DriftSettings) -> int:
+    """Sensitivity passes per regime: the floor, each kind alone, each kind added."""
+    if not settings.sensitivity:
+        return 0
+    fmt = sensitivity_variant(settings).source
+    return 1 + 2 * len(module_kinds(weights, fmt, config, settings.ignore_layers))
+
+
+def _planned(config, settings, steps, batched, plan, states_plan, buckets):
     """Blocks and FLOPs per kind of pass of every pass the run will make (a bucket counts at its
     length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks)."""
     blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS, STEPS), 0.0)
-    steps = 0  # sensitivity passes per regime: the floor, each kind alone, each kind added
-    if settings.sensitivity:
-        fmt = sensitivity_variant(settings).source
-        steps = 1 + 2 * len(module_kinds(weights, fmt, config, settings.ignore_layers))
 
     def add(anchors: AnchorPlan, regime: Regime, steps: int) -> None:
         nonlocal blocks
