@@ -223,16 +223,13 @@ class AuxStates:
 
     def get(self, batch: Batch, reference: DraftModel | None = None) -> torch.Tensor | AuxChunks:
         """The batch's aux states (boot: ``reference`` the first time); over LAZY_AUX_BYTES, as
-        :class:`AuxChunks` (boot's streamed once to the scratch file)."""
-        aux = self._get(batch, reference)
-        return aux if isinstance(aux, torch.Tensor) else Trimmed(aux)
-
-    def _get(self, batch: Batch, reference: DraftModel | None) -> torch.Tensor | AuxChunks:
+        :class:`AuxChunks` (boot's streamed once to the scratch file), the heap trimmed after
+        each range."""
         T = max(batch.context_length, 1)
         lazy = len(batch.streams) * T * self.config.aux_size * AUX_DTYPE.itemsize > LAZY_AUX_BYTES
         if self.captured is not None:
             chunks = self.captured.aux_chunks(batch.streams, T, AUX_DTYPE)
-            return chunks if lazy else chunks.rows(0, T)
+            return Trimmed(chunks) if lazy else chunks.rows(0, T)
         if batch in self._kept:
             return self._kept.get(batch)
         if batch in self._recorded:
@@ -240,7 +237,7 @@ class AuxStates:
                 raise RuntimeError(
                     "boot aux states must be taken whole by the reference pass first"
                 )
-            return self._recorded[batch]
+            return Trimmed(self._recorded[batch])
         if self.regime.causal:
             if reference is None:
                 raise RuntimeError("boot aux states must come from the reference pass first")
@@ -250,14 +247,14 @@ class AuxStates:
                     reference, ids, AUX_DTYPE, self.config.num_target_layers
                 )
                 self._recorded[batch] = Recorded(stream, self._ranges)
-                return self._recorded[batch]
+                return Trimmed(self._recorded[batch])
             depth = self.config.num_target_layers  # one step per aux layer
             aux = reference.causal_hidden(ids, depth).flatten(2).to(AUX_DTYPE).cpu()  # [S,T,A]
         else:
             lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
             args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
             if lazy:
-                return SyntheticAuxChunks(*args)
+                return Trimmed(SyntheticAuxChunks(*args))
             aux = SyntheticAuxChunks(*args).rows(0, T)
         self._kept.put(batch, aux)
         return aux
