@@ -286,8 +286,8 @@ def check_variants_derived(
             raise QStreamError(
                 f"--variant {variant.name}: {variant.source} is not derived from --model "
                 f"{model_dir}: {len(differ)} tensor(s) it keeps unquantized differ, e.g. "
-                f"{differ[0]}; quantizing keeps those bit-identical (use --allow-foreign-variant to "
-                "compare it anyway, labelled foreign)"
+                f"{differ[0]}; quantizing keeps those bit-identical (use "
+                "--allow-foreign-variant to compare it anyway, labelled foreign)"
             )
         out.append(replace(variant, foreign=bool(differ)))
     return tuple(out)
