@@ -205,12 +205,12 @@ class AcceptanceAccumulator:
     def modes(self) -> list[VerificationMode]:
         """The modes held, in MODES order; an adaptive one when its base mode and its draft's
         confidence scores are both there."""
-        return [mode for mode in MODES.values() if self._holds(mode)]
-
-    def _holds(self, mode: VerificationMode) -> bool:
-        if not mode.adaptive:
-            return mode in self._parts
-        return mode.base in self._parts and mode.probabilistic in self._confidence
+        return [
+            mode
+            for mode in MODES.values()
+            if (mode.base if mode.adaptive else mode) in self._parts
+            and (not mode.adaptive or mode.probabilistic in self._confidence)
+        ]
 
     def admitted(self, mode: VerificationMode) -> torch.Tensor:
         """``[n]`` drafted tokens each block verifies under an adaptive ``mode``."""

@@ -1,13 +1,7 @@
 """The drafting work of one regime, batch by batch: batches of whole streams, the aux states each
 batch reads (the synthetic regimes' drawn from noise, qstream/regimes.py, each stream's from a
 generator seeded by (seed, regime, stream index), so any subset of streams can be regenerated
-alone), the shared race noise, and one batch drafted by one model.
-
->>> batches = make_batches(plan, corpus, config)
->>> aux = AuxStates(GAUSS, corpus, config, seed=0)
->>> drafts = draft_batch(model, aux.get(batches[0]), batches[0], 0, seed=0)
->>> drafts.greedy.tokens                             # [n, B]; drafts.state: the drafter kind's
-"""
+alone), the shared race noise, and one batch drafted by one model."""
 
 from __future__ import annotations
 
@@ -30,20 +24,17 @@ from qstream.regimes import Regime
 # Aux states are handed over in bf16, as a bf16 target's hidden states are; the reference and
 # every variant read the same rounded values.
 AUX_DTYPE = torch.bfloat16
-# Per-batch memory budgets: aux states [S, T, A] and logits [n, B, V] (float32 elements).  A
-# batch keeps up to seven [n, B, V] tensors alive at once (U, the rollouts' logits, the race
-# noise, the reference's logits read back, the teacher-forced ones): 0.9 GB at this budget.
+# Per-batch memory budgets: aux states [S, T, A] and logits [n, B, V] (float32 elements); a
+# batch keeps up to seven [n, B, V] tensors alive at once: 0.9 GB at this budget.
 AUX_BUDGET = 1 << 26
 LOGITS_BUDGET = 1 << 25
 # ... except that a batch may always hold this many aux positions: at K3's width (A = 35840)
-# the budget alone would allow 1872, a batch of a dozen one-block streams, and the FP32
-# reference would upcast every weight once per dozen blocks (0.6 GB of bf16 aux at K3; the
-# narrower presets' batches are unchanged).
+# the budget alone would allow a dozen one-block streams, and the FP32 reference would upcast
+# every weight once per dozen blocks.
 MIN_AUX_POSITIONS = 8192
 # Aux states kept in memory between the reference and the variants of one regime (AuxStates).
 AUX_CACHE_BYTES = 1 << 30
-# A batch's aux states bigger than this are never held whole (AuxStates.get): at K3's width one
-# 131,072-token stream is 9.4 GB of bf16.
+# A batch's aux states bigger than this are never held whole (AuxStates.get).
 LAZY_AUX_BYTES = 1 << 30
 # Batches stop growing when their padded aux positions exceed the used ones by this factor
 # (plus a floor, so that short streams still batch together).
@@ -79,10 +70,7 @@ def check_boot_compatible(config: DraftConfig) -> None:
 
 
 def heavy_scales(config: DraftConfig, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Heavy's per-channel scales [A] and position 0's sink channels [A] (zero elsewhere), per
-    aux layer of width D: lognormal scales, HEAVY_OUTLIERS channels (the same indices in every
-    layer) set to HEAVY_OUTLIER_RANGE times the layer's median, and the first of them at
-    position 0 worth HEAVY_SINK times the layer's typical token RMS (all its energy there)."""
+    """Heavy's per-channel scales [A] and position 0's sink channels [A] (zero elsewhere)."""
     L, D = config.num_target_layers, config.target_hidden_size
     scales = torch.exp(torch.randn(L, D, generator=gen) * HEAVY_SIGMA)  # [L, D]
     outliers = torch.randperm(D, generator=gen)[:HEAVY_OUTLIERS]
@@ -99,8 +87,7 @@ class SyntheticAuxChunks:
     """gauss / heavy aux states [S, pad_to, A] (``AuxChunks``), zero past each stream's end, drawn
     in float32 and rounded to ``dtype``, a range of positions at a time, in order: each stream from
     its own generator, so ranges give the rows of one whole draw however streams are batched
-    (torch's CPU normal sampler works in groups of 16 and A is a multiple of 16;
-    tests/test_sensitivity_context.py checks).  ``rows(0, pad_to)``: all at once."""
+    (torch's CPU normal sampler works in groups of 16 and A is a multiple of 16)."""
 
     def __init__(
         self,
@@ -117,7 +104,6 @@ class SyntheticAuxChunks:
         self.shape = (len(stream_ids), pad_to, config.aux_size)
         self._lengths, self._dtype = stream_lengths, dtype
         self._generators = [_generator(seed, regime, s) for s in stream_ids]
-        # heavy's channel scales and position 0's sink [A] (heavy_scales), fixed for a seed
         self._heavy: tuple[torch.Tensor, torch.Tensor] | None = None
         if regime.channel_scales:
             self._heavy = heavy_scales(config, _generator(seed, regime, -1))
@@ -140,8 +126,7 @@ class SyntheticAuxChunks:
                         states[0] = torch.where(sink != 0, sink, states[0])
                 out[row, : states.shape[0]] = states
 
-        # torch's CPU sampler runs on one core; each stream has its own generator, so streams
-        # are drawn side by side on all of them, the same values in any order
+        # torch's CPU sampler runs on one core: streams are drawn side by side
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             list(pool.map(draw, range(self.shape[0])))
         return out
@@ -149,8 +134,8 @@ class SyntheticAuxChunks:
 
 @dataclass(frozen=True, eq=False)
 class Batch:
-    """Blocks of whole streams, so a stream's context is computed once per batch.  A batch is
-    its own key (by identity) in the stores that keep its outputs between passes."""
+    """Blocks of whole streams, so a stream's context is computed once per batch; a batch is its
+    own key (by identity) in the stores that keep its outputs between passes."""
 
     blocks: torch.Tensor  # [n] indices into the plan
     streams: list[int]  # corpus stream ids in this batch
@@ -162,8 +147,8 @@ class Batch:
 
 
 def batch_flops(config: DraftConfig, batch: Batch, causal: bool = False) -> float:
-    """The work of drafting ``batch`` once (FLOP model), its context padded as computed; with
-    ``causal`` (boot), also the reference's causal pass that makes the batch's aux states."""
+    """The FLOPs of drafting ``batch`` once, padded context included; ``causal`` (boot): also
+    the reference's causal pass that makes the batch's aux states."""
     arch, S, T = architecture_of(config), len(batch.streams), batch.context_length
     context = S * T * arch.context_flops(config)
     made = S * arch.causal_flops(config, max(T, 1)) if causal else 0
@@ -217,10 +202,10 @@ def _batch(
 
 
 class AuxStates:
-    """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: captured (``corpus`` is
-    :class:`CapturedStates`), drawn (gauss, heavy), or the reference's causal layer outputs
-    (boot, made on the reference pass).  Kept for the later passes up to AUX_CACHE_BYTES; beyond,
-    gauss and heavy are drawn again and boot's spill to ``scratch_dir``.  Close after the regime."""
+    """Aux states [S, T, A] (AUX_DTYPE) of each batch of one regime: captured, drawn (gauss,
+    heavy), or the reference's causal layer outputs (boot, made on the reference pass).  Kept for
+    the later passes up to AUX_CACHE_BYTES; beyond, gauss and heavy are drawn again and boot's
+    spill to ``scratch_dir``.  Close after the regime."""
 
     def __init__(
         self,
@@ -231,25 +216,20 @@ class AuxStates:
         scratch_dir: str | None = None,
     ):
         self.regime, self.corpus, self.config, self.seed = regime, corpus, config, seed
-        # the one place captured states are told apart from a token corpus
         self.captured = corpus if isinstance(corpus, CapturedStates) else None
         self._kept = Store(scratch_dir, memory_bytes=AUX_CACHE_BYTES, spill=regime.causal)
         self._ranges = Store(scratch_dir, memory_bytes=0)  # boot's, never held whole
         self._recorded: dict[Batch, Recorded] = {}
 
     def get(self, batch: Batch, reference: DraftModel | None = None) -> torch.Tensor | AuxChunks:
-        """The batch's aux states (boot: ``reference`` the first time).  Over LAZY_AUX_BYTES they
-        are never held but come as :class:`AuxChunks` (boot's streamed once to the scratch
-        file), the heap trimmed after each range."""
-        aux = self._get(batch, reference)
-        return aux if isinstance(aux, torch.Tensor) else Trimmed(aux)
-
-    def _get(self, batch: Batch, reference: DraftModel | None) -> torch.Tensor | AuxChunks:
+        """The batch's aux states (boot: ``reference`` the first time); over LAZY_AUX_BYTES, as
+        :class:`AuxChunks` (boot's streamed once to the scratch file), the heap trimmed after
+        each range."""
         T = max(batch.context_length, 1)
         lazy = len(batch.streams) * T * self.config.aux_size * AUX_DTYPE.itemsize > LAZY_AUX_BYTES
         if self.captured is not None:
             chunks = self.captured.aux_chunks(batch.streams, T, AUX_DTYPE)
-            return chunks if lazy else chunks.rows(0, T)
+            return Trimmed(chunks) if lazy else chunks.rows(0, T)
         if batch in self._kept:
             return self._kept.get(batch)
         if batch in self._recorded:
@@ -257,31 +237,27 @@ class AuxStates:
                 raise RuntimeError(
                     "boot aux states must be taken whole by the reference pass first"
                 )
-            return self._recorded[batch]
+            return Trimmed(self._recorded[batch])
         if self.regime.causal:
             if reference is None:
                 raise RuntimeError("boot aux states must come from the reference pass first")
-            ids = self._ids(batch, T)
+            ids = batch.ids[:, :T]
             if lazy:
                 stream = architecture_of(self.config).causal_stream(
                     reference, ids, AUX_DTYPE, self.config.num_target_layers
                 )
                 self._recorded[batch] = Recorded(stream, self._ranges)
-                return self._recorded[batch]
+                return Trimmed(self._recorded[batch])
             depth = self.config.num_target_layers  # one step per aux layer
             aux = reference.causal_hidden(ids, depth).flatten(2).to(AUX_DTYPE).cpu()  # [S,T,A]
         else:
             lengths = [int(self.corpus.streams[s].numel()) for s in batch.streams]
             args = (self.regime, self.config, batch.streams, lengths, T, self.seed, AUX_DTYPE)
             if lazy:
-                return SyntheticAuxChunks(*args)
+                return Trimmed(SyntheticAuxChunks(*args))
             aux = SyntheticAuxChunks(*args).rows(0, T)
         self._kept.put(batch, aux)
         return aux
-
-    def _ids(self, batch: Batch, T: int) -> torch.Tensor:
-        """The batch's token streams [S, T] for the boot regime's causal pass (zero padded)."""
-        return batch.ids[:, :T]
 
     def close(self) -> None:
         self._kept.close()
@@ -290,16 +266,14 @@ class AuxStates:
 
 
 def race_noise(batch_index: int, n_blocks: int, config: DraftConfig, seed: int) -> torch.Tensor:
-    """Exp(1) variates [n, B, Vd] (the draft vocabulary) for one batch's sampled rollouts, the same for the reference and
-    every variant (common random numbers), drawn as ``-log(U)``, U uniform on [0, 1) (cheaper
-    than ``exponential_``; U = 0 gives +inf, a race its token cannot win)."""
+    """Exp(1) variates [n, B, Vd] for one batch's sampled rollouts, the same for the reference and
+    every variant, drawn as ``-log(U)``, U uniform on [0, 1) (U = 0: +inf, a race it cannot win)."""
     gen = torch.Generator().manual_seed(((seed * 7919 + 17) * 1_000_003 + batch_index) % 2**64)
     shape = (n_blocks, config.block_size, draft_vocab_size(config))  # one per draft logit
     return torch.empty(shape).uniform_(generator=gen).log_().neg_()
 
 
 def propose(model: DraftModel, aux: torch.Tensor | AuxChunks, batch: Batch) -> Any:
-    """The batch's proposals (its drafter kind's state, opaque here)."""
     drafter = architecture_of(model.config).drafter
     at = (batch.local_stream, batch.anchor, batch.first_token)
     return drafter.propose(model, aux, *at, ids=batch.ids)
@@ -320,8 +294,7 @@ def draft_batch(
     sampling: Sampling = Sampling(),
 ) -> Drafts:
     """One batch drafted by ``model``, on the host: its proposal state, greedy rollout, and
-    sampled rollout on the batch's race noise (the full tempered softmax, as vLLM's
-    ``draft_sample_method: probabilistic``)."""
+    sampled rollout on the race noise (as vLLM's ``draft_sample_method: probabilistic``)."""
     state, drafter = propose(model, aux, batch), architecture_of(model.config).drafter
     noise = race_noise(batch_index, len(batch.blocks), model.config, seed)
     sampled = drafter.rollout(state, noise, sampling.temperature, sampling.draft_top_p)

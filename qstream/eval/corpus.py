@@ -3,8 +3,6 @@ the anchors (block start positions) sampled across them; and eval-drift's built-
 synthetic tiny draft built once into a cache and the shipped GSM8K test split (1,319 problems,
 MIT licence in ``qstream/data/GSM8K_LICENSE``).
 
->>> corpus = load_corpus("gsm8k/test.jsonl", "DRAFT_DIR/tokenizer.json")
->>> plan = sample_anchors(corpus, n_blocks=1024, block_size=7, seed=0)
 """
 
 from __future__ import annotations
@@ -70,26 +68,12 @@ def tokenize(
     return Corpus(name, digest, streams, str(tokenizer_path))
 
 
-def load_corpus(
-    path: str | Path, tokenizer_path: str | Path, vocab_size: int | None = None
-) -> Corpus:
-    return tokenize(read_corpus(path), tokenizer_path, vocab_size, name=str(path))
-
-
 BUILTIN_PRESET, BUILTIN_SEED = "tiny", 0
 # GSM8K test split (github.com/openai/grade-school-math, MIT): question + newline + answer per
 # document, as read_corpus reads a GSM8K JSONL file.  The draft never saw it (synth trains on
 # generated problems).
 BUILTIN_CORPUS = Path(__file__).resolve().parents[1] / "data" / "gsm8k_test.jsonl.gz"
 BUILTIN_CORPUS_NAME = "built-in: GSM8K test split"
-
-
-def cache_root() -> Path:
-    """``$QSTREAM_CACHE``, else ``$XDG_CACHE_HOME/qstream``, else ``~/.cache/qstream``."""
-    if os.environ.get("QSTREAM_CACHE"):
-        return Path(os.environ["QSTREAM_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "qstream"
 
 
 def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
@@ -99,10 +83,12 @@ def builtin_model_dir(say: Callable[[str], None] | None = None) -> Path:
     # rebuilt rather than read from a cache built before the change
     preset = json.dumps(DEFAULT_ARCH.presets[BUILTIN_PRESET].to_json(), sort_keys=True).encode()
     tag = hashlib.sha256(preset).hexdigest()[:8]
-    directory = (
-        cache_root()
-        / f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}-r{RECIPE}-{tag}"
-    )
+    # the cache: $QSTREAM_CACHE, else $XDG_CACHE_HOME/qstream, else ~/.cache/qstream
+    root = os.environ.get("QSTREAM_CACHE") or ""
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qstream")
+    name = f"dspark-{BUILTIN_PRESET}-seed{BUILTIN_SEED}-v{qstream.__version__}-r{RECIPE}-{tag}"
+    directory = Path(root) / name
     if not (directory / "config.json").is_file():
         if say is not None:
             say(f"Building the built-in synthetic draft into {directory} (first use) ...")
@@ -137,7 +123,7 @@ def load_run_corpus(
         tok = Path(target) / "tokenizer.json"
     if corpus is None:
         return tokenize(builtin_corpus_docs(), tok, config.vocab_size, name=BUILTIN_CORPUS_NAME)
-    return load_corpus(corpus, tok, config.vocab_size)
+    return tokenize(read_corpus(corpus), tok, config.vocab_size, name=str(corpus))
 
 
 @dataclass(frozen=True)
@@ -149,10 +135,9 @@ class AnchorPlan:
     anchor: torch.Tensor  # [N] anchor position p = context length of the block
 
     def to_json(self) -> dict:
-        ctx = self.anchor.double()
         return {
             "blocks": int(self.anchor.numel()),
-            "context_length_mean": float(ctx.mean()),
+            "context_length_mean": float(self.anchor.double().mean()),
             "context_length_min": int(self.anchor.min()),
             "context_length_max": int(self.anchor.max()),
         }

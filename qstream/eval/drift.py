@@ -1,17 +1,10 @@
-"""``qstream eval-drift`` as one library call, :func:`evaluate_drift` (docs/eval-drift.md): the
-command's defaults resolved, the corpus loaded, every regime, captured states and context bucket
-evaluated (one regime's work: passes.py) into the results; and the long-context sweep's buckets
-(docs/context-sweep.md).
-
->>> settings = DriftSettings(model="DRAFT", regime="heavy", formats=("bf16", "fp8"), blocks=256)
->>> results = evaluate_drift(settings, say=print)
->>> results["regimes"]["heavy"]["variants"]["fp8"]["metrics"]["rollouts"]["greedy"]["ceiling"]
-"""
+"""``qstream eval-drift`` as one library call, :func:`evaluate_drift` (docs/eval-drift.md), and
+the long-context sweep's buckets (docs/context-sweep.md); one regime's work is passes.py."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -36,40 +29,23 @@ from qstream.eval.corpus import (
 from qstream.eval.passes import RegimeRun, evaluate_regime
 from qstream.eval.sensitivity import module_kinds, sensitivity_variant
 from qstream.eval.settings import DEFAULT_EDGES, REFERENCE, STEPS, VARIANTS, DriftSettings
-from qstream.eval.states import CapturedStates, read_states
-from qstream.eval.variants import (
-    Weights,
-    check_variants_derived,
-    refuse_quantized_model,
-    settings_variants,
-)
+from qstream.eval.states import read_states
+from qstream.eval.variants import check_variants_derived, refuse_quantized_model, settings_variants
 from qstream.eval.verifiers import ACCEPTANCE_DEFINITIONS
 from qstream.eval.vocabulary import CONFIDENCE_NOTE, SCHEMA
 from qstream.progress import Progress, Silent
 from qstream.regimes import REGIMES, STATES, Regime
-from qstream.serving import DEFAULTS, Variant
+from qstream.serving import DEFAULTS
 
 __all__ = ["DriftSettings", "evaluate_drift"]
 
 Batched = dict[int, tuple[Batch, ...]]  # id of a plan the run holds -> its batches
-Evaluate = Callable[[Corpus, AnchorPlan], dict]  # (streams, plan) -> {"variants": {...}}
 Buckets = list[tuple[int, int, Corpus, AnchorPlan]]  # bucket_plans
 
 
 def _plan(corpus: Corpus, settings: DriftSettings, config: DraftConfig) -> AnchorPlan:
-    return sample_anchors(
-        corpus,
-        settings.blocks,
-        config.block_size,
-        settings.seed,
-        max_context=config.max_position_embeddings - config.block_size,
-    )
-
-
-def _states_plan(states: CapturedStates, settings: DriftSettings, config: DraftConfig):
-    if settings.states_anchors is None:
-        return _plan(states, settings, config)
-    return read_anchor_plan(settings.states_anchors, states, config.block_size)
+    B, top = config.block_size, config.max_position_embeddings - config.block_size
+    return sample_anchors(corpus, settings.blocks, B, settings.seed, max_context=top)
 
 
 def _resolved(
@@ -77,22 +53,18 @@ def _resolved(
 ) -> tuple[DriftSettings, DraftConfig, Corpus]:
     """The settings with the built-in draft (announced through ``say``), the default context
     buckets and the shipped include list resolved; the config; the corpus, read unless given."""
-    model = settings.model
+    s, model = settings, settings.model
     if model is None:
         model = str(builtin_model_dir(say))
-        where = " on the GSM8K test split shipped with qstream." if settings.corpus is None else "."
+        where = " on the GSM8K test split shipped with qstream." if s.corpus is None else "."
         if say is not None:
             say(f"No --model given: evaluating the built-in synthetic tiny draft ({model}){where}")
     config = load_config(model)
-    edges = settings.context_lengths
-    if edges == DEFAULT_EDGES:
-        edges = default_edges(config)
+    edges = default_edges(config) if s.context_lengths == DEFAULT_EDGES else s.context_lengths
     if corpus is None:
-        s = settings
         corpus = load_run_corpus(model, s.corpus, s.tokenizer, config, s.target)
-    include = settings.include_layers or architecture_of(config).quantize_include
-    settings = replace(settings, model=model, context_lengths=edges, include_layers=include)
-    return settings, config, corpus
+    include = s.include_layers or architecture_of(config).quantize_include
+    return replace(s, model=model, context_lengths=edges, include_layers=include), config, corpus
 
 
 def evaluate_drift(
@@ -117,11 +89,12 @@ def evaluate_drift(
     )
     states = _read_states(settings, config, target)
     plan = _plan(corpus, settings, config)
-    states_plan = None if states is None else _states_plan(states, settings, config)
+    states_plan = _states_plan(states, settings, config)
     steps = _sensitivity_steps(weights, config, settings)
     buckets = bucket_plans(config, corpus, settings) if settings.context_lengths else []
     sets = [(corpus, plan), (states, states_plan), *[(s, p) for _, _, s, p in buckets]]
-    batched = _batched(config, sets)
+    # each set of blocks batched once: the passes run the batches the progress planned on
+    batched = {id(p): make_batches(p, s, config) for s, p in sets if s and p}
     progress.start(*_planned(config, settings, steps, batched, plan, states_plan, buckets))
     results = _run_description(config, weights, corpus, plan, settings, variants, embed)
 
@@ -130,7 +103,9 @@ def evaluate_drift(
         return RegimeRun(regime, config, weights, streams, blocks, batches, *fixed)
 
     for name in settings.regimes:
-        results["regimes"][name] = _with_sweep(run(REGIMES[name], corpus, plan), buckets, batched)
+        out = results["regimes"][name] = evaluate_regime(run(REGIMES[name], corpus, plan))
+        if settings.context_lengths:
+            out["context_sweep"] = context_sweep(run(REGIMES[name], corpus, plan), buckets, batched)
     if states is not None and states_plan is not None:
         anchors = states_plan.to_json()
         if settings.states_anchors is not None:  # named blocks, not drawn ones
@@ -143,29 +118,21 @@ def evaluate_drift(
     return results
 
 
-def _batched(config: DraftConfig, sets: list[tuple[Corpus | None, AnchorPlan | None]]) -> Batched:
-    """Each set of blocks batched once: the passes run the batches the progress planned on."""
-    return {id(p): make_batches(p, s, config) for s, p in sets if s is not None and p is not None}
+def _states_plan(states: Corpus | None, settings: DriftSettings, config: DraftConfig):
+    if states is None or settings.states_anchors is None:
+        return None if states is None else _plan(states, settings, config)
+    return read_anchor_plan(settings.states_anchors, states, config.block_size)
 
 
-def _sensitivity_steps(weights: Weights, config: DraftConfig, settings: DriftSettings) -> int:
+def _sensitivity_steps(weights: Mapping, config: DraftConfig, settings: DriftSettings) -> int:
     """Sensitivity passes per regime: the floor, each kind alone, each kind added."""
     if not settings.sensitivity:
         return 0
     fmt = sensitivity_variant(settings).source
-    kinds = module_kinds(weights, fmt, config, settings.ignore_layers)
-    return 1 + 2 * len(kinds)
+    return 1 + 2 * len(module_kinds(weights, fmt, config, settings.ignore_layers))
 
 
-def _planned(
-    config: DraftConfig,
-    settings: DriftSettings,
-    steps: int,
-    batched: Batched,
-    plan: AnchorPlan,
-    states_plan: AnchorPlan | None,
-    buckets: Buckets,
-) -> tuple[int, dict[str, float]]:
+def _planned(config, settings, steps, batched, plan, states_plan, buckets):
     """Blocks and FLOPs per kind of pass of every pass the run will make (a bucket counts at its
     length: at K3 a 16k-token block's context costs as much as ~200 corpus blocks)."""
     blocks, work = 0, dict.fromkeys((REFERENCE, VARIANTS, STEPS), 0.0)
@@ -187,17 +154,16 @@ def _planned(
     return blocks, work
 
 
-def _read_states(
-    settings: DriftSettings, config: DraftConfig, target: str | None
-) -> CapturedStates | None:
+def _read_states(settings: DriftSettings, config: DraftConfig, target: str | None):
     if settings.states is None:
         return None
+    s = settings
     states = read_states(
         settings.states,
         config,
-        format=settings.states_format,
-        layer_convention=settings.states_layer_convention,
-        layer_ids=settings.states_layer_ids,
+        format=s.states_format,
+        layer_convention=s.states_layer_convention,
+        layer_ids=s.states_layer_ids,
         target=target,
     )
     # the states' target: capture.json's target.format (qstream capture --target-format)
@@ -211,31 +177,36 @@ def _read_states(
     return states
 
 
-def _with_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
-    """The regime's results and its context sweep (each bucket without sensitivity or sweep)."""
-    out = evaluate_regime(run)
-    if run.settings.context_lengths:
-        plain = replace(run.settings, sensitivity=False, context_lengths=())
-        out["context_sweep"] = context_sweep(
-            run.config,
-            run.settings,
-            buckets,
-            lambda streams, plan: evaluate_regime(
-                run.replanned(streams, plan, batched[id(plan)], plain)
-            ),
+def context_sweep(run: RegimeRun, buckets: Buckets, batched: Batched) -> dict:
+    """The regime's context sweep (docs/context-sweep.md): each bucket a full evaluation without
+    sensitivity or sweep."""
+    config, plain = run.config, replace(run.settings, sensitivity=False, context_lengths=())
+    boundary = config.original_max_position_embeddings
+    done = []
+    for lo, hi, streams, plan in buckets:
+        bucket = replace(run, corpus=streams, plan=plan, batches=batched[id(plan)], settings=plain)
+        result = evaluate_regime(bucket)
+        side = "below" if hi <= boundary else "above" if lo >= boundary else "straddles"
+        done.append(
+            {
+                "lo": lo,
+                "hi": hi,
+                "side": side,
+                "streams": streams.identity(),
+                "anchors": plan.to_json(),
+                "variants": result["variants"],
+            }
         )
-    return out
+    return {
+        "edges": list(run.settings.edges),
+        "yarn_boundary": boundary,
+        "max_position_embeddings": config.max_position_embeddings,
+        "buckets_per": "context length p of the block (tokens before its anchor), lo <= p < hi",
+        "buckets": done,
+    }
 
 
-def _run_description(
-    config: DraftConfig,
-    weights: Weights,
-    corpus: Corpus,
-    plan: AnchorPlan,
-    settings: DriftSettings,
-    variants: tuple[Variant, ...],
-    embed: dict,
-) -> dict:
+def _run_description(config, weights, corpus, plan, settings, variants, embed) -> dict:
     """The results' top-level fields: how the numbers were measured (docs/eval-drift.md);
     ``embed``: how the draft's stored embed_tokens differ from the target's it serves with."""
     model_dir, target = str(settings.model), settings.target
@@ -275,19 +246,13 @@ def _run_description(
     }
 
 
-# Long-context sweep (docs/context-sweep.md): drift in buckets of context length on both sides
-# of the YaRN boundary (original_max_position_embeddings) up to max_position_embeddings, each
-# bucket a complete evaluation of blocks drawn from the corpus documents concatenated.
-
-# Default bucket edges as multiples of original_max_position_embeddings (capped at
-# max_position_embeddings): two buckets below the YaRN boundary, the rest above it.
+# Default bucket edges as multiples of original_max_position_embeddings, the YaRN boundary
+# (capped at max_position_embeddings): two buckets below it, the rest above.
 DEFAULT_MULTIPLES = (0.25, 0.5, 1, 2, 4, 8, 16, 32)
 
 
 def default_edges(config: DraftConfig) -> tuple[int, ...]:
-    """Bucket edges (tokens of context) at DEFAULT_MULTIPLES x the YaRN boundary."""
-    orig = config.original_max_position_embeddings
-    cap = config.max_position_embeddings
+    orig, cap = config.original_max_position_embeddings, config.max_position_embeddings
     return tuple(sorted({min(cap, max(1, round(m * orig))) for m in DEFAULT_MULTIPLES}))
 
 
@@ -303,18 +268,8 @@ def long_streams(corpus: Corpus, eos_token_id: int, length: int) -> Corpus:
             f"fewer than one stream of {length} tokens"
         )
     digest = hashlib.sha256(f"{corpus.sha256}:{eos_token_id}:{length}".encode()).hexdigest()
-    return Corpus(
-        f"{corpus.name} (concatenated, EOS-separated, {length}-token streams)",
-        digest,
-        tuple(joined[: n * length].view(n, length)),
-        corpus.tokenizer,
-    )
-
-
-def _side(lo: int, hi: int, boundary: int) -> str:
-    if hi <= boundary:
-        return "below"
-    return "above" if lo >= boundary else "straddles"
+    name = f"{corpus.name} (concatenated, EOS-separated, {length}-token streams)"
+    return Corpus(name, digest, tuple(joined[: n * length].view(n, length)), corpus.tokenizer)
 
 
 def bucket_plans(config: DraftConfig, corpus: Corpus, settings: DriftSettings) -> Buckets:
@@ -341,39 +296,7 @@ def bucket_plans(config: DraftConfig, corpus: Corpus, settings: DriftSettings) -
                 f"max_position_embeddings - block_size = {max_anchor}"
             )
         streams = long_streams(corpus, config.eos_token_id, top + B + 1)
-        plan = sample_anchors(
-            streams, settings.context_blocks, B, settings.seed, min_context=lo, max_context=top
-        )
+        n = settings.context_blocks
+        plan = sample_anchors(streams, n, B, settings.seed, min_context=lo, max_context=top)
         buckets.append((lo, hi, streams, plan))
     return buckets
-
-
-def context_sweep(
-    config: DraftConfig,
-    settings: DriftSettings,
-    planned: Buckets,
-    evaluate: Evaluate,
-) -> dict:
-    """Evaluate each bucket of ``planned`` (:func:`bucket_plans`' buckets) (JSON-ready; the
-    schema is in docs/eval-drift.md)."""
-    boundary = config.original_max_position_embeddings
-    buckets = []
-    for lo, hi, streams, plan in planned:
-        result = evaluate(streams, plan)
-        buckets.append(
-            {
-                "lo": lo,
-                "hi": hi,
-                "side": _side(lo, hi, boundary),
-                "streams": streams.identity(),
-                "anchors": plan.to_json(),
-                "variants": result["variants"],
-            }
-        )
-    return {
-        "edges": list(settings.edges),
-        "yarn_boundary": boundary,
-        "max_position_embeddings": config.max_position_embeddings,
-        "buckets_per": "context length p of the block (tokens before its anchor), lo <= p < hi",
-        "buckets": buckets,
-    }

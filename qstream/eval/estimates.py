@@ -2,22 +2,17 @@
 interval each kind of quantity gets (metrics.py defines the quantities):
 
 * per-position proportions (greedy / seq / prefix agree[k]): Wilson score interval over blocks,
-  which are independent.  Wilson rather than Wald because Wald collapses to zero width at 0 and 1
-  — where bf16's agreement sits — and under-covers near them (Brown, Cai & DasGupta, Statistical
-  Science 16(2), 2001); Wilson stays inside [0, 1] with near-nominal coverage.
+  which are independent; Wald collapses to zero width at 0 and 1, where bf16's agreement sits,
+  and under-covers near them (Brown, Cai & DasGupta, Statistical Science 16(2), 2001).
 * pooled proportions (flip rate, agreement over all positions, and B × them: the mean matched
-  prefix and greedy acceptance): positions of one block share a context and the flip threshold,
-  so they are not independent trials.  Wilson on Kish's effective sample size N / deff, deff =
-  (cluster-robust variance of the ratio estimate over blocks) / (binomial variance), clamped to
-  [1, m] for clusters of at most m positions (a cluster of m 0/1 values never has a design effect
-  above m).  Where the variance cannot be estimated (every outcome equal) deff = m, the worst case:
-  the blocks, not the tokens, are the trials.
+  prefix and greedy acceptance): positions of one block share a context, so Wilson on Kish's
+  effective sample size N / deff, deff = (cluster-robust variance of the ratio estimate over
+  blocks) / (binomial variance), clamped to [1, m] for clusters of at most m positions; where no
+  variance is seen (every outcome equal) deff = m: the blocks, not the tokens, are the trials.
 * means of continuous quantities (1−TV[k], KL, sampled acceptance): Student-t interval over
-  blocks; for means pooled over positions, over per-block means (same clustering argument).
-  Clipped to the quantity's range.
-* Pearson r: a percentile block bootstrap (blocks resampled with replacement, a fixed seed, so
-  the interval is reproducible).  Tokens of a block share its context; the Fisher-z interval,
-  which treats them as independent, was 2.6–3.6× too narrow on real runs.
+  blocks (pooled over positions: over per-block means), clipped to the quantity's range.
+* Pearson r: a percentile block bootstrap with a fixed seed; the Fisher-z interval, which treats
+  a block's tokens as independent, was 2.6–3.6× too narrow on real runs.
 """
 
 from __future__ import annotations
@@ -53,10 +48,6 @@ class Estimate:
             "hi": json_number(self.hi),
             "n": self.n,
         }
-
-
-# ---------------------------------------------------------------------------------------------
-# Intervals and summaries
 
 
 def wilson_interval(p_hat: float, n: float, z: float = Z95) -> tuple[float, float]:

@@ -2,19 +2,7 @@
 batch of drafted blocks, and the accumulator the evaluator feeds batch by batch.  Teacher-forced
 logits are [n, B, V], both on the reference's prefix (log-probabilities work too); confidences
 and each rollout mode's tokens [n, B].  Per-token results are kept as float64 [n, B]; the
-[n, B, V] work runs in float64 chunks of blocks.
-
-    acc = DriftAccumulator(block_size=7)
-    for batch in batches:
-        acc.add_teacher_forced(ref.logits, var.logits)          # [n, B, V] each
-        acc.add_confidence(ref.confidence, var.confidence)      # [n, B] each
-        acc.add_rollout("greedy", ref.greedy_tokens, var.greedy_tokens)
-        acc.add_rollout("sampled", ref.sampled_tokens, var.sampled_tokens)
-    metrics = acc.result()                                      # DriftMetrics
-    metrics.rollouts["greedy"].ceiling                          # Estimate(value, lo, hi, n)
-    metrics.rollouts["sampled"].matched_prefix                  # a lower bound, not a ceiling
-    json.dumps(metrics.to_json())
-"""
+[n, B, V] work runs in float64 chunks of blocks."""
 
 from __future__ import annotations
 
@@ -43,10 +31,6 @@ KL_PERCENTILES = {"median": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99, "p99_9": 
 # float64 elements per [c, B, V] temporary in token_divergences (32 MiB); about five are alive at
 # once, so a chunk costs ~160 MiB whatever V and the batch size are.
 _CHUNK_ELEMENTS = 1 << 22
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-token quantities of one batch
 
 
 class TokenDivergence(NamedTuple):
@@ -119,10 +103,6 @@ def sched_flips(
     return ((ref > threshold) != (var > threshold)) & decided, decided
 
 
-# ---------------------------------------------------------------------------------------------
-# Summaries
-
-
 @dataclass(frozen=True)
 class KLSummary:
     """Mean (with interval) and llama.cpp's percentiles of per-token KL values."""
@@ -142,7 +122,6 @@ class KLSummary:
 
 
 def kl_summary(values: torch.Tensor) -> KLSummary:
-    """Summarise ``[n, B]`` per-token KL values (mean interval over per-block means)."""
     return KLSummary(
         pooled_mean(values, bounds=(0.0, math.inf)), **percentiles(values, KL_PERCENTILES)
     )
@@ -159,7 +138,6 @@ class RolloutMetrics:
 
     @property
     def ceiling(self) -> Estimate:
-        """The greedy ceiling; a sampled rollout's matched prefix is no ceiling."""
         if self.mode != "greedy":
             raise AttributeError(f"a {self.mode} rollout has a matched prefix, not a ceiling")
         return self.matched_prefix
@@ -236,14 +214,12 @@ class DriftAccumulator:
             raise ValueError(f"{name}: expected [n, {self.block_size}, ...], got {tuple(t.shape)}")
 
     def add_teacher_forced(self, ref_logits: torch.Tensor, var_logits: torch.Tensor) -> None:
-        """``[n, B, V]`` teacher-forced logits (or log-probs) of reference and variant."""
         self._check_width("logits", ref_logits)
         self._divergence.append(
             TokenDivergence(*(t.cpu() for t in token_divergences(ref_logits, var_logits)))
         )
 
     def add_confidence(self, ref_conf: torch.Tensor, var_conf: torch.Tensor) -> None:
-        """``[n, B]`` confidences of the teacher-forced pass."""
         self._check_width("confidence", ref_conf)
         _check_pair("confidence", ref_conf, var_conf, ndim=2)
         self._confidence.append(
@@ -251,7 +227,6 @@ class DriftAccumulator:
         )
 
     def add_rollout(self, mode: str, ref_tokens: torch.Tensor, var_tokens: torch.Tensor) -> None:
-        """``[n, B]`` tokens of the two free-running rollouts in ``mode`` (e.g. "greedy")."""
         self._check_width(f"{mode} tokens", ref_tokens)
         _check_pair(f"{mode} tokens", ref_tokens, var_tokens, ndim=2)
         self._rollouts.setdefault(mode, []).append((ref_tokens.cpu(), var_tokens.cpu()))

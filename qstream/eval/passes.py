@@ -1,13 +1,12 @@
 """One regime's evaluation (the ``regimes.REGIME`` block of docs/eval-drift.md): the FP32
 reference drafts every block once, then each variant is built, drafts the same blocks on the same
-aux states and noise, is compared, and is dropped before the next is built.  The one place eval
-meets bounded memory (docs/eval-drift.md, "Memory"): the reference's outputs in a store, heap
-hygiene around each pass and batch."""
+aux states and noise, is compared, and is dropped before the next is built; the one place eval
+meets bounded memory (docs/eval-drift.md, "Memory")."""
 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -45,12 +44,6 @@ class RegimeRun:
     target: str | None  # checkpoint the draft borrows lm_head (and embed_tokens) from
     progress: Progress
 
-    def replanned(
-        self, corpus: Corpus, plan: AnchorPlan, batches: tuple[Batch, ...], settings: DriftSettings
-    ) -> RegimeRun:
-        """The same regime and variants over other blocks (a context-length bucket)."""
-        return replace(self, corpus=corpus, plan=plan, batches=batches, settings=settings)
-
 
 @dataclass
 class ReferenceOutputs:
@@ -79,7 +72,7 @@ def evaluate_regime(run: RegimeRun) -> dict:
         with exact_math():  # the reference stays FP32 on a GPU; variants accumulate in fp32
             with heap_hygiene(reuse_freed=True):  # its fp32 temporaries reused, trimmed per batch
                 ref = reference_pass(run, aux, probe, logits)
-            probed = (sensitivity_variant(s),) if s.sensitivity else ()
+            probed: tuple[Variant, ...] = (sensitivity_variant(s),) if s.sensitivity else ()
             calibration = None  # on blocks of the regime not evaluated (docs/eval-drift.md)
             if any(v.calibrated for v in (*run.variants, *probed)):
                 plan = (run.regime, run.corpus, run.plan, run.config, run.weights, s)
@@ -93,30 +86,18 @@ def evaluate_regime(run: RegimeRun) -> dict:
             if calibration is not None:
                 out["calibration"] = calibration.source
         probe.finish(out)
-        if s.sensitivity:
-            _sensitivity(run, aux, ref, out, calibration)
+        if s.sensitivity:  # the per-module steps, drift only
+            # quantize --calibration takes a regime's name or the captured states' path
+            source = str(s.states) if run.regime.captured else run.regime.name
+
+            def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
+                variant = step_variant(probed[0], name, include)
+                return measure_variant(run, variant, aux, ref, None, calibration)
+
+            out["sensitivity"] = evaluate_sensitivity(
+                run.weights, probed[0], run.config, s, step, source
+            )
     return out
-
-
-def _sensitivity(
-    run: RegimeRun,
-    aux: AuxStates,
-    ref: ReferenceOutputs,
-    out: dict,
-    calibration: Calibration | None,
-) -> None:
-    """The per-module sensitivity steps (drift only) into ``out["sensitivity"]``."""
-    probed = sensitivity_variant(run.settings)
-    # quantize --calibration takes a regime's name or the captured states' path
-    calibration_source = str(run.settings.states) if run.regime.captured else run.regime.name
-
-    def step(name: str, include: tuple[str, ...]) -> dict:  # no include: the bf16 floor
-        variant = step_variant(probed, name, include)
-        return measure_variant(run, variant, aux, ref, None, calibration)
-
-    out["sensitivity"] = evaluate_sensitivity(
-        run.weights, probed, run.config, run.settings, step, calibration_source
-    )
 
 
 def reference_pass(

@@ -60,7 +60,7 @@ def step_variant(probed: Variant, name: str, include: tuple[str, ...]) -> Varian
 
 
 def _kind_key(module: str) -> str:
-    """The module name after its last numeric component: layers.3.mlp.down_proj -> mlp.down_proj."""
+    """layers.3.mlp.down_proj -> mlp.down_proj."""
     parts = module.split(".")
     digits = [i for i, part in enumerate(parts) if part.isdigit()]
     return ".".join(parts[digits[-1] + 1 :]) if digits else module

@@ -1,17 +1,10 @@
 """What one ``evaluate_drift`` or ``run_speculate`` run is asked to do: frozen objects whose fields
-are the command's options by name (``DriftSettings(**options)``), each value checked once, where
-built, with the message the command prints.  :class:`Selection` is what eval-drift and speculate
-share; :class:`DriftSettings` adds eval-drift's options, with :class:`Sampling` and
-:class:`AdaptiveBudget` built from them.
-
->>> settings = DriftSettings(model="DRAFT", regime="heavy", formats=("bf16", "fp8"), blocks=256,
-...                          temperature=0.7, top_p=0.95, acceptance=True)
-"""
+are the command's options by name, each value checked once, where built, with the message the
+command prints.  :class:`Selection` is what eval-drift and speculate share."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,9 +16,8 @@ from qstream.serving import DEFAULTS, Variant
 
 DEFAULT_EDGES = "default"  # --context-lengths given bare: drift.default_edges(config)
 
-# The kinds of pass whose work a run plans: each is timed at its own pace (qstream/progress.py).
-# STEPS: the sensitivity steps, which measure drift only (no verifier), so run at a pace of
-# their own beside the variants' when --acceptance or captured states verify those.
+# The kinds of pass whose work a run plans, each timed at its own pace (qstream/progress.py);
+# STEPS: the sensitivity steps, drift only (no verifier).
 REFERENCE, VARIANTS, STEPS = "reference", "variants", "steps"
 
 
@@ -50,7 +42,6 @@ class Sampling:
             raise QStreamError(f"--top-k must be >= 1 (or off), got {self.top_k}")
 
     def to_json(self) -> dict:
-        """The results' ``sampling`` block: which side sampled what."""
         return {
             "temperature": self.temperature,
             "drafter": {
@@ -84,19 +75,6 @@ class AdaptiveBudget:
         return {"requests": self.requests, "budget_share": self.budget_share}
 
 
-def parse_variants(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """``NAME=DIR`` values (``--variant``) -> ((name, dir), ...), each dir checked to exist."""
-    out = []
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise QStreamError(f"--variant expects NAME=DIR, got {value!r}")
-        if not Path(path).is_dir():
-            raise QStreamError(f"--variant {name}: {path} is not a directory")
-        out.append((name, path))
-    return tuple(out)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Selection:
     """The variants a run builds and what they quantize: simulated ``formats``, checkpoints
@@ -114,7 +92,15 @@ class Selection:
     variant_dirs: tuple[tuple[str, str], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "variant_dirs", parse_variants(self.variant))
+        dirs = []
+        for value in self.variant:  # NAME=DIR, each dir checked to exist
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise QStreamError(f"--variant expects NAME=DIR, got {value!r}")
+            if not Path(path).is_dir():
+                raise QStreamError(f"--variant {name}: {path} is not a directory")
+            dirs.append((name, path))
+        object.__setattr__(self, "variant_dirs", tuple(dirs))
         names = [v.name for v in self.simulated] + [name for name, _ in self.variant_dirs]
         if not names:
             raise QStreamError("nothing to evaluate: --formats names no format and no --variant")
@@ -123,7 +109,6 @@ class Selection:
 
     @property
     def simulated(self) -> tuple[Variant, ...]:
-        """The configurations ``formats`` names (a bad token: a QStreamError naming it)."""
         return tuple(Variant.parse(t, self.kv_cache_dtype) for t in self.formats)
 
     @property
@@ -133,9 +118,9 @@ class Selection:
 
 @dataclass(frozen=True, kw_only=True)
 class DriftSettings(Selection):
-    """eval-drift's options (docs/eval-drift.md) by name; None ``model``, ``tokenizer`` or
-    ``corpus``: the built-in draft, the draft's own, the built-in GSM8K split.  ``regime``: a
-    name, ``all``, names, or None (the default; none with ``states``), resolved in ``regimes``."""
+    """eval-drift's options (docs/eval-drift.md); None ``model``, ``tokenizer`` or ``corpus``: the
+    built-in draft, the draft's own, the built-in GSM8K split.  ``regime``: a name, ``all``, names,
+    or None (the default; none with ``states``)."""
 
     model: str | None = None
     target: str | None = None  # the target whose lm_head (and embed_tokens) the draft borrows
@@ -168,8 +153,7 @@ class DriftSettings(Selection):
     context_lengths: tuple[int, ...] | str = ()
     context_blocks: int = 256  # blocks per context bucket (each bucket is a full evaluation)
     device: str = "cpu"  # where the models compute: cpu, cuda or cuda:N (qstream/device.py)
-    # where per-block outputs too big for memory go (qstream/bounded.py; None: the system's
-    # temporary directory)
+    # where per-block outputs too big for memory go (qstream/bounded.py; None: the temp dir)
     scratch_dir: str | None = None
     regimes: tuple[str, ...] = field(init=False)
     sampling: Sampling = field(init=False)
@@ -177,7 +161,14 @@ class DriftSettings(Selection):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "regimes", _regimes(self.regime, self.states))
+        regimes: tuple[str, ...]
+        if self.regime is None:  # the default; none when states are given
+            regimes = () if self.states else (DEFAULT_REGIME.name,)
+        elif isinstance(self.regime, str):
+            regimes = AUX_REGIMES if self.regime == ALL_REGIMES else (self.regime,)
+        else:
+            regimes = tuple(self.regime)
+        object.__setattr__(self, "regimes", regimes)
         for regime in self.regimes:
             if regime not in AUX_REGIMES:
                 raise QStreamError(
@@ -189,7 +180,14 @@ class DriftSettings(Selection):
             raise QStreamError("nothing to evaluate: no regime and no --states file")
         if self.states_anchors is not None and self.states is None:
             raise QStreamError("--states-anchors names blocks of --states, which is not given")
-        probed = self._probed()
+        probed: tuple[Variant, ...] = ()  # --sensitivity-format's, its weights a format
+        if self.sensitivity_format is not None:
+            probed = (Variant.parse(self.sensitivity_format, self.kv_cache_dtype),)
+            if not probed[0].simulated:
+                raise QStreamError(
+                    f"--sensitivity-format {self.sensitivity_format!r}: its weights must be one "
+                    f"of {', '.join(FORMATS)} (the steps quantize them module kind by module kind)"
+                )
         if not (math.isfinite(self.tolerance) and self.tolerance >= 0):
             raise QStreamError(f"--tolerance must be >= 0 tokens, got {self.tolerance}")
         self._check_context()
@@ -206,26 +204,20 @@ class DriftSettings(Selection):
         adaptive = AdaptiveBudget(self.adaptive_requests, self.adaptive_budget)
         object.__setattr__(self, "adaptive", adaptive)
 
-    def _probed(self) -> tuple[Variant, ...]:
-        """The configuration ``--sensitivity-format`` names, checked (its weights a format)."""
-        if self.sensitivity_format is None:
-            return ()
-        probed = Variant.parse(self.sensitivity_format, self.kv_cache_dtype)
-        if not probed.simulated:
-            raise QStreamError(
-                f"--sensitivity-format {self.sensitivity_format!r}: its weights must be one of "
-                f"{', '.join(FORMATS)} (the steps quantize them module kind by module kind)"
-            )
-        return (probed,)
-
-    def _check_context(self) -> None:
+    def _check_context(self) -> None:  # order and range of --context-lengths
         if self.context_lengths is None:  # the command's value when --context-lengths is absent
             object.__setattr__(self, "context_lengths", ())
         edges = self.context_lengths
         if isinstance(edges, str):
             if edges == DEFAULT_EDGES:
                 return
-            edges = parse_edges(edges)
+            try:
+                edges = tuple(int(part) for part in edges.split(",") if part.strip())
+            except ValueError:
+                raise QStreamError(
+                    "--context-lengths expects comma-separated token counts, "
+                    f"got {self.context_lengths!r}"
+                ) from None
             object.__setattr__(self, "context_lengths", edges)
         if edges and (
             len(edges) < 2 or edges[0] < 1 or any(a >= b for a, b in zip(edges, edges[1:]))
@@ -251,22 +243,3 @@ class DriftSettings(Selection):
         synthetic = len(self.regimes) * (self.blocks + buckets * self.context_blocks)
         states = self.blocks if self.states is not None else 0
         return (synthetic + states) * (1 + self.n_variants)
-
-
-def _regimes(regime: str | tuple[str, ...] | None, states: str | None) -> tuple[str, ...]:
-    """``--regime``: one regime, ``all``, or (None) the default; none when states are given."""
-    if regime is None:
-        return () if states else (DEFAULT_REGIME.name,)
-    if isinstance(regime, str):
-        return AUX_REGIMES if regime == ALL_REGIMES else (regime,)
-    return tuple(regime)
-
-
-def parse_edges(text: str) -> tuple[int, ...]:
-    """``"32,64,128,4096"`` -> (32, 64, 128, 4096); order and range are DriftSettings' checks."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise QStreamError(
-            f"--context-lengths expects comma-separated token counts, got {text!r}"
-        ) from None

@@ -38,10 +38,8 @@ Weights = Mapping[str, torch.Tensor]
 
 
 def settings_variants(settings: Selection) -> tuple[Variant, ...]:
-    """The simulated formats, then the checkpoint directories, in the order the user gave;
-    each directory checked against the sha256s quantize recorded, unless the settings say not
-    to (one line naming the first file that fails)."""
-    simulated = list(settings.simulated)
+    """The simulated formats, then the checkpoint directories, each checked against the sha256s
+    quantize recorded unless the settings say not to."""
     checkpoints = []
     for name, path in settings.variant_dirs:
         record = integrity_record(path, f"--variant {name}", not settings.no_integrity_check)
@@ -49,7 +47,7 @@ def settings_variants(settings: Selection) -> tuple[Variant, ...]:
         if settings.kv_cache_dtype is not None:
             variant = replace(variant, kv_cache=settings.kv_cache_dtype)
         checkpoints.append(_with_kv_cache_scheme(variant, read_config(Path(path))))
-    return (*simulated, *checkpoints)
+    return (*settings.simulated, *checkpoints)
 
 
 def _with_kv_cache_scheme(variant: Variant, config: dict) -> Variant:
@@ -94,7 +92,14 @@ def variant_weights(
         )
     else:  # its config.json equals the reference's (provenance.check_variants_derived)
         weights = architecture_of(config).load_weights(variant.source, target, config)
-    changed = [k for k, v in weights.items() if k != LM_HEAD and _differs(v, reference_weights[k])]
+    # a shared tensor is never read (at K3 scale that would map the embedding table into memory)
+    changed = [
+        k
+        for k, v in weights.items()
+        if k != LM_HEAD
+        and v is not reference_weights[k]
+        and not torch.equal(v.to(reference_weights[k].dtype), reference_weights[k])
+    ]
     return weights, changed
 
 
@@ -160,6 +165,10 @@ def _input_quantizers(
     return {f"{m}.weight": _bound(scheme.quantize, scales[m]) for m in scales}
 
 
+def _bound(quantize: Callable, scale: torch.Tensor | None) -> Callable:
+    return lambda x: quantize(x, scale)
+
+
 def kv_cache_scales(
     variant: Variant, reference_weights: Weights, calibration: Calibration | None
 ) -> dict[str, tuple[float, float]]:
@@ -175,34 +184,18 @@ def kv_cache_scales(
         return {}
     if calibration is None:
         raise ValueError(f"variant {variant.name}: its KV-cache scales need a calibration")
+    attentions: dict[str, torch.dtype] = {}  # each attention module and its weights' dtype
+    for name, tensor in reference_weights.items():
+        if ".self_attn." in name:
+            attention = name[: name.index(".self_attn.")] + ".self_attn"
+            attentions.setdefault(attention, tensor.dtype)
     out = {}
-    for attention, dtype in _attentions(reference_weights).items():
+    for attention, dtype in attentions.items():
         k, v = calibration.kv_amax(attention)
         v = k if v is None else v
         scales = kv_scales((float(k), float(v)), dtype)
         out[attention] = (float(scales["k_scale"]), float(scales["v_scale"]))
     return out
-
-
-def _attentions(weights: Weights) -> dict[str, torch.dtype]:
-    """Each attention module (``layers.0.self_attn``) and its weights' dtype."""
-    out: dict[str, torch.dtype] = {}
-    for name, tensor in weights.items():
-        if ".self_attn." in name:
-            out.setdefault(name[: name.index(".self_attn.")] + ".self_attn", tensor.dtype)
-    return out
-
-
-def _bound(quantize: Callable, scale: torch.Tensor | None) -> Callable:
-    return lambda x: quantize(x, scale)
-
-
-def _differs(tensor: torch.Tensor, reference: torch.Tensor) -> bool:
-    """A variant's tensor differs from the reference's; a shared tensor is never read (at K3
-    scale reading the 1.2 B-parameter embedding table would map it all into memory)."""
-    if tensor is reference:
-        return False
-    return not torch.equal(tensor.to(reference.dtype), reference)
 
 
 def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str]) -> dict:
@@ -226,16 +219,11 @@ def weight_snr(weights: Weights, reference_weights: Weights, changed: list[str])
     }
 
 
-FOREIGN_FLAG = "--allow-foreign-variant"
-
-
 def quantized_modules(names) -> set[str]:
-    """The modules that store a QUANTIZED_SUFFIXES tensor (only a quantized module does)."""
     return {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in QUANTIZED_SUFFIXES}
 
 
 def refuse_quantized_model(model_dir: str | Path) -> None:
-    """QStreamError when ``model_dir`` is a quantized checkpoint (config or tensors say so)."""
     checkpoint = open_checkpoint(model_dir)
     modules = quantized_modules(checkpoint.tensor_shard)
     if "quantization_config" in checkpoint.config:
@@ -280,8 +268,8 @@ def check_variants_derived(
     model_weights: Mapping[str, torch.Tensor],
     allow_foreign: bool,
 ) -> tuple[Variant, ...]:
-    """The variants, each checkpoint one checked to be derived from ``model_dir``; a foreign
-    one is refused, or with ``allow_foreign`` returned with ``foreign=True``."""
+    """The variants, each checkpoint checked to be derived from ``model_dir``: a foreign one is
+    refused, or with ``allow_foreign`` marked ``foreign=True``."""
     config = load_config(model_dir)
     out = []
     for variant in variants:
@@ -298,8 +286,8 @@ def check_variants_derived(
             raise QStreamError(
                 f"--variant {variant.name}: {variant.source} is not derived from --model "
                 f"{model_dir}: {len(differ)} tensor(s) it keeps unquantized differ, e.g. "
-                f"{differ[0]}; quantizing keeps those bit-identical (use {FOREIGN_FLAG} to "
-                "compare it anyway, labelled foreign)"
+                f"{differ[0]}; quantizing keeps those bit-identical (use "
+                "--allow-foreign-variant to compare it anyway, labelled foreign)"
             )
         out.append(replace(variant, foreign=bool(differ)))
     return tuple(out)

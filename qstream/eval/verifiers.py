@@ -1,6 +1,5 @@
 """What the verifiers accept of one regime's drafted blocks: the FP32 reference on each variant's
-own drafted prefixes (``--acceptance``), the captured target on its own stream (``--states``).
-The math and tallies are acceptance.py's; passes.py feeds this."""
+own drafted prefixes (``--acceptance``), the captured target on its own stream (``--states``)."""
 
 from __future__ import annotations
 
@@ -44,10 +43,9 @@ from qstream.verification import (
 class RegimeAcceptance:
     """One regime's verifiers (a no-op when neither applies).  With ``--acceptance`` what the
     drafter keeps of the reference's state (the block drafter's U [N, B, Vd] float32, the chain
-    drafter's chain starts) is held in a Store (:meth:`close` frees it) beside the reference's
-    head; per variant only [N, B] values.  A
-    reduced-vocabulary draft's logits are scattered into the target vocabulary before either
-    verifier reads them, as vLLM verifies them (:func:`qstream.arch.markov.in_target_vocab`)."""
+    drafter's chain starts) is held in a Store (:meth:`close` frees it); per variant only [N, B]
+    values.  A reduced-vocabulary draft's logits are scattered into the target vocabulary before
+    either verifier reads them, as vLLM verifies them (qstream/arch/markov.py, in_target_vocab)."""
 
     def __init__(
         self,
@@ -63,8 +61,7 @@ class RegimeAcceptance:
         self.vocab_size, d2t = config.vocab_size, weights.get(D2T)
         self.to_target = None if d2t is None else torch.arange(len(d2t)) + d2t.long()
         self.adaptive, self.seed = settings.adaptive, settings.seed
-        self.states = captured
-        self.against_reference = settings.acceptance
+        self.states, self.against_reference = captured, settings.acceptance
         self.active = self.against_reference or self.states is not None
         self.variants: dict[str, dict[str, AcceptanceAccumulator]] = {}
         self.reference_target = self._accumulator()
@@ -78,7 +75,13 @@ class RegimeAcceptance:
             return
         self.head = drafter.reference_head(weights, config)
         if self.states is not None:
-            head = self._target_head(weights, settings)
+            # the target's lm_head [V, H]: the draft's own unless its vocabulary is reduced
+            head = weights[LM_HEAD]
+            if self.to_target is not None:
+                shape, model = (self.vocab_size, head.shape[1]), Path(str(settings.model))
+                head = borrow_from_target(
+                    model, settings.target, [LM_HEAD], shape, "target lm_head"
+                )[LM_HEAD]
             self.lm_head = ComputeWeights({LM_HEAD: head}, torch.float32)
             self.plan = plan
             self.stream_tokens = self.states.block_tokens(plan, self.B)
@@ -87,22 +90,11 @@ class RegimeAcceptance:
             # the block drafter keeps U [N, B, Vd] float32
             self.kept = Store(settings.scratch_dir, total_bytes=4 * N * self.B * V)
 
-    def _target_head(self, weights: Mapping[str, torch.Tensor], settings: DriftSettings):
-        """The target's lm_head [V, H]: the draft's own is the target's, unless the draft's
-        vocabulary is reduced (its lm_head covers the draft vocabulary only)."""
-        head = weights[LM_HEAD]
-        if self.to_target is None:
-            return head
-        shape, model = (self.vocab_size, head.shape[1]), Path(str(settings.model))
-        lent = borrow_from_target(model, settings.target, [LM_HEAD], shape, "target lm_head")
-        return lent[LM_HEAD]
-
     def _in_target(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [n, B, Vd] over the target vocabulary [n, B, V] (unchanged at Vd = V)."""
         return in_target_vocab(logits, self.to_target, self.vocab_size)
 
     def close(self) -> None:
-        """Free what is kept of the reference (its memory or scratch file)."""
         if self.kept is not None:
             self.kept.close()
 
@@ -115,13 +107,6 @@ class RegimeAcceptance:
         """The drafter's: the full tempered softmax, as vLLM's DSpark drafter samples."""
         return sampling_probs(logits, self.sampling.temperature, self.sampling.draft_top_p)
 
-    def _target(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target logits [n, B, V] at the batch's blocks and the blocks' stream tokens [n, B]."""
-        idx = batch.blocks
-        assert self.states is not None  # only called with captured states
-        hidden = self.states.target_hidden(self.plan.stream[idx], self.plan.anchor[idx], self.B)
-        return self.lm_head.linear(LM_HEAD, hidden), self.stream_tokens[idx]
-
     def _add_target(
         self, acc: AcceptanceAccumulator, state: Any, batch: Batch, greedy: Rollout, record: bool
     ) -> None:
@@ -129,7 +114,10 @@ class RegimeAcceptance:
         verifier, the run of top-1 agreement for the greedy one; adaptive trimming for the
         greedy draft only (a probabilistic draft's depends on drafts the stream does not
         sample; docs/acceptance.md)."""
-        target_logits, stream = self._target(batch)
+        assert self.states is not None  # only called with captured states
+        idx = batch.blocks
+        hidden = self.states.target_hidden(self.plan.stream[idx], self.plan.anchor[idx], self.B)
+        target_logits, stream = self.lm_head.linear(LM_HEAD, hidden), self.stream_tokens[idx]
         forced = self._in_target(self.drafter.teacher_forced(state, stream).logits)
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
         q_tok = token_probs(self._drafter_probs(forced), stream)
@@ -159,16 +147,12 @@ class RegimeAcceptance:
             self._add_target(self.reference_target, state, batch, greedy, record=True)
 
     def variant(self, name: str) -> dict[str, AcceptanceAccumulator]:
-        self.variants[name] = {v: self._accumulator() for v in self._verifiers()}
+        on = (self.against_reference, self.states is not None)
+        self.variants[name] = {v: self._accumulator() for v, o in zip(VERIFIERS, on) if o}
         return self.variants[name]
 
     def _accumulator(self) -> AcceptanceAccumulator:
         return AcceptanceAccumulator(self.sampling.temperature, self.adaptive, self.seed)
-
-    def _verifiers(self) -> list[str]:
-        return [
-            v for v, on in zip(VERIFIERS, (self.against_reference, self.states is not None)) if on
-        ]
 
     def add_variant(
         self,
@@ -179,34 +163,29 @@ class RegimeAcceptance:
         sampled: Rollout,
     ) -> None:
         """One batch of a variant's drafts: its greedy and sampled rollouts verified by the
-        reference (on the variant's own drafted prefixes), and its acceptance by the target."""
-        if not self.active:
-            return
+        reference on the variant's own drafted prefixes (its argmax, the greedy verifier, and its
+        sampling distribution against both drafts), and its acceptance by the target."""
         if self.against_reference:
-            self._add_reference_verified(accs["reference"], batch, greedy, sampled)
+            acc = accs["reference"]
+            assert self.kept is not None  # kept whenever the reference verifies
+            kept = tuple(self.kept.get((batch, part)) for part in range(self.kept_parts))
+            p_greedy = self._in_target(self.drafter.replay(self.head, kept, greedy))
+            acc.add(GREEDY, greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
+            p_greedy_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
+            p_sampled = self._in_target(self.drafter.replay(self.head, kept, sampled))
+            p_tok = token_probs(self._verifier_probs(p_sampled), sampled.tokens)
+            q_tok = token_probs(
+                self._drafter_probs(self._in_target(sampled.logits)), sampled.tokens
+            )
+            for mode in SAMPLING_MODES:
+                if mode.probabilistic:
+                    acc.add(mode, accept_probabilities(p_tok, q_tok, mode.block))
+                else:
+                    acc.add(mode, greedy_draft_probabilities(p_greedy_tok, mode.block))
+            acc.add_confidence(False, greedy.confidence)
+            acc.add_confidence(True, sampled.confidence)
         if self.states is not None:
             self._add_target(accs["target"], state, batch, greedy, record=False)
-
-    def _add_reference_verified(
-        self, acc: AcceptanceAccumulator, batch: Batch, greedy: Rollout, sampled: Rollout
-    ) -> None:
-        """The reference on the variant's own prefixes: its argmax (greedy verifier) and its
-        sampling distribution against the greedy and the probabilistic draft."""
-        assert self.kept is not None  # kept whenever the reference verifies
-        kept = tuple(self.kept.get((batch, part)) for part in range(self.kept_parts))
-        p_greedy = self._in_target(self.drafter.replay(self.head, kept, greedy))
-        acc.add(GREEDY, greedy_accepts(greedy.tokens, p_greedy.argmax(-1)), outcomes=True)
-        p_greedy_tok = token_probs(self._verifier_probs(p_greedy), greedy.tokens)
-        p_sampled = self._in_target(self.drafter.replay(self.head, kept, sampled))
-        p_tok = token_probs(self._verifier_probs(p_sampled), sampled.tokens)
-        q_tok = token_probs(self._drafter_probs(self._in_target(sampled.logits)), sampled.tokens)
-        for mode in SAMPLING_MODES:
-            if mode.probabilistic:
-                acc.add(mode, accept_probabilities(p_tok, q_tok, mode.block))
-            else:
-                acc.add(mode, greedy_draft_probabilities(p_greedy_tok, mode.block))
-        acc.add_confidence(False, greedy.confidence)
-        acc.add_confidence(True, sampled.confidence)
 
     def finish(self, out: dict, floor: str = FLOOR) -> None:
         """Write each variant's ``acceptance`` (with its paired loss against ``floor``) into the
@@ -214,9 +193,8 @@ class RegimeAcceptance:
         if not self.active:
             return
         for name, entry in out["variants"].items():
-            accs = self.variants[name]
             entry["acceptance"] = {}
-            for verifier, acc in accs.items():
+            for verifier, acc in self.variants[name].items():
                 block = acc.to_json()
                 base = self.variants.get(floor, {}).get(verifier)
                 block["loss_vs_bf16"] = (

@@ -1,10 +1,6 @@
 """The results vocabulary of ``qstream eval-drift`` (docs/eval-drift.md): every name the results
 JSON uses that the evaluator writes and the card and commands read, and the labels built from a
-run's own settings.
-
->>> rollout_label("sampled", {"temperature": 0.7, "drafter": {"top_p": 1.0}})
-'sampled rollout (T=0.7, full softmax)'
-"""
+run's own settings."""
 
 from __future__ import annotations
 
@@ -39,17 +35,6 @@ PREFIX_LABELS = {
 CONFIDENCE_NOTE = "head vLLM 0.32 runs in fp32 for adaptive verification"
 
 
-def sampling_label(sampling: Mapping | None) -> str:
-    """The drafter's sampling from the results' ``sampling`` block (the run's own settings):
-    ``T=1.0, full softmax``, or ``T=1.0, top-p 0.9`` when a draft top-p was set."""
-    s = sampling or {}
-    drafter = s.get("drafter")
-    if drafter is None:  # results written before the drafter and verifier were told apart
-        return f"T={s.get('temperature')}, top-p {s.get('top_p')}"
-    top_p = drafter.get("top_p")
-    return f"T={s.get('temperature')}, " + ("full softmax" if top_p == 1 else f"top-p {top_p}")
-
-
 def verifier_label(sampling: Mapping | None) -> str:
     """The verifier's sampling: ``T=1.0, top-p 0.95, top-k off``."""
     s = sampling or {}
@@ -59,10 +44,16 @@ def verifier_label(sampling: Mapping | None) -> str:
 
 
 def rollout_label(mode: str, sampling: Mapping | None) -> str:
-    """The words for a rollout mode in a table or figure; the sampled one names the temperature
-    and top-p it ran at, read from the results, never assumed."""
+    """The words for a rollout mode in a table or figure; the sampled one names the drafter's
+    temperature and top-p, read from the results' ``sampling`` block, never assumed."""
     if mode == "greedy":
         return "greedy rollout"
     if mode == "sampled":
-        return f"sampled rollout ({sampling_label(sampling)})"
+        s = sampling or {}
+        drafter = s.get("drafter")
+        if drafter is None:  # results written before the drafter and verifier were told apart
+            return f"sampled rollout (T={s.get('temperature')}, top-p {s.get('top_p')})"
+        top_p = drafter.get("top_p")
+        shown = "full softmax" if top_p == 1 else f"top-p {top_p}"
+        return f"sampled rollout (T={s.get('temperature')}, {shown})"
     raise ValueError(f"unknown rollout mode {mode!r}; choose from {', '.join(ROLLOUT_MODES)}")

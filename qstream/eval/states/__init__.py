@@ -1,13 +1,7 @@
 """Captured target states (``qstream eval-drift --states PATH``): token streams with the target's
 aux hidden states and its final hidden state, read from a file or a directory in qstream's own
-layout, vLLM's / speculators' (one safetensors per request) or SpecForge's (one ``torch.save``
-per sample); docs/states.md describes each.  The layout is told from the files' contents
-(``format`` overrides); every file is checked before anything runs.
-
->>> states = read_states("captured/", config, target="kimi-k3/")
->>> plan = sample_anchors(states, 1024, config.block_size, seed=0)
->>> aux = states.aux_chunks([0, 3], 512, torch.bfloat16).rows(0, 512)   # [2, 512, A]
-"""
+layout, vLLM's / speculators' or SpecForge's (docs/states.md).  The layout is told from the
+files' contents (``format`` overrides); every file is checked before anything runs."""
 
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ from qstream.errors import QStreamError
 from qstream.eval.states.captured import (
     CONVENTIONS,
     CapturedStates,
-    Convention,
     FinalNorm,
     check_layer_ids,
     file_sha256s,
@@ -38,14 +31,8 @@ AUTO = "auto"
 SUFFIXES = (".safetensors", ".ckpt", ".ckpt.gz")
 
 
-def _natural(path: Path) -> list:
-    """Sort key: digit runs compare as numbers (hs_2 before hs_10, rows_0-2000 first)."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.as_posix())]
-
-
 def list_files(root: Path) -> list[Path]:
-    """The states files: ``root`` itself, or every .safetensors / .ckpt / .ckpt.gz under it
-    (hidden entries skipped), in natural name order."""
+    """The states files: ``root`` itself, or every SUFFIXES file under it but hidden ones."""
     if root.is_file():
         return [root]
     if not root.is_dir():
@@ -61,7 +48,9 @@ def list_files(root: Path) -> list[Path]:
         raise QStreamError(
             f"--states {root}: directory holds no {', '.join(SUFFIXES)} files (docs/states.md)"
         )
-    return sorted(files, key=lambda p: _natural(p.relative_to(root)))
+    # natural order: digit runs compare as numbers (hs_2 before hs_10)
+    parts = {p: re.split(r"(\d+)", p.relative_to(root).as_posix()) for p in files}
+    return sorted(files, key=lambda p: [int(t) if t.isdigit() else t for t in parts[p]])
 
 
 def _resolve_format(files: list[Path], format: str | None) -> Layout:
@@ -83,37 +72,6 @@ def _resolve_format(files: list[Path], format: str | None) -> Layout:
     return next(iter(found))
 
 
-def _named_ids(
-    root: Path,
-    manifest: dict | None,
-    convention: Convention | None,
-    layer_ids: object,
-    config,
-    default: Convention,
-    n: int | None,
-) -> tuple[Convention, list[dict]]:
-    """Layer ids the manifest and ``--states-layer-ids`` name, each checked against the draft
-    (``n``: the target's layer count, when known)."""
-    named = []
-    if manifest is not None:
-        where = str(root / RECORD)
-        own = parse_convention(manifest.get("layer_convention"), f"{where}: layer_convention")
-        if convention is not None and convention != own:
-            raise QStreamError(
-                f"{where}: layer_convention is {own.name}, but --states-layer-convention "
-                f"says {convention.name}"
-            )
-        ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
-        check_layer_ids(ids, own, config, f"{where}: layer_ids", n)
-        convention = own
-        named.append({"by": RECORD, "ids": list(ids)})
-    if layer_ids is not None:
-        ids = parse_ids(layer_ids, "--states-layer-ids")
-        check_layer_ids(ids, convention or default, config, "--states-layer-ids", n)
-        named.append({"by": "--states-layer-ids", "ids": list(ids)})
-    return convention or default, named
-
-
 def _layers(
     root: Path,
     layout: Layout,
@@ -122,33 +80,41 @@ def _layers(
     layer_ids: object,
     target: str | None,
 ) -> tuple[dict, dict | None]:
-    """The results' ``layers`` block and the manifest (capture.json) if the directory has one."""
+    """The results' ``layers`` block (the layer ids capture.json and ``--states-layer-ids`` name,
+    each checked against the draft) and the manifest (capture.json) if the directory has one."""
     manifest_path = root / RECORD
     manifest = read_json(manifest_path, RECORD) if manifest_path.is_file() else None
     if manifest is not None and not isinstance(manifest, dict):
         raise QStreamError(f"{manifest_path}: not a JSON object")
-    given = None
+    used = None
     if convention is not None:
-        given = parse_convention(convention, "--states-layer-convention")
-    n = target_depth(config, target)
-    used, named = _named_ids(root, manifest, given, layer_ids, config, layout.convention, n)
+        used = parse_convention(convention, "--states-layer-convention")
+    n, named = target_depth(config, target), []
+    if manifest is not None:
+        where = str(manifest_path)
+        own = parse_convention(manifest.get("layer_convention"), f"{where}: layer_convention")
+        if used is not None and used != own:
+            raise QStreamError(
+                f"{where}: layer_convention is {own.name}, but --states-layer-convention "
+                f"says {used.name}"
+            )
+        ids = parse_ids(manifest.get("layer_ids"), f"{where}: layer_ids")
+        check_layer_ids(ids, own, config, f"{where}: layer_ids", n)
+        used = own
+        named.append({"by": RECORD, "ids": list(ids)})
+    used = used or layout.convention
+    if layer_ids is not None:
+        ids = parse_ids(layer_ids, "--states-layer-ids")
+        check_layer_ids(ids, used, config, "--states-layer-ids", n)
+        named.append({"by": "--states-layer-ids", "ids": list(ids)})
     draft = tuple(config.target_layer_ids)
-    in_convention = used.from_layer_output(draft)
     block = {
         "convention": used.name,
-        "ids": list(in_convention),
+        "ids": list(used.from_layer_output(draft)),
         "named_by": named,  # [] when no file or option names its layers: only shapes are checked
         "draft_target_layer_ids": list(draft),
     }
     return block, manifest
-
-
-def _final_norm(layout: Layout, root: Path, config: DraftConfig, target: str | None) -> FinalNorm:
-    """The target's final norm when the layout's final state is taken before it (vLLM)."""
-    if not layout.final_before_norm:
-        return FinalNorm()
-    why = f"--states {root} ({layout.title} layout)"
-    return read_final_norm(target, config.target_hidden_size, why)
 
 
 def read_states(
@@ -161,7 +127,6 @@ def read_states(
     target: str | None = None,
 ) -> CapturedStates:
     """Open and validate captured states (a file or a directory) against the draft's config;
-    QStreamError (one line, naming the file and tensor) for anything that does not fit.
     ``target``: the target checkpoint, whose final norm normalizes a pre-norm final state."""
     root = Path(path)
     files = list_files(root)
@@ -170,7 +135,10 @@ def read_states(
     digests = file_sha256s(files, root)  # read once: checked and hashed into the identity
     checked = None if manifest is None else check_manifest(root, manifest, digests)
     pairs = [pair for f in files for pair in layout.open(f, config)]
-    norm = _final_norm(layout, root, config, target)  # once every file has been checked
+    norm = FinalNorm()  # the target's, read once every file has been checked, where the
+    if layout.final_before_norm:  # layout's final state is taken before it (vLLM)
+        why = f"--states {root} ({layout.title} layout)"
+        norm = read_final_norm(target, config.target_hidden_size, why)
     details = {
         "format": layout.name,
         "files": len(files),

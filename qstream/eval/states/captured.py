@@ -1,14 +1,9 @@
-"""The corpus every states layout is read into (:class:`CapturedStates`), the per-stream readers
-the layouts provide (:class:`StreamSource`), the checks all layouts share, and which target layers
-a states file holds: the two numberings as :class:`Convention` objects and their registry, the one
-place their names are spelled (``layer-output``: id j is decoder layer j's output, the draft's
-``target_layer_ids``; ``hidden-states-index``: id k is the residual stream entering layer k,
-vLLM's ``eagle_aux_hidden_state_layer_ids``), and the target's final norm (docs/states.md).
-
-A stream's rows are read only when a batch asks for them: ``aux`` rows [n, A] and ``target``
-rows [n, H] (the target's final hidden state, after its final norm: the corpus's ``norm`` where
-a layout takes it before), both float32.
-"""
+"""The corpus every states layout is read into (:class:`CapturedStates`), the checks all layouts
+share, and which target layers a states file holds: the two numberings as :class:`Convention`
+objects, the one place their names are spelled (``layer-output``: id j is decoder layer j's
+output, the draft's ``target_layer_ids``; ``hidden-states-index``: id k is the residual stream
+entering layer k, vLLM's ``eagle_aux_hidden_state_layer_ids``), and the target's final norm
+(docs/states.md).  A stream's rows are read only when a batch asks for them, as float32."""
 
 from __future__ import annotations
 
@@ -20,6 +15,7 @@ from typing import Protocol
 import torch
 
 from qstream.arch.interface import DraftConfig
+from qstream.arch.weights import rms_norm
 from qstream.checkpoint.files import read_config, sha256_file
 from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import read_target_shape
@@ -52,7 +48,6 @@ FINAL_NORM = "model.norm.weight"  # the final norm of a transformers decoder (no
 
 
 def parse_convention(value: object, where: str) -> Convention:
-    """A convention by name (``layer_output`` is accepted for ``layer-output``)."""
     name = value.replace("_", "-") if isinstance(value, str) else None
     if name not in CONVENTIONS:
         raise QStreamError(
@@ -62,7 +57,6 @@ def parse_convention(value: object, where: str) -> Convention:
 
 
 def parse_ids(value: object, where: str) -> tuple[int, ...]:
-    """Layer ids from a list of ints or a comma-separated string."""
     if isinstance(value, str):
         parts = [p.strip() for p in value.split(",") if p.strip()]
         if not all(p.isdigit() for p in parts):
@@ -78,9 +72,8 @@ def parse_ids(value: object, where: str) -> tuple[int, ...]:
 
 
 def target_depth(config: DraftConfig, target: str | None) -> int | None:
-    """N, the target's layer count: the draft's ``target_num_hidden_layers``, else (a
-    speculators-layout draft's config has none) ``num_hidden_layers`` of ``target``'s
-    config.json."""
+    """The target's layer count: the draft's ``target_num_hidden_layers``, else (a speculators
+    draft has none) ``target``'s config.json."""
     if config.target_num_hidden_layers is not None or target is None:
         return config.target_num_hidden_layers
     return read_target_shape(target).num_hidden_layers
@@ -89,9 +82,8 @@ def target_depth(config: DraftConfig, target: str | None) -> int | None:
 def check_layer_ids(
     ids: tuple[int, ...], convention: Convention, config: DraftConfig, where: str, n: int | None
 ):
-    """Refuse ids (named by ``where``) that are not the draft's ``target_layer_ids``.  A trailing
-    last layer (index N, or output N−1; ``n``: N, from :func:`target_depth`) names the final
-    state and is allowed."""
+    """Refuse ids that are not the draft's ``target_layer_ids``; a trailing last layer (output
+    ``n`` − 1) names the final state and is allowed."""
     wanted = tuple(config.target_layer_ids)
     lo = convention.to_layer_output(ids)
     if len(lo) == len(wanted) + 1 and n is not None and lo[-1] == n - 1:
@@ -118,17 +110,13 @@ class FinalNorm:
     source: str = ""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            return x
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x if self.weight is None else rms_norm(x.float(), self.weight, self.eps)
 
     def to_json(self) -> dict | None:
         return None if self.weight is None else {"weight": self.source, "eps": self.eps}
 
 
 def read_final_norm(target: str | None, width: int, why: str) -> FinalNorm:
-    """``model.norm.weight`` [width] and ``rms_norm_eps`` of the HF checkpoint ``target``."""
     if target is None:
         raise QStreamError(
             f"{why}: its final state is taken before the target's final norm; pass --target "
@@ -152,20 +140,15 @@ def read_final_norm(target: str | None, width: int, why: str) -> FinalNorm:
 
 
 class StreamSource(Protocol):
-    """One stream of a states file: where it lives and how to read a range of its rows."""
+    """One stream of a states file: its file, the tensor ``kind`` (AUX or TARGET) rows come
+    from (for messages), and rows start..stop-1 of ``kind`` as float32."""
 
     @property
-    def where(self) -> str:
-        """The file (for messages)."""
-        ...
+    def where(self) -> str: ...
 
-    def tensor_name(self, kind: str) -> str:
-        """The tensor (as the file names it) that ``kind`` rows come from, for messages."""
-        ...
+    def tensor_name(self, kind: str) -> str: ...
 
-    def rows(self, kind: str, start: int, stop: int) -> torch.Tensor:
-        """Rows start..stop-1 of ``kind`` (AUX or TARGET) as float32."""
-        ...
+    def rows(self, kind: str, start: int, stop: int) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -183,8 +166,7 @@ class CapturedStates(Corpus):
     def _rows(self, stream: int, kind: str, start: int, stop: int) -> torch.Tensor:
         source = self.sources[stream]
         rows = source.rows(kind, start, stop)
-        if kind == TARGET:
-            rows = self.norm(rows)
+        rows = self.norm(rows) if kind == TARGET else rows
         if not bool(torch.isfinite(rows).all()):
             raise QStreamError(
                 f"{source.where}: tensor {source.tensor_name(kind)!r} holds "
@@ -194,15 +176,13 @@ class CapturedStates(Corpus):
 
     def aux_chunks(self, streams: list[int], pad_to: int, dtype: torch.dtype) -> CapturedAuxChunks:
         """Aux states [S, pad_to, A] in ``dtype`` of ``streams``, zero-padded, read a range of
-        positions at a time (an ``AuxChunks`` of qstream/arch/interface.py): a long stream's
-        states are never held whole."""
+        positions at a time (qstream/arch/interface.py, ``AuxChunks``)."""
         return CapturedAuxChunks(self, streams, pad_to, dtype)
 
     def target_hidden(
         self, stream: torch.Tensor, anchor: torch.Tensor, block_size: int
     ) -> torch.Tensor:
-        """``[n, B, H]`` float32: the target's final hidden states at positions p..p+B−1 of each
-        block (those predicting the block's tokens p+1..p+B)."""
+        """``[n, B, H]``: the target's final hidden states at positions p..p+B−1 of each block."""
         out = None
         for s in stream.unique().tolist():
             rows = (stream == s).nonzero().squeeze(1)
@@ -226,8 +206,7 @@ class CapturedStates(Corpus):
 
 
 class CapturedAuxChunks:
-    """Aux rows of some streams of a :class:`CapturedStates`, [S, pad_to, A] in ``dtype``,
-    read from the files range by range, zero past each stream's end."""
+    """Aux rows [S, pad_to, A] of some streams, read range by range, zero past each end."""
 
     def __init__(self, states: CapturedStates, streams: list[int], pad_to: int, dtype: torch.dtype):
         self.states, self.streams, self.dtype = states, streams, dtype
@@ -265,7 +244,6 @@ def check_ids(where: str, name: str, ids: torch.Tensor, config: DraftConfig) -> 
 
 
 def check_float(where: str, name: str, dtype: str | torch.dtype) -> None:
-    """A hidden-state tensor's dtype (a safetensors name such as BF16, or a torch dtype)."""
     ok = dtype in FLOAT_DTYPES if isinstance(dtype, torch.dtype) else dtype in FLOAT_DTYPE_NAMES
     if not ok:
         shown = str(dtype).removeprefix("torch.")
@@ -291,7 +269,7 @@ def aux_why(config: DraftConfig) -> str:
 
 def file_sha256s(files: list[Path], root: Path) -> dict[str, str]:
     """``{name relative to root: sha256}`` of each states file (a file given alone: its name)."""
-    return {_relative(f, root): sha256_file(f) for f in files}
+    return {f.name if f == root else f.relative_to(root).as_posix(): sha256_file(f) for f in files}
 
 
 def files_sha256(digests: dict[str, str], root: Path) -> str:
@@ -302,7 +280,3 @@ def files_sha256(digests: dict[str, str], root: Path) -> str:
     for name, file_digest in digests.items():
         digest.update(f"{name}\0{file_digest}\n".encode())
     return digest.hexdigest()
-
-
-def _relative(path: Path, root: Path) -> str:
-    return path.name if path == root else path.relative_to(root).as_posix()

@@ -1,8 +1,6 @@
 """The states layouts (docs/states.md) as :class:`Layout` objects and their registry, the one
 place a layout's name is spelled; and the check of a capture directory against its
-``capture.json``.  Opening a file reads headers and token ids only; hidden states are read
-(memory-mapped) a batch of streams at a time, through each layout's :class:`StreamSource`.
-"""
+``capture.json``.  Opening a file reads headers and token ids only."""
 
 from __future__ import annotations
 
@@ -78,7 +76,7 @@ TENSOR_OF = {AUX: "aux_hidden_states", "target": "target_hidden_states"}
 
 @dataclass(frozen=True)
 class QStreamSource:
-    """One stream of a qstream-layout file: its tensors carry ``prefix`` ("" or "stream.{i}.")."""
+    """One stream of a qstream-layout file, its tensors' ``prefix`` "" or "stream.{i}."."""
 
     where: str
     prefix: str
@@ -92,7 +90,6 @@ class QStreamSource:
 
 
 def _stream_prefixes(path: Path, names: list[str]) -> tuple[str, ...]:
-    """The streams of the file from its tensor names, refusing any other name."""
     if "input_ids" in names:
         for name in names:
             if name not in FIELDS:
@@ -123,7 +120,6 @@ def _stream_prefixes(path: Path, names: list[str]) -> tuple[str, ...]:
 
 
 def _check_stream(path: Path, f, prefix: str, config: DraftConfig) -> torch.Tensor:
-    """Validate one stream's three tensors (dtype, rank, shape, id range); returns its ids."""
     ids_name = prefix + "input_ids"
     ids = check_ids(str(path), ids_name, f.get_tensor(ids_name), config)
     T = ids.numel()
@@ -191,7 +187,6 @@ class VllmSource:
 
 
 def _check_slots(path: Path, shape: list[int], T: int, config: DraftConfig) -> None:
-    """hidden_states must be [T, num_target_layers + 1, target_hidden_size]."""
     L, H = config.num_target_layers, config.target_hidden_size
     if len(shape) != 3 or shape[0] != T or shape[2] != H:
         check_shape(str(path), STATES, shape, [T, L + 1, H],
@@ -213,7 +208,6 @@ def _check_slots(path: Path, shape: list[int], T: int, config: DraftConfig) -> N
 
 
 def open_vllm_file(path: Path, config: DraftConfig) -> Opened:
-    """Validate one request's file; its one stream as (source, token ids)."""
     try:
         with safe_open(str(path), framework="pt") as f:
             names = sorted(f.keys())
@@ -257,7 +251,6 @@ ZIP_MAGIC, GZIP_MAGIC = b"PK\x03\x04", b"\x1f\x8b"
 
 @lru_cache(maxsize=2)
 def load_record(path: str) -> dict:
-    """The dict a SpecForge file holds; QStreamError (one line) for anything else."""
     try:
         with open(path, "rb") as fh:
             magic = fh.read(4)
@@ -280,7 +273,7 @@ def load_record(path: str) -> dict:
 
 
 def _squeezed(path: Path, record: dict, name: str, T: int, width: int, why: str) -> None:
-    """Check ``record[name]`` is [1, T, width] (as SpecForge saves it) or [T, width], float."""
+    """``record[name]`` must be [1, T, width] (as SpecForge saves it) or [T, width], float."""
     tensor = record.get(name)
     if not isinstance(tensor, torch.Tensor):
         what = "missing" if tensor is None else f"a {type(tensor).__name__}, not a tensor"
@@ -307,7 +300,6 @@ class SpecForgeSource:
 
 
 def open_specforge_file(path: Path, config: DraftConfig) -> Opened:
-    """Validate one sample's file; its one stream as (source, token ids)."""
     record = load_record(str(path))
     for name in record:
         if name not in SF_ALLOWED:
@@ -404,7 +396,6 @@ def check_manifest(root: Path, manifest: dict, digests: dict[str, str]) -> dict:
 
 
 def _same_names(root: Path, recorded: list[str], digests: dict[str, str], what: str) -> None:
-    """Every recorded file is there, and every states file there is recorded."""
     where = root / RECORD
     missing = [name for name in recorded if name not in digests]
     if missing:
