@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from qstream.cli import CARD_FORMATS, FILE, Command, choice_option, flag_option, option
+from qstream.cli import CARD_FORMATS, FILE, Command, option
 from qstream.progress import step
 from qstream.publish import signals_as_interrupt
 from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
@@ -16,28 +16,28 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
 @click.argument("results", nargs=-1, required=True, type=FILE)
 @option(
     "checkpoint",
+    "A quantized checkpoint the card describes; repeatable (one per format).",
     multiple=True,
     metavar="DIR",
-    help="A quantized checkpoint the card describes; repeatable (one per format).",
 )
 @option(
     "no_integrity_check",
     "Describe a --checkpoint without checking its files against the sha256s its "
     "qstream_quantize.json records; the card says it was not checked.",
 )
-@option("base", metavar="DIR", help="The unquantized checkpoint the others were made from.")
+@option("base", "The unquantized checkpoint the others were made from.", metavar="DIR")
 @option(
     "speculate",
+    "qstream speculate --json results of the same draft: the card shows the acceptance "
+    "measured with the target in the loop beside what eval-drift predicted.",
     metavar="FILE",
     type=FILE,
-    help="qstream speculate --json results of the same draft: the card shows the acceptance "
-    "measured with the target in the loop beside what eval-drift predicted.",
 )
 @option(
     "output",
+    "Card file; figures go to <PATH stem>_files/ beside it.",
     required=True,
     metavar="PATH",
-    help="Card file; figures go to <PATH stem>_files/ beside it.",
 )
 @click.option(
     "--format",
@@ -47,13 +47,12 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
     show_default=True,
     help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
 )
-@choice_option(
+@option(
     "regime",
-    AUX_REGIMES,
-    None,
     f"Regime of the full metric table (default: {DEFAULT_REGIME.name}, the pessimistic one).",
+    type=click.Choice(AUX_REGIMES),
 )
-@flag_option("no_figures", "Tables only: draw and reference no figures.")
+@option("no_figures", "Tables only: draw and reference no figures.", is_flag=True)
 @option(
     "overwrite",
     "Replace an existing --output file that is not a card qstream wrote (a card it "

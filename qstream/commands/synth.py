@@ -17,25 +17,25 @@ if TYPE_CHECKING:
 @click.command(cls=Command)
 @option(
     "preset",
-    type=click.Choice([p for arch in ARCHITECTURES for p in arch.presets]),
-    default=None,
-    help="The DSpark-MLA draft: tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 "
+    "The DSpark-MLA draft: tiny (tests), small (CPU benchmarks, H 1024, V 32k) or k3 "
     "(Kimi-K3 shapes, 7.1 GB); the Qwen3-style DSpark draft: qwen3-tiny (tests) or qwen3-8b "
     "(Qwen3-8B shapes, 2.3 GB); the DFlash draft: qwen3-dflash-tiny (its backbone, no "
     "heads); the EAGLE-3 draft: eagle3-tiny (Llama form).  [default: tiny, or qwen3-tiny "
     "for a Qwen3 --target]",
+    type=click.Choice([p for arch in ARCHITECTURES for p in arch.presets]),
+    default=None,
 )
 @option("output_dir", "Where to write.", required=True, type=DIRECTORY)
 @option("seed", "Same seed, same bytes.")
 @option(
     "corpus",
-    type=click.Path(dir_okay=False, exists=True),
-    help="GSM8K JSONL or text to train the tokenizer and Markov statistics on "
+    "GSM8K JSONL or text to train the tokenizer and Markov statistics on "
     "(default: a built-in generated corpus of arithmetic word problems).",
+    type=click.Path(dir_okay=False, exists=True),
 )
 @option(
     "target",
-    help="A Hugging Face target to shape the draft for (its hidden size, depth, vocabulary, "
+    "A Hugging Face target to shape the draft for (its hidden size, depth, vocabulary, "
     "tokenizer and embed_tokens; lm_head is borrowed with --target at load time); a Qwen3 "
     "target gets a Qwen3-style draft with its attention shapes and RoPE, and no embed_tokens.",
 )

