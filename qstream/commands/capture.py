@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
@@ -21,9 +21,6 @@ from qstream.cli import (
 from qstream.progress import counter
 from qstream.publish import signals_as_interrupt
 from qstream.serving import TARGETS
-
-if TYPE_CHECKING:
-    from qstream.capture.run import CaptureSettings
 
 
 @click.command(cls=Command)
@@ -99,11 +96,18 @@ def capture(json_path: str | None, **o: Any) -> None:
     qstream eval-drift --model DRAFT --target TARGET --states states/ --acceptance
     """
     # here, not above: `qstream capture --help` loads no torch
-    from qstream.capture.run import run_capture
+    from dataclasses import fields
+
+    from qstream.capture.run import CaptureSettings, Sampling, run_capture
     from qstream.device import resolve_device
 
     resolve_device(o["device"])  # a bad or absent device is one line before anything loads
-    settings = _settings(o)
+    sampling = None
+    if o["generate"]:
+        sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])
+    same = {f.name: o[f.name] for f in fields(CaptureSettings) if f.name in o}
+    layers = tuple(o["layers"]) or None
+    settings = CaptureSettings(**{**same, "layers": layers, "sampling": sampling})
     with signals_as_interrupt(), counter("capture", "streams") as progress:
         summary = run_capture(settings, progress)
     if json_path != "-":
@@ -112,16 +116,3 @@ def capture(json_path: str | None, **o: Any) -> None:
             f"{summary.skipped} already there, {summary.streams} in all"
         )
     write_json(vars(summary), json_path)
-
-
-def _settings(o: dict[str, Any]) -> CaptureSettings:
-    """The parsed options as the library's settings; most options are its fields by name."""
-    from dataclasses import fields
-
-    from qstream.capture.run import CaptureSettings, Sampling
-
-    sampling = None
-    if o["generate"]:
-        sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])
-    same = {f.name: o[f.name] for f in fields(CaptureSettings) if f.name in o}
-    return CaptureSettings(**{**same, "layers": tuple(o["layers"]) or None, "sampling": sampling})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -58,18 +59,7 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
     "Replace an existing --output file that is not a card qstream wrote (a card it "
     "wrote is replaced without asking).",
 )
-def card(
-    results,
-    checkpoint,
-    no_integrity_check,
-    base,
-    speculate,
-    output,
-    fmt,
-    regime,
-    no_figures,
-    overwrite,
-) -> None:
+def card(results: tuple[str, ...], output: str, no_figures: bool, **o: Any) -> None:
     """Write model-card tables and figures from eval-drift results.
 
     RESULTS are eval-drift --json files (one per regime, or one with several); they are merged,
@@ -92,14 +82,14 @@ def card(
         card_doc, written = write_card(
             results,
             Path(output),
-            checkpoints=checkpoint,
-            base=base,
-            regime=regime,
-            fmt=fmt,
+            checkpoints=o["checkpoint"],
+            base=o["base"],
+            regime=o["regime"],
+            fmt=o["fmt"],
             figures=not no_figures,
-            overwrite=overwrite,
-            integrity_check=not no_integrity_check,
-            speculate=speculate,
+            overwrite=o["overwrite"],
+            integrity_check=not o["no_integrity_check"],
+            speculate=o["speculate"],
         )
     for line in card_doc.missing:
         click.echo(f"missing: {line}", err=True)

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import click
 
 from qstream.arch.registry import ARCHITECTURES
 from qstream.cli import DIRECTORY, Command, json_option, option, write_json
-from qstream.progress import Progress, counter
-
-if TYPE_CHECKING:
-    from qstream.synth.draft import SynthSummary
+from qstream.progress import counter
 
 
 @click.command(cls=Command)
@@ -46,16 +41,7 @@ if TYPE_CHECKING:
     "the same seed writes the same bytes on every machine.",
 )
 @json_option()
-def synth(
-    preset: str | None,
-    output_dir: str,
-    seed: int,
-    corpus: str | None,
-    target: str | None,
-    overwrite: bool,
-    device: str,
-    json_path: str | None,
-) -> None:
+def synth(preset, output_dir, seed, corpus, target, overwrite, device, json_path) -> None:
     """Write a synthetic DSpark draft checkpoint: config.json, bf16 safetensors, a BPE
     tokenizer and a stand-in target head (target_head/); with --target, a draft shaped for
     that Hugging Face target, with its tokenizer.
@@ -67,11 +53,15 @@ def synth(
     """
     # here, not above: --help loads no torch
     from qstream.device import resolve_device
+    from qstream.synth.draft import synth_checkpoint
+    from qstream.synth.target import synth_for_target
 
     resolve_device(device)
-    label = preset or ("tiny" if target is None else "draft")
-    with counter(f"synth {label}", "bytes") as progress:
-        summary = _make(target, preset, output_dir, seed, corpus, overwrite, progress)
+    with counter(f"synth {preset or ('tiny' if target is None else 'draft')}", "bytes") as bar:
+        if target is None:
+            summary = synth_checkpoint(preset or "tiny", output_dir, seed, corpus, overwrite, bar)
+        else:
+            summary = synth_for_target(target, output_dir, preset, seed, corpus, overwrite, bar)
     if json_path != "-":
         top1 = summary.predicted_top1  # None: no Markov head
         what = "tokenizer" if top1 is None else "tokenizer and Markov statistics"
@@ -82,20 +72,3 @@ def synth(
             f"({what} from {summary.corpus}{tail})"
         )
     write_json(vars(summary), json_path)
-
-
-def _make(
-    target: str | None,
-    preset: str | None,
-    output_dir: str,
-    seed: int,
-    corpus: str | None,
-    overwrite: bool,
-    progress: Progress | None = None,
-) -> SynthSummary:
-    from qstream.synth.draft import synth_checkpoint
-    from qstream.synth.target import synth_for_target
-
-    if target is None:
-        return synth_checkpoint(preset or "tiny", output_dir, seed, corpus, overwrite, progress)
-    return synth_for_target(target, output_dir, preset, seed, corpus, overwrite, progress)
