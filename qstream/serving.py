@@ -179,9 +179,9 @@ class Variant:
 
     @classmethod
     def parse(cls, token: str, kv_cache: str | None = None) -> Variant:
-        """The configuration ``token`` names (``WEIGHTS[+KEY=VALUE...]``, keys ``a``, ``kv``,
-        ``kvscale``, ``target``, ``head``); ``kv_cache`` (``--kv-cache-dtype``) is every variant's KV cache
-        but the reference's, unless the token names one.  Named by its canonical token."""
+        """The configuration ``token`` names (``WEIGHTS[+KEY=VALUE...]``, keys TOKEN_FIELDS);
+        ``kv_cache`` (``--kv-cache-dtype``) is every variant's KV cache but the reference's,
+        unless the token names one.  Named by its canonical token."""
         weights, *parts = token.split("+")
         if weights not in TOKEN_WEIGHTS:
             raise QStreamError(
@@ -251,13 +251,7 @@ class Variant:
 
     def configuration(self) -> dict:
         """What the variant serves, field by field (the results record it whole)."""
-        return {
-            "activations": self.activations,
-            "kv_cache": self.kv_cache,
-            "kv_scale": self.kv_scale,
-            "target": self.target,
-            "head": self.head,
-        }
+        return {f: getattr(self, f) for f, _ in TOKEN_FIELDS.values()}
 
     def served(self) -> dict:
         """What the results record of how the variant is served: nothing for the default."""
@@ -272,12 +266,8 @@ class Variant:
         }
 
 
-DEFAULTS = {
-    "activations": "none",
-    "kv_cache": "auto",
-    "kv_scale": "1.0",
-    "target": "unquantized",
-    "head": "stored",
+DEFAULTS: dict[str, Any] = {
+    f: Variant.__dataclass_fields__[f].default for f, _ in TOKEN_FIELDS.values()
 }
 REFERENCE_VARIANT = Variant.of_format(REFERENCE)  # what the reference pass builds
 FLOOR_VARIANT = Variant.of_format(FLOOR)

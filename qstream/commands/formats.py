@@ -22,7 +22,7 @@ def formats(seed: int, json_path: str | None) -> None:
     Bits per weight include the scales (FP8's per-channel scale is amortised over the
     4096-wide test row).  Example: qstream formats --json -
     """
-    records = []
+    records: list[dict] = []
     with step("quantizing the test tensor to each format"):
         # here, not above: `qstream formats --help` loads no torch
         import torch

@@ -141,7 +141,7 @@ def _verify_with_vllm(
     with step(f"verifying {directory} and loading it with vLLM"):
         report = verify_checkpoint(directory, 1, target_layers, deep) if quantized else None
         loaded = load_with_vllm(directory, target_layers)
-    out = {"vllm": {**asdict(loaded), "ok": loaded.ok}}
+    out: dict[str, Any] = {"vllm": {**asdict(loaded), "ok": loaded.ok}}
     problems, warnings = loaded.problems, loaded.warnings
     if report is not None:
         detail = f"vLLM {loaded.vllm_version}'s own draft loader on CPU"
