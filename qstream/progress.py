@@ -162,9 +162,9 @@ class Lines:
 
 
 @contextmanager
-def step(what: str, console: Console | None = None) -> Iterator[None]:
-    """A spinner naming ``what`` while the block runs (plain lines off a terminal)."""
-    console = console or Console(stderr=True)
+def step(what: str) -> Iterator[None]:
+    """A spinner naming ``what`` on stderr while the block runs (plain lines off a terminal)."""
+    console = Console(stderr=True)
     started = time.monotonic()
     if not console.is_terminal:
         with Lines(console, lambda: f"{what}: {clock_text(time.monotonic() - started)} elapsed"):
@@ -300,13 +300,13 @@ def shown(progress: S, console: Console | None, *columns: ProgressColumn) -> Ite
         yield progress
 
 
-def counter(what: str, unit: str, console: Console | None = None) -> AbstractContextManager[Shown]:
+def counter(what: str, unit: str) -> AbstractContextManager[Shown]:
     """A :class:`Progress` counting ``unit`` ("bytes" shows sizes) in the step ``what``."""
     progress = Shown(what, unit)
     amount = (DownloadColumn(),) if unit == "bytes" else (MofNCompleteColumn(), TextColumn(unit))
     return shown(
         progress,
-        console,
+        None,
         TextColumn("{task.description}"),
         BarColumn(),
         *amount,

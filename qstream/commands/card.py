@@ -40,13 +40,11 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
     required=True,
     metavar="PATH",
 )
-@click.option(
-    "--format",
-    "fmt",
+@option(
+    "format",
+    "Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
     type=click.Choice(CARD_FORMATS),
     default=CARD_FORMATS[0],
-    show_default=True,
-    help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
 )
 @option(
     "regime",
@@ -85,7 +83,7 @@ def card(results: tuple[str, ...], output: str, no_figures: bool, **o: Any) -> N
             checkpoints=o["checkpoint"],
             base=o["base"],
             regime=o["regime"],
-            fmt=o["fmt"],
+            fmt=o["format"],
             figures=not no_figures,
             overwrite=o["overwrite"],
             integrity_check=not o["no_integrity_check"],

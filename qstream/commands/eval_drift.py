@@ -1,5 +1,6 @@
 """``qstream eval-drift``: the click layer over :func:`qstream.eval.drift.evaluate_drift`, its
-options the fields of :class:`~qstream.eval.settings.DriftSettings`; its tables are the card's (:func:`qstream.card.terminal.print_report`)."""
+options the fields of :class:`~qstream.eval.settings.DriftSettings`; its tables are the card's
+(:func:`qstream.card.terminal.print_report`)."""
 
 from __future__ import annotations
 

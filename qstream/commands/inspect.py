@@ -1,4 +1,5 @@
-"""``qstream inspect DIR``: the click layer over :func:`qstream.checkpoint.inspect.inspect_checkpoint`."""
+"""``qstream inspect DIR``: the click layer over
+:func:`qstream.checkpoint.inspect.inspect_checkpoint`."""
 
 from __future__ import annotations
 

@@ -68,7 +68,6 @@ from qstream.verification import GREEDY, SPECULATE_MODES
     "temperature 0.",
     type=ModeChoice(SPECULATE_MODES),
     default=SPECULATE_MODES[0],
-    show_default=True,
 )
 @option("temperature", "Temperature of the drafter and the verifier (a greedy one ignores it).")
 @option("seed", "Prompt i decodes with seed + i, for every variant.")
