@@ -3,16 +3,7 @@ over a calibration set, recording the amax of what flows through named observati
 llm-compressor's static observers record it before compressed-tensors turns it into a scale
 (``calculate_qparams``, ``generate_gparam``).  Two points: each quantized linear's input by
 module (``LINEAR_INPUTS``) and what each attention's KV cache stores (``KV_CACHE``).
-
->>> observer = Observer()
->>> model = arch.build(config, weights, REFERENCE_VARIANT, "cpu", observer.served())
->>> ... run the model over the calibration set ...
->>> Calibration(observer.amax, source).input_amax("layers.0.mlp.gate_proj")
-
-eval-drift's set (:func:`calibrate_regime`): blocks of the regime drawn with
-:func:`calibration_seed`, none of them an evaluated block.  quantize's (``--calibration``,
-:class:`CalibrationSet`): the same draw with none left out, or captured states' first rows.
-"""
+eval-drift's set is :func:`calibrate_regime`'s, quantize's :class:`CalibrationSet`'s."""
 
 from __future__ import annotations
 
@@ -58,7 +49,7 @@ class Observer:
         self.amax: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, point: str, key: str, x: torch.Tensor) -> None:
-        """One more tensor at ``point`` for ``key``: QStreamError naming them if not finite."""
+        """One more tensor at ``point`` for ``key``; QStreamError naming them if not finite."""
         amax = x.detach().abs().amax().float().cpu()  # amax propagates NaN
         if not bool(torch.isfinite(amax)):
             raise QStreamError(

@@ -2,18 +2,9 @@
 draft serves and how its activations, KV cache and target are served.  Each field's values are
 registered here, the one place their names are spelled; code asks the object
 (``variant.simulated``, ``variant.kv.quantized``).  No torch at import: ``--help`` reads the names.
-
 A user names a configuration in one token: the weights, then ``+field=value`` for each field
-that is not the default (docs/eval-drift.md, "Serving configurations"):
-
->>> v = Variant.parse("nvfp4+a=nvfp4+kv=fp8_e4m3")
->>> (v.source, v.activations, v.kv_cache, v.kv_scale, v.target)
-('nvfp4', 'nvfp4', 'fp8_e4m3', '1.0', 'unquantized')
->>> Variant.parse("bf16", kv_cache="fp8").name  # --kv-cache-dtype, as vLLM's flag
-'bf16+kv=fp8'
->>> Variant.of_format("nvfp4").simulated, Variant.of_format("bf16").compute_dtype
-(True, 'bfloat16')
-"""
+that is not the default, ``nvfp4+a=nvfp4+kv=fp8_e4m3`` (docs/eval-drift.md, "Serving
+configurations")."""
 
 from __future__ import annotations
 
@@ -158,8 +149,7 @@ class Variant:
                 raise QStreamError(
                     f"variant {self.name}: {field} {value!r}: choose one of {', '.join(allowed)}"
                 )
-        served = self.configuration()
-        if self.reference and any(served[f] != d for f, d in DEFAULTS.items()):
+        if self.reference and self.configuration() != DEFAULTS:
             raise QStreamError(f"variant {self.name}: the fp32 reference is served as stored")
         act = self.activation
         if act.weights and (self.checkpoint or self.source not in act.weights):
