@@ -5,8 +5,7 @@ unlinked scratch file read and written with positional I/O (no mmap: the pages s
 kernel's page cache, never in the resident set), bit-exactly either way; :class:`Recorded` keeps
 the ranges a consumer takes of a tensor too big to hold.  :func:`heap_hygiene` gives glibc's
 freed heap pages back after a batch, or around the FP32 reference pass serves big blocks from the
-heap so that a freed one is reused (a no-op on other C libraries).
-"""
+heap so that a freed one is reused (a no-op on other C libraries)."""
 
 from __future__ import annotations
 
@@ -32,12 +31,12 @@ _Spilled = tuple[int, torch.Size, torch.dtype]  # offset in the scratch file, sh
 
 
 class Store:
-    """Tensors by key.  Without ``total_bytes`` a put stays in memory while
-    the held total stays within ``memory_bytes`` (default ``MEMORY_BYTES``), and goes to the
-    scratch file beyond it, or with ``spill`` False is not kept (a cache whose caller makes it
-    again).  With ``total_bytes`` (what the caller will put, when it knows) everything stays in
-    memory if that fits, else everything goes to disk, whose free space is checked now.  Close
-    it (or use it as a context manager) to free its memory and file."""
+    """Tensors by key.  Without ``total_bytes`` a put stays in memory while the held total stays
+    within ``memory_bytes`` (default ``MEMORY_BYTES``), and goes to the scratch file beyond it,
+    or with ``spill`` False is not kept (a cache whose caller makes it again).  With
+    ``total_bytes`` (what the caller will put, when it knows) everything stays in memory if that
+    fits, else everything goes to disk, whose free space is checked now.  Close it (or use it as
+    a context manager) to free its memory and file."""
 
     def __init__(
         self,

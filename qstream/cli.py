@@ -2,8 +2,7 @@
 ``qstream/commands/<name>.py`` (:data:`COMMANDS`).  No heavy library is imported here: help
 screens read the plain names below, each equal to the library's own (tests/test_help.py).  A
 :class:`~qstream.errors.QStreamError` becomes ``Error: <message>`` and exit status 1; a value
-malformed on its own is a usage error, exit status 2 (docs/guarantees.md, "Exit statuses").
-"""
+malformed on its own is a usage error, exit status 2 (docs/guarantees.md, "Exit statuses")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What a command shows on stderr while it works (docs/guarantees.md, "Shown"): on a terminal a
 rich bar or spinner naming the step, elsewhere one plain line every LINE_EVERY seconds.  Every
-long-running piece reports to :class:`Progress`; every bar's one ETA is :class:`WorkEta`'s.
-"""
+long-running piece reports to :class:`Progress`; every bar's one ETA is :class:`WorkEta`'s."""
 
 from __future__ import annotations
 

@@ -57,12 +57,12 @@ if TYPE_CHECKING:
 def verify(directory, tensor_parallel_size, target_layers, target, deep, vllm, json_path) -> None:
     """Check a quantized checkpoint as vLLM will load it: one config group, each quantized
     module's stored tensors (dtypes, shapes, sane scale values), fused groups whole (NVFP4: one
-    shared global scale), the index, and with --deep a dequantize round trip.  For a DSpark draft, vLLM's decision is
-    replayed for every runtime Linear layer at --tensor-parallel-size (docs/vllm.md).  With
-    --vllm, vLLM's own loader loads it too (a plain BF16 draft as well), and the scheme vLLM chose
-    per runtime module is printed.  Each check that did not run is named, with why (the
-    sha256 check needs the qstream_quantize.json quantize writes).  Exits 1 with one line per
-    violation.
+    shared global scale), the index, and with --deep a dequantize round trip.  For a DSpark
+    draft, vLLM's decision is replayed for every runtime Linear layer at --tensor-parallel-size
+    (docs/vllm.md).  With --vllm, vLLM's own loader loads it too (a plain BF16 draft as well),
+    and the scheme vLLM chose per runtime module is printed.  Each check that did not run is
+    named, with why (the sha256 check needs the qstream_quantize.json quantize writes).  Exits 1
+    with one line per violation.
     Example: qstream verify draft-nvfp4 --tensor-parallel-size 8
     """
     # here, not above: --help loads no torch
