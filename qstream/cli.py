@@ -253,7 +253,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "seed": {"type": click.IntRange(0, SEED_MAX), "default": 0},
     "temperature": {"type": FiniteRange(0, min_open=True), "default": 1.0},
     "top_p": {"type": FiniteRange(0, 1, min_open=True), "default": 1.0},
-    "top_k": {"type": COUNT, "default": None},
+    "top_k": {"type": COUNT},
 }
 
 
