@@ -40,11 +40,13 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
     required=True,
     metavar="PATH",
 )
-@option(
-    "format",
-    "Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
+@click.option(
+    "--format",
+    "fmt",
     type=click.Choice(CARD_FORMATS),
     default=CARD_FORMATS[0],
+    show_default=True,
+    help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
 )
 @option(
     "regime",
@@ -83,7 +85,7 @@ def card(results: tuple[str, ...], output: str, no_figures: bool, **o: Any) -> N
             checkpoints=o["checkpoint"],
             base=o["base"],
             regime=o["regime"],
-            fmt=o["format"],
+            fmt=o["fmt"],
             figures=not no_figures,
             overwrite=o["overwrite"],
             integrity_check=not o["no_integrity_check"],
