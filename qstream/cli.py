@@ -48,9 +48,6 @@ class TargetDir(click.Path):
     """``--target``: a transformers directory; a GGUF file, or a folder holding one, is refused
     with the command that converts it (:func:`qstream.checkpoint.target.refuse_gguf`)."""
 
-    def __init__(self) -> None:
-        super().__init__(file_okay=False)
-
     def convert(self, value, param, ctx):
         from qstream.checkpoint.target import refuse_gguf
 
@@ -226,7 +223,7 @@ SEED_MAX = 2**63 - 1
 # evaluation's defaults (docs/capture.md).
 OPTIONS: dict[str, dict[str, Any]] = {
     "model": {"type": DIRECTORY},
-    "target": {"type": TargetDir()},
+    "target": {"type": TargetDir(file_okay=False)},
     "corpus": {"type": FILE},
     "formats": {"type": VariantTokens(), "default": ",".join(VARIANT_FORMATS)},
     "kv_cache_dtype": {
