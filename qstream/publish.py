@@ -163,21 +163,17 @@ def publishing(
         with signals_as_interrupt():
             yield tmp
             _publish(tmp, output, existed, option)
-    except QStreamError as exc:  # a file that could not be written, named as it would be published
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if str(tmp) not in str(exc):
-            raise
-        raise QStreamError(
-            f"{str(exc).replace(str(tmp), str(output))}; nothing was written"
-        ) from exc
-    except OSError as exc:  # disk full, permissions, I/O error: one line, nothing left
-        shutil.rmtree(tmp, ignore_errors=True)
-        where = exc.filename or tmp
-        raise QStreamError(
-            f"{option} {output}: {exc.strerror or exc} (writing {where}); nothing was written"
-        ) from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # a file that could not be written, named as it would be published
+        if isinstance(exc, QStreamError) and str(tmp) in str(exc):
+            said = str(exc).replace(str(tmp), str(output))
+            raise QStreamError(f"{said}; nothing was written") from exc
+        if isinstance(exc, OSError):  # disk full, permissions, I/O error: one line, nothing left
+            where = exc.filename or tmp
+            raise QStreamError(
+                f"{option} {output}: {exc.strerror or exc} (writing {where}); nothing was written"
+            ) from exc
         raise
 
 
