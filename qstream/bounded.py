@@ -5,8 +5,7 @@ unlinked scratch file read and written with positional I/O (no mmap: the pages s
 kernel's page cache, never in the resident set), bit-exactly either way; :class:`Recorded` keeps
 the ranges a consumer takes of a tensor too big to hold.  :func:`heap_hygiene` gives glibc's
 freed heap pages back after a batch, or around the FP32 reference pass serves big blocks from the
-heap so that a freed one is reused (a no-op on other C libraries).
-"""
+heap so that a freed one is reused (a no-op on other C libraries)."""
 
 from __future__ import annotations
 
@@ -32,12 +31,12 @@ _Spilled = tuple[int, torch.Size, torch.dtype]  # offset in the scratch file, sh
 
 
 class Store:
-    """Tensors by key.  Without ``total_bytes`` a put stays in memory while
-    the held total stays within ``memory_bytes`` (default ``MEMORY_BYTES``), and goes to the
-    scratch file beyond it, or with ``spill`` False is not kept (a cache whose caller makes it
-    again).  With ``total_bytes`` (what the caller will put, when it knows) everything stays in
-    memory if that fits, else everything goes to disk, whose free space is checked now.  Close
-    it (or use it as a context manager) to free its memory and file."""
+    """Tensors by key.  Without ``total_bytes`` a put stays in memory while the held total stays
+    within ``memory_bytes`` (default ``MEMORY_BYTES``), and goes to the scratch file beyond it,
+    or with ``spill`` False is not kept (a cache whose caller makes it again).  With
+    ``total_bytes`` (what the caller will put, when it knows) everything stays in memory if that
+    fits, else everything goes to disk, whose free space is checked now.  Close it (or use it as
+    a context manager) to free its memory and file."""
 
     def __init__(
         self,
@@ -72,15 +71,24 @@ class Store:
         data = tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
         if self.fd is None:
             self.fd = _scratch_file(self.scratch_dir, len(data))
-        what = (
-            f"{self.total_bytes} bytes needed"
-            if self.total_bytes is not None
-            else f"{self.end + len(data)} bytes written"
-        )
-        with _disk_full_is_an_error(self.scratch_dir, what):
-            _write_all(self.fd, data, self.end)
+        offset = self.end
+        try:
+            while data:  # pwrite may write less than asked
+                written = os.pwrite(self.fd, data, offset)
+                data, offset = data[written:], offset + written
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):  # the disk filled while running
+                raise
+            if self.total_bytes is not None:
+                what = f"{self.total_bytes} bytes needed"
+            else:
+                what = f"{self.end + nbytes} bytes written"
+            raise QStreamError(
+                f"--scratch-dir {self.scratch_dir}: no space left for the per-block outputs "
+                f"({what})"
+            ) from e
         self._items[key] = (self.end, tensor.shape, tensor.dtype)
-        self.end += len(data)
+        self.end = offset
         return True
 
     def get(self, key: Hashable) -> torch.Tensor:
@@ -90,7 +98,13 @@ class Store:
             return item
         offset, shape, dtype = item
         out = torch.empty(shape, dtype=dtype)
-        _read_all(self.fd, out.reshape(-1).view(torch.uint8).numpy().data.cast("B"), offset)
+        data = out.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        assert self.fd is not None
+        while data:  # preadv may read less than asked
+            read = os.preadv(self.fd, [data], offset)
+            if read == 0:
+                raise RuntimeError(f"scratch file: bytes at {offset} were never written")
+            data, offset = data[read:], offset + read
         return out
 
     def __contains__(self, key: Hashable) -> bool:
@@ -164,34 +178,6 @@ def _scratch_file(directory: str, nbytes: int) -> int:
         )
     with tempfile.TemporaryFile(prefix="qstream-blocks-", dir=directory) as f:
         return os.dup(f.fileno())
-
-
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:  # pwrite may write less than asked
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
-
-
-def _read_all(fd: int | None, data: memoryview, offset: int) -> None:
-    assert fd is not None
-    while data:  # preadv may read less than asked
-        read = os.preadv(fd, [data], offset)
-        if read == 0:
-            raise RuntimeError(f"scratch file: bytes at {offset} were never written")
-        data, offset = data[read:], offset + read
-
-
-@contextmanager
-def _disk_full_is_an_error(directory: str, what: str) -> Iterator[None]:
-    """ENOSPC / EDQUOT while writing a scratch file: one QStreamError line naming the directory."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the disk filled while running
-            raise QStreamError(
-                f"--scratch-dir {directory}: no space left for the per-block outputs ({what})"
-            ) from e
-        raise
 
 
 def _glibc(name: str):

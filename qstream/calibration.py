@@ -3,16 +3,7 @@ over a calibration set, recording the amax of what flows through named observati
 llm-compressor's static observers record it before compressed-tensors turns it into a scale
 (``calculate_qparams``, ``generate_gparam``).  Two points: each quantized linear's input by
 module (``LINEAR_INPUTS``) and what each attention's KV cache stores (``KV_CACHE``).
-
->>> observer = Observer()
->>> model = arch.build(config, weights, REFERENCE_VARIANT, "cpu", observer.served())
->>> ... run the model over the calibration set ...
->>> Calibration(observer.amax, source).input_amax("layers.0.mlp.gate_proj")
-
-eval-drift's set (:func:`calibrate_regime`): blocks of the regime drawn with
-:func:`calibration_seed`, none of them an evaluated block.  quantize's (``--calibration``,
-:class:`CalibrationSet`): the same draw with none left out, or captured states' first rows.
-"""
+eval-drift's set is :func:`calibrate_regime`'s, quantize's :class:`CalibrationSet`'s."""
 
 from __future__ import annotations
 
@@ -28,7 +19,7 @@ from qstream.arch.weights import ServedLinears
 from qstream.errors import QStreamError
 from qstream.eval.batches import AuxStates, check_boot_compatible, make_batches, propose
 from qstream.eval.corpus import AnchorPlan, Corpus, load_run_corpus, sample_anchors
-from qstream.eval.states import CapturedStates, read_states
+from qstream.eval.states import read_states
 from qstream.regimes import AUX_REGIMES, REGIMES, STATES
 from qstream.serving import REFERENCE_VARIANT
 
@@ -58,7 +49,7 @@ class Observer:
         self.amax: dict[str, dict[str, torch.Tensor]] = {}
 
     def add(self, point: str, key: str, x: torch.Tensor) -> None:
-        """One more tensor at ``point`` for ``key``: QStreamError naming them if not finite."""
+        """One more tensor at ``point`` for ``key``; QStreamError naming them if not finite."""
         amax = x.detach().abs().amax().float().cpu()  # amax propagates NaN
         if not bool(torch.isfinite(amax)):
             raise QStreamError(
@@ -135,12 +126,11 @@ def calibrate_regime(
     config: DraftConfig,
     weights: Any,
     settings: DriftSettings,
-    blocks: int = CALIBRATION_BLOCKS,
 ) -> Calibration:
-    """The reference drafting calibration blocks of ``regime`` over ``corpus`` (aux states
-    drawn with the calibration seed; boot's made by a reference that is not observed)."""
+    """eval-drift's: the reference drafting CALIBRATION_BLOCKS blocks of ``regime`` over
+    ``corpus`` drawn with the calibration seed, none of them an evaluated block."""
     s, seed = settings, calibration_seed(settings.seed)
-    plan = calibration_plan(corpus, evaluated, min(blocks, s.blocks), config, seed)
+    plan = calibration_plan(corpus, evaluated, min(CALIBRATION_BLOCKS, s.blocks), config, seed)
     source = {
         "regime": regime.name,
         "seed": seed,
@@ -211,9 +201,10 @@ NO_BLOCKS = AnchorPlan(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=t
 @dataclass(frozen=True)
 class CalibrationSet:
     """quantize's ``--calibration SOURCE`` (docs/quantize.md, "Calibration"): a regime's blocks
-    over eval-drift's default corpus, drawn as eval-drift draws its calibration blocks at the
-    same ``--seed`` (none left out), or the first rows of captured target states, each drafted
-    at its last anchor so that the whole row runs through the context."""
+    over eval-drift's default corpus (the draft's tokenizer, else ``target``'s), drawn as
+    eval-drift draws its calibration blocks at the same ``--seed`` (none left out), or the
+    first rows of captured target states, each drafted at its last anchor so that the whole row
+    runs through the context."""
 
     source: str  # a regime (qstream.regimes.AUX_REGIMES) or captured states: a file or directory
     blocks: int = CALIBRATION_BLOCKS  # a regime's blocks; captured states' rows (one block each)
@@ -224,63 +215,49 @@ class CalibrationSet:
         if self.blocks < 1:
             raise QStreamError(f"--calibration-blocks {self.blocks}: must be at least 1")
 
-    def options(self) -> dict[str, str]:
-        """The options that name this set, for quantize's recorded command line."""
-        options = {"calibration": self.source, "calibration_blocks": str(self.blocks)}
-        if self.source in AUX_REGIMES:
-            options["seed"] = str(self.seed)
-        if self.target is not None:
-            options["target"] = self.target
-        return options
-
     def run(self, model_dir: str | Path) -> Calibration:
         """The FP32 reference of ``model_dir`` over the set, on the CPU (so the bytes quantize
         writes do not depend on its ``--device``); its source records the options that name
         it; a non-finite activation is a QStreamError naming the module."""
         config = load_config(model_dir)
         refuse_uncalibrated(config)
+        options = {"calibration": self.source, "calibration_blocks": str(self.blocks)}
+        corpus: Corpus
         if self.source in AUX_REGIMES:
-            regime, corpus, plan, source = self._regime(model_dir, config)
+            regime = REGIMES[self.source]
+            if regime.causal:
+                check_boot_compatible(config)
+            corpus = load_run_corpus(model_dir, None, None, config, self.target)
+            seed = calibration_seed(self.seed)
+            source = {
+                "regime": regime.name,
+                "seed": seed,
+                "corpus": {"name": corpus.name, "sha256": corpus.sha256},
+                "drawn": "as eval-drift's calibration blocks at --seed, none left out",
+            }
+            plan = calibration_plan(corpus, NO_BLOCKS, self.blocks, config, seed)
+            options["seed"] = str(self.seed)
+        elif Path(self.source).exists():
+            regime, seed = STATES, 0  # captured states draw no noise
+            corpus = read_states(self.source, config, target=self.target)
+            max_anchor = config.max_position_embeddings - config.block_size
+            plan = first_rows(corpus, self.blocks, config.block_size, max_anchor)
+            source = {
+                "captured": self.source,
+                "sha256": corpus.sha256,
+                "rows": int(plan.stream.numel()),
+                "drawn": "the first rows, each drafted at its last anchor",
+            }
         else:
-            regime, corpus, plan, source = self._states(config)
-        weights = architecture_of(config).load_weights(model_dir, self.target, config)
-        seed = source.get("seed", 0)  # captured states draw no noise
-        source["options"] = self.options()
-        return calibrate_blocks(regime, corpus, plan, config, weights, "cpu", seed, source)
-
-    def _regime(self, model_dir: str | Path, config) -> tuple[Regime, Corpus, AnchorPlan, dict]:
-        """eval-drift's default corpus (the draft's tokenizer, else ``target``'s) and its
-        calibration draw at ``seed``."""
-        regime = REGIMES[self.source]
-        if regime.causal:
-            check_boot_compatible(config)
-        corpus = load_run_corpus(model_dir, None, None, config, self.target)
-        seed = calibration_seed(self.seed)
-        source = {
-            "regime": regime.name,
-            "seed": seed,
-            "corpus": {"name": corpus.name, "sha256": corpus.sha256},
-            "drawn": "as eval-drift's calibration blocks at --seed, none left out",
-        }
-        plan = calibration_plan(corpus, NO_BLOCKS, self.blocks, config, seed)
-        return regime, corpus, plan, source
-
-    def _states(self, config) -> tuple[Regime, CapturedStates, AnchorPlan, dict]:
-        if not Path(self.source).exists():
             raise QStreamError(
                 f"--calibration {self.source}: neither a regime ({', '.join(AUX_REGIMES)}) nor "
                 "captured states (a file or directory, docs/states.md)"
             )
-        states = read_states(self.source, config, target=self.target)
-        plan = first_rows(states, self.blocks, config.block_size,
-                          config.max_position_embeddings - config.block_size)  # fmt: skip
-        source = {
-            "captured": self.source,
-            "sha256": states.sha256,
-            "rows": int(plan.stream.numel()),
-            "drawn": "the first rows, each drafted at its last anchor",
-        }
-        return STATES, states, plan, source
+        weights = architecture_of(config).load_weights(model_dir, self.target, config)
+        if self.target is not None:
+            options["target"] = self.target
+        source["options"] = options
+        return calibrate_blocks(regime, corpus, plan, config, weights, "cpu", seed, source)
 
 
 def first_rows(corpus: Corpus, rows: int, block_size: int, max_anchor: int) -> AnchorPlan:

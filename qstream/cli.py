@@ -1,13 +1,8 @@
-"""The ``qstream`` command line: a thin click layer over the library.  Each command lives in
-``qstream/commands/<name>.py`` and is registered in :data:`COMMANDS`; an option more than one
-command takes is declared once, in :data:`OPTIONS`.
-
-No heavy library (torch, scipy) is imported here: help screens read the plain names below, each
-equal to the library's own (tests/test_help.py), and a command imports the library inside its
-callback.  :class:`Command`'s ``invoke`` is the one place a :class:`~qstream.errors.QStreamError`
-becomes ``Error: <message>`` and exit status 1; a value malformed on its own is refused by its
-parameter type, a usage error with exit status 2 (docs/guarantees.md, "Exit statuses").
-"""
+"""The ``qstream`` command line: a thin click layer over the library, one command per
+``qstream/commands/<name>.py`` (:data:`COMMANDS`).  No heavy library is imported here: help
+screens read the plain names below, each equal to the library's own (tests/test_help.py).  A
+:class:`~qstream.errors.QStreamError` becomes ``Error: <message>`` and exit status 1; a value
+malformed on its own is a usage error, exit status 2 (docs/guarantees.md, "Exit statuses")."""
 
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +41,12 @@ CALIBRATION_BLOCKS = 32  # qstream.calibration.CALIBRATION_BLOCKS
 
 DIRECTORY = click.Path(file_okay=False)  # a directory, or where one is to be
 FILE = click.Path(dir_okay=False)  # a file, or where one is to be
+COUNT = click.IntRange(min=1)
 
 
 class TargetDir(click.Path):
     """``--target``: a transformers directory; a GGUF file, or a folder holding one, is refused
     with the command that converts it (:func:`qstream.checkpoint.target.refuse_gguf`)."""
-
-    def __init__(self) -> None:
-        super().__init__(file_okay=False)
 
     def convert(self, value, param, ctx):
         from qstream.checkpoint.target import refuse_gguf
@@ -67,18 +59,15 @@ class TargetDir(click.Path):
 
 
 class Choice(click.Choice):
-    """click's Choice, except that a required option left out is, like every other usage
-    error, one ``Error:`` line: "Choose from fp8, mxfp4, nvfp4." (click lists the choices one
-    per line)."""
+    """click's Choice; a required option left out is one ``Error:`` line, not a list."""
 
     def get_missing_message(self, param, ctx):
         return f"Choose from {', '.join(map(str, self.choices))}."
 
 
 class ModeChoice(Choice):
-    """A verification mode's name (qstream/verification.py); one of the names the modes had
-    before they took vLLM's (``LEGACY_NAMES``), hidden from the help, is taken with one
-    ``Warning:`` line naming the new one."""
+    """A verification mode's name; an old one (``LEGACY_NAMES``, hidden from the help) is taken
+    with a ``Warning:`` line naming the new one."""
 
     def convert(self, value, param, ctx):
         mode = LEGACY_NAMES.get(value)
@@ -89,8 +78,7 @@ class ModeChoice(Choice):
 
 
 class Device(click.ParamType):
-    """``cpu``, ``cuda`` or ``cuda:N`` (qstream.device.resolve_device checks that the
-    device exists)."""
+    """``cpu``, ``cuda`` or ``cuda:N`` (qstream.device.resolve_device checks it exists)."""
 
     name = "device"
 
@@ -101,8 +89,8 @@ class Device(click.ParamType):
 
 
 class VariantTokens(click.ParamType):
-    """Comma-separated serving configurations, each a token qstream/serving.py parses
-    (``nvfp4+a=nvfp4+kv=fp8``): the tuple of tokens given, or with ``one`` the one token."""
+    """Comma-separated serving configurations (qstream/serving.py): the tuple of tokens, or
+    with ``one`` the one token."""
 
     name = "variants"
 
@@ -124,9 +112,8 @@ class VariantTokens(click.ParamType):
 
 
 class Integers(click.ParamType):
-    """Comma-separated non-negative integers (layer ids, token counts), returned as given; with
-    ``increasing``, at least two, each at least 1 and larger than the one before (bucket
-    edges).  ``keyword``, if given, is accepted as it is (``--context-lengths`` given bare)."""
+    """Comma-separated non-negative integers, returned as given; with ``increasing``, two or
+    more, each at least 1 and above the one before.  ``keyword`` is taken as it is."""
 
     name = "integers"
 
@@ -148,8 +135,7 @@ class Integers(click.ParamType):
 
 
 class NameIsDir(click.ParamType):
-    """``NAME=DIR``, both parts non-empty, returned as given (qstream.eval.settings.Selection
-    checks DIR)."""
+    """``NAME=DIR``, both parts non-empty, returned as given."""
 
     name = "NAME=DIR"
 
@@ -161,7 +147,7 @@ class NameIsDir(click.ParamType):
 
 
 class FiniteRange(click.FloatRange):
-    """A FloatRange that also refuses nan and inf (click's lets them through)."""
+    """A FloatRange that also refuses nan and inf."""
 
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
@@ -174,7 +160,7 @@ class FiniteRange(click.FloatRange):
 
 
 class _UserErrorsExit:
-    """Mixin for click commands: QStreamError becomes one line on stderr and exit status 1."""
+    """QStreamError becomes one line on stderr and exit status 1."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -186,42 +172,15 @@ class _UserErrorsExit:
 
 class ListOption(click.Option):
     """A repeatable option that also takes every value after it up to the next option, as
-    argparse's ``nargs="+"`` does: ``--include_layers mlp.gate_proj mlp.up_proj``.  Published
-    quantization recipes are written this way.  :class:`Command` gives it that reading."""
-
-
-def _one_value_per_flag(args: list[str], lists: dict[str, str], valued: set[str]) -> list[str]:
-    """``args`` with each list option (``lists``: its spellings -> the one to repeat) written
-    once per value: ``--include_layers a b`` -> ``--include_layers a --include_layers b``, up to
-    the next argument starting with ``-``; a ``valued`` option's value is passed over."""
-    out: list[str] = []
-    rest = list(args)
-    while rest:
-        arg = rest.pop(0)
-        out.append(arg)
-        if arg == "--":
-            return out + rest
-        name, eq, _ = arg.partition("=")
-        if name in valued and not eq and rest:
-            out.append(rest.pop(0))
-        if name not in lists:
-            continue
-        if not eq and rest:
-            out.append(rest.pop(0))
-        while rest and not rest[0].startswith("-"):
-            out += [lists[name], rest.pop(0)]
-    return out
+    argparse's ``nargs="+"`` (published quantization recipes are written so):
+    ``--include_layers mlp.gate_proj mlp.up_proj``."""
 
 
 class Command(_UserErrorsExit, click.Command):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        """Lists (:class:`ListOption`) rewritten one value per flag, then click's own parse."""
-        lists = {
-            spelling: param.opts[0]
-            for param in self.params
-            if isinstance(param, ListOption)
-            for spelling in param.opts
-        }
+        """Each list option written once per value (``--include_layers a --include_layers b``),
+        then click's own parse."""
+        lists = {s: p.opts[0] for p in self.params if isinstance(p, ListOption) for s in p.opts}
         valued = {
             spelling
             for param in self.params
@@ -232,11 +191,24 @@ class Command(_UserErrorsExit, click.Command):
             if not isinstance(param.flag_value, str | int | float)
             for spelling in param.opts
         }
-        return super().parse_args(ctx, _one_value_per_flag(args, lists, valued))
-
-
-class Group(_UserErrorsExit, click.Group):
-    command_class = Command
+        out: list[str] = []
+        rest = list(args)
+        while rest:
+            arg = rest.pop(0)
+            out.append(arg)
+            if arg == "--":
+                out += rest
+                break
+            name, eq, _ = arg.partition("=")
+            if name in valued and not eq and rest:
+                out.append(rest.pop(0))
+            if name not in lists:
+                continue
+            if not eq and rest:
+                out.append(rest.pop(0))
+            while rest and not rest[0].startswith("-"):
+                out += [lists[name], rest.pop(0)]
+        return super().parse_args(ctx, out)
 
 
 # --------------------------------------------------------------------------- options
@@ -245,20 +217,15 @@ class Group(_UserErrorsExit, click.Group):
 # decodes with seed + i) or folds what it derives into that range (capture's stream_seed)
 SEED_MAX = 2**63 - 1
 
-# The options more than one command takes, each declared once: its type, default and, where
-# every command says the same, its help.  A command gives its own help (and overrides) by name
-# (:func:`option`).  The sampling settings are one declaration for eval-drift, which evaluates
-# at them, and capture --generate, which samples at them: a capture made with the defaults is
-# the target's own sample at the evaluation's defaults (docs/capture.md).
+# The options more than one command takes, each declared once; a command gives its own help and
+# overrides (:func:`option`).  The sampling settings are one declaration for eval-drift and
+# capture --generate: a capture made with the defaults is the target's own sample at the
+# evaluation's defaults (docs/capture.md).
 OPTIONS: dict[str, dict[str, Any]] = {
     "model": {"type": DIRECTORY},
-    "target": {"type": TargetDir()},
+    "target": {"type": TargetDir(file_okay=False)},
     "corpus": {"type": FILE},
-    "formats": {
-        "type": VariantTokens(),
-        "default": ",".join(VARIANT_FORMATS),
-        "show_default": True,
-    },
+    "formats": {"type": VariantTokens(), "default": ",".join(VARIANT_FORMATS)},
     "kv_cache_dtype": {
         "type": click.Choice(tuple(KV_CACHES)),
         "help": "The KV cache every variant but the reference serves with, as vLLM's "
@@ -278,78 +245,52 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "overwrite": {"is_flag": True},
     "dtype": {"type": click.Choice(CAPTURE_DTYPES)},
     # checked in spelling when parsed; that the device exists, by qstream.device.resolve_device
-    "device": {
-        "type": Device(),
-        "default": "cpu",
-        "show_default": True,
-        "metavar": "cpu|cuda|cuda:N",
-    },
+    "device": {"type": Device(), "default": "cpu", "metavar": "cpu|cuda|cuda:N"},
     # 0 .. SEED_MAX; outside, a usage error rather than an overflow inside torch
-    "seed": {"type": click.IntRange(0, SEED_MAX), "default": 0, "show_default": True},
-    "temperature": {"type": FiniteRange(0, min_open=True), "default": 1.0, "show_default": True},
-    "top_p": {"type": FiniteRange(0, 1, min_open=True), "default": 1.0, "show_default": True},
-    "top_k": {"type": click.IntRange(min=1), "default": None},
+    "seed": {"type": click.IntRange(0, SEED_MAX), "default": 0},
+    "temperature": {"type": FiniteRange(0, min_open=True), "default": 1.0},
+    "top_p": {"type": FiniteRange(0, 1, min_open=True), "default": 1.0},
+    "top_k": {"type": COUNT},
 }
 
 
-def spellings(name: str) -> list[str]:
-    """``model_dir`` -> ``["--model-dir", "--model_dir"]`` (docs/quantize.md: both are accepted)."""
-    dashed, underscored = "--" + name.replace("_", "-"), "--" + name
-    return [dashed] if dashed == underscored else [dashed, underscored]
-
-
 def option(name: str, help: str | None = None, **kwargs: Any):
-    """A click option reachable as ``--a-b`` and ``--a_b``, stored under ``a_b``: its
-    :data:`OPTIONS` declaration when it has one, with this command's ``help`` and ``kwargs``."""
+    """A click option as ``--a-b`` and ``--a_b`` (docs/quantize.md: both are accepted), stored
+    under ``a_b``: its :data:`OPTIONS` declaration with this command's ``help`` and ``kwargs``;
+    a default other than None is shown."""
     declared = {**OPTIONS.get(name, {}), **kwargs}
     if help is not None:
         declared["help"] = help
-    return click.option(*spellings(name), name, **declared)
-
-
-def count_option(name: str, default: int | None, help: str, minimum: int = 1, **kwargs: Any):
-    """An integer option of at least ``minimum``; its default shown unless None."""
-    type_ = click.IntRange(min=minimum)
-    return option(
-        name, help, type=type_, default=default, show_default=default is not None, **kwargs
-    )
-
-
-def choice_option(name: str, choices: Sequence[str], default: str | None, help: str):
-    """One of ``choices``; its default shown unless None."""
-    type_ = click.Choice(choices)
-    return option(name, help, type=type_, default=default, show_default=default is not None)
-
-
-def flag_option(name: str, help: str):
-    return option(name, help, is_flag=True)
+    declared.setdefault("show_default", declared.get("default") is not None)
+    spellings = dict.fromkeys(["--" + name.replace("_", "-"), "--" + name])
+    return click.option(*spellings, name, **declared)
 
 
 def list_option(name: str, **kwargs: Any):
-    """A :class:`ListOption` in both spellings (a :class:`Command`'s)."""
+    """A :class:`ListOption` (a :class:`Command`'s)."""
     return option(name, cls=ListOption, multiple=True, **kwargs)
 
 
-def _check_json_path(ctx: click.Context, param: click.Parameter, value: str | None):
-    """A bad ``--json PATH`` (a directory, a missing or unwritable parent) fails when the options
-    are parsed, not after the computation: one ``Error:`` line, exit 1 (docs/guarantees.md)."""
-    if value is not None and value != "-":
-        try:
-            if Path(value).is_dir():
-                raise QStreamError(f"--json {value}: is a directory, not a file")
-            check_parent(value, "--json")
-        except QStreamError as exc:
-            raise click.ClickException(str(exc)) from None
-    return value
-
-
 def json_option():
+    """``--json PATH``; a bad PATH (a directory, a missing or unwritable parent) fails when the
+    options are parsed, not after the computation (docs/guarantees.md)."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: str | None):
+        if value is not None and value != "-":
+            try:
+                if Path(value).is_dir():
+                    raise QStreamError(f"--json {value}: is a directory, not a file")
+                check_parent(value, "--json")
+            except QStreamError as exc:
+                raise click.ClickException(str(exc)) from None
+        return value
+
     return click.option(
         "--json",
         "json_path",
         default=None,
         metavar="PATH",
-        callback=_check_json_path,
+        callback=check,
         help="Also write the results as JSON to PATH ('-' for standard output).",
     )
 
@@ -362,24 +303,18 @@ def write_json(data: Any, path: str | None) -> None:
         write_json_atomic(path, data, "--json")
 
 
-# Width of tables written to a file or a pipe: rich would otherwise assume 80 columns and cut
-# every cell short; a terminal keeps its own width.
-PIPE_WIDTH = 200
-
-
 def make_console(stderr: bool = False) -> Console:
-    """A rich console for a command's tables: the terminal's width, or PIPE_WIDTH when the
-    output is redirected (set COLUMNS to choose another)."""
+    """A rich console for a command's tables: the terminal's width, or 200 columns when the
+    output is redirected (rich would assume 80 and cut every cell; set COLUMNS to choose)."""
     out = Console(stderr=stderr)
     if out.is_terminal or "COLUMNS" in os.environ:
         return out
-    return Console(stderr=stderr, width=PIPE_WIDTH)
+    return Console(stderr=stderr, width=200)
 
 
 # --------------------------------------------------------------------------- the group
 
-# name -> "module:attribute"; a command's module is imported only when that command runs or its
-# help is shown (`qstream --help` imports every one for its summary).
+# name -> "module:attribute", imported only when that command runs or its help is shown
 COMMANDS = {
     "formats": "qstream.commands.formats:formats",
     "quantize": "qstream.commands.quantize:quantize",
@@ -399,7 +334,9 @@ def _load(name: str) -> click.Command:
     return getattr(importlib.import_module(module), attribute)
 
 
-class LazyGroup(Group):
+class LazyGroup(_UserErrorsExit, click.Group):
+    command_class = Command
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
 
@@ -424,5 +361,5 @@ def main() -> None:
 
 
 def quantize_main() -> None:
-    """Entry point of ``qstream-quantize``: the quantize command on its own."""
+    """``qstream-quantize``: the quantize command on its own."""
     _load("quantize")(prog_name="qstream-quantize")

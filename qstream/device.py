@@ -1,11 +1,6 @@
 """Where a model computes, and the math settings that keep the FP32 reference FP32 on a GPU:
 :func:`exact_math` turns off TF32 and reduced-precision bf16/fp16 reductions for the duration of
-a pass (docs/eval-drift.md, "Devices").
-
->>> device = resolve_device("cuda:0")     # QStreamError, one line, when there is no such GPU
->>> with exact_math():
-...     reference_pass()
-"""
+a pass (docs/eval-drift.md, "Devices")."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ def math_settings() -> dict:
 @contextmanager
 def exact_math() -> Iterator[None]:
     """FP32 matmuls and convolutions in IEEE fp32 (no TF32) and no reduced-precision reductions
-    in bf16/fp16 GEMMs for the duration of the block; the previous settings are restored after
-    (also on an error)."""
+    in bf16/fp16 GEMMs while the block runs."""
     matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
     saved = (
         matmul.fp32_precision,

@@ -17,10 +17,8 @@ def _run(name: str) -> None:
 
 
 def main() -> None:
-    """``qstream``."""
     _run("main")
 
 
 def quantize_main() -> None:
-    """``qstream-quantize``."""
     _run("quantize_main")

@@ -1,8 +1,5 @@
-"""The one exception type for user mistakes.
-
-Library code raises :class:`QStreamError` with a message that names the file, tensor or value
-at fault; the CLI turns it into ``Error: <message>`` and exit status 1 (see ``qstream/cli.py``).
-"""
+"""The one exception type for user mistakes: its message names the file, tensor or value at
+fault; the CLI turns it into ``Error: <message>`` and exit status 1 (``qstream/cli.py``)."""
 
 
 class QStreamError(Exception):

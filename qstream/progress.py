@@ -1,12 +1,6 @@
 """What a command shows on stderr while it works (docs/guarantees.md, "Shown"): on a terminal a
 rich bar or spinner naming the step, elsewhere one plain line every LINE_EVERY seconds.  Every
-long-running piece reports to :class:`Progress`; every bar's one ETA is :class:`WorkEta`'s.
-
->>> with step("drawing the figures"):
-...     draw()
->>> with counter("synth tiny", "bytes") as progress:
-...     write(progress=progress)  # progress.start(total); progress.advance(what, done)
-"""
+long-running piece reports to :class:`Progress`; every bar's one ETA is :class:`WorkEta`'s."""
 
 from __future__ import annotations
 
@@ -47,8 +41,8 @@ class Progress(Protocol):
     taken (eval-drift's by the FLOP model: docs/eval-drift.md, "FLOP model")."""
 
     def start(self, total: int | None, work: Mapping[str, float] | None = None) -> None:
-        """Units the piece will report (None until they are known), and their total work per
-        kind of pass once planned; called again when it is (counting restarts)."""
+        """Units to come (None until known) and the total work per kind of pass once planned;
+        called again when it is (counting restarts)."""
 
     def advance(self, what: str, done: int, work: float = 0.0, kind: str = VARIANTS) -> None:
         """``done`` more units, ``work`` of a ``kind`` pass, in the step ``what`` ("": the
@@ -92,8 +86,7 @@ class WorkEta:
         self.since = self.clock()
 
     def report(self, kind: str, work: float, step: str = "") -> None:
-        """``work`` more done in a pass of ``kind`` named ``step``; the time since the last
-        report was its."""
+        """``work`` more done in a pass of ``kind`` named ``step``, in the time since the last."""
         if self.since is None or kind not in self.planned:
             return
         now, first = self.clock(), self.first.get(kind)
@@ -140,8 +133,7 @@ class WorkEta:
 
 
 class Lines:
-    """Progress as plain lines: ``status()`` printed every ``every`` seconds by a daemon thread
-    until the block ends (``tick`` prints one now)."""
+    """``status()`` printed every ``every`` seconds by a daemon thread until the block ends."""
 
     def __init__(self, console: Console, status: Callable[[], str], every: float | None = None):
         self.console, self.status = console, status
@@ -169,9 +161,9 @@ class Lines:
 
 
 @contextmanager
-def step(what: str, console: Console | None = None) -> Iterator[None]:
-    """A spinner naming ``what`` while the block runs (plain lines off a terminal)."""
-    console = console or Console(stderr=True)
+def step(what: str) -> Iterator[None]:
+    """A spinner naming ``what`` on stderr while the block runs (plain lines off a terminal)."""
+    console = Console(stderr=True)
     started = time.monotonic()
     if not console.is_terminal:
         with Lines(console, lambda: f"{what}: {clock_text(time.monotonic() - started)} elapsed"):
@@ -228,20 +220,8 @@ class Shown:
         return clock_text(self.clock() - self.started)
 
     def line(self) -> str:
-        """The status as one plain line."""
         total = "" if self.total is None else f" of {self.total:,}"
         return f"{self.what}: {self.done:,}{total} {self.unit}, {self.elapsed_text()} elapsed"
-
-    def update(self, bar: Bar, task) -> None:
-        """Show the status on ``bar``: the work done of the work planned, else the units."""
-        planned = bool(self.total_work) and not self.units_are_work
-        bar.update(
-            task,
-            description=self.what,
-            blocks=self.blocks_text(),
-            completed=self.work if planned else self.done,
-            total=self.total_work if planned else self.total,
-        )
 
     def blocks_text(self) -> str:
         total = "" if self.total is None else f"/{self.total}"
@@ -252,11 +232,11 @@ class DriftProgress(Shown):
     """eval-drift's :class:`Progress`: its line, and once the ETA is :attr:`WorkEta.measured`
     and over LONG_RUN_SECONDS, the advice (once) on how to shorten the run."""
 
+    counts_work = False
+
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         super().__init__("loading the draft and corpus", "blocks", clock)
         self.advised = False
-
-    counts_work = False
 
     def advance(self, what: str, done: int, work: float = 0.0, kind: str = VARIANTS) -> None:
         super().advance(what, done, work, kind)
@@ -290,28 +270,42 @@ S = TypeVar("S", bound=Shown)
 
 
 @contextmanager
-def shown(
-    progress: S, console: Console, columns: Callable[[Shown], tuple[ProgressColumn, ...]]
-) -> Iterator[S]:
-    """``progress`` on ``console``: a transient bar of ``columns`` on a terminal, shown from
-    the first moment; plain lines (``progress.line``) elsewhere."""
+def shown(progress: S, console: Console | None, *columns: ProgressColumn) -> Iterator[S]:
+    """``progress`` on ``console`` (default stderr): a transient bar of ``columns`` on a
+    terminal, the work done of the work planned, else the units; plain lines elsewhere."""
+    console = console or Console(stderr=True)
     if not console.is_terminal:
         progress.lines = Lines(console, progress.line)
         progress.say = progress.lines.say
         with progress.lines:
             yield progress
         return
-    with Bar(*columns(progress), console=console, transient=True) as bar:
+    with Bar(*columns, console=console, transient=True) as bar:
         progress.bar, progress.say = bar, lambda text: bar.console.print(Text(text))
         task = bar.add_task(progress.what, total=None, blocks="")
-        progress.shown = lambda: progress.update(bar, task)
-        progress.shown()
+
+        def update() -> None:
+            planned = bool(progress.total_work) and not progress.units_are_work
+            bar.update(
+                task,
+                description=progress.what,
+                blocks=progress.blocks_text(),
+                completed=progress.work if planned else progress.done,
+                total=progress.total_work if planned else progress.total,
+            )
+
+        progress.shown = update
+        update()
         yield progress
 
 
-def _counter_columns(unit: str) -> Callable[[Shown], tuple[ProgressColumn, ...]]:
+def counter(what: str, unit: str) -> AbstractContextManager[Shown]:
+    """A :class:`Progress` counting ``unit`` ("bytes" shows sizes) in the step ``what``."""
+    progress = Shown(what, unit)
     amount = (DownloadColumn(),) if unit == "bytes" else (MofNCompleteColumn(), TextColumn(unit))
-    return lambda progress: (
+    return shown(
+        progress,
+        None,
         TextColumn("{task.description}"),
         BarColumn(),
         *amount,
@@ -320,14 +314,15 @@ def _counter_columns(unit: str) -> Callable[[Shown], tuple[ProgressColumn, ...]]
     )
 
 
-def counter(what: str, unit: str, console: Console | None = None) -> AbstractContextManager[Shown]:
-    """A :class:`Progress` counting ``unit`` ("bytes" shows sizes) in the step ``what``: a bar
-    on a terminal, plain lines elsewhere."""
-    return shown(Shown(what, unit), console or Console(stderr=True), _counter_columns(unit))
-
-
-def _drift_columns(progress: Shown) -> tuple[ProgressColumn, ...]:
-    return (
+def drift_progress(
+    console: Console | None = None, clock: Callable[[], float] = time.monotonic
+) -> AbstractContextManager[DriftProgress]:
+    """eval-drift's progress: the bar runs on the planned work once there is a plan (the draft
+    and corpus load before), the blocks beside it."""
+    progress = DriftProgress(clock)
+    return shown(
+        progress,
+        console,
         BarColumn(),
         TaskProgressColumn(),
         TextColumn("{task.fields[blocks]}"),
@@ -335,11 +330,3 @@ def _drift_columns(progress: Shown) -> tuple[ProgressColumn, ...]:
         _EtaColumn(progress),
         TextColumn("{task.description}"),
     )
-
-
-def drift_progress(
-    console: Console | None = None, clock: Callable[[], float] = time.monotonic
-) -> AbstractContextManager[DriftProgress]:
-    """eval-drift's progress on ``console`` (default stderr): the bar runs on the planned work
-    once there is a plan (the draft and corpus load before), the blocks beside it."""
-    return shown(DriftProgress(clock), console or Console(stderr=True), _drift_columns)

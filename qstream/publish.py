@@ -1,8 +1,7 @@
 """Publishing outputs safely (docs/guarantees.md, "Output directories"): a directory is built in
 ``.<name>.qstream-partial-<pid>`` beside the target and published with one rename (only a
-directory holding a qstream record file is replaced, with ``overwrite``); :func:`write_atomic`
-for single files, :func:`write_json_atomic` for every JSON file qstream writes.
-"""
+directory holding a qstream record file is replaced, with ``overwrite``); a single file is
+written whole or not at all (:func:`write_bytes_atomic`, :func:`write_json_atomic`)."""
 
 from __future__ import annotations
 
@@ -30,17 +29,19 @@ _PARTIAL = re.compile(r"^\.(?P<name>.+)\.qstream-(?:partial|old)-(?P<pid>\d+)$")
 
 def check_target(output: Path, overwrite: bool, option: str) -> None:
     """Refuse ``output`` before any work: an existing path without ``overwrite``, one qstream
-    did not write, a missing or unwritable parent."""
-    if _empty_dir(output):
-        pass  # nothing to lose: replaced as if it did not exist
-    elif output.exists() or output.is_symlink():
+    did not write, a missing or unwritable parent.  An empty directory is replaced as if it did
+    not exist."""
+    if (output.exists() or output.is_symlink()) and not _empty_dir(output):
         if not overwrite:
             raise QStreamError(f"{option} {output} already exists (use --overwrite)")
         if not is_qstream_output(output):
+            if output.is_dir():
+                holds = listing(output) or "nothing (an empty directory)"
+            else:
+                holds = "a file" if output.is_file() else "something that is not a directory"
             raise QStreamError(
                 f"{option} {output} is not a directory qstream wrote "
-                f"(no {' or '.join(RECORD_FILES)}; it holds {_holding(output)}); "
-                "refusing to replace it"
+                f"(no {' or '.join(RECORD_FILES)}; it holds {holds}); refusing to replace it"
             )
     check_parent(output, option, "parent directory")
 
@@ -79,31 +80,25 @@ def is_qstream_output(path: Path) -> bool:
     )
 
 
-def _holding(path: Path) -> str:
-    if not path.is_dir():
-        return "a file" if path.is_file() else "something that is not a directory"
-    return listing(path) or "nothing (an empty directory)"
-
-
 def listing(directory: Path, limit: int = 4) -> str:
     """The first ``limit`` names in ``directory`` (a directory's with a slash), and how many
-    more; empty for an empty directory."""
+    more."""
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
 
 
 def remove_stale_partials(output: Path, notice: Callable[[str], None] | None = None) -> list[Path]:
-    """Remove ``.<output name>.qstream-partial-<pid>`` (and ``-old-``) directories or files
-    beside ``output`` whose process no longer exists."""
+    """:func:`remove_stale_partials_in` for ``output``'s."""
     return remove_stale_partials_in(output.parent, notice, output.name)
 
 
 def remove_stale_partials_in(
     directory: Path, notice: Callable[[str], None] | None = None, name: str | None = None
 ) -> list[Path]:
-    """Remove the partials in ``directory`` (of every name, or of ``name``) whose process no
-    longer exists (what SIGKILL left); the paths removed."""
+    """Remove the ``.<name>.qstream-partial-<pid>`` (and ``-old-``) directories or files in
+    ``directory`` (of every name, or of ``name``) whose process no longer exists (what SIGKILL
+    left); the paths removed."""
     removed: list[Path] = []
     if not directory.is_dir():
         return removed
@@ -168,21 +163,17 @@ def publishing(
         with signals_as_interrupt():
             yield tmp
             _publish(tmp, output, existed, option)
-    except QStreamError as exc:  # a file that could not be written, named as it would be published
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if str(tmp) not in str(exc):
-            raise
-        raise QStreamError(
-            f"{str(exc).replace(str(tmp), str(output))}; nothing was written"
-        ) from exc
-    except OSError as exc:  # disk full, permissions, I/O error: one line, nothing left
-        shutil.rmtree(tmp, ignore_errors=True)
-        where = exc.filename or tmp
-        raise QStreamError(
-            f"{option} {output}: {exc.strerror or exc} (writing {where}); nothing was written"
-        ) from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # a file that could not be written, named as it would be published
+        if isinstance(exc, QStreamError) and str(tmp) in str(exc):
+            said = str(exc).replace(str(tmp), str(output))
+            raise QStreamError(f"{said}; nothing was written") from exc
+        if isinstance(exc, OSError):  # disk full, permissions, I/O error: one line, nothing left
+            where = exc.filename or tmp
+            raise QStreamError(
+                f"{option} {output}: {exc.strerror or exc} (writing {where}); nothing was written"
+            ) from exc
         raise
 
 
@@ -224,17 +215,13 @@ def signals_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signals = [
-        s
-        for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None))
-        if s is not None
-    ]
-    previous = {s: signal.getsignal(s) for s in signals}
+    names = ("SIGTERM", "SIGHUP")
+    previous = {s: signal.getsignal(s) for s in (getattr(signal, n, None) for n in names) if s}
 
     def handler(signum, frame):  # noqa: ARG001 - signal handler signature
         raise Terminated(signal.Signals(signum).name)
 
-    for s in signals:
+    for s in previous:
         signal.signal(s, handler)
     try:
         yield
@@ -243,25 +230,26 @@ def signals_as_interrupt() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def write_atomic(path: str | Path, write: Callable[[Path], None], option: str = "") -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, then one rename: the file is whole
-    or not there; an OSError becomes a QStreamError naming the path."""
+def write_bytes_atomic(path: str | Path, data: bytes, option: str = "") -> None:
+    """Write ``data`` to ``path`` whole or not at all: a temporary file beside it, synced to
+    disk, then one rename; an OSError becomes a QStreamError naming the path."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.qstream-partial-{os.getpid()}")
-    label = f"{option} {path}" if option else str(path)
     try:
-        write(tmp)
+        with open(tmp, "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, target)
-    except OSError as exc:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if not isinstance(exc, OSError):
+            raise
+        label = f"{option} {path}" if option else str(path)
         raise QStreamError(f"cannot write {label}: {exc.strerror or exc}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_text_atomic(path: str | Path, text: str, option: str = "") -> None:
-    """Write ``text`` to ``path`` whole or not at all (:func:`write_atomic`), synced to disk."""
     write_bytes_atomic(path, text.encode("utf-8"), option)
 
 
@@ -273,17 +261,4 @@ def json_text(data: Any, indent: int | None = 2, end: str = "\n") -> str:
 def write_json_atomic(
     path: str | Path, data: Any, option: str = "", indent: int | None = 2, end: str = "\n"
 ) -> None:
-    """:func:`json_text` of ``data`` to ``path``, whole or not at all (write_text_atomic)."""
     write_text_atomic(path, json_text(data, indent, end), option)
-
-
-def write_bytes_atomic(path: str | Path, data: bytes, option: str = "") -> None:
-    """Write ``data`` to ``path`` whole or not at all (:func:`write_atomic`), synced to disk."""
-
-    def write(tmp: Path) -> None:
-        with open(tmp, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-
-    write_atomic(path, write, option)

@@ -2,18 +2,9 @@
 draft serves and how its activations, KV cache and target are served.  Each field's values are
 registered here, the one place their names are spelled; code asks the object
 (``variant.simulated``, ``variant.kv.quantized``).  No torch at import: ``--help`` reads the names.
-
 A user names a configuration in one token: the weights, then ``+field=value`` for each field
-that is not the default (docs/eval-drift.md, "Serving configurations"):
-
->>> v = Variant.parse("nvfp4+a=nvfp4+kv=fp8_e4m3")
->>> (v.source, v.activations, v.kv_cache, v.kv_scale, v.target)
-('nvfp4', 'nvfp4', 'fp8_e4m3', '1.0', 'unquantized')
->>> Variant.parse("bf16", kv_cache="fp8").name  # --kv-cache-dtype, as vLLM's flag
-'bf16+kv=fp8'
->>> Variant.of_format("nvfp4").simulated, Variant.of_format("bf16").compute_dtype
-(True, 'bfloat16')
-"""
+that is not the default, ``nvfp4+a=nvfp4+kv=fp8_e4m3`` (docs/eval-drift.md, "Serving
+configurations")."""
 
 from __future__ import annotations
 
@@ -158,8 +149,7 @@ class Variant:
                 raise QStreamError(
                     f"variant {self.name}: {field} {value!r}: choose one of {', '.join(allowed)}"
                 )
-        served = self.configuration()
-        if self.reference and any(served[f] != d for f, d in DEFAULTS.items()):
+        if self.reference and self.configuration() != DEFAULTS:
             raise QStreamError(f"variant {self.name}: the fp32 reference is served as stored")
         act = self.activation
         if act.weights and (self.checkpoint or self.source not in act.weights):
@@ -179,9 +169,9 @@ class Variant:
 
     @classmethod
     def parse(cls, token: str, kv_cache: str | None = None) -> Variant:
-        """The configuration ``token`` names (``WEIGHTS[+KEY=VALUE...]``, keys ``a``, ``kv``,
-        ``kvscale``, ``target``, ``head``); ``kv_cache`` (``--kv-cache-dtype``) is every variant's KV cache
-        but the reference's, unless the token names one.  Named by its canonical token."""
+        """The configuration ``token`` names (``WEIGHTS[+KEY=VALUE...]``, keys TOKEN_FIELDS);
+        ``kv_cache`` (``--kv-cache-dtype``) is every variant's KV cache but the reference's,
+        unless the token names one.  Named by its canonical token."""
         weights, *parts = token.split("+")
         if weights not in TOKEN_WEIGHTS:
             raise QStreamError(
@@ -251,13 +241,7 @@ class Variant:
 
     def configuration(self) -> dict:
         """What the variant serves, field by field (the results record it whole)."""
-        return {
-            "activations": self.activations,
-            "kv_cache": self.kv_cache,
-            "kv_scale": self.kv_scale,
-            "target": self.target,
-            "head": self.head,
-        }
+        return {f: getattr(self, f) for f, _ in TOKEN_FIELDS.values()}
 
     def served(self) -> dict:
         """What the results record of how the variant is served: nothing for the default."""
@@ -272,12 +256,8 @@ class Variant:
         }
 
 
-DEFAULTS = {
-    "activations": "none",
-    "kv_cache": "auto",
-    "kv_scale": "1.0",
-    "target": "unquantized",
-    "head": "stored",
+DEFAULTS: dict[str, Any] = {
+    f: Variant.__dataclass_fields__[f].default for f, _ in TOKEN_FIELDS.values()
 }
 REFERENCE_VARIANT = Variant.of_format(REFERENCE)  # what the reference pass builds
 FLOOR_VARIANT = Variant.of_format(FLOOR)

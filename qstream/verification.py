@@ -10,9 +10,6 @@ token-wise, or "block"; read in vllm/v1/worker/gpu/spec_decode/rejection_sampler
 ``RejectionSampler.__init__``), or a request at temperature 0, which takes the kernel's
 ``is_greedy`` branch under either (rejection_sampler_utils.py ``_rejection_kernel``); and
 ``enable_adaptive_verification`` (default false).  Its name is ``DRAFT/VERIFIER[+adaptive]``.
-
->>> MODES["probabilistic/block"].vllm
-'draft_sample_method=probabilistic, rejection_sample_method=block'
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ class VerificationMode:
         return replace(self, adaptive=False)
 
     @property
-    def label(self) -> str:
-        """Short words for a table's mode column: ``greedy draft × token-wise``."""
+    def label(self) -> str:  # a table's mode column: ``greedy draft × token-wise``
         draft = "greedy draft" if self.draft == "greedy" else "probabilistic"
         verify = {"standard": "token-wise", "block": "block", "greedy": "greedy (T=0)"}
         return f"{draft} × {verify[self.verifier]}" + (", adaptive" if self.adaptive else "")
@@ -60,8 +56,7 @@ class VerificationMode:
         return "greedy" if self.greedy_verifier else self.label
 
     @property
-    def vllm(self) -> str:
-        """The vLLM settings that select the mode."""
+    def vllm(self) -> str:  # the vLLM settings that select the mode
         vllm = f"draft_sample_method={self.draft}"
         if self.greedy_verifier:
             vllm += ", temperature=0 (either rejection_sample_method)"

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from qstream.cli import (
     CAPTURE_EXPORTS,
+    COUNT,
     DIRECTORY,
     LAYER_CONVENTIONS,
     Command,
-    choice_option,
-    count_option,
-    flag_option,
     json_option,
     list_option,
     option,
@@ -24,9 +22,6 @@ from qstream.progress import counter
 from qstream.publish import signals_as_interrupt
 from qstream.serving import TARGETS
 
-if TYPE_CHECKING:
-    from qstream.capture.run import CaptureSettings
-
 
 @click.command(cls=Command)
 @option("target", "Hugging Face target directory (local).", required=True)
@@ -34,13 +29,13 @@ if TYPE_CHECKING:
 @option("output", "Directory to write (or resume).", type=DIRECTORY, required=True)
 @option("corpus", "GSM8K-style JSONL or plain text. Default: the built-in GSM8K test split.")
 @list_option(
-    "layers", type=int, help="Layer ids to capture instead of the draft's target_layer_ids."
+    "layers", help="Layer ids to capture instead of the draft's target_layer_ids.", type=int
 )
-@choice_option(
+@option(
     "layer_convention",
-    LAYER_CONVENTIONS,
-    LAYER_CONVENTIONS[0],
     "The convention --layers is written in (docs/capture.md).",
+    type=click.Choice(LAYER_CONVENTIONS),
+    default=LAYER_CONVENTIONS[0],
 )
 @option(
     "dtype",
@@ -48,36 +43,45 @@ if TYPE_CHECKING:
     "bfloat16 on CUDA (and with --device-map).",
 )
 @option("device", "Where the target runs (one device; see --device-map).")
-@choice_option(
-    "device_map", ["auto"], None, "Spread the target over the available devices (accelerate)."
+@option(
+    "device_map",
+    "Spread the target over the available devices (accelerate).",
+    type=click.Choice(["auto"]),
 )
-@count_option("max_tokens", 512, "Corpus tokens per stream (the prompt, with --generate).")
-@count_option("streams", None, "How many streams. Default: every document long enough.")
-@count_option("batch_size", 8, "Streams per forward, grouped by length.")
-@flag_option("generate", "Continue each prompt with the target's own samples (exact acceptance).")
-@flag_option(
+@option(
+    "max_tokens", "Corpus tokens per stream (the prompt, with --generate).", type=COUNT, default=512
+)
+@option("streams", "How many streams. Default: every document long enough.", type=COUNT)
+@option("batch_size", "Streams per forward, grouped by length.", type=COUNT, default=8)
+@option(
+    "generate",
+    "Continue each prompt with the target's own samples (exact acceptance).",
+    is_flag=True,
+)
+@option(
     "apply_chat_template",
     "With --generate: each document's first line as one user turn through the target's chat "
     "template, with the generation prompt, as the prompt.",
+    is_flag=True,
 )
-@count_option("new_tokens", 256, "With --generate: tokens sampled per stream.")
+@option("new_tokens", "With --generate: tokens sampled per stream.", type=COUNT, default=256)
 @option("temperature", "With --generate: the evaluation's temperature.")
 @option("top_p", "With --generate: the evaluation's (verifier's) top-p.")
 @option("top_k", "With --generate: the evaluation's top-k.")
 @option("seed", "With --generate: same seed, same streams.")
-@choice_option(
+@option(
     "export",
-    CAPTURE_EXPORTS,
-    CAPTURE_EXPORTS[0],
     "qstream's layout or vLLM's / speculators' (hs_{i}.safetensors).",
+    type=click.Choice(CAPTURE_EXPORTS),
+    default=CAPTURE_EXPORTS[0],
 )
-@flag_option("trust_remote_code", "Allow the checkpoint's own model code to run.")
-@choice_option(
+@option("trust_remote_code", "Allow the checkpoint's own model code to run.", is_flag=True)
+@option(
     "target_format",
-    TARGETS,
-    TARGETS[0],
     "Serve the target's decoder Linear weights quantized-dequantized in this weight format "
     '(docs/capture.md, "A quantized target"); lm_head and embeddings stay as stored.',
+    type=click.Choice(TARGETS),
+    default=TARGETS[0],
 )
 @json_option()
 def capture(json_path: str | None, **o: Any) -> None:
@@ -92,11 +96,18 @@ def capture(json_path: str | None, **o: Any) -> None:
     qstream eval-drift --model DRAFT --target TARGET --states states/ --acceptance
     """
     # here, not above: `qstream capture --help` loads no torch
-    from qstream.capture.run import run_capture
+    from dataclasses import fields
+
+    from qstream.capture.run import CaptureSettings, Sampling, run_capture
     from qstream.device import resolve_device
 
     resolve_device(o["device"])  # a bad or absent device is one line before anything loads
-    settings = _settings(o)
+    sampling = None
+    if o["generate"]:
+        sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])
+    same = {f.name: o[f.name] for f in fields(CaptureSettings) if f.name in o}
+    layers = tuple(o["layers"]) or None
+    settings = CaptureSettings(**{**same, "layers": layers, "sampling": sampling})
     with signals_as_interrupt(), counter("capture", "streams") as progress:
         summary = run_capture(settings, progress)
     if json_path != "-":
@@ -105,16 +116,3 @@ def capture(json_path: str | None, **o: Any) -> None:
             f"{summary.skipped} already there, {summary.streams} in all"
         )
     write_json(vars(summary), json_path)
-
-
-def _settings(o: dict[str, Any]) -> CaptureSettings:
-    """The parsed options as the library's settings; most options are its fields by name."""
-    from dataclasses import fields
-
-    from qstream.capture.run import CaptureSettings, Sampling
-
-    sampling = None
-    if o["generate"]:
-        sampling = Sampling(o["new_tokens"], o["temperature"], o["top_p"], o["top_k"], o["seed"])
-    same = {f.name: o[f.name] for f in fields(CaptureSettings) if f.name in o}
-    return CaptureSettings(**{**same, "layers": tuple(o["layers"]) or None, "sampling": sampling})

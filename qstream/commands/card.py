@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
-from qstream.cli import CARD_FORMATS, FILE, Command, choice_option, flag_option, option
+from qstream.cli import CARD_FORMATS, FILE, Command, option
 from qstream.progress import step
 from qstream.publish import signals_as_interrupt
 from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
@@ -16,28 +17,28 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
 @click.argument("results", nargs=-1, required=True, type=FILE)
 @option(
     "checkpoint",
+    "A quantized checkpoint the card describes; repeatable (one per format).",
     multiple=True,
     metavar="DIR",
-    help="A quantized checkpoint the card describes; repeatable (one per format).",
 )
 @option(
     "no_integrity_check",
     "Describe a --checkpoint without checking its files against the sha256s its "
     "qstream_quantize.json records; the card says it was not checked.",
 )
-@option("base", metavar="DIR", help="The unquantized checkpoint the others were made from.")
+@option("base", "The unquantized checkpoint the others were made from.", metavar="DIR")
 @option(
     "speculate",
+    "qstream speculate --json results of the same draft: the card shows the acceptance "
+    "measured with the target in the loop beside what eval-drift predicted.",
     metavar="FILE",
     type=FILE,
-    help="qstream speculate --json results of the same draft: the card shows the acceptance "
-    "measured with the target in the loop beside what eval-drift predicted.",
 )
 @option(
     "output",
+    "Card file; figures go to <PATH stem>_files/ beside it.",
     required=True,
     metavar="PATH",
-    help="Card file; figures go to <PATH stem>_files/ beside it.",
 )
 @click.option(
     "--format",
@@ -47,30 +48,18 @@ from qstream.regimes import AUX_REGIMES, DEFAULT_REGIME
     show_default=True,
     help="Card format: markdown, JSON (the tables as data) or a standalone HTML page.",
 )
-@choice_option(
+@option(
     "regime",
-    AUX_REGIMES,
-    None,
     f"Regime of the full metric table (default: {DEFAULT_REGIME.name}, the pessimistic one).",
+    type=click.Choice(AUX_REGIMES),
 )
-@flag_option("no_figures", "Tables only: draw and reference no figures.")
+@option("no_figures", "Tables only: draw and reference no figures.", is_flag=True)
 @option(
     "overwrite",
     "Replace an existing --output file that is not a card qstream wrote (a card it "
     "wrote is replaced without asking).",
 )
-def card(
-    results,
-    checkpoint,
-    no_integrity_check,
-    base,
-    speculate,
-    output,
-    fmt,
-    regime,
-    no_figures,
-    overwrite,
-) -> None:
+def card(results: tuple[str, ...], output: str, no_figures: bool, **o: Any) -> None:
     """Write model-card tables and figures from eval-drift results.
 
     RESULTS are eval-drift --json files (one per regime, or one with several); they are merged,
@@ -93,14 +82,14 @@ def card(
         card_doc, written = write_card(
             results,
             Path(output),
-            checkpoints=checkpoint,
-            base=base,
-            regime=regime,
-            fmt=fmt,
+            checkpoints=o["checkpoint"],
+            base=o["base"],
+            regime=o["regime"],
+            fmt=o["fmt"],
             figures=not no_figures,
-            overwrite=overwrite,
-            integrity_check=not no_integrity_check,
-            speculate=speculate,
+            overwrite=o["overwrite"],
+            integrity_check=not o["no_integrity_check"],
+            speculate=o["speculate"],
         )
     for line in card_doc.missing:
         click.echo(f"missing: {line}", err=True)

@@ -1,5 +1,6 @@
 """``qstream eval-drift``: the click layer over :func:`qstream.eval.drift.evaluate_drift`, its
-options the fields of :class:`~qstream.eval.settings.DriftSettings`; its tables are the card's (:func:`qstream.card.terminal.print_report`)."""
+options the fields of :class:`~qstream.eval.settings.DriftSettings`; its tables are the card's
+(:func:`qstream.card.terminal.print_report`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rich.console import Console
 
 from qstream.arch.dspark_mla import QUANTIZE_INCLUDE
 from qstream.cli import (
+    COUNT,
     DEFAULT_EDGES,
     DIRECTORY,
     FILE,
@@ -21,9 +23,6 @@ from qstream.cli import (
     FiniteRange,
     Integers,
     VariantTokens,
-    choice_option,
-    count_option,
-    flag_option,
     json_option,
     make_console,
     option,
@@ -53,13 +52,12 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
     "Evaluate a --variant without checking its files against the sha256s its "
     "qstream_quantize.json records; the results say it was not checked.",
 )
-@choice_option(
+@option(
     "regime",
-    [*AUX_REGIMES, ALL_REGIMES],
-    None,
     f"Aux regime. Default: {DEFAULT_REGIME.name}, or none when --states is given.",
+    type=click.Choice([*AUX_REGIMES, ALL_REGIMES]),
 )
-@count_option("blocks", 1024, "Blocks per regime.")
+@option("blocks", "Blocks per regime.", type=COUNT, default=1024)
 @option(
     "seed", "Seed of the block positions, aux states and sampling noise (same seed, same JSON)."
 )
@@ -78,100 +76,99 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 @option("top_k", "The verifier's (target's) top-k. Default: off.")
 @option(
     "draft_top_p",
+    "A top-p on the drafter, for engines that cut it (vLLM does not).",
     type=FiniteRange(0, 1, min_open=True),
     default=1.0,
-    show_default=True,
-    help="A top-p on the drafter, for engines that cut it (vLLM does not).",
 )
-@flag_option(
+@option(
     "acceptance",
     "Also verify each variant's drafts with the FP32 reference, in every mode vLLM "
     "serves: greedy draft (vLLM's default) and probabilistic draft under token-wise and block "
     "verification, a greedy verifier, and adaptive verification (docs/acceptance.md).",
+    is_flag=True,
 )
-@count_option(
+@option(
     "adaptive_requests",
-    8,
     "Adaptive verification: blocks verified together as one batch's requests, whose "
     "drafts compete for the budget.",
+    type=COUNT,
+    default=8,
 )
 @option(
     "adaptive_budget",
+    "Adaptive verification: share of a batch's drafted tokens verified (vLLM sizes it "
+    "from its GPU's step costs).",
     type=FiniteRange(0, 1),
     default=0.5,
-    show_default=True,
-    help="Adaptive verification: share of a batch's drafted tokens verified (vLLM sizes it "
-    "from its GPU's step costs).",
 )
 @option(
     "states",
-    type=click.Path(),
-    help="Captured target states, a file or a directory: qstream's layout, vLLM / speculators "
+    "Captured target states, a file or a directory: qstream's layout, vLLM / speculators "
     "safetensors or SpecForge .ckpt (docs/states.md). Adds the 'states' regime and the "
     "acceptance of every draft against the target itself.",
+    type=click.Path(),
 )
-@choice_option(
+@option(
     "states_format",
-    [STATES_AUTO, *STATES_FORMATS],
-    STATES_AUTO,
     "Layout of --states; auto tells it from the files' contents.",
+    type=click.Choice([STATES_AUTO, *STATES_FORMATS]),
+    default=STATES_AUTO,
 )
-@choice_option(
+@option(
     "states_layer_convention",
-    LAYER_CONVENTIONS,
-    None,
     "How layer ids of --states are numbered: layer-output (id j = output of layer j, as "
     "the draft's target_layer_ids) or hidden-states-index (id k = output_hidden_states[k] = "
     "layer k-1's output, as vLLM's). Default: capture.json's, else the layout's own.",
+    type=click.Choice(LAYER_CONVENTIONS),
 )
 @option(
     "states_layer_ids",
+    "Comma-separated layer ids the states were captured at (e.g. vLLM's "
+    "eagle_aux_hidden_state_layer_ids), checked against the draft's target_layer_ids.",
     type=Integers(),
     metavar="IDS",
     default=None,
-    help="Comma-separated layer ids the states were captured at (e.g. vLLM's "
-    "eagle_aux_hidden_state_layer_ids), checked against the draft's target_layer_ids.",
 )
 @option(
     "states_anchors",
-    type=FILE,
-    metavar="FILE",
-    help="Evaluate the states regime at these blocks instead of --blocks uniformly drawn ones: "
+    "Evaluate the states regime at these blocks instead of --blocks uniformly drawn ones: "
     'a JSON file {"blocks": [[stream, anchor], ...]}, e.g. the anchors.json that qstream '
     "speculate --capture writes (the anchors its decoder visited).",
+    type=FILE,
+    metavar="FILE",
 )
-@flag_option(
+@option(
     "sensitivity",
     "Quantize one module kind at a time, then cumulatively (least harmful first), and "
     "suggest the largest --include_layers list within --tolerance (docs/sensitivity.md).",
+    is_flag=True,
 )
 @option(
     "sensitivity_format",
-    type=VariantTokens(one=True),
-    metavar="TOKEN",
-    help="Serving configuration --sensitivity probes: a format, or a token as --formats takes "
+    "Serving configuration --sensitivity probes: a format, or a token as --formats takes "
     "(nvfp4+a=nvfp4+kv=fp8_e4m3), its activation quantization on the probed modules only; "
     f"--kv-cache-dtype serves it too. Default: {SENSITIVITY_FORMAT}, or the first 4-bit format "
     "of --formats.",
+    type=VariantTokens(one=True),
+    metavar="TOKEN",
 )
 @option(
     "tolerance",
+    "Greedy ceiling (tokens) the suggested include list may lose against bf16.",
     type=FiniteRange(0),
     default=0.1,
-    show_default=True,
-    help="Greedy ceiling (tokens) the suggested include list may lose against bf16.",
 )
 @option(
     "context_lengths",
+    "Also sweep context length: comma-separated bucket edges in tokens; bare: "
+    "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).",
     type=Integers(increasing=True, keyword=DEFAULT_EDGES),
     is_flag=False,
     flag_value=DEFAULT_EDGES,
     default=None,
     metavar="EDGES",
-    help="Also sweep context length: comma-separated bucket edges in tokens; bare: "
-    "0.25..32 x original_max_position_embeddings (docs/context-sweep.md).",
 )
-@count_option("context_blocks", 256, "Blocks per context-length bucket.")
+@option("context_blocks", "Blocks per context-length bucket.", type=COUNT, default=256)
 @option(
     "device",
     "Where the models compute. The FP32 reference stays FP32 on a GPU (TF32 off); "
@@ -179,18 +176,19 @@ WIDE_WIDTH = 1000  # --wide: room for any table at its natural width
 )
 @option(
     "scratch_dir",
+    "Where the reference's per-block outputs go when too big for memory (over 512 MiB: "
+    "N x block x vocab x 4 bytes, twice with --acceptance); default: the system's temporary "
+    "directory. Does not change results.",
     type=DIRECTORY,
     default=None,
     metavar="DIR",
-    help="Where the reference's per-block outputs go when too big for memory (over 512 MiB: "
-    "N x block x vocab x 4 bytes, twice with --acceptance); default: the system's temporary "
-    "directory. Does not change results.",
 )
-@flag_option(
+@option(
     "wide",
     "Print each table at its natural width, however wide (default: tables fit the "
     "terminal, at most 100 columns: labels wrap, and a regime's metrics are one row per "
     "variant when the variants do not fit side by side).",
+    is_flag=True,
 )
 @json_option()
 def eval_drift(json_path: str | None, wide: bool, **options: Any) -> None:

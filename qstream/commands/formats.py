@@ -4,7 +4,6 @@ Gaussian test tensor."""
 from __future__ import annotations
 
 import click
-from rich.table import Table as RichTable
 
 from qstream.cli import Command, json_option, make_console, option, write_json
 from qstream.progress import step
@@ -12,31 +11,6 @@ from qstream.tablefit import Table
 
 # The table's columns; names (format, layout) wrap only when the width leaves no choice.
 FORMAT_COLUMNS = ("format", "bits/weight", "block", "scale", "vLLM layout", "weight SNR (dB)")
-
-
-def format_table(rows: int = 256, cols: int = 4096, seed: int = 0) -> list[dict]:
-    """One record per format: layout facts plus the SNR on a bf16 N(0, 0.02²) tensor."""
-    # here, not above: `qstream formats --help` loads no torch
-    import torch
-
-    from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
-
-    gen = torch.Generator().manual_seed(seed)
-    w = (torch.randn(rows, cols, generator=gen) * 0.02).to(torch.bfloat16)
-    records = []
-    for spec in FORMATS.values():
-        w_hat = dequantize(spec.name, quantize(spec.name, w))
-        records.append(
-            {
-                "format": spec.name,
-                "bits_per_weight": spec.bits_per_weight if spec.block_size else 8 + 16 / cols,
-                "block_size": spec.block_size or "per channel",
-                "scale_type": spec.scale_type,
-                "vllm_layout": spec.layout,
-                "weight_snr_db": round(weight_snr_db(w, w_hat), 3),
-            }
-        )
-    return records
 
 
 @click.command(cls=Command)
@@ -48,27 +22,41 @@ def formats(seed: int, json_path: str | None) -> None:
     Bits per weight include the scales (FP8's per-channel scale is amortised over the
     4096-wide test row).  Example: qstream formats --json -
     """
+    records: list[dict] = []
     with step("quantizing the test tensor to each format"):
-        records = format_table(seed=seed)
+        # here, not above: `qstream formats --help` loads no torch
+        import torch
+
+        from qstream.formats import FORMATS, dequantize, quantize, weight_snr_db
+
+        gen = torch.Generator().manual_seed(seed)
+        w = (torch.randn(256, 4096, generator=gen) * 0.02).to(torch.bfloat16)
+        for spec in FORMATS.values():
+            w_hat = dequantize(spec.name, quantize(spec.name, w))
+            records.append(
+                {
+                    "format": spec.name,
+                    "bits_per_weight": spec.bits_per_weight if spec.block_size else 8 + 16 / 4096,
+                    "block_size": spec.block_size or "per channel",
+                    "scale_type": spec.scale_type,
+                    "vllm_layout": spec.layout,
+                    "weight_snr_db": round(weight_snr_db(w, w_hat), 3),
+                }
+            )
     data = {"test_tensor": "bf16 [256, 4096] ~ N(0, 0.02^2)", "seed": seed, "formats": records}
     if json_path != "-":
-        console = make_console()
-        console.print(records_table(records, seed, console.width))
-    write_json(data, json_path)
-
-
-def records_table(records: list[dict], seed: int, width: int) -> RichTable:
-    """:func:`format_table`'s records as a table that fits ``width`` columns."""
-    rows = [
-        [
-            r["format"],
-            f"{r['bits_per_weight']:.3f}",
-            str(r["block_size"]),
-            r["scale_type"],
-            r["vllm_layout"],
-            f"{r['weight_snr_db']:.2f}",
+        rows = [
+            [
+                r["format"],
+                f"{r['bits_per_weight']:.3f}",
+                str(r["block_size"]),
+                r["scale_type"],
+                r["vllm_layout"],
+                f"{r['weight_snr_db']:.2f}",
+            ]
+            for r in records
         ]
-        for r in records
-    ]
-    title = f"qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed {seed})"
-    return Table.of(title, FORMAT_COLUMNS, rows, align="lrlllr").fitted(width)
+        title = f"qstream weight formats (SNR on a bf16 [256, 4096] Gaussian, seed {seed})"
+        console = make_console()
+        console.print(Table.of(title, FORMAT_COLUMNS, rows, align="lrlllr").fitted(console.width))
+    write_json(data, json_path)

@@ -1,4 +1,5 @@
-"""``qstream inspect DIR``: the click layer over :func:`qstream.checkpoint.inspect.inspect_checkpoint`."""
+"""``qstream inspect DIR``: the click layer over
+:func:`qstream.checkpoint.inspect.inspect_checkpoint`."""
 
 from __future__ import annotations
 
@@ -32,8 +33,17 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
         data = inspect_checkpoint(directory)
         if stats:
             data["weight_stats"] = checkpoint_stats(directory)
-    if stats:
-        _warn_non_finite(data["weight_stats"])
+    # inspect reports NaN/Inf and exits 0, as verify does with its warnings; quantize refuses
+    # such a weight when it is selected (docs/quantize.md)
+    bad = [r for r in data["weight_stats"] if r["non_finite"]] if stats else []
+    if bad:
+        named = ", ".join(f"{r['name']} ({r['non_finite']} NaN/Inf)" for r in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        click.echo(
+            f"Warning: {len(bad)} weight(s) hold NaN or Inf, shown without statistics "
+            f"(quantize refuses any it is to quantize): {named}{more}",
+            err=True,
+        )
     if json_path != "-":
         console = make_console()
         console.print(kinds_table(data, console.width))
@@ -54,25 +64,8 @@ def inspect(directory: str, stats: bool, json_path: str | None) -> None:
     write_json(data, json_path)
 
 
-def _warn_non_finite(rows: list[dict]) -> None:
-    """One ``Warning:`` line naming the weights that hold NaN or Inf.  inspect reports and exits
-    0, as verify does with its warnings; quantize refuses such a weight when it is selected
-    (docs/quantize.md)."""
-    bad = [r for r in rows if r["non_finite"]]
-    if not bad:
-        return
-    named = ", ".join(f"{r['name']} ({r['non_finite']} NaN/Inf)" for r in bad[:3])
-    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-    click.echo(
-        f"Warning: {len(bad)} weight(s) hold NaN or Inf, shown without statistics "
-        f"(quantize refuses any it is to quantize): {named}{more}",
-        err=True,
-    )
-
-
 def kinds_table(data: dict, width: int) -> RichTable:
-    """The tensors by module kind, fitting ``width`` columns: a long kind wraps between its
-    dotted parts, never cut short."""
+    """The tensors by module kind; a long kind wraps between its dotted parts."""
     from qstream.units import human_size
 
     title = (

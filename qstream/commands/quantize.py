@@ -12,11 +12,10 @@ from rich.table import Table
 
 from qstream.cli import (
     CALIBRATION_BLOCKS,
+    COUNT,
     WEIGHT_FORMATS,
     Choice,
     Command,
-    count_option,
-    flag_option,
     json_option,
     list_option,
     make_console,
@@ -32,74 +31,76 @@ if TYPE_CHECKING:
 
 
 @click.command(cls=Command)
-@option("model_dir", required=True, metavar="DIR", help="Input checkpoint directory.")
-@option("output_dir", required=True, metavar="DIR", help="Output directory (must not exist).")
+@option("model_dir", "Input checkpoint directory.", required=True, metavar="DIR")
+@option("output_dir", "Output directory (must not exist).", required=True, metavar="DIR")
 @option(
     "quant_format",
+    "Weight format.",
     required=True,
     type=Choice(WEIGHT_FORMATS),
     metavar="{fp8,mxfp4,nvfp4}",
-    help="Weight format.",
 )
 @list_option(
     "include_layers",
-    metavar="PAT...",
     help="Modules to quantize (default: every 2-D Linear weight except embeddings, "
     "lm_head and MoE routers).",
+    metavar="PAT...",
 )
-@list_option("ignore_layers", metavar="PAT...", help="Modules never to quantize (wins).")
+@list_option("ignore_layers", help="Modules never to quantize (wins).", metavar="PAT...")
 @option(
     "device",
+    "Where tensors are quantized; the bytes written are the same on either.",
     type=click.Choice(["cpu", "cuda"]),
     default="cpu",
-    show_default=True,
     metavar="{cpu,cuda}",
-    help="Where tensors are quantized; the bytes written are the same on either.",
 )
-@count_option("workers", None, "Pieces quantized in parallel (default: the CPUs available).")
-@flag_option("dry_run", "Print the plan and sizes; write nothing.")
-@flag_option("overwrite", "Replace an existing output directory.")
-@flag_option(
-    "skip_incompatible", "Leave weights whose K is not a multiple of the block size unquantized."
+@option("workers", "Pieces quantized in parallel (default: the CPUs available).", type=COUNT)
+@option("dry_run", "Print the plan and sizes; write nothing.", is_flag=True)
+@option("overwrite", "Replace an existing output directory.", is_flag=True)
+@option(
+    "skip_incompatible",
+    "Leave weights whose K is not a multiple of the block size unquantized.",
+    is_flag=True,
 )
-@count_option(
+@option(
     "tensor_parallel_size",
-    1,
     "The tensor-parallel size vLLM will serve a K3 DSpark draft at "
     "(draft_tensor_parallel_size). vLLM 0.32.0 builds the same modules quantized at "
     "every N; an N it cannot build the draft at (heads, split sizes) is refused, and in "
     "FP4 the shape rule applies to each o_proj/down_proj shard. No effect on other "
     "architectures.",
+    type=COUNT,
+    default=1,
     metavar="N",
 )
 @option(
     "activations",
-    type=Choice(list(ACTIVATIONS)),
-    default="none",
-    show_default=True,
-    metavar="{" + ",".join(ACTIVATIONS) + "}",
-    help="How vLLM quantizes the quantized linears' inputs (input_activations): fp8-dynamic "
+    "How vLLM quantizes the quantized linears' inputs (input_activations): fp8-dynamic "
     "with --quant_format fp8 (W8A8, per token); fp8-static (fp8) and nvfp4 (nvfp4: W4A4) store "
     "calibrated input scales and need --calibration.",
+    type=Choice(list(ACTIVATIONS)),
+    default="none",
+    metavar="{" + ",".join(ACTIVATIONS) + "}",
 )
 @option(
     "kv_cache_scheme",
+    "Declare an FP8 KV cache with per-layer k_scale/v_scale (kv_cache_scheme); the "
+    "scales need --calibration.",
     type=Choice([k.name for k in KV_CACHES.values() if k.dtype == "float8_e4m3fn"]),
     metavar="fp8",
-    help="Declare an FP8 KV cache with per-layer k_scale/v_scale (kv_cache_scheme); the "
-    "scales need --calibration.",
 )
 @option(
     "calibration",
-    metavar="{" + ",".join(AUX_REGIMES) + "}|STATES",
-    help="Where static scales are measured: the FP32 reference drafts blocks of this aux "
+    "Where static scales are measured: the FP32 reference drafts blocks of this aux "
     "regime over the built-in GSM8K corpus (as eval-drift's calibration at --seed), or the "
     "first rows of captured states (a file or directory, as eval-drift --states reads).",
+    metavar="{" + ",".join(AUX_REGIMES) + "}|STATES",
 )
-@count_option(
+@option(
     "calibration_blocks",
-    CALIBRATION_BLOCKS,
     "Blocks of the regime (captured states: rows, one block each) --calibration runs.",
+    type=COUNT,
+    default=CALIBRATION_BLOCKS,
 )
 @option("seed", "Seed of a --calibration regime's blocks and aux states.")
 @option(
@@ -107,7 +108,7 @@ if TYPE_CHECKING:
     "Target checkpoint the calibration's draft borrows lm_head (and embed_tokens) from. "
     "Default: the draft's target_head directory.",
 )
-@flag_option("no_snr", "Skip the weight SNR (a little faster).")
+@option("no_snr", "Skip the weight SNR (a little faster).", is_flag=True)
 @json_option()
 def quantize(json_path: str | None, **o: Any) -> None:
     """Write an FP8 / MXFP4 / NVFP4 checkpoint in the compressed-tensors layout.

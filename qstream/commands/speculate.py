@@ -8,11 +8,10 @@ from typing import Any
 import click
 
 from qstream.cli import (
+    COUNT,
     DIRECTORY,
     Command,
     ModeChoice,
-    count_option,
-    flag_option,
     json_option,
     make_console,
     option,
@@ -40,13 +39,14 @@ from qstream.verification import GREEDY, SPECULATE_MODES
     "GSM8K-style JSONL or plain text; each document's first line is a prompt. "
     "Default: the built-in GSM8K test split.",
 )
-@count_option("prompts", 32, "Prompts: the corpus's first documents.")
-@flag_option(
+@option("prompts", "Prompts: the corpus's first documents.", type=COUNT, default=32)
+@option(
     "apply_chat_template",
     "Each prompt as one user turn through the target's chat template, with the generation "
     "prompt (as a chat-tuned draft was trained).",
+    is_flag=True,
 )
-@count_option("new_tokens", 128, "Tokens emitted per prompt.", minimum=2)
+@option("new_tokens", "Tokens emitted per prompt.", type=click.IntRange(min=2), default=128)
 @option("formats", "Comma-separated simulated variants, as eval-drift builds them.")
 @option("kv_cache_dtype")
 @option("variant")
@@ -68,7 +68,6 @@ from qstream.verification import GREEDY, SPECULATE_MODES
     "temperature 0.",
     type=ModeChoice(SPECULATE_MODES),
     default=SPECULATE_MODES[0],
-    show_default=True,
 )
 @option("temperature", "Temperature of the drafter and the verifier (a greedy one ignores it).")
 @option("seed", "Prompt i decodes with seed + i, for every variant.")
@@ -80,11 +79,11 @@ from qstream.verification import GREEDY, SPECULATE_MODES
 @option("device", "Where the target runs (the draft drafts on the CPU).")
 @option(
     "capture",
-    type=DIRECTORY,
-    metavar="DIR",
-    help=f"With --rule {GREEDY.name}: also write the decoded streams' target states (qstream's "
+    f"With --rule {GREEDY.name}: also write the decoded streams' target states (qstream's "
     "capture layout) and, per variant, anchors-NAME.json, the blocks its decoder drafted, for "
     "eval-drift --states DIR --states-anchors DIR/anchors-NAME.json (docs/speculate.md).",
+    type=DIRECTORY,
+    metavar="DIR",
 )
 @json_option()
 def speculate(json_path: str | None, **o: Any) -> None:
