@@ -66,7 +66,7 @@ def read_results(path: str | Path, trail: list | None = None) -> dict:
 
 
 class _Traced(dict):
-    """A results object that writes (file, dotted key) of each key read into a shared trail."""
+    """A results object writing (file, dotted key) of each key read into a shared trail."""
 
     def __init__(self, data: dict, source: str, where: str, trail: list):
         super().__init__(
@@ -111,7 +111,7 @@ def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
 
 
 def check_results(data: Any, source: str | Path) -> dict:
-    """``data`` if it is eval-drift results (schema and top-level fields), else QStreamError."""
+    """``data`` if it is eval-drift results, else QStreamError."""
     data = renamed_modes(data)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
@@ -143,7 +143,6 @@ def renamed_modes(data: Any) -> Any:
 
 
 def _renamed(block: Any) -> Any:
-    """An ``acceptance.VERIFIER`` block, its modes and its loss_vs_bf16's keyed by their names."""
     if not isinstance(block, dict):
         return block
     out = {(LEGACY_NAMES[k].name if k in LEGACY_NAMES else k): v for k, v in block.items()}
@@ -171,23 +170,19 @@ def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
     for data, source in results:
         if merged is None:
             merged = ResultsSet(model=data["model"])
-        _check_same_model(merged, data, source)
+        ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
+        if ours != theirs:
+            raise QStreamError(
+                f"{source}: results of a different model (config_sha256 {theirs} of "
+                f"{data['model'].get('path')}, not {ours} of "
+                f"{merged.model.get('path')}); a card describes one model"
+            )
         for regime, block in data["regimes"].items():
             _merge_regime(merged, regime, block, data, source)
         for name, info in data["variants"].items():
             merged.variants.setdefault(name, info)
     assert merged is not None  # at least one file was read
     return merged
-
-
-def _check_same_model(merged: ResultsSet, data: dict, path) -> None:
-    ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
-    if ours != theirs:
-        raise QStreamError(
-            f"{path}: results of a different model (config_sha256 {theirs} of "
-            f"{data['model'].get('path')}, not {ours} of "
-            f"{merged.model.get('path')}); a card describes one model"
-        )
 
 
 def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path: str) -> None:
@@ -218,10 +213,6 @@ def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path
     for key in REGIME_SECTIONS:
         if key in block:
             merged.sections.setdefault(regime, {})[key] = block[key]
-
-
-# ---------------------------------------------------------------------------------------------
-# Publishable numbers
 
 
 # The results keys (docs/eval-drift.md, "Metrics") holding a share of blocks, positions or
@@ -262,8 +253,7 @@ def results_problems(data: object, where: str = "", field: str = "") -> Iterator
         yield problem
 
 
-def _number(x: object) -> TypeGuard[float]:
-    """A JSON number (an int or a float, not a bool)."""
+def _number(x: object) -> TypeGuard[float]:  # an int or a float, not a bool
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -325,7 +315,9 @@ def summary_problems(variants: dict, block: int) -> Iterator[str]:
             (f"accepted_at_least[{k}]", e) for k, e in enumerate(shares)
         ]
         for key, e in named:  # a null loss_vs_bf16 (no bf16 run) is shown as n/a
-            if e is not None and not _is_estimate(e):
+            bounds = isinstance(e, dict) and all(_number(e.get(x)) or e.get(x) is None
+                                                 for x in ("lo", "hi"))  # fmt: skip
+            if e is not None and not (bounds and _number(e.get("value"))):
                 yield f"{where}.{key} = {e!r:.80} is not a {{value, lo, hi}} estimate of numbers"
         for key, (low, high) in ranges.items():
             e = s.get(key)
@@ -339,12 +331,3 @@ def summary_problems(variants: dict, block: int) -> Iterator[str]:
             if _number(values[k]) and _number(values[k - 1]) and values[k] > values[k - 1]:
                 yield (f"{where}.accepted_at_least[{k}].value = {values[k]!r} exceeds the share "
                        f"of k = {k}: at least k+1 accepted is at least k accepted")  # fmt: skip
-
-
-def _is_estimate(e: object) -> bool:
-    """``{value, lo, hi}``: a number, and bounds that are numbers or null (no interval)."""
-    return (
-        isinstance(e, dict)
-        and _number(e.get("value"))
-        and all(_number(e.get(x)) or e.get(x) is None for x in ("lo", "hi"))
-    )
