@@ -149,24 +149,15 @@ def _why_kept(
     return "not selected (in the config's ignore list)"
 
 
-def _include_patterns(quantized: list[str]) -> list[str]:
-    """``layers.3.mlp.gate_proj`` -> ``mlp.gate_proj`` (the part after the last index)."""
-    patterns = []
-    for module in quantized:
-        parts = module.split(".")
-        numeric = [i for i, p in enumerate(parts) if p.isdigit()]
-        pattern = ".".join(parts[numeric[-1] + 1 :]) if numeric else module
-        if pattern not in patterns:
-            patterns.append(pattern)
-    return patterns
-
-
 def _reconstruct_command(
     directory: Path, fmt: str, quantized: list[str], base: CheckpointFacts | None
 ) -> tuple[str, str]:
     """An equivalent ``qstream-quantize`` command, checked against the base when there is one:
     the selection rules applied to the base's tensors must give exactly the quantized set."""
-    patterns = _include_patterns(quantized)
+    # layers.3.mlp.gate_proj -> mlp.gate_proj (the part after the last index)
+    split = [module.split(".") for module in quantized]
+    last = [max((i for i, p in enumerate(parts) if p.isdigit()), default=-1) for parts in split]
+    patterns = list(dict.fromkeys(".".join(p[i + 1 :]) for p, i in zip(split, last)))
     origin = f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint)"
     base_dir = str(base.path) if base is not None else "BASE_DIR"
     args = ["qstream-quantize", "--model_dir", base_dir, "--output_dir", str(directory),
@@ -191,22 +182,14 @@ def _reconstruct_command(
     return shlex.join(args), f"{origin} as the explicit list of quantized modules."
 
 
-# ---------------------------------------------------------------------------------------------
-# Tables
-
-
-def _pct(part: int, whole: int) -> Cell:
-    value = 100.0 * part / whole
-    return Cell(f"{value:.1f}%", value)
-
-
 def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts]) -> Table:
     rows = [
         [Cell(f.path.name), Cell(f.fmt or "base (unquantized)"), Cell(f"{n:,}", n),
          Cell(f"{n / GIB:.3f}", n / GIB),
-         _pct(n, base.size_bytes) if base else Cell("n/a (no --base)")]
+         Cell(f"{pct:.1f}%", pct) if base else Cell("n/a (no --base)")]
         for f in ([base] if base else []) + checkpoints
         for n in [f.size_bytes]
+        for pct in [100.0 * n / base.size_bytes if base else None]
     ]  # fmt: skip
     return Table(
         "Size on disk: the safetensors files of each checkpoint directory",
