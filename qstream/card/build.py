@@ -1,9 +1,5 @@
 """Assemble the card from results files and checkpoint directories, and write it (docs/card.md).
-What the results set lacks is listed in the card and in ``Card.missing``; no gap is filled.
-
->>> card, written = write_card(["heavy.json", "gauss.json"], Path("CARD.md"),
-...                            checkpoints=["draft-fp8"], base="draft")
-"""
+What the results set lacks is listed in the card and in ``Card.missing``; no gap is filled."""
 
 from __future__ import annotations
 
@@ -111,7 +107,15 @@ def build_card(
         return [] if figures_dir is None else [Figure(f"{figures_dir}/{name}", alt, caption)]
 
     sections = _intro_sections(rs, missing, speculate)
-    sections += _checkpoint_sections(checkpoints, base, integrity_check)
+    if checkpoints:
+        base_facts = ckpt.read_base(base) if base is not None else None
+        facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
+        sections += [
+            Section("Size", [ckpt.size_table(base_facts, facts)]),
+            Section(
+                "What is quantized to what", [p for f in facts for p in ckpt.quantization_parts(f)]
+            ),
+        ]
     if speculate is not None:  # measured acceptance is what the rest predicts: it leads
         sections += measured_sections(speculate, rs, figure)
     verifiers = acceptance_verifiers(rs)
@@ -131,13 +135,21 @@ def build_card(
 
 
 def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) -> list[Section]:
-    measured = []
+    notes = []
     if speculate is not None:
-        measured.append(
+        notes.append(
             "The acceptance measured with the target in the loop comes from `qstream speculate` "
             f"results of the same draft ({speculate_mode(speculate).verification} verification by "
             f"`{speculate['provenance']['target']['path']}`), copied as they stand; the losses "
             "it is compared with are differences of two eval-drift numbers."
+        )
+    foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
+    if foreign:  # compared with --allow-foreign-variant
+        notes.append(
+            f"**Foreign variant(s): {', '.join(foreign)}.** Not derived from "
+            f"`{rs.model.get('path')}` (tensors they keep unquantized differ from the model's); "
+            "compared with `--allow-foreign-variant`, so their drift mixes quantization with "
+            "the difference between two models."
         )
     n_files = len({path for paths in rs.sources.values() for path in paths})
     sections = [
@@ -157,8 +169,7 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
                 "head, which vLLM 0.32 runs in fp32 to size adaptive verification. Every number is "
                 "copied from the results JSON or the checkpoint directories; gaps to bf16 are "
                 "differences of two numbers shown beside them.",
-                *measured,
-                *foreign_note(rs),
+                *notes,
             ],
         )
     ]
@@ -177,48 +188,36 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
 
 
 def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
-    ceiling = Section(
-        "Greedy acceptance ceiling and sampled matched prefix",
-        [
-            *(ceiling_table(rs, mode) for mode in ROLLOUT_MODES),
-            *figure(
-                "ceiling.png",
-                "greedy ceiling and sampled matched prefix by format and regime",
-                CEILING_CAPTION,
-            ),
-        ],
-    )
-    agreement = Section(
-        "Agreement by drafted position",
-        [
-            *(agreement_table(rs, r) for r in regime_order(rs)),
-            *figure(
-                "seq_agree.png",
-                "seq agree and prefix agree by position, per regime and rollout mode",
-                SEQ_AGREE_CAPTION,
-            ),
-        ],
-    )
-    everything = Section(
-        f"All metrics, regime {full_regime}",
-        [
-            full_metrics_table(rs, full_regime),
-            *figure("kl.png", "KL percentiles per format and regime", kl_caption(rs)),
-        ],
-    )
-    return [ceiling, agreement, everything]
-
-
-def foreign_note(rs: ResultsSet) -> list[str]:
-    """A warning naming the variants compared with ``--allow-foreign-variant``."""
-    foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
-    if not foreign:
-        return []
     return [
-        f"**Foreign variant(s): {', '.join(foreign)}.** Not derived from "
-        f"`{rs.model.get('path')}` (tensors they keep unquantized differ from the model's); "
-        "compared with `--allow-foreign-variant`, so their drift mixes quantization with "
-        "the difference between two models."
+        Section(
+            "Greedy acceptance ceiling and sampled matched prefix",
+            [
+                *(ceiling_table(rs, mode) for mode in ROLLOUT_MODES),
+                *figure(
+                    "ceiling.png",
+                    "greedy ceiling and sampled matched prefix by format and regime",
+                    CEILING_CAPTION,
+                ),
+            ],
+        ),
+        Section(
+            "Agreement by drafted position",
+            [
+                *(agreement_table(rs, r) for r in regime_order(rs)),
+                *figure(
+                    "seq_agree.png",
+                    "seq agree and prefix agree by position, per regime and rollout mode",
+                    SEQ_AGREE_CAPTION,
+                ),
+            ],
+        ),
+        Section(
+            f"All metrics, regime {full_regime}",
+            [
+                full_metrics_table(rs, full_regime),
+                *figure("kl.png", "KL percentiles per format and regime", kl_caption(rs)),
+            ],
+        ),
     ]
 
 
@@ -252,20 +251,6 @@ def _study_sections(rs: ResultsSet, figure) -> list[Section]:
             )
         )
     return sections
-
-
-def _checkpoint_sections(
-    checkpoints: Sequence[str | Path], base: str | Path | None, integrity_check: bool
-) -> list[Section]:
-    if not checkpoints:
-        return []
-    base_facts = ckpt.read_base(base) if base is not None else None
-    facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
-    parts = [p for f in facts for p in ckpt.quantization_parts(f)]
-    return [
-        Section("Size", [ckpt.size_table(base_facts, facts)]),
-        Section("What is quantized to what", parts),
-    ]
 
 
 def write_card(
