@@ -1,8 +1,7 @@
-"""The card's figures (PNG, matplotlib's Agg backend) from numbers of the results JSON and, for
-calibration.png, of `qstream speculate`'s (docs/card.md, "Figures").  Each has an opaque white
-background, dark text and the Okabe–Ito palette ("Color Universal Design", 2008) without its
-yellow; each variant also has its own line style and marker, for greyscale printing.
-"""
+"""The card's figures (PNG, matplotlib's Agg backend) from the results JSON and, for
+calibration.png, `qstream speculate`'s (docs/card.md, "Figures"): opaque white background, the
+Okabe–Ito palette ("Color Universal Design", 2008) without its yellow, and per variant its own
+line style and marker, for greyscale printing."""
 
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LADDER_STEP = 0.07  # x offset between consecutive percentiles of one variant
 
 
-# ---------------------------------------------------------------------------------------------
-# The words of the figures: axis names, special legend entries and captions, built from the same
-# results as the drawing (tests/test_card_figures.py holds each caption against the data).
+# The words of the figures: axis names, legend entries and captions, built from the same results
+# as the drawing (tests/test_card_figures.py holds each caption against the data).
 
 # The rollouts' per-position quantities (docs/eval-drift.md), a row each in seq_agree.png:
 # results key -> the y axis's words (SEQ_AGREE_CAPTION says how they differ).
@@ -139,10 +137,6 @@ def kl_caption(rs: ResultsSet) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Drawing
-
-
 def _style(index: int) -> dict:
     return {
         "color": PALETTE[index % len(PALETTE)],
@@ -193,13 +187,23 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     rows = [(mode, quantity) for mode in modes for quantity in POSITION_QUANTITIES]
     twins = coinciding(rs, rows)  # drawn hollow over their twin's line, and said so
     fig, axes = _new_figure(len(rows), len(regimes), (4.2, 3.2), sharey="row")
+    positions = list(range(1, rs.block_size + 1))
     handles: dict[str, Any] = {}
     for row, (mode, quantity) in enumerate(rows):
         lowest = 1.0  # the row shares one y scale, so it must span every panel's bands
         for col, regime in enumerate(regimes):
             ax = axes[row][col]
             ax.set_gid(f"{regime}/{mode}/{quantity}")
-            lowest = min(lowest, _position_lines(ax, rs, (regime, mode, quantity), handles, twins))
+            for i, variant in enumerate(variants):
+                m = metrics(rs, regime, variant)
+                if m is None or mode not in m["rollouts"]:
+                    continue
+                per_k = m["rollouts"][mode][quantity]
+                line, lo = _line_with_band(
+                    ax, positions, per_k, variant, i, hollow=variant in twins
+                )
+                handles.setdefault(variant, line)
+                lowest = min(lowest, *lo)
             ax.set_title(f"{regime} — {rollout_name(rs, mode, [regime])}", fontsize=9)
             ax.set_xlabel("drafted position k")
             if col == 0:  # the row shares its y axis
@@ -209,23 +213,6 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     labels = [f"{v} (same as {twins[v]}: the lines coincide)" if v in twins else v for v in handles]
     title = "Free-running rollouts against the FP32 reference by drafted position (bands: 95% CI)"
     return _save(fig, path, title, handles, labels)
-
-
-def _position_lines(ax, rs: ResultsSet, panel: tuple, handles, twins: dict) -> float:
-    """One line per variant of ``rollouts.MODE.QUANTITY[k]`` (``panel``: regime, mode,
-    quantity) with its band, hollow for ``twins``; the lowest bound."""
-    regime, mode, quantity = panel
-    positions = list(range(1, rs.block_size + 1))
-    lowest = 1.0
-    for i, variant in enumerate(variant_order(rs)):
-        m = metrics(rs, regime, variant)
-        if m is None or mode not in m["rollouts"]:
-            continue
-        per_k = m["rollouts"][mode][quantity]
-        line, lo = _line_with_band(ax, positions, per_k, variant, i, hollow=variant in twins)
-        handles.setdefault(variant, line)
-        lowest = min(lowest, *lo)
-    return lowest
 
 
 def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, hollow=False):
