@@ -98,8 +98,7 @@ def build_card(
     integrity_check: bool = True,
     speculate: dict | None = None,
 ) -> Card:
-    """The card as data, its figures referenced as ``figures_dir/NAME.png`` (None: left out);
-    ``speculate``: :func:`qstream.card.measured.read_speculate`'s results, shown first."""
+    """The card as data, its figures as ``figures_dir/NAME.png`` (None: left out)."""
     missing = find_missing(rs, [str(c) for c in checkpoints], None if base is None else str(base))
     full_regime = _full_metric_regime(rs, regime, missing)
 
@@ -265,12 +264,8 @@ def write_card(
     integrity_check: bool = True,
     speculate: str | Path | None = None,
 ) -> tuple[Card, list[Path]]:
-    """Write the card (``fmt`` md, json or html) to ``output`` and, unless ``figures`` is False,
-    its figures to ``<output stem>_files/`` beside it; returns the card and every path written.
-    An existing ``output`` that is not a card qstream wrote needs ``overwrite``; everything is
-    written atomically (qstream/card/document.py).  Each checkpoint must match the sha256s its
-    quantize record holds unless ``integrity_check`` is False.  ``speculate``: a
-    ``qstream speculate --json`` file of the same draft (docs/card.md)."""
+    """Write the card (``fmt`` md, json or html) to ``output`` and its figures to
+    ``<output stem>_files/``, atomically (qstream/card/document.py); the card and every path."""
     if fmt not in FORMATS:
         raise QStreamError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     output = Path(output)

@@ -56,8 +56,7 @@ def read_base(directory: str | Path) -> CheckpointFacts:
 def read_quantized(
     directory: str | Path, base: CheckpointFacts | None, integrity_check: bool = True
 ) -> CheckpointFacts:
-    """Size, selection, reasons and command of one quantized checkpoint; QStreamError naming a
-    file that differs from the sha256 quantize recorded, unless not ``integrity_check``."""
+    """Size, selection, reasons and command of one quantized checkpoint."""
     directory = Path(directory)
     checkpoint = open_checkpoint(directory)
     qconfig = checkpoint.config.get("quantization_config")
@@ -152,8 +151,7 @@ def _why_kept(
 def _reconstruct_command(
     directory: Path, fmt: str, quantized: list[str], base: CheckpointFacts | None
 ) -> tuple[str, str]:
-    """An equivalent ``qstream-quantize`` command, checked against the base when there is one:
-    the selection rules applied to the base's tensors must give exactly the quantized set."""
+    """An equivalent ``qstream-quantize`` command, checked to select the same set from the base."""
     # layers.3.mlp.gate_proj -> mlp.gate_proj (the part after the last index)
     split = [module.split(".") for module in quantized]
     last = [max((i for i, p in enumerate(parts) if p.isdigit()), default=-1) for parts in split]

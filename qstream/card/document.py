@@ -212,9 +212,8 @@ def check_card_target(output: Path, overwrite: bool, figures: bool) -> None:
 
 
 def publish_card(output: Path, text: str, draw: Callable[[Path], list[Path]] | None) -> list[Path]:
-    """Write the card text and (``draw(directory)`` given) its figures atomically; the paths.
-    Figures first (the old directory kept aside until the card is in place), card last; on
-    failure the old figures directory is put back."""
+    """Write the card text and ``draw(directory)``'s figures atomically (figures first, the old
+    directory kept aside until the card is in place and put back on failure); the paths."""
     remove_stale_partials(output, stderr_notice)
     tmp = partial_dir(output, "--output")
     fig, old, new = figures_dir(output), tmp / "old-figures", tmp / "figures"

@@ -174,8 +174,7 @@ def _save(fig: Figure, path: Path, title: str, handles, labels=None) -> Figure:
 
 
 def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
-    """seq agree[k] and prefix agree[k] per variant with 95% bands, a column per regime, a row
-    per rollout mode and quantity; each panel's gid is ``regime/mode/quantity``."""
+    """seq agree[k] and prefix agree[k] with 95% bands; panel gids ``regime/mode/quantity``."""
     regimes, variants = regime_order(rs), variant_order(rs)
     modes = [
         m
@@ -216,8 +215,7 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
 
 
 def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, hollow=False):
-    """``estimates`` as the ``i``-th variant's line with their intervals as a band (gid
-    ``variant``); the line and the lower bounds.  ``hollow``: open markers ringing a twin's."""
+    """The ``i``-th variant's line with a band (gid ``variant``); the line and lower bounds."""
     style = {"markersize": 4, "linewidth": 1.5, **_style(i)}
     if hollow:
         style |= {"markersize": 8, "markerfacecolor": "none", "markeredgewidth": 1.3}
@@ -231,8 +229,7 @@ def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, h
 
 
 def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
-    """Greedy ceiling and sampled matched prefix by regime (groups) and variant (bars), 95% CI
-    error bars; each panel's gid is its rollout mode."""
+    """Mean matched prefix by regime (groups) and variant (bars); panel gids: rollout modes."""
     from matplotlib.patheffects import withStroke
 
     regimes, variants = regime_order(rs), variant_order(rs)
@@ -330,8 +327,7 @@ def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
 
 
 def _kl_mean(ax, x: int, mean: dict, color: str, variant: str) -> None:
-    """The mean as a star with its 95% CI as an error bar (the part above zero, on a log axis)
-    and labelled with :func:`ci_percent`."""
+    """The mean as a star, its 95% CI (above zero) an error bar, labelled :func:`ci_percent`."""
     value, lo, hi = mean["value"], mean.get("lo"), mean.get("hi")
     yerr = None if lo is None or hi is None else [[value - max(lo, 0.0)], [hi - value]]
     bar = ax.errorbar([x - 0.25], [value], yerr=yerr, color=color, marker="*", markersize=8,
@@ -415,8 +411,7 @@ def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
 
 
 def write_figures(rs: ResultsSet, directory: Path, speculate: dict | None = None) -> list[Path]:
-    """Each figure the results (and greedy ``speculate`` results) hold the data for, drawn
-    into ``directory``; their paths."""
+    """Each figure the results hold the data for, drawn into ``directory``; their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     figures = {
         "seq_agree.png": seq_agree_figure,

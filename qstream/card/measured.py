@@ -35,8 +35,7 @@ CALIBRATION_CAPTION = (
 
 
 def read_speculate(path: Path, rs: ResultsSet) -> dict:
-    """``qstream speculate --json`` results of the draft ``rs`` describes, with publishable
-    numbers; QStreamError naming the file otherwise."""
+    """Checked ``qstream speculate --json`` results of the draft ``rs`` describes."""
     data = renamed_modes(read_json(path, "speculate results"))
     if not isinstance(data, dict) or data.get("schema") != SPECULATE_SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
@@ -104,8 +103,7 @@ def _at(node: Any, path: tuple) -> Any:
 
 
 def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
-    """The measured acceptance, then (greedy verification) the calibration against eval-drift;
-    ``figure(name, alt, caption)`` gives the figure parts (none without figures)."""
+    """The measured acceptance, then (greedy verification) the calibration against eval-drift."""
     s, block, prompts = _settings(spec)
     target = spec["provenance"]["target"]
     intro = (
@@ -182,8 +180,7 @@ def shares_table(spec: dict) -> Table:
 
 
 def speculate_tables(results: dict) -> list[Table]:
-    """What ``qstream speculate`` prints of its ``results``: per variant the mean acceptance
-    length, tokens per target forward and loss against bf16 (n/a without bf16); the shares."""
+    """What ``qstream speculate`` prints of its ``results``."""
     (s, _, prompts), d = _settings(results), DIGITS["ceiling"]
     rows = [
         [Cell(name), estimate(x["mean_acceptance_length"], d),
@@ -215,9 +212,8 @@ def _settings(spec: dict) -> tuple[dict, int, int]:
 
 
 def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
-    """Per speculate variant other than bf16: its measured loss (an estimate), eval-drift's
-    simulated loss on captured states and each regime's ceiling loss (differences of two
-    results numbers; None where either is missing)."""
+    """Per speculate variant but bf16: its measured loss, eval-drift's simulated loss on captured
+    states and each regime's ceiling loss (differences; None where a number is missing)."""
     sim = {}  # eval-drift's greedy acceptance against the target on captured states
     for name, result in rs.regimes.get(STATES.name, {}).items():
         target = (result.get("acceptance") or {}).get("target")

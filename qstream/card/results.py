@@ -56,8 +56,7 @@ class ResultsSet:
 
 
 def read_results(path: str | Path, trail: list | None = None) -> dict:
-    """A checked results file; with ``trail``, its objects record each key read from them, so
-    that a missing or null key is reported by name."""
+    """A checked results file; with ``trail``, each key read is recorded there."""
     path = Path(path)
     raw = read_json(path, "results file")
     data = check_results(raw, path)
@@ -164,8 +163,7 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
 
 
 def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
-    """One results set from (results, where they came from) pairs, each checked already: read by
-    :func:`read_results`, or a run held in memory, ``[(evaluate_drift(...), "(this run)")]``."""
+    """One results set from checked (results, where they came from) pairs."""
     merged: ResultsSet | None = None
     for data, source in results:
         if merged is None:
@@ -235,8 +233,7 @@ ESTIMATE_KEYS = ("value", "lo", "hi")
 
 
 def results_problems(data: object, where: str = "", field: str = "") -> Iterator[str]:
-    """Each number of ``data`` that cannot be published, as ``PATH = VALUE is ...``; ``field``:
-    the results key the value sits under."""
+    """Each number of ``data`` that cannot be published, as ``PATH = VALUE is ...``."""
     if isinstance(data, dict):
         estimate = all(key in data for key in ESTIMATE_KEYS)
         if estimate:

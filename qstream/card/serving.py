@@ -97,8 +97,7 @@ def _weights(variant: Variant) -> str:
 
 
 def _conditions(variants: dict[str, Variant]) -> list[tuple[Variant, str | None]]:
-    """Each variant off the default, with the first variant of the same weights at the default
-    (None: not in the run)."""
+    """Each variant off the default, with the first of the same weights at the default (or None)."""
     at_default = [v for v in variants.values() if v.configuration() == DEFAULTS]
     return [
         (v, next((d.name for d in at_default if (d.kind, d.source) == (v.kind, v.source)), None))
@@ -121,8 +120,7 @@ def _loss_vs_default(default: str | None, paired: Cell, values: tuple) -> Cell:
 
 
 def costs_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
-    """One regime's costs of each condition against bf16 and against the same weights at the
-    default: the ceiling gap and the acceptance loss in vLLM's default mode."""
+    """One regime's costs of each condition: ceiling gap and loss in vLLM's default mode."""
     present = [
         v
         for v in VERIFIERS

@@ -75,8 +75,7 @@ def variant_order(rs: ResultsSet) -> list[str]:
 
 
 def rollout_name(rs: ResultsSet, mode: str, regimes: list[str] | None = None) -> str:
-    """The rollout mode's label with the sampling settings of the runs of ``regimes`` (default:
-    all); when they differ, the label says so instead of picking one."""
+    """The rollout mode's label with the sampling settings of ``regimes`` (default: all)."""
     regimes = regime_order(rs) if regimes is None else regimes
     names = {rollout_label(mode, rs.runs[r].get("sampling")) for r in regimes}
     if len(names) == 1:
@@ -90,8 +89,7 @@ def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
 
 
 def agreement_table(rs: ResultsSet, regime: str) -> Table:
-    """Per-position agreement, k = 1..B: teacher-forced greedy agree, and the rollouts' seq agree
-    and prefix agree (seq_agree.png's quantities)."""
+    """Per-position agreement, k = 1..B: greedy agree, the rollouts' seq and prefix agree."""
     B = rs.block_size
     d = DIGITS["proportion"]
     rows = []
@@ -435,8 +433,7 @@ _COLUMNS = ["mode", "regime", "variant", "tokens/step [95% CI]", "loss vs bf16"]
 
 
 def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
-    """The acceptance by ``verifier``: vLLM's default mode beside the published card's, the other
-    modes, then adaptive verification (where some result simulated it)."""
+    """The acceptance by ``verifier``: headline modes, the other modes, adaptive (if simulated)."""
     tables = []
     for which, modes in (("headline", HEADLINE_MODES), ("other", OTHER_MODES)):
         sampling = per_regime(rs, regime_order(rs), lambda r: verifier_label(r.get("sampling")))
@@ -466,8 +463,7 @@ def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
 def _acceptance_rows(
     rs: ResultsSet, verifier: str, modes: tuple[VerificationMode, ...], cells
 ) -> list[list[Cell]]:
-    """One row per mode, regime and variant (so that a mode's variants sit together);
-    ``cells(acc, mode)``: the value cells of a variant's ``acceptance.VERIFIER`` (None: absent)."""
+    """One row per mode, regime and variant; ``cells(acc, mode)`` gives the value cells."""
     regimes = [
         r
         for r in regime_order(rs)
@@ -500,8 +496,7 @@ def _emitted_and_loss(acc: dict | None, mode: str) -> list[Cell]:
 
 
 def _adaptive_table(rs: ResultsSet, verifier: str, settings: set[tuple]) -> Table:
-    """Each adaptive mode's expected tokens and loss, and what vLLM's budget rule expects;
-    ``settings``: the (requests, budget share) pairs simulated."""
+    """Each adaptive mode's expected tokens and loss, and what vLLM's budget rule expects."""
     d = DIGITS["ceiling"]
 
     def cells(acc: dict | None, mode: str) -> list[Cell]:
@@ -531,8 +526,7 @@ def _adaptive_table(rs: ResultsSet, verifier: str, settings: set[tuple]) -> Tabl
 
 
 def suggested_command(rs: ResultsSet, regime: str) -> Part:
-    """The quantize command of the largest include list within the sensitivity tolerance, or
-    why there is none."""
+    """The quantize command of the largest include list within tolerance, or why there is none."""
     sens = rs.sections[regime]["sensitivity"]
     best = sens["suggested"]
     if best["command"]:

@@ -30,8 +30,7 @@ MAX_WIDTH = 100  # columns a terminal table may take (--wide: no limit)
 
 
 def report_parts(rs: ResultsSet) -> list[Part]:
-    """Per regime every metric and the agreement by position, the sensitivity steps and context
-    buckets where measured; then the acceptance per verifier and the serving conditions."""
+    """Per regime the metrics, agreement and studies; then acceptance and serving conditions."""
     parts: list[Part] = []
     for regime in regime_order(rs):
         parts += [full_metrics_table(rs, regime), agreement_table(rs, regime)]
@@ -91,9 +90,8 @@ def terminal_table(table: Table, rs: ResultsSet, width: int) -> tuple[Table, int
 
 
 def print_report(console: Console, results: dict, wide: bool = False) -> None:
-    """Print :func:`report_parts` of eval-drift ``results`` at the console's width (at most
-    MAX_WIDTH; ``wide``: the console's), a blank line before each table's caption; first, where
-    the variants' quantized sets differ, a note saying what their bare names leave out."""
+    """Print :func:`report_parts` of eval-drift ``results`` at most MAX_WIDTH wide (``wide``: the
+    console's width), after a note where the variants' quantized sets differ."""
     width = console.width if wide else min(console.width, MAX_WIDTH)
     rs = collect_results([(results, SOURCE)])
     shortened = short_names(rs)
