@@ -105,7 +105,13 @@ def build_card(
     def figure(name: str, alt: str, caption: str) -> list[Figure]:
         return [] if figures_dir is None else [Figure(f"{figures_dir}/{name}", alt, caption)]
 
-    sections = _intro_sections(rs, missing, speculate)
+    sections = _intro_sections(rs, speculate)
+    if missing:
+        incomplete = (
+            "The results set is incomplete; the tables below show what exists and nothing is "
+            "estimated in place of the rest:"
+        )
+        sections.append(Section("Missing data", [incomplete, Bullets(tuple(missing))]))
     if checkpoints:
         base_facts = ckpt.read_base(base) if base is not None else None
         facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
@@ -133,7 +139,7 @@ def build_card(
     return Card(title, sections, missing)
 
 
-def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) -> list[Section]:
+def _intro_sections(rs: ResultsSet, speculate: dict | None) -> list[Section]:
     notes = []
     if speculate is not None:
         notes.append(
@@ -151,7 +157,7 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
             "the difference between two models."
         )
     n_files = len({path for paths in rs.sources.values() for path in paths})
-    sections = [
+    return [
         Section(
             "About these numbers",
             [
@@ -172,18 +178,6 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
             ],
         )
     ]
-    if missing:
-        sections.append(
-            Section(
-                "Missing data",
-                [
-                    "The results set is incomplete; the tables below show what exists and "
-                    "nothing is estimated in place of the rest:",
-                    Bullets(tuple(missing)),
-                ],
-            )
-        )
-    return sections
 
 
 def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
