@@ -147,25 +147,20 @@ def costs_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
             Cell("n/a") if default is None else _gap(ceiling(v.name), ceiling(default)),
             _loss_vs_default(default, loss, tuple(emitted)),
         ])  # fmt: skip
+    temps = {  # vLLM's default mode's, from the results
+        acc[VLLM_DEFAULT_MODE.name]["mode"]["temperature"]
+        for r in rs.regimes[regime].values()
+        if VLLM_DEFAULT_MODE.name in (acc := r.get("acceptance", {}).get(verifier) or {})
+    }
     caption = CAPTION.format(
         mode=label,
         verifier=VERIFIERS[verifier] if verifier else "no verifier (not simulated in this regime)",
-        temps=_temperatures(rs, regime, verifier),
+        temps=", ".join(f"T={t}" for t in sorted(temps)) or "no temperature (nothing simulated)",
         unpaired=UNPAIRED,
     )
     columns = ["condition", "ceiling gap to bf16", f"loss vs bf16, {label} [95% CI]",
                "ceiling gap to default", "loss vs default"]  # fmt: skip
     return Table(f"Regime {regime}: {caption}", columns, rows, key=f"serving_{regime}")
-
-
-def _temperatures(rs: ResultsSet, regime: str, verifier: str | None) -> str:
-    """The temperatures the regime's entries of vLLM's default mode ran at, from the results."""
-    found = {
-        acc[VLLM_DEFAULT_MODE.name]["mode"]["temperature"]
-        for r in rs.regimes[regime].values()
-        if VLLM_DEFAULT_MODE.name in (acc := r.get("acceptance", {}).get(verifier) or {})
-    }
-    return ", ".join(f"T={t}" for t in sorted(found)) or "no temperature (nothing simulated)"
 
 
 def measured_conditions_table(spec: dict, conditions: list) -> Table:

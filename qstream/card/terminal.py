@@ -50,20 +50,14 @@ def short_names(rs: ResultsSet) -> dict[str, str]:
     return {label: name for label, name in labels.items() if label != name}
 
 
-def _rename(table: Table, names: dict[str, str]) -> Table:
-    """``table`` with every variant label (a header or a cell) replaced by the bare name."""
-    rows = [
-        [Cell(names.get(cell.text, cell.text), cell.data) for cell in row] for row in table.rows
-    ]
-    return replace(table, columns=[names.get(c, c) for c in table.columns], rows=rows)
-
-
 def terminal_table(table: Table, rs: ResultsSet, width: int) -> tuple[Table, int]:
     """The card's ``table`` as the terminal shows it at ``width``, and how many leading columns
     are grouped: the labels but the last.  The agreement table is grouped by measure (then
     variant); a table of variant columns too wide with its labels unwrapped turns into one row
     per label row and variant: the other columns, ``variant`` and ``value``."""
-    table = _rename(table, short_names(rs))
+    names = short_names(rs)  # every variant label, a header or a cell, by its bare name
+    rows = [[Cell(names.get(c.text, c.text), c.data) for c in row] for row in table.rows]
+    table = replace(table, columns=[names.get(c, c) for c in table.columns], rows=rows)
     variants = [v for v in variant_order(rs) if v in table.columns]
     labels = len(table.align) - len(table.align.lstrip("l"))
     if table.key.startswith("agreement_"):
