@@ -78,7 +78,14 @@ def read_quantized(
         else tensors[f"{m}.weight"].numel
         for m in quantized
     )
-    provenance = _read_provenance(directory)
+    path, provenance = directory / PROVENANCE, None
+    if path.exists():
+        try:
+            provenance = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise QStreamError(f"{path}: unreadable provenance file ({exc})") from exc
+        if not isinstance(provenance, dict) or not isinstance(provenance.get("command"), str):
+            raise QStreamError(f'{path}: provenance file without a "command" string')
     skipped = (provenance or {}).get("summary", {}).get("modules_skipped") or {}
     params = inspect_checkpoint(directory)["params"]
     kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
@@ -112,19 +119,6 @@ def _kept_modules(
         )
         kept[module] = (shape, info.numel, why)
     return kept
-
-
-def _read_provenance(directory: Path) -> dict | None:
-    path = directory / PROVENANCE
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise QStreamError(f"{path}: unreadable provenance file ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("command"), str):
-        raise QStreamError(f'{path}: provenance file without a "command" string')
-    return data
 
 
 def _why_kept(

@@ -212,9 +212,9 @@ def conditions_tables(rs: ResultsSet) -> list[Table]:
     if not conditions:
         return []
     costs = [
-        costs_table(rs, r, held)
+        costs_table(rs, r, here)
         for r in regime_order(rs)
-        if (held := [c for c in conditions if c[0].name in rs.regimes[r]])
+        if (here := [c for c in conditions if c[0].name in rs.regimes[r]])
     ]
     rows = [
         [Cell(v.name), Cell(words), Cell(_weights(v)), Cell(default or "not in the run"),

@@ -77,9 +77,9 @@ def terminal_table(table: Table, rs: ResultsSet, width: int) -> tuple[Table, int
         melt = [i for i, c in enumerate(table.columns) if c in variants]
         rows = [[*(row[i] for i in keep), Cell(table.columns[j]), row[j]]
                 for row in table.rows for j in melt]  # fmt: skip
-        columns = [*(table.columns[i] for i in keep), "variant", "value"]
+        header = [*(table.columns[i] for i in keep), "variant", "value"]
         align = "".join(table.align[i] for i in keep) + "lr"
-        return replace(table, columns=columns, rows=rows, align=align), len(columns) - 2
+        return replace(table, columns=header, rows=rows, align=align), len(header) - 2
     return table, max(0, labels - 1)
 
 
