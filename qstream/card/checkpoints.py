@@ -192,30 +192,6 @@ def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts])
     )
 
 
-def _kept_table(facts: CheckpointFacts) -> Table:
-    """The kept modules grouped by kind and reason."""
-    grouped: dict[tuple[str, str], list] = {}
-    for module, (shape, params, why) in facts.kept.items():
-        entry = grouped.setdefault((module_kind(module), why), [0, shape, 0])
-        entry[0] += 1
-        entry[2] += params
-        if entry[1] != shape:
-            entry[1] = None
-    rows = [
-        [Cell(kind), Cell(str(n), n),
-         Cell("various" if shape is None else "×".join(map(str, shape))),
-         Cell(f"{params:,}", params), Cell(why)]
-        for (kind, why), (n, shape, params) in grouped.items()
-    ]  # fmt: skip
-    return Table(
-        f"{facts.path.name}: modules kept unquantized, and why",
-        ["module kind", "count", "weight shape", "parameters", "why"],
-        rows,
-        key=f"kept_{facts.path.name}",
-        align="lrrrl",
-    )
-
-
 def quantization_parts(facts: CheckpointFacts) -> list[Part]:
     """What is quantized to what in one checkpoint, why the rest is kept, and the command."""
     kinds = Counter(module_kind(m) for m in facts.quantized)
@@ -231,9 +207,26 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
     ]  # fmt: skip
     summary = Table(f"{facts.path.name}: {facts.fmt} weights", ["", "value"], rows,
                     key=f"quantized_{facts.path.name}", align="ll")  # fmt: skip
+    grouped: dict[tuple[str, str], list] = {}  # the kept modules by kind and reason
+    for module, (shape, params, why) in facts.kept.items():
+        grouped.setdefault((module_kind(module), why), []).append((shape, params))
+    rows = [
+        [Cell(kind), Cell(str(len(g)), len(g)),
+         Cell("×".join(map(str, g[0][0])) if len({s for s, _ in g}) == 1 else "various"),
+         Cell(f"{n:,}", n), Cell(why)]
+        for (kind, why), g in grouped.items()
+        for n in [sum(p for _, p in g)]
+    ]  # fmt: skip
+    kept = Table(
+        f"{facts.path.name}: modules kept unquantized, and why",
+        ["module kind", "count", "weight shape", "parameters", "why"],
+        rows,
+        key=f"kept_{facts.path.name}",
+        align="lrrrl",
+    )
     return [
         summary,
-        _kept_table(facts),
+        kept,
         f"The command that produced `{facts.path.name}`. {facts.command_origin}",
         Code(facts.command or ""),
         integrity_sentence(facts),

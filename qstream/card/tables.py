@@ -326,18 +326,17 @@ def _evaluation_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Desc
 
 def _computed_on(rs: ResultsSet, regimes: list[str]) -> str:
     """Device, torch's CPU kernels and threads of every file: float results follow all three."""
-    seen = [c for r in regimes for c in rs.computed.get(r, {}).values()]
-    return "; ".join(dict.fromkeys(_compute_text(c) for c in seen)) or "not recorded"
-
-
-def _compute_text(compute: dict | None) -> str:
-    if not compute:
-        return "not recorded in the results"
-    where = f"{compute['device']} ({compute['device_name']})"
-    if compute["device"] != "cpu":
-        return where
-    kernels = compute.get("cpu_capability") or "not recorded"
-    return f"{where}, torch CPU kernels {kernels}, {compute['threads']} threads"
+    texts = []
+    for c in (c for r in regimes for c in rs.computed.get(r, {}).values()):
+        if not c:
+            texts.append("not recorded in the results")
+        elif c["device"] != "cpu":
+            texts.append(f"{c['device']} ({c['device_name']})")
+        else:
+            kernels = c.get("cpu_capability") or "not recorded"
+            texts.append(f"{c['device']} ({c['device_name']}), torch CPU kernels {kernels}, "
+                         f"{c['threads']} threads")  # fmt: skip
+    return "; ".join(dict.fromkeys(texts)) or "not recorded"
 
 
 def evaluation_table(rs: ResultsSet) -> Table:
