@@ -26,11 +26,8 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LADDER_STEP = 0.07  # x offset between consecutive percentiles of one variant
 
 
-# The words of the figures: axis names, legend entries and captions, built from the same results
-# as the drawing (tests/test_card_figures.py holds each caption against the data).
-
-# The rollouts' per-position quantities (docs/eval-drift.md), a row each in seq_agree.png:
-# results key -> the y axis's words (SEQ_AGREE_CAPTION says how they differ).
+# The rollouts' per-position quantities (docs/eval-drift.md), a row each in seq_agree.png: results
+# key -> the y axis's words.  tests/test_card_figures.py holds each caption against the data.
 POSITION_QUANTITIES = {
     "seq_agree": "seq agree[k]: token k equal\n(share of all blocks)",
     "prefix_agree": "prefix agree[k]: tokens 1..k equal\n(share of all blocks)",
@@ -82,8 +79,7 @@ CONTEXT_CAPTION = (
     "per format, 95% bands; the dotted line is the YaRN boundary."
 )
 
-# KL percentiles of the results (llama.cpp's report), drawn as a ladder on kl.png's log axis:
-# (results key, legend name, marker).
+# KL percentiles (llama.cpp's report) on kl.png's log axis: (results key, legend name, marker).
 KL_LADDER = (
     ("median", "median", "o"),
     ("p90", "p90", "s"),
@@ -317,8 +313,7 @@ def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
         ax.annotate("KL = 0", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
                     fontsize=8, color=color)  # fmt: skip
         return
-    # a staircase: each percentile a step to the right of the previous one, so that close
-    # percentiles do not hide each other's markers on the log axis
+    # a staircase, so that close percentiles do not hide each other's markers on the log axis
     xs = [x - 0.1 + LADDER_STEP * j for j in range(len(points))]
     (ladder,) = ax.plot(xs, [y for y, _ in points], color=color, linewidth=1.0)
     ladder.set_gid(variant)

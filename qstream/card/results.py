@@ -213,9 +213,8 @@ def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path
             merged.sections.setdefault(regime, {})[key] = block[key]
 
 
-# The results keys (docs/eval-drift.md, "Metrics") holding a share of blocks, positions or
-# tokens, and the range of each; a key names the estimate itself, or the list of one estimate
-# per drafted position.
+# The results keys (docs/eval-drift.md, "Metrics") holding a share or a correlation: an estimate,
+# or a list of one per drafted position, and its range.
 _PROPORTION = (0.0, 1.0)
 BOUNDED = {
     "greedy_agree": _PROPORTION,  # teacher-forced top-1 match, per position

@@ -27,9 +27,8 @@ from qstream.serving import DEFAULTS, Variant
 from qstream.tablefit import Cell, Table
 from qstream.verification import ADAPTIVE_MODES, HEADLINE_MODES, MODES, VerificationMode
 
-# Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
-# 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B); a
-# difference against bf16 in tokens (small next to the lengths it compares) gets one more.
+# Decimals per kind of number: proportions and r to a tenth of a percent, 1−TV (close to 1) one
+# more, the ceiling in tokens (0..B) two, a difference against bf16 in tokens one more.
 DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "difference": 3, "snr": 1}
 
 
