@@ -1,8 +1,6 @@
-"""What the shipped checkpoints are (docs/card.md): size against the base, what is quantized to
-what, why the rest is kept, and the ``qstream-quantize`` command, all read from the directories
-(safetensors headers, ``quantization_config``, and quantize's record ``qstream_quantize.json``:
-``{"command", "summary", "qstream_version"}``).  Without a record the command is reconstructed.
-"""
+"""What the shipped checkpoints are (docs/card.md): size, what is quantized to what, why the rest
+is kept, and the command, read from the directories (quantize's record ``qstream_quantize.json``:
+``{"command", "summary", "qstream_version"}``; without one the command is reconstructed)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The card as data (sections of paragraphs, :class:`qstream.tablefit.Table` s, figures and code),
-its three renderings (GitHub-flavoured markdown, a standalone HTML page, JSON) and writing it
-safely (docs/guarantees.md, "Atomic" and "Refused"): the card and its ``<stem>_files/`` figures
-are built in ``.<card name>.qstream-partial-<pid>/`` and published by renames, figures first.
-An existing card file without :data:`MARKER` needs ``--overwrite``; a figures directory holding
-anything but the figures a card draws is refused."""
+"""The card as data, rendered as markdown, HTML or JSON, and written safely (docs/guarantees.md,
+"Atomic" and "Refused"): built in ``.<card name>.qstream-partial-<pid>/``, published by renames,
+figures first; a card file without :data:`MARKER` needs ``--overwrite``."""
 
 from __future__ import annotations
 

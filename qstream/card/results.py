@@ -1,8 +1,6 @@
-"""Read eval-drift results files and merge them into one results set, each regime's numbers as
-measured; refused (docs/card.md, "Inputs"): results of different models, a regime and variant
-measured twice with different numbers, and a number that cannot be published as it stands (not
-finite, a share or correlation outside its range ``BOUNDED``, a value outside its own interval).
-"""
+"""Read eval-drift results files and merge them into one results set; refused (docs/card.md,
+"Inputs"): different models, a regime and variant measured twice with different numbers, and a
+number that cannot be published (not finite, outside ``BOUNDED`` or its own interval)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The card's tables from a merged results set: the results, how they were evaluated, and the
-optional studies (sensitivity, context sweep, simulated acceptance); docs/card.md.  Every number
-is one of the results JSON at ``DIGITS`` decimals, except the gap to bf16 (a difference of two
-shown values, its header says so); every difference against bf16 is printed by :func:`difference`.
-The same tables are what ``qstream eval-drift`` prints (qstream/card/terminal.py)."""
+"""The card's tables from a merged results set (docs/card.md), also what ``qstream eval-drift``
+prints: every number is one of the results JSON at ``DIGITS`` decimals, except the gap to bf16
+(a difference of two shown values, printed by :func:`difference`)."""
 
 from __future__ import annotations
 
