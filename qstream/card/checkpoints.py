@@ -99,45 +99,36 @@ def read_quantized(
 def _kept_modules(
     checkpoint: Checkpoint, fmt: str, quantized: set[str], skipped: dict[str, str]
 ) -> dict[str, tuple[tuple[int, ...], int, str]]:
-    """Every weight-holding module that is not quantized, with its shape, size and reason."""
+    """Every weight-holding module that is not quantized, with its shape, size and reason: vLLM's,
+    quantize's own when recorded, else the rule (docs/quantize.md, docs/formats.md) it falls under."""
     modules = weight_modules(checkpoint.tensors)
     profile = profile_for(checkpoint.config)
     # the group's label with layer indices as "*", so that a kind's rows share one reason
     fused = {m: module_kind(g.label) for g in fused_groups(modules, profile) for m in g.members}
+    block = get_format(fmt).block_size
     kept = {}
     for module, info in modules.items():
         if module in quantized:
             continue
         shape = tuple(info.shape)
-        never = never_quantized(profile, module)
-        why = (
-            f"vLLM never quantizes it: {never}"
-            if never
-            else _why_kept(module, shape, fmt, skipped, fused)
-        )
+        if never := never_quantized(profile, module):
+            why = f"vLLM never quantizes it: {never}"
+        elif module in skipped:
+            why = f"skipped at quantize time: {skipped[module]}"
+        elif len(shape) != 2:
+            why = f"{len(shape)}-D weight (norm scale or bias), not a Linear layer"
+        elif is_embedding(module):
+            why = "embedding table, not a Linear layer"
+        elif module.rsplit(".", 1)[-1] in HEAD_NAMES:
+            why = "output head"
+        elif block and shape[1] % block:
+            why = f"shape rule: K={shape[1]} is not a multiple of the {fmt} block size {block}"
+        elif module in fused:
+            why = f"not selected; fused group {fused[module]} stays whole (vLLM needs all or none)"
+        else:
+            why = "not selected (in the config's ignore list)"
         kept[module] = (shape, info.numel, why)
     return kept
-
-
-def _why_kept(
-    module: str, shape: tuple[int, ...], fmt: str, skipped: dict[str, str], fused: dict[str, str]
-) -> str:
-    """Why an ignored module keeps its dtype: quantize's own reason when recorded, else the rule
-    (docs/quantize.md, docs/formats.md) that its name and shape fall under."""
-    if module in skipped:
-        return f"skipped at quantize time: {skipped[module]}"
-    if len(shape) != 2:
-        return f"{len(shape)}-D weight (norm scale or bias), not a Linear layer"
-    if is_embedding(module):
-        return "embedding table, not a Linear layer"
-    if module.rsplit(".", 1)[-1] in HEAD_NAMES:
-        return "output head"
-    block = get_format(fmt).block_size
-    if block and shape[1] % block:
-        return f"shape rule: K={shape[1]} is not a multiple of the {fmt} block size {block}"
-    if module in fused:
-        return f"not selected; fused group {fused[module]} stays whole (vLLM needs all or none)"
-    return "not selected (in the config's ignore list)"
 
 
 def _reconstruct_command(

@@ -1,5 +1,6 @@
 """The card's measured acceptance: ``qstream speculate`` results (docs/speculate.md) beside what
-eval-drift predicted from the same draft (docs/card.md, "Measured acceptance"; docs/calibration.md)."""
+eval-drift predicted from the same draft (docs/card.md, "Measured acceptance";
+docs/calibration.md)."""
 
 from __future__ import annotations
 
