@@ -100,7 +100,7 @@ def _kept_modules(
     checkpoint: Checkpoint, fmt: str, quantized: set[str], skipped: dict[str, str]
 ) -> dict[str, tuple[tuple[int, ...], int, str]]:
     """Every weight-holding module that is not quantized, with its shape, size and reason: vLLM's,
-    quantize's own when recorded, else the rule (docs/quantize.md, docs/formats.md) it falls under."""
+    quantize's own, else the rule it falls under (docs/quantize.md, docs/formats.md)."""
     modules = weight_modules(checkpoint.tensors)
     profile = profile_for(checkpoint.config)
     # the group's label with layer indices as "*", so that a kind's rows share one reason
