@@ -285,9 +285,7 @@ def kl_figure(rs: ResultsSet, path: Path) -> Figure:
             m = metrics(rs, regime, variant)
             if m is None:
                 continue
-            _kl_ladder(ax, i, m["kl"], _style(i)["color"], variant)
-            if (star := kl_star(m["kl"])) is not None:
-                _kl_mean(ax, i, star, _style(i)["color"], variant)
+            _kl_variant(ax, i, m["kl"], variant)
         ax.set_xticks(range(len(variants)), variants, rotation=30 if len(variants) > 4 else 0)
         ax.set_xlim(-0.8, len(variants) - 0.4)  # room for the first star's label
         ax.set_xlabel("variant")
@@ -306,8 +304,10 @@ def kl_figure(rs: ResultsSet, path: Path) -> Figure:
     return _save(fig, path, title, handles, [h.get_label() for h in handles])
 
 
-def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
-    """The percentiles of one variant, or a "KL = 0" label when none is above zero."""
+def _kl_variant(ax, x: int, kl: dict, variant: str) -> None:
+    """One variant's percentiles (or a "KL = 0" label when none is above zero) and its
+    :func:`kl_star` mean, its 95% CI (above zero) an error bar, labelled :func:`ci_percent`."""
+    color = _style(x)["color"]
     points = [(kl[key], mk) for key, _, mk in KL_LADDER if kl.get(key) is not None and kl[key] > 0]
     if not points:
         ax.annotate("KL = 0", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
@@ -319,10 +319,8 @@ def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
     ladder.set_gid(variant)
     for xj, (y, mk) in zip(xs, points):
         ax.plot([xj], [y], marker=mk, color=color, linestyle="none", markersize=5)
-
-
-def _kl_mean(ax, x: int, mean: dict, color: str, variant: str) -> None:
-    """The mean as a star, its 95% CI (above zero) an error bar, labelled :func:`ci_percent`."""
+    if (mean := kl_star(kl)) is None:
+        return
     value, lo, hi = mean["value"], mean.get("lo"), mean.get("hi")
     yerr = None if lo is None or hi is None else [[value - max(lo, 0.0)], [hi - value]]
     bar = ax.errorbar([x - 0.25], [value], yerr=yerr, color=color, marker="*", markersize=8,
