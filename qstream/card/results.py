@@ -174,41 +174,37 @@ def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
                 f"{merged.model.get('path')}); a card describes one model"
             )
         for regime, block in data["regimes"].items():
-            _merge_regime(merged, regime, block, data, source)
+            run = {key: data.get(key) for key in RUN_FIELDS}
+            captured = regime in REGIMES and REGIMES[regime].captured
+            if captured and data.get("states"):  # its streams and anchors are its own
+                run.update(corpus=data["states"], anchors=data["states"].get("anchors"))
+            variants = merged.regimes.setdefault(regime, {})
+            merged.runs.setdefault(regime, run)
+            sources = merged.sources.setdefault(regime, [])
+            for name, result in block["variants"].items():
+                if name in variants and variants[name] != result:
+                    raise QStreamError(
+                        f"{source}: regime {regime!r}, variant {name!r} conflicts with "
+                        f"{sources[0]} (same regime and variant, different numbers); pass only "
+                        "one of them"
+                    )
+                if name not in variants and merged.runs[regime] != run:
+                    raise QStreamError(
+                        f"{source}: regime {regime!r} was evaluated differently from "
+                        f"{sources[0]} (seed, blocks, corpus or versions differ); its variants "
+                        "cannot share one table"
+                    )
+                variants[name] = result
+            if source not in sources:
+                sources.append(source)
+            merged.computed.setdefault(regime, {})[source] = data.get("compute")
+            for key in REGIME_SECTIONS:
+                if key in block:
+                    merged.sections.setdefault(regime, {})[key] = block[key]
         for name, info in data["variants"].items():
             merged.variants.setdefault(name, info)
     assert merged is not None  # at least one file was read
     return merged
-
-
-def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path: str) -> None:
-    run = {key: data.get(key) for key in RUN_FIELDS}
-    captured = regime in REGIMES and REGIMES[regime].captured
-    if captured and data.get("states"):  # its streams and anchors are its own
-        run.update(corpus=data["states"], anchors=data["states"].get("anchors"))
-    variants = merged.regimes.setdefault(regime, {})
-    merged.runs.setdefault(regime, run)
-    merged.sources.setdefault(regime, [])
-    for name, result in block["variants"].items():
-        if name in variants and variants[name] != result:
-            raise QStreamError(
-                f"{path}: regime {regime!r}, variant {name!r} conflicts with "
-                f"{merged.sources[regime][0]} (same regime and variant, different "
-                "numbers); pass only one of them"
-            )
-        if name not in variants and merged.runs[regime] != run:
-            raise QStreamError(
-                f"{path}: regime {regime!r} was evaluated differently from "
-                f"{merged.sources[regime][0]} (seed, blocks, corpus or versions "
-                "differ); its variants cannot share one table"
-            )
-        variants[name] = result
-    if path not in merged.sources[regime]:
-        merged.sources[regime].append(path)
-    merged.computed.setdefault(regime, {})[path] = data.get("compute")
-    for key in REGIME_SECTIONS:
-        if key in block:
-            merged.sections.setdefault(regime, {})[key] = block[key]
 
 
 # The results keys (docs/eval-drift.md, "Metrics") holding a share or a correlation: an estimate,
