@@ -1,12 +1,6 @@
-"""qstream's one kind of table, :class:`Table`: a caption, headers and cells keeping the text
-shown and the JSON value behind it, rendered as the card's markdown or fitted to the terminal
-(docs/guarantees.md, "Shown"): label columns wrap between words (a long name between its dotted
-parts), values never wrap, no cell is cut short, no table is split.  *Grouped* leading columns
-show a label once per run of rows with it, its lines spread down the run.
-
->>> table = Table.of("sizes", ["module kind", "size"], [["embed_tokens.weight", "121.88 KiB"]])
->>> console.print(table.fitted(100))
-"""
+"""qstream's one kind of table: cells keeping the text shown and the JSON value behind it,
+rendered as markdown or fitted to the terminal (docs/guarantees.md, "Shown"): labels wrap between
+words (a long name between its dotted parts), values never wrap, nothing is cut or split."""
 
 from __future__ import annotations
 
@@ -14,6 +8,7 @@ import re
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any
 
 from rich.table import Table as RichTable
@@ -34,9 +29,6 @@ class Cell:
 
 @dataclass
 class Table:
-    """Each cell keeps its text and, for a measured number, that number as the results JSON
-    holds it (``data``): the card's ``--format json`` and the tests read it."""
-
     caption: str
     columns: list[str]
     rows: list[list[Cell]]
@@ -67,12 +59,10 @@ class Table:
         return [[cell.text for cell in row] for row in self.rows]
 
     def layout(self) -> list[Column]:
-        """How :func:`column_widths` sees the columns."""
         return [Column(c, right=a == "r", wraps=False if a == "k" else None)
                 for c, a in zip(self.columns, self.align)]  # fmt: skip
 
     def markdown(self) -> str:
-        """GitHub-flavoured markdown, the caption in bold above."""
         lines = [
             f"**{self.caption}**",
             "",
@@ -83,7 +73,6 @@ class Table:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """The table as data: each cell its JSON value, a label its text."""
         return {
             "key": self.key,
             "caption": self.caption,
@@ -96,7 +85,6 @@ class Table:
         }  # fmt: skip
 
     def fitted(self, width: int, grouped: int = 0, titled: bool = True) -> RichTable:
-        """:func:`fitted_table` of this table, the caption its title if ``titled``."""
         title = self.caption if titled else None
         return fitted_table(self.layout(), self.texts(), width, title=title, grouped=grouped)
 
@@ -131,14 +119,13 @@ _NBSP = "\u00a0"
 
 
 def _words(text: str) -> list[str]:
-    """``text``'s words, a short bracketed group counting as one."""
     kept = _BRACKETED.sub(lambda m: m[0].replace(" ", _NBSP), text)
     return [w for w in re.split(r"[ \t\r\n]+", kept) if w] or [""]  # not str.split: NBSP stays
 
 
 def wrap(text: str, width: int) -> list[str]:
-    """``text`` in lines of at most ``width`` characters: broken between words; a word longer
-    than the width between its dotted (or ``/ -``) parts; a part longer still, anywhere."""
+    """``text`` in lines of at most ``width``: broken between words, a longer word between its
+    dotted (or ``/ -``) parts, a longer part anywhere."""
     lines: list[str] = []
     for paragraph in text.splitlines() or [""]:
         joined = " ".join(_words(paragraph)) if paragraph.strip() else ""
@@ -146,27 +133,23 @@ def wrap(text: str, width: int) -> list[str]:
             joined, width, break_long_words=False, break_on_hyphens=False
         ) or [""]:
             line = line.replace(_NBSP, " ")
-            lines += _break_name(line, width) if len(line) > width else [line]
+            if len(line) <= width:
+                lines.append(line)
+                continue
+            pieces = [""]
+            for part in _PARTS.findall(line):
+                if pieces[-1] and len(pieces[-1]) + len(part) > width:
+                    pieces.append("")
+                pieces[-1] += part
+            lines += [p[i : i + width] for p in pieces for i in range(0, len(p) or 1, width)]
     return lines
-
-
-def _break_name(word: str, width: int) -> list[str]:
-    lines, line = [], ""
-    for part in _PARTS.findall(word):
-        if line and len(line) + len(part) > width:
-            lines.append(line)
-            line = ""
-        line += part
-    lines.append(line)
-    return [piece[i : i + width] for piece in lines for i in range(0, len(piece) or 1, width)]
 
 
 def column_widths(
     columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int
 ) -> list[int]:
-    """Each column's text width, its longest line narrowed, widest first, until the table fits
-    ``width``: headers wrap at words, then wrapping columns at words, at a name's parts, anywhere
-    (down to NARROWEST)."""
+    """Each column's text width, the widest narrowed first until the table fits ``width``:
+    headers at words, then wrapping columns at words, at a name's parts, anywhere (NARROWEST)."""
     cells = [[row[i] for row in rows] for i in range(len(columns))]
 
     def longest(texts: Sequence[str], unit) -> int:
@@ -190,7 +173,6 @@ def column_widths(
 
 
 def _narrow(widths: list[int], floors: list[int], budget: int) -> None:
-    """Take one column from the widest column above its floor until the widths fit ``budget``."""
     while sum(widths) > budget:
         above = [i for i, (w, f) in enumerate(zip(widths, floors)) if w > f]
         if not above:
@@ -207,16 +189,31 @@ def fitted_table(
     grouped: int = 0,
 ) -> RichTable:
     """A rich table of ``rows`` that fits ``width`` where its values and names can (rich folds a
-    cell rather than cut it); the first ``grouped`` columns grouped, a line between groups."""
+    cell rather than cut it); the first ``grouped`` columns show a label once per run of rows
+    with it, its lines spread down the run, a line between groups.  A table too wide turns into
+    one row per row and value column: the labels, ``measure`` and ``value``."""
     widths = column_widths(columns, rows, width)
-    melted = None if _whole(columns, rows, widths, width) else _melt(columns, rows)
-    if melted is not None and _whole(*melted, column_widths(*melted, width), width):
-        (columns, rows), grouped = melted, len(melted[0]) - 2
-        widths = column_widths(columns, rows, width)
+    k = next((i for i, c in enumerate(columns) if c.right), len(columns))
+    if 0 < k <= len(columns) - 2 and not _whole(columns, rows, widths, width):
+        melted = [*columns[:k], Column("measure"), Column("value", right=True)]
+        cells = [[*r[:k], c.header, r[j]] for r in rows for j, c in enumerate(columns) if j >= k]
+        if _whole(melted, cells, column_widths(melted, cells, width), width):
+            columns, rows, grouped = melted, cells, k
+            widths = column_widths(columns, rows, width)
     lines = [[wrap(text, w) for text, w in zip(row, widths)] for row in rows]
     for col in reversed(range(grouped)):
-        _spread(lines, col, widths[col], rows)
-    out = RichTable(title=_title(title, widths, width), show_edge=False, pad_edge=False)
+        for _, run in groupby(range(len(rows)), key=lambda i: list(rows[i][: col + 1])):
+            run_rows = list(run)
+            label = wrap(rows[run_rows[0]][col], widths[col])
+            for i in run_rows:  # the run's last row takes the rest
+                height = max((len(cell) for cell in lines[i][col + 1 :]), default=1)
+                take, label = (label, []) if i == run_rows[-1] else (label[:height], label[height:])
+                lines[i][col] = take or [""]
+    shown = None if title is None else Text(title)
+    if title is not None and len(title) > sum(widths) + 3 * (len(widths) - 1):
+        # too wide to centre over the table: broken at words to ``width``, left-aligned
+        shown = Text("\n".join(wrap(title, width)), no_wrap=True, overflow="ignore", justify="left")
+    out = RichTable(title=shown, show_edge=False, pad_edge=False)
     for column, w in zip(columns, widths):
         out.add_column(
             Text("\n".join(wrap(column.header, w))),
@@ -230,54 +227,13 @@ def fitted_table(
     return out
 
 
-def _title(title: str | None, widths: list[int], width: int) -> Text | None:
-    """The caption above a table of columns ``widths``: centred over it where it fits, else
-    broken at words to ``width`` and left-aligned, never squeezed into the table's width."""
-    if title is None or len(title) <= sum(widths) + 3 * (len(widths) - 1):
-        return None if title is None else Text(title)
-    return Text("\n".join(wrap(title, width)), no_wrap=True, overflow="ignore", justify="left")
-
-
 def _whole(
     columns: Sequence[Column], rows: Sequence[Sequence[str]], widths: list[int], width: int
 ) -> bool:
-    """At ``widths`` the table fits ``width`` with no word split (a name only between its parts)
-    and no value wrapped."""
+    """At ``widths`` the table fits ``width``, no word split (a name only between its parts)."""
     for i, (c, w) in enumerate(zip(columns, widths)):
         unit = _parts if c.wrapping else str.splitlines  # a header wraps at its words
         cells = [len(u) for row in rows for u in unit(row[i])] + [len(u) for u in _words(c.header)]
         if w < max(cells):
             return False
     return sum(widths) + FRAME * len(widths) + EDGES <= width
-
-
-def _melt(
-    columns: Sequence[Column], rows: Sequence[Sequence[str]]
-) -> tuple[list[Column], list[list[str]]] | None:
-    """One row per row and value column: the labels, a ``measure`` column naming the value's
-    column and a ``value`` column (None without labels and two values)."""
-    k = next((i for i, c in enumerate(columns) if c.right), len(columns))
-    if k == 0 or len(columns) - k < 2:
-        return None
-    melted = [*columns[:k], Column("measure"), Column("value", right=True)]
-    return melted, [
-        [*row[:k], c.header, row[j]] for row in rows for j, c in enumerate(columns) if j >= k
-    ]
-
-
-def _spread(
-    lines: list[list[list[str]]], col: int, width: int, rows: Sequence[Sequence[str]]
-) -> None:
-    """Column ``col`` of a run of rows with the same leading labels shows its label once, its
-    lines spread down the run; the run's last row takes the rest."""
-    r = 0
-    while r < len(rows):
-        end = r + 1
-        while end < len(rows) and list(rows[end][: col + 1]) == list(rows[r][: col + 1]):
-            end += 1
-        label = wrap(rows[r][col], width)
-        for i in range(r, end):
-            height = max((len(cell) for cell in lines[i][col + 1 :]), default=1)
-            take, label = (label, []) if i == end - 1 else (label[:height], label[height:])
-            lines[i][col] = take or [""]
-        r = end

@@ -1,9 +1,5 @@
 """Assemble the card from results files and checkpoint directories, and write it (docs/card.md).
-What the results set lacks is listed in the card and in ``Card.missing``; no gap is filled.
-
->>> card, written = write_card(["heavy.json", "gauss.json"], Path("CARD.md"),
-...                            checkpoints=["draft-fp8"], base="draft")
-"""
+What the results set lacks is listed in the card and in ``Card.missing``; no gap is filled."""
 
 from __future__ import annotations
 
@@ -102,16 +98,29 @@ def build_card(
     integrity_check: bool = True,
     speculate: dict | None = None,
 ) -> Card:
-    """The card as data, its figures referenced as ``figures_dir/NAME.png`` (None: left out);
-    ``speculate``: :func:`qstream.card.measured.read_speculate`'s results, shown first."""
+    """The card as data, its figures as ``figures_dir/NAME.png`` (None: left out)."""
     missing = find_missing(rs, [str(c) for c in checkpoints], None if base is None else str(base))
     full_regime = _full_metric_regime(rs, regime, missing)
 
     def figure(name: str, alt: str, caption: str) -> list[Figure]:
         return [] if figures_dir is None else [Figure(f"{figures_dir}/{name}", alt, caption)]
 
-    sections = _intro_sections(rs, missing, speculate)
-    sections += _checkpoint_sections(checkpoints, base, integrity_check)
+    sections = _intro_sections(rs, speculate)
+    if missing:
+        incomplete = (
+            "The results set is incomplete; the tables below show what exists and nothing is "
+            "estimated in place of the rest:"
+        )
+        sections.append(Section("Missing data", [incomplete, Bullets(tuple(missing))]))
+    if checkpoints:
+        base_facts = ckpt.read_base(base) if base is not None else None
+        facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
+        sections += [
+            Section("Size", [ckpt.size_table(base_facts, facts)]),
+            Section(
+                "What is quantized to what", [p for f in facts for p in ckpt.quantization_parts(f)]
+            ),
+        ]
     if speculate is not None:  # measured acceptance is what the rest predicts: it leads
         sections += measured_sections(speculate, rs, figure)
     verifiers = acceptance_verifiers(rs)
@@ -130,17 +139,25 @@ def build_card(
     return Card(title, sections, missing)
 
 
-def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) -> list[Section]:
-    measured = []
+def _intro_sections(rs: ResultsSet, speculate: dict | None) -> list[Section]:
+    notes = []
     if speculate is not None:
-        measured.append(
+        notes.append(
             "The acceptance measured with the target in the loop comes from `qstream speculate` "
             f"results of the same draft ({speculate_mode(speculate).verification} verification by "
             f"`{speculate['provenance']['target']['path']}`), copied as they stand; the losses "
             "it is compared with are differences of two eval-drift numbers."
         )
+    foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
+    if foreign:  # compared with --allow-foreign-variant
+        notes.append(
+            f"**Foreign variant(s): {', '.join(foreign)}.** Not derived from "
+            f"`{rs.model.get('path')}` (tensors they keep unquantized differ from the model's); "
+            "compared with `--allow-foreign-variant`, so their drift mixes quantization with "
+            "the difference between two models."
+        )
     n_files = len({path for paths in rs.sources.values() for path in paths})
-    sections = [
+    return [
         Section(
             "About these numbers",
             [
@@ -157,68 +174,43 @@ def _intro_sections(rs: ResultsSet, missing: list[str], speculate: dict | None) 
                 "head, which vLLM 0.32 runs in fp32 to size adaptive verification. Every number is "
                 "copied from the results JSON or the checkpoint directories; gaps to bf16 are "
                 "differences of two numbers shown beside them.",
-                *measured,
-                *foreign_note(rs),
+                *notes,
             ],
         )
     ]
-    if missing:
-        sections.append(
-            Section(
-                "Missing data",
-                [
-                    "The results set is incomplete; the tables below show what exists and "
-                    "nothing is estimated in place of the rest:",
-                    Bullets(tuple(missing)),
-                ],
-            )
-        )
-    return sections
 
 
 def _drift_sections(rs: ResultsSet, full_regime: str, figure) -> list[Section]:
-    ceiling = Section(
-        "Greedy acceptance ceiling and sampled matched prefix",
-        [
-            *(ceiling_table(rs, mode) for mode in ROLLOUT_MODES),
-            *figure(
-                "ceiling.png",
-                "greedy ceiling and sampled matched prefix by format and regime",
-                CEILING_CAPTION,
-            ),
-        ],
-    )
-    agreement = Section(
-        "Agreement by drafted position",
-        [
-            *(agreement_table(rs, r) for r in regime_order(rs)),
-            *figure(
-                "seq_agree.png",
-                "seq agree and prefix agree by position, per regime and rollout mode",
-                SEQ_AGREE_CAPTION,
-            ),
-        ],
-    )
-    everything = Section(
-        f"All metrics, regime {full_regime}",
-        [
-            full_metrics_table(rs, full_regime),
-            *figure("kl.png", "KL percentiles per format and regime", kl_caption(rs)),
-        ],
-    )
-    return [ceiling, agreement, everything]
-
-
-def foreign_note(rs: ResultsSet) -> list[str]:
-    """A warning naming the variants compared with ``--allow-foreign-variant``."""
-    foreign = [name for name, info in rs.variants.items() if info.get("foreign")]
-    if not foreign:
-        return []
     return [
-        f"**Foreign variant(s): {', '.join(foreign)}.** Not derived from "
-        f"`{rs.model.get('path')}` (tensors they keep unquantized differ from the model's); "
-        "compared with `--allow-foreign-variant`, so their drift mixes quantization with "
-        "the difference between two models."
+        Section(
+            "Greedy acceptance ceiling and sampled matched prefix",
+            [
+                *(ceiling_table(rs, mode) for mode in ROLLOUT_MODES),
+                *figure(
+                    "ceiling.png",
+                    "greedy ceiling and sampled matched prefix by format and regime",
+                    CEILING_CAPTION,
+                ),
+            ],
+        ),
+        Section(
+            "Agreement by drafted position",
+            [
+                *(agreement_table(rs, r) for r in regime_order(rs)),
+                *figure(
+                    "seq_agree.png",
+                    "seq agree and prefix agree by position, per regime and rollout mode",
+                    SEQ_AGREE_CAPTION,
+                ),
+            ],
+        ),
+        Section(
+            f"All metrics, regime {full_regime}",
+            [
+                full_metrics_table(rs, full_regime),
+                *figure("kl.png", "KL percentiles per format and regime", kl_caption(rs)),
+            ],
+        ),
     ]
 
 
@@ -254,20 +246,6 @@ def _study_sections(rs: ResultsSet, figure) -> list[Section]:
     return sections
 
 
-def _checkpoint_sections(
-    checkpoints: Sequence[str | Path], base: str | Path | None, integrity_check: bool
-) -> list[Section]:
-    if not checkpoints:
-        return []
-    base_facts = ckpt.read_base(base) if base is not None else None
-    facts = [ckpt.read_quantized(c, base_facts, integrity_check) for c in checkpoints]
-    parts = [p for f in facts for p in ckpt.quantization_parts(f)]
-    return [
-        Section("Size", [ckpt.size_table(base_facts, facts)]),
-        Section("What is quantized to what", parts),
-    ]
-
-
 def write_card(
     results: Sequence[str | Path],
     output: Path,
@@ -280,12 +258,8 @@ def write_card(
     integrity_check: bool = True,
     speculate: str | Path | None = None,
 ) -> tuple[Card, list[Path]]:
-    """Write the card (``fmt`` md, json or html) to ``output`` and, unless ``figures`` is False,
-    its figures to ``<output stem>_files/`` beside it; returns the card and every path written.
-    An existing ``output`` that is not a card qstream wrote needs ``overwrite``; everything is
-    written atomically (qstream/card/document.py).  Each checkpoint must match the sha256s its
-    quantize record holds unless ``integrity_check`` is False.  ``speculate``: a
-    ``qstream speculate --json`` file of the same draft (docs/card.md)."""
+    """Write the card (``fmt`` md, json or html) to ``output`` and its figures to
+    ``<output stem>_files/``, atomically (qstream/card/document.py); the card and every path."""
     if fmt not in FORMATS:
         raise QStreamError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     output = Path(output)

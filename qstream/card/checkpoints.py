@@ -1,8 +1,6 @@
-"""What the shipped checkpoints are (docs/card.md): size against the base, what is quantized to
-what, why the rest is kept, and the ``qstream-quantize`` command, all read from the directories
-(safetensors headers, ``quantization_config``, and quantize's record ``qstream_quantize.json``:
-``{"command", "summary", "qstream_version"}``).  Without a record the command is reconstructed.
-"""
+"""What the shipped checkpoints are (docs/card.md): size, what is quantized to what, why the rest
+is kept, and the command, read from the directories (quantize's record ``qstream_quantize.json``:
+``{"command", "summary", "qstream_version"}``; without one the command is reconstructed)."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ def read_base(directory: str | Path) -> CheckpointFacts:
 def read_quantized(
     directory: str | Path, base: CheckpointFacts | None, integrity_check: bool = True
 ) -> CheckpointFacts:
-    """Size, selection, reasons and command of one quantized checkpoint; QStreamError naming a
-    file that differs from the sha256 quantize recorded, unless not ``integrity_check``."""
+    """Size, selection, reasons and command of one quantized checkpoint."""
     directory = Path(directory)
     checkpoint = open_checkpoint(directory)
     qconfig = checkpoint.config.get("quantization_config")
@@ -79,7 +76,14 @@ def read_quantized(
         else tensors[f"{m}.weight"].numel
         for m in quantized
     )
-    provenance = _read_provenance(directory)
+    path, provenance = directory / PROVENANCE, None
+    if path.exists():
+        try:
+            provenance = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise QStreamError(f"{path}: unreadable provenance file ({exc})") from exc
+        if not isinstance(provenance, dict) or not isinstance(provenance.get("command"), str):
+            raise QStreamError(f'{path}: provenance file without a "command" string')
     skipped = (provenance or {}).get("summary", {}).get("modules_skipped") or {}
     params = inspect_checkpoint(directory)["params"]
     kept = _kept_modules(checkpoint, fmt, set(quantized), skipped)
@@ -95,78 +99,46 @@ def read_quantized(
 def _kept_modules(
     checkpoint: Checkpoint, fmt: str, quantized: set[str], skipped: dict[str, str]
 ) -> dict[str, tuple[tuple[int, ...], int, str]]:
-    """Every weight-holding module that is not quantized, with its shape, size and reason."""
+    """Every weight-holding module that is not quantized, with its shape, size and reason: vLLM's,
+    quantize's own, else the rule it falls under (docs/quantize.md, docs/formats.md)."""
     modules = weight_modules(checkpoint.tensors)
     profile = profile_for(checkpoint.config)
     # the group's label with layer indices as "*", so that a kind's rows share one reason
     fused = {m: module_kind(g.label) for g in fused_groups(modules, profile) for m in g.members}
+    block = get_format(fmt).block_size
     kept = {}
     for module, info in modules.items():
         if module in quantized:
             continue
         shape = tuple(info.shape)
-        never = never_quantized(profile, module)
-        why = (
-            f"vLLM never quantizes it: {never}"
-            if never
-            else _why_kept(module, shape, fmt, skipped, fused)
-        )
+        if never := never_quantized(profile, module):
+            why = f"vLLM never quantizes it: {never}"
+        elif module in skipped:
+            why = f"skipped at quantize time: {skipped[module]}"
+        elif len(shape) != 2:
+            why = f"{len(shape)}-D weight (norm scale or bias), not a Linear layer"
+        elif is_embedding(module):
+            why = "embedding table, not a Linear layer"
+        elif module.rsplit(".", 1)[-1] in HEAD_NAMES:
+            why = "output head"
+        elif block and shape[1] % block:
+            why = f"shape rule: K={shape[1]} is not a multiple of the {fmt} block size {block}"
+        elif module in fused:
+            why = f"not selected; fused group {fused[module]} stays whole (vLLM needs all or none)"
+        else:
+            why = "not selected (in the config's ignore list)"
         kept[module] = (shape, info.numel, why)
     return kept
-
-
-def _read_provenance(directory: Path) -> dict | None:
-    path = directory / PROVENANCE
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise QStreamError(f"{path}: unreadable provenance file ({exc})") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("command"), str):
-        raise QStreamError(f'{path}: provenance file without a "command" string')
-    return data
-
-
-def _why_kept(
-    module: str, shape: tuple[int, ...], fmt: str, skipped: dict[str, str], fused: dict[str, str]
-) -> str:
-    """Why an ignored module keeps its dtype: quantize's own reason when recorded, else the rule
-    (docs/quantize.md, docs/formats.md) that its name and shape fall under."""
-    if module in skipped:
-        return f"skipped at quantize time: {skipped[module]}"
-    if len(shape) != 2:
-        return f"{len(shape)}-D weight (norm scale or bias), not a Linear layer"
-    if is_embedding(module):
-        return "embedding table, not a Linear layer"
-    if module.rsplit(".", 1)[-1] in HEAD_NAMES:
-        return "output head"
-    block = get_format(fmt).block_size
-    if block and shape[1] % block:
-        return f"shape rule: K={shape[1]} is not a multiple of the {fmt} block size {block}"
-    if module in fused:
-        return f"not selected; fused group {fused[module]} stays whole (vLLM needs all or none)"
-    return "not selected (in the config's ignore list)"
-
-
-def _include_patterns(quantized: list[str]) -> list[str]:
-    """``layers.3.mlp.gate_proj`` -> ``mlp.gate_proj`` (the part after the last index)."""
-    patterns = []
-    for module in quantized:
-        parts = module.split(".")
-        numeric = [i for i, p in enumerate(parts) if p.isdigit()]
-        pattern = ".".join(parts[numeric[-1] + 1 :]) if numeric else module
-        if pattern not in patterns:
-            patterns.append(pattern)
-    return patterns
 
 
 def _reconstruct_command(
     directory: Path, fmt: str, quantized: list[str], base: CheckpointFacts | None
 ) -> tuple[str, str]:
-    """An equivalent ``qstream-quantize`` command, checked against the base when there is one:
-    the selection rules applied to the base's tensors must give exactly the quantized set."""
-    patterns = _include_patterns(quantized)
+    """An equivalent ``qstream-quantize`` command, checked to select the same set from the base."""
+    # layers.3.mlp.gate_proj -> mlp.gate_proj (the part after the last index)
+    split = [module.split(".") for module in quantized]
+    last = [max((i for i, p in enumerate(parts) if p.isdigit()), default=-1) for parts in split]
+    patterns = list(dict.fromkeys(".".join(p[i + 1 :]) for p, i in zip(split, last)))
     origin = f"Reconstructed from `config.json` (no `{PROVENANCE}` in the checkpoint)"
     base_dir = str(base.path) if base is not None else "BASE_DIR"
     args = ["qstream-quantize", "--model_dir", base_dir, "--output_dir", str(directory),
@@ -191,22 +163,14 @@ def _reconstruct_command(
     return shlex.join(args), f"{origin} as the explicit list of quantized modules."
 
 
-# ---------------------------------------------------------------------------------------------
-# Tables
-
-
-def _pct(part: int, whole: int) -> Cell:
-    value = 100.0 * part / whole
-    return Cell(f"{value:.1f}%", value)
-
-
 def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts]) -> Table:
     rows = [
         [Cell(f.path.name), Cell(f.fmt or "base (unquantized)"), Cell(f"{n:,}", n),
          Cell(f"{n / GIB:.3f}", n / GIB),
-         _pct(n, base.size_bytes) if base else Cell("n/a (no --base)")]
+         Cell(f"{pct:.1f}%", pct) if base else Cell("n/a (no --base)")]
         for f in ([base] if base else []) + checkpoints
         for n in [f.size_bytes]
+        for pct in [100.0 * n / base.size_bytes if base else None]
     ]  # fmt: skip
     return Table(
         "Size on disk: the safetensors files of each checkpoint directory",
@@ -214,30 +178,6 @@ def size_table(base: CheckpointFacts | None, checkpoints: list[CheckpointFacts])
         rows,
         key="size",
         align="llrrr",
-    )
-
-
-def _kept_table(facts: CheckpointFacts) -> Table:
-    """The kept modules grouped by kind and reason."""
-    grouped: dict[tuple[str, str], list] = {}
-    for module, (shape, params, why) in facts.kept.items():
-        entry = grouped.setdefault((module_kind(module), why), [0, shape, 0])
-        entry[0] += 1
-        entry[2] += params
-        if entry[1] != shape:
-            entry[1] = None
-    rows = [
-        [Cell(kind), Cell(str(n), n),
-         Cell("various" if shape is None else "×".join(map(str, shape))),
-         Cell(f"{params:,}", params), Cell(why)]
-        for (kind, why), (n, shape, params) in grouped.items()
-    ]  # fmt: skip
-    return Table(
-        f"{facts.path.name}: modules kept unquantized, and why",
-        ["module kind", "count", "weight shape", "parameters", "why"],
-        rows,
-        key=f"kept_{facts.path.name}",
-        align="lrrrl",
     )
 
 
@@ -256,9 +196,26 @@ def quantization_parts(facts: CheckpointFacts) -> list[Part]:
     ]  # fmt: skip
     summary = Table(f"{facts.path.name}: {facts.fmt} weights", ["", "value"], rows,
                     key=f"quantized_{facts.path.name}", align="ll")  # fmt: skip
+    grouped: dict[tuple[str, str], list] = {}  # the kept modules by kind and reason
+    for module, (shape, params, why) in facts.kept.items():
+        grouped.setdefault((module_kind(module), why), []).append((shape, params))
+    rows = [
+        [Cell(kind), Cell(str(len(g)), len(g)),
+         Cell("×".join(map(str, g[0][0])) if len({s for s, _ in g}) == 1 else "various"),
+         Cell(f"{n:,}", n), Cell(why)]
+        for (kind, why), g in grouped.items()
+        for n in [sum(p for _, p in g)]
+    ]  # fmt: skip
+    kept = Table(
+        f"{facts.path.name}: modules kept unquantized, and why",
+        ["module kind", "count", "weight shape", "parameters", "why"],
+        rows,
+        key=f"kept_{facts.path.name}",
+        align="lrrrl",
+    )
     return [
         summary,
-        _kept_table(facts),
+        kept,
         f"The command that produced `{facts.path.name}`. {facts.command_origin}",
         Code(facts.command or ""),
         integrity_sentence(facts),

@@ -1,8 +1,7 @@
-"""The card's figures (PNG, matplotlib's Agg backend) from numbers of the results JSON and, for
-calibration.png, of `qstream speculate`'s (docs/card.md, "Figures").  Each has an opaque white
-background, dark text and the Okabe–Ito palette ("Color Universal Design", 2008) without its
-yellow; each variant also has its own line style and marker, for greyscale printing.
-"""
+"""The card's figures (PNG, matplotlib's Agg backend) from the results JSON and, for
+calibration.png, `qstream speculate`'s (docs/card.md, "Figures"): opaque white background, the
+Okabe–Ito palette ("Color Universal Design", 2008) without its yellow, and per variant its own
+line style and marker, for greyscale printing."""
 
 from __future__ import annotations
 
@@ -27,12 +26,8 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 LADDER_STEP = 0.07  # x offset between consecutive percentiles of one variant
 
 
-# ---------------------------------------------------------------------------------------------
-# The words of the figures: axis names, special legend entries and captions, built from the same
-# results as the drawing (tests/test_card_figures.py holds each caption against the data).
-
-# The rollouts' per-position quantities (docs/eval-drift.md), a row each in seq_agree.png:
-# results key -> the y axis's words (SEQ_AGREE_CAPTION says how they differ).
+# The rollouts' per-position quantities (docs/eval-drift.md), a row each in seq_agree.png: results
+# key -> the y axis's words.  tests/test_card_figures.py holds each caption against the data.
 POSITION_QUANTITIES = {
     "seq_agree": "seq agree[k]: token k equal\n(share of all blocks)",
     "prefix_agree": "prefix agree[k]: tokens 1..k equal\n(share of all blocks)",
@@ -84,8 +79,7 @@ CONTEXT_CAPTION = (
     "per format, 95% bands; the dotted line is the YaRN boundary."
 )
 
-# KL percentiles of the results (llama.cpp's report), drawn as a ladder on kl.png's log axis:
-# (results key, legend name, marker).
+# KL percentiles (llama.cpp's report) on kl.png's log axis: (results key, legend name, marker).
 KL_LADDER = (
     ("median", "median", "o"),
     ("p90", "p90", "s"),
@@ -139,10 +133,6 @@ def kl_caption(rs: ResultsSet) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Drawing
-
-
 def _style(index: int) -> dict:
     return {
         "color": PALETTE[index % len(PALETTE)],
@@ -180,8 +170,7 @@ def _save(fig: Figure, path: Path, title: str, handles, labels=None) -> Figure:
 
 
 def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
-    """seq agree[k] and prefix agree[k] per variant with 95% bands, a column per regime, a row
-    per rollout mode and quantity; each panel's gid is ``regime/mode/quantity``."""
+    """seq agree[k] and prefix agree[k] with 95% bands; panel gids ``regime/mode/quantity``."""
     regimes, variants = regime_order(rs), variant_order(rs)
     modes = [
         m
@@ -193,13 +182,23 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     rows = [(mode, quantity) for mode in modes for quantity in POSITION_QUANTITIES]
     twins = coinciding(rs, rows)  # drawn hollow over their twin's line, and said so
     fig, axes = _new_figure(len(rows), len(regimes), (4.2, 3.2), sharey="row")
+    positions = list(range(1, rs.block_size + 1))
     handles: dict[str, Any] = {}
     for row, (mode, quantity) in enumerate(rows):
         lowest = 1.0  # the row shares one y scale, so it must span every panel's bands
         for col, regime in enumerate(regimes):
             ax = axes[row][col]
             ax.set_gid(f"{regime}/{mode}/{quantity}")
-            lowest = min(lowest, _position_lines(ax, rs, (regime, mode, quantity), handles, twins))
+            for i, variant in enumerate(variants):
+                m = metrics(rs, regime, variant)
+                if m is None or mode not in m["rollouts"]:
+                    continue
+                per_k = m["rollouts"][mode][quantity]
+                line, lo = _line_with_band(
+                    ax, positions, per_k, variant, i, hollow=variant in twins
+                )
+                handles.setdefault(variant, line)
+                lowest = min(lowest, *lo)
             ax.set_title(f"{regime} — {rollout_name(rs, mode, [regime])}", fontsize=9)
             ax.set_xlabel("drafted position k")
             if col == 0:  # the row shares its y axis
@@ -211,26 +210,8 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     return _save(fig, path, title, handles, labels)
 
 
-def _position_lines(ax, rs: ResultsSet, panel: tuple, handles, twins: dict) -> float:
-    """One line per variant of ``rollouts.MODE.QUANTITY[k]`` (``panel``: regime, mode,
-    quantity) with its band, hollow for ``twins``; the lowest bound."""
-    regime, mode, quantity = panel
-    positions = list(range(1, rs.block_size + 1))
-    lowest = 1.0
-    for i, variant in enumerate(variant_order(rs)):
-        m = metrics(rs, regime, variant)
-        if m is None or mode not in m["rollouts"]:
-            continue
-        per_k = m["rollouts"][mode][quantity]
-        line, lo = _line_with_band(ax, positions, per_k, variant, i, hollow=variant in twins)
-        handles.setdefault(variant, line)
-        lowest = min(lowest, *lo)
-    return lowest
-
-
 def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, hollow=False):
-    """``estimates`` as the ``i``-th variant's line with their intervals as a band (gid
-    ``variant``); the line and the lower bounds.  ``hollow``: open markers ringing a twin's."""
+    """The ``i``-th variant's line with a band (gid ``variant``); the line and lower bounds."""
     style = {"markersize": 4, "linewidth": 1.5, **_style(i)}
     if hollow:
         style |= {"markersize": 8, "markerfacecolor": "none", "markeredgewidth": 1.3}
@@ -244,8 +225,7 @@ def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, h
 
 
 def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
-    """Greedy ceiling and sampled matched prefix by regime (groups) and variant (bars), 95% CI
-    error bars; each panel's gid is its rollout mode."""
+    """Mean matched prefix by regime (groups) and variant (bars); panel gids: rollout modes."""
     from matplotlib.patheffects import withStroke
 
     regimes, variants = regime_order(rs), variant_order(rs)
@@ -305,9 +285,7 @@ def kl_figure(rs: ResultsSet, path: Path) -> Figure:
             m = metrics(rs, regime, variant)
             if m is None:
                 continue
-            _kl_ladder(ax, i, m["kl"], _style(i)["color"], variant)
-            if (star := kl_star(m["kl"])) is not None:
-                _kl_mean(ax, i, star, _style(i)["color"], variant)
+            _kl_variant(ax, i, m["kl"], variant)
         ax.set_xticks(range(len(variants)), variants, rotation=30 if len(variants) > 4 else 0)
         ax.set_xlim(-0.8, len(variants) - 0.4)  # room for the first star's label
         ax.set_xlabel("variant")
@@ -326,25 +304,23 @@ def kl_figure(rs: ResultsSet, path: Path) -> Figure:
     return _save(fig, path, title, handles, [h.get_label() for h in handles])
 
 
-def _kl_ladder(ax, x: int, kl: dict, color: str, variant: str) -> None:
-    """The percentiles of one variant, or a "KL = 0" label when none is above zero."""
+def _kl_variant(ax, x: int, kl: dict, variant: str) -> None:
+    """One variant's percentiles (or a "KL = 0" label when none is above zero) and its
+    :func:`kl_star` mean, its 95% CI (above zero) an error bar, labelled :func:`ci_percent`."""
+    color = _style(x)["color"]
     points = [(kl[key], mk) for key, _, mk in KL_LADDER if kl.get(key) is not None and kl[key] > 0]
     if not points:
         ax.annotate("KL = 0", (x, 0.02), xycoords=("data", "axes fraction"), ha="center",
                     fontsize=8, color=color)  # fmt: skip
         return
-    # a staircase: each percentile a step to the right of the previous one, so that close
-    # percentiles do not hide each other's markers on the log axis
+    # a staircase, so that close percentiles do not hide each other's markers on the log axis
     xs = [x - 0.1 + LADDER_STEP * j for j in range(len(points))]
     (ladder,) = ax.plot(xs, [y for y, _ in points], color=color, linewidth=1.0)
     ladder.set_gid(variant)
     for xj, (y, mk) in zip(xs, points):
         ax.plot([xj], [y], marker=mk, color=color, linestyle="none", markersize=5)
-
-
-def _kl_mean(ax, x: int, mean: dict, color: str, variant: str) -> None:
-    """The mean as a star with its 95% CI as an error bar (the part above zero, on a log axis)
-    and labelled with :func:`ci_percent`."""
+    if (mean := kl_star(kl)) is None:
+        return
     value, lo, hi = mean["value"], mean.get("lo"), mean.get("hi")
     yerr = None if lo is None or hi is None else [[value - max(lo, 0.0)], [hi - value]]
     bar = ax.errorbar([x - 0.25], [value], yerr=yerr, color=color, marker="*", markersize=8,
@@ -428,8 +404,7 @@ def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
 
 
 def write_figures(rs: ResultsSet, directory: Path, speculate: dict | None = None) -> list[Path]:
-    """Each figure the results (and greedy ``speculate`` results) hold the data for, drawn
-    into ``directory``; their paths."""
+    """Each figure the results hold the data for, drawn into ``directory``; their paths."""
     directory.mkdir(parents=True, exist_ok=True)
     figures = {
         "seq_agree.png": seq_agree_figure,

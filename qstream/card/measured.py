@@ -1,6 +1,6 @@
 """The card's measured acceptance: ``qstream speculate`` results (docs/speculate.md) beside what
-eval-drift predicted from the same draft (docs/card.md, "Measured acceptance"; docs/calibration.md).
-"""
+eval-drift predicted from the same draft (docs/card.md, "Measured acceptance";
+docs/calibration.md)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,7 @@ CALIBRATION_CAPTION = (
 
 
 def read_speculate(path: Path, rs: ResultsSet) -> dict:
-    """``qstream speculate --json`` results of the draft ``rs`` describes, with publishable
-    numbers; QStreamError naming the file otherwise."""
+    """Checked ``qstream speculate --json`` results of the draft ``rs`` describes."""
     data = renamed_modes(read_json(path, "speculate results"))
     if not isinstance(data, dict) or data.get("schema") != SPECULATE_SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
@@ -45,7 +44,8 @@ def read_speculate(path: Path, rs: ResultsSet) -> dict:
         )
     lacking = next((p for p in _read_paths(data) if _at(data, p) is None), None)
     if lacking is not None:
-        raise QStreamError(f"{path}: speculate results lack {_dotted(lacking)}")
+        dotted = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in lacking)
+        raise QStreamError(f"{path}: speculate results lack {dotted.lstrip('.')}")
     if data["settings"]["rule"] not in SPECULATE_MODES:
         raise QStreamError(f"{path}: settings.rule = {data['settings']['rule']!r:.60} is not one "
                            f"of {', '.join(SPECULATE_MODES)}")  # fmt: skip
@@ -102,13 +102,8 @@ def _at(node: Any, path: tuple) -> Any:
     return node
 
 
-def _dotted(path: tuple) -> str:
-    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
-
-
 def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
-    """The measured acceptance, then (greedy verification) the calibration against eval-drift;
-    ``figure(name, alt, caption)`` gives the figure parts (none without figures)."""
+    """The measured acceptance, then (greedy verification) the calibration against eval-drift."""
     s, block, prompts = _settings(spec)
     target = spec["provenance"]["target"]
     intro = (
@@ -185,8 +180,7 @@ def shares_table(spec: dict) -> Table:
 
 
 def speculate_tables(results: dict) -> list[Table]:
-    """What ``qstream speculate`` prints of its ``results``: per variant the mean acceptance
-    length, tokens per target forward and loss against bf16 (n/a without bf16); the shares."""
+    """What ``qstream speculate`` prints of its ``results``."""
     (s, _, prompts), d = _settings(results), DIGITS["ceiling"]
     rows = [
         [Cell(name), estimate(x["mean_acceptance_length"], d),
@@ -207,8 +201,7 @@ def speculate_tables(results: dict) -> list[Table]:
     return [means, replace(shares, caption=caption, align="r" * len(shares.columns))]
 
 
-def speculate_mode(spec: dict) -> VerificationMode:
-    """The verification mode of speculate results (settings.rule)."""
+def speculate_mode(spec: dict) -> VerificationMode:  # settings.rule
     return MODES[spec["settings"]["rule"]]
 
 
@@ -219,10 +212,13 @@ def _settings(spec: dict) -> tuple[dict, int, int]:
 
 
 def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
-    """Per speculate variant other than bf16: its measured loss (an estimate), eval-drift's
-    simulated loss on captured states and each regime's ceiling loss (differences of two
-    results numbers; None where either is missing)."""
-    sim = _simulated(rs)
+    """Per speculate variant but bf16: its measured loss, eval-drift's simulated loss on captured
+    states and each regime's ceiling loss (differences; None where a number is missing)."""
+    sim = {}  # eval-drift's greedy acceptance against the target on captured states
+    for name, result in rs.regimes.get(STATES.name, {}).items():
+        target = (result.get("acceptance") or {}).get("target")
+        if target and GREEDY.name in target:
+            sim[name] = target[GREEDY.name]["emitted"]
     rows: dict[str, dict[str, Any]] = {}
     for name, v in spec["variants"].items():
         if name == FLOOR:
@@ -260,16 +256,6 @@ def calibration_table(spec: dict, rs: ResultsSet) -> Table:
     )
 
 
-def _simulated(rs: ResultsSet) -> dict[str, dict]:
-    """eval-drift's greedy acceptance against the target on captured states, per variant."""
-    out = {}
-    for name, result in rs.regimes.get(STATES.name, {}).items():
-        target = (result.get("acceptance") or {}).get("target")
-        if target and GREEDY.name in target:
-            out[name] = target[GREEDY.name]["emitted"]
-    return out
-
-
 def _ceiling(rs: ResultsSet, regime: str, variant: str) -> dict | None:
     m = metrics(rs, regime, variant)
     return None if m is None else m["rollouts"]["greedy"]["ceiling"]
@@ -282,6 +268,5 @@ def _loss(base: dict | None, other: dict | None) -> dict | None:
     return {"value": base["value"] - other["value"], "lo": None, "hi": None}
 
 
-def _value(e: dict | None) -> Cell:
-    """A :func:`_loss` by its value (it has no interval)."""
+def _value(e: dict | None) -> Cell:  # a _loss has no interval
     return difference(None if e is None else e["value"])

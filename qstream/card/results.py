@@ -1,8 +1,6 @@
-"""Read eval-drift results files and merge them into one results set, each regime's numbers as
-measured; refused (docs/card.md, "Inputs"): results of different models, a regime and variant
-measured twice with different numbers, and a number that cannot be published as it stands (not
-finite, a share or correlation outside its range ``BOUNDED``, a value outside its own interval).
-"""
+"""Read eval-drift results files and merge them into one results set; refused (docs/card.md,
+"Inputs"): different models, a regime and variant measured twice with different numbers, and a
+number that cannot be published (not finite, outside ``BOUNDED`` or its own interval)."""
 
 from __future__ import annotations
 
@@ -56,8 +54,7 @@ class ResultsSet:
 
 
 def read_results(path: str | Path, trail: list | None = None) -> dict:
-    """A checked results file; with ``trail``, its objects record each key read from them, so
-    that a missing or null key is reported by name."""
+    """A checked results file; with ``trail``, each key read is recorded there."""
     path = Path(path)
     raw = read_json(path, "results file")
     data = check_results(raw, path)
@@ -66,7 +63,7 @@ def read_results(path: str | Path, trail: list | None = None) -> dict:
 
 
 class _Traced(dict):
-    """A results object that writes (file, dotted key) of each key read into a shared trail."""
+    """A results object writing (file, dotted key) of each key read into a shared trail."""
 
     def __init__(self, data: dict, source: str, where: str, trail: list):
         super().__init__(
@@ -111,7 +108,7 @@ def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
 
 
 def check_results(data: Any, source: str | Path) -> dict:
-    """``data`` if it is eval-drift results (schema and top-level fields), else QStreamError."""
+    """``data`` if it is eval-drift results, else QStreamError."""
     data = renamed_modes(data)
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
@@ -143,7 +140,6 @@ def renamed_modes(data: Any) -> Any:
 
 
 def _renamed(block: Any) -> Any:
-    """An ``acceptance.VERIFIER`` block, its modes and its loss_vs_bf16's keyed by their names."""
     if not isinstance(block, dict):
         return block
     out = {(LEGACY_NAMES[k].name if k in LEGACY_NAMES else k): v for k, v in block.items()}
@@ -165,68 +161,54 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
 
 
 def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
-    """One results set from (results, where they came from) pairs, each checked already: read by
-    :func:`read_results`, or a run held in memory, ``[(evaluate_drift(...), "(this run)")]``."""
+    """One results set from checked (results, where they came from) pairs."""
     merged: ResultsSet | None = None
     for data, source in results:
         if merged is None:
             merged = ResultsSet(model=data["model"])
-        _check_same_model(merged, data, source)
+        ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
+        if ours != theirs:
+            raise QStreamError(
+                f"{source}: results of a different model (config_sha256 {theirs} of "
+                f"{data['model'].get('path')}, not {ours} of "
+                f"{merged.model.get('path')}); a card describes one model"
+            )
         for regime, block in data["regimes"].items():
-            _merge_regime(merged, regime, block, data, source)
+            run = {key: data.get(key) for key in RUN_FIELDS}
+            captured = regime in REGIMES and REGIMES[regime].captured
+            if captured and data.get("states"):  # its streams and anchors are its own
+                run.update(corpus=data["states"], anchors=data["states"].get("anchors"))
+            variants = merged.regimes.setdefault(regime, {})
+            merged.runs.setdefault(regime, run)
+            sources = merged.sources.setdefault(regime, [])
+            for name, result in block["variants"].items():
+                if name in variants and variants[name] != result:
+                    raise QStreamError(
+                        f"{source}: regime {regime!r}, variant {name!r} conflicts with "
+                        f"{sources[0]} (same regime and variant, different numbers); pass only "
+                        "one of them"
+                    )
+                if name not in variants and merged.runs[regime] != run:
+                    raise QStreamError(
+                        f"{source}: regime {regime!r} was evaluated differently from "
+                        f"{sources[0]} (seed, blocks, corpus or versions differ); its variants "
+                        "cannot share one table"
+                    )
+                variants[name] = result
+            if source not in sources:
+                sources.append(source)
+            merged.computed.setdefault(regime, {})[source] = data.get("compute")
+            for key in REGIME_SECTIONS:
+                if key in block:
+                    merged.sections.setdefault(regime, {})[key] = block[key]
         for name, info in data["variants"].items():
             merged.variants.setdefault(name, info)
     assert merged is not None  # at least one file was read
     return merged
 
 
-def _check_same_model(merged: ResultsSet, data: dict, path) -> None:
-    ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
-    if ours != theirs:
-        raise QStreamError(
-            f"{path}: results of a different model (config_sha256 {theirs} of "
-            f"{data['model'].get('path')}, not {ours} of "
-            f"{merged.model.get('path')}); a card describes one model"
-        )
-
-
-def _merge_regime(merged: ResultsSet, regime: str, block: dict, data: dict, path: str) -> None:
-    run = {key: data.get(key) for key in RUN_FIELDS}
-    captured = regime in REGIMES and REGIMES[regime].captured
-    if captured and data.get("states"):  # its streams and anchors are its own
-        run.update(corpus=data["states"], anchors=data["states"].get("anchors"))
-    variants = merged.regimes.setdefault(regime, {})
-    merged.runs.setdefault(regime, run)
-    merged.sources.setdefault(regime, [])
-    for name, result in block["variants"].items():
-        if name in variants and variants[name] != result:
-            raise QStreamError(
-                f"{path}: regime {regime!r}, variant {name!r} conflicts with "
-                f"{merged.sources[regime][0]} (same regime and variant, different "
-                "numbers); pass only one of them"
-            )
-        if name not in variants and merged.runs[regime] != run:
-            raise QStreamError(
-                f"{path}: regime {regime!r} was evaluated differently from "
-                f"{merged.sources[regime][0]} (seed, blocks, corpus or versions "
-                "differ); its variants cannot share one table"
-            )
-        variants[name] = result
-    if path not in merged.sources[regime]:
-        merged.sources[regime].append(path)
-    merged.computed.setdefault(regime, {})[path] = data.get("compute")
-    for key in REGIME_SECTIONS:
-        if key in block:
-            merged.sections.setdefault(regime, {})[key] = block[key]
-
-
-# ---------------------------------------------------------------------------------------------
-# Publishable numbers
-
-
-# The results keys (docs/eval-drift.md, "Metrics") holding a share of blocks, positions or
-# tokens, and the range of each; a key names the estimate itself, or the list of one estimate
-# per drafted position.
+# The results keys (docs/eval-drift.md, "Metrics") holding a share or a correlation: an estimate,
+# or a list of one per drafted position, and its range.
 _PROPORTION = (0.0, 1.0)
 BOUNDED = {
     "greedy_agree": _PROPORTION,  # teacher-forced top-1 match, per position
@@ -244,8 +226,7 @@ ESTIMATE_KEYS = ("value", "lo", "hi")
 
 
 def results_problems(data: object, where: str = "", field: str = "") -> Iterator[str]:
-    """Each number of ``data`` that cannot be published, as ``PATH = VALUE is ...``; ``field``:
-    the results key the value sits under."""
+    """Each number of ``data`` that cannot be published, as ``PATH = VALUE is ...``."""
     if isinstance(data, dict):
         estimate = all(key in data for key in ESTIMATE_KEYS)
         if estimate:
@@ -262,8 +243,7 @@ def results_problems(data: object, where: str = "", field: str = "") -> Iterator
         yield problem
 
 
-def _number(x: object) -> TypeGuard[float]:
-    """A JSON number (an int or a float, not a bool)."""
+def _number(x: object) -> TypeGuard[float]:  # an int or a float, not a bool
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
@@ -325,7 +305,9 @@ def summary_problems(variants: dict, block: int) -> Iterator[str]:
             (f"accepted_at_least[{k}]", e) for k, e in enumerate(shares)
         ]
         for key, e in named:  # a null loss_vs_bf16 (no bf16 run) is shown as n/a
-            if e is not None and not _is_estimate(e):
+            bounds = isinstance(e, dict) and all(_number(e.get(x)) or e.get(x) is None
+                                                 for x in ("lo", "hi"))  # fmt: skip
+            if e is not None and not (bounds and _number(e.get("value"))):
                 yield f"{where}.{key} = {e!r:.80} is not a {{value, lo, hi}} estimate of numbers"
         for key, (low, high) in ranges.items():
             e = s.get(key)
@@ -339,12 +321,3 @@ def summary_problems(variants: dict, block: int) -> Iterator[str]:
             if _number(values[k]) and _number(values[k - 1]) and values[k] > values[k - 1]:
                 yield (f"{where}.accepted_at_least[{k}].value = {values[k]!r} exceeds the share "
                        f"of k = {k}: at least k+1 accepted is at least k accepted")  # fmt: skip
-
-
-def _is_estimate(e: object) -> bool:
-    """``{value, lo, hi}``: a number, and bounds that are numbers or null (no interval)."""
-    return (
-        isinstance(e, dict)
-        and _number(e.get("value"))
-        and all(_number(e.get(x)) or e.get(x) is None for x in ("lo", "hi"))
-    )

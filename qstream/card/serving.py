@@ -1,11 +1,7 @@
 """The card's serving conditions (docs/card.md, "Serving conditions"): each variant served
-otherwise than the default configuration (``qstream.serving.DEFAULTS``) is one row naming what
-differs, its weights and the vLLM 0.32.0 setting that avoids it; per regime, one row of what it
-costs against bf16 (the ceiling table's gap; the results' paired loss in vLLM's default mode) and
-against the same weights served at the default.  A variant whose results carry no
-``configuration`` (every file written before they did) is served at the default: such results
-get no section.
-"""
+otherwise than ``qstream.serving.DEFAULTS``, what differs, the vLLM 0.32.0 setting that avoids it,
+and per regime what it costs against bf16 and against the same weights served at the default.
+Results without ``configuration`` (older files) are served at the default: no section."""
 
 from __future__ import annotations
 
@@ -101,8 +97,7 @@ def _weights(variant: Variant) -> str:
 
 
 def _conditions(variants: dict[str, Variant]) -> list[tuple[Variant, str | None]]:
-    """Each variant off the default, with the first variant of the same weights at the default
-    (None: not in the run)."""
+    """Each variant off the default, with the first of the same weights at the default (or None)."""
     at_default = [v for v in variants.values() if v.configuration() == DEFAULTS]
     return [
         (v, next((d.name for d in at_default if (d.kind, d.source) == (v.kind, v.source)), None))
@@ -124,48 +119,12 @@ def _loss_vs_default(default: str | None, paired: Cell, values: tuple) -> Cell:
     return Cell(f"{difference(loss).text} ({UNPAIRED})", loss)
 
 
-# ---------------------------------------------------------------------------------------------
-# eval-drift results
-
-
-def _results_variants(rs: ResultsSet) -> dict[str, Variant]:
-    """Each variant as served: its configuration from ``variants.NAME`` or, where eval-drift's
-    passes record it, from its entry in a regime (one token names one configuration)."""
-    out = {}
-    for name in variant_order(rs):
-        held = [r for r in regime_order(rs) if name in rs.regimes[r]]
-        entries = [rs.variants[name], *(rs.regimes[r][name] for r in held)]
-        recorded = next((e["configuration"] for e in entries if "configuration" in e), DEFAULTS)
-        files = ", ".join(sorted({p for r in held for p in rs.sources[r]}))
-        out[name] = served(name, {**rs.variants[name], "configuration": recorded}, files)
-    return out
-
-
-def conditions_table(conditions: list) -> Table:
-    """What each condition serves otherwise than the default, and what avoids it in vLLM."""
-    rows = [
-        [Cell(v.name), Cell(words), Cell(_weights(v)), Cell(default or "not in the run"),
-         Cell(avoided)]
-        for v, default in conditions
-        for words, avoided in [condition_words(v)]
-    ]  # fmt: skip
-    defaults = ", ".join(f"{f} {d}" for f, d in DEFAULTS.items())
-    return Table(
-        f"Serving conditions: the variants served otherwise than the default configuration "
-        f"({defaults}), what differs, their weights, the variant of the run that serves the "
-        "same weights at the default, and the vLLM 0.32.0 setting that avoids the condition",
-        ["condition", "what differs", "weights", SAME, AVOIDED],
-        rows,
-        key="serving_conditions",
-        align="lllll",
-    )
-
-
 def costs_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
-    """One regime's costs of each condition against bf16 and against the same weights at the
-    default: the ceiling gap and the acceptance loss in vLLM's default mode."""
+    """One regime's costs of each condition: ceiling gap and loss in vLLM's default mode."""
     present = [
-        v for v in VERIFIERS if any(v in r.get("acceptance", {}) for r in _block(rs, regime))
+        v
+        for v in VERIFIERS
+        if any(v in r.get("acceptance", {}) for r in rs.regimes[regime].values())
     ]
     verifier = present[-1] if present else None  # the captured target where the regime has one
     label = VLLM_DEFAULT_MODE.label
@@ -188,33 +147,20 @@ def costs_table(rs: ResultsSet, regime: str, conditions: list) -> Table:
             Cell("n/a") if default is None else _gap(ceiling(v.name), ceiling(default)),
             _loss_vs_default(default, loss, tuple(emitted)),
         ])  # fmt: skip
+    temps = {  # vLLM's default mode's, from the results
+        acc[VLLM_DEFAULT_MODE.name]["mode"]["temperature"]
+        for r in rs.regimes[regime].values()
+        if VLLM_DEFAULT_MODE.name in (acc := r.get("acceptance", {}).get(verifier) or {})
+    }
     caption = CAPTION.format(
         mode=label,
         verifier=VERIFIERS[verifier] if verifier else "no verifier (not simulated in this regime)",
-        temps=_temperatures(rs, regime, verifier),
+        temps=", ".join(f"T={t}" for t in sorted(temps)) or "no temperature (nothing simulated)",
         unpaired=UNPAIRED,
     )
     columns = ["condition", "ceiling gap to bf16", f"loss vs bf16, {label} [95% CI]",
                "ceiling gap to default", "loss vs default"]  # fmt: skip
     return Table(f"Regime {regime}: {caption}", columns, rows, key=f"serving_{regime}")
-
-
-def _block(rs: ResultsSet, regime: str) -> list[dict]:
-    return list(rs.regimes[regime].values())
-
-
-def _temperatures(rs: ResultsSet, regime: str, verifier: str | None) -> str:
-    """The temperatures the regime's entries of vLLM's default mode ran at, from the results."""
-    found = {
-        acc[VLLM_DEFAULT_MODE.name]["mode"]["temperature"]
-        for r in _block(rs, regime)
-        if VLLM_DEFAULT_MODE.name in (acc := r.get("acceptance", {}).get(verifier) or {})
-    }
-    return ", ".join(f"T={t}" for t in sorted(found)) or "no temperature (nothing simulated)"
-
-
-# ---------------------------------------------------------------------------------------------
-# speculate results
 
 
 def measured_conditions_table(spec: dict, conditions: list) -> Table:
@@ -250,20 +196,43 @@ def measured_conditions_table(spec: dict, conditions: list) -> Table:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# The section
-
-
 def conditions_tables(rs: ResultsSet) -> list[Table]:
     """What the conditions of the eval-drift results are, then per regime holding one what
-    they cost (none when every variant is served at the default)."""
-    conditions = _conditions(_results_variants(rs))
+    they cost (none when every variant is served at the default).  Each variant's configuration
+    is read from ``variants.NAME`` or, where eval-drift's passes record it, from its entry in a
+    regime (one token names one configuration)."""
+    variants = {}
+    for name in variant_order(rs):
+        held = [r for r in regime_order(rs) if name in rs.regimes[r]]
+        entries = [rs.variants[name], *(rs.regimes[r][name] for r in held)]
+        recorded = next((e["configuration"] for e in entries if "configuration" in e), DEFAULTS)
+        files = ", ".join(sorted({p for r in held for p in rs.sources[r]}))
+        variants[name] = served(name, {**rs.variants[name], "configuration": recorded}, files)
+    conditions = _conditions(variants)
+    if not conditions:
+        return []
     costs = [
-        costs_table(rs, r, held)
+        costs_table(rs, r, here)
         for r in regime_order(rs)
-        if (held := [c for c in conditions if c[0].name in rs.regimes[r]])
+        if (here := [c for c in conditions if c[0].name in rs.regimes[r]])
     ]
-    return [conditions_table(conditions), *costs] if conditions else []
+    rows = [
+        [Cell(v.name), Cell(words), Cell(_weights(v)), Cell(default or "not in the run"),
+         Cell(avoided)]
+        for v, default in conditions
+        for words, avoided in [condition_words(v)]
+    ]  # fmt: skip
+    defaults = ", ".join(f"{f} {d}" for f, d in DEFAULTS.items())
+    described = Table(
+        f"Serving conditions: the variants served otherwise than the default configuration "
+        f"({defaults}), what differs, their weights, the variant of the run that serves the "
+        "same weights at the default, and the vLLM 0.32.0 setting that avoids the condition",
+        ["condition", "what differs", "weights", SAME, AVOIDED],
+        rows,
+        key="serving_conditions",
+        align="lllll",
+    )
+    return [described, *costs]
 
 
 def serving_sections(rs: ResultsSet, speculate: dict | None) -> list[Section]:

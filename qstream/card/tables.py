@@ -1,9 +1,6 @@
-"""The card's tables from a merged results set: the results, how they were evaluated, and the
-optional studies (sensitivity, context sweep, simulated acceptance); docs/card.md.  Every number
-is one of the results JSON at ``DIGITS`` decimals, except the gap to bf16 (a difference of two
-shown values, its header says so); every difference against bf16 is printed by :func:`difference`.
-The same tables are what ``qstream eval-drift`` prints (qstream/card/terminal.py).
-"""
+"""The card's tables from a merged results set (docs/card.md), also what ``qstream eval-drift``
+prints: every number is one of the results JSON at ``DIGITS`` decimals, except the gap to bf16
+(a difference of two shown values, printed by :func:`difference`)."""
 
 from __future__ import annotations
 
@@ -28,9 +25,8 @@ from qstream.serving import DEFAULTS, Variant
 from qstream.tablefit import Cell, Table
 from qstream.verification import ADAPTIVE_MODES, HEADLINE_MODES, MODES, VerificationMode
 
-# Decimals per kind of number: agreement proportions and r are read to a tenth of a percent,
-# 1−TV sits close to 1 so it gets one more, the ceiling is a length in tokens (0..B); a
-# difference against bf16 in tokens (small next to the lengths it compares) gets one more.
+# Decimals per kind of number: proportions and r to a tenth of a percent, 1−TV (close to 1) one
+# more, the ceiling in tokens (0..B) two, a difference against bf16 in tokens one more.
 DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "difference": 3, "snr": 1}
 
 
@@ -63,10 +59,6 @@ def difference(e: dict | float | None) -> Cell:
     return Cell("n/a" if e is None else f"{e:{spec}}", e)
 
 
-# ---------------------------------------------------------------------------------------------
-# Order
-
-
 def regime_order(rs: ResultsSet) -> list[str]:
     """Regimes present, in docs/eval-drift.md's order (gauss, heavy, boot), any other after."""
     known = [r for r in AUX_REGIMES if r in rs.regimes]
@@ -80,8 +72,7 @@ def variant_order(rs: ResultsSet) -> list[str]:
 
 
 def rollout_name(rs: ResultsSet, mode: str, regimes: list[str] | None = None) -> str:
-    """The rollout mode's label with the sampling settings of the runs of ``regimes`` (default:
-    all); when they differ, the label says so instead of picking one."""
+    """The rollout mode's label with the sampling settings of ``regimes`` (default: all)."""
     regimes = regime_order(rs) if regimes is None else regimes
     names = {rollout_label(mode, rs.runs[r].get("sampling")) for r in regimes}
     if len(names) == 1:
@@ -94,13 +85,8 @@ def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
     return None if result is None else result["metrics"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Result tables
-
-
 def agreement_table(rs: ResultsSet, regime: str) -> Table:
-    """Per-position agreement, k = 1..B: teacher-forced greedy agree, and the rollouts' seq agree
-    and prefix agree (seq_agree.png's quantities)."""
+    """Per-position agreement, k = 1..B: greedy agree, the rollouts' seq and prefix agree."""
     B = rs.block_size
     d = DIGITS["proportion"]
     rows = []
@@ -201,25 +187,8 @@ def variant_label(rs: ResultsSet, variant: str) -> str:
 def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
     """Every headline metric of one regime, one column per variant."""
     variants = [v for v in variant_order(rs) if metrics(rs, regime, v) is not None]
-    rows = [
-        [Cell(name), *(cell_of(rs.regimes[regime][v]) for v in variants)]
-        for name, cell_of in _agreement_rows(rs, regime) + _divergence_rows()
-    ]
-    return Table(
-        f"Regime {regime}: every metric against the FP32 reference "
-        "(n/a: undefined for that variant, e.g. no weight error in bf16)",
-        ["metric", *(variant_label(rs, v) for v in variants)],
-        rows,
-        key=f"metrics_{regime}",
-    )
-
-
-RowOf = Callable[[dict], Cell]  # a variant's results entry -> its cell in one row
-
-
-def _agreement_rows(rs: ResultsSet, regime: str) -> list[tuple[str, RowOf]]:
-    p, tv, c = DIGITS["proportion"], DIGITS["one_minus_tv"], DIGITS["ceiling"]
-    rows: list[tuple[str, RowOf]] = [
+    p, tv, c, snr = (DIGITS[k] for k in ("proportion", "one_minus_tv", "ceiling", "snr"))
+    rows: list[tuple[str, Callable[[dict], Cell]]] = [  # a variant's results entry -> its cell
         ("greedy agree, all positions [95% CI]",
          lambda r: estimate(r["metrics"]["greedy_agree_overall"], p)),
         ("1−TV, all positions [95% CI]",
@@ -231,12 +200,7 @@ def _agreement_rows(rs: ResultsSet, regime: str) -> list[tuple[str, RowOf]]:
                      partial(_rollout, mode=mode, what=PREFIX_KEYS[mode], digits=c)))  # fmt: skip
         rows.append((f"whole block of {rs.block_size} matched, {name} [95% CI]",
                      partial(_rollout, mode=mode, what="prefix_agree", digits=p)))  # fmt: skip
-    return rows
-
-
-def _divergence_rows() -> list[tuple[str, RowOf]]:
-    p, snr = DIGITS["proportion"], DIGITS["snr"]
-    return [
+    rows += [
         ("KL(ref‖var) mean [95% CI]", lambda r: interval(r["metrics"]["kl"]["mean"], ".2e")),
         ("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"])),
         ("reverse KL(var‖ref) mean [95% CI]",
@@ -251,6 +215,16 @@ def _divergence_rows() -> list[tuple[str, RowOf]]:
         ("weight SNR over (tensors)",
          lambda r: Cell(str(r["weight_snr"]["tensors"]), r["weight_snr"]["tensors"])),
     ]  # fmt: skip
+    return Table(
+        f"Regime {regime}: every metric against the FP32 reference "
+        "(n/a: undefined for that variant, e.g. no weight error in bf16)",
+        ["metric", *(variant_label(rs, v) for v in variants)],
+        [
+            [Cell(name), *(cell_of(rs.regimes[regime][v]) for v in variants)]
+            for name, cell_of in rows
+        ],
+        key=f"metrics_{regime}",
+    )
 
 
 def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
@@ -258,10 +232,6 @@ def _rollout(result: dict, mode: str, what: str, digits: int) -> Cell:
     if rollout is None:
         return Cell("n/a")
     return estimate(rollout[what][-1] if what == "prefix_agree" else rollout[what], digits)
-
-
-# ---------------------------------------------------------------------------------------------
-# How the numbers were measured (every entry read from the results)
 
 
 def per_regime(rs: ResultsSet, regimes: list[str], describe) -> str:
@@ -311,7 +281,7 @@ def _selection(run: dict) -> str:
 Described = str | Callable[[dict], str]
 
 
-def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]]:
+def _evaluation_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]]:
     model, params = rs.model, rs.model.get("parameters")
     params = f"{params:,}" if isinstance(params, int) else params
     variants = (
@@ -320,6 +290,7 @@ def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described
     described = (
         f"{r}: {REGIMES[r].description if r in REGIMES else 'see the results'}" for r in regimes
     )
+    files = (f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}" for r in regimes)
     return [
         ("model", f"{model.get('path')} ({model.get('architecture')}, {params} parameters as "
                   "eval-drift loads it: its own tensors and the embed_tokens it borrows from the "
@@ -332,28 +303,6 @@ def _setup_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described
         ("confidence head", CONFIDENCE_NOTE),
         ("aux states", lambda r: f"shared by reference and variants, {r['aux_dtype']}"),
         ("regimes", "; ".join(described)),
-    ]  # fmt: skip
-
-
-def _computed_on(rs: ResultsSet, regimes: list[str]) -> str:
-    """Device, torch's CPU kernels and threads of every file: float results follow all three."""
-    seen = [c for r in regimes for c in rs.computed.get(r, {}).values()]
-    return "; ".join(dict.fromkeys(_compute_text(c) for c in seen)) or "not recorded"
-
-
-def _compute_text(compute: dict | None) -> str:
-    if not compute:
-        return "not recorded in the results"
-    where = f"{compute['device']} ({compute['device_name']})"
-    if compute["device"] != "cpu":
-        return where
-    kernels = compute.get("cpu_capability") or "not recorded"
-    return f"{where}, torch CPU kernels {kernels}, {compute['threads']} threads"
-
-
-def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]]:
-    files = (f"{r}: {', '.join(Path(p).name for p in rs.sources[r])}" for r in regimes)
-    return [
         ("corpus", _corpus),
         ("tokenizer",
          lambda r: (r.get("corpus") or {}).get("tokenizer") or "not recorded in the results"),
@@ -372,11 +321,26 @@ def _data_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]
     ]  # fmt: skip
 
 
+def _computed_on(rs: ResultsSet, regimes: list[str]) -> str:
+    """Device, torch's CPU kernels and threads of every file: float results follow all three."""
+    texts = []
+    for c in (c for r in regimes for c in rs.computed.get(r, {}).values()):
+        if not c:
+            texts.append("not recorded in the results")
+        elif c["device"] != "cpu":
+            texts.append(f"{c['device']} ({c['device_name']})")
+        else:
+            kernels = c.get("cpu_capability") or "not recorded"
+            texts.append(f"{c['device']} ({c['device_name']}), torch CPU kernels {kernels}, "
+                         f"{c['threads']} threads")  # fmt: skip
+    return "; ".join(dict.fromkeys(texts)) or "not recorded"
+
+
 def evaluation_table(rs: ResultsSet) -> Table:
     regimes = regime_order(rs)
     rows = [
         (k, v if isinstance(v, str) else per_regime(rs, regimes, v))
-        for k, v in _setup_rows(rs, regimes) + _data_rows(rs, regimes)
+        for k, v in _evaluation_rows(rs, regimes)
     ]
     return Table(
         "How the numbers were measured (from the results JSON)",
@@ -385,10 +349,6 @@ def evaluation_table(rs: ResultsSet) -> Table:
         key="evaluation",
         align="ll",
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# The optional studies (docs/card.md)
 
 
 SENSITIVITY_COLUMNS = ["+ module kind", "gap alone", "ceiling, greedy [95% CI]", "gap to bf16",
@@ -456,18 +416,6 @@ def acceptance_verifiers(rs: ResultsSet) -> list[str]:
     return [v for v in VERIFIERS if v in found]
 
 
-def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
-    """The acceptance by ``verifier``: vLLM's default mode beside the published card's, the other
-    modes, then adaptive verification (where some result simulated it)."""
-    tables = [
-        _modes_table(rs, verifier, HEADLINE_MODES, "headline"),
-        _modes_table(rs, verifier, OTHER_MODES, "other"),
-    ]
-    if any(_entries(rs, verifier, mode) for mode in ADAPTIVE_MODES):
-        tables.append(_adaptive_table(rs, verifier))
-    return tables
-
-
 OTHER_MODES = tuple(m for m in MODES.values() if m not in HEADLINE_MODES and not m.adaptive)
 _CAPTIONS = {
     "headline": "vLLM 0.32's default mode (greedy draft: the drafter's argmax at any "
@@ -477,33 +425,49 @@ _CAPTIONS = {
     "token-wise for a one-hot draft), probabilistic draft under token-wise verification, and a "
     "greedy verifier (temperature 0)",
 }
+_COLUMNS = ["mode", "regime", "variant", "tokens/step [95% CI]", "loss vs bf16"]
 
 
-def _acceptance_regimes(rs: ResultsSet, verifier: str) -> list[str]:
-    return [
-        r
-        for r in regime_order(rs)
-        if any(verifier in res.get("acceptance", {}) for res in rs.regimes[r].values())
-    ]
-
-
-def _entries(rs: ResultsSet, verifier: str, mode: VerificationMode) -> list[dict]:
-    return [
-        acc[mode.name]
+def acceptance_tables(rs: ResultsSet, verifier: str) -> list[Table]:
+    """The acceptance by ``verifier``: headline modes, the other modes, adaptive (if simulated)."""
+    tables = []
+    for which, modes in (("headline", HEADLINE_MODES), ("other", OTHER_MODES)):
+        sampling = per_regime(rs, regime_order(rs), lambda r: verifier_label(r.get("sampling")))
+        caption = (
+            f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
+            f"{_CAPTIONS[which]}. Accepted drafted tokens plus the resampled or bonus token "
+            f"(1..{rs.block_size + 1}); a probabilistic drafter samples its full tempered "
+            f"softmax, a sampling verifier is at {sampling}; loss vs bf16 is the results' "
+            "paired per-block difference"
+        )
+        rows = _acceptance_rows(rs, verifier, modes, _emitted_and_loss)
+        key = f"acceptance_{verifier}" + ("" if which == "headline" else f"_{which}")
+        tables.append(Table(caption, _COLUMNS, rows, key=key, align="lllrr"))
+    adaptive = [
+        acc[mode.name]["mode"].get("adaptive")
+        for mode in ADAPTIVE_MODES
         for block in rs.regimes.values()
         for res in block.values()
         if mode.name in (acc := res.get("acceptance", {}).get(verifier) or {})
     ]
+    if adaptive:
+        tables.append(_adaptive_table(rs, verifier, {(a["requests"], a["budget_share"])
+                                                     for a in adaptive if a}))  # fmt: skip
+    return tables
 
 
 def _acceptance_rows(
     rs: ResultsSet, verifier: str, modes: tuple[VerificationMode, ...], cells
 ) -> list[list[Cell]]:
-    """One row per mode, regime and variant (so that a mode's variants sit together);
-    ``cells(acc, mode)``: the value cells of a variant's ``acceptance.VERIFIER`` (None: absent)."""
+    """One row per mode, regime and variant; ``cells(acc, mode)`` gives the value cells."""
+    regimes = [
+        r
+        for r in regime_order(rs)
+        if any(verifier in res.get("acceptance", {}) for res in rs.regimes[r].values())
+    ]
     rows = []
     for mode in modes:
-        for regime in _acceptance_regimes(rs, verifier):
+        for regime in regimes:
             for variant in variant_order(rs):
                 res = rs.regimes[regime].get(variant) or {}
                 acc = res.get("acceptance", {}).get(verifier)
@@ -527,26 +491,7 @@ def _emitted_and_loss(acc: dict | None, mode: str) -> list[Cell]:
     return [estimate(acc[mode]["emitted"], d), difference(loss.get(mode))]
 
 
-_COLUMNS = ["mode", "regime", "variant", "tokens/step [95% CI]", "loss vs bf16"]
-
-
-def _modes_table(
-    rs: ResultsSet, verifier: str, modes: tuple[VerificationMode, ...], which: str
-) -> Table:
-    return Table(
-        f"Expected tokens per verification step, verified by {VERIFIERS[verifier]}: "
-        f"{_CAPTIONS[which]}. Accepted drafted tokens plus the resampled or bonus token "
-        f"(1..{rs.block_size + 1}); a probabilistic drafter samples its full tempered softmax, "
-        f"a sampling verifier is at {_verifier_sampling(rs)}; loss vs bf16 is the results' "
-        "paired per-block difference",
-        _COLUMNS,
-        _acceptance_rows(rs, verifier, modes, _emitted_and_loss),
-        key=f"acceptance_{verifier}" + ("" if which == "headline" else f"_{which}"),
-        align="lll" + "r" * (len(_COLUMNS) - 3),
-    )
-
-
-def _adaptive_table(rs: ResultsSet, verifier: str) -> Table:
+def _adaptive_table(rs: ResultsSet, verifier: str, settings: set[tuple]) -> Table:
     """Each adaptive mode's expected tokens and loss, and what vLLM's budget rule expects."""
     d = DIGITS["ceiling"]
 
@@ -555,44 +500,29 @@ def _adaptive_table(rs: ResultsSet, verifier: str) -> Table:
         estimated = Cell("n/a") if entry is None else estimate(entry["estimated_emitted"], d)
         return [*_emitted_and_loss(acc, mode), estimated]
 
-    columns = [*_COLUMNS, "vLLM's estimate [95% CI]"]
+    setting = "; ".join(
+        f"blocks verified {r} at a time as one batch's requests, whose budget is {share:g} of "
+        "their drafted tokens"
+        for r, share in sorted(settings)
+    )
     return Table(
         f"Adaptive verification (vLLM 0.32's enable_adaptive_verification), verified by "
-        f"{VERIFIERS[verifier]}: {_adaptive_setting(rs, verifier)}; each request keeps the "
+        f"{VERIFIERS[verifier]}: {setting}; each request keeps the "
         "drafted positions that rank in the batch's budget by the running product of its "
         "confidence scores, as vLLM ranks them. Tokens per step as above; vLLM's estimate is "
         "what its budget rule expects a block to emit (1 + the survival of its verified "
         "positions), the confidence head's prediction of the target's acceptance. vLLM sizes "
         "the budget from step costs it profiles on its GPU; here it is a setting "
         "(docs/acceptance.md)",
-        columns,
+        [*_COLUMNS, "vLLM's estimate [95% CI]"],
         _acceptance_rows(rs, verifier, ADAPTIVE_MODES, cells),
         key=f"acceptance_{verifier}_adaptive",
-        align="lll" + "r" * (len(columns) - 3),
+        align="lllrrr",
     )
-
-
-def _adaptive_setting(rs: ResultsSet, verifier: str) -> str:
-    settings = {
-        (a["requests"], a["budget_share"])
-        for mode in ADAPTIVE_MODES
-        for entry in _entries(rs, verifier, mode)
-        if (a := entry["mode"].get("adaptive"))
-    }
-    return "; ".join(
-        f"blocks verified {r} at a time as one batch's requests, whose budget is {share:g} of "
-        "their drafted tokens"
-        for r, share in sorted(settings)
-    )
-
-
-def _verifier_sampling(rs: ResultsSet) -> str:
-    return per_regime(rs, regime_order(rs), lambda r: verifier_label(r.get("sampling")))
 
 
 def suggested_command(rs: ResultsSet, regime: str) -> Part:
-    """The quantize command of the largest include list within the sensitivity tolerance, or
-    why there is none."""
+    """The quantize command of the largest include list within tolerance, or why there is none."""
     sens = rs.sections[regime]["sensitivity"]
     best = sens["suggested"]
     if best["command"]:
