@@ -1,9 +1,6 @@
-"""``quantize_checkpoint``: a safetensors checkpoint in, a weight-only FP8 / MXFP4 / NVFP4
-checkpoint in the compressed-tensors layout out (docs/quantize.md), with no model class.
-
-The run is planned whole before anything is written: the checkpoint's headers and index are
-validated, the selection is resolved and every output shard's header is laid out (a
-:class:`~qstream.quant.write.Plan`), which :mod:`qstream.quant.write` then writes.
+"""``quantize_checkpoint``: a safetensors checkpoint in, an FP8 / MXFP4 / NVFP4 checkpoint in
+the compressed-tensors layout out (docs/quantize.md), with no model class.  The run is planned
+whole (:class:`~qstream.quant.write.Plan`) before :mod:`qstream.quant.write` writes a byte.
 """
 
 from __future__ import annotations
@@ -11,10 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +22,7 @@ from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
 from qstream.quant.schemes import command_options, serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
-from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
+from qstream.quant.write import Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
     head_problem,
     head_targets,
@@ -109,74 +103,39 @@ def quantize_checkpoint(
     calibration: Any = None,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
-    in the compressed-tensors layout (docs/quantize.md).  ``include`` / ``ignore`` are patterns
-    (``ignore`` wins) under config.json's serving profile at ``tensor_parallel_size``
-    (docs/vllm.md); ``workers`` threads (default: the usable CPUs); ``activations`` /
-    ``kv_cache_scheme``: how vLLM serves inputs and KV cache, scales from ``calibration`` (a
-    ``qstream.calibration.Calibration``, or a callable run once the options are checked).
-    Published atomically (docs/guarantees.md); raises QStreamError, having written nothing,
-    for any problem with the input, the options or the disk; ``snr=False`` skips the SNR."""
+    (docs/quantize.md), selected under config.json's serving profile at
+    ``tensor_parallel_size`` (docs/vllm.md).  ``calibration``: a Calibration, or a callable run
+    once the options are checked.  Published atomically (docs/guarantees.md); any problem is a
+    QStreamError raised before anything is written."""
     started = time.perf_counter()
     spec = get_format(fmt)
     workers = default_workers() if workers is None else workers
-    model_path, output_path = _check_paths(model_dir, output_dir, overwrite)
-    run = Streaming(_check_device(device, workers), workers, snr, progress)
-    checkpoint = _check_against_config(_refuse_quantized(open_checkpoint(model_path)))
+    model_path, output_path = Path(model_dir).resolve(), Path(output_dir).resolve()
+    if not model_path.is_dir():
+        raise QStreamError(f"--model_dir {model_dir}: not a directory")
+    check_outside(output_dir, "--output_dir", {"--model_dir": model_dir})
+    check_target(output_path, overwrite, "--output_dir")
+    if workers < 1:
+        raise QStreamError(f"--workers {workers}: must be at least 1")
+    if device not in ("cpu", "cuda"):
+        raise QStreamError(f"--device {device!r}: choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise QStreamError("--device cuda: no CUDA device is available")
+    run = Streaming(torch.device(device), workers, snr, progress)
+    checkpoint = open_checkpoint(model_path)
+    _refuse_quantized(checkpoint)
+    _check_against_config(checkpoint)
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
     serving = serving_schemes(checkpoint, fmt, selection, activations, kv_cache_scheme, calibration)
-    plan = _make_plan(checkpoint, selection, spec, entries, serving)
-    summary = _plan_summary(
-        plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
-        output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
-        serving=serving_record(serving),
-    )  # fmt: skip
-    if dry_run:
-        return summary
-    command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
-                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
-    record = partial(_record, summary, command)
-    with _one_intra_op_thread():
-        snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
-    return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
-
-
-def _make_plan(checkpoint: Checkpoint, selection: Selection, spec, entries, serving) -> Plan:
-    """The plan, with the config group's targets under config.json's serving profile."""
-    profile = profile_for(checkpoint.config)
-    targets = ("Linear", *head_targets(profile, selection.quantized))
-    return make_plan(checkpoint, selection, spec, entries, targets, serving)
-
-
-def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:
-    """The head of the run's record, which the card quotes; run-dependent fields (time, worker
-    count) are left out so that the same input and command give the same output bytes."""
-    recorded = replace(summary, weight_snr_db=snr_db).to_json()
-    return {
-        "qstream_version": qstream.__version__,
-        "command": command,
-        "summary": {k: v for k, v in recorded.items() if k not in ("seconds", "workers")},
-    }
-
-
-@contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    """One torch intra-op thread per worker while quantizing: on a busy machine, intra-op
-    barriers cost far more than they gain on small pieces.  torch's setting is restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _plan_summary(plan: Plan, warnings: list[str], **settings: Any) -> QuantizeSummary:
-    """What the run will do, before any byte is written; ``settings`` are the run's paths, format
-    and options as QuantizeSummary fields."""
-    checkpoint, selection = plan.checkpoint, plan.selection
-    return QuantizeSummary(
+    targets = ("Linear", *head_targets(profile_for(checkpoint.config), selection.quantized))
+    plan = make_plan(checkpoint, selection, spec, entries, targets, serving)
+    summary = QuantizeSummary(
+        model_dir=str(model_path),
+        output_dir=str(output_path),
+        quant_format=fmt,
+        dry_run=dry_run,
         params_total=sum(i.numel for i in checkpoint.tensors.values()),
         params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
         modules_quantized=list(selection.quantized),
@@ -184,11 +143,36 @@ def _plan_summary(plan: Plan, warnings: list[str], **settings: Any) -> QuantizeS
         modules_skipped=dict(selection.skipped),
         bytes_before=checkpoint.size_bytes,
         bytes_after=plan.size_bytes,
+        workers=workers,
         serving_profile=selection.profile.name,
+        tensor_parallel_size=tensor_parallel_size,
         ignore=plan.ignore,
         warnings=warnings,
-        **settings,
+        serving=serving_record(serving),
     )
+    if dry_run:
+        return summary
+    command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
+                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
+
+    def record(snr_db: dict[str, float]) -> dict:
+        # run-dependent fields (time, workers) left out: same input and command, same bytes
+        recorded = replace(summary, weight_snr_db=snr_db).to_json()
+        return {
+            "qstream_version": qstream.__version__,
+            "command": command,
+            "summary": {k: v for k, v in recorded.items() if k not in ("seconds", "workers")},
+        }
+
+    # one torch intra-op thread per worker: on a busy machine, intra-op barriers cost far more
+    # than they gain on small pieces
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
+    finally:
+        torch.set_num_threads(previous)
+    return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
 
 
 def default_workers() -> int:
@@ -202,9 +186,8 @@ def default_workers() -> int:
 def _select(
     checkpoint: Checkpoint, fmt: str, include, ignore, skip_incompatible: bool, tp_size: int
 ) -> tuple[Selection, list[str], list[str]]:
-    """The selection under config.json's serving profile, the ``ignore`` entries that make
-    vLLM's matcher resolve it, and warnings about how vLLM will read them (docs/vllm.md).  A
-    K3 draft that vLLM cannot build at ``tp_size`` is an error."""
+    """The selection, the ``ignore`` entries that make vLLM's matcher resolve it, and warnings
+    about how vLLM will read them (docs/vllm.md)."""
     if tp_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tp_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
@@ -231,16 +214,9 @@ def _select(
 
 
 def _equivalent_command(
-    model_dir,
-    output_dir,
-    fmt: str,
-    include,
-    ignore,
-    skip_incompatible: bool,
-    snr: bool = True,
-    tensor_parallel_size: int = 1,
-    serving: dict[str, str] | None = None,
-) -> str:
+    model_dir, output_dir, fmt: str, include, ignore, skip_incompatible: bool, snr: bool,
+    tensor_parallel_size: int, serving: dict[str, str],
+) -> str:  # fmt: skip
     """The qstream-quantize command line that makes this output (recorded for model cards)."""
     args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir)]
     args += ["--quant_format", fmt]
@@ -254,40 +230,20 @@ def _equivalent_command(
         args.append("--no-snr")
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    for option, value in (serving or {}).items():
+    for option, value in serving.items():
         args += [f"--{option.replace('_', '-')}", value]
     return shlex.join(args)
 
 
-def _check_paths(model_dir, output_dir, overwrite: bool) -> tuple[Path, Path]:
-    model_path, output_path = Path(model_dir).resolve(), Path(output_dir).resolve()
-    if not model_path.is_dir():
-        raise QStreamError(f"--model_dir {model_dir}: not a directory")
-    check_outside(output_dir, "--output_dir", {"--model_dir": model_dir})
-    check_target(output_path, overwrite, "--output_dir")
-    return model_path, output_path
-
-
-def _check_device(device: str, workers: int) -> torch.device:
-    if workers < 1:
-        raise QStreamError(f"--workers {workers}: must be at least 1")
-    if device not in ("cpu", "cuda"):
-        raise QStreamError(f"--device {device!r}: choose cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise QStreamError("--device cuda: no CUDA device is available")
-    return torch.device(device)
-
-
-def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint``, unless its tensors differ from what config.json implies under its
-    serving profile (docs/quantize.md, "Tensors checked against the config"): QStreamError
-    naming the first problem (config.json and the field, or the tensor), before any format code
-    runs or anything is written.  verify checks outputs against the same table."""
+def _check_against_config(checkpoint: Checkpoint) -> None:
+    """Tensors that differ from what config.json implies under its serving profile
+    (docs/quantize.md, "Tensors checked against the config"): a QStreamError naming the first
+    problem.  verify checks outputs against the same table."""
     stored = {name: tuple(info.shape) for name, info in checkpoint.tensors.items()}
     problems = shape_problems(profile_for(checkpoint.config), checkpoint.config, stored)
     problems = problems or d2t_problems(checkpoint)
     if not problems:
-        return checkpoint
+        return
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     where, first = checkpoint.directory, problems[0]
     if first.startswith(f"{CONFIG_NAME}: "):  # name the file itself
@@ -295,8 +251,7 @@ def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
     raise QStreamError(f"{where}: {first}{more}")
 
 
-def _refuse_quantized(checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint``, unless it is already quantized (QStreamError naming the evidence)."""
+def _refuse_quantized(checkpoint: Checkpoint) -> None:
     if "quantization_config" in checkpoint.config:
         method = checkpoint.config["quantization_config"]
         method = method.get("quant_method", "?") if isinstance(method, dict) else "?"
@@ -310,4 +265,3 @@ def _refuse_quantized(checkpoint: Checkpoint) -> Checkpoint:
                 f"tensor {name!r} in {checkpoint.tensor_shard[name]}: the "
                 "checkpoint is already quantized"
             )
-    return checkpoint
