@@ -2,12 +2,6 @@
 the layers a draft reads (docs/capture.md): the ``target_layer_ids`` layers' outputs and the final
 norm's input and output, never all N+1 hidden states.  Everything is read from local files
 (``local_files_only``); code shipped with a checkpoint runs only with ``trust_remote_code``.
-
->>> target = load_target("TARGET_DIR", dtype=torch.float32, device="cpu")
->>> layers, norm = decoder_parts(target.model)
->>> with LayerTap(layers, norm, (1, 3)) as tap:
-...     target.model.model(input_ids=ids, attention_mask=mask, use_cache=False)
->>> tap.aux(), tap.final(), tap.pre_norm()   # [S, T, L·H], [S, T, H], [S, T, H]
 """
 
 from __future__ import annotations
@@ -50,33 +44,14 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def check_remote_code(target: str | Path, trust_remote_code: bool) -> None:
-    """A config that maps to code shipped with the checkpoint (``auto_map``) and names a
-    model_type transformers does not know needs ``--trust-remote-code``: one line, not a
-    traceback from inside transformers."""
-    if trust_remote_code:
-        return
-    from transformers import CONFIG_MAPPING
-
-    config = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    if model_type not in CONFIG_MAPPING:
-        hint = " (its config.json has an auto_map)" if "auto_map" in config else ""
-        raise QStreamError(
-            f"--target {target}: model_type {model_type!r} is not built into transformers"
-            f"{hint}; pass --trust-remote-code to run the checkpoint's own code"
-        )
-
-
 def default_dtype(device: str, device_map: str | None = None) -> str:
-    """``--dtype`` left out: float32 on a CPU (bf16 matmuls there are several times slower),
-    bfloat16 on CUDA and under ``--device-map``."""
+    """``--dtype`` left out: float32 on a CPU (bf16 matmuls there are several times slower)."""
     return "float32" if device == "cpu" and device_map is None else "bfloat16"
 
 
 def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
-    """One line naming the first floating-point tensor holding NaN or Inf (``what`` says whose),
-    checked in chunks so that a large target needs little extra memory."""
+    """One line naming the first float tensor holding NaN or Inf, checked in chunks (a large
+    target needs little extra memory)."""
     for name, t in tensors:
         flat = t.detach().reshape(-1)
         if t.is_floating_point() and t.device.type != "meta":
@@ -87,7 +62,7 @@ def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """transformers' loading bar and load report left out: qstream reports what matters."""
+    """transformers' loading bar and load report left out."""
     from transformers.utils import logging
 
     verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
@@ -101,25 +76,6 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def _check_loaded(target: str | Path, model: Any, info: dict) -> None:
-    """Every tensor the model has, read from the checkpoint with its shape, and no other, and
-    all finite: transformers would fill a missing one with random values."""
-    where = next((n for n in WEIGHT_FILES if (Path(target) / n).is_file()), "its weights")
-    name = type(model).__name__
-    problems = [f"{where} is missing tensor {key} of {name}" for key in info["missing_keys"]]
-    problems += [
-        f"{where} holds tensor {key}, unknown to {name}" for key in info["unexpected_keys"]
-    ]
-    problems += [
-        f"tensor {key} in {where} has shape {tuple(stored)}, {name} expects {tuple(expected)}"
-        for key, stored, expected in info["mismatched_keys"]
-    ]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise QStreamError(f"--target {target}: {min(problems)}{more}")
-    check_finite(model.named_parameters(), f"--target {target}: weight")
-
-
 def load_target(
     target: str | Path,
     dtype: torch.dtype,
@@ -128,8 +84,19 @@ def load_target(
     trust_remote_code: bool = False,
 ) -> LoadedTarget:
     """The target model (eval mode, no gradients) and its tokenizer, from local files; a
-    checkpoint that does not fill the model exactly, or holds NaN or Inf, is refused."""
-    check_remote_code(target, trust_remote_code)
+    checkpoint that does not fill the model exactly (transformers would fill a missing tensor
+    with random values), or holds NaN or Inf, is refused."""
+    if not trust_remote_code:  # one line, not a traceback from inside transformers
+        from transformers import CONFIG_MAPPING
+
+        config = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
+        model_type = config.get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            hint = " (its config.json has an auto_map)" if "auto_map" in config else ""
+            raise QStreamError(
+                f"--target {target}: model_type {model_type!r} is not built into transformers"
+                f"{hint}; pass --trust-remote-code to run the checkpoint's own code"
+            )
     if not any(next(Path(target).glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise QStreamError(f"--target {target}: no tokenizer.json (nor vocab.*, *.model): "
                            "the target's tokenizer is missing")  # fmt: skip
@@ -153,7 +120,20 @@ def load_target(
     module: torch.nn.Module = model  # transformers' own typing of .to() confuses mypy
     if device_map is None:
         module.to(torch.device(device))
-    _check_loaded(target, model, info)
+    where = next((n for n in WEIGHT_FILES if (Path(target) / n).is_file()), "its weights")
+    name = type(model).__name__
+    problems = [f"{where} is missing tensor {key} of {name}" for key in info["missing_keys"]]
+    problems += [
+        f"{where} holds tensor {key}, unknown to {name}" for key in info["unexpected_keys"]
+    ]
+    problems += [
+        f"tensor {key} in {where} has shape {tuple(stored)}, {name} expects {tuple(expected)}"
+        for key, stored, expected in info["mismatched_keys"]
+    ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise QStreamError(f"--target {target}: {min(problems)}{more}")
+    check_finite(model.named_parameters(), f"--target {target}: weight")
     module.eval().requires_grad_(False)
     layers, _ = decoder_parts(model)
     first = next(layers[0].parameters(), None)
@@ -178,15 +158,14 @@ def decoder_parts(model: Any) -> tuple[Any, Any]:
 
 
 def cache_keyword(model: Any) -> str:
-    """The name a causal LM's forward takes its KV cache under, and its output returns it under:
-    ``cache`` in transformers 5, ``past_key_values`` in earlier versions."""
+    """The keyword of a causal LM's KV cache: ``cache`` in transformers 5, else
+    ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, ...]:
-    """``--layers`` in qstream's layer-output convention (id j = output of decoder layer j).
-    In the hidden-states-index convention id k is the residual stream entering layer k, the
-    output of layer k−1 (docs/capture.md), so k = 0 (the embeddings) has no layer-output id."""
+    """``--layers`` in qstream's layer-output convention (id j = output of decoder layer j); in
+    the hidden-states-index one id k is the output of layer k−1 (docs/capture.md)."""
     if convention not in CONVENTIONS:
         raise QStreamError(f"--layer-convention {convention!r}: choose {' or '.join(CONVENTIONS)}")
     shift = CONVENTIONS[convention].shift
@@ -202,22 +181,13 @@ def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, 
 
 def check_draft(config: DraftConfig, target: TargetShape, layer_ids: tuple[int, ...]) -> None:
     """The draft must fit the target: one line naming the first mismatch (docs/capture.md)."""
+    depth, captured = target.num_hidden_layers, config.num_target_layers
     checks = (
         ("target_hidden_size", config.target_hidden_size, "hidden_size", target.hidden_size),
         ("hidden_size", config.hidden_size, "hidden_size", target.hidden_size),
         ("vocab_size", config.vocab_size, "vocab_size", target.vocab_size),
-        (
-            "target_num_hidden_layers",
-            config.target_num_hidden_layers,
-            "num_hidden_layers",
-            target.num_hidden_layers,
-        ),
-        (
-            "num_target_layers",
-            len(layer_ids),
-            "number of captured layers",
-            config.num_target_layers,
-        ),
+        ("target_num_hidden_layers", config.target_num_hidden_layers, "num_hidden_layers", depth),
+        ("num_target_layers", len(layer_ids), "number of captured layers", captured),
     )
     for mine, value, theirs, expected in checks:
         if value is not None and value != expected:  # None: a config that does not say
@@ -240,8 +210,8 @@ def _hidden(output: Any) -> torch.Tensor:
 
 class LayerTap:
     """Hooks that keep, per forward, the outputs of ``layers[j]`` for ``j in ids`` and the final
-    norm's input and output, moved to the CPU as they come (so a ``--device-map`` spread over
-    several GPUs gathers them in one place).  Removed on exit, even on error."""
+    norm's input and output, moved to the CPU as they come (a ``--device-map`` spread over
+    GPUs gathers them in one place); removed on exit, even on error."""
 
     def __init__(self, layers: Any, norm: Any, ids: tuple[int, ...]):
         self.layers, self.norm, self.ids = layers, norm, ids

@@ -113,7 +113,7 @@ def quantize_checkpoint(
     model_path, output_path = Path(model_dir).resolve(), Path(output_dir).resolve()
     if not model_path.is_dir():
         raise QStreamError(f"--model_dir {model_dir}: not a directory")
-    check_outside(output_dir, "--output_dir", {"--model_dir": model_dir})
+    check_outside(os.fspath(output_dir), "--output_dir", {"--model_dir": os.fspath(model_dir)})
     check_target(output_path, overwrite, "--output_dir")
     if workers < 1:
         raise QStreamError(f"--workers {workers}: must be at least 1")
