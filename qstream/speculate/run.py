@@ -126,10 +126,10 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         target = served[v.target].model  # the target this variant serves
         args = (s.new_tokens, mode, s.temperature, s.seed, progress)
         runs = decoded[v.name] = decode_prompts(target, draft, prompts, *args)
-        served = v.configuration()  # recorded when not the default (docs/speculate.md)
+        configuration = v.configuration()  # recorded when not the default (docs/speculate.md)
         results["variants"][v.name] = {
             "kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
-            **({"configuration": served} if served != DEFAULTS else {}),
+            **({"configuration": configuration} if configuration != DEFAULTS else {}),
             "quantized_tensors": changed, "summary": summarise(runs, config.block_size),
         }  # fmt: skip
         results["runs"][v.name] = [
