@@ -159,16 +159,6 @@ class CaptureSummary:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
-    sampling = None if s.sampling is None else asdict(s.sampling)
-    if sampling is not None and s.apply_chat_template:  # absent otherwise: records as before
-        sampling["chat_template"] = True
-    source = "corpus" if sampling is None else "generate"
-    return capture_record(LAYOUTS[s.export], ids, shape, docs, s.model, s.device_map or s.device,
-                          s.target_format, source=source, sampling=sampling, dtype=s.dtype,
-                          max_tokens=s.max_tokens)  # fmt: skip
-
-
 def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config: DraftConfig):
     """``(document, ids)`` of every selected stream, before generation."""
     if s.apply_chat_template:
@@ -214,7 +204,13 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
         ids = layer_output_ids(list(s.layers), s.layer_convention, shape.num_hidden_layers)
     check_draft(config, shape, ids)
     docs = corpus_docs(s.corpus)
-    record = _record(s, ids, docs, shape)
+    sampling = None if s.sampling is None else asdict(s.sampling)
+    if sampling is not None and s.apply_chat_template:  # absent otherwise: records as before
+        sampling["chat_template"] = True
+    source = "corpus" if sampling is None else "generate"
+    record = capture_record(layout, ids, shape, docs, s.model, s.device_map or s.device,
+                            s.target_format, source=source, sampling=sampling, dtype=s.dtype,
+                            max_tokens=s.max_tokens)  # fmt: skip
     output = Path(s.output)
     check_outside(output, "--output", {"--target": s.target, "--model": s.model})
     old = check_output(output, record)

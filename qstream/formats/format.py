@@ -90,12 +90,9 @@ class Format:
         return self.decode(stored, dtype)
 
     def stored_shapes(self, n: int, k: int) -> dict[str, tuple[int, ...]]:
-        codes, scale = self.stored[:2]
         per_row = k // self.block_size if self.block_size else 1
-        shapes: dict[str, tuple[int, ...]] = {
-            codes: (n, k // self.codes_per_byte),
-            scale: (n, per_row),
-        }
+        shapes: dict[str, tuple[int, ...]] = {self.stored[0]: (n, k // self.codes_per_byte)}
+        shapes[self.stored[1]] = (n, per_row)
         if self.global_scale:
             shapes[self.global_scale] = (1,)
         return shapes

@@ -54,17 +54,6 @@ def weight_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
     return {n[: -len(".weight")]: i for n, i in tensors.items() if n.endswith(".weight")}
 
 
-def _default_selection(modules: Mapping[str, TensorInfo], profile: Profile) -> set[str]:
-    return {
-        m
-        for m, info in modules.items()
-        if quantizable(info)
-        and not is_embedding(m)
-        and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES
-        and serving.never_quantized(profile, m) is None
-    }
-
-
 def _included(
     modules: Mapping[str, TensorInfo],
     patterns: list[str],
@@ -111,30 +100,6 @@ def _included(
     return selected
 
 
-def _apply_shape_rule(
-    modules, selected: set[str], block: int, skip: bool, profile: Profile, tp: int
-) -> dict[str, str]:
-    """docs/formats.md: K, and each shard's K where vLLM splits it at tensor-parallel size
-    ``tp`` (docs/vllm.md), must be a multiple of the block size."""
-    skipped = {}
-    for m in [m for m in modules if m in selected]:
-        k = modules[m].shape[1]
-        reason = (
-            f"K={k} is not a multiple of the block size {block}"
-            if block and k % block
-            else serving.tp_scale_problem(profile, m, k, block, tp)
-        )
-        if reason:
-            if not skip:
-                raise QStreamError(
-                    f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
-                    "(use --skip-incompatible to leave it unquantized)"
-                )
-            skipped[m] = reason
-            selected.discard(m)
-    return skipped
-
-
 def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
     """All members of a fused group quantized, or none (docs/vllm.md); a group split only by
     --skip-incompatible is dropped whole."""
@@ -178,24 +143,40 @@ def select_modules(
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
     dropped: dict[str, str] = {}
-    selected = (
-        _included(modules, include, profile, dropped)
-        if include
-        else _default_selection(modules, profile)
-    )
+    if include:
+        selected = _included(modules, include, profile, dropped)
+    else:
+        selected = {
+            m
+            for m, info in modules.items()
+            if quantizable(info)
+            and not is_embedding(m)
+            and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES
+            and serving.never_quantized(profile, m) is None
+        }
     for pattern in ignore:
         hit = {m for m in modules if matches(pattern, m)}
         if not hit:
             raise QStreamError(f"--ignore_layers pattern {pattern!r} matches no module")
         selected -= hit
-    skipped = _apply_shape_rule(
-        modules,
-        selected,
-        get_format(fmt).block_size,
-        skip_incompatible,
-        profile,
-        tensor_parallel_size,
-    )
+    # docs/formats.md: K, and each shard's K where vLLM splits it at tensor_parallel_size
+    # (docs/vllm.md), must be a multiple of the block size
+    block, skipped = get_format(fmt).block_size, {}
+    for m in [m for m in modules if m in selected]:
+        k = modules[m].shape[1]
+        reason = (
+            f"K={k} is not a multiple of the block size {block}"
+            if block and k % block
+            else serving.tp_scale_problem(profile, m, k, block, tensor_parallel_size)
+        )
+        if reason:
+            if not skip_incompatible:
+                raise QStreamError(
+                    f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
+                    "(use --skip-incompatible to leave it unquantized)"
+                )
+            skipped[m] = reason
+            selected.discard(m)
     skipped.update({m: why for m, why in dropped.items() if m not in skipped})
     groups = serving.fused_groups(modules, profile)
     _check_fused(groups, selected, skipped)

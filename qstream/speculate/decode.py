@@ -203,6 +203,7 @@ def acceptance_study(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> dict[str, dict]:
+    """Each draft's :func:`summarise` of :func:`decode_prompts`."""
     return {
         name: summarise(
             decode_prompts(target, draft, prompts, new_tokens, mode, temperature, seed),

@@ -268,11 +268,9 @@ def check_capture_dir(s: SpeculateSettings, targets: set[str]) -> None:
     assert s.capture is not None
     output, mode = Path(s.capture), MODES[s.rule]
     if not mode.greedy_verifier or len(targets) > 1:
-        why = (
-            f"--rule {GREEDY.name} (got {mode.name})"
-            if not mode.greedy_verifier
-            else "one target= for all variants"
-        )
+        why = "one target= for all variants"
+        if not mode.greedy_verifier:
+            why = f"--rule {GREEDY.name} (got {mode.name})"
         raise QStreamError(f"--capture needs {why}: only then is one stream every variant's output")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(f"--capture {output}: exists and is not an empty directory")
