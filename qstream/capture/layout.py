@@ -97,7 +97,17 @@ def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     (resumed); returns its record, or None."""
     path = output / RECORD
     if path.is_file():
-        old = _read_record(path)
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise QStreamError(f"{path}: cannot read ({exc})") from None
+        if not isinstance(old, dict):
+            raise QStreamError(f"{path}: holds a JSON {type(old).__name__}, not a capture's record")
+        if missing := [key for key in CHECKED if key not in old]:
+            raise QStreamError(f"{path}: no {missing[0]!r}, a setting a resumed run must match")
+        files = old.get("files", {})
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise QStreamError(f"{path}: 'files' is not a map of file name -> sha256")
         for key in CHECKED:
             was, now = _comparable(key, old[key]), _comparable(key, record.get(key))
             if was != now:
@@ -113,21 +123,6 @@ def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     if not output.parent.is_dir():
         raise QStreamError(f"--output {output}: directory {output.parent} does not exist")
     return None
-
-
-def _read_record(path: Path) -> dict[str, Any]:
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise QStreamError(f"{path}: cannot read ({exc})") from None
-    if not isinstance(old, dict):
-        raise QStreamError(f"{path}: holds a JSON {type(old).__name__}, not a capture's record")
-    if missing := [key for key in CHECKED if key not in old]:
-        raise QStreamError(f"{path}: no {missing[0]!r}, a setting a resumed run must match")
-    files = old.get("files", {})
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise QStreamError(f"{path}: 'files' is not a map of file name -> sha256")
-    return old
 
 
 def start_output(output: Path, record: dict[str, Any]) -> None:
@@ -156,27 +151,26 @@ def present_files(
                 f"{path}: sha256 {digest[:12]}... differs from {want[:12]}... recorded in "
                 f"{output / RECORD} (changed since); move it out to capture it again"
             )
-        if want is None or path.name in expected:
-            _check_stream(path, expected.get(path.name))
+        if want is None or path.name in expected:  # one of this run's, as it writes them
+            meta = expected.get(path.name)
+            if meta is None:
+                raise QStreamError(
+                    f"{path}: not in {RECORD} nor one of this run's streams; move it out"
+                )
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    found = f.metadata() or {}
+            except Exception as exc:  # safetensors reports a bad header with its own types
+                raise QStreamError(
+                    f"{path}: not a readable safetensors file ({exc}); move it out"
+                ) from None
+            if any(found.get(k) != v for k, v in meta.items()):
+                raise QStreamError(
+                    f"{path}: its metadata says document {found.get('document')!r}, prompt_tokens "
+                    f"{found.get('prompt_tokens')!r}, not this run's {meta}; move it out"
+                )
         present[path.name] = digest
     return present
-
-
-def _check_stream(path: Path, meta: dict[str, str] | None) -> None:
-    if meta is None:
-        raise QStreamError(f"{path}: not in {RECORD} nor one of this run's streams; move it out")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            found = f.metadata() or {}
-    except Exception as exc:  # safetensors reports a bad header with its own exception types
-        raise QStreamError(
-            f"{path}: not a readable safetensors file ({exc}); move it out"
-        ) from None
-    if any(found.get(k) != v for k, v in meta.items()):
-        raise QStreamError(
-            f"{path}: its metadata says document {found.get('document')!r}, prompt_tokens "
-            f"{found.get('prompt_tokens')!r}, not this run's {meta}; move it out"
-        )
 
 
 def record_streams(output: Path, record: dict[str, Any], names: list[str]) -> None:

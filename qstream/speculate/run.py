@@ -111,7 +111,29 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     if s.capture is not None:
         check_capture_dir(s, {v.target for v in variants})
     docs = corpus_docs(s.corpus)
-    served, prompts = _targets_and_prompts(s, docs, config, [v.target for v in variants])
+    if len(docs.texts) < s.prompts:
+        raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
+                           f"{len(docs.texts)} document(s)")  # fmt: skip
+    loaded = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
+    prompts = _prompts(s, loaded.tokenizer, docs, s.prompts, config.vocab_size)
+    # refused when the target would read past its max_position_embeddings: the longest prompt,
+    # all new tokens but the last, and one drafted block (--capture: a block and one token more)
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    prompt = max(len(p) for p in prompts)
+    longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
+    if limit is not None and longest > limit:
+        raise QStreamError(
+            f"--new-tokens {s.new_tokens}: the longest prompt ({prompt} tokens), the new tokens "
+            f"and a draft block ({config.block_size}) need {longest} positions, more than the "
+            f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
+        )
+    # the target as each variant serves it (docs/speculate.md, "A quantized target"):
+    # unquantized itself, else a copy per format whose decoder linears are simulated in it
+    served = {loaded.format: loaded}
+    for fmt in dict.fromkeys(v.target for v in variants):
+        if fmt not in served:
+            served[fmt] = replace(loaded, model=copy.deepcopy(loaded.model), format=fmt)
+            simulate_target(served[fmt].model, s.target, fmt)
     results = _description(s, config, shape, docs, embed)
     decoded = {}  # calibrated by decoding against the unquantized target:
     calibration = _calibrate(s, config, weights, served[DEFAULTS["target"]], docs, variants,
@@ -169,36 +191,6 @@ def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs:
 
     results["calibration"] = source
     return calibrate(config, weights, "cpu", feed, source)
-
-
-def _targets_and_prompts(
-    s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig, formats: list[str]
-) -> tuple[dict[str, LoadedTarget], list[list[int]]]:
-    """The target as each of ``formats`` serves it (docs/speculate.md, "A quantized target":
-    unquantized itself, else a copy, one per format, whose decoder linears are simulated in it)
-    and the prompts, refused when the target would read past its max_position_embeddings: the
-    longest prompt, all new tokens but the last, and one drafted block (--capture: a block and
-    one token more)."""
-    if len(docs.texts) < s.prompts:
-        raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
-                           f"{len(docs.texts)} document(s)")  # fmt: skip
-    target = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
-    prompts = _prompts(s, target.tokenizer, docs, s.prompts, config.vocab_size)
-    limit = getattr(target.model.config, "max_position_embeddings", None)
-    prompt = max(len(p) for p in prompts)
-    longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
-    if limit is not None and longest > limit:
-        raise QStreamError(
-            f"--new-tokens {s.new_tokens}: the longest prompt ({prompt} tokens), the new tokens "
-            f"and a draft block ({config.block_size}) need {longest} positions, more than the "
-            f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
-        )
-    served = {target.format: target}
-    for fmt in dict.fromkeys(formats):
-        if fmt not in served:
-            served[fmt] = replace(target, model=copy.deepcopy(target.model), format=fmt)
-            simulate_target(served[fmt].model, s.target, fmt)
-    return served, prompts
 
 
 def _prompts(
