@@ -37,13 +37,21 @@ class Decoded:
     anchors: list[int] = field(default_factory=list)
 
 
-def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict | None = None):
-    """The target over ids [1, T] after the positions cached in ``kv``, which it extends:
-    (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
+def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv=None, start: int = 0):
+    """The target over ids [1, T] (positions start..) after the positions cached in ``kv``, which
+    it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V]), refused unless finite
+    (NaN or Inf would be decoded as a token and counted as acceptance)."""
     inner = target.model
     with torch.no_grad(), LayerTap(inner.layers, inner.norm, layer_ids) as tap:
-        logits = target(input_ids=ids.to(target.device), use_cache=kv is not None, **(kv or {}))
-    return tap.aux(), logits.logits[0].float().cpu()
+        out = target(input_ids=ids.to(target.device), use_cache=kv is not None, **(kv or {}))
+    aux, logits = tap.aux(), out.logits[0].float().cpu()
+    for what, rows in (("hidden states", aux[0]), ("logits", logits)):
+        bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()
+        if len(bad):
+            raise QStreamError(
+                f"the target's {what} at position {start + int(bad[0])} are not finite (NaN or Inf)"
+            )
+    return aux, logits
 
 
 def new_cache(target) -> dict:
@@ -83,7 +91,6 @@ def speculative_decode(
     ids, out, layer_ids = list(prompt), Decoded(), config.target_layer_ids
     kv = new_cache(target) if cache else None
     aux, logits = target_pass(target, torch.tensor([ids]), layer_ids, kv)
-    _check_finite(aux, logits, 0)
     out.forwards += 1
     ids.append(_pick(logits[-1], mode, temperature, gen))
     while len(ids) - len(prompt) < new_tokens:
@@ -92,8 +99,8 @@ def speculative_decode(
         if kv is None:
             aux, logits = target_pass(target, torch.tensor([ids + drafted]), layer_ids)
         else:  # the cache holds positions 0..p-1: read the anchor and the block only
-            new_aux, logits = target_pass(target, torch.tensor([ids[p:] + drafted]), layer_ids, kv)
-        _check_finite(aux if kv is None else new_aux, logits, 0 if kv is None else p)
+            block = torch.tensor([ids[p:] + drafted])
+            new_aux, logits = target_pass(target, block, layer_ids, kv, p)
         out.forwards += 1
         emitted = _verify(logits[-len(drafted) - 1 :], drafted, q, mode, temperature, gen)
         if kv is not None:  # keep the anchor and the accepted drafts: positions 0..p + accepted
@@ -107,17 +114,6 @@ def speculative_decode(
         ids.extend(emitted)
     out.tokens = ids[len(prompt) : len(prompt) + new_tokens]
     return out
-
-
-def _check_finite(aux: torch.Tensor, logits: torch.Tensor, start: int) -> None:
-    """NaN or Inf in a forward's aux [1, T, A] or logits [T, V] (positions start..) would be
-    decoded as a token and counted as acceptance: refused."""
-    for what, rows in (("hidden states", aux[0]), ("logits", logits)):
-        bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()
-        if len(bad):
-            raise QStreamError(
-                f"the target's {what} at position {start + int(bad[0])} are not finite (NaN or Inf)"
-            )
 
 
 def _pick(logits: torch.Tensor, mode: VerificationMode, temperature: float, gen) -> int:
