@@ -69,13 +69,6 @@ def _generator(seed: int, name: str) -> torch.Generator:
 F64 = torch.float64
 
 
-def _gains(n: int, gen: torch.Generator) -> torch.Tensor:
-    """RMSNorm gains: lognormal around 1 with ~1% of channels x2..x4."""
-    gain = (torch.randn(n, generator=gen, dtype=F64) * 0.15).exp()
-    big = torch.rand(n, generator=gen, dtype=F64) < 0.01
-    return torch.where(big, gain * (2 + 2 * torch.rand(n, generator=gen, dtype=F64)), gain)
-
-
 @dataclass
 class _Plan:
     """Everything computed before any tensor is written."""
@@ -92,7 +85,12 @@ def _small_tensors(
     out = {}
     for name, shape in architecture_of(config).tensor_shapes(config).items():
         if len(shape) == 1 and name.endswith("norm.weight"):
-            out[name] = _gains(shape[0], _generator(seed, name))
+            # RMSNorm gains: lognormal around 1 with ~1% of channels x2..x4
+            n, gen = shape[0], _generator(seed, name)
+            gain = (torch.randn(n, generator=gen, dtype=F64) * 0.15).exp()
+            big = torch.rand(n, generator=gen, dtype=F64) < 0.01
+            gain_big = gain * (2 + 2 * torch.rand(n, generator=gen, dtype=F64))
+            out[name] = torch.where(big, gain_big, gain)
     if w1 is None or w2 is None:  # no Markov head (nor a confidence head reading it)
         return out
     out["markov_head.markov_w1.weight"] = w1

@@ -39,7 +39,7 @@ from qstream.synth.draft import (
 )
 
 QWEN3_MODEL_TYPES = ("qwen3",)  # transformers' Qwen3ForCausalLM
-# config.json keys the draft copies as they are from the target (RoPE: _rope)
+# config.json keys the draft copies as they are from the target (and RoPE)
 COPIED = (
     "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
     "rms_norm_eps max_position_embeddings vocab_size attention_bias"
@@ -63,7 +63,18 @@ def qwen3_draft_config(
         k: v for k, v in preset.to_json().items() if k not in ("rope_parameters", "dflash_config")
     }
     data.update({k: target[k] for k in COPIED if k in target})
-    data["rope_parameters"] = _rope(target)
+    # rope_parameters (transformers 5), else rope_theta with rope_scaling folded in
+    # (transformers 4, as Qwen3-8B's config.json has it)
+    rope = target.get("rope_parameters")
+    if rope is None:
+        scaling = target.get("rope_scaling")
+        rope = {
+            "rope_theta": target.get("rope_theta"),
+            **(scaling if isinstance(scaling, dict) else {}),
+        }
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+    data["rope_parameters"] = rope
     heads = target.get("num_attention_heads")
     if "head_dim" not in target and isinstance(heads, int) and heads > 0:
         data["head_dim"] = shape.hidden_size // heads  # transformers' default without one
@@ -84,21 +95,6 @@ def _token(value: Any) -> int | None:
     if isinstance(value, list) and value:
         value = value[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _rope(target: Mapping[str, Any]) -> Any:
-    """``rope_parameters`` (transformers 5), else ``rope_theta`` with ``rope_scaling`` folded in
-    (transformers 4, as Qwen3-8B's config.json has it)."""
-    if target.get("rope_parameters") is not None:
-        return target["rope_parameters"]
-    scaling = target.get("rope_scaling")
-    rope = {
-        "rope_theta": target.get("rope_theta"),
-        **(scaling if isinstance(scaling, dict) else {}),
-    }
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
-    return rope
 
 
 TOKENIZER_FILES = (
