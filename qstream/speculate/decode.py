@@ -1,12 +1,12 @@
 """Speculative decoding with the target in the loop, and what it measures (docs/speculate.md):
 the draft proposes a block from the target's own hidden states, the target verifies it with one
 forward under one of vLLM 0.32.0's verification modes (qstream/verification.py; vLLM's
-``rejection_sampler``), and the accepted tokens plus the target's bonus token are emitted.  The
-target is a transformers causal LM run with its KV cache, cropped to the kept positions after
-each verification.  Per draft variant: the mean acceptance length, the share of verifications
-accepting at least k tokens and tokens per target forward, each with a 95% interval over
-prompts, and the loss against bf16 paired over the same prompts ("Measured acceptance").
-"""
+``rejection_sampler``; each stated in docs/speculate.md), and the accepted tokens plus the
+target's bonus token are emitted.  The target is a transformers causal LM run with its KV cache,
+cropped to the kept positions after each verification.  Per draft variant: the mean acceptance
+length, the share of verifications accepting at least k tokens and tokens per target forward,
+each with a 95% interval over prompts, and the loss against bf16 paired over the same prompts
+(docs/speculate.md, "Measured acceptance")."""
 
 from __future__ import annotations
 
