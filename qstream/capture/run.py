@@ -227,8 +227,23 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     todo = [i for i in range(len(chosen)) if layout.stream_file(i) not in record["files"]]
     if progress is not None:
         progress.start(len(todo))
-    # generate (if asked) and capture the streams todo, a batch at a time in order of length
-    # (a batch pads little), recording each batch's files in capture.json
+    tokens = _capture(s, target, ids, chosen, todo, output, record, progress)
+    present = record["streams"]
+    return CaptureSummary(str(output), present, len(todo), len(chosen) - len(todo), tokens, record)
+
+
+def _capture(
+    s: CaptureSettings,
+    target: LoadedTarget,
+    ids: tuple[int, ...],
+    chosen: list[tuple[int, list[int]]],
+    todo: list[int],
+    output: Path,
+    record: dict,
+    progress: Progress | None,
+) -> int:
+    """Generate (if asked) and capture the streams ``todo``, a batch at a time in order of
+    length (a batch pads little), recording each batch's files in ``capture.json``."""
     eos = target.tokenizer.eos_token_id
     layers, norm = decoder_parts(target.model)
     tokens = 0
@@ -257,13 +272,13 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
                 use_cache=False,
             )
         meta = [_metadata(chosen[i]) for i in streams]
+        layout = LAYOUTS[s.export]
         write_batch(output, layout, streams, rows, tap, meta)
         record_streams(output, record, [layout.stream_file(i) for i in streams])
         tokens += sum(len(r) for r in rows)
         if progress is not None:
             progress.advance("", len(streams))
-    present = record["streams"]
-    return CaptureSummary(str(output), present, len(todo), len(chosen) - len(todo), tokens, record)
+    return tokens
 
 
 def _metadata(stream: tuple[int, list[int]]) -> dict[str, str]:

@@ -76,6 +76,42 @@ def _quiet() -> Iterator[None]:
             logging.enable_progress_bar()
 
 
+def check_remote_code(target: str | Path, trust_remote_code: bool) -> None:
+    """A config naming a model_type transformers does not know needs ``--trust-remote-code``:
+    one line, not a traceback from inside transformers."""
+    if trust_remote_code:
+        return
+    from transformers import CONFIG_MAPPING
+
+    config = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        hint = " (its config.json has an auto_map)" if "auto_map" in config else ""
+        raise QStreamError(
+            f"--target {target}: model_type {model_type!r} is not built into transformers"
+            f"{hint}; pass --trust-remote-code to run the checkpoint's own code"
+        )
+
+
+def _check_loaded(target: str | Path, model: Any, info: dict) -> None:
+    """Every tensor the model has, read from the checkpoint with its shape, and no other (else
+    transformers fills a missing one with random values), and all finite."""
+    where = next((n for n in WEIGHT_FILES if (Path(target) / n).is_file()), "its weights")
+    name = type(model).__name__
+    problems = [f"{where} is missing tensor {key} of {name}" for key in info["missing_keys"]]
+    problems += [
+        f"{where} holds tensor {key}, unknown to {name}" for key in info["unexpected_keys"]
+    ]
+    problems += [
+        f"tensor {key} in {where} has shape {tuple(stored)}, {name} expects {tuple(expected)}"
+        for key, stored, expected in info["mismatched_keys"]
+    ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise QStreamError(f"--target {target}: {min(problems)}{more}")
+    check_finite(model.named_parameters(), f"--target {target}: weight")
+
+
 def load_target(
     target: str | Path,
     dtype: torch.dtype,
@@ -84,19 +120,8 @@ def load_target(
     trust_remote_code: bool = False,
 ) -> LoadedTarget:
     """The target model (eval mode, no gradients) and its tokenizer, from local files; a
-    checkpoint that does not fill the model exactly (transformers would fill a missing tensor
-    with random values), or holds NaN or Inf, is refused."""
-    if not trust_remote_code:  # one line, not a traceback from inside transformers
-        from transformers import CONFIG_MAPPING
-
-        config = json.loads((Path(target) / "config.json").read_text(encoding="utf-8"))
-        model_type = config.get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            hint = " (its config.json has an auto_map)" if "auto_map" in config else ""
-            raise QStreamError(
-                f"--target {target}: model_type {model_type!r} is not built into transformers"
-                f"{hint}; pass --trust-remote-code to run the checkpoint's own code"
-            )
+    checkpoint that does not fill the model exactly, or holds NaN or Inf, is refused."""
+    check_remote_code(target, trust_remote_code)
     if not any(next(Path(target).glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise QStreamError(f"--target {target}: no tokenizer.json (nor vocab.*, *.model): "
                            "the target's tokenizer is missing")  # fmt: skip
@@ -120,20 +145,7 @@ def load_target(
     module: torch.nn.Module = model  # transformers' own typing of .to() confuses mypy
     if device_map is None:
         module.to(torch.device(device))
-    where = next((n for n in WEIGHT_FILES if (Path(target) / n).is_file()), "its weights")
-    name = type(model).__name__
-    problems = [f"{where} is missing tensor {key} of {name}" for key in info["missing_keys"]]
-    problems += [
-        f"{where} holds tensor {key}, unknown to {name}" for key in info["unexpected_keys"]
-    ]
-    problems += [
-        f"tensor {key} in {where} has shape {tuple(stored)}, {name} expects {tuple(expected)}"
-        for key, stored, expected in info["mismatched_keys"]
-    ]
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise QStreamError(f"--target {target}: {min(problems)}{more}")
-    check_finite(model.named_parameters(), f"--target {target}: weight")
+    _check_loaded(target, model, info)
     module.eval().requires_grad_(False)
     layers, _ = decoder_parts(model)
     first = next(layers[0].parameters(), None)

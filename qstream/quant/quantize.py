@@ -8,7 +8,10 @@ from __future__ import annotations
 import os
 import shlex
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
 from qstream.quant.schemes import command_options, serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
-from qstream.quant.write import Streaming, make_plan, write_checkpoint
+from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
     head_problem,
     head_targets,
@@ -110,32 +113,62 @@ def quantize_checkpoint(
     started = time.perf_counter()
     spec = get_format(fmt)
     workers = default_workers() if workers is None else workers
-    model_path, output_path = Path(model_dir).resolve(), Path(output_dir).resolve()
-    if not model_path.is_dir():
-        raise QStreamError(f"--model_dir {model_dir}: not a directory")
-    check_outside(os.fspath(output_dir), "--output_dir", {"--model_dir": os.fspath(model_dir)})
-    check_target(output_path, overwrite, "--output_dir")
-    if workers < 1:
-        raise QStreamError(f"--workers {workers}: must be at least 1")
-    if device not in ("cpu", "cuda"):
-        raise QStreamError(f"--device {device!r}: choose cpu or cuda")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise QStreamError("--device cuda: no CUDA device is available")
-    run = Streaming(torch.device(device), workers, snr, progress)
-    checkpoint = open_checkpoint(model_path)
-    _refuse_quantized(checkpoint)
-    _check_against_config(checkpoint)
+    model_path, output_path = _check_paths(model_dir, output_dir, overwrite)
+    run = Streaming(_check_device(device, workers), workers, snr, progress)
+    checkpoint = _check_against_config(_refuse_quantized(open_checkpoint(model_path)))
     selection, entries, warnings = _select(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
     serving = serving_schemes(checkpoint, fmt, selection, activations, kv_cache_scheme, calibration)
-    targets = ("Linear", *head_targets(profile_for(checkpoint.config), selection.quantized))
-    plan = make_plan(checkpoint, selection, spec, entries, targets, serving)
-    summary = QuantizeSummary(
-        model_dir=str(model_path),
-        output_dir=str(output_path),
-        quant_format=fmt,
-        dry_run=dry_run,
+    plan = _make_plan(checkpoint, selection, spec, entries, serving)
+    summary = _plan_summary(
+        plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
+        output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
+        serving=serving_record(serving),
+    )  # fmt: skip
+    if dry_run:
+        return summary
+    command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
+                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
+    record = partial(_record, summary, command)
+    with _one_intra_op_thread():
+        snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
+    return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
+
+
+def _make_plan(checkpoint: Checkpoint, selection: Selection, spec, entries, serving) -> Plan:
+    profile = profile_for(checkpoint.config)
+    targets = ("Linear", *head_targets(profile, selection.quantized))
+    return make_plan(checkpoint, selection, spec, entries, targets, serving)
+
+
+def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:
+    """The head of the run's record; run-dependent fields (time, workers) are left out: the same
+    input and command give the same output bytes."""
+    recorded = replace(summary, weight_snr_db=snr_db).to_json()
+    return {
+        "qstream_version": qstream.__version__,
+        "command": command,
+        "summary": {k: v for k, v in recorded.items() if k not in ("seconds", "workers")},
+    }
+
+
+@contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """One torch intra-op thread per worker: on a busy machine, intra-op barriers cost far more
+    than they gain on small pieces."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _plan_summary(plan: Plan, warnings: list[str], **settings: Any) -> QuantizeSummary:
+    """What the run will do; ``settings``: the other QuantizeSummary fields."""
+    checkpoint, selection = plan.checkpoint, plan.selection
+    return QuantizeSummary(
         params_total=sum(i.numel for i in checkpoint.tensors.values()),
         params_quantized=sum(checkpoint.info(f"{m}.weight").numel for m in selection.quantized),
         modules_quantized=list(selection.quantized),
@@ -143,36 +176,11 @@ def quantize_checkpoint(
         modules_skipped=dict(selection.skipped),
         bytes_before=checkpoint.size_bytes,
         bytes_after=plan.size_bytes,
-        workers=workers,
         serving_profile=selection.profile.name,
-        tensor_parallel_size=tensor_parallel_size,
         ignore=plan.ignore,
         warnings=warnings,
-        serving=serving_record(serving),
+        **settings,
     )
-    if dry_run:
-        return summary
-    command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
-                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
-
-    def record(snr_db: dict[str, float]) -> dict:
-        # run-dependent fields (time, workers) left out: same input and command, same bytes
-        recorded = replace(summary, weight_snr_db=snr_db).to_json()
-        return {
-            "qstream_version": qstream.__version__,
-            "command": command,
-            "summary": {k: v for k, v in recorded.items() if k not in ("seconds", "workers")},
-        }
-
-    # one torch intra-op thread per worker: on a busy machine, intra-op barriers cost far more
-    # than they gain on small pieces
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
-    finally:
-        torch.set_num_threads(previous)
-    return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
 
 
 def default_workers() -> int:
@@ -235,15 +243,34 @@ def _equivalent_command(
     return shlex.join(args)
 
 
-def _check_against_config(checkpoint: Checkpoint) -> None:
-    """Tensors that differ from what config.json implies under its serving profile
-    (docs/quantize.md, "Tensors checked against the config"): a QStreamError naming the first
-    problem.  verify checks outputs against the same table."""
+def _check_paths(model_dir, output_dir, overwrite: bool) -> tuple[Path, Path]:
+    model_path, output_path = Path(model_dir).resolve(), Path(output_dir).resolve()
+    if not model_path.is_dir():
+        raise QStreamError(f"--model_dir {model_dir}: not a directory")
+    check_outside(output_dir, "--output_dir", {"--model_dir": model_dir})
+    check_target(output_path, overwrite, "--output_dir")
+    return model_path, output_path
+
+
+def _check_device(device: str, workers: int) -> torch.device:
+    if workers < 1:
+        raise QStreamError(f"--workers {workers}: must be at least 1")
+    if device not in ("cpu", "cuda"):
+        raise QStreamError(f"--device {device!r}: choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise QStreamError("--device cuda: no CUDA device is available")
+    return torch.device(device)
+
+
+def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
+    """``checkpoint``, unless its tensors differ from what config.json implies under its serving
+    profile (docs/quantize.md, "Tensors checked against the config"): a QStreamError naming the
+    first problem.  verify checks outputs against the same table."""
     stored = {name: tuple(info.shape) for name, info in checkpoint.tensors.items()}
     problems = shape_problems(profile_for(checkpoint.config), checkpoint.config, stored)
     problems = problems or d2t_problems(checkpoint)
     if not problems:
-        return
+        return checkpoint
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
     where, first = checkpoint.directory, problems[0]
     if first.startswith(f"{CONFIG_NAME}: "):  # name the file itself
@@ -251,7 +278,7 @@ def _check_against_config(checkpoint: Checkpoint) -> None:
     raise QStreamError(f"{where}: {first}{more}")
 
 
-def _refuse_quantized(checkpoint: Checkpoint) -> None:
+def _refuse_quantized(checkpoint: Checkpoint) -> Checkpoint:
     if "quantization_config" in checkpoint.config:
         method = checkpoint.config["quantization_config"]
         method = method.get("quant_method", "?") if isinstance(method, dict) else "?"
@@ -265,3 +292,4 @@ def _refuse_quantized(checkpoint: Checkpoint) -> None:
                 f"tensor {name!r} in {checkpoint.tensor_shard[name]}: the "
                 "checkpoint is already quantized"
             )
+    return checkpoint

@@ -88,13 +88,7 @@ def serving_schemes(
             f"(vLLM's {act.vllm_scheme}), not --quant_format {fmt}"
         )
     if kv_cache_scheme is not None:
-        if kv_cache_scheme not in KV_CACHE_SCHEMES:
-            raise QStreamError(
-                f"--kv-cache-scheme {kv_cache_scheme!r}: choose {', '.join(KV_CACHE_SCHEMES)}"
-            )
-        refused = KV_SCALES_NOT_LOADED.get(profile_for(checkpoint.config).name)
-        if refused:
-            raise QStreamError(f"--kv-cache-scheme {kv_cache_scheme}: {refused} (docs/vllm.md)")
+        _check_kv_scheme(checkpoint, kv_cache_scheme)
     stored = input_scale_name(act)
     if stored is None and kv_cache_scheme is None:
         if callable(calibration):
@@ -118,16 +112,31 @@ def serving_schemes(
         for module, amax in share_group_amax(amaxes, selection.fused_groups).items():
             weight = checkpoint.info(f"{module}.weight")
             scales[weight.name] = {f"{module}.{stored}": input_scale(act, amax, weight.torch_dtype)}
-    if kv_cache_scheme is not None:  # each attention layer's, keyed by its last stored tensor
-        attn = ".self_attn."  # the attention module of every architecture qstream knows
-        last = {n[: n.index(attn) + len(attn) - 1]: n for n in checkpoint.tensor_shard if attn in n}
-        for attention, anchor in last.items():
-            kv_amax = zip("KV", calibration.kv_amax(attention))
-            k, v = (checked_amax(what, attention, a) for what, a in kv_amax)
-            dtype = checkpoint.info(anchor).torch_dtype
-            kv = {f"{attention}.{n}": t for n, t in kv_scales((k, v), dtype).items()}
+    if kv_cache_scheme is not None:
+        for anchor, kv in _kv_scales(checkpoint, calibration).items():
             scales[anchor] = {**scales.get(anchor, {}), **kv}
     return Serving(act, kv_cache_scheme, scales, calibration)
+
+
+def _check_kv_scheme(checkpoint: Checkpoint, scheme: str) -> None:
+    if scheme not in KV_CACHE_SCHEMES:
+        raise QStreamError(f"--kv-cache-scheme {scheme!r}: choose {', '.join(KV_CACHE_SCHEMES)}")
+    refused = KV_SCALES_NOT_LOADED.get(profile_for(checkpoint.config).name)
+    if refused:
+        raise QStreamError(f"--kv-cache-scheme {scheme}: {refused} (docs/vllm.md)")
+
+
+def _kv_scales(checkpoint: Checkpoint, calibration: Any) -> dict[str, dict]:
+    """Each attention layer's k_scale / v_scale, keyed by its last stored tensor."""
+    attn = ".self_attn."  # the attention module of every architecture qstream knows
+    last = {n[: n.index(attn) + len(attn) - 1]: n for n in checkpoint.tensor_shard if attn in n}
+    scales = {}
+    for attention, anchor in last.items():
+        amax = zip("KV", calibration.kv_amax(attention))
+        k, v = (checked_amax(what, attention, a) for what, a in amax)
+        dtype = checkpoint.info(anchor).torch_dtype
+        scales[anchor] = {f"{attention}.{n}": t for n, t in kv_scales((k, v), dtype).items()}
+    return scales
 
 
 def serving_options(serving: Serving) -> dict[str, str]:

@@ -100,6 +100,30 @@ def _included(
     return selected
 
 
+def _apply_shape_rule(
+    modules, selected: set[str], block: int, skip: bool, profile: Profile, tp: int
+) -> dict[str, str]:
+    """docs/formats.md: K, and each shard's K where vLLM splits it at tensor-parallel size
+    ``tp`` (docs/vllm.md), must be a multiple of the block size."""
+    skipped = {}
+    for m in [m for m in modules if m in selected]:
+        k = modules[m].shape[1]
+        reason = (
+            f"K={k} is not a multiple of the block size {block}"
+            if block and k % block
+            else serving.tp_scale_problem(profile, m, k, block, tp)
+        )
+        if reason:
+            if not skip:
+                raise QStreamError(
+                    f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
+                    "(use --skip-incompatible to leave it unquantized)"
+                )
+            skipped[m] = reason
+            selected.discard(m)
+    return skipped
+
+
 def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
     """All members of a fused group quantized, or none (docs/vllm.md); a group split only by
     --skip-incompatible is dropped whole."""
@@ -159,24 +183,10 @@ def select_modules(
         if not hit:
             raise QStreamError(f"--ignore_layers pattern {pattern!r} matches no module")
         selected -= hit
-    # docs/formats.md: K, and each shard's K where vLLM splits it at tensor_parallel_size
-    # (docs/vllm.md), must be a multiple of the block size
-    block, skipped = get_format(fmt).block_size, {}
-    for m in [m for m in modules if m in selected]:
-        k = modules[m].shape[1]
-        reason = (
-            f"K={k} is not a multiple of the block size {block}"
-            if block and k % block
-            else serving.tp_scale_problem(profile, m, k, block, tensor_parallel_size)
-        )
-        if reason:
-            if not skip_incompatible:
-                raise QStreamError(
-                    f"{m}.weight: shape {list(modules[m].shape)}: {reason} "
-                    "(use --skip-incompatible to leave it unquantized)"
-                )
-            skipped[m] = reason
-            selected.discard(m)
+    skipped = _apply_shape_rule(
+        modules, selected, get_format(fmt).block_size, skip_incompatible, profile,
+        tensor_parallel_size,
+    )  # fmt: skip
     skipped.update({m: why for m, why in dropped.items() if m not in skipped})
     groups = serving.fused_groups(modules, profile)
     _check_fused(groups, selected, skipped)

@@ -234,30 +234,15 @@ def write_tensors(
 
     def done(piece: Piece, result) -> None:
         nonlocal tensors_done
-        writer, reader, rows = writers[piece.shard], readers[piece.shard], piece.rows
-        first = rows is None or rows.start == 0
-        if result is None:  # a copy; a whole 0-d / empty tensor is its bytes from 0
-            info = reader.header.tensors[piece.name]
-            start = 0 if rows is None else rows.start
-            end = info.nbytes if rows is None else rows.stop * info.row_bytes
-            raw = reader.raw(piece.name, start * info.row_bytes, end)
-            writer.write(piece.name, raw, start)
-            reader.release(piece.name, rows)
+        writer, rows = writers[piece.shard], piece.rows
+        if result is None:
+            _copy_piece(readers[piece.shard], writer, piece)
         else:
             stored, energy = result
-            assert rows is not None and piece.module is not None  # 2-D, cut into row ranges
-            for suffix, tensor in stored.items():
-                # the per-tensor global scale is written with the first rows only
-                if suffix != plan.format.global_scale:
-                    writer.write(f"{piece.module}.{suffix}", tensor, rows.start)
-                elif first:
-                    writer.write(f"{piece.module}.{suffix}", tensor)
-            if energy is not None:
-                sums[piece.module][0] += energy[0]
-                sums[piece.module][1] += energy[1]
-        if first:  # the scales keyed by this tensor (schemes.Serving), after its first rows
-            for name, tensor in plan.serving.scales.get(piece.name, {}).items():
-                writer.write(name, tensor)
+            _write_stored(writer, piece, stored, plan.format.global_scale)
+            if energy is not None and piece.module is not None:
+                sums[piece.module] = [a + b for a, b in zip(sums[piece.module], energy)]
+        _write_scales(writer, piece, plan.serving.scales.get(piece.name, {}))
         if rows is None or rows.stop == checkpoint.info(piece.name).shape[0]:
             tensors_done += 1
         if run.progress is not None:
@@ -267,6 +252,35 @@ def write_tensors(
     # prepare / done, the quantizing on the workers: with one worker the two overlap.
     run_bounded(pieces(plan), work, run.workers, done, prepare)
     return {m: snr_db(*sums[m]) for m in quantized} if run.snr else {}
+
+
+def _write_scales(writer: ShardWriter, piece: Piece, scales: dict[str, torch.Tensor]) -> None:
+    """The scales keyed by ``piece``'s tensor, with its first rows (schemes.Serving)."""
+    if piece.rows is None or piece.rows.start == 0:
+        for name, tensor in scales.items():
+            writer.write(name, tensor)
+
+
+def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
+    info = reader.header.tensors[piece.name]
+    rows = piece.rows or slice(0, 1)  # a whole 0-d / empty tensor: its bytes from 0
+    begin = rows.start * info.row_bytes
+    end = info.nbytes if piece.rows is None else rows.stop * info.row_bytes
+    writer.write(piece.name, reader.raw(piece.name, begin, end), rows.start)
+    reader.release(piece.name, piece.rows)
+
+
+def _write_stored(
+    writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor], once: str | None
+) -> None:
+    """Each stored tensor's rows of one quantized piece, at their offsets; the per-tensor
+    scale ``once`` is written with the first rows only."""
+    assert piece.rows is not None  # quantized weights are 2-D, cut into row ranges
+    for suffix, tensor in stored.items():
+        if suffix != once:
+            writer.write(f"{piece.module}.{suffix}", tensor, piece.rows.start)
+        elif piece.rows.start == 0:
+            writer.write(f"{piece.module}.{suffix}", tensor)
 
 
 def write_checkpoint(

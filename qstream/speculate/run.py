@@ -83,11 +83,7 @@ class SpeculateSettings(Selection):
     apply_chat_template: bool = False  # prompts as user turns (capture.run.chat_prompts)
 
 
-def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dict:
-    """Check everything, load the target, decode every prompt with each variant; returns the
-    JSON-ready results (docs/speculate.md)."""
-    config = load_config(s.model)
-    s = replace(s, dtype=s.dtype or default_dtype(s.device))
+def _check(s: SpeculateSettings) -> None:
     if s.rule not in SPECULATE_MODES:
         raise QStreamError(f"--rule {s.rule!r}: choose one of {', '.join(SPECULATE_MODES)}")
     resolve_device(s.device)
@@ -97,6 +93,14 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         raise QStreamError(
             f"--prompts must be >= 1 and --new-tokens >= 2, got {s.prompts} and {s.new_tokens}"
         )
+
+
+def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dict:
+    """Check everything, load the target, decode every prompt with each variant; returns the
+    JSON-ready results (docs/speculate.md)."""
+    config = load_config(s.model)
+    s = replace(s, dtype=s.dtype or default_dtype(s.device))
+    _check(s)
     mode = MODES[s.rule]
     shape = read_target_shape(s.target)
     check_draft(config, shape, config.target_layer_ids)
@@ -111,29 +115,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     if s.capture is not None:
         check_capture_dir(s, {v.target for v in variants})
     docs = corpus_docs(s.corpus)
-    if len(docs.texts) < s.prompts:
-        raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
-                           f"{len(docs.texts)} document(s)")  # fmt: skip
-    loaded = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
-    prompts = _prompts(s, loaded.tokenizer, docs, s.prompts, config.vocab_size)
-    # refused when the target would read past its max_position_embeddings: the longest prompt,
-    # all new tokens but the last, and one drafted block (--capture: a block and one token more)
-    limit = getattr(loaded.model.config, "max_position_embeddings", None)
-    prompt = max(len(p) for p in prompts)
-    longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
-    if limit is not None and longest > limit:
-        raise QStreamError(
-            f"--new-tokens {s.new_tokens}: the longest prompt ({prompt} tokens), the new tokens "
-            f"and a draft block ({config.block_size}) need {longest} positions, more than the "
-            f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
-        )
-    # the target as each variant serves it (docs/speculate.md, "A quantized target"):
-    # unquantized itself, else a copy per format whose decoder linears are simulated in it
-    served = {loaded.format: loaded}
-    for fmt in dict.fromkeys(v.target for v in variants):
-        if fmt not in served:
-            served[fmt] = replace(loaded, model=copy.deepcopy(loaded.model), format=fmt)
-            simulate_target(served[fmt].model, s.target, fmt)
+    served, prompts = _targets_and_prompts(s, docs, config, [v.target for v in variants])
     results = _description(s, config, shape, docs, embed)
     decoded = {}  # calibrated by decoding against the unquantized target:
     calibration = _calibrate(s, config, weights, served[DEFAULTS["target"]], docs, variants,
@@ -142,18 +124,14 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
         linears = served_linears(v, weights, config, s, calibration)
         draft = arch.build(config, var_weights, v, "cpu", linears)
-        if progress is not None:  # counts this variant's prompts from none
-            progress.start(len(prompts))
-            progress.advance(f"speculate: {v.name}", 0)
+        _started(progress, len(prompts), v.name)
         target = served[v.target].model  # the target this variant serves
         args = (s.new_tokens, mode, s.temperature, s.seed, progress)
         runs = decoded[v.name] = decode_prompts(target, draft, prompts, *args)
-        configuration = v.configuration()  # recorded when not the default (docs/speculate.md)
         results["variants"][v.name] = {
-            "kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
-            **({"configuration": configuration} if configuration != DEFAULTS else {}),
-            "quantized_tensors": changed, "summary": summarise(runs, config.block_size),
-        }  # fmt: skip
+            **_variant_entry(v, changed),
+            "summary": summarise(runs, config.block_size),
+        }
         results["runs"][v.name] = [
             {"document": i, "prompt_tokens": len(p), "anchors": r.anchors,
              "accepted": r.accepted, "tokens": r.tokens}
@@ -167,6 +145,20 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         write_capture(s, config, shape, docs, served[variants[0].target], prompts, decoded)
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
+
+
+def _started(progress: Progress | None, total: int, name: str) -> None:
+    """The progress counts ``name``'s prompts from none."""
+    if progress is not None:
+        progress.start(total)
+        progress.advance(f"speculate: {name}", 0)
+
+
+def _variant_entry(v: Variant, changed: list[str]) -> dict:
+    served = v.configuration()  # recorded when not the default (docs/speculate.md)
+    return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
+            **({"configuration": served} if served != DEFAULTS else {}),
+            "quantized_tensors": changed}  # fmt: skip
 
 
 def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs,
@@ -191,6 +183,36 @@ def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs:
 
     results["calibration"] = source
     return calibrate(config, weights, "cpu", feed, source)
+
+
+def _targets_and_prompts(
+    s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig, formats: list[str]
+) -> tuple[dict[str, LoadedTarget], list[list[int]]]:
+    """The target as each of ``formats`` serves it (docs/speculate.md, "A quantized target":
+    unquantized itself, else a copy per format whose decoder linears are simulated in it) and
+    the prompts, refused when the target would read past its max_position_embeddings: the
+    longest prompt, all new tokens but the last, and one drafted block (--capture: a block and
+    one token more)."""
+    if len(docs.texts) < s.prompts:
+        raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
+                           f"{len(docs.texts)} document(s)")  # fmt: skip
+    loaded = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
+    prompts = _prompts(s, loaded.tokenizer, docs, s.prompts, config.vocab_size)
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
+    prompt = max(len(p) for p in prompts)
+    longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
+    if limit is not None and longest > limit:
+        raise QStreamError(
+            f"--new-tokens {s.new_tokens}: the longest prompt ({prompt} tokens), the new tokens "
+            f"and a draft block ({config.block_size}) need {longest} positions, more than the "
+            f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
+        )
+    served = {loaded.format: loaded}
+    for fmt in dict.fromkeys(formats):
+        if fmt not in served:
+            served[fmt] = replace(loaded, model=copy.deepcopy(loaded.model), format=fmt)
+            simulate_target(served[fmt].model, s.target, fmt)
+    return served, prompts
 
 
 def _prompts(
