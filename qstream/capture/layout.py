@@ -1,7 +1,6 @@
 """What ``qstream capture`` writes (docs/capture.md, "What it writes"): one safetensors file per
-stream, whole or not at all, in a :class:`Layout` (qstream/eval/states/layouts.py names the files
-and builds their tensors), and ``capture.json``, the settings a resumed run must match and every
-stream file's sha256, rewritten as each batch's files are written.
+stream, whole or not at all, in a :class:`Layout`, and ``capture.json``, the settings a resumed
+run must match and every stream file's sha256, rewritten as each batch's files are written.
 """
 
 from __future__ import annotations
@@ -41,9 +40,7 @@ def capture_record(
     **settings,
 ) -> dict[str, Any]:
     """capture.json's keys (docs/capture.md), ``settings`` being source, sampling, dtype and
-    max_tokens; ``ids`` in the layer-output convention, ``shape`` the target's, served in
-    ``target_format`` (recorded as the target's ``format`` when quantized: an unquantized
-    target's record is as it was before formats were served)."""
+    max_tokens; a quantized ``target_format`` is recorded as the target's ``format``."""
     served = {} if target_format == DEFAULTS["target"] else {"format": target_format}
     return {
         "layout": layout.name,
@@ -68,7 +65,7 @@ def write_batch(
     metadata: list[dict[str, str]],
 ) -> None:
     """Write stream ``streams[k]`` (token ids ``rows[k]``) from row k of the tapped batch, cut
-    to the row's length (the right padding's states discarded)."""
+    to the row's length."""
     assert layout.tensors is not None, f"capture does not export the {layout.name} layout"
     if layout.final_before_norm:
         aux, final = tap.layer_stack(), tap.pre_norm()  # [S, T, L, H], [S, T, H]
@@ -88,11 +85,6 @@ def write_batch(
         write_bytes_atomic(output / layout.stream_file(index), serialize(tensors, metadata[k]))
 
 
-def write_record(output: Path, record: dict[str, Any]) -> None:
-    """``capture.json``, replaced in one rename."""
-    write_json_atomic(output / RECORD, record)
-
-
 def _comparable(key: str, value: Any) -> Any:
     # the target is the same target when its config.json is: its path may move
     if key == "target" and isinstance(value, dict):
@@ -102,11 +94,20 @@ def _comparable(key: str, value: Any) -> Any:
 
 def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     """Before any work: ``output`` must be absent, empty, or a capture with the same settings
-    (resume; one line naming the first setting that differs).  The capture's record, or None
-    when there is none yet."""
+    (resumed); returns its record, or None."""
     path = output / RECORD
     if path.is_file():
-        old = _read_record(path)
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise QStreamError(f"{path}: cannot read ({exc})") from None
+        if not isinstance(old, dict):
+            raise QStreamError(f"{path}: holds a JSON {type(old).__name__}, not a capture's record")
+        if missing := [key for key in CHECKED if key not in old]:
+            raise QStreamError(f"{path}: no {missing[0]!r}, a setting a resumed run must match")
+        files = old.get("files", {})
+        if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+            raise QStreamError(f"{path}: 'files' is not a map of file name -> sha256")
         for key in CHECKED:
             was, now = _comparable(key, old[key]), _comparable(key, record.get(key))
             if was != now:
@@ -124,39 +125,21 @@ def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _read_record(path: Path) -> dict[str, Any]:
-    """A capture.json to resume: an object with every setting a run must match, and ``files``
-    (if any) a map of file name -> sha256."""
-    try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise QStreamError(f"{path}: cannot read ({exc})") from None
-    if not isinstance(old, dict):
-        raise QStreamError(f"{path}: holds a JSON {type(old).__name__}, not a capture's record")
-    if missing := [key for key in CHECKED if key not in old]:
-        raise QStreamError(f"{path}: no {missing[0]!r}, a setting a resumed run must match")
-    files = old.get("files", {})
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise QStreamError(f"{path}: 'files' is not a map of file name -> sha256")
-    return old
-
-
 def start_output(output: Path, record: dict[str, Any]) -> None:
-    """Create ``output`` with its ``capture.json`` (once the target has loaded)."""
+    """Create ``output`` with its ``capture.json``."""
     try:
         output.mkdir(exist_ok=True)
     except OSError as exc:
         raise QStreamError(f"--output {output}: cannot create ({exc.strerror or exc})") from None
-    write_record(output, record)
+    write_json_atomic(output / RECORD, record)
 
 
 def present_files(
     output: Path, old: dict[str, Any] | None, layout: Layout, expected: dict[str, dict[str, str]]
 ) -> dict[str, str]:
-    """``{file name: sha256}`` of the stream files in ``output``: one the old record holds has
-    the sha256 it records; one it lacks (written whole just before a run was killed, or by a
-    qstream that did not record sha256s) is one of this run's streams with the metadata this
-    run writes (``expected``: name -> metadata).  Anything else is one line naming the file."""
+    """``{file name: sha256}`` of the stream files in ``output``: each has the sha256 the old
+    record holds, or (written just before a run was killed, or by a qstream that did not
+    record sha256s) is one of this run's streams with the metadata it writes (``expected``)."""
     recorded = (old or {}).get("files", {})
     present = {}
     for path in sorted(output.iterdir(), key=lambda p: layout.stream_index(p.name)):
@@ -168,37 +151,34 @@ def present_files(
                 f"{path}: sha256 {digest[:12]}... differs from {want[:12]}... recorded in "
                 f"{output / RECORD} (changed since); move it out to capture it again"
             )
-        if want is None or path.name in expected:
-            _check_stream(path, expected.get(path.name))
+        if want is None or path.name in expected:  # one of this run's, as it writes them
+            meta = expected.get(path.name)
+            if meta is None:
+                raise QStreamError(
+                    f"{path}: not in {RECORD} nor one of this run's streams; move it out"
+                )
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    found = f.metadata() or {}
+            except Exception as exc:  # safetensors reports a bad header with its own types
+                raise QStreamError(
+                    f"{path}: not a readable safetensors file ({exc}); move it out"
+                ) from None
+            if any(found.get(k) != v for k, v in meta.items()):
+                raise QStreamError(
+                    f"{path}: its metadata says document {found.get('document')!r}, prompt_tokens "
+                    f"{found.get('prompt_tokens')!r}, not this run's {meta}; move it out"
+                )
         present[path.name] = digest
     return present
 
 
-def _check_stream(path: Path, meta: dict[str, str] | None) -> None:
-    """``path`` is a safetensors file with the metadata ``meta`` (None: not this run's)."""
-    if meta is None:
-        raise QStreamError(f"{path}: not in {RECORD} nor one of this run's streams; move it out")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            found = f.metadata() or {}
-    except Exception as exc:  # safetensors reports a bad header with its own exception types
-        raise QStreamError(
-            f"{path}: not a readable safetensors file ({exc}); move it out"
-        ) from None
-    if any(found.get(k) != v for k, v in meta.items()):
-        raise QStreamError(
-            f"{path}: its metadata says document {found.get('document')!r}, prompt_tokens "
-            f"{found.get('prompt_tokens')!r}, not this run's {meta}; move it out"
-        )
-
-
 def record_streams(output: Path, record: dict[str, Any], names: list[str]) -> None:
-    """Add the sha256 of the stream files ``names`` just written to ``record`` (``files``, and
-    ``streams`` their count) and replace ``capture.json``."""
+    """Add the sha256 of the stream files ``names`` to ``record`` and replace capture.json."""
     files = record.setdefault("files", {})
     for name in names:
         files[name] = sha256_file(output / name)
     layout = LAYOUTS[record["layout"]]
     record["files"] = dict(sorted(files.items(), key=lambda f: layout.stream_index(f[0])))
     record["streams"] = len(record["files"])
-    write_record(output, record)
+    write_json_atomic(output / RECORD, record)

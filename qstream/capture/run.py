@@ -1,13 +1,9 @@
 """``qstream capture`` as a library call (docs/capture.md): check everything, load the target,
 then run it over the streams a batch at a time (grouped by length, right-padded, the padded
 positions' states discarded), writing each stream's file as its batch completes.  The streams
-are the corpus as written, or with ``--generate`` each document's first tokens (or, with
-``--apply-chat-template``, its first line through the target's chat template: chat_prompts)
-continued by the target's own samples, drawn with eval-drift's sampling functions
-(``qstream.arch.markov``) and seeded per stream.
-
->>> summary = run_capture(CaptureSettings(target="T", model="DRAFT", output="states/"))
->>> docs = corpus_docs("gsm8k/test.jsonl")          # or None: the built-in GSM8K test split
+are the corpus as written, or with ``--generate`` each document's first tokens (or its first
+line through the chat template) continued by the target's own samples, drawn with eval-drift's
+sampling functions (``qstream.arch.markov``) and seeded per stream.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.corpus import BUILTIN_CORPUS_NAME, builtin_corpus_docs
 from qstream.eval.states.captured import LAYER_OUTPUT
-from qstream.eval.states.layouts import EXPORTS, LAYOUTS, QSTREAM, Layout
+from qstream.eval.states.layouts import EXPORTS, LAYOUTS, QSTREAM
 from qstream.progress import Progress
 from qstream.publish import check_outside, remove_stale_partials_in, stderr_notice
 from qstream.serving import DEFAULTS
@@ -99,22 +95,8 @@ def chat_prompts(tokenizer: Any, questions: list[str]) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def first_lines(texts: list[str]) -> list[str]:
-    """Each document's first line (a GSM8K question), without its newline."""
-    return [t.partition("\n")[0] for t in texts]
-
-
-def select_streams(
-    encoded: list[list[int]], min_tokens: int, count: int | None
-) -> list[tuple[int, list[int]]]:
-    """``(document index, ids)`` of the first ``count`` documents with at least ``min_tokens``
-    tokens, numbered in corpus order (the same on every run, so a resumed run picks the same)."""
-    chosen = [(i, ids) for i, ids in enumerate(encoded) if len(ids) >= min_tokens]
-    return chosen if count is None else chosen[:count]
-
-
 def stream_seed(seed: int, index: int) -> int:
-    """Each stream's own seed, so that a stream's sample does not depend on which others ran."""
+    """Each stream's own seed: its sample does not depend on which others ran."""
     return (seed * 1_000_003 + index) % 2**64  # torch's generators take 0 .. 2**64 - 1
 
 
@@ -127,9 +109,9 @@ def generate(
     index: int,
     eos: int | None,
 ) -> list[int]:
-    """``prompt`` continued by the target's own samples (one stream, with the model's KV cache):
-    ``sampling_probs`` of the last position's logits, then ``sample`` with an Exp(1) race from
-    the stream's generator, stopping after ``new_tokens`` or at ``eos`` (kept)."""
+    """``prompt`` continued by the target's own samples (with its KV cache): ``sample`` of
+    ``sampling_probs`` with an Exp(1) race from the stream's generator, stopping after
+    ``new_tokens`` or at ``eos`` (kept)."""
     gen = torch.Generator().manual_seed(stream_seed(sampling.seed, index))
     ids, cache = list(prompt), cache_keyword(model)
     out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
@@ -144,13 +126,6 @@ def generate(
         step, kv = torch.tensor([[token]], device=device), {cache: getattr(out, cache)}
         out = model(input_ids=step, use_cache=True, logits_to_keep=1, **kv)
     return ids
-
-
-def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Positions of ``lengths`` grouped ``batch_size`` at a time in order of length, so that a
-    batch pads little."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 @dataclass(frozen=True)
@@ -184,32 +159,11 @@ class CaptureSummary:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def _layout(s: CaptureSettings) -> Layout:
-    if s.export not in EXPORTS:
-        raise QStreamError(f"--export {s.export!r}: choose {' or '.join(EXPORTS)}")
-    return LAYOUTS[s.export]
-
-
-def _record(s: CaptureSettings, ids: tuple[int, ...], docs: CorpusDocs, shape: Any) -> dict:
-    sampling = None if s.sampling is None else asdict(s.sampling)
-    if sampling is not None and s.apply_chat_template:  # absent otherwise: records as before
-        sampling["chat_template"] = True
-    source = "corpus" if sampling is None else "generate"
-    return capture_record(LAYOUTS[s.export], ids, shape, docs, s.model, s.device_map or s.device,
-                          s.target_format, source=source, sampling=sampling, dtype=s.dtype,
-                          max_tokens=s.max_tokens)  # fmt: skip
-
-
-def _layer_ids(s: CaptureSettings, config: DraftConfig, depth: int) -> tuple[int, ...]:
-    if s.layers is None:
-        return config.target_layer_ids
-    return layer_output_ids(list(s.layers), s.layer_convention, depth)
-
-
 def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config: DraftConfig):
     """``(document, ids)`` of every selected stream, before generation."""
     if s.apply_chat_template:
-        encoded = chat_prompts(target.tokenizer, first_lines(docs.texts))
+        first_lines = [t.partition("\n")[0] for t in docs.texts]  # GSM8K questions
+        encoded = chat_prompts(target.tokenizer, first_lines)
         for i, ids in enumerate(encoded):
             if len(ids) > s.max_tokens:  # cut, it would lose the generation prompt
                 raise QStreamError(f"corpus {docs.name}: document {i}'s templated prompt has "
@@ -217,7 +171,9 @@ def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config:
     else:
         encoded = encode(target.tokenizer, docs.texts, s.max_tokens)
     min_tokens = 1 if s.sampling is not None else config.block_size + 2
-    chosen = select_streams(encoded, min_tokens, s.streams)
+    # numbered in corpus order: a resumed run picks the same
+    chosen = [(i, ids) for i, ids in enumerate(encoded) if len(ids) >= min_tokens]
+    chosen = chosen if s.streams is None else chosen[: s.streams]
     for _, ids in chosen:
         if ids and max(ids) >= config.vocab_size:
             raise QStreamError(
@@ -234,17 +190,27 @@ def run_capture(s: CaptureSettings, progress: Progress | None = None) -> Capture
     s = replace(s, dtype=s.dtype or default_dtype(s.device, s.device_map))
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
-    layout = _layout(s)
+    if s.export not in EXPORTS:
+        raise QStreamError(f"--export {s.export!r}: choose {' or '.join(EXPORTS)}")
+    layout = LAYOUTS[s.export]
     if s.apply_chat_template and s.sampling is None:
         raise QStreamError("--apply-chat-template needs --generate: a template makes a prompt, "
                            "which only --generate continues")  # fmt: skip
     check_target_format(s.target_format, "--target-format")
     config = load_config(s.model, captured=True)
     shape = read_target_shape(s.target)
-    ids = _layer_ids(s, config, shape.num_hidden_layers)
+    ids = config.target_layer_ids
+    if s.layers is not None:
+        ids = layer_output_ids(list(s.layers), s.layer_convention, shape.num_hidden_layers)
     check_draft(config, shape, ids)
     docs = corpus_docs(s.corpus)
-    record = _record(s, ids, docs, shape)
+    sampling = None if s.sampling is None else asdict(s.sampling)
+    if sampling is not None and s.apply_chat_template:  # absent otherwise: records as before
+        sampling["chat_template"] = True
+    source = "corpus" if sampling is None else "generate"
+    record = capture_record(layout, ids, shape, docs, s.model, s.device_map or s.device,
+                            s.target_format, source=source, sampling=sampling, dtype=s.dtype,
+                            max_tokens=s.max_tokens)  # fmt: skip
     output = Path(s.output)
     check_outside(output, "--output", {"--target": s.target, "--model": s.model})
     old = check_output(output, record)
@@ -276,13 +242,14 @@ def _capture(
     record: dict,
     progress: Progress | None,
 ) -> int:
-    """Generate (if asked) and capture the streams ``todo``, a batch at a time, recording each
-    batch's files in ``capture.json`` as they are written."""
+    """Generate (if asked) and capture the streams ``todo``, a batch at a time in order of
+    length (a batch pads little), recording each batch's files in ``capture.json``."""
     eos = target.tokenizer.eos_token_id
     layers, norm = decoder_parts(target.model)
     tokens = 0
-    for batch in length_batches([len(chosen[i][1]) for i in todo], s.batch_size):
-        streams = [todo[k] for k in batch]
+    order = sorted(range(len(todo)), key=lambda k: (len(chosen[todo[k]][1]), k))
+    for b in range(0, len(order), s.batch_size):
+        streams = [todo[k] for k in order[b : b + s.batch_size]]
         prompts = [chosen[i][1] for i in streams]
         if s.sampling is not None:
             rows = [
@@ -291,8 +258,19 @@ def _capture(
             ]
         else:
             rows = prompts
-        with LayerTap(layers, norm, ids) as tap:
-            _forward(target, rows)
+        # one teacher-forced forward of the base model over right-padded rows (no lm_head)
+        width = max(len(r) for r in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.int64)
+        mask = torch.zeros(len(rows), width, dtype=torch.int64)
+        for k, r in enumerate(rows):
+            input_ids[k, : len(r)] = torch.tensor(r)
+            mask[k, : len(r)] = 1
+        with torch.no_grad(), LayerTap(layers, norm, ids) as tap:
+            target.model.model(
+                input_ids=input_ids.to(target.device),
+                attention_mask=mask.to(target.device),
+                use_cache=False,
+            )
         meta = [_metadata(chosen[i]) for i in streams]
         layout = LAYOUTS[s.export]
         write_batch(output, layout, streams, rows, tap, meta)
@@ -304,20 +282,4 @@ def _capture(
 
 
 def _metadata(stream: tuple[int, list[int]]) -> dict[str, str]:
-    """What a stream's file says of it: its corpus document and its prompt's length."""
     return {"document": str(stream[0]), "prompt_tokens": str(len(stream[1]))}
-
-
-@torch.no_grad()
-def _forward(target: LoadedTarget, rows: list[list[int]]) -> None:
-    """One teacher-forced forward of the base model over right-padded rows (no lm_head: the
-    hooks take what they need)."""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.int64)
-    mask = torch.zeros(len(rows), width, dtype=torch.int64)
-    for k, r in enumerate(rows):
-        ids[k, : len(r)] = torch.tensor(r)
-        mask[k, : len(r)] = 1
-    target.model.model(
-        input_ids=ids.to(target.device), attention_mask=mask.to(target.device), use_cache=False
-    )

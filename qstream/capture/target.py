@@ -2,12 +2,6 @@
 the layers a draft reads (docs/capture.md): the ``target_layer_ids`` layers' outputs and the final
 norm's input and output, never all N+1 hidden states.  Everything is read from local files
 (``local_files_only``); code shipped with a checkpoint runs only with ``trust_remote_code``.
-
->>> target = load_target("TARGET_DIR", dtype=torch.float32, device="cpu")
->>> layers, norm = decoder_parts(target.model)
->>> with LayerTap(layers, norm, (1, 3)) as tap:
-...     target.model.model(input_ids=ids, attention_mask=mask, use_cache=False)
->>> tap.aux(), tap.final(), tap.pre_norm()   # [S, T, L·H], [S, T, H], [S, T, H]
 """
 
 from __future__ import annotations
@@ -50,10 +44,41 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def default_dtype(device: str, device_map: str | None = None) -> str:
+    """``--dtype`` left out: float32 on a CPU (bf16 matmuls there are several times slower)."""
+    return "float32" if device == "cpu" and device_map is None else "bfloat16"
+
+
+def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+    """One line naming the first float tensor holding NaN or Inf, checked in chunks (a large
+    target needs little extra memory)."""
+    for name, t in tensors:
+        flat = t.detach().reshape(-1)
+        if t.is_floating_point() and t.device.type != "meta":
+            chunks = (flat[i : i + CHUNK].float() for i in range(0, flat.numel(), CHUNK))
+            if not all(bool(c.isfinite().all()) for c in chunks):
+                raise QStreamError(f"{what} {name} holds NaN or Inf")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' loading bar and load report left out."""
+    from transformers.utils import logging
+
+    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bar:
+            logging.enable_progress_bar()
+
+
 def check_remote_code(target: str | Path, trust_remote_code: bool) -> None:
-    """A config that maps to code shipped with the checkpoint (``auto_map``) and names a
-    model_type transformers does not know needs ``--trust-remote-code``: one line, not a
-    traceback from inside transformers."""
+    """A config naming a model_type transformers does not know needs ``--trust-remote-code``:
+    one line, not a traceback from inside transformers."""
     if trust_remote_code:
         return
     from transformers import CONFIG_MAPPING
@@ -68,42 +93,9 @@ def check_remote_code(target: str | Path, trust_remote_code: bool) -> None:
         )
 
 
-def default_dtype(device: str, device_map: str | None = None) -> str:
-    """``--dtype`` left out: float32 on a CPU (bf16 matmuls there are several times slower),
-    bfloat16 on CUDA and under ``--device-map``."""
-    return "float32" if device == "cpu" and device_map is None else "bfloat16"
-
-
-def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
-    """One line naming the first floating-point tensor holding NaN or Inf (``what`` says whose),
-    checked in chunks so that a large target needs little extra memory."""
-    for name, t in tensors:
-        flat = t.detach().reshape(-1)
-        if t.is_floating_point() and t.device.type != "meta":
-            chunks = (flat[i : i + CHUNK].float() for i in range(0, flat.numel(), CHUNK))
-            if not all(bool(c.isfinite().all()) for c in chunks):
-                raise QStreamError(f"{what} {name} holds NaN or Inf")
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """transformers' loading bar and load report left out: qstream reports what matters."""
-    from transformers.utils import logging
-
-    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if bar:
-            logging.enable_progress_bar()
-
-
 def _check_loaded(target: str | Path, model: Any, info: dict) -> None:
-    """Every tensor the model has, read from the checkpoint with its shape, and no other, and
-    all finite: transformers would fill a missing one with random values."""
+    """Every tensor the model has, read from the checkpoint with its shape, and no other (else
+    transformers fills a missing one with random values), and all finite."""
     where = next((n for n in WEIGHT_FILES if (Path(target) / n).is_file()), "its weights")
     name = type(model).__name__
     problems = [f"{where} is missing tensor {key} of {name}" for key in info["missing_keys"]]
@@ -178,15 +170,14 @@ def decoder_parts(model: Any) -> tuple[Any, Any]:
 
 
 def cache_keyword(model: Any) -> str:
-    """The name a causal LM's forward takes its KV cache under, and its output returns it under:
-    ``cache`` in transformers 5, ``past_key_values`` in earlier versions."""
+    """The keyword of a causal LM's KV cache: ``cache`` in transformers 5, else
+    ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, ...]:
-    """``--layers`` in qstream's layer-output convention (id j = output of decoder layer j).
-    In the hidden-states-index convention id k is the residual stream entering layer k, the
-    output of layer k−1 (docs/capture.md), so k = 0 (the embeddings) has no layer-output id."""
+    """``--layers`` in qstream's layer-output convention (id j = output of decoder layer j); in
+    the hidden-states-index one id k is the output of layer k−1 (docs/capture.md)."""
     if convention not in CONVENTIONS:
         raise QStreamError(f"--layer-convention {convention!r}: choose {' or '.join(CONVENTIONS)}")
     shift = CONVENTIONS[convention].shift
@@ -202,22 +193,13 @@ def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, 
 
 def check_draft(config: DraftConfig, target: TargetShape, layer_ids: tuple[int, ...]) -> None:
     """The draft must fit the target: one line naming the first mismatch (docs/capture.md)."""
+    depth, captured = target.num_hidden_layers, config.num_target_layers
     checks = (
         ("target_hidden_size", config.target_hidden_size, "hidden_size", target.hidden_size),
         ("hidden_size", config.hidden_size, "hidden_size", target.hidden_size),
         ("vocab_size", config.vocab_size, "vocab_size", target.vocab_size),
-        (
-            "target_num_hidden_layers",
-            config.target_num_hidden_layers,
-            "num_hidden_layers",
-            target.num_hidden_layers,
-        ),
-        (
-            "num_target_layers",
-            len(layer_ids),
-            "number of captured layers",
-            config.num_target_layers,
-        ),
+        ("target_num_hidden_layers", config.target_num_hidden_layers, "num_hidden_layers", depth),
+        ("num_target_layers", len(layer_ids), "number of captured layers", captured),
     )
     for mine, value, theirs, expected in checks:
         if value is not None and value != expected:  # None: a config that does not say
@@ -240,8 +222,8 @@ def _hidden(output: Any) -> torch.Tensor:
 
 class LayerTap:
     """Hooks that keep, per forward, the outputs of ``layers[j]`` for ``j in ids`` and the final
-    norm's input and output, moved to the CPU as they come (so a ``--device-map`` spread over
-    several GPUs gathers them in one place).  Removed on exit, even on error."""
+    norm's input and output, moved to the CPU as they come (a ``--device-map`` spread over
+    GPUs gathers them in one place); removed on exit, even on error."""
 
     def __init__(self, layers: Any, norm: Any, ids: tuple[int, ...]):
         self.layers, self.norm, self.ids = layers, norm, ids

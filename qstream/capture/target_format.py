@@ -5,8 +5,6 @@ loading an llm-compressor checkpoint of that format into vLLM gives it.  The emb
 lm_head stay as stored (llm-compressor's recipes ignore lm_head; an embedding is no Linear), and
 NVFP4 projections that vLLM fuses (q/k/v, gate/up, q_a/kv_a) share one global scale
 (``qstream.vllm.profiles.fused_groups``, the generic profile).
-
->>> changed = simulate_target(target.model, "TARGET_DIR", "nvfp4")   # module names, in place
 """
 
 from __future__ import annotations
@@ -29,39 +27,8 @@ from qstream.vllm.profiles import fused_groups
 
 
 def check_target_format(fmt: str, option: str) -> None:
-    """``fmt`` is one of :data:`qstream.serving.TARGETS` (``option`` names where it came from)."""
     if fmt not in TARGETS:
         raise QStreamError(f"{option} {fmt!r}: choose one of {', '.join(TARGETS)}")
-
-
-def decoder_linears(model: Any) -> dict[str, torch.nn.Linear]:
-    """Every ``nn.Linear`` inside the decoder layers, by module name (``model.layers.0.mlp.up_proj``).
-    A module transformers does not build as a Linear (transformers 5's fused MoE experts) is
-    not one of them."""
-    layers, _ = decoder_parts(model)
-    prefix = next(name for name, module in model.named_modules() if module is layers) + "."
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if name.startswith(prefix) and isinstance(module, torch.nn.Linear)
-    }
-
-
-def stored_weights(target: str | Path, modules: list[str]) -> dict[str, torch.Tensor]:
-    """Each module's ``weight`` as the checkpoint stores it (its dtype, mapped, not copied)."""
-    checkpoint = open_checkpoint(target)
-    readers: dict[str, ShardReader] = {}
-    out = {}
-    for module in modules:
-        name = f"{module}.weight"
-        shard = checkpoint.tensor_shard.get(name)
-        if shard is None:
-            raise QStreamError(f"--target {target}: holds no tensor {name}, the weight of the "
-                               f"model's Linear {module}")  # fmt: skip
-        if shard not in readers:
-            readers[shard] = ShardReader(checkpoint.shards[shard])
-        out[module] = readers[shard].tensor(name)
-    return out
 
 
 @torch.no_grad()
@@ -70,8 +37,27 @@ def simulate_target(model: Any, target: str | Path, fmt: str) -> list[str]:
     to ``fmt`` and dequantized in the stored dtype, then cast to the model's; returns the modules
     changed.  A weight the format cannot hold (K not a multiple of its block, not a float) is a
     QStreamError naming the tensor."""
-    linears = decoder_linears(model)
-    stored = stored_weights(target, list(linears))
+    layers, _ = decoder_parts(model)
+    prefix = next(name for name, module in model.named_modules() if module is layers) + "."
+    # a module transformers does not build as a Linear (transformers 5's fused MoE experts) is
+    # not one of them
+    linears = {
+        name: module
+        for name, module in model.named_modules()
+        if name.startswith(prefix) and isinstance(module, torch.nn.Linear)
+    }
+    checkpoint = open_checkpoint(target)
+    readers: dict[str, ShardReader] = {}
+    stored = {}  # each weight as the checkpoint stores it (its dtype, mapped, not copied)
+    for module in linears:
+        name = f"{module}.weight"
+        shard = checkpoint.tensor_shard.get(name)
+        if shard is None:
+            raise QStreamError(f"--target {target}: holds no tensor {name}, the weight of the "
+                               f"model's Linear {module}")  # fmt: skip
+        if shard not in readers:
+            readers[shard] = ShardReader(checkpoint.shards[shard])
+        stored[module] = readers[shard].tensor(name)
     spec = get_format(fmt)
     amaxes: dict[str, torch.Tensor] = {}
     for module, w in stored.items():  # every weight checked before any is changed

@@ -1,14 +1,7 @@
-"""The three weight formats (docs/formats.md), as :class:`Format` objects, and the registry: the
+"""The three weight formats (docs/formats.md) as :class:`Format` objects, and the registry: the
 only place a format's name maps to its object.
 
->>> spec = get_format("nvfp4")
->>> stored = spec.quantize(w)                # {"weight_packed": ..., "weight_scale": ..., ...}
->>> w_hat = spec.dequantize(stored)          # bf16, bit-identical to compressed-tensors
->>> weight_snr_db(w, w_hat)
-
-Each format's math lives in its module (:mod:`~qstream.formats.fp8`,
-:mod:`~qstream.formats.mxfp4`, :mod:`~qstream.formats.nvfp4` over the E2M1 core
-:mod:`~qstream.formats.e2m1`); the weight SNR in :mod:`~qstream.formats.snr`.
+>>> stored = get_format("nvfp4").quantize(w)  # {"weight_packed": ..., "weight_scale": ..., ...}
 """
 
 from __future__ import annotations
@@ -45,12 +38,10 @@ def quantize(
     global_amax: torch.Tensor | None = None,
     energy: Energy | None = None,
 ) -> Stored:
-    """:meth:`Format.quantize` of the format named ``fmt``."""
     return get_format(fmt).quantize(w, name, global_amax, energy)
 
 
 def dequantize(fmt: str, stored: Stored, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """:meth:`Format.dequantize` of the format named ``fmt``."""
     return get_format(fmt).dequantize(stored, dtype)
 
 

@@ -1,11 +1,7 @@
 """Activation quantization as vLLM 0.32.0 serves it (docs/eval-drift.md, "Serving
-configurations"): one function per compressed-tensors input scheme, each taking a quantized
-linear's input ``x [..., K]`` in the model's dtype and returning what the quantized GEMM
-multiplies, dequantized in float32 (the GEMM is then simulated as dequantized operands with a
-float32 accumulation; the kernels multiply the codes and apply the scales after it).
-
->>> x_hat = fp8_per_token(x)                               # a=fp8-dynamic
->>> x_hat = INPUT_SCHEMES["tensor_group"].quantize(x, gs)  # a=nvfp4, gs calibrated
+configurations"): per compressed-tensors input scheme, a quantized linear's input ``x [..., K]``
+-> what the quantized GEMM multiplies, dequantized in float32 (the GEMM is simulated with a
+float32 accumulation; the kernels apply the scales after it).
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ def fp8_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.T
 
 
 def fp8_per_token_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fp8_per_token`'s codes (as float32) and per-row float32 scales [..., 1], apart:
-    what a scaled GEMM multiplies before it applies the scales (qstream/formats/head.py)."""
+    """:func:`fp8_per_token`'s codes (float32) and per-row float32 scales [..., 1], apart."""
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     return _fp8_codes(x, scale), scale
@@ -48,15 +43,12 @@ def fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """``CompressedTensorsW8A8Fp8`` with a static per-tensor ``input_scale`` (the same
     ``forward_native``, the scale given)."""
     assert scale is not None, "a static scheme needs its calibrated scale"
-    return _fp8_dequantized(x, scale.to(torch.float32))
-
-
-def _fp8_dequantized(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``fp8(clamp(x * (1/scale), +-448)) * scale`` in float32 (round to nearest even)."""
+    scale = scale.to(torch.float32)
     return _fp8_codes(x, scale) * scale
 
 
 def _fp8_codes(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``fp8(clamp(x * (1/scale), +-448))`` in float32 (round to nearest even)."""
     q = (x.to(torch.float32) * scale.reciprocal()).clamp(-FP8_MAX, FP8_MAX)
     return q.to(torch.float8_e4m3fn).to(torch.float32)
 
@@ -76,8 +68,8 @@ def nvfp4_input(x: torch.Tensor, gs: torch.Tensor | None) -> torch.Tensor:
 
 
 def nvfp4_blocks(x: torch.Tensor, gs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ref_nvfp4_quant(x, gs, 16)``: the E2M1 values [..., K/16, 16] and the fp8 block scales
-    [..., K/16, 1], both float32, for a float32 global scale ``gs`` (:func:`nvfp4_input`)."""
+    """``ref_nvfp4_quant(x, gs, 16)``: E2M1 values [..., K/16, 16] and fp8 block scales
+    [..., K/16, 1], float32, for a float32 global scale ``gs``."""
     blocks = x.unflatten(-1, (-1, NVFP4_BLOCK))  # [..., K/16, 16]
     block_amax = blocks.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = (gs * (block_amax * FP4_RECIPROCAL)).clamp(-FP8_MAX, FP8_MAX)

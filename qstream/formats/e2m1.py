@@ -2,9 +2,9 @@
 and decoding.  A code is ``sign << 3 | index`` with ``index`` into ``E2M1_GRID``; element 2j
 of a row goes in the low nibble of byte j, element 2j+1 in the high nibble.
 
-Rounding is done with float32 bit arithmetic rather than by bucketing (see :func:`_codes32`);
-``tests/test_formats_spec.py`` checks it (one step at a time, ``tests/e2m1_codes.py``) against the threshold definition of docs/formats.md around
-every tie, and ``tests/test_formats_vs_compressed_tensors.py`` against compressed-tensors.
+Rounding is float32 bit arithmetic (:func:`_codes32`), checked around every tie against
+docs/formats.md's thresholds (tests/test_formats_spec.py, tests/e2m1_codes.py) and against
+compressed-tensors (tests/test_formats_vs_compressed_tensors.py).
 """
 
 from __future__ import annotations
@@ -36,11 +36,9 @@ def _codes32(
     scratch: torch.Tensor,
     grid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int32 codes from float32 ``|y|`` and a float32 tensor with y's signs.  ``magnitude`` is
-    consumed: the codes are written over it (viewed as int32) and returned; ``scratch`` is an
-    int32 buffer of the same shape; ``grid``, if given, receives the rounded
-    magnitudes (E2M1 values, float32).  Working in place matters: a fresh 1 MiB tensor per step
-    costs more in page faults than the arithmetic does.
+    """int32 codes from float32 ``|y|`` (consumed: the codes are written over it) and a float32
+    tensor with y's signs; ``scratch``: int32 of the same shape; ``grid``, if given, receives
+    the rounded magnitudes.  In place: a fresh 1 MiB tensor per step costs more in page faults.
 
     1. Saturate at 6.
     2. Round half to even onto the E2M1 grid with one float addition: ``s = a + M`` where
@@ -65,8 +63,7 @@ def _codes32(
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """float32 ``y`` rounded half to even onto the signed E2M1 grid, saturating at 6 (the
-    rounding :func:`_codes32` does, as values)."""
+    """float32 ``y`` rounded half to even onto the signed E2M1 grid, saturating at 6."""
     magnitude, grid = y.abs(), torch.empty_like(y)
     _codes32(magnitude, y.contiguous(), torch.empty_like(y, dtype=torch.int32), grid)
     return grid.copysign_(y)
@@ -75,9 +72,9 @@ def round_e2m1(y: torch.Tensor) -> torch.Tensor:
 def _pack32(
     codes: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """int32 codes ``[..., K]`` (consumed) -> bytes ``out [..., K/2]`` (uint8): the codes
-    narrowed to bytes, then each little-endian int16 pair holds element 2j in its low byte.
-    ``scratch``: a free int32 buffer of the codes' shape (two bytes of it per code are used)."""
+    """int32 codes ``[..., K]`` (consumed) -> bytes ``out [..., K/2]``: narrowed to bytes, each
+    little-endian int16 pair holds element 2j in its low byte; ``scratch``: a free int32 buffer
+    of the codes' shape."""
     n = codes.numel()
     if scratch is None:
         scratch = torch.empty(n, dtype=torch.int32, device=codes.device)
@@ -109,9 +106,8 @@ def dequantize_blocks(
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Packed bytes ``[N, K/2]`` decoded in ``compute_dtype``, times one ``step`` per block
-    (``[N, K/block]``, ``compute_dtype``), rounded to ``dtype``: the 4-bit formats'
-    dequantization, in cache-sized row chunks (elementwise, so the same values as one pass over
-    the whole tensor, about three times faster at K3 shapes)."""
+    (``[N, K/block]``), rounded to ``dtype``, in cache-sized row chunks (three times faster than
+    one pass at K3 shapes, the same values)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     for rows in row_chunks(n, k):
@@ -132,15 +128,11 @@ def encode_blocks(
     exact: bool = False,
 ) -> torch.Tensor:
     """The 4-bit quantizers' loop: ``w [N, K]`` with one float32 ``divisor`` per block
-    (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``, chunk by chunk.
-
-    Elements are ``|w| / divisor`` in float32, as compressed-tensors divides, or, given its
-    ``inverse`` (MXFP4's powers of two, where it is exact and rounds the same), ``|w| *
-    inverse``.  ``energy`` receives each chunk's SNR sums with ``w_hat = +-E2M1 * step``
-    rounded to ``w.dtype``, which is what ``dequantize`` returns (``step``: the decoded stored
-    scale, float32, by default ``divisor``), computed while the chunk is in cache.  ``exact``:
-    every ``E2M1 * step`` is a ``w.dtype`` value (a 16-bit ``w``), so that rounding is skipped
-    and the error taken from the float32 products."""
+    (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``, chunk by chunk.  Elements are
+    ``|w| / divisor`` in float32, as compressed-tensors divides, or ``|w| * inverse`` where that
+    is exact (MXFP4's powers of two).  ``energy`` gets each chunk's SNR sums with ``w_hat =
+    +-E2M1 * step`` (default ``divisor``) rounded to ``w.dtype``, as ``dequantize`` returns;
+    ``exact``: every such product is a ``w.dtype`` value, so the rounding is skipped."""
     n, k = w.shape
     step = divisor if step is None else step
     hat_dtype = None if energy is None else torch.float32 if exact else w.dtype
@@ -169,9 +161,8 @@ _SCALE_DTYPES = {"U8": "torch.uint8", "F8_E4M3": "torch.float8_e4m3fn"}  # safet
 
 
 def fp4_format(name: str, block: int, strategy: str, scale: str, **facts) -> Format:
-    """A 4-bit :class:`Format` over this core: two E2M1 codes per byte (``weight_packed``), one
-    ``scale`` (safetensors dtype) per ``block`` elements along K, and, with a ``global_scale``
-    in ``facts``, one float32 scale per tensor."""
+    """A 4-bit :class:`Format`: two E2M1 codes per byte, one ``scale`` (safetensors dtype) per
+    ``block`` along K, and with a ``global_scale`` in ``facts`` one float32 per tensor."""
     stored: dict[str, str | None] = {"weight_packed": "U8", "weight_scale": scale}
     if facts.get("global_scale"):
         stored[facts["global_scale"]] = "F32"

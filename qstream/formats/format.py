@@ -1,16 +1,10 @@
-"""What every weight format is: the spec constants (in one place), a :class:`Format` object
-holding a format's facts (block, bits, compressed-tensors config pieces, stored tensor names,
-dtypes and shapes, the scale checks verify runs) and its two operations, quantize and dequantize
-(docs/formats.md), and the input checks and cache-sized row chunking the quantizers share.
-
-Each format module (:mod:`~qstream.formats.fp8`, :mod:`~qstream.formats.mxfp4`,
-:mod:`~qstream.formats.nvfp4`) defines one; :mod:`qstream.formats` is the registry that maps a
-name to it.  Code outside ``formats/`` asks the object, never compares the name.
+"""What a weight format is (docs/formats.md): the spec constants, the :class:`Format` object
+(its facts and its quantize / dequantize; code outside ``formats/`` asks it, never compares the
+name), and the input checks and cache-sized row chunking the quantizers share.
 
 Spec sources: OCP Microscaling Formats (MX) v1.0 (E2M1 element, E8M0 scale, block 32); NVIDIA's
-NVFP4 (E2M1 element, E4M3 block scale over 16 elements, FP32 per-tensor scale); the
-float8_e4m3fn range (max 448).  The rounding rules and scale arithmetic follow
-compressed-tensors, which is what vLLM loads these checkpoints with.
+NVFP4 (E4M3 block scale over 16 elements, FP32 per-tensor scale); float8_e4m3fn (max 448).  The
+rounding and scale arithmetic follow compressed-tensors, which vLLM loads these with.
 """
 
 from __future__ import annotations
@@ -35,8 +29,6 @@ MXFP4_ELEM_EMAX = 2  # floor(log2(FP4_MAX)): the block amax maps into E2M1's top
 NVFP4_BLOCK = 16
 NVFP4_ZERO_BLOCK_SCALE = 0.125  # compressed-tensors' replacement for a zero FP8 block scale
 
-SUPPORTED_DTYPES = FLOAT_DTYPES  # the weight dtypes the formats take (qstream/units.py)
-
 Stored = dict[str, torch.Tensor]  # stored tensors of one weight, by suffix ("weight_scale", ...)
 # (w, name, global_amax, energy) -> the stored tensors, in ``Format.stored`` order
 Encode = Callable[[torch.Tensor, str, torch.Tensor | None, Energy | None], tuple]
@@ -45,7 +37,7 @@ BadScales = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, str]]
 
 
 def finite_positive(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """The usual scale check: finite and positive (quantize never writes a zero scale)."""
+    """Finite and positive (quantize never writes a zero scale)."""
     value = value.float()
     return value, ~(torch.isfinite(value) & (value > 0)), "non-finite or not positive"
 
@@ -72,7 +64,6 @@ class Format:
 
     @property
     def stored(self) -> tuple[str, ...]:
-        """Tensor-name suffixes written for each quantized module, in order."""
         return tuple(self.stored_dtypes)
 
     @property
@@ -86,43 +77,33 @@ class Format:
         global_amax: torch.Tensor | None = None,
         energy: Energy | None = None,
     ) -> Stored:
-        """Quantize one ``[N, K]`` weight; returns the stored tensors keyed by suffix.
-        ``global_amax`` is a fused group's shared amax (for a format with a ``global_scale``).
-        ``energy`` accumulates the weight SNR sums on the way, equal to
-        ``snr_sums(w, self.dequantize(stored, w.dtype))`` without that second pass.  A weight
-        with no elements is a ValueError naming it (no scale can be taken of nothing; quantize
-        refuses such a checkpoint before it gets here)."""
+        """One ``[N, K]`` weight -> the stored tensors by suffix.  ``global_amax``: a fused
+        group's shared amax; ``energy`` accumulates ``snr_sums(w, self.dequantize(stored))``
+        without that second pass."""
         if w.numel() == 0:
             raise ValueError(f"{name}: shape {list(w.shape)} has no elements; nothing to quantize")
         return dict(zip(self.stored, self.encode(w, name, global_amax, energy)))
 
     def dequantize(self, stored: Stored, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Stored tensors (from :meth:`quantize` or a checkpoint) -> the weight.  FP8 returns
-        its scale's dtype; the 4-bit formats return ``dtype``, as compressed-tensors does."""
+        """Stored tensors -> the weight: FP8 in its scale's dtype, the 4-bit formats in ``dtype``,
+        as compressed-tensors does."""
         return self.decode(stored, dtype)
 
     def stored_shapes(self, n: int, k: int) -> dict[str, tuple[int, ...]]:
-        """The shape of each stored tensor of an ``[n, k]`` weight, by suffix: the codes
-        ``[N, K / codes_per_byte]``, one scale per block ``[N, K / block]`` (per row: ``[N, 1]``),
-        the global scale ``[1]``."""
-        codes, scale = self.stored[:2]
         per_row = k // self.block_size if self.block_size else 1
-        shapes: dict[str, tuple[int, ...]] = {
-            codes: (n, k // self.codes_per_byte),
-            scale: (n, per_row),
-        }
+        shapes: dict[str, tuple[int, ...]] = {self.stored[0]: (n, k // self.codes_per_byte)}
+        shapes[self.stored[1]] = (n, per_row)
         if self.global_scale:
             shapes[self.global_scale] = (1,)
         return shapes
 
     def accepted_dtypes(self, suffix: str) -> tuple[str, ...]:
-        """The safetensors dtype(s) a stored tensor may have."""
         dtype = self.stored_dtypes[suffix]
         return FLOAT_DTYPE_NAMES if dtype is None else (dtype,)
 
     def marks_quantized(self, suffix: str, dtype: str) -> bool:
-        """Whether a stored tensor shows its module is quantized: the codes, or, where they
-        keep the plain name ``weight``, only in their stored dtype."""
+        """The codes show a module is quantized; codes named plain ``weight`` only in their
+        stored dtype."""
         codes = self.stored[0]
         return suffix == codes and (codes != "weight" or dtype in self.accepted_dtypes(codes))
 
@@ -133,8 +114,7 @@ CHUNK_ELEMENTS = 1 << 17
 
 
 def check_weight(w: torch.Tensor, name: str, block: int = 1) -> None:
-    """A 2-D ``[N_out, K_in]`` float weight whose K splits into blocks along the row."""
-    if w.dtype not in SUPPORTED_DTYPES:
+    if w.dtype not in FLOAT_DTYPES:
         raise QStreamError(f"{name}: dtype {w.dtype} is not bf16, fp16 or fp32")
     if w.ndim != 2:
         raise QStreamError(f"{name}: expected a 2-D [out, in] weight, got shape {tuple(w.shape)}")
@@ -146,7 +126,6 @@ def check_weight(w: torch.Tensor, name: str, block: int = 1) -> None:
 
 
 def check_finite(amax: torch.Tensor, name: str) -> None:
-    """``amax`` reductions propagate NaN and Inf, so checking them checks every element."""
     if not torch.isfinite(amax).all():
         raise QStreamError(f"{name}: weight contains NaN or Inf")
 
@@ -159,10 +138,9 @@ _MAGNITUDE = {  # integer view and the mask that clears the sign bit
 
 
 def block_abs_max(w: torch.Tensor, block: int):
-    """``amax(|w|)`` over consecutive blocks of ``block`` elements along the last dim, in
-    ``w.dtype`` (exact).  Computed on the integer view with the sign bit cleared, where the
-    order of magnitudes is the order of integers: one cheap pass, no float temporary.
-    NaN sorts above Inf, so a NaN anywhere in a block makes that block's result NaN."""
+    """``amax(|w|)`` over blocks of ``block`` along the last dim, in ``w.dtype`` (exact), on the
+    integer view with the sign bit cleared (integer order is magnitude order; NaN sorts above
+    Inf, so a NaN makes its block's result NaN)."""
     int_dtype, mask = _MAGNITUDE[w.dtype]
     magnitude = torch.bitwise_and(w.contiguous().view(int_dtype), mask)
     blocks = magnitude.view(*w.shape[:-1], w.shape[-1] // block, block)
@@ -176,10 +154,9 @@ def abs_max(w: torch.Tensor) -> torch.Tensor:
 
 
 def all_block_abs_max(w: torch.Tensor, block: int, name: str) -> torch.Tensor:
-    """:func:`block_abs_max` of a whole 2-D weight ``[N, K/block]``, filled chunk by chunk,
-    after checking that no element is NaN or Inf (the error names the tensor).  16-bit
-    magnitudes are widened to int32 first (sign-extended, then masked: the same order), as
-    torch's CPU max over a block of 16 or 32 int16 is not vectorized and over int32 is."""
+    """:func:`block_abs_max` of a 2-D weight ``[N, K/block]``, chunk by chunk, checked finite.
+    16-bit magnitudes are widened to int32 first (the same order): torch's CPU max over a block
+    of int16 is not vectorized, over int32 it is."""
     int_dtype, mask = _MAGNITUDE[w.dtype]
     n, k = w.shape
     bits = w.contiguous().view(int_dtype)
@@ -194,7 +171,6 @@ def all_block_abs_max(w: torch.Tensor, block: int, name: str) -> torch.Tensor:
 
 
 def chunk_rows(n_rows: int, row_elements: int) -> int:
-    """Rows per chunk of :func:`row_chunks` (for sizing reusable buffers)."""
     return max(1, min(n_rows, CHUNK_ELEMENTS // max(1, row_elements)))
 
 
@@ -205,10 +181,9 @@ def row_chunks(n_rows: int, row_elements: int) -> Iterator[slice]:
 
 
 class ChunkWorkspace:
-    """float32 copy, magnitude and int32 scratch buffers for one chunk of rows, allocated once
-    per weight and reused by every chunk of the 4-bit quantizers: a fresh 1 MiB temporary per
-    step costs more in page faults than the arithmetic does.  With ``hat_dtype`` it also holds
-    the rounded E2M1 values and the dequantized chunk in that dtype, for the weight SNR."""
+    """One chunk's buffers, allocated once per weight (a fresh 1 MiB temporary per step costs
+    more in page faults than the arithmetic): float32 copy, magnitude, int32 scratch, and with
+    ``hat_dtype`` the rounded values and the dequantized chunk, for the weight SNR."""
 
     def __init__(
         self, rows: int, k: int, device: torch.device, hat_dtype: torch.dtype | None = None

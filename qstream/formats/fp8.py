@@ -21,12 +21,6 @@ from qstream.formats.format import (
 from qstream.formats.snr import Energy
 
 
-def channel_scale(w: torch.Tensor) -> torch.Tensor:
-    """``[N, 1]`` scale in ``w.dtype``; an all-zero row gets that dtype's eps.  The row amax
-    is taken on the integer view (exact, see block_abs_max)."""
-    return amax_scale(block_abs_max(w, w.shape[1]))
-
-
 def amax_scale(amax: torch.Tensor) -> torch.Tensor:
     """compressed-tensors' symmetric FP8 scale (``calculate_qparams``): ``amax / 448`` in
     amax's dtype, a zero scale becoming that dtype's eps; also a static input scale."""
@@ -39,7 +33,7 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight float8_e4m3fn [N, K], weight_scale w.dtype [N, 1])``;
     ``energy`` accumulates the weight SNR sums against :func:`dequantize`'s ``q * scale``,
-    taken chunk by chunk while the chunk is in cache."""
+    chunk by chunk while the chunk is in cache."""
     check_weight(w, name)
     n, k = w.shape
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
@@ -49,7 +43,7 @@ def quantize(
     work = None if energy is None else ChunkWorkspace(rows_max, k, w.device, w.dtype)
     for rows in row_chunks(n, k):
         chunk, codes = w[rows], q[rows]
-        scale[rows] = s = channel_scale(chunk)
+        scale[rows] = s = amax_scale(block_abs_max(chunk, k))  # an all-zero row: eps
         check_finite(s, name)
         quotient = torch.div(chunk, s, out=y[: rows.stop - rows.start])
         codes.copy_(quotient.clamp_(-FP8_MAX, FP8_MAX))  # round to nearest even
@@ -61,14 +55,24 @@ def quantize(
 def _add_energy(energy: Energy, chunk, codes, s, work: ChunkWorkspace, rows: slice) -> None:
     """The SNR sums of one chunk in magnitudes (w_hat has w's sign or is 0), from the codes just
     stored: ``|w_hat| = dtype(|fp8| * s)``, which is :func:`dequantize`'s value, since a 4-bit
-    by 11-bit product is exact in float32 and is then rounded once to the dtype."""
+    by 11-bit product is exact in float32 and is then rounded once to the dtype.
+
+    For a 16-bit weight, the code bits shifted into the dtype read as ``|fp8| * 2**-p``; times
+    ``s * 2**p`` (exact), torch multiplies in float32 and rounds once, as dequantize does: one
+    pass over 16-bit data, unless ``s * 2**p`` overflows the dtype (a bf16 scale >= 2**8)."""
     x, _, scratch = work.take(rows)
     torch.abs(x.copy_(chunk), out=x)
     _, hat = work.take_hat(rows)
-    if hat.dtype in _SHORT_DECODE and _scaled_magnitudes(codes, s, hat) is not None:
-        energy.add_rounded(chunk, x, hat, scratch.view(torch.float32))
-    else:
-        energy.add(chunk, x, decode_magnitudes(codes, scratch).mul_(s.float()), hat)
+    if hat.dtype in _SHORT_DECODE:
+        shift, power = _SHORT_DECODE[hat.dtype]
+        scaled = s * power
+        if torch.isfinite(scaled).all():
+            bits = hat.view(torch.int16).copy_(codes.view(torch.uint8))
+            bits.bitwise_and_(_MAGNITUDE_BITS).bitwise_left_shift_(shift)
+            hat.mul_(scaled)
+            energy.add_rounded(chunk, x, hat, scratch.view(torch.float32))
+            return
+    energy.add(chunk, x, decode_magnitudes(codes, scratch).mul_(s.float()), hat)
 
 
 _MAGNITUDE_BITS, _SIGN_BIT = 0x7F, 0x80
@@ -80,30 +84,12 @@ _BIAS_SHIFT = 2.0**120
 _SHORT_DECODE = {torch.bfloat16: (4, 2.0**120), torch.float16: (7, 2.0**8)}
 
 
-def _scaled_magnitudes(codes: torch.Tensor, s: torch.Tensor, out: torch.Tensor):
-    """``dtype(|fp8| * s)`` into ``out`` (a bf16 / fp16 buffer of the codes' shape): the code
-    bits as ``|fp8| * 2**-p`` times ``s * 2**p`` (exact), which torch multiplies in float32
-    and rounds once, as :func:`dequantize` does; one pass over 16-bit data.  None, with ``out``
-    untouched, where ``s * 2**p`` overflows the dtype (a bf16 scale of 2**8 or more)."""
-    shift, power = _SHORT_DECODE[s.dtype]
-    scaled = s * power
-    if not torch.isfinite(scaled).all():
-        return None
-    bits = out.view(torch.int16).copy_(codes.view(torch.uint8))
-    bits.bitwise_and_(_MAGNITUDE_BITS).bitwise_left_shift_(shift)
-    return out.mul_(scaled)
-
-
-def decode_magnitudes(codes: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """float8_e4m3fn ``codes`` -> their magnitudes in float32 (an int32 ``out`` of the same shape,
-    reused as the result's storage): ``|codes.float()|`` with integer arithmetic instead of
-    torch's float8 -> float conversion, which is ~20x slower.  NaN codes are not expected (the
-    quantizer clamps first)."""
-    return _decode(codes, out, signed=False)
-
-
-def _decode(codes: torch.Tensor, out: torch.Tensor | None, signed: bool) -> torch.Tensor:
-    """Finite codes -> float32 values (``signed``) or magnitudes, in ``out``'s storage."""
+def decode_magnitudes(
+    codes: torch.Tensor, out: torch.Tensor | None = None, signed: bool = False
+) -> torch.Tensor:
+    """Finite float8_e4m3fn ``codes`` -> their magnitudes (or, ``signed``, values) in float32,
+    in the storage of ``out`` (int32, the codes' shape): integer arithmetic instead of torch's
+    float8 -> float conversion, which is ~20x slower."""
     if out is None:
         out = torch.empty(codes.shape, dtype=torch.int32, device=codes.device)
     bits = out.copy_(codes.view(torch.uint8))
@@ -115,11 +101,10 @@ def _decode(codes: torch.Tensor, out: torch.Tensor | None, signed: bool) -> torc
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Back to the scale's dtype: ``q * scale`` (compressed-tensors' decompression).  The codes
-    are decoded with integer arithmetic (see :func:`decode_magnitudes`) and multiplied by the
-    scale in float32, where the product of a 4-bit and an 11-bit significand is exact, then
-    rounded once to the dtype: bit-identical to ``q.to(dtype) * scale``, which rounds that same
-    product, three times faster (tests/test_formats_spec.py)."""
+    """``q * scale`` in the scale's dtype (compressed-tensors' decompression): the codes decoded
+    with integer arithmetic and multiplied in float32, where a 4-bit by 11-bit product is exact,
+    then rounded once: bit-identical to ``q.to(dtype) * scale``, three times faster
+    (tests/test_formats_spec.py)."""
     if q.dim() != 2 or scale.shape[0] not in (1, q.shape[0]):
         return q.to(scale.dtype) * scale
     out = torch.empty(q.shape, dtype=scale.dtype, device=q.device)
@@ -128,7 +113,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     for rows in row_chunks(n, k):
         codes = q[rows]
         nan = codes.view(torch.uint8).bitwise_and(_MAGNITUDE_BITS) == _MAGNITUDE_BITS
-        values = _decode(codes, bits[: rows.stop - rows.start], signed=True)
+        values = decode_magnitudes(codes, bits[: rows.stop - rows.start], signed=True)
         values.mul_((scale[rows] if scale.shape[0] == n else scale).float())
         out[rows] = values.masked_fill_(nan, float("nan"))
     return out

@@ -4,9 +4,6 @@ docs/eval-drift.md "A quantized drafting head"): at load a quantized copy of the
 (vllm/model_executor/layers/quantization/online/lm_head.py, ``_quantize_copy``), then every
 head product through it.  ``HEADS[name](weight)`` takes the head in the model's dtype and
 returns ``x [..., H] -> logits [..., V]`` in x's dtype.
-
->>> head = HEADS["fp8"](lm_head.to(torch.bfloat16))
->>> logits = head(hf)
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ _MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 
 def _round_mantissa_to_one_bit(amax: torch.Tensor) -> torch.Tensor:
-    """Round a non-negative float to a power of two, up when its mantissa is >= 0.75 of the
-    binade (i.e. to E2M1's mantissa width, then drop the mantissa), with integer bit operations."""
+    """A non-negative float rounded to a power of two, up when its mantissa is >= 0.75 of the
+    binade (to E2M1's mantissa width, then dropped), with integer bit operations."""
     mantissa_bits = _MANTISSA_BITS[amax.dtype]
     bits = amax.view(_INT_VIEW[amax.dtype]).to(torch.int32)
     bits = (bits + (1 << (mantissa_bits - 2))) & ~((1 << mantissa_bits) - 1)
@@ -45,18 +45,11 @@ def _power_of_two(exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def block_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Block amax (weight dtype) -> the float scale ``2**(e8m0 - 127)`` in that dtype.
-
-    A scale that underflows the dtype (possible for fp16) becomes 1.0, as in compressed-tensors.
-    """
+    """Block amax (weight dtype) -> ``2**(e8m0 - 127)`` in that dtype; one that underflows it
+    (fp16) becomes 1.0, as in compressed-tensors."""
     e8m0 = MXFP4_E8M0_BIAS - MXFP4_ELEM_EMAX + _exponent(_round_mantissa_to_one_bit(amax))
     scale = _power_of_two(e8m0.clamp_(0, 255) - MXFP4_E8M0_BIAS, amax.dtype)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
-
-
-def encode_scale(scale: torch.Tensor) -> torch.Tensor:
-    """Float power-of-two scale -> stored E8M0 byte."""
-    return (MXFP4_E8M0_BIAS + _exponent(scale)).to(torch.uint8)
 
 
 def decode_scale(e8m0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,12 +59,11 @@ def decode_scale(e8m0: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize(
     w: torch.Tensor, name: str = "weight", energy: Energy | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``;
-    ``energy`` accumulates the weight SNR sums (:mod:`qstream.formats.snr`)."""
+    """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale uint8 [N, K/32])``."""
     check_weight(w, name, MXFP4_BLOCK)
     n, k = w.shape
     scale = block_scale(all_block_abs_max(w, MXFP4_BLOCK, name))  # [N, G] in w.dtype
-    stored_scale = encode_scale(scale)
+    stored_scale = (MXFP4_E8M0_BIAS + _exponent(scale)).to(torch.uint8)  # E8M0
     # Division by a power of two is exact, so x * (1/scale) in float32 classifies every
     # element exactly as compressed-tensors' division in the weight dtype does.
     inverse = torch.reciprocal(scale.float()).unsqueeze(-1)  # [N, G, 1]
@@ -88,7 +80,7 @@ def quantize(
 
 
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
-    """``E2M1 * 2**(e8m0 - 127)`` in ``dtype`` (bf16 by default, as compressed-tensors returns)."""
+    """``E2M1 * 2**(e8m0 - 127)`` in ``dtype``, as compressed-tensors returns."""
     return dequantize_blocks(packed, decode_scale(scale, dtype), MXFP4_BLOCK, dtype, dtype)
 
 

@@ -2,10 +2,10 @@
 global scale per tensor, or per fused group (docs/formats.md; compressed-tensors'
 ``nvfp4-pack-quantized``, ``strategy: tensor_group``).
 
-``gs = 448 * 6 / amax(|W|)`` in the weight dtype (as ``(1/amax) * 2688``, see global_scale), stored float32 (1.0 when that is not finite,
-e.g. for an all-zero tensor); ``s = fp8(clamp(gs * (amax_block / 6), +-448))`` with
-``amax_block / 6`` in the weight dtype, a zero ``s`` becoming 0.125; elements ``w / (s / gs)``
-in float32 rounded to E2M1."""
+``gs = 448 * 6 / amax(|W|)`` in the weight dtype, stored float32 (1.0 when not finite, e.g. for
+an all-zero tensor); ``s = fp8(clamp(gs * (amax_block / 6), +-448))`` with ``amax_block / 6`` in
+the weight dtype, a zero ``s`` becoming 0.125; elements ``w / (s / gs)`` in float32 rounded to
+E2M1."""
 
 from __future__ import annotations
 
@@ -25,15 +25,12 @@ from qstream.formats.format import (
 from qstream.formats.fp8 import _MAGNITUDE_BITS, decode_magnitudes
 from qstream.formats.snr import Energy
 
-
-def tensor_amax(w: torch.Tensor) -> torch.Tensor:
-    """``amax(|w|)`` in ``w.dtype``: the input of :func:`global_scale`.  For a fused group, pass
-    the max over the members' amaxes (the group then shares one global scale)."""
-    return abs_max(w)
+# amax(|w|) in w.dtype: global_scale's input (a fused group's: the max over its members')
+tensor_amax = abs_max
 
 
 def global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``[1]`` float32 global scale from a tensor (or group) amax given in the weight dtype."""
+    """``[1]`` float32 global scale of a tensor (or group) amax in the weight dtype."""
     amax = amax.clamp(min=torch.finfo(amax.dtype).tiny)
     # compressed-tensors writes ``448 * 6 / amax``, which torch evaluates as
     # ``amax.reciprocal() * 2688`` (Tensor.__rtruediv__): two roundings in the weight dtype.
@@ -42,9 +39,8 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def block_scale(block_amax: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """Block amax (weight dtype) and global scale -> float8_e4m3fn block scale.  A zero scale
-    (code 0x00 or 0x80) becomes 0.125's code, with no round trip through float (torch's float8
-    to float conversion costs more than the rest of the scale)."""
+    """Block amax (weight dtype) and global scale -> float8_e4m3fn block scale; a zero scale
+    becomes 0.125's code without a round trip through float (which costs more than the rest)."""
     local = block_amax / torch.tensor(FP4_MAX, dtype=block_amax.dtype)
     scale = (gs * local).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     zero = torch.bitwise_and(scale, _MAGNITUDE_BITS) == 0
@@ -61,12 +57,8 @@ def quantize(
     energy: Energy | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``w [N, K]`` -> ``(weight_packed uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16],
-    weight_global_scale float32 [1])``.
-
-    ``global_amax`` (weight dtype) overrides the tensor's own amax so that the members of a fused
-    group share one global scale; it must be at least the tensor's own amax.  ``energy``
-    accumulates the weight SNR sums (:mod:`qstream.formats.snr`).
-    """
+    weight_global_scale float32 [1])``.  ``global_amax`` (weight dtype, at least the tensor's
+    own): a fused group's shared amax."""
     check_weight(w, name, NVFP4_BLOCK)
     n, k = w.shape
     block_amax = all_block_abs_max(w, NVFP4_BLOCK, name)  # [N, G]
@@ -90,8 +82,8 @@ def dequantize(
     global_scale: torch.Tensor,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """``E2M1 * (weight_scale / weight_global_scale)`` in float32, rounded to ``dtype`` (bf16 by
-    default), as compressed-tensors decompresses."""
+    """``E2M1 * (weight_scale / weight_global_scale)`` in float32, rounded to ``dtype``, as
+    compressed-tensors decompresses."""
     step = scale.to(dtype).float() / global_scale.float()  # [N, G]
     return dequantize_blocks(packed, step, NVFP4_BLOCK, dtype)
 

@@ -1,10 +1,7 @@
 """Weight SNR (docs/formats.md): ``10 log10(sum w^2 / sum (w - w_hat)^2)`` in float64, from two
-tensors (:func:`weight_snr_db`, :func:`snr_sums`) or accumulated inside the quantizers.
-
-A quantizer that is given an :class:`Energy` adds each chunk's ``sum w^2`` and
-``sum (w - w_hat)^2`` while the chunk is still in cache, with ``w_hat`` computed exactly as
-``dequantize`` computes it, so the SNR is the one a second pass over the stored tensors would
-give, without that pass.  ``tests/test_formats_properties.py`` checks the two against each other.
+tensors or accumulated by a quantizer given an :class:`Energy` while each chunk is in cache,
+``w_hat`` computed as ``dequantize`` computes it (tests/test_formats_properties.py checks that
+the two agree).
 """
 
 from __future__ import annotations
@@ -50,12 +47,20 @@ class Energy:
         """Add one chunk of rows ``w``: float32 ``x`` (``w``, or ``|w|``) and float32 ``w_hat``
         (or ``|w_hat|``) before dequantize rounds it to the dtype of ``hat`` (a buffer of the
         chunk's shape); ``x`` and ``w_hat`` are overwritten.  A float32 weight's error is taken
-        in float64."""
+        in float64, its squares summed slice by slice."""
         if hat.dtype in SHORT:
             return self.add_rounded(w, x, hat.copy_(w_hat), w_hat)
         error = _buffer("f64", x.numel(), torch.float64, self.device).view(x.shape)
         error.copy_(x).sub_(w_hat)
-        self.signal += self._sum_squares(x.reshape(-1)).item()
+        flat = x.reshape(-1)
+        signal = torch.zeros((), dtype=torch.float64, device=self.device)
+        buf = _buffer("slice", min(F64_SLICE, flat.numel()), torch.float64, self.device)
+        for start in range(0, flat.numel(), F64_SLICE):
+            part = buf[: min(F64_SLICE, flat.numel() - start)].copy_(
+                flat[start : start + F64_SLICE]
+            )
+            signal += torch.vdot(part, part)
+        self.signal += signal.item()
         self.noise += torch.vdot(error.view(-1), error.view(-1)).item()
 
     def add_rounded(self, w: torch.Tensor, x: torch.Tensor, hat: torch.Tensor, error: torch.Tensor):
@@ -70,24 +75,13 @@ class Energy:
         self.noise += noise
         self.signal += _square_sum64(w) if signal is None else signal
 
-    def _sum_squares(self, flat: torch.Tensor) -> torch.Tensor:
-        """float32 ``flat`` squared and summed in float64, slice by slice."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        buf = _buffer("slice", min(F64_SLICE, flat.numel()), torch.float64, self.device)
-        for start in range(0, flat.numel(), F64_SLICE):
-            part = buf[: min(F64_SLICE, flat.numel() - start)].copy_(
-                flat[start : start + F64_SLICE]
-            )
-            total += torch.vdot(part, part)
-        return total
-
     def sums(self) -> tuple[float, float]:
         return self.signal, self.noise
 
 
 def _difference(hat: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """``hat - x`` into float32 ``error``: one op for a float32 ``hat`` (torch's mixed-dtype
-    subtraction is slower than a copy and a subtraction)."""
+    """``hat - x`` into float32 ``error`` (a mixed-dtype subtraction is slower than a copy and a
+    subtraction)."""
     if hat.dtype == error.dtype:
         return torch.sub(hat, x, out=error)
     return error.copy_(hat).sub_(x)
@@ -111,17 +105,14 @@ def row_square_sums(t: torch.Tensor) -> float | None:
 
 
 def _square_sum64(t: torch.Tensor) -> float:
-    """``sum t^2`` of a chunk ``[rows, K]`` in float64 (row sums, then their sum)."""
     return torch.linalg.vecdot(t.double(), t.double()).sum().item()
 
 
-# snr_sums works through a tensor in float64 slices of this many elements.
 SNR_SLICE = 1 << 20
 
 
 def snr_sums(w: torch.Tensor, w_hat: torch.Tensor) -> tuple[float, float]:
-    """``(sum w^2, sum (w - w_hat)^2)`` in float64 (exact differences, float64 squares and
-    sums), for accumulating a weight's SNR over pieces."""
+    """``(sum w^2, sum (w - w_hat)^2)`` in float64."""
     flat, flat_hat = w.reshape(-1), w_hat.reshape(-1)
     signal = noise = 0.0
     for start in range(0, flat.numel(), SNR_SLICE):
@@ -143,5 +134,5 @@ def snr_db(signal: float, noise: float) -> float:
 
 
 def weight_snr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    """docs/formats.md: ``10 log10(sum w^2 / sum (w - w_hat)^2)``, accumulated in float64."""
+    """docs/formats.md's weight SNR in dB."""
     return snr_db(*snr_sums(w, w_hat))

@@ -1,9 +1,6 @@
-"""``quantize_checkpoint``: a safetensors checkpoint in, a weight-only FP8 / MXFP4 / NVFP4
-checkpoint in the compressed-tensors layout out (docs/quantize.md), with no model class.
-
-The run is planned whole before anything is written: the checkpoint's headers and index are
-validated, the selection is resolved and every output shard's header is laid out (a
-:class:`~qstream.quant.write.Plan`), which :mod:`qstream.quant.write` then writes.
+"""``quantize_checkpoint``: a safetensors checkpoint in, an FP8 / MXFP4 / NVFP4 checkpoint in
+the compressed-tensors layout out (docs/quantize.md), with no model class.  The run is planned
+whole (:class:`~qstream.quant.write.Plan`) before :mod:`qstream.quant.write` writes a byte.
 """
 
 from __future__ import annotations
@@ -109,13 +106,10 @@ def quantize_checkpoint(
     calibration: Any = None,
 ) -> QuantizeSummary:
     """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
-    in the compressed-tensors layout (docs/quantize.md).  ``include`` / ``ignore`` are patterns
-    (``ignore`` wins) under config.json's serving profile at ``tensor_parallel_size``
-    (docs/vllm.md); ``workers`` threads (default: the usable CPUs); ``activations`` /
-    ``kv_cache_scheme``: how vLLM serves inputs and KV cache, scales from ``calibration`` (a
-    ``qstream.calibration.Calibration``, or a callable run once the options are checked).
-    Published atomically (docs/guarantees.md); raises QStreamError, having written nothing,
-    for any problem with the input, the options or the disk; ``snr=False`` skips the SNR."""
+    (docs/quantize.md), selected under config.json's serving profile at
+    ``tensor_parallel_size`` (docs/vllm.md).  ``calibration``: a Calibration, or a callable run
+    once the options are checked.  Published atomically (docs/guarantees.md); any problem is a
+    QStreamError raised before anything is written."""
     started = time.perf_counter()
     spec = get_format(fmt)
     workers = default_workers() if workers is None else workers
@@ -143,15 +137,14 @@ def quantize_checkpoint(
 
 
 def _make_plan(checkpoint: Checkpoint, selection: Selection, spec, entries, serving) -> Plan:
-    """The plan, with the config group's targets under config.json's serving profile."""
     profile = profile_for(checkpoint.config)
     targets = ("Linear", *head_targets(profile, selection.quantized))
     return make_plan(checkpoint, selection, spec, entries, targets, serving)
 
 
 def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:
-    """The head of the run's record, which the card quotes; run-dependent fields (time, worker
-    count) are left out so that the same input and command give the same output bytes."""
+    """The head of the run's record; run-dependent fields (time, workers) are left out: the same
+    input and command give the same output bytes."""
     recorded = replace(summary, weight_snr_db=snr_db).to_json()
     return {
         "qstream_version": qstream.__version__,
@@ -162,8 +155,8 @@ def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) ->
 
 @contextmanager
 def _one_intra_op_thread() -> Iterator[None]:
-    """One torch intra-op thread per worker while quantizing: on a busy machine, intra-op
-    barriers cost far more than they gain on small pieces.  torch's setting is restored."""
+    """One torch intra-op thread per worker: on a busy machine, intra-op barriers cost far more
+    than they gain on small pieces."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -173,8 +166,7 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 
 def _plan_summary(plan: Plan, warnings: list[str], **settings: Any) -> QuantizeSummary:
-    """What the run will do, before any byte is written; ``settings`` are the run's paths, format
-    and options as QuantizeSummary fields."""
+    """What the run will do; ``settings``: the other QuantizeSummary fields."""
     checkpoint, selection = plan.checkpoint, plan.selection
     return QuantizeSummary(
         params_total=sum(i.numel for i in checkpoint.tensors.values()),
@@ -202,9 +194,8 @@ def default_workers() -> int:
 def _select(
     checkpoint: Checkpoint, fmt: str, include, ignore, skip_incompatible: bool, tp_size: int
 ) -> tuple[Selection, list[str], list[str]]:
-    """The selection under config.json's serving profile, the ``ignore`` entries that make
-    vLLM's matcher resolve it, and warnings about how vLLM will read them (docs/vllm.md).  A
-    K3 draft that vLLM cannot build at ``tp_size`` is an error."""
+    """The selection, the ``ignore`` entries that make vLLM's matcher resolve it, and warnings
+    about how vLLM will read them (docs/vllm.md)."""
     if tp_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tp_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
@@ -231,16 +222,9 @@ def _select(
 
 
 def _equivalent_command(
-    model_dir,
-    output_dir,
-    fmt: str,
-    include,
-    ignore,
-    skip_incompatible: bool,
-    snr: bool = True,
-    tensor_parallel_size: int = 1,
-    serving: dict[str, str] | None = None,
-) -> str:
+    model_dir, output_dir, fmt: str, include, ignore, skip_incompatible: bool, snr: bool,
+    tensor_parallel_size: int, serving: dict[str, str],
+) -> str:  # fmt: skip
     """The qstream-quantize command line that makes this output (recorded for model cards)."""
     args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir)]
     args += ["--quant_format", fmt]
@@ -254,7 +238,7 @@ def _equivalent_command(
         args.append("--no-snr")
     if tensor_parallel_size != 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    for option, value in (serving or {}).items():
+    for option, value in serving.items():
         args += [f"--{option.replace('_', '-')}", value]
     return shlex.join(args)
 
@@ -279,10 +263,9 @@ def _check_device(device: str, workers: int) -> torch.device:
 
 
 def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint``, unless its tensors differ from what config.json implies under its
-    serving profile (docs/quantize.md, "Tensors checked against the config"): QStreamError
-    naming the first problem (config.json and the field, or the tensor), before any format code
-    runs or anything is written.  verify checks outputs against the same table."""
+    """``checkpoint``, unless its tensors differ from what config.json implies under its serving
+    profile (docs/quantize.md, "Tensors checked against the config"): a QStreamError naming the
+    first problem.  verify checks outputs against the same table."""
     stored = {name: tuple(info.shape) for name, info in checkpoint.tensors.items()}
     problems = shape_problems(profile_for(checkpoint.config), checkpoint.config, stored)
     problems = problems or d2t_problems(checkpoint)
@@ -296,7 +279,6 @@ def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
 
 
 def _refuse_quantized(checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint``, unless it is already quantized (QStreamError naming the evidence)."""
     if "quantization_config" in checkpoint.config:
         method = checkpoint.config["quantization_config"]
         method = method.get("quant_method", "?") if isinstance(method, dict) else "?"

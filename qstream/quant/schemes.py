@@ -1,17 +1,12 @@
 """The activation and KV-cache schemes a checkpoint declares beyond its weights, and the
-calibrated scales a static one stores (docs/quantize.md, "Activation and KV-cache schemes"): a
-quantized linear's ``input_scale`` (FP8 static, per tensor) or ``input_global_scale`` (NVFP4
-W4A4), and an attention layer's ``k_scale`` / ``v_scale`` (FP8 KV cache), each from the amax
-that calibration measured: a ``qstream.calibration.Calibration`` (a layer above quant: it is
-only asked ``input_amax``, ``kv_amax`` and its ``source``), given, or made by a callable that
-runs it (``CalibrationSet.run``, ``--calibration``) once the options are known to need it.
+calibrated scales a static one stores (docs/quantize.md, "Activation and KV-cache schemes"):
+``input_scale`` (FP8 static) or ``input_global_scale`` (NVFP4 W4A4) per quantized linear,
+``k_scale`` / ``v_scale`` per attention layer, from a ``qstream.calibration.Calibration``'s amax.
 
 The formulas and dtypes are compressed-tensors' (checked bit for bit in
-tests/test_quantize_schemes.py): ``calculate_qparams`` (symmetric float: ``amax / 448`` in the
-observed dtype, a zero scale becoming that dtype's eps) and ``generate_gparam`` (``448 * 6 /
-amax``, stored float32), on the min/max an observer of a bf16 model's activations holds, which
-are in the weight dtype (``initialize_qparams``: the scale parameter takes the weight's dtype,
-the global scale float32; both shape [1]).
+tests/test_quantize_schemes.py): ``calculate_qparams`` (``amax / 448`` in the observed dtype, a
+zero scale becoming that dtype's eps) and ``generate_gparam`` (``448 * 6 / amax``, float32), on
+an amax in the weight dtype (``initialize_qparams``; both shape [1]).
 """
 
 from __future__ import annotations
@@ -24,14 +19,13 @@ import torch
 from qstream.checkpoint.files import Checkpoint
 from qstream.checkpoint.layout import KV_CACHE_SCHEMES, KV_SCALES, input_scale_name
 from qstream.errors import QStreamError
-from qstream.formats.format import FP8_MAX
+from qstream.formats.fp8 import amax_scale
 from qstream.formats.nvfp4 import global_scale
 from qstream.quant.select import Selection, share_group_amax
 from qstream.regimes import AUX_REGIMES
 from qstream.serving import ACTIVATIONS, Activations
 from qstream.vllm.profiles import KV_SCALES_NOT_LOADED, profile_for
 
-# A static scheme without a calibration: what to pass.
 NEEDS_CALIBRATION = (
     f"needs calibrated scales: pass --calibration (a regime, {', '.join(AUX_REGIMES)}, or "
     "captured states)"
@@ -40,10 +34,8 @@ NEEDS_CALIBRATION = (
 
 @dataclass(frozen=True)
 class Serving:
-    """What the checkpoint declares beyond its weights: how the quantized linears' inputs are
-    served, its ``--kv-cache-scheme`` (None: none), and the calibrated scales that go with
-    them, each written right after the input tensor it is keyed by (a linear's weight; an
-    attention layer's last tensor), with the calibration they came from."""
+    """How inputs and KV cache are served, and the scales to store, keyed by the tensor each
+    is written after (a linear's weight; an attention layer's last tensor)."""
 
     activations: Activations = ACTIVATIONS["none"]
     kv_cache: str | None = None
@@ -52,30 +44,23 @@ class Serving:
 
 
 def input_scale(activations: Activations, amax: float, dtype: torch.dtype) -> torch.Tensor:
-    """``[1]`` stored input scale of a linear whose input amax is ``amax`` in a ``dtype``
-    checkpoint: FP8 static ``input_scale`` in ``dtype``, NVFP4 ``input_global_scale`` float32."""
+    """``[1]`` stored input scale: FP8 static ``input_scale`` in ``dtype``, NVFP4
+    ``input_global_scale`` float32."""
     observed = torch.tensor([amax], dtype=torch.float32).to(dtype)
     if input_scale_name(activations) == "input_global_scale":
         return global_scale(observed)
-    return fp8_tensor_scale(observed)
-
-
-def fp8_tensor_scale(amax: torch.Tensor) -> torch.Tensor:
-    """compressed-tensors' per-tensor FP8 scale of an amax in the observed dtype."""
-    scale = amax / torch.tensor(FP8_MAX, dtype=amax.dtype)
-    return torch.where(scale == 0, torch.finfo(amax.dtype).eps, scale)
+    return amax_scale(observed)
 
 
 def kv_scales(amax: tuple[float, float], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``k_scale`` and ``v_scale`` ([1], ``dtype``) of one attention layer's K and V amax."""
     return {
-        name: fp8_tensor_scale(torch.tensor([a], dtype=torch.float32).to(dtype))
+        name: amax_scale(torch.tensor([a], dtype=torch.float32).to(dtype))
         for name, a in zip(KV_SCALES, amax)
     }
 
 
 def checked_amax(what: str, module: str, amax: torch.Tensor | None) -> float:
-    """``amax`` as a float, or QStreamError naming the module unless finite and positive."""
     if amax is None:
         raise QStreamError(f"{module}: calibration holds no {what} amax")
     value = float(amax)
@@ -92,11 +77,8 @@ def serving_schemes(
     kv_cache_scheme: str | None,
     calibration: Any,
 ) -> Serving:
-    """The schemes declared beyond the weights and the scales they store, checked before
-    anything is written: an activation scheme the format cannot serve with, a KV-cache scheme
-    vLLM does not load for this draft, a static scheme without calibration, a module without
-    its amax are QStreamErrors naming it.  ``calibration``: a Calibration, a callable that runs
-    one (called here, once the options are known to need it), or None."""
+    """The schemes and their scales, checked before anything is written.  ``calibration``: a
+    Calibration, a callable that runs one (called once the options need it), or None."""
     if activations not in ACTIVATIONS:
         raise QStreamError(f"--activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
     act = ACTIVATIONS[activations]
@@ -168,8 +150,7 @@ def serving_options(serving: Serving) -> dict[str, str]:
 
 
 def command_options(serving: Serving) -> dict[str, str]:
-    """:func:`serving_options` and those that named the calibration set (``--calibration``'s,
-    as its source records them), for the recorded command line."""
+    """:func:`serving_options` and the calibration's own (as its source records them)."""
     options = serving_options(serving)
     if serving.scales and serving.calibration is not None:
         options.update(serving.calibration.source.get("options", {}))
@@ -177,7 +158,6 @@ def command_options(serving: Serving) -> dict[str, str]:
 
 
 def serving_record(serving: Serving) -> dict:
-    """The schemes, and the calibration's source record when scales were stored."""
     record: dict[str, Any] = dict(serving_options(serving))
     if serving.scales and serving.calibration is not None:
         record["calibration"] = serving.calibration.source

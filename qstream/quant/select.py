@@ -1,9 +1,7 @@
-"""Which modules get quantized: the pattern rules (docs/quantize.md), the default selection,
-the serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes) and the
-block-size shape rule (per tensor-parallel shard where vLLM splits K).
-
-A module is a tensor name without its ``.weight``; the checkpoint's weight-holding modules are
-the names of its ``*.weight`` tensors.  Everything here works on names, shapes and dtypes only.
+"""Which modules get quantized (docs/quantize.md): the patterns, the default selection, the
+serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes) and the
+block-size shape rule, on names, shapes and dtypes only.  A module is a ``*.weight`` tensor's
+name without its ``.weight``.
 """
 
 from __future__ import annotations
@@ -49,24 +47,11 @@ def is_embedding(module: str) -> bool:
 
 
 def quantizable(info: TensorInfo) -> bool:
-    """A float 2-D weight, i.e. what a Linear layer holds."""
     return len(info.shape) == 2 and info.dtype in FLOAT_DTYPE_NAMES
 
 
 def weight_modules(tensors: Mapping[str, TensorInfo]) -> dict[str, TensorInfo]:
-    """``{module: info of module.weight}`` in checkpoint order."""
     return {n[: -len(".weight")]: i for n, i in tensors.items() if n.endswith(".weight")}
-
-
-def _default_selection(modules: Mapping[str, TensorInfo], profile: Profile) -> set[str]:
-    return {
-        m
-        for m, info in modules.items()
-        if quantizable(info)
-        and not is_embedding(m)
-        and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES
-        and serving.never_quantized(profile, m) is None
-    }
 
 
 def _included(
@@ -75,9 +60,8 @@ def _included(
     profile: Profile,
     dropped: dict[str, str],
 ) -> set[str]:
-    """The modules ``patterns`` select; a module a broad pattern reaches but vLLM cannot serve
-    quantized is recorded in ``dropped`` with the reason (a pattern reaching only such modules
-    is an error)."""
+    """The modules ``patterns`` select; one that vLLM cannot serve quantized goes to
+    ``dropped`` with the reason (a pattern reaching only such modules is an error)."""
     selected: set[str] = set()
     for pattern in patterns:
         hit = [m for m in modules if matches(pattern, m)]
@@ -116,21 +100,11 @@ def _included(
     return selected
 
 
-def _ignored(modules: Mapping[str, TensorInfo], patterns: list[str]) -> set[str]:
-    ignored: set[str] = set()
-    for pattern in patterns:
-        hit = {m for m in modules if matches(pattern, m)}
-        if not hit:
-            raise QStreamError(f"--ignore_layers pattern {pattern!r} matches no module")
-        ignored |= hit
-    return ignored
-
-
 def _apply_shape_rule(
     modules, selected: set[str], block: int, skip: bool, profile: Profile, tp: int
 ) -> dict[str, str]:
-    """docs/formats.md: K must be a multiple of the format's block size; and, in a layer that
-    vLLM splits along K at tensor-parallel size ``tp``, so must each shard's K (docs/vllm.md)."""
+    """docs/formats.md: K, and each shard's K where vLLM splits it at tensor-parallel size
+    ``tp`` (docs/vllm.md), must be a multiple of the block size."""
     skipped = {}
     for m in [m for m in modules if m in selected]:
         k = modules[m].shape[1]
@@ -151,8 +125,8 @@ def _apply_shape_rule(
 
 
 def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
-    """All members of a fused group quantized, or none (docs/vllm.md).  A group that is split
-    only because --skip-incompatible dropped a member is dropped whole."""
+    """All members of a fused group quantized, or none (docs/vllm.md); a group split only by
+    --skip-incompatible is dropped whole."""
     for group in groups:
         inside = [m for m in group.members if m in selected]
         outside = [m for m in group.members if m not in selected]
@@ -171,7 +145,6 @@ def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
 
 
 def _names(modules: list[str], limit: int = 4) -> str:
-    """Leaf names when the modules are siblings, full names otherwise; at most ``limit``."""
     if len({m.rsplit(".", 1)[0] for m in modules}) == 1:
         modules = [_leaf(m) for m in modules]
     shown = ", ".join(modules[:limit])
@@ -187,30 +160,33 @@ def select_modules(
     profile: Profile | None = None,
     tensor_parallel_size: int = 1,
 ) -> Selection:
-    """Apply the selection rules (docs/quantize.md): ``include`` (default: every 2-D float
-    Linear weight except embeddings, lm_head, MoE routers and what the serving ``profile`` says
-    vLLM never quantizes), minus ``ignore`` (which wins), then the shape rule (on each shard's
-    K at ``tensor_parallel_size``) and the profile's fused groups.  A pattern that matches
-    nothing, an include that only names modules vLLM cannot serve quantized, and a split fused
-    group are errors."""
+    """The selection rules (docs/quantize.md): ``include`` (default: every 2-D float Linear
+    weight but embeddings, lm_head, MoE routers and what ``profile`` says vLLM never
+    quantizes), minus ``ignore``, then the shape rule and the profile's fused groups."""
     profile = profile or PROFILES[GENERIC]
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
     dropped: dict[str, str] = {}
-    selected = (
-        _included(modules, include, profile, dropped)
-        if include
-        else _default_selection(modules, profile)
-    )
-    selected -= _ignored(modules, ignore)
+    if include:
+        selected = _included(modules, include, profile, dropped)
+    else:
+        selected = {
+            m
+            for m, info in modules.items()
+            if quantizable(info)
+            and not is_embedding(m)
+            and _leaf(m) not in HEAD_NAMES + ROUTER_NAMES
+            and serving.never_quantized(profile, m) is None
+        }
+    for pattern in ignore:
+        hit = {m for m in modules if matches(pattern, m)}
+        if not hit:
+            raise QStreamError(f"--ignore_layers pattern {pattern!r} matches no module")
+        selected -= hit
     skipped = _apply_shape_rule(
-        modules,
-        selected,
-        get_format(fmt).block_size,
-        skip_incompatible,
-        profile,
+        modules, selected, get_format(fmt).block_size, skip_incompatible, profile,
         tensor_parallel_size,
-    )
+    )  # fmt: skip
     skipped.update({m: why for m, why in dropped.items() if m not in skipped})
     groups = serving.fused_groups(modules, profile)
     _check_fused(groups, selected, skipped)
@@ -226,9 +202,8 @@ def select_modules(
 
 
 def share_group_amax(amax: Mapping[str, T], groups: Iterable[FusedGroup]) -> dict[str, T]:
-    """Per-module NVFP4 amaxes with each fused group's members given the group's maximum, so
-    that the group shares one global scale (docs/vllm.md: vLLM keeps one global scale per
-    fused layer)."""
+    """``amax`` with each fused group's members given the group's maximum: one global scale per
+    fused layer, as vLLM keeps (docs/vllm.md)."""
     shared = dict(amax)
     for group in groups:
         top = max((amax[m] for m in group.members), key=lambda value: float(value))  # type: ignore[arg-type]

@@ -1,9 +1,5 @@
-"""A format simulated in memory: the selected Linear weights quantized and dequantized, exactly
-as loading what ``qstream quantize`` writes with the same selection would give them
-(docs/eval-drift.md, "Variants").
-
->>> sim = simulate_format(weights, "mxfp4", arch.quantize_include, config=config)
-"""
+"""A format simulated in memory: the selected Linear weights quantized and dequantized, as
+loading what ``qstream quantize`` writes would give them (docs/eval-drift.md, "Variants")."""
 
 from __future__ import annotations
 
@@ -28,13 +24,11 @@ def simulate_format(
     *,
     config: DraftConfig,
 ) -> dict[str, torch.Tensor]:
-    """A new weight dict with the selected Linear weights quantized to ``fmt`` and dequantized.
-    ``include`` (None: quantize's default selection), ``ignore`` and ``skip_incompatible`` as
-    quantize takes them, under the serving rules of ``config``'s architecture (the draft's
-    config, as ``load_config`` reads it: which groups vLLM fuses), NVFP4 fused groups sharing
-    one global scale; lm_head belongs to the target, never touched."""
+    """``weights`` with the selected Linear weights quantized to ``fmt`` and dequantized, the
+    selection as quantize makes it under ``config``'s serving rules; lm_head (the target's)
+    is never touched."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
-    selection = simulated_selection(draft, fmt, include, ignore, skip_incompatible, config)
+    selection = simulated_selection(weights, fmt, include, ignore, skip_incompatible, config)
     amax: dict[str, torch.Tensor] = {}
     if get_format(fmt).global_scale:
         amax = share_group_amax(

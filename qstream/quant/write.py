@@ -1,13 +1,9 @@
-"""What a quantize run writes (docs/quantize.md, "What is written"), decided before any byte
-is and then written: the :class:`Plan` that :mod:`~qstream.quant.quantize` builds (every output
-shard's header laid out), the global-amax pre-pass of a format that has one (NVFP4), the input
-cut into pieces (a row range of one tensor) streamed through a bounded thread pool, each read,
-quantized or copied and written at its offset, and the output directory around them: config.json
-with its quantization_config, the copied tokenizer and other files, the index and the run's
-record, all written into a temporary directory that is renamed into place (docs/guarantees.md).
-
-Memory is bounded by the pieces in flight (``2 * workers``), never by a tensor, a shard or the
-model: each piece is read from a memory map, whose pages are released once it is done.
+"""What a quantize run writes (docs/quantize.md, "What is written"): the :class:`Plan` (every
+output shard's header laid out before any byte is written), the NVFP4 global-amax pre-pass, the
+input cut into pieces (row ranges of one tensor) streamed through a bounded thread pool, and the
+output directory around them, written into a temporary directory renamed into place
+(docs/guarantees.md).  Memory is bounded by the pieces in flight (``2 * workers``), never by a
+tensor, a shard or the model: each piece is read from a memory map whose pages are then released.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ import shutil
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -51,12 +47,11 @@ class Plan:
     # by what its format stores
     shards: dict[str, list[PlannedTensor]]
     # the config group's targets: "Linear", and any quantized ParallelLMHead by name
-    targets: tuple[str, ...] = ("Linear",)
-    serving: Serving = field(default_factory=Serving)
+    targets: tuple[str, ...]
+    serving: Serving
 
     @property
     def size_bytes(self) -> int:
-        """The output's safetensors files, exactly."""
         meta = {s: h.metadata for s, h in self.checkpoint.shards.items()}
         return sum(planned_file_size(t, meta[s]) for s, t in self.shards.items())
 
@@ -66,11 +61,10 @@ def make_plan(
     selection: Selection,
     spec: Format,
     ignore: list[str],
-    targets: tuple[str, ...] = ("Linear",),
-    serving: Serving | None = None,
+    targets: tuple[str, ...],
+    serving: Serving,
 ) -> Plan:
     quantized = set(selection.quantized)
-    serving = serving or Serving()
     shards = {}
     for shard, header in checkpoint.shards.items():
         planned = []
@@ -90,8 +84,7 @@ def make_plan(
 
 @dataclass(frozen=True)
 class Streaming:
-    """How the tensors are streamed: where quantized, by how many threads, whether the weight
-    SNR is accumulated, and who hears of progress."""
+    """Where the tensors are quantized, by how many threads, with the weight SNR or not."""
 
     device: torch.device
     workers: int
@@ -112,7 +105,7 @@ R = TypeVar("R")  # what a piece's work returns
 
 @dataclass(frozen=True)
 class Piece:
-    """One unit of work: rows ``rows`` of tensor ``name`` of input shard ``shard``."""
+    """Rows ``rows`` of tensor ``name`` of input shard ``shard``."""
 
     shard: str
     name: str
@@ -153,10 +146,9 @@ def run_bounded(
     done: Callable[[Piece, R], None],
     prepare: Callable[[Piece], None] | None = None,
 ) -> None:
-    """``work`` on every piece in a thread pool (torch releases the GIL), with at most
-    ``2 * workers`` pieces in flight so that memory stays bounded.  ``prepare`` (before a piece
-    is submitted) and ``done`` (in piece order) run on the calling thread, so that I/O put
-    there overlaps the workers' computing."""
+    """``work`` on every piece in a thread pool (torch releases the GIL), at most ``2 *
+    workers`` in flight; ``prepare`` (before submitting) and ``done`` (in piece order) run on
+    the calling thread, so that I/O put there overlaps the workers' computing."""
     in_flight: deque[tuple[Piece, Future]] = deque()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qstream") as pool:
         try:
@@ -176,26 +168,13 @@ def run_bounded(
             raise
 
 
-def needs_shared_amax(plan: Plan) -> set[str]:
-    """Weights whose global scale cannot come from the piece being quantized: members of a
-    fused group (one scale for the group, docs/quantize.md) and weights split into several
-    pieces.  Every other weight is one piece and takes its own amax in the kernel."""
-    grouped = {m for group in plan.selection.fused_groups for m in group.members}
-    split = {
-        m
-        for m in plan.selection.quantized
-        if len(list(row_pieces("", plan.checkpoint.info(f"{m}.weight"), m))) > 1
-    }
-    return grouped | split
-
-
 def global_amaxes(
     plan: Plan, readers: dict[str, ShardReader], workers: int
 ) -> dict[str, torch.Tensor]:
-    """The pre-pass of a format with a global scale (none otherwise) over
-    :func:`needs_shared_amax`'s weights: each one's amax, then the max over each fused group,
-    so that a group shares one global scale even across shards.  A NaN or Inf weight there is
-    refused before anything is written."""
+    """The pre-pass of a format with a global scale (none otherwise): the amax of each weight
+    whose global scale cannot come from the piece being quantized (a fused group's member, one
+    scale per group, docs/quantize.md; a weight cut into several pieces), then each group's
+    max, across shards.  A NaN or Inf weight there is refused before anything is written."""
     if plan.format.global_scale is None:
         return {}
     amax: dict[str, torch.Tensor] = {}
@@ -213,26 +192,15 @@ def global_amaxes(
         previous = amax.get(piece.module)
         amax[piece.module] = value if previous is None else torch.maximum(previous, value)
 
-    modules = needs_shared_amax(plan)
-    if modules:
-        run_bounded(pieces(plan, modules), work, workers, done)
+    grouped = {m for group in plan.selection.fused_groups for m in group.members}
+    split = {
+        m
+        for m in plan.selection.quantized
+        if len(list(row_pieces("", plan.checkpoint.info(f"{m}.weight"), m))) > 1
+    }
+    if grouped | split:
+        run_bounded(pieces(plan, grouped | split), work, workers, done)
     return share_group_amax(amax, plan.selection.fused_groups)
-
-
-@dataclass
-class _Tally:
-    """Progress, updated in piece order by ``run_bounded``'s done."""
-
-    bytes_total: int
-    tensors_total: int
-    tensors_done: int = 0
-
-    def count(self, piece: Piece, tensor_rows: int, progress: Progress | None) -> None:
-        """Count a finished piece (a tensor is done with its last rows) and report progress."""
-        if piece.rows is None or piece.rows.stop == tensor_rows:
-            self.tensors_done += 1
-        if progress is not None:
-            progress.advance(f"tensors {self.tensors_done}/{self.tensors_total}", piece.nbytes)
 
 
 def write_tensors(
@@ -246,12 +214,9 @@ def write_tensors(
     weight SNR in dB (empty without ``run.snr``)."""
     checkpoint, quantized = plan.checkpoint, plan.selection.quantized
     sums = {m: [0.0, 0.0] for m in quantized}
-    tally = _Tally(
-        sum(h.file_size - h.data_offset for h in checkpoint.shards.values()),
-        len(checkpoint.tensor_shard),
-    )
+    tensors_total, tensors_done = len(checkpoint.tensor_shard), 0
     if run.progress is not None:
-        run.progress.start(tally.bytes_total)
+        run.progress.start(sum(h.file_size - h.data_offset for h in checkpoint.shards.values()))
 
     def prepare(piece: Piece) -> None:
         if piece.module is not None:
@@ -268,17 +233,20 @@ def write_tensors(
         return stored, None if energy is None else energy.sums()
 
     def done(piece: Piece, result) -> None:
-        writer = writers[piece.shard]
+        nonlocal tensors_done
+        writer, rows = writers[piece.shard], piece.rows
         if result is None:
             _copy_piece(readers[piece.shard], writer, piece)
         else:
             stored, energy = result
             _write_stored(writer, piece, stored, plan.format.global_scale)
             if energy is not None and piece.module is not None:
-                sums[piece.module][0] += energy[0]
-                sums[piece.module][1] += energy[1]
+                sums[piece.module] = [a + b for a, b in zip(sums[piece.module], energy)]
         _write_scales(writer, piece, plan.serving.scales.get(piece.name, {}))
-        tally.count(piece, checkpoint.info(piece.name).shape[0], run.progress)
+        if rows is None or rows.stop == checkpoint.info(piece.name).shape[0]:
+            tensors_done += 1
+        if run.progress is not None:
+            run.progress.advance(f"tensors {tensors_done}/{tensors_total}", piece.nbytes)
 
     # Reading (page-table population), copying and writing happen on this thread in
     # prepare / done, the quantizing on the workers: with one worker the two overlap.
@@ -325,12 +293,14 @@ def write_checkpoint(
 ) -> dict[str, float]:
     """The global-amax pre-pass (before anything is written), then every file of the output;
     returns the weight SNR per quantized module.  ``record(snr_db)`` gives the head of the
-    run's record (QUANTIZE_RECORD), to which the sha256 of every file is added."""
-    readers = {name: ShardReader(h) for name, h in plan.checkpoint.shards.items()}
+    run's record (QUANTIZE_RECORD), to which the sha256 of every file, hashed as it was
+    written, is added."""
+    checkpoint = plan.checkpoint
+    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     amaxes = global_amaxes(plan, readers, run.workers)
     with publishing(output_path, overwrite) as tmp:
-        _copy_other_files(plan.checkpoint, tmp)
-        config = dict(plan.checkpoint.config)
+        _copy_other_files(checkpoint, tmp)
+        config = dict(checkpoint.config)
         config["quantization_config"] = quantization_config(
             plan.format,
             list(plan.ignore),
@@ -339,34 +309,29 @@ def write_checkpoint(
             plan.serving.kv_cache is not None,
         )
         write_json_atomic(tmp / CONFIG_NAME, config)
-        snr_db, digests = _write_shards(plan, readers, amaxes, tmp, run)
+        writers = {
+            s: ShardWriter(tmp / s, tensors, checkpoint.shards[s].metadata, digest=True)
+            for s, tensors in plan.shards.items()
+        }
+        try:
+            snr_db = write_tensors(plan, readers, writers, amaxes, run)
+        except BaseException:
+            for writer in writers.values():
+                writer.abort()
+            raise
+        digests = {}
+        for shard, writer in writers.items():
+            digest = writer.close()
+            assert digest is not None  # made with digest=True
+            digests[shard] = digest
+        if checkpoint.has_index or len(writers) != 1:
+            weight_map = {name: shard for shard, w in writers.items() for name in w.infos}
+            total = sum(i.nbytes for w in writers.values() for i in w.infos.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            write_json_atomic(tmp / INDEX_NAME, index)
         files = file_digests(tmp, known=digests)
         write_json_atomic(tmp / QUANTIZE_RECORD, {**record(snr_db), "files": files})
     return snr_db
-
-
-def _write_shards(
-    plan: Plan, readers, amaxes, tmp: Path, run: Streaming
-) -> tuple[dict[str, float], dict[str, str]]:
-    """Every shard and the index; returns the weight SNR per module and each shard's sha256,
-    hashed as it was written."""
-    writers = {
-        s: ShardWriter(tmp / s, tensors, plan.checkpoint.shards[s].metadata, digest=True)
-        for s, tensors in plan.shards.items()
-    }
-    try:
-        snr_db = write_tensors(plan, readers, writers, amaxes, run)
-    except BaseException:
-        for writer in writers.values():
-            writer.abort()
-        raise
-    digests = {}
-    for shard, writer in writers.items():
-        digest = writer.close()
-        assert digest is not None  # made with digest=True
-        digests[shard] = digest
-    _write_index(plan.checkpoint, writers, tmp)
-    return snr_db, digests
 
 
 def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:
@@ -383,12 +348,3 @@ def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:
                 shutil.copy2(entry, tmp / entry.name)
         except OSError as exc:
             raise QStreamError(f"cannot copy {entry}: {exc}") from exc
-
-
-def _write_index(checkpoint: Checkpoint, writers: dict[str, ShardWriter], tmp: Path) -> None:
-    if not checkpoint.has_index and len(writers) == 1:
-        return
-    weight_map = {name: shard for shard, w in writers.items() for name in w.infos}
-    total = sum(i.nbytes for w in writers.values() for i in w.infos.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_json_atomic(tmp / INDEX_NAME, index)

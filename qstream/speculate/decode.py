@@ -2,17 +2,11 @@
 the draft proposes a block from the target's own hidden states, the target verifies it with one
 forward under one of vLLM 0.32.0's verification modes (qstream/verification.py; vLLM's
 ``rejection_sampler``; each stated in docs/speculate.md), and the accepted tokens plus the
-target's bonus token are emitted.  The target is a transformers causal LM run with its KV
-cache, cropped to the kept positions after each verification (``cache=False`` reruns the whole
-sequence).  Per draft variant: the mean
-acceptance length, the share of verifications accepting at least k tokens and tokens per target
-forward, each with a 95% interval over prompts (the independent units), and the loss against
-bf16 paired over the same prompts (docs/speculate.md, "Measured acceptance").
-
->>> out = speculative_decode(target, draft, prompt_ids, new_tokens=64, mode=GREEDY)
->>> out.tokens, out.accepted          # emitted ids; drafted tokens accepted per target forward
->>> study = acceptance_study(target, {"bf16": bf16_draft, "nvfp4": nvfp4_draft}, prompts, 64)
-"""
+target's bonus token are emitted.  The target is a transformers causal LM run with its KV cache,
+cropped to the kept positions after each verification.  Per draft variant: the mean acceptance
+length, the share of verifications accepting at least k tokens and tokens per target forward,
+each with a 95% interval over prompts, and the loss against bf16 paired over the same prompts
+(docs/speculate.md, "Measured acceptance")."""
 
 from __future__ import annotations
 
@@ -43,17 +37,25 @@ class Decoded:
     anchors: list[int] = field(default_factory=list)
 
 
-def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv: dict | None = None):
-    """The target over ids [1, T], after the positions cached in ``kv`` (:func:`new_cache`) when
-    given, which it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V])."""
+def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv=None, start: int = 0):
+    """The target over ids [1, T] (positions start..) after the positions cached in ``kv``, which
+    it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V]), refused unless finite
+    (NaN or Inf would be decoded as a token and counted as acceptance)."""
     inner = target.model
     with torch.no_grad(), LayerTap(inner.layers, inner.norm, layer_ids) as tap:
-        logits = target(input_ids=ids.to(target.device), use_cache=kv is not None, **(kv or {}))
-    return tap.aux(), logits.logits[0].float().cpu()
+        out = target(input_ids=ids.to(target.device), use_cache=kv is not None, **(kv or {}))
+    aux, logits = tap.aux(), out.logits[0].float().cpu()
+    for what, rows in (("hidden states", aux[0]), ("logits", logits)):
+        bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()
+        if len(bad):
+            raise QStreamError(
+                f"the target's {what} at position {start + int(bad[0])} are not finite (NaN or Inf)"
+            )
+    return aux, logits
 
 
 def new_cache(target) -> dict:
-    """An empty KV cache under the keyword the target's forward takes it by (cache_keyword)."""
+    """An empty KV cache under the target's keyword for it."""
     from transformers import DynamicCache
 
     return {cache_keyword(target): DynamicCache()}
@@ -79,9 +81,9 @@ def speculative_decode(
     seed: int = 0,
     cache: bool = True,
 ) -> Decoded:
-    """``new_tokens`` tokens after ``prompt``: the target's first, then draft-and-verify steps
-    (module docstring).  ``draft`` is a built draft model (``arch.build``); ``cache=False``
-    reruns the target over the whole sequence at every step (the same tokens, slower)."""
+    """``new_tokens`` tokens after ``prompt``: the target's first, then draft-and-verify steps.
+    ``draft``: a built draft model (``arch.build``); ``cache=False`` reruns the target over the
+    whole sequence at every step (the same tokens, slower)."""
     if mode.adaptive:  # its budget is a batch's (docs/acceptance.md), not one prompt's
         raise QStreamError(f"speculate does not decode with adaptive verification ({mode.name})")
     config = draft.config
@@ -89,7 +91,6 @@ def speculative_decode(
     ids, out, layer_ids = list(prompt), Decoded(), config.target_layer_ids
     kv = new_cache(target) if cache else None
     aux, logits = target_pass(target, torch.tensor([ids]), layer_ids, kv)
-    _check_finite(aux, logits, 0)
     out.forwards += 1
     ids.append(_pick(logits[-1], mode, temperature, gen))
     while len(ids) - len(prompt) < new_tokens:
@@ -98,8 +99,8 @@ def speculative_decode(
         if kv is None:
             aux, logits = target_pass(target, torch.tensor([ids + drafted]), layer_ids)
         else:  # the cache holds positions 0..p-1: read the anchor and the block only
-            new_aux, logits = target_pass(target, torch.tensor([ids[p:] + drafted]), layer_ids, kv)
-        _check_finite(aux if kv is None else new_aux, logits, 0 if kv is None else p)
+            block = torch.tensor([ids[p:] + drafted])
+            new_aux, logits = target_pass(target, block, layer_ids, kv, p)
         out.forwards += 1
         emitted = _verify(logits[-len(drafted) - 1 :], drafted, q, mode, temperature, gen)
         if kv is not None:  # keep the anchor and the accepted drafts: positions 0..p + accepted
@@ -115,30 +116,16 @@ def speculative_decode(
     return out
 
 
-def _check_finite(aux: torch.Tensor, logits: torch.Tensor, start: int) -> None:
-    """A forward's hidden states (aux [1, T, A]) and logits [T, V], of positions start..,
-    finite: NaN or Inf would be decoded as a token (argmax) and counted as acceptance."""
-    for what, rows in (("hidden states", aux[0]), ("logits", logits)):
-        bad = (~torch.isfinite(rows)).any(dim=-1).nonzero()
-        if len(bad):
-            raise QStreamError(
-                f"the target's {what} at position {start + int(bad[0])} are not finite (NaN or Inf)"
-            )
-
-
 def _pick(logits: torch.Tensor, mode: VerificationMode, temperature: float, gen) -> int:
-    """The target's own token: argmax under greedy verification, else a draw from p."""
     if mode.greedy_verifier:
         return int(logits.argmax())
     return int(torch.multinomial(sampling_probs(logits, temperature), 1, generator=gen))
 
 
 def _draft(draft, aux, ids: list[int], mode: VerificationMode, temperature: float, seed: int):
-    """One block at anchor p = aux's length (``ids``: the tokens up to and including p): its
-    tokens (target ids) and the drafter's distributions q [B, V] over the target vocabulary
-    (None for a greedy draft); a reduced vocabulary's q is zero off the draft's ids
-    (:func:`qstream.arch.markov.in_target_vocab`).  A chain drafter's prefill runs over the
-    whole context each time: its own KV cache of the accepted positions holds the same keys."""
+    """One block at anchor p = aux's length (``ids``: the tokens up to p): its tokens (target
+    ids) and the drafter's q [B, V] over the target vocabulary (None for a greedy draft).  A
+    chain drafter's prefill runs over the whole context each time: a cache would hold the same."""
     drafter, config = architecture_of(draft.config).drafter, draft.config
     at = (torch.tensor([0]), torch.tensor([aux.shape[1]]), torch.tensor([ids[-1]]))
     state = drafter.propose(draft, aux, *at, ids=torch.tensor([ids]))
@@ -152,9 +139,8 @@ def _draft(draft, aux, ids: list[int], mode: VerificationMode, temperature: floa
 
 
 def _verify(logits, drafted: list[int], q, mode: VerificationMode, temperature: float, gen):
-    """The emitted tokens of one step: the accepted drafts, then the correction or bonus token.
-    ``logits`` [B + 1, V]: the target's at the anchor and at each drafted position; ``q`` [B, V]
-    the drafter's distributions (None: a greedy draft, one-hot)."""
+    """One step's emitted tokens: the accepted drafts, then the correction or bonus token.
+    ``logits`` [B + 1, V]: the target's at the anchor and each drafted position."""
     if mode.block:
         return _verify_block(logits, drafted, q, mode, temperature, gen)
     for k, d in enumerate(drafted):
@@ -177,9 +163,8 @@ def _verify(logits, drafted: list[int], q, mode: VerificationMode, temperature: 
 
 
 def _verify_block(logits, drafted: list[int], q, mode, temperature: float, gen) -> list[int]:
-    """Block verification of a draft (q [B, V]; None: a greedy draft, one-hot), as vLLM 0.32.0's
-    kernels run it (docs/speculate.md): every position draws u_k and the last k with u_k ≤ h_k
-    is kept."""
+    """Block verification as vLLM 0.32.0's kernels run it (docs/speculate.md): every position
+    draws u_k and the last k with u_k ≤ h_k is kept."""
     probs = sampling_probs(logits, temperature)  # [B + 1, V]: p_1 .. p_B and the bonus p
     B = len(drafted)
     if q is None:  # _compute_global_residual_mass's one-hot draft: q(x_k) = 1
@@ -214,8 +199,7 @@ def acceptance_study(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> dict[str, dict]:
-    """Each draft decodes every prompt (:func:`decode_prompts`) and is summarised by
-    :func:`summarise`."""
+    """Each draft's :func:`summarise` of :func:`decode_prompts`."""
     return {
         name: summarise(
             decode_prompts(target, draft, prompts, new_tokens, mode, temperature, seed),
@@ -236,7 +220,7 @@ def decode_prompts(
     progress: Progress | None = None,
 ) -> list[Decoded]:
     """Every prompt decoded by ``draft``, prompt i with seed ``seed + i`` (the same for every
-    draft, so that variants differ only by their drafts), each reported to ``progress``."""
+    draft: variants differ only by their drafts)."""
     runs = []
     for i, p in enumerate(prompts):
         try:
@@ -266,25 +250,18 @@ def summarise(runs: list[Decoded], block_size: int) -> dict:
     return {
         "prompts": len(runs),
         "verifications": int(n_steps.sum()),
-        "mean_acceptance_length": ratio_estimate(emitted, n_steps).to_json(),
+        "mean_acceptance_length": _influence_estimate(*_influence(emitted, n_steps)).to_json(),
         "accepted_at_least": [
             pooled_proportion(padded >= k, counted).to_json() for k in range(1, block_size + 1)
         ],
-        "tokens_per_target_forward": ratio_estimate(tokens, forwards).to_json(),
+        "tokens_per_target_forward": _influence_estimate(*_influence(tokens, forwards)).to_json(),
     }
 
 
-def ratio_estimate(y: torch.Tensor, m: torch.Tensor) -> Estimate:
-    """``sum(y) / sum(m)`` over independent units i (y_i, m_i > 0), with a Student-t 95%
-    interval from the ratio estimator's linearised variance."""
-    return _influence_estimate(*_influence(y, m))
-
-
 def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
-    """``base``'s mean acceptance length minus ``runs``', both decoded from the same prompts in
-    the same order, with a Student-t 95% interval from the linearised variance of the
-    difference of the two ratio estimates, per prompt (the pairing cancels what the prompts
-    share: a hard prompt is hard for both)."""
+    """``base``'s mean acceptance length minus ``runs``' over the same prompts, with a 95%
+    interval from the linearised variance of the per-prompt difference (the pairing cancels
+    what the prompts share: a hard prompt is hard for both)."""
     if len(base) != len(runs):
         raise ValueError(f"paired over the same prompts: {len(base)} and {len(runs)} runs")
     r_base, z_base = _influence(*_emitted_per_verification(base))
@@ -293,20 +270,21 @@ def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
 
 
 def _emitted_per_verification(runs: list[Decoded]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per prompt, in float64: tokens its verifications emitted (accepted + 1 each), and how many."""
+    """Per prompt: tokens its verifications emitted (accepted + 1 each), and how many."""
     y = [float(sum(a + 1 for a in r.accepted)) for r in runs]
     m = [float(len(r.accepted)) for r in runs]
     return torch.tensor(y, dtype=torch.float64), torch.tensor(m, dtype=torch.float64)
 
 
 def _influence(y: torch.Tensor, m: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """r = ``sum(y) / sum(m)`` and each unit's zero-mean influence (y_i - r m_i) / mean(m)."""
+    """The ratio r = ``sum(y) / sum(m)`` over independent units and each unit's zero-mean
+    influence (y_i - r m_i) / mean(m)."""
     r = float(y.sum() / m.sum())
     return r, (y - r * m) / float(m.mean())
 
 
 def _influence_estimate(value: float, z: torch.Tensor) -> Estimate:
-    """``value`` with a Student-t 95% interval from zero-mean influences ``z`` of n units."""
+    """``value`` with a Student-t 95% interval from zero-mean influences ``z``."""
     n = z.numel()
     if n < 2:
         return Estimate(value, math.nan, math.nan, n)

@@ -1,14 +1,9 @@
 """``qstream speculate`` as one library call (docs/speculate.md, "Command"): the target loaded as
-``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt (with
-``--apply-chat-template``, as one user turn through the target's chat template), the
+``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt, the
 draft's variants built as ``eval-drift`` builds them, and every variant decoding every prompt
-with the target in the loop.  With ``--capture DIR`` (greedy only: every variant then emits the
-target's own continuation), the decoded streams' states in qstream's layout and
-``anchors-NAME.json``, the blocks variant NAME drafted (docs/speculate.md, "At the anchors the
-decoder visited").
-
->>> results = run_speculate(SpeculateSettings(target="TARGET", model="DRAFT", prompts=8))
->>> results["variants"]["nvfp4"]["summary"]["mean_acceptance_length"]["value"]
+with the target in the loop.  With ``--capture DIR`` (greedy only), the decoded streams' states
+in qstream's layout and ``anchors-NAME.json``, the blocks variant NAME drafted (docs/speculate.md,
+"At the anchors the decoder visited").
 """
 
 from __future__ import annotations
@@ -72,8 +67,7 @@ CHAT_PROMPT += "target's chat template with the generation prompt, without speci
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculateSettings(Selection):
-    """speculate's options by name; the variants (:class:`~qstream.eval.settings.Selection`)
-    as eval-drift names and checks them."""
+    """speculate's options; the variants as eval-drift names and checks them."""
 
     target: str  # Hugging Face target directory: verifies, and lends the draft what it lacks
     model: str  # draft directory, unquantized: the source of the simulated formats
@@ -89,7 +83,7 @@ class SpeculateSettings(Selection):
     apply_chat_template: bool = False  # prompts as user turns (capture.run.chat_prompts)
 
 
-def _check(s: SpeculateSettings, config: DraftConfig) -> None:
+def _check(s: SpeculateSettings) -> None:
     if s.rule not in SPECULATE_MODES:
         raise QStreamError(f"--rule {s.rule!r}: choose one of {', '.join(SPECULATE_MODES)}")
     resolve_device(s.device)
@@ -106,7 +100,7 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     JSON-ready results (docs/speculate.md)."""
     config = load_config(s.model)
     s = replace(s, dtype=s.dtype or default_dtype(s.device))
-    _check(s, config)
+    _check(s)
     mode = MODES[s.rule]
     shape = read_target_shape(s.target)
     check_draft(config, shape, config.target_layer_ids)
@@ -153,11 +147,24 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     return results
 
 
+def _started(progress: Progress | None, total: int, name: str) -> None:
+    """The progress counts ``name``'s prompts from none."""
+    if progress is not None:
+        progress.start(total)
+        progress.advance(f"speculate: {name}", 0)
+
+
+def _variant_entry(v: Variant, changed: list[str]) -> dict:
+    served = v.configuration()  # recorded when not the default (docs/speculate.md)
+    return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
+            **({"configuration": served} if served != DEFAULTS else {}),
+            "quantized_tensors": changed}  # fmt: skip
+
+
 def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs,
                variants: tuple[Variant, ...], results: dict, mode) -> Calibration | None:  # fmt: skip
-    """Calibration, when a variant's activations or KV scales need it, recorded in ``results``:
-    the FP32 reference draft decoding the documents after the ``--prompts`` ones (as many, or
-    what the corpus holds), with the calibration seed."""
+    """Calibration, when a variant needs it, recorded in ``results``: the FP32 reference draft
+    decoding the documents after the ``--prompts`` ones, with the calibration seed."""
     if not any(v.calibrated for v in variants):
         return None
     rest = CorpusDocs(docs.name, docs.sha256, docs.texts[s.prompts : 2 * s.prompts])
@@ -178,34 +185,20 @@ def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs:
     return calibrate(config, weights, "cpu", feed, source)
 
 
-def served_targets(
-    loaded: LoadedTarget, target: str, formats: list[str]
-) -> dict[str, LoadedTarget]:
-    """The target as each of ``formats`` serves it, built once per format (docs/speculate.md,
-    "A quantized target"): ``loaded`` itself unquantized, else a copy whose decoder linears are
-    simulated in the format (one more copy of the target in memory per format)."""
-    served = {loaded.format: loaded}
-    for fmt in dict.fromkeys(formats):
-        if fmt not in served:
-            served[fmt] = replace(loaded, model=copy.deepcopy(loaded.model), format=fmt)
-            simulate_target(served[fmt].model, target, fmt)
-    return served
-
-
 def _targets_and_prompts(
     s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig, formats: list[str]
 ) -> tuple[dict[str, LoadedTarget], list[list[int]]]:
-    """The target, loaded once the corpus is known to hold --prompts documents, as each of
-    ``formats`` serves it (:func:`served_targets`), and the prompts, refused before decoding
-    when the target would read past its max_position_embeddings: the longest prompt, all new
-    tokens but the last, and one drafted block (--capture: its stream runs on for a block and
-    one token more, read by one forward)."""
+    """The target as each of ``formats`` serves it (docs/speculate.md, "A quantized target":
+    unquantized itself, else a copy per format whose decoder linears are simulated in it) and
+    the prompts, refused when the target would read past its max_position_embeddings: the
+    longest prompt, all new tokens but the last, and one drafted block (--capture: a block and
+    one token more)."""
     if len(docs.texts) < s.prompts:
         raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
                            f"{len(docs.texts)} document(s)")  # fmt: skip
-    target = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
-    prompts = _prompts(s, target.tokenizer, docs, s.prompts, config.vocab_size)
-    limit = getattr(target.model.config, "max_position_embeddings", None)
+    loaded = load_target(s.target, DTYPES[s.dtype or default_dtype(s.device)], s.device)
+    prompts = _prompts(s, loaded.tokenizer, docs, s.prompts, config.vocab_size)
+    limit = getattr(loaded.model.config, "max_position_embeddings", None)
     prompt = max(len(p) for p in prompts)
     longest = prompt + s.new_tokens + config.block_size + (1 if s.capture else -1)
     if limit is not None and longest > limit:
@@ -214,21 +207,18 @@ def _targets_and_prompts(
             f"and a draft block ({config.block_size}) need {longest} positions, more than the "
             f"target's max_position_embeddings {limit} ({Path(s.target) / 'config.json'})"
         )
-    return served_targets(target, s.target, formats), prompts
-
-
-def _started(progress: Progress | None, total: int, name: str) -> None:
-    """The progress counts ``name``'s prompts from none."""
-    if progress is not None:
-        progress.start(total)
-        progress.advance(f"speculate: {name}", 0)
+    served = {loaded.format: loaded}
+    for fmt in dict.fromkeys(formats):
+        if fmt not in served:
+            served[fmt] = replace(loaded, model=copy.deepcopy(loaded.model), format=fmt)
+            simulate_target(served[fmt].model, s.target, fmt)
+    return served, prompts
 
 
 def _prompts(
     s: SpeculateSettings, tokenizer, docs: CorpusDocs, count: int, vocab_size: int
 ) -> list[list[int]]:
-    """The first ``count`` documents' prompts (:data:`PROMPT`, or :data:`CHAT_PROMPT` with
-    ``--apply-chat-template``), as token ids."""
+    """The first ``count`` documents' prompts (:data:`PROMPT` or :data:`CHAT_PROMPT`)."""
     heads = [t.partition("\n") for t in docs.texts[:count]]
     if s.apply_chat_template:
         rows = chat_prompts(tokenizer, [head for head, _, _ in heads])
@@ -246,18 +236,11 @@ def _prompts(
     return rows
 
 
-def _variant_entry(v: Variant, changed: list[str]) -> dict:
-    served = v.configuration()  # recorded when not the default (docs/speculate.md)
-    return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
-            **({"configuration": served} if served != DEFAULTS else {}),
-            "quantized_tensors": changed}  # fmt: skip
-
-
 def _description(
     s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs: CorpusDocs, embed: dict
 ) -> dict:
-    """The results' settings and provenance: what was decoded, by what, from what (``embed``:
-    how the draft's stored embed_tokens differ from the target's, which it serves with)."""
+    """The results' settings and provenance (``embed``: how the draft's stored embed_tokens
+    differ from the target's, which it serves with)."""
     import transformers
 
     return {
@@ -295,24 +278,17 @@ def _description(
 
 def check_capture_dir(s: SpeculateSettings, targets: set[str]) -> None:
     """Before any decoding: a greedy verifier with one target (``targets``: the variants'), and
-    a ``--capture`` directory that is absent or empty, outside ``--model`` and ``--target``, in
-    a writable directory."""
+    an absent or empty ``--capture`` outside ``--model`` and ``--target``."""
     assert s.capture is not None
-    output, mode, inputs = (
-        Path(s.capture),
-        MODES[s.rule],
-        {"--model": s.model, "--target": s.target},
-    )
+    output, mode = Path(s.capture), MODES[s.rule]
     if not mode.greedy_verifier or len(targets) > 1:
-        why = (
-            f"--rule {GREEDY.name} (got {mode.name})"
-            if not mode.greedy_verifier
-            else "one target= for all variants"
-        )
+        why = "one target= for all variants"
+        if not mode.greedy_verifier:
+            why = f"--rule {GREEDY.name} (got {mode.name})"
         raise QStreamError(f"--capture needs {why}: only then is one stream every variant's output")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise QStreamError(f"--capture {output}: exists and is not an empty directory")
-    check_outside(output, "--capture", inputs)
+    check_outside(output, "--capture", {"--model": s.model, "--target": s.target})
     check_parent(output, "--capture", "parent directory")
 
 
@@ -325,9 +301,8 @@ def write_capture(
     prompts: list[list[int]],
     runs: dict[str, list[Decoded]],
 ) -> None:
-    """The streams, their states and capture.json, then one anchors file per variant: built in
-    a temporary directory beside ``--capture`` and published with one rename, or not at all.
-    capture.json records the format ``target`` is served in."""
+    """The streams, their states and capture.json (with the format ``target`` is served in), then
+    one anchors file per variant, published with one rename, or not at all."""
     assert s.capture is not None
     layer_ids, block_size, output = config.target_layer_ids, config.block_size, Path(s.capture)
     sampling = {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts}

@@ -1,8 +1,5 @@
 """The text side of a synthetic checkpoint (``qstream synth``): reading a corpus, the built-in
 fallback corpus, and the byte-level BPE tokenizer trained on it.
-
->>> texts = read_corpus("gsm8k/train.jsonl")    # or builtin_corpus()
->>> tok = train_tokenizer(texts, vocab_size=1024)
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from qstream.publish import write_json_atomic, write_text_atomic
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|pad|>", "<|mask|>")  # ids 0, 1, 2
 
-
 NAMES = (
     "Ava Ben Chloe Dev Emma Finn Grace Hugo Isla Jack Kira Liam Maya Noah Olivia Priya Quinn Ravi "
     "Sara Tom"
@@ -30,14 +26,13 @@ THINGS = (
 
 
 def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
-    """Generated GSM8K-style arithmetic word problems (question, worked answer, ``#### N``):
-    the fallback corpus, clearly synthetic."""
+    """Generated GSM8K-style word problems (question, worked answer, ``#### N``)."""
     rng = random.Random(seed)
     return [_problem(rng) for _ in range(n)]
 
 
 def _problem(rng: random.Random) -> str:
-    """One word problem of four kinds (add, multiply, subtract, share), drawn from ``rng``."""
+    """One word problem: add, multiply, subtract or share."""
     who, other = rng.sample(NAMES, 2)
     what = rng.choice(THINGS)
     a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)

@@ -1,11 +1,7 @@
-"""Synthetic DSpark checkpoints (``qstream synth``): a complete draft of a registered architecture
-(the preset names it) with a real BPE tokenizer (:mod:`qstream.synth.corpus`), realistic weight
-statistics and a Markov head calibrated on the corpus, byte-identical for a given preset, seed
-and corpus (docs/model.md, "Synthetic checkpoint layout"; docs/qwen3-dspark.md, "Synthetic
-checkpoints").
-
->>> summary = synth_checkpoint("tiny", "out/tiny", seed=0, corpus="gsm8k/train.jsonl")
->>> model = load_model("out/tiny")       # reads out/tiny/target_head/ for lm_head
+"""Synthetic checkpoints (``qstream synth``): a complete draft of the preset's architecture with
+a real BPE tokenizer, realistic weight statistics and a Markov head calibrated on the corpus,
+byte-identical for a given preset, seed and corpus (docs/model.md, "Synthetic checkpoint
+layout"; docs/qwen3-dspark.md, "Synthetic checkpoints").
 """
 
 from __future__ import annotations
@@ -59,10 +55,6 @@ class SynthSummary:
     predicted_top1: float | None  # calibration estimate on the corpus (teacher-forced)
 
 
-# ---------------------------------------------------------------------------------------------
-# Weights
-
-
 def _generator(seed: int, name: str) -> torch.Generator:
     # torch's generators take 0 .. 2**64 - 1: a large --seed folds into that range
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
@@ -77,55 +69,6 @@ def _generator(seed: int, name: str) -> torch.Generator:
 F64 = torch.float64
 
 
-def _heavy(z: torch.Tensor, g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Fill z with a unit-variance Gaussian scale mixture ``z * exp(s g - s^2)`` (heavy-tailed),
-    using g as scratch; reusing the two buffers keeps a k3 run free of page-fault churn."""
-    torch.randn(z.shape, generator=gen, out=z)
-    torch.randn(g.shape, generator=gen, out=g)
-    return z.mul_(g.mul_(TAIL_S).sub_(TAIL_S * TAIL_S).exp_())
-
-
-def _gains(n: int, gen: torch.Generator) -> torch.Tensor:
-    """RMSNorm gains: lognormal around 1 with ~1% of channels x2..x4."""
-    gain = (torch.randn(n, generator=gen, dtype=F64) * 0.15).exp()
-    big = torch.rand(n, generator=gen, dtype=F64) < 0.01
-    return torch.where(big, gain * (2 + 2 * torch.rand(n, generator=gen, dtype=F64)), gain)
-
-
-class _LinearSource:
-    """Rows of one synthetic Linear weight [out, in], produced in order."""
-
-    def __init__(
-        self, name: str, shape: tuple[int, int], seed: int, std: float, outliers: tuple[str, ...]
-    ):
-        self.gen = _generator(seed, name)
-        n_out, n_in = shape
-        self.n_in, self.std = n_in, std
-        col = (torch.randn(n_in, generator=self.gen, dtype=F64) * COL_SPREAD).exp()
-        if any(name.startswith(m) or f".{m}." in name for m in outliers):
-            k = max(2, round(OUTLIER_FRACTION * n_in))
-            idx = torch.randperm(n_in, generator=self.gen)[:k]
-            lo, hi = OUTLIER_GAIN
-            col[idx] *= lo + (hi - lo) * torch.rand(k, generator=self.gen, dtype=F64)
-        self.col = col / col.pow(2).mean().sqrt()  # keep the overall variance at std^2
-        self._z: torch.Tensor | None = None
-        self._g: torch.Tensor | None = None
-
-    def rows(self, count: int) -> torch.Tensor:
-        """The next ``count`` rows (a view of a buffer reused by the next call)."""
-        if self._z is None or self._g is None or self._z.shape[0] < count:
-            self._z = torch.empty(count, self.n_in, dtype=F64)
-            self._g = torch.empty(count, self.n_in, dtype=F64)
-        row = (torch.randn(count, 1, generator=self.gen, dtype=F64) * ROW_SPREAD).exp()
-        z = _heavy(self._z[:count], self._g[:count], self.gen)
-        return z.mul_(row * self.std).mul_(self.col)
-
-
-def _linear_std(name: str, n_in: int) -> float:
-    gain = RESIDUAL_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-    return gain / math.sqrt(n_in)
-
-
 @dataclass
 class _Plan:
     """Everything computed before any tensor is written."""
@@ -135,17 +78,6 @@ class _Plan:
     head_std: float
     seed: int
 
-    @property
-    def outliers(self) -> tuple[str, ...]:
-        """The modules whose input channels get outliers."""
-        return (architecture_of(self.config).context_proj, OUTLIER_MLP)
-
-
-def _head_std(config: DraftConfig, final_gain: torch.Tensor) -> float:
-    """lm_head entry std giving ``U_STD`` per-vocab spread: var(U_v) = sum_h g_h^2 w_vh^2
-    for hf_h = g_h * (unit-RMS state)."""
-    return U_STD / math.sqrt(config.hidden_size * float(final_gain.pow(2).mean()))
-
 
 def _small_tensors(
     config: DraftConfig, seed: int, w1: torch.Tensor | None, w2: torch.Tensor | None
@@ -153,7 +85,12 @@ def _small_tensors(
     out = {}
     for name, shape in architecture_of(config).tensor_shapes(config).items():
         if len(shape) == 1 and name.endswith("norm.weight"):
-            out[name] = _gains(shape[0], _generator(seed, name))
+            # RMSNorm gains: lognormal around 1 with ~1% of channels x2..x4
+            n, gen = shape[0], _generator(seed, name)
+            gain = (torch.randn(n, generator=gen, dtype=F64) * 0.15).exp()
+            big = torch.rand(n, generator=gen, dtype=F64) < 0.01
+            gain_big = gain * (2 + 2 * torch.rand(n, generator=gen, dtype=F64))
+            out[name] = torch.where(big, gain_big, gain)
     if w1 is None or w2 is None:  # no Markov head (nor a confidence head reading it)
         return out
     out["markov_head.markov_w1.weight"] = w1
@@ -171,7 +108,8 @@ def _small_tensors(
 
 
 def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.Tensor]:
-    """The tensor's rows in chunks of about CHUNK_ELEMENTS, float64."""
+    """The tensor's rows in chunks of about CHUNK_ELEMENTS, float64 (views of two buffers reused
+    by the next chunk, which keeps a k3 run free of page-fault churn)."""
     if name in plan.small:
         yield plan.small[name]
         return
@@ -181,22 +119,29 @@ def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.T
     elif name == LM_HEAD:
         std = plan.head_std
     else:
-        std = _linear_std(name, n_in)
-    source = _LinearSource(name, (n_out, n_in), plan.seed, std, plan.outliers)
+        gain = RESIDUAL_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+        std = gain / math.sqrt(n_in)
+    gen = _generator(plan.seed, name)
+    col = (torch.randn(n_in, generator=gen, dtype=F64) * COL_SPREAD).exp()
+    outliers = (architecture_of(plan.config).context_proj, OUTLIER_MLP)
+    if any(name.startswith(m) or f".{m}." in name for m in outliers):
+        k = max(2, round(OUTLIER_FRACTION * n_in))
+        idx = torch.randperm(n_in, generator=gen)[:k]
+        lo, hi = OUTLIER_GAIN
+        col[idx] *= lo + (hi - lo) * torch.rand(k, generator=gen, dtype=F64)
+    col = col / col.pow(2).mean().sqrt()  # keep the overall variance at std^2
     step = max(1, CHUNK_ELEMENTS // n_in)
+    z_buffer = torch.empty(min(step, n_out), n_in, dtype=F64)
+    g_buffer = torch.empty(min(step, n_out), n_in, dtype=F64)
     for r0 in range(0, n_out, step):
-        yield source.rows(min(step, n_out - r0))
-
-
-def _shard_names(sizes: list[int]) -> list[int]:
-    """Shard number of each tensor: in order, a new shard when the cap would be passed."""
-    shard, used, out = 0, 0, []
-    for size in sizes:
-        if used and used + size > SHARD_BYTES:
-            shard, used = shard + 1, 0
-        out.append(shard)
-        used += size
-    return out
+        count = min(step, n_out - r0)
+        row = (torch.randn(count, 1, generator=gen, dtype=F64) * ROW_SPREAD).exp()
+        # a unit-variance Gaussian scale mixture z * exp(s g - s^2): heavy-tailed
+        z, g = z_buffer[:count], g_buffer[:count]
+        torch.randn(z.shape, generator=gen, out=z)
+        torch.randn(g.shape, generator=gen, out=g)
+        z.mul_(g.mul_(TAIL_S).sub_(TAIL_S * TAIL_S).exp_())
+        yield z.mul_(row * std).mul_(col)
 
 
 def _write_tensors(
@@ -206,9 +151,14 @@ def _write_tensors(
     progress: Progress | None,
     force_index: bool,
 ) -> int:
-    """Stream every tensor into bf16 safetensors shards; returns bytes written."""
+    """Every tensor streamed into bf16 safetensors shards; returns the bytes written."""
     sizes = [2 * math.prod(s) for s in shapes.values()]
-    shard_of = _shard_names(sizes)
+    shard, used, shard_of = 0, 0, []  # in order, a new shard when the cap would be passed
+    for size in sizes:
+        if used and used + size > SHARD_BYTES:
+            shard, used = shard + 1, 0
+        shard_of.append(shard)
+        used += size
     n = shard_of[-1] + 1
     files = (
         ["model.safetensors"]
@@ -246,8 +196,8 @@ def _write_tensors(
 
 
 def _write_target_head(head: Path, plan: _Plan) -> None:
-    """The stand-in target beside the draft, read through its index: embed_tokens and lm_head,
-    as a real target lends them (a draft that carries embed_tokens carries the same bytes)."""
+    """The stand-in target beside the draft: embed_tokens and lm_head, as a real target lends
+    them (a draft that carries embed_tokens carries the same bytes)."""
     config = plan.config
     row = (config.vocab_size, config.hidden_size)
     shapes: dict[str, tuple[int, ...]] = {EMBED: row, LM_HEAD: row}  # embedding first, as a target
@@ -263,10 +213,6 @@ def _write_target_head(head: Path, plan: _Plan) -> None:
     _write_tensors(head, shapes, plan, None, force_index=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# The whole checkpoint
-
-
 def preset_architecture(preset: str) -> Architecture:
     """The registered architecture whose presets hold ``preset``."""
     for arch in ARCHITECTURES:
@@ -277,8 +223,7 @@ def preset_architecture(preset: str) -> Architecture:
 
 
 def _tokenizer_config(preset: str, tok: Tokenizer) -> DraftConfig:
-    """The preset with the tokenizer's facts: the TOKENIZER_SIZED presets take its vocabulary
-    size (a full-vocabulary draft's output vocabulary with it), the others keep theirs."""
+    """The preset with the tokenizer's facts (the TOKENIZER_SIZED presets take its vocabulary)."""
     base = preset_architecture(preset).presets[preset]
     vocab = tok.get_vocab_size() if preset in TOKENIZER_SIZED else base.vocab_size
     mask = tok.token_to_id("<|mask|>")
@@ -292,8 +237,7 @@ def _tokenizer_config(preset: str, tok: Tokenizer) -> DraftConfig:
 
 
 def draft_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors the draft itself holds: the architecture's table, less embed_tokens where
-    its published drafts leave that to the target."""
+    """The architecture's tensors, less embed_tokens where its drafts leave it to the target."""
     arch = architecture_of(config)
     shapes = arch.tensor_shapes(config)
     if not arch.ships_embed_tokens:
@@ -302,9 +246,8 @@ def draft_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _markov_head(tok: Tokenizer, texts: list[str], config: DraftConfig, seed: int):
-    """``(markov_w1, markov_w2, alpha, top1)``: the corpus's bigram factors, scaled so that
-    the head's mean top-1 probability on the corpus is calibrated (``alpha`` the scale); all
-    None for a draft without a Markov head."""
+    """``(markov_w1, markov_w2, alpha, top1)``: the corpus's bigram factors scaled by ``alpha``
+    to the calibrated top-1; all None for a draft without a Markov head."""
     if getattr(config, "markov_rank", 0) == 0:  # EAGLE-3 has no Markov head
         return None, None, None, None
     streams = [e.ids for e in tok.encode_batch(texts)]
@@ -322,9 +265,8 @@ def synth_checkpoint(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> SynthSummary:
-    """Write a draft of ``preset`` to ``output_dir``, complete or not at all.  ``corpus`` (GSM8K
-    JSONL or text; default :func:`~qstream.synth.corpus.builtin_corpus`) trains the tokenizer
-    and the Markov statistics; ``progress`` hears of the bytes written."""
+    """Write a draft of ``preset`` to ``output_dir``, complete or not at all; ``corpus`` (default:
+    the built-in one) trains the tokenizer and the Markov statistics."""
     arch = preset_architecture(preset)
     output = Path(output_dir).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -334,8 +276,11 @@ def synth_checkpoint(
     config = _tokenizer_config(preset, tok)
     w1, w2, alpha, top1 = _markov_head(tok, texts, config, seed)
     small = _small_tensors(config, seed, w1, w2)
-    plan = _Plan(config, small, _head_std(config, small[arch.final_norm]), seed)
-
+    # lm_head entry std giving U_STD per-vocab spread: var(U_v) = sum_h g_h^2 w_vh^2 for
+    # hf_h = g_h * (unit-RMS state)
+    final_gain = small[arch.final_norm]
+    head_std = U_STD / math.sqrt(config.hidden_size * float(final_gain.pow(2).mean()))
+    plan = _Plan(config, small, head_std, seed)
     shapes = draft_shapes(config)
     with publishing(output, overwrite) as tmp:
         write_json_atomic(tmp / "config.json", config.to_json())
@@ -359,8 +304,7 @@ def _summary(
 
 
 def write_record(directory: Path, summary: SynthSummary, **extra: object) -> None:
-    """SYNTH_RECORD: the version and the summary without its output path (relocatable), then
-    ``extra``."""
+    """SYNTH_RECORD: the version, the summary without its output path (relocatable), ``extra``."""
     record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
     data = {"qstream_version": qstream.__version__, "summary": record, **extra}
     write_json_atomic(directory / SYNTH_RECORD, data)

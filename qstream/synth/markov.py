@@ -5,10 +5,6 @@ stays linear in the vocabulary V, so that a real target's (49,152 for SmolLM2, 1
 Kimi-K3) fits (docs/model.md, "A draft for a Hugging Face target"): the [V, V] table is never
 formed (:class:`Bigrams` holds it as a floor plus what rises above it, and the SVD asks it only
 for products), and the calibration's [samples, V] logits are capped at CALIBRATION_LOGITS.
-
->>> bigrams = Bigrams.count(streams, vocab)
->>> w1, w2 = markov_tables(bigrams, vocab, rank=16, seed=0)
->>> alpha, top1 = calibrate_markov_scale(w1, w2, streams, seed=0, tokenizer_vocab=vocab)
 """
 
 from __future__ import annotations
@@ -71,11 +67,9 @@ class Bigrams:
         return cls(sparse.coalesce(), sparse.t().coalesce(), dense, columns, prev_counts, floor)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``L @ x`` for x [V, q]."""
         return self.floor * x.sum(0) + self.sparse @ x + self.dense @ x[self.columns]
 
     def t_mm(self, y: torch.Tensor) -> torch.Tensor:
-        """``Lᵀ @ y`` for y [V, q]."""
         out = self.floor * y.sum(0) + self.sparse_t @ y
         return out.index_add_(0, self.columns, self.dense.T @ y)
 

@@ -1,13 +1,8 @@
-"""``qstream synth --target HF_DIR``: a synthetic DSpark draft shaped for a real Hugging Face
-target (docs/model.md, "A draft for a Hugging Face target"), so that capture → eval-drift →
-card runs end to end on that target's architecture.  From the target it takes the width, the
-depth (:func:`spread_layer_ids`), the vocabulary, the tokenizer and a copy of ``embed_tokens``;
-the rest is the preset's; ``lm_head`` is borrowed with ``--target``.  A Qwen3 target gets a
-Qwen3-style draft (:func:`qwen3_draft_config`; docs/qwen3-dspark.md, "Synthetic checkpoints")
-without ``embed_tokens``, borrowed too, as speculators' checkpoints leave it.
-
->>> synth_for_target("TARGET_DIR", "draft/", corpus="gsm8k/train.jsonl")
->>> load_model("draft/", target="TARGET_DIR")
+"""``qstream synth --target HF_DIR``: a synthetic draft shaped for a real Hugging Face target
+(docs/model.md, "A draft for a Hugging Face target"): the target's width, depth, vocabulary,
+tokenizer and a copy of ``embed_tokens``, the rest the preset's; ``lm_head`` is borrowed with
+``--target``.  A Qwen3 target gets a Qwen3-style draft without ``embed_tokens``, as
+speculators' checkpoints leave it (docs/qwen3-dspark.md, "Synthetic checkpoints").
 """
 
 from __future__ import annotations
@@ -44,7 +39,7 @@ from qstream.synth.draft import (
 )
 
 QWEN3_MODEL_TYPES = ("qwen3",)  # transformers' Qwen3ForCausalLM
-# config.json keys the draft copies as they are from the target (RoPE: _rope)
+# config.json keys the draft copies as they are from the target (and RoPE)
 COPIED = (
     "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim "
     "rms_norm_eps max_position_embeddings vocab_size attention_bias"
@@ -59,18 +54,27 @@ def qwen3_draft_config(
     mask_token_id: int,
     arch: Architecture,
 ) -> DraftConfig:
-    """``preset`` reshaped for the Qwen3 target ``shape`` whose config.json holds ``target``:
-    the target's widths, heads, norm epsilon, RoPE, context length and vocabulary (the draft's
-    output vocabulary is the whole of it); ``min(preset's, target's)`` draft layers over
-    ``layer_ids``; the target's bos/eos ids.  ValueError naming a key the target lacks or
-    holds a bad value in."""
+    """``preset`` reshaped for the Qwen3 target whose config.json holds ``target``: its widths,
+    heads, norm epsilon, RoPE, context length, vocabulary and bos/eos ids; ``min(preset's,
+    target's)`` layers.  ValueError naming a key the target lacks or holds a bad value in."""
     # the target's mask token and layers at the top level, which the preset's dflash_config
     # would override (vLLM reads dflash_config first)
     data = {
         k: v for k, v in preset.to_json().items() if k not in ("rope_parameters", "dflash_config")
     }
     data.update({k: target[k] for k in COPIED if k in target})
-    data["rope_parameters"] = _rope(target)
+    # rope_parameters (transformers 5), else rope_theta with rope_scaling folded in
+    # (transformers 4, as Qwen3-8B's config.json has it)
+    rope = target.get("rope_parameters")
+    if rope is None:
+        scaling = target.get("rope_scaling")
+        rope = {
+            "rope_theta": target.get("rope_theta"),
+            **(scaling if isinstance(scaling, dict) else {}),
+        }
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+    data["rope_parameters"] = rope
     heads = target.get("num_attention_heads")
     if "head_dim" not in target and isinstance(heads, int) and heads > 0:
         data["head_dim"] = shape.hidden_size // heads  # transformers' default without one
@@ -88,25 +92,9 @@ def qwen3_draft_config(
 
 
 def _token(value: Any) -> int | None:
-    """A single special-token id (a list of eos ids keeps its first)."""
     if isinstance(value, list) and value:
         value = value[0]
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _rope(target: Mapping[str, Any]) -> Any:
-    """The target's ``rope_parameters`` (transformers 5), else its legacy ``rope_theta`` with
-    ``rope_scaling`` folded in (transformers 4, as Qwen3-8B's config.json has it)."""
-    if target.get("rope_parameters") is not None:
-        return target["rope_parameters"]
-    scaling = target.get("rope_scaling")
-    rope = {
-        "rope_theta": target.get("rope_theta"),
-        **(scaling if isinstance(scaling, dict) else {}),
-    }
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
-    return rope
 
 
 TOKENIZER_FILES = (
@@ -134,8 +122,8 @@ def spread_layer_ids(depth: int, count: int) -> tuple[int, ...]:
 
 
 def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
-    """The draft's mask token: the tokenizer's mask token, else ``<|mask|>``, else its pad
-    token, else the last id of the vocabulary (a padding row in most padded vocabularies)."""
+    """The tokenizer's mask token, else ``<|mask|>``, else its pad token, else the vocabulary's
+    last id (a padding row in most padded vocabularies)."""
     names = []
     config_path = target / "tokenizer_config.json"
     if config_path.is_file():
@@ -151,9 +139,8 @@ def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
 
 
 def target_preset(shape: TargetShape, preset: str | None) -> str:
-    """``preset``, checked against the target's kind (a Qwen3 target takes a Qwen3-style
-    draft's — DSpark or DFlash, whose config is the Qwen3-style one's —, any other the
-    DSpark-MLA draft's); None: that kind's tiny preset."""
+    """``preset``, checked against the target's kind (a Qwen3 target takes a Qwen3-style draft,
+    any other a DSpark-MLA one); None: that kind's tiny preset."""
     qwen3 = shape.model_type in QWEN3_MODEL_TYPES
     wanted = preset_architecture(QWEN3_PRESET if qwen3 else DEFAULT_PRESET).config_type
     if preset is None:
@@ -171,7 +158,6 @@ def target_preset(shape: TargetShape, preset: str | None) -> str:
 
 
 def target_draft_config(shape: TargetShape, tok: Tokenizer, preset: str) -> DraftConfig:
-    """The preset reshaped for the target (module docstring)."""
     if tok.get_vocab_size() > shape.vocab_size:
         raise QStreamError(
             f"{shape.path}: tokenizer.json has {tok.get_vocab_size()} tokens, more than "
@@ -199,14 +185,6 @@ def target_draft_config(shape: TargetShape, tok: Tokenizer, preset: str) -> Draf
     )
 
 
-def _load_tokenizer(target: Path) -> Tokenizer:
-    path = target / "tokenizer.json"
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises its own exception types
-        raise QStreamError(f"--target {target}: cannot load tokenizer.json ({exc})") from None
-
-
 def synth_for_target(
     target: str | Path,
     output_dir: str | Path,
@@ -216,14 +194,16 @@ def synth_for_target(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> SynthSummary:
-    """Write a draft for ``target`` to ``output_dir``, complete or not at all; ``preset``
-    None: :func:`target_preset`'s."""
+    """Write a draft for ``target`` to ``output_dir``, complete or not at all."""
     shape = read_target_shape(target)
     preset = target_preset(shape, preset)
     output = Path(output_dir).resolve()
     output.parent.mkdir(parents=True, exist_ok=True)
     check_target(output, overwrite, "--output_dir")
-    tok = _load_tokenizer(Path(target))
+    try:
+        tok = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise QStreamError(f"--target {Path(target)}: cannot load tokenizer.json ({exc})") from None
     config = target_draft_config(shape, tok, preset)
     texts = read_corpus(corpus) if corpus is not None else builtin_corpus(seed=seed)
     w1, w2, alpha, top1 = _markov_head(tok, texts, config, seed)
