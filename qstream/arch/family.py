@@ -24,6 +24,9 @@ Shapes = Mapping[str, tuple[int, ...]]
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
 D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id] (vLLM's draft_id_to_target_id)
+T2D = "t2d"  # [vocab] bool, training only (vLLM 0.32's load_weights skip it)
+# Integer tensors read as stored, with the dtypes each may have (d2t's: d2t_problem).
+INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
 
 
 class DSparkFamily:
@@ -194,6 +197,37 @@ def borrow_from_target(
     return borrowed
 
 
+def read_indexed(
+    directory: str | Path, config: Any, check_tensors: Callable, rename: Callable = str
+) -> dict:
+    """Every tensor of a draft checkpoint with index maps (Qwen3-style DSpark, EAGLE-3) under
+    its ``rename``d name, dequantized and checked, t2d dropped, d2t as int64 offsets."""
+    from qstream.checkpoint.read import read_draft_checkpoint
+
+    directory = Path(directory)
+    floats, index = read_draft_checkpoint(directory, INDEX_TENSORS)
+    tensors = {rename(k): v for k, v in {**floats, **index}.items()}
+    if T2D in tensors and str(tensors[T2D].dtype) not in INDEX_TENSORS[T2D]:
+        raise QStreamError(f"{directory}: tensor {T2D!r} is {tensors[T2D].dtype}, not an index map")
+    check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
+    tensors.pop(T2D, None)
+    if D2T in tensors:
+        if problem := d2t_problem(tensors[D2T], config.vocab_size):
+            raise QStreamError(f"{directory}: {problem}")
+        tensors[D2T] = tensors[D2T].long()
+    return tensors
+
+
+def borrow_missing(model_dir: str | Path, target: Any, tensors: dict, config: Any) -> dict:
+    """``tensors`` plus those of embed_tokens and lm_head they lack, from ``target``."""
+    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
+    if not wanted:
+        return tensors
+    expected = (config.vocab_size, config.hidden_size)
+    lent = borrow_from_target(Path(model_dir), target, wanted, expected, " or ".join(wanted))
+    return {**tensors, **lent}
+
+
 def _read_borrowed(target: Path, wanted: list[str], read: Callable) -> dict[str, Any]:
     from qstream.checkpoint.files import read_config
 
@@ -300,6 +334,17 @@ def check_attention(config: Any) -> None:
     check(c.head_dim % 2 == 0, "head_dim", c.head_dim, "must be even (RoPE pairs)")
     check(c.draft_vocab_size <= c.vocab_size, "draft_vocab_size", c.draft_vocab_size,
           f"must not exceed the target's vocab_size ({c.vocab_size})")  # fmt: skip
+
+
+def refuse_unmodelled(table: Iterable, value_of: Callable[[str], Any], types: Any) -> None:
+    """ValueError for a ``(key, fine values, what)`` of ``table`` at a value not computed, or
+    sliding-window ``layer_types``."""
+    for key, fine, what in table:
+        value = value_of(key)
+        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
+              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
+    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
+          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
 
 
 def check_mask_token(config: Any) -> None:

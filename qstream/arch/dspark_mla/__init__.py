@@ -19,15 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qstream.arch import family
-from qstream.arch.family import (
-    DSparkFamily,
-    borrow_from_target,
-    check,
-    check_table,
-    embed_difference,
-    shape_hint,
-    yarn_get_mscale,
-)
+from qstream.arch.family import DSparkFamily, check, yarn_get_mscale
 from qstream.arch.interface import EMBED, LM_HEAD, TARGET_HEAD_DIR
 
 if TYPE_CHECKING:
@@ -272,8 +264,8 @@ def check_tensors(
 ) -> None:
     """QStreamError naming the first tensor missing, unexpected (beyond ``extra``) or misshapen."""
     expected = {**tensor_shapes(config), **(extra or {})}
-    check_table(expected, expected, shapes, where, "DSpark draft",
-                lambda name, shape: shape_hint(config, name, shape))  # fmt: skip
+    family.check_table(expected, expected, shapes, where, "DSpark draft",
+                lambda name, shape: family.shape_hint(config, name, shape))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,8 +315,13 @@ def load_weights(
     own = tensors.get(EMBED)
     read = partial(read_target_tensors, optional=(EMBED,) if own is not None else ())
     expected = (config.vocab_size, config.hidden_size)
-    lent = borrow_from_target(model_dir, target, [LM_HEAD, EMBED], expected, "lm_head", read)
-    if own is not None and EMBED in lent and noted and (diff := embed_difference(own, lent[EMBED])):
+    lent = family.borrow_from_target(model_dir, target, [LM_HEAD, EMBED], expected, "lm_head", read)
+    if (
+        own is not None
+        and EMBED in lent
+        and noted
+        and (diff := family.embed_difference(own, lent[EMBED]))
+    ):
         noted({"target": str(target or model_dir / TARGET_HEAD_DIR), "max_abs_diff": diff})
     return {**tensors, **lent}
 

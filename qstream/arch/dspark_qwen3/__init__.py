@@ -23,22 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from qstream.arch import family
-from qstream.arch.family import (
-    D2T,
-    DSparkFamily,
-    borrow_from_target,
-    check,
-    check_table,
-    d2t_problem,
-    head_shapes,
-    is_int,
-    number,
-    positive_int,
-    shape_hint,
-    yarn_get_mscale,
-)
+from qstream.arch.family import D2T, DSparkFamily, check, is_int, number, positive_int
 from qstream.arch.interface import EMBED, LM_HEAD
-from qstream.errors import QStreamError
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +65,7 @@ class RopeParameters:
     @property
     def mscale(self) -> float:
         """YaRN's factor on cos and sin, ``0.1 ln(factor) + 1`` (1 without YaRN)."""
-        return yarn_get_mscale(self.factor) if self.rope_type == "yarn" else 1.0
+        return family.yarn_get_mscale(self.factor) if self.rope_type == "yarn" else 1.0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
@@ -285,14 +271,11 @@ UNMODELLED = (
 
 
 def _refuse_unmodelled(data: dict[str, Any], dflash: dict[str, Any]) -> None:
-    """ValueError for a key of :data:`UNMODELLED` at a value not computed, or sliding windows."""
-    for key, fine, what in UNMODELLED:
-        value = dflash.get(key[14:]) if key.startswith("dflash_config.") else data.get(key)
-        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
-              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
-    types = data.get("layer_types") or []
-    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
-          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
+    family.refuse_unmodelled(
+        UNMODELLED,
+        lambda key: dflash.get(key[14:]) if key.startswith("dflash_config.") else data.get(key),
+        data.get("layer_types") or [],
+    )
 
 
 def _rope_from_json(flat: dict[str, Any]) -> RopeParameters:
@@ -351,12 +334,9 @@ PRESETS: dict[str, Qwen3DSparkConfig] = {
 }  # fmt: skip
 
 
-T2D = "t2d"  # [vocab] bool, training only (vLLM 0.32's load_weights skips it)
 # Tensors a checkpoint may leave out: the target's embedding is shared when the draft has none
 # (Qwen3DSparkForCausalLM.load_weights; speculators never saves it).
 OPTIONAL = (EMBED,)
-# Integer tensors read as stored, with the dtypes each may have (d2t's: d2t_problem).
-INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,7 +360,7 @@ def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
         shapes[LM_HEAD] = (c.draft_vocab_size, H)
     if c.reduced_vocab:
         shapes[D2T] = (c.draft_vocab_size,)
-    return {**shapes, **head_shapes(c, c.draft_vocab_size)}
+    return {**shapes, **family.head_shapes(c, c.draft_vocab_size)}
 
 
 def check_tensors(
@@ -389,12 +369,12 @@ def check_tensors(
     """QStreamError naming the first tensor missing (``embed_tokens`` may be the target's),
     unexplained (beyond a full-vocabulary draft's own lm_head and t2d) or of a wrong shape."""
     table = tensor_shapes(config)
-    extra: dict[str, tuple[int, ...]] = {T2D: (config.vocab_size,)}
+    extra: dict[str, tuple[int, ...]] = {family.T2D: (config.vocab_size,)}
     if not config.own_lm_head:
         extra[LM_HEAD] = (config.vocab_size, config.hidden_size)
     required = {k: v for k, v in table.items() if k not in OPTIONAL}
-    check_table(required, {**table, **extra}, shapes, where, "Qwen3-style DSpark draft",
-                lambda name, shape: shape_hint(config, name, shape),
+    family.check_table(required, {**table, **extra}, shapes, where, "Qwen3-style DSpark draft",
+                lambda name, shape: family.shape_hint(config, name, shape),
                 lambda name: _why_needed(config, name))  # fmt: skip
 
 
@@ -417,21 +397,7 @@ def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
 
 def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict[str, torch.Tensor]:
     """Every tensor of the draft checkpoint, dequantized and checked (:func:`check_tensors`)."""
-    from qstream.checkpoint.read import read_draft_checkpoint
-
-    directory = Path(directory)
-    tensors, index = read_draft_checkpoint(directory, INDEX_TENSORS)
-    for name, tensor in index.items():
-        if name != D2T and str(tensor.dtype) not in INDEX_TENSORS[name]:  # d2t: d2t_problem
-            raise QStreamError(f"{directory}: tensor {name!r} is {tensor.dtype}, not an index map")
-    check_tensors(
-        config, {k: tuple(v.shape) for k, v in {**tensors, **index}.items()}, str(directory)
-    )
-    if D2T in index:
-        if problem := d2t_problem(index[D2T], config.vocab_size):
-            raise QStreamError(f"{directory}: {problem}")
-        tensors[D2T] = index[D2T].long()
-    return tensors
+    return family.read_indexed(directory, config, check_tensors)
 
 
 def load_weights(
@@ -444,15 +410,7 @@ def load_weights(
     from ``target`` (default ``model_dir/target_head``).  A stored embed_tokens serves, as vLLM
     0.32.0's ``Qwen3DSparkForCausalLM.load_weights`` sets ``has_own_embed_tokens`` and
     ``maybe_share_target_embed`` shares the target's only when equal: ``noted`` is not called."""
-    model_dir = Path(model_dir)
-    tensors = read_draft_tensors(model_dir, config)
-    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
-    if not wanted:
-        return tensors
-    expected = (config.vocab_size, config.hidden_size)
-    missing = " or ".join(wanted)
-    borrowed = borrow_from_target(model_dir, target, wanted, expected, missing)
-    return {**tensors, **borrowed}
+    return family.borrow_missing(model_dir, target, read_draft_tensors(model_dir, config), config)
 
 
 # ---------------------------------------------------------------------------------------------

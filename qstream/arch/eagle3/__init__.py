@@ -28,7 +28,7 @@ from qstream.arch.dspark_qwen3 import (
     RopeParameters,
     _rope_from_json,
 )
-from qstream.arch.family import D2T, borrow_from_target, check, check_table, d2t_problem, number
+from qstream.arch.family import D2T, check, check_table, number
 from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.errors import QStreamError
 
@@ -351,20 +351,11 @@ UNMODELLED = (
 
 
 def _refuse_unmodelled(flat: dict[str, Any]) -> None:
-    for key, fine, what in UNMODELLED:
-        value = flat.get(key)
-        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
-              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
-    types = flat.get("layer_types") or []
-    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
-          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
+    family.refuse_unmodelled(UNMODELLED, flat.get, flat.get("layer_types") or [])
 
 
 # ---------------------------------------------------------------------------------------------
 # The tensor table
-
-T2D = "t2d"  # [vocab] bool, training only (Eagle3LlamaForCausalLM.load_weights skips it)
-INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
 
 
 def tensor_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
@@ -389,7 +380,7 @@ def check_tensors(config: Eagle3Config, shapes: Mapping[str, tuple[int, ...]], w
     table = tensor_shapes(config)
     optional = (EMBED,) if config.reduced_vocab else (EMBED, LM_HEAD)
     required = {k: v for k, v in table.items() if k not in optional}
-    allowed = {**table, T2D: (config.vocab_size,)}
+    allowed = {**table, family.T2D: (config.vocab_size,)}
 
     def why(name: str) -> str:
         if name in (LM_HEAD, D2T):
@@ -403,24 +394,10 @@ def check_tensors(config: Eagle3Config, shapes: Mapping[str, tuple[int, ...]], w
 def read_draft_tensors(directory: str | Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
     """Every tensor of the draft checkpoint (``midlayer.`` read as ``layers.0.``), dequantized
     and checked, d2t as int64 offsets (:func:`qstream.arch.family.d2t_problem`)."""
-    from qstream.checkpoint.read import read_draft_checkpoint
-
-    directory = Path(directory)
-    floats, index = read_draft_checkpoint(directory, INDEX_TENSORS)
-    tensors = {_vllm_name(k): v for k, v in {**floats, **index}.items()}
-    check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
-    if T2D in tensors and str(tensors[T2D].dtype) not in INDEX_TENSORS[T2D]:
-        raise QStreamError(f"{directory}: tensor {T2D!r} is {tensors[T2D].dtype}, not an index map")
-    tensors.pop(T2D, None)
-    if D2T in tensors:
-        if problem := d2t_problem(tensors[D2T], config.vocab_size):
-            raise QStreamError(f"{directory}: {problem}")
-        tensors[D2T] = tensors[D2T].long()
-    return tensors
-
-
-def _vllm_name(name: str) -> str:
-    return LAYER + name.removeprefix(MIDLAYER) if name.startswith(MIDLAYER) else name
+    return family.read_indexed(
+        directory, config, check_tensors,
+        lambda n: LAYER + n.removeprefix(MIDLAYER) if n.startswith(MIDLAYER) else n,
+    )  # fmt: skip
 
 
 def load_weights(
@@ -432,14 +409,7 @@ def load_weights(
     """The draft's tensors plus the target's ``embed_tokens`` (and ``lm_head``, full vocabulary)
     when it has none: a stored one serves, as ``process_eagle_weight`` (vllm/model_executor/
     models/utils.py) marks it the draft's own; ``noted`` is not called."""
-    model_dir = Path(model_dir)
-    tensors = read_draft_tensors(model_dir, config)
-    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
-    if not wanted:
-        return tensors
-    expected = (config.vocab_size, config.hidden_size)
-    borrowed = borrow_from_target(model_dir, target, wanted, expected, " or ".join(wanted))
-    return {**tensors, **borrowed}
+    return family.borrow_missing(model_dir, target, read_draft_tensors(model_dir, config), config)
 
 
 def _preset(**kw: Any) -> Eagle3Config:
