@@ -217,40 +217,67 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscal
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class DenseDraft:
-    """What the Qwen3-style DSpark (vLLM 0.32.0's qwen3_dflash.py) and EAGLE-3
-    (llama_eagle3.py) forwards share: weights (``d2t``/``t2d`` index maps left out, and on the
-    CPU a bf16 model multiplying its operands upcast exactly to fp32, ``fp32_products``: torch's
-    CPU bf16 kernel is ~10x slower and differs only in the order of the fp32 sums), biased
-    projections, GQA attention with RoPE and an fp8 KV cache."""
+class Draft:
+    """A draft's forward computing in ``dtype`` on ``device``: ``weights`` (name -> tensor of any
+    float dtype, the index maps d2t/t2d left out) held once, after ``check``; ``kv``: its KV
+    cache; ``served``: how its linears take their inputs.  ``setup`` does the rest."""
 
-    qk_norm = True  # q and k RMS-normed per head (Qwen3)
+    # On the CPU a bf16 model multiplies its operands upcast exactly to fp32 (``fp32_products``):
+    # torch's CPU bf16 kernel is ~10x slower and differs only in the order of the fp32 sums
+    upcast_on_cpu = True
 
     def __init__(
-        self, config, weights, dtype, device, kv: KVCache = KV_CACHES["auto"], served=None
+        self,
+        config: Any,
+        weights: Mapping[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        kv: KVCache = KV_CACHES["auto"],
+        served: ServedLinears | None = None,
     ):
-        for name in (EMBED, LM_HEAD):
-            if name not in weights:
-                raise ValueError(
-                    f"weights: {name} is required (the target's, when not the draft's)"
-                )
-        self.config, self.dtype = config, dtype
-        upcast = dtype != torch.float32 and torch.device(device).type == "cpu"
-        served = replace(served or ServedLinears(), fp32_products=upcast)
+        self.check(config, {k: tuple(v.shape) for k, v in weights.items()})
+        self.config, self.dtype, self.kv = config, dtype, kv
+        if self.upcast_on_cpu:
+            upcast = dtype != torch.float32 and torch.device(device).type == "cpu"
+            served = replace(served or ServedLinears(), fp32_products=upcast)
         floats = {k: v for k, v in weights.items() if k not in ("d2t", "t2d")}
         self.w = ComputeWeights(floats, dtype, device, served)
         self.device = self.w.device
-        self.kv_fp8 = getattr(torch, str(kv.dtype)) if kv.quantized else None
-        rope, d = config.rope_parameters, config.head_dim
+        self.setup(weights)
+
+    def check(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> None: ...
+
+    def setup(self, weights: Mapping[str, torch.Tensor]) -> None: ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(self.w, EMBED, tokens)
+
+
+class DenseDraft(Draft):
+    """What the Qwen3-style DSpark (vLLM 0.32.0's qwen3_dflash.py) and EAGLE-3
+    (llama_eagle3.py) forwards share: biased projections, GQA attention with RoPE and an fp8 KV
+    cache, the SwiGLU MLP."""
+
+    qk_norm = True  # q and k RMS-normed per head (Qwen3)
+    check_tensors: Callable[[Any, Mapping[str, tuple[int, ...]], str], None]
+
+    def check(self, config: Any, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.check_tensors(config, shapes, "weights")
+        for name in (EMBED, LM_HEAD):
+            if name not in shapes:
+                raise ValueError(
+                    f"weights: {name} is required (the target's, when not the draft's)"
+                )
+
+    def setup(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.kv_fp8 = getattr(torch, str(self.kv.dtype)) if self.kv.quantized else None
+        rope, d = self.config.rope_parameters, self.config.head_dim
         if rope.rope_type == "llama3":
             self.inv_freq = rope.inv_freq(d).to(self.device)
         else:
             yarn = rope if rope.rope_type == "yarn" else None
             self.inv_freq = inv_freq(d, float(rope.rope_theta), yarn).to(self.device)
         self.mscale = rope.mscale
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embedding(self.w, EMBED, tokens)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return rms_norm(x, self.w[f"{name}.weight"], self.config.rms_norm_eps)

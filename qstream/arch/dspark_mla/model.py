@@ -5,14 +5,11 @@ softmax in fp32, rounded back to ``dtype``.
 >>> model = DSpark(config, weights)                      # weights: name -> tensor, incl. lm_head
 >>> ctx = model.context(aux, lengths)                    # aux [S, T, A]: once per set of streams
 >>> blocks = model.draft(ctx, stream, anchor, first_token)   # U [N, B, V], hf [N, B, H]
->>> rows = CausalStream(model, ids).rows(0, 128)         # causal mode: [S, 128, L*H]
 
-Top to bottom: the readable core (one decoder :class:`Layer`, :meth:`DSpark.draft_one`, the
-forward of one block; the context cache is what an MLA KV cache holds, expanded by ``kv_b_proj``)
-and the FLOP model; then the memory machinery computing the same within ``SCORE_BUDGET``
-(docs/eval-drift.md, "Memory"): blocks packed in rows of one stream, key chunks with an online
-softmax, causal mode streamed over its MLA cache.  tests/test_model_forward.py,
-test_sensitivity_context.py and test_causal_stream.py check each against the core.
+Top to bottom: the readable core (:class:`Layer`, :meth:`DSpark.draft_one`) and the FLOP model;
+then the memory machinery computing the same within ``SCORE_BUDGET`` (docs/eval-drift.md,
+"Memory"): blocks packed in rows of one stream, key chunks with an online softmax, causal mode
+streamed over its MLA cache.
 """
 
 from __future__ import annotations
@@ -25,45 +22,35 @@ import torch
 
 from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
 from qstream.arch.family import check_blocks, context_lengths
-from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_layers
+from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import (
     CausalRows,
     ComputeWeights,
-    ServedLinears,
-    embedding,
+    Draft,
     fp8_round_trip,
     inv_freq,
     rms_norm,
     swiglu,
 )
-from qstream.serving import KV_CACHES, KVCache
+from qstream.serving import KVCache
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
-
-
-# ---------------------------------------------------------------------------------------------
-# Building blocks
 
 
 def apply_rope(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0
 ) -> torch.Tensor:
     """Rotate interleaved pairs ``(x[2j], x[2j+1])`` of x [..., T, d] by ``pos * inv_freq[j]``
-    (DeepSeek layout), cos and sin scaled by ``mscale`` (:attr:`DSparkConfig.rope_mscale`)."""
+    (DeepSeek layout), fp32 cos and sin times ``mscale`` as vLLM 0.32's
+    DeepseekScalingRotaryEmbedding._compute_cos_sin_cache (vllm/model_executor/layers/
+    rotary_embedding/deepseek_scaling_rope.py) builds them."""
     angle = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
-    # as vLLM 0.32's DeepseekScalingRotaryEmbedding._compute_cos_sin_cache (vllm/model_executor/
-    # layers/rotary_embedding/deepseek_scaling_rope.py) builds them for the K3 MLA: fp32 cos
-    # and sin, each times the Python float mscale (by 1.0 exactly: unchanged when it is 1)
     cos, sin = angle.cos() * mscale, angle.sin() * mscale
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     pairs = xf.unflatten(-1, (-1, 2))  # [..., T, d/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
-
-
-def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 @dataclass(frozen=True)
@@ -75,22 +62,12 @@ class ContextCache:
     lengths: torch.Tensor  # [S] valid context positions per stream
 
 
-def _layer_weight(name: str) -> property:
-    """A :class:`Layer` norm: ``layers.{i}.<name>.weight`` in the compute dtype."""
-    return property(lambda self: self.weights[f"layers.{self.index}.{name}.weight"])
-
-
 class Layer:
     """Decoder layer ``i``'s pieces (MLA attention, SwiGLU MLP), on any leading shape; which keys
     a query sees is the caller's.  The fp32 reference expands every key and value by kv_b_proj;
     a bf16 model attends as vLLM 0.32.0's K3 decode path does (``absorbed``,
     docs/eval-drift.md, "Serving configurations"): the query's nope part times W_UK, one shared
     key per position (the cached latent and rope key), the latent output times W_UV."""
-
-    input_layernorm = _layer_weight("input_layernorm")
-    q_a_layernorm = _layer_weight("self_attn.q_a_layernorm")
-    kv_a_layernorm = _layer_weight("self_attn.kv_a_layernorm")
-    post_attention_layernorm = _layer_weight("post_attention_layernorm")
 
     def __init__(
         self, config: DSparkConfig, weights: ComputeWeights, i: int, inv_freq, kv: KVCache
@@ -101,8 +78,11 @@ class Layer:
         self.attention = f"layers.{i}.self_attn"
         self._split: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def input_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
+    def norm(self, x: torch.Tensor, name: str = "input_layernorm") -> torch.Tensor:
+        w = self.weights[f"layers.{self.index}.{name}.weight"]
+        return rms_norm(x, w, self.config.rms_norm_eps)
+
+    input_norm = norm
 
     def proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.weights.linear(f"layers.{self.index}.{name}.weight", x)
@@ -151,7 +131,7 @@ class Layer:
 
     def _query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         c = self.config
-        qa = rms_norm(self.proj(h, "self_attn.q_a_proj"), self.q_a_layernorm, c.rms_norm_eps)
+        qa = self.norm(self.proj(h, "self_attn.q_a_proj"), "self_attn.q_a_layernorm")
         q = self.proj(qa, "self_attn.q_b_proj")
         q = q.unflatten(-1, (c.num_attention_heads, c.qk_head_dim))  # [..., T, n, dk]
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
@@ -171,7 +151,7 @@ class Layer:
         c = self.config
         kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
+        latent = self.norm(latent, "self_attn.kv_a_layernorm")
         k_rope = apply_rope(k_rope, pos, self.inv_freq, c.rope_mscale)
         served = self.weights.served
         if served.observe_cache is not None:
@@ -201,37 +181,28 @@ class Layer:
         return torch.cat((k_nope, k_rope), dim=-1), v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, self.post_attention_layernorm, self.config.rms_norm_eps)
+        h = self.norm(x, "post_attention_layernorm")
         return swiglu(h, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", self.proj)
 
 
-class DSpark:
+class DSpark(Draft):
     """A DSpark draft computing in ``dtype``: ``weights`` maps every name of the tensor table plus
     ``lm_head.weight`` [V, H] to a tensor of any float dtype, each held once."""
 
-    def __init__(
-        self,
-        config: DSparkConfig,
-        weights: Mapping[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kv: KVCache = KV_CACHES["auto"],
-        served: ServedLinears | None = None,
-    ):
-        shapes = {k: tuple(v.shape) for k, v in weights.items()}
-        check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
-        self.config, self.dtype = config, dtype
-        self.w = ComputeWeights(weights, dtype, device, served)
-        self.device = self.w.device
-        yarn = config.rope_parameters
-        self.inv_freq = inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(self.device)
-        self.scale = config.softmax_scale
-        self.layers = tuple(
-            Layer(config, self.w, i, self.inv_freq, kv) for i in range(config.num_hidden_layers)
-        )
+    upcast_on_cpu = False
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embedding(self.w, EMBED, tokens)
+    def check(self, config: DSparkConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
+
+    def setup(self, weights: Mapping[str, torch.Tensor]) -> None:
+        c = self.config
+        self.inv_freq = inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_parameters).to(
+            self.device
+        )
+        self.scale = c.softmax_scale
+        self.layers = tuple(
+            Layer(c, self.w, i, self.inv_freq, self.kv) for i in range(c.num_hidden_layers)
+        )
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H])."""
@@ -270,7 +241,10 @@ class DSpark:
                 for t0 in range(0, T, step)
             ]
         latent, rope_key = (
-            tuple(_cat([piece[i][j] for piece in pieces], dim) for i in range(len(self.layers)))
+            tuple(
+                pieces[0][i][j] if len(pieces) == 1 else torch.cat([p[i][j] for p in pieces], dim)
+                for i in range(len(self.layers))
+            )
             for j in (0, 1)
         )
         return ContextCache(latent, rope_key, lengths)

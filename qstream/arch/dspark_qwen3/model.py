@@ -23,9 +23,8 @@ import torch
 from qstream.arch.dspark_qwen3 import Qwen3DSparkConfig, check_tensors
 from qstream.arch.family import check_blocks, context_lengths
 from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks
-from qstream.arch.weights import CausalRows, DenseDraft, ServedLinears
+from qstream.arch.weights import CausalRows, DenseDraft
 from qstream.arch.weights import apply_rope as apply_rope  # tests/test_qwen3_building_blocks.py
-from qstream.serving import KV_CACHES, KVCache
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
 SCORE_BUDGET = 1 << 25  # attention score elements computed at a time
@@ -44,17 +43,10 @@ class Qwen3DSpark(DenseDraft):
     """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the tensor table's
     names with ``embed_tokens.weight`` and ``lm_head.weight`` to tensors of any float dtype."""
 
-    def __init__(
-        self,
-        config: Qwen3DSparkConfig,
-        weights: Mapping[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kv: KVCache = KV_CACHES["auto"],
-        served: ServedLinears | None = None,
-    ):
-        check_tensors(config, {k: tuple(v.shape) for k, v in weights.items()}, "weights")
-        super().__init__(config, weights, dtype, device, kv, served)
+    check_tensors = staticmethod(check_tensors)
+
+    def setup(self, weights: Mapping[str, torch.Tensor]) -> None:
+        super().setup(weights)
         d2t = weights.get("d2t")  # draft id -> target id (qstream.arch.markov.draft_to_target)
         self.d2t = (
             None

@@ -79,10 +79,14 @@ class Eagle3Draft(DenseDraft):
         kv: KVCache = KV_CACHES["auto"],
         served: ServedLinears | None = None,
     ):
-        check_tensors(config, {k: tuple(v.shape) for k, v in weights.items()}, "weights")
         super().__init__(config, weights, dtype, device, kv, served)
-        self.qk_norm = config.qk_norm
-        Vd = config.draft_vocab_size
+
+    check_tensors = staticmethod(check_tensors)
+
+    def setup(self, weights: Mapping[str, torch.Tensor]) -> None:
+        super().setup(weights)
+        self.qk_norm = self.config.qk_norm
+        Vd = self.config.draft_vocab_size
         offsets = weights[D2T].long() if D2T in weights else torch.zeros(Vd, dtype=torch.long)
         # draft id -> target id, as compute_logits scatters the draft logits
         self.d2t = (torch.arange(Vd) + offsets).to(self.device)
