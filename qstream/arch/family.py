@@ -1,11 +1,7 @@
-"""What every DSpark-family architecture shares (docs/model.md, "Architectures"): the
-descriptor's common calls, the config.json fields read and checked the same way, and the checks
-of a batch of blocks, a tensor table and a d2t map.  Pure Python at import (``qstream quantize``
-checks a draft's shapes without torch): torch is imported where a call needs it.
-
->>> kwargs = read_fields(DSparkConfig, data)      # ValueError naming a missing key
->>> config = construct(DSparkConfig, kwargs)       # ValueError naming a bad value
-"""
+"""What every draft architecture shares (docs/model.md, "Architectures"): the descriptor's
+common calls, the config.json fields read and checked the same way, loading, and the checks of a
+batch of blocks, a tensor table and a d2t map.  Pure Python at import (``qstream quantize``
+checks a draft's shapes without torch): torch is imported where a call needs it."""
 
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch
 
 
 class DSparkFamily:
-    """The descriptor calls the same in every DSpark.  ``build``, ``causal_stream`` and the FLOP
-    calls (docs/eval-drift.md, "FLOP model") are ``model_module``'s, imported with torch when
-    first called."""
+    """The descriptor calls the same in every DSpark; ``build``, ``causal_stream`` and the FLOP
+    model are ``model_module``'s, imported with torch when first called."""
 
     config_type: type
     model_module: str  # the forward and FLOP model
@@ -49,18 +44,13 @@ class DSparkFamily:
 
     @property
     def drafter(self) -> Drafter:
-        """The block drafter (qstream/arch/markov.py), imported with torch when first asked."""
-        from qstream.arch.markov import BLOCK_DRAFTER
-
-        return BLOCK_DRAFTER
+        return importlib.import_module("qstream.arch.markov").BLOCK_DRAFTER
 
     def build(
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
-        """The model serving ``weights`` as ``variant`` says (the target is no part of its
-        arithmetic: it serves the states and verifies); ``served`` (weights.py's ServedLinears):
-        its linears' input quantizers and KV-cache scales (qstream/eval/variants.py,
-        ``served_linears``), needed when its activations are quantized or its KV scaled."""
+        """The model serving ``weights`` as ``variant`` says; ``served`` (weights.py's
+        ServedLinears, qstream/eval/variants.py's ``served_linears``)."""
         check_served(variant, served)
         model = getattr(importlib.import_module(self.model_module), self.model_class)
         return model(config, weights, variant.dtype, device, variant.kv, served)
@@ -109,8 +99,7 @@ def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:
 
 
 def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_token: Any):
-    """A model's ``draft`` arguments as 1-D int64 tensors of one length (ValueError unless every
-    anchor is within its stream's context ``lengths`` and every first token an id)."""
+    """A model's ``draft`` arguments as 1-D int64 tensors of one length, checked."""
     import torch
 
     stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
@@ -127,8 +116,7 @@ def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_
 
 
 def context_lengths(aux_size: int, aux: Any, lengths: Any) -> tuple[int, int, Any]:
-    """S, T and ``lengths`` [S] int64 on the CPU (default: all T) of aux [S, T, aux_size]
-    (ValueError for another shape)."""
+    """S, T and ``lengths`` [S] int64 on the CPU (default: all T) of aux [S, T, aux_size]."""
     import torch
 
     if len(aux.shape) != 3 or aux.shape[-1] != aux_size:
@@ -148,7 +136,7 @@ def check_table(
     why_missing: Callable[[str], str] = lambda name: "",
 ) -> None:
     """QStreamError naming the first tensor of ``shapes`` missing from ``required``, outside
-    ``allowed`` or misshapen (``hint`` explains), and ``where`` it was found."""
+    ``allowed`` or misshapen (``hint`` explains), and ``where``."""
     for name in required:
         if name not in shapes:
             raise QStreamError(
@@ -186,9 +174,16 @@ def borrow_from_target(
                 f"{model_dir}: the draft has no {missing} of its own; pass the "
                 f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
             )
+    from qstream.checkpoint.files import read_config
     from qstream.checkpoint.read import read_target_tensors
 
-    borrowed = _read_borrowed(Path(target), names, read or read_target_tensors)
+    read, path = read or read_target_tensors, Path(target)
+    tied = (path / "config.json").exists() and read_config(path).get("tie_word_embeddings")
+    if tied and LM_HEAD in names:
+        out = read(path, [EMBED])
+        borrowed = {n: out[EMBED] for n in names}
+    else:
+        borrowed = read(path, names)
     for name, tensor in borrowed.items():
         if tuple(tensor.shape) != expected:
             raise QStreamError(
@@ -226,26 +221,6 @@ def borrow_missing(model_dir: str | Path, target: Any, tensors: dict, config: An
     expected = (config.vocab_size, config.hidden_size)
     lent = borrow_from_target(Path(model_dir), target, wanted, expected, " or ".join(wanted))
     return {**tensors, **lent}
-
-
-def _read_borrowed(target: Path, wanted: list[str], read: Callable) -> dict[str, Any]:
-    from qstream.checkpoint.files import read_config
-
-    tied = (target / "config.json").exists() and read_config(target).get("tie_word_embeddings")
-    if tied and LM_HEAD in wanted:
-        out = read(target, [EMBED])
-        return {n: out[EMBED] for n in wanted}
-    return read(target, wanted)
-
-
-EMBED_ROWS = 4096  # rows compared at a time: at K3 scale the table is 1.2 B parameters
-
-
-def embed_difference(own: Any, lent: Any) -> float:
-    """Max |own - lent| of the draft's stored embed_tokens and the target's, in float32 (exact
-    for bf16 values), a chunk of rows at a time."""
-    pairs = zip(own.split(EMBED_ROWS), lent.split(EMBED_ROWS), strict=True)
-    return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
 
 
 def load_noting_embed(
