@@ -302,11 +302,28 @@ class DSpark(Draft):
         key_chunk: int | None = None,
     ) -> Blocks:
         """Block n is :meth:`draft_one` (``stream[n]``, ``anchor[n]``, ``first_token[n]``), all at
-        once by :func:`draft_packed`; contexts longer than ``key_chunk`` keys taken in chunks."""
+        once in packed rows (:func:`_pack`); contexts longer than ``key_chunk`` keys in chunks."""
         stream, anchor, first_token = check_blocks(
             self.config.vocab_size, ctx.lengths, stream, anchor, first_token
         )
-        U, hf = draft_packed(self, ctx, stream, anchor, first_token, key_chunk)
+        T_max = int(anchor.max()) if anchor.numel() else 0
+        packing = _pack(stream, anchor, _row_cost(self.config, T_max))
+        B, n = self.config.block_size, self.config.num_attention_heads
+        key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
+        keys = min(max(T_max, 1), key_chunk)
+        rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
+        chunks = [
+            _draft_rows(self, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk)
+            for r0 in range(0, packing.R, rows_per_chunk)
+        ]
+        U, hf = (torch.cat(parts) for parts in zip(*chunks))  # [R*M, B, V], [R*M, B, H]
+        slots = packing.slot_of_block
+        # [N, B, V] gathers are costly at V = 32k: skipped when slot i holds block i
+        if not (
+            len(slots) == len(packing.block_of_slot)
+            and torch.equal(slots, torch.arange(len(slots)))
+        ):
+            U, hf = U[slots.to(U.device)], hf[slots.to(U.device)]
         return Blocks(U.float(), hf.float(), first_token.to(self.device))
 
     # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
@@ -314,12 +331,21 @@ class DSpark(Draft):
     def attention_causal(
         self, i: int, h: torch.Tensor, pos: torch.Tensor, query_chunk: int | None = None
     ) -> torch.Tensor:
-        """Layer i's attention as a causal decoder: h [S, T, H] (input-normed) -> o_proj's [S, T, H]."""
+        """Layer i's attention as a causal decoder: h [S, T, H] (input-normed) -> o_proj's
+        [S, T, H], ``query_chunk`` queries at a time (default: within the budget)."""
         layer = self.layers[i]
         q = layer.query(h, pos).transpose(1, 2)  # [S, n, T, dk]
         k, v = layer.expand(*layer.latent(h, pos))  # [S, n, T, dk], [S, n, T, dv]
-        out = causal_attention(self, q, k, v, query_chunk)  # [S, n, T, dv]
-        return layer.attention_output(out.transpose(1, 2).flatten(2))  # [S, T, n*dv] -> [S, T, H]
+        S, n, T, _ = q.shape
+        chunk = query_chunk or max(1, SCORE_BUDGET // max(1, S * n * T))
+        outs = []
+        for q0 in range(0, T, chunk):
+            q1 = min(T, q0 + chunk)
+            future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(q0 + 1)
+            scores = self.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
+            outs.append(self.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
+        out = torch.cat(outs, dim=2)  # [S, n, T, dv]
+        return layer.attention_output(out.transpose(1, 2).flatten(2))  # [S, T, H]
 
     def causal_hidden(
         self, ids: torch.Tensor, depth: int | None = None, query_chunk: int | None = None
@@ -416,32 +442,6 @@ SCORE_BUDGET = 1 << 25
 MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
 
 
-def draft_packed(
-    model: DSpark,
-    ctx: ContextCache,
-    stream: torch.Tensor,
-    anchor: torch.Tensor,
-    first_token: torch.Tensor,
-    key_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:meth:`DSpark.draft_one` for N checked blocks -> U [N, B, V], hf [N, B, H] (model dtype)."""
-    T_max = int(anchor.max()) if anchor.numel() else 0
-    packing = _pack(stream, anchor, _row_cost(model.config, T_max))
-    B, n = model.config.block_size, model.config.num_attention_heads
-    key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
-    keys = min(max(T_max, 1), key_chunk)
-    rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
-    chunks = [
-        _draft_rows(model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk)
-        for r0 in range(0, packing.R, rows_per_chunk)
-    ]
-    U_rows, hf_rows = (torch.cat(parts) for parts in zip(*chunks))  # [R*M, B, V], [R*M, B, H]
-    if not packing.in_order:  # [N, B, V] gathers are costly at V = 32k: skip when possible
-        slots = packing.slot_of_block.to(U_rows.device)
-        U_rows, hf_rows = U_rows[slots], hf_rows[slots]
-    return U_rows, hf_rows
-
-
 def _draft_rows(
     model: DSpark,
     ctx: ContextCache,
@@ -457,7 +457,9 @@ def _draft_rows(
     T = max(int(row_anchor.max()), 1)
     row_stream, row_anchor = row_stream.to(dev), row_anchor.to(dev)
     tokens = torch.full((R, M, B), c.mask_token_id, device=dev)
-    tokens[..., 0] = pk.first_token_slots(first_token.cpu())[rows].to(dev)
+    # padding slots get the first block's token
+    slot_tokens = first_token.cpu()[pk.block_of_slot.clamp(min=0)].view(-1, pk.M)
+    tokens[..., 0] = slot_tokens[rows].to(dev)
     pos = row_anchor[..., None] + torch.arange(B, device=dev)  # [R, M, B]
     # context j < p only: position p itself and everything after it is hidden
     hidden = torch.arange(T, device=dev) >= row_anchor[..., None, None]  # [R, M, 1, T]
@@ -557,22 +559,6 @@ class OnlineSoftmax:
         return (self.acc / self.denom).to(self.dtype)
 
 
-def causal_attention(
-    model: DSpark, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None = None
-) -> torch.Tensor:
-    """Causal attention of q, k [S, n, T, dk], v [S, n, T, dv] -> [S, n, T, dv], ``query_chunk``
-    queries at a time (default: within the budget)."""
-    S, n, T, _ = q.shape
-    chunk = query_chunk or max(1, SCORE_BUDGET // max(1, S * n * T))
-    outs = []
-    for q0 in range(0, T, chunk):
-        q1 = min(T, q0 + chunk)
-        future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(q0 + 1)  # j > q
-        scores = model.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
-        outs.append(model.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
-    return torch.cat(outs, dim=2)
-
-
 def cached_causal_attention(
     model: DSpark,
     layer: Layer,
@@ -661,18 +647,6 @@ class _Packing:
     @property
     def R(self) -> int:
         return self.row_stream.numel()
-
-    @property
-    def in_order(self) -> bool:
-        """Slot i holds block i (no padding, blocks given stream by stream)."""
-        return self.slot_of_block.numel() == self.block_of_slot.numel() and bool(
-            (self.slot_of_block == torch.arange(self.slot_of_block.numel())).all()
-        )
-
-    def first_token_slots(self, first_token: torch.Tensor) -> torch.Tensor:
-        """[N] per block -> [R, M] per slot (padding slots get the first block's token)."""
-        idx = self.block_of_slot.clamp(min=0)
-        return first_token[idx].view(-1, self.M)
 
 
 def _row_cost(c: DSparkConfig, T: int) -> float:
