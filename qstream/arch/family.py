@@ -53,7 +53,9 @@ class DSparkFamily:
         ServedLinears, qstream/eval/variants.py's ``served_linears``)."""
         check_served(variant, served)
         model = getattr(importlib.import_module(self.model_module), self.model_class)
-        return model(config, weights, variant.dtype, device, variant.kv, served)
+        return model(
+            config, weights, dtype=variant.dtype, device=device, kv=variant.kv, served=served
+        )
 
     def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
         return importlib.import_module(self.model_module).CausalStream(model, ids, dtype, depth)
@@ -213,14 +215,21 @@ def read_indexed(
     return tensors
 
 
-def borrow_missing(model_dir: str | Path, target: Any, tensors: dict, config: Any) -> dict:
-    """``tensors`` plus those of embed_tokens and lm_head they lack, from ``target``."""
-    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
-    if not wanted:
-        return tensors
-    expected = (config.vocab_size, config.hidden_size)
-    lent = borrow_from_target(Path(model_dir), target, wanted, expected, " or ".join(wanted))
-    return {**tensors, **lent}
+def borrowing_loader(read_draft_tensors: Callable[[Any, Any], dict]) -> Callable[..., dict]:
+    """An architecture's ``load_weights(model_dir, target, config, noted=None)``: the draft's
+    tensors plus those of embed_tokens and lm_head they lack, from ``target`` (default
+    ``model_dir/target_head``); a stored embed_tokens serves, so ``noted`` is never called."""
+
+    def load_weights(model_dir: str | Path, target: Any, config: Any, noted: Any = None) -> dict:
+        tensors = read_draft_tensors(model_dir, config)
+        wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
+        if not wanted:
+            return tensors
+        expected = (config.vocab_size, config.hidden_size)
+        lent = borrow_from_target(Path(model_dir), target, wanted, expected, " or ".join(wanted))
+        return {**tensors, **lent}
+
+    return load_weights
 
 
 def load_noting_embed(

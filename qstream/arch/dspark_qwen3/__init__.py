@@ -17,7 +17,7 @@ the dense layout (``DSparkSpeculator.__init__``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -400,17 +400,9 @@ def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict
     return family.read_indexed(directory, config, check_tensors)
 
 
-def load_weights(
-    model_dir: str | Path,
-    target: str | Path | None,
-    config: Qwen3DSparkConfig,
-    noted: Callable[[dict], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The draft's tensors plus those it lacks of ``embed_tokens.weight`` and ``lm_head.weight``,
-    from ``target`` (default ``model_dir/target_head``).  A stored embed_tokens serves, as vLLM
-    0.32.0's ``Qwen3DSparkForCausalLM.load_weights`` sets ``has_own_embed_tokens`` and
-    ``maybe_share_target_embed`` shares the target's only when equal: ``noted`` is not called."""
-    return family.borrow_missing(model_dir, target, read_draft_tensors(model_dir, config), config)
+# A stored embed_tokens serves, as vLLM 0.32.0's Qwen3DSparkForCausalLM.load_weights sets
+# has_own_embed_tokens and maybe_share_target_embed shares the target's only when equal.
+load_weights = family.borrowing_loader(read_draft_tensors)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -31,6 +31,7 @@ from qstream.arch.dspark_qwen3 import (
 from qstream.arch.family import D2T, check, check_table, number
 from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.errors import QStreamError
+from qstream.serving import DEFAULTS
 
 if TYPE_CHECKING:
     import torch
@@ -400,16 +401,9 @@ def read_draft_tensors(directory: str | Path, config: Eagle3Config) -> dict[str,
     )  # fmt: skip
 
 
-def load_weights(
-    model_dir: str | Path,
-    target: str | Path | None,
-    config: Eagle3Config,
-    noted: Callable[[dict], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The draft's tensors plus the target's ``embed_tokens`` (and ``lm_head``, full vocabulary)
-    when it has none: a stored one serves, as ``process_eagle_weight`` (vllm/model_executor/
-    models/utils.py) marks it the draft's own; ``noted`` is not called."""
-    return family.borrow_missing(model_dir, target, read_draft_tensors(model_dir, config), config)
+# A stored embed_tokens serves, as process_eagle_weight (vllm/model_executor/models/utils.py)
+# marks it the draft's own; the target's lm_head too, for a full vocabulary.
+load_weights = family.borrowing_loader(read_draft_tensors)
 
 
 def _preset(**kw: Any) -> Eagle3Config:
@@ -478,11 +472,10 @@ def _serving(form: str) -> dict[str, Any]:
 SERVING = tuple(_serving(form) for form in FORMS)
 
 
-class Eagle3:
-    """The descriptor: what the package can ask of an EAGLE-3 draft today (docs/eagle3.md):
-    config, tensors, loading, the forward (fp32 and bf16 compute), its chain drafter and both
-    forms' serving profiles; no FLOP model."""
+class Eagle3(family.DSparkFamily):
+    """The descriptor (docs/eagle3.md): the family's calls, its chain drafter's but."""
 
+    model_module, model_class = f"{__name__}.model", "Eagle3Draft"
     config_type: type = Eagle3Config
     quantize_include: tuple[str, ...] = DEFAULT_INCLUDE
     presets: Mapping[str, Eagle3Config] = PRESETS
@@ -492,8 +485,6 @@ class Eagle3:
     # speculators saves embed_tokens, and vLLM then embeds with it (process_eagle_weight)
     ships_embed_tokens: bool = True
     embeds_with_target: bool = False
-    not_evaluated: str | None = None
-    not_captured: str | None = None
     not_calibrated: str | None = "an EAGLE-3 draft is not calibrated yet (docs/eagle3.md)"
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
@@ -501,32 +492,20 @@ class Eagle3:
             a in ARCHITECTURES for a in (data.get("architectures") or [])
         )
 
-    def parse_config(self, data: Mapping[str, Any]) -> Eagle3Config:
-        return Eagle3Config.from_json(dict(data))
-
-    def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str:
-        return ""
-
     tensor_shapes = staticmethod(tensor_shapes)
     load_weights = staticmethod(load_weights)
 
     def build(
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
-        """The forward serving ``weights`` as ``variant`` says: its dtype, KV cache, and
-        ``served``'s input quantizers and drafting head (docs/eagle3.md, "Serving conditions");
-        a KV scale other than 1.0 is one line (vLLM's EAGLE-3 loader is not followed there)."""
-        from qstream.serving import DEFAULTS
-
+        """The family's, but a KV scale other than 1.0 (vLLM's EAGLE-3 loader is not followed
+        there, docs/eagle3.md, "Serving conditions")."""
         if variant.kv_scale != DEFAULTS["kv_scale"]:
             raise QStreamError(
                 f"variant {variant.name}: kvscale={variant.kv_scale} is not evaluated for "
                 "EAGLE-3 drafts yet (docs/eagle3.md)"
             )
-        family.check_served(variant, served)
-        # by name, as DSparkFamily.build: the forward imports this module
-        model = importlib.import_module(f"{__name__}.model").Eagle3Draft
-        return model(config, weights, device, variant.dtype, variant.kv, served)
+        return super().build(config, weights, variant, device, served)
 
     @property
     def drafter(self) -> Any:
@@ -535,28 +514,6 @@ class Eagle3:
 
     def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
         return importlib.import_module(f"{__name__}.drafter").CausalRows(model, ids, dtype, depth)
-
-    # The FLOP model (docs/eval-drift.md, "FLOP model"): multiply-adds of the products, x2
-    def context_flops(self, config: Any) -> float:
-        """One prefill position: fc, then a step without its lm_head."""
-        return 2.0 * config.aux_size * config.hidden_size + _step_flops(config)
-
-    def drafted_flops(self, config: Any, anchor: Any) -> float:
-        """Per block: the first token's lm_head, then k - 1 steps with theirs."""
-        head = 2.0 * config.hidden_size * config.draft_vocab_size
-        k = config.block_size
-        return float(len(anchor)) * (k * head + (k - 1) * _step_flops(config))
-
-    def causal_flops(self, config: Any, T: int) -> float:
-        """The boot regime's causal pass: one step per aux layer at each of T positions."""
-        return float(T) * config.num_target_layers * _step_flops(config)
-
-
-def _step_flops(config: Eagle3Config) -> float:
-    """One step's products but lm_head's: q/k/v over [embedding ‖ hidden], o_proj, the MLP."""
-    H, d = config.hidden_size, config.head_dim
-    qkv = 2 * H * d * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    return 2.0 * (qkv + config.num_attention_heads * d * H + 3 * H * config.intermediate_size)
 
 
 ARCH = Eagle3()

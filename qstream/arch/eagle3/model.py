@@ -189,3 +189,30 @@ class Eagle3Draft(DenseDraft):
             hidden = self.step(ids, hidden, pos, logits=False).hidden
             out.append(hidden.float())
         return torch.stack(out, 2)
+
+
+# The FLOP model (docs/eval-drift.md, "FLOP model"): multiply-adds of the products, x2
+
+
+def _step_flops(config: Eagle3Config) -> float:
+    """One step's products but lm_head's: q/k/v over [embedding ‖ hidden], o_proj, the MLP."""
+    H, d = config.hidden_size, config.head_dim
+    qkv = 2 * H * d * (config.num_attention_heads + 2 * config.num_key_value_heads)
+    return 2.0 * (qkv + config.num_attention_heads * d * H + 3 * H * config.intermediate_size)
+
+
+def context_flops(config: Eagle3Config) -> float:
+    """One prefill position: fc, then a step without its lm_head."""
+    return 2.0 * config.aux_size * config.hidden_size + _step_flops(config)
+
+
+def drafted_flops(config: Eagle3Config, anchor: torch.Tensor) -> float:
+    """Per block: the first token's lm_head, then k - 1 steps with theirs."""
+    head = 2.0 * config.hidden_size * config.draft_vocab_size
+    k = config.block_size
+    return float(len(anchor)) * (k * head + (k - 1) * _step_flops(config))
+
+
+def causal_flops(config: Eagle3Config, T: int) -> float:
+    """The boot regime's causal pass: one step per aux layer at each of T positions."""
+    return float(T) * config.num_target_layers * _step_flops(config)
