@@ -32,6 +32,13 @@ class DSparkFamily:
     config_type: type
     model_module: str  # the forward and FLOP model
     model_class: str  # the module's draft model class
+    quantize_include: tuple[str, ...]  # --include_layers' default (pure Python: --help reads it)
+    presets: Mapping[str, Any]
+    serving: tuple[Mapping[str, Any], ...]
+    final_norm = "norm.weight"
+    context_proj = "fc"
+    ships_embed_tokens = True
+    embeds_with_target = False
     not_evaluated: str | None = None
     not_captured: str | None = None
     not_calibrated: str | None = None

@@ -396,14 +396,12 @@ class DSparkMLA(DSparkFamily):
 
     model_module, model_class = "qstream.arch.dspark_mla.model", "DSpark"
     config_type: type = DSparkConfig
-    # --include_layers' default (pure Python here: --help reads it)
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
-    presets: Mapping[str, DSparkConfig] = PRESETS
+    presets: Mapping[str, Any] = PRESETS
     serving: tuple[Mapping[str, Any], ...] = (SERVING,)
-    final_norm: str = "final_norm.weight"
-    context_proj: str = "context_proj"
-    ships_embed_tokens: bool = True
-    embeds_with_target: bool = True  # load_weights: the target's embed_tokens, as vLLM serves
+    final_norm = "final_norm.weight"
+    context_proj = "context_proj"
+    embeds_with_target = True  # load_weights: the target's embed_tokens, as vLLM serves
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         return data.get("architectures") == [ARCHITECTURE] or data.get("model_type") == MODEL_TYPE

@@ -484,14 +484,11 @@ class DSparkQwen3(DSparkFamily):
     model_module, model_class = "qstream.arch.dspark_qwen3.model", "Qwen3DSpark"
     config_type: type = Qwen3DSparkConfig
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
-    presets: Mapping[str, Qwen3DSparkConfig] = PRESETS
+    presets: Mapping[str, Any] = PRESETS
     serving: tuple[Mapping[str, Any], ...] = (SERVING,)
-    final_norm: str = "norm.weight"
-    context_proj: str = "fc"
     # speculators never saves embed_tokens; vLLM then shares the target's
     # (Qwen3DSparkForCausalLM.load_weights in vllm/model_executor/models/qwen3_dspark.py)
-    ships_embed_tokens: bool = False
-    embeds_with_target: bool = False  # a stored embed_tokens serves (load_weights)
+    ships_embed_tokens = False
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         # every speculators config: its parser names a speculators_model_type it does not know

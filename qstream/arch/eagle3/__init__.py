@@ -478,13 +478,9 @@ class Eagle3(family.DSparkFamily):
     model_module, model_class = f"{__name__}.model", "Eagle3Draft"
     config_type: type = Eagle3Config
     quantize_include: tuple[str, ...] = DEFAULT_INCLUDE
-    presets: Mapping[str, Eagle3Config] = PRESETS
+    presets: Mapping[str, Any] = PRESETS
     serving: tuple[Mapping[str, Any], ...] = SERVING
-    final_norm: str = "norm.weight"
-    context_proj: str = "fc"
-    # speculators saves embed_tokens, and vLLM then embeds with it (process_eagle_weight)
-    ships_embed_tokens: bool = True
-    embeds_with_target: bool = False
+    # ships_embed_tokens: speculators saves it, and vLLM then embeds with it (process_eagle_weight)
     not_calibrated: str | None = "an EAGLE-3 draft is not calibrated yet (docs/eagle3.md)"
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
