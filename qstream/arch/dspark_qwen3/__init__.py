@@ -123,9 +123,6 @@ class Qwen3DSparkConfig:
         family.check_target_layers(self.target_layer_ids, self.target_num_hidden_layers)
         if (top := self.target_num_hidden_layers) is not None:
             check(positive_int(top), "target_num_hidden_layers", top, "must be a positive integer")
-        self._check_heads()
-
-    def _check_heads(self) -> None:
         r = self.markov_rank
         check(is_int(r) and r >= 0, "markov_rank", r, "must be an integer >= 0 (0: no head)")
         # vLLM 0.32.0's Qwen3DSparkModel builds only the vanilla DSparkMarkovHead

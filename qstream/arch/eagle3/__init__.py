@@ -256,7 +256,9 @@ class Eagle3Config:
         kwargs = {f: flat[f] for f in names if flat.get(f) is not None}
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
         kwargs.setdefault("target_hidden_size", kwargs.get("hidden_size"))
-        kwargs.setdefault("head_dim", _head_dim(kwargs))
+        H, n = kwargs.get("hidden_size"), kwargs.get("num_attention_heads")
+        ok = family.positive_int(H) and family.positive_int(n)  # transformers' LlamaConfig default
+        kwargs.setdefault("head_dim", int(H) // int(n) if ok else None)  # type: ignore[arg-type]
         kwargs["num_aux_hidden_states"] = _fc_inputs(flat)
         if kwargs.get("aux_layer_ids") is not None:
             ids = kwargs["aux_layer_ids"]
@@ -281,14 +283,6 @@ def _fc_inputs(flat: dict[str, Any]) -> Any:
         if count:
             return len(count) if isinstance(count, list) else count
     return DEFAULT_AUX
-
-
-def _head_dim(kwargs: dict[str, Any]) -> Any:
-    """Llama's default head width, hidden_size // num_attention_heads (transformers' LlamaConfig)."""
-    H, n = kwargs.get("hidden_size"), kwargs.get("num_attention_heads")
-    if family.positive_int(H) and family.positive_int(n):
-        return int(H) // int(n)  # type: ignore[arg-type]
-    return None
 
 
 def _dense(data: dict[str, Any]) -> dict[str, Any]:
@@ -325,18 +319,17 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
         if data.get(key) is not None:
             flat[key] = data[key]
     flat["norm_before_residual"] = data.get("norm_before_residual", True)
-    flat["num_speculative_tokens"] = _proposal_tokens(data.get("speculators_config"))
+    # speculators_config's first proposal method's speculative_tokens (None: absent), as
+    # build_vllm_speculative_config (vllm/transformers_utils/configs/speculators/base.py)
+    spec = data.get("speculators_config")
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    first = methods[0] if isinstance(methods, list) and methods else None
+    flat["num_speculative_tokens"] = (
+        first.get("speculative_tokens") if isinstance(first, dict) else None
+    )
     ids = data.get("eagle_aux_hidden_state_layer_ids") or None
     flat["aux_layer_ids"] = flat["eagle_aux_hidden_state_layer_ids"] = ids
     return flat
-
-
-def _proposal_tokens(spec: Any) -> Any:
-    """speculators_config's first proposal method's ``speculative_tokens`` (None: absent), as
-    ``build_vllm_speculative_config`` (vllm/transformers_utils/configs/speculators/base.py)."""
-    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
-    first = methods[0] if isinstance(methods, list) and methods else None
-    return first.get("speculative_tokens") if isinstance(first, dict) else None
 
 
 # Keys that change vLLM 0.32.0's EAGLE-3 forward in ways qstream does not model yet, with the
