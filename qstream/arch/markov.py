@@ -18,18 +18,14 @@ from qstream.arch.interface import Blocks, DraftConfig, Rollout
 from qstream.arch.weights import ComputeWeights, embedding, held_fp32
 
 
-class MarkovWeights(Protocol):
-    """What the Markov head reads: a draft model, its :class:`HostHead`, a :class:`ReferenceHead`."""
+class HeadModel(Protocol):
+    """What the heads read: a draft model, its :class:`HostHead` or a :class:`ReferenceHead`
+    (the Markov head's alone: no config)."""
 
     @property
     def w(self) -> Mapping[str, torch.Tensor]: ...
     @property
     def dtype(self) -> torch.dtype: ...
-
-
-class HeadModel(MarkovWeights, Protocol):
-    """What the confidence head reads besides: a draft model, or its :class:`HostHead`."""
-
     @property
     def config(self) -> DraftConfig: ...
 
@@ -77,7 +73,7 @@ MARKOV_TABLE = "markov_head.markov_w2.weight"
 MARKOV_EMBED = "markov_head.markov_w1.weight"
 
 
-def markov_table(model: MarkovWeights) -> torch.Tensor | None:
+def markov_table(model: HeadModel) -> torch.Tensor | None:
     """markov_w2 [V, r] in the model's dtype, read once per rollout (an upcast one lives in the
     weights' reused buffer until their next product); None without a Markov head (DFlash)."""
     w = model.w
@@ -87,7 +83,7 @@ def markov_table(model: MarkovWeights) -> torch.Tensor | None:
 
 
 def markov_logits(
-    model: MarkovWeights,
+    model: HeadModel,
     logits_base: torch.Tensor,
     prev: torch.Tensor,
     table: torch.Tensor | None = None,
@@ -209,6 +205,7 @@ class ReferenceHead:
 
     w: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32  # the reference's: its final sum stays fp32
+    config: Any = None
 
 
 class BlockDrafter:
