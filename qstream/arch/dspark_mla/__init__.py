@@ -381,13 +381,8 @@ SERVING = {
 
 
 # The module kinds docs/model.md quantizes in a shipped DSpark (61% of K3's parameters).
-QUANTIZE_INCLUDE = (
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "self_attn.o_proj",
-    "self_attn.q_b_proj",
-    "context_proj",
+QUANTIZE_INCLUDE = tuple(
+    "mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.o_proj self_attn.q_b_proj context_proj".split()
 )
 
 

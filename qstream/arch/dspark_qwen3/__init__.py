@@ -447,15 +447,9 @@ LM_HEADS = {
 }
 # The module kinds a shipped draft quantizes by default: the backbone's Linear layers and fc
 # (the descriptor's quantize_include, docs/qwen3-dspark.md, "What is quantized").
-DEFAULT_INCLUDE = (
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "fc",
+DEFAULT_INCLUDE = tuple(
+    "mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.q_proj self_attn.k_proj self_attn.v_proj "
+    "self_attn.o_proj fc".split()
 )
 SERVING: dict[str, Any] = {
     "name": "Qwen3DSparkModel",

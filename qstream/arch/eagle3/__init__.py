@@ -96,11 +96,8 @@ class Llama3Rope:
         import torch
 
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        orig, low, high = (
-            self.original_max_position_embeddings,
-            self.low_freq_factor,
-            self.high_freq_factor,
-        )
+        orig = self.original_max_position_embeddings
+        low, high = self.low_freq_factor, self.high_freq_factor
         wave_len = 2 * math.pi / inv
         smooth = (orig / wave_len - low) / (high - low) if low != high else 0
         scaled = torch.where(wave_len > orig / low, inv / self.factor,
