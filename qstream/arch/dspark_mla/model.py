@@ -473,33 +473,29 @@ def _draft_rows(
         else:
             k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [R, M, n, B, d]
             s_blk = model.scores(q, k_blk.transpose(1, 2))  # [R, n, M, B, B]: no causal mask
-            attend = _attend_block if T <= key_chunk else _attend_block_chunked
-            out = attend(model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk)
+            M, B = q.shape[2:4]  # q [R, n, M, B, dk]
+            if T <= key_chunk:  # one softmax over the whole context plus the block
+                k_ctx, v_ctx = layer.expand(latent, rope_key)  # [R, n, T, d]
+                s_ctx = model.scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))
+                s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))  # [R, n, M, B, T]
+                p = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(model.dtype)
+                p_ctx, p_blk = p.split([T, B], dim=-1)
+                out = (p_ctx.flatten(2, 3) @ v_ctx).unflatten(2, (M, B))  # [R, n, M, B, dv]
+                out = out + p_blk @ v_blk.transpose(1, 2)
+            else:  # context keys key_chunk at a time; the block's own (never masked) first
+                out = _attend_chunked(
+                    model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk
+                )
         out = out.permute(0, 2, 3, 1, 4).flatten(3)  # [R, M, B, n*dv]
         x = x + layer.attention_output(out)
         x = x + layer.mlp(x)
     return model.head(x.flatten(0, 1))  # [R*M, B, V], [R*M, B, H]
 
 
-def _attend_block(
-    model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
-) -> torch.Tensor:
-    """One softmax over the whole context plus the block: -> [R, n, M, B, dv]."""
-    M, B = q.shape[2:4]  # q [R, n, M, B, dk]
-    T = latent.shape[1]
-    k_ctx, v_ctx = layer.expand(latent, rope_key)  # [R, n, T, d]
-    s_ctx = model.scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))  # [R, n, M, B, T]
-    s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))
-    p = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(model.dtype)
-    p_ctx, p_blk = p.split([T, B], dim=-1)
-    out = (p_ctx.flatten(2, 3) @ v_ctx).unflatten(2, (M, B))  # [R, n, M, B, dv]
-    return out + p_blk @ v_blk.transpose(1, 2)
-
-
 def _attend_absorbed(
     model: DSpark, layer: Layer, q, h, pos, latent, rope_key, hidden
 ) -> torch.Tensor:
-    """:func:`_attend_block` as vLLM's decode path (:class:`Layer`): each row's cache holds its
+    """The block's attention as vLLM's decode path (:class:`Layer`): each row's cache holds its
     context and every slot's block, slot m's queries see the context before its anchor and
     its own block, one softmax and one P·V per row -> [R, n, M, B, kv_lora]."""
     M, B = q.shape[2:4]  # q [R, n, M, B, kv_lora+rope]
@@ -514,10 +510,9 @@ def _attend_absorbed(
     return _heads_matmul(p.to(model.dtype).flatten(2, 3), v).unflatten(2, (M, B))
 
 
-def _attend_block_chunked(
+def _attend_chunked(
     model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
 ) -> torch.Tensor:
-    """The same, context keys ``key_chunk`` at a time; the block's own (never masked) first."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     softmax = OnlineSoftmax(model.dtype)
     softmax.add(s_blk, lambda p: model.partial_pv(p, v_blk.transpose(1, 2)))  # [R, n, M, B, dv]
