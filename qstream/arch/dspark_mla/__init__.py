@@ -224,10 +224,6 @@ PRESETS: dict[str, DSparkConfig] = {
 }  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# The tensor table
-
-
 def tensor_shapes(config: DSparkConfig) -> dict[str, tuple[int, ...]]:
     """docs/model.md's tensor table: name -> shape, in checkpoint order."""
     c = config
@@ -266,10 +262,6 @@ def check_tensors(
     expected = {**tensor_shapes(config), **(extra or {})}
     family.check_table(expected, expected, shapes, where, "DSpark draft",
                 lambda name, shape: family.shape_hint(config, name, shape))  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
 
 
 def load_config(directory: str | Path) -> DSparkConfig:
@@ -324,7 +316,6 @@ def load_weights(
     return {**tensors, **lent}
 
 
-# ---------------------------------------------------------------------------------------------
 # How vLLM 0.32.0 serves the draft (vllm/models/kimi_k3/nvidia/dspark_mla.py), as data:
 # SERVING is the K3DSparkModel serving profile that qstream/vllm/profiles.py builds
 # (docs/vllm.md cites each rule).

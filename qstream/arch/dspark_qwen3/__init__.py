@@ -336,10 +336,6 @@ PRESETS: dict[str, Qwen3DSparkConfig] = {
 OPTIONAL = (EMBED,)
 
 
-# ---------------------------------------------------------------------------------------------
-# The tensor table
-
-
 def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor vLLM builds for ``config``, in checkpoint order (``lm_head.weight`` and
     ``d2t``: a reduced-vocabulary draft's)."""
@@ -388,10 +384,6 @@ def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
     return ""
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
 def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict[str, torch.Tensor]:
     """Every tensor of the draft checkpoint, dequantized and checked (:func:`check_tensors`)."""
     return family.read_indexed(directory, config, check_tensors)
@@ -402,7 +394,6 @@ def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict
 load_weights = family.borrowing_loader(read_draft_tensors)
 
 
-# ---------------------------------------------------------------------------------------------
 # How vLLM 0.32.0 serves the draft (vllm/model_executor/models/qwen3_dspark.py over
 # qwen3_dflash.py), as data: SERVING is the Qwen3DSparkModel serving profile that
 # qstream/vllm/profiles.py builds (docs/vllm.md, "The Qwen3-style DSpark draft", cites each rule).

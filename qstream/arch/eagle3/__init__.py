@@ -345,10 +345,6 @@ def _refuse_unmodelled(flat: dict[str, Any]) -> None:
     family.refuse_unmodelled(UNMODELLED, flat.get, flat.get("layer_types") or [])
 
 
-# ---------------------------------------------------------------------------------------------
-# The tensor table
-
-
 def tensor_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Every tensor of the draft, in checkpoint order, under speculators' names (``layers.0.``;
     a checkpoint's ``midlayer.`` is read as it): embed_tokens and lm_head may be the target's,
