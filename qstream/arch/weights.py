@@ -218,9 +218,8 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscal
 
 
 class Draft:
-    """A draft's forward computing in ``dtype`` on ``device``: ``weights`` (name -> tensor of any
-    float dtype, the index maps d2t/t2d left out) held once, after ``check``; ``kv``: its KV
-    cache; ``served``: how its linears take their inputs.  ``setup`` does the rest."""
+    """A draft's forward in ``dtype`` on ``device``: ``weights`` (d2t/t2d left out) held once
+    after ``check``, ``kv`` its KV cache, ``served`` its linears' inputs; ``setup`` the rest."""
 
     # On the CPU a bf16 model multiplies its operands upcast exactly to fp32 (``fp32_products``):
     # torch's CPU bf16 kernel is ~10x slower and differs only in the order of the fp32 sums
@@ -254,9 +253,8 @@ class Draft:
 
 
 class DenseDraft(Draft):
-    """What the Qwen3-style DSpark (vLLM 0.32.0's qwen3_dflash.py) and EAGLE-3
-    (llama_eagle3.py) forwards share: biased projections, GQA attention with RoPE and an fp8 KV
-    cache, the SwiGLU MLP."""
+    """The Qwen3-style DSpark's (vLLM 0.32.0's qwen3_dflash.py) and EAGLE-3's (llama_eagle3.py)
+    layers: biased projections, GQA attention with RoPE and an fp8 KV cache, the SwiGLU MLP."""
 
     qk_norm = True  # q and k RMS-normed per head (Qwen3)
     check_tensors: Callable[[Any, Mapping[str, tuple[int, ...]], str], None]

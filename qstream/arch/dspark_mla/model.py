@@ -220,15 +220,14 @@ class DSpark(Draft):
         return _heads_matmul(p.float(), v.float()) if self.layers[0].absorbed else p @ v
 
     def attend(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(scores) in fp32, rounded to the model's dtype, times v [..., Tk, dv] (one GEMM
-        accumulating in fp32, rounded once)."""
+        """softmax(scores) in fp32, rounded to the model's dtype, times v [..., Tk, dv]."""
         return _heads_matmul(torch.softmax(scores, dim=-1).to(self.dtype), v)
 
     def context(
         self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None
     ) -> ContextCache:
-        """aux [S, T, A] -> every layer's context latent and rope key at positions 0..T-1;
-        ``lengths`` [S] marks right padding.  Projected ``CONTEXT_ELEMENTS`` at a time."""
+        """aux [S, T, A] (``lengths`` [S]: right padding) -> every layer's context latent and
+        rope key at positions 0..T-1, projected ``CONTEXT_ELEMENTS`` at a time."""
         c = self.config
         S, T, lengths = context_lengths(c.aux_size, aux, lengths)
         if isinstance(aux, torch.Tensor):
@@ -284,8 +283,8 @@ class DSpark(Draft):
     def block_attention(
         self, layer: Layer, h: torch.Tensor, pos: torch.Tensor, latent, rope_key
     ) -> torch.Tensor:
-        """``layer``'s attention of one block h [B, H] (input-normed) at ``pos`` [B] over its
-        context's cache rows (latent [p, kv_lora], rope_key [p, rope]) and its own -> [B, H]."""
+        """``layer``'s attention of one input-normed block h [B, H] over its context's cache rows
+        (latent [p, kv_lora], rope_key [p, rope]) and its own -> [B, H]."""
         q = layer.query(h, pos).transpose(0, 1)  # [n, B, dk]
         k_ctx, v_ctx = layer.expand(latent, rope_key)  # [n, p, d]
         k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [n, B, d]
@@ -366,8 +365,7 @@ class DSpark(Draft):
 def load_model(
     model_dir: str | Path, target: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> DSpark:
-    """A ready :class:`DSpark` from a checkpoint, weights and compute in ``dtype`` (the lm_head
-    from ``target``, default ckpt/target_head/)."""
+    """A :class:`DSpark` of a checkpoint in ``dtype``, the lm_head from ``target``."""
     config = load_config(model_dir)
     return DSpark(config, load_weights(model_dir, target, config), dtype)
 

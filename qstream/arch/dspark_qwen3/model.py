@@ -55,8 +55,7 @@ class Qwen3DSpark(DenseDraft):
         )
 
     def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv, mask=None) -> torch.Tensor:
-        """Layer i over x [..., T, H]; ``kv(k, v)``: the keys and values it attends to, given
-        its own."""
+        """Layer i over x [..., T, H]; ``kv(k, v)``: what it attends to, given its own k, v."""
         h = self.norm(x, f"layers.{i}.input_layernorm")
         k, v = kv(*self.key_value(i, h, pos))
         x = x + self.proj(
@@ -65,8 +64,8 @@ class Qwen3DSpark(DenseDraft):
         return x + self.mlp(i, x)
 
     def context(self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None):
-        """aux [S, T, A] -> every layer's context keys and values at positions 0..T-1 (``lengths``
-        [S]: right padding), projected ``CONTEXT_ELEMENTS`` at a time."""
+        """aux [S, T, A] (``lengths`` [S]: right padding) -> every layer's context keys and
+        values at positions 0..T-1, projected ``CONTEXT_ELEMENTS`` at a time."""
         c = self.config
         S, T, lengths = context_lengths(c.aux_size, aux, lengths)
         step = max(1, CONTEXT_ELEMENTS // max(1, S * c.aux_size))

@@ -63,10 +63,8 @@ class ChainDrafter:
     def rollout(
         self, state: Chained, noise=None, temperature: float = 1.0, top_p: float = 1.0
     ) -> Rollout:
-        """Greedy (argmax) or, with ``noise`` [N, k, Vd] of iid Exp(1), each step's token drawn
-        from its full tempered softmax by the exponential race (qstream/arch/markov.py's
-        ``sample``: the block drafters' convention, so that two models given the same noise
-        are coupled), mapped to a target id and fed to the next step."""
+        """Greedy, or each step's token drawn by the race of ``noise`` [N, k, Vd] (markov.py's
+        ``sample``, as the block drafters draw), mapped to a target id and fed back."""
         model = state.model
         N, k, Vd = state.first_token.numel(), model.config.block_size, model.config.draft_vocab_size
         if noise is not None and tuple(noise.shape) != (N, k, Vd):

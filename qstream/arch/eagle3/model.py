@@ -142,8 +142,7 @@ class Eagle3Draft(DenseDraft):
         return self.w.linear(LM_HEAD, normed).float()
 
     def start(self, pre: Steps, stream: torch.Tensor, anchor: torch.Tensor) -> ChainStart:
-        """Where a chain at each (stream[n], anchor[n]) of ``pre`` starts: the prefill's keys
-        and values visible up to the anchor, and its state and logits at the anchor."""
+        """Chains at (stream[n], anchor[n]) of ``pre``: its keys up to, state and logits at it."""
         stream, anchor = stream.to(self.device), anchor.to(self.device)
         P = pre.k.shape[1]
         visible = (torch.arange(P, device=self.device) <= anchor[:, None])[:, None]  # [N, 1, P]
@@ -153,8 +152,7 @@ class Eagle3Draft(DenseDraft):
 
     def run(self, start: ChainStart, k: int, choose: Choose) -> Chain:
         """k steps from ``start``: step j's token is ``choose(j, logits_j)`` (target ids [N]),
-        and step j + 1 reads it beside the state step j handed on, at the following position,
-        attending to the visible prefill and the chain so far."""
+        which step j + 1 reads beside the state step j handed on, at the next position."""
         past_k, past_v, visible = start.k, start.v, start.visible
         logits, hidden = start.logits, start.hidden  # [N, Vd], [N, H]
         out_logits, out_hidden, tokens = [logits], [hidden], [choose(0, logits)]
@@ -170,17 +168,14 @@ class Eagle3Draft(DenseDraft):
         return Chain(torch.stack(tokens, 1), torch.stack(out_logits, 1), torch.stack(out_hidden, 1))
 
     def chain(self, pre: Steps, stream: torch.Tensor, anchor: torch.Tensor, k: int) -> Chain:
-        """k greedy tokens at each (stream[n], anchor[n]) of ``pre``: the first from the prefill
-        step at the anchor, each next one a step at the following position reading the last
-        token and hidden state, attending to the prefill up to the anchor and the chain so far."""
+        """:meth:`run` greedy from :meth:`start`."""
         return self.run(
             self.start(pre, stream, anchor), k, lambda j, x: self.to_target(x.argmax(-1))
         )
 
     def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-        """The midlayer as a causal decoder over ids [S, T] (the boot regime's aux states,
-        docs/eval-drift.md): the first step reads the embedding as its state, each next one the
-        state the step before handed on -> [S, T, depth, H] fp32 (default depth: one)."""
+        """The midlayer as a causal decoder over ids [S, T] (the boot regime, docs/eval-drift.md),
+        the embedding its first state -> [S, T, depth, H] fp32 (default depth: one)."""
         S, T = ids.shape
         pos = torch.arange(T, device=self.device).expand(S, T)
         hidden = self.embed(ids.to(self.device))
