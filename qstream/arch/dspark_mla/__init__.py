@@ -147,13 +147,10 @@ class DSparkConfig:
 
     @property
     def rope_mscale(self) -> float:
-        """The factor on RoPE's cos and sin: ``yarn_get_mscale(factor, mscale) /
-        yarn_get_mscale(factor, mscale_all_dim)``, 1 exactly when mscale == mscale_all_dim
-        (every preset)."""
+        """The factor on RoPE's cos and sin, 1 exactly when mscale == mscale_all_dim."""
         yarn = self.rope_parameters
-        return yarn_get_mscale(yarn.factor, yarn.mscale) / yarn_get_mscale(
-            yarn.factor, yarn.mscale_all_dim
-        )
+        m = yarn_get_mscale(yarn.factor, yarn.mscale_all_dim)
+        return yarn_get_mscale(yarn.factor, yarn.mscale) / m
 
     def to_json(self) -> dict[str, Any]:
         """config.json contents (every field, plus architectures/model_type)."""

@@ -168,8 +168,7 @@ class Qwen3DSparkConfig:
 
     @property
     def own_lm_head(self) -> bool:
-        """Whether the checkpoint must carry its own lm_head (else it may, or borrows the
-        target's)."""
+        """Whether the checkpoint must carry its own lm_head (else it may)."""
         return self.reduced_vocab
 
     def to_json(self) -> dict[str, Any]:
