@@ -231,9 +231,7 @@ class Eagle3Config:
 
     def to_json(self) -> dict[str, Any]:
         """config.json in vLLM's dense layout (what ``Eagle3LlamaForCausalLM`` reads)."""
-        out: dict[str, Any] = {"architectures": [self.architecture]}
-        for key, value in family.fields_json(self, skip_none=True).items():
-            out[key] = value
+        out = {"architectures": [self.architecture], **family.fields_json(self, skip_none=True)}
         ids = out.pop("aux_layer_ids", None)
         if ids is not None:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
