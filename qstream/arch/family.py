@@ -25,6 +25,20 @@ T2D = "t2d"  # [vocab] bool, training only (vLLM 0.32's load_weights skip it)
 INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
 
 
+class Sizes:
+    """The sizes every draft config derives the same way."""
+
+    @property
+    def aux_size(self: Any) -> int:
+        """A: width of one position's aux context (all selected target layers concatenated)."""
+        return self.num_target_layers * self.target_hidden_size
+
+    @property
+    def reduced_vocab(self: Any) -> bool:
+        """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
+        return getattr(self, "draft_vocab_size", self.vocab_size) < self.vocab_size
+
+
 class DSparkFamily:
     """The descriptor calls the same in every DSpark; ``build``, ``causal_stream`` and the FLOP
     model are ``model_module``'s, imported with torch when first called."""

@@ -67,7 +67,7 @@ POSITIVE_INT_FIELDS = (
 
 
 @dataclass(frozen=True)
-class DSparkConfig:
+class DSparkConfig(family.Sizes):
     """One DSpark draft.  Field names and meanings are config.json's (docs/model.md)."""
 
     hidden_size: int  # H, the draft's residual width
@@ -126,11 +126,6 @@ class DSparkConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def aux_size(self) -> int:
-        """A: width of one position's aux context (all selected target layers concatenated)."""
-        return self.num_target_layers * self.target_hidden_size
 
     @property
     def original_max_position_embeddings(self) -> int:

@@ -82,7 +82,7 @@ POSITIVE_INT_FIELDS = (
 
 
 @dataclass(frozen=True)
-class Qwen3DSparkConfig:
+class Qwen3DSparkConfig(family.Sizes):
     """One Qwen3-style DSpark (``markov_rank`` 0: DFlash) draft.  Field names are config.json's,
     except ``block_slots``: its ``block_size``, the query slots of a block (``block_size``
     here: the tokens a block drafts, the interface's meaning)."""
@@ -152,19 +152,10 @@ class Qwen3DSparkConfig:
         return len(self.target_layer_ids)
 
     @property
-    def aux_size(self) -> int:
-        return self.num_target_layers * self.target_hidden_size
-
-    @property
     def original_max_position_embeddings(self) -> int:
         """The context length before YaRN extends it (max_position_embeddings without it)."""
         orig = self.rope_parameters.original_max_position_embeddings
         return orig if orig is not None else self.max_position_embeddings
-
-    @property
-    def reduced_vocab(self) -> bool:
-        """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
-        return self.draft_vocab_size < self.vocab_size
 
     @property
     def own_lm_head(self) -> bool:

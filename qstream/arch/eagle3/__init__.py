@@ -124,7 +124,7 @@ def _rope(flat: dict[str, Any]) -> RopeParameters | Llama3Rope:
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(family.Sizes):
     """One EAGLE-3 draft: one decoder layer whose attention reads [embedding ‖ hidden]."""
 
     model_type: str  # "llama" or "qwen3" (q/k RMSNorm per head)
@@ -188,14 +188,6 @@ class Eagle3Config:
     def qk_norm(self) -> bool:
         """Whether attention RMS-normalises each head's q and k (the Qwen3 form)."""
         return self.model_type == "qwen3"
-
-    @property
-    def aux_size(self) -> int:
-        return self.num_aux_hidden_states * self.target_hidden_size
-
-    @property
-    def reduced_vocab(self) -> bool:
-        return self.draft_vocab_size < self.vocab_size
 
     # What the evaluations read of every draft (qstream/arch/interface.py, DraftConfig)
     @property
