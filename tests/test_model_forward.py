@@ -164,7 +164,7 @@ def test_transposed_markov_table_is_refused(weights):
 @pytest.mark.parametrize("row_cost", [None, 100.0], ids=["cost-model", "multi-slot-rows"])
 @pytest.mark.parametrize("key_chunk", [None, 8], ids=["one-pass", "key-chunked"])
 def test_batched_engine_equals_the_plain_forward(model, key_chunk, row_cost, monkeypatch):
-    # draft() (qstream.arch.dspark_mla.model's draft_packed: rows of one slot as the tiny preset's cost model packs
+    # draft() (rows of one slot as the tiny preset's cost model packs
     # them, or, with rows made costly, packed rows of several slots and a busy stream over
     # several rows; with key_chunk=8 the online softmax over 5 key chunks) against draft_one
     if row_cost is not None:

@@ -1,11 +1,7 @@
-"""What every DSpark-family architecture shares (docs/model.md, "Architectures"): the
-descriptor's common calls, the config.json fields read and checked the same way, and the checks
-of a batch of blocks, a tensor table and a d2t map.  Pure Python at import (``qstream quantize``
-checks a draft's shapes without torch): torch is imported where a call needs it.
-
->>> kwargs = read_fields(DSparkConfig, data)      # ValueError naming a missing key
->>> config = construct(DSparkConfig, kwargs)       # ValueError naming a bad value
-"""
+"""What every draft architecture shares (docs/model.md, "Architectures"): the descriptor's
+common calls, the config.json fields read and checked the same way, loading, and the checks of a
+batch of blocks, a tensor table and a d2t map.  Pure Python at import (``qstream quantize``
+checks a draft's shapes without torch): torch is imported where a call needs it."""
 
 from __future__ import annotations
 
@@ -24,16 +20,39 @@ Shapes = Mapping[str, tuple[int, ...]]
 
 CONFIDENCE_WEIGHT = "confidence_head.proj.weight"
 D2T = "d2t"  # [draft_vocab] int64: target id = draft id + d2t[draft id] (vLLM's draft_id_to_target_id)
+T2D = "t2d"  # [vocab] bool, training only (vLLM 0.32's load_weights skip it)
+# Integer tensors read as stored, with the dtypes each may have (d2t's: d2t_problem).
+INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
+
+
+class Sizes:
+    """The sizes every draft config derives the same way."""
+
+    @property
+    def aux_size(self: Any) -> int:
+        """A: width of one position's aux context (all selected target layers concatenated)."""
+        return self.num_target_layers * self.target_hidden_size
+
+    @property
+    def reduced_vocab(self: Any) -> bool:
+        """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
+        return getattr(self, "draft_vocab_size", self.vocab_size) < self.vocab_size
 
 
 class DSparkFamily:
-    """The descriptor calls the same in every DSpark.  ``build``, ``causal_stream`` and the FLOP
-    calls (docs/eval-drift.md, "FLOP model") are ``model_module``'s, imported with torch when
-    first called."""
+    """The descriptor calls the same in every DSpark; ``build``, ``causal_stream`` and the FLOP
+    model are ``model_module``'s, imported with torch when first called."""
 
     config_type: type
     model_module: str  # the forward and FLOP model
     model_class: str  # the module's draft model class
+    quantize_include: tuple[str, ...]  # --include_layers' default (pure Python: --help reads it)
+    presets: Mapping[str, Any]
+    serving: tuple[Mapping[str, Any], ...]
+    final_norm = "norm.weight"
+    context_proj = "fc"
+    ships_embed_tokens = True
+    embeds_with_target = False
     not_evaluated: str | None = None
     not_captured: str | None = None
     not_calibrated: str | None = None
@@ -46,21 +65,18 @@ class DSparkFamily:
 
     @property
     def drafter(self) -> Drafter:
-        """The block drafter (qstream/arch/markov.py), imported with torch when first asked."""
-        from qstream.arch.markov import BLOCK_DRAFTER
-
-        return BLOCK_DRAFTER
+        return importlib.import_module("qstream.arch.markov").BLOCK_DRAFTER
 
     def build(
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
-        """The model serving ``weights`` as ``variant`` says (the target is no part of its
-        arithmetic: it serves the states and verifies); ``served`` (weights.py's ServedLinears):
-        its linears' input quantizers and KV-cache scales (qstream/eval/variants.py,
-        ``served_linears``), needed when its activations are quantized or its KV scaled."""
+        """The model serving ``weights`` as ``variant`` says; ``served`` (weights.py's
+        ServedLinears, qstream/eval/variants.py's ``served_linears``)."""
         check_served(variant, served)
         model = getattr(importlib.import_module(self.model_module), self.model_class)
-        return model(config, weights, variant.dtype, device, variant.kv, served)
+        return model(
+            config, weights, dtype=variant.dtype, device=device, kv=variant.kv, served=served
+        )
 
     def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
         return importlib.import_module(self.model_module).CausalStream(model, ids, dtype, depth)
@@ -106,8 +122,7 @@ def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:
 
 
 def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_token: Any):
-    """A model's ``draft`` arguments as 1-D int64 tensors of one length (ValueError unless every
-    anchor is within its stream's context ``lengths`` and every first token an id)."""
+    """A model's ``draft`` arguments as 1-D int64 tensors of one length, checked."""
     import torch
 
     stream, anchor = torch.as_tensor(stream).long(), torch.as_tensor(anchor).long()
@@ -124,8 +139,7 @@ def check_blocks(vocab_size: int, lengths: Any, stream: Any, anchor: Any, first_
 
 
 def context_lengths(aux_size: int, aux: Any, lengths: Any) -> tuple[int, int, Any]:
-    """S, T and ``lengths`` [S] int64 on the CPU (default: all T) of aux [S, T, aux_size]
-    (ValueError for another shape)."""
+    """S, T and ``lengths`` [S] int64 on the CPU (default: all T) of aux [S, T, aux_size]."""
     import torch
 
     if len(aux.shape) != 3 or aux.shape[-1] != aux_size:
@@ -145,7 +159,7 @@ def check_table(
     why_missing: Callable[[str], str] = lambda name: "",
 ) -> None:
     """QStreamError naming the first tensor of ``shapes`` missing from ``required``, outside
-    ``allowed`` or misshapen (``hint`` explains), and ``where`` it was found."""
+    ``allowed`` or misshapen (``hint`` explains), and ``where``."""
     for name in required:
         if name not in shapes:
             raise QStreamError(
@@ -183,9 +197,16 @@ def borrow_from_target(
                 f"{model_dir}: the draft has no {missing} of its own; pass the "
                 f"target checkpoint (--target DIR) or add {TARGET_HEAD_DIR}/"
             )
+    from qstream.checkpoint.files import read_config
     from qstream.checkpoint.read import read_target_tensors
 
-    borrowed = _read_borrowed(Path(target), names, read or read_target_tensors)
+    read, path = read or read_target_tensors, Path(target)
+    tied = (path / "config.json").exists() and read_config(path).get("tie_word_embeddings")
+    if tied and LM_HEAD in names:
+        out = read(path, [EMBED])
+        borrowed = {n: out[EMBED] for n in names}
+    else:
+        borrowed = read(path, names)
     for name, tensor in borrowed.items():
         if tuple(tensor.shape) != expected:
             raise QStreamError(
@@ -194,24 +215,42 @@ def borrow_from_target(
     return borrowed
 
 
-def _read_borrowed(target: Path, wanted: list[str], read: Callable) -> dict[str, Any]:
-    from qstream.checkpoint.files import read_config
+def read_indexed(
+    directory: str | Path, config: Any, check_tensors: Callable, rename: Callable = str
+) -> dict:
+    """Every tensor of a draft checkpoint with index maps (Qwen3-style DSpark, EAGLE-3) under
+    its ``rename``d name, dequantized and checked, t2d dropped, d2t as int64 offsets."""
+    from qstream.checkpoint.read import read_draft_checkpoint
 
-    tied = (target / "config.json").exists() and read_config(target).get("tie_word_embeddings")
-    if tied and LM_HEAD in wanted:
-        out = read(target, [EMBED])
-        return {n: out[EMBED] for n in wanted}
-    return read(target, wanted)
+    directory = Path(directory)
+    floats, index = read_draft_checkpoint(directory, INDEX_TENSORS)
+    tensors = {rename(k): v for k, v in {**floats, **index}.items()}
+    if T2D in tensors and str(tensors[T2D].dtype) not in INDEX_TENSORS[T2D]:
+        raise QStreamError(f"{directory}: tensor {T2D!r} is {tensors[T2D].dtype}, not an index map")
+    check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
+    tensors.pop(T2D, None)
+    if D2T in tensors:
+        if problem := d2t_problem(tensors[D2T], config.vocab_size):
+            raise QStreamError(f"{directory}: {problem}")
+        tensors[D2T] = tensors[D2T].long()
+    return tensors
 
 
-EMBED_ROWS = 4096  # rows compared at a time: at K3 scale the table is 1.2 B parameters
+def borrowing_loader(read_draft_tensors: Callable[[Any, Any], dict]) -> Callable[..., dict]:
+    """An architecture's ``load_weights(model_dir, target, config, noted=None)``: the draft's
+    tensors plus those of embed_tokens and lm_head they lack, from ``target`` (default
+    ``model_dir/target_head``); a stored embed_tokens serves, so ``noted`` is never called."""
 
+    def load_weights(model_dir: str | Path, target: Any, config: Any, noted: Any = None) -> dict:
+        tensors = read_draft_tensors(model_dir, config)
+        wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
+        if not wanted:
+            return tensors
+        expected = (config.vocab_size, config.hidden_size)
+        lent = borrow_from_target(Path(model_dir), target, wanted, expected, " or ".join(wanted))
+        return {**tensors, **lent}
 
-def embed_difference(own: Any, lent: Any) -> float:
-    """Max |own - lent| of the draft's stored embed_tokens and the target's, in float32 (exact
-    for bf16 values), a chunk of rows at a time."""
-    pairs = zip(own.split(EMBED_ROWS), lent.split(EMBED_ROWS), strict=True)
-    return max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+    return load_weights
 
 
 def load_noting_embed(
@@ -300,6 +339,17 @@ def check_attention(config: Any) -> None:
     check(c.head_dim % 2 == 0, "head_dim", c.head_dim, "must be even (RoPE pairs)")
     check(c.draft_vocab_size <= c.vocab_size, "draft_vocab_size", c.draft_vocab_size,
           f"must not exceed the target's vocab_size ({c.vocab_size})")  # fmt: skip
+
+
+def refuse_unmodelled(table: Iterable, value_of: Callable[[str], Any], types: Any) -> None:
+    """ValueError for a ``(key, fine values, what)`` of ``table`` at a value not computed, or
+    sliding-window ``layer_types``."""
+    for key, fine, what in table:
+        value = value_of(key)
+        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
+              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
+    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
+          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
 
 
 def check_mask_token(config: Any) -> None:

@@ -109,19 +109,20 @@ class DraftModel(Protocol):
     def config(self) -> Any: ...
     @property
     def device(self) -> torch.device: ...
-    def context(self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None) -> Any:
-        """aux [S, T, A] -> the per-stream context every block of those streams reads."""
-        ...
-
-    def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
-        """The layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32."""
-        ...
+    # aux [S, T, A] -> the per-stream context every block of those streams reads
+    def context(
+        self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None
+    ) -> Any: ...
+    # the layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32
+    def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor: ...
 
 
 class Drafter(Protocol):
     """A drafter kind: how a built draft proposes k tokens at each of N anchors, in a state
     opaque to its callers, and the rollouts read of it (docs/model.md, "Architectures")."""
 
+    # proposal n on stream[n] of aux [S, T, A] at anchor[n], from first_token[n] (ids[p]);
+    # ids [S, >= T+1]: the streams' tokens, which a chain drafter's prefill reads
     def propose(
         self,
         model: Any,
@@ -130,22 +131,14 @@ class Drafter(Protocol):
         anchor: Any,
         first_token: Any,
         ids: torch.Tensor | None = None,
-    ) -> Any:
-        """Proposal n on stream[n] of aux [S, T, A] at anchor[n], from first_token[n] (ids[p]);
-        ``ids`` [S, >= T+1]: the streams' tokens, which a chain drafter's prefill reads."""
-        ...
-
+    ) -> Any: ...
+    # greedy (noise None) or sampled (Exp(1) race noise [N, B, V])
     def rollout(
         self, state: Any, noise: torch.Tensor | None = None, temperature: float = 1.0,
         top_p: float = 1.0,
-    ) -> Rollout:  # fmt: skip
-        """Greedy (``noise`` None) or sampled (Exp(1) race noise [N, B, V]) rollout."""
-        ...
-
-    def teacher_forced(self, state: Any, tokens: torch.Tensor) -> Rollout:
-        """The rollout when the drafted tokens are given (e.g. the reference's)."""
-        ...
-
+    ) -> Rollout: ...  # fmt: skip
+    # the rollout when the drafted tokens are given (e.g. the reference's)
+    def teacher_forced(self, state: Any, tokens: torch.Tensor) -> Rollout: ...
     def on_host(self, state: Any) -> Any: ...  # the state where the metrics and verifiers run
 
     # The FP32 reference verifier (--acceptance): what it keeps of the reference's state between
@@ -173,40 +166,29 @@ class Architecture(Protocol):
     ships_embed_tokens: bool
     # whether vLLM embeds with the target's embed_tokens even when the draft stores its own
     embeds_with_target: bool
-    # why eval-drift and speculate cannot run it yet (None: they can)
-    not_evaluated: str | None
-    # why capture cannot run it yet (None: it can)
-    not_captured: str | None
+    not_evaluated: str | None  # why eval-drift and speculate cannot run it yet (None: they can)
+    not_captured: str | None  # why capture cannot run it yet (None: it can)
     # why calibration (static activation and KV-cache scales) cannot yet (None: it can)
     not_calibrated: str | None
 
-    def recognises(self, data: Mapping[str, Any]) -> bool:
-        """Whether a config.json's contents name this architecture."""
-        ...
-
-    def parse_config(self, data: Mapping[str, Any]) -> Any:
-        """config.json contents -> the config (ValueError naming the key and value)."""
-        ...
-
-    def tensor_shapes(self, config: Any) -> Shapes:
-        """The checkpoint's tensors and shapes, in checkpoint order."""
-        ...
-
-    def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str:
-        """Why a tensor of a wrong shape does not fit, when the config explains it ("" else)."""
-        ...
-
+    def recognises(self, data: Mapping[str, Any]) -> bool: ...  # config.json contents name it
+    # config.json contents -> the config (ValueError naming the key and value)
+    def parse_config(self, data: Mapping[str, Any]) -> Any: ...
+    # the checkpoint's tensors and shapes, in checkpoint order
+    def tensor_shapes(self, config: Any) -> Shapes: ...
+    # why a tensor of a wrong shape does not fit, when the config explains it ("" else)
+    def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str: ...
+    # every tensor the model needs (quantized ones dequantized, lm_head borrowed); noted gets
+    # a record when the target's embed_tokens replaced a different stored one
     def load_weights(
         self,
         model_dir: str | Path,
         target: str | Path | None,
         config: Any,
         noted: Callable[[dict], None] | None = None,
-    ) -> dict:
-        """Every tensor the model needs (quantized ones dequantized, lm_head borrowed);
-        ``noted`` gets a record when the target's embed_tokens replaced a different stored one."""
-        ...
-
+    ) -> dict: ...
+    # the draft served as variant (qstream/serving.py) says, on device; served: how its linears
+    # take their inputs (qstream/arch/weights.py, ServedLinears)
     def build(
         self,
         config: Any,
@@ -214,26 +196,14 @@ class Architecture(Protocol):
         variant: Variant,
         device: Any,
         served: Any = None,
-    ) -> DraftModel:
-        """The draft served as ``variant`` (qstream/serving.py) says, on ``device``; ``served``:
-        how its linears take their inputs (qstream/arch/weights.py, ``ServedLinears``)."""
-        ...
-
+    ) -> DraftModel: ...
     @property
-    def drafter(self) -> Drafter:
-        """The architecture's drafter kind."""
-        ...
-
+    def drafter(self) -> Drafter: ...
+    # DraftModel.causal_hidden a range of positions at a time, flattened
     def causal_stream(
         self, model: Any, ids: torch.Tensor, dtype: torch.dtype, depth: int | None = None
-    ) -> AuxChunks:
-        """:meth:`DraftModel.causal_hidden` a range of positions at a time, flattened."""
-        ...
-
-    def context_flops(self, config: Any) -> float:
-        """FLOPs of one context position (docs/eval-drift.md, "FLOP model")."""
-        ...
-
+    ) -> AuxChunks: ...
+    # the FLOP model (docs/eval-drift.md, "FLOP model"): one context position, blocks, causal pass
+    def context_flops(self, config: Any) -> float: ...
     def drafted_flops(self, config: Any, anchor: torch.Tensor) -> float: ...
-
     def causal_flops(self, config: Any, T: int) -> float: ...

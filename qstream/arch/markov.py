@@ -17,21 +17,15 @@ import torch.nn.functional as F
 from qstream.arch.interface import Blocks, DraftConfig, Rollout
 from qstream.arch.weights import ComputeWeights, embedding, held_fp32
 
-HEAD_PREFIXES = ("markov_head.", "confidence_head.")  # the heads' tensors (docs/model.md)
 
-
-class MarkovWeights(Protocol):
-    """What the Markov head reads: a draft model, its :class:`HostHead`, a :class:`ReferenceHead`."""
+class HeadModel(Protocol):
+    """What the heads read: a draft model, its :class:`HostHead` or a :class:`ReferenceHead`
+    (the Markov head's alone: no config)."""
 
     @property
     def w(self) -> Mapping[str, torch.Tensor]: ...
     @property
     def dtype(self) -> torch.dtype: ...
-
-
-class HeadModel(MarkovWeights, Protocol):
-    """What the confidence head reads besides: a draft model, or its :class:`HostHead`."""
-
     @property
     def config(self) -> DraftConfig: ...
 
@@ -47,22 +41,6 @@ class HostHead:
 
 
 _HOST_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its HostHead
-
-
-def host_head(model: Any) -> HeadModel:
-    """``model`` itself on the CPU, else a copy of its heads' tensors on the host, made once."""
-    if model.device.type == "cpu":
-        return model
-    if model not in _HOST_HEADS:
-        stored = {k: v.cpu() for k, v in model.w.stored.items() if k.startswith(HEAD_PREFIXES)}
-        d2t = draft_to_target(model)
-        _HOST_HEADS[model] = HostHead(
-            model.config,
-            ComputeWeights(stored, model.dtype),
-            model.dtype,
-            None if d2t is None else d2t.cpu(),
-        )
-    return _HOST_HEADS[model]
 
 
 def draft_to_target(model: object) -> torch.Tensor | None:
@@ -95,7 +73,7 @@ MARKOV_TABLE = "markov_head.markov_w2.weight"
 MARKOV_EMBED = "markov_head.markov_w1.weight"
 
 
-def markov_table(model: MarkovWeights) -> torch.Tensor | None:
+def markov_table(model: HeadModel) -> torch.Tensor | None:
     """markov_w2 [V, r] in the model's dtype, read once per rollout (an upcast one lives in the
     weights' reused buffer until their next product); None without a Markov head (DFlash)."""
     w = model.w
@@ -105,7 +83,7 @@ def markov_table(model: MarkovWeights) -> torch.Tensor | None:
 
 
 def markov_logits(
-    model: MarkovWeights,
+    model: HeadModel,
     logits_base: torch.Tensor,
     prev: torch.Tensor,
     table: torch.Tensor | None = None,
@@ -227,6 +205,7 @@ class ReferenceHead:
 
     w: dict[str, torch.Tensor]
     dtype: torch.dtype = torch.float32  # the reference's: its final sum stays fp32
+    config: Any = None
 
 
 class BlockDrafter:
@@ -247,7 +226,18 @@ class BlockDrafter:
     def on_host(self, state: Drafted) -> Drafted:
         b = state.blocks
         blocks = Blocks(b.logits_base.cpu(), b.hidden.cpu(), b.first_token.cpu())
-        return Drafted(blocks, host_head(state.head))
+        model = state.head  # itself on the CPU, else its heads' tensors on the host, copied once
+        if model.device.type != "cpu" and model not in _HOST_HEADS:
+            heads = ("markov_head.", "confidence_head.")  # (docs/model.md)
+            stored = {k: v.cpu() for k, v in model.w.stored.items() if k.startswith(heads)}
+            d2t = draft_to_target(model)
+            _HOST_HEADS[model] = HostHead(
+                model.config,
+                ComputeWeights(stored, model.dtype),
+                model.dtype,
+                None if d2t is None else d2t.cpu(),
+            )
+        return Drafted(blocks, model if model.device.type == "cpu" else _HOST_HEADS[model])
 
     def keep(self, state: Drafted) -> tuple[torch.Tensor, ...]:
         return (state.blocks.logits_base,)

@@ -33,9 +33,8 @@ def architecture_for(data: Mapping[str, Any]) -> Architecture:
 
 def architecture_of(config: DraftConfig) -> Architecture:
     """The architecture that parsed ``config``."""
-    for arch in ARCHITECTURES:
-        if type(config) is arch.config_type:
-            return arch
+    if arch := next((a for a in ARCHITECTURES if type(config) is a.config_type), None):
+        return arch
     raise TypeError(f"no registered architecture parses {type(config).__name__}")
 
 

@@ -141,7 +141,7 @@ class DFlashQwen3(DSparkQwen3):
     """The descriptor: the family's calls, this config, presets and profile."""
 
     config_type: type = DFlashQwen3Config
-    presets: Mapping[str, DFlashQwen3Config] = PRESETS
+    presets: Mapping[str, Any] = PRESETS
     serving: tuple[Mapping[str, Any], ...] = (SERVING,)
 
     def recognises(self, data: Mapping[str, Any]) -> bool:

@@ -5,14 +5,11 @@ softmax in fp32, rounded back to ``dtype``.
 >>> model = DSpark(config, weights)                      # weights: name -> tensor, incl. lm_head
 >>> ctx = model.context(aux, lengths)                    # aux [S, T, A]: once per set of streams
 >>> blocks = model.draft(ctx, stream, anchor, first_token)   # U [N, B, V], hf [N, B, H]
->>> rows = CausalStream(model, ids).rows(0, 128)         # causal mode: [S, 128, L*H]
 
-Top to bottom: the readable core (one decoder :class:`Layer`, :meth:`DSpark.draft_one`, the
-forward of one block; the context cache is what an MLA KV cache holds, expanded by ``kv_b_proj``)
-and the FLOP model; then the memory machinery computing the same within ``SCORE_BUDGET``
-(docs/eval-drift.md, "Memory"): blocks packed in rows of one stream, key chunks with an online
-softmax, causal mode streamed over its MLA cache.  tests/test_model_forward.py,
-test_sensitivity_context.py and test_causal_stream.py check each against the core.
+Top to bottom: the readable core (:class:`Layer`, :meth:`DSpark.draft_one`) and the FLOP model;
+then the memory machinery computing the same within ``SCORE_BUDGET`` (docs/eval-drift.md,
+"Memory"): blocks packed in rows of one stream, key chunks with an online softmax, causal mode
+streamed over its MLA cache.
 """
 
 from __future__ import annotations
@@ -25,45 +22,35 @@ import torch
 
 from qstream.arch.dspark_mla import DSparkConfig, check_tensors, load_config, load_weights
 from qstream.arch.family import check_blocks, context_lengths
-from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks, causal_layers
+from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks, causal_layers
 from qstream.arch.weights import (
     CausalRows,
     ComputeWeights,
-    ServedLinears,
-    embedding,
+    Draft,
     fp8_round_trip,
     inv_freq,
     rms_norm,
     swiglu,
 )
-from qstream.serving import KV_CACHES, KVCache
+from qstream.serving import KVCache
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements converted and projected at a time by context()
-
-
-# ---------------------------------------------------------------------------------------------
-# Building blocks
 
 
 def apply_rope(
     x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float = 1.0
 ) -> torch.Tensor:
     """Rotate interleaved pairs ``(x[2j], x[2j+1])`` of x [..., T, d] by ``pos * inv_freq[j]``
-    (DeepSeek layout), cos and sin scaled by ``mscale`` (:attr:`DSparkConfig.rope_mscale`)."""
+    (DeepSeek layout), fp32 cos and sin times ``mscale`` as vLLM 0.32's
+    DeepseekScalingRotaryEmbedding._compute_cos_sin_cache (vllm/model_executor/layers/
+    rotary_embedding/deepseek_scaling_rope.py) builds them."""
     angle = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
-    # as vLLM 0.32's DeepseekScalingRotaryEmbedding._compute_cos_sin_cache (vllm/model_executor/
-    # layers/rotary_embedding/deepseek_scaling_rope.py) builds them for the K3 MLA: fp32 cos
-    # and sin, each times the Python float mscale (by 1.0 exactly: unchanged when it is 1)
     cos, sin = angle.cos() * mscale, angle.sin() * mscale
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     pairs = xf.unflatten(-1, (-1, 2))  # [..., T, d/2, 2]
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
-
-
-def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 @dataclass(frozen=True)
@@ -75,22 +62,12 @@ class ContextCache:
     lengths: torch.Tensor  # [S] valid context positions per stream
 
 
-def _layer_weight(name: str) -> property:
-    """A :class:`Layer` norm: ``layers.{i}.<name>.weight`` in the compute dtype."""
-    return property(lambda self: self.weights[f"layers.{self.index}.{name}.weight"])
-
-
 class Layer:
     """Decoder layer ``i``'s pieces (MLA attention, SwiGLU MLP), on any leading shape; which keys
     a query sees is the caller's.  The fp32 reference expands every key and value by kv_b_proj;
     a bf16 model attends as vLLM 0.32.0's K3 decode path does (``absorbed``,
     docs/eval-drift.md, "Serving configurations"): the query's nope part times W_UK, one shared
     key per position (the cached latent and rope key), the latent output times W_UV."""
-
-    input_layernorm = _layer_weight("input_layernorm")
-    q_a_layernorm = _layer_weight("self_attn.q_a_layernorm")
-    kv_a_layernorm = _layer_weight("self_attn.kv_a_layernorm")
-    post_attention_layernorm = _layer_weight("post_attention_layernorm")
 
     def __init__(
         self, config: DSparkConfig, weights: ComputeWeights, i: int, inv_freq, kv: KVCache
@@ -101,8 +78,11 @@ class Layer:
         self.attention = f"layers.{i}.self_attn"
         self._split: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def input_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.input_layernorm, self.config.rms_norm_eps)
+    def norm(self, x: torch.Tensor, name: str = "input_layernorm") -> torch.Tensor:
+        w = self.weights[f"layers.{self.index}.{name}.weight"]
+        return rms_norm(x, w, self.config.rms_norm_eps)
+
+    input_norm = norm
 
     def proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.weights.linear(f"layers.{self.index}.{name}.weight", x)
@@ -151,7 +131,7 @@ class Layer:
 
     def _query(self, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         c = self.config
-        qa = rms_norm(self.proj(h, "self_attn.q_a_proj"), self.q_a_layernorm, c.rms_norm_eps)
+        qa = self.norm(self.proj(h, "self_attn.q_a_proj"), "self_attn.q_a_layernorm")
         q = self.proj(qa, "self_attn.q_b_proj")
         q = q.unflatten(-1, (c.num_attention_heads, c.qk_head_dim))  # [..., T, n, dk]
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
@@ -171,7 +151,7 @@ class Layer:
         c = self.config
         kv = self.proj(h, "self_attn.kv_a_proj_with_mqa")
         latent, k_rope = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        latent = rms_norm(latent, self.kv_a_layernorm, c.rms_norm_eps)
+        latent = self.norm(latent, "self_attn.kv_a_layernorm")
         k_rope = apply_rope(k_rope, pos, self.inv_freq, c.rope_mscale)
         served = self.weights.served
         if served.observe_cache is not None:
@@ -201,37 +181,28 @@ class Layer:
         return torch.cat((k_nope, k_rope), dim=-1), v
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, self.post_attention_layernorm, self.config.rms_norm_eps)
+        h = self.norm(x, "post_attention_layernorm")
         return swiglu(h, "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", self.proj)
 
 
-class DSpark:
+class DSpark(Draft):
     """A DSpark draft computing in ``dtype``: ``weights`` maps every name of the tensor table plus
     ``lm_head.weight`` [V, H] to a tensor of any float dtype, each held once."""
 
-    def __init__(
-        self,
-        config: DSparkConfig,
-        weights: Mapping[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kv: KVCache = KV_CACHES["auto"],
-        served: ServedLinears | None = None,
-    ):
-        shapes = {k: tuple(v.shape) for k, v in weights.items()}
-        check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
-        self.config, self.dtype = config, dtype
-        self.w = ComputeWeights(weights, dtype, device, served)
-        self.device = self.w.device
-        yarn = config.rope_parameters
-        self.inv_freq = inv_freq(config.qk_rope_head_dim, config.rope_theta, yarn).to(self.device)
-        self.scale = config.softmax_scale
-        self.layers = tuple(
-            Layer(config, self.w, i, self.inv_freq, kv) for i in range(config.num_hidden_layers)
-        )
+    upcast_on_cpu = False
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embedding(self.w, EMBED, tokens)
+    def check(self, config: DSparkConfig, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        check_tensors(config, shapes, "weights", {LM_HEAD: (config.vocab_size, config.hidden_size)})
+
+    def setup(self, weights: Mapping[str, torch.Tensor]) -> None:
+        c = self.config
+        self.inv_freq = inv_freq(c.qk_rope_head_dim, c.rope_theta, c.rope_parameters).to(
+            self.device
+        )
+        self.scale = c.softmax_scale
+        self.layers = tuple(
+            Layer(c, self.w, i, self.inv_freq, self.kv) for i in range(c.num_hidden_layers)
+        )
 
     def head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Last layer's output x [..., H] -> (U = hf @ lm_head^T [..., V], hf [..., H])."""
@@ -249,15 +220,14 @@ class DSpark:
         return _heads_matmul(p.float(), v.float()) if self.layers[0].absorbed else p @ v
 
     def attend(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(scores) in fp32, rounded to the model's dtype, times v [..., Tk, dv] (one GEMM
-        accumulating in fp32, rounded once)."""
+        """softmax(scores) in fp32, rounded to the model's dtype, times v [..., Tk, dv]."""
         return _heads_matmul(torch.softmax(scores, dim=-1).to(self.dtype), v)
 
     def context(
         self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None
     ) -> ContextCache:
-        """aux [S, T, A] -> every layer's context latent and rope key at positions 0..T-1;
-        ``lengths`` [S] marks right padding.  Projected ``CONTEXT_ELEMENTS`` at a time."""
+        """aux [S, T, A] (``lengths`` [S]: right padding) -> every layer's context latent and
+        rope key at positions 0..T-1, projected ``CONTEXT_ELEMENTS`` at a time."""
         c = self.config
         S, T, lengths = context_lengths(c.aux_size, aux, lengths)
         if isinstance(aux, torch.Tensor):
@@ -270,7 +240,10 @@ class DSpark:
                 for t0 in range(0, T, step)
             ]
         latent, rope_key = (
-            tuple(_cat([piece[i][j] for piece in pieces], dim) for i in range(len(self.layers)))
+            tuple(
+                pieces[0][i][j] if len(pieces) == 1 else torch.cat([p[i][j] for p in pieces], dim)
+                for i in range(len(self.layers))
+            )
             for j in (0, 1)
         )
         return ContextCache(latent, rope_key, lengths)
@@ -310,8 +283,8 @@ class DSpark:
     def block_attention(
         self, layer: Layer, h: torch.Tensor, pos: torch.Tensor, latent, rope_key
     ) -> torch.Tensor:
-        """``layer``'s attention of one block h [B, H] (input-normed) at ``pos`` [B] over its
-        context's cache rows (latent [p, kv_lora], rope_key [p, rope]) and its own -> [B, H]."""
+        """``layer``'s attention of one input-normed block h [B, H] over its context's cache rows
+        (latent [p, kv_lora], rope_key [p, rope]) and its own -> [B, H]."""
         q = layer.query(h, pos).transpose(0, 1)  # [n, B, dk]
         k_ctx, v_ctx = layer.expand(latent, rope_key)  # [n, p, d]
         k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [n, B, d]
@@ -328,11 +301,28 @@ class DSpark:
         key_chunk: int | None = None,
     ) -> Blocks:
         """Block n is :meth:`draft_one` (``stream[n]``, ``anchor[n]``, ``first_token[n]``), all at
-        once by :func:`draft_packed`; contexts longer than ``key_chunk`` keys taken in chunks."""
+        once in packed rows (:func:`_pack`); contexts longer than ``key_chunk`` keys in chunks."""
         stream, anchor, first_token = check_blocks(
             self.config.vocab_size, ctx.lengths, stream, anchor, first_token
         )
-        U, hf = draft_packed(self, ctx, stream, anchor, first_token, key_chunk)
+        T_max = int(anchor.max()) if anchor.numel() else 0
+        packing = _pack(stream, anchor, _row_cost(self.config, T_max))
+        B, n = self.config.block_size, self.config.num_attention_heads
+        key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
+        keys = min(max(T_max, 1), key_chunk)
+        rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
+        chunks = [
+            _draft_rows(self, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk)
+            for r0 in range(0, packing.R, rows_per_chunk)
+        ]
+        U, hf = (torch.cat(parts) for parts in zip(*chunks))  # [R*M, B, V], [R*M, B, H]
+        slots = packing.slot_of_block
+        # [N, B, V] gathers are costly at V = 32k: skipped when slot i holds block i
+        if not (
+            len(slots) == len(packing.block_of_slot)
+            and torch.equal(slots, torch.arange(len(slots)))
+        ):
+            U, hf = U[slots.to(U.device)], hf[slots.to(U.device)]
         return Blocks(U.float(), hf.float(), first_token.to(self.device))
 
     # -- causal mode: the draft's layers as an ordinary decoder (the "boot" aux regime) -------
@@ -340,12 +330,21 @@ class DSpark:
     def attention_causal(
         self, i: int, h: torch.Tensor, pos: torch.Tensor, query_chunk: int | None = None
     ) -> torch.Tensor:
-        """Layer i's attention as a causal decoder: h [S, T, H] (input-normed) -> o_proj's [S, T, H]."""
+        """Layer i's attention as a causal decoder: h [S, T, H] (input-normed) -> o_proj's
+        [S, T, H], ``query_chunk`` queries at a time (default: within the budget)."""
         layer = self.layers[i]
         q = layer.query(h, pos).transpose(1, 2)  # [S, n, T, dk]
         k, v = layer.expand(*layer.latent(h, pos))  # [S, n, T, dk], [S, n, T, dv]
-        out = causal_attention(self, q, k, v, query_chunk)  # [S, n, T, dv]
-        return layer.attention_output(out.transpose(1, 2).flatten(2))  # [S, T, n*dv] -> [S, T, H]
+        S, n, T, _ = q.shape
+        chunk = query_chunk or max(1, SCORE_BUDGET // max(1, S * n * T))
+        outs = []
+        for q0 in range(0, T, chunk):
+            q1 = min(T, q0 + chunk)
+            future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(q0 + 1)
+            scores = self.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
+            outs.append(self.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
+        out = torch.cat(outs, dim=2)  # [S, n, T, dv]
+        return layer.attention_output(out.transpose(1, 2).flatten(2))  # [S, T, H]
 
     def causal_hidden(
         self, ids: torch.Tensor, depth: int | None = None, query_chunk: int | None = None
@@ -366,8 +365,7 @@ class DSpark:
 def load_model(
     model_dir: str | Path, target: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> DSpark:
-    """A ready :class:`DSpark` from a checkpoint, weights and compute in ``dtype`` (the lm_head
-    from ``target``, default ckpt/target_head/)."""
+    """A :class:`DSpark` of a checkpoint in ``dtype``, the lm_head from ``target``."""
     config = load_config(model_dir)
     return DSpark(config, load_weights(model_dir, target, config), dtype)
 
@@ -442,32 +440,6 @@ SCORE_BUDGET = 1 << 25
 MIN_KEY_CHUNK = 256  # keys per chunk never fall below this, whatever the budget says
 
 
-def draft_packed(
-    model: DSpark,
-    ctx: ContextCache,
-    stream: torch.Tensor,
-    anchor: torch.Tensor,
-    first_token: torch.Tensor,
-    key_chunk: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:meth:`DSpark.draft_one` for N checked blocks -> U [N, B, V], hf [N, B, H] (model dtype)."""
-    T_max = int(anchor.max()) if anchor.numel() else 0
-    packing = _pack(stream, anchor, _row_cost(model.config, T_max))
-    B, n = model.config.block_size, model.config.num_attention_heads
-    key_chunk = key_chunk or max(MIN_KEY_CHUNK, SCORE_BUDGET // (n * packing.M * B))
-    keys = min(max(T_max, 1), key_chunk)
-    rows_per_chunk = max(1, SCORE_BUDGET // max(1, n * packing.M * B * keys))
-    chunks = [
-        _draft_rows(model, ctx, packing, slice(r0, r0 + rows_per_chunk), first_token, key_chunk)
-        for r0 in range(0, packing.R, rows_per_chunk)
-    ]
-    U_rows, hf_rows = (torch.cat(parts) for parts in zip(*chunks))  # [R*M, B, V], [R*M, B, H]
-    if not packing.in_order:  # [N, B, V] gathers are costly at V = 32k: skip when possible
-        slots = packing.slot_of_block.to(U_rows.device)
-        U_rows, hf_rows = U_rows[slots], hf_rows[slots]
-    return U_rows, hf_rows
-
-
 def _draft_rows(
     model: DSpark,
     ctx: ContextCache,
@@ -483,7 +455,9 @@ def _draft_rows(
     T = max(int(row_anchor.max()), 1)
     row_stream, row_anchor = row_stream.to(dev), row_anchor.to(dev)
     tokens = torch.full((R, M, B), c.mask_token_id, device=dev)
-    tokens[..., 0] = pk.first_token_slots(first_token.cpu())[rows].to(dev)
+    # padding slots get the first block's token
+    slot_tokens = first_token.cpu()[pk.block_of_slot.clamp(min=0)].view(-1, pk.M)
+    tokens[..., 0] = slot_tokens[rows].to(dev)
     pos = row_anchor[..., None] + torch.arange(B, device=dev)  # [R, M, B]
     # context j < p only: position p itself and everything after it is hidden
     hidden = torch.arange(T, device=dev) >= row_anchor[..., None, None]  # [R, M, 1, T]
@@ -497,33 +471,29 @@ def _draft_rows(
         else:
             k_blk, v_blk = layer.expand(*layer.latent(h, pos))  # [R, M, n, B, d]
             s_blk = model.scores(q, k_blk.transpose(1, 2))  # [R, n, M, B, B]: no causal mask
-            attend = _attend_block if T <= key_chunk else _attend_block_chunked
-            out = attend(model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk)
+            M, B = q.shape[2:4]  # q [R, n, M, B, dk]
+            if T <= key_chunk:  # one softmax over the whole context plus the block
+                k_ctx, v_ctx = layer.expand(latent, rope_key)  # [R, n, T, d]
+                s_ctx = model.scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))
+                s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))  # [R, n, M, B, T]
+                p = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(model.dtype)
+                p_ctx, p_blk = p.split([T, B], dim=-1)
+                out = (p_ctx.flatten(2, 3) @ v_ctx).unflatten(2, (M, B))  # [R, n, M, B, dv]
+                out = out + p_blk @ v_blk.transpose(1, 2)
+            else:  # context keys key_chunk at a time; the block's own (never masked) first
+                out = _attend_chunked(
+                    model, layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk
+                )
         out = out.permute(0, 2, 3, 1, 4).flatten(3)  # [R, M, B, n*dv]
         x = x + layer.attention_output(out)
         x = x + layer.mlp(x)
     return model.head(x.flatten(0, 1))  # [R*M, B, V], [R*M, B, H]
 
 
-def _attend_block(
-    model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
-) -> torch.Tensor:
-    """One softmax over the whole context plus the block: -> [R, n, M, B, dv]."""
-    M, B = q.shape[2:4]  # q [R, n, M, B, dk]
-    T = latent.shape[1]
-    k_ctx, v_ctx = layer.expand(latent, rope_key)  # [R, n, T, d]
-    s_ctx = model.scores(q.flatten(2, 3), k_ctx).unflatten(2, (M, B))  # [R, n, M, B, T]
-    s_ctx = s_ctx.masked_fill(hidden[:, None], float("-inf"))
-    p = torch.softmax(torch.cat((s_ctx, s_blk), dim=-1), dim=-1).to(model.dtype)
-    p_ctx, p_blk = p.split([T, B], dim=-1)
-    out = (p_ctx.flatten(2, 3) @ v_ctx).unflatten(2, (M, B))  # [R, n, M, B, dv]
-    return out + p_blk @ v_blk.transpose(1, 2)
-
-
 def _attend_absorbed(
     model: DSpark, layer: Layer, q, h, pos, latent, rope_key, hidden
 ) -> torch.Tensor:
-    """:func:`_attend_block` as vLLM's decode path (:class:`Layer`): each row's cache holds its
+    """The block's attention as vLLM's decode path (:class:`Layer`): each row's cache holds its
     context and every slot's block, slot m's queries see the context before its anchor and
     its own block, one softmax and one P·V per row -> [R, n, M, B, kv_lora]."""
     M, B = q.shape[2:4]  # q [R, n, M, B, kv_lora+rope]
@@ -538,10 +508,9 @@ def _attend_absorbed(
     return _heads_matmul(p.to(model.dtype).flatten(2, 3), v).unflatten(2, (M, B))
 
 
-def _attend_block_chunked(
+def _attend_chunked(
     model: DSpark, layer: Layer, q, s_blk, v_blk, latent, rope_key, hidden, key_chunk: int
 ) -> torch.Tensor:
-    """The same, context keys ``key_chunk`` at a time; the block's own (never masked) first."""
     M, B = q.shape[2:4]  # q [R, n, M, B, dk]
     softmax = OnlineSoftmax(model.dtype)
     softmax.add(s_blk, lambda p: model.partial_pv(p, v_blk.transpose(1, 2)))  # [R, n, M, B, dv]
@@ -581,22 +550,6 @@ class OnlineSoftmax:
 
     def result(self) -> torch.Tensor:
         return (self.acc / self.denom).to(self.dtype)
-
-
-def causal_attention(
-    model: DSpark, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_chunk: int | None = None
-) -> torch.Tensor:
-    """Causal attention of q, k [S, n, T, dk], v [S, n, T, dv] -> [S, n, T, dv], ``query_chunk``
-    queries at a time (default: within the budget)."""
-    S, n, T, _ = q.shape
-    chunk = query_chunk or max(1, SCORE_BUDGET // max(1, S * n * T))
-    outs = []
-    for q0 in range(0, T, chunk):
-        q1 = min(T, q0 + chunk)
-        future = torch.ones(q1 - q0, q1, dtype=torch.bool, device=q.device).triu(q0 + 1)  # j > q
-        scores = model.scores(q[:, :, q0:q1], k[:, :, :q1]).masked_fill(future, float("-inf"))
-        outs.append(model.attend(scores, v[:, :, :q1]))  # [S, n, chunk, dv]
-    return torch.cat(outs, dim=2)
 
 
 def cached_causal_attention(
@@ -687,18 +640,6 @@ class _Packing:
     @property
     def R(self) -> int:
         return self.row_stream.numel()
-
-    @property
-    def in_order(self) -> bool:
-        """Slot i holds block i (no padding, blocks given stream by stream)."""
-        return self.slot_of_block.numel() == self.block_of_slot.numel() and bool(
-            (self.slot_of_block == torch.arange(self.slot_of_block.numel())).all()
-        )
-
-    def first_token_slots(self, first_token: torch.Tensor) -> torch.Tensor:
-        """[N] per block -> [R, M] per slot (padding slots get the first block's token)."""
-        idx = self.block_of_slot.clamp(min=0)
-        return first_token[idx].view(-1, self.M)
 
 
 def _row_cost(c: DSparkConfig, T: int) -> float:

@@ -17,28 +17,14 @@ the dense layout (``DSparkSpeculator.__init__``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from qstream.arch import family
-from qstream.arch.family import (
-    D2T,
-    DSparkFamily,
-    borrow_from_target,
-    check,
-    check_table,
-    d2t_problem,
-    head_shapes,
-    is_int,
-    number,
-    positive_int,
-    shape_hint,
-    yarn_get_mscale,
-)
+from qstream.arch.family import D2T, DSparkFamily, check, is_int, number, positive_int
 from qstream.arch.interface import EMBED, LM_HEAD
-from qstream.errors import QStreamError
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +65,7 @@ class RopeParameters:
     @property
     def mscale(self) -> float:
         """YaRN's factor on cos and sin, ``0.1 ln(factor) + 1`` (1 without YaRN)."""
-        return yarn_get_mscale(self.factor) if self.rope_type == "yarn" else 1.0
+        return family.yarn_get_mscale(self.factor) if self.rope_type == "yarn" else 1.0
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
@@ -96,7 +82,7 @@ POSITIVE_INT_FIELDS = (
 
 
 @dataclass(frozen=True)
-class Qwen3DSparkConfig:
+class Qwen3DSparkConfig(family.Sizes):
     """One Qwen3-style DSpark (``markov_rank`` 0: DFlash) draft.  Field names are config.json's,
     except ``block_slots``: its ``block_size``, the query slots of a block (``block_size``
     here: the tokens a block drafts, the interface's meaning)."""
@@ -137,9 +123,6 @@ class Qwen3DSparkConfig:
         family.check_target_layers(self.target_layer_ids, self.target_num_hidden_layers)
         if (top := self.target_num_hidden_layers) is not None:
             check(positive_int(top), "target_num_hidden_layers", top, "must be a positive integer")
-        self._check_heads()
-
-    def _check_heads(self) -> None:
         r = self.markov_rank
         check(is_int(r) and r >= 0, "markov_rank", r, "must be an integer >= 0 (0: no head)")
         # vLLM 0.32.0's Qwen3DSparkModel builds only the vanilla DSparkMarkovHead
@@ -169,24 +152,14 @@ class Qwen3DSparkConfig:
         return len(self.target_layer_ids)
 
     @property
-    def aux_size(self) -> int:
-        return self.num_target_layers * self.target_hidden_size
-
-    @property
     def original_max_position_embeddings(self) -> int:
         """The context length before YaRN extends it (max_position_embeddings without it)."""
         orig = self.rope_parameters.original_max_position_embeddings
         return orig if orig is not None else self.max_position_embeddings
 
     @property
-    def reduced_vocab(self) -> bool:
-        """A draft vocabulary smaller than the target's: own lm_head and d2t required."""
-        return self.draft_vocab_size < self.vocab_size
-
-    @property
     def own_lm_head(self) -> bool:
-        """Whether the checkpoint must carry its own lm_head (else it may, or borrows the
-        target's)."""
+        """Whether the checkpoint must carry its own lm_head (else it may)."""
         return self.reduced_vocab
 
     def to_json(self) -> dict[str, Any]:
@@ -285,14 +258,11 @@ UNMODELLED = (
 
 
 def _refuse_unmodelled(data: dict[str, Any], dflash: dict[str, Any]) -> None:
-    """ValueError for a key of :data:`UNMODELLED` at a value not computed, or sliding windows."""
-    for key, fine, what in UNMODELLED:
-        value = dflash.get(key[14:]) if key.startswith("dflash_config.") else data.get(key)
-        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
-              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
-    types = data.get("layer_types") or []
-    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
-          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
+    family.refuse_unmodelled(
+        UNMODELLED,
+        lambda key: dflash.get(key[14:]) if key.startswith("dflash_config.") else data.get(key),
+        data.get("layer_types") or [],
+    )
 
 
 def _rope_from_json(flat: dict[str, Any]) -> RopeParameters:
@@ -351,16 +321,9 @@ PRESETS: dict[str, Qwen3DSparkConfig] = {
 }  # fmt: skip
 
 
-T2D = "t2d"  # [vocab] bool, training only (vLLM 0.32's load_weights skips it)
 # Tensors a checkpoint may leave out: the target's embedding is shared when the draft has none
 # (Qwen3DSparkForCausalLM.load_weights; speculators never saves it).
 OPTIONAL = (EMBED,)
-# Integer tensors read as stored, with the dtypes each may have (d2t's: d2t_problem).
-INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
-
-
-# ---------------------------------------------------------------------------------------------
-# The tensor table
 
 
 def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
@@ -380,7 +343,7 @@ def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
         shapes[LM_HEAD] = (c.draft_vocab_size, H)
     if c.reduced_vocab:
         shapes[D2T] = (c.draft_vocab_size,)
-    return {**shapes, **head_shapes(c, c.draft_vocab_size)}
+    return {**shapes, **family.head_shapes(c, c.draft_vocab_size)}
 
 
 def check_tensors(
@@ -389,12 +352,12 @@ def check_tensors(
     """QStreamError naming the first tensor missing (``embed_tokens`` may be the target's),
     unexplained (beyond a full-vocabulary draft's own lm_head and t2d) or of a wrong shape."""
     table = tensor_shapes(config)
-    extra: dict[str, tuple[int, ...]] = {T2D: (config.vocab_size,)}
+    extra: dict[str, tuple[int, ...]] = {family.T2D: (config.vocab_size,)}
     if not config.own_lm_head:
         extra[LM_HEAD] = (config.vocab_size, config.hidden_size)
     required = {k: v for k, v in table.items() if k not in OPTIONAL}
-    check_table(required, {**table, **extra}, shapes, where, "Qwen3-style DSpark draft",
-                lambda name, shape: shape_hint(config, name, shape),
+    family.check_table(required, {**table, **extra}, shapes, where, "Qwen3-style DSpark draft",
+                lambda name, shape: family.shape_hint(config, name, shape),
                 lambda name: _why_needed(config, name))  # fmt: skip
 
 
@@ -411,51 +374,16 @@ def _why_needed(config: Qwen3DSparkConfig, name: str) -> str:
     return ""
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
 def read_draft_tensors(directory: str | Path, config: Qwen3DSparkConfig) -> dict[str, torch.Tensor]:
     """Every tensor of the draft checkpoint, dequantized and checked (:func:`check_tensors`)."""
-    from qstream.checkpoint.read import read_draft_checkpoint
-
-    directory = Path(directory)
-    tensors, index = read_draft_checkpoint(directory, INDEX_TENSORS)
-    for name, tensor in index.items():
-        if name != D2T and str(tensor.dtype) not in INDEX_TENSORS[name]:  # d2t: d2t_problem
-            raise QStreamError(f"{directory}: tensor {name!r} is {tensor.dtype}, not an index map")
-    check_tensors(
-        config, {k: tuple(v.shape) for k, v in {**tensors, **index}.items()}, str(directory)
-    )
-    if D2T in index:
-        if problem := d2t_problem(index[D2T], config.vocab_size):
-            raise QStreamError(f"{directory}: {problem}")
-        tensors[D2T] = index[D2T].long()
-    return tensors
+    return family.read_indexed(directory, config, check_tensors)
 
 
-def load_weights(
-    model_dir: str | Path,
-    target: str | Path | None,
-    config: Qwen3DSparkConfig,
-    noted: Callable[[dict], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The draft's tensors plus those it lacks of ``embed_tokens.weight`` and ``lm_head.weight``,
-    from ``target`` (default ``model_dir/target_head``).  A stored embed_tokens serves, as vLLM
-    0.32.0's ``Qwen3DSparkForCausalLM.load_weights`` sets ``has_own_embed_tokens`` and
-    ``maybe_share_target_embed`` shares the target's only when equal: ``noted`` is not called."""
-    model_dir = Path(model_dir)
-    tensors = read_draft_tensors(model_dir, config)
-    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
-    if not wanted:
-        return tensors
-    expected = (config.vocab_size, config.hidden_size)
-    missing = " or ".join(wanted)
-    borrowed = borrow_from_target(model_dir, target, wanted, expected, missing)
-    return {**tensors, **borrowed}
+# A stored embed_tokens serves, as vLLM 0.32.0's Qwen3DSparkForCausalLM.load_weights sets
+# has_own_embed_tokens and maybe_share_target_embed shares the target's only when equal.
+load_weights = family.borrowing_loader(read_draft_tensors)
 
 
-# ---------------------------------------------------------------------------------------------
 # How vLLM 0.32.0 serves the draft (vllm/model_executor/models/qwen3_dspark.py over
 # qwen3_dflash.py), as data: SERVING is the Qwen3DSparkModel serving profile that
 # qstream/vllm/profiles.py builds (docs/vllm.md, "The Qwen3-style DSpark draft", cites each rule).
@@ -500,15 +428,9 @@ LM_HEADS = {
 }
 # The module kinds a shipped draft quantizes by default: the backbone's Linear layers and fc
 # (the descriptor's quantize_include, docs/qwen3-dspark.md, "What is quantized").
-DEFAULT_INCLUDE = (
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "fc",
+DEFAULT_INCLUDE = tuple(
+    "mlp.gate_proj mlp.up_proj mlp.down_proj self_attn.q_proj self_attn.k_proj self_attn.v_proj "
+    "self_attn.o_proj fc".split()
 )
 SERVING: dict[str, Any] = {
     "name": "Qwen3DSparkModel",
@@ -534,14 +456,11 @@ class DSparkQwen3(DSparkFamily):
     model_module, model_class = "qstream.arch.dspark_qwen3.model", "Qwen3DSpark"
     config_type: type = Qwen3DSparkConfig
     quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
-    presets: Mapping[str, Qwen3DSparkConfig] = PRESETS
+    presets: Mapping[str, Any] = PRESETS
     serving: tuple[Mapping[str, Any], ...] = (SERVING,)
-    final_norm: str = "norm.weight"
-    context_proj: str = "fc"
     # speculators never saves embed_tokens; vLLM then shares the target's
     # (Qwen3DSparkForCausalLM.load_weights in vllm/model_executor/models/qwen3_dspark.py)
-    ships_embed_tokens: bool = False
-    embeds_with_target: bool = False  # a stored embed_tokens serves (load_weights)
+    ships_embed_tokens = False
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
         # every speculators config: its parser names a speculators_model_type it does not know

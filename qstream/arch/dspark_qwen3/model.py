@@ -16,37 +16,18 @@ GQA).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from qstream.arch.dspark_qwen3 import Qwen3DSparkConfig, check_tensors
 from qstream.arch.family import check_blocks, context_lengths
-from qstream.arch.interface import EMBED, LM_HEAD, AuxChunks, Blocks
-from qstream.arch.weights import (
-    CausalRows,
-    ComputeWeights,
-    ServedLinears,
-    embedding,
-    fp8_round_trip,
-    inv_freq,
-    rms_norm,
-    swiglu,
-)
-from qstream.serving import KV_CACHES, KVCache
+from qstream.arch.interface import LM_HEAD, AuxChunks, Blocks
+from qstream.arch.weights import CausalRows, DenseDraft
+from qstream.arch.weights import apply_rope as apply_rope  # tests/test_qwen3_building_blocks.py
 
 CONTEXT_ELEMENTS = 1 << 26  # aux elements projected at a time by context()
 SCORE_BUDGET = 1 << 25  # attention score elements computed at a time
-
-
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, mscale: float):
-    """Neox RoPE: rotate the halves of x [..., T, heads, d] by ``pos * inv_freq``, cos and sin
-    scaled by YaRN's ``mscale``."""
-    angle = pos.to(torch.float32)[..., None] * inv_freq  # [..., T, d/2]
-    cos, sin = (angle.cos() * mscale)[..., None, :], (angle.sin() * mscale)[..., None, :]
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    x1, x2 = xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 @dataclass(frozen=True)
@@ -58,114 +39,33 @@ class ContextKV:
     lengths: torch.Tensor  # [S] valid context positions per stream
 
 
-class Qwen3DSpark:
+class Qwen3DSpark(DenseDraft):
     """A Qwen3-style DSpark draft computing in ``dtype``: ``weights`` maps the tensor table's
     names with ``embed_tokens.weight`` and ``lm_head.weight`` to tensors of any float dtype."""
 
-    def __init__(
-        self,
-        config: Qwen3DSparkConfig,
-        weights: Mapping[str, torch.Tensor],
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-        kv: KVCache = KV_CACHES["auto"],
-        served: ServedLinears | None = None,
-    ):
-        shapes = {k: tuple(v.shape) for k, v in weights.items()}
-        check_tensors(config, shapes, "weights")
-        for name in (EMBED, LM_HEAD):
-            if name not in shapes:
-                raise ValueError(
-                    f"weights: {name} is required (the target's, when not the draft's)"
-                )
-        self.config, self.dtype = config, dtype
-        index = ("d2t", "t2d")  # index maps, not weights: never held in a float dtype
-        # On the CPU a bf16 model multiplies its operands upcast exactly to fp32 (see matmul)
-        upcast = dtype != torch.float32 and torch.device(device).type == "cpu"
-        served = replace(served or ServedLinears(), fp32_products=upcast)
-        computed = {k: v for k, v in weights.items() if k not in index}
-        self.w = ComputeWeights(computed, dtype, device, served)
-        self.device = self.w.device
-        d2t = weights.get("d2t")
-        # draft id -> target id (qstream.arch.markov.draft_to_target)
+    check_tensors = staticmethod(check_tensors)
+
+    def setup(self, weights: Mapping[str, torch.Tensor]) -> None:
+        super().setup(weights)
+        d2t = weights.get("d2t")  # draft id -> target id (qstream.arch.markov.draft_to_target)
         self.d2t = (
             None
             if d2t is None
             else torch.arange(len(d2t)).to(self.device) + d2t.long().to(self.device)
         )
-        rope = config.rope_parameters
-        yarn = rope if rope.rope_type == "yarn" else None
-        self.inv_freq = inv_freq(config.head_dim, float(rope.rope_theta), yarn).to(self.device)
-        self.mscale = config.rope_parameters.mscale
-        self.scale = config.head_dim**-0.5
-        self.eps = config.rms_norm_eps
-        self.kv_fp8 = getattr(torch, str(kv.dtype)) if kv.quantized else None
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return embedding(self.w, EMBED, tokens)
-
-    def proj(self, name: str, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T (+ b)``, the bias added in fp32 before rounding (as a GEMM epilogue adds it)."""
-        bias = self.w.stored.get(f"{name}.bias")
-        if bias is None:
-            return self.matmul(f"{name}.weight", x)
-        return (self.matmul(f"{name}.weight", x, torch.float32) + bias.float()).to(self.dtype)
-
-    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self.w[f"{name}.weight"], self.eps)
-
-    def key_value(self, i: int, h: torch.Tensor, pos: torch.Tensor):
-        """Layer i's keys (k_norm, RoPE) and values of h [..., T, H]: [..., T, kv, d] each, as
-        every read of the KV cache sees them: an fp8 cache's are rounded (the context's by
-        ``precompute_and_store_context_kv``, the block's own by the attention layer's cache
-        update before it attends, ``unified_kv_cache_update``; docs/eval-drift.md, "KV cache"),
-        each divided by its layer's scale (``do_kv_cache_update`` with ``_k_scale``, ``_v_scale``)."""
-        c, a = self.config, f"layers.{i}.self_attn."
-        k = self.proj(a + "k_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        v = self.proj(a + "v_proj", h).unflatten(-1, (c.num_key_value_heads, c.head_dim))
-        k = apply_rope(self.norm(k, a + "k_norm"), pos, self.inv_freq, self.mscale)
-        served, attention = self.w.served, a.removesuffix(".")
-        if served.observe_cache is not None:
-            served.observe_cache(attention, k, v)
-        if self.kv_fp8 is None:
-            return k, v
-        k_scale, v_scale = served.cache_scales(attention)
-        return fp8_round_trip(k, self.kv_fp8, k_scale), fp8_round_trip(v, self.kv_fp8, v_scale)
-
-    def query(self, i: int, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Layer i's queries (q_norm, RoPE) [..., T, kv, group, d]."""
-        c, a = self.config, f"layers.{i}.self_attn."
-        q = self.proj(a + "q_proj", h).unflatten(-1, (c.num_attention_heads, c.head_dim))
-        q = apply_rope(self.norm(q, a + "q_norm"), pos, self.inv_freq, self.mscale)
-        return q.unflatten(-2, (c.num_key_value_heads, -1))
-
-    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x, f"layers.{i}.post_attention_layernorm")
-        p = f"layers.{i}.mlp."
-        return swiglu(h, p + "gate_proj", p + "up_proj", p + "down_proj", self._linear)
-
-    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return self.matmul(f"{name}.weight", x)
-
-    def matmul(self, name: str, x: torch.Tensor, out: torch.dtype | None = None) -> torch.Tensor:
-        """``x @ W^T`` accumulated in fp32, rounded to ``out`` (the model's dtype).  On the CPU a bf16
-        model multiplies its operands upcast exactly to fp32 (``ServedLinears.fp32_products``):
-        torch's CPU bf16 kernel is ~10x slower and differs only in the order of the fp32 sums."""
-        return self.w.linear(name, x, out)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None):
-        """q [..., Tq, kv, g, d] over k, v [..., Tk, kv, d] (``mask`` [..., Tq, Tk] True where
-        visible) -> [..., Tq, n*d]."""
-        s = torch.einsum("...qkgd,...tkd->...kgqt", q.float(), k.float()) * self.scale
-        if mask is not None:
-            s = s.masked_fill(~mask[..., None, None, :, :], float("-inf"))
-        p = torch.softmax(s, dim=-1).to(self.dtype)
-        out = torch.einsum("...kgqt,...tkd->...qkgd", p.float(), v.float())  # upcasts: exact
-        return out.to(self.dtype).flatten(-3)
+    def layer(self, i: int, x: torch.Tensor, pos: torch.Tensor, kv, mask=None) -> torch.Tensor:
+        """Layer i over x [..., T, H]; ``kv(k, v)``: what it attends to, given its own k, v."""
+        h = self.norm(x, f"layers.{i}.input_layernorm")
+        k, v = kv(*self.key_value(i, h, pos))
+        x = x + self.proj(
+            f"layers.{i}.self_attn.o_proj", self.attend(self.query(i, h, pos), k, v, mask)
+        )
+        return x + self.mlp(i, x)
 
     def context(self, aux: torch.Tensor | AuxChunks, lengths: torch.Tensor | None = None):
-        """aux [S, T, A] -> every layer's context keys and values at positions 0..T-1 (``lengths``
-        [S]: right padding), projected ``CONTEXT_ELEMENTS`` at a time."""
+        """aux [S, T, A] (``lengths`` [S]: right padding) -> every layer's context keys and
+        values at positions 0..T-1, projected ``CONTEXT_ELEMENTS`` at a time."""
         c = self.config
         S, T, lengths = context_lengths(c.aux_size, aux, lengths)
         step = max(1, CONTEXT_ELEMENTS // max(1, S * c.aux_size))
@@ -217,13 +117,9 @@ class Qwen3DSpark:
         mask = torch.cat((visible, visible.new_ones(n, B)), 1)[:, None, :].expand(n, B, T + B)
         x = self.embed(tokens)  # [n, B, H]
         for i in range(c.num_hidden_layers):
-            h = self.norm(x, f"layers.{i}.input_layernorm")
-            kb, vb = self.key_value(i, h, pos)  # [n, B, kv, d]
-            k = torch.cat((ctx.k[i][stream, :T], kb), 1)  # [n, T + B, kv, d]
-            v = torch.cat((ctx.v[i][stream, :T], vb), 1)
-            out = self.attend(self.query(i, h, pos), k, v, mask)
-            x = x + self.proj(f"layers.{i}.self_attn.o_proj", out)
-            x = x + self.mlp(i, x)
+            x = self.layer(i, x, pos, lambda k, v: (
+                torch.cat((ctx.k[i][stream, :T], k), 1), torch.cat((ctx.v[i][stream, :T], v), 1)
+            ), mask)  # fmt: skip
         return self.norm(x, "norm")
 
     def draft(
@@ -232,7 +128,7 @@ class Qwen3DSpark:
         """The drafted slots' ``U = hf @ lm_head^T`` [N, B, Vd] (row k predicts ids[p+k+1]) and
         hf [N, B, H], fp32, of block n on ``stream[n]`` at ``anchor[n]`` from ``first_token[n]``."""
         hf = self.block_hidden(ctx, stream, anchor, first_token)[:, self.config.first_slot :]
-        U = self.matmul(LM_HEAD, hf)
+        U = self.w.linear(LM_HEAD, hf)
         return Blocks(U.float(), hf.float(), torch.as_tensor(first_token).long().to(self.device))
 
     def draft_one(self, ctx: ContextKV, stream: int, anchor: int, first_token: int) -> Blocks:
@@ -245,17 +141,12 @@ class Qwen3DSpark:
         tokens[0] = first_token
         pos = p + torch.arange(c.block_slots, device=self.device)
         x = self.embed(tokens)  # [B, H]
-        for i in range(c.num_hidden_layers):
-            h = self.norm(x, f"layers.{i}.input_layernorm")
-            k_blk, v_blk = self.key_value(i, h, pos)  # [B, kv, d]
-            k = torch.cat((ctx.k[i][stream, :p], k_blk))  # [p + B, kv, d]: every key visible
-            v = torch.cat((ctx.v[i][stream, :p], v_blk))
-            x = x + self.proj(
-                f"layers.{i}.self_attn.o_proj", self.attend(self.query(i, h, pos), k, v)
-            )
-            x = x + self.mlp(i, x)
+        for i in range(c.num_hidden_layers):  # every key visible
+            x = self.layer(i, x, pos, lambda k, v: (
+                torch.cat((ctx.k[i][stream, :p], k)), torch.cat((ctx.v[i][stream, :p], v))
+            ))  # fmt: skip
         hf = self.norm(x, "norm")[c.first_slot :]
-        U = self.matmul(LM_HEAD, hf)
+        U = self.w.linear(LM_HEAD, hf)
         return Blocks(
             U[None].float(), hf[None].float(), torch.tensor([first_token], device=self.device)
         )
@@ -263,8 +154,7 @@ class Qwen3DSpark:
     def causal_hidden(self, ids: torch.Tensor, depth: int | None = None) -> torch.Tensor:
         """The layers as a causal decoder over ids [S, T] -> [S, T, depth, H] fp32 (interface.py)."""
         stream = CausalStream(self, ids, torch.float32, depth)
-        S, T, _ = stream.shape
-        return stream.rows(0, T).unflatten(-1, (len(stream.layers), -1))
+        return stream.rows(0, stream.shape[1]).unflatten(-1, (len(stream.layers), -1))
 
 
 class CausalStream(CausalRows):
@@ -274,8 +164,7 @@ class CausalStream(CausalRows):
         return (c.num_key_value_heads, c.head_dim), (c.num_key_value_heads, c.head_dim)
 
     def compute(self, t0: int, t1: int) -> torch.Tensor:
-        per_query = self.model.config.num_attention_heads * t1 * self.shape[0]
-        step = max(1, SCORE_BUDGET // per_query)
+        step = max(1, SCORE_BUDGET // (self.model.config.num_attention_heads * t1 * self.shape[0]))
         return torch.cat([self._rows(a, min(a + step, t1)) for a in range(t0, t1, step)], 1)
 
     def _rows(self, t0: int, t1: int) -> torch.Tensor:
@@ -285,11 +174,12 @@ class CausalStream(CausalRows):
         x = m.embed(self.ids[:, t0:t1].to(m.device))  # [S, t, H]
         outs = []
         for i, (k, v) in zip(self.layers, self._cache, strict=True):
-            h = m.norm(x, f"layers.{i}.input_layernorm")
-            k[:, t0:t1], v[:, t0:t1] = m.key_value(i, h, pos)
-            out = m.attend(m.query(i, h, pos), k[:, :t1], v[:, :t1], mask)
-            x = x + m.proj(f"layers.{i}.self_attn.o_proj", out)
-            x = x + m.mlp(i, x)
+
+            def cache(kb, vb, k=k, v=v):
+                k[:, t0:t1], v[:, t0:t1] = kb, vb
+                return k[:, :t1], v[:, :t1]
+
+            x = m.layer(i, x, pos, cache, mask)
             outs.append(x.to(self.dtype))
         return torch.stack(outs, dim=2).flatten(2)
 

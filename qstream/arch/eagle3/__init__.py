@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,9 +28,10 @@ from qstream.arch.dspark_qwen3 import (
     RopeParameters,
     _rope_from_json,
 )
-from qstream.arch.family import D2T, borrow_from_target, check, check_table, d2t_problem, number
+from qstream.arch.family import D2T, check, check_table, number
 from qstream.arch.interface import EMBED, LM_HEAD
 from qstream.errors import QStreamError
+from qstream.serving import DEFAULTS
 
 if TYPE_CHECKING:
     import torch
@@ -95,11 +96,8 @@ class Llama3Rope:
         import torch
 
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-        orig, low, high = (
-            self.original_max_position_embeddings,
-            self.low_freq_factor,
-            self.high_freq_factor,
-        )
+        orig = self.original_max_position_embeddings
+        low, high = self.low_freq_factor, self.high_freq_factor
         wave_len = 2 * math.pi / inv
         smooth = (orig / wave_len - low) / (high - low) if low != high else 0
         scaled = torch.where(wave_len > orig / low, inv / self.factor,
@@ -126,7 +124,7 @@ def _rope(flat: dict[str, Any]) -> RopeParameters | Llama3Rope:
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(family.Sizes):
     """One EAGLE-3 draft: one decoder layer whose attention reads [embedding ‖ hidden]."""
 
     model_type: str  # "llama" or "qwen3" (q/k RMSNorm per head)
@@ -191,14 +189,6 @@ class Eagle3Config:
         """Whether attention RMS-normalises each head's q and k (the Qwen3 form)."""
         return self.model_type == "qwen3"
 
-    @property
-    def aux_size(self) -> int:
-        return self.num_aux_hidden_states * self.target_hidden_size
-
-    @property
-    def reduced_vocab(self) -> bool:
-        return self.draft_vocab_size < self.vocab_size
-
     # What the evaluations read of every draft (qstream/arch/interface.py, DraftConfig)
     @property
     def block_size(self) -> int:
@@ -233,9 +223,7 @@ class Eagle3Config:
 
     def to_json(self) -> dict[str, Any]:
         """config.json in vLLM's dense layout (what ``Eagle3LlamaForCausalLM`` reads)."""
-        out: dict[str, Any] = {"architectures": [self.architecture]}
-        for key, value in family.fields_json(self, skip_none=True).items():
-            out[key] = value
+        out = {"architectures": [self.architecture], **family.fields_json(self, skip_none=True)}
         ids = out.pop("aux_layer_ids", None)
         if ids is not None:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
@@ -255,7 +243,9 @@ class Eagle3Config:
         kwargs = {f: flat[f] for f in names if flat.get(f) is not None}
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
         kwargs.setdefault("target_hidden_size", kwargs.get("hidden_size"))
-        kwargs.setdefault("head_dim", _head_dim(kwargs))
+        H, n = kwargs.get("hidden_size"), kwargs.get("num_attention_heads")
+        ok = family.positive_int(H) and family.positive_int(n)  # transformers' LlamaConfig default
+        kwargs.setdefault("head_dim", int(H) // int(n) if ok else None)  # type: ignore[arg-type]
         kwargs["num_aux_hidden_states"] = _fc_inputs(flat)
         if kwargs.get("aux_layer_ids") is not None:
             ids = kwargs["aux_layer_ids"]
@@ -280,14 +270,6 @@ def _fc_inputs(flat: dict[str, Any]) -> Any:
         if count:
             return len(count) if isinstance(count, list) else count
     return DEFAULT_AUX
-
-
-def _head_dim(kwargs: dict[str, Any]) -> Any:
-    """Llama's default head width, hidden_size // num_attention_heads (transformers' LlamaConfig)."""
-    H, n = kwargs.get("hidden_size"), kwargs.get("num_attention_heads")
-    if family.positive_int(H) and family.positive_int(n):
-        return int(H) // int(n)  # type: ignore[arg-type]
-    return None
 
 
 def _dense(data: dict[str, Any]) -> dict[str, Any]:
@@ -324,18 +306,17 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
         if data.get(key) is not None:
             flat[key] = data[key]
     flat["norm_before_residual"] = data.get("norm_before_residual", True)
-    flat["num_speculative_tokens"] = _proposal_tokens(data.get("speculators_config"))
+    # speculators_config's first proposal method's speculative_tokens (None: absent), as
+    # build_vllm_speculative_config (vllm/transformers_utils/configs/speculators/base.py)
+    spec = data.get("speculators_config")
+    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
+    first = methods[0] if isinstance(methods, list) and methods else None
+    flat["num_speculative_tokens"] = (
+        first.get("speculative_tokens") if isinstance(first, dict) else None
+    )
     ids = data.get("eagle_aux_hidden_state_layer_ids") or None
     flat["aux_layer_ids"] = flat["eagle_aux_hidden_state_layer_ids"] = ids
     return flat
-
-
-def _proposal_tokens(spec: Any) -> Any:
-    """speculators_config's first proposal method's ``speculative_tokens`` (None: absent), as
-    ``build_vllm_speculative_config`` (vllm/transformers_utils/configs/speculators/base.py)."""
-    methods = spec.get("proposal_methods") if isinstance(spec, dict) else None
-    first = methods[0] if isinstance(methods, list) and methods else None
-    return first.get("speculative_tokens") if isinstance(first, dict) else None
 
 
 # Keys that change vLLM 0.32.0's EAGLE-3 forward in ways qstream does not model yet, with the
@@ -351,20 +332,7 @@ UNMODELLED = (
 
 
 def _refuse_unmodelled(flat: dict[str, Any]) -> None:
-    for key, fine, what in UNMODELLED:
-        value = flat.get(key)
-        check(any(value is v or (number(v) and value == v) for v in fine), key, value,
-              f"makes {what}, which qstream does not evaluate yet")  # fmt: skip
-    types = flat.get("layer_types") or []
-    check(not any(t == "sliding_attention" for t in types), "layer_types", types,
-          "has sliding-window layers, which qstream does not evaluate yet")  # fmt: skip
-
-
-# ---------------------------------------------------------------------------------------------
-# The tensor table
-
-T2D = "t2d"  # [vocab] bool, training only (Eagle3LlamaForCausalLM.load_weights skips it)
-INDEX_TENSORS = {D2T: ("torch.int64", "torch.int32"), T2D: ("torch.bool", "torch.uint8")}
+    family.refuse_unmodelled(UNMODELLED, flat.get, flat.get("layer_types") or [])
 
 
 def tensor_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
@@ -389,7 +357,7 @@ def check_tensors(config: Eagle3Config, shapes: Mapping[str, tuple[int, ...]], w
     table = tensor_shapes(config)
     optional = (EMBED,) if config.reduced_vocab else (EMBED, LM_HEAD)
     required = {k: v for k, v in table.items() if k not in optional}
-    allowed = {**table, T2D: (config.vocab_size,)}
+    allowed = {**table, family.T2D: (config.vocab_size,)}
 
     def why(name: str) -> str:
         if name in (LM_HEAD, D2T):
@@ -403,43 +371,15 @@ def check_tensors(config: Eagle3Config, shapes: Mapping[str, tuple[int, ...]], w
 def read_draft_tensors(directory: str | Path, config: Eagle3Config) -> dict[str, torch.Tensor]:
     """Every tensor of the draft checkpoint (``midlayer.`` read as ``layers.0.``), dequantized
     and checked, d2t as int64 offsets (:func:`qstream.arch.family.d2t_problem`)."""
-    from qstream.checkpoint.read import read_draft_checkpoint
-
-    directory = Path(directory)
-    floats, index = read_draft_checkpoint(directory, INDEX_TENSORS)
-    tensors = {_vllm_name(k): v for k, v in {**floats, **index}.items()}
-    check_tensors(config, {k: tuple(v.shape) for k, v in tensors.items()}, str(directory))
-    if T2D in tensors and str(tensors[T2D].dtype) not in INDEX_TENSORS[T2D]:
-        raise QStreamError(f"{directory}: tensor {T2D!r} is {tensors[T2D].dtype}, not an index map")
-    tensors.pop(T2D, None)
-    if D2T in tensors:
-        if problem := d2t_problem(tensors[D2T], config.vocab_size):
-            raise QStreamError(f"{directory}: {problem}")
-        tensors[D2T] = tensors[D2T].long()
-    return tensors
+    return family.read_indexed(
+        directory, config, check_tensors,
+        lambda n: LAYER + n.removeprefix(MIDLAYER) if n.startswith(MIDLAYER) else n,
+    )  # fmt: skip
 
 
-def _vllm_name(name: str) -> str:
-    return LAYER + name.removeprefix(MIDLAYER) if name.startswith(MIDLAYER) else name
-
-
-def load_weights(
-    model_dir: str | Path,
-    target: str | Path | None,
-    config: Eagle3Config,
-    noted: Callable[[dict], None] | None = None,
-) -> dict[str, torch.Tensor]:
-    """The draft's tensors plus the target's ``embed_tokens`` (and ``lm_head``, full vocabulary)
-    when it has none: a stored one serves, as ``process_eagle_weight`` (vllm/model_executor/
-    models/utils.py) marks it the draft's own; ``noted`` is not called."""
-    model_dir = Path(model_dir)
-    tensors = read_draft_tensors(model_dir, config)
-    wanted = [n for n in (EMBED, LM_HEAD) if n not in tensors]
-    if not wanted:
-        return tensors
-    expected = (config.vocab_size, config.hidden_size)
-    borrowed = borrow_from_target(model_dir, target, wanted, expected, " or ".join(wanted))
-    return {**tensors, **borrowed}
+# A stored embed_tokens serves, as process_eagle_weight (vllm/model_executor/models/utils.py)
+# marks it the draft's own; the target's lm_head too, for a full vocabulary.
+load_weights = family.borrowing_loader(read_draft_tensors)
 
 
 def _preset(**kw: Any) -> Eagle3Config:
@@ -508,22 +448,15 @@ def _serving(form: str) -> dict[str, Any]:
 SERVING = tuple(_serving(form) for form in FORMS)
 
 
-class Eagle3:
-    """The descriptor: what the package can ask of an EAGLE-3 draft today (docs/eagle3.md):
-    config, tensors, loading, the forward (fp32 and bf16 compute), its chain drafter and both
-    forms' serving profiles; no FLOP model."""
+class Eagle3(family.DSparkFamily):
+    """The descriptor (docs/eagle3.md): the family's calls, its chain drafter's but."""
 
+    model_module, model_class = f"{__name__}.model", "Eagle3Draft"
     config_type: type = Eagle3Config
     quantize_include: tuple[str, ...] = DEFAULT_INCLUDE
-    presets: Mapping[str, Eagle3Config] = PRESETS
+    presets: Mapping[str, Any] = PRESETS
     serving: tuple[Mapping[str, Any], ...] = SERVING
-    final_norm: str = "norm.weight"
-    context_proj: str = "fc"
-    # speculators saves embed_tokens, and vLLM then embeds with it (process_eagle_weight)
-    ships_embed_tokens: bool = True
-    embeds_with_target: bool = False
-    not_evaluated: str | None = None
-    not_captured: str | None = None
+    # ships_embed_tokens: speculators saves it, and vLLM then embeds with it (process_eagle_weight)
     not_calibrated: str | None = "an EAGLE-3 draft is not calibrated yet (docs/eagle3.md)"
 
     def recognises(self, data: Mapping[str, Any]) -> bool:
@@ -531,32 +464,20 @@ class Eagle3:
             a in ARCHITECTURES for a in (data.get("architectures") or [])
         )
 
-    def parse_config(self, data: Mapping[str, Any]) -> Eagle3Config:
-        return Eagle3Config.from_json(dict(data))
-
-    def shape_hint(self, config: Any, name: str, shape: tuple[int, ...]) -> str:
-        return ""
-
     tensor_shapes = staticmethod(tensor_shapes)
     load_weights = staticmethod(load_weights)
 
     def build(
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
-        """The forward serving ``weights`` as ``variant`` says: its dtype, KV cache, and
-        ``served``'s input quantizers and drafting head (docs/eagle3.md, "Serving conditions");
-        a KV scale other than 1.0 is one line (vLLM's EAGLE-3 loader is not followed there)."""
-        from qstream.serving import DEFAULTS
-
+        """The family's, but a KV scale other than 1.0 (vLLM's EAGLE-3 loader is not followed
+        there, docs/eagle3.md, "Serving conditions")."""
         if variant.kv_scale != DEFAULTS["kv_scale"]:
             raise QStreamError(
                 f"variant {variant.name}: kvscale={variant.kv_scale} is not evaluated for "
                 "EAGLE-3 drafts yet (docs/eagle3.md)"
             )
-        family.check_served(variant, served)
-        # by name, as DSparkFamily.build: the forward imports this module
-        model = importlib.import_module(f"{__name__}.model").Eagle3Draft
-        return model(config, weights, device, variant.dtype, variant.kv, served)
+        return super().build(config, weights, variant, device, served)
 
     @property
     def drafter(self) -> Any:
@@ -565,28 +486,6 @@ class Eagle3:
 
     def causal_stream(self, model: Any, ids: Any, dtype: Any, depth: int | None = None) -> Any:
         return importlib.import_module(f"{__name__}.drafter").CausalRows(model, ids, dtype, depth)
-
-    # The FLOP model (docs/eval-drift.md, "FLOP model"): multiply-adds of the products, x2
-    def context_flops(self, config: Any) -> float:
-        """One prefill position: fc, then a step without its lm_head."""
-        return 2.0 * config.aux_size * config.hidden_size + _step_flops(config)
-
-    def drafted_flops(self, config: Any, anchor: Any) -> float:
-        """Per block: the first token's lm_head, then k - 1 steps with theirs."""
-        head = 2.0 * config.hidden_size * config.draft_vocab_size
-        k = config.block_size
-        return float(len(anchor)) * (k * head + (k - 1) * _step_flops(config))
-
-    def causal_flops(self, config: Any, T: int) -> float:
-        """The boot regime's causal pass: one step per aux layer at each of T positions."""
-        return float(T) * config.num_target_layers * _step_flops(config)
-
-
-def _step_flops(config: Eagle3Config) -> float:
-    """One step's products but lm_head's: q/k/v over [embedding ‖ hidden], o_proj, the MLP."""
-    H, d = config.hidden_size, config.head_dim
-    qkv = 2 * H * d * (config.num_attention_heads + 2 * config.num_key_value_heads)
-    return 2.0 * (qkv + config.num_attention_heads * d * H + 3 * H * config.intermediate_size)
 
 
 ARCH = Eagle3()

@@ -31,15 +31,6 @@ class Chained:
     first_token: torch.Tensor  # [N] ids[p], the token the first step read
 
 
-def prefill_ids(ids: torch.Tensor, T: int) -> torch.Tensor:
-    """The tokens the prefill reads beside aux rows 0..T-1: ids[:, 1 : T + 1] (ids [S, >= T+1])."""
-    if ids.dim() != 2 or ids.shape[1] < T + 1:
-        raise ValueError(
-            f"ids must be [S, >= {T + 1}] beside {T} aux positions, got {list(ids.shape)}"
-        )
-    return ids[:, 1 : T + 1].long()
-
-
 class ChainDrafter:
     """qstream/arch/interface.py's ``Drafter`` for a draft that chains one token per step."""
 
@@ -55,7 +46,12 @@ class ChainDrafter:
         T = aux.shape[1]
         if stream.numel() and bool((anchor < 1).any() or (anchor > T).any()):
             raise ValueError(f"every anchor p must satisfy 1 <= p <= {T} (the aux positions)")
-        ids = prefill_ids(torch.as_tensor(ids), T)
+        ids = torch.as_tensor(ids)  # the prefill reads ids[:, 1 : T + 1] beside aux rows 0..T-1
+        if ids.dim() != 2 or ids.shape[1] < T + 1:
+            raise ValueError(
+                f"ids must be [S, >= {T + 1}] beside {T} aux positions, got {list(ids.shape)}"
+            )
+        ids = ids[:, 1 : T + 1].long()
         if not torch.equal(ids[stream, anchor - 1], first_token):
             raise ValueError("first_token must be each stream's token at its anchor")
         rows = aux if isinstance(aux, torch.Tensor) else aux.rows(0, T)  # one layer: held whole
@@ -67,10 +63,8 @@ class ChainDrafter:
     def rollout(
         self, state: Chained, noise=None, temperature: float = 1.0, top_p: float = 1.0
     ) -> Rollout:
-        """Greedy (argmax) or, with ``noise`` [N, k, Vd] of iid Exp(1), each step's token drawn
-        from its full tempered softmax by the exponential race (qstream/arch/markov.py's
-        ``sample``: the block drafters' convention, so that two models given the same noise
-        are coupled), mapped to a target id and fed to the next step."""
+        """Greedy, or each step's token drawn by the race of ``noise`` [N, k, Vd] (markov.py's
+        ``sample``, as the block drafters draw), mapped to a target id and fed back."""
         model = state.model
         N, k, Vd = state.first_token.numel(), model.config.block_size, model.config.draft_vocab_size
         if noise is not None and tuple(noise.shape) != (N, k, Vd):
