@@ -450,13 +450,13 @@ def replay_vllm(
         return
     for module in holders:
         shape = shapes[module]
-        why = (
+        wrong = (
             serving.tp_scale_problem(profile, module, shape[1], FORMATS[fmt].block_size, tp)
             if module in quantized and len(shape) == 2
             else None
         )
-        if why:
-            report.problems.append(f"{module}: stored {fmt}, but {why}")
+        if wrong:
+            report.problems.append(f"{module}: stored {fmt}, but {wrong}")
 
 
 def _logical_shape(
