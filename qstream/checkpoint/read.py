@@ -1,6 +1,6 @@
 """Reading a checkpoint's tensors as weights: quantized modules dequantized by the format its
 ``quantization_config`` names, and a target's borrowed tensors (``lm_head.weight``,
-``embed_tokens.weight``, ``model.norm.weight``) found by name and read from only the shards holding them.
+``embed_tokens.weight``, ``model.norm.weight``) read from only the shards holding them.
 
 >>> read_target_tensors("kimi-k3/", ["lm_head.weight"])   # {"lm_head.weight": tensor}
 """
@@ -115,8 +115,8 @@ def kv_scale_names(checkpoint: Checkpoint) -> set[str]:
 
 def read_kv_scales(directory: Path) -> dict[str, tuple[float, float]]:
     """Each attention layer's stored (k_scale, v_scale) as vLLM 0.32.0 holds them, float32
-    (``KVCacheScaleParameter.weight_loader``, vllm/model_executor/layers/quantization/kv_cache.py):
-    one line naming a layer without both, or a scale not one finite positive number."""
+    (``KVCacheScaleParameter.weight_loader``, vllm/model_executor/layers/quantization/kv_cache.py);
+    QStreamError for a layer without both, or a scale not one finite positive number."""
     checkpoint = open_checkpoint(directory)
     names = kv_scale_names(checkpoint)
     attentions = {n[: n.index(".self_attn.") + len(".self_attn")] for n in checkpoint.tensor_shard
@@ -143,11 +143,9 @@ def _kv_scale(checkpoint: Checkpoint, names: set[str], name: str) -> float:
 def read_target_tensors(
     target: str | Path, names: Iterable[str], optional: tuple[str, ...] = ()
 ) -> dict[str, torch.Tensor]:
-    """Read only ``names`` (``lm_head.weight``, ``embed_tokens.weight``) from a target
-    checkpoint.  A target tensor matches a name when it is equal to it or ends with
-    ``.<name>`` (``model.embed_tokens.weight``, ``language_model.lm_head.weight``); exactly one
-    match is required, none for a name in ``optional`` (then left out).  With an index only the
-    shards holding the matches are opened."""
+    """Read only ``names`` from a target checkpoint: the one tensor equal to each or ending in
+    ``.<name>`` (``language_model.lm_head.weight``; a name in ``optional`` may have none), from
+    only the shards holding them."""
     target = Path(target)
     index = target / INDEX_NAME
     if index.exists():
@@ -169,7 +167,14 @@ def read_target_tensors(
     for name in names:
         if name in optional and not any(t == name or t.endswith("." + name) for t in weight_map):
             continue
-        source = _match_one(weight_map, name, target)
+        hits = [name] if name in weight_map else [t for t in weight_map if t.endswith("." + name)]
+        if len(hits) != 1:
+            found = "none" if not hits else ", ".join(hits[:4])
+            raise QStreamError(
+                f"{target}: need exactly one tensor named {name!r} or ending in "
+                f"'.{name}'; found {found}"
+            )
+        source = hits[0]
         module = source[: -len(".weight")]
         wanted = {source} | {
             f"{module}.{s}" for s in QUANTIZED_SUFFIXES if f"{module}.{s}" in weight_map
@@ -188,16 +193,3 @@ def read_target_tensors(
             raw[t.replace(module, name[: -len(".weight")], 1)] = readers[shard].tensor(t)
         out.update(dequantize_all(raw, fmt if len(raw) > 1 else None, str(target)))
     return out
-
-
-def _match_one(weight_map: Mapping[str, str], name: str, target: Path) -> str:
-    if name in weight_map:
-        return name
-    hits = [t for t in weight_map if t.endswith("." + name)]
-    if len(hits) != 1:
-        found = "none" if not hits else ", ".join(hits[:4])
-        raise QStreamError(
-            f"{target}: need exactly one tensor named {name!r} or ending in "
-            f"'.{name}'; found {found}"
-        )
-    return hits[0]
