@@ -93,10 +93,6 @@ class ShardHeader:
     file_size: int
 
 
-def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
-
-
 def read_header(path: str | os.PathLike) -> ShardHeader:
     """Parse and validate the header of one safetensors file (the data is not read)."""
     path = Path(path)
@@ -178,7 +174,7 @@ def _tensor_info(path: Path, name: str, entry, data_size: int) -> TensorInfo:
             f"{where}: data_offsets {offsets} run past the end of the data "
             f"({data_size} bytes; truncated file?)"
         )
-    expected = prod(shape) * _element_size(dtype)
+    expected = prod(shape) * DTYPES[dtype].itemsize
     if end - begin != expected:
         raise QStreamError(
             f"{where}: data_offsets {offsets} span {end - begin} bytes but "
@@ -290,7 +286,7 @@ def header_bytes(
     header: dict = {"__metadata__": metadata} if metadata else {}
     infos, position = {}, 0
     for t in tensors:
-        end = position + prod(t.shape) * _element_size(t.dtype)
+        end = position + prod(t.shape) * DTYPES[t.dtype].itemsize
         infos[t.name] = TensorInfo(t.name, t.dtype, t.shape, position, end)
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [position, end]}
         position = end

@@ -297,8 +297,27 @@ def _check_serving(
                 "quantized module; vLLM 0.32.0 would load the layer silently wrong)"
             )
     kv = qconfig.get("kv_cache_scheme")
-    if kv is not None:
-        scales += _check_kv(checkpoint, kv, profile, report)
+    ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
+    if kv is not None and kv != KV_CACHE_SCHEME:
+        report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
+    if kv is not None and ignored:
+        report.warnings.append(f"kv_cache_scheme: {ignored}; scale 1.0 is what will be served")
+        report.problems += [
+            f"{n}: {ignored}" for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES
+        ]
+    elif kv is not None:
+        attn = ".self_attn."
+        layers = dict.fromkeys(
+            n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
+        )
+        expected = [f"{layer}.{s}" for layer in layers for s in KV_SCALES]
+        report.problems += [
+            f"{n}: missing (kv_cache_scheme fp8 needs k_scale and v_scale per attention layer; "
+            "vLLM serves 1.0 in its place)"
+            for n in expected
+            if n not in checkpoint.tensor_shard
+        ]
+        scales += expected
     present = [n for n in scales if n in checkpoint.tensor_shard]
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for name in present:
@@ -316,30 +335,6 @@ def _check_serving(
             f"no {QUANTIZE_RECORD}: nothing records the calibration the stored scales (e.g. "
             f"{present[0]}) were measured on"
         )
-
-
-def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> list[str]:
-    """The KV-cache scheme and its scales; returns the scale tensors it expects."""
-    if kv != KV_CACHE_SCHEME:
-        report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
-    attn = ".self_attn."
-    stored = [n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES]
-    ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
-    if ignored:
-        report.warnings.append(f"kv_cache_scheme: {ignored}; scale 1.0 is what will be served")
-        report.problems += [f"{n}: {ignored}" for n in stored]
-        return []
-    layers = dict.fromkeys(
-        n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
-    )
-    expected = [f"{layer}.{s}" for layer in layers for s in KV_SCALES]
-    report.problems += [
-        f"{n}: missing (kv_cache_scheme fp8 needs k_scale and v_scale per attention layer; "
-        "vLLM serves 1.0 in its place)"
-        for n in expected
-        if n not in checkpoint.tensor_shard
-    ]
-    return expected
 
 
 def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
@@ -440,8 +435,18 @@ def replay_vllm(
         head = serving.head_problem(profile, module, fmt, checkpoint.config)
         if head and module in quantized:
             report.problems.append(f"{module}: stored {fmt}, but {head}")
-    tp = report.tensor_parallel_size
-    shapes = {m: _logical_shape(checkpoint, fmt, m, m in quantized) for m in holders}
+    tp, spec = report.tensor_parallel_size, FORMATS[fmt]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for module in holders:  # [N, K] as vLLM sizes the layer (packed codes unpacked)
+        packed = module in quantized and spec.codes_per_byte > 1
+        name = f"{module}.{spec.stored[0] if packed else 'weight'}"
+        if name not in checkpoint.tensor_shard:
+            shapes[module] = ()
+        elif packed:
+            n, packed_k = checkpoint.info(name).shape
+            shapes[module] = (n, packed_k * spec.codes_per_byte)
+        else:
+            shapes[module] = tuple(checkpoint.info(name).shape)
     cannot = serving.tp_build_problem(profile, checkpoint.config, shapes, tp)
     if cannot:
         report.problems.append(
@@ -451,28 +456,12 @@ def replay_vllm(
     for module in holders:
         shape = shapes[module]
         wrong = (
-            serving.tp_scale_problem(profile, module, shape[1], FORMATS[fmt].block_size, tp)
+            serving.tp_scale_problem(profile, module, shape[1], spec.block_size, tp)
             if module in quantized and len(shape) == 2
             else None
         )
         if wrong:
             report.problems.append(f"{module}: stored {fmt}, but {wrong}")
-
-
-def _logical_shape(
-    checkpoint: Checkpoint, fmt: str, module: str, stored_quantized: bool
-) -> tuple[int, ...]:
-    """[N, K] of ``module``'s weight as vLLM sizes its layer (packed codes unpacked)."""
-    spec = FORMATS[fmt]
-    packed = stored_quantized and spec.codes_per_byte > 1
-    name = f"{module}.{spec.stored[0] if packed else 'weight'}"
-    if name not in checkpoint.tensor_shard:
-        return ()
-    shape = tuple(checkpoint.info(name).shape)
-    if not packed:
-        return shape
-    n, packed_k = shape
-    return (n, packed_k * spec.codes_per_byte)
 
 
 def _vllm_scheme(
