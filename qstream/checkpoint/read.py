@@ -36,9 +36,8 @@ def checkpoint_format(directory: Path, config: dict) -> str | None:
     fmt = format_of_layout(layout) if isinstance(layout, str) else None
     if fmt is None:
         raise QStreamError(
-            f"{directory / 'config.json'}: quantization_config.format = "
-            f"{layout!r} is not one of "
-            f"{', '.join(s.layout for s in FORMATS.values())}"
+            f"{directory / 'config.json'}: quantization_config.format = {layout!r} is not one "
+            f"of {', '.join(s.layout for s in FORMATS.values())}"
         )
     return fmt
 
@@ -61,9 +60,8 @@ def dequantize_all(
             modules.setdefault(module, {})[suffix] = tensor
         elif suffix in QUANTIZED_SUFFIXES:
             raise QStreamError(
-                f"{where}: tensor {name!r} is quantization data, but the "
-                f"config declares {'no' if fmt is None else fmt} quantization "
-                "for it"
+                f"{where}: tensor {name!r} is quantization data, but the config declares "
+                f"{'no' if fmt is None else fmt} quantization for it"
             )
         else:
             out[name] = tensor
@@ -72,8 +70,7 @@ def dequantize_all(
         missing = [s for s in FORMATS[fmt].stored if s not in stored]
         if missing:
             raise QStreamError(
-                f"{where}: quantized module {module!r} lacks "
-                f"{module}.{missing[0]} ({fmt} stores "
+                f"{where}: quantized module {module!r} lacks {module}.{missing[0]} ({fmt} stores "
                 f"{', '.join(FORMATS[fmt].stored)})"
             )
         try:

@@ -242,9 +242,8 @@ def _check_fused(
         if inside and len(inside) != len(group.members):
             outside = [m for m in group.members if m not in quantized]
             report.problems.append(
-                f"fused group {group.label} is split: quantized "
-                f"{_few(inside)}; not quantized {_few(outside)} "
-                f"(all or none: {group.rule})"
+                f"fused group {group.label} is split: quantized {_few(inside)}; not quantized "
+                f"{_few(outside)} (all or none: {group.rule})"
             )
             continue
         names = [f"{m}.{shared}" for m in group.members]
@@ -253,9 +252,8 @@ def _check_fused(
         values = {readers[checkpoint.tensor_shard[n]].tensor(n).item() for n in names}
         if len(values) != 1:
             report.problems.append(
-                f"fused group {group.label} has {len(values)} "
-                f"different NVFP4 global scales {sorted(values)}; "
-                "vLLM keeps one per fused layer (the largest) and "
+                f"fused group {group.label} has {len(values)} different NVFP4 global scales "
+                f"{sorted(values)}; vLLM keeps one per fused layer (the largest) and "
                 "dequantizes the other members wrongly"
             )
 
