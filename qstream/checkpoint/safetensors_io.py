@@ -364,12 +364,11 @@ class ShardWriter:
     def close(self) -> str | None:
         """Close the file; every planned byte must have been written exactly once.  Returns the
         file's sha256 when the writer was made with ``digest``."""
-        os.close(self._fd)
         missing = [n for n, i in self.infos.items() if self._written[n] != i.nbytes]
         if missing:
-            if self._digest is not None:
-                self._digest.stop()
+            self.abort()
             raise RuntimeError(f"{self.path}: tensors not completely written: {missing[:5]}")
+        os.close(self._fd)
         return None if self._digest is None else self._digest.hexdigest()
 
     def abort(self) -> None:
