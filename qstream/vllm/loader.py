@@ -50,16 +50,14 @@ class VllmLoadReport:
     directory: str
     vllm_version: str
     target_layers: int
-    # one entry per Linear vLLM built: runtime name (the prefix its quant config matched), its
-    # attribute path, vLLM's scheme class ("unquantized" for none) and the stored tensors
-    # loaded into it
+    # per Linear vLLM built: runtime name (the prefix its quant config matched), attribute path,
+    # vLLM's scheme class ("unquantized" for none), the stored tensors loaded into it
     modules: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what vLLM logged at WARNING or above
     raised: str | None = None  # what vLLM raised, if it did
-    # each attention layer's KV cache as vLLM serves it: {"module", "dtype", "k_scale",
-    # "v_scale"}, the scales as the layer holds them after loading (docs/vllm.md,
-    # "Activation schemes and KV-cache scales")
+    # each attention layer's KV cache as served: {"module", "dtype", "k_scale", "v_scale"}
+    # (docs/vllm.md, "Activation schemes and KV-cache scales")
     kv_cache: list[dict] = field(default_factory=list)
 
     @property
@@ -275,11 +273,9 @@ def cpu_shims(recorder: Recorder) -> Iterator[None]:
 
 @contextlib.contextmanager
 def vllm_log(sink: list[str]) -> Iterator[None]:
-    """Collect what vLLM logs at WARNING or above while loading.  Some of its module loggers
-    reach the root logger without passing the "vllm" one, so both are listened to.  vLLM's
-    ``warning_once`` remembers what it printed for the whole process (``_print_warning_once``,
-    an ``lru_cache`` in vllm/logger.py): it is forgotten first, so that every load reports its
-    own warnings whatever was loaded before it."""
+    """Collect what vLLM logs at WARNING or above, from the "vllm" logger and the root one (which
+    some of its module loggers reach directly).  ``warning_once``'s memory (``_print_warning_once``,
+    an ``lru_cache`` in vllm/logger.py) is cleared first, so that every load reports its own."""
     from vllm import logger as vllm_logger
 
     for name in ("_print_warning_once", "_print_error_once"):
@@ -443,9 +439,8 @@ def check(
 
 
 # Parameters vLLM 0.32.0 builds but fills without the checkpoint (docs/vllm.md, "The checks"):
-# the Qwen3 DSpark ``mask_embedding`` placeholder, which Qwen3DSparkForCausalLM.load_weights
-# (qwen3_dspark.py) always drops (a mask_embedding.pt is read by the DFlash class only), and an
-# attention layer's KV-cache scales, set to 1.0 when the KV cache is not quantized
+# the Qwen3 DSpark ``mask_embedding``, which Qwen3DSparkForCausalLM.load_weights (qwen3_dspark.py)
+# always drops, and an attention layer's KV-cache scales, 1.0 when the KV cache is not quantized
 # (vllm/model_executor/layers/quantization/kv_cache.py BaseKVCacheMethod).
 PLACEHOLDERS = ("model.mask_embedding",)
 KV_CACHE_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
