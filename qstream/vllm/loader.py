@@ -232,7 +232,10 @@ _SCHEMES = "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
 
 @contextlib.contextmanager
 def cpu_shims(recorder: Recorder) -> Iterator[None]:
-    """The four bridges (module docstring), and ``recorder`` fed from vLLM's loader."""
+    """The four bridges (Triton reported present, ``torch.accelerator.empty_cache()`` a no-op,
+    ``kv_b_proj`` flagged for the CPU linear, a stand-in kernel for the FP8/NVFP4/MXFP4 schemes,
+    whose own ``create_weights`` and ``process_weights_after_loading`` run unchanged), and
+    ``recorder`` fed from vLLM's loader."""
     import vllm.config.vllm as vllm_config_module
     from vllm.model_executor.model_loader import base_loader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
