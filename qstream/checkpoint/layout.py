@@ -29,13 +29,6 @@ KV_SCALES = ("k_scale", "v_scale")  # on the attention module, as compressed-ten
 INPUT_SCALE = {"tensor": "input_scale", "tensor_group": "input_global_scale"}
 
 
-def compressed_tensors_version() -> str:
-    try:
-        return metadata.version("compressed-tensors")
-    except metadata.PackageNotFoundError:
-        return TESTED_COMPRESSED_TENSORS
-
-
 def quantization_config(
     spec: Format,
     ignore: list[str],
@@ -47,6 +40,10 @@ def quantization_config(
     any quantized module vLLM builds as another class (a DSpark draft's ParallelLMHead
     markov_w2, docs/vllm.md); ``activations``: how the quantized linears' inputs are served;
     ``kv_cache``: an FP8 KV cache scheme."""
+    try:
+        version = metadata.version("compressed-tensors")
+    except metadata.PackageNotFoundError:
+        version = TESTED_COMPRESSED_TENSORS
     return {
         "quant_method": "compressed-tensors",
         "format": spec.layout,
@@ -64,7 +61,7 @@ def quantization_config(
         "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None,
         "sparsity_config": {},
         "transform_config": {},
-        "version": compressed_tensors_version(),
+        "version": version,
     }
 
 
