@@ -164,14 +164,7 @@ def read_target_tensors(
     for name in names:
         if name in optional and not any(t == name or t.endswith("." + name) for t in weight_map):
             continue
-        hits = [name] if name in weight_map else [t for t in weight_map if t.endswith("." + name)]
-        if len(hits) != 1:
-            found = "none" if not hits else ", ".join(hits[:4])
-            raise QStreamError(
-                f"{target}: need exactly one tensor named {name!r} or ending in "
-                f"'.{name}'; found {found}"
-            )
-        source = hits[0]
+        source = _match_one(weight_map, name, target)
         module = source[: -len(".weight")]
         wanted = {source} | {
             f"{module}.{s}" for s in QUANTIZED_SUFFIXES if f"{module}.{s}" in weight_map
@@ -190,3 +183,14 @@ def read_target_tensors(
             raw[t.replace(module, name[: -len(".weight")], 1)] = readers[shard].tensor(t)
         out.update(dequantize_all(raw, fmt if len(raw) > 1 else None, str(target)))
     return out
+
+
+def _match_one(weight_map: Mapping[str, str], name: str, target: Path) -> str:
+    hits = [name] if name in weight_map else [t for t in weight_map if t.endswith("." + name)]
+    if len(hits) != 1:
+        found = "none" if not hits else ", ".join(hits[:4])
+        raise QStreamError(
+            f"{target}: need exactly one tensor named {name!r} or ending in '.{name}'; "
+            f"found {found}"
+        )
+    return hits[0]

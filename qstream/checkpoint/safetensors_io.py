@@ -130,7 +130,12 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     data_size = file_size - 8 - length
     tensors = [_tensor_info(path, name, entry, data_size) for name, entry in header.items()]
     tensors.sort(key=lambda t: (t.begin, t.end))
-    # tensors must tile the data section exactly, as the reference implementation requires
+    _check_layout(path, tensors, data_size)
+    return ShardHeader(path, {t.name: t for t in tensors}, metadata, 8 + length, file_size)
+
+
+def _check_layout(path: Path, tensors: list[TensorInfo], data_size: int) -> None:
+    """Tensors must tile the data section exactly, as the reference implementation requires."""
     position, previous = 0, None
     for t in tensors:
         if t.begin < position:
@@ -149,7 +154,6 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
             f"{path}: {data_size - position} bytes after the last tensor "
             "(corrupt or mis-sized file)"
         )
-    return ShardHeader(path, {t.name: t for t in tensors}, metadata, 8 + length, file_size)
 
 
 def _tensor_info(path: Path, name: str, entry, data_size: int) -> TensorInfo:

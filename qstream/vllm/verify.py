@@ -89,18 +89,7 @@ def verify_checkpoint(
     report.modules_ignored = [m for m in holders if any(matches_ignore(p, m) for p in ignore)]
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
     if profile.renames_layers:
-        if target_layers is not None and target_layers < 0:
-            raise QStreamError(f"--target-layers {target_layers}: must be at least 0")
-        layers = (
-            serving.target_layers_of(checkpoint.config) if target_layers is None else target_layers
-        )
-        if layers is None:
-            raise QStreamError(
-                f"{checkpoint.directory / 'config.json'}: no integer "
-                "target_num_hidden_layers; pass the target checkpoint (--target DIR) or its "
-                "layer count (--target-layers L)"
-            )
-        report.target_layers = layers
+        report.target_layers = draft_target_layers(checkpoint, target_layers)
         replay_vllm(checkpoint, fmt, profile, holders, quantized, targets, ignore, report)
     else:
         _check_accounting(holders, quantized, targets, ignore, report)
@@ -117,6 +106,20 @@ def verify_checkpoint(
         _check_round_trip(checkpoint, fmt, quantized - malformed, report)
     report.checks = checks_run(fmt, profile, len(report.runtime_modules), deep, integrity)
     return report
+
+
+def draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
+    if given is not None:
+        if given < 0:
+            raise QStreamError(f"--target-layers {given}: must be at least 0")
+        return given
+    value = serving.target_layers_of(checkpoint.config)
+    if value is None:
+        raise QStreamError(
+            f"{checkpoint.directory / 'config.json'}: no integer target_num_hidden_layers; pass "
+            "the target checkpoint (--target DIR) or its layer count (--target-layers L)"
+        )
+    return value
 
 
 def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
@@ -155,22 +158,26 @@ def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
                 f"config group weights.{key} is {weights.get(key)!r}, the "
                 f"{FORMATS[fmt].layout} format needs {value!r}"
             )
-    # input_activations: one of the schemes qstream writes beside fmt weights
+    _check_activations(group, fmt, report)
+    both = sorted(set(group.get("targets") or []) - {"Linear"} & set(qconfig.get("ignore") or []))
+    if both:
+        problems.append(f"{both[0]} is in both targets and ignore")
+    return fmt
+
+
+def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
+    """``input_activations`` one of the schemes qstream writes beside ``fmt`` weights."""
     activations = activations_of(FORMATS[fmt], group.get("input_activations"))
     if activations is None:
         served = [a.name for a in ACTIVATIONS.values() if fmt in a.weights]
-        problems.append(
+        report.problems.append(
             f"config group input_activations {group.get('input_activations')!r} is not a scheme "
             f"qstream writes beside {fmt} weights (none, {', '.join(served)})"
         )
     else:
         report.activations = activations.name
     if group.get("output_activations"):
-        problems.append("config group quantizes output activations; vLLM serves none")
-    both = sorted(set(group.get("targets") or []) - {"Linear"} & set(qconfig.get("ignore") or []))
-    if both:
-        problems.append(f"{both[0]} is in both targets and ignore")
-    return fmt
+        report.problems.append("config group quantizes output activations; vLLM serves none")
 
 
 def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
@@ -295,27 +302,8 @@ def _check_serving(
                 "quantized module; vLLM 0.32.0 would load the layer silently wrong)"
             )
     kv = qconfig.get("kv_cache_scheme")
-    ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
-    if kv is not None and kv != KV_CACHE_SCHEME:
-        report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
-    if kv is not None and ignored:
-        report.warnings.append(f"kv_cache_scheme: {ignored}; scale 1.0 is what will be served")
-        report.problems += [
-            f"{n}: {ignored}" for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES
-        ]
-    elif kv is not None:
-        attn = ".self_attn."
-        layers = dict.fromkeys(
-            n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
-        )
-        expected = [f"{layer}.{s}" for layer in layers for s in KV_SCALES]
-        report.problems += [
-            f"{n}: missing (kv_cache_scheme fp8 needs k_scale and v_scale per attention layer; "
-            "vLLM serves 1.0 in its place)"
-            for n in expected
-            if n not in checkpoint.tensor_shard
-        ]
-        scales += expected
+    if kv is not None:
+        scales += _check_kv(checkpoint, kv, profile, report)
     present = [n for n in scales if n in checkpoint.tensor_shard]
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for name in present:
@@ -333,6 +321,30 @@ def _check_serving(
             f"no {QUANTIZE_RECORD}: nothing records the calibration the stored scales (e.g. "
             f"{present[0]}) were measured on"
         )
+
+
+def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> list[str]:
+    """The KV-cache scheme and its scales; returns the scale tensors it expects."""
+    if kv != KV_CACHE_SCHEME:
+        report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
+    ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
+    if ignored:
+        report.warnings.append(f"kv_cache_scheme: {ignored}; scale 1.0 is what will be served")
+        stored = [n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES]
+        report.problems += [f"{n}: {ignored}" for n in stored]
+        return []
+    attn = ".self_attn."
+    layers = dict.fromkeys(
+        n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
+    )
+    expected = [f"{layer}.{s}" for layer in layers for s in KV_SCALES]
+    report.problems += [
+        f"{n}: missing (kv_cache_scheme fp8 needs k_scale and v_scale per attention layer; "
+        "vLLM serves 1.0 in its place)"
+        for n in expected
+        if n not in checkpoint.tensor_shard
+    ]
+    return expected
 
 
 def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
@@ -396,10 +408,7 @@ def replay_vllm(
     report: VerifyReport,
 ) -> None:
     """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md) against what
-    the checkpoint stores for each of its shards; the modules vLLM never quantizes; and what
-    vLLM 0.32.0 does at the tensor-parallel size: it cannot build a draft whose heads or split
-    dimensions do not divide by it, and gives an FP4 row-parallel shard that is not a whole
-    number of blocks the wrong block scales."""
+    the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
     expects = ", ".join(FORMATS[fmt].stored)
     for rt in serving.runtime_modules(profile, holders, report.target_layers or 0):
         scheme, why = _vllm_scheme(rt, fmt, targets, ignore)
@@ -433,6 +442,15 @@ def replay_vllm(
         head = serving.head_problem(profile, module, fmt, checkpoint.config)
         if head and module in quantized:
             report.problems.append(f"{module}: stored {fmt}, but {head}")
+    _replay_tp(checkpoint, fmt, profile, holders, quantized, report)
+
+
+def _replay_tp(
+    checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized, report
+) -> None:
+    """What vLLM 0.32.0 does with the draft at the tensor-parallel size (docs/vllm.md): it
+    cannot build a draft whose heads or split dimensions do not divide by it, and it gives an
+    FP4 row-parallel shard that is not a whole number of blocks the wrong block scales."""
     tp, spec = report.tensor_parallel_size, FORMATS[fmt]
     shapes: dict[str, tuple[int, ...]] = {}
     for module in holders:  # [N, K] as vLLM sizes the layer (packed codes unpacked)
