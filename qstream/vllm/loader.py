@@ -482,8 +482,6 @@ def _runtime_names(model: torch.nn.Module):
 
 
 class _Stored:
-    """The stored tensors, read through qstream's own safetensors reader."""
-
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
         self.names = set(checkpoint.tensor_shard)

@@ -321,7 +321,7 @@ def layer_specific_warning(
     profile: Profile, entries: Iterable[str], target_layers: int | None
 ) -> str | None:
     """A warning when a draft's ``entries`` name single runtime layers: they hold for one L."""
-    exact = [e for e in entries if not e.startswith("re:") and e.startswith("model.layers.")]
+    exact = [e for e in entries if e.startswith("model.layers.")]
     if not profile.renames_layers or not exact:
         return None
     return (

@@ -210,7 +210,6 @@ def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport)
 
 
 def _in_order(checkpoint: Checkpoint, quantized) -> list[str]:
-    """The modules of ``quantized``, in checkpoint order."""
     modules = dict.fromkeys(n.rpartition(".")[0] for n in checkpoint.tensor_shard)
     return [m for m in modules if m in quantized]
 
@@ -291,7 +290,8 @@ def _check_serving(
 ) -> None:
     """What a static activation or KV-cache scheme stores (docs/quantize.md, "Activation and
     KV-cache schemes"), finite and positive, and its calibration in the record.  A missing input
-    scale is loaded silently wrong by vLLM 0.32.0 (tests/test_vllm_schemes.py)."""
+    scale is loaded silently wrong by vLLM 0.32.0: the parameter keeps what ``create_weights``
+    left, float32's lowest value for FP8, uninitialised memory for NVFP4."""
     scales: list[str] = []
     stored = input_scale_name(ACTIVATIONS[report.activations])
     for module in _in_order(checkpoint, quantized) if stored else []:
