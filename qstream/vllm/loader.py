@@ -113,10 +113,15 @@ def load_with_vllm(
         finally:
             recorder.release()
     report.modules, report.problems = check(checkpoint, model, recorder)
-    # the _k_scale / _v_scale an attention layer's kernels use, set from the loaded k_scale /
-    # v_scale by BaseKVCacheMethod.process_weights_after_loading
-    # (vllm/model_executor/layers/quantization/kv_cache.py; 1.0 otherwise)
-    report.kv_cache = [
+    report.kv_cache = kv_cache_of(model)
+    return report
+
+
+def kv_cache_of(model: torch.nn.Module) -> list[dict]:
+    """Every attention layer's cache dtype and the ``_k_scale`` / ``_v_scale`` its kernels use
+    (set from the loaded k_scale / v_scale by ``BaseKVCacheMethod.process_weights_after_loading``,
+    vllm/model_executor/layers/quantization/kv_cache.py; 1.0 otherwise)."""
+    return [
         {
             "module": name,
             "dtype": str(getattr(module, "kv_cache_dtype", "auto")),
@@ -126,7 +131,6 @@ def load_with_vllm(
         for name, module in model.named_modules()
         if isinstance(getattr(module, "_k_scale", None), torch.Tensor)
     ]
-    return report
 
 
 def _write_target(directory: Path, draft: dict, layers: int) -> None:
