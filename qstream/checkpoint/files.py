@@ -51,22 +51,6 @@ def read_json(path: Path, what: str, object_pairs_hook=None):
         raise QStreamError(f"{path}: {what} is not valid JSON ({exc})") from exc
 
 
-def _no_duplicate_keys(path: Path):
-    """A JSON object hook that refuses a key given twice (json keeps the last silently)."""
-
-    def hook(pairs):
-        seen = {}
-        for key, value in pairs:
-            if key in seen:
-                raise QStreamError(
-                    f"{path}: {key!r} appears twice (mapped to {seen[key]!r} and {value!r})"
-                )
-            seen[key] = value
-        return seen
-
-    return hook
-
-
 def read_config(directory: Path) -> dict:
     config = read_json(directory / CONFIG_NAME, "config.json")
     if not isinstance(config, dict):
@@ -93,15 +77,48 @@ def open_checkpoint(directory: str | Path) -> Checkpoint:
         if not (directory / name).is_file():
             raise QStreamError(f"{index_path}: names shard {name!r}, which does not exist")
         shards[name] = read_header(directory / name)
-    tensor_shard = _locate_tensors(shards)
+    tensor_shard: dict[str, str] = {}
+    for shard, header in shards.items():
+        for tensor in header.tensors:
+            if tensor in tensor_shard:
+                raise QStreamError(
+                    f"tensor {tensor!r} is in two shards: {tensor_shard[tensor]} and {shard}"
+                )
+            tensor_shard[tensor] = shard
     if weight_map is not None:
-        _check_index(index_path, weight_map, tensor_shard)
+        for tensor, shard in weight_map.items():
+            actual = tensor_shard.get(tensor)
+            if actual is None:
+                raise QStreamError(
+                    f"{index_path}: tensor {tensor!r} is mapped to {shard}, which does not "
+                    "contain it"
+                )
+            if actual != shard:
+                raise QStreamError(
+                    f"{index_path}: tensor {tensor!r} is mapped to {shard} but is in {actual}"
+                )
+        extra = [t for t in tensor_shard if t not in weight_map]
+        if extra:
+            raise QStreamError(
+                f"{index_path}: tensor {extra[0]!r} (in {tensor_shard[extra[0]]}) is missing "
+                "from the index"
+            )
         tensor_shard = {t: tensor_shard[t] for t in weight_map}
     return Checkpoint(directory, config, shards, tensor_shard, weight_map is not None)
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    index = read_json(path, "safetensors index", _no_duplicate_keys(path))
+    def no_duplicate_keys(pairs):  # json keeps the last of a key given twice, silently
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise QStreamError(
+                    f"{path}: {key!r} appears twice (mapped to {seen[key]!r} and {value!r})"
+                )
+            seen[key] = value
+        return seen
+
+    index = read_json(path, "safetensors index", no_duplicate_keys)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise QStreamError(f"{path}: no weight_map of tensor name -> shard file")
@@ -113,34 +130,6 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _locate_tensors(shards: dict[str, ShardHeader]) -> dict[str, str]:
-    located: dict[str, str] = {}
-    for shard, header in shards.items():
-        for tensor in header.tensors:
-            if tensor in located:
-                raise QStreamError(
-                    f"tensor {tensor!r} is in two shards: {located[tensor]} and {shard}"
-                )
-            located[tensor] = shard
-    return located
-
-
-def _check_index(path: Path, weight_map: dict[str, str], located: dict[str, str]) -> None:
-    for tensor, shard in weight_map.items():
-        actual = located.get(tensor)
-        if actual is None:
-            raise QStreamError(
-                f"{path}: tensor {tensor!r} is mapped to {shard}, which does not contain it"
-            )
-        if actual != shard:
-            raise QStreamError(f"{path}: tensor {tensor!r} is mapped to {shard} but is in {actual}")
-    extra = [t for t in located if t not in weight_map]
-    if extra:
-        raise QStreamError(
-            f"{path}: tensor {extra[0]!r} (in {located[extra[0]]}) is missing from the index"
-        )
-
-
 def file_digests(
     directory: Path, skip: tuple[str, ...] = (), known: dict[str, str] | None = None
 ) -> dict[str, str]:
@@ -150,12 +139,8 @@ def file_digests(
     digests = {}
     for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
         name = path.relative_to(directory).as_posix()
-        if name in skip:
-            continue
-        if known is not None and name in known:
-            digests[name] = known[name]
-            continue
-        digests[name] = sha256_file(path)
+        if name not in skip:
+            digests[name] = known[name] if known and name in known else sha256_file(path)
     return digests
 
 

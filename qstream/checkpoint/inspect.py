@@ -22,12 +22,9 @@ from qstream.units import FLOAT_DTYPE_NAMES
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)")
 
-# Stored suffixes whose elements pack two 4-bit weights (the logical parameter count doubles).
-_PACKED = "weight_packed"
-
 
 def module_kind(tensor: str) -> str:
-    """``model.layers.3.mlp.experts.7.up_proj.weight`` -> ``model.layers.*.mlp.experts.*.up_proj.weight``."""
+    """``model.layers.3.mlp.up_proj.weight`` -> ``model.layers.*.mlp.up_proj.weight``."""
     return _INDEX.sub("*", tensor)
 
 
@@ -49,9 +46,13 @@ def inspect_checkpoint(directory: str | Path) -> dict:
                 "bytes": 0,
             },
         )
+        suffix = name.rsplit(".", 1)[-1]
         row["tensors"] += 1
         row["elements"] += info.numel
-        row["params"] += _logical_params(name, info.numel)
+        if suffix == "weight_packed":  # two 4-bit weights a byte
+            row["params"] += 2 * info.numel
+        elif not (suffix.startswith("weight_") or suffix in ("input_scale", "output_scale")):
+            row["params"] += info.numel
         row["bytes"] += info.nbytes
         if info.dtype not in row["dtypes"]:
             row["dtypes"].append(info.dtype)
@@ -68,15 +69,6 @@ def inspect_checkpoint(directory: str | Path) -> dict:
         "quantization_config": qconfig,
         "quant_format": config_format(checkpoint.config),
     }
-
-
-def _logical_params(name: str, numel: int) -> int:
-    suffix = name.rsplit(".", 1)[-1]
-    if suffix == _PACKED:
-        return 2 * numel
-    if suffix.startswith("weight_") or suffix in ("input_scale", "output_scale"):
-        return 0
-    return numel
 
 
 # Statistics of a huge tensor use an evenly strided sample of at most this many rows, so a
@@ -152,21 +144,16 @@ def _read(checkpoint, readers, name: str) -> torch.Tensor:
     return readers[checkpoint.tensor_shard[name]].tensor(name)
 
 
-def non_finite_count(w: torch.Tensor) -> int:
-    """NaN and Inf elements of ``w``, counted over every element (a row sample could miss
-    them) in slices of ``NON_FINITE_SLICE``, so that the mask stays small."""
-    flat = w.reshape(-1)
-    return sum(
+def _row(name: str, tensor: torch.Tensor, dequantized: bool = False) -> dict:
+    """One tensor's row.  A tensor holding NaN or Inf gets their count (over every element, in
+    slices, so that the mask stays small) and no statistics: they would be NaN, or describe a
+    tensor quantize refuses as if it were fine."""
+    shape = list(tensor.shape)
+    flat = tensor.reshape(-1)
+    non_finite = sum(
         int((~torch.isfinite(flat[i : i + NON_FINITE_SLICE])).sum())
         for i in range(0, flat.numel(), NON_FINITE_SLICE)
     )
-
-
-def _row(name: str, tensor: torch.Tensor, dequantized: bool = False) -> dict:
-    """One tensor's row.  A tensor holding NaN or Inf gets its count (``non_finite``) and no
-    statistics: they would be NaN, or describe a tensor quantize refuses as if it were fine."""
-    shape = list(tensor.shape)
-    non_finite = non_finite_count(tensor)
     if tensor.dim() == 2 and tensor.shape[0] > MAX_ROWS:
         tensor = tensor[torch.linspace(0, tensor.shape[0] - 1, MAX_ROWS).long()]
     stats = weight_stats(tensor)

@@ -1,12 +1,10 @@
 """Is a checkpoint directory still what ``qstream quantize`` wrote (docs/guarantees.md)?
 
-quantize records the sha256 of every file it writes in ``qstream_quantize.json`` (``"files"``).
-:func:`check_integrity` recomputes them, reading each recorded file once, and lists every file
-that changed or went missing, and every shard or index that appeared, since; or says why
-nothing could be compared: no record (another tool wrote the checkpoint), or a record without
-sha256s (an older qstream).  ``verify`` reports the result; ``eval-drift --variant`` and
-``card --checkpoint`` refuse a checkpoint that fails it (:func:`integrity_record`) unless
-``--no-integrity-check``, which their outputs record.
+:func:`check_integrity` recomputes the sha256s quantize recorded in ``qstream_quantize.json``
+(``"files"``) and lists every file changed, missing or (a shard or index) added since; or says why
+nothing could be compared (no record, or one without sha256s).  ``verify`` reports the result;
+``eval-drift --variant`` and ``card --checkpoint`` refuse a checkpoint that fails it
+(:func:`integrity_record`) unless ``--no-integrity-check``, which their outputs record.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ class Mismatch:
     recorded: str = ""  # CHANGED: the sha256 quantize recorded
 
     def problem(self) -> str:
-        """verify's problem line."""
         if self.kind == CHANGED:
             return (
                 f"{self.name}: sha256 {self.actual[:12]}... differs from "
@@ -72,7 +69,7 @@ class Integrity:
     skipped: str | None = None  # why nothing was compared
 
     def to_json(self) -> dict:
-        """The record verify, eval-drift's results and the card keep of the check."""
+        """The record verify, eval-drift's results and the card keep."""
         if self.skipped is not None:
             return {"sha256": "not checked", "why": self.skipped}
         return {"sha256": "checked", "files": self.files}
@@ -121,9 +118,9 @@ def _malformed(recorded: object) -> str | None:
 
 
 def integrity_record(directory: str | Path, what: str, check: bool = True) -> dict:
-    """The record of the sha256 check of the checkpoint ``directory`` (``what``: how the user
-    named it, e.g. ``--variant fp8``); QStreamError naming the first file that fails.  ``check``
-    False (``--no-integrity-check``): nothing is read, and the record says so."""
+    """The record of the sha256 check of ``directory`` (``what``: how the user named it, e.g.
+    ``--variant fp8``); QStreamError naming the first file that fails.  ``check`` False
+    (``--no-integrity-check``): nothing is read."""
     if not check:
         return {"sha256": "not checked", "why": NO_CHECK_FLAG}
     integrity = check_integrity(open_checkpoint(directory))

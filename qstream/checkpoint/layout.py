@@ -1,13 +1,9 @@
-"""What a quantized checkpoint contains besides the codes: the ``quantization_config`` block
-(docs/quantize.md) and the stored tensors of each quantized module.
-
-``targets`` is ``["Linear"]`` and ``ignore`` names every other weight-holding module explicitly,
-so the quantized set is exactly "Linear modules minus ignore".  A class target rather than a
-list of module names, because vLLM 0.32.0 matches a fused-MoE layer by its class or by expert
-0's projection names, and ``"Linear"`` reaches that class as ``"RoutedExperts"``
-(``CompressedTensorsConfig._add_fused_moe_to_target_scheme_map``, called by
-``CompressedTensorsMoEMethod.get_moe_method``); it is also what llm-compressor's
-``model_free_ptq`` writes.
+"""The ``quantization_config`` block of a quantized checkpoint (docs/quantize.md) and the stored
+tensors of each quantized module.  ``targets`` is ``["Linear"]`` and ``ignore`` names every other
+weight-holding module: a class target, because vLLM 0.32.0 matches a fused-MoE layer by its class
+(``"Linear"`` reaches it as ``"RoutedExperts"``:
+``CompressedTensorsConfig._add_fused_moe_to_target_scheme_map``, called by
+``CompressedTensorsMoEMethod.get_moe_method``), as llm-compressor's ``model_free_ptq`` writes.
 """
 
 from __future__ import annotations
@@ -33,13 +29,6 @@ KV_SCALES = ("k_scale", "v_scale")  # on the attention module, as compressed-ten
 INPUT_SCALE = {"tensor": "input_scale", "tensor_group": "input_global_scale"}
 
 
-def compressed_tensors_version() -> str:
-    try:
-        return metadata.version("compressed-tensors")
-    except metadata.PackageNotFoundError:
-        return TESTED_COMPRESSED_TENSORS
-
-
 def quantization_config(
     spec: Format,
     ignore: list[str],
@@ -47,10 +36,14 @@ def quantization_config(
     activations: Activations = ACTIVATIONS["none"],
     kv_cache: bool = False,
 ) -> dict:
-    """The ``quantization_config`` block for a checkpoint in format ``spec``; ``targets``:
-    ``["Linear"]``, plus the name of any quantized module vLLM builds as another class (a
-    DSpark draft's ParallelLMHead markov_w2, docs/vllm.md); ``activations``: how the quantized
-    linears' inputs are served (weight-only for "none"); ``kv_cache``: an FP8 KV cache scheme."""
+    """The ``quantization_config`` block for format ``spec``; ``targets``: ``["Linear"]`` plus
+    any quantized module vLLM builds as another class (a DSpark draft's ParallelLMHead
+    markov_w2, docs/vllm.md); ``activations``: how the quantized linears' inputs are served;
+    ``kv_cache``: an FP8 KV cache scheme."""
+    try:
+        version = metadata.version("compressed-tensors")
+    except metadata.PackageNotFoundError:
+        version = TESTED_COMPRESSED_TENSORS
     return {
         "quant_method": "compressed-tensors",
         "format": spec.layout,
@@ -68,7 +61,7 @@ def quantization_config(
         "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None,
         "sparsity_config": {},
         "transform_config": {},
-        "version": compressed_tensors_version(),
+        "version": version,
     }
 
 
@@ -94,11 +87,9 @@ def stored_tensors(spec: Format, module: str, weight: TensorInfo) -> list[Planne
 
 
 def input_activations_args(spec: Format, activations: Activations) -> dict | None:
-    """compressed-tensors' ``input_activations`` for ``activations`` beside ``spec``'s weights
-    (a pair ``ACTIVATIONS`` allows), as its presets write them (``FP8_DYNAMIC``, ``FP8``,
-    ``NVFP4``; tests/test_quantize_schemes.py): the weights' element type with the activations'
-    strategy; an NVFP4 input takes per-block scales at run time over a calibrated global scale,
-    compressed-tensors' dynamic "local"."""
+    """compressed-tensors' ``input_activations`` for ``activations`` beside ``spec``'s weights,
+    as its presets (``FP8_DYNAMIC``, ``FP8``, ``NVFP4``) write them: the weights' element type
+    with the activations' strategy; NVFP4's per-block scales at run time are dynamic "local"."""
     if activations.vllm_scheme is None:
         return None
     assert spec.name in activations.weights, (spec.name, activations.name)

@@ -1,6 +1,6 @@
 """Reading a checkpoint's tensors as weights: quantized modules dequantized by the format its
 ``quantization_config`` names, and a target's borrowed tensors (``lm_head.weight``,
-``embed_tokens.weight``, ``model.norm.weight``) found by name and read from only the shards holding them.
+``embed_tokens.weight``, ``model.norm.weight``) read from only the shards holding them.
 
 >>> read_target_tensors("kimi-k3/", ["lm_head.weight"])   # {"lm_head.weight": tensor}
 """
@@ -36,9 +36,8 @@ def checkpoint_format(directory: Path, config: dict) -> str | None:
     fmt = format_of_layout(layout) if isinstance(layout, str) else None
     if fmt is None:
         raise QStreamError(
-            f"{directory / 'config.json'}: quantization_config.format = "
-            f"{layout!r} is not one of "
-            f"{', '.join(s.layout for s in FORMATS.values())}"
+            f"{directory / 'config.json'}: quantization_config.format = {layout!r} is not one "
+            f"of {', '.join(s.layout for s in FORMATS.values())}"
         )
     return fmt
 
@@ -61,9 +60,8 @@ def dequantize_all(
             modules.setdefault(module, {})[suffix] = tensor
         elif suffix in QUANTIZED_SUFFIXES:
             raise QStreamError(
-                f"{where}: tensor {name!r} is quantization data, but the "
-                f"config declares {'no' if fmt is None else fmt} quantization "
-                "for it"
+                f"{where}: tensor {name!r} is quantization data, but the config declares "
+                f"{'no' if fmt is None else fmt} quantization for it"
             )
         else:
             out[name] = tensor
@@ -72,8 +70,7 @@ def dequantize_all(
         missing = [s for s in FORMATS[fmt].stored if s not in stored]
         if missing:
             raise QStreamError(
-                f"{where}: quantized module {module!r} lacks "
-                f"{module}.{missing[0]} ({fmt} stores "
+                f"{where}: quantized module {module!r} lacks {module}.{missing[0]} ({fmt} stores "
                 f"{', '.join(FORMATS[fmt].stored)})"
             )
         try:
@@ -115,8 +112,8 @@ def kv_scale_names(checkpoint: Checkpoint) -> set[str]:
 
 def read_kv_scales(directory: Path) -> dict[str, tuple[float, float]]:
     """Each attention layer's stored (k_scale, v_scale) as vLLM 0.32.0 holds them, float32
-    (``KVCacheScaleParameter.weight_loader``, vllm/model_executor/layers/quantization/kv_cache.py):
-    one line naming a layer without both, or a scale not one finite positive number."""
+    (``KVCacheScaleParameter.weight_loader``, vllm/model_executor/layers/quantization/kv_cache.py);
+    QStreamError for a layer without both, or a scale not one finite positive number."""
     checkpoint = open_checkpoint(directory)
     names = kv_scale_names(checkpoint)
     attentions = {n[: n.index(".self_attn.") + len(".self_attn")] for n in checkpoint.tensor_shard
@@ -143,11 +140,9 @@ def _kv_scale(checkpoint: Checkpoint, names: set[str], name: str) -> float:
 def read_target_tensors(
     target: str | Path, names: Iterable[str], optional: tuple[str, ...] = ()
 ) -> dict[str, torch.Tensor]:
-    """Read only ``names`` (``lm_head.weight``, ``embed_tokens.weight``) from a target
-    checkpoint.  A target tensor matches a name when it is equal to it or ends with
-    ``.<name>`` (``model.embed_tokens.weight``, ``language_model.lm_head.weight``); exactly one
-    match is required, none for a name in ``optional`` (then left out).  With an index only the
-    shards holding the matches are opened."""
+    """Read only ``names`` from a target checkpoint: the one tensor equal to each or ending in
+    ``.<name>`` (``language_model.lm_head.weight``; a name in ``optional`` may have none), from
+    only the shards holding them."""
     target = Path(target)
     index = target / INDEX_NAME
     if index.exists():
@@ -191,13 +186,11 @@ def read_target_tensors(
 
 
 def _match_one(weight_map: Mapping[str, str], name: str, target: Path) -> str:
-    if name in weight_map:
-        return name
-    hits = [t for t in weight_map if t.endswith("." + name)]
+    hits = [name] if name in weight_map else [t for t in weight_map if t.endswith("." + name)]
     if len(hits) != 1:
         found = "none" if not hits else ", ".join(hits[:4])
         raise QStreamError(
-            f"{target}: need exactly one tensor named {name!r} or ending in "
-            f"'.{name}'; found {found}"
+            f"{target}: need exactly one tensor named {name!r} or ending in '.{name}'; "
+            f"found {found}"
         )
     return hits[0]

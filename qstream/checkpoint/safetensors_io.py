@@ -4,15 +4,11 @@ The format (https://github.com/huggingface/safetensors): 8 bytes little-endian h
 ``n``, ``n`` bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
 "__metadata__": {str: str}}``, then the data section; offsets are relative to its start.
 
-Headers are parsed here, strictly, rather than through the ``safetensors`` package so that every
-malformed file becomes a :class:`QStreamError` naming the file and tensor.  Data is read through a
-private memory map; :meth:`ShardReader.release` drops pages already used, so the resident memory
-of a run stays a few row chunks rather than growing to the whole checkpoint.  :class:`ShardWriter`
-writes the header first (all shapes are known in advance) and then places every tensor, or every
-row range of one, at its offset, so no shard is ever held in memory, and can hash the file as it
-is written (:class:`FollowingDigest`): a thread of its own hashes it from the front as far as it
-is contiguously written, reading those bytes back from the page cache.  Both the reads and the
-hashing release the GIL, so with one quantizing worker the hash costs no wall time, and the
+Headers are parsed here, strictly, so that every malformed file is a :class:`QStreamError` naming
+the file and tensor.  Data is read through a private memory map whose used pages
+:meth:`ShardReader.release` drops, so resident memory stays a few row chunks.  :class:`ShardWriter`
+writes the header first and then every tensor or row range at its offset, and can hash the file
+as it is written (:class:`FollowingDigest`, a thread reading back from the page cache), so the
 finished file is not read again (docs/guarantees.md: the sha256 that quantize records).
 """
 
@@ -97,10 +93,6 @@ class ShardHeader:
     file_size: int
 
 
-def _element_size(dtype: str) -> int:
-    return torch.empty((), dtype=DTYPES[dtype]).element_size()
-
-
 def read_header(path: str | os.PathLike) -> ShardHeader:
     """Parse and validate the header of one safetensors file (the data is not read)."""
     path = Path(path)
@@ -142,6 +134,28 @@ def read_header(path: str | os.PathLike) -> ShardHeader:
     return ShardHeader(path, {t.name: t for t in tensors}, metadata, 8 + length, file_size)
 
 
+def _check_layout(path: Path, tensors: list[TensorInfo], data_size: int) -> None:
+    """Tensors must tile the data section exactly, as the reference implementation requires."""
+    position, previous = 0, None
+    for t in tensors:
+        if t.begin < position:
+            raise QStreamError(
+                f"{path}: tensor {t.name!r} overlaps tensor {previous!r} "
+                f"(offset {t.begin} < {position})"
+            )
+        if t.begin > position:
+            raise QStreamError(
+                f"{path}: {t.begin - position} unaccounted bytes before tensor "
+                f"{t.name!r} at offset {position}"
+            )
+        position, previous = t.end, t.name
+    if position != data_size:
+        raise QStreamError(
+            f"{path}: {data_size - position} bytes after the last tensor "
+            "(corrupt or mis-sized file)"
+        )
+
+
 def _tensor_info(path: Path, name: str, entry, data_size: int) -> TensorInfo:
     where = f"{path}: tensor {name!r}"
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -164,7 +178,7 @@ def _tensor_info(path: Path, name: str, entry, data_size: int) -> TensorInfo:
             f"{where}: data_offsets {offsets} run past the end of the data "
             f"({data_size} bytes; truncated file?)"
         )
-    expected = prod(shape) * _element_size(dtype)
+    expected = prod(shape) * DTYPES[dtype].itemsize
     if end - begin != expected:
         raise QStreamError(
             f"{where}: data_offsets {offsets} span {end - begin} bytes but "
@@ -173,41 +187,15 @@ def _tensor_info(path: Path, name: str, entry, data_size: int) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), begin, end)
 
 
-def _check_layout(path: Path, tensors: list[TensorInfo], data_size: int) -> None:
-    """Tensors must tile the data section exactly, as the reference implementation requires:
-    no overlap, no gap, nothing after the last one."""
-    position, previous = 0, None
-    for t in tensors:
-        if t.begin < position:
-            raise QStreamError(
-                f"{path}: tensor {t.name!r} overlaps tensor {previous!r} "
-                f"(offset {t.begin} < {position})"
-            )
-        if t.begin > position:
-            raise QStreamError(
-                f"{path}: {t.begin - position} unaccounted bytes before tensor "
-                f"{t.name!r} at offset {position}"
-            )
-        position, previous = t.end, t.name
-    if position != data_size:
-        raise QStreamError(
-            f"{path}: {data_size - position} bytes after the last tensor "
-            "(corrupt or mis-sized file)"
-        )
-
-
 # Every mapping a ShardReader opened that is still alive (a tensor viewing it keeps it alive),
 # with its base address.
 _LIVE_MAPS: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
 
 
 def drop_resident_pages(tensor: torch.Tensor | None = None) -> None:
-    """Drop mapped checkpoint pages from this process's resident set (MADV_DONTNEED): those
-    under ``tensor`` when it views a live mapping (nothing otherwise), or every live mapping's.
-    The mappings are private and never written, so a page touched again is mapped back
-    unchanged from the kernel's page cache (or re-read from the file).  eval-drift uses this so
-    that weights a pass no longer reads (the originals of a format's quantized tensors) stop
-    counting against its memory (docs/eval-drift.md, "Memory")."""
+    """Drop mapped checkpoint pages from the resident set (MADV_DONTNEED): those under ``tensor``
+    when it views a live mapping, or every live mapping's (``tensor`` None).  A page touched again
+    is mapped back unchanged from the page cache (docs/eval-drift.md, "Memory")."""
     for mapping, base in list(_LIVE_MAPS.items()):
         if mapping.closed:
             continue
@@ -241,7 +229,8 @@ class ShardReader:
         if self._map is not None:
             _LIVE_MAPS[self._map] = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
-    def _span(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
+    def _span(self, name: str, rows: slice | None) -> tuple[int, int]:
+        info = self.header.tensors[name]
         if rows is None:
             return info.begin, info.end
         return info.begin + rows.start * info.row_bytes, info.begin + rows.stop * info.row_bytes
@@ -249,7 +238,7 @@ class ShardReader:
     def tensor(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """The tensor (or rows ``rows`` of its first dimension), a view of the mapped file."""
         info = self.header.tensors[name]
-        begin, end = self._span(info, rows)
+        begin, end = self._span(name, rows)
         shape = info.shape if rows is None else (rows.stop - rows.start, *info.shape[1:])
         if end == begin:
             return torch.empty(shape, dtype=info.torch_dtype)
@@ -265,31 +254,25 @@ class ShardReader:
         return memoryview(self._map)[start + begin : start + end]
 
     def prefetch(self, name: str, rows: slice | None = None) -> None:
-        """Map a range's pages ahead of use (reading them from disk if they are not cached),
-        so that the thread that computes on them does not stop for page faults.  Advisory:
-        a kernel without MADV_POPULATE_READ (Linux < 5.14) faults them in on use instead."""
-        if self._map is None:
-            return
-        begin, end = self._page_range(self.header.tensors[name], rows)
-        if end > begin:
-            try:
-                self._map.madvise(_MADV_POPULATE_READ, begin, end - begin)
-            except OSError:  # EINVAL: not supported here; the pages are read on first use
-                pass
-
-    def _page_range(self, info: TensorInfo, rows: slice | None) -> tuple[int, int]:
-        begin, end = self._span(info, rows)
-        offset, size = self.header.data_offset, len(self._map) if self._map is not None else 0
-        return _pages(offset + begin, offset + end, size)
+        """Map a range's pages ahead of use, so that the thread computing on them does not stop
+        for page faults; a kernel without MADV_POPULATE_READ (Linux < 5.14) faults them in."""
+        try:
+            self._advise(name, rows, _MADV_POPULATE_READ)
+        except OSError:  # EINVAL: not supported here; the pages are read on first use
+            pass
 
     def release(self, name: str, rows: slice | None = None) -> None:
-        """Drop the pages of a range already processed from this process's resident memory;
-        the page cache keeps them, and touching them again re-reads them."""
+        """Drop the pages of a range already processed from this process's resident memory."""
+        self._advise(name, rows, mmap.MADV_DONTNEED)
+
+    def _advise(self, name: str, rows: slice | None, advice: int) -> None:
         if self._map is None:
             return
-        begin, end = self._page_range(self.header.tensors[name], rows)
+        begin, end = self._span(name, rows)
+        offset = self.header.data_offset
+        begin, end = _pages(offset + begin, offset + end, len(self._map))
         if end > begin:
-            self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+            self._map.madvise(advice, begin, end - begin)
 
 
 @dataclass(frozen=True)
@@ -307,7 +290,7 @@ def header_bytes(
     header: dict = {"__metadata__": metadata} if metadata else {}
     infos, position = {}, 0
     for t in tensors:
-        end = position + prod(t.shape) * _element_size(t.dtype)
+        end = position + prod(t.shape) * DTYPES[t.dtype].itemsize
         infos[t.name] = TensorInfo(t.name, t.dtype, t.shape, position, end)
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [position, end]}
         position = end
@@ -321,8 +304,13 @@ def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> byt
     ``save`` orders the metadata keys by a hash map seeded per process)."""
     planned = [PlannedTensor(k, DTYPE_NAMES[v.dtype], tuple(v.shape)) for k, v in tensors.items()]
     raw, _ = header_bytes(planned, dict(sorted(metadata.items())))
-    data = (v.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for v in tensors.values())
-    return struct.pack("<Q", len(raw)) + raw + b"".join(d.numpy().tobytes() for d in data)
+    return (
+        struct.pack("<Q", len(raw)) + raw + b"".join(_bytes(v).tobytes() for v in tensors.values())
+    )
+
+
+def _bytes(tensor: torch.Tensor):
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def planned_file_size(tensors: list[PlannedTensor], metadata: dict[str, str] | None) -> int:
@@ -362,14 +350,7 @@ class ShardWriter:
         if isinstance(data, torch.Tensor):
             if data.dtype != info.torch_dtype:
                 raise ValueError(f"{name}: writing {data.dtype} into a {info.dtype} tensor")
-            data = memoryview(
-                data.detach()
-                .cpu()
-                .contiguous()
-                .reshape(-1)  # type: ignore[arg-type]
-                .view(torch.uint8)
-                .numpy()
-            )
+            data = memoryview(_bytes(data))
         offset = row_start * info.row_bytes
         if offset + len(data) > info.nbytes:
             raise ValueError(
@@ -387,12 +368,11 @@ class ShardWriter:
     def close(self) -> str | None:
         """Close the file; every planned byte must have been written exactly once.  Returns the
         file's sha256 when the writer was made with ``digest``."""
-        os.close(self._fd)
         missing = [n for n, i in self.infos.items() if self._written[n] != i.nbytes]
         if missing:
-            if self._digest is not None:
-                self._digest.stop()
+            self.abort()
             raise RuntimeError(f"{self.path}: tensors not completely written: {missing[:5]}")
+        os.close(self._fd)
         return None if self._digest is None else self._digest.hexdigest()
 
     def abort(self) -> None:
@@ -424,12 +404,9 @@ class FollowingDigest:
         """Bytes ``[start, end)`` are in the file.  Every byte is reported exactly once."""
         with self._ready:
             self._written[start] = end
-            advanced = False
             while self._frontier in self._written:
                 self._frontier = self._written.pop(self._frontier)
-                advanced = True
-            if advanced:
-                self._ready.notify()
+            self._ready.notify()
 
     def hexdigest(self) -> str:
         """Wait for the hash of the whole file (every byte must have been reported)."""

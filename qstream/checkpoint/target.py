@@ -20,7 +20,7 @@ GGUF = ".gguf"  # llama.cpp's one-file format: qstream convert-gguf makes it a d
 
 def gguf_file(source: str | Path) -> Path | None:
     """The GGUF file a target path names: itself, or the one ``.gguf`` file of a folder without
-    a config.json; None for a transformers directory.  A folder of several is refused."""
+    a config.json (None: a transformers directory)."""
     path = Path(source)
     if path.suffix == GGUF and not path.is_dir():
         return path
@@ -60,8 +60,8 @@ def refuse_gguf(target: str | Path) -> None:
 
 
 def read_target_shape(target: str | Path) -> TargetShape:
-    """The target's shape from ``target/config.json``; a multimodal config's ``text_config``
-    is used when the top level lacks the fields.  One-line errors name the file and key."""
+    """The target's shape from ``target/config.json`` (a multimodal config's ``text_config``
+    when the top level lacks the fields)."""
     path = Path(target) / "config.json"
     refuse_gguf(target)
     if not Path(target).is_dir():

@@ -1,21 +1,15 @@
-"""Load a DSpark draft checkpoint with vLLM 0.32.0's own loader, on CPU, and check what it built
-(``qstream verify DIR --vllm``; docs/vllm.md, "vLLM's own loader", "Four CPU shims, and why",
-"The checks").
+"""Load a DSpark, DFlash or EAGLE-3 draft checkpoint with vLLM 0.32.0's own loader on CPU, and
+check what it built (``qstream verify DIR --vllm``; docs/vllm.md, "vLLM's own loader", "Four CPU
+shims, and why", "The checks").
 
-The path is vLLM's: ``EngineArgs(speculative_config={"method": "dspark", ...})
-.create_engine_config()`` → ``vllm/v1/worker/gpu/spec_decode/dspark/utils.py``
-``load_dspark_model`` (a DFlash draft: the serving profile's method "dflash",
-``dflash/utils.py`` ``load_dflash_model``; EAGLE-3: method "eagle3", ``eagle/utils.py``
-``load_eagle_model``) → ``DefaultModelLoader.load_model`` → the draft
-class's ``load_weights``
-→ ``process_weights_after_loading``, beside a config-only target and under :func:`cpu_shims`
-(Triton reported present, ``torch.accelerator.empty_cache()`` a no-op, ``kv_b_proj`` flagged for
-the CPU linear, a stand-in linear kernel for the FP8/NVFP4/MXFP4 schemes, whose own
-``create_weights`` and ``process_weights_after_loading`` run unchanged).  The same patches feed
-the :class:`Recorder` (which stored tensor reached which parameter, and what each held before
-post-processing; vLLM tracks this only for unquantized models); :func:`check` checks what vLLM
-built.  This proves the loader, the runtime names, the scheme vLLM picks per module and the
-bytes every parameter holds — but no GPU kernel and no Marlin repack.
+The path is vLLM's: ``EngineArgs(speculative_config=...).create_engine_config()`` →
+``vllm/v1/worker/gpu/spec_decode/dspark/utils.py`` ``load_dspark_model`` (DFlash:
+``dflash/utils.py`` ``load_dflash_model``; EAGLE-3: ``eagle/utils.py`` ``load_eagle_model``) →
+``DefaultModelLoader.load_model`` → the draft class's ``load_weights`` →
+``process_weights_after_loading``, beside a config-only target and under :func:`cpu_shims`.  The
+same patches feed the :class:`Recorder`; :func:`check` checks what vLLM built.  This proves the
+loader, the runtime names, the scheme vLLM picks per module and the bytes every parameter holds,
+but no GPU kernel and no Marlin repack.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
@@ -55,16 +50,14 @@ class VllmLoadReport:
     directory: str
     vllm_version: str
     target_layers: int
-    # one entry per Linear vLLM built: runtime name (the prefix its quant config matched), its
-    # attribute path, vLLM's scheme class ("unquantized" for none) and the stored tensors
-    # loaded into it
+    # per Linear vLLM built: runtime name (the prefix its quant config matched), attribute path,
+    # vLLM's scheme class ("unquantized" for none), the stored tensors loaded into it
     modules: list[dict] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)  # what vLLM logged at WARNING or above
     raised: str | None = None  # what vLLM raised, if it did
-    # each attention layer's KV cache as vLLM serves it: {"module", "dtype", "k_scale",
-    # "v_scale"}, the scales as the layer holds them after loading (docs/vllm.md,
-    # "Activation schemes and KV-cache scales")
+    # each attention layer's KV cache as served: {"module", "dtype", "k_scale", "v_scale"}
+    # (docs/vllm.md, "Activation schemes and KV-cache scales")
     kv_cache: list[dict] = field(default_factory=list)
 
     @property
@@ -73,8 +66,7 @@ class VllmLoadReport:
 
 
 def vllm_version() -> str:
-    """The installed vLLM's version; QStreamError naming the one needed if it is absent or
-    another version (the shims depend on 0.32.0's internals)."""
+    """The installed vLLM's version; QStreamError naming the one needed otherwise."""
     try:
         import vllm
     except ImportError as err:
@@ -88,10 +80,9 @@ def vllm_version() -> str:
 def load_with_vllm(
     directory: str | Path, target_layers: int | None = None, kv_cache_dtype: str = "auto"
 ) -> VllmLoadReport:
-    """Load ``directory`` (a DSpark, DFlash or EAGLE-3 draft, plain or quantized) with vLLM's
-    own loader for it on CPU, beside a config-only target of ``target_layers`` layers (default:
-    config.json's ``target_num_hidden_layers``) served with ``--kv-cache-dtype kv_cache_dtype``
-    (the draft inherits it), and check what vLLM built (module docstring)."""
+    """Load ``directory`` with vLLM's own loader beside a config-only target of ``target_layers``
+    layers (default: config.json's ``target_num_hidden_layers``) served with ``--kv-cache-dtype
+    kv_cache_dtype``, and check what vLLM built (module docstring)."""
     version = vllm_version()
     checkpoint = open_checkpoint(directory)
     config = checkpoint.config
@@ -143,9 +134,9 @@ def kv_cache_of(model: torch.nn.Module) -> list[dict]:
 
 
 def _write_target(directory: Path, draft: dict, layers: int) -> None:
-    """A config-only target: vLLM reads the target's depth (which offsets the draft's runtime
-    layer names), vocabulary and width; its weights are never read.  A config in speculators'
-    layout nests the draft's own widths in ``transformer_layer_config``."""
+    """A config-only target: vLLM reads its depth (which offsets the draft's runtime layer names),
+    vocabulary and width.  A speculators-layout config nests the draft's widths in
+    ``transformer_layer_config``."""
     draft = {**draft.get("transformer_layer_config", {}), **draft}
     hidden = int(draft.get("target_hidden_size") or draft["hidden_size"])
     target = {
@@ -164,30 +155,6 @@ def _write_target(directory: Path, draft: dict, layers: int) -> None:
     write_json_atomic(directory / "config.json", target, indent=None, end="")
 
 
-class _StandTarget(torch.nn.Module):
-    """What ``load_dspark_model`` reads of the target: its input embedding and lm_head."""
-
-    def __init__(self, vocab: int, hidden: int) -> None:
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.embed_tokens = torch.nn.Embedding(vocab, hidden, dtype=torch.bfloat16)
-        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16)
-
-
-def _speculative(draft: Path, profile: Profile) -> dict[str, Any]:
-    """vLLM's speculative_config for the draft.  DSpark's drafted count defaults to config.json's
-    block_size (``SpeculativeConfig.__post_init__``); where it has no default (DFlash, EAGLE-3) it
-    is the tokens a block of the draft drafts (DFlash: block_size - 1, the anchor the bonus
-    token; EAGLE-3: one a step)."""
-    speculative: dict[str, Any] = {"method": profile.method, "model": str(draft)}
-    if profile.drafted_tokens_given:
-        # a block draft drafts block_size tokens a pass; a chained one (EAGLE-3) one a step,
-        # and how many steps it chains changes no weight vLLM loads
-        config = load_config(draft, evaluated=False)
-        speculative["num_speculative_tokens"] = getattr(config, "block_size", 1)
-    return speculative
-
-
 def _load(
     draft: Path,
     target: Path,
@@ -201,17 +168,29 @@ def _load(
 
     method = profile.loader or profile.method  # vllm/v1/worker/gpu/spec_decode/{method}/utils.py
     utils = importlib.import_module(f"vllm.v1.worker.gpu.spec_decode.{method}.utils")
+    # DSpark's drafted count defaults to config.json's block_size (SpeculativeConfig
+    # .__post_init__); DFlash's and EAGLE-3's are given: the tokens a block drafts (EAGLE-3: one
+    # a step, and how many steps it chains changes no weight vLLM loads)
+    speculative: dict[str, Any] = {"method": profile.method, "model": str(draft)}
+    if profile.drafted_tokens_given:
+        config = load_config(draft, evaluated=False)
+        speculative["num_speculative_tokens"] = getattr(config, "block_size", 1)
     with cpu_shims(recorder):
         args = EngineArgs(
             model=str(target),
-            speculative_config=_speculative(draft, profile),
+            speculative_config=speculative,
             skip_tokenizer_init=True,
             enforce_eager=True,
             kv_cache_dtype=kv_cache_dtype,
         )
         vllm_config = args.create_engine_config()
-        hf = vllm_config.speculative_config.draft_model_config.hf_config
-        stand_in = _StandTarget(hf.vocab_size, vllm_config.model_config.get_hidden_size())
+        vocab = vllm_config.speculative_config.draft_model_config.hf_config.vocab_size
+        hidden = vllm_config.model_config.get_hidden_size()
+        # what load_dspark_model reads of the target: its input embedding and lm_head
+        body, stand_in = torch.nn.Module(), torch.nn.Module()
+        body.embed_tokens = torch.nn.Embedding(vocab, hidden, dtype=torch.bfloat16)
+        stand_in.model = body
+        stand_in.lm_head = torch.nn.Linear(hidden, vocab, bias=False, dtype=torch.bfloat16)
         recorder.target_params = {id(p) for p in stand_in.parameters()}
         # listened to from here: building the config re-applies vLLM's logging dictConfig,
         # which drops handlers added before it
@@ -257,7 +236,10 @@ _SCHEMES = "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
 
 @contextlib.contextmanager
 def cpu_shims(recorder: Recorder) -> Iterator[None]:
-    """The four bridges (module docstring), and ``recorder`` fed from vLLM's loader."""
+    """The four bridges (Triton reported present, ``torch.accelerator.empty_cache()`` a no-op,
+    ``kv_b_proj`` flagged for the CPU linear, a stand-in kernel for the FP8/NVFP4/MXFP4 schemes,
+    whose own ``create_weights`` and ``process_weights_after_loading`` run unchanged), and
+    ``recorder`` fed from vLLM's loader."""
     import vllm.config.vllm as vllm_config_module
     from vllm.model_executor.model_loader import base_loader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -298,11 +280,9 @@ def cpu_shims(recorder: Recorder) -> Iterator[None]:
 
 @contextlib.contextmanager
 def vllm_log(sink: list[str]) -> Iterator[None]:
-    """Collect what vLLM logs at WARNING or above while loading.  Some of its module loggers
-    reach the root logger without passing the "vllm" one, so both are listened to.  vLLM's
-    ``warning_once`` remembers what it printed for the whole process (``_print_warning_once``,
-    an ``lru_cache`` in vllm/logger.py): it is forgotten first, so that every load reports its
-    own warnings whatever was loaded before it."""
+    """Collect what vLLM logs at WARNING or above, from the "vllm" logger and the root one (which
+    some of its module loggers reach directly).  ``warning_once``'s memory (``_print_warning_once``,
+    an ``lru_cache`` in vllm/logger.py) is cleared first, so that every load reports its own."""
     from vllm import logger as vllm_logger
 
     for name in ("_print_warning_once", "_print_error_once"):
@@ -328,13 +308,13 @@ def vllm_log(sink: list[str]) -> Iterator[None]:
 
 class _StandInKernel:
     """Takes the place of the GPU kernel a scheme selects.  Its ``process_weights_after_loading``
-    leaves the scheme's layout as the scheme left it (no repack); ``apply_weights`` multiplies by
-    the weight decoded from that layout in the activation dtype, with vLLM's own FP4 nibble
-    decoder (``nvfp4_emulation_utils.break_fp4_bytes``) and, for NVFP4, its emulation's
-    ``dequantize_to_dtype``."""
+    leaves the scheme's layout as it is (no repack); ``apply_weights`` multiplies by the weight
+    decoded from that layout, [N, K] in the activation dtype, with vLLM's own FP4 nibble decoder
+    (``nvfp4_emulation_utils.break_fp4_bytes``) and, for NVFP4, its ``dequantize_to_dtype``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.config = kwargs.get("config") or _KernelConfig(kwargs.get("weight_quant_key"))
+        key = kwargs.get("weight_quant_key")
+        self.config = kwargs.get("config") or SimpleNamespace(weight_quant_key=key)
 
     def input_quant_key(self) -> None:
         return None
@@ -345,33 +325,25 @@ class _StandInKernel:
     def apply_weights(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        out = torch.nn.functional.linear(x, _decoded_weight(layer, x.dtype))
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+            break_fp4_bytes,
+            dequantize_to_dtype,
+        )
+
+        weight: torch.Tensor = getattr(layer, "weight")
+        scale: torch.Tensor = getattr(layer, "weight_scale")
+        if weight.dtype == torch.float8_e4m3fn:  # W8A16 FP8: [K, N] codes, [N, 1] scale
+            decoded = weight.t().to(x.dtype) * scale.reshape(-1, 1).to(x.dtype)
+        elif scale.dtype == torch.float8_e4m3fn:  # NVFP4: its global scale already inverted
+            global_scale = getattr(layer, "weight_global_scale")
+            decoded = dequantize_to_dtype(weight, scale, global_scale, x.dtype, swizzle=False)
+        else:  # MXFP4: E8M0 block exponents
+            values = break_fp4_bytes(weight, torch.float32)
+            blocks = values.reshape(values.shape[0], -1, 32)
+            blocks = blocks * torch.exp2(scale.to(torch.float32) - 127).unsqueeze(-1)
+            decoded = blocks.reshape(values.shape).to(x.dtype)
+        out = torch.nn.functional.linear(x, decoded)
         return out if bias is None else out + bias
-
-
-@dataclass
-class _KernelConfig:
-    weight_quant_key: Any = None
-
-
-def _decoded_weight(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] in ``dtype`` from the parameters a scheme left after post-processing."""
-    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-        break_fp4_bytes,
-        dequantize_to_dtype,
-    )
-
-    weight: torch.Tensor = getattr(layer, "weight")
-    weight_scale: torch.Tensor = getattr(layer, "weight_scale")
-    if weight.dtype == torch.float8_e4m3fn:  # W8A16 FP8: [K, N] codes, [N, 1] scale
-        return weight.t().to(dtype) * weight_scale.reshape(-1, 1).to(dtype)
-    if weight_scale.dtype == torch.float8_e4m3fn:  # NVFP4: its global scale already inverted
-        global_scale = getattr(layer, "weight_global_scale")
-        return dequantize_to_dtype(weight, weight_scale, global_scale, dtype, swizzle=False)
-    values = break_fp4_bytes(weight, torch.float32)  # MXFP4: E8M0 block exponents
-    scale = torch.exp2(weight_scale.to(torch.float32) - 127)
-    blocks = values.reshape(values.shape[0], -1, 32) * scale.unsqueeze(-1)
-    return blocks.reshape(values.shape).to(dtype)
 
 
 _SHARD_ORDER = {"q": 0, "k": 1, "v": 2}
@@ -384,8 +356,8 @@ class _Loaded:
 
 
 class Recorder:
-    """Which stored tensor went into which parameter, and the parameters before
-    post-processing."""
+    """Which stored tensor went into which parameter, and the parameters before post-processing
+    (vLLM tracks this only for unquantized models)."""
 
     def __init__(self) -> None:
         self.fed_names: list[str] = []
@@ -439,26 +411,26 @@ def check(
 ) -> tuple[list[dict], list[str]]:
     """The modules vLLM built (runtime name, attribute path, scheme, stored sources) and the
     problems found (docs/vllm.md, "The checks")."""
-    problems: list[str] = []
-    dropped = getattr(model, "hf_to_vllm_mapper", None)
-    for name in rec.fed_names:
-        if name in rec.consumed:
-            continue
-        if dropped is not None and dropped._map_name(name) is None:
-            continue  # the draft class's own mapper drops it (the target's copy is used)
-        problems.append(f"{name}: fed to vLLM's loader but loaded into no parameter")
-    for name in sorted(set(checkpoint.tensors) - set(rec.fed_names)):
-        problems.append(f"{name}: stored but never read by vLLM's loader")
+    # a tensor the draft class's own mapper drops is not loaded (the target's copy is used)
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    problems = [
+        f"{name}: fed to vLLM's loader but loaded into no parameter"
+        for name in rec.fed_names
+        if name not in rec.consumed and (mapper is None or mapper._map_name(name) is not None)
+    ]
+    problems += [
+        f"{name}: stored but never read by vLLM's loader"
+        for name in sorted(set(checkpoint.tensors) - set(rec.fed_names))
+    ]
     reader = _Stored(checkpoint)
     runtime = _runtime_names(model)
     spared = _unloaded_by_design(checkpoint, model, rec)
     for param_name, before in rec.before.items():
         loads = rec.loads.get(param_name)
         label = runtime(param_name)
-        if not loads and param_name in spared:
-            continue
         if not loads:
-            problems.append(f"{label}: left unloaded by vLLM (no stored tensor reached it)")
+            if param_name not in spared:
+                problems.append(f"{label}: left unloaded by vLLM (no stored tensor reached it)")
             continue
         problem = _compare_bytes(label, before, rec.output_dim[param_name], loads, reader)
         if problem:
@@ -474,18 +446,16 @@ def check(
 
 
 # Parameters vLLM 0.32.0 builds but fills without the checkpoint (docs/vllm.md, "The checks"):
-# the Qwen3 DSpark ``mask_embedding`` placeholder, which Qwen3DSparkForCausalLM.load_weights
-# (qwen3_dspark.py) always drops (a mask_embedding.pt is read by the DFlash class only), and an
-# attention layer's KV-cache scales, set to 1.0 when the KV cache is not quantized
+# the Qwen3 DSpark ``mask_embedding``, which Qwen3DSparkForCausalLM.load_weights (qwen3_dspark.py)
+# always drops, and an attention layer's KV-cache scales, 1.0 when the KV cache is not quantized
 # (vllm/model_executor/layers/quantization/kv_cache.py BaseKVCacheMethod).
 PLACEHOLDERS = ("model.mask_embedding",)
 KV_CACHE_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
 
 
 def _unloaded_by_design(checkpoint: Checkpoint, model: torch.nn.Module, rec: Recorder) -> set:
-    """Parameters a good checkpoint leaves unloaded: the placeholders above, the KV-cache scales
-    of an unquantized KV cache (with their zero points), and those ``load_dspark_model``
-    replaced by the target's own (an embedding or lm_head the draft does not carry)."""
+    """The placeholders above, the KV-cache scales of an unquantized KV cache (with their zero
+    points), and those ``load_dspark_model`` replaced by the target's own."""
     shared = {n for n, p in model.named_parameters() if id(p) in rec.target_params}
     qconfig = checkpoint.config.get("quantization_config") or {}
     spared = set(PLACEHOLDERS) | shared
@@ -516,8 +486,6 @@ def _runtime_names(model: torch.nn.Module):
 
 
 class _Stored:
-    """The stored tensors, read through qstream's own safetensors reader."""
-
     def __init__(self, checkpoint: Checkpoint) -> None:
         self.checkpoint = checkpoint
         self.names = set(checkpoint.tensor_shard)
@@ -528,21 +496,7 @@ class _Stored:
 
 
 def _ordered(loads: list[_Loaded]) -> list[_Loaded]:
-    def key(load: _Loaded) -> int:
-        return _SHARD_ORDER.get(load.shard, load.shard) if load.shard is not None else 0
-
-    return sorted(loads, key=key)
-
-
-def _expected(output_dim: int | None, loads: list[_Loaded], reader: _Stored) -> torch.Tensor:
-    """The stored tensors a parameter was loaded from, joined as vLLM lays shards out: along
-    the parameter's output dim, or one value per shard for a per-tensor scale."""
-    pieces = [reader.read(load.source) for load in _ordered(loads)]
-    if len(pieces) == 1:
-        return pieces[0]
-    if output_dim is None:
-        return torch.cat([p.reshape(-1) for p in pieces])
-    return torch.cat(pieces, dim=output_dim)
+    return sorted(loads, key=lambda x: 0 if x.shard is None else _SHARD_ORDER.get(x.shard, x.shard))
 
 
 def _compare_bytes(
@@ -550,8 +504,15 @@ def _compare_bytes(
 ) -> str | None:
     """The parameter holds the stored bytes: same dtype, or an exact widening (bf16 -> fp32, as
     vLLM's loader allows for scales and the fp32 confidence head) with the same values; a vocab
-    table may be padded past the stored rows (``VocabParallelEmbedding``)."""
-    expected = _expected(output_dim, loads, reader)
+    table may be padded past the stored rows (``VocabParallelEmbedding``).  Shards are joined as
+    vLLM lays them out: along the output dim, or one value per shard for a per-tensor scale."""
+    pieces = [reader.read(load.source) for load in _ordered(loads)]
+    if len(pieces) == 1:
+        expected = pieces[0]
+    elif output_dim is None:
+        expected = torch.cat([p.reshape(-1) for p in pieces])
+    else:
+        expected = torch.cat(pieces, dim=output_dim)
     sources = ", ".join(load.source for load in _ordered(loads))
     if expected.dtype != before.dtype:
         if not (expected.dtype in _WIDENS and before.dtype in _WIDENED):

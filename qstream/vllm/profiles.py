@@ -1,9 +1,8 @@
 """How vLLM 0.32.0 builds the layers of a checkpoint it serves: a *serving profile* per
 architecture, as data (docs/vllm.md names the vLLM file and function of every rule): which
-checkpoint modules load into which runtime module, which are fused (quantized all or none, one
-NVFP4 global scale) and which are never quantized.  ``generic`` is a Hugging Face causal LM
-(names one to one, siblings fused through ``packed_modules_mapping``); each draft architecture
-with ``serving`` data (docs/model.md; qstream/arch/*/__init__.py) has its own."""
+checkpoint modules load into which runtime module, which are fused and which are never quantized.
+``generic`` is a Hugging Face causal LM (siblings fused through ``packed_modules_mapping``); each
+draft architecture with ``serving`` data (docs/model.md; qstream/arch/*/__init__.py) has its own."""
 
 from __future__ import annotations
 
@@ -17,10 +16,8 @@ from qstream.errors import QStreamError
 
 
 def matches(pattern: str, module: str) -> bool:
-    """Module-name patterns (docs/quantize.md, "Which modules are quantized"), the rule of
-    quantize's ``--include_layers``/``--ignore_layers`` and of vLLM's ``re:`` ignore entries:
-    equal, dotted suffix, glob, or ``re:`` + Python regex (re.match).  An invalid regex is a
-    QStreamError naming the pattern."""
+    """Module-name patterns (docs/quantize.md, "Which modules are quantized"): equal, dotted
+    suffix, glob, or ``re:`` + Python regex (re.match, as vLLM's ``re:`` ignore entries)."""
     if pattern.startswith("re:"):
         try:
             return re.match(pattern[3:], module) is not None
@@ -57,8 +54,8 @@ GENERIC_EQUAL_SHAPES = (("gate_proj", "up_proj"), ("w1", "w3"))
 
 @dataclass(frozen=True)
 class FusedGroup:
-    """Checkpoint modules that vLLM loads into one quantized layer (or, for the DSpark draft,
-    into two layers that share members): all quantized or none, one NVFP4 global scale."""
+    """Checkpoint modules vLLM loads into one quantized layer (the DSpark draft: into two that
+    share members): all quantized or none, one NVFP4 global scale."""
 
     label: str  # how errors name the group
     members: tuple[str, ...]  # checkpoint module names, checkpoint order
@@ -131,8 +128,8 @@ PROFILES = {
 
 
 def profile_for(config: Mapping) -> Profile:
-    """The profile config.json's architecture names, or whose ``speculators_types`` its
-    ``speculators_model_type`` is, for its form (``generic`` otherwise)."""
+    """The profile of config.json's architecture, or of its ``speculators_model_type`` and form
+    (``generic`` otherwise)."""
     names, kind = set(config.get("architectures") or []), config.get("speculators_model_type")
     layer = config.get("transformer_layer_config")
     form = layer.get("model_type", "llama") if isinstance(layer, Mapping) else None
@@ -169,8 +166,8 @@ def never_quantized(profile: Profile, module: str) -> str | None:
 
 
 def head_problem(profile: Profile, module: str, fmt: str, config: Mapping) -> str | None:
-    """Why vLLM 0.32.0 cannot serve the ParallelLMHead ``module`` quantized in ``fmt`` for
-    this config.json (None: it can, or ``module`` is not such a head; docs/vllm.md)."""
+    """Why vLLM 0.32.0 cannot serve the ParallelLMHead ``module`` quantized in ``fmt`` (None: it
+    can, or ``module`` is not such a head; docs/vllm.md)."""
     head = profile.lm_heads.get(module)
     if head is None:
         return None
@@ -199,8 +196,7 @@ def head_targets(profile: Profile, quantized: Iterable[str]) -> list[str]:
 
 
 def fused_groups(modules: Iterable[str], profile: Profile | None = None) -> list[FusedGroup]:
-    """The groups among ``modules`` that vLLM quantizes as one under ``profile`` (default:
-    generic), members present only."""
+    """The groups among ``modules`` vLLM quantizes as one under ``profile`` (default: generic)."""
     modules = list(modules)
     if profile is not None and profile.renames_layers:
         return _draft_groups(profile, modules)
@@ -247,9 +243,8 @@ def _draft_groups(profile: Profile, modules: list[str]) -> list[FusedGroup]:
 def runtime_modules(
     profile: Profile, modules: Iterable[str], target_layers: int
 ) -> list[RuntimeModule]:
-    """The Linear layers vLLM builds from the checkpoint's weight-holding ``modules`` (the DSpark
-    draft's names, with ``target_layers`` = L, the target's layer count, as its first index).
-    ``generic``: every module is its own runtime module under its own name."""
+    """The Linear layers vLLM builds from the weight-holding ``modules``, a draft's layers from
+    index L = ``target_layers`` on (``generic``: each module its own, under its own name)."""
     modules = list(modules)
     if not profile.renames_layers:
         return [RuntimeModule(m, (m,), "none", m) for m in modules]
@@ -284,13 +279,10 @@ def runtime_modules(
 def ignore_entries(
     profile: Profile, ignored: Iterable[str], modules: Iterable[str], target_layers: int | None
 ) -> list[str]:
-    """The ``ignore`` list that makes vLLM's matcher leave exactly ``ignored`` unquantized.
-
-    ``generic``: the module names themselves.  ``K3DSparkModel``: one ``re:`` entry per module
-    kind that is ignored in every layer, matching the checkpoint name, vLLM's runtime name and
-    (for fused kinds) the fused runtime name, whatever the prefix and layer offset; a kind ignored
-    in some layers only gets exact entries: the checkpoint name and the runtime name at
-    ``target_layers``."""
+    """The ``ignore`` list that makes vLLM's matcher leave exactly ``ignored`` unquantized:
+    ``generic``, the names themselves; a draft, one ``re:`` entry per kind ignored in every layer
+    (matching checkpoint, runtime and fused runtime names whatever L), and for a kind ignored in
+    some layers only the checkpoint name and the runtime name at ``target_layers``."""
     ignored = list(ignored)
     if not profile.renames_layers:
         return ignored
@@ -320,8 +312,7 @@ def ignore_entries(
 
 
 def target_layers_of(config: Mapping) -> int | None:
-    """L, the target's layer count, as a draft's config.json records it
-    (``target_num_hidden_layers``); vLLM itself takes it from the target's config."""
+    """L, the target's layer count, from a draft's config.json (vLLM takes it from the target's)."""
     value = config.get("target_num_hidden_layers")
     return value if isinstance(value, int) and value >= 0 else None
 
@@ -330,7 +321,7 @@ def layer_specific_warning(
     profile: Profile, entries: Iterable[str], target_layers: int | None
 ) -> str | None:
     """A warning when a draft's ``entries`` name single runtime layers: they hold for one L."""
-    exact = [e for e in entries if not e.startswith("re:") and e.startswith("model.layers.")]
+    exact = [e for e in entries if e.startswith("model.layers.")]
     if not profile.renames_layers or not exact:
         return None
     return (
@@ -360,35 +351,29 @@ def _kind_regex(
     return f"re:.*\\.{re.escape(parent)}\\.({'|'.join(leaves)})$"
 
 
-# --- tensor parallelism: what vLLM 0.32.0 does with a draft at tensor_parallel_size N ----
-# The splits are those of the profile's layer_modules; the split must be even (vLLM asserts it)
-# and, in FP4, a row-parallel shard must hold whole scale blocks (vLLM does not check it); no
-# shape is refused for a kernel's sake (docs/vllm.md, "The rules", with vLLM's files).  The
-# generic profile knows no model's splits.
-
-
-def split_of(profile: Profile, module: str) -> str:
-    """What tensor parallelism divides in the runtime layer ``module`` loads into: "out"
-    (column-parallel), "in" (row-parallel) or "none"."""
-    layer, kind = split_layer(module)
-    if layer is None or kind not in profile.layer_modules:
-        return "none"
-    return profile.layer_modules[kind][1]
+# Tensor parallelism (docs/vllm.md, "The rules"): the profile's layer_modules' splits must be
+# even (vLLM asserts it) and, in FP4, a row-parallel shard must hold whole scale blocks (vLLM does
+# not check it).  The generic profile knows no model's splits.
 
 
 def tp_build_problem(
     profile: Profile, config: Mapping, shapes: Mapping[str, tuple[int, ...]], tp: int
 ) -> str | None:
-    """Why vLLM 0.32.0 cannot build the draft at tensor-parallel size ``tp``, whatever its
-    dtypes (None: it can): heads or a split size that ``tp`` does not divide (vLLM asserts
-    both, docs/vllm.md).  ``shapes``: module -> [N, K] of the weight-holding modules."""
+    """Why vLLM 0.32.0 cannot build the draft at tensor-parallel size ``tp`` (None: it can):
+    heads or a split size ``tp`` does not divide.  ``shapes``: module -> [N, K]."""
     if not profile.renames_layers or tp <= 1:
         return None
     reasons = []
     heads = config.get("num_attention_heads")
     if isinstance(heads, int) and heads % tp:
         reasons.append(f"num_attention_heads {heads} is not a multiple of {tp}")
-    reasons += _kv_heads_problem(profile, config, tp)
+    # QKVParallelLinear (vllm/model_executor/layers/linear.py) and DFlashQwen3Attention.__init__
+    # assert that the key/value heads divide by the TP size or, when fewer, divide it
+    if profile.gqa_heads:
+        key = profile.gqa_heads[1]
+        kv = config.get(key)
+        if isinstance(kv, int) and kv >= 1 and (kv % tp if kv >= tp else tp % kv):
+            reasons.append(f"{key} {kv} neither divides by nor divides {tp}")
     shapes = {m: s for m, s in shapes.items() if len(s) == 2}
     leaves: set[str] = set()
     qkv = profile.layer_modules.get("self_attn.q_proj", ("",))[0]
@@ -406,28 +391,15 @@ def tp_build_problem(
     return "; ".join(reasons) or None
 
 
-def _kv_heads_problem(profile: Profile, config: Mapping, tp: int) -> list[str]:
-    """QKVParallelLinear (vllm/model_executor/layers/linear.py) and DFlashQwen3Attention
-    .__init__ assert that the key/value heads divide by the TP size or, when fewer, divide it."""
-    if profile.gqa_heads is None:
-        return []
-    kv = config.get(profile.gqa_heads[1])
-    if not isinstance(kv, int) or kv < 1 or (kv % tp == 0 if kv >= tp else tp % kv == 0):
-        return []
-    return [f"{profile.gqa_heads[1]} {kv} neither divides by nor divides {tp}"]
-
-
 def tp_scale_problem(profile: Profile, module: str, k: int, block: int, tp: int) -> str | None:
-    """Why vLLM 0.32.0 gives ``module`` (K inputs, quantized in blocks of ``block``) the wrong
-    block scales at tensor-parallel size ``tp`` (None: it does not): a row-parallel shard of
-    K / tp inputs that is not a whole number of blocks reads other inputs' scales, unchecked
+    """Why vLLM 0.32.0 gives ``module`` (K inputs in blocks of ``block``) the wrong block scales
+    at size ``tp``: a row-parallel shard that is not whole blocks reads other inputs' scales
     (RowvLLMParameter.load_row_parallel_weight, docs/vllm.md)."""
-    if not block or tp <= 1 or k % tp or split_of(profile, module) != "in":
-        return None
-    part = k // tp
-    if part % block == 0:
+    layer, kind = split_layer(module)
+    split = profile.layer_modules.get(kind, ("", "none"))[1] if layer is not None else "none"
+    if not block or tp <= 1 or k % tp or split != "in" or k // tp % block == 0:
         return None
     return (
-        f"K per shard {part} at tensor_parallel_size {tp} is not a multiple of the block size "
+        f"K per shard {k // tp} at tensor_parallel_size {tp} is not a multiple of the block size "
         f"{block}: vLLM 0.32.0 would give each shard the wrong block scales"
     )

@@ -1,11 +1,9 @@
 """The shapes a checkpoint's tensors must have for what its config.json says, per serving profile
-(docs/quantize.md, "Tensors checked against the config"): the one table ``quantize`` checks its
-input against and ``verify`` its output.  A draft's: the architecture's ``tensor_shapes`` with
-each quantized weight replaced by what its format stores; a missing tensor matters even where
-vLLM does not complain (DefaultModelLoader.load_weights, default_loader.py, refuses unloaded
-parameters only without a quantization config).  ``generic``: the integer fields vLLM sizes
-layers from, and each fused group complete and agreeing on K.  A weight with no elements is
-refused in every profile."""
+(docs/quantize.md, "Tensors checked against the config"), checked by ``quantize`` on its input and
+``verify`` on its output.  A draft's: the architecture's ``tensor_shapes``; a missing tensor
+matters even where vLLM does not complain (DefaultModelLoader.load_weights, default_loader.py,
+refuses unloaded parameters only without a quantization config).  ``generic``: the integer fields
+vLLM sizes layers from, and each fused group complete and agreeing on K."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from qstream.arch.family import D2T, d2t_problem
-from qstream.arch.interface import DraftConfig
-from qstream.arch.registry import architecture_for, architecture_of
+from qstream.arch.registry import architecture_for
 from qstream.formats import CODE_SUFFIXES, FORMATS
 from qstream.vllm import profiles as serving
 from qstream.vllm.profiles import Profile
@@ -34,21 +31,6 @@ GENERIC_INT_FIELDS = (
     "hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads "
     "head_dim vocab_size max_position_embeddings"
 ).split()
-
-
-def expected_shapes(
-    config: DraftConfig, fmt: str | None, quantized: Collection[str]
-) -> dict[str, tuple[int, ...]]:
-    """Every tensor name vLLM loads for ``config`` -> the shape it must have, with the modules
-    in ``quantized`` stored as ``fmt`` (none: an unquantized draft)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in architecture_of(config).tensor_shapes(config).items():
-        module, _, suffix = name.rpartition(".")
-        if fmt and module in quantized and suffix == "weight" and len(shape) == 2:
-            out.update({f"{module}.{s}": v for s, v in FORMATS[fmt].stored_shapes(*shape).items()})
-        else:
-            out[name] = shape
-    return out
 
 
 def shape_problems(
@@ -71,7 +53,13 @@ def shape_problems(
     if profile.renames_layers:
         rest = _dspark_problems(config_json, stored, fmt, quantized)
     else:
-        rest = _int_field_problems(config_json) + _fused_problems(weight_shapes(stored))
+        rest = [
+            f"config.json: {key} = {value!r} must be a positive integer"
+            for key in GENERIC_INT_FIELDS
+            if (value := config_json.get(key)) is not None
+            and (isinstance(value, bool) or not isinstance(value, int) or value <= 0)
+        ]
+        rest += _fused_problems(stored)
     return problems + [p for p in rest if p.split(":", 1)[0] not in empty]
 
 
@@ -91,39 +79,31 @@ def d2t_problems(checkpoint: Checkpoint) -> list[str]:
     return [] if problem is None else [f"{problem} (in {shard})"]
 
 
-def weight_shapes(stored: Shapes) -> dict[str, tuple[int, ...]]:
-    """Each weight-holding module -> its weight's shape as the layer sees it: a 4-bit
-    ``weight_packed [N, K/2]`` holds an ``[N, K]`` weight (docs/formats.md)."""
-    out: dict[str, tuple[int, ...]] = {}
-    for name, shape in stored.items():
-        module, _, suffix = name.rpartition(".")
-        if suffix == "weight":
-            out[module] = tuple(shape)
-        elif suffix in CODE_SUFFIXES and len(shape) == 2:
-            out[module] = (shape[0], CODE_SUFFIXES[suffix] * shape[1])
-    return out
-
-
 def _dspark_problems(
     config_json: Mapping, stored: Shapes, fmt: str | None, quantized: Collection[str]
 ) -> list[str]:
-    """Every tensor vLLM loads present (a quantized module's are verify's other checks) and
-    of the shape vLLM builds."""
+    """Every tensor vLLM loads present (a quantized module's are verify's other checks) and of
+    the shape vLLM builds, each quantized weight as what its format stores."""
     arch = architecture_for(config_json)
     try:
         config = arch.parse_config(config_json)
     except ValueError as exc:
         return [f"{exc}; cannot check the tensors against what vLLM builds from it"]
-    missing = [
-        f"{name}: missing; vLLM builds it {list(shape)} from config.json and would leave it "
-        "unloaded"
-        for name, shape in arch.tensor_shapes(config).items()
-        if name not in stored
-        and name not in DROPPED_BY_VLLM
-        and name.rpartition(".")[0] not in quantized
-    ]
-    expected = expected_shapes(config, fmt, quantized)
-    return missing + [
+    problems, expected = [], {}
+    for name, shape in arch.tensor_shapes(config).items():
+        module, _, suffix = name.rpartition(".")
+        if name not in stored and name not in DROPPED_BY_VLLM and module not in quantized:
+            problems.append(
+                f"{name}: missing; vLLM builds it {list(shape)} from config.json and would "
+                "leave it unloaded"
+            )
+        if fmt and module in quantized and suffix == "weight" and len(shape) == 2:
+            expected.update(
+                {f"{module}.{s}": v for s, v in FORMATS[fmt].stored_shapes(*shape).items()}
+            )
+        else:
+            expected[name] = shape
+    return problems + [
         f"{name}: stored {list(shape)}, vLLM builds {list(expected[name])} from config.json"
         f"{arch.shape_hint(config, name, shape)}"
         for name, shape in stored.items()
@@ -131,19 +111,17 @@ def _dspark_problems(
     ]
 
 
-def _int_field_problems(config_json: Mapping) -> list[str]:
-    """config.json's layer-sizing fields that are set but not positive integers."""
-    return [
-        f"config.json: {key} = {value!r} must be a positive integer"
-        for key in GENERIC_INT_FIELDS
-        if (value := config_json.get(key)) is not None
-        and (isinstance(value, bool) or not isinstance(value, int) or value <= 0)
-    ]
-
-
-def _fused_problems(weights: Shapes) -> list[str]:
+def _fused_problems(stored: Shapes) -> list[str]:
     """A fused member without the partners vLLM needs (serving.GENERIC_PARTNERS), and members
-    of one fused group that disagree on K (the halves of a gated MLP: on the whole shape)."""
+    of one fused group that disagree on K (the halves of a gated MLP: on the whole shape).  A
+    4-bit ``weight_packed [N, K/2]`` holds an ``[N, K]`` weight (docs/formats.md)."""
+    weights: dict[str, tuple[int, ...]] = {}
+    for name, shape in stored.items():
+        module, _, suffix = name.rpartition(".")
+        if suffix == "weight":
+            weights[module] = tuple(shape)
+        elif suffix in CODE_SUFFIXES and len(shape) == 2:
+            weights[module] = (shape[0], CODE_SUFFIXES[suffix] * shape[1])
     problems = []
     for module in weights:
         parent, _, leaf = module.rpartition(".")
@@ -154,27 +132,19 @@ def _fused_problems(weights: Shapes) -> list[str]:
                     f"{leaf} with {partner} into one layer and cannot build it from part"
                 )
     for group in serving.fused_groups(weights):
-        problems += _disagreeing(group, weights)
+        members = [m for m in group.members if len(weights[m]) == 2]
+        whole = tuple(m.rpartition(".")[2] for m in group.members) in serving.GENERIC_EQUAL_SHAPES
+        keys = {m: weights[m] if whole else weights[m][1:] for m in members}
+        counts = Counter(keys.values())
+        if len(counts) < 2:
+            continue
+        reference = next(m for m in members if keys[m] == counts.most_common(1)[0][0])
+        what = "shapes" if whole else "input widths"
+        problems += [
+            f"{m}.weight: shape {list(weights[m])}, but {reference}.weight is "
+            f"{list(weights[reference])}; vLLM fuses {group.label} into one matrix, so their "
+            f"{what} must agree"
+            for m in members
+            if keys[m] != keys[reference]
+        ]
     return problems
-
-
-def _disagreeing(group: serving.FusedGroup, weights: Shapes) -> list[str]:
-    """The members of ``group`` whose K (halves of a gated MLP: whole shape) differs from most."""
-    members = [m for m in group.members if len(weights[m]) == 2]
-    whole = tuple(m.rpartition(".")[2] for m in group.members) in serving.GENERIC_EQUAL_SHAPES
-
-    def key(module: str) -> tuple[int, ...]:
-        return tuple(weights[module]) if whole else tuple(weights[module][1:])
-
-    counts = Counter(key(m) for m in members)
-    if len(counts) < 2:
-        return []
-    reference = next(m for m in members if key(m) == counts.most_common(1)[0][0])
-    what = "shapes" if whole else "input widths"
-    return [
-        f"{m}.weight: shape {list(weights[m])}, but {reference}.weight is "
-        f"{list(weights[reference])}; vLLM fuses {group.label} into one matrix, so their "
-        f"{what} must agree"
-        for m in members
-        if key(m) != key(reference)
-    ]

@@ -1,10 +1,7 @@
 """``verify_checkpoint``: what vLLM would otherwise find at load time (docs/quantize.md,
-"qstream verify"; docs/vllm.md), a dequantize round trip, and :func:`checks_run`, what one run
-covered (docs/guarantees.md: "OK" never hides a skipped check).  For a draft, vLLM's decision is
-replayed per runtime Linear layer (and quantized ParallelLMHead): the scheme it picks, the
-parameters that scheme expects from each shard against what is stored, the fused and cross-layer
-groups, the modules it never quantizes and the tensor-parallel rules.  Malformed files raise
-QStreamError when the checkpoint is opened; everything else is a list of problems."""
+"qstream verify"; docs/vllm.md), replayed per runtime Linear layer for a draft, and
+:func:`checks_run`, what one run covered (docs/guarantees.md: "OK" never hides a skipped check).
+Malformed files raise QStreamError when the checkpoint is opened; the rest is a list of problems."""
 
 from __future__ import annotations
 
@@ -67,9 +64,8 @@ def verify_checkpoint(
     deep: bool = False,
 ) -> VerifyReport:
     """Check ``directory`` as vLLM will load it at ``tensor_parallel_size``.  ``target_layers``
-    (L, the target's layer count, which offsets a draft's runtime layer names) defaults to
-    config.json's ``target_num_hidden_layers``.  Every scale is checked for sane values;
-    ``deep`` also dequantizes every quantized weight."""
+    (L, which offsets a draft's runtime layer names) defaults to config.json's
+    ``target_num_hidden_layers``; ``deep`` also dequantizes every quantized weight."""
     if tensor_parallel_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tensor_parallel_size}: must be at least 1")
     checkpoint = open_checkpoint(directory)
@@ -93,21 +89,37 @@ def verify_checkpoint(
     report.modules_ignored = [m for m in holders if any(matches_ignore(p, m) for p in ignore)]
     targets = next(iter(qconfig["config_groups"].values())).get("targets") or []
     if profile.renames_layers:
-        report.target_layers = layers = draft_target_layers(checkpoint, target_layers)
-        replay_vllm(checkpoint, fmt, profile, holders, quantized, (targets, ignore), layers, report)
+        report.target_layers = draft_target_layers(checkpoint, target_layers)
+        replay_vllm(checkpoint, fmt, profile, holders, quantized, targets, ignore, report)
     else:
         _check_accounting(holders, quantized, targets, ignore, report)
     stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
     report.problems += shape_problems(profile, checkpoint.config, stored, fmt, quantized)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
     _check_fused(checkpoint, fmt, profile, holders, quantized, report)
-    integrity = _check_digests(checkpoint, report)
+    integrity = check_integrity(checkpoint)  # every file quantize recorded, unchanged
+    report.problems += [m.problem() for m in integrity.mismatches]
+    report.integrity = integrity.to_json()
     _check_scales(checkpoint, fmt, quantized - malformed, report)
     _check_serving(checkpoint, qconfig, profile, quantized - malformed, report)
     if deep:
         _check_round_trip(checkpoint, fmt, quantized - malformed, report)
     report.checks = checks_run(fmt, profile, len(report.runtime_modules), deep, integrity)
     return report
+
+
+def draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
+    if given is not None:
+        if given < 0:
+            raise QStreamError(f"--target-layers {given}: must be at least 0")
+        return given
+    value = serving.target_layers_of(checkpoint.config)
+    if value is None:
+        raise QStreamError(
+            f"{checkpoint.directory / 'config.json'}: no integer target_num_hidden_layers; pass "
+            "the target checkpoint (--target DIR) or its layer count (--target-layers L)"
+        )
+    return value
 
 
 def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
@@ -147,9 +159,7 @@ def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
                 f"{FORMATS[fmt].layout} format needs {value!r}"
             )
     _check_activations(group, fmt, report)
-    targets = group.get("targets") or []
-    named = [t for t in targets if t != "Linear"]
-    both = sorted(set(named) & set(qconfig.get("ignore") or []))
+    both = sorted(set(group.get("targets") or []) - {"Linear"} & set(qconfig.get("ignore") or []))
     if both:
         problems.append(f"{both[0]} is in both targets and ignore")
     return fmt
@@ -173,12 +183,11 @@ def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
 def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
     """Quantized modules (those holding the format's first stored tensor) and every
     weight-holding module, in checkpoint order."""
-    stored = FORMATS[fmt].stored
     holders: dict[str, None] = {}
     quantized: set[str] = set()
     for name, info in checkpoint.tensors.items():
         module, _, suffix = name.rpartition(".")
-        if suffix == "weight" or suffix in stored:
+        if suffix == "weight" or suffix in FORMATS[fmt].stored:
             holders[module] = None
         if FORMATS[fmt].marks_quantized(suffix, info.dtype):
             quantized.add(module)
@@ -200,112 +209,92 @@ def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport)
             report.problems.append(f"{module} holds an unquantized weight but is not in ignore")
 
 
+def _in_order(checkpoint: Checkpoint, quantized) -> list[str]:
+    modules = dict.fromkeys(n.rpartition(".")[0] for n in checkpoint.tensor_shard)
+    return [m for m in modules if m in quantized]
+
+
 def _check_stored(checkpoint: Checkpoint, fmt: str, quantized, report: VerifyReport) -> set[str]:
-    """Every quantized module has its format's stored tensors, with the right dtypes and
-    shapes; returns the modules that do not."""
+    """Every quantized module has its format's stored tensors, with the dtypes and shapes the
+    first one's shape implies; returns the modules that do not."""
     spec = FORMATS[fmt]
-    tensors = checkpoint.tensor_shard
     malformed = set()
-    for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
-        missing = [s for s in spec.stored if f"{module}.{s}" not in tensors]
+    for module in _in_order(checkpoint, quantized):
+        missing = [s for s in spec.stored if f"{module}.{s}" not in checkpoint.tensor_shard]
         if missing:
             report.problems.append(f"{module}: stored tensor {module}.{missing[0]} missing")
             malformed.add(module)
             continue
         infos = {s: checkpoint.info(f"{module}.{s}") for s in spec.stored}
-        for suffix, (dtype, shape) in _expected(fmt, infos).items():
-            info = infos[suffix]
-            if info.dtype not in dtype or list(info.shape) != shape:
+        n, width = infos[spec.stored[0]].shape
+        for suffix, shape in spec.stored_shapes(n, width * spec.codes_per_byte).items():
+            info, dtype = infos[suffix], spec.accepted_dtypes(suffix)
+            if info.dtype not in dtype or list(info.shape) != list(shape):
                 report.problems.append(
                     f"{module}.{suffix}: stored {info.dtype} {list(info.shape)}, expected "
-                    f"{'/'.join(dtype)} {shape}"
+                    f"{'/'.join(dtype)} {list(shape)}"
                 )
                 malformed.add(module)
     return malformed
 
 
-def checkpoint_modules(checkpoint: Checkpoint) -> list[str]:
-    return list(dict.fromkeys(n.rpartition(".")[0] for n in checkpoint.tensor_shard))
-
-
-def _expected(fmt: str, infos) -> dict[str, tuple[tuple[str, ...], list[int]]]:
-    """The dtype(s) and shape each stored tensor must have, from the first one's shape."""
-    spec = FORMATS[fmt]
-    n, width = infos[spec.stored[0]].shape
-    k = width * spec.codes_per_byte
-    return {s: (spec.accepted_dtypes(s), list(v)) for s, v in spec.stored_shapes(n, k).items()}
-
-
 def _check_fused(
     checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized, report
 ) -> None:
+    shared = FORMATS[fmt].global_scale
+    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for group in fused_groups(holders, profile):
         inside = [m for m in group.members if m in quantized]
         if inside and len(inside) != len(group.members):
             outside = [m for m in group.members if m not in quantized]
             report.problems.append(
-                f"fused group {group.label} is split: quantized "
-                f"{_few(inside)}; not quantized {_few(outside)} "
-                f"(all or none: {group.rule})"
+                f"fused group {group.label} is split: quantized {_few(inside)}; not quantized "
+                f"{_few(outside)} (all or none: {group.rule})"
             )
             continue
-        shared = FORMATS[fmt].global_scale
-        if inside and shared:
-            names = [f"{m}.{shared}" for m in group.members]
-            if not all(n in checkpoint.tensor_shard for n in names):
-                continue
-            shards = [checkpoint.tensor_shard[n] for n in names]
-            readers = {s: ShardReader(checkpoint.shards[s]) for s in set(shards)}
-            values = [readers[s].tensor(n).item() for n, s in zip(names, shards)]
-            if len(set(values)) != 1:
-                report.problems.append(
-                    f"fused group {group.label} has {len(set(values))} "
-                    f"different NVFP4 global scales {sorted(set(values))}; "
-                    "vLLM keeps one per fused layer (the largest) and "
-                    "dequantizes the other members wrongly"
-                )
+        names = [f"{m}.{shared}" for m in group.members]
+        if not (inside and shared and all(n in checkpoint.tensor_shard for n in names)):
+            continue
+        values = {readers[checkpoint.tensor_shard[n]].tensor(n).item() for n in names}
+        if len(values) != 1:
+            report.problems.append(
+                f"fused group {group.label} has {len(values)} different NVFP4 global scales "
+                f"{sorted(values)}; vLLM keeps one per fused layer (the largest) and "
+                "dequantizes the other members wrongly"
+            )
 
 
-def _check_digests(checkpoint: Checkpoint, report: VerifyReport) -> Integrity:
-    """Every file quantize recorded (sha256 in its record) is present and unchanged."""
-    integrity = check_integrity(checkpoint)
-    report.problems += [m.problem() for m in integrity.mismatches]
-    report.integrity = integrity.to_json()
-    return integrity
+def _few(modules: list[str], limit: int = 4) -> str:
+    shown = ", ".join(modules[:limit])
+    return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
 
 
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
-    """Value-level sanity of what the kernels divide or multiply by: each format's
-    ``bad_scales`` (docs/quantize.md, "qstream verify"); and of a draft's d2t index map."""
+    """Each format's ``bad_scales`` (docs/quantize.md, "qstream verify"), and a draft's d2t."""
     report.problems += d2t_problems(checkpoint)
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     spec = FORMATS[fmt]
-    for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
-        for suffix in spec.scales:
-            name = f"{module}.{suffix}"
-            shard = checkpoint.tensor_shard[name]
-            value = readers[shard].tensor(name)
-            value, bad, what = spec.bad_scales(value)
-            if bool(bad.any()):
-                first = value[bad][0].item()
-                report.problems.append(
-                    f"{name}: {int(bad.sum())} value(s) {what}, e.g. {first} (in {shard})"
-                )
-            readers[shard].release(name, None)
+    for name in [f"{m}.{s}" for m in _in_order(checkpoint, quantized) for s in spec.scales]:
+        shard = checkpoint.tensor_shard[name]
+        value, bad, what = spec.bad_scales(readers[shard].tensor(name))
+        if bool(bad.any()):
+            first = value[bad][0].item()
+            report.problems.append(
+                f"{name}: {int(bad.sum())} value(s) {what}, e.g. {first} (in {shard})"
+            )
+        readers[shard].release(name, None)
 
 
 def _check_serving(
     checkpoint: Checkpoint, qconfig: dict, profile: Profile, quantized, report: VerifyReport
 ) -> None:
     """What a static activation or KV-cache scheme stores (docs/quantize.md, "Activation and
-    KV-cache schemes"): every quantized module's input scale and every attention layer's
-    k_scale / v_scale, finite and positive, and the calibration they came from in the record.
-    A missing input scale is loaded silently wrong by vLLM 0.32.0 (the parameter keeps what
-    ``create_weights`` left: float32's lowest value for FP8, uninitialised memory for NVFP4;
-    tests/test_vllm_schemes.py)."""
+    KV-cache schemes"), finite and positive, and its calibration in the record.  A missing input
+    scale is loaded silently wrong by vLLM 0.32.0: the parameter keeps what ``create_weights``
+    left, float32's lowest value for FP8, uninitialised memory for NVFP4."""
     scales: list[str] = []
     stored = input_scale_name(ACTIVATIONS[report.activations])
-    for module in [m for m in checkpoint_modules(checkpoint) if m in quantized and stored]:
+    for module in _in_order(checkpoint, quantized) if stored else []:
         scales.append(f"{module}.{stored}")
         if scales[-1] not in checkpoint.tensor_shard:
             report.problems.append(
@@ -338,13 +327,13 @@ def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> l
     """The KV-cache scheme and its scales; returns the scale tensors it expects."""
     if kv != KV_CACHE_SCHEME:
         report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
-    attn = ".self_attn."
-    stored = [n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES]
     ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
     if ignored:
         report.warnings.append(f"kv_cache_scheme: {ignored}; scale 1.0 is what will be served")
+        stored = [n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES]
         report.problems += [f"{n}: {ignored}" for n in stored]
         return []
+    attn = ".self_attn."
     layers = dict.fromkeys(
         n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
     )
@@ -381,7 +370,7 @@ def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> No
     """Dequantize every quantized weight (in row chunks) and require finite values."""
     spec = FORMATS[fmt]
     readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
-    for module in [m for m in checkpoint_modules(checkpoint) if m in quantized]:
+    for module in _in_order(checkpoint, quantized):
         parts = {
             s: (checkpoint.tensor_shard[f"{module}.{s}"], f"{module}.{s}") for s in spec.stored
         }
@@ -403,29 +392,9 @@ def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> No
                 readers[shard].release(name, None if s == spec.global_scale else rows)
 
 
-def _few(modules: list[str], limit: int = 4) -> str:
-    shown = ", ".join(modules[:limit])
-    return shown + (f" and {len(modules) - limit} more" if len(modules) > limit else "")
-
-
 def matches_ignore(entry: str, module: str) -> bool:
     """compressed-tensors / vLLM semantics for ignore entries: equal, or ``re:`` regex."""
     return matches(entry, module) if entry.startswith("re:") else entry == module
-
-
-def draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
-    if given is not None:
-        if given < 0:
-            raise QStreamError(f"--target-layers {given}: must be at least 0")
-        return given
-    value = serving.target_layers_of(checkpoint.config)
-    if value is None:
-        raise QStreamError(
-            f"{checkpoint.directory / 'config.json'}: no integer "
-            "target_num_hidden_layers; pass the target checkpoint (--target DIR) or its "
-            "layer count (--target-layers L)"
-        )
-    return value
 
 
 def replay_vllm(
@@ -434,22 +403,35 @@ def replay_vllm(
     profile: Profile,
     holders: list[str],
     quantized: set[str],
-    targets_ignore: tuple[list, list],
-    target_layers: int,
+    targets: list,
+    ignore: list,
     report: VerifyReport,
 ) -> None:
-    """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md), against
-    what the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
-    runtime = serving.runtime_modules(profile, holders, target_layers)
-    for rt in runtime:
-        scheme, why = _vllm_scheme(rt, fmt, *targets_ignore)
+    """vLLM's decision for every runtime Linear layer of the draft (docs/vllm.md) against what
+    the checkpoint stores for each of its shards; and the modules vLLM never quantizes."""
+    expects = ", ".join(FORMATS[fmt].stored)
+    for rt in serving.runtime_modules(profile, holders, report.target_layers or 0):
+        scheme, why = _vllm_scheme(rt, fmt, targets, ignore)
         report.runtime_modules.append(
             {"module": rt.name, "shards": list(rt.shards), "scheme": scheme, "why": why}
         )
         for shard in rt.shards:
-            line = _shard_mismatch(checkpoint, fmt, rt, shard, scheme, why, shard in quantized)
-            if line:
-                report.problems.append(line)
+            name = f"{shard}.weight"
+            if scheme is not None and shard not in quantized:
+                have = (
+                    f"{checkpoint.info(name).dtype} {list(checkpoint.info(name).shape)} {name}"
+                    if name in checkpoint.tensor_shard
+                    else "no weight"
+                )
+                report.problems.append(
+                    f"{rt.name}: vLLM builds it {fmt} ({why}) and expects {shard}.{{{expects}}}, "
+                    f"but the checkpoint has {have}"
+                )
+            elif scheme is None and shard in quantized:
+                report.problems.append(
+                    f"{rt.name}: vLLM builds it unquantized ({why}) and expects {name} in "
+                    f"the base dtype, but the checkpoint stores {shard}.{{{expects}}}"
+                )
     for module in holders:
         never = serving.never_quantized(profile, module)
         if never and module in quantized:
@@ -464,50 +446,38 @@ def replay_vllm(
 
 
 def _replay_tp(
-    checkpoint: Checkpoint,
-    fmt: str,
-    profile: Profile,
-    holders: list[str],
-    quantized: set[str],
-    report: VerifyReport,
+    checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized, report
 ) -> None:
     """What vLLM 0.32.0 does with the draft at the tensor-parallel size (docs/vllm.md): it
     cannot build a draft whose heads or split dimensions do not divide by it, and it gives an
     FP4 row-parallel shard that is not a whole number of blocks the wrong block scales."""
-    tp = report.tensor_parallel_size
-    shapes = {m: _logical_shape(checkpoint, fmt, m, m in quantized) for m in holders}
+    tp, spec = report.tensor_parallel_size, FORMATS[fmt]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for module in holders:  # [N, K] as vLLM sizes the layer (packed codes unpacked)
+        packed = module in quantized and spec.codes_per_byte > 1
+        name = f"{module}.{spec.stored[0] if packed else 'weight'}"
+        if name not in checkpoint.tensor_shard:
+            shapes[module] = ()
+        elif packed:
+            n, packed_k = checkpoint.info(name).shape
+            shapes[module] = (n, packed_k * spec.codes_per_byte)
+        else:
+            shapes[module] = tuple(checkpoint.info(name).shape)
     cannot = serving.tp_build_problem(profile, checkpoint.config, shapes, tp)
     if cannot:
         report.problems.append(
             f"vLLM 0.32.0 cannot build the draft at tensor_parallel_size {tp}: {cannot}"
         )
         return
-    block = FORMATS[fmt].block_size
     for module in holders:
         shape = shapes[module]
-        why = (
-            serving.tp_scale_problem(profile, module, shape[1], block, tp)
+        wrong = (
+            serving.tp_scale_problem(profile, module, shape[1], spec.block_size, tp)
             if module in quantized and len(shape) == 2
             else None
         )
-        if why:
-            report.problems.append(f"{module}: stored {fmt}, but {why}")
-
-
-def _logical_shape(
-    checkpoint: Checkpoint, fmt: str, module: str, stored_quantized: bool
-) -> tuple[int, ...]:
-    """[N, K] of ``module``'s weight as vLLM sizes its layer (packed codes unpacked)."""
-    spec = FORMATS[fmt]
-    packed = stored_quantized and spec.codes_per_byte > 1
-    name = f"{module}.{spec.stored[0] if packed else 'weight'}"
-    if name not in checkpoint.tensor_shard:
-        return ()
-    shape = tuple(checkpoint.info(name).shape)
-    if not packed:
-        return shape
-    n, packed_k = shape
-    return (n, packed_k * spec.codes_per_byte)
+        if wrong:
+            report.problems.append(f"{module}: stored {fmt}, but {wrong}")
 
 
 def _vllm_scheme(
@@ -528,53 +498,12 @@ def _vllm_scheme(
     return None, f"no config group target matches {rt.quant_name}"
 
 
-def _shard_mismatch(
-    checkpoint: Checkpoint,
-    fmt: str,
-    rt: RuntimeModule,
-    shard: str,
-    scheme: str | None,
-    why: str,
-    stored_quantized: bool,
-) -> str | None:
-    expects = ", ".join(FORMATS[fmt].stored)
-    if scheme is not None and not stored_quantized:
-        name = f"{shard}.weight"
-        have = (
-            f"{checkpoint.info(name).dtype} {list(checkpoint.info(name).shape)} {name}"
-            if name in checkpoint.tensor_shard
-            else "no weight"
-        )
-        return (
-            f"{rt.name}: vLLM builds it {fmt} ({why}) and expects {shard}.{{{expects}}}, "
-            f"but the checkpoint has {have}"
-        )
-    if scheme is None and stored_quantized:
-        return (
-            f"{rt.name}: vLLM builds it unquantized ({why}) and expects {shard}.weight in "
-            f"the base dtype, but the checkpoint stores {shard}.{{{expects}}}"
-        )
-    return None
-
-
 CHECKS = ("config", "tensors", "vllm_rules", "fused_groups", "sha256", "scales", "round_trip")
 VLLM_LOADER = "vllm_loader"  # run by ``verify --vllm`` (qstream/commands/verify.py)
 
 
 def _check(ran: bool, detail: str) -> dict:
     return {"ran": ran, "detail": detail}
-
-
-def _sha256_check(integrity: Integrity) -> dict:
-    if integrity.skipped is not None:
-        return _check(
-            False,
-            f"{integrity.skipped}: byte-level integrity not checked; a changed weight byte "
-            "that still decodes to a finite value is not detected",
-        )
-    differ = len(integrity.mismatches)
-    found = f"{differ} differ from" if differ else "match"
-    return _check(True, f"{integrity.files} files {found} {QUANTIZE_RECORD}")
 
 
 def checks_run(
@@ -584,9 +513,8 @@ def checks_run(
     deep: bool,
     integrity: Integrity | None,
 ) -> dict[str, dict]:
-    """Every check of :func:`qstream.vllm.verify.verify_checkpoint`, in order, plus vLLM's
-    own loader (not run unless ``--vllm``).  ``fmt`` None: the config names no format qstream
-    checks, and nothing after the config was reached."""
+    """Every check of :func:`verify_checkpoint`, in order, plus vLLM's own loader (not run
+    unless ``--vllm``).  ``fmt`` None: nothing after the config was reached."""
     if fmt is None or integrity is None:
         skipped = _check(False, "not reached: quantization_config names no format qstream checks")
         checks = {name: skipped for name in CHECKS}
@@ -595,12 +523,22 @@ def checks_run(
         rules = f"vLLM's decision replayed for {runtime_layers} runtime Linear layers"
     else:
         rules = "each weight-holding module quantized or ignored (no serving profile to replay)"
+    if integrity.skipped is not None:
+        sha256 = _check(
+            False,
+            f"{integrity.skipped}: byte-level integrity not checked; a changed weight byte "
+            "that still decodes to a finite value is not detected",
+        )
+    else:
+        differ = len(integrity.mismatches)
+        found = f"{differ} differ from" if differ else "match"
+        sha256 = _check(True, f"{integrity.files} files {found} {QUANTIZE_RECORD}")
     return {
         "config": _check(True, f"one config group, {fmt} weight arguments, weight-only"),
         "tensors": _check(True, "stored dtypes and shapes of every quantized module, the index"),
         "vllm_rules": _check(True, rules),
         "fused_groups": _check(True, "all members or none quantized; NVFP4: one global scale"),
-        "sha256": _sha256_check(integrity),
+        "sha256": sha256,
         "scales": _check(True, get_format(fmt).scales_checked),
         "round_trip": _check(True, "every quantized weight dequantized to finite values")
         if deep
