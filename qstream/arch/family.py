@@ -437,10 +437,33 @@ def read_fields(
             kwargs[f.name] = data[key(f.name)]
         elif f.default is MISSING and f.name not in optional:
             raise ValueError(f"config.json: missing key {key(f.name)!r}")
-    ids = kwargs["target_layer_ids"]
-    check(isinstance(ids, list), "target_layer_ids", ids, "must be a list")
-    kwargs["target_layer_ids"] = tuple(ids)
     return kwargs
+
+
+def ids_tuple(kwargs: dict[str, Any], name: str, key: str) -> None:
+    """``kwargs[name]``, a list of ids read from config.json's ``key``, as a tuple (if read)."""
+    if name in kwargs:
+        check(isinstance(kwargs[name], list), key, kwargs[name], "must be a list")
+        kwargs[name] = tuple(kwargs[name])
+
+
+def rope_of(cls: type, rope: Mapping[str, Any], ignored=lambda key, value: False) -> Any:
+    """``cls`` of the ``rope_parameters`` keys it models (ValueError naming another key set,
+    unless ``ignored``: vLLM's get_rope reads more keys than qstream models)."""
+    names = {f.name for f in fields(cls)}
+    for key, value in rope.items():
+        check(key in names or value is None or ignored(key, value), f"rope_parameters.{key}",
+              value, "is not evaluated by qstream")  # fmt: skip
+    return construct(cls, {k: v for k, v in rope.items() if k in names}, "rope_parameters: ")
+
+
+def speculators_layer(data: Mapping[str, Any], keys: Iterable[str]) -> dict[str, Any]:
+    """speculators' saved layout: ``transformer_layer_config``'s keys, then ``keys`` set at the
+    top level."""
+    layer = data.get("transformer_layer_config")
+    check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
+    assert isinstance(layer, dict)
+    return {**layer, **{k: data[k] for k in keys if data.get(k) is not None}}
 
 
 def construct(cls: type, kwargs: Mapping[str, Any], where: str = "") -> Any:

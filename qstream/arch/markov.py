@@ -19,8 +19,7 @@ from qstream.arch.weights import ComputeWeights, embedding, held_fp32
 
 
 class HeadModel(Protocol):
-    """What the heads read: a draft model, its :class:`HostHead` or a :class:`ReferenceHead`
-    (the Markov head's alone: no config)."""
+    """What the heads read: a draft model or a :class:`Head`."""
 
     @property
     def w(self) -> Mapping[str, torch.Tensor]: ...
@@ -31,16 +30,18 @@ class HeadModel(Protocol):
 
 
 @dataclass(frozen=True)
-class HostHead:
-    """A model's heads on the host, where the verifiers run (qstream/eval/batches.py)."""
+class Head:
+    """A model's heads kept apart from it: on the host, where the verifiers run
+    (qstream/eval/batches.py), or the FP32 reference's Markov head (no config; its final sum
+    stays fp32)."""
 
-    config: DraftConfig
-    w: ComputeWeights
-    dtype: torch.dtype
+    w: Mapping[str, torch.Tensor]
+    dtype: torch.dtype = torch.float32
+    config: Any = None
     d2t: torch.Tensor | None = None
 
 
-_HOST_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its HostHead
+_HOST_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Head
 
 
 def draft_to_target(model: object) -> torch.Tensor | None:
@@ -196,16 +197,7 @@ class Drafted:
     """The block drafter's state of one batch (opaque outside qstream/arch/)."""
 
     blocks: Blocks
-    head: Any  # a DraftWithHeads, or its HostHead once on the host
-
-
-@dataclass(frozen=True)
-class ReferenceHead:
-    """The FP32 reference's Markov head, kept for a regime instead of the model."""
-
-    w: dict[str, torch.Tensor]
-    dtype: torch.dtype = torch.float32  # the reference's: its final sum stays fp32
-    config: Any = None
+    head: Any  # a DraftWithHeads, or its Head once on the host
 
 
 class BlockDrafter:
@@ -231,10 +223,10 @@ class BlockDrafter:
             heads = ("markov_head.", "confidence_head.")  # (docs/model.md)
             stored = {k: v.cpu() for k, v in model.w.stored.items() if k.startswith(heads)}
             d2t = draft_to_target(model)
-            _HOST_HEADS[model] = HostHead(
-                model.config,
+            _HOST_HEADS[model] = Head(
                 ComputeWeights(stored, model.dtype),
                 model.dtype,
+                model.config,
                 None if d2t is None else d2t.cpu(),
             )
         return Drafted(blocks, model if model.device.type == "cpu" else _HOST_HEADS[model])
@@ -242,13 +234,11 @@ class BlockDrafter:
     def keep(self, state: Drafted) -> tuple[torch.Tensor, ...]:
         return (state.blocks.logits_base,)
 
-    def reference_head(self, weights: Mapping[str, torch.Tensor], config: Any) -> ReferenceHead:
+    def reference_head(self, weights: Mapping[str, torch.Tensor], config: Any) -> Head:
         present = [k for k in (MARKOV_EMBED, MARKOV_TABLE) if k in weights]  # none: DFlash
-        return ReferenceHead({k: weights[k].float().contiguous() for k in present})
+        return Head({k: weights[k].float().contiguous() for k in present})
 
-    def replay(
-        self, head: ReferenceHead, kept: tuple[torch.Tensor, ...], drafted: Rollout
-    ) -> torch.Tensor:
+    def replay(self, head: Head, kept: tuple[torch.Tensor, ...], drafted: Rollout) -> torch.Tensor:
         """Position by position as the reference's own rollout (verifying itself: bit-exact)."""
         (kept_u,), table = kept, markov_table(head)
         prev = drafted.prev

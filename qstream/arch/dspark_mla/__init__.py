@@ -163,6 +163,7 @@ class DSparkConfig(family.Sizes):
         check(data.get("model_type", MODEL_TYPE) == MODEL_TYPE, "model_type",
               data.get("model_type"), f"must be {MODEL_TYPE!r}")  # fmt: skip
         kwargs = family.read_fields(cls, data)
+        family.ids_tuple(kwargs, "target_layer_ids", "target_layer_ids")
         yarn = kwargs["rope_parameters"]
         check(isinstance(yarn, dict), "rope_parameters", yarn, "must be an object")
         check(yarn.get("rope_type") == "yarn", "rope_parameters.rope_type",

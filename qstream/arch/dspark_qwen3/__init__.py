@@ -18,7 +18,7 @@ the dense layout (``DSparkSpeculator.__init__``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -176,6 +176,7 @@ class Qwen3DSparkConfig(family.Sizes):
         flat = cls._flat(data)
         optional = ("draft_vocab_size", "rope_parameters")
         kwargs = family.read_fields(cls, flat, _json_key, optional, skip_none=True)
+        family.ids_tuple(kwargs, "target_layer_ids", "target_layer_ids")
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
         kwargs["rope_parameters"] = _rope_from_json(flat)
         return family.construct(cls, kwargs)
@@ -221,21 +222,18 @@ def _from_speculators(data: dict[str, Any], kind_read: str) -> dict[str, Any]:
     known = ", ".join(repr(k) for k in SPECULATORS_TYPES)
     check(kind == kind_read, "speculators_model_type", kind,
           f"is not a speculators draft qstream knows (known: {known})")  # fmt: skip
-    layer: dict[str, Any] = data.get("transformer_layer_config")  # type: ignore[assignment]
-    check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
-    _refuse_unmodelled(layer, {})
+    keys = ("draft_vocab_size", "block_size", "mask_token_id", "target_hidden_size",
+            "markov_rank", "markov_head_type", "enable_confidence_head",
+            "confidence_head_with_markov")  # fmt: skip
+    flat = family.speculators_layer(data, keys)
+    _refuse_unmodelled(data["transformer_layer_config"], {})
     aux: list[int] = data.get("aux_hidden_state_layer_ids")  # type: ignore[assignment]
     check(isinstance(aux, list) and all(is_int(i) and i >= 1 for i in aux),
           "aux_hidden_state_layer_ids", aux,
           "must list hidden-state indices >= 1 (target layer i's output is index i + 1)")  # fmt: skip
-    flat = {**layer, "target_layer_ids": [i - 1 for i in aux]}
-    for key in ("draft_vocab_size", "block_size", "mask_token_id", "target_hidden_size",
-                "markov_rank", "markov_head_type", "enable_confidence_head",
-                "confidence_head_with_markov"):  # fmt: skip
-        if data.get(key) is not None:
-            flat[key] = data[key]
+    flat["target_layer_ids"] = [i - 1 for i in aux]
     flat["sample_from_anchor"] = data.get("sample_from_anchor", False)
-    flat.setdefault("target_hidden_size", layer.get("hidden_size"))
+    flat.setdefault("target_hidden_size", data["transformer_layer_config"].get("hidden_size"))
     return flat
 
 
@@ -274,13 +272,7 @@ def _rope_from_json(flat: dict[str, Any]) -> RopeParameters:
     check(isinstance(rope, dict), "rope_parameters", rope, "must be an object")
     if rope.get("rope_theta") is None:
         raise ValueError("config.json: missing key 'rope_parameters.rope_theta'")
-    names = {f.name for f in fields(RopeParameters)}
-    for key, value in rope.items():  # vLLM's get_rope reads more keys than qstream models
-        check(key in names or value is None or (key, value) == ("truncate", True),
-              f"rope_parameters.{key}", value, "is not evaluated by qstream")  # fmt: skip
-    return family.construct(
-        RopeParameters, {k: v for k, v in rope.items() if k in names}, "rope_parameters: "
-    )
+    return family.rope_of(RopeParameters, rope, lambda k, v: (k, v) == ("truncate", True))
 
 
 def _json_key(name: str) -> str:

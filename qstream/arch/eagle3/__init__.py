@@ -58,10 +58,6 @@ DEFAULT_SPECULATIVE_TOKENS = 3
 # What the midlayer is called in EAGLE-3's original checkpoints; vLLM loads it as layers.0.
 # (LlamaModel.hf_to_vllm_mapper), the name speculators saves.
 MIDLAYER, LAYER = "midlayer.", "layers.0."
-REQUIRED = (
-    "model_type hidden_size intermediate_size num_attention_heads num_key_value_heads "
-    "vocab_size rms_norm_eps max_position_embeddings"
-).split()
 POSITIVE_INT_FIELDS = (
     "hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim vocab_size "
     "draft_vocab_size max_position_embeddings target_hidden_size num_aux_hidden_states "
@@ -113,14 +109,9 @@ def _rope(flat: dict[str, Any]) -> RopeParameters | Llama3Rope:
     rope = flat.get("rope_parameters") or flat.get("rope_scaling") or {}
     if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "llama3":
         return _rope_from_json(flat)
-    keys = {f.name for f in fields(Llama3Rope)}
     given = {"rope_theta": flat.get("rope_theta"), **rope, "rope_type": "llama3"}
     given.pop("type", None)
-    for key, value in given.items():
-        check(key in keys or value is None, f"rope_parameters.{key}", value,
-              "is not evaluated by qstream")  # fmt: skip
-    return family.construct(Llama3Rope, {k: v for k, v in given.items() if k in keys},
-                            "rope_parameters: ")  # fmt: skip
+    return family.rope_of(Llama3Rope, given)
 
 
 @dataclass(frozen=True)
@@ -236,21 +227,15 @@ class Eagle3Config(family.Sizes):
         family.check_object(data)
         flat = _from_speculators(data) if "speculators_model_type" in data else _dense(data)
         _refuse_unmodelled(flat)
-        for key in REQUIRED:
-            if flat.get(key) is None:
-                raise ValueError(f"config.json: missing key {key!r}")
-        names = [f for f in cls.__dataclass_fields__ if f != "rope_parameters"]
-        kwargs = {f: flat[f] for f in names if flat.get(f) is not None}
+        optional = ("head_dim", "draft_vocab_size", "rope_parameters", "target_hidden_size")
+        kwargs = family.read_fields(cls, flat, optional=optional, skip_none=True)
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
         kwargs.setdefault("target_hidden_size", kwargs.get("hidden_size"))
         H, n = kwargs.get("hidden_size"), kwargs.get("num_attention_heads")
         ok = family.positive_int(H) and family.positive_int(n)  # transformers' LlamaConfig default
         kwargs.setdefault("head_dim", int(H) // int(n) if ok else None)  # type: ignore[arg-type]
         kwargs["num_aux_hidden_states"] = _fc_inputs(flat)
-        if kwargs.get("aux_layer_ids") is not None:
-            ids = kwargs["aux_layer_ids"]
-            check(isinstance(ids, list), "eagle_aux_hidden_state_layer_ids", ids, "must be a list")
-            kwargs["aux_layer_ids"] = tuple(ids)
+        family.ids_tuple(kwargs, "aux_layer_ids", "eagle_aux_hidden_state_layer_ids")
         kwargs["rope_parameters"] = _rope(flat)
         return family.construct(cls, kwargs)
 
@@ -297,14 +282,9 @@ def _from_speculators(data: dict[str, Any]) -> dict[str, Any]:
     ids at the top level (where only the Qwen3 form counts them, :func:`_fc_inputs`)."""
     kind = data.get("speculators_model_type")
     check(kind == SPECULATORS_TYPE, "speculators_model_type", kind, "is not 'eagle3'")
-    layer = data.get("transformer_layer_config")
-    check(isinstance(layer, dict), "transformer_layer_config", layer, "must be an object")
-    assert isinstance(layer, dict)
-    flat = {**layer, "model_type": layer.get("model_type", "llama")}
-    for key in ("draft_vocab_size", "target_hidden_size", "norm_before_fc", "fc_norm",
-                "norm_output"):  # fmt: skip
-        if data.get(key) is not None:
-            flat[key] = data[key]
+    keys = ("draft_vocab_size", "target_hidden_size", "norm_before_fc", "fc_norm", "norm_output")
+    flat = family.speculators_layer(data, keys)
+    flat["model_type"] = flat.get("model_type", "llama")
     flat["norm_before_residual"] = data.get("norm_before_residual", True)
     # speculators_config's first proposal method's speculative_tokens (None: absent), as
     # build_vllm_speculative_config (vllm/transformers_utils/configs/speculators/base.py)

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from qstream.arch.eagle3 import LAYER, Eagle3Config, check_tensors
 from qstream.arch.family import D2T
 from qstream.arch.interface import LM_HEAD
-from qstream.arch.weights import DenseDraft, ServedLinears
-from qstream.serving import KV_CACHES, KVCache
+from qstream.arch.weights import DenseDraft
 
 
 @dataclass(frozen=True)
@@ -69,17 +68,6 @@ class Eagle3Draft(DenseDraft):
     embed_tokens and lm_head included (the target's when the draft has none); ``kv``: the KV
     cache it stores keys and values in; ``served`` (weights.py's ServedLinears): its linears'
     input quantizers, its drafting head's product, its cache's scales."""
-
-    def __init__(
-        self,
-        config: Eagle3Config,
-        weights: Mapping[str, torch.Tensor],
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        kv: KVCache = KV_CACHES["auto"],
-        served: ServedLinears | None = None,
-    ):
-        super().__init__(config, weights, dtype, device, kv, served)
 
     check_tensors = staticmethod(check_tensors)
 
