@@ -328,8 +328,6 @@ LAYER_MODULES = {
     "mlp.up_proj": ("mlp.gate_up_proj", "out"),
     "mlp.down_proj": ("mlp.down_proj", "in"),
 }
-CONTEXT_PROJ = "context_proj"
-CONTEXT_KV = "model.context_kv_proj"
 # Modules vLLM never builds quantized, with the reason (docs/vllm.md cites each).  In vLLM
 # 0.32.0, K3DSparkModel.__init__ builds DSparkMarkovHead and, when config.json sets
 # enable_confidence_head, DSparkConfidenceHead (an fp32 ReplicatedLinear, served for adaptive
@@ -344,23 +342,22 @@ NEVER_QUANTIZED = {
     ),
     "embed_tokens": "the draft's embedding is an embedding table, not a Linear layer",
 }
-# q_a_proj and kv_a_proj_with_mqa of every layer are one fused group: each layer fuses its pair
-# into fused_qkv_a_proj, and every layer's kv_a is loaded again into the one context_kv_proj.
-CROSS_LAYER = (
-    ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
-    "self_attn.{q_a_proj, kv_a_proj_with_mqa} of every layer",
-    "vLLM fuses each layer's pair into fused_qkv_a_proj and loads every layer's "
-    "kv_a_proj_with_mqa again into one cross-layer context_kv_proj",
-)
 SERVING = {
     "name": "K3DSparkModel",
     "served_class": "K3DSparkForCausalLM",  # vllm/models/kimi_k3/nvidia/dspark_mla.py
     "architectures": ("K3DSparkModel",),
     "layer_modules": LAYER_MODULES,
     "never_quantized": NEVER_QUANTIZED,
-    "context_proj": CONTEXT_PROJ,
-    "context_kv": CONTEXT_KV,
-    "cross_layer": CROSS_LAYER,
+    "context_proj": "context_proj",
+    "context_kv": "model.context_kv_proj",
+    # q_a_proj and kv_a_proj_with_mqa of every layer are one fused group: each layer fuses its
+    # pair into fused_qkv_a_proj, and every layer's kv_a is loaded again into one context_kv_proj.
+    "cross_layer": (
+        ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+        "self_attn.{q_a_proj, kv_a_proj_with_mqa} of every layer",
+        "vLLM fuses each layer's pair into fused_qkv_a_proj and loads every layer's "
+        "kv_a_proj_with_mqa again into one cross-layer context_kv_proj",
+    ),
 }
 
 

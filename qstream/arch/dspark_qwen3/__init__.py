@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 ARCHITECTURE = "Qwen3DSparkModel"
 MODEL_TYPE = "qwen3"
 SPECULATORS_TYPE = "dspark"
-SPECULATORS_TYPES = ("dspark", "dflash")  # the speculators drafts of this family qstream reads
 ROPE_TYPES = ("default", "yarn")
 
 
@@ -219,7 +218,7 @@ def _from_speculators(data: dict[str, Any], kind_read: str) -> dict[str, Any]:
     """speculators' saved layout (of the ``kind_read`` speculators_model_type): the backbone's
     keys nest in ``transformer_layer_config``."""
     kind = data.get("speculators_model_type")
-    known = ", ".join(repr(k) for k in SPECULATORS_TYPES)
+    known = "'dspark', 'dflash'"  # the speculators drafts of this family qstream reads
     check(kind == kind_read, "speculators_model_type", kind,
           f"is not a speculators draft qstream knows (known: {known})")  # fmt: skip
     keys = ("draft_vocab_size", "block_size", "mask_token_id", "target_hidden_size",
@@ -313,11 +312,6 @@ PRESETS: dict[str, Qwen3DSparkConfig] = {
 }  # fmt: skip
 
 
-# Tensors a checkpoint may leave out: the target's embedding is shared when the draft has none
-# (Qwen3DSparkForCausalLM.load_weights; speculators never saves it).
-OPTIONAL = (EMBED,)
-
-
 def tensor_shapes(config: Qwen3DSparkConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor vLLM builds for ``config``, in checkpoint order (``lm_head.weight`` and
     ``d2t``: a reduced-vocabulary draft's)."""
@@ -347,7 +341,9 @@ def check_tensors(
     extra: dict[str, tuple[int, ...]] = {family.T2D: (config.vocab_size,)}
     if not config.own_lm_head:
         extra[LM_HEAD] = (config.vocab_size, config.hidden_size)
-    required = {k: v for k, v in table.items() if k not in OPTIONAL}
+    # the target's embedding is shared when the draft has none (Qwen3DSparkForCausalLM.load_weights;
+    # speculators never saves it)
+    required = {k: v for k, v in table.items() if k != EMBED}
     family.check_table(required, {**table, **extra}, shapes, where, "Qwen3-style DSpark draft",
                 lambda name, shape: family.shape_hint(config, name, shape),
                 lambda name: _why_needed(config, name))  # fmt: skip
@@ -439,7 +435,6 @@ SERVING: dict[str, Any] = {
     # a saved speculators DSpark config as Qwen3DSparkModel, whatever its "architectures" says
     "speculators_types": ("dspark",),
 }
-QUANTIZE_INCLUDE: tuple[str, ...] = DEFAULT_INCLUDE  # the serving profile's default
 
 
 class DSparkQwen3(DSparkFamily):
@@ -447,7 +442,7 @@ class DSparkQwen3(DSparkFamily):
 
     model_module, model_class = "qstream.arch.dspark_qwen3.model", "Qwen3DSpark"
     config_type: type = Qwen3DSparkConfig
-    quantize_include: tuple[str, ...] = QUANTIZE_INCLUDE
+    quantize_include: tuple[str, ...] = DEFAULT_INCLUDE  # the serving profile's default
     presets: Mapping[str, Any] = PRESETS
     serving: tuple[Mapping[str, Any], ...] = (SERVING,)
     # speculators never saves embed_tokens; vLLM then shares the target's

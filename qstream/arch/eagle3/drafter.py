@@ -81,10 +81,7 @@ class ChainDrafter:
 
     def teacher_forced(self, state: Chained, tokens: torch.Tensor) -> Rollout:
         """The chain fed ``tokens`` [N, k] (target ids) instead of its own draws."""
-        given = tokens.to(state.model.device)
-        with torch.no_grad():
-            chain = state.model.run(state.start, given.shape[1], lambda j, _: given[:, j])
-        rolled = self._rollout(state, chain)
+        rolled = self._rollout(state, _forced(state.model, state.start, tokens))
         return Rollout(tokens, rolled.prev.cpu(), rolled.logits.cpu(), None)
 
     @staticmethod
@@ -108,10 +105,13 @@ class ChainDrafter:
         self, head: Eagle3Draft, kept: tuple[torch.Tensor, ...], drafted: Rollout
     ) -> torch.Tensor:
         start = ChainStart(*(t.to(head.device) for t in kept))
-        tokens = drafted.tokens.to(head.device)
-        with torch.no_grad():
-            chain = head.run(start, tokens.shape[1], lambda j, _: tokens[:, j])
-        return chain.logits.cpu()
+        return _forced(head, start, drafted.tokens).logits.cpu()
+
+
+def _forced(model: Eagle3Draft, start: ChainStart, tokens: torch.Tensor) -> Chain:
+    given = tokens.to(model.device)
+    with torch.no_grad():
+        return model.run(start, given.shape[1], lambda j, _: given[:, j])
 
 
 CHAIN_DRAFTER = ChainDrafter()
