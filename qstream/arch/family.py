@@ -71,8 +71,14 @@ class DSparkFamily:
         self, config: Any, weights: Any, variant: Any, device: Any = "cpu", served: Any = None
     ) -> Any:
         """The model serving ``weights`` as ``variant`` says; ``served`` (weights.py's
-        ServedLinears, qstream/eval/variants.py's ``served_linears``)."""
-        check_served(variant, served)
+        ServedLinears, qstream/eval/variants.py's ``served_linears``) must hold its linears'
+        input quantizers, KV-cache scales and drafting head (ValueError naming the missing)."""
+        if variant.activation.strategy is not None and not (served and served.inputs):
+            raise ValueError(f"variant {variant.name}: its linears' input quantizers are missing")
+        if variant.kv_scale != DEFAULTS["kv_scale"] and not (served and served.kv_scales):
+            raise ValueError(f"variant {variant.name}: its KV-cache scales are missing")
+        if variant.head != DEFAULTS["head"] and not (served and served.products):
+            raise ValueError(f"variant {variant.name}: its quantized drafting head is missing")
         model = getattr(importlib.import_module(self.model_module), self.model_class)
         return model(
             config, weights, dtype=variant.dtype, device=device, kv=variant.kv, served=served

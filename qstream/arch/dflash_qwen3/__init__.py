@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from qstream.arch.dspark_qwen3 import PRESETS as DSPARK_PRESETS
 from qstream.arch.dspark_qwen3 import SERVING as DSPARK_SERVING
 from qstream.arch.dspark_qwen3 import DSparkQwen3, Qwen3DSparkConfig, _dense
-from qstream.arch.family import check
+from qstream.arch.family import check, check_flags
 
 ARCHITECTURE = "DFlashDraftModel"
 SPECULATORS_TYPE = "dflash"
@@ -58,8 +58,7 @@ class DFlashQwen3Config(Qwen3DSparkConfig):
               "anchor slot is the bonus token)")  # fmt: skip
         check(self.dspark_draft_topk is None, "dspark_draft_topk", self.dspark_draft_topk,
               "is DSpark's (vLLM 0.32.0's SpeculativeConfig refuses it for DFlash)")  # fmt: skip
-        check(isinstance(self.has_own_lm_head, bool), "has_own_lm_head", self.has_own_lm_head,
-              "must be true or false")  # fmt: skip
+        check_flags(self, ("has_own_lm_head",))
 
     @property
     def own_lm_head(self) -> bool:
