@@ -226,7 +226,7 @@ class Eagle3Config(family.Sizes):
         """config.json contents in either layout (unused keys ignored); ValueError naming a key."""
         family.check_object(data)
         flat = _from_speculators(data) if "speculators_model_type" in data else _dense(data)
-        _refuse_unmodelled(flat)
+        family.refuse_unmodelled(UNMODELLED, flat.get, flat.get("layer_types") or [])
         optional = ("head_dim", "draft_vocab_size", "rope_parameters", "target_hidden_size")
         kwargs = family.read_fields(cls, flat, optional=optional, skip_none=True)
         kwargs.setdefault("draft_vocab_size", kwargs.get("vocab_size"))
@@ -311,10 +311,6 @@ UNMODELLED = (
 )
 
 
-def _refuse_unmodelled(flat: dict[str, Any]) -> None:
-    family.refuse_unmodelled(UNMODELLED, flat.get, flat.get("layer_types") or [])
-
-
 def tensor_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Every tensor of the draft, in checkpoint order, under speculators' names (``layers.0.``;
     a checkpoint's ``midlayer.`` is read as it): embed_tokens and lm_head may be the target's,
@@ -362,16 +358,13 @@ def read_draft_tensors(directory: str | Path, config: Eagle3Config) -> dict[str,
 load_weights = family.borrowing_loader(read_draft_tensors)
 
 
-def _preset(**kw: Any) -> Eagle3Config:
-    return Eagle3Config(rms_norm_eps=1e-6, rope_parameters=RopeParameters(rope_theta=10000.0), **kw)
-
-
 # A Llama-form draft over a 64-wide target; vocab_size is a placeholder `qstream synth` replaces
 # with its tokenizer's (a full-vocabulary draft: no d2t).
 PRESETS: dict[str, Eagle3Config] = {
-    "eagle3-tiny": _preset(
+    "eagle3-tiny": Eagle3Config(
         model_type="llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=1024, draft_vocab_size=1024,
+        rms_norm_eps=1e-6, rope_parameters=RopeParameters(rope_theta=10000.0),
         max_position_embeddings=4096, target_hidden_size=64, aux_layer_ids=(2, 4, 6),
         target_num_hidden_layers=8),
 }  # fmt: skip
