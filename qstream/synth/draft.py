@@ -281,30 +281,29 @@ def synth_checkpoint(
     final_gain = small[arch.final_norm]
     head_std = U_STD / math.sqrt(config.hidden_size * float(final_gain.pow(2).mean()))
     plan = _Plan(config, small, head_std, seed)
-    shapes = draft_shapes(config)
-    with publishing(output, overwrite) as tmp:
-        write_json_atomic(tmp / "config.json", config.to_json())
-        write_tokenizer(tok, tmp)
-        size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
-        _write_target_head(tmp / TARGET_HEAD_DIR, plan)
-        summary = _summary(output, preset, seed, corpus, shapes, size, alpha, top1)
-        write_record(tmp, summary)
-    return summary
+    return publish_draft(output, overwrite, preset, corpus, plan, alpha, top1,
+                         lambda tmp: write_tokenizer(tok, tmp), progress)  # fmt: skip
 
 
-def _summary(
-    output: Path, preset: str, seed: int, corpus: str | Path | None, shapes: dict,
-    size: int, alpha: float | None, top1: float | None,
+def publish_draft(
+    output: Path, overwrite: bool, preset: str, corpus: str | Path | None, plan: _Plan,
+    alpha: float | None, top1: float | None, write_tok, progress: Progress | None, **target: object,
 ) -> SynthSummary:  # fmt: skip
-    corpus_name = str(corpus) if corpus else "built-in"
-    parameters = sum(math.prod(s) for s in shapes.values())
-    return SynthSummary(
-        str(output), preset, seed, corpus_name, len(shapes), parameters, size, alpha, top1
-    )
-
-
-def write_record(directory: Path, summary: SynthSummary, **extra: object) -> None:
-    """SYNTH_RECORD: the version, the summary without its output path (relocatable), ``extra``."""
-    record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
-    data = {"qstream_version": qstream.__version__, "summary": record, **extra}
-    write_json_atomic(directory / SYNTH_RECORD, data)
+    """config.json, the tokenizer (``write_tok(dir)``), the tensors and the record, published
+    with one rename; without ``target`` (a record entry), the stand-in target head too."""
+    shapes = draft_shapes(plan.config)
+    with publishing(output, overwrite) as tmp:
+        write_json_atomic(tmp / "config.json", plan.config.to_json())
+        write_tok(tmp)
+        size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
+        if not target:
+            _write_target_head(tmp / TARGET_HEAD_DIR, plan)
+        parameters = sum(math.prod(s) for s in shapes.values())
+        corpus_name = str(corpus) if corpus else "built-in"
+        summary = SynthSummary(str(output), preset, plan.seed, corpus_name, len(shapes),
+                               parameters, size, alpha, top1)  # fmt: skip
+        # the summary without its output path (relocatable)
+        record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
+        data = {"qstream_version": qstream.__version__, "summary": record, **target}
+        write_json_atomic(tmp / SYNTH_RECORD, data)
+    return summary

@@ -24,18 +24,15 @@ from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
 from qstream.progress import Progress
-from qstream.publish import check_target, publishing, write_json_atomic
+from qstream.publish import check_target
 from qstream.synth.corpus import builtin_corpus, read_corpus
 from qstream.synth.draft import (
     SynthSummary,
     _markov_head,
     _Plan,
     _small_tensors,
-    _summary,
-    _write_tensors,
-    draft_shapes,
     preset_architecture,
-    write_record,
+    publish_draft,
 )
 
 QWEN3_MODEL_TYPES = ("qwen3",)  # transformers' Qwen3ForCausalLM
@@ -212,13 +209,12 @@ def synth_for_target(
         small[EMBED] = read_target_tensors(target, [EMBED])[EMBED].float()
         if tuple(small[EMBED].shape) != (config.vocab_size, config.hidden_size):
             raise QStreamError(f"{target}: {EMBED} has shape {list(small[EMBED].shape)}")
-    shapes = draft_shapes(config)
-    with publishing(output, overwrite) as tmp:
-        write_json_atomic(tmp / "config.json", config.to_json())
+
+    def write_tok(tmp: Path) -> None:
         for name in TOKENIZER_FILES:
             if (Path(target) / name).is_file():
                 shutil.copyfile(Path(target) / name, tmp / name)
-        size = _write_tensors(tmp, shapes, _Plan(config, small, 0.0, seed), progress, False)
-        summary = _summary(output, preset, seed, corpus, shapes, size, alpha, top1)
-        write_record(tmp, summary, target=shape.identity())
-    return summary
+
+    plan = _Plan(config, small, 0.0, seed)
+    return publish_draft(output, overwrite, preset, corpus, plan, alpha, top1, write_tok,
+                         progress, target=shape.identity())  # fmt: skip
