@@ -23,12 +23,11 @@ from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.schemes import command_options, serving_record, serving_schemes
+from qstream.quant.schemes import serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
     head_problem,
-    head_targets,
     ignore_entries,
     layer_specific_warning,
     profile_for,
@@ -120,7 +119,7 @@ def quantize_checkpoint(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
     serving = serving_schemes(checkpoint, fmt, selection, activations, kv_cache_scheme, calibration)
-    plan = _make_plan(checkpoint, selection, spec, entries, serving)
+    plan = make_plan(checkpoint, selection, spec, entries, serving)
     summary = _plan_summary(
         plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
         output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
@@ -128,18 +127,13 @@ def quantize_checkpoint(
     )  # fmt: skip
     if dry_run:
         return summary
+    options = serving_record(serving, command=True)
     command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
-                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
+                                  snr, tensor_parallel_size, options)  # fmt: skip
     record = partial(_record, summary, command)
     with _one_intra_op_thread():
         snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
     return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
-
-
-def _make_plan(checkpoint: Checkpoint, selection: Selection, spec, entries, serving) -> Plan:
-    profile = profile_for(checkpoint.config)
-    targets = ("Linear", *head_targets(profile, selection.quantized))
-    return make_plan(checkpoint, selection, spec, entries, targets, serving)
 
 
 def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:

@@ -139,26 +139,18 @@ def _kv_scales(checkpoint: Checkpoint, calibration: Any) -> dict[str, dict]:
     return scales
 
 
-def serving_options(serving: Serving) -> dict[str, str]:
-    """The options that declared ``serving`` (none for weight-only)."""
-    options = {}
+def serving_record(serving: Serving, command: bool = False) -> dict:
+    """The options that declared ``serving`` (none for weight-only), with the calibration's
+    source (``command``: its own options instead, as the equivalent command gives them)."""
+    record: dict[str, Any] = {}
     if serving.activations.vllm_scheme is not None:
-        options["activations"] = serving.activations.name
+        record["activations"] = serving.activations.name
     if serving.kv_cache is not None:
-        options["kv_cache_scheme"] = serving.kv_cache
-    return options
-
-
-def command_options(serving: Serving) -> dict[str, str]:
-    """:func:`serving_options` and the calibration's own (as its source records them)."""
-    options = serving_options(serving)
+        record["kv_cache_scheme"] = serving.kv_cache
     if serving.scales and serving.calibration is not None:
-        options.update(serving.calibration.source.get("options", {}))
-    return options
-
-
-def serving_record(serving: Serving) -> dict:
-    record: dict[str, Any] = dict(serving_options(serving))
-    if serving.scales and serving.calibration is not None:
-        record["calibration"] = serving.calibration.source
+        source = serving.calibration.source
+        if command:
+            record.update(source.get("options", {}))
+        else:
+            record["calibration"] = source
     return record

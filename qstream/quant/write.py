@@ -35,6 +35,7 @@ from qstream.progress import Progress
 from qstream.publish import QUANTIZE_RECORD, publishing, write_json_atomic
 from qstream.quant.schemes import Serving
 from qstream.quant.select import Selection, share_group_amax
+from qstream.vllm.profiles import head_targets, profile_for
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,6 @@ def make_plan(
     selection: Selection,
     spec: Format,
     ignore: list[str],
-    targets: tuple[str, ...],
     serving: Serving,
 ) -> Plan:
     quantized = set(selection.quantized)
@@ -79,6 +79,8 @@ def make_plan(
                 for n, t in serving.scales.get(name, {}).items()
             ]
         shards[shard] = planned
+    profile = profile_for(checkpoint.config)
+    targets = ("Linear", *head_targets(profile, selection.quantized))
     return Plan(checkpoint, selection, spec, ignore, shards, targets, serving)
 
 
