@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from qstream.arch.interface import DraftConfig
 from qstream.arch.markov import sample, sampling_probs
@@ -259,12 +260,8 @@ def _capture(
         else:
             rows = prompts
         # one teacher-forced forward of the base model over right-padded rows (no lm_head)
-        width = max(len(r) for r in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        mask = torch.zeros(len(rows), width, dtype=torch.int64)
-        for k, r in enumerate(rows):
-            input_ids[k, : len(r)] = torch.tensor(r)
-            mask[k, : len(r)] = 1
+        input_ids = pad_sequence([torch.tensor(r, dtype=torch.int64) for r in rows], True)
+        mask = pad_sequence([torch.ones(len(r), dtype=torch.int64) for r in rows], True)
         with torch.no_grad(), LayerTap(layers, norm, ids) as tap:
             target.model.model(
                 input_ids=input_ids.to(target.device),

@@ -215,11 +215,6 @@ def check_draft(config: DraftConfig, target: TargetShape, layer_ids: tuple[int, 
             )
 
 
-def _hidden(output: Any) -> torch.Tensor:
-    """A decoder layer returns its hidden states, or a tuple whose first item they are."""
-    return output[0] if isinstance(output, tuple) else output
-
-
 class LayerTap:
     """Hooks that keep, per forward, the outputs of ``layers[j]`` for ``j in ids`` and the final
     norm's input and output, moved to the CPU as they come (a ``--device-map`` spread over
@@ -227,15 +222,23 @@ class LayerTap:
 
     def __init__(self, layers: Any, norm: Any, ids: tuple[int, ...]):
         self.layers, self.norm, self.ids = layers, norm, ids
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.norm_in: torch.Tensor | None = None
-        self.norm_out: torch.Tensor | None = None
+        self.outputs: dict[Any, torch.Tensor] = {}  # layer j's; "in" / "out": the final norm's
         self.handles: list[Any] = []
 
     def __enter__(self) -> LayerTap:
+        def keep(key: Any):
+            def hook(module, args, output):  # noqa: ARG001 - torch hook signature
+                # a decoder layer returns its hidden states, or a tuple whose first item they are
+                hidden = output[0] if isinstance(output, tuple) else output
+                self.outputs[key] = hidden.detach().to("cpu")
+                if key == "out":
+                    self.outputs["in"] = args[0].detach().to("cpu")
+
+            return hook
+
         for j in dict.fromkeys(self.ids):
-            self.handles.append(self.layers[j].register_forward_hook(self._layer_hook(j)))
-        self.handles.append(self.norm.register_forward_hook(self._norm_hook))
+            self.handles.append(self.layers[j].register_forward_hook(keep(j)))
+        self.handles.append(self.norm.register_forward_hook(keep("out")))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -243,31 +246,20 @@ class LayerTap:
             handle.remove()
         self.handles = []
 
-    def _layer_hook(self, j: int):
-        def hook(module, args, output):  # noqa: ARG001 - torch hook signature
-            self.outputs[j] = _hidden(output).detach().to("cpu")
-
-        return hook
-
-    def _norm_hook(self, module, args, output):  # noqa: ARG002 - torch hook signature
-        self.norm_in = args[0].detach().to("cpu")
-        self.norm_out = _hidden(output).detach().to("cpu")
+    def _get(self, key: Any) -> torch.Tensor:
+        if key not in self.outputs:
+            what = "the final norm" if key in ("in", "out") else f"decoder layer {key}"
+            raise RuntimeError(f"{what} did not run during the forward")
+        return self.outputs[key]
 
     def aux(self) -> torch.Tensor:
-        missing = [j for j in self.ids if j not in self.outputs]
-        if missing:
-            raise RuntimeError(f"decoder layer {missing[0]} did not run during the forward")
-        return torch.cat([self.outputs[j] for j in self.ids], dim=-1)  # [S, T, L·H]
+        return torch.cat([self._get(j) for j in self.ids], dim=-1)  # [S, T, L·H]
 
     def final(self) -> torch.Tensor:
-        if self.norm_out is None:
-            raise RuntimeError("the final norm did not run during the forward")
-        return self.norm_out  # [S, T, H]
+        return self._get("out")  # [S, T, H]
 
     def pre_norm(self) -> torch.Tensor:
-        if self.norm_in is None:
-            raise RuntimeError("the final norm did not run during the forward")
-        return self.norm_in  # [S, T, H]
+        return self._get("in")  # [S, T, H]
 
     def layer_stack(self) -> torch.Tensor:
         """``[S, T, L, H]``: the layers' outputs stacked in ids order (vLLM's layout)."""

@@ -124,7 +124,9 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
         linears = served_linears(v, weights, config, s, calibration)
         draft = arch.build(config, var_weights, v, "cpu", linears)
-        _started(progress, len(prompts), v.name)
+        if progress is not None:  # counts this variant's prompts from none
+            progress.start(len(prompts))
+            progress.advance(f"speculate: {v.name}", 0)
         target = served[v.target].model  # the target this variant serves
         args = (s.new_tokens, mode, s.temperature, s.seed, progress)
         runs = decoded[v.name] = decode_prompts(target, draft, prompts, *args)
@@ -145,13 +147,6 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         write_capture(s, config, shape, docs, served[variants[0].target], prompts, decoded)
         results["capture"] = {"path": s.capture, "streams": len(prompts)}
     return results
-
-
-def _started(progress: Progress | None, total: int, name: str) -> None:
-    """The progress counts ``name``'s prompts from none."""
-    if progress is not None:
-        progress.start(total)
-        progress.advance(f"speculate: {name}", 0)
 
 
 def _variant_entry(v: Variant, changed: list[str]) -> dict:
