@@ -39,8 +39,7 @@ def capture_record(
     target_format: str = DEFAULTS["target"],
     **settings,
 ) -> dict[str, Any]:
-    """capture.json's keys (docs/capture.md), ``settings`` being source, sampling, dtype and
-    max_tokens; a quantized ``target_format`` is recorded as the target's ``format``."""
+    """capture.json's keys (docs/capture.md); ``settings``: source, sampling, dtype, max_tokens."""
     served = {} if target_format == DEFAULTS["target"] else {"format": target_format}
     return {
         "layout": layout.name,
@@ -64,8 +63,7 @@ def write_batch(
     tap: LayerTap,
     metadata: list[dict[str, str]],
 ) -> None:
-    """Write stream ``streams[k]`` (token ids ``rows[k]``) from row k of the tapped batch, cut
-    to the row's length."""
+    """Stream ``streams[k]`` (token ids ``rows[k]``) from row k of the tapped batch."""
     assert layout.tensors is not None, f"capture does not export the {layout.name} layout"
     if layout.final_before_norm:
         aux, final = tap.layer_stack(), tap.pre_norm()  # [S, T, L, H], [S, T, H]
@@ -126,7 +124,6 @@ def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def start_output(output: Path, record: dict[str, Any]) -> None:
-    """Create ``output`` with its ``capture.json``."""
     try:
         output.mkdir(exist_ok=True)
     except OSError as exc:
@@ -174,7 +171,6 @@ def present_files(
 
 
 def record_streams(output: Path, record: dict[str, Any], names: list[str]) -> None:
-    """Add the sha256 of the stream files ``names`` to ``record`` and replace capture.json."""
     files = record.setdefault("files", {})
     for name in names:
         files[name] = sha256_file(output / name)
