@@ -24,9 +24,8 @@ def simulate_format(
     *,
     config: DraftConfig,
 ) -> dict[str, torch.Tensor]:
-    """``weights`` with the selected Linear weights quantized to ``fmt`` and dequantized, the
-    selection as quantize makes it under ``config``'s serving rules; lm_head (the target's)
-    is never touched."""
+    """``weights`` with the selected Linear weights quantized to ``fmt`` and dequantized (never
+    lm_head, the target's)."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
     selection = simulated_selection(weights, fmt, include, ignore, skip_incompatible, config)
     amax: dict[str, torch.Tensor] = {}

@@ -1,9 +1,7 @@
-"""What a quantize run writes (docs/quantize.md, "What is written"): the :class:`Plan` (every
-output shard's header laid out before any byte is written), the NVFP4 global-amax pre-pass, the
-input cut into pieces (row ranges of one tensor) streamed through a bounded thread pool, and the
-output directory around them, written into a temporary directory renamed into place
-(docs/guarantees.md).  Memory is bounded by the pieces in flight (``2 * workers``), never by a
-tensor, a shard or the model: each piece is read from a memory map whose pages are then released.
+"""What a quantize run writes (docs/quantize.md, "What is written"; docs/guarantees.md): the
+:class:`Plan` (every output header laid out first), the NVFP4 global-amax pre-pass, and the input
+cut into pieces (row ranges of one tensor) streamed through a bounded thread pool: memory is
+bounded by the ``2 * workers`` pieces in flight, never by a tensor, a shard or the model.
 """
 
 from __future__ import annotations
@@ -86,8 +84,6 @@ def make_plan(
 
 @dataclass(frozen=True)
 class Streaming:
-    """Where the tensors are quantized, by how many threads, with the weight SNR or not."""
-
     device: torch.device
     workers: int
     snr: bool = True
@@ -107,8 +103,6 @@ R = TypeVar("R")  # what a piece's work returns
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``rows`` of tensor ``name`` of input shard ``shard``."""
-
     shard: str
     name: str
     rows: slice | None  # None: a whole 0-d / empty tensor
@@ -148,9 +142,8 @@ def run_bounded(
     done: Callable[[Piece, R], None],
     prepare: Callable[[Piece], None] | None = None,
 ) -> None:
-    """``work`` on every piece in a thread pool (torch releases the GIL), at most ``2 *
-    workers`` in flight; ``prepare`` (before submitting) and ``done`` (in piece order) run on
-    the calling thread, so that I/O put there overlaps the workers' computing."""
+    """``work`` on every piece in a thread pool, at most ``2 * workers`` in flight; ``prepare``
+    and ``done`` (in piece order) run on this thread, so that their I/O overlaps the workers."""
     in_flight: deque[tuple[Piece, Future]] = deque()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qstream") as pool:
         try:
@@ -173,10 +166,9 @@ def run_bounded(
 def global_amaxes(
     plan: Plan, readers: dict[str, ShardReader], workers: int
 ) -> dict[str, torch.Tensor]:
-    """The pre-pass of a format with a global scale (none otherwise): the amax of each weight
-    whose global scale cannot come from the piece being quantized (a fused group's member, one
-    scale per group, docs/quantize.md; a weight cut into several pieces), then each group's
-    max, across shards.  A NaN or Inf weight there is refused before anything is written."""
+    """The pre-pass of a format with a global scale: the amax of each weight whose global scale
+    cannot come from the piece being quantized (a fused group's member, docs/quantize.md; a
+    weight cut into several pieces), then each group's max."""
     if plan.format.global_scale is None:
         return {}
     amax: dict[str, torch.Tensor] = {}
@@ -212,8 +204,7 @@ def write_tensors(
     amaxes: dict[str, torch.Tensor],
     run: Streaming,
 ) -> dict[str, float]:
-    """Every piece read, quantized or copied, and written; returns each quantized module's
-    weight SNR in dB (empty without ``run.snr``)."""
+    """Every piece read, quantized or copied, and written; each quantized module's SNR in dB."""
     checkpoint, quantized = plan.checkpoint, plan.selection.quantized
     sums = {m: [0.0, 0.0] for m in quantized}
     tensors_total, tensors_done = len(checkpoint.tensor_shard), 0
@@ -257,7 +248,6 @@ def write_tensors(
 
 
 def _write_scales(writer: ShardWriter, piece: Piece, scales: dict[str, torch.Tensor]) -> None:
-    """The scales keyed by ``piece``'s tensor, with its first rows (schemes.Serving)."""
     if piece.rows is None or piece.rows.start == 0:
         for name, tensor in scales.items():
             writer.write(name, tensor)
@@ -275,8 +265,7 @@ def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
 def _write_stored(
     writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor], once: str | None
 ) -> None:
-    """Each stored tensor's rows of one quantized piece, at their offsets; the per-tensor
-    scale ``once`` is written with the first rows only."""
+    """One quantized piece's stored rows; the per-tensor scale ``once`` with the first rows."""
     assert piece.rows is not None  # quantized weights are 2-D, cut into row ranges
     for suffix, tensor in stored.items():
         if suffix != once:
@@ -293,10 +282,8 @@ def write_checkpoint(
     run: Streaming,
     record: Callable[[dict[str, float]], dict],
 ) -> dict[str, float]:
-    """The global-amax pre-pass (before anything is written), then every file of the output;
-    returns the weight SNR per quantized module.  ``record(snr_db)`` gives the head of the
-    run's record (QUANTIZE_RECORD), to which the sha256 of every file, hashed as it was
-    written, is added."""
+    """The global-amax pre-pass, then every file of the output; returns the weight SNR per
+    quantized module.  ``record(snr_db)``: the head of QUANTIZE_RECORD (the files' sha256 added)."""
     checkpoint = plan.checkpoint
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     amaxes = global_amaxes(plan, readers, run.workers)
@@ -337,8 +324,7 @@ def write_checkpoint(
 
 
 def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:
-    """Tokenizer, generation config, chat template, ...: everything but the weights, the index
-    and config.json (rewritten); hidden top-level entries (.git, .cache) are not copied."""
+    """Everything but the weights, the index, config.json and hidden entries (.git, .cache)."""
     skip = checkpoint.weight_files | {CONFIG_NAME}
     for entry in sorted(checkpoint.directory.iterdir()):
         if entry.name in skip or entry.name.startswith("."):

@@ -71,8 +71,6 @@ F64 = torch.float64
 
 @dataclass
 class _Plan:
-    """Everything computed before any tensor is written."""
-
     config: DraftConfig
     small: dict[str, torch.Tensor]  # tensors built whole (norms, Markov, confidence)
     head_std: float
@@ -108,8 +106,8 @@ def _small_tensors(
 
 
 def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.Tensor]:
-    """The tensor's rows in chunks of about CHUNK_ELEMENTS, float64 (views of two buffers reused
-    by the next chunk, which keeps a k3 run free of page-fault churn)."""
+    """The tensor's rows in chunks of about CHUNK_ELEMENTS, float64 (views of two reused buffers:
+    no page-fault churn)."""
     if name in plan.small:
         yield plan.small[name]
         return
@@ -196,8 +194,7 @@ def _write_tensors(
 
 
 def _write_target_head(head: Path, plan: _Plan) -> None:
-    """The stand-in target beside the draft: embed_tokens and lm_head, as a real target lends
-    them (a draft that carries embed_tokens carries the same bytes)."""
+    """The stand-in target beside the draft: embed_tokens and lm_head (the draft's own bytes)."""
     config = plan.config
     row = (config.vocab_size, config.hidden_size)
     shapes: dict[str, tuple[int, ...]] = {EMBED: row, LM_HEAD: row}  # embedding first, as a target
@@ -214,7 +211,6 @@ def _write_target_head(head: Path, plan: _Plan) -> None:
 
 
 def preset_architecture(preset: str) -> Architecture:
-    """The registered architecture whose presets hold ``preset``."""
     for arch in ARCHITECTURES:
         if preset in arch.presets:
             return arch
@@ -223,7 +219,6 @@ def preset_architecture(preset: str) -> Architecture:
 
 
 def _tokenizer_config(preset: str, tok: Tokenizer) -> DraftConfig:
-    """The preset with the tokenizer's facts (the TOKENIZER_SIZED presets take its vocabulary)."""
     base = preset_architecture(preset).presets[preset]
     vocab = tok.get_vocab_size() if preset in TOKENIZER_SIZED else base.vocab_size
     mask = tok.token_to_id("<|mask|>")

@@ -1,10 +1,7 @@
 """The Markov head of a synthetic draft from corpus statistics (docs/model.md, "Synthetic
-checkpoint layout"): bigram log-probabilities of the tokenized corpus, their low-rank
-markov_w1 / markov_w2 factors, and the scale that calibrates the head's top-1 accuracy.  Memory
-stays linear in the vocabulary V, so that a real target's (49,152 for SmolLM2, 163,840 for
-Kimi-K3) fits (docs/model.md, "A draft for a Hugging Face target"): the [V, V] table is never
-formed (:class:`Bigrams` holds it as a floor plus what rises above it, and the SVD asks it only
-for products), and the calibration's [samples, V] logits are capped at CALIBRATION_LOGITS.
+checkpoint layout"): bigram log-probabilities, their low-rank markov_w1 / markov_w2 factors and
+the scale that calibrates the head's top-1.  Memory stays linear in the vocabulary (docs/model.md,
+"A draft for a Hugging Face target"): the [V, V] table is never formed.
 """
 
 from __future__ import annotations
@@ -125,12 +122,10 @@ def markov_tables(
 def _canonical(
     u: torch.Tensor, s: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Singular vectors fixed by the matrix alone, not by the routine that found them.  Where
-    singular values repeat (GSM8K-like corpora give exact repeats: tokens seen in the same
-    contexts), any rotation of their vectors is as good, and which one LAPACK returns follows the
-    thread count; each such eigenspace is rotated onto the eigenvectors of a fixed generic
-    operator, diag(0..n-1), restricted to it.  Every sign is then set by a fixed generic vector
-    (never by the largest entry: structured vectors such as (e_a - e_b)/sqrt(2) tie)."""
+    """Singular vectors fixed by the matrix alone: where singular values repeat (which rotation
+    LAPACK returns follows the thread count), each eigenspace is rotated onto the eigenvectors of
+    diag(0..n-1) restricted to it; every sign is set by a fixed generic vector (the largest
+    entry ties for structured vectors such as (e_a - e_b)/sqrt(2))."""
     u, v = u.clone(), v.clone()
     n, k = u.shape
     ramp = torch.arange(n, dtype=u.dtype)[:, None]  # [n, 1]
@@ -150,12 +145,9 @@ def _canonical(
 
 
 def _flush(x: torch.Tensor) -> torch.Tensor:
-    """Each entry snapped to a grid of 2^-SNAP_BITS of its column's largest power of two, exactly
-    (powers of two).  LAPACK's factors differ between CPUs by about 1e-14 of that largest entry
-    (MKL on AMD EPYC against Intel), which bf16 keeps wherever it is a visible part of a small
-    entry (entries that are zero in exact arithmetic come out as that noise; an entry of 1e-9
-    carries it at 1e-5 relative).  On the grid, noise moves an entry only when it lies within
-    1e-14 of a grid midpoint: about once in 1e8 entries; noise-sized entries become +0.0."""
+    """Each entry snapped to a grid of 2^-SNAP_BITS of its column's largest power of two: LAPACK's
+    factors differ between CPUs by ~1e-14 of that entry (MKL on AMD EPYC against Intel), which
+    bf16 keeps in small entries; on the grid noise moves about one entry in 1e8."""
     top = torch.floor(torch.log2(x.abs().amax(0, keepdim=True).clamp(min=1e-300)))
     step = torch.pow(2.0, top - SNAP_BITS)
     return torch.round(x / step) * step + 0.0  # + 0.0: a noise entry's sign would stay on -0.0

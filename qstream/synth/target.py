@@ -1,8 +1,7 @@
 """``qstream synth --target HF_DIR``: a synthetic draft shaped for a real Hugging Face target
-(docs/model.md, "A draft for a Hugging Face target"): the target's width, depth, vocabulary,
-tokenizer and a copy of ``embed_tokens``, the rest the preset's; ``lm_head`` is borrowed with
-``--target``.  A Qwen3 target gets a Qwen3-style draft without ``embed_tokens``, as
-speculators' checkpoints leave it (docs/qwen3-dspark.md, "Synthetic checkpoints").
+(docs/model.md, "A draft for a Hugging Face target"; a Qwen3 target: docs/qwen3-dspark.md,
+"Synthetic checkpoints"): the target's width, depth, vocabulary and tokenizer, the rest the
+preset's.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ def qwen3_draft_config(
     mask_token_id: int,
     arch: Architecture,
 ) -> DraftConfig:
-    """``preset`` reshaped for the Qwen3 target whose config.json holds ``target``: its widths,
-    heads, norm epsilon, RoPE, context length, vocabulary and bos/eos ids; ``min(preset's,
-    target's)`` layers.  ValueError naming a key the target lacks or holds a bad value in."""
+    """``preset`` reshaped for the Qwen3 target whose config.json holds ``target``, with
+    ``min(preset's, target's)`` layers; ValueError naming a key the target lacks or holds badly."""
     # the target's mask token and layers at the top level, which the preset's dflash_config
     # would override (vLLM reads dflash_config first)
     data = {
@@ -119,8 +117,7 @@ def spread_layer_ids(depth: int, count: int) -> tuple[int, ...]:
 
 
 def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
-    """The tokenizer's mask token, else ``<|mask|>``, else its pad token, else the vocabulary's
-    last id (a padding row in most padded vocabularies)."""
+    """The tokenizer's mask token, else ``<|mask|>``, else its pad token, else the last id."""
     names = []
     config_path = target / "tokenizer_config.json"
     if config_path.is_file():
@@ -136,8 +133,7 @@ def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
 
 
 def target_preset(shape: TargetShape, preset: str | None) -> str:
-    """``preset``, checked against the target's kind (a Qwen3 target takes a Qwen3-style draft,
-    any other a DSpark-MLA one); None: that kind's tiny preset."""
+    """``preset``, checked against the target's kind (Qwen3 or DSpark-MLA); None: its tiny one."""
     qwen3 = shape.model_type in QWEN3_MODEL_TYPES
     wanted = preset_architecture(QWEN3_PRESET if qwen3 else DEFAULT_PRESET).config_type
     if preset is None:
@@ -191,7 +187,8 @@ def synth_for_target(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> SynthSummary:
-    """Write a draft for ``target`` to ``output_dir``, complete or not at all."""
+    """Write a draft for ``target`` to ``output_dir``, complete or not at all (lm_head is the
+    target's, borrowed with ``--target``)."""
     shape = read_target_shape(target)
     preset = target_preset(shape, preset)
     output = Path(output_dir).resolve()
