@@ -91,8 +91,7 @@ def _comparable(key: str, value: Any) -> Any:
 
 
 def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
-    """Before any work: ``output`` must be absent, empty, or a capture with the same settings
-    (resumed); returns its record, or None."""
+    """``output`` absent, empty, or a capture with the same settings: its record, or None."""
     path = output / RECORD
     if path.is_file():
         try:
@@ -135,8 +134,7 @@ def present_files(
     output: Path, old: dict[str, Any] | None, layout: Layout, expected: dict[str, dict[str, str]]
 ) -> dict[str, str]:
     """``{file name: sha256}`` of the stream files in ``output``: each has the sha256 the old
-    record holds, or (written just before a run was killed, or by a qstream that did not
-    record sha256s) is one of this run's streams with the metadata it writes (``expected``)."""
+    record holds, or is one of this run's streams with the metadata it writes (``expected``)."""
     recorded = (old or {}).get("files", {})
     present = {}
     for path in sorted(output.iterdir(), key=lambda p: layout.stream_index(p.name)):

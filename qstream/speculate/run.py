@@ -127,10 +127,8 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         target = served[v.target].model  # the target this variant serves
         args = (s.new_tokens, mode, s.temperature, s.seed, progress)
         runs = decoded[v.name] = decode_prompts(target, draft, prompts, *args)
-        results["variants"][v.name] = {
-            **_variant_entry(v, changed),
-            "summary": summarise(runs, config.block_size),
-        }
+        summary = summarise(runs, config.block_size)
+        results["variants"][v.name] = _variant_entry(v, changed, summary)
         results["runs"][v.name] = [
             {"document": i, "prompt_tokens": len(p), "anchors": r.anchors,
              "accepted": r.accepted, "tokens": r.tokens}
@@ -146,11 +144,11 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     return results
 
 
-def _variant_entry(v: Variant, changed: list[str]) -> dict:
+def _variant_entry(v: Variant, changed: list[str], summary: dict) -> dict:
     served = v.configuration()  # recorded when not the default (docs/speculate.md)
     return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
             **({"configuration": served} if served != DEFAULTS else {}),
-            "quantized_tensors": changed}  # fmt: skip
+            "quantized_tensors": changed, "summary": summary}  # fmt: skip
 
 
 def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs,
