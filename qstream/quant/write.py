@@ -90,13 +90,10 @@ class Streaming:
     progress: Progress | None = None
 
 
-# Largest piece of a quantized weight: 4M elements is 8 MiB of bf16 input and 2-4 MiB of
-# output; the quantizers' float32 temporaries are per cache-sized chunk, not per piece.  Pieces
-# this large keep most weights whole, so NVFP4 needs no amax pre-pass for them.
+# Largest piece of a quantized weight (8 MiB of bf16): most weights stay whole, so NVFP4 needs
+# no amax pre-pass for them.
 PIECE_ELEMENTS = 1 << 22
-# Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
-# until released).
-COPY_BYTES = 8 << 20
+COPY_BYTES = 8 << 20  # pieces of the byte copies of untouched tensors
 
 R = TypeVar("R")  # what a piece's work returns
 
@@ -241,8 +238,6 @@ def write_tensors(
         if run.progress is not None:
             run.progress.advance(f"tensors {tensors_done}/{tensors_total}", piece.nbytes)
 
-    # Reading (page-table population), copying and writing happen on this thread in
-    # prepare / done, the quantizing on the workers: with one worker the two overlap.
     run_bounded(pieces(plan), work, run.workers, done, prepare)
     return {m: snr_db(*sums[m]) for m in quantized} if run.snr else {}
 

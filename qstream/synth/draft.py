@@ -60,12 +60,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
 
 
-# Every random draw and every statistic is float64, rounded to bf16 only when written: float32
-# draws and reductions follow the CPU's instruction set and thread count (torch's float32
-# ``normal_`` has an AVX2-only kernel; BLAS and reductions split work by thread), and a 1-ulp
-# float32 difference moves about one bf16 value in 40,000.  In float64 the differences left are
-# ~1e-16 relative, which reach a bf16 rounding boundary about once in 1e13 values, so the bytes
-# are the same on every x86-64 machine (docs/model.md, "Synthetic checkpoint layout").
+# Every draw and statistic is float64, rounded to bf16 only when written: float32 ones follow
+# the CPU's instruction set and thread count, float64's ~1e-16 differences reach a bf16 rounding
+# boundary about once in 1e13 values (docs/model.md, "Synthetic checkpoint layout").
 F64 = torch.float64
 
 

@@ -15,12 +15,9 @@ TARGET_TOP1 = 0.55  # the real U is not iid: measured top-1 on GSM8K lands ~0.07
 CALIBRATION_SAMPLES = 4096  # corpus transitions used to set the Markov scale (+-0.01 top-1)
 BIGRAM_FLOOR = 0.03  # best rank-16 top-1 accuracy on GSM8K among 1e-4 .. 0.1 (12.8%)
 DEGENERATE = 1e-9  # singular values closer than this (relative to the largest) are one eigenspace
-# bits kept below a factor column's largest entry (_flush): CPU noise (1e-14 of that entry) is
-# 1e-8 of a grid step, and entries under 2^-21 of it (noise-sized) become 0
-SNAP_BITS = 20
+SNAP_BITS = 20  # bits kept below a factor column's largest entry (_flush)
 U_STD = 1.5  # nats: per-vocab spread of the network logits U (as synth's lm_head gives it)
-# most calibration logits [samples, V] held at once (128 MB in float64): past a vocabulary of
-# 4,096 the calibration draws 2**24 // V transitions (341 at 49,152, 102 at 163,840)
+# most calibration logits [samples, V] held at once (128 MB in float64)
 CALIBRATION_LOGITS = 1 << 24
 F64 = torch.float64  # every statistic: the same bytes on every CPU (qstream/synth/draft.py)
 
