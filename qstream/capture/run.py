@@ -182,7 +182,6 @@ def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config:
 
 
 def run_capture(s: CaptureSettings, progress: Progress | None = None) -> CaptureSummary:
-    """Capture (or resume capturing) ``s.output``."""
     s = replace(s, dtype=s.dtype or default_dtype(s.device, s.device_map))
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")

@@ -211,7 +211,6 @@ def _equivalent_command(
     model_dir, output_dir, fmt: str, include, ignore, skip_incompatible: bool, snr: bool,
     tensor_parallel_size: int, serving: dict[str, str],
 ) -> str:  # fmt: skip
-    """The qstream-quantize command line that makes this output."""
     args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir)]
     args += ["--quant_format", fmt]
     if include:

@@ -51,7 +51,6 @@ def simulated_selection(
     skip_incompatible: bool,
     config: DraftConfig,
 ) -> Selection:
-    """The modules :func:`simulate_format` quantizes (and their fused groups)."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
     infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
     profile = profile_for(config.to_json())
