@@ -1,9 +1,6 @@
-"""A target as llama.cpp users have it, one ``.gguf`` file, made a transformers directory once
-(``qstream convert-gguf``; docs/capture.md, "A GGUF target"), which every command taking
-``--target`` then reads as any other, without dequantizing the file on every run.  transformers
-reads it with the ``gguf`` package and dequantizes it to float32; ``save_pretrained`` refuses
-such a model, so its tensors are saved from a fresh model of the same class and config, less
-the config's GGUF ``quantization_config``.
+"""One ``.gguf`` file made a transformers directory once (``qstream convert-gguf``;
+docs/capture.md, "A GGUF target").  ``save_pretrained`` refuses a model transformers read from
+GGUF, so its tensors are saved from a fresh model of the same class and config.
 """
 
 from __future__ import annotations
@@ -20,9 +17,8 @@ from qstream.publish import CONVERT_RECORD, check_target, publishing, write_json
 
 
 def convert_gguf(source: str | Path, output_dir: str | Path, overwrite: bool = False) -> Path:
-    """Write the model of ``source`` (:func:`~qstream.checkpoint.target.gguf_file`) and its
-    tokenizer to ``output_dir`` as a transformers directory (float32 safetensors) with
-    CONVERT_RECORD naming the file, complete or not at all."""
+    """``source``'s model and tokenizer as a float32 transformers directory with CONVERT_RECORD,
+    complete or not at all."""
     file = gguf_file(source)
     if file is None:
         raise QStreamError(f"{source}: neither a {GGUF} file nor a folder holding one")

@@ -39,8 +39,7 @@ def capture_record(
     target_format: str = DEFAULTS["target"],
     **settings,
 ) -> dict[str, Any]:
-    """capture.json's keys (docs/capture.md), ``settings`` being source, sampling, dtype and
-    max_tokens; a quantized ``target_format`` is recorded as the target's ``format``."""
+    """capture.json's keys (docs/capture.md); ``settings``: source, sampling, dtype, max_tokens."""
     served = {} if target_format == DEFAULTS["target"] else {"format": target_format}
     return {
         "layout": layout.name,
@@ -64,8 +63,7 @@ def write_batch(
     tap: LayerTap,
     metadata: list[dict[str, str]],
 ) -> None:
-    """Write stream ``streams[k]`` (token ids ``rows[k]``) from row k of the tapped batch, cut
-    to the row's length."""
+    """Stream ``streams[k]`` (token ids ``rows[k]``) from row k of the tapped batch."""
     assert layout.tensors is not None, f"capture does not export the {layout.name} layout"
     if layout.final_before_norm:
         aux, final = tap.layer_stack(), tap.pre_norm()  # [S, T, L, H], [S, T, H]
@@ -93,8 +91,7 @@ def _comparable(key: str, value: Any) -> Any:
 
 
 def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
-    """Before any work: ``output`` must be absent, empty, or a capture with the same settings
-    (resumed); returns its record, or None."""
+    """``output`` absent, empty, or a capture with the same settings: its record, or None."""
     path = output / RECORD
     if path.is_file():
         try:
@@ -126,7 +123,6 @@ def check_output(output: Path, record: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def start_output(output: Path, record: dict[str, Any]) -> None:
-    """Create ``output`` with its ``capture.json``."""
     try:
         output.mkdir(exist_ok=True)
     except OSError as exc:
@@ -138,8 +134,7 @@ def present_files(
     output: Path, old: dict[str, Any] | None, layout: Layout, expected: dict[str, dict[str, str]]
 ) -> dict[str, str]:
     """``{file name: sha256}`` of the stream files in ``output``: each has the sha256 the old
-    record holds, or (written just before a run was killed, or by a qstream that did not
-    record sha256s) is one of this run's streams with the metadata it writes (``expected``)."""
+    record holds, or is one of this run's streams with the metadata it writes (``expected``)."""
     recorded = (old or {}).get("files", {})
     present = {}
     for path in sorted(output.iterdir(), key=lambda p: layout.stream_index(p.name)):
@@ -174,7 +169,6 @@ def present_files(
 
 
 def record_streams(output: Path, record: dict[str, Any], names: list[str]) -> None:
-    """Add the sha256 of the stream files ``names`` to ``record`` and replace capture.json."""
     files = record.setdefault("files", {})
     for name in names:
         files[name] = sha256_file(output / name)

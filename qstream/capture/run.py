@@ -1,9 +1,7 @@
-"""``qstream capture`` as a library call (docs/capture.md): check everything, load the target,
-then run it over the streams a batch at a time (grouped by length, right-padded, the padded
-positions' states discarded), writing each stream's file as its batch completes.  The streams
-are the corpus as written, or with ``--generate`` each document's first tokens (or its first
-line through the chat template) continued by the target's own samples, drawn with eval-drift's
-sampling functions (``qstream.arch.markov``) and seeded per stream.
+"""``qstream capture`` as a library call (docs/capture.md): the target run over the streams a
+batch at a time (grouped by length, right-padded), each stream's file written as its batch
+completes.  The streams are the corpus, or with ``--generate`` each document's first tokens
+continued by the target's own samples (eval-drift's ``qstream.arch.markov`` sampling).
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from qstream.arch.interface import DraftConfig
 from qstream.arch.markov import sample, sampling_probs
@@ -96,7 +95,6 @@ def chat_prompts(tokenizer: Any, questions: list[str]) -> list[list[int]]:
 
 
 def stream_seed(seed: int, index: int) -> int:
-    """Each stream's own seed: its sample does not depend on which others ran."""
     return (seed * 1_000_003 + index) % 2**64  # torch's generators take 0 .. 2**64 - 1
 
 
@@ -109,9 +107,8 @@ def generate(
     index: int,
     eos: int | None,
 ) -> list[int]:
-    """``prompt`` continued by the target's own samples (with its KV cache): ``sample`` of
-    ``sampling_probs`` with an Exp(1) race from the stream's generator, stopping after
-    ``new_tokens`` or at ``eos`` (kept)."""
+    """``prompt`` continued by the target's own samples (with its KV cache), an Exp(1) race from
+    the stream's generator, stopping after ``new_tokens`` or at ``eos`` (kept)."""
     gen = torch.Generator().manual_seed(stream_seed(sampling.seed, index))
     ids, cache = list(prompt), cache_keyword(model)
     out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
@@ -160,7 +157,6 @@ class CaptureSummary:
 
 
 def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config: DraftConfig):
-    """``(document, ids)`` of every selected stream, before generation."""
     if s.apply_chat_template:
         first_lines = [t.partition("\n")[0] for t in docs.texts]  # GSM8K questions
         encoded = chat_prompts(target.tokenizer, first_lines)
@@ -186,7 +182,6 @@ def _prompts(s: CaptureSettings, target: LoadedTarget, docs: CorpusDocs, config:
 
 
 def run_capture(s: CaptureSettings, progress: Progress | None = None) -> CaptureSummary:
-    """Capture (or resume capturing) ``s.output``; returns what was written."""
     s = replace(s, dtype=s.dtype or default_dtype(s.device, s.device_map))
     if s.dtype not in DTYPES:
         raise QStreamError(f"--dtype {s.dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -243,7 +238,7 @@ def _capture(
     progress: Progress | None,
 ) -> int:
     """Generate (if asked) and capture the streams ``todo``, a batch at a time in order of
-    length (a batch pads little), recording each batch's files in ``capture.json``."""
+    length (a batch pads little)."""
     eos = target.tokenizer.eos_token_id
     layers, norm = decoder_parts(target.model)
     tokens = 0
@@ -259,12 +254,8 @@ def _capture(
         else:
             rows = prompts
         # one teacher-forced forward of the base model over right-padded rows (no lm_head)
-        width = max(len(r) for r in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.int64)
-        mask = torch.zeros(len(rows), width, dtype=torch.int64)
-        for k, r in enumerate(rows):
-            input_ids[k, : len(r)] = torch.tensor(r)
-            mask[k, : len(r)] = 1
+        input_ids = pad_sequence([torch.tensor(r, dtype=torch.int64) for r in rows], True)
+        mask = pad_sequence([torch.ones(len(r), dtype=torch.int64) for r in rows], True)
         with torch.no_grad(), LayerTap(layers, norm, ids) as tap:
             target.model.model(
                 input_ids=input_ids.to(target.device),

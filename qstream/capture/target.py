@@ -1,7 +1,5 @@
-"""Loading a Hugging Face target for capture, checking the draft against it, and tapping exactly
-the layers a draft reads (docs/capture.md): the ``target_layer_ids`` layers' outputs and the final
-norm's input and output, never all N+1 hidden states.  Everything is read from local files
-(``local_files_only``); code shipped with a checkpoint runs only with ``trust_remote_code``.
+"""Loading a Hugging Face target from local files, checking the draft against it, and tapping
+exactly the layers a draft reads (docs/capture.md), never all N+1 hidden states.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ def default_dtype(device: str, device_map: str | None = None) -> str:
 
 
 def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
-    """One line naming the first float tensor holding NaN or Inf, checked in chunks (a large
-    target needs little extra memory)."""
+    """One line naming the first float tensor holding NaN or Inf, checked in chunks."""
     for name, t in tensors:
         flat = t.detach().reshape(-1)
         if t.is_floating_point() and t.device.type != "meta":
@@ -62,7 +59,6 @@ def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> None
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """transformers' loading bar and load report left out."""
     from transformers.utils import logging
 
     verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
@@ -77,8 +73,7 @@ def _quiet() -> Iterator[None]:
 
 
 def check_remote_code(target: str | Path, trust_remote_code: bool) -> None:
-    """A config naming a model_type transformers does not know needs ``--trust-remote-code``:
-    one line, not a traceback from inside transformers."""
+    """A model_type transformers does not know needs ``--trust-remote-code``."""
     if trust_remote_code:
         return
     from transformers import CONFIG_MAPPING
@@ -94,8 +89,8 @@ def check_remote_code(target: str | Path, trust_remote_code: bool) -> None:
 
 
 def _check_loaded(target: str | Path, model: Any, info: dict) -> None:
-    """Every tensor the model has, read from the checkpoint with its shape, and no other (else
-    transformers fills a missing one with random values), and all finite."""
+    """Every tensor of the model read with its shape, no other (transformers fills a missing one
+    with random values), all finite."""
     where = next((n for n in WEIGHT_FILES if (Path(target) / n).is_file()), "its weights")
     name = type(model).__name__
     problems = [f"{where} is missing tensor {key} of {name}" for key in info["missing_keys"]]
@@ -119,8 +114,7 @@ def load_target(
     device_map: str | None = None,
     trust_remote_code: bool = False,
 ) -> LoadedTarget:
-    """The target model (eval mode, no gradients) and its tokenizer, from local files; a
-    checkpoint that does not fill the model exactly, or holds NaN or Inf, is refused."""
+    """The target model (eval mode, no gradients) and its tokenizer, from local files."""
     check_remote_code(target, trust_remote_code)
     if not any(next(Path(target).glob(pattern), None) for pattern in TOKENIZER_FILES):
         raise QStreamError(f"--target {target}: no tokenizer.json (nor vocab.*, *.model): "
@@ -155,8 +149,7 @@ def load_target(
 
 
 def decoder_parts(model: Any) -> tuple[Any, Any]:
-    """``(decoder layers, final norm)`` of a Llama- or DeepSeek-V3-style causal LM
-    (``model.model.layers``, ``model.model.norm``); a one-line error for other layouts."""
+    """``(model.model.layers, model.model.norm)`` of a Llama- or DeepSeek-V3-style causal LM."""
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     norm = getattr(base, "norm", None)
@@ -170,8 +163,7 @@ def decoder_parts(model: Any) -> tuple[Any, Any]:
 
 
 def cache_keyword(model: Any) -> str:
-    """The keyword of a causal LM's KV cache: ``cache`` in transformers 5, else
-    ``past_key_values``."""
+    """``cache`` in transformers 5, else ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -192,7 +184,7 @@ def layer_output_ids(ids: list[int], convention: str, depth: int) -> tuple[int, 
 
 
 def check_draft(config: DraftConfig, target: TargetShape, layer_ids: tuple[int, ...]) -> None:
-    """The draft must fit the target: one line naming the first mismatch (docs/capture.md)."""
+    """The draft must fit the target (docs/capture.md)."""
     depth, captured = target.num_hidden_layers, config.num_target_layers
     checks = (
         ("target_hidden_size", config.target_hidden_size, "hidden_size", target.hidden_size),
@@ -215,11 +207,6 @@ def check_draft(config: DraftConfig, target: TargetShape, layer_ids: tuple[int, 
             )
 
 
-def _hidden(output: Any) -> torch.Tensor:
-    """A decoder layer returns its hidden states, or a tuple whose first item they are."""
-    return output[0] if isinstance(output, tuple) else output
-
-
 class LayerTap:
     """Hooks that keep, per forward, the outputs of ``layers[j]`` for ``j in ids`` and the final
     norm's input and output, moved to the CPU as they come (a ``--device-map`` spread over
@@ -227,15 +214,23 @@ class LayerTap:
 
     def __init__(self, layers: Any, norm: Any, ids: tuple[int, ...]):
         self.layers, self.norm, self.ids = layers, norm, ids
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.norm_in: torch.Tensor | None = None
-        self.norm_out: torch.Tensor | None = None
+        self.outputs: dict[Any, torch.Tensor] = {}  # layer j's; "in" / "out": the final norm's
         self.handles: list[Any] = []
 
     def __enter__(self) -> LayerTap:
+        def keep(key: Any):
+            def hook(module, args, output):  # noqa: ARG001 - torch hook signature
+                # a decoder layer returns its hidden states, or a tuple whose first item they are
+                hidden = output[0] if isinstance(output, tuple) else output
+                self.outputs[key] = hidden.detach().to("cpu")
+                if key == "out":
+                    self.outputs["in"] = args[0].detach().to("cpu")
+
+            return hook
+
         for j in dict.fromkeys(self.ids):
-            self.handles.append(self.layers[j].register_forward_hook(self._layer_hook(j)))
-        self.handles.append(self.norm.register_forward_hook(self._norm_hook))
+            self.handles.append(self.layers[j].register_forward_hook(keep(j)))
+        self.handles.append(self.norm.register_forward_hook(keep("out")))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -243,31 +238,20 @@ class LayerTap:
             handle.remove()
         self.handles = []
 
-    def _layer_hook(self, j: int):
-        def hook(module, args, output):  # noqa: ARG001 - torch hook signature
-            self.outputs[j] = _hidden(output).detach().to("cpu")
-
-        return hook
-
-    def _norm_hook(self, module, args, output):  # noqa: ARG002 - torch hook signature
-        self.norm_in = args[0].detach().to("cpu")
-        self.norm_out = _hidden(output).detach().to("cpu")
+    def _get(self, key: Any) -> torch.Tensor:
+        if key not in self.outputs:
+            what = "the final norm" if key in ("in", "out") else f"decoder layer {key}"
+            raise RuntimeError(f"{what} did not run during the forward")
+        return self.outputs[key]
 
     def aux(self) -> torch.Tensor:
-        missing = [j for j in self.ids if j not in self.outputs]
-        if missing:
-            raise RuntimeError(f"decoder layer {missing[0]} did not run during the forward")
-        return torch.cat([self.outputs[j] for j in self.ids], dim=-1)  # [S, T, L·H]
+        return torch.cat([self._get(j) for j in self.ids], dim=-1)  # [S, T, L·H]
 
     def final(self) -> torch.Tensor:
-        if self.norm_out is None:
-            raise RuntimeError("the final norm did not run during the forward")
-        return self.norm_out  # [S, T, H]
+        return self._get("out")  # [S, T, H]
 
     def pre_norm(self) -> torch.Tensor:
-        if self.norm_in is None:
-            raise RuntimeError("the final norm did not run during the forward")
-        return self.norm_in  # [S, T, H]
+        return self._get("in")  # [S, T, H]
 
     def layer_stack(self) -> torch.Tensor:
         """``[S, T, L, H]``: the layers' outputs stacked in ids order (vLLM's layout)."""

@@ -1,10 +1,7 @@
-"""The target served quantized (docs/capture.md, "A quantized target"): every ``nn.Linear`` of
-its decoder layers gets the weight its checkpoint stores quantized and dequantized in a weight
-format, with qstream's format math (qstream/formats/, bit-identical to compressed-tensors), as
-loading an llm-compressor checkpoint of that format into vLLM gives it.  The embeddings and
-lm_head stay as stored (llm-compressor's recipes ignore lm_head; an embedding is no Linear), and
-NVFP4 projections that vLLM fuses (q/k/v, gate/up, q_a/kv_a) share one global scale
-(``qstream.vllm.profiles.fused_groups``, the generic profile).
+"""The target served quantized (docs/capture.md, "A quantized target"): every decoder
+``nn.Linear`` gets its stored weight quantized and dequantized (qstream/formats/), as vLLM
+loads an llm-compressor checkpoint of that format; lm_head and the embeddings stay as stored,
+and fused NVFP4 projections share one global scale (``qstream.vllm.profiles.fused_groups``).
 """
 
 from __future__ import annotations
@@ -33,10 +30,8 @@ def check_target_format(fmt: str, option: str) -> None:
 
 @torch.no_grad()
 def simulate_target(model: Any, target: str | Path, fmt: str) -> list[str]:
-    """Put into ``model`` (loaded from ``target``) each decoder Linear's stored weight quantized
-    to ``fmt`` and dequantized in the stored dtype, then cast to the model's; returns the modules
-    changed.  A weight the format cannot hold (K not a multiple of its block, not a float) is a
-    QStreamError naming the tensor."""
+    """Put into ``model`` each decoder Linear's stored weight quantized to ``fmt`` and dequantized
+    in the stored dtype; returns the modules changed."""
     layers, _ = decoder_parts(model)
     prefix = next(name for name, module in model.named_modules() if module is layers) + "."
     # a module transformers does not build as a Linear (transformers 5's fused MoE experts) is

@@ -106,8 +106,7 @@ def dequantize_blocks(
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Packed bytes ``[N, K/2]`` decoded in ``compute_dtype``, times one ``step`` per block
-    (``[N, K/block]``), rounded to ``dtype``, in cache-sized row chunks (three times faster than
-    one pass at K3 shapes, the same values)."""
+    (``[N, K/block]``), rounded to ``dtype``, in cache-sized row chunks."""
     n, k = packed.shape[0], packed.shape[1] * 2
     out = torch.empty((n, k), dtype=dtype, device=packed.device)
     for rows in row_chunks(n, k):
@@ -128,11 +127,9 @@ def encode_blocks(
     exact: bool = False,
 ) -> torch.Tensor:
     """The 4-bit quantizers' loop: ``w [N, K]`` with one float32 ``divisor`` per block
-    (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``, chunk by chunk.  Elements are
-    ``|w| / divisor`` in float32, as compressed-tensors divides, or ``|w| * inverse`` where that
-    is exact (MXFP4's powers of two).  ``energy`` gets each chunk's SNR sums with ``w_hat =
-    +-E2M1 * step`` (default ``divisor``) rounded to ``w.dtype``, as ``dequantize`` returns;
-    ``exact``: every such product is a ``w.dtype`` value, so the rounding is skipped."""
+    (``[N, K/block, 1]``) -> packed E2M1 bytes in ``out [N, K/2]``: ``|w| / divisor`` as
+    compressed-tensors divides, or ``|w| * inverse`` where exact.  ``energy`` gets the SNR sums
+    with ``w_hat = +-E2M1 * step`` (``exact``: already a ``w.dtype`` value)."""
     n, k = w.shape
     step = divisor if step is None else step
     hat_dtype = None if energy is None else torch.float32 if exact else w.dtype
@@ -161,8 +158,7 @@ _SCALE_DTYPES = {"U8": "torch.uint8", "F8_E4M3": "torch.float8_e4m3fn"}  # safet
 
 
 def fp4_format(name: str, block: int, strategy: str, scale: str, **facts) -> Format:
-    """A 4-bit :class:`Format`: two E2M1 codes per byte, one ``scale`` (safetensors dtype) per
-    ``block`` along K, and with a ``global_scale`` in ``facts`` one float32 per tensor."""
+    """A 4-bit :class:`Format`: two E2M1 codes per byte, one ``scale`` per ``block`` along K."""
     stored: dict[str, str | None] = {"weight_packed": "U8", "weight_scale": scale}
     if facts.get("global_scale"):
         stored[facts["global_scale"]] = "F32"

@@ -1,10 +1,7 @@
 """What a weight format is (docs/formats.md): the spec constants, the :class:`Format` object
-(its facts and its quantize / dequantize; code outside ``formats/`` asks it, never compares the
-name), and the input checks and cache-sized row chunking the quantizers share.
-
-Spec sources: OCP Microscaling Formats (MX) v1.0 (E2M1 element, E8M0 scale, block 32); NVIDIA's
-NVFP4 (E4M3 block scale over 16 elements, FP32 per-tensor scale); float8_e4m3fn (max 448).  The
-rounding and scale arithmetic follow compressed-tensors, which vLLM loads these with.
+(code outside ``formats/`` asks it, never compares the name), and the checks and cache-sized row
+chunking the quantizers share.  Spec sources: OCP Microscaling Formats (MX) v1.0; NVIDIA's NVFP4;
+float8_e4m3fn.  The arithmetic follows compressed-tensors, which vLLM loads these with.
 """
 
 from __future__ import annotations
@@ -77,16 +74,14 @@ class Format:
         global_amax: torch.Tensor | None = None,
         energy: Energy | None = None,
     ) -> Stored:
-        """One ``[N, K]`` weight -> the stored tensors by suffix.  ``global_amax``: a fused
-        group's shared amax; ``energy`` accumulates ``snr_sums(w, self.dequantize(stored))``
-        without that second pass."""
+        """One ``[N, K]`` weight -> the stored tensors by suffix; ``energy`` accumulates
+        ``snr_sums(w, self.dequantize(stored))`` without that second pass."""
         if w.numel() == 0:
             raise ValueError(f"{name}: shape {list(w.shape)} has no elements; nothing to quantize")
         return dict(zip(self.stored, self.encode(w, name, global_amax, energy)))
 
     def dequantize(self, stored: Stored, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """Stored tensors -> the weight: FP8 in its scale's dtype, the 4-bit formats in ``dtype``,
-        as compressed-tensors does."""
+        """The weight: FP8 in its scale's dtype, the 4-bit formats in ``dtype``."""
         return self.decode(stored, dtype)
 
     def stored_shapes(self, n: int, k: int) -> dict[str, tuple[int, ...]]:
@@ -102,8 +97,7 @@ class Format:
         return FLOAT_DTYPE_NAMES if dtype is None else (dtype,)
 
     def marks_quantized(self, suffix: str, dtype: str) -> bool:
-        """The codes show a module is quantized; codes named plain ``weight`` only in their
-        stored dtype."""
+        """The codes show a module is quantized (plain ``weight`` only in its stored dtype)."""
         codes = self.stored[0]
         return suffix == codes and (codes != "weight" or dtype in self.accepted_dtypes(codes))
 
@@ -154,9 +148,8 @@ def abs_max(w: torch.Tensor) -> torch.Tensor:
 
 
 def all_block_abs_max(w: torch.Tensor, block: int, name: str) -> torch.Tensor:
-    """:func:`block_abs_max` of a 2-D weight ``[N, K/block]``, chunk by chunk, checked finite.
-    16-bit magnitudes are widened to int32 first (the same order): torch's CPU max over a block
-    of int16 is not vectorized, over int32 it is."""
+    """:func:`block_abs_max` of a 2-D weight ``[N, K/block]``, chunk by chunk, checked finite;
+    on int32 (torch's CPU max over int16 is not vectorized)."""
     int_dtype, mask = _MAGNITUDE[w.dtype]
     n, k = w.shape
     bits = w.contiguous().view(int_dtype)
@@ -181,9 +174,8 @@ def row_chunks(n_rows: int, row_elements: int) -> Iterator[slice]:
 
 
 class ChunkWorkspace:
-    """One chunk's buffers, allocated once per weight (a fresh 1 MiB temporary per step costs
-    more in page faults than the arithmetic): float32 copy, magnitude, int32 scratch, and with
-    ``hat_dtype`` the rounded values and the dequantized chunk, for the weight SNR."""
+    """One chunk's buffers, allocated once per weight (fresh temporaries cost more in page faults
+    than the arithmetic); with ``hat_dtype``, those of the weight SNR too."""
 
     def __init__(
         self, rows: int, k: int, device: torch.device, hat_dtype: torch.dtype | None = None

@@ -31,9 +31,7 @@ def amax_scale(amax: torch.Tensor) -> torch.Tensor:
 def quantize(
     w: torch.Tensor, name: str = "weight", energy: Energy | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` -> ``(weight float8_e4m3fn [N, K], weight_scale w.dtype [N, 1])``;
-    ``energy`` accumulates the weight SNR sums against :func:`dequantize`'s ``q * scale``,
-    chunk by chunk while the chunk is in cache."""
+    """``w [N, K]`` -> ``(weight float8_e4m3fn [N, K], weight_scale w.dtype [N, 1])``."""
     check_weight(w, name)
     n, k = w.shape
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
@@ -53,13 +51,9 @@ def quantize(
 
 
 def _add_energy(energy: Energy, chunk, codes, s, work: ChunkWorkspace, rows: slice) -> None:
-    """The SNR sums of one chunk in magnitudes (w_hat has w's sign or is 0), from the codes just
-    stored: ``|w_hat| = dtype(|fp8| * s)``, which is :func:`dequantize`'s value, since a 4-bit
-    by 11-bit product is exact in float32 and is then rounded once to the dtype.
-
-    For a 16-bit weight, the code bits shifted into the dtype read as ``|fp8| * 2**-p``; times
-    ``s * 2**p`` (exact), torch multiplies in float32 and rounds once, as dequantize does: one
-    pass over 16-bit data, unless ``s * 2**p`` overflows the dtype (a bf16 scale >= 2**8)."""
+    """The SNR sums of one chunk in magnitudes, from the codes just stored: ``|w_hat| =
+    dtype(|fp8| * s)``, :func:`dequantize`'s value.  For a 16-bit weight the code bits shifted
+    into the dtype read as ``|fp8| * 2**-p``, times ``s * 2**p`` unless that overflows."""
     x, _, scratch = work.take(rows)
     torch.abs(x.copy_(chunk), out=x)
     _, hat = work.take_hat(rows)

@@ -1,7 +1,5 @@
 """Weight SNR (docs/formats.md): ``10 log10(sum w^2 / sum (w - w_hat)^2)`` in float64, from two
-tensors or accumulated by a quantizer given an :class:`Energy` while each chunk is in cache,
-``w_hat`` computed as ``dequantize`` computes it (tests/test_formats_properties.py checks that
-the two agree).
+tensors or accumulated by a quantizer in an :class:`Energy` while each chunk is in cache.
 """
 
 from __future__ import annotations
@@ -45,9 +43,7 @@ class Energy:
 
     def add(self, w: torch.Tensor, x: torch.Tensor, w_hat: torch.Tensor, hat: torch.Tensor):
         """Add one chunk of rows ``w``: float32 ``x`` (``w``, or ``|w|``) and float32 ``w_hat``
-        (or ``|w_hat|``) before dequantize rounds it to the dtype of ``hat`` (a buffer of the
-        chunk's shape); ``x`` and ``w_hat`` are overwritten.  A float32 weight's error is taken
-        in float64, its squares summed slice by slice."""
+        before dequantize rounds it to ``hat``'s dtype; ``x`` and ``w_hat`` are overwritten."""
         if hat.dtype in SHORT:
             return self.add_rounded(w, x, hat.copy_(w_hat), w_hat)
         error = _buffer("f64", x.numel(), torch.float64, self.device).view(x.shape)
@@ -64,10 +60,8 @@ class Energy:
         self.noise += torch.vdot(error.view(-1), error.view(-1)).item()
 
     def add_rounded(self, w: torch.Tensor, x: torch.Tensor, hat: torch.Tensor, error: torch.Tensor):
-        """Add one chunk of rows ``w`` (a ``SHORT`` dtype): ``hat`` its dequantized values in
-        its dtype (or in float32 where they are exact), ``x`` in float32 (or both as
-        magnitudes); the error ``hat - x``, exact in float32, goes through ``error`` (float32,
-        not ``hat``), and ``x`` is overwritten too."""
+        """Add one chunk of rows ``w`` (a ``SHORT`` dtype): ``hat`` its dequantized values, ``x``
+        in float32; the exact error ``hat - x`` goes through float32 ``error``."""
         noise = row_square_sums(_difference(hat, x, error))
         if noise is None:
             noise = _square_sum64(_difference(hat, x, error))
@@ -80,8 +74,7 @@ class Energy:
 
 
 def _difference(hat: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
-    """``hat - x`` into float32 ``error`` (a mixed-dtype subtraction is slower than a copy and a
-    subtraction)."""
+    """``hat - x`` into float32 ``error`` (faster than a mixed-dtype subtraction)."""
     if hat.dtype == error.dtype:
         return torch.sub(hat, x, out=error)
     return error.copy_(hat).sub_(x)
@@ -94,12 +87,8 @@ FLOAT32_SAFE = (2.0**-60, 2.0**120)
 
 def row_square_sums(t: torch.Tensor) -> float | None:
     """``sum t^2`` of a float32 chunk ``[rows, K]``, squared in place: float32 within each row
-    (torch's cascaded reduction, as ``torch.linalg.vecdot`` sums; every term is non-negative,
-    so there is no cancellation and the relative error stays within a few float32 ulps for any
-    K met in practice), float64 across rows: three times cheaper than float64 throughout
-    (docs/formats.md).  None for a chunk whose float32 sums overflow, or are so small that
-    squares below float32's range (|w| under ~1e-19) could matter: sum it with
-    :func:`_square_sum64`."""
+    (non-negative terms: a few ulps), float64 across rows (docs/formats.md).  None where the
+    float32 sums overflow or underflow could matter: sum it with :func:`_square_sum64`."""
     total = t.mul_(t).sum(-1).sum(dtype=torch.float64).item()
     return total if FLOAT32_SAFE[0] <= total <= FLOAT32_SAFE[1] else None
 
@@ -134,5 +123,4 @@ def snr_db(signal: float, noise: float) -> float:
 
 
 def weight_snr_db(w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    """docs/formats.md's weight SNR in dB."""
     return snr_db(*snr_sums(w, w_hat))

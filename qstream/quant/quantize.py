@@ -1,6 +1,5 @@
 """``quantize_checkpoint``: a safetensors checkpoint in, an FP8 / MXFP4 / NVFP4 checkpoint in
-the compressed-tensors layout out (docs/quantize.md), with no model class.  The run is planned
-whole (:class:`~qstream.quant.write.Plan`) before :mod:`qstream.quant.write` writes a byte.
+the compressed-tensors layout out (docs/quantize.md), planned whole before a byte is written.
 """
 
 from __future__ import annotations
@@ -23,12 +22,11 @@ from qstream.errors import QStreamError
 from qstream.formats import QUANTIZED_SUFFIXES, get_format
 from qstream.progress import Progress
 from qstream.publish import check_outside, check_target
-from qstream.quant.schemes import command_options, serving_record, serving_schemes
+from qstream.quant.schemes import serving_record, serving_schemes
 from qstream.quant.select import Selection, select_modules, weight_modules
 from qstream.quant.write import Plan, Streaming, make_plan, write_checkpoint
 from qstream.vllm.profiles import (
     head_problem,
-    head_targets,
     ignore_entries,
     layer_specific_warning,
     profile_for,
@@ -40,8 +38,6 @@ from qstream.vllm.shapes import d2t_problems, shape_problems
 
 @dataclass(frozen=True)
 class QuantizeSummary:
-    """What a run did (or, with ``dry_run``, would do)."""
-
     model_dir: str
     output_dir: str
     quant_format: str
@@ -105,11 +101,9 @@ def quantize_checkpoint(
     kv_cache_scheme: str | None = None,
     calibration: Any = None,
 ) -> QuantizeSummary:
-    """Write ``output_dir``: ``model_dir`` with the selected Linear weights quantized to ``fmt``
-    (docs/quantize.md), selected under config.json's serving profile at
-    ``tensor_parallel_size`` (docs/vllm.md).  ``calibration``: a Calibration, or a callable run
-    once the options are checked.  Published atomically (docs/guarantees.md); any problem is a
-    QStreamError raised before anything is written."""
+    """``model_dir`` with the selected Linear weights quantized to ``fmt`` (docs/quantize.md;
+    the selection: docs/vllm.md), published atomically (docs/guarantees.md).  ``calibration``: a
+    Calibration, or a callable run once the options are checked."""
     started = time.perf_counter()
     spec = get_format(fmt)
     workers = default_workers() if workers is None else workers
@@ -120,7 +114,7 @@ def quantize_checkpoint(
         checkpoint, fmt, include, ignore, skip_incompatible, tensor_parallel_size
     )
     serving = serving_schemes(checkpoint, fmt, selection, activations, kv_cache_scheme, calibration)
-    plan = _make_plan(checkpoint, selection, spec, entries, serving)
+    plan = make_plan(checkpoint, selection, spec, entries, serving)
     summary = _plan_summary(
         plan, warnings, dry_run=dry_run, quant_format=fmt, model_dir=str(model_path),
         output_dir=str(output_path), workers=workers, tensor_parallel_size=tensor_parallel_size,
@@ -128,23 +122,17 @@ def quantize_checkpoint(
     )  # fmt: skip
     if dry_run:
         return summary
+    options = serving_record(serving, command=True)
     command = _equivalent_command(model_dir, output_dir, fmt, include, ignore, skip_incompatible,
-                                  snr, tensor_parallel_size, command_options(serving))  # fmt: skip
+                                  snr, tensor_parallel_size, options)  # fmt: skip
     record = partial(_record, summary, command)
     with _one_intra_op_thread():
         snr_db = write_checkpoint(plan, output_path, overwrite=overwrite, run=run, record=record)
     return replace(summary, weight_snr_db=snr_db, seconds=time.perf_counter() - started)
 
 
-def _make_plan(checkpoint: Checkpoint, selection: Selection, spec, entries, serving) -> Plan:
-    profile = profile_for(checkpoint.config)
-    targets = ("Linear", *head_targets(profile, selection.quantized))
-    return make_plan(checkpoint, selection, spec, entries, targets, serving)
-
-
 def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) -> dict:
-    """The head of the run's record; run-dependent fields (time, workers) are left out: the same
-    input and command give the same output bytes."""
+    """The head of the run's record, without the run-dependent time and workers."""
     recorded = replace(summary, weight_snr_db=snr_db).to_json()
     return {
         "qstream_version": qstream.__version__,
@@ -155,8 +143,7 @@ def _record(summary: QuantizeSummary, command: str, snr_db: dict[str, float]) ->
 
 @contextmanager
 def _one_intra_op_thread() -> Iterator[None]:
-    """One torch intra-op thread per worker: on a busy machine, intra-op barriers cost far more
-    than they gain on small pieces."""
+    """One torch intra-op thread per worker: intra-op barriers cost more than they gain."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -166,7 +153,6 @@ def _one_intra_op_thread() -> Iterator[None]:
 
 
 def _plan_summary(plan: Plan, warnings: list[str], **settings: Any) -> QuantizeSummary:
-    """What the run will do; ``settings``: the other QuantizeSummary fields."""
     checkpoint, selection = plan.checkpoint, plan.selection
     return QuantizeSummary(
         params_total=sum(i.numel for i in checkpoint.tensors.values()),
@@ -194,8 +180,8 @@ def default_workers() -> int:
 def _select(
     checkpoint: Checkpoint, fmt: str, include, ignore, skip_incompatible: bool, tp_size: int
 ) -> tuple[Selection, list[str], list[str]]:
-    """The selection, the ``ignore`` entries that make vLLM's matcher resolve it, and warnings
-    about how vLLM will read them (docs/vllm.md)."""
+    """The selection, the ``ignore`` entries vLLM's matcher resolves it with, and warnings
+    (docs/vllm.md)."""
     if tp_size < 1:
         raise QStreamError(f"--tensor-parallel-size {tp_size}: must be at least 1")
     profile = profile_for(checkpoint.config)
@@ -225,7 +211,6 @@ def _equivalent_command(
     model_dir, output_dir, fmt: str, include, ignore, skip_incompatible: bool, snr: bool,
     tensor_parallel_size: int, serving: dict[str, str],
 ) -> str:  # fmt: skip
-    """The qstream-quantize command line that makes this output (recorded for model cards)."""
     args = ["qstream-quantize", "--model_dir", str(model_dir), "--output_dir", str(output_dir)]
     args += ["--quant_format", fmt]
     if include:
@@ -263,9 +248,8 @@ def _check_device(device: str, workers: int) -> torch.device:
 
 
 def _check_against_config(checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint``, unless its tensors differ from what config.json implies under its serving
-    profile (docs/quantize.md, "Tensors checked against the config"): a QStreamError naming the
-    first problem.  verify checks outputs against the same table."""
+    """``checkpoint``, unless its tensors differ from what config.json implies (docs/quantize.md,
+    "Tensors checked against the config")."""
     stored = {name: tuple(info.shape) for name, info in checkpoint.tensors.items()}
     problems = shape_problems(profile_for(checkpoint.config), checkpoint.config, stored)
     problems = problems or d2t_problems(checkpoint)

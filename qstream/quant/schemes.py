@@ -1,12 +1,8 @@
 """The activation and KV-cache schemes a checkpoint declares beyond its weights, and the
-calibrated scales a static one stores (docs/quantize.md, "Activation and KV-cache schemes"):
-``input_scale`` (FP8 static) or ``input_global_scale`` (NVFP4 W4A4) per quantized linear,
-``k_scale`` / ``v_scale`` per attention layer, from a ``qstream.calibration.Calibration``'s amax.
-
-The formulas and dtypes are compressed-tensors' (checked bit for bit in
-tests/test_quantize_schemes.py): ``calculate_qparams`` (``amax / 448`` in the observed dtype, a
-zero scale becoming that dtype's eps) and ``generate_gparam`` (``448 * 6 / amax``, float32), on
-an amax in the weight dtype (``initialize_qparams``; both shape [1]).
+calibrated scales a static one stores (docs/quantize.md, "Activation and KV-cache schemes").
+The formulas are compressed-tensors' (tests/test_quantize_schemes.py): ``calculate_qparams``
+(``amax / 448``) and ``generate_gparam`` (``448 * 6 / amax``, float32), on an amax in the
+weight dtype (``initialize_qparams``; both shape [1]).
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ NEEDS_CALIBRATION = (
 @dataclass(frozen=True)
 class Serving:
     """How inputs and KV cache are served, and the scales to store, keyed by the tensor each
-    is written after (a linear's weight; an attention layer's last tensor)."""
+    is written after."""
 
     activations: Activations = ACTIVATIONS["none"]
     kv_cache: str | None = None
@@ -77,8 +73,8 @@ def serving_schemes(
     kv_cache_scheme: str | None,
     calibration: Any,
 ) -> Serving:
-    """The schemes and their scales, checked before anything is written.  ``calibration``: a
-    Calibration, a callable that runs one (called once the options need it), or None."""
+    """The schemes and their scales.  ``calibration``: a Calibration, a callable that runs one
+    (called once the options need it), or None."""
     if activations not in ACTIVATIONS:
         raise QStreamError(f"--activations {activations!r}: choose one of {', '.join(ACTIVATIONS)}")
     act = ACTIVATIONS[activations]
@@ -139,26 +135,18 @@ def _kv_scales(checkpoint: Checkpoint, calibration: Any) -> dict[str, dict]:
     return scales
 
 
-def serving_options(serving: Serving) -> dict[str, str]:
-    """The options that declared ``serving`` (none for weight-only)."""
-    options = {}
+def serving_record(serving: Serving, command: bool = False) -> dict:
+    """The options that declared ``serving`` (none for weight-only), with the calibration's
+    source (``command``: its own options instead, as the equivalent command gives them)."""
+    record: dict[str, Any] = {}
     if serving.activations.vllm_scheme is not None:
-        options["activations"] = serving.activations.name
+        record["activations"] = serving.activations.name
     if serving.kv_cache is not None:
-        options["kv_cache_scheme"] = serving.kv_cache
-    return options
-
-
-def command_options(serving: Serving) -> dict[str, str]:
-    """:func:`serving_options` and the calibration's own (as its source records them)."""
-    options = serving_options(serving)
+        record["kv_cache_scheme"] = serving.kv_cache
     if serving.scales and serving.calibration is not None:
-        options.update(serving.calibration.source.get("options", {}))
-    return options
-
-
-def serving_record(serving: Serving) -> dict:
-    record: dict[str, Any] = dict(serving_options(serving))
-    if serving.scales and serving.calibration is not None:
-        record["calibration"] = serving.calibration.source
+        source = serving.calibration.source
+        if command:
+            record.update(source.get("options", {}))
+        else:
+            record["calibration"] = source
     return record

@@ -1,7 +1,5 @@
-"""Which modules get quantized (docs/quantize.md): the patterns, the default selection, the
-serving profile's rules (docs/vllm.md: fused groups, modules vLLM never quantizes) and the
-block-size shape rule, on names, shapes and dtypes only.  A module is a ``*.weight`` tensor's
-name without its ``.weight``.
+"""Which modules get quantized (docs/quantize.md; the serving profile's rules: docs/vllm.md), on
+names, shapes and dtypes only.  A module is a ``*.weight`` tensor's name without ``.weight``.
 """
 
 from __future__ import annotations
@@ -60,8 +58,7 @@ def _included(
     profile: Profile,
     dropped: dict[str, str],
 ) -> set[str]:
-    """The modules ``patterns`` select; one that vLLM cannot serve quantized goes to
-    ``dropped`` with the reason (a pattern reaching only such modules is an error)."""
+    """The modules ``patterns`` select; one vLLM cannot serve quantized goes to ``dropped``."""
     selected: set[str] = set()
     for pattern in patterns:
         hit = [m for m in modules if matches(pattern, m)]
@@ -78,13 +75,9 @@ def _included(
         usable = [
             m for m in hit if quantizable(modules[m]) and not is_embedding(m) and m not in refused
         ]
-        dropped.update(
-            {
-                m: f"vLLM cannot serve it quantized: {why}"
-                for m, why in refused.items()
-                if not is_embedding(m)
-            }
-        )
+        for m, why in refused.items():
+            if not is_embedding(m):
+                dropped[m] = f"vLLM cannot serve it quantized: {why}"
         if not usable:
             m = hit[0]
             why = (
@@ -125,8 +118,7 @@ def _apply_shape_rule(
 
 
 def _check_fused(groups, selected: set[str], skipped: dict[str, str]) -> None:
-    """All members of a fused group quantized, or none (docs/vllm.md); a group split only by
-    --skip-incompatible is dropped whole."""
+    """All members of a fused group quantized, or none (docs/vllm.md)."""
     for group in groups:
         inside = [m for m in group.members if m in selected]
         outside = [m for m in group.members if m not in selected]
@@ -161,8 +153,7 @@ def select_modules(
     tensor_parallel_size: int = 1,
 ) -> Selection:
     """The selection rules (docs/quantize.md): ``include`` (default: every 2-D float Linear
-    weight but embeddings, lm_head, MoE routers and what ``profile`` says vLLM never
-    quantizes), minus ``ignore``, then the shape rule and the profile's fused groups."""
+    weight but embeddings, heads, routers and what vLLM never quantizes), minus ``ignore``."""
     profile = profile or PROFILES[GENERIC]
     modules = weight_modules(tensors)
     include, ignore = list(include or []), list(ignore or [])
@@ -202,8 +193,7 @@ def select_modules(
 
 
 def share_group_amax(amax: Mapping[str, T], groups: Iterable[FusedGroup]) -> dict[str, T]:
-    """``amax`` with each fused group's members given the group's maximum: one global scale per
-    fused layer, as vLLM keeps (docs/vllm.md)."""
+    """``amax`` with each fused group's members given the group's maximum (docs/vllm.md)."""
     shared = dict(amax)
     for group in groups:
         top = max((amax[m] for m in group.members), key=lambda value: float(value))  # type: ignore[arg-type]

@@ -24,9 +24,8 @@ def simulate_format(
     *,
     config: DraftConfig,
 ) -> dict[str, torch.Tensor]:
-    """``weights`` with the selected Linear weights quantized to ``fmt`` and dequantized, the
-    selection as quantize makes it under ``config``'s serving rules; lm_head (the target's)
-    is never touched."""
+    """``weights`` with the selected Linear weights quantized to ``fmt`` and dequantized (never
+    lm_head, the target's)."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
     selection = simulated_selection(weights, fmt, include, ignore, skip_incompatible, config)
     amax: dict[str, torch.Tensor] = {}
@@ -52,7 +51,6 @@ def simulated_selection(
     skip_incompatible: bool,
     config: DraftConfig,
 ) -> Selection:
-    """The modules :func:`simulate_format` quantizes (and their fused groups)."""
     draft = {k: v for k, v in weights.items() if k != LM_HEAD}
     infos = {k: TensorInfo(k, DTYPE_NAMES[v.dtype], tuple(v.shape), 0, 0) for k, v in draft.items()}
     profile = profile_for(config.to_json())

@@ -1,9 +1,7 @@
-"""What a quantize run writes (docs/quantize.md, "What is written"): the :class:`Plan` (every
-output shard's header laid out before any byte is written), the NVFP4 global-amax pre-pass, the
-input cut into pieces (row ranges of one tensor) streamed through a bounded thread pool, and the
-output directory around them, written into a temporary directory renamed into place
-(docs/guarantees.md).  Memory is bounded by the pieces in flight (``2 * workers``), never by a
-tensor, a shard or the model: each piece is read from a memory map whose pages are then released.
+"""What a quantize run writes (docs/quantize.md, "What is written"; docs/guarantees.md): the
+:class:`Plan` (every output header laid out first), the NVFP4 global-amax pre-pass, and the input
+cut into pieces (row ranges of one tensor) streamed through a bounded thread pool: memory is
+bounded by the ``2 * workers`` pieces in flight, never by a tensor, a shard or the model.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from qstream.progress import Progress
 from qstream.publish import QUANTIZE_RECORD, publishing, write_json_atomic
 from qstream.quant.schemes import Serving
 from qstream.quant.select import Selection, share_group_amax
+from qstream.vllm.profiles import head_targets, profile_for
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,6 @@ def make_plan(
     selection: Selection,
     spec: Format,
     ignore: list[str],
-    targets: tuple[str, ...],
     serving: Serving,
 ) -> Plan:
     quantized = set(selection.quantized)
@@ -79,34 +77,29 @@ def make_plan(
                 for n, t in serving.scales.get(name, {}).items()
             ]
         shards[shard] = planned
+    profile = profile_for(checkpoint.config)
+    targets = ("Linear", *head_targets(profile, selection.quantized))
     return Plan(checkpoint, selection, spec, ignore, shards, targets, serving)
 
 
 @dataclass(frozen=True)
 class Streaming:
-    """Where the tensors are quantized, by how many threads, with the weight SNR or not."""
-
     device: torch.device
     workers: int
     snr: bool = True
     progress: Progress | None = None
 
 
-# Largest piece of a quantized weight: 4M elements is 8 MiB of bf16 input and 2-4 MiB of
-# output; the quantizers' float32 temporaries are per cache-sized chunk, not per piece.  Pieces
-# this large keep most weights whole, so NVFP4 needs no amax pre-pass for them.
+# Largest piece of a quantized weight (8 MiB of bf16): most weights stay whole, so NVFP4 needs
+# no amax pre-pass for them.
 PIECE_ELEMENTS = 1 << 22
-# Byte copies of untouched tensors go in pieces of this size (mapped pages count as resident
-# until released).
-COPY_BYTES = 8 << 20
+COPY_BYTES = 8 << 20  # pieces of the byte copies of untouched tensors
 
 R = TypeVar("R")  # what a piece's work returns
 
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``rows`` of tensor ``name`` of input shard ``shard``."""
-
     shard: str
     name: str
     rows: slice | None  # None: a whole 0-d / empty tensor
@@ -146,9 +139,8 @@ def run_bounded(
     done: Callable[[Piece, R], None],
     prepare: Callable[[Piece], None] | None = None,
 ) -> None:
-    """``work`` on every piece in a thread pool (torch releases the GIL), at most ``2 *
-    workers`` in flight; ``prepare`` (before submitting) and ``done`` (in piece order) run on
-    the calling thread, so that I/O put there overlaps the workers' computing."""
+    """``work`` on every piece in a thread pool, at most ``2 * workers`` in flight; ``prepare``
+    and ``done`` (in piece order) run on this thread, so that their I/O overlaps the workers."""
     in_flight: deque[tuple[Piece, Future]] = deque()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qstream") as pool:
         try:
@@ -171,10 +163,9 @@ def run_bounded(
 def global_amaxes(
     plan: Plan, readers: dict[str, ShardReader], workers: int
 ) -> dict[str, torch.Tensor]:
-    """The pre-pass of a format with a global scale (none otherwise): the amax of each weight
-    whose global scale cannot come from the piece being quantized (a fused group's member, one
-    scale per group, docs/quantize.md; a weight cut into several pieces), then each group's
-    max, across shards.  A NaN or Inf weight there is refused before anything is written."""
+    """The pre-pass of a format with a global scale: the amax of each weight whose global scale
+    cannot come from the piece being quantized (a fused group's member, docs/quantize.md; a
+    weight cut into several pieces), then each group's max."""
     if plan.format.global_scale is None:
         return {}
     amax: dict[str, torch.Tensor] = {}
@@ -210,8 +201,7 @@ def write_tensors(
     amaxes: dict[str, torch.Tensor],
     run: Streaming,
 ) -> dict[str, float]:
-    """Every piece read, quantized or copied, and written; returns each quantized module's
-    weight SNR in dB (empty without ``run.snr``)."""
+    """Every piece read, quantized or copied, and written; each quantized module's SNR in dB."""
     checkpoint, quantized = plan.checkpoint, plan.selection.quantized
     sums = {m: [0.0, 0.0] for m in quantized}
     tensors_total, tensors_done = len(checkpoint.tensor_shard), 0
@@ -248,14 +238,11 @@ def write_tensors(
         if run.progress is not None:
             run.progress.advance(f"tensors {tensors_done}/{tensors_total}", piece.nbytes)
 
-    # Reading (page-table population), copying and writing happen on this thread in
-    # prepare / done, the quantizing on the workers: with one worker the two overlap.
     run_bounded(pieces(plan), work, run.workers, done, prepare)
     return {m: snr_db(*sums[m]) for m in quantized} if run.snr else {}
 
 
 def _write_scales(writer: ShardWriter, piece: Piece, scales: dict[str, torch.Tensor]) -> None:
-    """The scales keyed by ``piece``'s tensor, with its first rows (schemes.Serving)."""
     if piece.rows is None or piece.rows.start == 0:
         for name, tensor in scales.items():
             writer.write(name, tensor)
@@ -273,8 +260,7 @@ def _copy_piece(reader: ShardReader, writer: ShardWriter, piece: Piece) -> None:
 def _write_stored(
     writer: ShardWriter, piece: Piece, stored: dict[str, torch.Tensor], once: str | None
 ) -> None:
-    """Each stored tensor's rows of one quantized piece, at their offsets; the per-tensor
-    scale ``once`` is written with the first rows only."""
+    """One quantized piece's stored rows; the per-tensor scale ``once`` with the first rows."""
     assert piece.rows is not None  # quantized weights are 2-D, cut into row ranges
     for suffix, tensor in stored.items():
         if suffix != once:
@@ -291,10 +277,8 @@ def write_checkpoint(
     run: Streaming,
     record: Callable[[dict[str, float]], dict],
 ) -> dict[str, float]:
-    """The global-amax pre-pass (before anything is written), then every file of the output;
-    returns the weight SNR per quantized module.  ``record(snr_db)`` gives the head of the
-    run's record (QUANTIZE_RECORD), to which the sha256 of every file, hashed as it was
-    written, is added."""
+    """The global-amax pre-pass, then every file of the output; returns the weight SNR per
+    quantized module.  ``record(snr_db)``: the head of QUANTIZE_RECORD (the files' sha256 added)."""
     checkpoint = plan.checkpoint
     readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     amaxes = global_amaxes(plan, readers, run.workers)
@@ -335,8 +319,7 @@ def write_checkpoint(
 
 
 def _copy_other_files(checkpoint: Checkpoint, tmp: Path) -> None:
-    """Tokenizer, generation config, chat template, ...: everything but the weights, the index
-    and config.json (rewritten); hidden top-level entries (.git, .cache) are not copied."""
+    """Everything but the weights, the index, config.json and hidden entries (.git, .cache)."""
     skip = checkpoint.weight_files | {CONFIG_NAME}
     for entry in sorted(checkpoint.directory.iterdir()):
         if entry.name in skip or entry.name.startswith("."):

@@ -1,12 +1,7 @@
-"""Speculative decoding with the target in the loop, and what it measures (docs/speculate.md):
-the draft proposes a block from the target's own hidden states, the target verifies it with one
-forward under one of vLLM 0.32.0's verification modes (qstream/verification.py; vLLM's
-``rejection_sampler``; each stated in docs/speculate.md), and the accepted tokens plus the
-target's bonus token are emitted.  The target is a transformers causal LM run with its KV cache,
-cropped to the kept positions after each verification.  Per draft variant: the mean acceptance
-length, the share of verifications accepting at least k tokens and tokens per target forward,
-each with a 95% interval over prompts, and the loss against bf16 paired over the same prompts
-(docs/speculate.md, "Measured acceptance")."""
+"""Speculative decoding with the target in the loop (docs/speculate.md): the draft proposes a
+block from the target's hidden states, the target (a transformers causal LM with its KV cache)
+verifies it in one forward under one of vLLM 0.32.0's verification modes (qstream/verification.py;
+vLLM's ``rejection_sampler``), and what it measures (docs/speculate.md, "Measured acceptance")."""
 
 from __future__ import annotations
 
@@ -16,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from qstream.arch.markov import draft_to_target, draft_vocab_size, in_target_vocab, sampling_probs
 from qstream.arch.registry import architecture_of
@@ -28,8 +24,6 @@ from qstream.verification import GREEDY, VerificationMode
 
 @dataclass
 class Decoded:
-    """One prompt's continuation."""
-
     tokens: list[int] = field(default_factory=list)  # emitted after the prompt, in order
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per verification
     forwards: int = 0  # target forwards, the prefill included
@@ -38,9 +32,8 @@ class Decoded:
 
 
 def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv=None, start: int = 0):
-    """The target over ids [1, T] (positions start..) after the positions cached in ``kv``, which
-    it extends: (aux [1, T, A] of ``layer_ids``' outputs, logits [T, V]), refused unless finite
-    (NaN or Inf would be decoded as a token and counted as acceptance)."""
+    """The target over ids [1, T] (positions start..) after those cached in ``kv``: (aux [1, T, A],
+    logits [T, V]), refused unless finite (NaN would be decoded and counted as acceptance)."""
     inner = target.model
     with torch.no_grad(), LayerTap(inner.layers, inner.norm, layer_ids) as tap:
         out = target(input_ids=ids.to(target.device), use_cache=kv is not None, **(kv or {}))
@@ -55,7 +48,6 @@ def target_pass(target, ids: torch.Tensor, layer_ids: tuple[int, ...], kv=None, 
 
 
 def new_cache(target) -> dict:
-    """An empty KV cache under the target's keyword for it."""
     from transformers import DynamicCache
 
     return {cache_keyword(target): DynamicCache()}
@@ -81,9 +73,8 @@ def speculative_decode(
     seed: int = 0,
     cache: bool = True,
 ) -> Decoded:
-    """``new_tokens`` tokens after ``prompt``: the target's first, then draft-and-verify steps.
-    ``draft``: a built draft model (``arch.build``); ``cache=False`` reruns the target over the
-    whole sequence at every step (the same tokens, slower)."""
+    """``new_tokens`` tokens after ``prompt``: the target's first, then draft-and-verify steps;
+    ``cache=False`` reruns the target over the whole sequence each step (same tokens, slower)."""
     if mode.adaptive:  # its budget is a batch's (docs/acceptance.md), not one prompt's
         raise QStreamError(f"speculate does not decode with adaptive verification ({mode.name})")
     config = draft.config
@@ -123,9 +114,8 @@ def _pick(logits: torch.Tensor, mode: VerificationMode, temperature: float, gen)
 
 
 def _draft(draft, aux, ids: list[int], mode: VerificationMode, temperature: float, seed: int):
-    """One block at anchor p = aux's length (``ids``: the tokens up to p): its tokens (target
-    ids) and the drafter's q [B, V] over the target vocabulary (None for a greedy draft).  A
-    chain drafter's prefill runs over the whole context each time: a cache would hold the same."""
+    """One block at anchor p = aux's length: its tokens (target ids) and the drafter's q [B, V]
+    over the target vocabulary (None for a greedy draft)."""
     drafter, config = architecture_of(draft.config).drafter, draft.config
     at = (torch.tensor([0]), torch.tensor([aux.shape[1]]), torch.tensor([ids[-1]]))
     state = drafter.propose(draft, aux, *at, ids=torch.tensor([ids]))
@@ -139,8 +129,7 @@ def _draft(draft, aux, ids: list[int], mode: VerificationMode, temperature: floa
 
 
 def _verify(logits, drafted: list[int], q, mode: VerificationMode, temperature: float, gen):
-    """One step's emitted tokens: the accepted drafts, then the correction or bonus token.
-    ``logits`` [B + 1, V]: the target's at the anchor and each drafted position."""
+    """The accepted drafts, then the correction or bonus token; ``logits`` [B + 1, V]."""
     if mode.block:
         return _verify_block(logits, drafted, q, mode, temperature, gen)
     for k, d in enumerate(drafted):
@@ -199,7 +188,6 @@ def acceptance_study(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> dict[str, dict]:
-    """Each draft's :func:`summarise` of :func:`decode_prompts`."""
     return {
         name: summarise(
             decode_prompts(target, draft, prompts, new_tokens, mode, temperature, seed),
@@ -219,8 +207,7 @@ def decode_prompts(
     seed: int = 0,
     progress: Progress | None = None,
 ) -> list[Decoded]:
-    """Every prompt decoded by ``draft``, prompt i with seed ``seed + i`` (the same for every
-    draft: variants differ only by their drafts)."""
+    """Every prompt decoded by ``draft``, prompt i with seed ``seed + i`` (for every draft)."""
     runs = []
     for i, p in enumerate(prompts):
         try:
@@ -242,10 +229,7 @@ def summarise(runs: list[Decoded], block_size: int) -> dict:
         raise ValueError("every prompt needs at least one verification (more new tokens)")
     forwards = torch.tensor([float(r.forwards) for r in runs], dtype=torch.float64)
     tokens = torch.tensor([float(len(r.tokens)) for r in runs], dtype=torch.float64)
-    width = int(n_steps.max())
-    padded = torch.full((len(runs), width), -1.0, dtype=torch.float64)
-    for i, s in enumerate(steps):
-        padded[i, : len(s)] = s
+    padded = pad_sequence(steps, batch_first=True, padding_value=-1.0)
     counted = padded >= 0
     return {
         "prompts": len(runs),
@@ -260,8 +244,7 @@ def summarise(runs: list[Decoded], block_size: int) -> dict:
 
 def paired_loss(base: list[Decoded], runs: list[Decoded]) -> Estimate:
     """``base``'s mean acceptance length minus ``runs``' over the same prompts, with a 95%
-    interval from the linearised variance of the per-prompt difference (the pairing cancels
-    what the prompts share: a hard prompt is hard for both)."""
+    interval from the linearised variance of the per-prompt difference."""
     if len(base) != len(runs):
         raise ValueError(f"paired over the same prompts: {len(base)} and {len(runs)} runs")
     r_base, z_base = _influence(*_emitted_per_verification(base))
@@ -284,7 +267,6 @@ def _influence(y: torch.Tensor, m: torch.Tensor) -> tuple[float, torch.Tensor]:
 
 
 def _influence_estimate(value: float, z: torch.Tensor) -> Estimate:
-    """``value`` with a Student-t 95% interval from zero-mean influences ``z``."""
     n = z.numel()
     if n < 2:
         return Estimate(value, math.nan, math.nan, n)

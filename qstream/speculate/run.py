@@ -1,9 +1,7 @@
-"""``qstream speculate`` as one library call (docs/speculate.md, "Command"): the target loaded as
-``capture`` loads it, each corpus document's first line (a GSM8K question) as a prompt, the
-draft's variants built as ``eval-drift`` builds them, and every variant decoding every prompt
-with the target in the loop.  With ``--capture DIR`` (greedy only), the decoded streams' states
-in qstream's layout and ``anchors-NAME.json``, the blocks variant NAME drafted (docs/speculate.md,
-"At the anchors the decoder visited").
+"""``qstream speculate`` as one library call (docs/speculate.md, "Command"): every variant (built
+as eval-drift builds them) decodes every prompt with the target in the loop.  ``--capture DIR``
+(greedy only) writes the decoded streams' states and the anchors each variant drafted at
+(docs/speculate.md, "At the anchors the decoder visited").
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ CHAT_PROMPT += "target's chat template with the generation prompt, without speci
 
 @dataclass(frozen=True, kw_only=True)
 class SpeculateSettings(Selection):
-    """speculate's options; the variants as eval-drift names and checks them."""
+    """speculate's options; the variants as eval-drift names them."""
 
     target: str  # Hugging Face target directory: verifies, and lends the draft what it lacks
     model: str  # draft directory, unquantized: the source of the simulated formats
@@ -96,8 +94,7 @@ def _check(s: SpeculateSettings) -> None:
 
 
 def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dict:
-    """Check everything, load the target, decode every prompt with each variant; returns the
-    JSON-ready results (docs/speculate.md)."""
+    """Check everything, then decode every prompt with each variant; the JSON-ready results."""
     config = load_config(s.model)
     s = replace(s, dtype=s.dtype or default_dtype(s.device))
     _check(s)
@@ -124,14 +121,14 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
         var_weights, changed = variant_weights(v, weights, config, s, s.target)
         linears = served_linears(v, weights, config, s, calibration)
         draft = arch.build(config, var_weights, v, "cpu", linears)
-        _started(progress, len(prompts), v.name)
+        if progress is not None:  # counts this variant's prompts from none
+            progress.start(len(prompts))
+            progress.advance(f"speculate: {v.name}", 0)
         target = served[v.target].model  # the target this variant serves
         args = (s.new_tokens, mode, s.temperature, s.seed, progress)
         runs = decoded[v.name] = decode_prompts(target, draft, prompts, *args)
-        results["variants"][v.name] = {
-            **_variant_entry(v, changed),
-            "summary": summarise(runs, config.block_size),
-        }
+        summary = summarise(runs, config.block_size)
+        results["variants"][v.name] = _variant_entry(v, changed, summary)
         results["runs"][v.name] = [
             {"document": i, "prompt_tokens": len(p), "anchors": r.anchors,
              "accepted": r.accepted, "tokens": r.tokens}
@@ -147,24 +144,17 @@ def run_speculate(s: SpeculateSettings, progress: Progress | None = None) -> dic
     return results
 
 
-def _started(progress: Progress | None, total: int, name: str) -> None:
-    """The progress counts ``name``'s prompts from none."""
-    if progress is not None:
-        progress.start(total)
-        progress.advance(f"speculate: {name}", 0)
-
-
-def _variant_entry(v: Variant, changed: list[str]) -> dict:
+def _variant_entry(v: Variant, changed: list[str], summary: dict) -> dict:
     served = v.configuration()  # recorded when not the default (docs/speculate.md)
     return {"kind": v.kind, "source": v.source, **v.checks(), "dtype": v.compute_dtype,
             **({"configuration": served} if served != DEFAULTS else {}),
-            "quantized_tensors": changed}  # fmt: skip
+            "quantized_tensors": changed, "summary": summary}  # fmt: skip
 
 
 def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs: CorpusDocs,
                variants: tuple[Variant, ...], results: dict, mode) -> Calibration | None:  # fmt: skip
-    """Calibration, when a variant needs it, recorded in ``results``: the FP32 reference draft
-    decoding the documents after the ``--prompts`` ones, with the calibration seed."""
+    """Calibration when a variant needs it: the FP32 reference draft decoding the documents
+    after the ``--prompts`` ones, with the calibration seed."""
     if not any(v.calibrated for v in variants):
         return None
     rest = CorpusDocs(docs.name, docs.sha256, docs.texts[s.prompts : 2 * s.prompts])
@@ -188,11 +178,8 @@ def _calibrate(s: SpeculateSettings, config: DraftConfig, weights, target, docs:
 def _targets_and_prompts(
     s: SpeculateSettings, docs: CorpusDocs, config: DraftConfig, formats: list[str]
 ) -> tuple[dict[str, LoadedTarget], list[list[int]]]:
-    """The target as each of ``formats`` serves it (docs/speculate.md, "A quantized target":
-    unquantized itself, else a copy per format whose decoder linears are simulated in it) and
-    the prompts, refused when the target would read past its max_position_embeddings: the
-    longest prompt, all new tokens but the last, and one drafted block (--capture: a block and
-    one token more)."""
+    """The target as each of ``formats`` serves it (docs/speculate.md, "A quantized target") and
+    the prompts, refused when the target would read past its max_position_embeddings."""
     if len(docs.texts) < s.prompts:
         raise QStreamError(f"--prompts {s.prompts}: corpus {docs.name} holds only "
                            f"{len(docs.texts)} document(s)")  # fmt: skip
@@ -218,7 +205,6 @@ def _targets_and_prompts(
 def _prompts(
     s: SpeculateSettings, tokenizer, docs: CorpusDocs, count: int, vocab_size: int
 ) -> list[list[int]]:
-    """The first ``count`` documents' prompts (:data:`PROMPT` or :data:`CHAT_PROMPT`)."""
     heads = [t.partition("\n") for t in docs.texts[:count]]
     if s.apply_chat_template:
         rows = chat_prompts(tokenizer, [head for head, _, _ in heads])
@@ -239,8 +225,6 @@ def _prompts(
 def _description(
     s: SpeculateSettings, config: DraftConfig, shape: TargetShape, docs: CorpusDocs, embed: dict
 ) -> dict:
-    """The results' settings and provenance (``embed``: how the draft's stored embed_tokens
-    differ from the target's, which it serves with)."""
     import transformers
 
     return {
@@ -277,8 +261,8 @@ def _description(
 
 
 def check_capture_dir(s: SpeculateSettings, targets: set[str]) -> None:
-    """Before any decoding: a greedy verifier with one target (``targets``: the variants'), and
-    an absent or empty ``--capture`` outside ``--model`` and ``--target``."""
+    """Before any decoding: a greedy verifier, one target (``targets``: the variants'), and an
+    absent or empty ``--capture`` outside ``--model`` and ``--target``."""
     assert s.capture is not None
     output, mode = Path(s.capture), MODES[s.rule]
     if not mode.greedy_verifier or len(targets) > 1:
@@ -301,8 +285,8 @@ def write_capture(
     prompts: list[list[int]],
     runs: dict[str, list[Decoded]],
 ) -> None:
-    """The streams, their states and capture.json (with the format ``target`` is served in), then
-    one anchors file per variant, published with one rename, or not at all."""
+    """The streams, their states, capture.json and one anchors file per variant, published with
+    one rename."""
     assert s.capture is not None
     layer_ids, block_size, output = config.target_layer_ids, config.block_size, Path(s.capture)
     sampling = {"rule": s.rule, "new_tokens": s.new_tokens, "prompts": s.prompts}

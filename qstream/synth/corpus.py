@@ -24,6 +24,18 @@ THINGS = (
     "toy cars,bottles"
 ).split(",")
 
+# question, then worked answer: add, multiply, subtract, share (s = a + b, p = c * b, t = a * c)
+PROBLEMS = (
+    "{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} does {who} have "
+    "now?\n{who} has {a} + {b} = <<{a}+{b}={s}>>{s} {what}.\n#### {s}",
+    "{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} does {who} buy in "
+    "total?\n{who} buys {c} x {b} = <<{c}*{b}={p}>>{p} {what}.\n#### {p}",
+    "{who} had {s} {what} and gave {b} of them to {other}. How many {what} are left?\n"
+    "{who} has {s} - {b} = <<{s}-{b}={a}>>{a} {what} left.\n#### {a}",
+    "{who} shares {t} {what} equally among {c} friends. How many {what} does each friend get?\n"
+    "Each friend gets {t} / {c} = <<{t}/{c}={a}>>{a} {what}.\n#### {a}",
+)
+
 
 def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
     """Generated GSM8K-style word problems (question, worked answer, ``#### N``)."""
@@ -32,34 +44,11 @@ def builtin_corpus(n: int = 3000, seed: int = 0) -> list[str]:
 
 
 def _problem(rng: random.Random) -> str:
-    """One word problem: add, multiply, subtract or share."""
     who, other = rng.sample(NAMES, 2)
     what = rng.choice(THINGS)
     a, b, c = rng.randint(2, 60), rng.randint(2, 40), rng.randint(2, 9)
-    kind = rng.randrange(4)
-    if kind == 0:
-        q = (
-            f"{who} has {a} {what}. {other} gives {who} {b} more {what}. How many {what} "
-            f"does {who} have now?"
-        )
-        ans = f"{who} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {what}.\n#### {a + b}"
-    elif kind == 1:
-        q = (
-            f"{who} buys {c} boxes of {what}. Each box holds {b} {what}. How many {what} "
-            f"does {who} buy in total?"
-        )
-        ans = f"{who} buys {c} x {b} = <<{c}*{b}={c * b}>>{c * b} {what}.\n#### {c * b}"
-    elif kind == 2:
-        total = a + b
-        q = f"{who} had {total} {what} and gave {b} of them to {other}. How many {what} are left?"
-        ans = f"{who} has {total} - {b} = <<{total}-{b}={a}>>{a} {what} left.\n#### {a}"
-    else:
-        q = (
-            f"{who} shares {a * c} {what} equally among {c} friends. How many {what} "
-            f"does each friend get?"
-        )
-        ans = f"Each friend gets {a * c} / {c} = <<{a * c}/{c}={a}>>{a} {what}.\n#### {a}"
-    return f"{q}\n{ans}"
+    values = dict(who=who, other=other, what=what, a=a, b=b, c=c, s=a + b, p=c * b, t=a * c)
+    return PROBLEMS[rng.randrange(4)].format(**values)
 
 
 def read_corpus(path: str | Path) -> list[str]:

@@ -60,19 +60,14 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**64)
 
 
-# Every random draw and every statistic is float64, rounded to bf16 only when written: float32
-# draws and reductions follow the CPU's instruction set and thread count (torch's float32
-# ``normal_`` has an AVX2-only kernel; BLAS and reductions split work by thread), and a 1-ulp
-# float32 difference moves about one bf16 value in 40,000.  In float64 the differences left are
-# ~1e-16 relative, which reach a bf16 rounding boundary about once in 1e13 values, so the bytes
-# are the same on every x86-64 machine (docs/model.md, "Synthetic checkpoint layout").
+# Every draw and statistic is float64, rounded to bf16 only when written: float32 ones follow
+# the CPU's instruction set and thread count, float64's ~1e-16 differences reach a bf16 rounding
+# boundary about once in 1e13 values (docs/model.md, "Synthetic checkpoint layout").
 F64 = torch.float64
 
 
 @dataclass
 class _Plan:
-    """Everything computed before any tensor is written."""
-
     config: DraftConfig
     small: dict[str, torch.Tensor]  # tensors built whole (norms, Markov, confidence)
     head_std: float
@@ -108,8 +103,8 @@ def _small_tensors(
 
 
 def _rows_of(name: str, shape: tuple[int, ...], plan: _Plan) -> Iterator[torch.Tensor]:
-    """The tensor's rows in chunks of about CHUNK_ELEMENTS, float64 (views of two buffers reused
-    by the next chunk, which keeps a k3 run free of page-fault churn)."""
+    """The tensor's rows in chunks of about CHUNK_ELEMENTS, float64 (views of two reused buffers:
+    no page-fault churn)."""
     if name in plan.small:
         yield plan.small[name]
         return
@@ -196,8 +191,7 @@ def _write_tensors(
 
 
 def _write_target_head(head: Path, plan: _Plan) -> None:
-    """The stand-in target beside the draft: embed_tokens and lm_head, as a real target lends
-    them (a draft that carries embed_tokens carries the same bytes)."""
+    """The stand-in target beside the draft: embed_tokens and lm_head (the draft's own bytes)."""
     config = plan.config
     row = (config.vocab_size, config.hidden_size)
     shapes: dict[str, tuple[int, ...]] = {EMBED: row, LM_HEAD: row}  # embedding first, as a target
@@ -214,7 +208,6 @@ def _write_target_head(head: Path, plan: _Plan) -> None:
 
 
 def preset_architecture(preset: str) -> Architecture:
-    """The registered architecture whose presets hold ``preset``."""
     for arch in ARCHITECTURES:
         if preset in arch.presets:
             return arch
@@ -223,7 +216,6 @@ def preset_architecture(preset: str) -> Architecture:
 
 
 def _tokenizer_config(preset: str, tok: Tokenizer) -> DraftConfig:
-    """The preset with the tokenizer's facts (the TOKENIZER_SIZED presets take its vocabulary)."""
     base = preset_architecture(preset).presets[preset]
     vocab = tok.get_vocab_size() if preset in TOKENIZER_SIZED else base.vocab_size
     mask = tok.token_to_id("<|mask|>")
@@ -281,30 +273,29 @@ def synth_checkpoint(
     final_gain = small[arch.final_norm]
     head_std = U_STD / math.sqrt(config.hidden_size * float(final_gain.pow(2).mean()))
     plan = _Plan(config, small, head_std, seed)
-    shapes = draft_shapes(config)
-    with publishing(output, overwrite) as tmp:
-        write_json_atomic(tmp / "config.json", config.to_json())
-        write_tokenizer(tok, tmp)
-        size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
-        _write_target_head(tmp / TARGET_HEAD_DIR, plan)
-        summary = _summary(output, preset, seed, corpus, shapes, size, alpha, top1)
-        write_record(tmp, summary)
-    return summary
+    return publish_draft(output, overwrite, preset, corpus, plan, alpha, top1,
+                         lambda tmp: write_tokenizer(tok, tmp), progress)  # fmt: skip
 
 
-def _summary(
-    output: Path, preset: str, seed: int, corpus: str | Path | None, shapes: dict,
-    size: int, alpha: float | None, top1: float | None,
+def publish_draft(
+    output: Path, overwrite: bool, preset: str, corpus: str | Path | None, plan: _Plan,
+    alpha: float | None, top1: float | None, write_tok, progress: Progress | None, **target: object,
 ) -> SynthSummary:  # fmt: skip
-    corpus_name = str(corpus) if corpus else "built-in"
-    parameters = sum(math.prod(s) for s in shapes.values())
-    return SynthSummary(
-        str(output), preset, seed, corpus_name, len(shapes), parameters, size, alpha, top1
-    )
-
-
-def write_record(directory: Path, summary: SynthSummary, **extra: object) -> None:
-    """SYNTH_RECORD: the version, the summary without its output path (relocatable), ``extra``."""
-    record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
-    data = {"qstream_version": qstream.__version__, "summary": record, **extra}
-    write_json_atomic(directory / SYNTH_RECORD, data)
+    """config.json, the tokenizer (``write_tok(dir)``), the tensors and the record, published
+    with one rename; without ``target`` (a record entry), the stand-in target head too."""
+    shapes = draft_shapes(plan.config)
+    with publishing(output, overwrite) as tmp:
+        write_json_atomic(tmp / "config.json", plan.config.to_json())
+        write_tok(tmp)
+        size = _write_tensors(tmp, shapes, plan, progress, force_index=False)
+        if not target:
+            _write_target_head(tmp / TARGET_HEAD_DIR, plan)
+        parameters = sum(math.prod(s) for s in shapes.values())
+        corpus_name = str(corpus) if corpus else "built-in"
+        summary = SynthSummary(str(output), preset, plan.seed, corpus_name, len(shapes),
+                               parameters, size, alpha, top1)  # fmt: skip
+        # the summary without its output path (relocatable)
+        record = {k: v for k, v in asdict(summary).items() if k != "output_dir"}
+        data = {"qstream_version": qstream.__version__, "summary": record, **target}
+        write_json_atomic(tmp / SYNTH_RECORD, data)
+    return summary

@@ -1,10 +1,7 @@
 """The Markov head of a synthetic draft from corpus statistics (docs/model.md, "Synthetic
-checkpoint layout"): bigram log-probabilities of the tokenized corpus, their low-rank
-markov_w1 / markov_w2 factors, and the scale that calibrates the head's top-1 accuracy.  Memory
-stays linear in the vocabulary V, so that a real target's (49,152 for SmolLM2, 163,840 for
-Kimi-K3) fits (docs/model.md, "A draft for a Hugging Face target"): the [V, V] table is never
-formed (:class:`Bigrams` holds it as a floor plus what rises above it, and the SVD asks it only
-for products), and the calibration's [samples, V] logits are capped at CALIBRATION_LOGITS.
+checkpoint layout"): bigram log-probabilities, their low-rank markov_w1 / markov_w2 factors and
+the scale that calibrates the head's top-1.  Memory stays linear in the vocabulary (docs/model.md,
+"A draft for a Hugging Face target"): the [V, V] table is never formed.
 """
 
 from __future__ import annotations
@@ -18,12 +15,9 @@ TARGET_TOP1 = 0.55  # the real U is not iid: measured top-1 on GSM8K lands ~0.07
 CALIBRATION_SAMPLES = 4096  # corpus transitions used to set the Markov scale (+-0.01 top-1)
 BIGRAM_FLOOR = 0.03  # best rank-16 top-1 accuracy on GSM8K among 1e-4 .. 0.1 (12.8%)
 DEGENERATE = 1e-9  # singular values closer than this (relative to the largest) are one eigenspace
-# bits kept below a factor column's largest entry (_flush): CPU noise (1e-14 of that entry) is
-# 1e-8 of a grid step, and entries under 2^-21 of it (noise-sized) become 0
-SNAP_BITS = 20
+SNAP_BITS = 20  # bits kept below a factor column's largest entry (_flush)
 U_STD = 1.5  # nats: per-vocab spread of the network logits U (as synth's lm_head gives it)
-# most calibration logits [samples, V] held at once (128 MB in float64): past a vocabulary of
-# 4,096 the calibration draws 2**24 // V transitions (341 at 49,152, 102 at 163,840)
+# most calibration logits [samples, V] held at once (128 MB in float64)
 CALIBRATION_LOGITS = 1 << 24
 F64 = torch.float64  # every statistic: the same bytes on every CPU (qstream/synth/draft.py)
 
@@ -125,12 +119,10 @@ def markov_tables(
 def _canonical(
     u: torch.Tensor, s: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Singular vectors fixed by the matrix alone, not by the routine that found them.  Where
-    singular values repeat (GSM8K-like corpora give exact repeats: tokens seen in the same
-    contexts), any rotation of their vectors is as good, and which one LAPACK returns follows the
-    thread count; each such eigenspace is rotated onto the eigenvectors of a fixed generic
-    operator, diag(0..n-1), restricted to it.  Every sign is then set by a fixed generic vector
-    (never by the largest entry: structured vectors such as (e_a - e_b)/sqrt(2) tie)."""
+    """Singular vectors fixed by the matrix alone: where singular values repeat (which rotation
+    LAPACK returns follows the thread count), each eigenspace is rotated onto the eigenvectors of
+    diag(0..n-1) restricted to it; every sign is set by a fixed generic vector (the largest
+    entry ties for structured vectors such as (e_a - e_b)/sqrt(2))."""
     u, v = u.clone(), v.clone()
     n, k = u.shape
     ramp = torch.arange(n, dtype=u.dtype)[:, None]  # [n, 1]
@@ -150,12 +142,9 @@ def _canonical(
 
 
 def _flush(x: torch.Tensor) -> torch.Tensor:
-    """Each entry snapped to a grid of 2^-SNAP_BITS of its column's largest power of two, exactly
-    (powers of two).  LAPACK's factors differ between CPUs by about 1e-14 of that largest entry
-    (MKL on AMD EPYC against Intel), which bf16 keeps wherever it is a visible part of a small
-    entry (entries that are zero in exact arithmetic come out as that noise; an entry of 1e-9
-    carries it at 1e-5 relative).  On the grid, noise moves an entry only when it lies within
-    1e-14 of a grid midpoint: about once in 1e8 entries; noise-sized entries become +0.0."""
+    """Each entry snapped to a grid of 2^-SNAP_BITS of its column's largest power of two: LAPACK's
+    factors differ between CPUs by ~1e-14 of that entry (MKL on AMD EPYC against Intel), which
+    bf16 keeps in small entries; on the grid noise moves about one entry in 1e8."""
     top = torch.floor(torch.log2(x.abs().amax(0, keepdim=True).clamp(min=1e-300)))
     step = torch.pow(2.0, top - SNAP_BITS)
     return torch.round(x / step) * step + 0.0  # + 0.0: a noise entry's sign would stay on -0.0

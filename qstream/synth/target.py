@@ -1,8 +1,7 @@
 """``qstream synth --target HF_DIR``: a synthetic draft shaped for a real Hugging Face target
-(docs/model.md, "A draft for a Hugging Face target"): the target's width, depth, vocabulary,
-tokenizer and a copy of ``embed_tokens``, the rest the preset's; ``lm_head`` is borrowed with
-``--target``.  A Qwen3 target gets a Qwen3-style draft without ``embed_tokens``, as
-speculators' checkpoints leave it (docs/qwen3-dspark.md, "Synthetic checkpoints").
+(docs/model.md, "A draft for a Hugging Face target"; a Qwen3 target: docs/qwen3-dspark.md,
+"Synthetic checkpoints"): the target's width, depth, vocabulary and tokenizer, the rest the
+preset's.
 """
 
 from __future__ import annotations
@@ -24,18 +23,15 @@ from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import TargetShape, read_target_shape
 from qstream.errors import QStreamError
 from qstream.progress import Progress
-from qstream.publish import check_target, publishing, write_json_atomic
+from qstream.publish import check_target
 from qstream.synth.corpus import builtin_corpus, read_corpus
 from qstream.synth.draft import (
     SynthSummary,
     _markov_head,
     _Plan,
     _small_tensors,
-    _summary,
-    _write_tensors,
-    draft_shapes,
     preset_architecture,
-    write_record,
+    publish_draft,
 )
 
 QWEN3_MODEL_TYPES = ("qwen3",)  # transformers' Qwen3ForCausalLM
@@ -54,9 +50,8 @@ def qwen3_draft_config(
     mask_token_id: int,
     arch: Architecture,
 ) -> DraftConfig:
-    """``preset`` reshaped for the Qwen3 target whose config.json holds ``target``: its widths,
-    heads, norm epsilon, RoPE, context length, vocabulary and bos/eos ids; ``min(preset's,
-    target's)`` layers.  ValueError naming a key the target lacks or holds a bad value in."""
+    """``preset`` reshaped for the Qwen3 target whose config.json holds ``target``, with
+    ``min(preset's, target's)`` layers; ValueError naming a key the target lacks or holds badly."""
     # the target's mask token and layers at the top level, which the preset's dflash_config
     # would override (vLLM reads dflash_config first)
     data = {
@@ -122,8 +117,7 @@ def spread_layer_ids(depth: int, count: int) -> tuple[int, ...]:
 
 
 def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
-    """The tokenizer's mask token, else ``<|mask|>``, else its pad token, else the vocabulary's
-    last id (a padding row in most padded vocabularies)."""
+    """The tokenizer's mask token, else ``<|mask|>``, else its pad token, else the last id."""
     names = []
     config_path = target / "tokenizer_config.json"
     if config_path.is_file():
@@ -139,8 +133,7 @@ def _mask_id(target: Path, tok: Tokenizer, vocab_size: int) -> int:
 
 
 def target_preset(shape: TargetShape, preset: str | None) -> str:
-    """``preset``, checked against the target's kind (a Qwen3 target takes a Qwen3-style draft,
-    any other a DSpark-MLA one); None: that kind's tiny preset."""
+    """``preset``, checked against the target's kind (Qwen3 or DSpark-MLA); None: its tiny one."""
     qwen3 = shape.model_type in QWEN3_MODEL_TYPES
     wanted = preset_architecture(QWEN3_PRESET if qwen3 else DEFAULT_PRESET).config_type
     if preset is None:
@@ -194,7 +187,8 @@ def synth_for_target(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> SynthSummary:
-    """Write a draft for ``target`` to ``output_dir``, complete or not at all."""
+    """Write a draft for ``target`` to ``output_dir``, complete or not at all (lm_head is the
+    target's, borrowed with ``--target``)."""
     shape = read_target_shape(target)
     preset = target_preset(shape, preset)
     output = Path(output_dir).resolve()
@@ -212,13 +206,12 @@ def synth_for_target(
         small[EMBED] = read_target_tensors(target, [EMBED])[EMBED].float()
         if tuple(small[EMBED].shape) != (config.vocab_size, config.hidden_size):
             raise QStreamError(f"{target}: {EMBED} has shape {list(small[EMBED].shape)}")
-    shapes = draft_shapes(config)
-    with publishing(output, overwrite) as tmp:
-        write_json_atomic(tmp / "config.json", config.to_json())
+
+    def write_tok(tmp: Path) -> None:
         for name in TOKENIZER_FILES:
             if (Path(target) / name).is_file():
                 shutil.copyfile(Path(target) / name, tmp / name)
-        size = _write_tensors(tmp, shapes, _Plan(config, small, 0.0, seed), progress, False)
-        summary = _summary(output, preset, seed, corpus, shapes, size, alpha, top1)
-        write_record(tmp, summary, target=shape.identity())
-    return summary
+
+    plan = _Plan(config, small, 0.0, seed)
+    return publish_draft(output, overwrite, preset, corpus, plan, alpha, top1, write_tok,
+                         progress, target=shape.identity())  # fmt: skip
