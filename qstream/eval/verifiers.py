@@ -19,7 +19,6 @@ from qstream.eval.acceptance import (
     accept_probabilities,
     greedy_accepts,
     greedy_draft_probabilities,
-    greedy_draft_stream_weights,
     paired_loss,
     stream_weights,
     token_probs,
@@ -126,7 +125,8 @@ class RegimeAcceptance:
             if mode.probabilistic:
                 acc.add(mode, stream_weights(p_tok, q_tok, mode.block))
             else:
-                weights = greedy_draft_stream_weights(p_tok, drafted_is_stream, mode.block)
+                # a greedy drafter's one-hot q: is its argmax on the stream's prefix the token
+                weights = stream_weights(p_tok, drafted_is_stream.double(), mode.block)
                 acc.add(mode, weights, outcomes=True)
         target_top1 = target_logits.argmax(-1)
         acc.add(GREEDY, greedy_accepts(forced.argmax(-1), target_top1), outcomes=True)

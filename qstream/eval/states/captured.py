@@ -21,9 +21,7 @@ from qstream.checkpoint.read import read_target_tensors
 from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
 from qstream.eval.corpus import AnchorPlan, Corpus
-from qstream.units import FLOAT_DTYPE_NAMES, FLOAT_DTYPES
 
-ID_DTYPES = (torch.int32, torch.int64)
 AUX, TARGET = "aux", "target"  # the two kinds of rows a stream source reads
 
 
@@ -219,52 +217,6 @@ class CapturedAuxChunks:
             if stop > t0:
                 out[i, : stop - t0] = self.states._rows(s, AUX, t0, stop)
         return out
-
-
-def check_ids(where: str, name: str, ids: torch.Tensor, config: DraftConfig) -> torch.Tensor:
-    """A stream's token ids: 1-D int32/int64, long enough for one block, inside the vocab."""
-    if ids.dtype not in ID_DTYPES or ids.ndim != 1:
-        raise QStreamError(
-            f"{where}: tensor {name!r} must be 1-D int32/int64, got "
-            f"{str(ids.dtype).removeprefix('torch.')} {list(ids.shape)}"
-        )
-    T = ids.numel()
-    if T < config.block_size + 2:
-        raise QStreamError(
-            f"{where}: tensor {name!r} has {T} tokens; a block needs at least "
-            f"{config.block_size + 2} (one context token, the block, its last "
-            "token's successor)"
-        )
-    if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
-        raise QStreamError(
-            f"{where}: tensor {name!r} holds ids outside [0, "
-            f"{config.vocab_size}) (the model's vocab_size)"
-        )
-    return ids.long()
-
-
-def check_float(where: str, name: str, dtype: str | torch.dtype) -> None:
-    ok = dtype in FLOAT_DTYPES if isinstance(dtype, torch.dtype) else dtype in FLOAT_DTYPE_NAMES
-    if not ok:
-        shown = str(dtype).removeprefix("torch.")
-        raise QStreamError(
-            f"{where}: tensor {name!r} has dtype {shown}, expected one of "
-            f"{', '.join(FLOAT_DTYPE_NAMES)}"
-        )
-
-
-def check_shape(where: str, name: str, shape: list[int], expected: list[int], why: str) -> None:
-    if list(shape) != list(expected):
-        raise QStreamError(
-            f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(expected)} ({why})"
-        )
-
-
-def aux_why(config: DraftConfig) -> str:
-    return (
-        f"num_target_layers·target_hidden_size = "
-        f"{config.num_target_layers}·{config.target_hidden_size}"
-    )
 
 
 def file_sha256s(files: list[Path], root: Path) -> dict[str, str]:
