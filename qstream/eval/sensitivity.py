@@ -127,6 +127,10 @@ def _gap(step: dict, floor: dict) -> float:
     return step["ceiling"]["value"] - floor["ceiling"]["value"]
 
 
+def _harm(step: dict, floor: dict) -> tuple[float, float]:
+    return -_gap(step, floor), step["kl_mean"] or 0.0
+
+
 def evaluate_sensitivity(
     weights: Mapping[str, torch.Tensor],
     probed: Variant,
@@ -153,8 +157,7 @@ def evaluate_sensitivity(
     ]
     for entry in single:
         entry["ceiling_gap"] = _gap(entry, floor)
-    harm = [(-e["ceiling_gap"], e["kl_mean"] or 0.0) for e in single]  # HARM, least first
-    order = sorted(range(len(kinds)), key=lambda i: (*harm[i], i))
+    order = sorted(range(len(kinds)), key=lambda i: (*_harm(single[i], floor), i))
     cumulative: list[dict] = []
     include: tuple[str, ...] = ()
     for i in order:

@@ -18,7 +18,6 @@ from qstream.eval.acceptance import (
     AcceptanceAccumulator,
     accept_probabilities,
     greedy_accepts,
-    greedy_draft_probabilities,
     paired_loss,
     stream_weights,
     token_probs,
@@ -83,7 +82,13 @@ class RegimeAcceptance:
                 )[LM_HEAD]
             self.lm_head = ComputeWeights({LM_HEAD: head}, torch.float32)
             self.plan = plan
-            self.stream_tokens = self.states.block_tokens(plan, self.B)
+            # [N, B] the stream's own tokens p+1..p+B of every block
+            self.stream_tokens = torch.stack(
+                [
+                    self.states.streams[s][p + 1 : p + 1 + self.B]
+                    for s, p in zip(plan.stream.tolist(), plan.anchor.tolist())
+                ]
+            )
         if self.against_reference:  # last: nothing after it can fail and leave it open
             N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
             # the block drafter keeps U [N, B, Vd] float32
@@ -121,13 +126,9 @@ class RegimeAcceptance:
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
         q_tok = token_probs(self._drafter_probs(forced), stream)
         drafted_is_stream = forced.argmax(-1) == stream
-        for mode in SAMPLING_MODES:
-            if mode.probabilistic:
-                acc.add(mode, stream_weights(p_tok, q_tok, mode.block))
-            else:
-                # a greedy drafter's one-hot q: is its argmax on the stream's prefix the token
-                weights = stream_weights(p_tok, drafted_is_stream.double(), mode.block)
-                acc.add(mode, weights, outcomes=True)
+        for mode in SAMPLING_MODES:  # a greedy drafter's q is one-hot: its argmax on the prefix
+            q = q_tok if mode.probabilistic else drafted_is_stream.double()
+            acc.add(mode, stream_weights(p_tok, q, mode.block), outcomes=not mode.probabilistic)
         target_top1 = target_logits.argmax(-1)
         acc.add(GREEDY, greedy_accepts(forced.argmax(-1), target_top1), outcomes=True)
         acc.add_confidence(False, greedy.confidence)
@@ -177,11 +178,10 @@ class RegimeAcceptance:
             q_tok = token_probs(
                 self._drafter_probs(self._in_target(sampled.logits)), sampled.tokens
             )
+            # by mode.probabilistic; a greedy draft's q is one-hot (greedy_draft_probabilities)
+            pairs = {True: (p_tok, q_tok), False: (p_greedy_tok, torch.ones_like(p_greedy_tok))}
             for mode in SAMPLING_MODES:
-                if mode.probabilistic:
-                    acc.add(mode, accept_probabilities(p_tok, q_tok, mode.block))
-                else:
-                    acc.add(mode, greedy_draft_probabilities(p_greedy_tok, mode.block))
+                acc.add(mode, accept_probabilities(*pairs[mode.probabilistic], mode.block))
             acc.add_confidence(False, greedy.confidence)
             acc.add_confidence(True, sampled.confidence)
         if self.states is not None:

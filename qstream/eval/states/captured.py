@@ -1,26 +1,20 @@
-"""The corpus every states layout is read into (:class:`CapturedStates`), the checks all layouts
-share, and which target layers a states file holds: the two numberings as :class:`Convention`
-objects, the one place their names are spelled (``layer-output``: id j is decoder layer j's
-output, the draft's ``target_layer_ids``; ``hidden-states-index``: id k is the residual stream
-entering layer k, vLLM's ``eagle_aux_hidden_state_layer_ids``), and the target's final norm
-(docs/states.md).  A stream's rows are read only when a batch asks for them, as float32."""
+"""The corpus every states layout is read into (:class:`CapturedStates`), the two numberings
+of the target's layers as :class:`Convention` objects, the one place their names are spelled
+(``layer-output``: id j is decoder layer j's output, the draft's ``target_layer_ids``;
+``hidden-states-index``: id k is the residual stream entering layer k, vLLM's
+``eagle_aux_hidden_state_layer_ids``), and the target's final norm (docs/states.md).  A stream's
+rows are read only when a batch asks for them, as float32."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from qstream.arch.interface import DraftConfig
 from qstream.arch.weights import rms_norm
-from qstream.checkpoint.files import read_config, sha256_file
-from qstream.checkpoint.read import read_target_tensors
-from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
-from qstream.eval.corpus import AnchorPlan, Corpus
+from qstream.eval.corpus import Corpus
 
 AUX, TARGET = "aux", "target"  # the two kinds of rows a stream source reads
 
@@ -42,61 +36,6 @@ class Convention:
 LAYER_OUTPUT = Convention("layer-output", 0)
 HIDDEN_STATES_INDEX = Convention("hidden-states-index", 1)
 CONVENTIONS = {c.name: c for c in (LAYER_OUTPUT, HIDDEN_STATES_INDEX)}
-FINAL_NORM = "model.norm.weight"  # the final norm of a transformers decoder (not a layer's norm)
-
-
-def parse_convention(value: object, where: str) -> Convention:
-    name = value.replace("_", "-") if isinstance(value, str) else None
-    if name not in CONVENTIONS:
-        raise QStreamError(
-            f"{where}: layer convention {value!r} is not one of {', '.join(CONVENTIONS)}"
-        )
-    return CONVENTIONS[name]
-
-
-def parse_ids(value: object, where: str) -> tuple[int, ...]:
-    if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",") if p.strip()]
-        if not all(p.isdigit() for p in parts):
-            raise QStreamError(f"{where}: layer ids {value!r} are not comma-separated integers")
-        value = [int(p) for p in parts]
-    if not (
-        isinstance(value, list | tuple)
-        and value
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
-    ):
-        raise QStreamError(f"{where}: layer ids {value!r} are not a list of integers")
-    return tuple(value)
-
-
-def target_depth(config: DraftConfig, target: str | None) -> int | None:
-    """The target's layer count: the draft's ``target_num_hidden_layers``, else (a speculators
-    draft has none) ``target``'s config.json."""
-    if config.target_num_hidden_layers is not None or target is None:
-        return config.target_num_hidden_layers
-    return read_target_shape(target).num_hidden_layers
-
-
-def check_layer_ids(
-    ids: tuple[int, ...], convention: Convention, config: DraftConfig, where: str, n: int | None
-):
-    """Refuse ids that are not the draft's ``target_layer_ids``; a trailing last layer (output
-    ``n`` − 1) names the final state and is allowed."""
-    wanted = tuple(config.target_layer_ids)
-    lo = convention.to_layer_output(ids)
-    if len(lo) == len(wanted) + 1 and n is not None and lo[-1] == n - 1:
-        lo = lo[:-1]  # speculators appends the last layer (its final state)
-    if lo != wanted:
-        raise QStreamError(
-            f"{where}: layer ids {list(ids)} ({convention.name}) are layers {list(lo)} in the "
-            f"layer-output convention; the draft's target_layer_ids are {list(wanted)} "
-            + (
-                f"(the target's {n} layers)"
-                if n
-                else "(the target's layer count unknown: pass "
-                "--target, whose config.json has num_hidden_layers)"
-            )
-        )
 
 
 @dataclass(frozen=True)
@@ -112,29 +51,6 @@ class FinalNorm:
 
     def to_json(self) -> dict | None:
         return None if self.weight is None else {"weight": self.source, "eps": self.eps}
-
-
-def read_final_norm(target: str | None, width: int, why: str) -> FinalNorm:
-    if target is None:
-        raise QStreamError(
-            f"{why}: its final state is taken before the target's final norm; pass --target "
-            f"HF_DIR (the target checkpoint: its {FINAL_NORM} and config.json rms_norm_eps) "
-            "to normalize it"
-        )
-    weight = read_target_tensors(target, [FINAL_NORM])[FINAL_NORM]
-    if list(weight.shape) != [width]:
-        raise QStreamError(
-            f"{target}: {FINAL_NORM} has shape {list(weight.shape)}, expected [{width}] "
-            "(the final state's width)"
-        )
-    config = read_config(Path(target))
-    eps = config.get("rms_norm_eps", (config.get("text_config") or {}).get("rms_norm_eps"))
-    if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
-        raise QStreamError(
-            f"{Path(target) / 'config.json'}: rms_norm_eps = {eps!r}, expected a positive "
-            "number (the final norm's epsilon)"
-        )
-    return FinalNorm(weight.float(), float(eps), f"{target}:{FINAL_NORM}")
 
 
 class StreamSource(Protocol):
@@ -193,15 +109,6 @@ class CapturedStates(Corpus):
         assert out is not None, "no blocks"
         return out
 
-    def block_tokens(self, plan: AnchorPlan, block_size: int) -> torch.Tensor:
-        """``[N, B]`` the stream's own tokens p+1..p+B of every block of ``plan``."""
-        return torch.stack(
-            [
-                self.streams[s][p + 1 : p + 1 + block_size]
-                for s, p in zip(plan.stream.tolist(), plan.anchor.tolist())
-            ]
-        )
-
 
 class CapturedAuxChunks:
     """Aux rows [S, pad_to, A] of some streams, read range by range, zero past each end."""
@@ -217,18 +124,3 @@ class CapturedAuxChunks:
             if stop > t0:
                 out[i, : stop - t0] = self.states._rows(s, AUX, t0, stop)
         return out
-
-
-def file_sha256s(files: list[Path], root: Path) -> dict[str, str]:
-    """``{name relative to root: sha256}`` of each states file (a file given alone: its name)."""
-    return {f.name if f == root else f.relative_to(root).as_posix(): sha256_file(f) for f in files}
-
-
-def files_sha256(digests: dict[str, str], root: Path) -> str:
-    """sha256 of one file, or of a directory's files (relative name and each file's sha256)."""
-    if root.is_file():
-        return next(iter(digests.values()))
-    digest = hashlib.sha256()
-    for name, file_digest in digests.items():
-        digest.update(f"{name}\0{file_digest}\n".encode())
-    return digest.hexdigest()
