@@ -20,6 +20,7 @@ from qstream.eval.acceptance import (
     admitted_drafts,
     greedy_accepts,
     greedy_draft_probabilities,
+    greedy_draft_stream_weights,
     request_batches,
     stream_weights,
     token_probs,
@@ -354,7 +355,7 @@ def test_greedy_draft_against_a_one_hot_verifier_is_greedy_against_greedy():
         assert torch.equal(greedy_draft_probabilities(token_probs(p, draft), BLOCK[rule]), expected)
         # on the target's stream: the stream is its argmax path, the weight the matched run
         stream_p = token_probs(p, top1)
-        weights = stream_weights(stream_p, (draft == top1).double(), BLOCK[rule])
+        weights = greedy_draft_stream_weights(stream_p, draft == top1, BLOCK[rule])
         assert torch.equal(weights, expected)
 
 
@@ -379,8 +380,8 @@ def test_greedy_draft_stream_weights_are_unbiased():
     p_draft = torch.tensor([[float(P[c, x]) for c, x in zip(draft_context, draft)]])
     for rule in ("standard", "block"):
         direct = greedy_draft_probabilities(p_draft.double(), BLOCK[rule])[0]  # [B]
-        weights = stream_weights(
-            P[context, stream], (greedy[context] == stream).double(), BLOCK[rule]
+        weights = greedy_draft_stream_weights(
+            P[context, stream], greedy[context] == stream, BLOCK[rule]
         )
         se = weights.std(dim=0) / math.sqrt(n)
         assert bool(((weights.mean(dim=0) - direct).abs() < SIGMAS * se + 1e-12).all()), (

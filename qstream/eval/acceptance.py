@@ -80,6 +80,14 @@ def greedy_draft_probabilities(p_tok: torch.Tensor, block: bool) -> torch.Tensor
     return accept_probabilities(p_tok, torch.ones_like(p_tok), block)
 
 
+def greedy_draft_stream_weights(
+    p_tok: torch.Tensor, drafted_is_stream: torch.Tensor, block: bool
+) -> torch.Tensor:
+    """:func:`stream_weights` of a greedy drafter: ``drafted_is_stream[:, k]`` says whether the
+    drafter's argmax on the stream's prefix is the stream's token k (its one-hot q there)."""
+    return stream_weights(p_tok, drafted_is_stream.double(), block)
+
+
 def token_probs(probs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """``probs[..., tokens]``: [n, B, V], [n, B] -> [n, B]."""
     return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

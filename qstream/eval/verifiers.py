@@ -18,6 +18,8 @@ from qstream.eval.acceptance import (
     AcceptanceAccumulator,
     accept_probabilities,
     greedy_accepts,
+    greedy_draft_probabilities,
+    greedy_draft_stream_weights,
     paired_loss,
     stream_weights,
     token_probs,
@@ -126,9 +128,12 @@ class RegimeAcceptance:
         p_tok = token_probs(self._verifier_probs(target_logits), stream)
         q_tok = token_probs(self._drafter_probs(forced), stream)
         drafted_is_stream = forced.argmax(-1) == stream
-        for mode in SAMPLING_MODES:  # a greedy drafter's q is one-hot: its argmax on the prefix
-            q = q_tok if mode.probabilistic else drafted_is_stream.double()
-            acc.add(mode, stream_weights(p_tok, q, mode.block), outcomes=not mode.probabilistic)
+        for mode in SAMPLING_MODES:
+            if mode.probabilistic:
+                acc.add(mode, stream_weights(p_tok, q_tok, mode.block))
+            else:
+                weights = greedy_draft_stream_weights(p_tok, drafted_is_stream, mode.block)
+                acc.add(mode, weights, outcomes=True)
         target_top1 = target_logits.argmax(-1)
         acc.add(GREEDY, greedy_accepts(forced.argmax(-1), target_top1), outcomes=True)
         acc.add_confidence(False, greedy.confidence)
@@ -178,10 +183,11 @@ class RegimeAcceptance:
             q_tok = token_probs(
                 self._drafter_probs(self._in_target(sampled.logits)), sampled.tokens
             )
-            # by mode.probabilistic; a greedy draft's q is one-hot (greedy_draft_probabilities)
-            pairs = {True: (p_tok, q_tok), False: (p_greedy_tok, torch.ones_like(p_greedy_tok))}
             for mode in SAMPLING_MODES:
-                acc.add(mode, accept_probabilities(*pairs[mode.probabilistic], mode.block))
+                if mode.probabilistic:
+                    acc.add(mode, accept_probabilities(p_tok, q_tok, mode.block))
+                else:
+                    acc.add(mode, greedy_draft_probabilities(p_greedy_tok, mode.block))
             acc.add_confidence(False, greedy.confidence)
             acc.add_confidence(True, sampled.confidence)
         if self.states is not None:
