@@ -1,6 +1,6 @@
 """The states layouts (docs/states.md) as :class:`Layout` objects and their registry, the one
-place a layout's name is spelled; and the check of a capture directory against its
-``capture.json``.  Opening a file reads headers and token ids only."""
+place a layout's name is spelled, with the checks their files share; and the check of a capture
+directory against its ``capture.json``.  Opening a file reads headers and token ids only."""
 
 from __future__ import annotations
 
