@@ -99,8 +99,6 @@ class SyntheticAuxChunks:
         seed: int,
         dtype: torch.dtype,
     ):
-        if not regime.synthetic:
-            raise ValueError(f"SyntheticAuxChunks handles gauss and heavy, not {regime.name!r}")
         self.shape = (len(stream_ids), pad_to, config.aux_size)
         self._lengths, self._dtype = stream_lengths, dtype
         self._generators = [_generator(seed, regime, s) for s in stream_ids]

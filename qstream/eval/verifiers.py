@@ -84,7 +84,13 @@ class RegimeAcceptance:
                 )[LM_HEAD]
             self.lm_head = ComputeWeights({LM_HEAD: head}, torch.float32)
             self.plan = plan
-            self.stream_tokens = self.states.block_tokens(plan, self.B)
+            # [N, B] the stream's own tokens p+1..p+B of every block
+            self.stream_tokens = torch.stack(
+                [
+                    self.states.streams[s][p + 1 : p + 1 + self.B]
+                    for s, p in zip(plan.stream.tolist(), plan.anchor.tolist())
+                ]
+            )
         if self.against_reference:  # last: nothing after it can fail and leave it open
             N, V = plan.anchor.numel(), weights[LM_HEAD].shape[0]
             # the block drafter keeps U [N, B, Vd] float32

@@ -1,29 +1,21 @@
-"""The corpus every states layout is read into (:class:`CapturedStates`), the checks all layouts
-share, and which target layers a states file holds: the two numberings as :class:`Convention`
-objects, the one place their names are spelled (``layer-output``: id j is decoder layer j's
-output, the draft's ``target_layer_ids``; ``hidden-states-index``: id k is the residual stream
-entering layer k, vLLM's ``eagle_aux_hidden_state_layer_ids``), and the target's final norm
-(docs/states.md).  A stream's rows are read only when a batch asks for them, as float32."""
+"""The corpus every states layout is read into (:class:`CapturedStates`), the two numberings
+of the target's layers as :class:`Convention` objects, the one place their names are spelled
+(``layer-output``: id j is decoder layer j's output, the draft's ``target_layer_ids``;
+``hidden-states-index``: id k is the residual stream entering layer k, vLLM's
+``eagle_aux_hidden_state_layer_ids``), and the target's final norm (docs/states.md).  A stream's
+rows are read only when a batch asks for them, as float32."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from qstream.arch.interface import DraftConfig
 from qstream.arch.weights import rms_norm
-from qstream.checkpoint.files import read_config, sha256_file
-from qstream.checkpoint.read import read_target_tensors
-from qstream.checkpoint.target import read_target_shape
 from qstream.errors import QStreamError
-from qstream.eval.corpus import AnchorPlan, Corpus
-from qstream.units import FLOAT_DTYPE_NAMES, FLOAT_DTYPES
+from qstream.eval.corpus import Corpus
 
-ID_DTYPES = (torch.int32, torch.int64)
 AUX, TARGET = "aux", "target"  # the two kinds of rows a stream source reads
 
 
@@ -44,61 +36,6 @@ class Convention:
 LAYER_OUTPUT = Convention("layer-output", 0)
 HIDDEN_STATES_INDEX = Convention("hidden-states-index", 1)
 CONVENTIONS = {c.name: c for c in (LAYER_OUTPUT, HIDDEN_STATES_INDEX)}
-FINAL_NORM = "model.norm.weight"  # the final norm of a transformers decoder (not a layer's norm)
-
-
-def parse_convention(value: object, where: str) -> Convention:
-    name = value.replace("_", "-") if isinstance(value, str) else None
-    if name not in CONVENTIONS:
-        raise QStreamError(
-            f"{where}: layer convention {value!r} is not one of {', '.join(CONVENTIONS)}"
-        )
-    return CONVENTIONS[name]
-
-
-def parse_ids(value: object, where: str) -> tuple[int, ...]:
-    if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",") if p.strip()]
-        if not all(p.isdigit() for p in parts):
-            raise QStreamError(f"{where}: layer ids {value!r} are not comma-separated integers")
-        value = [int(p) for p in parts]
-    if not (
-        isinstance(value, list | tuple)
-        and value
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
-    ):
-        raise QStreamError(f"{where}: layer ids {value!r} are not a list of integers")
-    return tuple(value)
-
-
-def target_depth(config: DraftConfig, target: str | None) -> int | None:
-    """The target's layer count: the draft's ``target_num_hidden_layers``, else (a speculators
-    draft has none) ``target``'s config.json."""
-    if config.target_num_hidden_layers is not None or target is None:
-        return config.target_num_hidden_layers
-    return read_target_shape(target).num_hidden_layers
-
-
-def check_layer_ids(
-    ids: tuple[int, ...], convention: Convention, config: DraftConfig, where: str, n: int | None
-):
-    """Refuse ids that are not the draft's ``target_layer_ids``; a trailing last layer (output
-    ``n`` − 1) names the final state and is allowed."""
-    wanted = tuple(config.target_layer_ids)
-    lo = convention.to_layer_output(ids)
-    if len(lo) == len(wanted) + 1 and n is not None and lo[-1] == n - 1:
-        lo = lo[:-1]  # speculators appends the last layer (its final state)
-    if lo != wanted:
-        raise QStreamError(
-            f"{where}: layer ids {list(ids)} ({convention.name}) are layers {list(lo)} in the "
-            f"layer-output convention; the draft's target_layer_ids are {list(wanted)} "
-            + (
-                f"(the target's {n} layers)"
-                if n
-                else "(the target's layer count unknown: pass "
-                "--target, whose config.json has num_hidden_layers)"
-            )
-        )
 
 
 @dataclass(frozen=True)
@@ -114,29 +51,6 @@ class FinalNorm:
 
     def to_json(self) -> dict | None:
         return None if self.weight is None else {"weight": self.source, "eps": self.eps}
-
-
-def read_final_norm(target: str | None, width: int, why: str) -> FinalNorm:
-    if target is None:
-        raise QStreamError(
-            f"{why}: its final state is taken before the target's final norm; pass --target "
-            f"HF_DIR (the target checkpoint: its {FINAL_NORM} and config.json rms_norm_eps) "
-            "to normalize it"
-        )
-    weight = read_target_tensors(target, [FINAL_NORM])[FINAL_NORM]
-    if list(weight.shape) != [width]:
-        raise QStreamError(
-            f"{target}: {FINAL_NORM} has shape {list(weight.shape)}, expected [{width}] "
-            "(the final state's width)"
-        )
-    config = read_config(Path(target))
-    eps = config.get("rms_norm_eps", (config.get("text_config") or {}).get("rms_norm_eps"))
-    if not isinstance(eps, int | float) or isinstance(eps, bool) or not eps > 0:
-        raise QStreamError(
-            f"{Path(target) / 'config.json'}: rms_norm_eps = {eps!r}, expected a positive "
-            "number (the final norm's epsilon)"
-        )
-    return FinalNorm(weight.float(), float(eps), f"{target}:{FINAL_NORM}")
 
 
 class StreamSource(Protocol):
@@ -195,15 +109,6 @@ class CapturedStates(Corpus):
         assert out is not None, "no blocks"
         return out
 
-    def block_tokens(self, plan: AnchorPlan, block_size: int) -> torch.Tensor:
-        """``[N, B]`` the stream's own tokens p+1..p+B of every block of ``plan``."""
-        return torch.stack(
-            [
-                self.streams[s][p + 1 : p + 1 + block_size]
-                for s, p in zip(plan.stream.tolist(), plan.anchor.tolist())
-            ]
-        )
-
 
 class CapturedAuxChunks:
     """Aux rows [S, pad_to, A] of some streams, read range by range, zero past each end."""
@@ -219,64 +124,3 @@ class CapturedAuxChunks:
             if stop > t0:
                 out[i, : stop - t0] = self.states._rows(s, AUX, t0, stop)
         return out
-
-
-def check_ids(where: str, name: str, ids: torch.Tensor, config: DraftConfig) -> torch.Tensor:
-    """A stream's token ids: 1-D int32/int64, long enough for one block, inside the vocab."""
-    if ids.dtype not in ID_DTYPES or ids.ndim != 1:
-        raise QStreamError(
-            f"{where}: tensor {name!r} must be 1-D int32/int64, got "
-            f"{str(ids.dtype).removeprefix('torch.')} {list(ids.shape)}"
-        )
-    T = ids.numel()
-    if T < config.block_size + 2:
-        raise QStreamError(
-            f"{where}: tensor {name!r} has {T} tokens; a block needs at least "
-            f"{config.block_size + 2} (one context token, the block, its last "
-            "token's successor)"
-        )
-    if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
-        raise QStreamError(
-            f"{where}: tensor {name!r} holds ids outside [0, "
-            f"{config.vocab_size}) (the model's vocab_size)"
-        )
-    return ids.long()
-
-
-def check_float(where: str, name: str, dtype: str | torch.dtype) -> None:
-    ok = dtype in FLOAT_DTYPES if isinstance(dtype, torch.dtype) else dtype in FLOAT_DTYPE_NAMES
-    if not ok:
-        shown = str(dtype).removeprefix("torch.")
-        raise QStreamError(
-            f"{where}: tensor {name!r} has dtype {shown}, expected one of "
-            f"{', '.join(FLOAT_DTYPE_NAMES)}"
-        )
-
-
-def check_shape(where: str, name: str, shape: list[int], expected: list[int], why: str) -> None:
-    if list(shape) != list(expected):
-        raise QStreamError(
-            f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(expected)} ({why})"
-        )
-
-
-def aux_why(config: DraftConfig) -> str:
-    return (
-        f"num_target_layers·target_hidden_size = "
-        f"{config.num_target_layers}·{config.target_hidden_size}"
-    )
-
-
-def file_sha256s(files: list[Path], root: Path) -> dict[str, str]:
-    """``{name relative to root: sha256}`` of each states file (a file given alone: its name)."""
-    return {f.name if f == root else f.relative_to(root).as_posix(): sha256_file(f) for f in files}
-
-
-def files_sha256(digests: dict[str, str], root: Path) -> str:
-    """sha256 of one file, or of a directory's files (relative name and each file's sha256)."""
-    if root.is_file():
-        return next(iter(digests.values()))
-    digest = hashlib.sha256()
-    for name, file_digest in digests.items():
-        digest.update(f"{name}\0{file_digest}\n".encode())
-    return digest.hexdigest()

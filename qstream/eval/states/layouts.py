@@ -1,13 +1,14 @@
 """The states layouts (docs/states.md) as :class:`Layout` objects and their registry, the one
-place a layout's name is spelled; and the check of a capture directory against its
-``capture.json``.  Opening a file reads headers and token ids only."""
+place a layout's name is spelled, with the checks their files share; and the check of a capture
+directory against its ``capture.json``.  Opening a file reads headers and token ids only."""
 
 from __future__ import annotations
 
 import gzip
 import io
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -22,17 +23,16 @@ from qstream.eval.states.captured import (
     AUX,
     HIDDEN_STATES_INDEX,
     LAYER_OUTPUT,
+    TARGET,
     Convention,
     StreamSource,
-    aux_why,
-    check_float,
-    check_ids,
-    check_shape,
 )
+from qstream.units import FLOAT_DTYPE_NAMES, FLOAT_DTYPES
 
 RECORD = "capture.json"  # written by ``qstream capture`` (qstream/capture/layout.py), read here
 Opened = list[tuple[StreamSource, torch.Tensor]]  # a file's streams: (source, token ids)
 Tensors = dict[str, torch.Tensor]
+ID_DTYPES = (torch.int32, torch.int64)
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,70 @@ class Layout:
         return list(self.convention.from_layer_output(slots))
 
 
+def check_ids(where: str, name: str, ids: torch.Tensor, config: DraftConfig) -> torch.Tensor:
+    """A stream's token ids: 1-D int32/int64, long enough for one block, inside the vocab."""
+    if ids.dtype not in ID_DTYPES or ids.ndim != 1:
+        raise QStreamError(
+            f"{where}: tensor {name!r} must be 1-D int32/int64, got "
+            f"{str(ids.dtype).removeprefix('torch.')} {list(ids.shape)}"
+        )
+    T = ids.numel()
+    if T < config.block_size + 2:
+        raise QStreamError(
+            f"{where}: tensor {name!r} has {T} tokens; a block needs at least "
+            f"{config.block_size + 2} (one context token, the block, its last "
+            "token's successor)"
+        )
+    if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size:
+        raise QStreamError(
+            f"{where}: tensor {name!r} holds ids outside [0, "
+            f"{config.vocab_size}) (the model's vocab_size)"
+        )
+    return ids.long()
+
+
+def check_float(where: str, name: str, dtype: str | torch.dtype) -> None:
+    ok = dtype in FLOAT_DTYPES if isinstance(dtype, torch.dtype) else dtype in FLOAT_DTYPE_NAMES
+    if not ok:
+        shown = str(dtype).removeprefix("torch.")
+        raise QStreamError(
+            f"{where}: tensor {name!r} has dtype {shown}, expected one of "
+            f"{', '.join(FLOAT_DTYPE_NAMES)}"
+        )
+
+
+def check_shape(where: str, name: str, shape: list[int], expected: list[int], why: str) -> None:
+    if list(shape) != list(expected):
+        raise QStreamError(
+            f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(expected)} ({why})"
+        )
+
+
+def widths(config: DraftConfig) -> dict[str, tuple[int, str]]:
+    """Each kind's row width, and why, as the shape messages say it."""
+    aux = f"{config.num_target_layers}·{config.target_hidden_size}"
+    return {
+        AUX: (config.aux_size, f"num_target_layers·target_hidden_size = {aux}"),
+        TARGET: (config.hidden_size, "the lm_head's width, hidden_size"),
+    }
+
+
+@contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    try:
+        yield
+    except QStreamError:
+        raise
+    except Exception as exc:  # safetensors reports a bad header with its own exception types
+        raise QStreamError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
 # --- qstream's own: one safetensors file of one stream (input_ids, aux_hidden_states,
 # target_hidden_states after the final norm) or several (stream.{i}.<same>, i = 0..S−1)
 
 FIELDS = ("input_ids", "aux_hidden_states", "target_hidden_states")
 STREAM_NAME = re.compile(r"stream\.(\d+)\.(\w+)$")
-TENSOR_OF = {AUX: "aux_hidden_states", "target": "target_hidden_states"}
+TENSOR_OF = {AUX: "aux_hidden_states", TARGET: "target_hidden_states"}
 
 
 @dataclass(frozen=True)
@@ -122,29 +180,20 @@ def _stream_prefixes(path: Path, names: list[str]) -> tuple[str, ...]:
 def _check_stream(path: Path, f, prefix: str, config: DraftConfig) -> torch.Tensor:
     ids_name = prefix + "input_ids"
     ids = check_ids(str(path), ids_name, f.get_tensor(ids_name), config)
-    T = ids.numel()
-    widths = {
-        "aux_hidden_states": (config.aux_size, aux_why(config)),
-        "target_hidden_states": (config.hidden_size, "the lm_head's width, hidden_size"),
-    }
-    for field, (width, why) in widths.items():
-        name = prefix + field
+    for kind, (width, why) in widths(config).items():
+        name = prefix + TENSOR_OF[kind]
         sl = f.get_slice(name)
-        check_shape(str(path), name, sl.get_shape(), [T, width], f"T = len({ids_name}); {why}")
+        shape = [ids.numel(), width]
+        check_shape(str(path), name, sl.get_shape(), shape, f"T = len({ids_name}); {why}")
         check_float(str(path), name, sl.get_dtype())
     return ids
 
 
 def open_qstream_file(path: Path, config: DraftConfig) -> Opened:
     """Validate one qstream-layout file; its streams as (source, token ids)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            prefixes = _stream_prefixes(path, sorted(f.keys()))
-            ids = [_check_stream(path, f, prefix, config) for prefix in prefixes]
-    except QStreamError:
-        raise
-    except Exception as exc:  # safetensors reports a bad header with its own exception types
-        raise QStreamError(f"{path}: not a readable safetensors file ({exc})") from None
+    with _readable(path), safe_open(str(path), framework="pt") as f:
+        prefixes = _stream_prefixes(path, sorted(f.keys()))
+        ids = [_check_stream(path, f, prefix, config) for prefix in prefixes]
     return [(QStreamSource(str(path), p), i) for p, i in zip(prefixes, ids)]
 
 
@@ -208,26 +257,21 @@ def _check_slots(path: Path, shape: list[int], T: int, config: DraftConfig) -> N
 
 
 def open_vllm_file(path: Path, config: DraftConfig) -> Opened:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            names = sorted(f.keys())
-            for name in names:
-                if name not in (IDS, STATES):
-                    raise QStreamError(
-                        f"{path}: unexpected tensor {name!r}; vLLM's hidden-states "
-                        f"connector writes exactly {IDS!r} and {STATES!r}"
-                    )
-            for name in (IDS, STATES):
-                if name not in names:
-                    raise QStreamError(f"{path}: missing tensor {name!r} (vLLM layout)")
-            ids = check_ids(str(path), IDS, f.get_tensor(IDS), config)
-            sl = f.get_slice(STATES)
-            _check_slots(path, list(sl.get_shape()), ids.numel(), config)
-            check_float(str(path), STATES, sl.get_dtype())
-    except QStreamError:
-        raise
-    except Exception as exc:  # safetensors reports a bad header with its own exception types
-        raise QStreamError(f"{path}: not a readable safetensors file ({exc})") from None
+    with _readable(path), safe_open(str(path), framework="pt") as f:
+        names = sorted(f.keys())
+        for name in names:
+            if name not in (IDS, STATES):
+                raise QStreamError(
+                    f"{path}: unexpected tensor {name!r}; vLLM's hidden-states "
+                    f"connector writes exactly {IDS!r} and {STATES!r}"
+                )
+        for name in (IDS, STATES):
+            if name not in names:
+                raise QStreamError(f"{path}: missing tensor {name!r} (vLLM layout)")
+        ids = check_ids(str(path), IDS, f.get_tensor(IDS), config)
+        sl = f.get_slice(STATES)
+        _check_slots(path, list(sl.get_shape()), ids.numel(), config)
+        check_float(str(path), STATES, sl.get_dtype())
     return [(VllmSource(str(path), config.num_target_layers), ids)]
 
 
@@ -272,19 +316,6 @@ def load_record(path: str) -> dict:
     return record
 
 
-def _squeezed(path: Path, record: dict, name: str, T: int, width: int, why: str) -> None:
-    """``record[name]`` must be [1, T, width] (as SpecForge saves it) or [T, width], float."""
-    tensor = record.get(name)
-    if not isinstance(tensor, torch.Tensor):
-        what = "missing" if tensor is None else f"a {type(tensor).__name__}, not a tensor"
-        extra = " (SpecForge writes it with --strategy dspark)" if name == SF_FINAL else ""
-        raise QStreamError(f"{path}: tensor {name!r} is {what}{extra}")
-    shape = list(tensor.shape)
-    check_shape(str(path), name, shape[1:] if len(shape) == 3 and shape[0] == 1 else shape,
-                [T, width], f"T = len({SF_IDS}); {why}")  # fmt: skip
-    check_float(str(path), name, tensor.dtype)
-
-
 @dataclass(frozen=True)
 class SpecForgeSource:
     where: str
@@ -311,10 +342,20 @@ def open_specforge_file(path: Path, config: DraftConfig) -> Opened:
     if not isinstance(ids, torch.Tensor):
         raise QStreamError(f"{path}: tensor {SF_IDS!r} is missing")
     ids = check_ids(str(path), SF_IDS, ids, config)
-    T = ids.numel()
-    _squeezed(path, record, SF_AUX, T, config.aux_size, aux_why(config))
-    _squeezed(path, record, SF_FINAL, T, config.hidden_size, "the lm_head's width, hidden_size")
-    return [(SpecForgeSource(str(path)), ids)]
+    source = SpecForgeSource(str(path))
+    for kind, (width, why) in widths(config).items():
+        # [1, T, width] (as SpecForge saves it) or [T, width], float
+        name = source.tensor_name(kind)
+        tensor = record.get(name)
+        if not isinstance(tensor, torch.Tensor):
+            what = "missing" if tensor is None else f"a {type(tensor).__name__}, not a tensor"
+            extra = " (SpecForge writes it with --strategy dspark)" if name == SF_FINAL else ""
+            raise QStreamError(f"{path}: tensor {name!r} is {what}{extra}")
+        shape = list(tensor.shape)
+        check_shape(str(path), name, shape[1:] if len(shape) == 3 and shape[0] == 1 else shape,
+                    [ids.numel(), width], f"T = len({SF_IDS}); {why}")  # fmt: skip
+        check_float(str(path), name, tensor.dtype)
+    return [(source, ids)]
 
 
 QSTREAM = Layout(
