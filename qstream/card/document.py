@@ -193,14 +193,12 @@ def check_card_target(output: Path, overwrite: bool, figures: bool) -> None:
             f"({_what_is_there(output)}); use --overwrite to replace it"
         )
     fig = figures_dir(output)
+    if not figures or not (fig.exists() or fig.is_symlink()):
+        return
     if (
-        figures
-        and (fig.exists() or fig.is_symlink())
-        and not (
-            fig.is_dir()
-            and not fig.is_symlink()
-            and all(p.is_file() and p.name in FIGURE_NAMES for p in fig.iterdir())
-        )
+        fig.is_symlink()
+        or not fig.is_dir()
+        or not all(p.is_file() and p.name in FIGURE_NAMES for p in fig.iterdir())
     ):
         raise QStreamError(
             f"--output {output}: {fig} is in the way of the card's figures "
@@ -215,7 +213,11 @@ def publish_card(output: Path, text: str, draw: Callable[[Path], list[Path]] | N
     tmp = partial_dir(output, "--output")
     fig, old, new = figures_dir(output), tmp / "old-figures", tmp / "figures"
     try:
-        drawn = _build(tmp, text, draw, output)
+        try:
+            (tmp / "card").write_text(text, encoding="utf-8")
+            drawn = [] if draw is None else draw(tmp / "figures")
+        except OSError as exc:
+            raise QStreamError(f"cannot write --output {output}: {exc.strerror or exc}") from exc
         try:
             if drawn:
                 if fig.exists():
@@ -231,11 +233,3 @@ def publish_card(output: Path, text: str, draw: Callable[[Path], list[Path]] | N
         return [output, *(fig / p.name for p in drawn)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _build(tmp: Path, text: str, draw, output: Path) -> list[Path]:
-    try:
-        (tmp / "card").write_text(text, encoding="utf-8")
-        return [] if draw is None else draw(tmp / "figures")
-    except OSError as exc:
-        raise QStreamError(f"cannot write --output {output}: {exc.strerror or exc}") from exc

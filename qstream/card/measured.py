@@ -104,10 +104,9 @@ def _at(node: Any, path: tuple) -> Any:
 
 def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
     """The measured acceptance, then (greedy verification) the calibration against eval-drift."""
-    s, block, prompts = _settings(spec)
-    target = spec["provenance"]["target"]
+    s, block, target = spec["settings"], _block(spec), spec["provenance"]["target"]
     intro = (
-        f"`qstream speculate` decoded the first {prompts} prompts of "
+        f"`qstream speculate` decoded the first {_prompts(spec)} prompts of "
         f"`{spec['provenance']['corpus']['name']}`, {s['new_tokens']} new tokens each, with the "
         f"target `{target['path']}` ({target['model_type']}, {s['target_dtype']}) verifying "
         f"every block by its own forward under {speculate_mode(spec).verification} verification "
@@ -120,27 +119,19 @@ def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
     sections = [Section(title, [intro, measured_table(spec), shares_table(spec)])]
     if not speculate_mode(spec).greedy_verifier:
         return sections
-    sections.append(
-        Section(
-            "Does drift predict the acceptance a format loses?",
-            [
-                "The same draft's formats, three ways: the acceptance each loses against bf16 "
-                "as measured above; as eval-drift simulated it against the target on captured "
-                "target states (regime states; uniformly drawn anchors, which a decoder does "
-                "not visit uniformly: docs/calibration.md); and what the greedy ceiling, "
-                "against the FP32 reference draft, loses in each aux regime. Losses are bf16's "
-                "value minus the variant's: positive is worse (a ceiling loss is the ceiling "
-                "table's gap to bf16 with the sign turned).",
-                calibration_table(spec, rs),
-                *figure(
-                    "calibration.png",
-                    "acceptance lost against bf16: measured, simulated and ceiling losses",
-                    CALIBRATION_CAPTION,
-                ),
-            ],
-        )
+    calibration = (
+        "The same draft's formats, three ways: the acceptance each loses against bf16 "
+        "as measured above; as eval-drift simulated it against the target on captured "
+        "target states (regime states; uniformly drawn anchors, which a decoder does "
+        "not visit uniformly: docs/calibration.md); and what the greedy ceiling, "
+        "against the FP32 reference draft, loses in each aux regime. Losses are bf16's "
+        "value minus the variant's: positive is worse (a ceiling loss is the ceiling "
+        "table's gap to bf16 with the sign turned)."
     )
-    return sections
+    drawn = figure("calibration.png", "acceptance lost against bf16: measured, simulated and "
+                   "ceiling losses", CALIBRATION_CAPTION)  # fmt: skip
+    title = "Does drift predict the acceptance a format loses?"
+    return [*sections, Section(title, [calibration, calibration_table(spec, rs), *drawn])]
 
 
 def measured_table(spec: dict) -> Table:
@@ -169,7 +160,7 @@ def shares_table(spec: dict) -> Table:
     d = DIGITS["proportion"]
     rows = [
         [Cell(str(k), k), *(Cell(f"{s[k - 1]['value']:.{d}f}", s[k - 1]["value"]) for s in shares)]
-        for k in range(1, spec["provenance"]["draft"]["block_size"] + 1)
+        for k in range(1, _block(spec) + 1)
     ]
     return Table(
         "Share of verifications accepting at least k drafted tokens (measured)",
@@ -181,7 +172,7 @@ def shares_table(spec: dict) -> Table:
 
 def speculate_tables(results: dict) -> list[Table]:
     """What ``qstream speculate`` prints of its ``results``."""
-    (s, _, prompts), d = _settings(results), DIGITS["ceiling"]
+    s, d = results["settings"], DIGITS["ceiling"]
     rows = [
         [Cell(name), estimate(x["mean_acceptance_length"], d),
          estimate(x["tokens_per_target_forward"], d), difference(x.get("loss_vs_bf16"))]
@@ -189,7 +180,7 @@ def speculate_tables(results: dict) -> list[Table]:
         for x in [v["summary"]]
     ]  # fmt: skip
     means = Table(
-        f"{speculate_mode(results).verification} verification, {prompts} prompts x "
+        f"{speculate_mode(results).verification} verification, {_prompts(results)} prompts x "
         f"{s['new_tokens']} new tokens (95% "
         "intervals over prompts)",
         ["variant", "mean acceptance length", "tokens / target forward", "loss vs bf16"],
@@ -205,10 +196,12 @@ def speculate_mode(spec: dict) -> VerificationMode:  # settings.rule
     return MODES[spec["settings"]["rule"]]
 
 
-def _settings(spec: dict) -> tuple[dict, int, int]:
-    """Speculate results' settings, block size and prompt count (every variant's the same)."""
-    prompts = next(iter(spec["variants"].values()))["summary"]["prompts"]
-    return spec["settings"], spec["provenance"]["draft"]["block_size"], prompts
+def _prompts(spec: dict) -> int:  # every variant's the same
+    return next(iter(spec["variants"].values()))["summary"]["prompts"]
+
+
+def _block(spec: dict) -> int:
+    return spec["provenance"]["draft"]["block_size"]
 
 
 def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
