@@ -29,16 +29,14 @@ from qstream.card.measured import measured_sections, read_speculate, speculate_m
 from qstream.card.results import ResultsSet, malformed_results_as_error, merge_results
 from qstream.card.serving import serving_sections
 from qstream.card.tables import (
-    acceptance_tables,
-    acceptance_verifiers,
     agreement_table,
+    all_acceptance_tables,
     ceiling_table,
     context_sweep_table,
     evaluation_table,
     full_metrics_table,
     regime_order,
-    sensitivity_table,
-    suggested_command,
+    sensitivity_parts,
     variant_order,
 )
 from qstream.errors import QStreamError
@@ -121,8 +119,7 @@ def build_card(
     if speculate is not None:  # measured acceptance is what the rest predicts: it leads
         sections += measured_sections(speculate, rs, figure)
     # probabilistic drafting is judged by simulated acceptance: it leads
-    acceptance = [t for v in acceptance_verifiers(rs) for t in acceptance_tables(rs, v)]
-    if acceptance:
+    if acceptance := all_acceptance_tables(rs):
         sections.append(Section("Acceptance under vLLM's verification rules", [*acceptance]))
     sections += serving_sections(rs, speculate)
     sections += _drift_sections(rs, full_regime, figure)
@@ -188,7 +185,7 @@ def _study_sections(rs: ResultsSet, figure) -> list[Section]:
     sections = []
     sens = [r for r in regime_order(rs) if "sensitivity" in rs.sections.get(r, {})]
     if sens:
-        parts = [p for r in sens for p in (sensitivity_table(rs, r), suggested_command(rs, r))]
+        parts = [p for r in sens for p in sensitivity_parts(rs, r)]
         intro = (
             "Each row adds one module kind to the quantized set (fused partners together); the "
             "last row within the tolerance gives the include list below."
@@ -221,13 +218,13 @@ def write_card(
     check_card_target(output, overwrite, figures)
     rs = merge_results(list(results))
     spec = None if speculate is None else read_speculate(Path(speculate), rs)
-    with malformed_results_as_error(rs):
+    with malformed_results_as_error(rs.trail):
         figures_name = figures_dir(output).name if figures else None
         card = build_card(rs, checkpoints, base, regime, figures_name, integrity_check, spec)
         text = render(card, fmt)
 
     def draw(directory: Path) -> list[Path]:
-        with malformed_results_as_error(rs):
+        with malformed_results_as_error(rs.trail):
             return write_figures(rs, directory, spec)
 
     return card, publish_card(output, text, draw if figures else None)

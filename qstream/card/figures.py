@@ -57,16 +57,9 @@ def coinciding(rs: ResultsSet, rows: list[tuple[str, str]]) -> dict[str, str]:
             for mode, quantity in rows
         ]
 
-    firsts: list[tuple[str, list]] = []
-    twins = {}
-    for v in variant_order(rs):
-        mine = curves(v)
-        twin = next((u for u, theirs in firsts if theirs == mine), None)
-        if twin is None:
-            firsts.append((v, mine))
-        else:
-            twins[v] = twin
-    return twins
+    lines = {v: curves(v) for v in variant_order(rs)}
+    first = {v: next(u for u in lines if lines[u] == mine) for v, mine in lines.items()}
+    return {v: u for v, u in first.items() if u != v}
 
 
 CEILING_CAPTION = (
@@ -170,13 +163,10 @@ def _save(fig: Figure, path: Path, title: str, handles, labels=None) -> Figure:
 def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     """seq agree[k] and prefix agree[k] with 95% bands; panel gids ``regime/mode/quantity``."""
     regimes, variants = regime_order(rs), variant_order(rs)
-    modes = [
-        m
-        for m in ROLLOUT_MODES
-        if any(
-            m in (metrics(rs, r, v) or {}).get("rollouts", {}) for r in regimes for v in variants
-        )
-    ]
+    present = {
+        m for r in regimes for v in variants for m in (metrics(rs, r, v) or {}).get("rollouts", {})
+    }
+    modes = [m for m in ROLLOUT_MODES if m in present]
     rows = [(mode, quantity) for mode in modes for quantity in POSITION_QUANTITIES]
     twins = coinciding(rs, rows)  # drawn hollow over their twin's line, and said so
     fig, axes = _new_figure(len(rows), len(regimes), (4.2, 3.2), sharey="row")

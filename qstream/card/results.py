@@ -53,13 +53,13 @@ class ResultsSet:
         return sizes.pop()
 
 
-def read_results(path: str | Path, trail: list | None = None) -> dict:
-    """A checked results file; with ``trail``, each key read is recorded there."""
+def read_results(path: str | Path, trail: list) -> dict:
+    """A checked results file, each key read recorded in ``trail``."""
     path = Path(path)
     raw = read_json(path, "results file")
     data = check_results(raw, path)
     check_numbers(raw, str(path))  # by the file's own keys
-    return data if trail is None else _Traced(data, str(path), "", trail)
+    return _Traced(data, str(path), "", trail)
 
 
 class _Traced(dict):
@@ -93,13 +93,13 @@ def _traced(value, source: str, where: str, trail: list):
 
 
 @contextmanager
-def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
-    """Turn the errors a missing or null key causes while reading ``rs`` into one QStreamError
-    naming the file and the key last read (docs/guarantees.md)."""
+def malformed_results_as_error(trail: list) -> Iterator[None]:
+    """Turn the errors a missing or null key causes while reading results into one QStreamError
+    naming the file and the key last read, from ``trail`` (docs/guarantees.md)."""
     try:
         yield
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
-        source, key = rs.trail
+        source, key = trail
         if source is None:
             raise QStreamError(f"results are malformed ({type(exc).__name__}: {exc})") from exc
         raise QStreamError(
@@ -152,9 +152,8 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
     """One results set from ``paths``; a duplicate regime/variant must carry identical numbers."""
     if not paths:
         raise QStreamError("no results file given")
-    trail = [None, None]
-    probe = ResultsSet(model={}, trail=trail)
-    with malformed_results_as_error(probe):
+    trail: list = [None, None]
+    with malformed_results_as_error(trail):
         merged = collect_results([(read_results(path, trail), str(path)) for path in paths])
     merged.trail = trail
     return merged

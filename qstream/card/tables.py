@@ -400,15 +400,11 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
     )
 
 
-def acceptance_verifiers(rs: ResultsSet) -> list[str]:
-    """Verifiers present in some variant's results, in VERIFIERS order."""
-    found = {
-        v
-        for block in rs.regimes.values()
-        for res in block.values()
-        for v in res.get("acceptance", {})
-    }
-    return [v for v in VERIFIERS if v in found]
+def all_acceptance_tables(rs: ResultsSet) -> list[Table]:
+    """:func:`acceptance_tables` of each verifier in some variant's results, in VERIFIERS order."""
+    found = {v for block in rs.regimes.values() for res in block.values()
+             for v in res.get("acceptance", {})}  # fmt: skip
+    return [t for v in VERIFIERS if v in found for t in acceptance_tables(rs, v)]
 
 
 OTHER_MODES = tuple(m for m in MODES.values() if m not in HEADLINE_MODES and not m.adaptive)
@@ -514,6 +510,10 @@ def _adaptive_table(rs: ResultsSet, verifier: str, settings: set[tuple]) -> Tabl
         key=f"acceptance_{verifier}_adaptive",
         align="lllrrr",
     )
+
+
+def sensitivity_parts(rs: ResultsSet, regime: str) -> list[Part]:
+    return [sensitivity_table(rs, regime), suggested_command(rs, regime)]
 
 
 def suggested_command(rs: ResultsSet, regime: str) -> Part:
