@@ -13,7 +13,7 @@ from qstream.card.results import (
     SPECULATE_SCHEMA,
     ResultsSet,
     check_numbers,
-    renamed_modes,
+    of_schema,
     summary_problems,
 )
 from qstream.card.tables import DIGITS, difference, estimate, metrics, regime_order
@@ -36,12 +36,8 @@ CALIBRATION_CAPTION = (
 
 def read_speculate(path: Path, rs: ResultsSet) -> dict:
     """Checked ``qstream speculate --json`` results of the draft ``rs`` describes."""
-    data = renamed_modes(read_json(path, "speculate results"))
-    if not isinstance(data, dict) or data.get("schema") != SPECULATE_SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise QStreamError(
-            f"{path}: not speculate results (schema {found!r}, expected {SPECULATE_SCHEMA!r})"
-        )
+    raw = read_json(path, "speculate results")
+    data = of_schema(raw, SPECULATE_SCHEMA, "speculate results", path)
     lacking = next((p for p in _read_paths(data) if _at(data, p) is None), None)
     if lacking is not None:
         dotted = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in lacking)

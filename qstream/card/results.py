@@ -107,14 +107,18 @@ def malformed_results_as_error(trail: list) -> Iterator[None]:
         ) from exc
 
 
+def of_schema(data: Any, schema: str, what: str, source: str | Path) -> dict:
+    """``data`` (:func:`renamed_modes`) if it is ``what`` of ``schema``, else QStreamError."""
+    data = renamed_modes(data)
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise QStreamError(f"{source}: not {what} (schema {found!r}, expected {schema!r})")
+    return data
+
+
 def check_results(data: Any, source: str | Path) -> dict:
     """``data`` if it is eval-drift results, else QStreamError."""
-    data = renamed_modes(data)
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise QStreamError(
-            f"{source}: not eval-drift results (schema {found!r}, expected {SCHEMA!r})"
-        )
+    data = of_schema(data, SCHEMA, "eval-drift results", source)
     for key in ("model", "regimes", "variants", "block_size"):
         if key not in data:
             raise QStreamError(f"{source}: results lack the {key!r} field")
@@ -160,11 +164,9 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
 
 
 def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
-    """One results set from checked (results, where they came from) pairs."""
-    merged: ResultsSet | None = None
+    """One results set from checked (results, where they came from) pairs, at least one."""
+    merged = ResultsSet(model=results[0][0]["model"])
     for data, source in results:
-        if merged is None:
-            merged = ResultsSet(model=data["model"])
         ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
         if ours != theirs:
             raise QStreamError(
@@ -202,7 +204,6 @@ def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
                     merged.sections.setdefault(regime, {})[key] = block[key]
         for name, info in data["variants"].items():
             merged.variants.setdefault(name, info)
-    assert merged is not None  # at least one file was read
     return merged
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from qstream.card.document import Code, Part
 from qstream.card.results import ResultsSet
@@ -163,16 +164,13 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
 def variant_label(rs: ResultsSet, variant: str) -> str:
     """The variant's name, and its count of quantized tensors when the quantized variants did
     not all quantize the same tensors (then they are not compared like for like)."""
-    changed = {
-        name: {
-            tuple(r.get("quantized_tensors") or ())
-            for block in rs.regimes.values()
-            if (r := block.get(name)) is not None
-        }
-        for name in variant_order(rs)
-    }
-    sets = {s for name, found in changed.items() for s in found if s}
-    mine = [s for s in changed.get(variant, set()) if s]
+
+    def quantized(name: str) -> set[tuple]:  # its non-empty sets of quantized tensors
+        found = (block.get(name) or {} for block in rs.regimes.values())
+        return {t for r in found if (t := tuple(r.get("quantized_tensors") or ()))}
+
+    sets = set().union(*(quantized(name) for name in variant_order(rs)))
+    mine = list(quantized(variant))
     if len(sets) <= 1 or not mine:
         return variant
     return f"{variant} (quantizes {len(mine[0])} tensors; quantized sets differ)"
@@ -272,11 +270,8 @@ def _selection(run: dict) -> str:
     )
 
 
-# A row's value: a text, or a run's text (run -> text) shown by per_regime.
-Described = str | Callable[[dict], str]
-
-
-def _evaluation_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]]:
+def _evaluation_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Any]]:
+    """Each row's name and value: a text, or a run's text (run -> text) shown by per_regime."""
     model, params = rs.model, rs.model.get("parameters")
     params = f"{params:,}" if isinstance(params, int) else params
     variants = (
@@ -334,13 +329,13 @@ def _computed_on(rs: ResultsSet, regimes: list[str]) -> str:
 def evaluation_table(rs: ResultsSet) -> Table:
     regimes = regime_order(rs)
     rows = [
-        (k, v if isinstance(v, str) else per_regime(rs, regimes, v))
+        [Cell(k), Cell(v if isinstance(v, str) else per_regime(rs, regimes, v))]
         for k, v in _evaluation_rows(rs, regimes)
     ]
     return Table(
         "How the numbers were measured (from the results JSON)",
         ["", "value"],
-        [[Cell(k), Cell(v)] for k, v in rows],
+        rows,
         key="evaluation",
         align="ll",
     )
