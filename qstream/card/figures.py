@@ -200,8 +200,8 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
 
 def _errors(estimates: list[dict]) -> list[list[float]]:
     """The error bars' lengths below and above each estimate (0 where a bound is null)."""
-    return [[e["value"] - e["lo"] if e.get("lo") is not None else 0.0 for e in estimates],
-            [e["hi"] - e["value"] if e.get("hi") is not None else 0.0 for e in estimates]]  # fmt: skip
+    below = [e["value"] - e["lo"] if e.get("lo") is not None else 0.0 for e in estimates]
+    return [below, [e["hi"] - e["value"] if e.get("hi") is not None else 0.0 for e in estimates]]
 
 
 def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, hollow=False):

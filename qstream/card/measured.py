@@ -208,18 +208,17 @@ def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
         target = (result.get("acceptance") or {}).get("target")
         if target and GREEDY.name in target:
             sim[name] = target[GREEDY.name]["emitted"]
-    rows: dict[str, dict[str, Any]] = {}
-    for name, v in spec["variants"].items():
-        if name == FLOOR:
-            continue
-        rows[name] = {
+    return {
+        name: {
             "measured": v["summary"].get("loss_vs_bf16"),
             "simulated": _loss(sim.get(FLOOR), sim.get(name)),
             "ceiling": {
                 r: _loss(_ceiling(rs, r, FLOOR), _ceiling(rs, r, name)) for r in regime_order(rs)
             },
         }
-    return rows
+        for name, v in spec["variants"].items()
+        if name != FLOOR
+    }
 
 
 def calibration_table(spec: dict, rs: ResultsSet) -> Table:

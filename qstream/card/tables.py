@@ -356,8 +356,9 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
     for e in sens["cumulative"]:
         n = len(e["quantized_tensors"])
         rows.append([Cell(e["add"]), difference(alone[e["add"]]["ceiling_gap"]),
-                     estimate(e["ceiling"], d), difference(e["ceiling_gap"]), number(e["kl_p99"], ".2e"),
-                     Cell(str(n), n), Cell("yes" if e["within_tolerance"] else "no")])  # fmt: skip
+                     estimate(e["ceiling"], d), difference(e["ceiling_gap"]),
+                     number(e["kl_p99"], ".2e"), Cell(str(n), n),
+                     Cell("yes" if e["within_tolerance"] else "no")])  # fmt: skip
     served = sens.get("configuration", DEFAULTS)  # a serving configuration's token names it
     probed = Variant("sensitivity", "simulated", sens["format"], **served).token(sens["format"])
     return Table(
