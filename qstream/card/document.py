@@ -209,11 +209,7 @@ def publish_card(output: Path, text: str, draw: Callable[[Path], list[Path]] | N
     tmp = partial_dir(output, "--output")
     fig, old, new = figures_dir(output), tmp / "old-figures", tmp / "figures"
     try:
-        try:
-            (tmp / "card").write_text(text, encoding="utf-8")
-            drawn = [] if draw is None else draw(tmp / "figures")
-        except OSError as exc:
-            raise QStreamError(f"cannot write --output {output}: {exc.strerror or exc}") from exc
+        drawn = _build(tmp, text, draw, output)
         try:
             if drawn:
                 if fig.exists():
@@ -229,3 +225,11 @@ def publish_card(output: Path, text: str, draw: Callable[[Path], list[Path]] | N
         return [output, *(fig / p.name for p in drawn)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build(tmp: Path, text: str, draw, output: Path) -> list[Path]:
+    try:
+        (tmp / "card").write_text(text, encoding="utf-8")
+        return [] if draw is None else draw(tmp / "figures")
+    except OSError as exc:
+        raise QStreamError(f"cannot write --output {output}: {exc.strerror or exc}") from exc
