@@ -165,16 +165,6 @@ def figures_dir(output: Path) -> Path:
     return output.parent / f"{output.stem}_files"
 
 
-def is_generated_card(path: Path) -> bool:
-    """True when ``path`` is a file that ``qstream card`` wrote (it carries the marker)."""
-    try:
-        with open(path, "rb") as handle:
-            head = handle.read(_SNIFF_BYTES).decode("utf-8", errors="replace")
-    except OSError:
-        return False
-    return MARKER in head
-
-
 def _what_is_there(path: Path) -> str:
     if path.is_dir():
         return "a directory holding " + (listing(path) or "nothing")
@@ -187,20 +177,24 @@ def check_card_target(output: Path, overwrite: bool, figures: bool) -> None:
     if output.is_dir():
         raise QStreamError(f"--output {output} is a directory; give the card's file name")
     check_parent(output, "--output")
-    if output.exists() and not overwrite and not is_generated_card(output):
-        raise QStreamError(
-            f"--output {output} already exists and is not a card qstream wrote "
-            f"({_what_is_there(output)}); use --overwrite to replace it"
-        )
+    if output.exists() and not overwrite:
+        try:  # a card qstream wrote carries the marker
+            with open(output, "rb") as handle:
+                ours = MARKER in handle.read(_SNIFF_BYTES).decode("utf-8", errors="replace")
+        except OSError:
+            ours = False
+        if not ours:
+            raise QStreamError(
+                f"--output {output} already exists and is not a card qstream wrote "
+                f"({_what_is_there(output)}); use --overwrite to replace it"
+            )
     fig = figures_dir(output)
+    if not figures or not (fig.exists() or fig.is_symlink()):
+        return
     if (
-        figures
-        and (fig.exists() or fig.is_symlink())
-        and not (
-            fig.is_dir()
-            and not fig.is_symlink()
-            and all(p.is_file() and p.name in FIGURE_NAMES for p in fig.iterdir())
-        )
+        fig.is_symlink()
+        or not fig.is_dir()
+        or not all(p.is_file() and p.name in FIGURE_NAMES for p in fig.iterdir())
     ):
         raise QStreamError(
             f"--output {output}: {fig} is in the way of the card's figures "

@@ -47,8 +47,8 @@ SEQ_AGREE_CAPTION = (
 
 
 def coinciding(rs: ResultsSet, rows: list[tuple[str, str]]) -> dict[str, str]:
-    """Each variant whose seq_agree.png lines (``rows``: rollout mode, quantity) equal an
-    earlier variant's in every regime -> the first such variant, whose line would hide it."""
+    """Each variant whose seq_agree.png lines (``rows``: mode, quantity) equal an earlier
+    variant's in every regime -> the first such variant."""
 
     def curves(v: str) -> list:
         return [
@@ -57,16 +57,9 @@ def coinciding(rs: ResultsSet, rows: list[tuple[str, str]]) -> dict[str, str]:
             for mode, quantity in rows
         ]
 
-    firsts: list[tuple[str, list]] = []
-    twins = {}
-    for v in variant_order(rs):
-        mine = curves(v)
-        twin = next((u for u, theirs in firsts if theirs == mine), None)
-        if twin is None:
-            firsts.append((v, mine))
-        else:
-            twins[v] = twin
-    return twins
+    lines = {v: curves(v) for v in variant_order(rs)}
+    first = {v: next(u for u in lines if lines[u] == mine) for v, mine in lines.items()}
+    return {v: u for v, u in first.items() if u != v}
 
 
 CEILING_CAPTION = (
@@ -102,7 +95,7 @@ def kl_star(kl: dict) -> dict | None:
 
 
 def ci_half_width(e: dict) -> float | None:
-    """The larger half of an estimate's interval in percent of its value; None without one."""
+    """The larger half of an estimate's interval in percent of its value."""
     if e.get("lo") is None or e.get("hi") is None:
         return None
     return 100 * max(e["value"] - e["lo"], e["hi"] - e["value"]) / e["value"]
@@ -115,7 +108,6 @@ def ci_percent(e: dict) -> str:
 
 
 def kl_caption(rs: ResultsSet) -> str:
-    """kl.png's caption, with the range of the interval labels it draws."""
     stars = [
         star
         for r in regime_order(rs)
@@ -142,7 +134,6 @@ def _style(index: int) -> dict:
 
 
 def _new_figure(n_rows: int, n_cols: int, panel: tuple[float, float], sharey=False):
-    """Panels on an opaque white figure; ``sharey``: "row" or True."""
     from matplotlib.figure import Figure
 
     fig = Figure(
@@ -172,13 +163,10 @@ def _save(fig: Figure, path: Path, title: str, handles, labels=None) -> Figure:
 def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     """seq agree[k] and prefix agree[k] with 95% bands; panel gids ``regime/mode/quantity``."""
     regimes, variants = regime_order(rs), variant_order(rs)
-    modes = [
-        m
-        for m in ROLLOUT_MODES
-        if any(
-            m in (metrics(rs, r, v) or {}).get("rollouts", {}) for r in regimes for v in variants
-        )
-    ]
+    present = {
+        m for r in regimes for v in variants for m in (metrics(rs, r, v) or {}).get("rollouts", {})
+    }
+    modes = [m for m in ROLLOUT_MODES if m in present]
     rows = [(mode, quantity) for mode in modes for quantity in POSITION_QUANTITIES]
     twins = coinciding(rs, rows)  # drawn hollow over their twin's line, and said so
     fig, axes = _new_figure(len(rows), len(regimes), (4.2, 3.2), sharey="row")
@@ -210,6 +198,12 @@ def seq_agree_figure(rs: ResultsSet, path: Path) -> Figure:
     return _save(fig, path, title, handles, labels)
 
 
+def _errors(estimates: list[dict]) -> list[list[float]]:
+    """The error bars' lengths below and above each estimate (0 where a bound is null)."""
+    below = [e["value"] - e["lo"] if e.get("lo") is not None else 0.0 for e in estimates]
+    return [below, [e["hi"] - e["value"] if e.get("hi") is not None else 0.0 for e in estimates]]
+
+
 def _line_with_band(ax, xs: list, estimates: list[dict], variant: str, i: int, hollow=False):
     """The ``i``-th variant's line with a band (gid ``variant``); the line and lower bounds."""
     style = {"markersize": 4, "linewidth": 1.5, **_style(i)}
@@ -236,17 +230,13 @@ def ceiling_figure(rs: ResultsSet, path: Path) -> Figure:
         ax = axes[0][col]
         ax.set_gid(mode)
         for i, variant in enumerate(variants):
-            xs, values = [], []
-            errs: list[list[float]] = [[], []]
-            for g, regime in enumerate(regimes):
-                m = metrics(rs, regime, variant)
-                if m is None or mode not in m["rollouts"]:
-                    continue
-                e = m["rollouts"][mode][PREFIX_KEYS[mode]]
-                xs.append(g - 0.4 + width * (i + 0.5))
-                values.append(e["value"])
-                errs[0].append(e["value"] - e["lo"] if e["lo"] is not None else 0.0)
-                errs[1].append(e["hi"] - e["value"] if e["hi"] is not None else 0.0)
+            points = [
+                (g - 0.4 + width * (i + 0.5), m["rollouts"][mode][PREFIX_KEYS[mode]])
+                for g, regime in enumerate(regimes)
+                if (m := metrics(rs, regime, variant)) is not None and mode in m["rollouts"]
+            ]
+            xs, values = [x for x, _ in points], [e["value"] for _, e in points]
+            errs = _errors([e for _, e in points])
             style = _style(i)
             hatch = None if variant == FLOOR else ("", "//", "..", "xx", "\\\\")[i % 5]
             error_kw = {"ecolor": "black", "elinewidth": 1.2}
@@ -377,15 +367,10 @@ def calibration_figure(spec: dict, rs: ResultsSet, path: Path) -> Figure:
     step = 0.8 / max(len(kept), 1)
     ends = [0.0]  # every point and interval end, for limits that clip no marker
     for j, (k, label, pick) in enumerate(kept):  # k: the series' own style, j: its slot
-        xs, ys, lo, hi = [], [], [], []
-        for i, name in enumerate(names):
-            e = pick(rows[name])
-            if e is None:
-                continue
-            xs.append(i - 0.4 + step * (j + 0.5))
-            ys.append(e["value"])
-            lo.append(e["value"] - e["lo"] if e.get("lo") is not None else 0.0)
-            hi.append(e["hi"] - e["value"] if e.get("hi") is not None else 0.0)
+        points = [(i - 0.4 + step * (j + 0.5), e) for i, name in enumerate(names)
+                  if (e := pick(rows[name])) is not None]  # fmt: skip
+        xs, ys = [x for x, _ in points], [e["value"] for _, e in points]
+        lo, hi = _errors([e for _, e in points])
         ends += [y + d for y, dl, dh in zip(ys, lo, hi) for d in (-dl, 0.0, dh)]
         style = _style(k)
         ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style["marker"], color=style["color"],

@@ -13,7 +13,7 @@ from qstream.card.results import (
     SPECULATE_SCHEMA,
     ResultsSet,
     check_numbers,
-    renamed_modes,
+    of_schema,
     summary_problems,
 )
 from qstream.card.tables import DIGITS, difference, estimate, metrics, regime_order
@@ -36,12 +36,8 @@ CALIBRATION_CAPTION = (
 
 def read_speculate(path: Path, rs: ResultsSet) -> dict:
     """Checked ``qstream speculate --json`` results of the draft ``rs`` describes."""
-    data = renamed_modes(read_json(path, "speculate results"))
-    if not isinstance(data, dict) or data.get("schema") != SPECULATE_SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise QStreamError(
-            f"{path}: not speculate results (schema {found!r}, expected {SPECULATE_SCHEMA!r})"
-        )
+    raw = read_json(path, "speculate results")
+    data = of_schema(raw, SPECULATE_SCHEMA, "speculate results", path)
     lacking = next((p for p in _read_paths(data) if _at(data, p) is None), None)
     if lacking is not None:
         dotted = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in lacking)
@@ -104,10 +100,9 @@ def _at(node: Any, path: tuple) -> Any:
 
 def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
     """The measured acceptance, then (greedy verification) the calibration against eval-drift."""
-    s, block, prompts = _settings(spec)
-    target = spec["provenance"]["target"]
+    s, block, target = spec["settings"], _block(spec), spec["provenance"]["target"]
     intro = (
-        f"`qstream speculate` decoded the first {prompts} prompts of "
+        f"`qstream speculate` decoded the first {_prompts(spec)} prompts of "
         f"`{spec['provenance']['corpus']['name']}`, {s['new_tokens']} new tokens each, with the "
         f"target `{target['path']}` ({target['model_type']}, {s['target_dtype']}) verifying "
         f"every block by its own forward under {speculate_mode(spec).verification} verification "
@@ -120,27 +115,19 @@ def measured_sections(spec: dict, rs: ResultsSet, figure) -> list[Section]:
     sections = [Section(title, [intro, measured_table(spec), shares_table(spec)])]
     if not speculate_mode(spec).greedy_verifier:
         return sections
-    sections.append(
-        Section(
-            "Does drift predict the acceptance a format loses?",
-            [
-                "The same draft's formats, three ways: the acceptance each loses against bf16 "
-                "as measured above; as eval-drift simulated it against the target on captured "
-                "target states (regime states; uniformly drawn anchors, which a decoder does "
-                "not visit uniformly: docs/calibration.md); and what the greedy ceiling, "
-                "against the FP32 reference draft, loses in each aux regime. Losses are bf16's "
-                "value minus the variant's: positive is worse (a ceiling loss is the ceiling "
-                "table's gap to bf16 with the sign turned).",
-                calibration_table(spec, rs),
-                *figure(
-                    "calibration.png",
-                    "acceptance lost against bf16: measured, simulated and ceiling losses",
-                    CALIBRATION_CAPTION,
-                ),
-            ],
-        )
+    calibration = (
+        "The same draft's formats, three ways: the acceptance each loses against bf16 "
+        "as measured above; as eval-drift simulated it against the target on captured "
+        "target states (regime states; uniformly drawn anchors, which a decoder does "
+        "not visit uniformly: docs/calibration.md); and what the greedy ceiling, "
+        "against the FP32 reference draft, loses in each aux regime. Losses are bf16's "
+        "value minus the variant's: positive is worse (a ceiling loss is the ceiling "
+        "table's gap to bf16 with the sign turned)."
     )
-    return sections
+    drawn = figure("calibration.png", "acceptance lost against bf16: measured, simulated and "
+                   "ceiling losses", CALIBRATION_CAPTION)  # fmt: skip
+    title = "Does drift predict the acceptance a format loses?"
+    return [*sections, Section(title, [calibration, calibration_table(spec, rs), *drawn])]
 
 
 def measured_table(spec: dict) -> Table:
@@ -169,7 +156,7 @@ def shares_table(spec: dict) -> Table:
     d = DIGITS["proportion"]
     rows = [
         [Cell(str(k), k), *(Cell(f"{s[k - 1]['value']:.{d}f}", s[k - 1]["value"]) for s in shares)]
-        for k in range(1, spec["provenance"]["draft"]["block_size"] + 1)
+        for k in range(1, _block(spec) + 1)
     ]
     return Table(
         "Share of verifications accepting at least k drafted tokens (measured)",
@@ -181,7 +168,7 @@ def shares_table(spec: dict) -> Table:
 
 def speculate_tables(results: dict) -> list[Table]:
     """What ``qstream speculate`` prints of its ``results``."""
-    (s, _, prompts), d = _settings(results), DIGITS["ceiling"]
+    s, d = results["settings"], DIGITS["ceiling"]
     rows = [
         [Cell(name), estimate(x["mean_acceptance_length"], d),
          estimate(x["tokens_per_target_forward"], d), difference(x.get("loss_vs_bf16"))]
@@ -189,7 +176,7 @@ def speculate_tables(results: dict) -> list[Table]:
         for x in [v["summary"]]
     ]  # fmt: skip
     means = Table(
-        f"{speculate_mode(results).verification} verification, {prompts} prompts x "
+        f"{speculate_mode(results).verification} verification, {_prompts(results)} prompts x "
         f"{s['new_tokens']} new tokens (95% "
         "intervals over prompts)",
         ["variant", "mean acceptance length", "tokens / target forward", "loss vs bf16"],
@@ -205,10 +192,12 @@ def speculate_mode(spec: dict) -> VerificationMode:  # settings.rule
     return MODES[spec["settings"]["rule"]]
 
 
-def _settings(spec: dict) -> tuple[dict, int, int]:
-    """Speculate results' settings, block size and prompt count (every variant's the same)."""
-    prompts = next(iter(spec["variants"].values()))["summary"]["prompts"]
-    return spec["settings"], spec["provenance"]["draft"]["block_size"], prompts
+def _prompts(spec: dict) -> int:  # every variant's the same
+    return next(iter(spec["variants"].values()))["summary"]["prompts"]
+
+
+def _block(spec: dict) -> int:
+    return spec["provenance"]["draft"]["block_size"]
 
 
 def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
@@ -219,18 +208,17 @@ def calibration_rows(spec: dict, rs: ResultsSet) -> dict[str, dict[str, Any]]:
         target = (result.get("acceptance") or {}).get("target")
         if target and GREEDY.name in target:
             sim[name] = target[GREEDY.name]["emitted"]
-    rows: dict[str, dict[str, Any]] = {}
-    for name, v in spec["variants"].items():
-        if name == FLOOR:
-            continue
-        rows[name] = {
+    return {
+        name: {
             "measured": v["summary"].get("loss_vs_bf16"),
             "simulated": _loss(sim.get(FLOOR), sim.get(name)),
             "ceiling": {
                 r: _loss(_ceiling(rs, r, FLOOR), _ceiling(rs, r, name)) for r in regime_order(rs)
             },
         }
-    return rows
+        for name, v in spec["variants"].items()
+        if name != FLOOR
+    }
 
 
 def calibration_table(spec: dict, rs: ResultsSet) -> Table:

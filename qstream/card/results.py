@@ -53,13 +53,13 @@ class ResultsSet:
         return sizes.pop()
 
 
-def read_results(path: str | Path, trail: list | None = None) -> dict:
-    """A checked results file; with ``trail``, each key read is recorded there."""
+def read_results(path: str | Path, trail: list) -> dict:
+    """A checked results file, each key read recorded in ``trail``."""
     path = Path(path)
     raw = read_json(path, "results file")
     data = check_results(raw, path)
     check_numbers(raw, str(path))  # by the file's own keys
-    return data if trail is None else _Traced(data, str(path), "", trail)
+    return _Traced(data, str(path), "", trail)
 
 
 class _Traced(dict):
@@ -93,13 +93,13 @@ def _traced(value, source: str, where: str, trail: list):
 
 
 @contextmanager
-def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
-    """Turn the errors a missing or null key causes while reading ``rs`` into one QStreamError
-    naming the file and the key last read (docs/guarantees.md)."""
+def malformed_results_as_error(trail: list) -> Iterator[None]:
+    """Turn the errors a missing or null key causes while reading results into one QStreamError
+    naming the file and the key last read, from ``trail`` (docs/guarantees.md)."""
     try:
         yield
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:
-        source, key = rs.trail
+        source, key = trail
         if source is None:
             raise QStreamError(f"results are malformed ({type(exc).__name__}: {exc})") from exc
         raise QStreamError(
@@ -107,14 +107,18 @@ def malformed_results_as_error(rs: ResultsSet) -> Iterator[None]:
         ) from exc
 
 
+def of_schema(data: Any, schema: str, what: str, source: str | Path) -> dict:
+    """``data`` (:func:`renamed_modes`) if it is ``what`` of ``schema``, else QStreamError."""
+    data = renamed_modes(data)
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise QStreamError(f"{source}: not {what} (schema {found!r}, expected {schema!r})")
+    return data
+
+
 def check_results(data: Any, source: str | Path) -> dict:
     """``data`` if it is eval-drift results, else QStreamError."""
-    data = renamed_modes(data)
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise QStreamError(
-            f"{source}: not eval-drift results (schema {found!r}, expected {SCHEMA!r})"
-        )
+    data = of_schema(data, SCHEMA, "eval-drift results", source)
     for key in ("model", "regimes", "variants", "block_size"):
         if key not in data:
             raise QStreamError(f"{source}: results lack the {key!r} field")
@@ -152,20 +156,17 @@ def merge_results(paths: list[str | Path]) -> ResultsSet:
     """One results set from ``paths``; a duplicate regime/variant must carry identical numbers."""
     if not paths:
         raise QStreamError("no results file given")
-    trail = [None, None]
-    probe = ResultsSet(model={}, trail=trail)
-    with malformed_results_as_error(probe):
+    trail: list = [None, None]
+    with malformed_results_as_error(trail):
         merged = collect_results([(read_results(path, trail), str(path)) for path in paths])
     merged.trail = trail
     return merged
 
 
 def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
-    """One results set from checked (results, where they came from) pairs."""
-    merged: ResultsSet | None = None
+    """One results set from checked (results, where they came from) pairs, at least one."""
+    merged = ResultsSet(model=results[0][0]["model"])
     for data, source in results:
-        if merged is None:
-            merged = ResultsSet(model=data["model"])
         ours, theirs = merged.model.get("config_sha256"), data["model"].get("config_sha256")
         if ours != theirs:
             raise QStreamError(
@@ -203,7 +204,6 @@ def collect_results(results: list[tuple[dict, str]]) -> ResultsSet:
                     merged.sections.setdefault(regime, {})[key] = block[key]
         for name, info in data["variants"].items():
             merged.variants.setdefault(name, info)
-    assert merged is not None  # at least one file was read
     return merged
 
 

@@ -90,10 +90,12 @@ def served(name: str, info: dict, where: str) -> Variant:
         raise QStreamError(f"{where}: {exc}") from exc
 
 
-def _weights(variant: Variant) -> str:
-    return (
-        variant.source if variant.kind == variant.source else f"{variant.source} ({variant.kind})"
-    )
+def _described(v: Variant, default: str | None) -> list[Cell]:
+    """The condition's name, what differs, its weights, its default's name and what avoids it."""
+    words, avoided = condition_words(v)
+    weights = v.source if v.kind == v.source else f"{v.source} ({v.kind})"
+    return [Cell(v.name), Cell(words), Cell(weights), Cell(default or "not in the run"),
+            Cell(avoided)]  # fmt: skip
 
 
 def _conditions(variants: dict[str, Variant]) -> list[tuple[Variant, str | None]]:
@@ -172,12 +174,9 @@ def measured_conditions_table(spec: dict, conditions: list) -> Table:
         length = variants[v.name]["summary"]["mean_acceptance_length"]
         theirs = None if default is None else variants[default]["summary"]["mean_acceptance_length"]
         loss = difference(variants[v.name]["summary"].get("loss_vs_bf16"))
-        words, avoided = condition_words(v)
-        rows.append([
-            Cell(v.name), Cell(words), Cell(_weights(v)), estimate(length, d), loss,
-            Cell(default or "not in the run"), _loss_vs_default(default, loss, (theirs, length)),
-            Cell(avoided),
-        ])  # fmt: skip
+        name, words, weights, same, avoided = _described(v, default)
+        vs_default = _loss_vs_default(default, loss, (theirs, length))
+        rows.append([name, words, weights, estimate(length, d), loss, same, vs_default, avoided])
     s = spec["settings"]
     temperature = s.get("temperature")
     at = "temperature not recorded" if temperature is None else f"T={temperature}"
@@ -216,12 +215,7 @@ def conditions_tables(rs: ResultsSet) -> list[Table]:
         for r in regime_order(rs)
         if (here := [c for c in conditions if c[0].name in rs.regimes[r]])
     ]
-    rows = [
-        [Cell(v.name), Cell(words), Cell(_weights(v)), Cell(default or "not in the run"),
-         Cell(avoided)]
-        for v, default in conditions
-        for words, avoided in [condition_words(v)]
-    ]  # fmt: skip
+    rows = [_described(v, default) for v, default in conditions]
     defaults = ", ".join(f"{f} {d}" for f, d in DEFAULTS.items())
     described = Table(
         f"Serving conditions: the variants served otherwise than the default configuration "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from qstream.card.document import Code, Part
 from qstream.card.results import ResultsSet
@@ -30,12 +31,8 @@ from qstream.verification import ADAPTIVE_MODES, HEADLINE_MODES, MODES, Verifica
 DIGITS = {"proportion": 3, "one_minus_tv": 4, "ceiling": 2, "difference": 3, "snr": 1}
 
 
-def fixed(x: float | None, digits: int) -> Cell:
-    return Cell("n/a" if x is None else f"{x:.{digits}f}", x)
-
-
-def sci(x: float | None) -> Cell:
-    return Cell("n/a" if x is None else f"{x:.2e}", x)
+def number(x: float | None, spec: str) -> Cell:
+    return Cell("n/a" if x is None else f"{x:{spec}}", x)
 
 
 def estimate(e: dict | None, digits: int) -> Cell:
@@ -54,9 +51,7 @@ def interval(e: dict, spec: str) -> Cell:
 def difference(e: dict | float | None) -> Cell:
     """A signed difference against bf16 in tokens: a number, or an estimate with its interval."""
     spec = f"+.{DIGITS['difference']}f"
-    if isinstance(e, dict):
-        return interval(e, spec)
-    return Cell("n/a" if e is None else f"{e:{spec}}", e)
+    return interval(e, spec) if isinstance(e, dict) else number(e, spec)
 
 
 def regime_order(rs: ResultsSet) -> list[str]:
@@ -88,7 +83,7 @@ def metrics(rs: ResultsSet, regime: str, variant: str) -> dict | None:
 def agreement_table(rs: ResultsSet, regime: str) -> Table:
     """Per-position agreement, k = 1..B: greedy agree, the rollouts' seq and prefix agree."""
     B = rs.block_size
-    d = DIGITS["proportion"]
+    spec = f".{DIGITS['proportion']}f"
     rows = []
     for variant in variant_order(rs):
         m = metrics(rs, regime, variant)
@@ -103,7 +98,7 @@ def agreement_table(rs: ResultsSet, regime: str) -> Table:
                     (f"prefix agree (tokens 1..k), {name}", m["rollouts"][mode]["prefix_agree"])
                 )
         for name, per_k in measures:
-            rows.append([Cell(variant), Cell(name), *(fixed(e["value"], d) for e in per_k)])
+            rows.append([Cell(variant), Cell(name), *(number(e["value"], spec) for e in per_k)])
     return Table(
         f"Regime {regime}: agreement with the FP32 reference by drafted position k, each a share "
         "of all blocks (point estimates; the card's seq_agree.png draws the rollouts' 95% "
@@ -169,16 +164,13 @@ def ceiling_table(rs: ResultsSet, mode: str) -> Table:
 def variant_label(rs: ResultsSet, variant: str) -> str:
     """The variant's name, and its count of quantized tensors when the quantized variants did
     not all quantize the same tensors (then they are not compared like for like)."""
-    changed = {
-        name: {
-            tuple(r.get("quantized_tensors") or ())
-            for block in rs.regimes.values()
-            if (r := block.get(name)) is not None
-        }
-        for name in variant_order(rs)
-    }
-    sets = {s for name, found in changed.items() for s in found if s}
-    mine = [s for s in changed.get(variant, set()) if s]
+
+    def quantized(name: str) -> set[tuple]:  # its non-empty sets of quantized tensors
+        found = (block.get(name) or {} for block in rs.regimes.values())
+        return {t for r in found if (t := tuple(r.get("quantized_tensors") or ()))}
+
+    sets = set().union(*(quantized(name) for name in variant_order(rs)))
+    mine = list(quantized(variant))
     if len(sets) <= 1 or not mine:
         return variant
     return f"{variant} (quantizes {len(mine[0])} tensors; quantized sets differ)"
@@ -187,7 +179,8 @@ def variant_label(rs: ResultsSet, variant: str) -> str:
 def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
     """Every headline metric of one regime, one column per variant."""
     variants = [v for v in variant_order(rs) if metrics(rs, regime, v) is not None]
-    p, tv, c, snr = (DIGITS[k] for k in ("proportion", "one_minus_tv", "ceiling", "snr"))
+    p, tv, c = (DIGITS[k] for k in ("proportion", "one_minus_tv", "ceiling"))
+    snr = f".{DIGITS['snr']}f"
     rows: list[tuple[str, Callable[[dict], Cell]]] = [  # a variant's results entry -> its cell
         ("greedy agree, all positions [95% CI]",
          lambda r: estimate(r["metrics"]["greedy_agree_overall"], p)),
@@ -202,16 +195,16 @@ def full_metrics_table(rs: ResultsSet, regime: str) -> Table:
                      partial(_rollout, mode=mode, what="prefix_agree", digits=p)))  # fmt: skip
     rows += [
         ("KL(ref‖var) mean [95% CI]", lambda r: interval(r["metrics"]["kl"]["mean"], ".2e")),
-        ("KL(ref‖var) p99", lambda r: sci(r["metrics"]["kl"]["p99"])),
+        ("KL(ref‖var) p99", lambda r: number(r["metrics"]["kl"]["p99"], ".2e")),
         ("reverse KL(var‖ref) mean [95% CI]",
          lambda r: interval(r["metrics"]["reverse_kl"]["mean"], ".2e")),
-        ("reverse KL(var‖ref) p99", lambda r: sci(r["metrics"]["reverse_kl"]["p99"])),
+        ("reverse KL(var‖ref) p99", lambda r: number(r["metrics"]["reverse_kl"]["p99"], ".2e")),
         (f"confidence r, {CONFIDENCE_NOTE} [95% CI]",
          lambda r: estimate(r["metrics"]["confidence_r"], p)),
         (f"sched flip rate, {CONFIDENCE_NOTE} [95% CI]",
          lambda r: estimate(r["metrics"]["sched_flip_rate"], p)),
-        ("weight SNR, overall (dB)", lambda r: fixed(r["weight_snr"]["overall_db"], snr)),
-        ("weight SNR, worst tensor (dB)", lambda r: fixed(r["weight_snr"]["worst_db"], snr)),
+        ("weight SNR, overall (dB)", lambda r: number(r["weight_snr"]["overall_db"], snr)),
+        ("weight SNR, worst tensor (dB)", lambda r: number(r["weight_snr"]["worst_db"], snr)),
         ("weight SNR over (tensors)",
          lambda r: Cell(str(r["weight_snr"]["tensors"]), r["weight_snr"]["tensors"])),
     ]  # fmt: skip
@@ -277,11 +270,8 @@ def _selection(run: dict) -> str:
     )
 
 
-# A row's value: a text, or a run's text (run -> text) shown by per_regime.
-Described = str | Callable[[dict], str]
-
-
-def _evaluation_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Described]]:
+def _evaluation_rows(rs: ResultsSet, regimes: list[str]) -> list[tuple[str, Any]]:
+    """Each row's name and value: a text, or a run's text (run -> text) shown by per_regime."""
     model, params = rs.model, rs.model.get("parameters")
     params = f"{params:,}" if isinstance(params, int) else params
     variants = (
@@ -339,13 +329,13 @@ def _computed_on(rs: ResultsSet, regimes: list[str]) -> str:
 def evaluation_table(rs: ResultsSet) -> Table:
     regimes = regime_order(rs)
     rows = [
-        (k, v if isinstance(v, str) else per_regime(rs, regimes, v))
+        [Cell(k), Cell(v if isinstance(v, str) else per_regime(rs, regimes, v))]
         for k, v in _evaluation_rows(rs, regimes)
     ]
     return Table(
         "How the numbers were measured (from the results JSON)",
         ["", "value"],
-        [[Cell(k), Cell(v)] for k, v in rows],
+        rows,
         key="evaluation",
         align="ll",
     )
@@ -362,12 +352,13 @@ def sensitivity_table(rs: ResultsSet, regime: str) -> Table:
     alone = {e["kind"]: e for e in sens["single"]}
     floor = sens["floor"]
     rows = [[Cell("(nothing: bf16 floor)"), Cell(""), estimate(floor["ceiling"], d),
-             Cell("(floor)"), sci(floor["kl_p99"]), Cell(""), Cell("")]]  # fmt: skip
+             Cell("(floor)"), number(floor["kl_p99"], ".2e"), Cell(""), Cell("")]]  # fmt: skip
     for e in sens["cumulative"]:
         n = len(e["quantized_tensors"])
         rows.append([Cell(e["add"]), difference(alone[e["add"]]["ceiling_gap"]),
-                     estimate(e["ceiling"], d), difference(e["ceiling_gap"]), sci(e["kl_p99"]),
-                     Cell(str(n), n), Cell("yes" if e["within_tolerance"] else "no")])  # fmt: skip
+                     estimate(e["ceiling"], d), difference(e["ceiling_gap"]),
+                     number(e["kl_p99"], ".2e"), Cell(str(n), n),
+                     Cell("yes" if e["within_tolerance"] else "no")])  # fmt: skip
     served = sens.get("configuration", DEFAULTS)  # a serving configuration's token names it
     probed = Variant("sensitivity", "simulated", sens["format"], **served).token(sens["format"])
     return Table(
@@ -405,15 +396,11 @@ def context_sweep_table(rs: ResultsSet, regime: str) -> Table:
     )
 
 
-def acceptance_verifiers(rs: ResultsSet) -> list[str]:
-    """Verifiers present in some variant's results, in VERIFIERS order."""
-    found = {
-        v
-        for block in rs.regimes.values()
-        for res in block.values()
-        for v in res.get("acceptance", {})
-    }
-    return [v for v in VERIFIERS if v in found]
+def all_acceptance_tables(rs: ResultsSet) -> list[Table]:
+    """:func:`acceptance_tables` of each verifier in some variant's results, in VERIFIERS order."""
+    found = {v for block in rs.regimes.values() for res in block.values()
+             for v in res.get("acceptance", {})}  # fmt: skip
+    return [t for v in VERIFIERS if v in found for t in acceptance_tables(rs, v)]
 
 
 OTHER_MODES = tuple(m for m in MODES.values() if m not in HEADLINE_MODES and not m.adaptive)
@@ -519,6 +506,10 @@ def _adaptive_table(rs: ResultsSet, verifier: str, settings: set[tuple]) -> Tabl
         key=f"acceptance_{verifier}_adaptive",
         align="lllrrr",
     )
+
+
+def sensitivity_parts(rs: ResultsSet, regime: str) -> list[Part]:
+    return [sensitivity_table(rs, regime), suggested_command(rs, regime)]
 
 
 def suggested_command(rs: ResultsSet, regime: str) -> Part:

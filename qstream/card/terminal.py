@@ -12,14 +12,12 @@ from qstream.card.document import Code, Part
 from qstream.card.results import ResultsSet, collect_results
 from qstream.card.serving import conditions_tables
 from qstream.card.tables import (
-    acceptance_tables,
-    acceptance_verifiers,
     agreement_table,
+    all_acceptance_tables,
     context_sweep_table,
     full_metrics_table,
     regime_order,
-    sensitivity_table,
-    suggested_command,
+    sensitivity_parts,
     variant_label,
     variant_order,
 )
@@ -36,12 +34,10 @@ def report_parts(rs: ResultsSet) -> list[Part]:
         parts += [full_metrics_table(rs, regime), agreement_table(rs, regime)]
         sections = rs.sections.get(regime, {})
         if "sensitivity" in sections:
-            parts += [sensitivity_table(rs, regime), suggested_command(rs, regime)]
+            parts += sensitivity_parts(rs, regime)
         if "context_sweep" in sections:
             parts.append(context_sweep_table(rs, regime))
-    for verifier in acceptance_verifiers(rs):
-        parts += acceptance_tables(rs, verifier)
-    return parts + conditions_tables(rs)
+    return parts + all_acceptance_tables(rs) + conditions_tables(rs)
 
 
 def short_names(rs: ResultsSet) -> dict[str, str]:
