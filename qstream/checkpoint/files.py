@@ -7,9 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-from qstream.checkpoint.safetensors_io import ShardHeader, TensorInfo, read_header
+import torch
+
+from qstream.checkpoint.safetensors_io import ShardHeader, ShardReader, TensorInfo, read_header
 from qstream.errors import QStreamError
 
 CONFIG_NAME = "config.json"
@@ -26,6 +29,27 @@ class Checkpoint:
 
     def info(self, name: str) -> TensorInfo:
         return self.shards[self.tensor_shard[name]].tensors[name]
+
+    @cached_property
+    def readers(self) -> dict[str, ShardReader]:
+        """One memory map per shard, opened on first use."""
+        return {name: ShardReader(header) for name, header in self.shards.items()}
+
+    def tensor(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        return self.readers[self.tensor_shard[name]].tensor(name, rows)
+
+    def release(self, name: str, rows: slice | None = None) -> None:
+        self.readers[self.tensor_shard[name]].release(name, rows)
+
+    @property
+    def attention_layers(self) -> list[str]:
+        """``....self_attn`` modules holding a tensor, in checkpoint order."""
+        attn = ".self_attn."
+        return list(
+            dict.fromkeys(
+                n[: n.index(attn) + len(attn) - 1] for n in self.tensor_shard if attn in n
+            )
+        )
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:

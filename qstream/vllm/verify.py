@@ -20,7 +20,6 @@ from qstream.checkpoint.layout import (
     format_of_layout,
     input_scale_name,
 )
-from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, get_format
 from qstream.formats.format import finite_positive
@@ -242,7 +241,6 @@ def _check_fused(
     checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized, report
 ) -> None:
     shared = FORMATS[fmt].global_scale
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for group in fused_groups(holders, profile):
         inside = [m for m in group.members if m in quantized]
         if inside and len(inside) != len(group.members):
@@ -255,7 +253,7 @@ def _check_fused(
         names = [f"{m}.{shared}" for m in group.members]
         if not (inside and shared and all(n in checkpoint.tensor_shard for n in names)):
             continue
-        values = {readers[checkpoint.tensor_shard[n]].tensor(n).item() for n in names}
+        values = {checkpoint.tensor(n).item() for n in names}
         if len(values) != 1:
             report.problems.append(
                 f"fused group {group.label} has {len(values)} different NVFP4 global scales "
@@ -272,17 +270,15 @@ def _few(modules: list[str], limit: int = 4) -> str:
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Each format's ``bad_scales`` (docs/quantize.md, "qstream verify"), and a draft's d2t."""
     report.problems += d2t_problems(checkpoint)
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     spec = FORMATS[fmt]
     for name in [f"{m}.{s}" for m in _in_order(checkpoint, quantized) for s in spec.scales]:
-        shard = checkpoint.tensor_shard[name]
-        value, bad, what = spec.bad_scales(readers[shard].tensor(name))
+        value, bad, what = spec.bad_scales(checkpoint.tensor(name))
         if bool(bad.any()):
-            first = value[bad][0].item()
             report.problems.append(
-                f"{name}: {int(bad.sum())} value(s) {what}, e.g. {first} (in {shard})"
+                f"{name}: {int(bad.sum())} value(s) {what}, e.g. {value[bad][0].item()} "
+                f"(in {checkpoint.tensor_shard[name]})"
             )
-        readers[shard].release(name, None)
+        checkpoint.release(name)
 
 
 def _check_serving(
@@ -305,9 +301,8 @@ def _check_serving(
     if kv is not None:
         scales += _check_kv(checkpoint, kv, profile, report)
     present = [n for n in scales if n in checkpoint.tensor_shard]
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for name in present:
-        value, bad, what = finite_positive(readers[checkpoint.tensor_shard[name]].tensor(name))
+        value, bad, what = finite_positive(checkpoint.tensor(name))
         if bool(bad.any()):
             report.problems.append(f"{name}: value {value[bad][0].item()} {what}")
     recorded = _recorded_calibration(checkpoint) if present else True
@@ -333,11 +328,7 @@ def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> l
         stored = [n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES]
         report.problems += [f"{n}: {ignored}" for n in stored]
         return []
-    attn = ".self_attn."
-    layers = dict.fromkeys(
-        n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
-    )
-    expected = [f"{layer}.{s}" for layer in layers for s in KV_SCALES]
+    expected = [f"{layer}.{s}" for layer in checkpoint.attention_layers for s in KV_SCALES]
     report.problems += [
         f"{n}: missing (kv_cache_scheme fp8 needs k_scale and v_scale per attention layer; "
         "vLLM serves 1.0 in its place)"
@@ -369,27 +360,21 @@ def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Dequantize every quantized weight (in row chunks) and require finite values."""
     spec = FORMATS[fmt]
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for module in _in_order(checkpoint, quantized):
-        parts = {
-            s: (checkpoint.tensor_shard[f"{module}.{s}"], f"{module}.{s}") for s in spec.stored
-        }
         n, width = checkpoint.info(f"{module}.{spec.stored[0]}").shape
         step = max(1, ROWS_PER_CHECK // max(1, width))
         for start in range(0, n, step):
             rows = slice(start, min(n, start + step))
-            stored = {
-                s: readers[shard].tensor(name, None if s == spec.global_scale else rows)
-                for s, (shard, name) in parts.items()
-            }
+            parts = {s: None if s == spec.global_scale else rows for s in spec.stored}
+            stored = {s: checkpoint.tensor(f"{module}.{s}", r) for s, r in parts.items()}
             if not torch.isfinite(spec.dequantize(stored).float()).all():
                 report.problems.append(
                     f"{module}: dequantized weight has non-finite values "
                     f"(rows {start}..{rows.stop - 1})"
                 )
                 break
-            for s, (shard, name) in parts.items():
-                readers[shard].release(name, None if s == spec.global_scale else rows)
+            for s, r in parts.items():
+                checkpoint.release(f"{module}.{s}", r)
 
 
 def matches_ignore(entry: str, module: str) -> bool:
