@@ -142,10 +142,6 @@ def profile_for(config: Mapping) -> Profile:
     return PROFILES[GENERIC]
 
 
-def get_profile(name: str) -> Profile:
-    return PROFILES[name]
-
-
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 

@@ -99,10 +99,11 @@ def verify_checkpoint(
     integrity = check_integrity(checkpoint)  # every file quantize recorded, unchanged
     report.problems += [m.problem() for m in integrity.mismatches]
     report.integrity = integrity.to_json()
-    _check_scales(checkpoint, fmt, quantized - malformed, report)
-    _check_serving(checkpoint, qconfig, profile, quantized - malformed, report)
+    sound = [m for m in quantized if m not in malformed]
+    _check_scales(checkpoint, fmt, sound, report)
+    _check_serving(checkpoint, qconfig, profile, sound, report)
     if deep:
-        _check_round_trip(checkpoint, fmt, quantized - malformed, report)
+        _check_round_trip(checkpoint, fmt, sound, report)
     report.checks = checks_run(fmt, profile, len(report.runtime_modules), deep, integrity)
     return report
 
@@ -179,18 +180,19 @@ def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
         report.problems.append("config group quantizes output activations; vLLM serves none")
 
 
-def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
+def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[dict[str, None], list[str]]:
     """Quantized modules (those holding the format's first stored tensor) and every
     weight-holding module, in checkpoint order."""
     holders: dict[str, None] = {}
-    quantized: set[str] = set()
+    marked: set[str] = set()
     for name, info in checkpoint.tensors.items():
         module, _, suffix = name.rpartition(".")
         if suffix == "weight" or suffix in FORMATS[fmt].stored:
             holders[module] = None
         if FORMATS[fmt].marks_quantized(suffix, info.dtype):
-            quantized.add(module)
-    return quantized, list(holders)
+            marked.add(module)
+    modules = dict.fromkeys(n.rpartition(".")[0] for n in checkpoint.tensor_shard)
+    return {m: None for m in modules if m in marked}, list(holders)
 
 
 def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport) -> None:
@@ -208,17 +210,12 @@ def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport)
             report.problems.append(f"{module} holds an unquantized weight but is not in ignore")
 
 
-def _in_order(checkpoint: Checkpoint, quantized) -> list[str]:
-    modules = dict.fromkeys(n.rpartition(".")[0] for n in checkpoint.tensor_shard)
-    return [m for m in modules if m in quantized]
-
-
 def _check_stored(checkpoint: Checkpoint, fmt: str, quantized, report: VerifyReport) -> set[str]:
     """Every quantized module has its format's stored tensors, with the dtypes and shapes the
     first one's shape implies; returns the modules that do not."""
     spec = FORMATS[fmt]
     malformed = set()
-    for module in _in_order(checkpoint, quantized):
+    for module in quantized:
         missing = [s for s in spec.stored if f"{module}.{s}" not in checkpoint.tensor_shard]
         if missing:
             report.problems.append(f"{module}: stored tensor {module}.{missing[0]} missing")
@@ -271,7 +268,7 @@ def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Each format's ``bad_scales`` (docs/quantize.md, "qstream verify"), and a draft's d2t."""
     report.problems += d2t_problems(checkpoint)
     spec = FORMATS[fmt]
-    for name in [f"{m}.{s}" for m in _in_order(checkpoint, quantized) for s in spec.scales]:
+    for name in [f"{m}.{s}" for m in quantized for s in spec.scales]:
         value, bad, what = spec.bad_scales(checkpoint.tensor(name))
         if bool(bad.any()):
             report.problems.append(
@@ -290,7 +287,7 @@ def _check_serving(
     left, float32's lowest value for FP8, uninitialised memory for NVFP4."""
     scales: list[str] = []
     stored = input_scale_name(ACTIVATIONS[report.activations])
-    for module in _in_order(checkpoint, quantized) if stored else []:
+    for module in quantized if stored else []:
         scales.append(f"{module}.{stored}")
         if scales[-1] not in checkpoint.tensor_shard:
             report.problems.append(
@@ -360,7 +357,7 @@ def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Dequantize every quantized weight (in row chunks) and require finite values."""
     spec = FORMATS[fmt]
-    for module in _in_order(checkpoint, quantized):
+    for module in quantized:
         n, width = checkpoint.info(f"{module}.{spec.stored[0]}").shape
         step = max(1, ROWS_PER_CHECK // max(1, width))
         for start in range(0, n, step):
@@ -387,7 +384,7 @@ def replay_vllm(
     fmt: str,
     profile: Profile,
     holders: list[str],
-    quantized: set[str],
+    quantized: dict[str, None],
     targets: list,
     ignore: list,
     report: VerifyReport,
