@@ -154,17 +154,14 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
-def file_digests(
-    directory: Path, skip: tuple[str, ...] = (), known: dict[str, str] | None = None
-) -> dict[str, str]:
-    """``{relative path: sha256}`` of every file under ``directory`` but ``skip``, sorted; what
-    quantize records and verify checks (docs/guarantees.md).  ``known``: digests already
-    computed (quantize hashes its shards as it writes them), taken as they are."""
+def file_digests(directory: Path, known: dict[str, str]) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``directory``, sorted; what quantize
+    records and verify checks (docs/guarantees.md).  ``known``: digests already computed
+    (quantize hashes its shards as it writes them), taken as they are."""
     digests = {}
     for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
         name = path.relative_to(directory).as_posix()
-        if name not in skip:
-            digests[name] = known[name] if known and name in known else sha256_file(path)
+        digests[name] = known[name] if name in known else sha256_file(path)
     return digests
 
 

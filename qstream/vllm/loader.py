@@ -31,7 +31,7 @@ import torch
 
 from qstream.arch.registry import load_config
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
-from qstream.checkpoint.layout import format_of_layout
+from qstream.checkpoint.layout import config_format
 from qstream.errors import QStreamError
 from qstream.formats import CODE_SUFFIXES, FORMATS, dequantize
 from qstream.publish import write_json_atomic
@@ -434,7 +434,7 @@ def check(
         if problem:
             problems.append(problem)
     modules = _modules(model, rec)
-    fmt = format_of_layout((checkpoint.config.get("quantization_config") or {}).get("format", ""))
+    fmt = config_format(checkpoint.config)
     for module in modules:
         if module["scheme"] != "unquantized" and fmt is not None:
             problem = _compare_product(module, rec.products.get(module["name"]), fmt, checkpoint)

@@ -166,7 +166,6 @@ def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
 
 
 def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
-    """``input_activations`` one of the schemes qstream writes beside ``fmt`` weights."""
     activations = activations_of(FORMATS[fmt], group.get("input_activations"))
     if activations is None:
         served = [a.name for a in ACTIVATIONS.values() if fmt in a.weights]
@@ -316,7 +315,7 @@ def _check_serving(
 
 
 def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> list[str]:
-    """The KV-cache scheme and its scales; returns the scale tensors it expects."""
+    """Returns the scale tensors the scheme expects."""
     if kv != KV_CACHE_SCHEME:
         report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
     ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
@@ -355,7 +354,6 @@ def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
 
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
-    """Dequantize every quantized weight (in row chunks) and require finite values."""
     spec = FORMATS[fmt]
     for module in quantized:
         n, width = checkpoint.info(f"{module}.{spec.stored[0]}").shape
@@ -484,10 +482,6 @@ CHECKS = ("config", "tensors", "vllm_rules", "fused_groups", "sha256", "scales",
 VLLM_LOADER = "vllm_loader"  # run by ``verify --vllm`` (qstream/commands/verify.py)
 
 
-def _check(ran: bool, detail: str) -> dict:
-    return {"ran": ran, "detail": detail}
-
-
 def checks_run(
     fmt: str | None,
     profile: Profile,
@@ -497,6 +491,10 @@ def checks_run(
 ) -> dict[str, dict]:
     """Every check of :func:`verify_checkpoint`, in order, plus vLLM's own loader (not run
     unless ``--vllm``).  ``fmt`` None: nothing after the config was reached."""
+
+    def _check(ran: bool, detail: str) -> dict:
+        return {"ran": ran, "detail": detail}
+
     if fmt is None or integrity is None:
         skipped = _check(False, "not reached: quantization_config names no format qstream checks")
         checks = {name: skipped for name in CHECKS}
