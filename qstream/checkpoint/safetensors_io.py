@@ -211,7 +211,6 @@ def drop_resident_pages(tensor: torch.Tensor | None = None) -> None:
 
 
 def _pages(begin: int, end: int, size: int) -> tuple[int, int]:
-    """The whole pages holding bytes ``begin:end`` of a mapping of ``size`` bytes."""
     return begin // _PAGE * _PAGE, min(-(-end // _PAGE) * _PAGE, size)
 
 

@@ -91,7 +91,7 @@ def verify_checkpoint(
         report.target_layers = draft_target_layers(checkpoint, target_layers)
         replay_vllm(checkpoint, fmt, profile, holders, quantized, targets, ignore, report)
     else:
-        _check_accounting(holders, quantized, targets, ignore, report)
+        _check_accounting(holders, quantized, targets, report)
     stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
     report.problems += shape_problems(profile, checkpoint.config, stored, fmt, quantized)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
@@ -194,9 +194,9 @@ def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[dict[str, None], list[st
     return {m: None for m in modules if m in marked}, list(holders)
 
 
-def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport) -> None:
+def _check_accounting(holders, quantized, targets, report: VerifyReport) -> None:
     for module in holders:
-        ignored = any(matches_ignore(p, module) for p in ignore)
+        ignored = module in report.modules_ignored
         if module in quantized and ignored:
             report.problems.append(f"{module} is quantized but listed in ignore")
         if (
@@ -436,13 +436,8 @@ def _replay_tp(
     for module in holders:  # [N, K] as vLLM sizes the layer (packed codes unpacked)
         packed = module in quantized and spec.codes_per_byte > 1
         name = f"{module}.{spec.stored[0] if packed else 'weight'}"
-        if name not in checkpoint.tensor_shard:
-            shapes[module] = ()
-        elif packed:
-            n, packed_k = checkpoint.info(name).shape
-            shapes[module] = (n, packed_k * spec.codes_per_byte)
-        else:
-            shapes[module] = tuple(checkpoint.info(name).shape)
+        shape = tuple(checkpoint.info(name).shape) if name in checkpoint.tensor_shard else ()
+        shapes[module] = (shape[0], shape[1] * spec.codes_per_byte) if packed and shape else shape
     cannot = serving.tp_build_problem(profile, checkpoint.config, shapes, tp)
     if cannot:
         report.problems.append(
