@@ -1,10 +1,5 @@
-"""What ``qstream inspect`` prints of a checkpoint: :func:`inspect_checkpoint`, its tensors
-grouped by module kind, with parameter counts, dtypes and sizes, and its quantization config if
-it has one; and :func:`checkpoint_stats`, its weights' statistics, what makes a tensor easy or
-hard to quantize (heavy tails, outliers, channel scale spread).
-
->>> rows = checkpoint_stats("ckpt/")        # one dict per floating-point tensor
-"""
+"""What ``qstream inspect`` prints of a checkpoint: its tensors by module kind
+(:func:`inspect_checkpoint`) and its weights' statistics (:func:`checkpoint_stats`)."""
 
 from __future__ import annotations
 

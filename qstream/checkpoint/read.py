@@ -1,9 +1,6 @@
 """Reading a checkpoint's tensors as weights: quantized modules dequantized by the format its
 ``quantization_config`` names, and a target's borrowed tensors (``lm_head.weight``,
-``embed_tokens.weight``, ``model.norm.weight``) read from only the shards holding them.
-
->>> read_target_tensors("kimi-k3/", ["lm_head.weight"])   # {"lm_head.weight": tensor}
-"""
+``embed_tokens.weight``, ``model.norm.weight``) read from only the shards holding them."""
 
 from __future__ import annotations
 

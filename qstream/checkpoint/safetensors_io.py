@@ -4,12 +4,9 @@ The format (https://github.com/huggingface/safetensors): 8 bytes little-endian h
 ``n``, ``n`` bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
 "__metadata__": {str: str}}``, then the data section; offsets are relative to its start.
 
-Headers are parsed here, strictly, so that every malformed file is a :class:`QStreamError` naming
-the file and tensor.  Data is read through a private memory map whose used pages
-:meth:`ShardReader.release` drops, so resident memory stays a few row chunks.  :class:`ShardWriter`
-writes the header first and then every tensor or row range at its offset, and can hash the file
-as it is written (:class:`FollowingDigest`, a thread reading back from the page cache), so the
-finished file is not read again (docs/guarantees.md: the sha256 that quantize records).
+Headers are parsed strictly: every malformed file is a :class:`QStreamError` naming the file and
+tensor.  :class:`ShardWriter` can hash a file as it writes it (docs/guarantees.md: the sha256 that
+quantize records), so the finished file is not read again.
 """
 
 from __future__ import annotations

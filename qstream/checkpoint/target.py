@@ -1,9 +1,5 @@
 """What qstream needs to know of a Hugging Face target from its ``config.json`` alone (no
-transformers, no weights): its width, depth, vocabulary and identity (docs/capture.md).
-
->>> shape = read_target_shape("TARGET_DIR")
->>> shape.hidden_size, shape.num_hidden_layers, shape.vocab_size
-"""
+transformers, no weights): its width, depth, vocabulary and identity (docs/capture.md)."""
 
 from __future__ import annotations
 

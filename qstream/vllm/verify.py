@@ -124,14 +124,12 @@ def draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
 
 def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
     problems = report.problems
-    if qconfig.get("quant_method") != "compressed-tensors":
-        problems.append(
-            f"quant_method is {qconfig.get('quant_method')!r}, not 'compressed-tensors'"
-        )
-    if qconfig.get("quantization_status") != "compressed":
-        problems.append(
-            f"quantization_status is {qconfig.get('quantization_status')!r}, not 'compressed'"
-        )
+    for key, want in (
+        ("quant_method", "compressed-tensors"),
+        ("quantization_status", "compressed"),
+    ):
+        if qconfig.get(key) != want:
+            problems.append(f"{key} is {qconfig.get(key)!r}, not {want!r}")
     groups = qconfig.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         problems.append(
