@@ -91,7 +91,7 @@ def verify_checkpoint(
         report.target_layers = draft_target_layers(checkpoint, target_layers)
         replay_vllm(checkpoint, fmt, profile, holders, quantized, targets, ignore, report)
     else:
-        _check_accounting(holders, quantized, targets, report)
+        _check_accounting(holders, quantized, targets, ignore, report)
     stored = {n: tuple(i.shape) for n, i in checkpoint.tensors.items()}
     report.problems += shape_problems(profile, checkpoint.config, stored, fmt, quantized)
     malformed = _check_stored(checkpoint, fmt, quantized, report)
@@ -192,9 +192,9 @@ def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[dict[str, None], list[st
     return {m: None for m in modules if m in marked}, list(holders)
 
 
-def _check_accounting(holders, quantized, targets, report: VerifyReport) -> None:
+def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport) -> None:
     for module in holders:
-        ignored = module in report.modules_ignored
+        ignored = any(matches_ignore(p, module) for p in ignore)
         if module in quantized and ignored:
             report.problems.append(f"{module} is quantized but listed in ignore")
         if (
@@ -475,6 +475,10 @@ CHECKS = ("config", "tensors", "vllm_rules", "fused_groups", "sha256", "scales",
 VLLM_LOADER = "vllm_loader"  # run by ``verify --vllm`` (qstream/commands/verify.py)
 
 
+def _check(ran: bool, detail: str) -> dict:
+    return {"ran": ran, "detail": detail}
+
+
 def checks_run(
     fmt: str | None,
     profile: Profile,
@@ -484,10 +488,6 @@ def checks_run(
 ) -> dict[str, dict]:
     """Every check of :func:`verify_checkpoint`, in order, plus vLLM's own loader (not run
     unless ``--vllm``).  ``fmt`` None: nothing after the config was reached."""
-
-    def _check(ran: bool, detail: str) -> dict:
-        return {"ran": ran, "detail": detail}
-
     if fmt is None or integrity is None:
         skipped = _check(False, "not reached: quantization_config names no format qstream checks")
         checks = {name: skipped for name in CHECKS}
