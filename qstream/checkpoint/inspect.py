@@ -28,18 +28,11 @@ def inspect_checkpoint(directory: str | Path) -> dict:
     checkpoint = open_checkpoint(directory)
     kinds: dict[str, dict] = {}
     for name, info in checkpoint.tensors.items():
-        row = kinds.setdefault(
-            module_kind(name),
-            {
-                "kind": module_kind(name),
-                "tensors": 0,
-                "elements": 0,
-                "params": 0,
-                "dtypes": [],
-                "shape": list(info.shape),
-                "bytes": 0,
-            },
+        kind = module_kind(name)
+        fresh = dict(
+            kind=kind, tensors=0, elements=0, params=0, dtypes=[], shape=list(info.shape), bytes=0
         )
+        row = kinds.setdefault(kind, fresh)
         suffix = name.rsplit(".", 1)[-1]
         row["tensors"] += 1
         row["elements"] += info.numel

@@ -39,11 +39,7 @@ class TargetShape:
     config_sha256: str  # of config.json's bytes: which target the states came from
 
     def identity(self) -> dict:
-        return {
-            "path": self.path,
-            "model_type": self.model_type,
-            "config_sha256": self.config_sha256,
-        }
+        return {k: getattr(self, k) for k in ("path", "model_type", "config_sha256")}
 
 
 def refuse_gguf(target: str | Path) -> None:
