@@ -41,17 +41,13 @@ def dequantize_all(
     raw: Mapping[str, torch.Tensor], fmt: str | None, where: str
 ) -> dict[str, torch.Tensor]:
     """Replace each quantized module's stored tensors by its dequantized ``.weight``."""
-    stored_suffixes = set(FORMATS[fmt].stored) - {"weight"} if fmt else set()
+    stored_suffixes = set(FORMATS[fmt].stored) if fmt else set()
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         module, _, suffix = name.rpartition(".")
-        if suffix in stored_suffixes or (
-            suffix == "weight"
-            and f"{module}.weight_scale" in raw
-            and fmt is not None
-            and "weight" in FORMATS[fmt].stored
-        ):
+        # a stored "weight" is quantized codes only beside a weight_scale (FP8)
+        if suffix in stored_suffixes and (suffix != "weight" or f"{module}.weight_scale" in raw):
             modules.setdefault(module, {})[suffix] = tensor
         elif suffix in QUANTIZED_SUFFIXES:
             raise QStreamError(
