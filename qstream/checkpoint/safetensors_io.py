@@ -334,7 +334,6 @@ class ShardWriter:
         os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
         size = self.data_offset + sum(i.nbytes for i in self.infos.values())
         os.ftruncate(self._fd, size)
-        # with ``digest``, the file's sha256 is computed as it is written (close returns it)
         self._digest = FollowingDigest(path, size) if digest else None
         if self._digest is not None:
             self._digest.written(0, self.data_offset)
@@ -377,8 +376,7 @@ class ShardWriter:
             self._digest.stop()
 
 
-# Bytes read back per step by FollowingDigest's thread.
-READ_BYTES = 8 << 20
+READ_BYTES = 8 << 20  # read back per step by FollowingDigest's thread
 
 
 class FollowingDigest:

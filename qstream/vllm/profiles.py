@@ -347,9 +347,7 @@ def _kind_regex(
     return f"re:.*\\.{re.escape(parent)}\\.({'|'.join(leaves)})$"
 
 
-# Tensor parallelism (docs/vllm.md, "The rules"): the profile's layer_modules' splits must be
-# even (vLLM asserts it) and, in FP4, a row-parallel shard must hold whole scale blocks (vLLM does
-# not check it).  The generic profile knows no model's splits.
+# Tensor parallelism (docs/vllm.md, "The rules"); the generic profile knows no model's splits.
 
 
 def tp_build_problem(
