@@ -31,7 +31,7 @@ from qstream.formats import FORMATS, quantize
 from qstream.formats.nvfp4 import tensor_amax
 from qstream.quant import quantize_checkpoint
 from qstream.quant.select import select_modules
-from qstream.vllm.profiles import K3_DSPARK, get_profile
+from qstream.vllm.profiles import K3_DSPARK, PROFILES
 from qstream.vllm.verify import verify_checkpoint
 
 LAYERS = 5  # the tiny draft's
@@ -526,7 +526,7 @@ def test_generic_profile_keeps_plain_names():
     infos = _k3_infos()
     sel = select_modules(infos, "fp8")
     assert "markov_head.markov_w2" in sel.quantized  # generic: nothing says it is a Markov head
-    sel = select_modules(infos, "fp8", profile=get_profile(K3_DSPARK))
+    sel = select_modules(infos, "fp8", profile=PROFILES[K3_DSPARK])
     assert "markov_head.markov_w2" not in sel.quantized
     assert "confidence_head.proj" not in sel.quantized
     # generic: qstream does not know the model's splits, so a TP size changes nothing

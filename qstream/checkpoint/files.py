@@ -7,9 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
-from qstream.checkpoint.safetensors_io import ShardHeader, TensorInfo, read_header
+import torch
+
+from qstream.checkpoint.safetensors_io import ShardHeader, ShardReader, TensorInfo, read_header
 from qstream.errors import QStreamError
 
 CONFIG_NAME = "config.json"
@@ -26,6 +29,27 @@ class Checkpoint:
 
     def info(self, name: str) -> TensorInfo:
         return self.shards[self.tensor_shard[name]].tensors[name]
+
+    @cached_property
+    def readers(self) -> dict[str, ShardReader]:
+        """One memory map per shard, opened on first use."""
+        return {name: ShardReader(header) for name, header in self.shards.items()}
+
+    def tensor(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        return self.readers[self.tensor_shard[name]].tensor(name, rows)
+
+    def release(self, name: str, rows: slice | None = None) -> None:
+        self.readers[self.tensor_shard[name]].release(name, rows)
+
+    @property
+    def attention_layers(self) -> list[str]:
+        """``....self_attn`` modules holding a tensor, in checkpoint order."""
+        attn = ".self_attn."
+        return list(
+            dict.fromkeys(
+                n[: n.index(attn) + len(attn) - 1] for n in self.tensor_shard if attn in n
+            )
+        )
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:
@@ -130,17 +154,14 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
-def file_digests(
-    directory: Path, skip: tuple[str, ...] = (), known: dict[str, str] | None = None
-) -> dict[str, str]:
-    """``{relative path: sha256}`` of every file under ``directory`` but ``skip``, sorted; what
-    quantize records and verify checks (docs/guarantees.md).  ``known``: digests already
-    computed (quantize hashes its shards as it writes them), taken as they are."""
+def file_digests(directory: Path, known: dict[str, str]) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``directory``, sorted; what quantize
+    records and verify checks (docs/guarantees.md).  ``known``: digests already computed
+    (quantize hashes its shards as it writes them), taken as they are."""
     digests = {}
     for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
         name = path.relative_to(directory).as_posix()
-        if name not in skip:
-            digests[name] = known[name] if known and name in known else sha256_file(path)
+        digests[name] = known[name] if name in known else sha256_file(path)
     return digests
 
 

@@ -1,10 +1,5 @@
-"""What ``qstream inspect`` prints of a checkpoint: :func:`inspect_checkpoint`, its tensors
-grouped by module kind, with parameter counts, dtypes and sizes, and its quantization config if
-it has one; and :func:`checkpoint_stats`, its weights' statistics, what makes a tensor easy or
-hard to quantize (heavy tails, outliers, channel scale spread).
-
->>> rows = checkpoint_stats("ckpt/")        # one dict per floating-point tensor
-"""
+"""What ``qstream inspect`` prints of a checkpoint: its tensors by module kind
+(:func:`inspect_checkpoint`) and its weights' statistics (:func:`checkpoint_stats`)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,6 @@ import torch
 
 from qstream.checkpoint.files import open_checkpoint
 from qstream.checkpoint.layout import config_format
-from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import get_format
 from qstream.units import FLOAT_DTYPE_NAMES
@@ -34,18 +28,11 @@ def inspect_checkpoint(directory: str | Path) -> dict:
     checkpoint = open_checkpoint(directory)
     kinds: dict[str, dict] = {}
     for name, info in checkpoint.tensors.items():
-        row = kinds.setdefault(
-            module_kind(name),
-            {
-                "kind": module_kind(name),
-                "tensors": 0,
-                "elements": 0,
-                "params": 0,
-                "dtypes": [],
-                "shape": list(info.shape),
-                "bytes": 0,
-            },
+        kind = module_kind(name)
+        fresh = dict(
+            kind=kind, tensors=0, elements=0, params=0, dtypes=[], shape=list(info.shape), bytes=0
         )
+        row = kinds.setdefault(kind, fresh)
         suffix = name.rsplit(".", 1)[-1]
         row["tensors"] += 1
         row["elements"] += info.numel
@@ -109,7 +96,6 @@ def checkpoint_stats(directory: str | Path) -> list[dict]:
     quantized module is one row for its dequantized ``.weight`` (``"dequantized": true``), never
     rows for its scale tensors: the statistics describe the weights, whatever their storage."""
     checkpoint = open_checkpoint(directory)
-    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     fmt = config_format(checkpoint.config)
     spec = None if fmt is None else get_format(fmt)
     stored = set(spec.stored) - {"weight"} if spec else set()
@@ -117,12 +103,12 @@ def checkpoint_stats(directory: str | Path) -> list[dict]:
         n.rpartition(".")[0] for n in checkpoint.tensor_shard if n.rpartition(".")[2] in stored
     }
     rows = []
-    for name, shard in checkpoint.tensor_shard.items():
+    for name in checkpoint.tensor_shard:
         module, _, suffix = name.rpartition(".")
         if module in quantized:
             assert spec is not None  # modules are quantized only under a known format
             if suffix == spec.stored[0]:  # one row per module
-                parts = {s: _read(checkpoint, readers, f"{module}.{s}") for s in spec.stored}
+                parts = {s: _read(checkpoint, f"{module}.{s}") for s in spec.stored}
                 rows.append(
                     _row(f"{module}.weight", spec.dequantize(parts).float(), dequantized=True)
                 )
@@ -130,18 +116,18 @@ def checkpoint_stats(directory: str | Path) -> list[dict]:
         info = checkpoint.info(name)
         if info.dtype not in FLOAT_DTYPE_NAMES or info.numel == 0:
             continue
-        rows.append(_row(name, readers[shard].tensor(name)))
-        readers[shard].release(name)
+        rows.append(_row(name, checkpoint.tensor(name)))
+        checkpoint.release(name)
     return rows
 
 
-def _read(checkpoint, readers, name: str) -> torch.Tensor:
+def _read(checkpoint, name: str) -> torch.Tensor:
     if name not in checkpoint.tensor_shard:
         raise QStreamError(
             f"{checkpoint.directory}: quantized module lacks {name!r} "
             "(qstream verify lists every problem)"
         )
-    return readers[checkpoint.tensor_shard[name]].tensor(name)
+    return checkpoint.tensor(name)
 
 
 def _row(name: str, tensor: torch.Tensor, dequantized: bool = False) -> dict:

@@ -1,11 +1,6 @@
 """Is a checkpoint directory still what ``qstream quantize`` wrote (docs/guarantees.md)?
-
-:func:`check_integrity` recomputes the sha256s quantize recorded in ``qstream_quantize.json``
-(``"files"``) and lists every file changed, missing or (a shard or index) added since; or says why
-nothing could be compared (no record, or one without sha256s).  ``verify`` reports the result;
-``eval-drift --variant`` and ``card --checkpoint`` refuse a checkpoint that fails it
-(:func:`integrity_record`) unless ``--no-integrity-check``, which their outputs record.
-"""
+``verify`` reports :func:`check_integrity`; ``eval-drift --variant`` and ``card --checkpoint``
+refuse a checkpoint that fails it (:func:`integrity_record`) unless ``--no-integrity-check``."""
 
 from __future__ import annotations
 

@@ -17,7 +17,6 @@ from qstream.serving import ACTIVATIONS, KV_CACHES, Activations
 # The compressed-tensors release qstream's formats are tested against; written as the config's
 # "version" when compressed-tensors itself is not installed.
 TESTED_COMPRESSED_TENSORS = "0.20.1"
-TARGETS = ["Linear"]
 # compressed-tensors' FP8 KV cache: one static scale per attention layer for K and one for V
 # (k_scale, v_scale), as llm-compressor's kv_cache_scheme writes it (docs/quantize.md).
 KV_CACHE_SCHEME = dict(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False)
@@ -32,9 +31,9 @@ INPUT_SCALE = {"tensor": "input_scale", "tensor_group": "input_global_scale"}
 def quantization_config(
     spec: Format,
     ignore: list[str],
-    targets: list[str] = TARGETS,
-    activations: Activations = ACTIVATIONS["none"],
-    kv_cache: bool = False,
+    targets: list[str],
+    activations: Activations,
+    kv_cache: bool,
 ) -> dict:
     """The ``quantization_config`` block for format ``spec``; ``targets``: ``["Linear"]`` plus
     any quantized module vLLM builds as another class (a DSpark draft's ParallelLMHead

@@ -1,9 +1,6 @@
 """Reading a checkpoint's tensors as weights: quantized modules dequantized by the format its
 ``quantization_config`` names, and a target's borrowed tensors (``lm_head.weight``,
-``embed_tokens.weight``, ``model.norm.weight``) read from only the shards holding them.
-
->>> read_target_tensors("kimi-k3/", ["lm_head.weight"])   # {"lm_head.weight": tensor}
-"""
+``embed_tokens.weight``, ``model.norm.weight``) read from only the shards holding them."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ from qstream.checkpoint.files import (
     read_config,
     read_json,
 )
-from qstream.checkpoint.layout import KV_SCALES, format_of_layout
+from qstream.checkpoint.layout import KV_SCALES, config_format
 from qstream.checkpoint.safetensors_io import ShardReader, read_header
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, QUANTIZED_SUFFIXES, dequantize
@@ -30,11 +27,9 @@ from qstream.units import FLOAT_DTYPES
 def checkpoint_format(directory: Path, config: dict) -> str | None:
     """The format ``config``'s quantization_config names (None: not quantized)."""
     qc = config.get("quantization_config")
-    if qc is None:
-        return None
-    layout = qc.get("format") if isinstance(qc, dict) else None
-    fmt = format_of_layout(layout) if isinstance(layout, str) else None
-    if fmt is None:
+    fmt = config_format(config)
+    if fmt is None and qc is not None:
+        layout = qc.get("format") if isinstance(qc, dict) else None
         raise QStreamError(
             f"{directory / 'config.json'}: quantization_config.format = {layout!r} is not one "
             f"of {', '.join(s.layout for s in FORMATS.values())}"
@@ -46,17 +41,13 @@ def dequantize_all(
     raw: Mapping[str, torch.Tensor], fmt: str | None, where: str
 ) -> dict[str, torch.Tensor]:
     """Replace each quantized module's stored tensors by its dequantized ``.weight``."""
-    stored_suffixes = set(FORMATS[fmt].stored) - {"weight"} if fmt else set()
+    stored_suffixes = set(FORMATS[fmt].stored) if fmt else set()
     modules: dict[str, dict[str, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         module, _, suffix = name.rpartition(".")
-        if suffix in stored_suffixes or (
-            suffix == "weight"
-            and f"{module}.weight_scale" in raw
-            and fmt is not None
-            and "weight" in FORMATS[fmt].stored
-        ):
+        # a stored "weight" is quantized codes only beside a weight_scale (FP8)
+        if suffix in stored_suffixes and (suffix != "weight" or f"{module}.weight_scale" in raw):
             modules.setdefault(module, {})[suffix] = tensor
         elif suffix in QUANTIZED_SUFFIXES:
             raise QStreamError(
@@ -87,9 +78,8 @@ def read_draft_checkpoint(
     of ``index_names`` as stored (d2t); any other non-float tensor is one line naming it."""
     directory = Path(directory)
     checkpoint = open_checkpoint(directory)
-    readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
     scales = kv_scale_names(checkpoint)  # served with the cache (read_kv_scales), not weights
-    raw = {n: readers[s].tensor(n) for n, s in checkpoint.tensor_shard.items() if n not in scales}
+    raw = {n: checkpoint.tensor(n) for n in checkpoint.tensor_shard if n not in scales}
     names = set(index_names)
     index = {n: raw.pop(n) for n in list(raw) if n in names}
     tensors = dequantize_all(raw, checkpoint_format(directory, checkpoint.config), str(directory))
@@ -115,26 +105,22 @@ def read_kv_scales(directory: Path) -> dict[str, tuple[float, float]]:
     (``KVCacheScaleParameter.weight_loader``, vllm/model_executor/layers/quantization/kv_cache.py);
     QStreamError for a layer without both, or a scale not one finite positive number."""
     checkpoint = open_checkpoint(directory)
-    names = kv_scale_names(checkpoint)
-    attentions = {n[: n.index(".self_attn.") + len(".self_attn")] for n in checkpoint.tensor_shard
-                  if ".self_attn." in n}  # fmt: skip
-    out = {}
-    for attention in sorted(attentions):
-        k, v = (_kv_scale(checkpoint, names, f"{attention}.{leaf}") for leaf in KV_SCALES)
-        out[attention] = (k, v)
+    names, where = kv_scale_names(checkpoint), checkpoint.directory
+    out: dict[str, tuple[float, float]] = {}
+    for attention in sorted(checkpoint.attention_layers):
+        values = []
+        for name in (f"{attention}.{leaf}" for leaf in KV_SCALES):
+            if name not in names:
+                raise QStreamError(f"{where}: {name} missing (its kv_cache_scheme stores k_scale "
+                                   "and v_scale per attention layer)")  # fmt: skip
+            tensor = checkpoint.tensor(name)
+            values.append(float(tensor.float().flatten()[0]) if tensor.numel() == 1 else math.nan)
+            if not (math.isfinite(values[-1]) and values[-1] > 0):
+                raise QStreamError(
+                    f"{where}: {name} must be one finite scale > 0, not {values[-1]}"
+                )
+        out[attention] = (values[0], values[1])
     return out
-
-
-def _kv_scale(checkpoint: Checkpoint, names: set[str], name: str) -> float:
-    where = checkpoint.directory
-    if name not in names:
-        raise QStreamError(f"{where}: {name} missing (its kv_cache_scheme stores k_scale and "
-                           "v_scale per attention layer)")  # fmt: skip
-    tensor = ShardReader(checkpoint.shards[checkpoint.tensor_shard[name]]).tensor(name)
-    value = float(tensor.float().flatten()[0]) if tensor.numel() == 1 else math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise QStreamError(f"{where}: {name} must be one finite scale > 0, not {value}")
-    return value
 
 
 def read_target_tensors(

@@ -4,12 +4,9 @@ The format (https://github.com/huggingface/safetensors): 8 bytes little-endian h
 ``n``, ``n`` bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...,
 "__metadata__": {str: str}}``, then the data section; offsets are relative to its start.
 
-Headers are parsed here, strictly, so that every malformed file is a :class:`QStreamError` naming
-the file and tensor.  Data is read through a private memory map whose used pages
-:meth:`ShardReader.release` drops, so resident memory stays a few row chunks.  :class:`ShardWriter`
-writes the header first and then every tensor or row range at its offset, and can hash the file
-as it is written (:class:`FollowingDigest`, a thread reading back from the page cache), so the
-finished file is not read again (docs/guarantees.md: the sha256 that quantize records).
+Headers are parsed strictly: every malformed file is a :class:`QStreamError` naming the file and
+tensor.  :class:`ShardWriter` can hash a file as it writes it (docs/guarantees.md: the sha256 that
+quantize records), so the finished file is not read again.
 """
 
 from __future__ import annotations
@@ -211,7 +208,6 @@ def drop_resident_pages(tensor: torch.Tensor | None = None) -> None:
 
 
 def _pages(begin: int, end: int, size: int) -> tuple[int, int]:
-    """The whole pages holding bytes ``begin:end`` of a mapping of ``size`` bytes."""
     return begin // _PAGE * _PAGE, min(-(-end // _PAGE) * _PAGE, size)
 
 
@@ -338,7 +334,6 @@ class ShardWriter:
         os.write(self._fd, struct.pack("<Q", len(raw)) + raw)
         size = self.data_offset + sum(i.nbytes for i in self.infos.values())
         os.ftruncate(self._fd, size)
-        # with ``digest``, the file's sha256 is computed as it is written (close returns it)
         self._digest = FollowingDigest(path, size) if digest else None
         if self._digest is not None:
             self._digest.written(0, self.data_offset)
@@ -381,8 +376,7 @@ class ShardWriter:
             self._digest.stop()
 
 
-# Bytes read back per step by FollowingDigest's thread.
-READ_BYTES = 8 << 20
+READ_BYTES = 8 << 20  # read back per step by FollowingDigest's thread
 
 
 class FollowingDigest:

@@ -1,9 +1,5 @@
 """What qstream needs to know of a Hugging Face target from its ``config.json`` alone (no
-transformers, no weights): its width, depth, vocabulary and identity (docs/capture.md).
-
->>> shape = read_target_shape("TARGET_DIR")
->>> shape.hidden_size, shape.num_hidden_layers, shape.vocab_size
-"""
+transformers, no weights): its width, depth, vocabulary and identity (docs/capture.md)."""
 
 from __future__ import annotations
 
@@ -43,11 +39,7 @@ class TargetShape:
     config_sha256: str  # of config.json's bytes: which target the states came from
 
     def identity(self) -> dict:
-        return {
-            "path": self.path,
-            "model_type": self.model_type,
-            "config_sha256": self.config_sha256,
-        }
+        return {k: getattr(self, k) for k in ("path", "model_type", "config_sha256")}
 
 
 def refuse_gguf(target: str | Path) -> None:

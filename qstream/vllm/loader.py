@@ -31,8 +31,7 @@ import torch
 
 from qstream.arch.registry import load_config
 from qstream.checkpoint.files import Checkpoint, open_checkpoint
-from qstream.checkpoint.layout import format_of_layout
-from qstream.checkpoint.safetensors_io import ShardReader
+from qstream.checkpoint.layout import config_format
 from qstream.errors import QStreamError
 from qstream.formats import CODE_SUFFIXES, FORMATS, dequantize
 from qstream.publish import write_json_atomic
@@ -422,7 +421,6 @@ def check(
         f"{name}: stored but never read by vLLM's loader"
         for name in sorted(set(checkpoint.tensors) - set(rec.fed_names))
     ]
-    reader = _Stored(checkpoint)
     runtime = _runtime_names(model)
     spared = _unloaded_by_design(checkpoint, model, rec)
     for param_name, before in rec.before.items():
@@ -432,14 +430,14 @@ def check(
             if param_name not in spared:
                 problems.append(f"{label}: left unloaded by vLLM (no stored tensor reached it)")
             continue
-        problem = _compare_bytes(label, before, rec.output_dim[param_name], loads, reader)
+        problem = _compare_bytes(label, before, rec.output_dim[param_name], loads, checkpoint)
         if problem:
             problems.append(problem)
     modules = _modules(model, rec)
-    fmt = format_of_layout((checkpoint.config.get("quantization_config") or {}).get("format", ""))
+    fmt = config_format(checkpoint.config)
     for module in modules:
         if module["scheme"] != "unquantized" and fmt is not None:
-            problem = _compare_product(module, rec.products.get(module["name"]), fmt, reader)
+            problem = _compare_product(module, rec.products.get(module["name"]), fmt, checkpoint)
             if problem:
                 problems.append(problem)
     return modules, problems
@@ -485,28 +483,22 @@ def _runtime_names(model: torch.nn.Module):
     return label
 
 
-class _Stored:
-    def __init__(self, checkpoint: Checkpoint) -> None:
-        self.checkpoint = checkpoint
-        self.names = set(checkpoint.tensor_shard)
-        self._readers = {name: ShardReader(h) for name, h in checkpoint.shards.items()}
-
-    def read(self, name: str) -> torch.Tensor:
-        return self._readers[self.checkpoint.tensor_shard[name]].tensor(name).clone()
-
-
 def _ordered(loads: list[_Loaded]) -> list[_Loaded]:
     return sorted(loads, key=lambda x: 0 if x.shard is None else _SHARD_ORDER.get(x.shard, x.shard))
 
 
 def _compare_bytes(
-    name: str, before: torch.Tensor, output_dim: int | None, loads: list[_Loaded], reader: _Stored
+    name: str,
+    before: torch.Tensor,
+    output_dim: int | None,
+    loads: list[_Loaded],
+    checkpoint: Checkpoint,
 ) -> str | None:
     """The parameter holds the stored bytes: same dtype, or an exact widening (bf16 -> fp32, as
     vLLM's loader allows for scales and the fp32 confidence head) with the same values; a vocab
     table may be padded past the stored rows (``VocabParallelEmbedding``).  Shards are joined as
     vLLM lays them out: along the output dim, or one value per shard for a per-tensor scale."""
-    pieces = [reader.read(load.source) for load in _ordered(loads)]
+    pieces = [checkpoint.tensor(load.source).clone() for load in _ordered(loads)]
     if len(pieces) == 1:
         expected = pieces[0]
     elif output_dim is None:
@@ -555,20 +547,22 @@ def _modules(model: torch.nn.Module, rec: Recorder) -> list[dict]:
 
 
 def _compare_product(
-    module: dict, product: torch.Tensor | None, fmt: str, reader: _Stored
+    module: dict, product: torch.Tensor | None, fmt: str, checkpoint: Checkpoint
 ) -> str | None:
     if product is None:
         return f"{module['module']}: quantized, but vLLM's layer could not be applied"
     weights = []
     for source in module["sources"]:
         stem = source.rsplit(".", 1)[0]
-        missing = [leaf for leaf in FORMATS[fmt].stored if f"{stem}.{leaf}" not in reader.names]
+        missing = [
+            leaf for leaf in FORMATS[fmt].stored if f"{stem}.{leaf}" not in checkpoint.tensor_shard
+        ]
         if missing:
             return (
                 f"{module['module']}: vLLM built it {module['scheme']}, but {stem} is stored "
                 f"without {', '.join(missing)}"
             )
-        stored = {leaf: reader.read(f"{stem}.{leaf}") for leaf in FORMATS[fmt].stored}
+        stored = {leaf: checkpoint.tensor(f"{stem}.{leaf}").clone() for leaf in FORMATS[fmt].stored}
         weights.append(dequantize(fmt, stored).to(torch.bfloat16))
     expected = torch.cat(weights).t()
     if tuple(product.shape) != tuple(expected.shape):

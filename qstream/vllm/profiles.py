@@ -142,10 +142,6 @@ def profile_for(config: Mapping) -> Profile:
     return PROFILES[GENERIC]
 
 
-def get_profile(name: str) -> Profile:
-    return PROFILES[name]
-
-
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
@@ -286,29 +282,23 @@ def ignore_entries(
     ignored = list(ignored)
     if not profile.renames_layers:
         return ignored
-    modules = list(modules)
     ignored_set = set(ignored)
     by_kind: dict[str, list[str]] = {}
     for m in modules:
         by_kind.setdefault(module_kind(m), []).append(m)
-    entries: list[str] = []
+    entries: dict[str, None] = {}  # in order, each once
     for kind, members in by_kind.items():
         inside = [m for m in members if m in ignored_set]
-        if not inside:
-            continue
         if len(inside) == len(members):
-            entry = _kind_regex(profile, kind, ignored_set, by_kind)
-            if entry not in entries:
-                entries.append(entry)
+            entries[_kind_regex(profile, kind, ignored_set, by_kind)] = None
             continue
         for m in inside:
-            entries.append(m)
+            entries[m] = None
             layer, _ = split_layer(m)
             if layer is not None and kind in profile.layer_modules and target_layers is not None:
                 runtime = f"model.layers.{target_layers + layer}.{profile.layer_modules[kind][0]}"
-                if runtime not in entries:
-                    entries.append(runtime)
-    return entries
+                entries[runtime] = None
+    return list(entries)
 
 
 def target_layers_of(config: Mapping) -> int | None:
@@ -351,9 +341,7 @@ def _kind_regex(
     return f"re:.*\\.{re.escape(parent)}\\.({'|'.join(leaves)})$"
 
 
-# Tensor parallelism (docs/vllm.md, "The rules"): the profile's layer_modules' splits must be
-# even (vLLM asserts it) and, in FP4, a row-parallel shard must hold whole scale blocks (vLLM does
-# not check it).  The generic profile knows no model's splits.
+# Tensor parallelism (docs/vllm.md, "The rules"); the generic profile knows no model's splits.
 
 
 def tp_build_problem(

@@ -66,8 +66,6 @@ def shape_problems(
 def d2t_problems(checkpoint: Checkpoint) -> list[str]:
     """The check loading makes of a stored ``d2t`` (:func:`qstream.arch.family.d2t_problem`)
     against config.json's ``vocab_size``; none without a d2t or a readable config."""
-    from qstream.checkpoint.safetensors_io import ShardReader  # torch: kept out of --help
-
     if D2T not in checkpoint.tensor_shard:
         return []
     try:
@@ -75,7 +73,7 @@ def d2t_problems(checkpoint: Checkpoint) -> list[str]:
     except ValueError:  # shape_problems names it
         return []
     shard = checkpoint.tensor_shard[D2T]
-    problem = d2t_problem(ShardReader(checkpoint.shards[shard]).tensor(D2T), vocab)
+    problem = d2t_problem(checkpoint.tensor(D2T), vocab)
     return [] if problem is None else [f"{problem} (in {shard})"]
 
 

@@ -20,7 +20,6 @@ from qstream.checkpoint.layout import (
     format_of_layout,
     input_scale_name,
 )
-from qstream.checkpoint.safetensors_io import ShardReader
 from qstream.errors import QStreamError
 from qstream.formats import FORMATS, get_format
 from qstream.formats.format import finite_positive
@@ -100,10 +99,11 @@ def verify_checkpoint(
     integrity = check_integrity(checkpoint)  # every file quantize recorded, unchanged
     report.problems += [m.problem() for m in integrity.mismatches]
     report.integrity = integrity.to_json()
-    _check_scales(checkpoint, fmt, quantized - malformed, report)
-    _check_serving(checkpoint, qconfig, profile, quantized - malformed, report)
+    sound = [m for m in quantized if m not in malformed]
+    _check_scales(checkpoint, fmt, sound, report)
+    _check_serving(checkpoint, qconfig, profile, sound, report)
     if deep:
-        _check_round_trip(checkpoint, fmt, quantized - malformed, report)
+        _check_round_trip(checkpoint, fmt, sound, report)
     report.checks = checks_run(fmt, profile, len(report.runtime_modules), deep, integrity)
     return report
 
@@ -124,14 +124,12 @@ def draft_target_layers(checkpoint: Checkpoint, given: int | None) -> int:
 
 def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
     problems = report.problems
-    if qconfig.get("quant_method") != "compressed-tensors":
-        problems.append(
-            f"quant_method is {qconfig.get('quant_method')!r}, not 'compressed-tensors'"
-        )
-    if qconfig.get("quantization_status") != "compressed":
-        problems.append(
-            f"quantization_status is {qconfig.get('quantization_status')!r}, not 'compressed'"
-        )
+    for key, want in (
+        ("quant_method", "compressed-tensors"),
+        ("quantization_status", "compressed"),
+    ):
+        if qconfig.get(key) != want:
+            problems.append(f"{key} is {qconfig.get(key)!r}, not {want!r}")
     groups = qconfig.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         problems.append(
@@ -166,7 +164,6 @@ def _check_config(qconfig: dict, report: VerifyReport) -> str | None:
 
 
 def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
-    """``input_activations`` one of the schemes qstream writes beside ``fmt`` weights."""
     activations = activations_of(FORMATS[fmt], group.get("input_activations"))
     if activations is None:
         served = [a.name for a in ACTIVATIONS.values() if fmt in a.weights]
@@ -180,18 +177,19 @@ def _check_activations(group: dict, fmt: str, report: VerifyReport) -> None:
         report.problems.append("config group quantizes output activations; vLLM serves none")
 
 
-def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[set[str], list[str]]:
+def _modules(checkpoint: Checkpoint, fmt: str) -> tuple[dict[str, None], list[str]]:
     """Quantized modules (those holding the format's first stored tensor) and every
     weight-holding module, in checkpoint order."""
     holders: dict[str, None] = {}
-    quantized: set[str] = set()
+    marked: set[str] = set()
     for name, info in checkpoint.tensors.items():
         module, _, suffix = name.rpartition(".")
         if suffix == "weight" or suffix in FORMATS[fmt].stored:
             holders[module] = None
         if FORMATS[fmt].marks_quantized(suffix, info.dtype):
-            quantized.add(module)
-    return quantized, list(holders)
+            marked.add(module)
+    modules = dict.fromkeys(n.rpartition(".")[0] for n in checkpoint.tensor_shard)
+    return {m: None for m in modules if m in marked}, list(holders)
 
 
 def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport) -> None:
@@ -209,17 +207,12 @@ def _check_accounting(holders, quantized, targets, ignore, report: VerifyReport)
             report.problems.append(f"{module} holds an unquantized weight but is not in ignore")
 
 
-def _in_order(checkpoint: Checkpoint, quantized) -> list[str]:
-    modules = dict.fromkeys(n.rpartition(".")[0] for n in checkpoint.tensor_shard)
-    return [m for m in modules if m in quantized]
-
-
 def _check_stored(checkpoint: Checkpoint, fmt: str, quantized, report: VerifyReport) -> set[str]:
     """Every quantized module has its format's stored tensors, with the dtypes and shapes the
     first one's shape implies; returns the modules that do not."""
     spec = FORMATS[fmt]
     malformed = set()
-    for module in _in_order(checkpoint, quantized):
+    for module in quantized:
         missing = [s for s in spec.stored if f"{module}.{s}" not in checkpoint.tensor_shard]
         if missing:
             report.problems.append(f"{module}: stored tensor {module}.{missing[0]} missing")
@@ -242,7 +235,6 @@ def _check_fused(
     checkpoint: Checkpoint, fmt: str, profile: Profile, holders, quantized, report
 ) -> None:
     shared = FORMATS[fmt].global_scale
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for group in fused_groups(holders, profile):
         inside = [m for m in group.members if m in quantized]
         if inside and len(inside) != len(group.members):
@@ -255,7 +247,7 @@ def _check_fused(
         names = [f"{m}.{shared}" for m in group.members]
         if not (inside and shared and all(n in checkpoint.tensor_shard for n in names)):
             continue
-        values = {readers[checkpoint.tensor_shard[n]].tensor(n).item() for n in names}
+        values = {checkpoint.tensor(n).item() for n in names}
         if len(values) != 1:
             report.problems.append(
                 f"fused group {group.label} has {len(values)} different NVFP4 global scales "
@@ -272,17 +264,15 @@ def _few(modules: list[str], limit: int = 4) -> str:
 def _check_scales(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
     """Each format's ``bad_scales`` (docs/quantize.md, "qstream verify"), and a draft's d2t."""
     report.problems += d2t_problems(checkpoint)
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     spec = FORMATS[fmt]
-    for name in [f"{m}.{s}" for m in _in_order(checkpoint, quantized) for s in spec.scales]:
-        shard = checkpoint.tensor_shard[name]
-        value, bad, what = spec.bad_scales(readers[shard].tensor(name))
+    for name in [f"{m}.{s}" for m in quantized for s in spec.scales]:
+        value, bad, what = spec.bad_scales(checkpoint.tensor(name))
         if bool(bad.any()):
-            first = value[bad][0].item()
             report.problems.append(
-                f"{name}: {int(bad.sum())} value(s) {what}, e.g. {first} (in {shard})"
+                f"{name}: {int(bad.sum())} value(s) {what}, e.g. {value[bad][0].item()} "
+                f"(in {checkpoint.tensor_shard[name]})"
             )
-        readers[shard].release(name, None)
+        checkpoint.release(name)
 
 
 def _check_serving(
@@ -294,7 +284,7 @@ def _check_serving(
     left, float32's lowest value for FP8, uninitialised memory for NVFP4."""
     scales: list[str] = []
     stored = input_scale_name(ACTIVATIONS[report.activations])
-    for module in _in_order(checkpoint, quantized) if stored else []:
+    for module in quantized if stored else []:
         scales.append(f"{module}.{stored}")
         if scales[-1] not in checkpoint.tensor_shard:
             report.problems.append(
@@ -305,9 +295,8 @@ def _check_serving(
     if kv is not None:
         scales += _check_kv(checkpoint, kv, profile, report)
     present = [n for n in scales if n in checkpoint.tensor_shard]
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
     for name in present:
-        value, bad, what = finite_positive(readers[checkpoint.tensor_shard[name]].tensor(name))
+        value, bad, what = finite_positive(checkpoint.tensor(name))
         if bool(bad.any()):
             report.problems.append(f"{name}: value {value[bad][0].item()} {what}")
     recorded = _recorded_calibration(checkpoint) if present else True
@@ -324,7 +313,7 @@ def _check_serving(
 
 
 def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> list[str]:
-    """The KV-cache scheme and its scales; returns the scale tensors it expects."""
+    """Returns the scale tensors the scheme expects."""
     if kv != KV_CACHE_SCHEME:
         report.problems.append(f"kv_cache_scheme {kv!r} is not {KV_CACHE_SCHEME!r}")
     ignored = serving.KV_SCALES_NOT_LOADED.get(profile.name)
@@ -333,11 +322,7 @@ def _check_kv(checkpoint: Checkpoint, kv: object, profile: Profile, report) -> l
         stored = [n for n in checkpoint.tensor_shard if n.rpartition(".")[2] in KV_SCALES]
         report.problems += [f"{n}: {ignored}" for n in stored]
         return []
-    attn = ".self_attn."
-    layers = dict.fromkeys(
-        n[: n.index(attn) + len(attn) - 1] for n in checkpoint.tensor_shard if attn in n
-    )
-    expected = [f"{layer}.{s}" for layer in layers for s in KV_SCALES]
+    expected = [f"{layer}.{s}" for layer in checkpoint.attention_layers for s in KV_SCALES]
     report.problems += [
         f"{n}: missing (kv_cache_scheme fp8 needs k_scale and v_scale per attention layer; "
         "vLLM serves 1.0 in its place)"
@@ -367,29 +352,22 @@ def _recorded_calibration(checkpoint: Checkpoint) -> bool | None:
 
 
 def _check_round_trip(checkpoint: Checkpoint, fmt: str, quantized, report) -> None:
-    """Dequantize every quantized weight (in row chunks) and require finite values."""
     spec = FORMATS[fmt]
-    readers = {s: ShardReader(h) for s, h in checkpoint.shards.items()}
-    for module in _in_order(checkpoint, quantized):
-        parts = {
-            s: (checkpoint.tensor_shard[f"{module}.{s}"], f"{module}.{s}") for s in spec.stored
-        }
+    for module in quantized:
         n, width = checkpoint.info(f"{module}.{spec.stored[0]}").shape
         step = max(1, ROWS_PER_CHECK // max(1, width))
         for start in range(0, n, step):
             rows = slice(start, min(n, start + step))
-            stored = {
-                s: readers[shard].tensor(name, None if s == spec.global_scale else rows)
-                for s, (shard, name) in parts.items()
-            }
+            parts = {s: None if s == spec.global_scale else rows for s in spec.stored}
+            stored = {s: checkpoint.tensor(f"{module}.{s}", r) for s, r in parts.items()}
             if not torch.isfinite(spec.dequantize(stored).float()).all():
                 report.problems.append(
                     f"{module}: dequantized weight has non-finite values "
                     f"(rows {start}..{rows.stop - 1})"
                 )
                 break
-            for s, (shard, name) in parts.items():
-                readers[shard].release(name, None if s == spec.global_scale else rows)
+            for s, r in parts.items():
+                checkpoint.release(f"{module}.{s}", r)
 
 
 def matches_ignore(entry: str, module: str) -> bool:
@@ -402,7 +380,7 @@ def replay_vllm(
     fmt: str,
     profile: Profile,
     holders: list[str],
-    quantized: set[str],
+    quantized: dict[str, None],
     targets: list,
     ignore: list,
     report: VerifyReport,
@@ -456,13 +434,8 @@ def _replay_tp(
     for module in holders:  # [N, K] as vLLM sizes the layer (packed codes unpacked)
         packed = module in quantized and spec.codes_per_byte > 1
         name = f"{module}.{spec.stored[0] if packed else 'weight'}"
-        if name not in checkpoint.tensor_shard:
-            shapes[module] = ()
-        elif packed:
-            n, packed_k = checkpoint.info(name).shape
-            shapes[module] = (n, packed_k * spec.codes_per_byte)
-        else:
-            shapes[module] = tuple(checkpoint.info(name).shape)
+        shape = tuple(checkpoint.info(name).shape) if name in checkpoint.tensor_shard else ()
+        shapes[module] = (shape[0], shape[1] * spec.codes_per_byte) if packed and shape else shape
     cannot = serving.tp_build_problem(profile, checkpoint.config, shapes, tp)
     if cannot:
         report.problems.append(
