@@ -49,7 +49,7 @@ BOUNDED_USERS = {"eval/passes.py", "eval/batches.py", "eval/verifiers.py"}
 # A file is as long as its one concept needs (an architecture's whole forward is one file,
 # docs/model.md); the file cap catches a runaway file, the function cap keeps each piece short.
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 800, 50
-MAX_PACKAGE_LINES = 21097  # measured; raised only by a fix that needs the lines, said in its commit
+MAX_PACKAGE_LINES = 21086  # measured; raised only by a fix that needs the lines, said in its commit
 
 
 @cache

@@ -97,17 +97,6 @@ class DSparkFamily:
         return importlib.import_module(self.model_module).causal_flops(config, T)
 
 
-def check_served(variant: Any, served: Any) -> None:
-    """ValueError naming what ``variant`` serves that ``served`` (weights.py's ServedLinears)
-    does not hold: its linears' input quantizers, KV-cache scales or drafting head."""
-    if variant.activation.strategy is not None and not (served and served.inputs):
-        raise ValueError(f"variant {variant.name}: its linears' input quantizers are missing")
-    if variant.kv_scale != DEFAULTS["kv_scale"] and not (served and served.kv_scales):
-        raise ValueError(f"variant {variant.name}: its KV-cache scales are missing")
-    if variant.head != DEFAULTS["head"] and not (served and served.products):
-        raise ValueError(f"variant {variant.name}: its quantized drafting head is missing")
-
-
 def shape_hint(config: DraftConfig, name: str, shape: tuple[int, ...]) -> str:
     """Why a confidence head of the other width does not fit (vLLM 0.32 sizes it from
     ``confidence_head_with_markov``, default false); empty for every other mismatch."""
